@@ -1,0 +1,187 @@
+"""The `loom` command: the only reader of sys.argv. One subcommand per verb; each imports what it needs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from loom.errors import LoomError
+
+
+def _train(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="loom train",
+        description="Train a GPT. With no arguments: the built-in corpus and the demo model.",
+        epilog="Any config key can be set as --section.key=value; see --help-config.",
+    )
+    p.add_argument("config", nargs="?", help="a TOML config file (configs/*.toml)")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="PATH",
+                   help="continue from the newest valid checkpoint (of this run, or of PATH)")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="replace a run directory that holds another run")
+    p.add_argument("--help-config", action="store_true", help="list every config key with default and doc")
+    args, rest = p.parse_known_args(argv)
+    from loom import config
+
+    if args.help_config:
+        print(config.help_text())
+        return 0
+    if args.config and args.config.startswith("--"):
+        rest.insert(0, args.config)
+        args.config = None
+    cfg = config.load_config(args.config, rest)
+    explicit = {k for k, _ in config.parse_overrides(rest)}
+    if args.config:
+        explicit |= {f"{s}.{k}" for s, kv in config.load_toml(args.config).items() for k in kv}
+    from loom.train import run
+
+    run(cfg, resume=args.resume, force=args.force, explicit=explicit)
+    return 0
+
+
+def _data(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="loom data", description="Prepare token shards from text.")
+    sub = p.add_subparsers(dest="verb", required=True)
+    pp = sub.add_parser("prepare", help="text files, folders or JSONL -> tokenizer + train/val shards")
+    src = pp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", nargs="+", help="files, folders (recursive) or .jsonl files")
+    src.add_argument("--corpus", help="a built-in corpus: python-stdlib")
+    pp.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
+    pp.add_argument("--tokenizer", default="char", help="char | bpe | PATH/tokenizer.json (default char)")
+    pp.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
+    pp.add_argument("--val-fraction", type=float, default=0.1, help="share of documents for val (default 0.1)")
+    pp.add_argument("--split-mode", default="docs", choices=["docs", "tail"],
+                    help="docs: whole documents by seeded shuffle; tail: last characters (nanoGPT)")  # fmt: skip
+    pp.add_argument("--jsonl-field", default="text", help="JSONL field holding the text (default text)")
+    pp.add_argument("--glob", default="*", help="file pattern inside folders, e.g. '*.py' (default *)")
+    pp.add_argument("--seed", type=int, default=1337)
+    pp.add_argument("--force", action="store_true", help="replace an existing output directory")
+    args = p.parse_args(argv)
+    from loom.data.prepare import prepare
+    from loom.data.corpus import corpus_files
+
+    inputs = corpus_files(args.corpus) if args.corpus else args.input
+    prepare(
+        inputs, args.out, args.tokenizer, args.vocab_size, args.val_fraction, args.split_mode,
+        args.jsonl_field, args.glob, args.seed, args.force,
+        source=f"built-in corpus {args.corpus}" if args.corpus else None,
+    )  # fmt: skip
+    return 0
+
+
+def _generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="loom generate", description="Sample text from a trained run.")
+    p.add_argument("run_dir")
+    p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--no-cache", action="store_true", help="recompute the context every token (slower)")
+    p.add_argument("--device", default="auto")
+    args = p.parse_args(argv)
+    import torch
+
+    from loom.eval.val_loss import load_run
+    from loom.generate import generate
+    from loom.train.setup import resolve_device
+
+    device = resolve_device(args.device)
+    _, model, tok, _, _ = load_run(args.run_dir, device)
+    ids = tok.encode(args.prompt) if args.prompt else [tok.eot_id]
+    if len(ids) > model.cfg.block_size:
+        ids = ids[-model.cfg.block_size :]
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    for i in range(args.num_samples):
+        idx = torch.tensor([ids], dtype=torch.long, device=device)
+        out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p, g,
+                       use_cache=not args.no_cache, vocab_size=tok.vocab_size)  # fmt: skip
+        if i:
+            print("\n---------------")
+        sys.stdout.write(args.prompt + tok.decode(out[0, len(ids) :].tolist()) + "\n")
+    return 0
+
+
+def _eval(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="loom eval", description="Validation loss and perplexity of a run.")
+    p.add_argument("run_dir")
+    p.add_argument("--data", help="another prepared data directory (same tokenizer) to evaluate on")
+    p.add_argument("--batches", type=int, default=None, help="validation size in global batches")
+    p.add_argument("--device", default="auto")
+    args = p.parse_args(argv)
+    import math
+
+    from loom.data.loader import ValSet
+    from loom.eval.val_loss import load_run, run_data_dir, val_loss
+    from loom.train.setup import check_data_dir, resolve_device
+
+    device = resolve_device(args.device)
+    cfg, model, _, meta, path = load_run(args.run_dir, device)
+    data_dir = Path(args.data) if args.data else run_data_dir(args.run_dir, cfg)
+    data_meta = check_data_dir(data_dir)
+    if data_meta["vocab_size"] != meta["vocab_size"] or data_meta["tokenizer"] != meta["tokenizer"]:
+        raise LoomError(f"'{data_dir}' was prepared with another tokenizer than the run's", hint="prepare it with "
+                        f"--tokenizer {Path(args.run_dir) / 'tokenizer' / meta['tokenizer']['file']}")  # fmt: skip
+    n_rows = (args.batches or cfg.train.eval_batches) * cfg.train.batch_size
+    vs = ValSet(data_dir, cfg.model.block_size, n_rows)
+    loss = val_loss(model, vs, cfg.train.micro_batch_size, device)
+    print(f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} windows of {cfg.model.block_size} tokens)")
+    print(f"val loss {loss:.4f} | perplexity {math.exp(loss):.2f}")
+    return 0
+
+
+def _plot(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="loom plot", description="Train and val loss against tokens.")
+    p.add_argument("run_dirs", nargs="+")
+    p.add_argument("--out", default=None, help="PNG file (default: <first run>/loss.png)")
+    args = p.parse_args(argv)
+    from loom.plot import plot_runs
+
+    out = plot_runs(args.run_dirs, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+VERBS = {
+    "train": (_train, "train a GPT (no arguments: the demo on the built-in corpus)"),
+    "data": (_data, "prepare data: loom data prepare --input ... --out DIR"),
+    "generate": (_generate, "sample from a trained run"),
+    "eval": (_eval, "validation loss and perplexity of a run"),
+    "plot": (_plot, "plot loss curves of one or more runs"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: loom <verb> [args]   (loom <verb> --help for details)", ""]
+    lines += [f"  {name:<10} {doc}" for name, (_, doc) in VERBS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from loom import __version__
+
+        print(f"loom {__version__}")
+        return 0
+    verb = VERBS.get(argv[0])
+    if verb is None:
+        import difflib
+
+        close = difflib.get_close_matches(argv[0], VERBS, n=1)
+        print(f"loom: unknown verb '{argv[0]}'" + (f"; did you mean '{close[0]}'?" if close else ""), file=sys.stderr)
+        print(_usage(), file=sys.stderr)
+        return 2
+    try:
+        return verb[0](argv[1:])
+    except LoomError as e:
+        print(f"loom: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("loom: interrupted", file=sys.stderr)
+        return 130

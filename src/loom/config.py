@@ -1,0 +1,329 @@
+"""Configuration: one dataclass tree, a docstring per field (layer 0).
+
+Resolution order: defaults -> TOML file -> `--section.key=value` overrides. Unknown sections or keys raise
+a LoomError naming the closest valid key; values of the wrong type raise too. `validate()` holds every
+divisibility rule and derives the values printed at start (gradient accumulation, tokens per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from loom.errors import LoomError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+def _f(default: Any, doc: str):
+    """A dataclass field with its documentation (shown by `loom train --help-config`)."""
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class RunConfig:
+    dir: str = _f("runs", "Parent folder of run directories; a run lives in <run.dir>/<run.name>.")
+    name: str = _f("", "Run name; empty picks a timestamp (YYYYmmdd-HHMMSS).")
+    seed: int = _f(1337, "Seed for model initialisation, data order, dropout and sampling.")
+
+
+@dataclass
+class DataConfig:
+    path: str = _f("", "A prepared data directory (from `loom data prepare`). Empty: use data.corpus.")
+    corpus: str = _f("python-stdlib", "Built-in corpus prepared (and cached) when data.path is empty.")
+    tokenizer: str = _f("bpe", "Tokenizer for the built-in corpus: char | bpe.")
+    vocab_size: int = _f(4096, "BPE vocabulary size for the built-in corpus.")
+    cache_dir: str = _f("", "Where built-in corpora are prepared; empty: $LOOM_CACHE_DIR or ~/.cache/loom.")
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = _f(4, "Transformer blocks.")
+    n_head: int = _f(4, "Attention heads per block; must divide n_embd.")
+    n_embd: int = _f(192, "Residual stream width.")
+    block_size: int = _f(128, "Context length in tokens.")
+    dropout: float = _f(0.0, "Dropout probability (0 for pretraining-sized data, ~0.2 for tiny data).")
+    bias: bool = _f(False, "Bias in Linear layers and LayerNorms (GPT-2 has them; without is a bit faster).")
+    vocab_size: int = _f(0, "Vocabulary size; 0 takes it from the data. Padded up to a multiple of 64.")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(1500, "Optimizer steps.")
+    batch_size: int = _f(16, "Global batch in sequences per optimizer step (all ranks, all micro-steps).")
+    micro_batch_size: int = _f(16, "Sequences per device per forward pass.")
+    eval_every: int = _f(250, "Evaluate validation loss every N steps (0: never; always at the end).")
+    eval_batches: int = _f(20, "Validation set size in global batches (a fixed set of sequences).")
+    ckpt_every: int = _f(500, "Write a checkpoint every N steps (0: only at the end).")
+    keep_last: int = _f(2, "Checkpoints kept on disk (older ones are deleted).")
+    log_every: int = _f(50, "Console line and metrics.jsonl record every N steps (0: never).")
+    sample_every: int = _f(500, "Print and save a sample every N steps (0: never; always at the end).")
+    sample_tokens: int = _f(200, "Tokens generated per sample.")
+    compile: bool = _f(False, "torch.compile the model (compile time is excluded from throughput).")
+    device: str = _f("auto", "auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps.")
+    warmup_log_steps: int = _f(3, "First steps left out of the throughput summary (warm-up, compile).")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-3, "Peak learning rate, reached after warmup_steps.")
+    min_lr: float = _f(1e-4, "Learning rate at the end of the cosine decay.")
+    warmup_steps: int = _f(100, "Linear warm-up steps.")
+    weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D parameters only.")
+    beta1: float = _f(0.9, "AdamW beta1.")
+    beta2: float = _f(0.99, "AdamW beta2.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0: no clipping).")
+    impl: str = _f("auto", "auto | torch-fused | torch-foreach | torch-loop.")
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: str = _f("fp32", "fp32 | bf16 (autocast) | fp16 (autocast with dynamic loss scaling).")
+
+
+@dataclass
+class ParallelConfig:
+    dp_impl: str = _f("auto", "Data-parallel implementation: auto | none.")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    ("data", "tokenizer"): ("char", "bpe"),
+    ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop"),
+    ("precision", "dtype"): ("fp32", "bf16", "fp16"),
+    ("parallel", "dp_impl"): ("auto", "none"),
+}
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in fields(Config)}
+
+
+def all_keys() -> list[str]:
+    cfg = Config()
+    return [f"{s}.{f.name}" for s in _sections() for f in fields(getattr(cfg, s))]
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(options)}"
+
+
+def _coerce(key: str, value: Any, default: Any, from_text: bool) -> Any:
+    """Check (TOML) or parse (command line) a value against the type of the field's default."""
+    kind = type(default)
+    if from_text:
+        text = str(value)
+        try:
+            if kind is bool:
+                low = text.lower()
+                if low not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return low in ("true", "1", "yes")
+            if kind is int:
+                return int(text.replace("_", ""))
+            if kind is float:
+                return float(text)
+            return text
+        except ValueError:
+            raise LoomError(
+                f"config key '{key}' expects {kind.__name__}, got '{text}'",
+                hint=f"for example --{key}={default}",
+            ) from None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not kind:
+        raise LoomError(
+            f"config key '{key}' expects {kind.__name__}, got {type(value).__name__} ({value!r})",
+            hint=f"for example {key.split('.')[-1]} = {default!r}".replace("'", '"'),
+        )
+    return value
+
+
+def set_key(cfg: Config, key: str, value: Any, from_text: bool = False) -> None:
+    """Set `section.key` on cfg, with the unknown-key and type checks."""
+    if "." not in key:
+        raise LoomError(f"config key '{key}' needs a section", hint=_suggest(key, all_keys()))
+    section, name = key.split(".", 1)
+    if section not in _sections():
+        raise LoomError(f"unknown config section '{section}'", hint=_suggest(section, list(_sections())))
+    sub = getattr(cfg, section)
+    names = [f.name for f in fields(sub)]
+    if name not in names:
+        raise LoomError(
+            f"unknown config key '{key}'", hint=_suggest(key, [f"{section}.{n}" for n in names] + all_keys())
+        )
+    value = _coerce(key, value, getattr(sub, name), from_text)
+    choices = CHOICES.get((section, name))
+    if choices and value not in choices:
+        raise LoomError(f"config key '{key}' must be one of {', '.join(choices)}; got '{value}'")
+    setattr(sub, name, value)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise LoomError(f"config file '{p}' does not exist", hint="give the path of a .toml file")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise LoomError(f"config file '{p}' is not valid TOML: {e}") from None
+
+
+def apply_dict(cfg: Config, data: dict[str, Any]) -> None:
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise LoomError(
+                f"config entry '{section}' must be a [section] table",
+                hint=_suggest(section, list(_sections())),
+            )
+        for name, value in values.items():
+            set_key(cfg, f"{section}.{name}", value)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """Turn ['--model.n_layer=4', '--train.steps', '10'] into [(key, text)] pairs."""
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or "." not in a.split("=")[0]:
+            raise LoomError(f"unrecognised argument '{a}'", hint="config overrides look like --section.key=value")
+        if "=" in a:
+            k, v = a[2:].split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise LoomError(f"override '{a}' has no value", hint=f"write {a}=VALUE")
+            k, v = a[2:], args[i + 1]
+            i += 1
+        out.append((k, v))
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """defaults -> TOML file -> overrides."""
+    cfg = Config()
+    if path:
+        apply_dict(cfg, load_toml(path))
+    for k, v in parse_overrides(overrides or []):
+        set_key(cfg, k, v, from_text=True)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    cfg = Config()
+    apply_dict(cfg, data)
+    return cfg
+
+
+def to_toml(cfg: Config) -> str:
+    """Write the resolved config as TOML (flat sections of scalars, so a tiny writer suffices)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for k, v in values.items():
+            if isinstance(v, bool):
+                text = "true" if v else "false"
+            elif isinstance(v, (int, float)):
+                text = repr(v)
+            else:
+                text = '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+            lines.append(f"{k} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def diff_configs(a: Config, b: Config, sections: tuple[str, ...] | None = None) -> list[str]:
+    """Keys whose values differ, as 'key: a -> b'."""
+    da, db = a.to_dict(), b.to_dict()
+    out = []
+    for s in da:
+        if sections and s not in sections:
+            continue
+        for k in da[s]:
+            if da[s][k] != db[s][k]:
+                out.append(f"{s}.{k}: {da[s][k]!r} -> {db[s][k]!r}")
+    return out
+
+
+def help_text() -> str:
+    cfg = Config()
+    rows = []
+    for s in _sections():
+        rows.append(f"[{s}]")
+        for f in fields(getattr(cfg, s)):
+            d = getattr(getattr(cfg, s), f.name)
+            rows.append(f"  {s}.{f.name} = {d!r}\n      {f.metadata.get('doc', '')}")
+    return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values computed from the config and the world: printed at start, used by the trainer."""
+
+    dp_size: int
+    grad_accum: int
+    tokens_per_step: int
+
+
+def validate(cfg: Config, dp_size: int = 1) -> Derived:
+    """Every rule that can be checked before data or devices are touched."""
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    positive = {
+        "model.n_layer": m.n_layer, "model.n_head": m.n_head, "model.n_embd": m.n_embd,
+        "model.block_size": m.block_size, "train.steps": t.steps, "train.batch_size": t.batch_size,
+        "train.micro_batch_size": t.micro_batch_size, "train.eval_batches": t.eval_batches,
+        "train.keep_last": t.keep_last,
+    }  # fmt: skip
+    for k, v in positive.items():
+        if v <= 0:
+            raise LoomError(f"{k} must be positive, got {v}")
+    nonneg = {
+        "train.eval_every": t.eval_every, "train.ckpt_every": t.ckpt_every, "train.log_every": t.log_every,
+        "train.sample_every": t.sample_every, "train.sample_tokens": t.sample_tokens,
+        "optim.warmup_steps": o.warmup_steps, "optim.weight_decay": o.weight_decay,
+        "optim.grad_clip": o.grad_clip, "model.vocab_size": m.vocab_size, "train.warmup_log_steps": t.warmup_log_steps,
+    }  # fmt: skip
+    for k, v in nonneg.items():
+        if v < 0:
+            raise LoomError(f"{k} must be >= 0, got {v}")
+    if m.n_embd % m.n_head:
+        raise LoomError(
+            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}",
+            hint=f"pick n_embd as a multiple of n_head, e.g. {m.n_head * max(1, m.n_embd // m.n_head)}",
+        )
+    if not 0.0 <= m.dropout < 1.0:
+        raise LoomError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise LoomError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={o.lr}, min_lr={o.min_lr}")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+        raise LoomError(f"optim.beta1/beta2 must be in [0, 1); got {o.beta1}, {o.beta2}")
+    per_step = t.micro_batch_size * dp_size
+    if t.batch_size % per_step:
+        raise LoomError(
+            f"train.batch_size={t.batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}"
+            f" x data-parallel size {dp_size} = {per_step}",
+            hint="make batch_size a multiple of micro_batch_size * dp (gradient accumulation fills the rest)",
+        )
+    return Derived(dp_size, t.batch_size // per_step, t.batch_size * m.block_size)

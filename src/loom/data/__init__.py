@@ -1,0 +1,1 @@
+"""Data: text -> tokenizer -> token shards -> loader."""

@@ -1,0 +1,152 @@
+"""Memory-mapped token loader with a global cursor.
+
+The training split is cut into windows of block_size + 1 tokens at stride block_size. Each epoch visits all
+windows in an order drawn from (seed, epoch), with the window grid shifted by a per-epoch offset so repeated
+epochs see new cut points. The global batch at step s is windows [s*B, (s+1)*B) of that endless sequence:
+it depends only on (seed, s, B), never on how many data-parallel ranks or micro-batches share it. Rank r of
+dp_size takes the contiguous slice [r*B/dp, (r+1)*B/dp). That is what makes N processes comparable with one,
+and resume exact: the whole loader state is the sample cursor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loom.data.shards import read_shard
+from loom.errors import LoomError
+
+
+def split_paths(data_dir: str | Path, split: str) -> list[Path]:
+    """The shard files of one split of a prepared directory, in order."""
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise LoomError(f"data.path '{d}' is not a directory", hint="prepare one with `loom data prepare`")
+    if not (d / "meta.json").is_file():
+        raise LoomError(
+            f"data.path '{d}' is not a prepared data directory (no meta.json)",
+            hint="run `loom data prepare --input ... --out DIR` and point data.path at DIR",
+        )
+    paths = sorted(d.glob(f"{split}_*.bin"))
+    if not paths:
+        raise LoomError(f"data directory '{d}' has no {split} shards ({split}_*.bin)")
+    return paths
+
+
+def read_meta(data_dir: str | Path) -> dict:
+    path = Path(data_dir) / "meta.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoomError(f"cannot read '{path}': {e}", hint="prepare the data again") from None
+
+
+class TokenWindows:
+    """Windows of block_size + 1 tokens over the shards of one split (windows never cross shards)."""
+
+    def __init__(self, paths: list[Path], block_size: int, split: str = "train"):
+        self.block_size = block_size
+        self.arrays = [read_shard(p) for p in paths]
+        total = sum(len(a) for a in self.arrays)
+        # One window per block_size tokens, keeping room for a shift of up to block_size - 1.
+        self.counts = np.array([max(0, len(a) // block_size - 1) for a in self.arrays], dtype=np.int64)
+        if self.counts.sum() == 0:
+            raise LoomError(
+                f"model.block_size={block_size} is larger than the {split} split can provide ({total} tokens)",
+                hint=f"use a block_size below {max(1, total // 2)} or prepare more data",
+            )
+        self.cum = np.concatenate([[0], np.cumsum(self.counts)])
+        self.n = int(self.cum[-1])
+        self.tokens = total
+
+    def rows(self, window_ids: np.ndarray, shift: int = 0) -> torch.Tensor:
+        """Gather windows as an int64 tensor of shape (len(window_ids), block_size + 1)."""
+        T = self.block_size
+        out = np.empty((len(window_ids), T + 1), dtype=np.int64)
+        shard = np.searchsorted(self.cum, window_ids, side="right") - 1
+        for i, (w, s) in enumerate(zip(window_ids, shard)):
+            start = shift + (int(w) - int(self.cum[s])) * T
+            out[i] = self.arrays[s][start : start + T + 1]
+        return torch.from_numpy(out)
+
+
+class ShardLoader:
+    """Training batches: the global batch at step s, sliced for one data-parallel rank."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        batch_size: int,
+        block_size: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        split: str = "train",
+    ):
+        if batch_size % dp_size:
+            raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={dp_size}")
+        self.windows = TokenWindows(split_paths(data_dir, split), block_size, split)
+        self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cursor = 0  # global samples consumed (all ranks together)
+        self._epoch: tuple[int, np.ndarray, int] | None = None
+
+    def _order(self, epoch: int) -> tuple[np.ndarray, int]:
+        if self._epoch is None or self._epoch[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch = (epoch, rng.permutation(self.windows.n), int(rng.integers(self.block_size)))
+        return self._epoch[1], self._epoch[2]
+
+    def global_rows(self, start: int, count: int) -> torch.Tensor:
+        """Rows [start, start + count) of the endless epoch sequence, as (count, T + 1) tokens."""
+        n = self.windows.n
+        parts, g = [], start
+        while g < start + count:
+            epoch, offset = divmod(g, n)
+            take = min(start + count - g, n - offset)
+            order, shift = self._order(epoch)
+            parts.append(self.windows.rows(order[offset : offset + take], shift))
+            g += take
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the next global batch: inputs and targets of shape (B / dp, T)."""
+        local = self.batch_size // self.dp_size
+        rows = self.global_rows(self.cursor + self.dp_rank * local, local)
+        self.cursor += self.batch_size
+        return rows[:, :-1], rows[:, 1:]
+
+    @property
+    def epoch(self) -> float:
+        return self.cursor / self.windows.n
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor, "seed": self.seed, "block_size": self.block_size, "windows": self.windows.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["block_size"] != self.block_size or state["windows"] != self.windows.n:
+            raise LoomError(
+                "the checkpoint's data position does not fit this data "
+                f"(block_size {state['block_size']} vs {self.block_size}, windows {state['windows']} vs {self.windows.n})",
+                hint="resume with the same data.path and model.block_size",
+            )
+        self.seed, self.cursor = state["seed"], int(state["cursor"])
+
+
+class ValSet:
+    """A fixed validation set: up to n_rows windows evenly spaced over the val split (no repeats)."""
+
+    def __init__(self, data_dir: str | Path, block_size: int, n_rows: int, dp_rank: int = 0, dp_size: int = 1):
+        self.windows = TokenWindows(split_paths(data_dir, "val"), block_size, "val")
+        n = min(n_rows, self.windows.n)
+        ids = np.unique(np.linspace(0, self.windows.n - 1, n).round().astype(np.int64))
+        self.ids = ids[dp_rank::dp_size]  # ranks take interleaved rows; losses are summed across ranks
+        self.total_rows = len(ids)
+
+    def batches(self, micro_batch_size: int):
+        for i in range(0, len(self.ids), micro_batch_size):
+            rows = self.windows.rows(self.ids[i : i + micro_batch_size])
+            yield rows[:, :-1], rows[:, 1:]

@@ -1,0 +1,74 @@
+"""Token shards in llm.c's format: a 256 x int32 header, then the tokens.
+
+Header: [0] magic 20240520, [1] version (1 = uint16 tokens, 2 = uint32 tokens), [2] token count; the rest 0.
+This is the layout llm.c and modded-nanogpt read and write, so their shards load as they are.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from loom.errors import LoomError
+
+MAGIC = 20240520
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+DTYPES = {1: np.uint16, 2: np.uint32}
+
+
+def version_for_vocab(vocab_size: int) -> int:
+    """Version 1 (uint16) while every id fits in 16 bits, else version 2 (uint32)."""
+    return 1 if vocab_size <= 2**16 else 2
+
+
+def write_shard(path: str | Path, tokens: np.ndarray, version: int | None = None) -> None:
+    """Write tokens with the llm.c header; written to a temporary name, then renamed."""
+    tokens = np.asarray(tokens)
+    if version is None:
+        version = version_for_vocab(int(tokens.max()) + 1 if tokens.size else 1)
+    dtype = DTYPES[version]
+    if tokens.size and int(tokens.max()) > np.iinfo(dtype).max:
+        raise LoomError(f"token id {int(tokens.max())} does not fit in {np.dtype(dtype).name} (version {version})")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (MAGIC, version, tokens.size)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(dtype, copy=False).tobytes())
+    os.replace(tmp, path)
+
+
+def read_header(path: str | Path) -> tuple[int, int]:
+    """Validate a shard's header against the file size; return (version, token count)."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise LoomError(f"shard '{path}' is {size} bytes, shorter than the 1024-byte llm.c header (truncated?)")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if int(header[0]) != MAGIC:
+        raise LoomError(
+            f"shard '{path}' has magic {int(header[0])}, not {MAGIC}: not an llm.c/loom token shard",
+            hint="prepare the data with `loom data prepare` (or check the file is not corrupt)",
+        )
+    version, ntok = int(header[1]), int(header[2])
+    if version not in DTYPES:
+        raise LoomError(f"shard '{path}' has unknown version {version} (known: 1 = uint16, 2 = uint32)")
+    expected = HEADER_BYTES + ntok * np.dtype(DTYPES[version]).itemsize
+    if ntok < 0 or size != expected:
+        raise LoomError(
+            f"shard '{path}' header says {ntok} tokens ({expected} bytes) but the file has {size} bytes",
+            hint="the shard is truncated or corrupt: prepare the data again",
+        )
+    return version, ntok
+
+
+def read_shard(path: str | Path) -> np.ndarray:
+    """Memory-map a shard's tokens after validating its header."""
+    version, ntok = read_header(path)
+    if ntok == 0:
+        return np.zeros(0, dtype=DTYPES[version])
+    return np.memmap(path, dtype=DTYPES[version], mode="r", offset=HEADER_BYTES, shape=(ntok,))

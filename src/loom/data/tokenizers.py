@@ -1,0 +1,129 @@
+"""Tokenizers: character-level (vocabulary from the corpus), byte-level BPE trained here, or an existing
+HF `tokenizer.json`. Every tokenizer has an end-of-text id that separates documents.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from loom.errors import LoomError
+
+EOT = "<|endoftext|>"
+
+
+class CharTokenizer:
+    """One id per distinct character (sorted), plus the end-of-text id last. Saved as char_vocab.json."""
+
+    kind = "char"
+    filename = "char_vocab.json"
+
+    def __init__(self, chars: list[str]):
+        self.chars = chars
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self.eot_id = len(chars)
+        self.vocab_size = len(chars) + 1
+
+    @classmethod
+    def train(cls, texts) -> CharTokenizer:
+        seen: set[str] = set()
+        for t in texts:
+            seen.update(t)
+        return cls(sorted(seen))
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[c] for c in text]
+        except KeyError as e:
+            raise LoomError(f"character {e.args[0]!r} is not in the character vocabulary") from None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] if i < len(self.chars) else ("\n" if i == self.eot_id else "") for i in ids)
+
+    def save(self, out_dir: str | Path) -> str:
+        (Path(out_dir) / self.filename).write_text(json.dumps({"chars": self.chars}), encoding="utf-8")
+        return self.filename
+
+
+class HFTokenizer:
+    """A `tokenizers` library tokenizer (byte-level BPE trained here, or any tokenizer.json)."""
+
+    kind = "bpe"
+    filename = "tokenizer.json"
+
+    def __init__(self, tok):
+        self.tok = tok
+        eot = tok.token_to_id(EOT)
+        if eot is None:  # e.g. a tokenizer.json without GPT-2's special token: add it
+            tok.add_special_tokens([EOT])
+            eot = tok.token_to_id(EOT)
+        self.eot_id = eot
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def train(cls, texts, vocab_size: int) -> HFTokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        min_vocab = 256 + 1 + 1  # every byte, the end-of-text token, at least one merge
+        if vocab_size < min_vocab:
+            raise LoomError(
+                f"--vocab-size {vocab_size} is too small for byte-level BPE",
+                hint=f"use at least {min_vocab} (256 byte tokens + end-of-text + merges), e.g. 4096",
+            )
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> HFTokenizer:
+        from tokenizers import Tokenizer
+
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as e:  # the library raises plain Exceptions for malformed files
+            raise LoomError(f"'{path}' is not a valid tokenizer.json: {e}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # The Rust side parallelises over the batch with all cores.
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, out_dir: str | Path) -> str:
+        self.tok.save(str(Path(out_dir) / self.filename))
+        return self.filename
+
+
+def load_tokenizer(directory: str | Path, meta: dict) -> CharTokenizer | HFTokenizer:
+    """The tokenizer described by a meta.json (`tokenizer.kind`, `tokenizer.file`) in `directory`."""
+    info = meta.get("tokenizer", {})
+    path = Path(directory) / info.get("file", "")
+    if not path.is_file():
+        raise LoomError(f"tokenizer file '{path}' is missing", hint="prepare the data again")
+    if info.get("kind") == "char":
+        return CharTokenizer(json.loads(path.read_text(encoding="utf-8"))["chars"])
+    return HFTokenizer.from_file(path)
+
+
+def copy_tokenizer(src_dir: str | Path, meta: dict, dst_dir: str | Path) -> None:
+    """Copy the tokenizer file (and meta.json) so a run directory is self-contained for generate/eval."""
+    dst = Path(dst_dir)
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(Path(src_dir) / meta["tokenizer"]["file"], dst / meta["tokenizer"]["file"])
+    (dst / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")

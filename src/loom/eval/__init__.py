@@ -1,0 +1,1 @@
+"""Evaluation: validation loss and perplexity of a run (and downstream tasks later)."""

@@ -1,0 +1,83 @@
+"""Validation loss over a fixed set of windows, and loading a trained run for eval/generate."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from loom import checkpoint
+from loom.config import Config, config_from_dict, load_toml
+from loom.data.loader import ValSet, read_meta
+from loom.data.tokenizers import load_tokenizer
+from loom.errors import LoomError
+from loom.model.gpt import GPT, GPTConfig
+
+
+@torch.no_grad()
+def val_loss(
+    model: torch.nn.Module,
+    valset: ValSet,
+    micro_batch_size: int,
+    device: torch.device,
+    autocast=contextlib.nullcontext,
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> float:
+    """Mean token loss over the validation set; with several ranks each holds a share and sums are reduced."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in valset.batches(micro_batch_size):
+        x, y = x.to(device), y.to(device)
+        with autocast():
+            loss = model(x, y)
+        total[0] += loss.double() * y.numel()
+        total[1] += y.numel()
+    total = all_reduce_sum(total)
+    model.train(was_training)
+    return (total[0] / total[1]).item()
+
+
+def model_config(cfg: Config, vocab_size: int) -> GPTConfig:
+    m = cfg.model
+    return GPTConfig(
+        vocab_size=m.vocab_size or vocab_size,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        n_embd=m.n_embd,
+        block_size=m.block_size,
+        dropout=m.dropout,
+        bias=m.bias,
+    )
+
+
+def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None = None):
+    """(config, model with the newest valid checkpoint's weights, tokenizer, data meta, checkpoint path)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise LoomError(f"'{run_dir}' is not a loom run directory (no config.toml)", hint="give a runs/<name> folder")
+    cfg = config_from_dict(load_toml(run_dir / "config.toml"))
+    meta = read_meta(run_dir / "tokenizer")
+    tokenizer = load_tokenizer(run_dir / "tokenizer", meta)
+    path = Path(ckpt) if ckpt else checkpoint.latest_valid(run_dir / "ckpt")
+    if path is None:
+        raise LoomError(f"run '{run_dir}' has no valid checkpoint", hint="train it (checkpoints are written at the end)")
+    tensors, _ = checkpoint.load(path, map_location=device)
+    model = GPT(model_config(cfg, meta["vocab_size"])).to(device)
+    model.load_state_dict(tensors["model"])
+    model.eval()
+    return cfg, model, tokenizer, meta, path
+
+
+def run_data_dir(run_dir: str | Path, cfg: Config) -> Path:
+    """The data directory a run was trained on (recorded in run.json)."""
+    import json
+
+    info = Path(run_dir) / "run.json"
+    if info.is_file():
+        return Path(json.loads(info.read_text(encoding="utf-8"))["data_dir"])
+    if cfg.data.path:
+        return Path(cfg.data.path)
+    raise LoomError(f"cannot tell which data '{run_dir}' was trained on", hint="pass --data DIR")

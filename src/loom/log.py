@@ -1,0 +1,62 @@
+"""Rank-aware logging (layer 0): rank 0 prints by default; every rank may also write its own file."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_state = {"rank": 0, "all_ranks": False, "file": None, "console": None}
+
+
+def setup(rank: int = 0, all_ranks: bool = False, file: str | Path | None = None) -> None:
+    """Configure this process's logging: which rank it is, whether it prints, and an optional log file."""
+    _state["rank"], _state["all_ranks"] = rank, all_ranks
+    if _state["file"] is not None:
+        _state["file"].close()
+        _state["file"] = None
+    if file is not None:
+        Path(file).parent.mkdir(parents=True, exist_ok=True)
+        _state["file"] = open(file, "a", encoding="utf-8", buffering=1)
+
+
+def console():
+    """The rich console (created lazily; plain text when stdout is not a terminal)."""
+    if _state["console"] is None:
+        from rich.console import Console
+
+        _state["console"] = Console(highlight=False, soft_wrap=True)
+    return _state["console"]
+
+
+def _prints() -> bool:
+    return _state["rank"] == 0 or _state["all_ranks"]
+
+
+def info(msg: str, *, style: str | None = None) -> None:
+    """A line on the console (rank 0, or every rank prefixed when all_ranks) and in the rank's log file."""
+    if _state["file"] is not None:
+        _state["file"].write(msg + "\n")
+    if not _prints():
+        return
+    text = f"[rank{_state['rank']}] {msg}" if _state["all_ranks"] else msg
+    console().print(text, style=style, markup=False)
+
+
+def warn(msg: str) -> None:
+    info(f"warning: {msg}", style="yellow")
+
+
+_warned: set[str] = set()
+
+
+def warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        warn(msg)
+
+
+def error(msg: str) -> None:
+    """Errors go to stderr from every rank (a failure on rank 3 must not be silent)."""
+    print(msg, file=sys.stderr, flush=True)
+    if _state["file"] is not None:
+        _state["file"].write(msg + "\n")

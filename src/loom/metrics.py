@@ -1,0 +1,161 @@
+"""Throughput, MFU, memory, and the metric sinks (console line, metrics.jsonl).
+
+MFU = achieved model FLOP/s / peak FLOP/s. Peaks come from a table of dense (no sparsity) datasheet figures
+for known GPUs; on CPUs a matmul is measured once per machine, thread count and dtype, and cached. An
+unknown device has no MFU (None, shown as n/a), never a guessed default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+# Dense peak TFLOP/s by (device-name substring, dtype). fp32 here means fp32 matmul without TF32.
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 31.2},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+    "RTX 4090": {"bf16": 165.0, "fp16": 165.0, "fp32": 82.6},
+    "RTX 3090": {"bf16": 71.0, "fp16": 71.0, "fp32": 35.6},
+}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_matmul_flops(device: torch.device, dtype: str, n: int = 1024, seconds: float = 0.5) -> float:
+    """Best FLOP/s of an n x n matmul on `device` over ~`seconds` (after a warm-up)."""
+    dt = DTYPES[dtype]
+    a = torch.randn(n, n, device=device, dtype=dt)
+    b = torch.randn(n, n, device=device, dtype=dt)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(2):
+        a @ b
+    sync()
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        sync()
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def cpu_peak_flops(dtype: str) -> float:
+    """Measured CPU matmul peak for this machine, thread count, torch version and dtype (cached in JSON)."""
+    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+    path = cache_dir() / "cpu_peak.json"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        table = {}
+    if key not in table:
+        table[key] = measure_matmul_flops(torch.device("cpu"), dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    return float(table[key])
+
+
+def peak_flops(device: torch.device, dtype: str) -> float | None:
+    """Peak FLOP/s for MFU, or None when the device is unknown."""
+    if device.type == "cpu":
+        return cpu_peak_flops(dtype)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peaks in GPU_PEAK_TFLOPS.items():
+            if key in name and dtype in peaks:
+                return peaks[dtype] * 1e12
+    return None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated device memory; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if platform.system() == "Darwin" else rss * 1024)
+
+
+class Throughput:
+    """Tokens/s and MFU per step, and a summary that leaves out the first `skip` steps (warm-up)."""
+
+    def __init__(self, flops_per_token: int, peak: float | None, n_devices: int, skip: int):
+        self.flops_per_token, self.peak, self.n_devices, self.skip = flops_per_token, peak, n_devices, skip
+        self.steps, self.tokens, self.seconds = 0, 0, 0.0
+
+    def step(self, tokens: int, dt: float) -> dict:
+        self.steps += 1
+        if self.steps > self.skip:
+            self.tokens += tokens
+            self.seconds += dt
+        tps = tokens / dt if dt > 0 else 0.0
+        return {"tokens_per_s": tps, "tokens_per_s_per_device": tps / self.n_devices, "mfu": self.mfu(tps)}
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        if self.peak is None:
+            return None
+        return tokens_per_s * self.flops_per_token / (self.peak * self.n_devices)
+
+    def summary(self) -> dict:
+        if self.seconds == 0:
+            return {}
+        tps = self.tokens / self.seconds
+        return {"tokens_per_s": tps, "tokens_per_s_per_device": tps / self.n_devices, "mfu": self.mfu(tps)}
+
+
+class JsonlSink:
+    """Appends one JSON object per line; the machine-readable truth that `loom plot` reads."""
+
+    def __init__(self, path: str | Path):
+        self.f = open(path, "a", encoding="utf-8", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self.f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+    return out
+
+
+def format_step(rec: dict) -> str:
+    """The console line for a training record."""
+    mfu = "n/a" if rec.get("mfu") is None else f"{100 * rec['mfu']:.1f}%"
+    return (
+        f"step {rec['step']:>6} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | norm {rec['grad_norm']:.3f}"
+        f" | dt {1000 * rec['dt']:.1f}ms (f {1000 * rec['dtf']:.0f} b {1000 * rec['dtb']:.0f})"
+        f" | {rec['tokens_per_s']:,.0f} tok/s | mfu {mfu} | mem {rec['mem_bytes'] / 2**20:.0f}MiB"
+    )

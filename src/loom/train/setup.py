@@ -1,0 +1,119 @@
+"""Everything a run needs before its first step: device, data directory, run directory.
+
+All of it is checked before any expensive work, and nothing that exists is overwritten unless asked.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from loom import log
+from loom.config import Config, config_from_dict, diff_configs, load_toml
+from loom.data.loader import read_meta, split_paths
+from loom.data.shards import read_header
+from loom.errors import LoomError
+from loom.metrics import cache_dir
+
+
+def resolve_device(spec: str) -> torch.device:
+    """auto picks cuda > mps > cpu; an explicit device that is not there is an error."""
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise LoomError(f"train.device '{spec}' is not a device", hint="use auto, cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise LoomError("train.device asks for cuda but no CUDA device is available", hint="use train.device=auto")
+    return dev
+
+
+def check_data_dir(path: str | Path) -> dict:
+    """Validate a prepared directory (meta.json, every shard header) and return its meta."""
+    meta = read_meta(path) if (Path(path) / "meta.json").is_file() else None
+    for split in ("train", "val"):
+        for p in split_paths(path, split):  # raises if not a prepared directory
+            read_header(p)
+    assert meta is not None
+    return meta
+
+
+def resolve_data(cfg: Config, main_process: bool = True) -> Path:
+    """data.path if given, else the built-in corpus, prepared once into the cache."""
+    if cfg.data.path:
+        check_data_dir(cfg.data.path)
+        return Path(cfg.data.path)
+    from loom.data.prepare import prepare_corpus
+
+    d = cfg.data
+    tag = f"{d.corpus}-{d.tokenizer}" + (f"{d.vocab_size}" if d.tokenizer == "bpe" else "")
+    out = Path(d.cache_dir or cache_dir()) / "data" / tag
+    if not (out / "meta.json").is_file():
+        if not main_process:
+            raise LoomError(f"the built-in corpus is not prepared at {out}", hint="run once with one process")
+        log.info(f"preparing the built-in corpus '{d.corpus}' into {out} (once; later runs reuse it)")
+        prepare_corpus(d.corpus, out, d.tokenizer, d.vocab_size, seed=cfg.run.seed)
+    else:
+        log.info(f"using the prepared built-in corpus at {out}")
+    check_data_dir(out)
+    return out
+
+
+def _newest_run(parent: Path) -> Path | None:
+    runs = [p for p in parent.iterdir() if (p / "ckpt").is_dir()] if parent.is_dir() else []
+    return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
+
+
+def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool) -> Path:
+    """The run directory. Refuses one that holds another run unless --resume or --force.
+
+    `--resume PATH` (a run directory) resumes that run; bare `--resume` resumes run.dir/run.name, or the
+    newest run under run.dir when no name is given.
+    """
+    parent = Path(cfg.run.dir)
+    if isinstance(resume, str):
+        p = Path(resume)
+        run_dir = p.parent.parent if p.parent.name == "ckpt" else p
+    elif resume:
+        run_dir = parent / cfg.run.name if cfg.run.name else _newest_run(parent)
+        if run_dir is None:
+            raise LoomError(f"--resume: no run with checkpoints under '{parent}'", hint="start without --resume")
+    else:
+        name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
+        if "/" in name or name in (".", ".."):
+            raise LoomError(f"run.name '{name}' must be a plain name, not a path", hint="use run.dir for the folder")
+        run_dir = parent / name
+    if resume:
+        if not run_dir.is_dir():
+            raise LoomError(f"--resume: run directory '{run_dir}' does not exist")
+        return run_dir
+    if (run_dir / "config.toml").exists():
+        if not force:
+            old = config_from_dict(load_toml(run_dir / "config.toml"))
+            diff = diff_configs(old, cfg)
+            what = "a run with a different config (" + "; ".join(diff[:4]) + ")" if diff else "a run"
+            raise LoomError(
+                f"run directory '{run_dir}' already holds {what}",
+                hint="pass --resume to continue it, --force to start over (deletes it), or pick another run.name",
+            )
+        shutil.rmtree(run_dir)
+    elif run_dir.exists() and any(run_dir.iterdir()) and not force:
+        raise LoomError(f"run directory '{run_dir}' exists and is not a loom run", hint="pick another run.name")
+    return run_dir  # created by the trainer once everything cheap has been checked
+
+
+def resumed_config(run_dir: Path, cfg: Config, explicit: set[str]) -> Config:
+    """On resume the saved config is the base; keys the user set on this command line win."""
+    saved = config_from_dict(load_toml(run_dir / "config.toml"))
+    for key in explicit:
+        section, name = key.split(".", 1)
+        setattr(getattr(saved, section), name, getattr(getattr(cfg, section), name))
+    return saved
