@@ -144,12 +144,19 @@ def _plot(argv: list[str]) -> int:
     return 0
 
 
+def _launch(argv: list[str]) -> int:
+    from loom.launch import launch_main
+
+    return launch_main(argv)
+
+
 VERBS = {
     "train": (_train, "train a GPT (no arguments: the demo on the built-in corpus)"),
     "data": (_data, "prepare data: loom data prepare --input ... --out DIR"),
     "generate": (_generate, "sample from a trained run"),
     "eval": (_eval, "validation loss and perplexity of a run"),
     "plot": (_plot, "plot loss curves of one or more runs"),
+    "launch": (_launch, "run a command under torchrun, mpiexec or srun: loom launch [opts] -- loom train ..."),
 }
 
 

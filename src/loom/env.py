@@ -1,0 +1,389 @@
+"""Who am I in the job? `DistEnv` from the variables each launcher sets (layer 0, standard library only).
+
+Every launcher tells a process its rank in its own dialect. `detect_env()` reads them in a fixed
+priority, so that a process started by torchrun inside a Slurm step (which sees both dialects) takes
+torchrun's view:
+
+1. torchrun / torch elastic (also a hand-set env:// rendezvous): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+   `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `GROUP_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`.
+2. MPI: Open MPI (`OMPI_COMM_WORLD_*`), then MPICH Hydra / Intel MPI / Cray PMI (`PMI_RANK`, `PMI_SIZE`,
+   `MPI_LOCALRANKID`, `MPI_LOCALNRANKS`, `PMI_LOCAL_RANK`, `PMI_LOCAL_SIZE`), PMIx (`PMIX_RANK`) and
+   Cray PALS as on Polaris / Aurora (`PALS_RANKID`, `PALS_LOCAL_RANKID`, `PALS_LOCAL_SIZE`).
+3. Slurm, inside an `srun` step: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NODEID`, ...
+4. PBS: a job script run by PBS itself is one process; the nodefile gives the head host.
+5. Nothing: one process, rank 0 of 1, on 127.0.0.1.
+
+`MASTER_ADDR` / `MASTER_PORT`, when set, win for every source. Otherwise the address is the first host
+of the Slurm node list or PBS nodefile, and the port is derived from the job id, so every rank of a
+job computes the same value without talking and two jobs sharing a node rarely collide.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from loom.errors import LoomError
+
+DEFAULT_MASTER_PORT = 29500  # torch.distributed's own default
+_PORT_BASE, _PORT_SPAN = 20000, 20000  # job-derived ports fall in [20000, 40000): below the ephemeral range
+
+SOURCES = ("torchrun", "openmpi", "mpich/pmi", "slurm", "pbs", "none")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job, as its launcher described it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    source: str  # one of SOURCES
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def __str__(self) -> str:
+        return (
+            f"rank={self.rank}/{self.world_size} local={self.local_rank}/{self.local_world_size} "
+            f"node={self.node_rank}/{self.num_nodes} master={self.master_addr}:{self.master_port} "
+            f"({self.source})"
+        )
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _first(environ: Mapping[str, str], *names: str) -> tuple[str, str] | None:
+    """The first of `names` that is set and non-empty, as (name, value)."""
+    for name in names:
+        value = environ.get(name, "").strip()
+        if value:
+            return name, value
+    return None
+
+
+def _int(environ: Mapping[str, str], *names: str, default: int | None = None) -> int | None:
+    """The first of `names` that is set, as an int; `default` when none is."""
+    found = _first(environ, *names)
+    if found is None:
+        return default
+    name, value = found
+    try:
+        return int(value)
+    except ValueError:
+        raise LoomError(
+            f"environment variable {name}={value!r} is not an integer",
+            hint=f"unset {name} or fix the launcher that sets it",
+        ) from None
+
+
+def _require(value: int | None, what: str, names: tuple[str, ...]) -> int:
+    if value is None:
+        raise LoomError(
+            f"the launcher set a rank but not the {what} ({' / '.join(names)})",
+            hint="launch with torchrun, mpiexec or srun, or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT",
+        )
+    return value
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand a Slurm host list: `"nid[001-003,007],gpu5"` → `["nid001", "nid002", "nid003", "nid007", "gpu5"]`.
+
+    Zero padding is kept (`[08-10]` → `08, 09, 10`); several bracket groups in one name expand as a
+    product (`"r[1-2]n[1-2]"` → `r1n1, r1n2, r2n1, r2n2`). Nested brackets and step suffixes (`[1-9:2]`)
+    are not Slurm node-list syntax and are rejected.
+    """
+    hosts: list[str] = []
+    for name in _split_top_level(hostlist.strip()):
+        parts = re.split(r"(\[[^\[\]]*\])", name)
+        choices: list[list[str]] = []
+        for part in parts:
+            if part.startswith("[") and part.endswith("]"):
+                choices.append(_expand_ranges(part[1:-1], hostlist))
+            elif "[" in part or "]" in part:
+                raise LoomError(
+                    f"cannot parse host list {hostlist!r}", hint="expected e.g. nid[001-004,007],gpu5"
+                )
+            else:
+                choices.append([part])
+        hosts.extend("".join(combo) for combo in itertools.product(*choices))
+    return hosts
+
+
+def _split_top_level(hostlist: str) -> list[str]:
+    """Split on commas that are not inside brackets."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(hostlist):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            names.append(hostlist[start:i])
+            start = i + 1
+        if depth not in (0, 1):
+            raise LoomError(
+                f"cannot parse host list {hostlist!r}", hint="expected e.g. nid[001-004,007],gpu5"
+            )
+    names.append(hostlist[start:])
+    return [n.strip() for n in names if n.strip()]
+
+
+def _expand_ranges(body: str, hostlist: str) -> list[str]:
+    """`"001-003,7"` → `["001", "002", "003", "7"]`; the width of the lower bound sets the padding."""
+    out: list[str] = []
+    for item in body.split(","):
+        item = item.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+        if m is None:
+            raise LoomError(
+                f"cannot parse host list {hostlist!r} at {item!r}", hint="expected e.g. nid[001-004,007]"
+            )
+        lo_text, hi_text = m.group(1), m.group(2)
+        if hi_text is None:
+            out.append(lo_text)
+            continue
+        lo, hi = int(lo_text), int(hi_text)
+        if hi < lo:
+            raise LoomError(
+                f"descending range {item!r} in host list {hostlist!r}", hint="write ranges low-high"
+            )
+        width = len(lo_text)
+        out.extend(str(i).zfill(width) for i in range(lo, hi + 1))
+    return out
+
+
+def parse_tasks_per_node(text: str) -> list[int]:
+    """Slurm's compressed per-node counts: `"4(x2),2"` → `[4, 4, 2]`."""
+    counts: list[int] = []
+    for item in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if m is None:
+            raise LoomError(f"cannot parse Slurm tasks-per-node value {text!r}", hint="expected e.g. 4(x2),2")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
+def read_hostfile(path: str | Path) -> list[str]:
+    """Unique hosts, in first-seen order, from a PBS nodefile or an MPI hostfile.
+
+    Understands one host per line (PBS repeats a host once per MPI slot), `host:4` (MPICH) and
+    `host slots=4` (Open MPI); blank lines and `#` comments are skipped. Raises `LoomError` when the
+    file is missing or names no host.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise LoomError(
+            f"cannot read host file {str(path)!r}: {exc.strerror or exc}",
+            hint="pass an existing file with one host per line to --hostfile",
+        ) from None
+    hosts: list[str] = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host = line.split()[0].split(":", 1)[0]
+        if host and host not in hosts:
+            hosts.append(host)
+    if not hosts:
+        raise LoomError(f"host file {str(path)!r} lists no hosts", hint="write one host name per line")
+    return hosts
+
+
+def port_from_job_id(job_id: str | None) -> int:
+    """A port every rank of a job agrees on: derived from the job id's digits, else torch's default 29500."""
+    digits = re.match(r"\d+", job_id or "")
+    if digits is None:
+        return DEFAULT_MASTER_PORT
+    return _PORT_BASE + int(digits.group()) % _PORT_SPAN
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it; it may be taken again once released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def slurm_hosts(environ: Mapping[str, str]) -> list[str]:
+    """Hosts of the current Slurm step (or job), expanded; empty when no node list is set."""
+    found = _first(environ, "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
+    return expand_hostlist(found[1]) if found else []
+
+
+def _pbs_hosts(environ: Mapping[str, str]) -> list[str]:
+    """Hosts of the PBS nodefile; empty when it is not set or not readable on this node.
+
+    Not an error here: ranks on sister nodes may not see the head node's nodefile, and they only
+    need it for a default `MASTER_ADDR` that `loom launch` passes explicitly anyway.
+    """
+    path = environ.get("PBS_NODEFILE", "").strip()
+    if not path:
+        return []
+    try:
+        return read_hostfile(path)
+    except LoomError:
+        return []
+
+
+# -------------------------------------------------------------------------------------------- detection
+
+
+def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read this process's rank, sizes and rendezvous address from the launcher's environment.
+
+    `environ` defaults to `os.environ`; pass a dict to test. Raises `LoomError` when the variables
+    contradict each other (a rank outside the world, a non-integer value).
+    """
+    environ = os.environ if environ is None else environ
+    for detector in (_from_torchrun, _from_openmpi, _from_pmi, _from_slurm, _from_pbs):
+        env = detector(environ)
+        if env is not None:
+            return _validated(env)
+    return DistEnv(0, 0, 1, 1, 0, 1, *_master(environ, [], None), source="none")
+
+
+def _master(environ: Mapping[str, str], hosts: list[str], job_id: str | None) -> tuple[str, int]:
+    addr = environ.get("MASTER_ADDR", "").strip() or (hosts[0] if hosts else "127.0.0.1")
+    port = _int(environ, "MASTER_PORT")
+    return addr, port if port is not None else port_from_job_id(job_id)
+
+
+def _block_layout(rank: int, world: int, local_world: int) -> tuple[int, int]:
+    """(node_rank, num_nodes) assuming ranks fill nodes in blocks, as mpiexec -ppn / srun do by default."""
+    return rank // local_world, math.ceil(world / local_world)
+
+
+def _from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
+    rank = _int(environ, "RANK")
+    if rank is None:
+        return None
+    world = _require(_int(environ, "WORLD_SIZE"), "world size", ("WORLD_SIZE",))
+    # Without LOCAL_* (a hand-written env:// launch) assume all ranks share one node.
+    local_world = _int(environ, "LOCAL_WORLD_SIZE", default=world)
+    local_rank = _int(environ, "LOCAL_RANK", default=rank % local_world)
+    node_rank, num_nodes = _block_layout(rank, world, local_world)
+    node_rank = _int(environ, "GROUP_RANK", default=node_rank)
+    num_nodes = _int(environ, "GROUP_WORLD_SIZE", default=num_nodes)
+    job_id = environ.get("TORCHELASTIC_RUN_ID") or environ.get("SLURM_JOB_ID") or environ.get("PBS_JOBID")
+    addr, port = _master(environ, [], job_id)
+    return DistEnv(rank, local_rank, world, local_world, node_rank, num_nodes, addr, port, "torchrun")
+
+
+def _scheduler_hosts_and_job(environ: Mapping[str, str]) -> tuple[list[str], str | None]:
+    """Where an MPI job runs, for a default master address: the Slurm node list, else the PBS nodefile."""
+    if environ.get("SLURM_JOB_ID"):
+        return slurm_hosts(environ), environ["SLURM_JOB_ID"]
+    if environ.get("PBS_JOBID"):
+        return _pbs_hosts(environ), environ["PBS_JOBID"]
+    return [], None
+
+
+def _from_openmpi(environ: Mapping[str, str]) -> DistEnv | None:
+    rank = _int(environ, "OMPI_COMM_WORLD_RANK")
+    if rank is None:
+        return None
+    world = _require(_int(environ, "OMPI_COMM_WORLD_SIZE"), "world size", ("OMPI_COMM_WORLD_SIZE",))
+    local_rank = _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
+    local_world = _int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", default=1)
+    # Not OMPI_COMM_WORLD_NODE_RANK: Open MPI documents it as this process's rank on its node counted
+    # across all jobs, not the node's index, so the node index comes from the block layout.
+    node_rank, num_nodes = _block_layout(rank, world, local_world)
+    hosts, job_id = _scheduler_hosts_and_job(environ)
+    addr, port = _master(environ, hosts, job_id)
+    return DistEnv(rank, local_rank, world, local_world, node_rank, num_nodes, addr, port, "openmpi")
+
+
+_PMI_RANK = ("PMI_RANK", "PMIX_RANK", "PALS_RANKID")
+_PMI_SIZE = ("PMI_SIZE",)
+_PMI_LOCAL_RANK = ("MPI_LOCALRANKID", "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID")
+_PMI_LOCAL_SIZE = ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "PALS_LOCAL_SIZE")
+
+
+def _from_pmi(environ: Mapping[str, str]) -> DistEnv | None:
+    rank = _int(environ, *_PMI_RANK)
+    if rank is None:
+        return None
+    world = _int(environ, *_PMI_SIZE)
+    local_world = _int(environ, *_PMI_LOCAL_SIZE)
+    if (world is None or local_world is None) and _first(environ, "SLURM_STEP_ID", "SLURM_STEPID"):
+        # srun --mpi=pmix / pmi2 set a rank but not every size; the Slurm step describes itself fully.
+        return None
+    world = _require(world, "world size", _PMI_SIZE)
+    if local_world is None:  # no per-node count from this launcher: one node is the only safe guess
+        local_world = world
+    local_rank = _int(environ, *_PMI_LOCAL_RANK, default=rank % local_world)
+    node_rank, num_nodes = _block_layout(rank, world, local_world)
+    node_rank = _int(environ, "PALS_NODEID", default=node_rank)  # Cray PALS says which node it is
+    hosts, job_id = _scheduler_hosts_and_job(environ)
+    addr, port = _master(environ, hosts, job_id)
+    return DistEnv(rank, local_rank, world, local_world, node_rank, num_nodes, addr, port, "mpich/pmi")
+
+
+def _from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
+    rank = _int(environ, "SLURM_PROCID")
+    # A batch script also sees SLURM_PROCID=0 and the job's SLURM_NTASKS, but it is one process, not a
+    # step of N tasks; only srun sets SLURM_STEP_ID, so without it this is not a Slurm launch.
+    if rank is None or not _first(environ, "SLURM_STEP_ID", "SLURM_STEPID"):
+        return None
+    world = _require(
+        _int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), "task count", ("SLURM_NTASKS",)
+    )
+    num_nodes = _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1)
+    node_rank = _int(environ, "SLURM_NODEID", default=0)
+    local_rank = _int(environ, "SLURM_LOCALID", default=0)
+    per_node = _first(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+    if per_node is not None:
+        counts = parse_tasks_per_node(per_node[1])
+        local_world = counts[node_rank] if node_rank < len(counts) else counts[-1]
+    else:
+        local_world = math.ceil(world / num_nodes)
+    hosts = slurm_hosts(environ)
+    addr, port = _master(environ, hosts, environ.get("SLURM_JOB_ID"))
+    return DistEnv(rank, local_rank, world, local_world, node_rank, num_nodes, addr, port, "slurm")
+
+
+def _from_pbs(environ: Mapping[str, str]) -> DistEnv | None:
+    # PBS starts the job script once, on the first host of the nodefile; ranks come from mpiexec.
+    if not (environ.get("PBS_JOBID") or environ.get("PBS_NODEFILE")):
+        return None
+    hosts = _pbs_hosts(environ)
+    addr, port = _master(environ, hosts, environ.get("PBS_JOBID"))
+    return DistEnv(0, 0, 1, 1, 0, 1, addr, port, "pbs")
+
+
+def _validated(env: DistEnv) -> DistEnv:
+    checks = (
+        (env.world_size >= 1, f"world size {env.world_size} < 1"),
+        (0 <= env.rank < env.world_size, f"rank {env.rank} outside world size {env.world_size}"),
+        (env.local_world_size >= 1, f"local world size {env.local_world_size} < 1"),
+        (
+            0 <= env.local_rank < env.local_world_size,
+            f"local rank {env.local_rank} outside local world size {env.local_world_size}",
+        ),
+        (env.num_nodes >= 1, f"node count {env.num_nodes} < 1"),
+        (0 <= env.node_rank < env.num_nodes, f"node rank {env.node_rank} outside node count {env.num_nodes}"),
+        (0 < env.master_port < 65536, f"master port {env.master_port} outside 1-65535"),
+    )
+    for ok, problem in checks:
+        if not ok:
+            raise LoomError(
+                f"inconsistent {env.source} launch environment: {problem}",
+                hint="check the launcher's variables (env | grep -E 'RANK|SIZE|SLURM|PMI|OMPI')",
+            )
+    return env

@@ -1,0 +1,184 @@
+"""`loom launch`: one command that starts a training run on any cluster (layer 1, never imports torch).
+
+    loom launch [--launcher auto|torchrun|mpiexec|srun] [--nnodes N] [--nproc-per-node G]
+                [--hostfile F] [--port P] [--master-addr HOST] [--mpi-flavour auto|mpich|openmpi]
+                [--dry-run] -- loom train ...
+
+The scheduler is detected (`detect.py`), the launcher chosen and its command line built
+(`commands.py`); `--dry-run` prints that command instead of running it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping
+
+from loom import log
+from loom.env import port_from_job_id
+from loom.errors import LoomError
+from loom.launch.commands import (
+    LAUNCHERS,
+    MPI_FLAVOURS,
+    build_command,
+    detect_mpi_flavour,
+    resolve_launcher,
+    uses_mpiexec,
+)
+from loom.launch.detect import Allocation, default_nproc_per_node, detect_allocation
+
+__all__ = ["launch_main", "plan_command", "Allocation", "build_command", "detect_allocation"]
+
+_USAGE_HINT = "loom launch --nproc-per-node 4 -- loom train configs/x.toml"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises LoomError (printed with a hint by the CLI) instead of exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise LoomError(f"loom launch: {message}", hint=f"usage: {_USAGE_HINT}  (see loom launch --help)")
+
+
+def _parser() -> _Parser:
+    p = _Parser(
+        prog="loom launch",
+        usage="loom launch [options] -- COMMAND [ARGS ...]",
+        description="Start a command on every process of the job, with the right launcher for this cluster.",
+        epilog=f"example: {_USAGE_HINT}",
+    )
+    p.add_argument(
+        "--launcher",
+        default="auto",
+        help=f"one of {', '.join(LAUNCHERS)}; auto: srun under Slurm, mpiexec under PBS or with "
+        "--hostfile, torchrun otherwise",
+    )
+    p.add_argument(
+        "--nnodes", type=int, default=None, help="nodes to use (default: all of the allocation, or 1)"
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="processes per node (default: visible GPUs, counted without torch, or 1)",
+    )
+    p.add_argument("--hostfile", default=None, help="hosts to run on, one per line (PBS nodefile format)")
+    p.add_argument(
+        "--port", type=int, default=None, help="rendezvous port (default: from the job id, or 29500)"
+    )
+    p.add_argument(
+        "--master-addr",
+        default=None,
+        help="head node address for torchrun on several nodes without a scheduler (default: $MASTER_ADDR)",
+    )
+    p.add_argument(
+        "--mpi-flavour",
+        default="auto",
+        help="mpiexec dialect: auto (ask mpiexec --version), mpich (also Intel MPI, Cray PALS) or openmpi",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    return p
+
+
+def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(loom launch's options, the command after `--`); the command is empty when there is no `--`."""
+    if "--" not in argv:
+        return list(argv), []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
+def _as_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def plan_command(argv: list[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """The command `loom launch argv` would run, detected from `environ` (default `os.environ`)."""
+    return _plan(argv, os.environ if environ is None else environ)[0]
+
+
+def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argparse.Namespace]:
+    options, command = _split_command(argv)
+    parser = _parser()
+    if "--" not in argv and not {"-h", "--help"} & set(argv):
+        raise LoomError("loom launch: no command; put it after --", hint=_USAGE_HINT)
+    args = parser.parse_args(options)  # --help exits here, before the command is required
+    if not command:
+        raise LoomError("loom launch: nothing after -- to launch", hint=_USAGE_HINT)
+
+    allocation = detect_allocation(environ, hostfile=args.hostfile)
+    launcher = resolve_launcher(args.launcher, allocation.scheduler)
+    nnodes = args.nnodes if args.nnodes is not None else allocation.num_nodes
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc_per_node(environ)
+    if nnodes < 1 or nproc < 1:
+        raise LoomError(
+            f"--nnodes and --nproc-per-node must be at least 1 (got {nnodes} and {nproc})",
+            hint="leave them out to use the whole allocation and every visible GPU",
+        )
+    port = args.port
+    if port is None:
+        port = int(environ["MASTER_PORT"]) if environ.get("MASTER_PORT", "").isdigit() else None
+    if port is None:
+        port = port_from_job_id(allocation.job_id)
+    if not 0 < port < 65536:
+        raise LoomError(f"--port {port} is not a TCP port", hint="pick a port in 1024-65535, e.g. 29500")
+    head_addr = args.master_addr or environ.get("MASTER_ADDR", "").strip() or allocation.head
+
+    mpi_flavour = args.mpi_flavour
+    if mpi_flavour not in ("auto", *MPI_FLAVOURS):
+        raise LoomError(
+            f"unknown --mpi-flavour {mpi_flavour!r}", hint=f"use auto, {' or '.join(MPI_FLAVOURS)}"
+        )
+    if mpi_flavour == "auto":
+        mpi_flavour = (
+            detect_mpi_flavour() if uses_mpiexec(launcher, allocation.scheduler, nnodes) else "mpich"
+        )
+
+    cmd = build_command(
+        launcher,
+        command,
+        nnodes=nnodes,
+        nproc_per_node=nproc,
+        scheduler=allocation.scheduler,
+        hosts=allocation.hosts,
+        hostfile=allocation.hostfile,
+        head_addr=head_addr,
+        port=port,
+        job_id=allocation.job_id,
+        mpi_flavour=mpi_flavour,
+        as_root=_as_root(),
+    )
+    return cmd, args
+
+
+def launch_main(argv: list[str]) -> int:
+    """Entry point of `loom launch`: build the command for this cluster, then print or run it.
+
+    Returns the launched command's exit code (0 after `--dry-run` or `--help`). User mistakes (no
+    command after `--`, a missing or empty hostfile, an unknown launcher, counts below 1, torchrun on
+    several nodes without a head address) raise `LoomError` with a hint.
+    """
+    try:
+        cmd, args = _plan(argv, os.environ)
+    except SystemExit as exc:  # --help printed its text
+        return int(exc.code or 0)
+    line = shlex.join(cmd)
+    if args.dry_run:
+        # The command line is this mode's output, for scripts and job files: plain stdout, not the log.
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+        return 0
+    log.info(f"loom launch: {line}")
+    try:
+        result = subprocess.run(cmd, check=False)
+    except FileNotFoundError:
+        raise LoomError(
+            f"{cmd[0]} not found on PATH",
+            hint="load the module that provides it, or choose another --launcher",
+        ) from None
+    except KeyboardInterrupt:
+        return 130
+    # A child killed by signal N reports -N; shells report 128 + N.
+    return result.returncode if result.returncode >= 0 else 128 - result.returncode

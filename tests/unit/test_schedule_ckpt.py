@@ -1,0 +1,49 @@
+"""LR schedule against its formula, and checkpoints against their contract: atomic, pruned, verified."""
+
+import math
+
+import pytest
+import torch
+
+from loom import checkpoint
+from loom.errors import LoomError
+from loom.optim.schedule import lr_at
+
+
+def test_warmup_then_cosine_to_min():
+    lrs = [lr_at(s, 1.0, 0.1, 10, 111) for s in range(111)]  # decay spans steps 10..110
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[10] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1)
+    assert lrs[60] == pytest.approx(0.1 + 0.5 * (1 + math.cos(math.pi * 0.5)) * 0.9)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+
+
+def _save(d, step, keep=3):
+    return checkpoint.save(d, step, {"model": {"w": torch.full((4,), float(step))}}, {"step": step}, keep)
+
+
+def test_save_load_prune(tmp_path):
+    for s in (1, 2, 3, 4):
+        _save(tmp_path, s)
+    assert [p.name for p in checkpoint.list_steps(tmp_path)] == ["step_000002", "step_000003", "step_000004"]
+    tensors, state = checkpoint.load(tmp_path / "step_000004")
+    assert state["step"] == 4 and torch.equal(tensors["model"]["w"], torch.full((4,), 4.0))
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_corrupt_and_incomplete_are_detected_and_skipped(tmp_path):
+    _save(tmp_path, 1)
+    p2 = _save(tmp_path, 2)
+    data = bytearray((p2 / "model.pt").read_bytes())
+    data[-10] ^= 0xFF
+    (p2 / "model.pt").write_bytes(bytes(data))
+    with pytest.raises(LoomError, match="SHA-256"):
+        checkpoint.verify(p2)
+    assert checkpoint.latest_valid(tmp_path).name == "step_000001"
+    (tmp_path / "step_000001" / "optim.pt").write_bytes(b"short")
+    with pytest.raises(LoomError, match="bytes"):
+        checkpoint.verify(tmp_path / "step_000001")
+    (tmp_path / "step_000003.tmp").mkdir()  # a crash mid-write leaves only a .tmp, never a final name
+    assert checkpoint.latest_valid(tmp_path) is None
+    with pytest.raises(LoomError, match="no valid checkpoint"):
+        checkpoint.resolve_resume(tmp_path, True)
