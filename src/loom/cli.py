@@ -20,6 +20,8 @@ def _train(argv: list[str]) -> int:
                    help="continue from the newest valid checkpoint (of this run, or of PATH)")  # fmt: skip
     p.add_argument("--force", action="store_true", help="replace a run directory that holds another run")
     p.add_argument("--help-config", action="store_true", help="list every config key with default and doc")
+    p.add_argument("--nproc", type=int, default=None, help="start N local processes (data parallel)")
+    p.add_argument("--log-all-ranks", action="store_true", help="every rank prints, prefixed with its rank")
     args, rest = p.parse_known_args(argv)
     from loom import config
 
@@ -33,9 +35,17 @@ def _train(argv: list[str]) -> int:
     explicit = {k for k, _ in config.parse_overrides(rest)}
     if args.config:
         explicit |= {f"{s}.{k}" for s, kv in config.load_toml(args.config).items() for k in kv}
-    from loom.train import run
+    if args.nproc is not None and args.nproc != 1:
+        from loom.train.spawn import launch_local
 
-    run(cfg, resume=args.resume, force=args.force, explicit=explicit)
+        child = [a for a in argv if not (a.startswith("--nproc") or a == str(args.nproc))]
+        return launch_local(args.nproc, cfg, child, args.resume, args.force, explicit)
+    from loom.train import PeerError, run
+
+    try:
+        run(cfg, resume=args.resume, force=args.force, explicit=explicit, log_all_ranks=args.log_all_ranks)
+    except PeerError:
+        return 2  # rank 0 printed the message
     return 0
 
 
@@ -126,7 +136,7 @@ def _eval(argv: list[str]) -> int:
                         f"--tokenizer {Path(args.run_dir) / 'tokenizer' / meta['tokenizer']['file']}")  # fmt: skip
     n_rows = (args.batches or cfg.train.eval_batches) * cfg.train.batch_size
     vs = ValSet(data_dir, cfg.model.block_size, n_rows)
-    loss = val_loss(model, vs, cfg.train.micro_batch_size, device)
+    loss = val_loss(model, vs, cfg.train.micro_batch_size or cfg.train.batch_size, device)
     print(f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} windows of {cfg.model.block_size} tokens)")
     print(f"val loss {loss:.4f} | perplexity {math.exp(loss):.2f}")
     return 0

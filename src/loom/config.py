@@ -32,6 +32,7 @@ class RunConfig:
     dir: str = _f("runs", "Parent folder of run directories; a run lives in <run.dir>/<run.name>.")
     name: str = _f("", "Run name; empty picks a timestamp (YYYYmmdd-HHMMSS).")
     seed: int = _f(1337, "Seed for model initialisation, data order, dropout and sampling.")
+    rank_logs: bool = _f(False, "Every rank also writes its own log file, <run>/logs/rank<N>.log.")
 
 
 @dataclass
@@ -58,7 +59,7 @@ class ModelConfig:
 class TrainConfig:
     steps: int = _f(1500, "Optimizer steps.")
     batch_size: int = _f(16, "Global batch in sequences per optimizer step (all ranks, all micro-steps).")
-    micro_batch_size: int = _f(16, "Sequences per device per forward pass.")
+    micro_batch_size: int = _f(0, "Sequences per device per forward pass; 0: batch_size / dp (no accumulation).")
     eval_every: int = _f(250, "Evaluate validation loss every N steps (0: never; always at the end).")
     eval_batches: int = _f(20, "Validation set size in global batches (a fixed set of sequences).")
     ckpt_every: int = _f(500, "Write a checkpoint every N steps (0: only at the end).")
@@ -91,7 +92,8 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_impl: str = _f("auto", "Data-parallel implementation: auto | none.")
+    dp_impl: str = _f("auto", "Data parallel: auto (ddp when world size > 1, else none) | none | ddp.")
+    timeout_s: float = _f(600.0, "A collective that does not complete in this many seconds is an error.")
 
 
 @dataclass
@@ -112,7 +114,7 @@ CHOICES = {
     ("data", "tokenizer"): ("char", "bpe"),
     ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop"),
     ("precision", "dtype"): ("fp32", "bf16", "fp16"),
-    ("parallel", "dp_impl"): ("auto", "none"),
+    ("parallel", "dp_impl"): ("auto", "none", "ddp"),
 }
 
 
@@ -285,6 +287,7 @@ class Derived:
     dp_size: int
     grad_accum: int
     tokens_per_step: int
+    micro_batch_size: int
 
 
 def validate(cfg: Config, dp_size: int = 1) -> Derived:
@@ -293,7 +296,7 @@ def validate(cfg: Config, dp_size: int = 1) -> Derived:
     positive = {
         "model.n_layer": m.n_layer, "model.n_head": m.n_head, "model.n_embd": m.n_embd,
         "model.block_size": m.block_size, "train.steps": t.steps, "train.batch_size": t.batch_size,
-        "train.micro_batch_size": t.micro_batch_size, "train.eval_batches": t.eval_batches,
+        "train.eval_batches": t.eval_batches,
         "train.keep_last": t.keep_last,
     }  # fmt: skip
     for k, v in positive.items():
@@ -303,7 +306,7 @@ def validate(cfg: Config, dp_size: int = 1) -> Derived:
         "train.eval_every": t.eval_every, "train.ckpt_every": t.ckpt_every, "train.log_every": t.log_every,
         "train.sample_every": t.sample_every, "train.sample_tokens": t.sample_tokens,
         "optim.warmup_steps": o.warmup_steps, "optim.weight_decay": o.weight_decay,
-        "optim.grad_clip": o.grad_clip, "model.vocab_size": m.vocab_size, "train.warmup_log_steps": t.warmup_log_steps,
+        "optim.grad_clip": o.grad_clip, "parallel.timeout_s": cfg.parallel.timeout_s, "model.vocab_size": m.vocab_size, "train.warmup_log_steps": t.warmup_log_steps,
     }  # fmt: skip
     for k, v in nonneg.items():
         if v < 0:
@@ -319,11 +322,19 @@ def validate(cfg: Config, dp_size: int = 1) -> Derived:
         raise LoomError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={o.lr}, min_lr={o.min_lr}")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         raise LoomError(f"optim.beta1/beta2 must be in [0, 1); got {o.beta1}, {o.beta2}")
-    per_step = t.micro_batch_size * dp_size
+    if t.batch_size % dp_size:
+        raise LoomError(
+            f"train.batch_size={t.batch_size} is not divisible by the data-parallel size {dp_size}",
+            hint=f"use a batch_size that is a multiple of {dp_size}, or fewer processes",
+        )
+    if t.micro_batch_size < 0:
+        raise LoomError(f"train.micro_batch_size must be >= 0 (0: batch_size / dp), got {t.micro_batch_size}")
+    micro = t.micro_batch_size or t.batch_size // dp_size
+    per_step = micro * dp_size
     if t.batch_size % per_step:
         raise LoomError(
             f"train.batch_size={t.batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}"
             f" x data-parallel size {dp_size} = {per_step}",
             hint="make batch_size a multiple of micro_batch_size * dp (gradient accumulation fills the rest)",
         )
-    return Derived(dp_size, t.batch_size // per_step, t.batch_size * m.block_size)
+    return Derived(dp_size, t.batch_size // per_step, t.batch_size * m.block_size, micro)

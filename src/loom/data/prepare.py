@@ -18,7 +18,7 @@ import numpy as np
 
 from loom import __version__, log
 from loom.data.shards import version_for_vocab, write_shard
-from loom.data.tokenizers import CharTokenizer, HFTokenizer
+from loom.data.tokenizers import CharTokenizer, HFTokenizer, check_bpe_vocab
 from loom.errors import LoomError
 
 SHARD_TOKENS = 100_000_000  # llm.c's shard size
@@ -49,8 +49,10 @@ def _read_text(path: Path, docs: Documents, explicit: bool) -> str | None:
             )
         docs.skipped_binary.append(str(path))
         return None
-    text = data.decode("utf-8", errors="replace")
-    if "\ufffd" in text and b"\xef\xbf\xbd" not in data:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
         docs.replaced_files += 1
     docs.files += 1
     return text
@@ -71,8 +73,13 @@ def _read_jsonl(path: Path, field_name: str, docs: Documents) -> None:
                     f"{path}:{lineno} has no field '{field_name}'",
                     hint="name the text field with --jsonl-field",
                 )
-            if isinstance(rec[field_name], str) and rec[field_name]:
-                docs.texts.append(rec[field_name])
+            text = rec[field_name]
+            if isinstance(text, str) and text:
+                # JSON may escape lone surrogates (\ud800) that no encoder accepts: replace them.
+                clean = text.encode("utf-8", errors="replace").decode("utf-8")
+                if clean != text:
+                    docs.replaced_files += 1
+                docs.texts.append(clean)
 
 
 def read_documents(inputs: list[str | Path], glob: str = "*", jsonl_field: str = "text") -> Documents:
@@ -218,13 +225,15 @@ def prepare(
 ) -> dict:
     """Prepare a data directory; returns its meta.json contents."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise LoomError(f"--out '{out}' is a file, not a directory", hint="choose a directory path for --out")
     if out.exists() and any(out.iterdir()) and not force:
         raise LoomError(
             f"output directory '{out}' already exists and is not empty",
             hint="choose another --out, or pass --force to replace it",
         )
-    if tokenizer == "bpe" and vocab_size < 258:
-        HFTokenizer.train([], vocab_size)  # raises the vocab-size error before any reading
+    if tokenizer == "bpe":
+        check_bpe_vocab(vocab_size)  # before any reading
     t0 = time.perf_counter()
     docs = read_documents(inputs, glob, jsonl_field)
     if docs.replaced_files:
@@ -235,11 +244,41 @@ def prepare(
         log.info("one document only: splitting its characters (train first, val last)")
     train, val = split_documents(docs.texts, val_fraction, split_mode, seed)
     tok, kind = build_tokenizer(tokenizer, train, docs.texts, vocab_size)
-    version = version_for_vocab(tok.vocab_size)
 
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f".{out.name}.loom-tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        meta = _write_prepared(tmp, tok, kind, train, val, shard_tokens)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failure leaves nothing half-made
+        raise
+    meta.update(
+        source=source or ", ".join(str(p) for p in inputs),
+        files=docs.files,
+        replaced_files=docs.replaced_files,
+        skipped_binary=len(docs.skipped_binary),
+        val_fraction=val_fraction,
+        split_mode=split_mode,
+        seed=seed,
+        loom_version=__version__,
+    )
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    splits = meta["splits"]
+    log.info(
+        f"prepared {out}: {kind} tokenizer, vocab {tok.vocab_size}, train {splits['train']['tokens']:,} tokens"
+        f" ({splits['train']['documents']} docs), val {splits['val']['tokens']:,} tokens"
+        f" ({splits['val']['documents']} docs) in {time.perf_counter() - t0:.1f}s"
+    )
+    return meta
+
+
+def _write_prepared(tmp: Path, tok, kind: str, train: list[str], val: list[str], shard_tokens: int) -> dict:
+    """Tokenize both splits into shards under tmp, save the tokenizer; the core of meta.json."""
+    version = version_for_vocab(tok.vocab_size)
     splits = {}
     for name, texts in (("train", train), ("val", val)):
         tokens = encode_documents(tok, texts, name)
@@ -247,31 +286,13 @@ def prepare(
         for i in range(n_shards):
             write_shard(tmp / f"{name}_{i:06d}.bin", tokens[i * shard_tokens : (i + 1) * shard_tokens], version)
         splits[name] = {"tokens": int(tokens.size), "documents": len(texts), "shards": n_shards}
-    meta = {
+    return {
         "format": "llm.c",
         "tokenizer": {"kind": kind, "file": tok.save(tmp), "eot_id": tok.eot_id},
         "vocab_size": tok.vocab_size,
         "shard_version": version,
         "splits": splits,
-        "source": source or ", ".join(str(p) for p in inputs),
-        "files": docs.files,
-        "replaced_files": docs.replaced_files,
-        "skipped_binary": len(docs.skipped_binary),
-        "val_fraction": val_fraction,
-        "split_mode": split_mode,
-        "seed": seed,
-        "loom_version": __version__,
     }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    log.info(
-        f"prepared {out}: {kind} tokenizer, vocab {tok.vocab_size}, train {splits['train']['tokens']:,} tokens"
-        f" ({splits['train']['documents']} docs), val {splits['val']['tokens']:,} tokens"
-        f" ({splits['val']['documents']} docs) in {time.perf_counter() - t0:.1f}s"
-    )
-    return meta
 
 
 def prepare_corpus(name: str, out: str | Path, tokenizer: str, vocab_size: int, seed: int = 1337) -> dict:

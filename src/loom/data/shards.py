@@ -29,7 +29,11 @@ def write_shard(path: str | Path, tokens: np.ndarray, version: int | None = None
     tokens = np.asarray(tokens)
     if version is None:
         version = version_for_vocab(int(tokens.max()) + 1 if tokens.size else 1)
+    if version not in DTYPES:
+        raise LoomError(f"unknown shard version {version} (known: 1 = uint16, 2 = uint32)")
     dtype = DTYPES[version]
+    if tokens.size and int(tokens.min()) < 0:
+        raise LoomError(f"token id {int(tokens.min())} is negative: not a valid token")
     if tokens.size and int(tokens.max()) > np.iinfo(dtype).max:
         raise LoomError(f"token id {int(tokens.max())} does not fit in {np.dtype(dtype).name} (version {version})")
     header = np.zeros(HEADER_INTS, dtype=np.int32)

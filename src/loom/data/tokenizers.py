@@ -49,6 +49,15 @@ class CharTokenizer:
         return self.filename
 
 
+def check_bpe_vocab(vocab_size: int) -> None:
+    min_vocab = 256 + 1 + 1  # every byte, the end-of-text token, at least one merge
+    if vocab_size < min_vocab:
+        raise LoomError(
+            f"--vocab-size {vocab_size} is too small for byte-level BPE",
+            hint=f"use at least {min_vocab} (256 byte tokens + end-of-text + merges), e.g. 4096",
+        )
+
+
 class HFTokenizer:
     """A `tokenizers` library tokenizer (byte-level BPE trained here, or any tokenizer.json)."""
 
@@ -68,12 +77,7 @@ class HFTokenizer:
     def train(cls, texts, vocab_size: int) -> HFTokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-        min_vocab = 256 + 1 + 1  # every byte, the end-of-text token, at least one merge
-        if vocab_size < min_vocab:
-            raise LoomError(
-                f"--vocab-size {vocab_size} is too small for byte-level BPE",
-                hint=f"use at least {min_vocab} (256 byte tokens + end-of-text + merges), e.g. 4096",
-            )
+        check_bpe_vocab(vocab_size)
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()

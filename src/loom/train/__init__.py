@@ -2,28 +2,122 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 from loom import checkpoint, log
-from loom.config import Config, validate
+from loom.config import Config, Derived, validate
+from loom.env import DistEnv, detect_env
+from loom.errors import LoomError
 from loom.train.setup import resolve_data, resolve_device, resolve_run_dir, resumed_config
 from loom.train.trainer import LocalDP, Trainer
 
 
-def run(cfg: Config, resume: str | bool | None = None, force: bool = False, explicit: set[str] | None = None) -> dict:
-    """`loom train`: validate everything cheap first, then build and train. Returns the summary."""
+class PeerError(LoomError):
+    """Rank 0 found a user error and has reported it; the other ranks stop quietly."""
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    derived: Derived
+    run_dir: Path
+    data_dir: Path
+    ckpt: Path | None
+
+
+def plan_run(cfg: Config, resume, force: bool, explicit: set[str], dp_size: int) -> Plan:
+    """Every cheap check, in the order that touches the least: config, run dir, checkpoint, data."""
     run_dir = resolve_run_dir(cfg, resume, force) if resume else None
     if run_dir is not None:
-        cfg = resumed_config(run_dir, cfg, explicit or set())
-    derived = validate(cfg)
-    device = resolve_device(cfg.train.device)
+        cfg = resumed_config(run_dir, cfg, explicit)
+    derived = validate(cfg, dp_size)
+    resolve_device(cfg.train.device)
     ckpt = checkpoint.resolve_resume(run_dir, resume) if resume else None
     data_dir = resolve_data(cfg)
     if run_dir is None:
         run_dir = resolve_run_dir(cfg, None, force)
-    log.info(
-        f"global batch {cfg.train.batch_size} x {cfg.model.block_size} = {derived.tokens_per_step:,} tokens/step"
-        f" | micro-batch {cfg.train.micro_batch_size} | grad accum {derived.grad_accum} | dp {derived.dp_size}"
-    )
-    trainer = Trainer(cfg, derived, run_dir, data_dir, device, LocalDP())
-    if ckpt is not None:
-        trainer.load(ckpt)
-    return trainer.train()
+    return Plan(cfg, derived, run_dir, data_dir, ckpt)
+
+
+def dp_impl_for(cfg: Config, env: DistEnv) -> str:
+    impl = cfg.parallel.dp_impl
+    if impl == "auto":
+        return "ddp" if env.world_size > 1 else "none"
+    if impl == "none" and env.world_size > 1:
+        raise LoomError(
+            f"parallel.dp_impl=none but the launcher started {env.world_size} processes",
+            hint="use parallel.dp_impl=ddp (or auto), or start one process",
+        )
+    return impl
+
+
+def build_dp(impl: str, env: DistEnv, cfg: Config, device):
+    """The data-parallel value for `impl`; joins the process group where one is needed."""
+    if impl == "none":
+        return LocalDP()
+    if impl == "ddp":
+        from loom.distributed import process_group
+        from loom.parallel.ddp import TorchDDP
+
+        process_group.init(env, device, cfg.parallel.timeout_s)
+        return TorchDDP(env.rank, env.world_size, device)
+    raise LoomError(f"unknown parallel.dp_impl '{impl}'")
+
+
+def shutdown(dp, clean: bool) -> None:
+    if not isinstance(dp, LocalDP):
+        from loom.distributed import process_group
+
+        process_group.shutdown(clean)
+
+
+def agree(dp, fn):
+    """Rank 0 runs fn (checks, run-dir choice) and every rank receives its result or its error."""
+    result = error = None
+    if dp.rank == 0:
+        try:
+            result = fn()
+        except LoomError as e:
+            error = e
+    result, msg = dp.broadcast_object((result, str(error) if error else None))
+    if error is not None:
+        raise error
+    if msg is not None:
+        raise PeerError(msg)
+    return result
+
+
+def run(
+    cfg: Config,
+    resume: str | bool | None = None,
+    force: bool = False,
+    explicit: set[str] | None = None,
+    log_all_ranks: bool = False,
+) -> dict:
+    """`loom train` in this process, alone or as one rank of a job. Returns the summary."""
+    env = detect_env()
+    log.setup(rank=env.rank, all_ranks=log_all_ranks)
+    impl = dp_impl_for(cfg, env)
+    device = resolve_device(cfg.train.device, env.local_rank)
+    dp = build_dp(impl, env, cfg, device)
+    clean = False
+    try:
+        if env.world_size > 1:
+            log.info(f"launcher {env.source}: {env}")
+        plan = agree(dp, lambda: plan_run(cfg, resume, force, explicit or set(), dp.size))
+        if plan.cfg.run.rank_logs:
+            log.setup(rank=env.rank, all_ranks=log_all_ranks, file=plan.run_dir / "logs" / f"rank{env.rank}.log")
+        log.info(
+            f"global batch {plan.cfg.train.batch_size} x {plan.cfg.model.block_size} = "
+            f"{plan.derived.tokens_per_step:,} tokens/step | micro-batch {plan.derived.micro_batch_size}"
+            f" | grad accum {plan.derived.grad_accum} | dp {plan.derived.dp_size} ({impl})"
+        )
+        trainer = Trainer(plan.cfg, plan.derived, plan.run_dir, plan.data_dir, device, dp)
+        if plan.ckpt is not None:
+            trainer.load(plan.ckpt)
+        summary = trainer.train()
+        clean = True
+        return summary
+    finally:
+        shutdown(dp, clean)

@@ -19,11 +19,11 @@ from loom.errors import LoomError
 from loom.metrics import cache_dir
 
 
-def resolve_device(spec: str) -> torch.device:
-    """auto picks cuda > mps > cpu; an explicit device that is not there is an error."""
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    """auto picks cuda > mps > cpu (cuda:<local rank> in a multi-process job); a missing device is an error."""
     if spec == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda")
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
         if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")

@@ -48,6 +48,10 @@ class LocalDP:
     def broadcast_model(self, model: torch.nn.Module) -> None:
         """Make every rank's parameters equal to rank 0's (a no-op for one process)."""
 
+    def broadcast_object(self, obj):
+        """Rank 0's Python object on every rank."""
+        return obj
+
 
 def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
     """The single-device GPT for cfg.model, initialised from run.seed (identical on every rank)."""
@@ -184,7 +188,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         return val_loss(
-            self.raw_model, self.valset, self.cfg.train.micro_batch_size, self.device, self._autocast,
+            self.raw_model, self.valset, self.derived.micro_batch_size, self.device, self._autocast,
             self.dp.all_reduce_sum,
         )  # fmt: skip
 

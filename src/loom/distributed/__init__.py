@@ -1,0 +1,1 @@
+"""Process groups and topology on torch.distributed."""

@@ -1,0 +1,59 @@
+"""Process-group lifecycle: gloo on CPU, NCCL on CUDA; a timeout from config; a barrier before destroy.
+
+On this machine 4-process gloo runs abort at exit ("terminate called without an active exception") unless
+every rank passes a barrier before `destroy_process_group()`, so `shutdown()` always does that.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from loom import log
+from loom.env import DistEnv
+from loom.errors import LoomError
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init(env: DistEnv, device: torch.device, timeout_s: float) -> None:
+    """Join the job's process group (env:// rendezvous at MASTER_ADDR:MASTER_PORT)."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = backend_for(device)
+    try:
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    except (RuntimeError, ValueError) as e:
+        raise LoomError(
+            f"could not join the process group at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
+            f"as rank {env.rank}/{env.world_size}: {e}",
+            hint="check that MASTER_ADDR is reachable from every node and MASTER_PORT is free",
+        ) from None
+    log.info(f"process group: {backend}, world {env.world_size}, launcher {env.source}, timeout {timeout_s:.0f}s")
+
+
+def shutdown(clean: bool = True) -> None:
+    """Barrier (when the run ended normally) then destroy; safe to call when not initialised."""
+    if not dist.is_initialized():
+        return
+    try:
+        if clean:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,443 @@
+"""`loom data prepare`, reading documents, splitting and the built-in corpus.
+
+Compared against: the input text itself (every prepared shard, decoded with the saved tokenizer, must give
+back the documents, each preceded by the end-of-text id as llm.c's data scripts do), and nanoGPT's
+`data[:int(n*0.9)]` / `data[int(n*0.9):]` train/val cut for a single document.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import loom
+from loom.data import corpus
+from loom.data.corpus import corpus_files, python_stdlib_files
+from loom.data.prepare import _chunks, encode_documents, prepare, read_documents, split_documents
+from loom.data.shards import read_header, read_shard
+from loom.data.tokenizers import EOT, CharTokenizer, load_tokenizer
+from loom.errors import LoomError
+
+DOCS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.\n",
+    "naïve café — ünïcode ✓ and emoji 🙂\n",
+    "x = [i * i for i in range(10)]\nprint(x)\n",
+    "Line one.\nLine two.\n\nLine four after a blank.\n",
+]
+
+
+def write_docs(folder: Path, docs=DOCS, suffix=".txt") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, d in enumerate(docs):
+        (folder / f"doc{i}{suffix}").write_text(d, encoding="utf-8")
+    return folder
+
+
+def split_tokens(out: Path, split: str) -> np.ndarray:
+    paths = sorted(out.glob(f"{split}_*.bin"))
+    return np.concatenate([np.asarray(read_shard(p), dtype=np.int64) for p in paths])
+
+
+def documents(tokens: np.ndarray, eot: int) -> list[np.ndarray]:
+    """Cut a split at its end-of-text ids; the split must start with one."""
+    assert tokens[0] == eot
+    cuts = np.flatnonzero(tokens == eot)
+    return [tokens[a + 1 : b] for a, b in zip(cuts, [*cuts[1:], len(tokens)], strict=True)]
+
+
+def load(out: Path):
+    meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+    return meta, load_tokenizer(out, meta)
+
+
+# --- tokenizers through prepare -------------------------------------------------------------------------
+
+
+def test_char_round_trip_and_eot_between_documents(tmp_path):
+    out = tmp_path / "out"
+    prepare([write_docs(tmp_path / "in")], out, tokenizer="char", val_fraction=0.4, seed=0)
+    meta, tok = load(out)
+    assert isinstance(tok, CharTokenizer)
+    assert meta["tokenizer"]["eot_id"] == tok.eot_id == tok.vocab_size - 1
+    assert tok.vocab_size == len(set("".join(DOCS))) + 1
+    for d in DOCS:
+        assert tok.decode(tok.encode(d)) == d
+    got = []
+    for split in ("train", "val"):
+        docs = [tok.decode(d.tolist()) for d in documents(split_tokens(out, split), tok.eot_id)]
+        assert len(docs) == meta["splits"][split]["documents"]
+        got += docs
+    assert sorted(got) == sorted(DOCS)  # every document once, whole, in one split
+
+
+def test_bpe_trained_here_saves_and_reloads(tmp_path):
+    docs = [f"def f{i}(x):\n    return x * {i} + {i * i}  # naïve\n" for i in range(40)]
+    out = tmp_path / "out"
+    meta = prepare([write_docs(tmp_path / "in", docs)], out, tokenizer="bpe", vocab_size=300, seed=0)
+    assert meta["tokenizer"]["kind"] == "bpe"
+    assert meta["tokenizer"]["file"] == "tokenizer.json"
+    assert (out / "tokenizer.json").is_file()
+    assert 258 <= meta["vocab_size"] <= 300
+    _, tok = load(out)
+    assert tok.tok.token_to_id(EOT) == tok.eot_id == meta["tokenizer"]["eot_id"]
+    assert tok.vocab_size == meta["vocab_size"]
+    got = []
+    for split in ("train", "val"):
+        tokens = split_tokens(out, split)
+        assert int(tokens.max()) < meta["vocab_size"]
+        got += [tok.decode(d.tolist()) for d in documents(tokens, tok.eot_id)]
+    assert sorted(got) == sorted(docs)
+    # Merges were learned: the tokens are fewer than the bytes.
+    assert meta["splits"]["train"]["tokens"] < sum(len(d.encode()) for d in docs)
+
+
+def test_existing_tokenizer_json(tmp_path):
+    first = tmp_path / "first"
+    corpus = [f"alpha beta gamma {i}\n" for i in range(30)]
+    prepare([write_docs(tmp_path / "in", corpus)], first, tokenizer="bpe", vocab_size=300, seed=0)
+    other = ["gamma beta alpha 7\n", "beta beta 12\n", "alpha 99\n"]
+    inp = write_docs(tmp_path / "in2", other)
+    for i, spec in enumerate([first / "tokenizer.json", first]):  # the file or the folder holding it
+        out = tmp_path / f"second{i}"
+        meta = prepare([inp], out, tokenizer=str(spec), seed=0)
+        assert meta["tokenizer"]["kind"] == "tokenizer.json"
+        assert meta["tokenizer"]["file"] == "tokenizer.json"
+        assert (out / "tokenizer.json").read_text() == (first / "tokenizer.json").read_text()
+        _, tok = load(out)
+        got = [
+            tok.decode(d.tolist())
+            for s in ("train", "val")
+            for d in documents(split_tokens(out, s), tok.eot_id)
+        ]
+        assert sorted(got) == sorted(other)
+
+
+def test_tokenizer_spec_that_is_nothing(tmp_path):
+    with pytest.raises(LoomError, match="neither char, bpe nor an existing tokenizer.json"):
+        prepare([write_docs(tmp_path / "in")], tmp_path / "out", tokenizer=str(tmp_path / "nope.json"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_bpe_vocab_too_small_fails_before_reading(tmp_path):
+    # The input does not exist: the vocab-size error must come first, before any input is read.
+    with pytest.raises(LoomError, match="too small") as e:
+        prepare([tmp_path / "missing.txt"], tmp_path / "out", tokenizer="bpe", vocab_size=257)
+    assert e.value.hint and "258" in e.value.hint
+    assert not (tmp_path / "out").exists()
+
+
+# --- reading documents ----------------------------------------------------------------------------------
+
+
+def test_jsonl_named_field(tmp_path):
+    path = tmp_path / "d.jsonl"
+    recs = [{"body": "first doc", "id": 1}, {"body": "second doc"}, {"body": ""}, {"body": "third"}]
+    path.write_text(
+        "\n".join(json.dumps(r) for r in recs[:2]) + "\n\n" + "\n".join(json.dumps(r) for r in recs[2:])
+    )
+    docs = read_documents([path], jsonl_field="body")
+    assert docs.texts == ["first doc", "second doc", "third"]  # blank lines and empty texts dropped
+    out = tmp_path / "out"
+    meta = prepare([path], out, jsonl_field="body", seed=0)
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 3
+
+
+def test_jsonl_missing_field_names_the_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b"}\n{"content": "c"}\n')
+    with pytest.raises(LoomError, match=r"d\.jsonl:3 has no field 'text'"):
+        read_documents([path])
+    with pytest.raises(LoomError, match="no field 'body'") as e:
+        read_documents([path], jsonl_field="body")
+    assert "--jsonl-field" in e.value.hint
+
+
+def test_jsonl_invalid_json_names_the_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a"}\n{"text": oops}\n')
+    with pytest.raises(LoomError, match=r"d\.jsonl:2 is not valid JSON"):
+        read_documents([path])
+
+
+def test_folder_recursive_glob_skips_hidden(tmp_path):
+    root = tmp_path / "src"
+    files = {
+        "a.py": "A = 1\n",
+        "pkg/b.py": "B = 2\n",
+        "pkg/deep/c.py": "C = 3\n",
+        "pkg/notes.txt": "not python\n",
+        "README.md": "# readme\n",
+        ".hidden/d.py": "D = 4\n",
+        "pkg/.cache/e.py": "E = 5\n",
+        "pkg/.f.py": "F = 6\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    docs = read_documents([root], glob="*.py")
+    assert docs.texts == ["A = 1\n", "B = 2\n", "C = 3\n"]
+    assert docs.files == 3
+    everything = read_documents([root])
+    assert sorted(everything.texts) == sorted(["A = 1\n", "B = 2\n", "C = 3\n", "not python\n", "# readme\n"])
+
+
+def test_undecodable_bytes_are_replaced_and_counted(tmp_path):
+    root = tmp_path / "in"
+    root.mkdir()
+    (root / "bad.txt").write_bytes(b"caf\xe9 latin-1 \xff\xfe text\n")
+    (root / "good.txt").write_text("plain text\n")
+    (root / "literal.txt").write_text("a real \ufffd replacement char\n")  # valid UTF-8: not counted
+    docs = read_documents([root])
+    assert docs.replaced_files == 1
+    assert docs.files == 3
+    assert "caf\ufffd latin-1" in docs.texts[0]
+    meta = prepare([root], tmp_path / "out", seed=0)
+    assert meta["replaced_files"] == 1
+    assert meta["files"] == 3
+
+
+def test_undecodable_bytes_counted_beside_a_literal_replacement_char(tmp_path):
+    path = tmp_path / "mixed.txt"
+    path.write_bytes("ok \ufffd ".encode() + b"\xff bad\n")
+    assert read_documents([path]).replaced_files == 1
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "bpe"])
+def test_jsonl_lone_surrogate_is_handled(tmp_path, tokenizer):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "ab\\ud800cd"}\n' + "".join(f'{{"text": "doc {i}"}}\n' for i in range(9)))
+    out = tmp_path / "out"
+    try:
+        prepare([path], out, tokenizer=tokenizer, vocab_size=300, seed=0)
+    except LoomError:
+        assert not out.exists()
+    else:
+        assert (out / "meta.json").is_file()
+    assert not (tmp_path / ".out.loom-tmp").exists()
+
+
+def test_binary_explicit_input_is_an_error(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\x7fELF\x00\x00\x01" * 20)
+    with pytest.raises(LoomError, match="looks binary"):
+        read_documents([path])
+
+
+def test_binary_files_in_folder_are_skipped_and_counted(tmp_path):
+    root = write_docs(tmp_path / "in", DOCS[:3])
+    (root / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    docs = read_documents([root])
+    assert len(docs.texts) == 3
+    assert docs.skipped_binary == [str(root / "image.png")]
+    meta = prepare([root], tmp_path / "out", seed=0)
+    assert meta["skipped_binary"] == 1
+    assert meta["files"] == 3
+
+
+def test_folder_of_only_binary_files_is_empty(tmp_path):
+    root = tmp_path / "in"
+    root.mkdir()
+    (root / "a.bin").write_bytes(b"\x00\x01\x02")
+    with pytest.raises(LoomError, match=r"corpus is empty.*1 binary files skipped"):
+        read_documents([root])
+
+
+def test_missing_input(tmp_path):
+    with pytest.raises(LoomError, match="does not exist") as e:
+        read_documents([write_docs(tmp_path / "in"), tmp_path / "nope.txt"])
+    assert "nope.txt" in str(e.value)
+    with pytest.raises(LoomError, match="does not exist"):
+        prepare([tmp_path / "nope.txt"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_corpus(tmp_path):
+    empty_file = tmp_path / "empty.txt"
+    empty_file.write_text("")
+    empty_dir = tmp_path / "emptydir"
+    empty_dir.mkdir()
+    for inp in (empty_file, empty_dir):
+        with pytest.raises(LoomError, match="corpus is empty"):
+            read_documents([inp])
+        with pytest.raises(LoomError, match="corpus is empty"):
+            prepare([inp], tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(LoomError, match="corpus is empty"):
+        read_documents([write_docs(tmp_path / "py", DOCS[:2])], glob="*.py")  # nothing matches the glob
+
+
+# --- splitting ------------------------------------------------------------------------------------------
+
+
+def _text(n: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice("abcdefgh ij\nkl") for _ in range(n))
+
+
+@pytest.mark.parametrize("split_mode", ["tail", "docs"])  # docs falls back to tail for one document
+def test_single_document_split_is_nanogpts(tmp_path, split_mode):
+    data = _text(1003)
+    n = len(data)
+    (tmp_path / "input.txt").write_text(data)
+    out = tmp_path / "out"
+    meta = prepare([tmp_path / "input.txt"], out, split_mode=split_mode, val_fraction=0.1)
+    _, tok = load(out)
+    train, val = split_tokens(out, "train"), split_tokens(out, "val")
+    assert train[0] == val[0] == tok.eot_id
+    assert tok.decode(train[1:].tolist()) == data[: int(n * 0.9)]
+    assert tok.decode(val[1:].tolist()) == data[int(n * 0.9) :]
+    assert meta["splits"]["train"]["tokens"] == int(n * 0.9) + 1
+    assert meta["splits"]["val"]["tokens"] == n - int(n * 0.9) + 1
+
+
+def test_tail_split_across_documents():
+    train, val = split_documents(["aaaa", "bbbbbb", "cc"], 0.5, "tail", seed=0)
+    assert train == ["aaaa", "bb"]  # cut at int(12 * 0.5) = 6 characters, inside the second document
+    assert val == ["bbbb", "cc"]
+    train, val = split_documents(["aaaa", "bbbbbb"], 0.6, "tail", seed=0)  # cut falls on the boundary
+    assert train == ["aaaa"] and val == ["bbbbbb"]
+
+
+def test_docs_split_is_seeded():
+    texts = [f"document {i}" for i in range(20)]
+    a = split_documents(texts, 0.25, "docs", seed=1)
+    assert a == split_documents(texts, 0.25, "docs", seed=1)
+    assert a[1] != split_documents(texts, 0.25, "docs", seed=2)[1]
+    train, val = a
+    assert len(val) == 5
+    assert sorted(train + val) == sorted(texts)
+    assert not set(train) & set(val)
+    assert train == [t for t in texts if t in train]  # document order is kept within a split
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("val_fraction", [0.01, 0.1, 0.5, 0.99])
+def test_docs_split_of_two_documents_has_both_splits(seed, val_fraction):
+    train, val = split_documents(["one", "two"], val_fraction, "docs", seed)
+    assert len(train) == len(val) == 1
+    assert sorted(train + val) == ["one", "two"]
+
+
+def test_split_errors():
+    for bad in (0.0, 1.0, -0.1, 1.5):
+        with pytest.raises(LoomError, match="val-fraction"):
+            split_documents(["a", "b"], bad, "docs", 0)
+    with pytest.raises(LoomError, match="unknown --split-mode"):
+        split_documents(["a", "b"], 0.1, "random", 0)
+    with pytest.raises(LoomError, match="too small"):
+        split_documents(["a"], 0.1, "tail", 0)  # int(1 * 0.9) = 0 characters for train
+    assert split_documents(["abc"], 0.1, "tail", 0) == (["ab"], ["c"])
+
+
+# --- output directory and meta.json ---------------------------------------------------------------------
+
+
+def test_existing_out_is_refused_without_force(tmp_path):
+    inp = write_docs(tmp_path / "in")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(LoomError, match="already exists") as e:
+        prepare([inp], out)
+    assert "--force" in e.value.hint
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert (out / "keep.txt").read_text() == "precious"
+
+    prepare([inp], out, force=True)
+    assert not (out / "keep.txt").exists()
+    assert (out / "meta.json").is_file()
+    assert not (tmp_path / ".out.loom-tmp").exists()
+
+
+def test_out_that_is_a_file_is_refused(tmp_path):
+    out = tmp_path / "out"
+    out.write_text("precious")
+    with pytest.raises(LoomError, match="out"):
+        prepare([write_docs(tmp_path / "in")], out)
+    assert out.read_text() == "precious"
+
+
+def test_existing_empty_out_is_used(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    prepare([write_docs(tmp_path / "in")], out)
+    assert (out / "meta.json").is_file()
+
+
+def test_meta_fields(tmp_path):
+    inp = write_docs(tmp_path / "in")
+    out = tmp_path / "out"
+    meta = prepare([inp], out, val_fraction=0.4, seed=3)
+    assert json.loads((out / "meta.json").read_text()) == meta
+    assert meta["format"] == "llm.c"
+    assert meta["loom_version"] == loom.__version__
+    assert meta["tokenizer"] == {"kind": "char", "file": "char_vocab.json", "eot_id": meta["vocab_size"] - 1}
+    assert meta["vocab_size"] == len(set("".join(DOCS))) + 1
+    assert meta["shard_version"] == 1
+    assert meta["files"] == len(DOCS)
+    assert meta["replaced_files"] == meta["skipped_binary"] == 0
+    assert (meta["val_fraction"], meta["split_mode"], meta["seed"]) == (0.4, "docs", 3)
+    assert meta["source"] == str(inp)
+    assert meta["splits"]["train"]["documents"] == 3
+    assert meta["splits"]["val"]["documents"] == 2
+    for split in ("train", "val"):
+        info = meta["splits"][split]
+        assert info["shards"] == 1
+        assert read_header(out / f"{split}_000000.bin") == (1, info["tokens"])
+    total_chars = sum(len(d) for d in DOCS)
+    assert meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"] == total_chars + len(DOCS)
+
+
+def test_small_shards_hold_the_same_tokens(tmp_path):
+    inp = write_docs(tmp_path / "in")
+    one, many = tmp_path / "one", tmp_path / "many"
+    prepare([inp], one, seed=0)
+    meta = prepare([inp], many, seed=0, shard_tokens=16)
+    for split in ("train", "val"):
+        n = meta["splits"][split]["tokens"]
+        assert meta["splits"][split]["shards"] == -(-n // 16)
+        assert len(list(many.glob(f"{split}_*.bin"))) == meta["splits"][split]["shards"]
+        assert np.array_equal(split_tokens(many, split), split_tokens(one, split))
+
+
+def test_parallel_char_encoding_matches_serial():
+    # Over 1M characters the char encoder is split into chunks run in worker processes.
+    texts = [_text(1000, s) * 600 for s in range(3)]  # 3 x 600k chars -> chunks of 2 and 1 documents
+    assert [len(c) for c in _chunks(texts)] == [2, 1]
+    tok = CharTokenizer.train(texts)
+    got = encode_documents(tok, texts, "test")
+    expected = np.concatenate([[tok.eot_id, *tok.encode(t)] for t in texts])
+    assert np.array_equal(got, expected)
+
+
+# --- built-in corpus ------------------------------------------------------------------------------------
+
+
+def test_python_stdlib_files():
+    files = python_stdlib_files()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    assert len(files) > 100
+    assert files == sorted(files)
+    assert all(f.suffix == ".py" and f.is_file() for f in files)
+    for f in files:
+        assert not {"test", "tests", "site-packages"} & set(f.relative_to(root).parts[:-1]), f
+    names = {f.relative_to(root).as_posix() for f in files}
+    assert {"os.py", "json/__init__.py"} <= names
+
+
+def test_corpus_with_no_files(monkeypatch):
+    monkeypatch.setitem(corpus.CORPORA, "python-stdlib", lambda: [])
+    with pytest.raises(LoomError, match="found no files"):
+        corpus_files("python-stdlib")
+
+
+def test_unknown_corpus():
+    with pytest.raises(LoomError, match="unknown built-in corpus") as e:
+        corpus_files("shakespeare")
+    assert "python-stdlib" in e.value.hint
