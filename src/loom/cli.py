@@ -160,12 +160,19 @@ def _launch(argv: list[str]) -> int:
     return launch_main(argv)
 
 
+def _verify(argv: list[str]) -> int:
+    from loom.verify import verify_main
+
+    return verify_main(argv)
+
+
 VERBS = {
     "train": (_train, "train a GPT (no arguments: the demo on the built-in corpus)"),
     "data": (_data, "prepare data: loom data prepare --input ... --out DIR"),
     "generate": (_generate, "sample from a trained run"),
     "eval": (_eval, "validation loss and perplexity of a run"),
     "plot": (_plot, "plot loss curves of one or more runs"),
+    "verify": (_verify, "prove N processes learn the same curve as one: loom verify --strategies ddp --nproc 2"),
     "launch": (_launch, "run a command under torchrun, mpiexec or srun: loom launch [opts] -- loom train ..."),
 }
 

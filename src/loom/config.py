@@ -92,7 +92,10 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_impl: str = _f("auto", "Data parallel: auto (ddp when world size > 1, else none) | none | ddp.")
+    dp_impl: str = _f("auto", "Data parallel: auto (ddp when world size > 1, else none) | none | ddp | mpi.")
+    mpi_sync: str = _f("bucketed", "dp_impl=mpi gradient sync: naive (Allreduce per parameter) | bucketed.")
+    bucket_mb: float = _f(25.0, "dp_impl=mpi bucketed sync: bucket size in MiB (DDP's default is 25).")
+    mpi_allreduce: str = _f("mpi", "dp_impl=mpi bucketed sync: mpi (Iallreduce) | ring (loom's own ring).")
     timeout_s: float = _f(600.0, "A collective that does not complete in this many seconds is an error.")
 
 
@@ -114,7 +117,9 @@ CHOICES = {
     ("data", "tokenizer"): ("char", "bpe"),
     ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop"),
     ("precision", "dtype"): ("fp32", "bf16", "fp16"),
-    ("parallel", "dp_impl"): ("auto", "none", "ddp"),
+    ("parallel", "dp_impl"): ("auto", "none", "ddp", "mpi"),
+    ("parallel", "mpi_sync"): ("naive", "bucketed"),
+    ("parallel", "mpi_allreduce"): ("mpi", "ring"),
 }
 
 

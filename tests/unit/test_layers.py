@@ -13,7 +13,7 @@ LAYER = {
     "parallel": 3, "optim": 3,
     "checkpoint": 4, "eval": 4, "generate": 4,
     "train": 5, "plan": 5, "doctor": 5,
-    "cli": 6, "bench": 6, "__main__": 6, "__init__": 0,
+    "cli": 6, "bench": 6, "verify": 6, "__main__": 6, "__init__": 0,
 }  # fmt: skip
 
 

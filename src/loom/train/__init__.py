@@ -62,11 +62,21 @@ def build_dp(impl: str, env: DistEnv, cfg: Config, device):
 
         process_group.init(env, device, cfg.parallel.timeout_s)
         return TorchDDP(env.rank, env.world_size, device)
+    if impl == "mpi":
+        from loom.parallel.mpi_trainer import MpiDP
+
+        p = cfg.parallel
+        dp = MpiDP(p.mpi_sync, p.bucket_mb, p.mpi_allreduce)
+        if dp.size != env.world_size:
+            log.warn(f"MPI world size {dp.size} differs from the launcher's {env.world_size} ({env.source})")
+        return dp
     raise LoomError(f"unknown parallel.dp_impl '{impl}'")
 
 
 def shutdown(dp, clean: bool) -> None:
-    if not isinstance(dp, LocalDP):
+    from loom.parallel.ddp import TorchDDP
+
+    if isinstance(dp, TorchDDP):
         from loom.distributed import process_group
 
         process_group.shutdown(clean)
@@ -88,6 +98,23 @@ def agree(dp, fn):
     return result
 
 
+def check_same_config(dp, cfg: Config) -> None:
+    """Rank 0 broadcasts its resolved config; a rank that parsed a different one names the keys."""
+    if dp.size == 1:
+        return
+    import torch
+
+    from loom.config import config_from_dict, diff_configs
+
+    diff = diff_configs(config_from_dict(dp.broadcast_object(cfg.to_dict())), cfg)
+    bad = int(dp.all_reduce_sum(torch.tensor([1.0 if diff else 0.0])).item())
+    if diff:
+        raise LoomError(f"rank {dp.rank}'s config differs from rank 0's: " + "; ".join(diff),
+                        hint="start every rank with the same command line and config file")  # fmt: skip
+    if bad:
+        raise PeerError(f"{bad} rank(s) were started with a config that differs from rank 0's")
+
+
 def run(
     cfg: Config,
     resume: str | bool | None = None,
@@ -105,6 +132,7 @@ def run(
     try:
         if env.world_size > 1:
             log.info(f"launcher {env.source}: {env}")
+        check_same_config(dp, cfg)
         plan = agree(dp, lambda: plan_run(cfg, resume, force, explicit or set(), dp.size))
         if plan.cfg.run.rank_logs:
             log.setup(rank=env.rank, all_ranks=log_all_ranks, file=plan.run_dir / "logs" / f"rank{env.rank}.log")

@@ -51,10 +51,15 @@ def launch_local(nproc: int, cfg: Config, child_argv: list[str], resume, force: 
     try:
         elastic_launch(config, sys.executable)("-m", "loom", "train", *args)
     except ChildFailedError as e:
-        lines = []
-        for local_rank, f in sorted(e.failures.items()):
-            how = f.signal_name() if f.exitcode < 0 else f"exit code {f.exitcode}"
-            lines.append(f"rank {f.global_rank} (local {local_rank}, pid {f.pid}) failed: {how}")
-        log.error("loom: error: the job stopped because " + "; ".join(lines))
+        first_rank, first = e.get_first_failure()
+
+        def how(f) -> str:
+            return f.signal_name() if f.exitcode < 0 else f"exit code {f.exitcode}"
+
+        others = [f"rank {r} ({how(f)})" for r, f in sorted(e.failures.items()) if r != first_rank]
+        log.error(
+            f"loom: error: rank {first_rank} (pid {first.pid}) failed first: {how(first)}; the other ranks were "
+            "stopped" + (f" ({', '.join(others)} after it)" if others else "")
+        )
         return 1
     return 0

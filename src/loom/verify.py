@@ -1,0 +1,193 @@
+"""`loom verify`: the proof that N processes with the same global batch learn the same curve as one.
+
+The same small model is trained on the same data by one process (the reference) and by every requested
+strategy; the loss curves and final parameters are compared. The reference runs with micro-batch
+batch_size / 4 (4 accumulation steps) and the strategies with the same micro-batch, so dp=2 runs 2
+accumulation steps and dp=4 one: a pass also shows gradient-accumulation invariance.
+
+A strategy is one entry in STRATEGIES: a name, how it picks its world size, and the command that runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loom import log
+from loom.errors import LoomError
+from loom.metrics import read_jsonl
+
+PY = [sys.executable, "-m", "loom", "train"]
+
+
+def _mpiexec() -> str:
+    cand = Path(sys.executable).parent / "mpiexec"
+    found = str(cand) if cand.exists() else shutil.which("mpiexec")
+    if not found:
+        raise LoomError("mpiexec not found for the mpi strategies", hint="pip install 'loom[mpi]'")
+    return found
+
+
+def _mpi(sync: str) -> Callable[[int, list[str]], list[str]]:
+    def cmd(n: int, args: list[str]) -> list[str]:
+        return [_mpiexec(), "-n", str(n), *PY, "--parallel.dp_impl=mpi", f"--parallel.mpi_sync={sync}", *args]
+
+    return cmd
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    command: Callable[[int, list[str]], list[str]]  # (world size, common train args) -> argv
+    min_world: int = 2
+
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in [
+        Strategy("ddp", lambda n, a: [*PY, f"--nproc={n}", "--parallel.dp_impl=ddp", *a]),
+        Strategy("mpi-naive", _mpi("naive")),
+        Strategy("mpi-bucketed", _mpi("bucketed")),
+    ]
+}
+
+
+def common_args(data: Path, out: Path, steps: int) -> list[str]:
+    return [
+        f"--data.path={data}", f"--run.dir={out}", "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64",
+        "--model.block_size=32", "--model.dropout=0.0", "--train.batch_size=16", "--train.micro_batch_size=4",
+        f"--train.steps={steps}", "--train.log_every=1", "--train.eval_every=0", "--train.sample_every=0",
+        "--train.ckpt_every=0", "--optim.warmup_steps=5", "--optim.lr=1e-3", "--precision.dtype=fp32",
+        "--train.device=cpu", "--force",
+    ]  # fmt: skip
+
+
+def prepare_data(out: Path) -> Path:
+    """A small char-level set from the standard library, made once per output folder."""
+    from loom.data.corpus import python_stdlib_files
+    from loom.data.prepare import prepare
+
+    data = out / "data"
+    if not (data / "meta.json").is_file():
+        prepare(python_stdlib_files()[:12], data, tokenizer="char", seed=0, force=True)
+    return data
+
+
+def _run(argv: list[str], log_path: Path) -> None:
+    t0 = time.perf_counter()
+    with open(log_path, "w") as f:
+        r = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        tail = "\n".join(log_path.read_text().splitlines()[-15:])
+        raise LoomError(f"'{' '.join(argv[:6])} ...' failed (exit {r.returncode}); log {log_path}:\n{tail}")
+    log.info(f"  ran in {time.perf_counter() - t0:.1f}s")
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+
+
+def _params(run: Path) -> dict[str, torch.Tensor]:
+    from loom import checkpoint
+
+    path = checkpoint.latest_valid(run / "ckpt")
+    if path is None:
+        raise LoomError(f"run '{run}' wrote no checkpoint")
+    return checkpoint.load(path)[0]["model"]
+
+
+def compare(ref: Path, run: Path) -> tuple[float, float]:
+    a, b = _losses(ref), _losses(run)
+    if len(a) != len(b):
+        raise LoomError(f"{run.name} logged {len(b)} steps, the reference {len(a)}")
+    dloss = max(abs(x - y) for x, y in zip(a, b, strict=True))
+    pa, pb = _params(ref), _params(run)
+    dparam = max((pa[k].double() - pb[k].double()).abs().max().item() for k in pa)
+    return dloss, dparam
+
+
+def plot(out_png: Path, runs: dict[str, Path]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    ref = _losses(runs["reference"])
+    for name, run in runs.items():
+        ls = _losses(run)
+        ax.plot(range(1, len(ls) + 1), ls, label=name, linestyle="-" if name == "reference" else "--")
+        if name != "reference":
+            ax2.semilogy(range(1, len(ls) + 1), [abs(x - y) + 1e-12 for x, y in zip(ls, ref, strict=True)], label=name)
+    ax.set_ylabel("train loss")
+    ax.legend()
+    ax2.set_ylabel("|loss - reference|")
+    ax2.set_xlabel("step")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+def verify_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="loom verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("--strategies", default="ddp", help=f"comma list of: {', '.join(STRATEGIES)}")
+    p.add_argument("--nproc", type=int, default=2, help="world size for the strategies (default 2)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--out", default=None, help="output folder (default runs/verify-<time>)")
+    p.add_argument("--data", default=None, help="a prepared data directory (default: a small built-in set)")
+    p.add_argument("--tol-loss", type=float, default=1e-6, help="max |loss - reference| to pass")
+    p.add_argument("--tol-param", type=float, default=1e-5, help="max |param - reference| to pass")
+    p.add_argument("--json", default=None, help="write the table as JSON records")
+    args = p.parse_args(argv)
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown or not names:
+        raise LoomError(f"unknown strategy {', '.join(unknown) or '(none)'}", hint=f"known: {', '.join(STRATEGIES)}")
+    if 16 % args.nproc or args.nproc < 2:
+        raise LoomError(f"--nproc {args.nproc} must be 2, 4, 8 or 16 (it divides the global batch of 16)")
+    out = Path(args.out or f"runs/verify-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    data = Path(args.data) if args.data else prepare_data(out)
+    common = common_args(data, out, args.steps)
+    runs = {"reference": out / "reference"}
+    log.info("reference: 1 process, micro-batch 4, 4 accumulation steps")
+    _run([*PY, "--run.name=reference", "--parallel.dp_impl=none", *common], out / "reference.log")
+    for name in names:
+        accum = 16 // (4 * args.nproc)
+        log.info(f"{name}: {args.nproc} processes, micro-batch 4, {accum} accumulation step(s)")
+        runs[name] = out / name
+        _run(STRATEGIES[name].command(args.nproc, [f"--run.name={name}", *common]), out / f"{name}.log")
+    records = []
+    for name in names:
+        dloss, dparam = compare(runs["reference"], runs[name])
+        ok = dloss <= args.tol_loss and dparam <= args.tol_param
+        records.append({"strategy": name, "world_size": args.nproc, "grad_accum": 16 // (4 * args.nproc),
+                        "max_abs_dloss": dloss, "max_abs_dparam": dparam, "passed": ok})  # fmt: skip
+    _table(records, args.tol_loss, args.tol_param, args.steps)
+    plot(out / "verify.png", runs)
+    log.info(f"loss curves: {out / 'verify.png'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    return 0 if all(r["passed"] for r in records) else 1
+
+
+def _table(records: list[dict], tol_loss: float, tol_param: float, steps: int) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"loom verify: {steps} steps fp32 vs 1 process (tolerance loss {tol_loss:g}, param {tol_param:g})")
+    for col in ("strategy", "world size", "grad accum", "max |Δloss|", "max |Δparam|", "result"):
+        t.add_column(col)
+    for r in records:
+        t.add_row(r["strategy"], str(r["world_size"]), str(r["grad_accum"]), f"{r['max_abs_dloss']:.3e}",
+                  f"{r['max_abs_dparam']:.3e}", "pass" if r["passed"] else "FAIL")  # fmt: skip
+    log.console().print(t)
