@@ -160,6 +160,17 @@ def _launch(argv: list[str]) -> int:
     return launch_main(argv)
 
 
+def _bench(argv: list[str]) -> int:
+    benches = {"comm": "loom.bench.comm:comm_main"}
+    if not argv or argv[0] not in benches:
+        print(f"usage: loom bench {{{','.join(benches)}}} [args]   (loom bench <name> --help)", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    import importlib
+
+    module, fn = benches[argv[0]].split(":")
+    return getattr(importlib.import_module(module), fn)(argv[1:])
+
+
 def _verify(argv: list[str]) -> int:
     from loom.verify import verify_main
 
@@ -173,6 +184,7 @@ VERBS = {
     "eval": (_eval, "validation loss and perplexity of a run"),
     "plot": (_plot, "plot loss curves of one or more runs"),
     "verify": (_verify, "prove N processes learn the same curve as one: loom verify --strategies ddp --nproc 2"),
+    "bench": (_bench, "benchmarks: loom bench comm (collectives: time, algbw, busbw)"),
     "launch": (_launch, "run a command under torchrun, mpiexec or srun: loom launch [opts] -- loom train ..."),
 }
 

@@ -57,10 +57,10 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(1500, "Optimizer steps.")
+    steps: int = _f(1000, "Optimizer steps.")
     batch_size: int = _f(16, "Global batch in sequences per optimizer step (all ranks, all micro-steps).")
     micro_batch_size: int = _f(0, "Sequences per device per forward pass; 0: batch_size / dp (no accumulation).")
-    eval_every: int = _f(250, "Evaluate validation loss every N steps (0: never; always at the end).")
+    eval_every: int = _f(200, "Evaluate validation loss every N steps (0: never; always at the end).")
     eval_batches: int = _f(20, "Validation set size in global batches (a fixed set of sequences).")
     ckpt_every: int = _f(500, "Write a checkpoint every N steps (0: only at the end).")
     keep_last: int = _f(2, "Checkpoints kept on disk (older ones are deleted).")

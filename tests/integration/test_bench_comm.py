@@ -16,15 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from loom.bench.comm import (
-    bus_factor,
-    comm_main,
-    element_count,
-    format_bytes,
-    parse_size,
-    parse_sizes,
-    record,
-)
+from loom.bench.comm import comm_main, format_bytes, parse_size, parse_sizes
+from loom.bench.comm_backends import bus_factor, element_count, record
 from loom.errors import LoomError
 
 FIELDS = {"backend", "op", "bytes", "world_size", "dtype", "time_us", "algbw_gbps", "busbw_gbps"}

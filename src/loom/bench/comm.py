@@ -26,19 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from loom import log
-from loom.bench.comm_backends import (
-    bench,
-    bus_factor,
-    element_count,
-    mpi_comm,
-    record,
-    require_mpi,
-    torch_comm,
-)
+from loom.bench.comm_backends import bench, mpi_comm, require_mpi, torch_comm
 from loom.env import detect_env, free_port
 from loom.errors import LoomError
-
-__all__ = ["comm_main", "parse_size", "parse_sizes", "bus_factor", "element_count", "record", "format_bytes"]
 
 BACKENDS = ("torch", "mpi", "ring")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -213,16 +203,19 @@ def _find_mpiexec() -> str:
     return found
 
 
-def _run_mpiexec(nproc: int, child: list[str]) -> bool:
+def _run_mpiexec(nproc: int, child: list[str]) -> str | None:
+    """Run `child` on nproc MPI ranks; None on success, else what failed."""
     from loom.launch.commands import detect_mpi_flavour, mpiexec_command
 
     mpiexec = _find_mpiexec()
     flavour = detect_mpi_flavour(mpiexec)
     cmd = mpiexec_command(child, nnodes=1, nproc_per_node=nproc, flavour=flavour, as_root=os.geteuid() == 0)
-    return subprocess.run([mpiexec, *cmd[1:]]).returncode == 0
+    code = subprocess.run([mpiexec, *cmd[1:]]).returncode
+    return None if code == 0 else f"mpiexec exited with code {code}"
 
 
-def _run_elastic(nproc: int, child: list[str]) -> bool:
+def _run_elastic(nproc: int, child: list[str]) -> str | None:
+    """Run `child` in nproc processes under torch's elastic agent; None on success, else what failed."""
     import logging
     import uuid
 
@@ -234,14 +227,15 @@ def _run_elastic(nproc: int, child: list[str]) -> bool:
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"timeout": 120},
         max_restarts=0, monitor_interval=0.2,
     )  # fmt: skip
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(
+        logging.CRITICAL
+    )  # failures are reported below, once
     try:
         elastic_launch(config, child[0])(*child[1:])
     except ChildFailedError as e:
-        failed = ", ".join(f"rank {f.global_rank} (exit code {f.exitcode})" for f in e.failures.values())
-        log.error(f"loom: error: the torch benchmark job failed: {failed}")
-        return False
-    return True
+        failed = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in sorted(e.failures.items()))
+        return f"failed: {failed}"
+    return None
 
 
 def _launch_local(args: argparse.Namespace, backends: list[str], ops: list[str], sizes: list[int]) -> int:
@@ -263,9 +257,13 @@ def _launch_local(args: argparse.Namespace, backends: list[str], ops: list[str],
                      "--sizes", ",".join(map(str, sizes)), "--iters", str(args.iters), "--warmup",
                      str(args.warmup), "--dtype", args.dtype_name, "--device", args.device, "--json",
                      str(out), "--quiet"]  # fmt: skip
-            ok = _run_elastic(args.nproc, child) if backend == "torch" else _run_mpiexec(args.nproc, child)
-            if not ok or not out.is_file():
-                log.error(f"loom: error: the {backend} benchmark job failed; its output is above")
+            failed = (
+                _run_elastic(args.nproc, child) if backend == "torch" else _run_mpiexec(args.nproc, child)
+            )
+            if failed or not out.is_file():
+                log.error(
+                    f"loom: error: the {backend} benchmark job {failed or 'wrote no results'} (output above)"
+                )
                 return 1
             records += json.loads(out.read_text(encoding="utf-8"))
     report(records, args)

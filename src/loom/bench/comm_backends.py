@@ -146,6 +146,8 @@ def torch_comm(dtype: str, device_arg: str) -> Comm:
     from loom.distributed import process_group
 
     env = detect_env()
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        raise LoomError("--device cuda, but torch sees no CUDA device", hint="use --device cpu (gloo)")
     use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
     _agree_on_port(env)
