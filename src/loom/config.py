@@ -92,7 +92,12 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_impl: str = _f("auto", "Data parallel: auto (ddp when world size > 1, else none) | none | ddp | mpi.")
+    dp_impl: str = _f(
+        "auto", "Data parallel: auto (ddp when world size > 1, else none) | none | ddp | zero1 | zero2 | fsdp | mpi."
+    )
+    param_dtype: str = _f("", "zero2/fsdp: dtype of gathered parameters for compute (fp32 | bf16 | fp16; empty: as is).")
+    reduce_dtype: str = _f("", "zero2/fsdp: dtype of the gradient reduce-scatter (empty: the parameter dtype).")
+    cpu_offload: bool = _f(False, "zero2/fsdp: keep sharded parameters, gradients and optimizer state in host memory.")
     mpi_sync: str = _f("bucketed", "dp_impl=mpi gradient sync: naive (Allreduce per parameter) | bucketed.")
     bucket_mb: float = _f(25.0, "dp_impl=mpi bucketed sync: bucket size in MiB (DDP's default is 25).")
     mpi_allreduce: str = _f("mpi", "dp_impl=mpi bucketed sync: mpi (Iallreduce) | ring (loom's own ring).")
@@ -117,7 +122,9 @@ CHOICES = {
     ("data", "tokenizer"): ("char", "bpe"),
     ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop"),
     ("precision", "dtype"): ("fp32", "bf16", "fp16"),
-    ("parallel", "dp_impl"): ("auto", "none", "ddp", "mpi"),
+    ("parallel", "dp_impl"): ("auto", "none", "ddp", "zero1", "zero2", "fsdp", "mpi"),
+    ("parallel", "param_dtype"): ("", "fp32", "bf16", "fp16"),
+    ("parallel", "reduce_dtype"): ("", "fp32", "bf16", "fp16"),
     ("parallel", "mpi_sync"): ("naive", "bucketed"),
     ("parallel", "mpi_allreduce"): ("mpi", "ring"),
 }

@@ -54,7 +54,8 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in [
-        Strategy("ddp", lambda n, a: [*PY, f"--nproc={n}", "--parallel.dp_impl=ddp", *a]),
+        *(Strategy(k, lambda n, a, k=k: [*PY, f"--nproc={n}", f"--parallel.dp_impl={k}", *a])
+          for k in ("ddp", "zero1", "zero2", "fsdp")),
         Strategy("mpi-naive", _mpi("naive")),
         Strategy("mpi-bucketed", _mpi("bucketed")),
     ]

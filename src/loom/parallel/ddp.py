@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from loom.parallel.base import DataParallel
 
-class TorchDDP:
+
+class TorchDDP(DataParallel):
     """The DataParallel value the trainer uses: wrap, no_sync, sums across ranks, broadcast."""
 
     def __init__(self, rank: int, size: int, device: torch.device):

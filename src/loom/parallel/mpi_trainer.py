@@ -16,10 +16,11 @@ import torch
 
 from loom import log
 from loom.errors import LoomError
+from loom.parallel.base import DataParallel
 from loom.parallel.mpi_dp import BucketedSync, NaiveSync, broadcast_state, cuda_aware_mpi, mpi_comm
 
 
-class MpiDP:
+class MpiDP(DataParallel):
     def __init__(self, sync: str, bucket_mb: float, allreduce: str):
         if sync not in ("naive", "bucketed"):
             raise LoomError(f"unknown parallel.mpi_sync '{sync}'", hint="use naive or bucketed")

@@ -10,7 +10,8 @@ from loom.config import Config, Derived, validate
 from loom.env import DistEnv, detect_env
 from loom.errors import LoomError
 from loom.train.setup import resolve_data, resolve_device, resolve_run_dir, resumed_config
-from loom.train.trainer import LocalDP, Trainer
+from loom.parallel.base import DataParallel
+from loom.train.trainer import Trainer
 
 
 class PeerError(LoomError):
@@ -55,13 +56,22 @@ def dp_impl_for(cfg: Config, env: DistEnv) -> str:
 def build_dp(impl: str, env: DistEnv, cfg: Config, device):
     """The data-parallel value for `impl`; joins the process group where one is needed."""
     if impl == "none":
-        return LocalDP()
-    if impl == "ddp":
+        return DataParallel()
+    if impl in ("ddp", "zero1", "zero2", "fsdp"):
         from loom.distributed import process_group
         from loom.parallel.ddp import TorchDDP
+        from loom.parallel.fsdp import TorchFSDP
+        from loom.parallel.zero import TorchZeRO1
 
-        process_group.init(env, device, cfg.parallel.timeout_s)
-        return TorchDDP(env.rank, env.world_size, device)
+        p = cfg.parallel
+        if impl in ("zero2", "fsdp"):  # validate options before joining the group
+            dp = TorchFSDP(env.rank, env.world_size, device, impl == "fsdp", p.param_dtype, p.reduce_dtype, p.cpu_offload)
+        process_group.init(env, device, p.timeout_s)
+        if impl == "ddp":
+            return TorchDDP(env.rank, env.world_size, device)
+        if impl == "zero1":
+            return TorchZeRO1(env.rank, env.world_size, device)
+        return dp
     if impl == "mpi":
         from loom.parallel.mpi_trainer import MpiDP
 

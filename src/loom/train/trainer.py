@@ -22,35 +22,10 @@ from loom.generate import generate
 from loom.metrics import JsonlSink, Throughput, format_step, peak_flops, peak_memory_bytes
 from loom.model.flops import flops_per_token
 from loom.model.gpt import GPT
-from loom.optim.build import build_optimizer
+from loom.parallel.base import DataParallel, model_state_bytes
 from loom.optim.schedule import lr_at
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class LocalDP:
-    """Data parallelism of size 1: the model as it is, sums as they are."""
-
-    rank, size = 0, 1
-
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model
-
-    def no_sync(self, model: torch.nn.Module, skip: bool):
-        return contextlib.nullcontext()
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def after_backward(self) -> None:
-        """Hook for implementations that synchronise gradients by hand (MPI)."""
-
-    def broadcast_model(self, model: torch.nn.Module) -> None:
-        """Make every rank's parameters equal to rank 0's (a no-op for one process)."""
-
-    def broadcast_object(self, obj):
-        """Rank 0's Python object on every rank."""
-        return obj
 
 
 def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
@@ -70,10 +45,10 @@ class Trainer:
         run_dir: Path,
         data_dir: Path,
         device: torch.device,
-        dp: LocalDP | None = None,
+        dp: DataParallel | None = None,
     ):
         self.cfg, self.derived, self.run_dir, self.device = cfg, derived, run_dir, device
-        self.dp = dp or LocalDP()
+        self.dp = dp or DataParallel()
         self.main = self.dp.rank == 0
         self.meta = read_meta(data_dir)
         self.data_dir = data_dir
@@ -87,13 +62,14 @@ class Trainer:
         self.model = self.dp.wrap(self.raw_model)
         if t.compile:
             self.model = torch.compile(self.model)
-        self.optimizer = build_optimizer(self.raw_model, cfg.optim, device)
+        self.optimizer = self.dp.build_optimizer(self.raw_model, cfg.optim, device)
         dtype = cfg.precision.dtype
         self.autocast_dtype = AUTOCAST.get(dtype)
         if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise LoomError("precision.dtype=bf16 but this GPU has no bf16", hint="use precision.dtype=fp16")
         self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
         self.step = 0
+        self._first_step = True
         self.throughput = Throughput(
             flops_per_token(self.raw_model.cfg), peak_flops(device, dtype), self.dp.size, t.warmup_log_steps
         )
@@ -104,7 +80,11 @@ class Trainer:
         extra = {"rng_cpu": torch.get_rng_state(), "scaler": self.scaler.state_dict()}
         if self.device.type == "cuda":
             extra["rng_cuda"] = torch.cuda.get_rng_state(self.device)
-        tensors = {"model": self.raw_model.state_dict(), "optim": self.optimizer.state_dict(), "extra": extra}
+        tensors = {
+            "model": self.dp.model_state(self.raw_model),
+            "optim": self.dp.optim_state(self.raw_model, self.optimizer),
+            "extra": extra,
+        }
         state = {
             "step": self.step,
             "loader": self.loader.state_dict(),
@@ -127,9 +107,9 @@ class Trainer:
         diff = [f"model.{k}: {saved_model.get(k)!r} -> {v!r}" for k, v in now.items() if saved_model.get(k) != v]
         if diff:
             raise LoomError(f"checkpoint '{path}' was trained with another model shape: " + "; ".join(diff))
-        self.raw_model.load_state_dict(tensors["model"])
+        self.dp.load_model_state(self.raw_model, tensors["model"])
         self.dp.broadcast_model(self.raw_model)
-        self.optimizer.load_state_dict(tensors["optim"])
+        self.dp.load_optim_state(self.raw_model, self.optimizer, tensors["optim"])
         self.scaler.load_state_dict(tensors["extra"]["scaler"])
         torch.set_rng_state(tensors["extra"]["rng_cpu"])
         if self.device.type == "cuda" and "rng_cuda" in tensors["extra"]:
@@ -174,6 +154,8 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip)
+        if hasattr(grad_norm, "full_tensor"):  # DTensor parameters (FSDP): the norm is a DTensor too
+            grad_norm = grad_norm.full_tensor()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -184,6 +166,13 @@ class Trainer:
         rec = {"step": self.step, "loss": loss_mean.item(), "lr": lr, "grad_norm": grad_norm.item(), "dt": dt}
         rec.update(dtf=dtf, dtb=dtb, **self.throughput.step(self.derived.tokens_per_step, dt))
         rec["tokens"] = self.step * self.derived.tokens_per_step
+        if self._first_step or self._due(self.cfg.train.log_every) or self.step == self.cfg.train.steps:
+            m = model_state_bytes(self.raw_model, self.optimizer)  # this rank's share: shards count locally
+            rec.update({f"mem_{k}": v for k, v in m.items()})
+        if self._first_step:
+            self._first_step = False
+            log.info(f"rank {self.dp.rank} model state: params {m['params'] / 2**20:.1f} MiB, grads "
+                     f"{m['grads'] / 2**20:.1f} MiB, optimizer {m['optim'] / 2**20:.1f} MiB (this rank's share)")  # fmt: skip
         return rec
 
     def evaluate(self) -> float:
@@ -258,11 +247,12 @@ class Trainer:
                 log.info(f"step {self.step:>6} | val loss {last_val:.4f}", style="bold")
                 if self.metrics:
                     self.metrics.write({"step": self.step, "tokens": rec["tokens"], "val_loss": last_val})
-            if (self._due(t.sample_every) or final) and self.main:
-                text = self.sample()
-                log.info(f"--- sample at step {self.step} ---\n{text}\n---")
-                with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as f:
-                    f.write(f"=== step {self.step}\n{text}\n")
+            if (self._due(t.sample_every) or final) and (self.main or self.dp.sharded):
+                text = self.sample()  # with FSDP every rank runs the forward passes; rank 0 keeps the text
+                if self.main:
+                    log.info(f"--- sample at step {self.step} ---\n{text}\n---")
+                    with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as f:
+                        f.write(f"=== step {self.step}\n{text}\n")
             if self._due(t.ckpt_every) or final:
                 self.save()
         summary = {"step": self.step, "val_loss": last_val, **self.throughput.summary()}

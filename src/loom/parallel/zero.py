@@ -1,0 +1,33 @@
+"""ZeRO-1: optimizer state sharded across data-parallel ranks, gradients all-reduced by DDP.
+
+torch's ZeroRedundancyOptimizer gives each rank the Adam moments of a 1/dp share of the parameters; after
+its local step it broadcasts the updated parameters (Rajbhandari et al., 2020, stage 1). For checkpoints the
+shards are consolidated on rank 0 into torch's ordinary AdamW state, loadable with any implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from loom.optim.build import param_groups, resolve_impl
+from loom.parallel.ddp import TorchDDP
+
+
+class TorchZeRO1(TorchDDP):
+    def build_optimizer(self, model, ocfg, device):
+        impl = resolve_impl(ocfg.impl, device)
+        groups = param_groups(model, ocfg.weight_decay)
+        kw = dict(lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps)
+        kw["fused" if impl == "torch-fused" else "foreach"] = impl in ("torch-fused", "torch-foreach")
+        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                      weight_decay=groups[0]["weight_decay"], **kw)  # fmt: skip
+        opt.add_param_group(groups[1])
+        return opt
+
+    def optim_state(self, model, opt):
+        opt.consolidate_state_dict(to=0)
+        return opt.state_dict() if self.rank == 0 else {}
+
+    def load_optim_state(self, model, opt, sd):
+        opt.load_state_dict(sd)
