@@ -120,7 +120,7 @@ class Config:
 
 CHOICES = {
     ("data", "tokenizer"): ("char", "bpe"),
-    ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop"),
+    ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop", "triton"),
     ("precision", "dtype"): ("fp32", "bf16", "fp16"),
     ("parallel", "dp_impl"): ("auto", "none", "ddp", "zero1", "zero2", "fsdp", "mpi"),
     ("parallel", "param_dtype"): ("", "fp32", "bf16", "fp16"),

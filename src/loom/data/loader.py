@@ -10,46 +10,36 @@ and resume exact: the whole loader state is the sample cursor.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from loom.data.formats import open_split, split_files
+from loom.data.formats import read_meta as formats_read_meta
 from loom.data.shards import read_shard
 from loom.errors import LoomError
 
 
 def split_paths(data_dir: str | Path, split: str) -> list[Path]:
-    """The shard files of one split of a prepared directory, in order."""
-    d = Path(data_dir)
-    if not d.is_dir():
-        raise LoomError(f"data.path '{d}' is not a directory", hint="prepare one with `loom data prepare`")
-    if not (d / "meta.json").is_file():
-        raise LoomError(
-            f"data.path '{d}' is not a prepared data directory (no meta.json)",
-            hint="run `loom data prepare --input ... --out DIR` and point data.path at DIR",
-        )
-    paths = sorted(d.glob(f"{split}_*.bin"))
-    if not paths:
-        raise LoomError(f"data directory '{d}' has no {split} shards ({split}_*.bin)")
-    return paths
+    """The shard files of one split of a data directory, in order: loom's prepared layout, or a nanoGPT,
+    build-nanogpt .npy, Megatron or llm.c directory used in place (see loom.data.formats)."""
+    return split_files(data_dir, split)
 
 
 def read_meta(data_dir: str | Path) -> dict:
-    path = Path(data_dir) / "meta.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise LoomError(f"cannot read '{path}': {e}", hint="prepare the data again") from None
+    """meta.json of a prepared directory; for a foreign one, what loom.data.formats.read_meta finds."""
+    return formats_read_meta(data_dir)
 
 
 class TokenWindows:
-    """Windows of block_size + 1 tokens over the shards of one split (windows never cross shards)."""
+    """Windows of block_size + 1 tokens over the shards of one split (windows never cross shards).
 
-    def __init__(self, paths: list[Path], block_size: int, split: str = "train"):
+    `shards`: loom shard paths, or 1-D integer arrays (memory maps) as `open_split` gives for any format."""
+
+    def __init__(self, shards: list[Path] | list[np.ndarray], block_size: int, split: str = "train"):
         self.block_size = block_size
-        self.arrays = [read_shard(p) for p in paths]
+        self.arrays = [s if isinstance(s, np.ndarray) else read_shard(s) for s in shards]
         total = sum(len(a) for a in self.arrays)
         # One window per block_size tokens, keeping room for a shift of up to block_size - 1.
         self.counts = np.array([max(0, len(a) // block_size - 1) for a in self.arrays], dtype=np.int64)
@@ -88,7 +78,7 @@ class ShardLoader:
     ):
         if batch_size % dp_size:
             raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={dp_size}")
-        self.windows = TokenWindows(split_paths(data_dir, split), block_size, split)
+        self.windows = TokenWindows(open_split(data_dir, split), block_size, split)
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.cursor = 0  # global samples consumed (all ranks together)
@@ -140,7 +130,7 @@ class ValSet:
     """A fixed validation set: up to n_rows windows evenly spaced over the val split (no repeats)."""
 
     def __init__(self, data_dir: str | Path, block_size: int, n_rows: int, dp_rank: int = 0, dp_size: int = 1):
-        self.windows = TokenWindows(split_paths(data_dir, "val"), block_size, "val")
+        self.windows = TokenWindows(open_split(data_dir, "val"), block_size, "val")
         n = min(n_rows, self.windows.n)
         ids = np.unique(np.linspace(0, self.windows.n - 1, n).round().astype(np.int64))
         self.ids = ids[dp_rank::dp_size]  # ranks take interleaved rows; losses are summed across ranks

@@ -82,8 +82,16 @@ def _read_jsonl(path: Path, field_name: str, docs: Documents) -> None:
                 docs.texts.append(clean)
 
 
+def _read_parquet(path: Path, column: str, docs: Documents) -> None:
+    """One document per non-empty string of the text column (pyarrow: the loom[parquet] extra)."""
+    from loom.data.formats import read_parquet_texts
+
+    docs.files += 1
+    docs.texts.extend(read_parquet_texts(path, column))
+
+
 def read_documents(inputs: list[str | Path], glob: str = "*", jsonl_field: str = "text") -> Documents:
-    """One document per text file or JSONL line. Folders are searched recursively with `glob`."""
+    """One document per text file, JSONL line or Parquet row. Folders are searched recursively with `glob`."""
     paths = [Path(p) for p in inputs]
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
@@ -97,10 +105,14 @@ def read_documents(inputs: list[str | Path], glob: str = "*", jsonl_field: str =
             for f in found:
                 if f.suffix == ".jsonl":
                     _read_jsonl(f, jsonl_field, docs)
+                elif f.suffix == ".parquet":
+                    _read_parquet(f, jsonl_field, docs)
                 elif (text := _read_text(f, docs, explicit=False)) is not None:
                     docs.texts.append(text)
         elif p.suffix == ".jsonl":
             _read_jsonl(p, jsonl_field, docs)
+        elif p.suffix == ".parquet":
+            _read_parquet(p, jsonl_field, docs)
         else:
             docs.texts.append(_read_text(p, docs, explicit=True))
     docs.texts = [t for t in docs.texts if t]

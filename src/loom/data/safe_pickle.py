@@ -38,7 +38,7 @@ def _pop_to_mark(stack: list, marks: list[int], path: Path) -> list:
 def _set_items(d: object, items: list, path: Path) -> None:
     if not isinstance(d, dict) or len(items) % 2:
         raise LoomError(f"'{path}' is a malformed pickle (dict items without a dict)")
-    for k, v in zip(items[::2], items[1::2]):
+    for k, v in zip(items[::2], items[1::2], strict=True):
         if not isinstance(k, (int, str)):
             raise LoomError(f"'{path}' has a dict key of type {type(k).__name__}; only int and str are read")
         d[k] = v
@@ -62,7 +62,9 @@ def load_restricted(data: bytes, path: str | Path = "meta.pkl") -> dict:
                 continue
             if name in _SCALARS:
                 if isinstance(arg, bool) or not isinstance(arg, (int, str)):
-                    raise LoomError(f"'{path}' holds a {type(arg).__name__}; only dicts of ints and strs are read")
+                    raise LoomError(
+                        f"'{path}' holds a {type(arg).__name__}; only dicts of ints and strs are read"
+                    )
                 stack.append(arg)
             elif name == "EMPTY_DICT":
                 stack.append({})

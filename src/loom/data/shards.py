@@ -46,6 +46,14 @@ def write_shard(path: str | Path, tokens: np.ndarray, version: int | None = None
     os.replace(tmp, path)
 
 
+def write_ids(f, ids: np.ndarray, dtype, chunk: int = 1 << 24) -> None:
+    """Write ids to an open binary file as little-endian `dtype`, converted `chunk` tokens at a time (a
+    memory map of billions of tokens is never copied whole)."""
+    dt = np.dtype(dtype).newbyteorder("<")
+    for i in range(0, len(ids), chunk):
+        f.write(np.ascontiguousarray(ids[i : i + chunk], dtype=dt).tobytes())
+
+
 def read_header(path: str | Path) -> tuple[int, int]:
     """Validate a shard's header against the file size; return (version, token count)."""
     path = Path(path)

@@ -115,8 +115,14 @@ class HFTokenizer:
 
 
 def load_tokenizer(directory: str | Path, meta: dict) -> CharTokenizer | HFTokenizer:
-    """The tokenizer described by a meta.json (`tokenizer.kind`, `tokenizer.file`) in `directory`."""
-    info = meta.get("tokenizer", {})
+    """The tokenizer described by a meta.json (`tokenizer.kind`, `tokenizer.file`) in `directory`, or a
+    character table carried in the meta itself (`tokenizer.chars`: a nanoGPT meta.pkl vocabulary)."""
+    info = meta.get("tokenizer") or {}
+    if not info:
+        raise LoomError(f"no tokenizer is known for the data in '{directory}' (token ids only)",
+                        hint="put the tokenizer's meta.json (or nanoGPT's meta.pkl) beside the data")  # fmt: skip
+    if info.get("kind") == "char" and "chars" in info:
+        return CharTokenizer(list(info["chars"]))
     path = Path(directory) / info.get("file", "")
     if not path.is_file():
         raise LoomError(f"tokenizer file '{path}' is missing", hint="prepare the data again")
@@ -129,5 +135,7 @@ def copy_tokenizer(src_dir: str | Path, meta: dict, dst_dir: str | Path) -> None
     """Copy the tokenizer file (and meta.json) so a run directory is self-contained for generate/eval."""
     dst = Path(dst_dir)
     dst.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(Path(src_dir) / meta["tokenizer"]["file"], dst / meta["tokenizer"]["file"])
+    info = meta.get("tokenizer") or {}
+    if info.get("file"):  # none when the data has no tokenizer, or carries its vocabulary in meta
+        shutil.copy2(Path(src_dir) / info["file"], dst / info["file"])
     (dst / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")

@@ -39,4 +39,10 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
     if impl == "torch-loop":
         return torch.optim.AdamW(groups, foreach=False, fused=False, **kwargs)
-    raise LoomError(f"unknown optim.impl '{impl}'", hint="use auto, torch-fused, torch-foreach or torch-loop")
+    if impl == "triton":  # one fused kernel launch per step for all parameters (needs loom[triton])
+        from loom.optim.triton_adamw import TritonAdamW
+
+        return TritonAdamW(groups, **kwargs)
+    raise LoomError(
+        f"unknown optim.impl '{impl}'", hint="use auto, torch-fused, torch-foreach, torch-loop or triton"
+    )

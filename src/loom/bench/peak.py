@@ -1,0 +1,162 @@
+"""`loom bench peak`: what this device really does — matmul FLOP/s per dtype and copy bandwidth (layer 6).
+
+    loom bench peak [--device auto] [--dtypes fp32,bf16,fp16] [--sizes N,N,...] [--seconds 0.5]
+                    [--json FILE]
+
+Matmul: `loom.metrics.measure_matmul_flops` (best of repeated n x n matmuls, 2·n³ FLOPs each) at a few
+sizes, the best kept; on GPUs it is compared with the dense datasheet peak of `GPU_PEAK_TFLOPS` (the
+figure MFU divides by). Copy: `dst.copy_(src)` of a large buffer, 2 × bytes per copy (one read, one
+write), median of repeats — the memory-bound ceiling that `loom bench optim` compares optimizers with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loom import log
+from loom.errors import LoomError
+from loom.metrics import DTYPES, GPU_PEAK_TFLOPS, _cpu_name, measure_matmul_flops
+
+DEFAULT_SIZES = {"cpu": (512, 1024, 2048), "cuda": (2048, 4096, 8192)}
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` → cuda when available, else cpu; `cuda` without a GPU is a LoomError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LoomError("--device cuda, but torch sees no CUDA device", hint="use --device cpu or auto")
+    return device
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{_cpu_name()} ({torch.get_num_threads()} threads)"
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> dict[str, Any]:
+    """Device copy bandwidth: 2 × bytes / median time of `dst.copy_(src)` (bytes read + bytes written)."""
+    if nbytes is None:
+        nbytes = 2**30 if device.type == "cuda" else 2**28  # far beyond any cache
+    n = nbytes // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first touch of the pages, kernel load
+    sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    return {"bytes": 4 * n, "time_s": t, "bandwidth_gbps": 2 * 4 * n / t / 1e9}
+
+
+def datasheet_flops(device: torch.device, dtype: str) -> float | None:
+    """The dense datasheet peak for a known GPU and dtype, else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in GPU_PEAK_TFLOPS.items():
+        if key in name and dtype in peaks:
+            return peaks[dtype] * 1e12
+    return None
+
+
+def _supported(device: torch.device, dtype: str) -> str | None:
+    """None when a matmul in `dtype` runs on `device`, else why not."""
+    try:
+        a = torch.ones(8, 8, dtype=DTYPES[dtype], device=device)
+        (a @ a).sum().item()
+    except (RuntimeError, TypeError) as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def bench_matmul(device: torch.device, dtype: str, sizes: list[int], seconds: float) -> dict[str, Any]:
+    """Best matmul FLOP/s over `sizes` for one dtype, with the datasheet comparison on GPUs."""
+    rec: dict[str, Any] = {"bench": "peak", "what": "matmul", "dtype": dtype, "device": device.type}
+    why = _supported(device, dtype)
+    if why is not None:
+        return {**rec, "skipped": f"unsupported on {device.type}: {why}"}
+    by_size = {n: measure_matmul_flops(device, dtype, n=n, seconds=seconds) for n in sizes}
+    best = max(by_size, key=by_size.get)
+    peak = datasheet_flops(device, dtype)
+    return {**rec, "flops": by_size[best], "size": best, "by_size": {str(n): f for n, f in by_size.items()},
+            "datasheet_flops": peak, "fraction_of_datasheet": by_size[best] / peak if peak else None}  # fmt: skip
+
+
+def print_table(records: list[dict[str, Any]], title: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for name in ("what", "dtype", "measured", "at", "datasheet", "% of datasheet"):
+        table.add_column(name, justify="left" if name in ("what", "dtype") else "right")
+    for r in records:
+        if "skipped" in r:
+            table.add_row(r["what"], r.get("dtype", ""), "skipped", r["skipped"], "", "")
+        elif r["what"] == "matmul":
+            peak, frac = r["datasheet_flops"], r["fraction_of_datasheet"]
+            table.add_row("matmul", r["dtype"], f"{r['flops'] / 1e12:.3f} TFLOP/s", f"n={r['size']}",
+                          "n/a" if peak is None else f"{peak / 1e12:.0f} TFLOP/s",
+                          "n/a" if frac is None else f"{100 * frac:.1f}%")  # fmt: skip
+        else:
+            table.add_row("copy", "fp32", f"{r['bandwidth_gbps']:.1f} GB/s", f"{r['bytes'] / 2**20:.0f} MiB", "", "")
+    log.console().print(table)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loom bench peak", description="Measured matmul FLOP/s per dtype and copy bandwidth.")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
+    p.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma list of fp32, bf16, fp16")
+    p.add_argument("--sizes", default=None, help="matrix sizes n (n x n @ n x n), comma list; best kept "
+                   "(default 512,1024,2048 on CPU, 2048,4096,8192 on CUDA)")  # fmt: skip
+    p.add_argument("--seconds", type=float, default=0.5, help="time per dtype and size (default 0.5)")
+    p.add_argument("--copy-mb", type=int, default=None, help="copy buffer in MiB (default 256 CPU, 1024 CUDA)")
+    p.add_argument("--json", metavar="FILE", help="write the records as a JSON list")
+    return p
+
+
+def peak_main(argv: list[str]) -> int:
+    """`loom bench peak`: matmul FLOP/s per dtype (best of a few sizes) and copy bandwidth, as a table."""
+    args = _parser().parse_args(argv)
+    device = resolve_device(args.device)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for d in dtypes:
+        if d not in DTYPES:
+            raise LoomError(f"unknown dtype {d!r}", hint=f"use one or more of {','.join(DTYPES)}")
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(DEFAULT_SIZES.get(device.type, (1024,)))
+    except ValueError as e:
+        raise LoomError(f"cannot parse --sizes {args.sizes!r}", hint="write e.g. 1024,2048") from e
+    if not sizes or min(sizes) < 1 or args.seconds <= 0:
+        raise LoomError("--sizes must be positive integers and --seconds > 0", hint="e.g. --sizes 1024,2048")
+    name = device_name(device)
+    records = [bench_matmul(device, d, sizes, args.seconds) for d in dtypes]
+    copy = measure_copy_bandwidth(device, None if args.copy_mb is None else args.copy_mb * 2**20)
+    records.append({"bench": "peak", "what": "copy", "device": device.type, **copy})
+    for r in records:
+        r.update(device_name=name, torch_version=torch.__version__, threads=torch.get_num_threads())
+    print_table(records, f"loom bench peak: {name}")
+    if device.type == "cpu":
+        log.info("CPU: no datasheet peak; MFU on CPUs divides by this same measured matmul (cached per machine)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
+        log.info(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,347 @@
+"""`loom data convert` and `loom data inspect`: token data between formats, and what a file or folder holds.
+
+A directory is converted split by split (train, val), every token kept in order; the tokenizer travels
+with it (loom's tokenizer file, or a nanoGPT character table) in a loom `meta.json`, plus a nanoGPT
+`meta.pkl` when the target is nanoGPT and the vocabulary is a character table. Everything is written into
+a temporary folder that is renamed at the end, so a failure leaves nothing half-made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from loom import __version__, log
+from loom.data import megatron
+from loom.data.formats import (
+    FORMATS,
+    SPLITS,
+    TOKEN_FORMATS,
+    Format,
+    Tokens,
+    check_ids_fit,
+    detect_dir,
+    detect_file,
+    doc_offsets_from_eot,
+    id_range,
+    read_meta,
+    read_parquet_texts,
+    split_files,
+)
+from loom.data.shards import write_ids
+from loom.data.tokenizers import CharTokenizer, load_tokenizer
+from loom.errors import LoomError
+
+SHARD_TOKENS = 100_000_000  # llm.c's shard size: bigger inputs are cut into shards this long (llmc, npy)
+
+
+def known_meta(d: Path) -> dict | None:
+    """The meta of a directory only when it has one (meta.json / meta.pkl): no scan of the ids."""
+    return read_meta(d) if (d / "meta.json").is_file() or (d / "meta.pkl").is_file() else None
+
+
+def _eot(meta: dict | None, eot_id: int | None) -> int | None:
+    return eot_id if eot_id is not None else ((meta or {}).get("tokenizer") or {}).get("eot_id")
+
+
+def _with_documents(t: Tokens, target: Format, eot: int | None) -> Tokens:
+    """Recover document boundaries from end-of-text ids when the target keeps documents and the source
+    did not."""
+    if target.keeps_documents and t.doc_offsets is None and eot is not None:
+        return Tokens(t.ids, doc_offsets_from_eot(t.ids, eot))
+    return t
+
+
+def _pieces(t: Tokens, n: int) -> list[Tokens]:
+    return [Tokens(t.ids[i : i + n]) for i in range(0, len(t.ids), n)] or [t]
+
+
+def _write_split(target: Format, out: Path, split: str, parts: list[Tokens], dtype) -> int:
+    """Write one split's parts into `out` in the target's naming; returns the number of files."""
+    if target.name == "nanogpt":  # one file per split: the parts appended
+        path = out / target.out_name(split, 0)
+        with open(path, "wb") as f:
+            for t in parts:
+                check_ids_fit(t.ids, dtype, f"nanoGPT file '{path}'")
+                write_ids(f, t.ids, dtype)
+        return 1
+    if not target.keeps_documents:
+        parts = [p for t in parts for p in _pieces(t, SHARD_TOKENS)]
+    for i, t in enumerate(parts):
+        target.write(out / target.out_name(split, i), t, dtype)
+    return len(parts)
+
+
+def _nanogpt_table(src: Path, meta: dict) -> tuple[dict, dict, int] | None:
+    """(itos, stoi, vocab_size) for a nanoGPT meta.pkl when the source's tokenizer is a character table."""
+    info = meta.get("tokenizer") or {}
+    if info.get("kind") != "char":
+        return None
+    if "chars" in info:  # came from nanoGPT: its table as it was
+        chars = list(info["chars"])
+        itos = dict(enumerate(chars))
+        return itos, {c: i for i, c in itos.items()}, int(meta.get("nanogpt_vocab_size", len(chars)))
+    tok = load_tokenizer(src, meta)  # loom's char tokenizer: its end-of-text id is in the data
+    assert isinstance(tok, CharTokenizer)
+    itos = dict(enumerate(tok.chars))
+    return itos | {tok.eot_id: "<|endoftext|>"}, {c: i for i, c in itos.items()}, tok.vocab_size
+
+
+def _write_meta(src: Path, tmp: Path, meta: dict, source_fmt: str, target: Format, splits: dict) -> None:
+    info = meta.get("tokenizer") or None
+    if info and info.get("file"):
+        shutil.copy2(src / info["file"], tmp / info["file"])
+    out = {
+        "format": "llm.c" if target.name == "llmc" else target.name,
+        "tokenizer": info,
+        "vocab_size": int(meta["vocab_size"]),
+        **({"nanogpt_vocab_size": meta["nanogpt_vocab_size"]} if "nanogpt_vocab_size" in meta else {}),
+        "splits": splits,
+        "source": f"{src} ({source_fmt})",
+        "converted_by": f"loom {__version__}",
+    }
+    (tmp / "meta.json").write_text(json.dumps(out, indent=1), encoding="utf-8")
+    table = _nanogpt_table(src, meta) if target.name == "nanogpt" else None
+    if table:  # what nanoGPT's train.py / sample.py read (plain dicts of ints and strs)
+        itos, stoi, vocab = table
+        with open(tmp / "meta.pkl", "wb") as f:
+            pickle.dump({"vocab_size": vocab, "itos": itos, "stoi": stoi}, f)
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and (out.is_file() or any(out.iterdir())) and not force:
+        raise LoomError(
+            f"output '{out}' already exists", hint="choose another output, or pass --force to replace it"
+        )
+
+
+def _convert_dir(src: Path, out: Path, source: Format, target: Format, dtype, eot_id: int | None) -> dict:
+    meta = read_meta(src)
+    eot = _eot(meta, eot_id)
+    dt = np.dtype(dtype) if dtype else np.dtype(target.default_dtype(int(meta["vocab_size"]) - 1))
+    tmp = out.with_name(f".{out.name}.loom-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        splits = {}
+        for split in SPLITS:
+            files = source.split_files(src, split)
+            if not files:
+                continue
+            parts = [_with_documents(source.read(f), target, eot) for f in files]
+            n_files = _write_split(target, tmp, split, parts, dt)
+            docs = [len(t.doc_offsets) - 1 for t in parts if t.doc_offsets is not None]
+            splits[split] = {
+                "tokens": int(sum(len(t.ids) for t in parts)),
+                "documents": int(sum(docs)) if len(docs) == len(parts) else None,
+                "shards": n_files,
+            }
+        if not splits:
+            split_files(src, "train", source.name)  # raises: no shards of either split
+        _write_meta(src, tmp, meta, source.name, target, splits)
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"input": str(src), "output": str(out), "from": source.name, "to": target.name, "dtype": dt.name,
+            "splits": splits}  # fmt: skip
+
+
+def _convert_file(src: Path, out: Path, source: Format, target: Format, dtype, eot_id: int | None) -> dict:
+    t = _with_documents(source.read(src), target, _eot(known_meta(src.parent), eot_id))
+    r = id_range([t.ids])
+    dt = np.dtype(dtype) if dtype else np.dtype(target.default_dtype(r[1] if r else 0))
+    written = target.write(out, t, dt)
+    return {"input": str(src), "output": [str(p) for p in written], "from": source.name, "to": target.name,
+            "dtype": dt.name, "tokens": len(t.ids)}  # fmt: skip
+
+
+def convert(
+    src: str | Path, out: str | Path, to: str, source_format: str | None = None, dtype: str | None = None,
+    eot_id: int | None = None, force: bool = False,
+) -> dict:  # fmt: skip
+    """Convert a data directory (train/val splits) or one file from one token format to another."""
+    src, out = Path(src), Path(out)
+    if not src.exists() and not (src.with_name(src.name + ".idx")).is_file():
+        raise LoomError(f"input '{src}' does not exist")
+    if to not in TOKEN_FORMATS:
+        raise LoomError(f"cannot write '{to}'", hint=f"--to is one of {', '.join(TOKEN_FORMATS)}")
+    fmt = source_format or (detect_dir(src) if src.is_dir() else detect_file(src))
+    if fmt is None:
+        split_files(src, "train")  # raises with the reason
+    if fmt == "parquet":
+        FORMATS["parquet"].open(src)  # raises: Parquet is text, for `loom data prepare`
+    source, target = FORMATS[fmt], FORMATS[to]
+    if src.is_dir():
+        _check_out(out, force)
+        summary = _convert_dir(src, out, source, target, dtype, eot_id)
+    else:
+        outs = [megatron.bin_path(out), megatron.idx_path(out)] if to == "megatron" else [out]
+        if any(q.exists() for q in outs) and not force:
+            raise LoomError(f"output '{out}' already exists", hint="choose another output, or pass --force")
+        summary = _convert_file(src, out, source, target, dtype, eot_id)
+    return summary
+
+
+# ------------------------------------------------------------------------------------------- inspect
+
+
+def _split_stats(source: Format, files: list[Path], eot: int | None, meta_split: dict | None) -> dict:
+    parts = [source.read(f) for f in files]
+    r = id_range([t.ids for t in parts])
+    if all(t.doc_offsets is not None for t in parts):
+        docs, how = sum(len(t.doc_offsets) - 1 for t in parts), "index"
+    elif meta_split and meta_split.get("documents") is not None:
+        docs, how = meta_split["documents"], "meta.json"
+    elif eot is not None:
+        docs = sum(int(np.count_nonzero(t.ids[i : i + SHARD_TOKENS] == eot))
+                   for t in parts for i in range(0, len(t.ids), SHARD_TOKENS))  # fmt: skip
+        how = f"end-of-text id {eot}"
+    else:
+        docs, how = None, None
+    return {
+        "files": [f.name for f in files],
+        "dtype": sorted({t.ids.dtype.name for t in parts}),
+        "tokens": int(sum(len(t.ids) for t in parts)),
+        "documents": None if docs is None else int(docs),
+        "documents_from": how,
+        "min_id": None if r is None else r[0],
+        "max_id": None if r is None else r[1],
+    }
+
+
+def _sample(d: Path, meta: dict | None, arrays: list[np.ndarray], n: int) -> str | None:
+    if not meta or not meta.get("tokenizer") or n <= 0:
+        return None
+    try:
+        tok = load_tokenizer(d, meta)
+    except LoomError as e:
+        log.warn(f"no decoded sample: {e.message}")
+        return None
+    first = next((a for a in arrays if len(a)), None)
+    return None if first is None else tok.decode(np.asarray(first[:n]).tolist())
+
+
+def inspect(path: str | Path, fmt: str | None = None, sample_tokens: int = 64) -> dict:
+    """What a data directory or file holds: format, dtype, token and document counts, id range, vocab and,
+    when a tokenizer is known (loom meta.json, nanoGPT meta.pkl), the first tokens decoded."""
+    p = Path(path)
+    if p.is_dir():
+        fmt = fmt or detect_dir(p)
+        groups = {s: split_files(p, s, fmt) for s in SPLITS if fmt and FORMATS[fmt].split_files(p, s)}
+        if not groups:
+            split_files(p, "train", fmt)  # raises with the reason
+        meta = read_meta(p)
+        source, where = FORMATS[fmt], p
+    else:
+        fmt = fmt or detect_file(p)
+        if fmt == "parquet":
+            texts = read_parquet_texts(p)
+            return {"path": str(p), "format": "parquet", "documents": len(texts),
+                    "characters": sum(map(len, texts)), "sample": texts[0][:200] if texts else None}  # fmt: skip
+        source, where = FORMATS[fmt], p.parent
+        meta = known_meta(where)
+        groups = {p.name: [p]}
+    eot = _eot(meta, None)
+    splits = {
+        s: _split_stats(source, fs, eot, ((meta or {}).get("splits") or {}).get(s))
+        for s, fs in groups.items()
+    }
+    arrays = [source.open(f) for s in ("val", "train", *groups) if s in groups for f in groups[s][:1]]
+    tokenizer = (meta or {}).get("tokenizer") or {}
+    return {
+        "path": str(p),
+        "format": fmt,
+        "vocab_size": None if meta is None else meta.get("vocab_size"),
+        "vocab_from": None if meta is None else meta.get("vocab_from", "meta.json"),
+        "tokenizer": tokenizer.get("kind"),
+        "splits": splits,
+        "sample_ids": np.asarray(arrays[0][:16]).tolist() if arrays else [],
+        "sample": _sample(where, meta, arrays, sample_tokens),
+    }
+
+
+def _print_inspect(info: dict) -> None:
+    from rich.table import Table
+
+    con = log.console()
+    if info["format"] == "parquet":
+        con.print(
+            f"{info['path']}: parquet, {info['documents']:,} documents, {info['characters']:,} characters"
+        )
+        con.print(f"sample: {info['sample']!r}", markup=False)
+        return
+    vocab = "unknown" if info["vocab_size"] is None else f"{info['vocab_size']:,} (from {info['vocab_from']})"
+    con.print(
+        f"{info['path']}: {info['format']}, vocab {vocab}, tokenizer {info['tokenizer'] or 'none'}",
+        markup=False,
+    )
+    table = Table(box=None)
+    for col in ("split", "files", "dtype", "tokens", "documents", "ids"):
+        table.add_column(col, justify="right" if col in ("files", "tokens", "documents") else "left")
+    for name, s in info["splits"].items():
+        docs = "n/a" if s["documents"] is None else f"{s['documents']:,} ({s['documents_from']})"
+        ids = "-" if s["min_id"] is None else f"{s['min_id']}..{s['max_id']}"
+        table.add_row(name, str(len(s["files"])), ",".join(s["dtype"]), f"{s['tokens']:,}", docs, ids)
+    con.print(table)
+    con.print(f"first ids: {info['sample_ids']}", markup=False)
+    if info["sample"] is not None:
+        con.print(f"decoded: {info['sample']!r}", markup=False)
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def data_convert_main(argv: list[str]) -> int:
+    """`loom data convert [--from FMT] --to FMT IN OUT`."""
+    p = argparse.ArgumentParser(
+        prog="loom data convert",
+        description="Convert token data between formats: a directory (train/val splits) or one file.",
+        epilog="formats: llmc (llm.c/modded-nanogpt/loom shards), nanogpt (train.bin/val.bin + meta.pkl), "
+        "npy (build-nanogpt shards), megatron (PREFIX.bin + PREFIX.idx)",
+    )
+    p.add_argument("--from", dest="source", choices=TOKEN_FORMATS, help="input format (default: detected)")
+    p.add_argument("--to", dest="target", choices=TOKEN_FORMATS, required=True, help="output format")
+    p.add_argument("input", help="a data directory, a file, or a Megatron PREFIX")
+    p.add_argument("output", help="a directory (for a directory input), else a file or Megatron PREFIX")
+    p.add_argument("--dtype", default=None,
+                   help="token dtype of the output (default: the smallest the target allows for the vocab)")  # fmt: skip
+    p.add_argument("--eot-id", type=int, default=None,
+                   help="end-of-text id that starts each document, to write Megatron document boundaries "
+                        "from a format without them (default: the tokenizer's)")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="replace an existing output")
+    args = p.parse_args(argv)
+    s = convert(args.input, args.output, args.target, args.source, args.dtype, args.eot_id, args.force)
+    if "splits" in s:
+        what = ", ".join(
+            f"{k} {v['tokens']:,} tokens in {v['shards']} file(s)" for k, v in s["splits"].items()
+        )
+    else:
+        what = f"{s['tokens']:,} tokens"
+    log.info(f"converted {s['input']} ({s['from']}) -> {s['output']} ({s['to']}, {s['dtype']}): {what}")
+    return 0
+
+
+def data_inspect_main(argv: list[str]) -> int:
+    """`loom data inspect PATH [--json]`."""
+    p = argparse.ArgumentParser(prog="loom data inspect",
+                                description="What a token data directory or file holds (format detected).")  # fmt: skip
+    p.add_argument("path", help="a data directory, a token file, a Megatron PREFIX or a .parquet file")
+    p.add_argument("--format", choices=[*TOKEN_FORMATS, "parquet"], default=None, help="skip detection")
+    p.add_argument("--sample-tokens", type=int, default=64, help="tokens to decode when a tokenizer is known")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    args = p.parse_args(argv)
+    info = inspect(args.path, args.format, args.sample_tokens)
+    if args.json:
+        sys.stdout.write(json.dumps(info, indent=1) + "\n")
+    else:
+        _print_inspect(info)
+    return 0
