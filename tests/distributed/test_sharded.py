@@ -75,6 +75,7 @@ def test_model_state_bytes_shrink_with_sharding(tmp_path, char_data):
         rec = [r for r in read_jsonl(tmp_path / impl / "metrics.jsonl") if "mem_params" in r][-1]
         mem[impl] = {k: rec[f"mem_{k}"] for k in ("params", "grads", "optim")}
     full = mem["ddp"]
+    assert min(full.values()) > 0
 
     def quarter(x, total):
         return 0.24 * total <= x <= 0.30 * total

@@ -41,7 +41,9 @@ def test_gpt_shapes():
         total = sum(torch.Size(s).numel() for s in shapes)
         assert total == param_count(cfg)  # the shapes are loom's GPT's, tied head counted once
         assert 0.7 * n < total < 1.3 * n
-        assert len(shapes) == 4 + 16 * cfg.n_layer  # wte, wpe, ln_f (w, b) + per block 16 (weights and biases)
+        assert (
+            len(shapes) == 4 + 16 * cfg.n_layer
+        )  # wte, wpe, ln_f (w, b) + per block 16 (weights and biases)
 
 
 def test_bandwidth_arithmetic():
@@ -100,7 +102,11 @@ def test_bench_peak_json(tmp_path, capsys):
     assert peak_main(argv) == 0
     assert "matmul" in capsys.readouterr().out
     recs = json.loads(out.read_text())
-    assert [(r["what"], r.get("dtype")) for r in recs] == [("matmul", "fp32"), ("matmul", "bf16"), ("copy", None)]
+    assert [(r["what"], r.get("dtype")) for r in recs] == [
+        ("matmul", "fp32"),
+        ("matmul", "bf16"),
+        ("copy", None),
+    ]
     for r in recs[:2]:
         assert r["flops"] > 0 and r["size"] in (64, 128) and set(r["by_size"]) == {"64", "128"}
         assert r["flops"] == max(r["by_size"].values())

@@ -97,7 +97,9 @@ def triton_skip_reason(device: torch.device) -> str | None:
     return None
 
 
-def time_impl(impl: str, params: list[torch.nn.Parameter], device: torch.device, iters: int, warmup: int) -> dict:
+def time_impl(
+    impl: str, params: list[torch.nn.Parameter], device: torch.device, iters: int, warmup: int
+) -> dict:
     """Median / min step time of one implementation; each step synchronised with the device."""
     from loom.optim.build import build_optimizer
 
@@ -162,7 +164,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
     table = Table(title=f"loom bench optim: {first['n_params'] / 1e6:.1f}M fp32 params in {first['n_tensors']} "
                   f"tensors (GPT n_layer={m['n_layer']} n_embd={m['n_embd']} vocab={m['vocab_size']}), "
                   f"{first['device_name']}", title_justify="left")  # fmt: skip
-    for name in ("impl", "step (ms, median)", "min (ms)", "GB/s", "% of copy", "vs torch-fused"):
+    for name in ("impl", "median ms", "min ms", "GB/s", "% of copy", "vs fused"):
         table.add_column(name, justify="left" if name == "impl" else "right")
     for r in records:
         if "skipped" in r:
@@ -174,7 +176,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
     log.console().print(table)
     log.info(f"bytes per step: 28 x {first['n_params']:,} = {first['bytes_per_step'] / 1e9:.3f} GB; copy bandwidth "
              f"{first['copy_bandwidth_gbps']:.1f} GB/s (2 x {first['copy_bytes'] / 2**20:.0f} MiB / median time); "
-             f"vs torch-fused > 1 is faster")  # fmt: skip
+             "'vs fused' = torch-fused time / this time (> 1 is faster)")  # fmt: skip
     for r in records:
         if "skipped" in r:
             log.info(f"{r['impl']} skipped: {r['skipped']}")
@@ -186,8 +188,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)} (default all)")
     p.add_argument("--iters", type=int, default=20, help="timed steps per implementation (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
-    p.add_argument("--copy-mb", type=int, default=None, help="copy-bandwidth buffer in MiB (default 256 CPU, 1024 CUDA)")
+    p.add_argument(
+        "--device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda | cuda:N"
+    )
+    p.add_argument(
+        "--copy-mb", type=int, default=None, help="copy-bandwidth buffer in MiB (default 256 CPU, 1024 CUDA)"
+    )
     p.add_argument("--json", metavar="FILE", help="write the records as a JSON list")
     p.add_argument("--quiet", action="store_true", help="print nothing (--json is still written)")
     return p

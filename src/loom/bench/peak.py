@@ -7,6 +7,8 @@ Matmul: `loom.metrics.measure_matmul_flops` (best of repeated n x n matmuls, 2·
 sizes, the best kept; on GPUs it is compared with the dense datasheet peak of `GPU_PEAK_TFLOPS` (the
 figure MFU divides by). Copy: `dst.copy_(src)` of a large buffer, 2 × bytes per copy (one read, one
 write), median of repeats — the memory-bound ceiling that `loom bench optim` compares optimizers with.
+On CPUs a copy also pays a write-allocate read of the destination, which in-place updates (an optimizer
+step) do not, so those can exceed 100% of it there.
 """
 
 from __future__ import annotations
@@ -45,10 +47,13 @@ def sync(device: torch.device) -> None:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{_cpu_name()} ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"{_cpu_name()} ({n} thread{'' if n == 1 else 's'})"
 
 
-def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> dict[str, Any]:
+def measure_copy_bandwidth(
+    device: torch.device, nbytes: int | None = None, iters: int = 10
+) -> dict[str, Any]:
     """Device copy bandwidth: 2 × bytes / median time of `dst.copy_(src)` (bytes read + bytes written)."""
     if nbytes is None:
         nbytes = 2**30 if device.type == "cuda" else 2**28  # far beyond any cache
@@ -116,18 +121,26 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
                           "n/a" if peak is None else f"{peak / 1e12:.0f} TFLOP/s",
                           "n/a" if frac is None else f"{100 * frac:.1f}%")  # fmt: skip
         else:
-            table.add_row("copy", "fp32", f"{r['bandwidth_gbps']:.1f} GB/s", f"{r['bytes'] / 2**20:.0f} MiB", "", "")
+            table.add_row(
+                "copy", "fp32", f"{r['bandwidth_gbps']:.1f} GB/s", f"{r['bytes'] / 2**20:.0f} MiB", "", ""
+            )
     log.console().print(table)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loom bench peak", description="Measured matmul FLOP/s per dtype and copy bandwidth.")
-    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda | cuda:N")
+    p = argparse.ArgumentParser(
+        prog="loom bench peak", description="Measured matmul FLOP/s per dtype and copy bandwidth."
+    )
+    p.add_argument(
+        "--device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda | cuda:N"
+    )
     p.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma list of fp32, bf16, fp16")
     p.add_argument("--sizes", default=None, help="matrix sizes n (n x n @ n x n), comma list; best kept "
                    "(default 512,1024,2048 on CPU, 2048,4096,8192 on CUDA)")  # fmt: skip
     p.add_argument("--seconds", type=float, default=0.5, help="time per dtype and size (default 0.5)")
-    p.add_argument("--copy-mb", type=int, default=None, help="copy buffer in MiB (default 256 CPU, 1024 CUDA)")
+    p.add_argument(
+        "--copy-mb", type=int, default=None, help="copy buffer in MiB (default 256 CPU, 1024 CUDA)"
+    )
     p.add_argument("--json", metavar="FILE", help="write the records as a JSON list")
     return p
 
@@ -141,7 +154,11 @@ def peak_main(argv: list[str]) -> int:
         if d not in DTYPES:
             raise LoomError(f"unknown dtype {d!r}", hint=f"use one or more of {','.join(DTYPES)}")
     try:
-        sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(DEFAULT_SIZES.get(device.type, (1024,)))
+        sizes = (
+            [int(s) for s in args.sizes.split(",")]
+            if args.sizes
+            else list(DEFAULT_SIZES.get(device.type, (1024,)))
+        )
     except ValueError as e:
         raise LoomError(f"cannot parse --sizes {args.sizes!r}", hint="write e.g. 1024,2048") from e
     if not sizes or min(sizes) < 1 or args.seconds <= 0:
@@ -154,7 +171,9 @@ def peak_main(argv: list[str]) -> int:
         r.update(device_name=name, torch_version=torch.__version__, threads=torch.get_num_threads())
     print_table(records, f"loom bench peak: {name}")
     if device.type == "cpu":
-        log.info("CPU: no datasheet peak; MFU on CPUs divides by this same measured matmul (cached per machine)")
+        log.info(
+            "CPU: no datasheet peak; MFU on CPUs divides by this same measured matmul (cached per machine)"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")

@@ -191,10 +191,14 @@ class TritonAdamW(torch.optim.Optimizer):
                         fused=None, decoupled_weight_decay=True)  # fmt: skip
         super().__init__(params, defaults)
         self.launches = 0
-        self._blocks: tuple[tuple, torch.Tensor, np.ndarray] | None = None  # (numels, block→row, first blocks)
+        self._blocks: tuple[tuple, torch.Tensor, np.ndarray] | None = (
+            None  # (numels, block→row, first blocks)
+        )
         devices = {p.device for g in self.param_groups for p in g["params"]}
         if len(devices) > 1:
-            raise LoomError(f"TritonAdamW needs all parameters on one device, got {sorted(map(str, devices))}")
+            raise LoomError(
+                f"TritonAdamW needs all parameters on one device, got {sorted(map(str, devices))}"
+            )
         self.device = devices.pop() if devices else torch.device("cpu")
         check_device(self.device)
 
@@ -274,7 +278,9 @@ class TritonAdamW(torch.optim.Optimizer):
         self.launches += 1
         return loss
 
-    def _rows(self, tensors: list[torch.Tensor], steps: list[torch.Tensor], group_of_row: list[int]) -> np.ndarray:
+    def _rows(
+        self, tensors: list[torch.Tensor], steps: list[torch.Tensor], group_of_row: list[int]
+    ) -> np.ndarray:
         """The row table on the host: addresses, numel and hyper-parameters (computed in float64)."""
         n = len(steps)
         rows = np.zeros((n, ROW), dtype=np.int64)

@@ -158,22 +158,28 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        mem = self._model_state_report()  # before zero_grad: gradients are part of what a step holds
+        self.optimizer.zero_grad(set_to_none=True)
         loss_mean = self.dp.all_reduce_sum(loss_sum) / self.dp.size
         self._sync()
         dt = time.perf_counter() - t0
         rec = {"step": self.step, "loss": loss_mean.item(), "lr": lr, "grad_norm": grad_norm.item(), "dt": dt}
         rec.update(dtf=dtf, dtb=dtb, **self.throughput.step(self.derived.tokens_per_step, dt))
         rec["tokens"] = self.step * self.derived.tokens_per_step
-        if self._first_step or self._due(self.cfg.train.log_every) or self.step == self.cfg.train.steps:
-            m = model_state_bytes(self.raw_model, self.optimizer)  # this rank's share: shards count locally
-            rec.update({f"mem_{k}": v for k, v in m.items()})
+        rec.update(mem)
+        return rec
+
+    def _model_state_report(self) -> dict:
+        """mem_params/grads/optim: bytes this rank holds (its shards), on the first and every logged step."""
+        if not (self._first_step or self._due(self.cfg.train.log_every) or self.step == self.cfg.train.steps):
+            return {}
+        m = model_state_bytes(self.raw_model, self.optimizer)
         if self._first_step:
             self._first_step = False
             log.info(f"rank {self.dp.rank} model state: params {m['params'] / 2**20:.1f} MiB, grads "
                      f"{m['grads'] / 2**20:.1f} MiB, optimizer {m['optim'] / 2**20:.1f} MiB (this rank's share)")  # fmt: skip
-        return rec
+        return {f"mem_{k}": v for k, v in m.items()}
 
     def evaluate(self) -> float:
         return val_loss(
