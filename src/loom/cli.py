@@ -55,12 +55,22 @@ def _train(argv: list[str]) -> int:
         # active exception"), which would turn a finished run into a failed job. Leave without them.
         sys.stdout.flush()
         sys.stderr.flush()
+        if "mpi4py.MPI" in sys.modules:  # mpiexec treats a rank that skips MPI_Finalize as failed
+            from mpi4py import MPI
+
+            if MPI.Is_initialized() and not MPI.Is_finalized():
+                MPI.Finalize()
         os._exit(0)
     return 0
 
 
 def _data(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="loom data", description="Prepare token shards from text.")
+    if argv and argv[0] in ("convert", "inspect"):
+        from loom.data.convert import data_convert_main, data_inspect_main
+
+        return (data_convert_main if argv[0] == "convert" else data_inspect_main)(argv[1:])
+    p = argparse.ArgumentParser(prog="loom data", description="Prepare, convert and inspect token data.",
+                                epilog="also: loom data convert --help, loom data inspect --help")  # fmt: skip
     sub = p.add_subparsers(dest="verb", required=True)
     pp = sub.add_parser("prepare", help="text files, folders or JSONL -> tokenizer + train/val shards")
     src = pp.add_mutually_exclusive_group(required=True)
@@ -72,7 +82,7 @@ def _data(argv: list[str]) -> int:
     pp.add_argument("--val-fraction", type=float, default=0.1, help="share of documents for val (default 0.1)")
     pp.add_argument("--split-mode", default="docs", choices=["docs", "tail"],
                     help="docs: whole documents by seeded shuffle; tail: last characters (nanoGPT)")  # fmt: skip
-    pp.add_argument("--jsonl-field", default="text", help="JSONL field holding the text (default text)")
+    pp.add_argument("--jsonl-field", default="text", help="JSONL field / Parquet column holding the text")
     pp.add_argument("--glob", default="*", help="file pattern inside folders, e.g. '*.py' (default *)")
     pp.add_argument("--seed", type=int, default=1337)
     pp.add_argument("--force", action="store_true", help="replace an existing output directory")
@@ -110,6 +120,9 @@ def _generate(argv: list[str]) -> int:
 
     device = resolve_device(args.device)
     _, model, tok, _, _ = load_run(args.run_dir, device)
+    if tok is None:
+        raise LoomError(f"run '{args.run_dir}' was trained on data without a tokenizer: cannot turn text into ids",
+                        hint="prepare the data with loom (or give nanoGPT's meta.pkl) to get a tokenizer")  # fmt: skip
     ids = tok.encode(args.prompt) if args.prompt else [tok.eot_id]
     if len(ids) > model.cfg.block_size:
         ids = ids[-model.cfg.block_size :]
@@ -141,9 +154,9 @@ def _eval(argv: list[str]) -> int:
     cfg, model, _, meta, path = load_run(args.run_dir, device)
     data_dir = Path(args.data) if args.data else run_data_dir(args.run_dir, cfg)
     data_meta = check_data_dir(data_dir)
-    if data_meta["vocab_size"] != meta["vocab_size"] or data_meta["tokenizer"] != meta["tokenizer"]:
-        raise LoomError(f"'{data_dir}' was prepared with another tokenizer than the run's", hint="prepare it with "
-                        f"--tokenizer {Path(args.run_dir) / 'tokenizer' / meta['tokenizer']['file']}")  # fmt: skip
+    if data_meta["vocab_size"] != meta["vocab_size"] or data_meta.get("tokenizer") != meta.get("tokenizer"):
+        raise LoomError(f"'{data_dir}' was prepared with another tokenizer than the run's",
+                        hint="prepare it with the run's tokenizer (<run>/tokenizer/)")  # fmt: skip
     n_rows = (args.batches or cfg.train.eval_batches) * cfg.train.batch_size
     vs = ValSet(data_dir, cfg.model.block_size, n_rows)
     loss = val_loss(model, vs, cfg.train.micro_batch_size or cfg.train.batch_size, device)
@@ -171,7 +184,11 @@ def _launch(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    benches = {"comm": "loom.bench.comm:comm_main"}
+    benches = {
+        "comm": "loom.bench.comm:comm_main",
+        "optim": "loom.bench.optim:optim_main",
+        "peak": "loom.bench.peak:peak_main",
+    }
     if not argv or argv[0] not in benches:
         print(f"usage: loom bench {{{','.join(benches)}}} [args]   (loom bench <name> --help)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
@@ -179,6 +196,12 @@ def _bench(argv: list[str]) -> int:
 
     module, fn = benches[argv[0]].split(":")
     return getattr(importlib.import_module(module), fn)(argv[1:])
+
+
+def _doctor(argv: list[str]) -> int:
+    from loom.doctor import doctor_main
+
+    return doctor_main(argv)
 
 
 def _verify(argv: list[str]) -> int:
@@ -194,7 +217,8 @@ VERBS = {
     "eval": (_eval, "validation loss and perplexity of a run"),
     "plot": (_plot, "plot loss curves of one or more runs"),
     "verify": (_verify, "prove N processes learn the same curve as one: loom verify --strategies ddp --nproc 2"),
-    "bench": (_bench, "benchmarks: loom bench comm (collectives: time, algbw, busbw)"),
+    "bench": (_bench, "benchmarks: loom bench comm | optim | peak"),
+    "doctor": (_doctor, "environment report: versions, devices, GPU links, MPI, compile (--json)"),
     "launch": (_launch, "run a command under torchrun, mpiexec or srun: loom launch [opts] -- loom train ..."),
 }
 

@@ -82,7 +82,7 @@ class OptimConfig:
     beta2: float = _f(0.99, "AdamW beta2.")
     eps: float = _f(1e-8, "AdamW epsilon.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0: no clipping).")
-    impl: str = _f("auto", "auto | torch-fused | torch-foreach | torch-loop.")
+    impl: str = _f("auto", "auto | torch-fused | torch-foreach | torch-loop | triton (one kernel launch).")
 
 
 @dataclass

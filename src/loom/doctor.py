@@ -226,22 +226,42 @@ print(json.dumps({"vendor": name, "vendor_version": ".".join(map(str, version)),
 """
 
 
-def mpi_info(timeout: float = 60) -> dict:
+def _start(code: str) -> subprocess.Popen:
+    """Run a Python snippet in a child now; its answer is collected later, so probes overlap."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _finish(child: subprocess.Popen, timeout: float) -> tuple[int | None, str, str]:
+    """(exit code, stdout, stderr) of a child; exit code None when it was killed for the timeout."""
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        return None, "", ""
+    return child.returncode, out, err
+
+
+def _last_line(text: str, default: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else default
+
+
+def mpi_info(timeout: float = 60, child: subprocess.Popen | None = None) -> dict:
     """mpi4py's MPI library and CUDA-awareness, probed in a child (importing mpi4py.MPI initialises MPI)."""
     if importlib.util.find_spec("mpi4py") is None:
         return {"mpi4py": None, "note": "mpi4py not installed (pip install 'loom[mpi]')"}
     import mpi4py
 
     info: dict = {"mpi4py": mpi4py.__version__}
-    try:
-        r = subprocess.run(
-            [sys.executable, "-c", _MPI_PROBE], capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired:
-        return info | {"error": f"MPI initialisation did not finish in {timeout:.0f} s"}
-    if r.returncode != 0:
-        return info | {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
-    return info | json.loads(r.stdout.strip().splitlines()[-1])
+    rc, out, err = _finish(child or _start(_MPI_PROBE), timeout)
+    if rc is None:
+        return info | {"error": f"MPI initialisation did not finish in {timeout:g} s"}
+    if rc != 0:
+        return info | {"error": _last_line(err, f"exit code {rc}")}
+    return info | json.loads(_last_line(out, "{}"))
 
 
 def triton_info() -> dict:
@@ -266,18 +286,14 @@ print(f"{time.perf_counter() - t:.2f}")
 """
 
 
-def compile_check(timeout: float = 120) -> dict:
+def compile_check(timeout: float = 120, child: subprocess.Popen | None = None) -> dict:
     """Compile a tiny function with torch.compile on CPU in a child process (10-20 s the first time)."""
-    try:
-        r = subprocess.run(
-            [sys.executable, "-c", _COMPILE_PROBE], capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired:
+    rc, out, err = _finish(child or _start(_COMPILE_PROBE), timeout)
+    if rc is None:
         return {"checked": True, "ok": False, "error": f"timed out after {timeout:g} s"}
-    if r.returncode != 0:
-        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-        return {"checked": True, "ok": False, "error": lines[-1] if lines else f"exit code {r.returncode}"}
-    return {"checked": True, "ok": True, "seconds": float(r.stdout.strip().splitlines()[-1])}
+    if rc != 0:
+        return {"checked": True, "ok": False, "error": _last_line(err, f"exit code {rc}")}
+    return {"checked": True, "ok": True, "seconds": float(_last_line(out, "nan"))}
 
 
 def launchers() -> dict[str, str | None]:
@@ -303,10 +319,13 @@ def _problems(r: dict) -> list[str]:
     return out
 
 
-def collect(check_compile: bool = True, compile_timeout: float = 120) -> dict:
+def collect(check_compile: bool = True, compile_timeout: float = 120, check_mpi: bool = True) -> dict:
     """The whole report as a JSON-ready dict."""
     import numpy
 
+    # The slow probes run in children, started first so they overlap with each other and with the rest.
+    mpi_child = _start(_MPI_PROBE) if check_mpi and importlib.util.find_spec("mpi4py") else None
+    compile_child = _start(_COMPILE_PROBE) if check_compile else None
     tv = _torch_versions()
     drv = driver_info()
     ok, note = cuda_consistency(tv["cuda"], drv["driver_cuda"])
@@ -323,9 +342,9 @@ def collect(check_compile: bool = True, compile_timeout: float = 120) -> dict:
         "cpu": _cpu(),
         "topology": {"gpus": gpus, "matrix": matrix, "verdict": verdict},
         "env": {k: os.environ[k] for k in sorted(os.environ) if k in ENV_EFFECTS or k.startswith("NCCL_")},
-        "mpi": mpi_info(),
+        "mpi": mpi_info(child=mpi_child) if check_mpi else {"checked": False},
         "triton": triton_info(),
-        "compile": compile_check(compile_timeout) if check_compile else {"checked": False},
+        "compile": compile_check(compile_timeout, compile_child) if check_compile else {"checked": False},
         "launchers": launchers(),
     }
     report["problems"] = _problems(report)
@@ -362,7 +381,7 @@ def render(r: dict) -> None:
         ("interconnect", r["topology"]["verdict"]),
     ]  # fmt: skip
     m = r["mpi"]
-    mpi = m.get("note") or m.get("error") or (
+    mpi = "not checked (--no-mpi-check)" if m.get("checked") is False else m.get("note") or m.get("error") or (
         f"{m['vendor']} {m['vendor_version']} (MPI {m['mpi_standard']}), mpi4py {m['mpi4py']}, "
         f"CUDA-aware {_yes(m['cuda_aware'])}"
     )  # fmt: skip
@@ -410,15 +429,16 @@ def render(r: dict) -> None:
 
 
 def doctor_main(argv: list[str]) -> int:
-    """`loom doctor [--json] [--no-compile-check]`."""
+    """`loom doctor [--json] [--no-compile-check] [--no-mpi-check]`."""
     p = argparse.ArgumentParser(
         prog="loom doctor", description="Report what this machine can run and how fast."
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-compile-check", action="store_true", help="skip the torch.compile test (10-20 s)")
     p.add_argument("--compile-timeout", type=float, default=120, help="seconds allowed for it (default 120)")
+    p.add_argument("--no-mpi-check", action="store_true", help="skip the MPI probe (it initialises MPI)")
     args = p.parse_args(argv)
-    report = collect(not args.no_compile_check, args.compile_timeout)
+    report = collect(not args.no_compile_check, args.compile_timeout, not args.no_mpi_check)
     if args.json:
         sys.stdout.write(json.dumps(report, indent=1) + "\n")
     else:

@@ -79,7 +79,6 @@ def test_bench_optim_json(tmp_path, monkeypatch, capsys):
 def test_bench_optim_triton_in_interpreter(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
     out = tmp_path / "optim.json"
     argv = ["--params", "100K", "--iters", "1", "--warmup", "1", "--device", "cpu", "--copy-mb", "1",
             "--impls", "triton", "--json", str(out), "--quiet"]  # fmt: skip
@@ -113,6 +112,14 @@ def test_bench_peak_json(tmp_path, capsys):
         assert r["datasheet_flops"] is None and r["fraction_of_datasheet"] is None  # CPU: no datasheet
     assert recs[2]["bytes"] == 8 * 2**20 and recs[2]["bandwidth_gbps"] > 0
     assert all(r["device"] == "cpu" and r["threads"] >= 1 for r in recs)
+
+
+def test_bench_peak_leaves_out_sizes_too_slow_for_the_budget(monkeypatch):
+    from loom.bench import peak
+
+    monkeypatch.setattr(peak, "_probe_rate", lambda device, dtype: 1e6)  # 1 MFLOP/s: a very slow dtype
+    rec = peak.bench_matmul(torch.device("cpu"), "fp32", [64, 128], seconds=0.01)
+    assert list(rec["by_size"]) == ["64"] and "left out" in rec["note"]  # the smallest size always runs
 
 
 def test_datasheet_peak_by_gpu_name(monkeypatch):

@@ -33,7 +33,9 @@ FORMATS = list(F.TOKEN_FORMATS)
 
 def make_docs(n: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
-    return [np.concatenate([[EOT], rng.integers(0, EOT, rng.integers(3, 40))]).astype(np.int64) for _ in range(n)]
+    return [
+        np.concatenate([[EOT], rng.integers(0, EOT, rng.integers(3, 40))]).astype(np.int64) for _ in range(n)
+    ]
 
 
 TRAIN = [make_docs(6, 1), make_docs(5, 2)]  # two shards (one file for nanoGPT)
@@ -180,7 +182,9 @@ def test_single_file_conversion(tmp_path):
     assert np.array_equal(np.load(npy), stream(VAL)) and np.load(npy).dtype == np.uint16
     with pytest.raises(LoomError, match="already exists"):
         data_convert_main(["--to", "npy", str(tmp_path / "corpus_text_document.bin"), str(npy)])
-    assert data_convert_main(["--to", "megatron", "--eot-id", str(EOT), str(npy), str(tmp_path / "again")]) == 0
+    assert (
+        data_convert_main(["--to", "megatron", "--eot-id", str(EOT), str(npy), str(tmp_path / "again")]) == 0
+    )
     assert len(F.FORMATS["megatron"].read(tmp_path / "again").documents()) == len(VAL[0])
 
 
@@ -370,7 +374,10 @@ def test_inspect_prepared_directory_decodes_a_sample(char_data, capsys):
     meta = json.loads((char_data / "meta.json").read_text())
     for split in ("train", "val"):
         s = info["splits"][split]
-        assert s["tokens"] == meta["splits"][split]["tokens"] and s["documents"] == meta["splits"][split]["documents"]
+        assert (
+            s["tokens"] == meta["splits"][split]["tokens"]
+            and s["documents"] == meta["splits"][split]["documents"]
+        )
         assert s["dtype"] == ["uint16"] and s["max_id"] < meta["vocab_size"]
     tok = load_tokenizer(char_data, meta)
     first = F.open_split(char_data, "val")[0][:64].tolist()
@@ -403,7 +410,9 @@ def test_parquet_text_column_is_a_prepare_input(tmp_path):
 
     from loom.data.prepare import read_documents
 
-    pq.write_table(pa.table({"text": ["first doc", "", "second doc"], "id": [1, 2, 3]}), tmp_path / "t.parquet")
+    pq.write_table(
+        pa.table({"text": ["first doc", "", "second doc"], "id": [1, 2, 3]}), tmp_path / "t.parquet"
+    )
     assert read_documents([tmp_path / "t.parquet"]).texts == ["first doc", "second doc"]
     with pytest.raises(LoomError, match="no column 'body'"):
         read_documents([tmp_path / "t.parquet"], jsonl_field="body")

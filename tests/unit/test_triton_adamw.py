@@ -21,7 +21,6 @@ from loom.errors import LoomError
 def interpret(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

@@ -86,13 +86,16 @@ def triton_skip_reason(device: torch.device) -> str | None:
     from loom.optim.triton_adamw import check_device, interpreter_enabled
 
     try:
+        interpret = interpreter_enabled()  # raises when triton is not installed
+        if device.type == "cpu" and not interpret:
+            return (
+                "Triton has no CPU driver; TRITON_INTERPRET=1 would run the kernel in Triton's Python "
+                "interpreter, which is correct but orders of magnitude too slow to benchmark"
+            )
         check_device(device)
     except LoomError as e:
-        if device.type == "cpu" and "no driver" in e.message:
-            return ("Triton has no CPU driver; TRITON_INTERPRET=1 would run the kernel in Triton's Python "
-                    "interpreter, which is correct but orders of magnitude too slow to benchmark")  # fmt: skip
         return e.message + (f" ({e.hint})" if e.hint else "")
-    if device.type == "cpu" and interpreter_enabled():
+    if device.type == "cpu":
         log.warn("triton on CPU runs in Triton's interpreter: its time measures Python, not the kernel")
     return None
 

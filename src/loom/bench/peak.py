@@ -99,11 +99,32 @@ def bench_matmul(device: torch.device, dtype: str, sizes: list[int], seconds: fl
     why = _supported(device, dtype)
     if why is not None:
         return {**rec, "skipped": f"unsupported on {device.type}: {why}"}
-    by_size = {n: measure_matmul_flops(device, dtype, n=n, seconds=seconds) for n in sizes}
+    # A slow dtype (fp16 on most CPUs runs at a few GFLOP/s) would take minutes at large sizes:
+    # measure_matmul_flops runs at least 6 matmuls, so sizes whose estimate exceeds the budget are left out.
+    rate = _probe_rate(device, dtype)
+    budget = max(2.0, 10 * seconds)
+    affordable = [n for n in sorted(sizes) if 6 * 2 * n**3 / rate <= budget] or [min(sizes)]
+    by_size = {n: measure_matmul_flops(device, dtype, n=n, seconds=seconds) for n in affordable}
     best = max(by_size, key=by_size.get)
     peak = datasheet_flops(device, dtype)
-    return {**rec, "flops": by_size[best], "size": best, "by_size": {str(n): f for n, f in by_size.items()},
-            "datasheet_flops": peak, "fraction_of_datasheet": by_size[best] / peak if peak else None}  # fmt: skip
+    rec.update(flops=by_size[best], size=best, by_size={str(n): f for n, f in by_size.items()},
+               datasheet_flops=peak, fraction_of_datasheet=by_size[best] / peak if peak else None)  # fmt: skip
+    if len(affordable) < len(sizes):
+        rec["note"] = (
+            f"sizes {sorted(set(sizes) - set(affordable))} left out: too slow at {rate / 1e9:.1f} GFLOP/s"
+        )
+    return rec
+
+
+def _probe_rate(device: torch.device, dtype: str, n: int = 256) -> float:
+    """A rough FLOP/s from one small matmul (after a warm-up), to budget the real measurement."""
+    a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
+    a @ a
+    sync(device)
+    t0 = time.perf_counter()
+    a @ a
+    sync(device)
+    return 2 * n**3 / max(time.perf_counter() - t0, 1e-9)
 
 
 def print_table(records: list[dict[str, Any]], title: str) -> None:
@@ -125,6 +146,9 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
                 "copy", "fp32", f"{r['bandwidth_gbps']:.1f} GB/s", f"{r['bytes'] / 2**20:.0f} MiB", "", ""
             )
     log.console().print(table)
+    for r in records:
+        if "note" in r:
+            log.info(f"{r['what']} {r['dtype']}: {r['note']}")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -255,7 +255,8 @@ def inspect(path: str | Path, fmt: str | None = None, sample_tokens: int = 64) -
         s: _split_stats(source, fs, eot, ((meta or {}).get("splits") or {}).get(s))
         for s, fs in groups.items()
     }
-    arrays = [source.open(f) for s in ("val", "train", *groups) if s in groups for f in groups[s][:1]]
+    first = next(s for s in ("val", "train", *groups) if s in groups)  # the sample: val when there is one
+    arrays = [source.open(f) for f in groups[first]]
     tokenizer = (meta or {}).get("tokenizer") or {}
     return {
         "path": str(p),
@@ -264,6 +265,7 @@ def inspect(path: str | Path, fmt: str | None = None, sample_tokens: int = 64) -
         "vocab_from": None if meta is None else meta.get("vocab_from", "meta.json"),
         "tokenizer": tokenizer.get("kind"),
         "splits": splits,
+        "sample_from": first,
         "sample_ids": np.asarray(arrays[0][:16]).tolist() if arrays else [],
         "sample": _sample(where, meta, arrays, sample_tokens),
     }
@@ -292,7 +294,7 @@ def _print_inspect(info: dict) -> None:
         ids = "-" if s["min_id"] is None else f"{s['min_id']}..{s['max_id']}"
         table.add_row(name, str(len(s["files"])), ",".join(s["dtype"]), f"{s['tokens']:,}", docs, ids)
     con.print(table)
-    con.print(f"first ids: {info['sample_ids']}", markup=False)
+    con.print(f"first ids of {info['sample_from']}: {info['sample_ids']}", markup=False)
     if info["sample"] is not None:
         con.print(f"decoded: {info['sample']!r}", markup=False)
 

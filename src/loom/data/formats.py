@@ -84,8 +84,8 @@ def check_ids_fit(ids: np.ndarray, dtype, target: str) -> None:
         )
 
 
-def _write_atomic(path: Path, ids: np.ndarray, dtype, header: bytes | None = None, npy: bool = False) -> None:
-    """ids (after an optional header) to `path.tmp`, renamed to `path` once complete."""
+def _write_atomic(path: Path, ids: np.ndarray, dtype, npy: bool = False) -> None:
+    """ids (after a .npy header when `npy`) to `path.tmp`, renamed to `path` once complete."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         if npy:
@@ -93,8 +93,6 @@ def _write_atomic(path: Path, ids: np.ndarray, dtype, header: bytes | None = Non
             np.lib.format.write_array_header_1_0(
                 f, {"descr": descr, "fortran_order": False, "shape": (len(ids),)}
             )
-        if header:
-            f.write(header)
         write_ids(f, ids, dtype)
     os.replace(tmp, path)
 

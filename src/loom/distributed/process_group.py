@@ -48,12 +48,22 @@ def init(env: DistEnv, device: torch.device, timeout_s: float) -> None:
     log.info(f"process group: {backend}, world {env.world_size}, launcher {env.source}, timeout {timeout_s:.0f}s")
 
 
-def shutdown(clean: bool = True) -> None:
-    """Barrier (when the run ended normally) then destroy; safe to call when not initialised."""
+def shutdown(clean: bool = True, destroy_timeout_s: float = 30.0) -> None:
+    """Barrier (when the run ended normally) then destroy; safe to call when not initialised.
+
+    destroy_process_group() has been seen to hang on rank 0 of a 4-process gloo job after every other rank
+    had destroyed and exited; it runs in a daemon thread so a hang costs at most destroy_timeout_s.
+    """
+    import threading
+
     if not dist.is_initialized():
         return
     try:
         if clean:
             dist.barrier()
     finally:
-        dist.destroy_process_group()
+        t = threading.Thread(target=dist.destroy_process_group, daemon=True)
+        t.start()
+        t.join(destroy_timeout_s)
+        if t.is_alive():
+            log.warn(f"destroy_process_group did not return within {destroy_timeout_s:.0f}s; leaving it")

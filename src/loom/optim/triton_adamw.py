@@ -26,6 +26,7 @@ Triton is imported only when an optimizer is built; `import loom.optim.triton_ad
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -191,9 +192,8 @@ class TritonAdamW(torch.optim.Optimizer):
                         fused=None, decoupled_weight_decay=True)  # fmt: skip
         super().__init__(params, defaults)
         self.launches = 0
-        self._blocks: tuple[tuple, torch.Tensor, np.ndarray] | None = (
-            None  # (numels, block→row, first blocks)
-        )
+        # (row numels, program → row on the device, each row's first program), rebuilt when shapes change
+        self._blocks: tuple[tuple, torch.Tensor, np.ndarray] | None = None
         devices = {p.device for g in self.param_groups for p in g["params"]}
         if len(devices) > 1:
             raise LoomError(
@@ -273,8 +273,11 @@ class TritonAdamW(torch.optim.Optimizer):
         rows_t = torch.from_numpy(rows)
         if self.device.type != "cpu":
             rows_t = rows_t.pin_memory().to(self.device, non_blocking=True)
-        _kernel()[(n_blocks,)](rows_t, block_row, BLOCK=BLOCK, ROW=ROW, ALIGNED=aligned,
-                               num_warps=NUM_WARPS, enable_fp_fusion=False)  # fmt: skip
+        # Triton launches on the current device's current stream: make that the parameters' device
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with on_device:
+            _kernel()[(n_blocks,)](rows_t, block_row, BLOCK=BLOCK, ROW=ROW, ALIGNED=aligned,
+                                   num_warps=NUM_WARPS, enable_fp_fusion=False)  # fmt: skip
         self.launches += 1
         return loss
 

@@ -84,12 +84,16 @@ def build_dp(impl: str, env: DistEnv, cfg: Config, device):
 
 
 def shutdown(dp, clean: bool) -> None:
+    """Every rank waits for the others (rank 0 may still be sampling or saving) before leaving."""
     from loom.parallel.ddp import TorchDDP
+    from loom.parallel.mpi_trainer import MpiDP
 
     if isinstance(dp, TorchDDP):
         from loom.distributed import process_group
 
         process_group.shutdown(clean)
+    elif isinstance(dp, MpiDP) and clean:
+        dp.comm.Barrier()
 
 
 def agree(dp, fn):

@@ -13,8 +13,6 @@ import torch
 
 from loom import log
 from loom.config import Config, config_from_dict, diff_configs, load_toml
-from loom.data.loader import read_meta, split_paths
-from loom.data.shards import read_header
 from loom.errors import LoomError
 from loom.metrics import cache_dir
 
@@ -37,13 +35,10 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
 
 
 def check_data_dir(path: str | Path) -> dict:
-    """Validate a prepared directory (meta.json, every shard header) and return its meta."""
-    meta = read_meta(path) if (Path(path) / "meta.json").is_file() else None
-    for split in ("train", "val"):
-        for p in split_paths(path, split):  # raises if not a prepared directory
-            read_header(p)
-    assert meta is not None
-    return meta
+    """Validate a data directory in any readable format (every shard opened) and return its meta."""
+    from loom.data.formats import check_dir
+
+    return check_dir(path)
 
 
 def resolve_data(cfg: Config, main_process: bool = True) -> Path:

@@ -56,7 +56,7 @@ class Trainer:
         # Data first: a block_size the data cannot provide fails here, before the model is built.
         self.loader = ShardLoader(data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, self.dp.rank, self.dp.size)
         self.valset = ValSet(data_dir, cfg.model.block_size, t.eval_batches * t.batch_size, self.dp.rank, self.dp.size)
-        self.tokenizer = load_tokenizer(data_dir, self.meta)
+        self.tokenizer = load_tokenizer(data_dir, self.meta) if self.meta.get("tokenizer") else None
         self.raw_model = build_model(cfg, self.meta["vocab_size"], device)
         self.dp.broadcast_model(self.raw_model)
         self.model = self.dp.wrap(self.raw_model)
@@ -253,7 +253,7 @@ class Trainer:
                 log.info(f"step {self.step:>6} | val loss {last_val:.4f}", style="bold")
                 if self.metrics:
                     self.metrics.write({"step": self.step, "tokens": rec["tokens"], "val_loss": last_val})
-            if (self._due(t.sample_every) or final) and (self.main or self.dp.sharded):
+            if (self._due(t.sample_every) or final) and (self.main or self.dp.sharded) and self.tokenizer:
                 text = self.sample()  # with FSDP every rank runs the forward passes; rank 0 keeps the text
                 if self.main:
                     log.info(f"--- sample at step {self.step} ---\n{text}\n---")
