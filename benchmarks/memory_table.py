@@ -41,7 +41,9 @@ def main() -> None:
         rec = [x for x in read_jsonl(tmp / run / "metrics.jsonl") if "mem_params" in x][-1]
         rows[name] = {k: rec[f"mem_{k}"] for k in ("params", "grads", "optim")} | {"peak": rec["mem_bytes"]}
     base = rows["dp=1"]
-    print(f"{'run':<12} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} {'state/dp=1':>11} {'peak RSS MiB':>13}")
+    print(
+        f"{'run':<12} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} {'state/dp=1':>11} {'peak RSS MiB':>13}"
+    )
     for name, m in rows.items():
         state = (m["params"] + m["grads"] + m["optim"]) / (base["params"] + base["grads"] + base["optim"])
         print(f"{name:<12} {m['params'] / 2**20:>11.2f} {m['grads'] / 2**20:>10.2f} {m['optim'] / 2**20:>10.2f}"

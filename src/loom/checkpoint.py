@@ -90,7 +90,9 @@ def verify(path: str | Path) -> None:
         if not f.is_file():
             raise LoomError(f"checkpoint '{path}' is missing {name}")
         if f.stat().st_size != rec["bytes"]:
-            raise LoomError(f"checkpoint file '{f}' has {f.stat().st_size} bytes, manifest says {rec['bytes']}")
+            raise LoomError(
+                f"checkpoint file '{f}' has {f.stat().st_size} bytes, manifest says {rec['bytes']}"
+            )
         if _sha256(f) != rec["sha256"]:
             raise LoomError(f"checkpoint file '{f}' does not match its SHA-256 in the manifest (corrupt)")
 

@@ -79,7 +79,9 @@ def _data(argv: list[str]) -> int:
     pp.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
     pp.add_argument("--tokenizer", default="char", help="char | bpe | PATH/tokenizer.json (default char)")
     pp.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
-    pp.add_argument("--val-fraction", type=float, default=0.1, help="share of documents for val (default 0.1)")
+    pp.add_argument(
+        "--val-fraction", type=float, default=0.1, help="share of documents for val (default 0.1)"
+    )
     pp.add_argument("--split-mode", default="docs", choices=["docs", "tail"],
                     help="docs: whole documents by seeded shuffle; tail: last characters (nanoGPT)")  # fmt: skip
     pp.add_argument("--jsonl-field", default="text", help="JSONL field / Parquet column holding the text")
@@ -87,8 +89,8 @@ def _data(argv: list[str]) -> int:
     pp.add_argument("--seed", type=int, default=1337)
     pp.add_argument("--force", action="store_true", help="replace an existing output directory")
     args = p.parse_args(argv)
-    from loom.data.prepare import prepare
     from loom.data.corpus import corpus_files
+    from loom.data.prepare import prepare
 
     inputs = corpus_files(args.corpus) if args.corpus else args.input
     prepare(
@@ -190,7 +192,9 @@ def _bench(argv: list[str]) -> int:
         "peak": "loom.bench.peak:peak_main",
     }
     if not argv or argv[0] not in benches:
-        print(f"usage: loom bench {{{','.join(benches)}}} [args]   (loom bench <name> --help)", file=sys.stderr)
+        print(
+            f"usage: loom bench {{{','.join(benches)}}} [args]   (loom bench <name> --help)", file=sys.stderr
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     import importlib
 
@@ -216,10 +220,16 @@ VERBS = {
     "generate": (_generate, "sample from a trained run"),
     "eval": (_eval, "validation loss and perplexity of a run"),
     "plot": (_plot, "plot loss curves of one or more runs"),
-    "verify": (_verify, "prove N processes learn the same curve as one: loom verify --strategies ddp --nproc 2"),
+    "verify": (
+        _verify,
+        "prove N processes learn the same curve as one: loom verify --strategies ddp --nproc 2",
+    ),
     "bench": (_bench, "benchmarks: loom bench comm | optim | peak"),
     "doctor": (_doctor, "environment report: versions, devices, GPU links, MPI, compile (--json)"),
-    "launch": (_launch, "run a command under torchrun, mpiexec or srun: loom launch [opts] -- loom train ..."),
+    "launch": (
+        _launch,
+        "run a command under torchrun, mpiexec or srun: loom launch [opts] -- loom train ...",
+    ),
 }
 
 
@@ -244,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         import difflib
 
         close = difflib.get_close_matches(argv[0], VERBS, n=1)
-        print(f"loom: unknown verb '{argv[0]}'" + (f"; did you mean '{close[0]}'?" if close else ""), file=sys.stderr)
+        print(
+            f"loom: unknown verb '{argv[0]}'" + (f"; did you mean '{close[0]}'?" if close else ""),
+            file=sys.stderr,
+        )
         print(_usage(), file=sys.stderr)
         return 2
     try:

@@ -59,7 +59,9 @@ class ModelConfig:
 class TrainConfig:
     steps: int = _f(1000, "Optimizer steps.")
     batch_size: int = _f(16, "Global batch in sequences per optimizer step (all ranks, all micro-steps).")
-    micro_batch_size: int = _f(0, "Sequences per device per forward pass; 0: batch_size / dp (no accumulation).")
+    micro_batch_size: int = _f(
+        0, "Sequences per device per forward pass; 0: batch_size / dp (no accumulation)."
+    )
     eval_every: int = _f(200, "Evaluate validation loss every N steps (0: never; always at the end).")
     eval_batches: int = _f(20, "Validation set size in global batches (a fixed set of sequences).")
     ckpt_every: int = _f(500, "Write a checkpoint every N steps (0: only at the end).")
@@ -93,11 +95,18 @@ class PrecisionConfig:
 @dataclass
 class ParallelConfig:
     dp_impl: str = _f(
-        "auto", "Data parallel: auto (ddp when world size > 1, else none) | none | ddp | zero1 | zero2 | fsdp | mpi."
+        "auto",
+        "Data parallel: auto (ddp when world size > 1, else none) | none | ddp | zero1 | zero2 | fsdp | mpi.",
     )
-    param_dtype: str = _f("", "zero2/fsdp: dtype of gathered parameters for compute (fp32 | bf16 | fp16; empty: as is).")
-    reduce_dtype: str = _f("", "zero2/fsdp: dtype of the gradient reduce-scatter (empty: the parameter dtype).")
-    cpu_offload: bool = _f(False, "zero2/fsdp: keep sharded parameters, gradients and optimizer state in host memory.")
+    param_dtype: str = _f(
+        "", "zero2/fsdp: dtype of gathered parameters for compute (fp32 | bf16 | fp16; empty: as is)."
+    )
+    reduce_dtype: str = _f(
+        "", "zero2/fsdp: dtype of the gradient reduce-scatter (empty: the parameter dtype)."
+    )
+    cpu_offload: bool = _f(
+        False, "zero2/fsdp: keep sharded parameters, gradients and optimizer state in host memory."
+    )
     mpi_sync: str = _f("bucketed", "dp_impl=mpi gradient sync: naive (Allreduce per parameter) | bucketed.")
     bucket_mb: float = _f(25.0, "dp_impl=mpi bucketed sync: bucket size in MiB (DDP's default is 25).")
     mpi_allreduce: str = _f("mpi", "dp_impl=mpi bucketed sync: mpi (Iallreduce) | ring (loom's own ring).")
@@ -222,7 +231,9 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     while i < len(args):
         a = args[i]
         if not a.startswith("--") or "." not in a.split("=")[0]:
-            raise LoomError(f"unrecognised argument '{a}'", hint="config overrides look like --section.key=value")
+            raise LoomError(
+                f"unrecognised argument '{a}'", hint="config overrides look like --section.key=value"
+            )
         if "=" in a:
             k, v = a[2:].split("=", 1)
         else:

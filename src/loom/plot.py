@@ -25,9 +25,9 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
         val = [(r["tokens"], r["val_loss"]) for r in recs if "val_loss" in r]
         name = Path(rd).name
         if train:
-            ax.plot(*zip(*train), color=color, alpha=0.6, label=f"{name} train")
+            ax.plot(*zip(*train, strict=True), color=color, alpha=0.6, label=f"{name} train")
         if val:
-            ax.plot(*zip(*val), color=color, marker="o", linestyle="--", label=f"{name} val")
+            ax.plot(*zip(*val, strict=True), color=color, marker="o", linestyle="--", label=f"{name} val")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)

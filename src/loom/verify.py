@@ -54,8 +54,10 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in [
-        *(Strategy(k, lambda n, a, k=k: [*PY, f"--nproc={n}", f"--parallel.dp_impl={k}", *a])
-          for k in ("ddp", "zero1", "zero2", "fsdp")),
+        *(
+            Strategy(k, lambda n, a, k=k: [*PY, f"--nproc={n}", f"--parallel.dp_impl={k}", *a])
+            for k in ("ddp", "zero1", "zero2", "fsdp")
+        ),
         Strategy("mpi-naive", _mpi("naive")),
         Strategy("mpi-bucketed", _mpi("bucketed")),
     ]
@@ -128,7 +130,9 @@ def plot(out_png: Path, runs: dict[str, Path]) -> None:
         ls = _losses(run)
         ax.plot(range(1, len(ls) + 1), ls, label=name, linestyle="-" if name == "reference" else "--")
         if name != "reference":
-            ax2.semilogy(range(1, len(ls) + 1), [abs(x - y) + 1e-12 for x, y in zip(ls, ref, strict=True)], label=name)
+            ax2.semilogy(
+                range(1, len(ls) + 1), [abs(x - y) + 1e-12 for x, y in zip(ls, ref, strict=True)], label=name
+            )
     ax.set_ylabel("train loss")
     ax.legend()
     ax2.set_ylabel("|loss - reference|")
@@ -153,7 +157,9 @@ def verify_main(argv: list[str]) -> int:
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown or not names:
-        raise LoomError(f"unknown strategy {', '.join(unknown) or '(none)'}", hint=f"known: {', '.join(STRATEGIES)}")
+        raise LoomError(
+            f"unknown strategy {', '.join(unknown) or '(none)'}", hint=f"known: {', '.join(STRATEGIES)}"
+        )
     if 16 % args.nproc or args.nproc < 2:
         raise LoomError(f"--nproc {args.nproc} must be 2, 4, 8 or 16 (it divides the global batch of 16)")
     out = Path(args.out or f"runs/verify-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -185,7 +191,9 @@ def verify_main(argv: list[str]) -> int:
 def _table(records: list[dict], tol_loss: float, tol_param: float, steps: int) -> None:
     from rich.table import Table
 
-    t = Table(title=f"loom verify: {steps} steps fp32 vs 1 process (tolerance loss {tol_loss:g}, param {tol_param:g})")
+    t = Table(
+        title=f"loom verify: {steps} steps fp32 vs 1 process (tolerance loss {tol_loss:g}, param {tol_param:g})"
+    )
     for col in ("strategy", "world size", "grad accum", "max |Δloss|", "max |Δparam|", "result"):
         t.add_column(col)
     for r in records:

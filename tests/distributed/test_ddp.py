@@ -59,12 +59,14 @@ def test_two_torchrun_nodes_on_loopback(tmp_path, char_data):
     port = _free_port()
     args = [f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=nodes", "--train.steps=6", *TINY]
     procs = []
-    for node in range(2):
+    for _node in range(2):
         cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loomtest", "--no-python",
                *LOOM, "train", *args]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "world 2" in "".join(outs)

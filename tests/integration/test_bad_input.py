@@ -77,7 +77,9 @@ def test_resume_without_checkpoint(char_data, tmp_path, capsys):
     run = tmp_path / "r"
     run.mkdir()
     (run / "config.toml").write_text("[train]\nsteps = 2\n")
-    assert main(["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=r", "--resume"]) == 2
+    assert (
+        main(["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=r", "--resume"]) == 2
+    )
     assert "no valid checkpoint" in capsys.readouterr().err
 
 
@@ -87,7 +89,10 @@ def test_resume_without_checkpoint(char_data, tmp_path, capsys):
         (["--input", "{tmp}/missing.txt"], "does not exist"),
         (["--input", "{tmp}/empty.txt"], "corpus is empty"),
         (["--input", "{tmp}/blob.bin"], "looks binary"),
-        (["--input", "{tmp}/a.txt", "--tokenizer", "bpe", "--vocab-size", "100"], "too small for byte-level BPE"),
+        (
+            ["--input", "{tmp}/a.txt", "--tokenizer", "bpe", "--vocab-size", "100"],
+            "too small for byte-level BPE",
+        ),
     ],
 )
 def test_bad_prepare_input(tmp_path, capsys, args, message):

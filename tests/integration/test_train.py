@@ -59,7 +59,10 @@ def test_resume_is_bit_exact(char_data, tmp_path):
 
 
 def test_resume_newest_and_generate_eval_plot(char_data, tmp_path, capsys):
-    assert train(char_data, tmp_path, "r", "--train.steps=6", "--train.ckpt_every=3", "--train.sample_every=0") == 0
+    assert (
+        train(char_data, tmp_path, "r", "--train.steps=6", "--train.ckpt_every=3", "--train.sample_every=0")
+        == 0
+    )
     run = tmp_path / "r"
     # bare --resume with a longer schedule continues the named run from its newest checkpoint
     assert train(char_data, tmp_path, "r", "--train.steps=8", "--resume", "--train.sample_every=0") == 0
@@ -68,7 +71,12 @@ def test_resume_newest_and_generate_eval_plot(char_data, tmp_path, capsys):
     assert main(["generate", str(run), "--prompt", "The ", "--max-new-tokens", "15", "--seed", "3"]) == 0
     out1 = capsys.readouterr().out
     assert out1.startswith("The ") and len(out1) > 10
-    assert main(["generate", str(run), "--prompt", "The ", "--max-new-tokens", "15", "--seed", "3", "--no-cache"]) == 0
+    assert (
+        main(
+            ["generate", str(run), "--prompt", "The ", "--max-new-tokens", "15", "--seed", "3", "--no-cache"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == out1  # the KV cache changes speed, not text
     assert main(["eval", str(run)]) == 0
     out = capsys.readouterr().out
@@ -78,7 +86,9 @@ def test_resume_newest_and_generate_eval_plot(char_data, tmp_path, capsys):
 
 
 def test_python_dash_m_and_help_config(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "loom", "train", "--help-config"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "loom", "train", "--help-config"], capture_output=True, text=True
+    )
     assert r.returncode == 0
     for key in ("run.dir", "data.path", "model.block_size", "train.micro_batch_size", "optim.grad_clip",
                 "precision.dtype", "parallel.dp_impl"):  # fmt: skip

@@ -34,7 +34,7 @@ def test_resolution_order(tmp_path):
 
 
 def test_toml_round_trip(tmp_path):
-    cfg = load_config(None, ["--run.name=a \"quoted\" name", "--model.bias=true"])
+    cfg = load_config(None, ['--run.name=a "quoted" name', "--model.bias=true"])
     f = tmp_path / "out.toml"
     f.write_text(to_toml(cfg))
     assert load_config(f) == cfg

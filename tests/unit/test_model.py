@@ -13,7 +13,9 @@ from loom.model.gpt import GPT, GPTConfig, KVCache
 
 def tiny(**kw) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(**{"vocab_size": 70, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, **kw}))
+    return GPT(
+        GPTConfig(**{"vocab_size": 70, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, **kw})
+    )
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -15,7 +15,7 @@ def test_warmup_then_cosine_to_min():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[10] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1)
     assert lrs[60] == pytest.approx(0.1 + 0.5 * (1 + math.cos(math.pi * 0.5)) * 0.9)
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
 
 
 def _save(d, step, keep=3):

@@ -57,7 +57,7 @@ class TokenWindows:
         T = self.block_size
         out = np.empty((len(window_ids), T + 1), dtype=np.int64)
         shard = np.searchsorted(self.cum, window_ids, side="right") - 1
-        for i, (w, s) in enumerate(zip(window_ids, shard)):
+        for i, (w, s) in enumerate(zip(window_ids, shard, strict=True)):
             start = shift + (int(w) - int(self.cum[s])) * T
             out[i] = self.arrays[s][start : start + T + 1]
         return torch.from_numpy(out)
@@ -114,7 +114,12 @@ class ShardLoader:
         return self.cursor / self.windows.n
 
     def state_dict(self) -> dict:
-        return {"cursor": self.cursor, "seed": self.seed, "block_size": self.block_size, "windows": self.windows.n}
+        return {
+            "cursor": self.cursor,
+            "seed": self.seed,
+            "block_size": self.block_size,
+            "windows": self.windows.n,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["block_size"] != self.block_size or state["windows"] != self.windows.n:
@@ -129,7 +134,9 @@ class ShardLoader:
 class ValSet:
     """A fixed validation set: up to n_rows windows evenly spaced over the val split (no repeats)."""
 
-    def __init__(self, data_dir: str | Path, block_size: int, n_rows: int, dp_rank: int = 0, dp_size: int = 1):
+    def __init__(
+        self, data_dir: str | Path, block_size: int, n_rows: int, dp_rank: int = 0, dp_size: int = 1
+    ):
         self.windows = TokenWindows(open_split(data_dir, "val"), block_size, "val")
         n = min(n_rows, self.windows.n)
         ids = np.unique(np.linspace(0, self.windows.n - 1, n).round().astype(np.int64))

@@ -100,7 +100,9 @@ def read_documents(inputs: list[str | Path], glob: str = "*", jsonl_field: str =
     for p in paths:
         if p.is_dir():
             found = sorted(
-                f for f in p.rglob(glob) if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts)
+                f
+                for f in p.rglob(glob)
+                if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts)
             )
             for f in found:
                 if f.suffix == ".jsonl":
@@ -119,11 +121,15 @@ def read_documents(inputs: list[str | Path], glob: str = "*", jsonl_field: str =
     if not docs.texts:
         where = ", ".join(str(p) for p in paths)
         extra = f" ({len(docs.skipped_binary)} binary files skipped)" if docs.skipped_binary else ""
-        raise LoomError(f"the corpus is empty: no text found in {where}{extra}", hint="check --input and --glob")
+        raise LoomError(
+            f"the corpus is empty: no text found in {where}{extra}", hint="check --input and --glob"
+        )
     return docs
 
 
-def split_documents(texts: list[str], val_fraction: float, mode: str, seed: int) -> tuple[list[str], list[str]]:
+def split_documents(
+    texts: list[str], val_fraction: float, mode: str, seed: int
+) -> tuple[list[str], list[str]]:
     """Train/val split. `docs`: whole documents, chosen by a seeded shuffle; `tail`: the last fraction of the
     concatenated characters (nanoGPT's 90/10 split). A single document falls back to `tail`."""
     if not 0.0 < val_fraction < 1.0:
@@ -131,7 +137,9 @@ def split_documents(texts: list[str], val_fraction: float, mode: str, seed: int)
     if mode == "docs" and len(texts) >= 2:
         n_val = min(len(texts) - 1, max(1, round(val_fraction * len(texts))))
         val_idx = set(np.random.default_rng(seed).permutation(len(texts))[:n_val].tolist())
-        return [t for i, t in enumerate(texts) if i not in val_idx], [t for i, t in enumerate(texts) if i in val_idx]
+        return [t for i, t in enumerate(texts) if i not in val_idx], [
+            t for i, t in enumerate(texts) if i in val_idx
+        ]
     if mode not in ("docs", "tail"):
         raise LoomError(f"unknown --split-mode '{mode}'", hint="use docs or tail")
     total = sum(len(t) for t in texts)
@@ -296,7 +304,9 @@ def _write_prepared(tmp: Path, tok, kind: str, train: list[str], val: list[str],
         tokens = encode_documents(tok, texts, name)
         n_shards = max(1, -(-tokens.size // shard_tokens))
         for i in range(n_shards):
-            write_shard(tmp / f"{name}_{i:06d}.bin", tokens[i * shard_tokens : (i + 1) * shard_tokens], version)
+            write_shard(
+                tmp / f"{name}_{i:06d}.bin", tokens[i * shard_tokens : (i + 1) * shard_tokens], version
+            )
         splits[name] = {"tokens": int(tokens.size), "documents": len(texts), "shards": n_shards}
     return {
         "format": "llm.c",
@@ -312,5 +322,11 @@ def prepare_corpus(name: str, out: str | Path, tokenizer: str, vocab_size: int, 
     from loom.data.corpus import corpus_files
 
     return prepare(
-        corpus_files(name), out, tokenizer, vocab_size, seed=seed, source=f"built-in corpus {name}", force=True
+        corpus_files(name),
+        out,
+        tokenizer,
+        vocab_size,
+        seed=seed,
+        source=f"built-in corpus {name}",
+        force=True,
     )

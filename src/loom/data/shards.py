@@ -35,7 +35,9 @@ def write_shard(path: str | Path, tokens: np.ndarray, version: int | None = None
     if tokens.size and int(tokens.min()) < 0:
         raise LoomError(f"token id {int(tokens.min())} is negative: not a valid token")
     if tokens.size and int(tokens.max()) > np.iinfo(dtype).max:
-        raise LoomError(f"token id {int(tokens.max())} does not fit in {np.dtype(dtype).name} (version {version})")
+        raise LoomError(
+            f"token id {int(tokens.max())} does not fit in {np.dtype(dtype).name} (version {version})"
+        )
     header = np.zeros(HEADER_INTS, dtype=np.int32)
     header[:3] = (MAGIC, version, tokens.size)
     path = Path(path)
@@ -59,7 +61,9 @@ def read_header(path: str | Path) -> tuple[int, int]:
     path = Path(path)
     size = path.stat().st_size
     if size < HEADER_BYTES:
-        raise LoomError(f"shard '{path}' is {size} bytes, shorter than the 1024-byte llm.c header (truncated?)")
+        raise LoomError(
+            f"shard '{path}' is {size} bytes, shorter than the 1024-byte llm.c header (truncated?)"
+        )
     header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
     if int(header[0]) != MAGIC:
         raise LoomError(

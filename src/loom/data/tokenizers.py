@@ -42,7 +42,9 @@ class CharTokenizer:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids) -> str:
-        return "".join(self.chars[i] if i < len(self.chars) else ("\n" if i == self.eot_id else "") for i in ids)
+        return "".join(
+            self.chars[i] if i < len(self.chars) else ("\n" if i == self.eot_id else "") for i in ids
+        )
 
     def save(self, out_dir: str | Path) -> str:
         (Path(out_dir) / self.filename).write_text(json.dumps({"chars": self.chars}), encoding="utf-8")

@@ -45,7 +45,9 @@ def init(env: DistEnv, device: torch.device, timeout_s: float) -> None:
             f"as rank {env.rank}/{env.world_size}: {e}",
             hint="check that MASTER_ADDR is reachable from every node and MASTER_PORT is free",
         ) from None
-    log.info(f"process group: {backend}, world {env.world_size}, launcher {env.source}, timeout {timeout_s:.0f}s")
+    log.info(
+        f"process group: {backend}, world {env.world_size}, launcher {env.source}, timeout {timeout_s:.0f}s"
+    )
 
 
 def shutdown(clean: bool = True, destroy_timeout_s: float = 30.0) -> None:

@@ -57,13 +57,17 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
     """(config, model with the newest valid checkpoint's weights, tokenizer, data meta, checkpoint path)."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
-        raise LoomError(f"'{run_dir}' is not a loom run directory (no config.toml)", hint="give a runs/<name> folder")
+        raise LoomError(
+            f"'{run_dir}' is not a loom run directory (no config.toml)", hint="give a runs/<name> folder"
+        )
     cfg = config_from_dict(load_toml(run_dir / "config.toml"))
     meta = read_meta(run_dir / "tokenizer")
     tokenizer = load_tokenizer(run_dir / "tokenizer", meta) if meta.get("tokenizer") else None
     path = Path(ckpt) if ckpt else checkpoint.latest_valid(run_dir / "ckpt")
     if path is None:
-        raise LoomError(f"run '{run_dir}' has no valid checkpoint", hint="train it (checkpoints are written at the end)")
+        raise LoomError(
+            f"run '{run_dir}' has no valid checkpoint", hint="train it (checkpoints are written at the end)"
+        )
     tensors, _ = checkpoint.load(path, map_location=device)
     model = GPT(model_config(cfg, meta["vocab_size"])).to(device)
     model.load_state_dict(tensors["model"])

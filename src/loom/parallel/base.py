@@ -72,7 +72,9 @@ def model_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dic
     """Parameters, gradients and optimizer state actually held by this rank."""
     params = list(model.parameters())
     inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its local shard in .optim
-    states = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    states = [
+        v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
     return {
         "params": local_bytes(params),
         "grads": local_bytes(p.grad for p in params),

@@ -86,11 +86,15 @@ class TorchFSDP(TorchDDP):
         set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))
 
     def optim_state(self, model, opt):
-        fqn_sd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        fqn_sd = get_optimizer_state_dict(
+            model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         return to_index_keys(fqn_sd, model, opt) if fqn_sd else {}
 
     def load_optim_state(self, model, opt, sd):
-        set_optimizer_state_dict(model, opt, to_fqn_keys(sd, model, opt), options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            model, opt, to_fqn_keys(sd, model, opt), options=StateDictOptions(full_state_dict=True)
+        )
 
 
 def _names_in_optimizer_order(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:

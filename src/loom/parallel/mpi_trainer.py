@@ -25,7 +25,9 @@ class MpiDP(DataParallel):
         if sync not in ("naive", "bucketed"):
             raise LoomError(f"unknown parallel.mpi_sync '{sync}'", hint="use naive or bucketed")
         if bucket_mb <= 0:
-            raise LoomError(f"parallel.bucket_mb must be > 0, got {bucket_mb}", hint="e.g. 25 (DDP's default)")
+            raise LoomError(
+                f"parallel.bucket_mb must be > 0, got {bucket_mb}", hint="e.g. 25 (DDP's default)"
+            )
         self.comm = mpi_comm()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.kind, self.bucket_mb, self.allreduce = sync, bucket_mb, allreduce

@@ -9,8 +9,8 @@ from loom import checkpoint, log
 from loom.config import Config, Derived, validate
 from loom.env import DistEnv, detect_env
 from loom.errors import LoomError
-from loom.train.setup import resolve_data, resolve_device, resolve_run_dir, resumed_config
 from loom.parallel.base import DataParallel
+from loom.train.setup import resolve_data, resolve_device, resolve_run_dir, resumed_config
 from loom.train.trainer import Trainer
 
 
@@ -65,7 +65,9 @@ def build_dp(impl: str, env: DistEnv, cfg: Config, device):
 
         p = cfg.parallel
         if impl in ("zero2", "fsdp"):  # validate options before joining the group
-            dp = TorchFSDP(env.rank, env.world_size, device, impl == "fsdp", p.param_dtype, p.reduce_dtype, p.cpu_offload)
+            dp = TorchFSDP(
+                env.rank, env.world_size, device, impl == "fsdp", p.param_dtype, p.reduce_dtype, p.cpu_offload
+            )
         process_group.init(env, device, p.timeout_s)
         if impl == "ddp":
             return TorchDDP(env.rank, env.world_size, device)
@@ -149,7 +151,9 @@ def run(
         check_same_config(dp, cfg)
         plan = agree(dp, lambda: plan_run(cfg, resume, force, explicit or set(), dp.size))
         if plan.cfg.run.rank_logs:
-            log.setup(rank=env.rank, all_ranks=log_all_ranks, file=plan.run_dir / "logs" / f"rank{env.rank}.log")
+            log.setup(
+                rank=env.rank, all_ranks=log_all_ranks, file=plan.run_dir / "logs" / f"rank{env.rank}.log"
+            )
         log.info(
             f"global batch {plan.cfg.train.batch_size} x {plan.cfg.model.block_size} = "
             f"{plan.derived.tokens_per_step:,} tokens/step | micro-batch {plan.derived.micro_batch_size}"

@@ -28,9 +28,13 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     try:
         dev = torch.device(spec)
     except RuntimeError:
-        raise LoomError(f"train.device '{spec}' is not a device", hint="use auto, cpu, cuda, cuda:N or mps") from None
+        raise LoomError(
+            f"train.device '{spec}' is not a device", hint="use auto, cpu, cuda, cuda:N or mps"
+        ) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise LoomError("train.device asks for cuda but no CUDA device is available", hint="use train.device=auto")
+        raise LoomError(
+            "train.device asks for cuda but no CUDA device is available", hint="use train.device=auto"
+        )
     return dev
 
 
@@ -80,11 +84,15 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool) -> Path
     elif resume:
         run_dir = parent / cfg.run.name if cfg.run.name else _newest_run(parent)
         if run_dir is None:
-            raise LoomError(f"--resume: no run with checkpoints under '{parent}'", hint="start without --resume")
+            raise LoomError(
+                f"--resume: no run with checkpoints under '{parent}'", hint="start without --resume"
+            )
     else:
         name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
         if "/" in name or name in (".", ".."):
-            raise LoomError(f"run.name '{name}' must be a plain name, not a path", hint="use run.dir for the folder")
+            raise LoomError(
+                f"run.name '{name}' must be a plain name, not a path", hint="use run.dir for the folder"
+            )
         run_dir = parent / name
     if resume:
         if not run_dir.is_dir():
@@ -101,7 +109,9 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool) -> Path
             )
         shutil.rmtree(run_dir)
     elif run_dir.exists() and any(run_dir.iterdir()) and not force:
-        raise LoomError(f"run directory '{run_dir}' exists and is not a loom run", hint="pick another run.name")
+        raise LoomError(
+            f"run directory '{run_dir}' exists and is not a loom run", hint="pick another run.name"
+        )
     return run_dir  # created by the trainer once everything cheap has been checked
 
 

@@ -18,7 +18,9 @@ from loom.env import free_port
 from loom.errors import LoomError
 
 
-def launch_local(nproc: int, cfg: Config, child_argv: list[str], resume, force: bool, explicit: set[str]) -> int:
+def launch_local(
+    nproc: int, cfg: Config, child_argv: list[str], resume, force: bool, explicit: set[str]
+) -> int:
     """Check once here, then run `python -m loom train <child_argv>` in nproc processes. Returns an exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

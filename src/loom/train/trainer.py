@@ -22,8 +22,8 @@ from loom.generate import generate
 from loom.metrics import JsonlSink, Throughput, format_step, peak_flops, peak_memory_bytes
 from loom.model.flops import flops_per_token
 from loom.model.gpt import GPT
-from loom.parallel.base import DataParallel, model_state_bytes
 from loom.optim.schedule import lr_at
+from loom.parallel.base import DataParallel, model_state_bytes
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -32,7 +32,9 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
     """The single-device GPT for cfg.model, initialised from run.seed (identical on every rank)."""
     gcfg = model_config(cfg, vocab_size)
     if gcfg.vocab_size < vocab_size:
-        raise LoomError(f"model.vocab_size={gcfg.vocab_size} is smaller than the data's vocabulary {vocab_size}")
+        raise LoomError(
+            f"model.vocab_size={gcfg.vocab_size} is smaller than the data's vocabulary {vocab_size}"
+        )
     torch.manual_seed(cfg.run.seed)
     return GPT(gcfg).to(device)
 
@@ -54,8 +56,12 @@ class Trainer:
         self.data_dir = data_dir
         t = cfg.train
         # Data first: a block_size the data cannot provide fails here, before the model is built.
-        self.loader = ShardLoader(data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, self.dp.rank, self.dp.size)
-        self.valset = ValSet(data_dir, cfg.model.block_size, t.eval_batches * t.batch_size, self.dp.rank, self.dp.size)
+        self.loader = ShardLoader(
+            data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, self.dp.rank, self.dp.size
+        )
+        self.valset = ValSet(
+            data_dir, cfg.model.block_size, t.eval_batches * t.batch_size, self.dp.rank, self.dp.size
+        )
         self.tokenizer = load_tokenizer(data_dir, self.meta) if self.meta.get("tokenizer") else None
         self.raw_model = build_model(cfg, self.meta["vocab_size"], device)
         self.dp.broadcast_model(self.raw_model)
@@ -104,7 +110,9 @@ class Trainer:
         tensors, state = checkpoint.load(path, map_location=self.device)
         saved_model = state["config"]["model"]
         now = self.cfg.to_dict()["model"]
-        diff = [f"model.{k}: {saved_model.get(k)!r} -> {v!r}" for k, v in now.items() if saved_model.get(k) != v]
+        diff = [
+            f"model.{k}: {saved_model.get(k)!r} -> {v!r}" for k, v in now.items() if saved_model.get(k) != v
+        ]
         if diff:
             raise LoomError(f"checkpoint '{path}' was trained with another model shape: " + "; ".join(diff))
         self.dp.load_model_state(self.raw_model, tensors["model"])
@@ -116,7 +124,9 @@ class Trainer:
             torch.cuda.set_rng_state(tensors["extra"]["rng_cuda"], self.device)
         self.loader.load_state_dict(state["loader"])
         self.step = int(state["step"])
-        log.info(f"resumed from {path} at step {self.step} (saved with world size {state.get('world_size', 1)})")
+        log.info(
+            f"resumed from {path} at step {self.step} (saved with world size {state.get('world_size', 1)})"
+        )
 
     # ---------------------------------------------------------------- steps
     def _autocast(self):
@@ -230,7 +240,7 @@ class Trainer:
         return every > 0 and self.step % every == 0
 
     def train(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
+        t = self.cfg.train
         self.write_run_files()
         log.info(
             f"model {self.raw_model.num_params() / 1e6:.2f}M params | device {self.device} | dp {self.dp.size}"
