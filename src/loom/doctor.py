@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from loom import __version__, log
@@ -215,15 +216,15 @@ def _torch_versions() -> dict:
     }
 
 
-_MPI_PROBE = """
-import json
-from mpi4py import MPI
-from loom.parallel.mpi_dp import cuda_aware_mpi
-name, version = MPI.get_vendor()
-print(json.dumps({"vendor": name, "vendor_version": ".".join(map(str, version)),
-                  "library_version": MPI.Get_library_version().strip().splitlines()[0],
-                  "mpi_standard": "%d.%d" % MPI.Get_version(), "cuda_aware": cuda_aware_mpi()}))
-"""
+_MPI_PROBE = textwrap.dedent("""
+    import json
+    from mpi4py import MPI
+    from loom.parallel.mpi_dp import cuda_aware_mpi
+    name, version = MPI.get_vendor()
+    print(json.dumps({"vendor": name, "vendor_version": ".".join(map(str, version)),
+                      "library_version": MPI.Get_library_version().strip().splitlines()[0],
+                      "mpi_standard": "%d.%d" % MPI.Get_version(), "cuda_aware": cuda_aware_mpi()}))
+""")
 
 
 def _start(code: str) -> subprocess.Popen:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,7 +111,7 @@ def _integer(arr: np.ndarray, path: Path, what: str) -> np.ndarray:
     return arr
 
 
-class Format:
+class Format(ABC):
     """One on-disk token format: how a directory names its splits, and one file's reader and writer."""
 
     name = ""
@@ -122,9 +123,9 @@ class Format:
         found = {p for pat in self.patterns for p in d.glob(pat.format(split=split)) if p.is_file()}
         return sorted(found)
 
+    @abstractmethod
     def open(self, path: Path) -> np.ndarray:
         """The 1-D integer ids of one file, memory-mapped where the layout allows."""
-        raise NotImplementedError
 
     def read(self, path: Path) -> Tokens:
         return Tokens(self.open(Path(path)))
@@ -132,9 +133,9 @@ class Format:
     def default_dtype(self, max_id: int):
         return np.uint16 if max_id <= 0xFFFF else np.uint32
 
+    @abstractmethod
     def write(self, path: Path, data: Tokens, dtype=None) -> list[Path]:
         """Write one file; returns the paths written."""
-        raise NotImplementedError
 
     def out_name(self, split: str, index: int) -> str:
         """The file name of shard `index` of `split` when a whole directory is written."""
