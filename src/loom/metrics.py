@@ -47,7 +47,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_matmul_flops(device: torch.device, dtype: str, n: int = 1024, seconds: float = 0.5) -> float:
+def measure_matmul_flops(device: torch.device, dtype: str, n: int = 2048, seconds: float = 1.0) -> float:
     """Best FLOP/s of an n x n matmul on `device` over ~`seconds` (after a warm-up)."""
     dt = DTYPES[dtype]
     a = torch.randn(n, n, device=device, dtype=dt)
@@ -109,6 +109,7 @@ class Throughput:
     def __init__(self, flops_per_token: int, peak: float | None, n_devices: int, skip: int):
         self.flops_per_token, self.peak, self.n_devices, self.skip = flops_per_token, peak, n_devices, skip
         self.steps, self.tokens, self.seconds = 0, 0, 0.0
+        self.warned = False
 
     def step(self, tokens: int, dt: float) -> dict:
         self.steps += 1
@@ -121,7 +122,16 @@ class Throughput:
     def mfu(self, tokens_per_s: float) -> float | None:
         if self.peak is None:
             return None
-        return tokens_per_s * self.flops_per_token / (self.peak * self.n_devices)
+        mfu = tokens_per_s * self.flops_per_token / (self.peak * self.n_devices)
+        if mfu > 1.0 and not self.warned:
+            self.warned = True
+            from loom import log
+
+            log.warn(
+                f"MFU above 100%: the peak ({self.peak / 1e9:.0f} GFLOP/s per device) was measured while the "
+                f"machine was busy; delete {cache_dir() / 'cpu_peak.json'} to measure it again"
+            )
+        return mfu
 
     def summary(self) -> dict:
         if self.seconds == 0:
