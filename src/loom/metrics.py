@@ -48,21 +48,31 @@ def _cpu_name() -> str:
 
 
 def measure_matmul_flops(device: torch.device, dtype: str, n: int = 2048, seconds: float = 1.0) -> float:
-    """Best FLOP/s of an n x n matmul on `device` over ~`seconds` (after a warm-up)."""
+    """Best FLOP/s of an n x n matmul on `device` over ~`seconds` (after a warm-up).
+
+    n shrinks when one product would take more than a tenth of the budget (fp16 on a CPU runs at a few
+    GFLOP/s), so the measurement always ends in about `seconds`.
+    """
     dt = DTYPES[dtype]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    probe = torch.randn(256, 256, device=device, dtype=dt)
+    probe @ probe
+    sync()
+    t0 = time.perf_counter()
+    probe @ probe
+    sync()
+    rate = 2 * 256**3 / max(time.perf_counter() - t0, 1e-9)
+    n = max(256, min(n, int((rate * seconds / 10 / 2) ** (1 / 3)) // 64 * 64))
     a = torch.randn(n, n, device=device, dtype=dt)
     b = torch.randn(n, n, device=device, dtype=dt)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(2):
-        a @ b
+    a @ b
     sync()
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
+        a @ b
         sync()
-        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
     return best
 
 
