@@ -23,16 +23,18 @@ from pathlib import Path
 
 from loom.data.corpus import python_stdlib_files
 from loom.data.prepare import prepare
+from loom.launch.commands import local_mpiexec
 from loom.metrics import read_jsonl
-from loom.verify import _mpiexec
 
 MODEL = ["--model.n_layer=6", "--model.n_head=6", "--model.n_embd=384", "--model.block_size=256"]
 
 
-def run(name: str, launcher: list[str], extra: list[str], common: list[str], run_dir: Path) -> list[dict]:
-    """One training run with 1 thread per process; its metrics records."""
+def run(name: str, mpi_ranks: int, extra: list[str], common: list[str], run_dir: Path) -> list[dict]:
+    """One training run with 1 thread per process (under mpiexec when mpi_ranks > 0); its metrics records."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    argv = [*launcher, sys.executable, "-m", "loom", "train", f"--run.name={name}", *common, *extra]
+    argv = [sys.executable, "-m", "loom", "train", f"--run.name={name}", *common, *extra]
+    if mpi_ranks:
+        argv = local_mpiexec(argv, mpi_ranks)
     r = subprocess.run(argv, env=env, capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"{name} failed:\n{r.stderr[-3000:]}")
@@ -59,12 +61,11 @@ def main() -> None:
               "--train.log_every=1", "--train.eval_every=0", "--train.sample_every=0", "--train.ckpt_every=0",
               "--train.eval_batches=1", "--train.device=cpu"]  # fmt: skip
     two = [f"--train.batch_size={args.batch}"]
-    mpi = [_mpiexec(), "-n", "2"]
     results = {
-        "ddp": summarise(run("ddp", [], ["--nproc=2", "--parallel.dp_impl=ddp", *two], common, tmp), args.skip),
-        "mpi-naive": summarise(run("naive", mpi, ["--parallel.dp_impl=mpi", "--parallel.mpi_sync=naive", *two], common, tmp), args.skip),
-        "mpi-bucketed": summarise(run("bucketed", mpi, ["--parallel.dp_impl=mpi", "--parallel.mpi_sync=bucketed", *two], common, tmp), args.skip),
-        "1rank-half-batch": summarise(run("one", [], ["--parallel.dp_impl=none", f"--train.batch_size={args.batch // 2}"], common, tmp), args.skip),
+        "ddp": summarise(run("ddp", 0, ["--nproc=2", "--parallel.dp_impl=ddp", *two], common, tmp), args.skip),
+        "mpi-naive": summarise(run("naive", 2, ["--parallel.dp_impl=mpi", "--parallel.mpi_sync=naive", *two], common, tmp), args.skip),
+        "mpi-bucketed": summarise(run("bucketed", 2, ["--parallel.dp_impl=mpi", "--parallel.mpi_sync=bucketed", *two], common, tmp), args.skip),
+        "1rank-half-batch": summarise(run("one", 0, ["--parallel.dp_impl=none", f"--train.batch_size={args.batch // 2}"], common, tmp), args.skip),
     }  # fmt: skip
     ddp, naive, bucketed, one = (results[k] for k in ("ddp", "mpi-naive", "mpi-bucketed", "1rank-half-batch"))
     ratios = {

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -29,17 +28,11 @@ from loom.metrics import read_jsonl
 PY = [sys.executable, "-m", "loom", "train"]
 
 
-def _mpiexec() -> str:
-    cand = Path(sys.executable).parent / "mpiexec"
-    found = str(cand) if cand.exists() else shutil.which("mpiexec")
-    if not found:
-        raise LoomError("mpiexec not found for the mpi strategies", hint="pip install 'loom[mpi]'")
-    return found
-
-
 def _mpi(sync: str) -> Callable[[int, list[str]], list[str]]:
     def cmd(n: int, args: list[str]) -> list[str]:
-        return [_mpiexec(), "-n", str(n), *PY, "--parallel.dp_impl=mpi", f"--parallel.mpi_sync={sync}", *args]
+        from loom.launch.commands import local_mpiexec
+
+        return local_mpiexec([*PY, "--parallel.dp_impl=mpi", f"--parallel.mpi_sync={sync}", *args], n)
 
     return cmd
 

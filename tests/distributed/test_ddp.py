@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from loom.env import free_port
 from loom.metrics import read_jsonl
 
 LOOM = [sys.executable, "-m", "loom"]
@@ -47,16 +47,10 @@ def test_verify_ddp_matches_one_process(tmp_path, char_data, nproc):
     assert len(losses(out / "ddp")) == 30
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_torchrun_nodes_on_loopback(tmp_path, char_data):
     """Two single-process "nodes" rendezvous through c10d at 127.0.0.1 and train as dp=2."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    port = _free_port()
+    port = free_port()
     args = [f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=nodes", "--train.steps=6", *TINY]
     procs = []
     for _node in range(2):

@@ -9,16 +9,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from loom.bench.comm import comm_main, format_bytes, parse_size, parse_sizes
 from loom.bench.comm_backends import bus_factor, element_count, record
 from loom.errors import LoomError
+from loom.launch.commands import find_mpiexec
 
 FIELDS = {"backend", "op", "bytes", "world_size", "dtype", "time_us", "algbw_gbps", "busbw_gbps"}
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -131,8 +130,7 @@ def _check(records, backends, world_size=2):
 def _mpiexec() -> str:
     if importlib.util.find_spec("mpi4py") is None:
         pytest.skip("mpi4py is not installed (pip install 'loom[mpi]')")
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+    found = find_mpiexec()
     if found is None:
         pytest.skip("no mpiexec next to the interpreter or on PATH")
     return found

@@ -10,24 +10,19 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from loom.launch.commands import find_mpiexec
+
 WORKERS = Path(__file__).parent / "workers"
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-@functools.cache
-def find_mpiexec() -> str | None:
-    """mpiexec beside sys.executable, else the first on PATH, else None."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("mpiexec")
+find_mpiexec = functools.cache(find_mpiexec)
 
 
 @functools.cache

@@ -18,7 +18,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -193,24 +192,11 @@ def _in_this_job(args: argparse.Namespace, backends: list[str], ops: list[str], 
     return 0
 
 
-def _find_mpiexec() -> str:
-    """mpiexec beside the interpreter (the `mpich` wheel of loom[mpi] puts it there), else on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if os.access(beside, os.X_OK) else shutil.which("mpiexec")
-    if found is None:
-        raise LoomError("mpiexec not found (needed by --nproc with --backend mpi / ring)",
-                        hint="pip install 'loom[mpi]' (brings MPICH), or load your cluster's MPI module")  # fmt: skip
-    return found
-
-
 def _run_mpiexec(nproc: int, child: list[str]) -> str | None:
     """Run `child` on nproc MPI ranks; None on success, else what failed."""
-    from loom.launch.commands import detect_mpi_flavour, mpiexec_command
+    from loom.launch.commands import local_mpiexec
 
-    mpiexec = _find_mpiexec()
-    flavour = detect_mpi_flavour(mpiexec)
-    cmd = mpiexec_command(child, nnodes=1, nproc_per_node=nproc, flavour=flavour, as_root=os.geteuid() == 0)
-    code = subprocess.run([mpiexec, *cmd[1:]]).returncode
+    code = subprocess.run(local_mpiexec(child, nproc)).returncode
     return None if code == 0 else f"mpiexec exited with code {code}"
 
 

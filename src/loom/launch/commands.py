@@ -20,9 +20,12 @@ so that Open MPI, which forwards no environment by default, behaves like MPICH.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from loom.env import DEFAULT_MASTER_PORT
 from loom.errors import LoomError
@@ -229,6 +232,24 @@ def build_command(
             torchrun, nnodes=nnodes, nproc_per_node=1, hostfile=hostfile, flavour=mpi_flavour, as_root=as_root
         )
     return torchrun
+
+
+def find_mpiexec() -> str | None:
+    """mpiexec beside the interpreter (where the `mpich` wheel of loom[mpi] puts it), else on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+
+
+def local_mpiexec(command: Sequence[str], nproc: int) -> list[str]:
+    """`mpiexec` for nproc ranks on this machine, with Open MPI's root flags when they are needed."""
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise LoomError(
+            "mpiexec not found", hint="pip install 'loom[mpi]' (brings MPICH), or load your MPI module"
+        )
+    flavour = detect_mpi_flavour(mpiexec)
+    cmd = mpiexec_command(command, nnodes=1, nproc_per_node=nproc, flavour=flavour, as_root=os.geteuid() == 0)
+    return [mpiexec, *cmd[1:]]
 
 
 def parse_mpi_flavour(version_text: str) -> str:
