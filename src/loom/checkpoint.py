@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,29 +35,106 @@ def step_dir(ckpt_dir: str | Path, step: int) -> Path:
     return Path(ckpt_dir) / f"step_{step:06d}"
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, sync: bool = False) -> str:
+    """The file's SHA-256; with sync, also flush it to the disk (a node crash then cannot lose it)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
+        if sync:
+            os.fsync(f.fileno())
     return h.hexdigest()
 
 
-def save(ckpt_dir: str | Path, step: int, tensors: dict[str, Any], state: dict, keep_last: int) -> Path:
-    """Write a checkpoint for `step`; `tensors` maps 'model'/'optim'/'extra' to state dicts."""
+def estimate_bytes(tensors: dict[str, Any], state: dict) -> int:
+    """Bytes a checkpoint of these state dicts will take: tensor payloads, JSON, and torch's zip framing."""
+
+    def walk(obj) -> int:
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size() + 512
+        if isinstance(obj, dict):
+            return sum(walk(v) + 64 for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(walk(v) for v in obj)
+        return 64
+
+    return walk(tensors) + 2 * len(json.dumps(state)) + (1 << 20)
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists():  # the checkpoint folder may not exist yet: ask its nearest existing parent
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_free_space(ckpt_dir: str | Path, step: int, need: int, free: int | None = None) -> None:
+    """Raise LoomError before writing when the disk cannot hold `need` bytes (free: a test's override)."""
+    free = _free_bytes(Path(ckpt_dir)) if free is None else free
+    if free < need:
+        raise LoomError(
+            f"not enough disk space for checkpoint step {step} in '{ckpt_dir}': needs about "
+            f"{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free",
+            hint="free some space, lower train.keep_last, or set run.dir on a larger disk",
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(
+    ckpt_dir: str | Path,
+    step: int,
+    tensors: dict[str, Any],
+    state: dict,
+    keep_last: int,
+    free_bytes: int | None = None,
+    after_first_file: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write a checkpoint for `step`; `tensors` maps 'model'/'optim'/'extra' to state dicts.
+
+    Free space is checked first (against `estimate_bytes`); a write that fails half way (disk full, I/O
+    error) removes its temporary folder and raises LoomError, leaving every earlier checkpoint as it was.
+    `free_bytes` and `after_first_file` are test hooks (loom.faults): a fake free figure, and a call made
+    once the first file is on disk.
+    """
     final = step_dir(ckpt_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    for name in TENSOR_FILES:
-        torch.save(tensors.get(name.removesuffix(".pt"), {}), tmp / name)
-    (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
-    (tmp / "manifest.json").write_text(json.dumps({"step": step, "files": files}, indent=1), encoding="utf-8")
-    if final.exists():  # the same step saved again (e.g. the final step after a resume): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    check_free_space(ckpt_dir, step, estimate_bytes(tensors, state), free_bytes)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        for i, name in enumerate(TENSOR_FILES):
+            torch.save(tensors.get(name.removesuffix(".pt"), {}), tmp / name)
+            if i == 0 and after_first_file is not None:
+                after_first_file(tmp)
+        (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
+        files = {
+            p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p, sync=True)}
+            for p in sorted(tmp.iterdir())
+        }
+        (tmp / "manifest.json").write_text(
+            json.dumps({"step": step, "files": files}, indent=1), encoding="utf-8"
+        )
+        _sha256(tmp / "manifest.json", sync=True)
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (e.g. the final step after a resume): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise LoomError(
+            f"could not write checkpoint step {step} to '{final}': {e.strerror or e}",
+            hint="check free space and permissions of run.dir; earlier checkpoints are untouched",
+        ) from None
+    for stale in Path(ckpt_dir).glob("step_*.tmp"):  # left by a process killed while writing
+        shutil.rmtree(stale, ignore_errors=True)
     prune(ckpt_dir, keep_last)
     return final
 
@@ -75,25 +153,39 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+REQUIRED_FILES = (*TENSOR_FILES, "state.json")
+
+
 def verify(path: str | Path) -> None:
-    """Raise LoomError naming the problem if the checkpoint at `path` is missing, incomplete or corrupt."""
+    """Raise LoomError naming the problem if the checkpoint at `path` is missing, incomplete or corrupt.
+
+    The manifest must list exactly loom's files by plain name (a manifest cannot point outside the folder);
+    each file must have the recorded size and SHA-256.
+    """
     path = Path(path)
     manifest = path / "manifest.json"
+    if not path.is_dir():
+        raise LoomError(f"checkpoint '{path}' does not exist")
     if not manifest.is_file():
         raise LoomError(f"checkpoint '{path}' has no manifest.json (incomplete or not a checkpoint)")
     try:
         files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
-    except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
-        raise LoomError(f"checkpoint '{path}' has an unreadable manifest.json") from None
-    for name, rec in files.items():
+        records = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in files.items()}
+    except (json.JSONDecodeError, KeyError, UnicodeDecodeError, TypeError, ValueError, AttributeError):
+        raise LoomError(f"checkpoint '{path}' has an unreadable manifest.json (corrupt)") from None
+    if sorted(records) != sorted(REQUIRED_FILES):
+        raise LoomError(
+            f"checkpoint '{path}' manifest lists {sorted(records)}, expected {list(REQUIRED_FILES)} (corrupt)"
+        )
+    for name, (size, digest) in records.items():
         f = path / name
         if not f.is_file():
             raise LoomError(f"checkpoint '{path}' is missing {name}")
-        if f.stat().st_size != rec["bytes"]:
+        if f.stat().st_size != size:
             raise LoomError(
-                f"checkpoint file '{f}' has {f.stat().st_size} bytes, manifest says {rec['bytes']}"
+                f"checkpoint file '{f}' has {f.stat().st_size} bytes, manifest says {size} (truncated or corrupt)"
             )
-        if _sha256(f) != rec["sha256"]:
+        if _sha256(f) != digest:
             raise LoomError(f"checkpoint file '{f}' does not match its SHA-256 in the manifest (corrupt)")
 
 
@@ -108,16 +200,31 @@ def latest_valid(ckpt_dir: str | Path) -> Path | None:
     return None
 
 
+def read_state(path: str | Path) -> dict:
+    """state.json of a checkpoint (step, loader position, config), without loading any tensor."""
+    f = Path(path) / "state.json"
+    try:
+        state = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoomError(f"checkpoint file '{f}' is not readable JSON: {e}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise LoomError(f"checkpoint file '{f}' has no step: not a loom checkpoint")
+    return state
+
+
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], dict]:
-    """Verify and load a checkpoint: (tensors by name, state.json)."""
+    """Verify and load a checkpoint: (tensors by name, state.json). No pickle code runs (weights_only)."""
     path = Path(path)
     verify(path)
-    tensors = {
-        name.removesuffix(".pt"): torch.load(path / name, map_location=map_location, weights_only=True)
-        for name in TENSOR_FILES
-    }
-    state = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    return tensors, state
+    tensors = {}
+    for name in TENSOR_FILES:
+        try:
+            tensors[name.removesuffix(".pt")] = torch.load(
+                path / name, map_location=map_location, weights_only=True
+            )
+        except Exception as e:  # a file torch cannot read, or one holding objects weights_only refuses
+            raise LoomError(f"checkpoint file '{path / name}' cannot be loaded: {e}") from None
+    return tensors, read_state(path)
 
 
 def resolve_resume(run_dir: Path, resume: str | bool) -> Path:

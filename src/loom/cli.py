@@ -22,6 +22,9 @@ def _train(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="replace a run directory that holds another run")
     p.add_argument("--help-config", action="store_true", help="list every config key with default and doc")
     p.add_argument("--nproc", type=int, default=None, help="start N local processes (data parallel)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="restart the local processes up to R times after a failure; each restart continues "
+                   "from the newest valid checkpoint")  # fmt: skip
     p.add_argument("--log-all-ranks", action="store_true", help="every rank prints, prefixed with its rank")
     args, rest = p.parse_known_args(argv)
     from loom import config
@@ -36,20 +39,29 @@ def _train(argv: list[str]) -> int:
     explicit = {k for k, _ in config.parse_overrides(rest)}
     if args.config:
         explicit |= {f"{s}.{k}" for s, kv in config.load_toml(args.config).items() for k in kv}
-    if args.nproc is not None and args.nproc != 1:
+    if args.max_restarts < 0:
+        raise LoomError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if (args.nproc is not None and args.nproc != 1) or args.max_restarts:
         from loom.train.spawn import launch_local
 
-        child = [a for a in argv if not (a.startswith("--nproc") or a == str(args.nproc))]
-        return launch_local(args.nproc, cfg, child, args.resume, args.force, explicit)
+        child = _without_options(argv, ("--nproc", "--max-restarts"))
+        return launch_local(args.nproc or 1, cfg, child, args.resume, args.force, explicit, args.max_restarts)
+    from loom.env import detect_env
+    from loom.errors import EXIT_ERROR, EXIT_PREEMPTED
     from loom.train import PeerError, run
 
+    world_size = detect_env().world_size
     try:
-        run(cfg, resume=args.resume, force=args.force, explicit=explicit, log_all_ranks=args.log_all_ranks)
+        summary = run(cfg, resume=args.resume, force=args.force, explicit=explicit, log_all_ranks=args.log_all_ranks)
+        code = EXIT_PREEMPTED if summary.get("stopped_by") else 0  # stopped by a signal, checkpoint saved
     except PeerError:
-        return 2  # rank 0 printed the message
-    from loom.env import detect_env
-
-    if detect_env().world_size > 1:
+        code = EXIT_ERROR  # rank 0 printed the message
+    except LoomError as e:
+        if world_size == 1:
+            raise
+        print(f"loom: error: {e}", file=sys.stderr)
+        code = EXIT_ERROR
+    if world_size > 1:
         # Every file is closed and the process group destroyed after a barrier; still, 4-rank gloo jobs
         # here sometimes abort in C++ static destructors at interpreter exit ("terminate called without an
         # active exception"), which would turn a finished run into a failed job. Leave without them.
@@ -60,8 +72,21 @@ def _train(argv: list[str]) -> int:
 
             if MPI.Is_initialized() and not MPI.Is_finalized():
                 MPI.Finalize()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code
+
+
+def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """argv without the launcher's own options, in both the '--x=V' and the '--x V' forms."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif not a.startswith(tuple(n + "=" for n in names)):
+            out.append(a)
+    return out
 
 
 def _data(argv: list[str]) -> int:
@@ -140,12 +165,17 @@ def _generate(argv: list[str]) -> int:
 
 
 def _eval(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="loom eval", description="Validation loss and perplexity of a run.")
+    p = argparse.ArgumentParser(prog="loom eval", description="Validation loss and perplexity of a run, "
+                                "or HellaSwag accuracy (--task hellaswag --data hellaswag_val.jsonl).")  # fmt: skip
     p.add_argument("run_dir")
-    p.add_argument("--data", help="another prepared data directory (same tokenizer) to evaluate on")
+    p.add_argument("--task", default="val", choices=["val", "hellaswag"], help="val (default) | hellaswag")
+    p.add_argument("--data", help="val: another prepared data directory (same tokenizer); hellaswag: the JSONL")
     p.add_argument("--batches", type=int, default=None, help="validation size in global batches")
+    p.add_argument("--limit", type=int, default=None, help="hellaswag: only the first N examples")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
+    if args.task == "hellaswag":
+        return _eval_hellaswag(args)
     import math
 
     from loom.data.loader import ValSet
@@ -164,6 +194,70 @@ def _eval(argv: list[str]) -> int:
     loss = val_loss(model, vs, cfg.train.micro_batch_size or cfg.train.batch_size, device)
     print(f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} windows of {cfg.model.block_size} tokens)")
     print(f"val loss {loss:.4f} | perplexity {math.exp(loss):.2f}")
+    return 0
+
+
+def _eval_hellaswag(args) -> int:
+    """HellaSwag on one process, or split across the ranks of a torchrun/mpiexec job."""
+    if not args.data:
+        raise LoomError("--task hellaswag needs --data FILE.jsonl", hint="the official hellaswag_val.jsonl")
+    from loom.env import detect_env
+    from loom.eval import hellaswag
+    from loom.eval.val_loss import load_run
+    from loom.train.setup import resolve_device
+
+    examples = hellaswag.read_examples(args.data, args.limit)
+    env = detect_env()
+    device = resolve_device(args.device, env.local_rank)
+    _, model, tok, _, path = load_run(args.run_dir, device)
+    if tok is None:
+        raise LoomError(f"run '{args.run_dir}' has no tokenizer, so HellaSwag text cannot be encoded",
+                        hint="train on data prepared by loom (or nanoGPT data with meta.pkl)")  # fmt: skip
+    reduce = lambda t: t  # noqa: E731
+    if env.world_size > 1:
+        import torch.distributed as dist
+
+        from loom.distributed import process_group
+
+        process_group.init(env, device, 600.0)
+
+        def reduce(t):
+            dist.all_reduce(t)
+            return t
+
+    try:
+        r = hellaswag.evaluate(model, tok, examples, device, env.rank, env.world_size, reduce)
+    finally:
+        if env.world_size > 1:
+            process_group.shutdown()
+    if env.rank == 0:
+        print(f"checkpoint {path}\nhellaswag {args.data}: {r['n']} examples on {env.world_size} process(es)")
+        print(f"acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f}")
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="loom export", description="Write a trained run's model for other tools.")
+    p.add_argument("run_dir")
+    p.add_argument("--format", required=True, choices=["hf", "safetensors"],
+                   help="hf: a GPT-2 directory for transformers; safetensors: loom's raw state")  # fmt: skip
+    p.add_argument("--out", required=True, help="output directory (must be empty unless --force)")
+    p.add_argument("--ckpt", default=None, help="a checkpoint directory (default: the newest valid one)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    args = p.parse_args(argv)
+    import torch
+
+    from loom.eval.val_loss import load_run
+    from loom.model import hf
+
+    _, model, tok, _, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
+    if args.format == "hf":
+        notes = hf.export_hf(model, args.out, tok, args.force)
+        print(f"wrote a GPT-2 directory {args.out} from {path} (transformers: AutoModelForCausalLM.from_pretrained)")
+    else:
+        notes = [f"wrote {hf.export_safetensors(model, args.out, args.force)} from {path}"]
+    for n in notes:
+        print(n)
     return 0
 
 
@@ -214,18 +308,26 @@ def _verify(argv: list[str]) -> int:
     return verify_main(argv)
 
 
+def _plan(argv: list[str]) -> int:
+    from loom.plan import plan_main
+
+    return plan_main(argv)
+
+
 VERBS = {
     "train": (_train, "train a GPT (no arguments: the demo on the built-in corpus)"),
     "data": (_data, "prepare data: loom data prepare --input ... --out DIR"),
     "generate": (_generate, "sample from a trained run"),
     "eval": (_eval, "validation loss and perplexity of a run"),
     "plot": (_plot, "plot loss curves of one or more runs"),
+    "export": (_export, "write a run's model as a transformers GPT-2 directory or raw safetensors"),
     "verify": (
         _verify,
         "prove N processes learn the same curve as one: loom verify --strategies ddp --nproc 2",
     ),
     "bench": (_bench, "benchmarks: loom bench comm | optim | peak"),
     "doctor": (_doctor, "environment report: versions, devices, GPU links, MPI, compile (--json)"),
+    "plan": (_plan, "memory / time estimates of dp/tp/pp/ZeRO layouts: loom plan --model 7b --gpus 64 --gpu-mem 80"),
     "launch": (
         _launch,
         "run a command under torchrun, mpiexec or srun: loom launch [opts] -- loom train ...",

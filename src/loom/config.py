@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -53,6 +54,9 @@ class ModelConfig:
     dropout: float = _f(0.0, "Dropout probability (0 for pretraining-sized data, ~0.2 for tiny data).")
     bias: bool = _f(False, "Bias in Linear layers and LayerNorms (GPT-2 has them; without is a bit faster).")
     vocab_size: int = _f(0, "Vocabulary size; 0 takes it from the data. Padded up to a multiple of 64.")
+    init_from: str = _f(
+        "", "hf:DIR starts from GPT-2 weights saved by transformers in a local DIR (sets the model shape)."
+    )
 
 
 @dataclass
@@ -72,6 +76,30 @@ class TrainConfig:
     compile: bool = _f(False, "torch.compile the model (compile time is excluded from throughput).")
     device: str = _f("auto", "auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps.")
     warmup_log_steps: int = _f(3, "First steps left out of the throughput summary (warm-up, compile).")
+    activation_checkpointing: str = _f(
+        "none",
+        "Recompute activations in the backward pass, per block: none | full (keep only block inputs) | "
+        "selective (keep matmul and attention outputs, recompute LayerNorm/GELU/adds).",
+    )
+    resume: str = _f(
+        "no",
+        "auto: continue run.dir/run.name from its newest valid checkpoint if it has one, else start it "
+        "(needs run.name) | no: start a new run (--resume continues one).",
+    )
+    on_save_error: str = _f(
+        "continue",
+        "A checkpoint that cannot be written (too little free disk, I/O error): continue (warn, retry at the "
+        "next save) | stop (exit with an error; earlier checkpoints are kept).",
+    )
+    max_bad_steps: int = _f(
+        5,
+        "A step with a NaN/Inf loss or gradient norm (or a loss spike) is skipped; after this many in a row "
+        "the run saves its last good state and stops, naming the parameters with non-finite gradients.",
+    )
+    spike_zscore: float = _f(
+        0.0, "Loss-spike guard: skip a step whose loss is this many std devs above the recent mean (0: off)."
+    )
+    spike_window: int = _f(100, "Loss-spike guard: the number of recent good steps it compares against.")
 
 
 @dataclass
@@ -90,6 +118,9 @@ class OptimConfig:
 @dataclass
 class PrecisionConfig:
     dtype: str = _f("fp32", "fp32 | bf16 (autocast) | fp16 (autocast with dynamic loss scaling).")
+    tf32: bool = _f(True, "CUDA: TF32 tensor cores for fp32 matmuls and convolutions (ignored on CPU).")
+    init_scale: float = _f(65536.0, "fp16: initial loss scale (halved after each overflow step).")
+    growth_interval: int = _f(2000, "fp16: steps without overflow after which the loss scale doubles.")
 
 
 @dataclass
@@ -111,6 +142,20 @@ class ParallelConfig:
     bucket_mb: float = _f(25.0, "dp_impl=mpi bucketed sync: bucket size in MiB (DDP's default is 25).")
     mpi_allreduce: str = _f("mpi", "dp_impl=mpi bucketed sync: mpi (Iallreduce) | ring (loom's own ring).")
     timeout_s: float = _f(600.0, "A collective that does not complete in this many seconds is an error.")
+    tp: int = _f(1, "Tensor-parallel degree (Megatron column/row split); divides n_head. dp = world / (tp*pp).")
+    sp: bool = _f(False, "Sequence parallel (with tp > 1): LayerNorms and dropout run on sequence shards.")
+    pp: int = _f(1, "Pipeline-parallel degree: the layers are cut into pp (or pp * stages per rank) stages.")
+    pp_schedule: str = _f("1f1b", "Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zero-bubble.")
+    pp_microbatches: int = _f(
+        0, "Micro-batches per pipeline step; 0: the local batch / train.micro_batch_size."
+    )
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = _f(False, "Also write TensorBoard event files to <run>/tensorboard (extra: track).")
+    wandb: bool = _f(False, "Also log to Weights & Biases (extra: track); WANDB_MODE=offline logs locally.")
+    wandb_project: str = _f("loom", "W&B project name.")
 
 
 @dataclass
@@ -122,6 +167,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -130,12 +176,16 @@ class Config:
 CHOICES = {
     ("data", "tokenizer"): ("char", "bpe"),
     ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop", "triton"),
+    ("train", "resume"): ("no", "auto"),
+    ("train", "on_save_error"): ("continue", "stop"),
+    ("train", "activation_checkpointing"): ("none", "full", "selective"),
     ("precision", "dtype"): ("fp32", "bf16", "fp16"),
     ("parallel", "dp_impl"): ("auto", "none", "ddp", "zero1", "zero2", "fsdp", "mpi"),
     ("parallel", "param_dtype"): ("", "fp32", "bf16", "fp16"),
     ("parallel", "reduce_dtype"): ("", "fp32", "bf16", "fp16"),
     ("parallel", "mpi_sync"): ("naive", "bucketed"),
     ("parallel", "mpi_allreduce"): ("mpi", "ring"),
+    ("parallel", "pp_schedule"): ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"),
 }
 
 
@@ -311,16 +361,68 @@ class Derived:
     grad_accum: int
     tokens_per_step: int
     micro_batch_size: int
+    pp_microbatches: int = 1  # with pp > 1 the schedule splits the local batch; grad_accum is then 1
+
+
+SCHEDULE_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2}
+
+
+def mesh_degrees(cfg: Config, world_size: int) -> tuple[int, int, int]:
+    """(dp, tp, pp) for this world, after every divisibility rule that needs no data (tp innermost)."""
+    p, m = cfg.parallel, cfg.model
+    if p.tp < 1 or p.pp < 1:
+        raise LoomError(f"parallel.tp and parallel.pp must be >= 1; got tp={p.tp}, pp={p.pp}")
+    if world_size % (p.tp * p.pp):
+        raise LoomError(
+            f"world size {world_size} is not divisible by parallel.tp x parallel.pp = {p.tp} x {p.pp}",
+            hint=f"start a multiple of {p.tp * p.pp} processes, or change tp/pp",
+        )
+    if m.n_head % p.tp:
+        raise LoomError(
+            f"parallel.tp={p.tp} does not divide model.n_head={m.n_head} (each rank holds whole heads)",
+            hint="pick tp among the divisors of n_head: "
+            + ", ".join(str(d) for d in range(1, m.n_head + 1) if m.n_head % d == 0),
+        )
+    if p.sp and p.tp == 1:
+        raise LoomError("parallel.sp=true needs parallel.tp > 1 (sequence parallel shards what TP replicates)")
+    if p.sp and m.block_size % p.tp:
+        raise LoomError(f"parallel.sp: model.block_size={m.block_size} is not divisible by tp={p.tp}")
+    stages = p.pp * (SCHEDULE_STAGES_PER_RANK[p.pp_schedule] if p.pp > 1 else 1)
+    if m.n_layer < stages:
+        raise LoomError(
+            f"{stages} pipeline stages (pp={p.pp}, schedule {p.pp_schedule}) but only model.n_layer="
+            f"{m.n_layer} layers: every stage needs at least one",
+            hint="lower parallel.pp, use the gpipe or 1f1b schedule, or add layers",
+        )
+    dp = world_size // (p.tp * p.pp)
+    if p.tp * p.pp > 1:
+        if p.dp_impl in ("zero1", "mpi"):
+            raise LoomError(
+                f"parallel.dp_impl={p.dp_impl} does not compose with tp/pp",
+                hint="use parallel.dp_impl=ddp or fsdp (or zero2) with tensor/pipeline parallel",
+            )
+        if p.dp_impl == "none" and dp > 1:
+            raise LoomError(f"parallel.dp_impl=none but the world leaves a data-parallel degree of {dp}")
+        if cfg.precision.dtype == "fp16" and p.pp > 1:
+            raise LoomError("precision.dtype=fp16 (loss scaling) is not supported with pp > 1",
+                            hint="use bf16 or fp32 with pipeline parallel")  # fmt: skip
+    return dp, p.tp, p.pp
 
 
 def validate(cfg: Config, dp_size: int = 1) -> Derived:
     """Every rule that can be checked before data or devices are touched."""
     m, t, o = cfg.model, cfg.train, cfg.optim
+    for section, values in cfg.to_dict().items():  # TOML and float() accept nan and inf
+        for k, v in values.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise LoomError(f"{section}.{k} must be a finite number, got {v}")
     positive = {
         "model.n_layer": m.n_layer, "model.n_head": m.n_head, "model.n_embd": m.n_embd,
         "model.block_size": m.block_size, "train.steps": t.steps, "train.batch_size": t.batch_size,
         "train.eval_batches": t.eval_batches,
-        "train.keep_last": t.keep_last,
+        "train.keep_last": t.keep_last, "train.max_bad_steps": t.max_bad_steps,
+        "parallel.timeout_s": cfg.parallel.timeout_s,
+        "precision.init_scale": cfg.precision.init_scale, "precision.growth_interval": cfg.precision.growth_interval,
     }  # fmt: skip
     for k, v in positive.items():
         if v <= 0:
@@ -329,11 +431,13 @@ def validate(cfg: Config, dp_size: int = 1) -> Derived:
         "train.eval_every": t.eval_every, "train.ckpt_every": t.ckpt_every, "train.log_every": t.log_every,
         "train.sample_every": t.sample_every, "train.sample_tokens": t.sample_tokens,
         "optim.warmup_steps": o.warmup_steps, "optim.weight_decay": o.weight_decay,
-        "optim.grad_clip": o.grad_clip, "parallel.timeout_s": cfg.parallel.timeout_s, "model.vocab_size": m.vocab_size, "train.warmup_log_steps": t.warmup_log_steps,
+        "optim.grad_clip": o.grad_clip, "train.spike_zscore": t.spike_zscore, "model.vocab_size": m.vocab_size, "train.warmup_log_steps": t.warmup_log_steps,
     }  # fmt: skip
     for k, v in nonneg.items():
         if v < 0:
             raise LoomError(f"{k} must be >= 0, got {v}")
+    if t.spike_window < 2:
+        raise LoomError(f"train.spike_window must be >= 2 (a mean and a spread), got {t.spike_window}")
     if m.n_embd % m.n_head:
         raise LoomError(
             f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}",
@@ -360,4 +464,21 @@ def validate(cfg: Config, dp_size: int = 1) -> Derived:
             f" x data-parallel size {dp_size} = {per_step}",
             hint="make batch_size a multiple of micro_batch_size * dp (gradient accumulation fills the rest)",
         )
-    return Derived(dp_size, t.batch_size // per_step, t.batch_size * m.block_size, micro)
+    tokens = t.batch_size * m.block_size
+    pp = cfg.parallel.pp
+    if pp == 1:
+        return Derived(dp_size, t.batch_size // per_step, tokens, micro)
+    # Pipeline: the schedule's micro-batches replace gradient accumulation.
+    local = t.batch_size // dp_size
+    n_mb = cfg.parallel.pp_microbatches or local // micro
+    if n_mb < 1 or local % n_mb:
+        raise LoomError(f"parallel.pp_microbatches={n_mb} does not divide the local batch {local}")
+    if cfg.parallel.pp_schedule != "gpipe" and n_mb < pp:
+        raise LoomError(
+            f"{n_mb} pipeline micro-batches for {pp} stages: schedule {cfg.parallel.pp_schedule} needs at least "
+            f"one per stage",
+            hint=f"set parallel.pp_microbatches >= {pp} (or a smaller train.micro_batch_size)",
+        )
+    if cfg.parallel.pp_schedule in ("interleaved-1f1b", "zero-bubble") and n_mb % pp:
+        raise LoomError(f"schedule {cfg.parallel.pp_schedule} needs pp_microbatches ({n_mb}) divisible by pp={pp}")
+    return Derived(dp_size, 1, tokens, local // n_mb, n_mb)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+EXIT_ERROR = 2  # a LoomError: the message says what to change
+# Stopped by SIGTERM/SIGINT after saving a checkpoint at the end of the current step. 75 is sysexits'
+# EX_TEMPFAIL ("try again later"): run the same command with --resume (or train.resume=auto) to continue.
+EXIT_PREEMPTED = 75
+
 
 class LoomError(Exception):
     """A user-facing error. The CLI prints it without a traceback and exits with code 2.

@@ -1,4 +1,4 @@
-"""Throughput, MFU, memory, and the metric sinks (console line, metrics.jsonl).
+"""Throughput, MFU, memory, and the metric sinks (console line, metrics.jsonl, TensorBoard, W&B).
 
 MFU = achieved model FLOP/s / peak FLOP/s. Peaks come from a table of dense (no sparsity) datasheet figures
 for known GPUs; on CPUs a matmul is measured once per machine, thread count and dtype, and cached. An
@@ -179,3 +179,104 @@ def format_step(rec: dict) -> str:
         f" | dt {1000 * rec['dt']:.1f}ms (f {1000 * rec['dtf']:.0f} b {1000 * rec['dtb']:.0f})"
         f" | {rec['tokens_per_s']:,.0f} tok/s | mfu {mfu} | mem {rec['mem_bytes'] / 2**20:.0f}MiB"
     )
+
+
+# ------------------------------------------------------------------ trackers (the `track` extra)
+
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # config key -> package imported
+
+
+def check_trackers(metrics_cfg) -> None:
+    """Fail before any work when metrics.tensorboard / metrics.wandb is on but its package is missing."""
+    import importlib.util
+
+    from loom.errors import LoomError
+
+    for key, package in TRACKERS.items():
+        if getattr(metrics_cfg, key) and importlib.util.find_spec(package) is None:
+            raise LoomError(
+                f"metrics.{key}=true needs the '{package}' package, which is not installed",
+                hint=f"pip install 'loom[track]' (or {package}), or set --metrics.{key}=false",
+            )
+
+
+def _scalars(record: dict) -> dict[str, float]:
+    """Numeric fields of a record, named for dashboards: train/<key>, val/<key without val_>."""
+    out = {}
+    for k, v in record.items():
+        if k == "step" or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        out[f"val/{k.removeprefix('val_')}" if k.startswith("val_") else f"train/{k}"] = float(v)
+    return out
+
+
+class TensorBoardSink:
+    """Event files under `log_dir` (torch.utils.tensorboard); one scalar per numeric field and step."""
+
+    def __init__(self, log_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.step = 0
+
+    def write(self, record: dict) -> None:
+        if "summary" in record:  # the end-of-run figures, at the last step
+            for k, v in record["summary"].items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self.writer.add_scalar(f"summary/{k}", float(v), self.step)
+            return
+        self.step = int(record.get("step", self.step))
+        for k, v in _scalars(record).items():
+            self.writer.add_scalar(k, v, self.step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run; with WANDB_MODE=offline it writes under WANDB_DIR (or the run directory)."""
+
+    def __init__(self, project: str, name: str, config: dict, run_dir: Path):
+        import wandb
+
+        self.run = wandb.init(
+            project=project, name=name, config=config,
+            dir=None if os.environ.get("WANDB_DIR") else str(run_dir),
+            settings=wandb.Settings(console="off"),  # loom's own console output stays as it is
+        )  # fmt: skip
+
+    def write(self, record: dict) -> None:
+        if "summary" in record:
+            self.run.summary.update({k: v for k, v in record["summary"].items() if v is not None})
+            return
+        self.run.log(_scalars(record), step=int(record["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Sinks:
+    """Every sink a run writes to (metrics.jsonl first); rank 0 only opens them."""
+
+    def __init__(self, sinks: list):
+        self.sinks = sinks
+
+    def write(self, record: dict) -> None:
+        for s in self.sinks:
+            s.write(record)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+def open_sinks(run_dir: Path, cfg) -> Sinks:
+    """metrics.jsonl, plus TensorBoard and W&B when cfg.metrics asks (packages imported only then)."""
+    m = cfg.metrics
+    check_trackers(m)
+    sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
+    if m.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+    if m.wandb:
+        sinks.append(WandbSink(m.wandb_project, run_dir.name, cfg.to_dict(), run_dir))
+    return Sinks(sinks)

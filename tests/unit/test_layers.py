@@ -7,7 +7,7 @@ import loom
 
 ROOT = Path(loom.__file__).parent
 LAYER = {
-    "config": 0, "env": 0, "log": 0, "errors": 0,
+    "config": 0, "env": 0, "log": 0, "errors": 0, "faults": 0,
     "data": 1, "model": 1, "metrics": 1, "launch": 1, "plot": 1,
     "distributed": 2,
     "parallel": 3, "optim": 3,

@@ -29,6 +29,10 @@ def init(env: DistEnv, device: torch.device, timeout_s: float) -> None:
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        from loom.distributed.health import nccl_env
+
+        for k, v in nccl_env().items():  # watchdog, async error handling, flight recorder: before init
+            os.environ.setdefault(k, v)
     backend = backend_for(device)
     try:
         dist.init_process_group(

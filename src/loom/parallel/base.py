@@ -19,6 +19,41 @@ class DataParallel:
 
     rank, size = 0, 1
     sharded = False  # True when a forward pass needs every rank (FSDP): sampling then runs on all ranks
+    pipelined = False  # True when the model is cut into pipeline stages (the trainer calls pipeline_step)
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job (data-parallel size times the model-parallel degrees)."""
+        return self.size
+
+    @property
+    def is_main(self) -> bool:
+        """The rank that logs and writes files."""
+        return self.rank == 0
+
+    def describe(self) -> str:
+        return f"dp {self.size}"
+
+    def loss_context(self):
+        """Around forward and backward (tensor parallel's loss_parallel)."""
+        return contextlib.nullcontext()
+
+    def eval_model(self, raw: torch.nn.Module, wrapped: torch.nn.Module) -> torch.nn.Module:
+        """The module validation calls: the unwrapped model, unless the wrapper is what makes it work."""
+        return raw
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """The global gradient norm (before clipping); gradients scaled down to max_norm when above it."""
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor parameters (FSDP)
+
+    def mean_loss(self, t: torch.Tensor) -> torch.Tensor:
+        """The mean over data-parallel replicas of each one's loss."""
+        return self.all_reduce_sum(t) / self.size
+
+    def sampling_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """The model this rank samples with, or None (called on every rank; may be a collective)."""
+        return model if self.rank == 0 or self.sharded else None
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model

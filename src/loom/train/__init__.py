@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from loom import checkpoint, log
-from loom.config import Config, Derived, validate
+from loom.config import Config, Derived, config_from_dict, diff_configs, load_toml, mesh_degrees, validate
 from loom.env import DistEnv, detect_env
 from loom.errors import LoomError
 from loom.parallel.base import DataParallel
@@ -29,20 +30,73 @@ class Plan:
 
 def plan_run(cfg: Config, resume, force: bool, explicit: set[str], dp_size: int) -> Plan:
     """Every cheap check, in the order that touches the least: config, run dir, checkpoint, data."""
+    resume, force = auto_resume(cfg, resume, force)
     run_dir = resolve_run_dir(cfg, resume, force) if resume else None
     if run_dir is not None:
         cfg = resumed_config(run_dir, cfg, explicit)
+    from loom.metrics import check_trackers
+    from loom.model.hf import apply_init_from
+
+    apply_init_from(cfg, explicit)  # model.init_from=hf:DIR sets the model shape from DIR/config.json
     derived = validate(cfg, dp_size)
+    check_trackers(cfg.metrics)
     resolve_device(cfg.train.device)
     ckpt = checkpoint.resolve_resume(run_dir, resume) if resume else None
+    if ckpt is not None:
+        check_checkpoint_model(ckpt, cfg)
     data_dir = resolve_data(cfg)
     if run_dir is None:
         run_dir = resolve_run_dir(cfg, None, force)
     return Plan(cfg, derived, run_dir, data_dir, ckpt)
 
 
+def auto_resume(cfg: Config, resume, force: bool) -> tuple[str | bool | None, bool]:
+    """(resume, force) after train.resume=auto and elastic restarts.
+
+    auto continues run.dir/run.name from its newest valid checkpoint, or starts it (again, when a run
+    with the same config died before its first checkpoint). A worker restarted by an elastic agent
+    (TORCHELASTIC_RESTART_COUNT > 0) behaves as auto, and continues from the newest checkpoint of its run
+    rather than the one first named by `--resume PATH`.
+    """
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if cfg.train.resume != "auto" and not restarted:
+        return resume, force
+    if resume is not None:
+        if restarted and isinstance(resume, str):
+            p = Path(resume)
+            run_dir = p.parent.parent if p.parent.name == "ckpt" else p
+            if checkpoint.latest_valid(run_dir / "ckpt") is not None:
+                return str(run_dir), force
+        return resume, force
+    if not cfg.run.name:
+        if cfg.train.resume == "auto":
+            raise LoomError("train.resume=auto needs a run.name to find the run again",
+                            hint="add --run.name=NAME (the same name on every launch)")  # fmt: skip
+        return None, force
+    run_dir = Path(cfg.run.dir) / cfg.run.name
+    if checkpoint.latest_valid(run_dir / "ckpt") is not None:
+        log.info(f"continuing {run_dir} from its newest valid checkpoint" + (" (restart)" if restarted else ""))
+        return True, force
+    if (run_dir / "config.toml").is_file() and not diff_configs(config_from_dict(load_toml(run_dir / "config.toml")), cfg):
+        log.warn(f"{run_dir} has no valid checkpoint: starting it again")
+        return None, True
+    return None, force
+
+
+def check_checkpoint_model(ckpt: Path, cfg: Config) -> None:
+    """A checkpoint of another model shape is refused before anything is built (state.json only)."""
+    saved = checkpoint.read_state(ckpt).get("config", {}).get("model", {})
+    diff = [f"model.{k}: {saved.get(k)!r} -> {v!r}" for k, v in cfg.to_dict()["model"].items() if saved.get(k) != v]
+    if diff:
+        raise LoomError(f"checkpoint '{ckpt}' was trained with another model shape: " + "; ".join(diff),
+                        hint="resume with the checkpoint's model settings, or start a new run")  # fmt: skip
+
+
 def dp_impl_for(cfg: Config, env: DistEnv) -> str:
     impl = cfg.parallel.dp_impl
+    if cfg.parallel.tp * cfg.parallel.pp > 1:
+        mesh_degrees(cfg, env.world_size)  # every divisibility rule, before any process group exists
+        return "ddp" if impl in ("auto", "none") else impl
     if impl == "auto":
         return "ddp" if env.world_size > 1 else "none"
     if impl == "none" and env.world_size > 1:
@@ -55,6 +109,16 @@ def dp_impl_for(cfg: Config, env: DistEnv) -> str:
 
 def build_dp(impl: str, env: DistEnv, cfg: Config, device):
     """The data-parallel value for `impl`; joins the process group where one is needed."""
+    if cfg.parallel.tp * cfg.parallel.pp > 1:
+        from loom.distributed import process_group
+        from loom.distributed.topology import Topology
+        from loom.parallel.mesh import MeshParallel
+
+        dp, tp, pp = mesh_degrees(cfg, env.world_size)
+        derived = validate(cfg, dp)  # micro-batch and schedule rules, still before joining the group
+        process_group.init(env, device, cfg.parallel.timeout_s)
+        topo = Topology(env.rank, env.world_size, dp, tp, pp)
+        return MeshParallel(topo, device, cfg.parallel, impl, derived.pp_microbatches)
     if impl == "none":
         return DataParallel()
     if impl in ("ddp", "zero1", "zero2", "fsdp"):
@@ -88,12 +152,13 @@ def build_dp(impl: str, env: DistEnv, cfg: Config, device):
 def shutdown(dp, clean: bool) -> None:
     """Every rank waits for the others (rank 0 may still be sampling or saving) before leaving."""
     from loom.parallel.ddp import TorchDDP
+    from loom.parallel.mesh import MeshParallel
     from loom.parallel.mpi_trainer import MpiDP
 
-    if isinstance(dp, TorchDDP):
+    if isinstance(dp, TorchDDP | MeshParallel):
         from loom.distributed import process_group
 
-        process_group.shutdown(clean)
+        process_group.shutdown(clean, destroy_timeout_s=30.0 if clean else 5.0)
     elif isinstance(dp, MpiDP) and clean:
         dp.comm.Barrier()
 
@@ -144,7 +209,7 @@ def run(
     impl = dp_impl_for(cfg, env)
     device = resolve_device(cfg.train.device, env.local_rank)
     dp = build_dp(impl, env, cfg, device)
-    clean = False
+    clean, trainer = False, None
     try:
         if env.world_size > 1:
             log.info(f"launcher {env.source}: {env}")
@@ -157,13 +222,25 @@ def run(
         log.info(
             f"global batch {plan.cfg.train.batch_size} x {plan.cfg.model.block_size} = "
             f"{plan.derived.tokens_per_step:,} tokens/step | micro-batch {plan.derived.micro_batch_size}"
-            f" | grad accum {plan.derived.grad_accum} | dp {plan.derived.dp_size} ({impl})"
+            f" | grad accum {plan.derived.grad_accum} | {dp.describe() if dp.world_size > dp.size else f'dp {dp.size} ({impl})'}"
         )
         trainer = Trainer(plan.cfg, plan.derived, plan.run_dir, plan.data_dir, device, dp)
         if plan.ckpt is not None:
             trainer.load(plan.ckpt)
+        if env.world_size > 1 and impl != "mpi":
+            from loom.distributed.health import Heartbeat
+
+            trainer.heartbeat = Heartbeat(env.rank, env.world_size)
         summary = trainer.train()
         clean = True
         return summary
+    except Exception as e:
+        from loom.distributed.health import describe_failure, is_comm_error
+
+        if env.world_size > 1 and not isinstance(e, LoomError) and is_comm_error(e):
+            op, step = (trainer.op, trainer.step + 1) if trainer else ("the setup broadcast", 0)
+            hb = trainer.heartbeat if trainer else None
+            raise describe_failure(e, env.rank, op, step, cfg.parallel.timeout_s, hb) from None
+        raise
     finally:
         shutdown(dp, clean)

@@ -5,6 +5,7 @@ All of it is checked before any expensive work, and nothing that exists is overw
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -71,6 +72,34 @@ def _newest_run(parent: Path) -> Path | None:
     return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
 
 
+def check_run_name(name: str) -> str:
+    """A run name is one plain folder name: nothing that could write outside run.dir."""
+    bad = (
+        not name.strip() or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
+        or name.startswith("-") or any(ord(c) < 32 for c in name)
+    )  # fmt: skip
+    if bad:
+        raise LoomError(
+            f"run.name {name!r} must be a plain folder name (no '/', '\\', '..', control characters or leading '-')",
+            hint="use run.dir for the parent folder, e.g. --run.dir=runs --run.name=exp1",
+        )
+    return name
+
+
+def check_writable(run_dir: Path) -> None:
+    """The run directory (or the nearest parent that exists) must be writable, checked before any work."""
+    p = run_dir
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        raise LoomError(f"cannot create run directory '{run_dir}': '{p}' is not a directory")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise LoomError(
+            f"run directory '{run_dir}' is not writable ('{p}' denies this user write access)",
+            hint="choose a writable run.dir, or fix the folder's permissions",
+        )
+
+
 def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool) -> Path:
     """The run directory. Refuses one that holds another run unless --resume or --force.
 
@@ -82,22 +111,19 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool) -> Path
         p = Path(resume)
         run_dir = p.parent.parent if p.parent.name == "ckpt" else p
     elif resume:
-        run_dir = parent / cfg.run.name if cfg.run.name else _newest_run(parent)
+        run_dir = parent / check_run_name(cfg.run.name) if cfg.run.name else _newest_run(parent)
         if run_dir is None:
             raise LoomError(
                 f"--resume: no run with checkpoints under '{parent}'", hint="start without --resume"
             )
     else:
-        name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
-        if "/" in name or name in (".", ".."):
-            raise LoomError(
-                f"run.name '{name}' must be a plain name, not a path", hint="use run.dir for the folder"
-            )
-        run_dir = parent / name
+        run_dir = parent / check_run_name(cfg.run.name or time.strftime("%Y%m%d-%H%M%S"))
     if resume:
         if not run_dir.is_dir():
             raise LoomError(f"--resume: run directory '{run_dir}' does not exist")
+        check_writable(run_dir)
         return run_dir
+    check_writable(run_dir)
     if (run_dir / "config.toml").exists():
         if not force:
             old = config_from_dict(load_toml(run_dir / "config.toml"))

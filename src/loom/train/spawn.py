@@ -14,45 +14,65 @@ import uuid
 
 from loom import log
 from loom.config import Config
-from loom.env import free_port
 from loom.errors import LoomError
 
 
 def launch_local(
-    nproc: int, cfg: Config, child_argv: list[str], resume, force: bool, explicit: set[str]
+    nproc: int, cfg: Config, child_argv: list[str], resume, force: bool, explicit: set[str], max_restarts: int = 0
 ) -> int:
-    """Check once here, then run `python -m loom train <child_argv>` in nproc processes. Returns an exit code."""
+    """Check once here, then run `python -m loom train <child_argv>` in nproc processes. Returns an exit code.
+
+    With max_restarts > 0 the elastic agent restarts all processes after a failure; restarted workers see
+    TORCHELASTIC_RESTART_COUNT > 0 and continue from the newest valid checkpoint of the run. SIGTERM/SIGINT
+    to this process reach the workers, which finish their step, save and exit with EXIT_PREEMPTED.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from loom import checkpoint
+    from loom.config import mesh_degrees
+    from loom.distributed import loopback
+    from loom.errors import EXIT_PREEMPTED
     from loom.train import plan_run
 
     if nproc < 1:
         raise LoomError(f"--nproc must be >= 1, got {nproc}")
-    if cfg.parallel.dp_impl == "none":
-        raise LoomError("--nproc > 1 with parallel.dp_impl=none", hint="use parallel.dp_impl=ddp (or auto)")
-    plan = plan_run(cfg, resume, force, explicit, nproc)  # raises before any process starts
+    dp = mesh_degrees(cfg, nproc)[0]  # tensor/pipeline degrees leave world / (tp * pp) data-parallel ranks
+    if cfg.parallel.dp_impl == "none" and dp > 1:
+        raise LoomError(f"--nproc {nproc} with parallel.dp_impl=none", hint="use parallel.dp_impl=ddp (or auto)")
+    plan = plan_run(cfg, resume, force, explicit, dp)  # raises before any process starts
     args = [a for a in child_argv if a != "--force"]
     if not resume:
         args.append(f"--run.name={plan.run_dir.name}")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    port = free_port()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"loom-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_backend=loopback.register(),  # the store listens on 127.0.0.1 only
+        rdzv_endpoint=f"{loopback.HOST}:0",
         rdzv_configs={"timeout": int(cfg.parallel.timeout_s)},
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.2,
+        # after SIGTERM the workers finish their step and save; a stuck one is killed after the timeout
+        shutdown_timeout=int(max(10, cfg.parallel.timeout_s)),
     )
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    log.info(f"starting {nproc} processes (rendezvous 127.0.0.1:{port}) for run {plan.run_dir}")
+    restarts = f", up to {max_restarts} restart(s)" if max_restarts else ""
+    log.info(f"starting {nproc} processes (rendezvous on {loopback.HOST}{restarts}) for run {plan.run_dir}")
     try:
         elastic_launch(config, sys.executable)("-m", "loom", "train", *args)
+    except SignalException as e:
+        newest = checkpoint.latest_valid(plan.run_dir / "ckpt")
+        log.error(f"loom: {e.sigval.name}: the processes were asked to save and stop; "
+                  + (f"newest checkpoint {newest}" if newest else "no checkpoint was saved"))  # fmt: skip
+        return EXIT_PREEMPTED
     except ChildFailedError as e:
+        if all(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
+            log.error(f"loom: stopped by a signal after saving a checkpoint (exit code {EXIT_PREEMPTED})")
+            return EXIT_PREEMPTED
         first_rank, first = e.get_first_failure()
 
         def how(f) -> str:

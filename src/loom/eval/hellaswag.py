@@ -1,0 +1,111 @@
+"""HellaSwag, completion style: which of 4 endings does the model find most likely after the context?
+
+Each ending is scored by the cross-entropy of its tokens given the context (" " + ending, as in
+build-nanogpt's hellaswag.py and lm-evaluation-harness). Two accuracies are reported:
+  acc       the ending with the lowest total loss (sum over its tokens; favours short endings)
+  acc_norm  the ending with the lowest mean loss per token (normalised by the ending's length)
+The context is preceded by the end-of-text token, as every document is in loom's data. Examples are
+split across ranks (example i on rank i % world) and the counts summed, so any world size gives the same
+figures as one process.
+
+Input: the official JSONL layout, one example per line with `ctx` (str), `endings` (4 str), `label` (int).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loom.errors import LoomError
+
+
+def read_examples(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Examples of a HellaSwag JSONL file, checked field by field (line numbers in the errors)."""
+    p = Path(path)
+    if not p.is_file():
+        raise LoomError(f"HellaSwag file '{p}' does not exist", hint="give the path of hellaswag_val.jsonl")
+    out = []
+    with open(p, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ex = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise LoomError(f"{p}:{n} is not JSON: {e}") from None
+            ctx, endings, label = (ex.get(k) if isinstance(ex, dict) else None for k in ("ctx", "endings", "label"))
+            if not isinstance(ctx, str) or not (isinstance(endings, list) and len(endings) == 4
+                                                and all(isinstance(e, str) and e for e in endings)):  # fmt: skip
+                raise LoomError(f"{p}:{n} needs 'ctx' (text) and 'endings' (4 non-empty texts)",
+                                hint="use the official HellaSwag JSONL (ctx, endings, label)")  # fmt: skip
+            if isinstance(label, str) and label.isdigit():
+                label = int(label)
+            if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < 4:
+                raise LoomError(f"{p}:{n} has label {label!r}; it must be 0, 1, 2 or 3",
+                                hint="the test split has no labels: evaluate on hellaswag_val.jsonl")  # fmt: skip
+            out.append({"ctx": ctx, "endings": endings, "label": label})
+            if limit and len(out) >= limit:
+                break
+    if not out:
+        raise LoomError(f"HellaSwag file '{p}' holds no examples")
+    return out
+
+
+def encode_example(ex: dict, tokenizer, block_size: int) -> tuple[list[list[int]], list[int]]:
+    """Token rows [eot] + ctx + ending for the 4 endings, and the number of context tokens in each row.
+
+    A row longer than block_size + 1 loses context from the left; an ending longer than the window is
+    scored on its first block_size tokens (after one context token)."""
+    ctx = [tokenizer.eot_id] + tokenizer.encode(ex["ctx"])
+    rows, n_ctx = [], []
+    for ending in ex["endings"]:
+        end = tokenizer.encode(" " + ending)[:block_size]
+        c = ctx[-(block_size + 1 - len(end)) :]
+        rows.append(c + end)
+        n_ctx.append(len(c))
+    return rows, n_ctx
+
+
+@torch.no_grad()
+def ending_losses(model: torch.nn.Module, rows: list[list[int]], n_ctx: list[int], device) -> tuple:
+    """(sum, mean) cross-entropy of each row's ending tokens given what precedes them, shape (4,) each."""
+    T = max(len(r) for r in rows)
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T - 1)
+    for i, (r, c) in enumerate(zip(rows, n_ctx, strict=True)):
+        tokens[i, : len(r)] = torch.tensor(r)
+        mask[i, c - 1 : len(r) - 1] = 1.0  # target position t predicts token t + 1: the ending's tokens
+    tokens, mask = tokens.to(device), mask.to(device)
+    logits = model(tokens[:, :-1]).float()  # (4, T - 1, V)
+    loss = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")  # (4, T - 1)
+    total = (loss * mask).sum(1)
+    return total, total / mask.sum(1)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer,
+    examples: list[dict],
+    device,
+    rank: int = 0,
+    world_size: int = 1,
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> dict:
+    """acc and acc_norm over all examples; this rank scores examples rank, rank + world, ..."""
+    was_training = model.training
+    model.eval()
+    block_size = model.cfg.block_size
+    counts = torch.zeros(3, dtype=torch.long, device=device)  # examples, correct (sum), correct (mean)
+    for ex in examples[rank::world_size]:
+        total, mean = ending_losses(model, *encode_example(ex, tokenizer, block_size), device)
+        counts[0] += 1
+        counts[1] += int(total.argmin().item() == ex["label"])
+        counts[2] += int(mean.argmin().item() == ex["label"])
+    n, correct, correct_norm = all_reduce_sum(counts).tolist()
+    model.train(was_training)
+    return {"n": n, "acc": correct / n, "acc_norm": correct_norm / n}

@@ -1,0 +1,90 @@
+"""Test hooks that inject failures into real runs (layer 0). Never set in normal use.
+
+tests/faults/ starts real `loom train` processes and needs them to fail at a chosen point: a NaN in a
+gradient, a checkpoint write that stalls half way (so the test can SIGKILL it there), a disk that looks
+full, a rank that hangs. The hooks are read once, from LOOM_FAULT_* environment variables, into a frozen
+value that the trainer and checkpoint code receive explicitly; with none set, every hook is off.
+
+  LOOM_FAULT_NAN_STEPS   steps whose gradients get a NaN: "5", "5,9", "5-7" or "5-" (5 and after)
+  LOOM_FAULT_NAN_RANK    only this rank injects (default: every rank)
+  LOOM_FAULT_NAN_PARAM   the parameter whose gradient is poisoned (default: the model's first)
+  LOOM_FAULT_STALL_SAVE  step whose checkpoint write stalls after its first file (marker file STALLED)
+  LOOM_FAULT_FREE_BYTES  free disk space the checkpoint writer believes it has
+  LOOM_FAULT_HANG_STEP   step at which LOOM_FAULT_HANG_RANK (default 1) stops, before its collectives
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loom.errors import LoomError
+
+
+def _steps(text: str) -> tuple[tuple[int, int], ...]:
+    """'5,9-11,20-' -> ((5, 5), (9, 11), (20, max)) inclusive ranges."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, dash, hi = part.partition("-")
+        try:
+            out.append((int(lo), int(hi) if hi else (2**62 if dash else int(lo))))
+        except ValueError:
+            raise LoomError(
+                f"LOOM_FAULT_NAN_STEPS: cannot read '{part}'", hint="write 5, 5-7 or 5-"
+            ) from None
+    return tuple(out)
+
+
+def _int(env, name: str) -> int | None:
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise LoomError(f"{name} must be an integer, got '{value}'") from None
+
+
+@dataclass(frozen=True)
+class Faults:
+    nan_steps: tuple[tuple[int, int], ...] = ()
+    nan_rank: int | None = None
+    nan_param: str = ""
+    stall_save_step: int | None = None
+    free_bytes: int | None = None
+    hang_step: int | None = None
+    hang_rank: int = 1
+
+    def nan_at(self, step: int, rank: int) -> bool:
+        """Whether this rank poisons a gradient at `step` (1-based: the step being computed)."""
+        return (self.nan_rank is None or self.nan_rank == rank) and any(
+            a <= step <= b for a, b in self.nan_steps
+        )
+
+    def stall_save(self, step: int, tmp_dir: Path) -> None:
+        """Called by the checkpoint writer after its first file: stall forever at the chosen step."""
+        if self.stall_save_step == step:
+            (tmp_dir / "STALLED").write_text(str(os.getpid()))
+            while True:
+                time.sleep(1)
+
+    def hang(self, step: int, rank: int) -> None:
+        """A rank that stops making progress before the collectives of `step` (a stuck data read)."""
+        if self.hang_step == step and self.hang_rank == rank:
+            while True:
+                time.sleep(1)
+
+
+def from_env(env=None) -> Faults:
+    env = os.environ if env is None else env
+    return Faults(
+        nan_steps=_steps(env.get("LOOM_FAULT_NAN_STEPS", "")),
+        nan_rank=_int(env, "LOOM_FAULT_NAN_RANK"),
+        nan_param=env.get("LOOM_FAULT_NAN_PARAM", ""),
+        stall_save_step=_int(env, "LOOM_FAULT_STALL_SAVE"),
+        free_bytes=_int(env, "LOOM_FAULT_FREE_BYTES"),
+        hang_step=_int(env, "LOOM_FAULT_HANG_STEP"),
+        hang_rank=1 if (rank := _int(env, "LOOM_FAULT_HANG_RANK")) is None else rank,
+    )

@@ -1,0 +1,366 @@
+"""GPT-2 interoperability with Hugging Face transformers: export a loom GPT, import GPT-2 weights.
+
+loom's GPT is GPT-2's architecture (pre-LayerNorm, learned positions, tanh-GELU MLP of width 4C, tied
+embeddings); only the parameter layout differs:
+
+  loom                                   GPT2LMHeadModel (transformers)
+  wte.weight (V_padded, C)               transformer.wte.weight (V, C)        rows [:V]
+  blocks.i.attn.{q,k,v}_proj (C, C)      transformer.h.i.attn.c_attn (C, 3C)  Conv1D: y = x @ W + b, W = [q;k;v]^T
+  blocks.i.attn.o_proj                   transformer.h.i.attn.c_proj          transposed
+  blocks.i.mlp.up_proj / down_proj       transformer.h.i.mlp.c_fc / c_proj    transposed
+  ln_1, ln_2, ln_f, wpe                  same names                           same
+
+q/k/v stay separate in loom (tensor parallelism shards heads through them); they are fused only in the
+exported file. A loom model without biases is exported with zero biases, which computes the same function.
+Nothing here needs transformers: config.json is plain JSON and the weights are safetensors; the `hf`
+extra (transformers) is only needed to load the export on the other side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from loom import log
+from loom.errors import LoomError
+from loom.model.gpt import GPT, GPTConfig
+
+# GPTConfig fields with a GPT-2 equivalent; any other field must keep its default to be exportable.
+_GPT2_FIELDS = {"vocab_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "bias"}
+# transformers' names for loom's GELU (tanh approximation); "gelu" (erf) is a different function.
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
+EOT = "<|endoftext|>"
+
+
+def _refuse(field: str, why: str, hint: str | None = None) -> LoomError:
+    return LoomError(f"GPT-2 cannot represent this model: {field} {why}", hint=hint)
+
+
+# ------------------------------------------------------------------------------------------- export
+
+
+def check_exportable(cfg: GPTConfig) -> None:
+    """Refuse, naming the field, a loom model shape that GPT2LMHeadModel has no setting for."""
+    for f in dataclasses.fields(cfg):
+        if f.name in _GPT2_FIELDS:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if getattr(cfg, f.name) != default:
+            raise _refuse(f"model.{f.name}={getattr(cfg, f.name)!r}", "has no GPT-2 equivalent",
+                          hint=f"export a model trained with the default model.{f.name}={default!r}")  # fmt: skip
+    if cfg.n_embd % cfg.n_head:
+        raise _refuse(f"model.n_embd={cfg.n_embd}", f"is not divisible by model.n_head={cfg.n_head}")
+
+
+def gpt2_config(cfg: GPTConfig, eot_id: int | None = None) -> dict:
+    """config.json of a GPT2LMHeadModel with loom's shape (vocabulary unpadded)."""
+    check_exportable(cfg)
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
+        "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
+        "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": "float32",
+    }  # fmt: skip
+
+
+def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """loom weights in GPT2LMHeadModel's names and layout (fp32, contiguous, vocabulary unpadded)."""
+    cfg = model.cfg
+    check_exportable(cfg)
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    with torch.device("meta"):  # the parameter names of a plain loom GPT of this shape, no memory
+        expected = set(GPT(cfg).state_dict())
+    extra = sorted(set(sd) - expected)
+    if extra:
+        raise _refuse(f"parameter '{extra[0]}'", "has no GPT-2 counterpart")
+    C = cfg.n_embd
+
+    def bias(name: str, n: int) -> torch.Tensor:  # a model without biases: zeros compute the same thing
+        return sd.get(name, torch.zeros(n))
+
+    out = {
+        "transformer.wte.weight": sd["wte.weight"][: cfg.vocab_size],
+        "transformer.wpe.weight": sd["wpe.weight"],
+        "transformer.ln_f.weight": sd["ln_f.weight"],
+        "transformer.ln_f.bias": bias("ln_f.bias", C),
+    }
+    for i in range(cfg.n_layer):
+        p, h = f"blocks.{i}.", f"transformer.h.{i}."
+        for ln in ("ln_1", "ln_2"):
+            out[h + f"{ln}.weight"] = sd[p + f"{ln}.weight"]
+            out[h + f"{ln}.bias"] = bias(p + f"{ln}.bias", C)
+        qkv = [sd[p + f"attn.{n}_proj.weight"] for n in "qkv"]  # each (C_out, C_in)
+        out[h + "attn.c_attn.weight"] = torch.cat(qkv, dim=0).t()  # Conv1D: (C_in, 3C)
+        out[h + "attn.c_attn.bias"] = torch.cat([bias(p + f"attn.{n}_proj.bias", C) for n in "qkv"])
+        out[h + "attn.c_proj.weight"] = sd[p + "attn.o_proj.weight"].t()
+        out[h + "attn.c_proj.bias"] = bias(p + "attn.o_proj.bias", C)
+        out[h + "mlp.c_fc.weight"] = sd[p + "mlp.up_proj.weight"].t()
+        out[h + "mlp.c_fc.bias"] = bias(p + "mlp.up_proj.bias", 4 * C)
+        out[h + "mlp.c_proj.weight"] = sd[p + "mlp.down_proj.weight"].t()
+        out[h + "mlp.c_proj.bias"] = bias(p + "mlp.down_proj.bias", C)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise LoomError(f"output directory '{out}' exists and is not empty", hint="pass --force or pick another --out")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export_hf(model: GPT, out: str | Path, tokenizer=None, force: bool = False) -> list[str]:
+    """Write a directory that `transformers.AutoModelForCausalLM.from_pretrained(out)` loads as GPT-2.
+
+    `tokenizer` is loom's (char or BPE) or None; returns notes for the user (what could not be written)."""
+    from safetensors.torch import save_file
+
+    eot = getattr(tokenizer, "eot_id", None)
+    config = gpt2_config(model.cfg, eot)  # refuses before anything is written
+    state = gpt2_state_dict(model)
+    out = Path(out)
+    _prepare_out(out, force)
+    (out / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": eot, "eos_token_id": eot}, indent=1), encoding="utf-8"
+    )
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return write_tokenizer(tokenizer, out, model.cfg.block_size)
+
+
+def export_safetensors(model: GPT, out: str | Path, force: bool = False) -> Path:
+    """loom's own state dict as out/model.safetensors; the tied lm_head is left out (it is wte), and the
+    model shape is in the metadata under 'loom_model'."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    _prepare_out(out, force)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    meta = {"format": "pt", "loom_model": json.dumps(dataclasses.asdict(model.cfg)), "tied": "lm_head.weight=wte.weight"}
+    save_file(state, str(out / "model.safetensors"), metadata=meta)
+    return out / "model.safetensors"
+
+
+# ------------------------------------------------------------------------------------------- tokenizer
+
+
+def _char_tokenizer_json(chars: list[str], eot_id: int) -> str:
+    """A `tokenizers` pipeline equal to loom's CharTokenizer: BPE without merges, no pre-tokenizer (every
+    character is a token), the end-of-text token as a special token, decoding by concatenation."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab[EOT] = eot_id
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(EOT, special=True)])
+    return tok.to_str()
+
+
+def _bpe_vocab_merges(spec: dict) -> tuple[dict, list[str]] | None:
+    """vocab.json / merges.txt contents for a byte-level BPE tokenizer.json (GPT2Tokenizer's files)."""
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    kinds = [pre.get("type")] + [p.get("type") for p in pre.get("pretokenizers", [])]
+    if model.get("type") != "BPE" or "ByteLevel" not in kinds:
+        return None
+    vocab = dict(model["vocab"])
+    for t in spec.get("added_tokens", []):
+        vocab.setdefault(t["content"], t["id"])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return vocab, merges
+
+
+def write_tokenizer(tokenizer, out: Path, block_size: int) -> list[str]:
+    """tokenizer.json (+ vocab.json/merges.txt for byte-level BPE) and tokenizer_config.json."""
+    if tokenizer is None:
+        return ["no tokenizer files: the run was trained on token ids without a known tokenizer"]
+    notes = []
+    cls = "PreTrainedTokenizerFast"
+    if tokenizer.kind == "char":
+        text = _char_tokenizer_json(tokenizer.chars, tokenizer.eot_id)
+    else:
+        text = tokenizer.tok.to_str()
+        files = _bpe_vocab_merges(json.loads(text))
+        if files is None:
+            notes.append("tokenizer.json only: it is not byte-level BPE, so no GPT-2 vocab.json/merges.txt")
+        else:
+            (out / "vocab.json").write_text(json.dumps(files[0], ensure_ascii=False), encoding="utf-8")
+            (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(files[1]) + "\n", encoding="utf-8")
+            cls = "GPT2TokenizerFast"
+    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
+    config = {"tokenizer_class": cls, "model_max_length": block_size, "add_prefix_space": False,
+              "clean_up_tokenization_spaces": False, **special}  # fmt: skip
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=1), encoding="utf-8")
+    return notes
+
+
+# ------------------------------------------------------------------------------------------- import
+
+
+def read_hf_config(directory: str | Path) -> dict:
+    """config.json of a local GPT-2 directory, checked for what loom's GPT can represent."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise LoomError(f"'{d}' is not a directory", hint="give a local folder saved by save_pretrained "
+                        "(download a hub model first, e.g. with `hf download gpt2 --local-dir DIR`)")  # fmt: skip
+    path = d / "config.json"
+    if not path.is_file():
+        raise LoomError(f"'{d}' has no config.json, so its model shape is unknown",
+                        hint="give a directory written by transformers' save_pretrained (config.json + weights)")  # fmt: skip
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoomError(f"cannot read '{path}': {e}") from None
+    if hf.get("model_type") != "gpt2":
+        raise LoomError(f"'{path}' describes a '{hf.get('model_type')}' model; loom imports GPT-2 only",
+                        hint="model_type must be gpt2")  # fmt: skip
+    checks = [
+        ("activation_function", hf.get("activation_function", "gelu_new") in TANH_GELU, "loom's MLP uses tanh-GELU (gelu_new)"),
+        ("n_inner", hf.get("n_inner") in (None, 4 * hf.get("n_embd", 768)), "loom's MLP is 4 x n_embd wide"),
+        ("tie_word_embeddings", hf.get("tie_word_embeddings", True), "loom ties lm_head to wte"),
+        ("scale_attn_weights", hf.get("scale_attn_weights", True), "loom scales attention by 1/sqrt(head_dim)"),
+        ("scale_attn_by_inverse_layer_idx", not hf.get("scale_attn_by_inverse_layer_idx", False), "loom does not scale by layer"),
+        ("layer_norm_epsilon", abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) < 1e-12, "loom's LayerNorms use eps 1e-5"),
+        ("add_cross_attention", not hf.get("add_cross_attention", False), "loom's GPT is decoder-only"),
+    ]  # fmt: skip
+    for key, ok, why in checks:
+        if not ok:
+            raise LoomError(f"'{path}': {key}={hf.get(key)!r} cannot be imported: {why}")
+    return hf
+
+
+def gpt_config_from_hf(hf: dict, block_size: int | None = None, dropout: float = 0.0) -> GPTConfig:
+    """loom's GPTConfig for a GPT-2 config.json; block_size may be cropped below n_positions."""
+    n_pos = hf.get("n_positions", hf.get("n_ctx", 1024))
+    if block_size is not None and block_size > n_pos:
+        raise LoomError(f"model.block_size={block_size} exceeds the imported model's n_positions={n_pos}",
+                        hint=f"use model.block_size <= {n_pos}")  # fmt: skip
+    return GPTConfig(vocab_size=hf.get("vocab_size", 50257), n_layer=hf.get("n_layer", 12),
+                     n_head=hf.get("n_head", 12), n_embd=hf.get("n_embd", 768),
+                     block_size=block_size or n_pos, dropout=dropout, bias=True)  # fmt: skip
+
+
+def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """GPT-2 tensors from model.safetensors (single or sharded) or pytorch_model.bin (weights only),
+    with the 'transformer.' prefix removed (original GPT-2 checkpoints have none)."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    if (d / "model.safetensors").is_file():
+        files = [d / "model.safetensors"]
+    elif (d / "model.safetensors.index.json").is_file():
+        index = json.loads((d / "model.safetensors.index.json").read_text(encoding="utf-8"))
+        files = [d / f for f in sorted(set(index["weight_map"].values()))]
+    elif (d / "pytorch_model.bin").is_file():
+        files = [d / "pytorch_model.bin"]
+    else:
+        raise LoomError(f"'{d}' has no model.safetensors or pytorch_model.bin",
+                        hint="save the model with save_pretrained into that directory")  # fmt: skip
+    sd = {}
+    for f in files:
+        try:
+            part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # safetensors and torch raise several types for damaged files
+            raise LoomError(f"cannot read weights '{f}': {e}") from None
+        sd.update(part)
+    return {k.removeprefix("transformer."): v.float() for k, v in sd.items()}
+
+
+def loom_state_from_gpt2(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """GPT-2 tensors -> loom's state dict for `cfg` (vocabulary padded, positions cropped to block_size).
+
+    Padding rows are set to the mean of the real embedding rows, so a padding id's logit is the mean of
+    the real logits; by Jensen's inequality its probability is at most 1/V and all padding together
+    takes at most (V_padded - V)/V of the probability mass (~0.1% for GPT-2's 50257)."""
+    C, V = cfg.n_embd, cfg.vocab_size
+
+    def get(name: str, shape: tuple) -> torch.Tensor:
+        if name not in sd:
+            raise LoomError(f"the imported weights have no '{name}'", hint="is this a GPT2LMHeadModel checkpoint?")
+        t = sd[name]
+        if tuple(t.shape) != shape:
+            raise LoomError(f"imported '{name}' has shape {tuple(t.shape)}, config.json implies {shape}")
+        return t
+
+    wte = get("wte.weight", (V, C))
+    pad = wte.mean(dim=0, keepdim=True).expand(cfg.padded_vocab - V, C)
+    out = {
+        "wte.weight": torch.cat([wte, pad]),
+        "wpe.weight": sd["wpe.weight"][: cfg.block_size],
+        "ln_f.weight": get("ln_f.weight", (C,)),
+        "ln_f.bias": get("ln_f.bias", (C,)),
+    }
+    for i in range(cfg.n_layer):
+        p, h = f"blocks.{i}.", f"h.{i}."
+        for ln in ("ln_1", "ln_2"):
+            out[p + f"{ln}.weight"] = get(h + f"{ln}.weight", (C,))
+            out[p + f"{ln}.bias"] = get(h + f"{ln}.bias", (C,))
+        w = get(h + "attn.c_attn.weight", (C, 3 * C)).t()  # (3C, C): rows q, k, v
+        b = get(h + "attn.c_attn.bias", (3 * C,))
+        for j, n in enumerate("qkv"):
+            out[p + f"attn.{n}_proj.weight"] = w[j * C : (j + 1) * C]
+            out[p + f"attn.{n}_proj.bias"] = b[j * C : (j + 1) * C]
+        out[p + "attn.o_proj.weight"] = get(h + "attn.c_proj.weight", (C, C)).t()
+        out[p + "attn.o_proj.bias"] = get(h + "attn.c_proj.bias", (C,))
+        out[p + "mlp.up_proj.weight"] = get(h + "mlp.c_fc.weight", (C, 4 * C)).t()
+        out[p + "mlp.up_proj.bias"] = get(h + "mlp.c_fc.bias", (4 * C,))
+        out[p + "mlp.down_proj.weight"] = get(h + "mlp.c_proj.weight", (4 * C, C)).t()
+        out[p + "mlp.down_proj.bias"] = get(h + "mlp.c_proj.bias", (C,))
+    out["lm_head.weight"] = out["wte.weight"]  # tied
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def parse_init_from(spec: str) -> Path:
+    """`hf:DIR` -> DIR (the only source loom imports from)."""
+    if not spec.startswith("hf:") or len(spec) == 3:
+        raise LoomError(f"model.init_from='{spec}' is not understood", hint="use model.init_from=hf:DIR "
+                        "with a local GPT-2 directory saved by transformers")  # fmt: skip
+    return Path(spec[3:]).expanduser()
+
+
+@torch.no_grad()
+def load_gpt2_into(model: GPT, directory: str | Path) -> None:
+    """Copy GPT-2 weights from a local transformers directory into `model` (shapes must agree)."""
+    hf = read_hf_config(directory)
+    want = gpt_config_from_hf(hf, model.cfg.block_size, model.cfg.dropout)
+    if want != model.cfg:
+        raise LoomError(f"the model shape {model.cfg} differs from '{directory}' ({want})",
+                        hint="leave model.n_layer/n_head/n_embd/vocab_size/bias to the imported config")  # fmt: skip
+    state = loom_state_from_gpt2(read_hf_weights(directory), model.cfg)
+    model.load_state_dict(state)
+    log.info(f"initialised from GPT-2 weights in {directory}")
+
+
+def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
+    """With model.init_from=hf:DIR, take the model shape from DIR/config.json (before validate()).
+
+    `cfg` is a loom.config.Config; a shape key the user set explicitly to another value is an error."""
+    if not cfg.model.init_from:
+        return
+    m = cfg.model
+    g = gpt_config_from_hf(read_hf_config(parse_init_from(m.init_from)), m.block_size, m.dropout)
+    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "bias"):
+        value = getattr(g, key)
+        if getattr(m, key) != value:
+            if f"model.{key}" in explicit:
+                raise LoomError(f"model.{key}={getattr(m, key)!r} conflicts with model.init_from, which has "
+                                f"{key}={value!r}", hint=f"drop --model.{key}; the imported config sets it")  # fmt: skip
+            setattr(m, key, value)
+
+
+def load_gpt2(directory: str | Path, block_size: int | None = None, dropout: float = 0.0) -> GPT:
+    """A loom GPT holding the GPT-2 model saved in `directory`."""
+    cfg = gpt_config_from_hf(read_hf_config(directory), block_size, dropout)
+    model = GPT(cfg)
+    load_gpt2_into(model, directory)
+    return model

@@ -1,0 +1,232 @@
+"""Enumerate (dp, tp, pp, ZeRO stage, micro-batch, activation checkpointing) and estimate each layout.
+
+Mesh order is loom's (distributed/topology.py): dp × pp × tp with tp innermost, so a tensor-parallel
+group is tp neighbouring ranks (kept inside a node: tp divides gpus_per_node), a pipeline group spans
+tp·pp neighbouring ranks (inside a node while tp·pp <= gpus_per_node, else its stage-to-stage sends cross
+nodes) and a data-parallel group strides over everything (inside a node only for single-node jobs). A
+group inside a node uses the intra-node bandwidth, one that crosses nodes the inter-node bandwidth.
+Bandwidths are nccl-tests bus bandwidths (what `loom bench comm` prints as busbw): a ring all-reduce of
+M bytes over n ranks takes 2·(n-1)/n·M / busbw; an all-gather or reduce-scatter half that.
+
+Time model, per optimizer step, with m micro-batches per data-parallel rank:
+  * compute: FLOPs per token as loom.model.flops (PaLM appendix B: 6·N + 12·L·h·s; full recomputation
+    repeats the forward: 8·N + 16·L·h·s) at peak_tflops · mfu; a micro-batch on one stage costs
+    flops·b·s / (tp·pp);
+  * TP (Megatron, Shoeybi et al. 2019): 2 all-reduces of b·s·h activations per layer forward and 2
+    backward (3 + 3 with full recomputation; with sequence parallelism all-gather + reduce-scatter, the
+    same volume), on the critical path;
+  * PP: one b·s·h/tp activation sent forward and one gradient back per micro-batch and stage boundary;
+    1F1B or GPipe take (m + pp - 1) slots for m micro-batches: bubble (pp - 1)/(m + pp - 1) (Narayanan
+    et al. 2021, "Efficient large-scale language model training on GPU clusters", section 2.2);
+  * DP (ZeRO paper section 7): plain DP and ZeRO-1 accumulate full gradients and all-reduce them once
+    per step, 2·(dp-1)/dp·Ψ·grad_bytes (ZeRO-1 as reduce-scatter + all-gather of the updated
+    parameters: the same volume). ZeRO-2 keeps only a gradient shard, so every micro-batch's gradients
+    are reduce-scattered, plus one parameter all-gather per step; at m = 1 the all-reduce's volume.
+    ZeRO-3 all-gathers the parameters for forward and again for backward of every micro-batch and
+    reduce-scatters the gradients: 1.5× the all-reduce at m = 1 (section 7.2.2). DP traffic overlaps
+    with backward (ZeRO-1: the last micro-batch's; ZeRO-2: every micro-batch's; ZeRO-3: all compute,
+    prefetching); only what is left adds to the step.
+  The optimizer update and kernel launch overheads are left out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from loom.plan.memory import (
+    Precision,
+    embed_activation_bytes,
+    head_activation_bytes,
+    layer_activation_bytes,
+    model_state_bytes,
+)
+from loom.plan.shapes import ModelShape
+
+GB = 1e9  # decimal gigabytes, as the ZeRO paper and GPU datasheets
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    gpu_mem_gb: float
+    intra_bw: float = 200.0  # GB/s bus bandwidth inside a node (NVLink / NVSwitch class)
+    inter_bw: float = 25.0  # GB/s per GPU across nodes (one 200 Gb/s InfiniBand NIC per GPU)
+    peak_tflops: float = 312.0  # dense 16-bit peak of one GPU (A100 SXM bf16; H100 SXM is 989)
+    mfu: float = 0.45  # achievable fraction of peak for large-model training (Megatron reports 40-55%)
+    headroom: float = 0.10  # of GPU memory kept for the CUDA context, allocator and temporary buffers
+
+    @property
+    def usable_gb(self) -> float:
+        return self.gpu_mem_gb * (1 - self.headroom)
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: ModelShape
+    precision: Precision
+    seq_len: int
+    global_batch_tokens: int
+    attention: str = "flash"
+
+
+@dataclass
+class Candidate:
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    micro_batch: int
+    activation_checkpointing: str
+    n_micro: int = 0  # micro-batches per data-parallel rank per step
+    memory_gb: dict[str, float] = field(default_factory=dict)
+    comm_gb: dict[str, float] = field(default_factory=dict)  # bytes sent per GPU per step, by kind
+    compute_s: float = 0.0
+    comm_s: float = 0.0  # communication time not hidden behind compute
+    step_time_s: float = 0.0
+    bubble: float = 0.0
+    fits: bool = False
+    tokens_per_s: float = 0.0
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("dp", "tp", "pp", "zero", "micro_batch", "activation_checkpointing",
+                                          "n_micro", "memory_gb", "comm_gb", "compute_s", "comm_s",
+                                          "step_time_s", "bubble", "fits", "tokens_per_s", "reason")}  # fmt: skip
+        d["sequence_parallel"] = self.tp > 1
+        return d
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(shape: ModelShape, cluster: Cluster, wl: Workload, attention_modes: tuple[str, ...]):
+    """Every valid layout. Rules (as config.validate): dp·tp·pp = gpus; tp divides n_head and
+    gpus_per_node (tensor parallelism stays inside a node); pp <= n_layer; the global batch splits into
+    whole micro-batches per data-parallel rank; 1F1B needs at least pp micro-batches; ZeRO needs dp > 1."""
+    node = min(cluster.gpus_per_node, cluster.gpus)
+    seqs = wl.global_batch_tokens // wl.seq_len
+    for tp in _divisors(node):
+        if shape.n_head % tp or shape.padded_vocab % tp or wl.seq_len % tp:
+            continue
+        for pp in _divisors(cluster.gpus // tp) if cluster.gpus % tp == 0 else []:
+            if pp > shape.n_layer:
+                continue
+            dp = cluster.gpus // (tp * pp)
+            if seqs % dp:
+                continue
+            per_rank = seqs // dp
+            for b in (1, 2, 4, 8, 16, 32, 64):
+                if per_rank % b or per_rank // b < pp:
+                    continue
+                for zero in range(4) if dp > 1 else (0,):
+                    for ckpt in attention_modes:
+                        yield Candidate(dp, tp, pp, zero, b, ckpt, n_micro=per_rank // b)
+
+
+def _group_bw(span: int, cluster: Cluster) -> float:
+    """A group of `span` consecutive ranks stays inside a node when it fits in one and nodes align."""
+    node = cluster.gpus_per_node
+    inside = span <= node and node % span == 0
+    return cluster.intra_bw if inside or cluster.gpus <= node else cluster.inter_bw
+
+
+def _stage_params(shape: ModelShape, tp: int, pp: int) -> tuple[float, float, float]:
+    """(params on the first stage, params on the last stage, params of one layer) per GPU.
+
+    Layers split as evenly as possible (the first stage gets the rounding); the embedding lives on the
+    first stage, the final LayerNorm and head on the last (with pp > 1 the tied head is a second copy).
+    Matrices shard tp ways (vocabulary-parallel embedding); positions and LayerNorms are replicated.
+    """
+    C = shape.n_embd
+    layer = (shape.layer_params - 2 * shape.ln_params) / tp + 2 * shape.ln_params
+    n_first = math.ceil(shape.n_layer / pp)
+    embed = shape.padded_vocab * C / tp + shape.block_size * C
+    first = n_first * layer + embed
+    last = (shape.n_layer // pp) * layer + shape.ln_params + (shape.head_params / tp if pp > 1 else 0)
+    if pp == 1:
+        first, last = first + shape.ln_params, first + shape.ln_params
+    scale = shape.param_count() / shape.counted_params()  # --params N with an assumed shape
+    return first * scale, last * scale, layer * scale
+
+
+def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
+    """Fill in memory, communication, time and fits for one layout."""
+    shape, prec, s, b = wl.shape, wl.precision, wl.seq_len, c.micro_batch
+    e = prec.act
+    first_p, last_p, layer_p = _stage_params(shape, c.tp, c.pp)
+    ckpt = c.activation_checkpointing
+    layer_act = layer_activation_bytes(shape, s, b, c.tp, e, ckpt, wl.attention)
+    stages = []
+    for params, n_layers, in_flight, extra in (
+        (
+            first_p,
+            math.ceil(shape.n_layer / c.pp),
+            min(c.pp, c.n_micro),
+            embed_activation_bytes(shape, s, b, c.tp),
+        ),
+        (last_p, shape.n_layer // c.pp, 1, head_activation_bytes(shape, s, b, c.tp, e)),
+    ):
+        if c.pp == 1:  # one stage holds embedding, layers and head
+            extra = embed_activation_bytes(shape, s, b, c.tp) + head_activation_bytes(shape, s, b, c.tp, e)
+        p, g, o = model_state_bytes(params, prec, c.zero, c.dp)
+        if c.zero == 3:  # FSDP gathers one layer and prefetches the next
+            p += 2 * layer_p * prec.param
+        act = n_layers * layer_act * in_flight + extra * in_flight
+        if ckpt == "full":  # backward rematerialises one layer's activations at a time
+            act += layer_activation_bytes(shape, s, b, c.tp, e, "none", wl.attention)
+        stages.append({"params": p, "grads": g, "optim": o, "activations": act})
+    worst = max(stages, key=lambda d: sum(d.values()))
+    c.memory_gb = {k: v / GB for k, v in worst.items()}
+    c.memory_gb["total"] = sum(worst.values()) / GB
+    c.fits = c.memory_gb["total"] <= cluster.usable_gb
+
+    # compute
+    matmul = shape.n_layer * 12 * shape.n_embd**2 + shape.padded_vocab * shape.n_embd
+    attn = 12 * shape.n_layer * shape.n_embd * s
+    flops_tok = {"none": 6 * matmul + attn, "selective": 6 * matmul + attn * 4 / 3,
+                 "full": 8 * matmul + attn * 4 / 3}[ckpt]  # fmt: skip
+    flops_rate = cluster.peak_tflops * 1e12 * cluster.mfu
+    t_micro = flops_tok * b * s / (c.tp * c.pp) / flops_rate
+    # tensor parallel: activations of b·s·h elements, 4 collectives per layer (6 with full recompute)
+    layers_stage = math.ceil(shape.n_layer / c.pp)
+    n_coll = 6 if ckpt == "full" else 4
+    tp_bytes = layers_stage * n_coll * 2 * (c.tp - 1) / c.tp * b * s * shape.n_embd * e if c.tp > 1 else 0.0
+    t_tp = tp_bytes / (_group_bw(c.tp, cluster) * GB)
+    # pipeline: forward activation + backward gradient per micro-batch across each stage boundary
+    pp_bytes = 2 * b * s * shape.n_embd * e / c.tp if c.pp > 1 else 0.0
+    t_pp = pp_bytes / (_group_bw(c.tp * c.pp, cluster) * GB)
+    slots = c.n_micro + c.pp - 1
+    c.bubble = (c.pp - 1) / slots
+    pipe_time = slots * (t_micro + t_tp + t_pp)
+    # data parallel
+    ring = (c.dp - 1) / c.dp
+    if c.zero == 3:
+        dp_bytes = first_p * c.n_micro * ring * (2 * prec.param + prec.grad)
+        hide = c.n_micro * t_micro
+    elif c.zero == 2:
+        dp_bytes = first_p * ring * (c.n_micro * prec.grad + prec.param)
+        hide = c.n_micro * t_micro * 2 / 3
+    else:
+        dp_bytes = first_p * 2 * ring * prec.grad
+        hide = t_micro * 2 / 3
+    t_dp = dp_bytes / (_group_bw(cluster.gpus, cluster) * GB)
+    c.comm_gb = {"dp": dp_bytes / GB, "tp": tp_bytes * c.n_micro / GB, "pp": pp_bytes * c.n_micro / GB}
+    c.compute_s = c.n_micro * t_micro
+    c.step_time_s = pipe_time + max(0.0, t_dp - hide)
+    c.comm_s = c.step_time_s - c.compute_s - c.bubble * pipe_time
+    c.tokens_per_s = wl.global_batch_tokens / c.step_time_s
+    return c
+
+
+def plan(shape: ModelShape, cluster: Cluster, wl: Workload) -> list[Candidate]:
+    """Every valid layout, evaluated and ranked: fitting ones first, then by step time (to 3 significant
+    digits: the model is not finer than that), then by bytes communicated, then the simpler layout (lower
+    ZeRO stage, tp, pp), then by memory."""
+    modes = ("none", "full") if wl.attention == "flash" else ("none", "selective", "full")
+    cands = [evaluate(c, cluster, wl) for c in enumerate_layouts(shape, cluster, wl, modes)]
+    cands.sort(key=lambda c: (not c.fits, float(f"{c.step_time_s:.3g}"), sum(c.comm_gb.values()),
+                              c.zero + c.tp + c.pp, c.memory_gb["total"]))  # fmt: skip
+    return cands

@@ -1,0 +1,224 @@
+"""`loom plan`: arguments, the one-line reasons, the table and the JSON.
+
+Reasons follow the usual decision rules: the model fits on one GPU → plain data parallel; it does not →
+ZeRO / FSDP shards the model states over data-parallel ranks; even that does not fit (one layer's
+activations and gathered weights are too large) → tensor parallel inside a node; inter-node links much
+slower than intra-node → pipeline stages across nodes, so only point-to-point activations cross them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from loom.errors import LoomError
+from loom.plan.estimate import Candidate, Cluster, Workload, plan
+from loom.plan.memory import ATTENTION, PRECISIONS
+from loom.plan.shapes import ModelShape, assert_valid, fmt_count, resolve_model
+
+_ZERO_WHAT = {
+    1: "optimizer state",
+    2: "optimizer state + gradients",
+    3: "optimizer state, gradients, parameters",
+}
+
+
+def reason(c: Candidate, cands: list[Candidate], cluster: Cluster) -> str:
+    """One line: why this layout, by the decision rules, with the numbers that decide."""
+    usable = cluster.usable_gb
+    flat = [x for x in cands if x.tp == 1 and x.pp == 1]
+    replicated_fits = any(x.fits and x.zero == 0 for x in flat)
+    dp_fits = any(x.fits for x in flat)
+    parts = []
+    if c.zero == 0 and c.tp == c.pp == 1:
+        single = (
+            "fits on one GPU: no parallelism needed"
+            if c.dp == 1
+            else "fits on one GPU → plain data parallel (DDP)"
+        )
+        parts.append(single if c.fits else "replicated: too big")
+    if c.zero:
+        states = sum(model_state(x) for x in flat if x.zero == 0) / max(
+            1, sum(1 for x in flat if x.zero == 0)
+        )
+        if replicated_fits and c.tp == c.pp == 1:
+            parts.append(f"ZeRO-{c.zero} not required; shards {_ZERO_WHAT[c.zero]} over dp={c.dp}")
+        else:
+            need = f" (replicated states {states:.0f} GB > {usable:.0f} usable)" if states > usable else ""
+            name = {1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}[c.zero]
+            parts.append(f"{name} shards {_ZERO_WHAT[c.zero]} over dp={c.dp}{need}")
+    if c.zero == 0 and c.dp > 1 and (c.tp > 1 or c.pp > 1):
+        parts.append("no ZeRO: TP/PP alone split the model states")
+    if c.tp > 1:
+        if dp_fits:
+            parts.append(f"TP={c.tp} inside a node (not required: DP/ZeRO alone fits)")
+        else:
+            low = min((x.memory_gb["total"] for x in flat), default=float("nan"))
+            parts.append(f"DP/ZeRO alone needs ≥ {low:.0f} GB > {usable:.0f} → TP={c.tp} inside a node")
+    if c.pp > 1:
+        crosses = c.tp * c.pp > min(cluster.gpus_per_node, cluster.gpus)
+        slow = cluster.inter_bw * 2 <= cluster.intra_bw
+        where = "across nodes" if crosses else "inside a node"
+        why = (
+            f" (slow inter-node link {cluster.inter_bw:g} GB/s: only activations cross it)"
+            if crosses and slow
+            else ""
+        )
+        parts.append(f"PP={c.pp} {where}{why}, bubble {c.bubble:.0%}")
+    if c.activation_checkpointing != "none":
+        parts.append(
+            f"{c.activation_checkpointing} recompute (activations {c.memory_gb['activations']:.1f} GB)"
+        )
+    if not c.fits:
+        parts.insert(0, f"DOES NOT FIT ({c.memory_gb['total']:.0f} > {usable:.0f} GB)")
+    return "; ".join(parts)
+
+
+def model_state(c: Candidate) -> float:
+    return c.memory_gb["params"] + c.memory_gb["grads"] + c.memory_gb["optim"]
+
+
+def table(cands: list[Candidate]) -> str:
+    head = (" #  dp  tp  pp zero  mb  ckpt  |  params  grads  optim   act  total GB | comm GB   step s"
+            "  bubble   tok/s | fits | reason")  # fmt: skip
+    rows = [head, "-" * len(head)]
+    for i, c in enumerate(cands, 1):
+        m = c.memory_gb
+        comm = sum(c.comm_gb.values())
+        rows.append(
+            f"{i:>2} {c.dp:>3} {c.tp:>3} {c.pp:>3} {c.zero:>4} {c.micro_batch:>3}  {c.activation_checkpointing[:4]:<4}"
+            f"  | {m['params']:>7.1f} {m['grads']:>6.1f} {m['optim']:>6.1f} {m['activations']:>5.1f} {m['total']:>6.1f}"
+            f"    | {comm:>7.1f} {c.step_time_s:>8.2f} {c.bubble:>6.1%} {fmt_count(c.tokens_per_s):>7}"
+            f" | {'yes' if c.fits else 'NO':<4} | {c.reason}"
+        )
+    return "\n".join(rows)
+
+
+def header(shape: ModelShape, cluster: Cluster, wl: Workload, n: int, n_fit: int) -> str:
+    p = wl.precision
+    nodes = max(1, cluster.gpus // cluster.gpus_per_node)
+    return "\n".join([
+        f"model     {shape.describe()}",
+        f"cluster   {cluster.gpus} GPUs, {cluster.gpus_per_node} per node ({nodes} node{'s' * (nodes > 1)}), "
+        f"{cluster.gpu_mem_gb:g} GB each ({cluster.usable_gb:.0f} GB usable, {cluster.headroom:.0%} headroom); "
+        f"busbw {cluster.intra_bw:g} GB/s intra-node, {cluster.inter_bw:g} GB/s inter-node",
+        f"training  {p.name}: {p.param}+{p.grad}+{p.optim} bytes/param ({p.doc}), {p.act}-byte activations; "
+        f"seq {wl.seq_len}, global batch {wl.global_batch_tokens:,} tokens ({wl.global_batch_tokens // wl.seq_len} "
+        f"sequences), {wl.attention} attention, 1F1B",
+        f"compute   {cluster.peak_tflops:g} TFLOP/s peak × {cluster.mfu:g} achieved per GPU",
+        f"{n} valid layouts, {n_fit} fit; memory in GB (1e9 bytes) per GPU on the fullest pipeline stage",
+    ])  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loom plan",
+        description="Rank (dp, tp, pp, ZeRO, micro-batch, activation checkpointing) layouts by per-GPU "
+        "memory and estimated step time.",
+        epilog="Formulas: ZeRO (Rajbhandari et al. 2020) for model states, Korthikanti et al. 2022 for "
+        "activations; see loom/plan/*.py. Example: loom plan --model 7b --gpus 64 --gpus-per-node 8 --gpu-mem 80",
+    )
+    p.add_argument(
+        "--model", help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, 7b, 13b, 70b) or CONFIG.toml"
+    )
+    p.add_argument("--params", help="a bare parameter count (7.5B, 124M); alone, a shape is assumed")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GB")
+    p.add_argument(
+        "--intra-bw", type=float, default=200.0, help="intra-node bus bandwidth, GB/s (default 200)"
+    )
+    p.add_argument(
+        "--inter-bw", type=float, default=25.0, help="inter-node bus bandwidth per GPU, GB/s (default 25)"
+    )
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's block_size)")
+    p.add_argument("--global-batch-tokens", type=int,
+                   help="tokens per optimizer step (default 2^22 from 1B parameters, else 2^19)")  # fmt: skip
+    p.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS), help="default bf16-mixed")
+    p.add_argument("--attention", default="flash", choices=ATTENTION,
+                   help="flash: fused SDPA kernels, no s×s scores kept (loom's default); eager: Korthikanti's "
+                   "5·a·s²·b term")  # fmt: skip
+    p.add_argument(
+        "--peak-tflops", type=float, default=312.0, help="per-GPU dense peak (default 312, A100 bf16)"
+    )
+    p.add_argument("--mfu", type=float, default=0.45, help="achieved fraction of peak (default 0.45)")
+    p.add_argument(
+        "--headroom", type=float, default=0.10, help="share of GPU memory kept free (default 0.10)"
+    )
+    p.add_argument("--top", type=int, default=10, help="rows printed (default 10)")
+    p.add_argument("--json", action="store_true", help="print every candidate as JSON")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    positive = {"--gpus": args.gpus, "--gpus-per-node": args.gpus_per_node, "--gpu-mem": args.gpu_mem,
+                "--intra-bw": args.intra_bw, "--inter-bw": args.inter_bw, "--peak-tflops": args.peak_tflops,
+                "--top": args.top}  # fmt: skip
+    for flag, v in positive.items():
+        if not v > 0:
+            raise LoomError(f"{flag} must be positive, got {v}")
+    if not (0 < args.mfu <= 1 and 0 <= args.headroom < 1):
+        raise LoomError("--mfu must be in (0, 1] and --headroom in [0, 1)")
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        raise LoomError(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes",
+                        hint="give a multiple of --gpus-per-node (or fewer GPUs than one node)")  # fmt: skip
+
+
+def run_plan(args: argparse.Namespace) -> tuple[ModelShape, Cluster, Workload, list[Candidate]]:
+    """Resolve the inputs and rank every layout; raise LoomError when none is valid or none fits."""
+    _check(args)
+    shape = resolve_model(args.model, args.params)
+    if shape.assumed and args.seq_len:
+        shape = replace(shape, block_size=args.seq_len)
+    assert_valid(shape)
+    s = args.seq_len or shape.block_size
+    if s > shape.block_size or s < 1:
+        raise LoomError(f"--seq-len {s} is outside the model's context of {shape.block_size} tokens",
+                        hint="a config with a larger model.block_size, or a shorter --seq-len")  # fmt: skip
+    tokens = args.global_batch_tokens or (2**22 if shape.param_count() >= 1e9 else 2**19)
+    if tokens % s or tokens < s:
+        raise LoomError(f"--global-batch-tokens {tokens} is not a whole number of {s}-token sequences",
+                        hint=f"a multiple of {s}, e.g. {max(1, tokens // s) * s}")  # fmt: skip
+    cluster = Cluster(args.gpus, args.gpus_per_node, args.gpu_mem, args.intra_bw, args.inter_bw,
+                      args.peak_tflops, args.mfu, args.headroom)  # fmt: skip
+    wl = Workload(shape, PRECISIONS[args.precision], s, tokens, args.attention)
+    cands = plan(shape, cluster, wl)
+    if not cands:
+        raise LoomError(f"no valid layout of {args.gpus} GPUs for {shape.name}: {tokens // s} sequences per step "
+                        f"do not split over any data-parallel degree with tp | {shape.n_head} heads, "
+                        f"pp <= {shape.n_layer} layers",
+                        hint="a global batch with more sequences (a multiple of the GPU count), or another GPU count")  # fmt: skip
+    for c in cands:
+        c.reason = reason(c, cands, cluster)
+    if not cands[0].fits:
+        best = min(cands, key=lambda c: c.memory_gb["total"])
+        need = best.memory_gb["total"] / (1 - cluster.headroom)
+        raise LoomError(
+            f"{shape.name} ({fmt_count(shape.param_count())} parameters) fits nowhere on {args.gpus} × "
+            f"{args.gpu_mem:g} GB GPUs: the smallest of {len(cands)} layouts needs {best.memory_gb['total']:.1f} GB "
+            f"per GPU (dp={best.dp} tp={best.tp} pp={best.pp} zero={best.zero} micro_batch={best.micro_batch} "
+            f"{best.activation_checkpointing} recompute), i.e. GPUs of at least {need:.1f} GB with "
+            f"{cluster.headroom:.0%} headroom",
+            hint="more GPUs, larger GPUs, a shorter --seq-len, or a smaller model",
+        )
+    return shape, cluster, wl, cands
+
+
+def plan_main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    shape, cluster, wl, cands = run_plan(args)
+    if args.json:
+        print(json.dumps({
+            "model": {"name": shape.name, "params": shape.param_count(), "n_layer": shape.n_layer,
+                      "n_head": shape.n_head, "n_embd": shape.n_embd, "vocab_size": shape.vocab_size,
+                      "shape_assumed": shape.assumed},
+            "cluster": vars(cluster), "precision": wl.precision.name, "seq_len": wl.seq_len,
+            "global_batch_tokens": wl.global_batch_tokens, "attention": wl.attention,
+            "candidates": [c.as_dict() for c in cands],
+        }, indent=1))  # fmt: skip
+        return 0
+    n_fit = sum(c.fits for c in cands)
+    print(header(shape, cluster, wl, len(cands), n_fit))
+    print(table(cands[: args.top]))
+    return 0

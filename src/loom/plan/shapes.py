@@ -1,0 +1,164 @@
+"""Model shapes for planning: presets, a config file's [model] section, or a bare parameter count.
+
+Pure arithmetic, no torch: `loom plan` answers in milliseconds on a laptop. The block is loom's GPT block
+(model/gpt.py): separate q/k/v/o projections, a 4·C GELU MLP, pre-LayerNorm, learned positions, and the
+LM head tied to the token embedding. `param_count` equals `GPT.num_params()` (tested against
+loom.model.flops.param_count).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from dataclasses import dataclass, replace
+
+from loom.errors import LoomError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    n_layer: int
+    n_head: int
+    n_embd: int
+    vocab_size: int
+    block_size: int
+    bias: bool = False
+    dropout: float = 0.0
+    assumed: bool = False  # shape derived from a bare parameter count (--params)
+    n_params: int | None = None  # the count given with --params; None: counted from the shape
+    note: str = ""
+
+    @property
+    def padded_vocab(self) -> int:
+        """As GPTConfig.padded_vocab: rounded up to a multiple of 64."""
+        return (self.vocab_size + 63) // 64 * 64
+
+    @property
+    def ln_params(self) -> int:
+        return 2 * self.n_embd if self.bias else self.n_embd
+
+    @property
+    def layer_params(self) -> int:
+        """One block: q, k, v, o (4·C²) + MLP up and down (8·C²) + two LayerNorms (+ biases)."""
+        C = self.n_embd
+        biases = 9 * C if self.bias else 0  # q, k, v, o: 4·C; up: 4·C; down: C
+        return 12 * C * C + 2 * self.ln_params + biases
+
+    @property
+    def embed_params(self) -> int:
+        """Token embedding (also the tied LM head) + learned positions."""
+        return self.padded_vocab * self.n_embd + self.block_size * self.n_embd
+
+    @property
+    def head_params(self) -> int:
+        """The LM head's matrix: shared with the embedding on one stage, a second copy when pp > 1."""
+        return self.padded_vocab * self.n_embd
+
+    def counted_params(self) -> int:
+        """Distinct parameters of the shape (tied head counted once) = GPT.num_params()."""
+        return self.embed_params + self.n_layer * self.layer_params + self.ln_params
+
+    def param_count(self) -> int:
+        """Ψ: the count given with --params, else the shape's own count."""
+        return self.n_params if self.n_params is not None else self.counted_params()
+
+    def describe(self) -> str:
+        s = (f"{self.name}: {fmt_count(self.param_count())} parameters, n_layer={self.n_layer} "
+             f"n_head={self.n_head} n_embd={self.n_embd} vocab={self.vocab_size} block_size={self.block_size}")  # fmt: skip
+        if self.assumed:
+            s += " (shape assumed for activations: only the parameter count was given)"
+        return s + (f"; {self.note}" if self.note else "")
+
+
+_GPT2 = dict(vocab_size=50257, block_size=1024, bias=True)
+_LLAMA_NOTE = ("loom's GPT block at LLaMA's depth and width (4·C GELU MLP, tied head, 32k vocabulary); "
+               "LLaMA's SwiGLU MLP and grouped-query attention are not modelled")  # fmt: skip
+# GPT-2 shapes from Radford et al. 2019 / the released checkpoints; 7B/13B/70B at LLaMA's (Touvron et al.
+# 2023) n_layer / n_embd / n_head with context 4096 (LLaMA 2). loom can build all of them; the large ones
+# are for planning, not for a CPU.
+PRESETS: dict[str, ModelShape] = {
+    "gpt2": ModelShape("gpt2 (124M)", 12, 12, 768, **_GPT2),
+    "gpt2-medium": ModelShape("gpt2-medium (350M)", 24, 16, 1024, **_GPT2),
+    "gpt2-large": ModelShape("gpt2-large (774M)", 36, 20, 1280, **_GPT2),
+    "gpt2-xl": ModelShape("gpt2-xl (1.5B)", 48, 25, 1600, **_GPT2),
+    "7b": ModelShape("7B-class", 32, 32, 4096, 32000, 4096, note=_LLAMA_NOTE),
+    "13b": ModelShape("13B-class", 40, 40, 5120, 32000, 4096, note=_LLAMA_NOTE),
+    "70b": ModelShape("70B-class", 80, 64, 8192, 32000, 4096, note=_LLAMA_NOTE),
+}
+ALIASES = {"124m": "gpt2", "gpt2-124m": "gpt2", "350m": "gpt2-medium", "gpt2-350m": "gpt2-medium",
+           "774m": "gpt2-large", "gpt2-774m": "gpt2-large", "1.5b": "gpt2-xl", "gpt2-1.5b": "gpt2-xl",
+           "llama-7b": "7b", "llama-13b": "13b", "llama-70b": "70b"}  # fmt: skip
+
+_SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def parse_count(text: str) -> int:
+    """'7.5B' -> 7_500_000_000; '124M', '1.5e9', '350000000' also work."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    if not m or float(m.group(1)) <= 0:
+        raise LoomError(
+            f"cannot read a parameter count from '{text}'", hint="write it like 7.5B, 124M or 1.3e9"
+        )
+    return int(round(float(m.group(1)) * _SUFFIX[m.group(2).upper()]))
+
+
+def fmt_count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}" if n / div < 100 else f"{n / div:.0f}{unit}"
+    return str(int(n))
+
+
+def shape_for_params(n: int, vocab_size: int = 50257, block_size: int = 2048) -> ModelShape:
+    """An assumed shape for a bare count: Ψ ≈ 12·L·C² with C/L ≈ 128 (GPT-3's and LLaMA's aspect ratio:
+    4096/32, 12288/96), C a multiple of 128 and head size 128 (64 below C = 1024)."""
+    C = max(128, round((n * 128 / 12) ** (1 / 3) / 128) * 128)
+    head = 128 if C >= 1024 else 64
+    L = max(1, round((n - vocab_size * C) / (12 * C * C)))
+    return ModelShape(f"{fmt_count(n)} parameters", L, C // head, C, vocab_size, block_size,
+                      assumed=True, n_params=n)  # fmt: skip
+
+
+def shape_from_config(path: str) -> ModelShape:
+    """The [model] section of a loom TOML config (defaults filled in by loom.config)."""
+    from loom.config import load_config
+
+    m = load_config(path).model
+    note = ""
+    vocab = m.vocab_size
+    if not vocab:
+        vocab, note = 50257, "model.vocab_size=0 (taken from the data): assumed GPT-2's 50257"
+    return ModelShape(path, m.n_layer, m.n_head, m.n_embd, vocab, m.block_size, m.bias, m.dropout, note=note)
+
+
+def resolve_model(model: str | None, params: str | None) -> ModelShape:
+    """--model PRESET|CONFIG.toml and/or --params N. With both, the count replaces the shape's own."""
+    if model is None and params is None:
+        raise LoomError(
+            "give a model to plan for", hint="--model 7b (or gpt2, a CONFIG.toml) or --params 7.5B"
+        )
+    if model is None:
+        return shape_for_params(parse_count(params))
+    key = ALIASES.get(model.lower(), model.lower())
+    if key in PRESETS:
+        shape = PRESETS[key]
+    elif model.endswith(".toml"):
+        shape = shape_from_config(model)
+    else:
+        close = difflib.get_close_matches(key, list(PRESETS) + list(ALIASES), n=1)
+        raise LoomError(f"unknown model '{model}'" + (f"; did you mean '{close[0]}'?" if close else ""),
+                        hint=f"a preset ({', '.join(PRESETS)}), a CONFIG.toml, or --params N")  # fmt: skip
+    return replace(shape, n_params=parse_count(params)) if params else shape
+
+
+def assert_valid(shape: ModelShape) -> None:
+    """The model's own rules (as GPTConfig / config.validate): heads divide the width."""
+    if shape.n_embd % shape.n_head:
+        raise LoomError(f"n_embd={shape.n_embd} is not divisible by n_head={shape.n_head}",
+                        hint="pick n_head among the divisors of n_embd")  # fmt: skip
+    if min(
+        shape.n_layer, shape.n_head, shape.n_embd, shape.vocab_size, shape.block_size
+    ) < 1 or not math.isfinite(shape.dropout):
+        raise LoomError(f"model shape {shape} has a non-positive size", hint="check the [model] section")

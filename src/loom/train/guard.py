@@ -1,0 +1,127 @@
+"""What keeps a long run alive and honest: stop requests from signals, and the bad-step guard.
+
+* `StopRequest`: SIGTERM / SIGINT (preemption, Ctrl-C) only set a flag. The trainer adds the flag to the
+  all-reduce it already does at the end of every step, so every rank sees the same sum and all stop after
+  the same step; then a checkpoint is saved and the process exits with `EXIT_PREEMPTED`. A second SIGINT
+  in a process with no launcher above it aborts at once.
+* `StepGuard`: a step whose loss or gradient norm is NaN/Inf, or whose loss is a spike (z-score over a
+  window of recent good losses, off by default, as llm.c does), is skipped: no optimizer step. The
+  decision uses values that are identical on every rank (the all-reduced loss and the global grad norm).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from collections import deque
+
+import torch
+
+from loom.errors import LoomError
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequest:
+    """A flag set by SIGTERM/SIGINT; `install()` in the main thread, `restore()` when training ends."""
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.signal: str | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def install(self) -> StopRequest:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        # Under a launcher (torchrun, loom --nproc) the agent forwards one signal; by hand, a second Ctrl-C
+        # means "now".
+        if self.signal is not None and signum == signal.SIGINT and "TORCHELASTIC_RUN_ID" not in os.environ:
+            raise KeyboardInterrupt
+        if self.signal is None and self.rank == 0:
+            # os.write: safe inside a signal handler (no locks, unlike the logging console)
+            os.write(2, f"loom: {name} received: stopping after this step and saving a checkpoint\n".encode())
+        self.signal = self.signal or name
+
+
+class StepGuard:
+    """Decides whether a step's update is applied; counts skipped steps; says when to give up."""
+
+    def __init__(self, max_bad_steps: int, spike_zscore: float = 0.0, spike_window: int = 100):
+        self.max_bad_steps = max_bad_steps
+        self.spike_zscore = spike_zscore
+        self.recent: deque[float] = deque(maxlen=spike_window)
+        self.in_row = 0
+        self.skipped = 0
+        self.bad_steps: list[int] = []  # steps of the current run of bad steps
+
+    def check(self, step: int, loss: float, grad_norm: float, scaler_enabled: bool = False) -> str | None:
+        """The reason to skip this step's update, or None to apply it.
+
+        With fp16 loss scaling a non-finite gradient norm (an overflow) with a finite loss is the scaler's
+        business: it skips the step and lowers the scale; that is not counted as a bad step.
+        """
+        reason = None
+        if not math.isfinite(loss):
+            reason = f"non-finite loss ({loss})"
+        elif not math.isfinite(grad_norm) and not scaler_enabled:
+            reason = f"non-finite gradient norm ({grad_norm})"
+        elif self.spike_zscore > 0 and len(self.recent) == self.recent.maxlen:
+            mean = sum(self.recent) / len(self.recent)
+            std = math.sqrt(sum((x - mean) ** 2 for x in self.recent) / (len(self.recent) - 1))
+            if std > 0 and (loss - mean) / std > self.spike_zscore:
+                reason = f"loss spike ({loss:.4f} is {(loss - mean) / std:.1f} std above the mean {mean:.4f})"
+        if reason is None:
+            if math.isfinite(loss):
+                self.recent.append(loss)
+            self.in_row = 0
+            self.bad_steps = []
+            return None
+        self.in_row += 1
+        self.skipped += 1
+        self.bad_steps.append(step)
+        return reason
+
+    @property
+    def exhausted(self) -> bool:
+        return self.in_row >= self.max_bad_steps
+
+
+def grad_flags(model: torch.nn.Module) -> tuple[list[str], torch.Tensor | None]:
+    """(names, 1.0 where this rank's gradient holds a NaN/Inf), taken before clipping: clipping by a
+    non-finite norm spreads NaN to every gradient. No host sync; read only after a bad step."""
+    names, flags = [], []
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # a DTensor shard (FSDP, TP)
+            names.append(n)
+            flags.append((~torch.isfinite(g)).any())
+    return names, (torch.stack(flags).float() if flags else None)
+
+
+def nonfinite_names(names: list[str], flags: torch.Tensor | None, all_reduce_sum) -> list[str]:
+    """The parameters flagged on any rank (all_reduce_sum: across ranks holding the same list)."""
+    if flags is None:
+        return []
+    total = all_reduce_sum(flags)
+    return [n for n, bad in zip(names, total.tolist(), strict=True) if bad > 0]
+
+
+class NonFiniteError(LoomError):
+    """train.max_bad_steps bad steps in a row: the run stopped after saving its last good state."""

@@ -1,0 +1,104 @@
+"""TensorBoard and W&B sinks, compared against metrics.jsonl of the same run: every logged loss must be in
+the event file (read back with TensorBoard's own EventAccumulator) and in the offline W&B run log (read
+back record by record from its LevelDB-style .wandb file)."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import pytest
+
+from loom import metrics
+from loom.cli import main
+from loom.config import Config
+from loom.errors import LoomError
+from loom.metrics import read_jsonl
+
+TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--model.block_size=16",
+        "--train.batch_size=4", "--train.eval_batches=1", "--train.sample_every=0", "--train.eval_every=2",
+        "--optim.warmup_steps=1", "--train.log_every=1", "--train.device=cpu", "--train.steps=3",
+        "--train.sample_tokens=8", "--train.warmup_log_steps=1"]  # fmt: skip
+
+
+def wandb_records(path):
+    """Protobuf records of a .wandb file: 7-byte file header, then LevelDB log records (crc32, length,
+    type: 1 full, 2 first, 3 middle, 4 last) in 32 KiB blocks."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, block, buf = path.read_bytes(), 7, 32768, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if left < 7 or (n == 0 and kind == 0):  # block trailer / padding
+            pos += left
+            continue
+        if pos + 7 + n > len(data):  # still being written
+            return
+        buf += data[pos + 7 : pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(buf)
+            buf = b""
+            yield rec
+
+
+def test_missing_package_is_named_before_any_work(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
+    cfg = Config()
+    cfg.metrics.wandb = True
+    with pytest.raises(LoomError, match=r"metrics.wandb=true needs the 'wandb' package") as e:
+        metrics.check_trackers(cfg.metrics)
+    assert "loom[track]" in e.value.hint
+    assert main(["train", f"--run.dir={tmp_path}", "--run.name=r", "--metrics.wandb=true", *TINY]) == 2
+    assert "loom[track]" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+def test_training_logs_to_tensorboard_and_wandb_offline(char_data, tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard", reason="the track extra: pip install 'loom[track]'")
+    pytest.importorskip("wandb", reason="the track extra: pip install 'loom[track]'")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "wb").mkdir()
+    args = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=r",
+            "--metrics.tensorboard=true", "--metrics.wandb=true", "--metrics.wandb_project=loomtest", *TINY]  # fmt: skip
+    assert main(args) == 0
+    recs = read_jsonl(tmp_path / "r" / "metrics.jsonl")
+    loss = {r["step"]: r["loss"] for r in recs if "loss" in r}
+    val = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+    assert sorted(loss) == [1, 2, 3] and sorted(val) == [2, 3]
+
+    acc = EventAccumulator(str(tmp_path / "r" / "tensorboard"))
+    acc.Reload()
+    tb = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert tb.keys() == loss.keys() and all(tb[s] == pytest.approx(loss[s], rel=1e-6) for s in loss)
+    assert {e.step: e.value for e in acc.Scalars("val/loss")} == pytest.approx(val, rel=1e-6)
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "summary/tokens_per_s", "summary/val_loss"} <= set(
+        acc.Tags()["scalars"]
+    )
+
+    (run_file,) = (tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 20  # wandb's service process may still be writing the last records
+    while not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(run_file)):
+        assert time.monotonic() < deadline, "the W&B run file was never completed"
+        time.sleep(0.2)
+    history, config = {}, {}
+    for rec in wandb_records(run_file):
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
+            history.setdefault(int(items.get("_step", rec.history.step.num)), {}).update(items)
+        elif kind == "run":
+            config = {i.key or "/".join(i.nested_key): i.value_json for i in rec.run.config.update}
+            assert rec.run.project == "loomtest" and rec.run.display_name == "r"
+    assert {s: float(h["train/loss"]) for s, h in history.items() if "train/loss" in h} == loss
+    assert {s: float(h["val/loss"]) for s, h in history.items() if "val/loss" in h} == val
+    assert '"n_embd": 16' in config["model"] or '"n_embd":16' in config["model"]
