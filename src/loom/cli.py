@@ -169,7 +169,7 @@ def _eval(argv: list[str]) -> int:
                                 "or HellaSwag accuracy (--task hellaswag --data hellaswag_val.jsonl).")  # fmt: skip
     p.add_argument("run_dir")
     p.add_argument("--task", default="val", choices=["val", "hellaswag"], help="val (default) | hellaswag")
-    p.add_argument("--data", help="val: another prepared data directory (same tokenizer); hellaswag: the JSONL")
+    p.add_argument("--data", help="val: another prepared data directory (same tokenizer); hellaswag: JSONL")
     p.add_argument("--batches", type=int, default=None, help="validation size in global batches")
     p.add_argument("--limit", type=int, default=None, help="hellaswag: only the first N examples")
     p.add_argument("--device", default="auto")
@@ -237,7 +237,7 @@ def _eval_hellaswag(args) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="loom export", description="Write a trained run's model for other tools.")
+    p = argparse.ArgumentParser(prog="loom export", description="Write a run's model for other tools.")
     p.add_argument("run_dir")
     p.add_argument("--format", required=True, choices=["hf", "safetensors"],
                    help="hf: a GPT-2 directory for transformers; safetensors: loom's raw state")  # fmt: skip
@@ -253,7 +253,7 @@ def _export(argv: list[str]) -> int:
     _, model, tok, _, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
     if args.format == "hf":
         notes = hf.export_hf(model, args.out, tok, args.force)
-        print(f"wrote a GPT-2 directory {args.out} from {path} (transformers: AutoModelForCausalLM.from_pretrained)")
+        print(f"wrote {args.out} from {path}: a GPT-2 directory for AutoModelForCausalLM.from_pretrained")
     else:
         notes = [f"wrote {hf.export_safetensors(model, args.out, args.force)} from {path}"]
     for n in notes:
@@ -284,6 +284,7 @@ def _bench(argv: list[str]) -> int:
         "comm": "loom.bench.comm:comm_main",
         "optim": "loom.bench.optim:optim_main",
         "peak": "loom.bench.peak:peak_main",
+        "train": "loom.bench.train:train_main",
     }
     if not argv or argv[0] not in benches:
         print(
@@ -325,7 +326,7 @@ VERBS = {
         _verify,
         "prove N processes learn the same curve as one: loom verify --strategies ddp --nproc 2",
     ),
-    "bench": (_bench, "benchmarks: loom bench comm | optim | peak"),
+    "bench": (_bench, "benchmarks: loom bench comm | optim | peak | train"),
     "doctor": (_doctor, "environment report: versions, devices, GPU links, MPI, compile (--json)"),
     "plan": (_plan, "memory / time estimates of dp/tp/pp/ZeRO layouts: loom plan --model 7b --gpus 64 --gpu-mem 80"),
     "launch": (

@@ -114,10 +114,17 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Throughput:
-    """Tokens/s and MFU per step, and a summary that leaves out the first `skip` steps (warm-up)."""
+    """Tokens/s and MFU per step, and a summary that leaves out the first `skip` steps (warm-up).
 
-    def __init__(self, flops_per_token: int, peak: float | None, n_devices: int, skip: int):
-        self.flops_per_token, self.peak, self.n_devices, self.skip = flops_per_token, peak, n_devices, skip
+    With `compiled`, the first step is where torch.compile traces and compiles forward and backward: its
+    time is reported apart as `compile_s` (the whole first step) and never counted, whatever `skip` says."""
+
+    def __init__(
+        self, flops_per_token: int, peak: float | None, n_devices: int, skip: int, compiled: bool = False
+    ):
+        self.flops_per_token, self.peak, self.n_devices = flops_per_token, peak, n_devices
+        self.skip = max(skip, 1) if compiled else skip
+        self.compiled, self.compile_s = compiled, None
         self.steps, self.tokens, self.seconds = 0, 0, 0.0
         self.warned = False
 
@@ -127,7 +134,11 @@ class Throughput:
             self.tokens += tokens
             self.seconds += dt
         tps = tokens / dt if dt > 0 else 0.0
-        return {"tokens_per_s": tps, "tokens_per_s_per_device": tps / self.n_devices, "mfu": self.mfu(tps)}
+        rec = {"tokens_per_s": tps, "tokens_per_s_per_device": tps / self.n_devices, "mfu": self.mfu(tps)}
+        if self.compiled and self.steps == 1:
+            self.compile_s = dt
+            rec["compile_s"] = dt
+        return rec
 
     def mfu(self, tokens_per_s: float) -> float | None:
         if self.peak is None:
@@ -144,10 +155,11 @@ class Throughput:
         return mfu
 
     def summary(self) -> dict:
+        out = {} if self.compile_s is None else {"compile_s": self.compile_s}
         if self.seconds == 0:
-            return {}
+            return out
         tps = self.tokens / self.seconds
-        return {"tokens_per_s": tps, "tokens_per_s_per_device": tps / self.n_devices, "mfu": self.mfu(tps)}
+        return {**out, "tokens_per_s": tps, "tokens_per_s_per_device": tps / self.n_devices, "mfu": self.mfu(tps)}
 
 
 class JsonlSink:
@@ -178,6 +190,8 @@ def format_step(rec: dict) -> str:
         f"step {rec['step']:>6} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | norm {rec['grad_norm']:.3f}"
         f" | dt {1000 * rec['dt']:.1f}ms (f {1000 * rec['dtf']:.0f} b {1000 * rec['dtb']:.0f})"
         f" | {rec['tokens_per_s']:,.0f} tok/s | mfu {mfu} | mem {rec['mem_bytes'] / 2**20:.0f}MiB"
+        + (f" | scale {rec['loss_scale']:g} ({rec['overflow_steps']} overflow)" if "loss_scale" in rec else "")
+        + (f" | compile {rec['compile_s']:.1f}s" if "compile_s" in rec else "")
     )
 
 

@@ -39,9 +39,34 @@ def _mpi(sync: str) -> Callable[[int, list[str]], list[str]]:
 
 @dataclass(frozen=True)
 class Strategy:
+    """A way to train on several processes. Data-parallel strategies give their own command; the model-
+    parallel ones give degrees and flags, and put the whole world on their own axis (tp, pp) by default."""
+
     name: str
-    command: Callable[[int, list[str]], list[str]]  # (world size, common train args) -> argv
+    command: Callable[[int, list[str]], list[str]] | None = None  # (world size, common args) -> argv
     min_world: int = 2
+    tp: int = 1
+    pp: int = 1
+    flags: tuple[str, ...] = ()
+    dp_impl: str = "ddp"
+
+    def degrees(self, n: int) -> tuple[int, int, int]:
+        """(dp, tp, pp) at world size n."""
+        tp, pp = self.tp, self.pp
+        if self.name in ("tp", "tp-sp"):
+            tp = n
+        elif self.name.startswith("pp-"):
+            pp = n
+        elif self.name == "tp-pp":
+            pp = n // tp
+        return max(1, n // (tp * pp)), tp, pp
+
+    def argv(self, n: int, args: list[str]) -> list[str]:
+        if self.command is not None:
+            return self.command(n, args)
+        _, tp, pp = self.degrees(n)
+        return [*PY, f"--nproc={n}", f"--parallel.tp={tp}", f"--parallel.pp={pp}",
+                f"--parallel.dp_impl={self.dp_impl}", *self.flags, *args]  # fmt: skip
 
 
 STRATEGIES: dict[str, Strategy] = {
@@ -53,13 +78,21 @@ STRATEGIES: dict[str, Strategy] = {
         ),
         Strategy("mpi-naive", _mpi("naive")),
         Strategy("mpi-bucketed", _mpi("bucketed")),
+        Strategy("tp", tp=2),
+        Strategy("tp-sp", tp=2, flags=("--parallel.sp=true",)),
+        *(Strategy(f"pp-{k}", pp=2, flags=(f"--parallel.pp_schedule={k}",))
+          for k in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")),  # fmt: skip
+        Strategy("dp-tp", min_world=4, tp=2, dp_impl="fsdp"),
+        Strategy("dp-pp", min_world=4, pp=2),
+        Strategy("tp-pp", min_world=4, tp=2, pp=2, flags=("--parallel.sp=true",)),
+        Strategy("dp-tp-pp", min_world=8, tp=2, pp=2, dp_impl="fsdp"),
     ]
 }
 
 
 def common_args(data: Path, out: Path, steps: int) -> list[str]:
     return [
-        f"--data.path={data}", f"--run.dir={out}", "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64",
+        f"--data.path={data}", f"--run.dir={out}", "--model.n_layer=4", "--model.n_head=4", "--model.n_embd=64",
         "--model.block_size=32", "--model.dropout=0.0", "--train.batch_size=16", "--train.micro_batch_size=4",
         f"--train.steps={steps}", "--train.log_every=1", "--train.eval_every=0", "--train.sample_every=0",
         "--train.ckpt_every=0", "--optim.warmup_steps=5", "--optim.lr=1e-3", "--precision.dtype=fp32",
@@ -136,10 +169,26 @@ def plot(out_png: Path, runs: dict[str, Path]) -> None:
     plt.close(fig)
 
 
+def _world(s: Strategy, nproc: int | None) -> int:
+    """The world size strategy s runs at, after the checks the verify model (4 layers, 4 heads) imposes."""
+    n = nproc or s.min_world
+    if n < s.min_world:
+        raise LoomError(f"strategy {s.name} needs at least {s.min_world} processes; --nproc is {n}")
+    dp, tp, pp = s.degrees(n)
+    if dp * tp * pp != n or 16 % (4 * dp) or tp > 4 or pp * (2 if "interleaved" in s.name or "zero" in s.name else 1) > 4:
+        raise LoomError(
+            f"strategy {s.name} cannot use {n} processes (dp {dp} x tp {tp} x pp {pp}) with the verify model "
+            "(4 layers, 4 heads, global batch 16 in micro-batches of 4)",
+            hint=f"use --nproc {s.min_world}",
+        )
+    return n
+
+
 def verify_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="loom verify", description=__doc__.split("\n\n")[0])
     p.add_argument("--strategies", default="ddp", help=f"comma list of: {', '.join(STRATEGIES)}")
-    p.add_argument("--nproc", type=int, default=2, help="world size for the strategies (default 2)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="world size (default: each strategy's smallest: 2, 4 for dp-tp/dp-pp/tp-pp, 8 for dp-tp-pp)")  # fmt: skip
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default=None, help="output folder (default runs/verify-<time>)")
     p.add_argument("--data", default=None, help="a prepared data directory (default: a small built-in set)")
@@ -153,8 +202,7 @@ def verify_main(argv: list[str]) -> int:
         raise LoomError(
             f"unknown strategy {', '.join(unknown) or '(none)'}", hint=f"known: {', '.join(STRATEGIES)}"
         )
-    if 16 % args.nproc or args.nproc < 2:
-        raise LoomError(f"--nproc {args.nproc} must be 2, 4, 8 or 16 (it divides the global batch of 16)")
+    worlds = {n: _world(STRATEGIES[n], args.nproc) for n in names}  # every check before any run
     out = Path(args.out or f"runs/verify-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     data = Path(args.data) if args.data else prepare_data(out)
@@ -163,16 +211,20 @@ def verify_main(argv: list[str]) -> int:
     log.info("reference: 1 process, micro-batch 4, 4 accumulation steps")
     _run([*PY, "--run.name=reference", "--parallel.dp_impl=none", *common], out / "reference.log")
     for name in names:
-        accum = 16 // (4 * args.nproc)
-        log.info(f"{name}: {args.nproc} processes, micro-batch 4, {accum} accumulation step(s)")
+        n = worlds[name]
+        dp, tp, pp = STRATEGIES[name].degrees(n)
+        log.info(f"{name}: {n} processes (dp {dp} x tp {tp} x pp {pp}), micro-batch 4, "
+                 f"{16 // (4 * dp)} {'pipeline micro-batches' if pp > 1 else 'accumulation step(s)'}")  # fmt: skip
         runs[name] = out / name
-        _run(STRATEGIES[name].command(args.nproc, [f"--run.name={name}", *common]), out / f"{name}.log")
+        _run(STRATEGIES[name].argv(n, [f"--run.name={name}", *common]), out / f"{name}.log")
     records = []
     for name in names:
         dloss, dparam = compare(runs["reference"], runs[name])
         ok = dloss <= args.tol_loss and dparam <= args.tol_param
-        records.append({"strategy": name, "world_size": args.nproc, "grad_accum": 16 // (4 * args.nproc),
-                        "max_abs_dloss": dloss, "max_abs_dparam": dparam, "passed": ok})  # fmt: skip
+        dp, tp, pp = STRATEGIES[name].degrees(worlds[name])
+        records.append({"strategy": name, "world_size": worlds[name], "dp": dp, "tp": tp, "pp": pp,
+                        "grad_accum": 16 // (4 * dp), "max_abs_dloss": dloss, "max_abs_dparam": dparam,
+                        "passed": ok})  # fmt: skip
     _table(records, args.tol_loss, args.tol_param, args.steps)
     plot(out / "verify.png", runs)
     log.info(f"loss curves: {out / 'verify.png'}")
@@ -187,9 +239,10 @@ def _table(records: list[dict], tol_loss: float, tol_param: float, steps: int) -
     t = Table(
         title=f"loom verify: {steps} steps fp32 vs 1 process (tolerance loss {tol_loss:g}, param {tol_param:g})"
     )
-    for col in ("strategy", "world size", "grad accum", "max |Δloss|", "max |Δparam|", "result"):
-        t.add_column(col)
+    for col in ("strategy", "world", "dp·tp·pp", "micro", "max |Δloss|", "max |Δparam|", "result"):
+        t.add_column(col, no_wrap=True)
     for r in records:
-        t.add_row(r["strategy"], str(r["world_size"]), str(r["grad_accum"]), f"{r['max_abs_dloss']:.3e}",
+        t.add_row(r["strategy"], str(r["world_size"]), f"{r['dp']}·{r['tp']}·{r['pp']}", str(r["grad_accum"]),
+                  f"{r['max_abs_dloss']:.3e}",
                   f"{r['max_abs_dparam']:.3e}", "pass" if r["passed"] else "FAIL")  # fmt: skip
     log.console().print(t)

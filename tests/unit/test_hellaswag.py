@@ -27,7 +27,9 @@ def write_jsonl(path, examples):
 def favours(token: int, alpha: float = 10.0, block_size: int = 32) -> GPT:
     """A GPT whose every prediction is `token` with logit alpha (all other logits 0): the blocks add nothing
     (zero output projections), ln_f maps any input to its bias b, and only wte[token] is aligned with b."""
-    cfg = GPTConfig(vocab_size=TOK.vocab_size, n_layer=1, n_head=2, n_embd=16, block_size=block_size, bias=True)
+    cfg = GPTConfig(
+        vocab_size=TOK.vocab_size, n_layer=1, n_head=2, n_embd=16, block_size=block_size, bias=True
+    )
     m = GPT(cfg).eval()
     with torch.no_grad():
         for name in ("attn.o_proj", "mlp.down_proj"):
@@ -48,9 +50,10 @@ def test_hand_built_model_knows_the_answer():
     rows, n_ctx = hs.encode_example({"ctx": "xyz.", "endings": ["a"] * 4, "label": 0}, TOK, 32)
     assert rows[0] == [TOK.eot_id, *TOK.encode("xyz. a")] and n_ctx == [5] * 4
     total, mean = hs.ending_losses(m, [TOK.encode(" aab")], [1], "cpu")
-    high, low = torch.logsumexp(torch.tensor([10.0] + [0.0] * 63), 0).item(), -torch.log_softmax(
-        torch.tensor([10.0] + [0.0] * 63), 0
-    )[0].item()  # loss of any other token, and of `a`
+    high, low = (
+        torch.logsumexp(torch.tensor([10.0] + [0.0] * 63), 0).item(),
+        -torch.log_softmax(torch.tensor([10.0] + [0.0] * 63), 0)[0].item(),
+    )  # loss of any other token, and of `a`
     assert m.cfg.padded_vocab == 64 and b != a
     assert total.item() == pytest.approx(2 * low + high, rel=1e-5)  # " " is context; a, a, b are scored
     assert mean.item() == pytest.approx(total.item() / 3)
@@ -71,7 +74,10 @@ def test_losses_equal_a_direct_computation_through_the_models_own_loss(tmp_path)
     torch.manual_seed(0)
     m = GPT(GPTConfig(vocab_size=TOK.vocab_size, n_layer=2, n_head=2, n_embd=32, block_size=24)).eval()
     rng = random.Random(1)
-    words = lambda n: " ".join("".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 5))) for _ in range(n))  # noqa: E731
+
+    def words(n: int) -> str:
+        return " ".join("".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 5))) for _ in range(n))
+
     examples = [{"ctx": words(rng.randint(0, 6)), "endings": [words(rng.randint(1, 6)) for _ in range(4)],
                  "label": rng.randrange(4)} for _ in range(12)]  # fmt: skip
     path = write_jsonl(tmp_path / "hs.jsonl", examples)
@@ -90,7 +96,9 @@ def test_losses_equal_a_direct_computation_through_the_models_own_loss(tmp_path)
             sums.append(mean * n_end)
             means.append(mean)
         total, mean = hs.ending_losses(m, *hs.encode_example(ex, TOK, 24), "cpu")
-        assert total.tolist() == pytest.approx(sums, rel=1e-5) and mean.tolist() == pytest.approx(means, rel=1e-5)
+        assert total.tolist() == pytest.approx(sums, rel=1e-5) and mean.tolist() == pytest.approx(
+            means, rel=1e-5
+        )
         correct += min(range(4), key=sums.__getitem__) == ex["label"]
         correct_norm += min(range(4), key=means.__getitem__) == ex["label"]
     r = hs.evaluate(m, TOK, examples, "cpu")
@@ -135,7 +143,9 @@ def test_cli_on_a_trained_run(tmp_path, char_data, capsys):
                  "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--model.block_size=32",
                  "--train.batch_size=4", "--train.eval_batches=1", "--train.sample_every=0",
                  "--train.sample_tokens=4", "--train.device=cpu"]) == 0  # fmt: skip
-    tok = load_tokenizer(tmp_path / "r" / "tokenizer", json.loads((tmp_path / "r/tokenizer/meta.json").read_text()))
+    tok = load_tokenizer(
+        tmp_path / "r" / "tokenizer", json.loads((tmp_path / "r/tokenizer/meta.json").read_text())
+    )
     words = "the of and to in is that it for as with was on be by at this from".split()
     rng = random.Random(2)
     examples = [{"ctx": " ".join(rng.choices(words, k=8)).capitalize(),
@@ -143,7 +153,10 @@ def test_cli_on_a_trained_run(tmp_path, char_data, capsys):
                  "label": rng.randrange(4)} for _ in range(10)]  # fmt: skip
     path = write_jsonl(tmp_path / "hs.jsonl", examples)
     capsys.readouterr()
-    assert main(["eval", str(tmp_path / "r"), "--task", "hellaswag", "--data", str(path), "--device", "cpu"]) == 0
+    assert (
+        main(["eval", str(tmp_path / "r"), "--task", "hellaswag", "--data", str(path), "--device", "cpu"])
+        == 0
+    )
     out = capsys.readouterr().out
     _, model, _, _, _ = load_run(tmp_path / "r", torch.device("cpu"))
     r = hs.evaluate(model, tok, examples, "cpu")

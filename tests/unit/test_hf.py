@@ -113,8 +113,15 @@ def test_init_from_trains_from_the_imported_weights(tmp_path, char_data):
     from loom.data.loader import ShardLoader
 
     ref, d = random_gpt2(tmp_path, vocab=64)  # 64 = padded vocab: no padding, so losses are comparable
-    args = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=ft", "--train.steps=2",
-            f"--model.init_from=hf:{d}", *[a for a in TINY if "n_" not in a]]  # the shape comes from d
+    args = [
+        "train",
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--run.name=ft",
+        "--train.steps=2",
+        f"--model.init_from=hf:{d}",
+        *[a for a in TINY if "n_" not in a],
+    ]  # the shape comes from d
     assert main(args) == 0
     cfg, model, _, _, _ = load_run(tmp_path / "ft", torch.device("cpu"))
     assert (cfg.model.n_embd, cfg.model.n_head, cfg.model.bias, cfg.model.vocab_size) == (48, 3, True, 64)
@@ -150,7 +157,9 @@ def test_export_cli_with_tokenizer(tmp_path, char_data, capsys):
     # raw safetensors: loom's names, the tied head left out, the shape in the metadata
     from safetensors import safe_open
 
-    assert main(["export", str(tmp_path / "r"), "--format", "safetensors", "--out", str(tmp_path / "st")]) == 0
+    assert (
+        main(["export", str(tmp_path / "r"), "--format", "safetensors", "--out", str(tmp_path / "st")]) == 0
+    )
     with safe_open(str(tmp_path / "st" / "model.safetensors"), "pt") as f:
         assert "blocks.0.attn.q_proj.weight" in f.keys() and "lm_head.weight" not in f.keys()
         assert json.loads(f.metadata()["loom_model"])["n_embd"] == 32

@@ -81,9 +81,13 @@ def test_training_logs_to_tensorboard_and_wandb_offline(char_data, tmp_path, mon
     tb = {e.step: e.value for e in acc.Scalars("train/loss")}
     assert tb.keys() == loss.keys() and all(tb[s] == pytest.approx(loss[s], rel=1e-6) for s in loss)
     assert {e.step: e.value for e in acc.Scalars("val/loss")} == pytest.approx(val, rel=1e-6)
-    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "summary/tokens_per_s", "summary/val_loss"} <= set(
-        acc.Tags()["scalars"]
-    )
+    assert {
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "summary/tokens_per_s",
+        "summary/val_loss",
+    } <= set(acc.Tags()["scalars"])
 
     (run_file,) = (tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb")
     deadline = time.monotonic() + 20  # wandb's service process may still be writing the last records

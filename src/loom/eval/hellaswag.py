@@ -37,7 +37,9 @@ def read_examples(path: str | Path, limit: int | None = None) -> list[dict]:
                 ex = json.loads(line)
             except json.JSONDecodeError as e:
                 raise LoomError(f"{p}:{n} is not JSON: {e}") from None
-            ctx, endings, label = (ex.get(k) if isinstance(ex, dict) else None for k in ("ctx", "endings", "label"))
+            ctx, endings, label = (
+                ex.get(k) if isinstance(ex, dict) else None for k in ("ctx", "endings", "label")
+            )
             if not isinstance(ctx, str) or not (isinstance(endings, list) and len(endings) == 4
                                                 and all(isinstance(e, str) and e for e in endings)):  # fmt: skip
                 raise LoomError(f"{p}:{n} needs 'ctx' (text) and 'endings' (4 non-empty texts)",

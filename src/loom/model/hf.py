@@ -112,7 +112,9 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 def _prepare_out(out: Path, force: bool) -> None:
     if out.exists() and any(out.iterdir()):
         if not force:
-            raise LoomError(f"output directory '{out}' exists and is not empty", hint="pass --force or pick another --out")
+            raise LoomError(
+                f"output directory '{out}' exists and is not empty", hint="pass --force or pick another --out"
+            )
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -144,7 +146,11 @@ def export_safetensors(model: GPT, out: str | Path, force: bool = False) -> Path
     out = Path(out)
     _prepare_out(out, force)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    meta = {"format": "pt", "loom_model": json.dumps(dataclasses.asdict(model.cfg)), "tied": "lm_head.weight=wte.weight"}
+    meta = {
+        "format": "pt",
+        "loom_model": json.dumps(dataclasses.asdict(model.cfg)),
+        "tied": "lm_head.weight=wte.weight",
+    }
     save_file(state, str(out / "model.safetensors"), metadata=meta)
     return out / "model.safetensors"
 
@@ -269,7 +275,11 @@ def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     sd = {}
     for f in files:
         try:
-            part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
+            part = (
+                load_file(str(f))
+                if f.suffix == ".safetensors"
+                else torch.load(f, map_location="cpu", weights_only=True)
+            )
         except Exception as e:  # safetensors and torch raise several types for damaged files
             raise LoomError(f"cannot read weights '{f}': {e}") from None
         sd.update(part)
@@ -286,7 +296,9 @@ def loom_state_from_gpt2(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[st
 
     def get(name: str, shape: tuple) -> torch.Tensor:
         if name not in sd:
-            raise LoomError(f"the imported weights have no '{name}'", hint="is this a GPT2LMHeadModel checkpoint?")
+            raise LoomError(
+                f"the imported weights have no '{name}'", hint="is this a GPT2LMHeadModel checkpoint?"
+            )
         t = sd[name]
         if tuple(t.shape) != shape:
             raise LoomError(f"imported '{name}' has shape {tuple(t.shape)}, config.json implies {shape}")

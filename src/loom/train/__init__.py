@@ -158,7 +158,7 @@ def shutdown(dp, clean: bool) -> None:
     if isinstance(dp, TorchDDP | MeshParallel):
         from loom.distributed import process_group
 
-        process_group.shutdown(clean, destroy_timeout_s=30.0 if clean else 5.0)
+        process_group.shutdown(clean, destroy_timeout_s=30.0 if clean else 1.0)  # failed: leave promptly
     elif isinstance(dp, MpiDP) and clean:
         dp.comm.Barrier()
 

@@ -24,12 +24,18 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopRequest:
-    """A flag set by SIGTERM/SIGINT; `install()` in the main thread, `restore()` when training ends."""
+    """A flag set by SIGTERM/SIGINT; `install()` in the main thread, `restore()` when training ends.
 
-    def __init__(self, rank: int = 0):
-        self.rank = rank
+    The signal also arms a deadline of `grace_s` (parallel.timeout_s) for the current step to end: a rank
+    that cannot get there (stuck waiting for a dead or hung peer) then exits with 128 + the signal number
+    instead of holding the job until the launcher's SIGKILL. `disarm()` once every rank has agreed to stop.
+    """
+
+    def __init__(self, rank: int = 0, grace_s: float = 600.0):
+        self.rank, self.grace_s = rank, grace_s
         self.signal: str | None = None
         self._previous: dict[int, object] = {}
+        self._deadline = None
 
     @property
     def requested(self) -> bool:
@@ -47,6 +53,12 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        self.disarm()
+
+    def disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
@@ -54,10 +66,20 @@ class StopRequest:
         # means "now".
         if self.signal is not None and signum == signal.SIGINT and "TORCHELASTIC_RUN_ID" not in os.environ:
             raise KeyboardInterrupt
-        if self.signal is None and self.rank == 0:
-            # os.write: safe inside a signal handler (no locks, unlike the logging console)
-            os.write(2, f"loom: {name} received: stopping after this step and saving a checkpoint\n".encode())
+        if self.signal is None:
+            if self.rank == 0:  # os.write: safe inside a signal handler (no locks, unlike the console)
+                os.write(2, f"loom: {name} received: stopping after this step and saving a checkpoint\n".encode())
+            import threading
+
+            self._deadline = threading.Timer(self.grace_s, self._give_up, args=(signum,))
+            self._deadline.daemon = True
+            self._deadline.start()
         self.signal = self.signal or name
+
+    def _give_up(self, signum: int) -> None:
+        os.write(2, f"loom: rank {self.rank}: the step did not end within {self.grace_s:g}s of "
+                 f"{signal.Signals(signum).name}; exiting without a checkpoint\n".encode())  # fmt: skip
+        os._exit(128 + signum)
 
 
 class StepGuard:

@@ -23,6 +23,7 @@ from loom.metrics import Sinks, Throughput, format_step, open_sinks, peak_flops,
 from loom.model.flops import flops_per_token
 from loom.model.gpt import GPT
 from loom.optim.schedule import lr_at
+from loom.parallel.ac import apply_activation_checkpointing
 from loom.parallel.base import DataParallel, model_state_bytes
 from loom.train.guard import NonFiniteError, StepGuard, StopRequest, grad_flags, nonfinite_names
 
@@ -72,6 +73,9 @@ class Trainer:
         self.raw_model = build_model(cfg, self.meta["vocab_size"], device)
         self.dp.broadcast_model(self.raw_model)
         self.n_params = self.raw_model.num_params()  # before wrap: pipeline parallel keeps only its stages
+        # The order of loom.parallel: activation checkpointing, then compile, then data parallel (the
+        # compiled DDP module is what torch documents: its DDPOptimizer splits graphs at bucket boundaries).
+        apply_activation_checkpointing(self.raw_model, t.activation_checkpointing)
         self.model = self.dp.wrap(self.raw_model)
         if t.compile:
             self.model = torch.compile(self.model)
@@ -80,19 +84,27 @@ class Trainer:
         self.autocast_dtype = AUTOCAST.get(dtype)
         if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise LoomError("precision.dtype=bf16 but this GPU has no bf16", hint="use precision.dtype=fp16")
-        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
+        if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanoGPT)
+            torch.backends.cuda.matmul.allow_tf32 = cfg.precision.tf32
+            torch.backends.cudnn.allow_tf32 = cfg.precision.tf32
+        p = cfg.precision
+        self.scaler = torch.amp.GradScaler(
+            device.type, init_scale=p.init_scale, growth_interval=p.growth_interval, enabled=dtype == "fp16"
+        )
+        self.overflow_steps = 0  # fp16: steps whose update the scaler skipped (inf/NaN gradients)
         self.step = 0
         self._first_step = True
         # Fault tolerance: skipped bad steps, a stop flag set by SIGTERM/SIGINT, the test hooks (loom.faults),
         # and `op`, the collective under way, named when one fails or times out.
         self.guard = StepGuard(t.max_bad_steps, t.spike_zscore, t.spike_window)
-        self.stop = StopRequest(self.dp.rank)
+        self.stop = StopRequest(self.dp.rank, cfg.parallel.timeout_s)
         self.faults = faults.from_env()
         self.heartbeat = None  # set by run() in multi-process jobs: loom.distributed.health.Heartbeat
         self.op = "setup"
         self.throughput = Throughput(
-            flops_per_token(self.raw_model.cfg), peak_flops(device, dtype), self.dp.world_size, t.warmup_log_steps
-        )
+            flops_per_token(self.raw_model.cfg), peak_flops(device, dtype), self.dp.world_size, t.warmup_log_steps,
+            compiled=t.compile,
+        )  # fmt: skip
         self.metrics: Sinks | None = None  # opened with the run files, once nothing can fail cheaply
 
     # ---------------------------------------------------------------- state
@@ -224,13 +236,18 @@ class Trainer:
         bad_params = self._nonfinite_params(*flags) if skip and "non-finite" in skip else []
         if skip is None:
             self.scaler.step(self.optimizer)
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         self.scaler.update()  # with the fp16 scaler: backs the scale off after an overflow
+        overflow = scale is not None and self.scaler.get_scale() < scale  # the scaler skipped this update
+        self.overflow_steps += overflow
         self.step += 1
         mem = self._model_state_report()  # before zero_grad: gradients are part of what a step holds
         self.optimizer.zero_grad(set_to_none=True)
         self._sync()
         dt = time.perf_counter() - t0
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, "dt": dt}
+        if scale is not None:
+            rec.update(loss_scale=self.scaler.get_scale(), overflow=overflow, overflow_steps=self.overflow_steps)
         if skip:
             rec.update(skipped=skip, bad_steps=self.guard.skipped, nonfinite_params=bad_params)
         if stop:
@@ -354,6 +371,8 @@ class Trainer:
             self.stop.restore()
         summary = {"step": self.step, "val_loss": last_val, **self.throughput.summary()}
         summary.update(skipped_steps=self.guard.skipped, stopped_by=stopped)
+        if self.scaler.is_enabled():
+            summary.update(overflow_steps=self.overflow_steps, loss_scale=self.scaler.get_scale())
         if self.main and summary.get("tokens_per_s"):
             mfu = summary.get("mfu")
             log.info(
@@ -373,6 +392,9 @@ class Trainer:
         t = self.cfg.train
         rec = self.train_step()
         final = self.step == t.steps
+        if "compile_s" in rec:
+            log.info(f"torch.compile: the first step (tracing and compiling forward and backward) took "
+                     f"{rec['compile_s']:.1f}s; left out of tokens/s")  # fmt: skip
         if self._due(t.log_every) or final or "skipped" in rec or "stop" in rec:
             rec["mem_bytes"] = peak_memory_bytes(self.device)
             log.info(format_step(rec))
@@ -381,6 +403,7 @@ class Trainer:
         if "skipped" in rec:
             self._after_bad_step(rec)
         if "stop" in rec:
+            self.stop.disarm()  # every rank reached the end of this step
             log.info(f"stopping at step {self.step} ({rec['stop']}): saving a checkpoint", style="bold")
             saved = self.save()
             self.stop_reason = rec["stop"]

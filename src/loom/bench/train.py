@@ -1,0 +1,228 @@
+"""`loom bench train`: training throughput of a config as given — tokens/s, tokens/s/device, MFU, memory.
+
+    loom bench train [CONFIG] [--steps 20] [--warmup 3] [--rounds 2] [--synthetic]
+                     [--ac none,full,selective] [--json FILE] [--section.key=value ...]
+
+What is timed is `Trainer.train_step`, the step `loom train` runs (data, forward, backward, clipping,
+optimizer), in one process. `--synthetic` replaces the loader with one fixed random batch, so no reads or
+gathers are measured. `--ac` compares activation-checkpointing modes on the same config: one trainer per
+mode (same seed, same weights), warmed up, then timed in interleaved rounds (none, full, selective, none,
+...) so a machine that gets busier during the run slows every mode alike.
+
+Memory. "activations" is what one micro-batch's forward pass leaves allocated for the backward pass
+(`loom.parallel.ac.activation_bytes`, counted from the allocator's events): the figure activation
+checkpointing changes. "peak" is the device's peak allocation on CUDA (reset per mode); on a CPU it is the
+process's peak resident set, shared by all modes of the run, so only the activation figure compares them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from loom import config, log
+from loom.errors import LoomError
+from loom.metrics import peak_memory_bytes
+from loom.parallel.ac import MODES, activation_bytes
+
+
+class SyntheticLoader:
+    """The same random batch at every step: the loader's reads and gathers leave the measurement."""
+
+    def __init__(self, batch_size: int, block_size: int, vocab_size: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        rows = torch.randint(0, vocab_size, (batch_size, block_size + 1), generator=g)
+        self.x, self.y = rows[:, :-1], rows[:, 1:]
+        self.batch_size, self.cursor = batch_size, 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cursor += self.batch_size
+        return self.x, self.y
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor}
+
+
+def synthetic_vocab(cfg: config.Config) -> int:
+    """model.vocab_size, else the configured data's vocabulary, else the built-in corpus's BPE size."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    if cfg.data.path:
+        from loom.data.loader import read_meta
+
+        try:
+            return int(read_meta(cfg.data.path)["vocab_size"])
+        except LoomError:
+            raise LoomError(
+                f"--synthetic: cannot read the vocabulary of data.path '{cfg.data.path}'",
+                hint="give the vocabulary with --model.vocab_size=N (e.g. 65 for Tiny Shakespeare characters)",
+            ) from None
+    if cfg.data.tokenizer == "bpe":
+        return cfg.data.vocab_size
+    raise LoomError("--synthetic needs a vocabulary size", hint="pass --model.vocab_size=N")
+
+
+def write_synthetic_data(out: Path, vocab_size: int, block_size: int, seed: int) -> Path:
+    """A minimal llm.c-format directory (random tokens) for the trainer's constructor to open."""
+    from loom.data.shards import version_for_vocab, write_shard
+
+    rng = np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    version = version_for_vocab(vocab_size)
+    for split in ("train", "val"):
+        write_shard(out / f"{split}_000000.bin", rng.integers(0, vocab_size, 4 * (block_size + 1)), version)
+    meta = {"format": "llm.c", "vocab_size": vocab_size, "tokenizer": None, "source": "loom bench train"}
+    (out / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(cfg: config.Config, modes: list[str], steps: int, warmup: int, rounds: int, synthetic: bool,
+            work: Path) -> list[dict[str, Any]]:  # fmt: skip
+    """One record per activation-checkpointing mode; see the module docstring for what is measured."""
+    from loom.train import Trainer
+    from loom.train.setup import resolve_data, resolve_device
+
+    derived = config.validate(cfg, 1)
+    device = resolve_device(cfg.train.device)
+    if synthetic:
+        vocab = synthetic_vocab(cfg)
+        data_dir = write_synthetic_data(work / "data", vocab, cfg.model.block_size, cfg.run.seed)
+    else:
+        data_dir = resolve_data(cfg)
+    trainers = {}
+    for mode in modes:
+        c = copy.deepcopy(cfg)
+        c.train.activation_checkpointing = mode
+        c.train.steps = warmup + steps
+        tr = Trainer(c, derived, work / f"run-{mode}", data_dir, device)
+        if synthetic:
+            tr.loader = SyntheticLoader(c.train.batch_size, c.model.block_size, vocab, c.run.seed)
+        trainers[mode] = tr
+    recs: dict[str, dict[str, Any]] = {}
+    for mode, tr in trainers.items():
+        x, y = tr.loader.next_batch()
+        mb = derived.micro_batch_size
+        act = activation_bytes(tr.model, x[:mb].to(device), y[:mb].to(device), tr._autocast)
+        compile_s = None
+        for _ in range(max(warmup, 1)):  # a compiled model compiles in its first step
+            rec = tr.train_step()
+            compile_s = rec.get("compile_s", compile_s)
+        recs[mode] = {"activation_bytes": act, "compile_s": compile_s, "dts": [], "peak": 0}
+    per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+    for n in per_round:
+        for mode, tr in trainers.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            for _ in range(n):
+                recs[mode]["dts"].append(tr.train_step()["dt"])
+            _sync(device)
+            recs[mode]["peak"] = max(recs[mode]["peak"], peak_memory_bytes(device))
+    out = []
+    base = recs.get("none")
+    for mode, tr in trainers.items():
+        r = recs[mode]
+        seconds = sum(r["dts"])
+        tps = len(r["dts"]) * derived.tokens_per_step / seconds
+        row = {
+            "bench": "train", "ac": mode, "steps": len(r["dts"]), "warmup": max(warmup, 1), "rounds": rounds,
+            "tokens_per_s": tps, "tokens_per_s_per_device": tps / tr.dp.world_size,
+            "mfu": tr.throughput.mfu(tps), "ms_per_step": 1e3 * seconds / len(r["dts"]),
+            "ms_per_step_median": 1e3 * statistics.median(r["dts"]),
+            "activation_bytes": r["activation_bytes"], "peak_mem_bytes": r["peak"],
+            "peak_mem_kind": "max allocated" if device.type == "cuda" else "process peak RSS (all modes)",
+            "compile_s": r["compile_s"], "device": str(device), "dtype": cfg.precision.dtype,
+            "compile": cfg.train.compile, "params": tr.n_params, "tokens_per_step": derived.tokens_per_step,
+            "micro_batch_size": derived.micro_batch_size, "grad_accum": derived.grad_accum,
+            "synthetic": synthetic, "threads": torch.get_num_threads(), "torch_version": torch.__version__,
+        }  # fmt: skip
+        if base is not None:
+            row["time_vs_none"] = (seconds / len(r["dts"])) / (sum(base["dts"]) / len(base["dts"]))
+            row["activations_vs_none"] = r["activation_bytes"] / max(base["activation_bytes"], 1)
+        out.append(row)
+    return out
+
+
+def print_table(records: list[dict[str, Any]], title: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    cols = ("ac", "tokens/s", "tok/s/device", "MFU", "ms/step", "time vs none", "activations",
+            "vs none", "peak mem", "compile")  # fmt: skip
+    for c in cols:
+        table.add_column(c, justify="left" if c == "ac" else "right")
+    for r in records:
+        rel = r.get("time_vs_none")
+        act = r.get("activations_vs_none")
+        table.add_row(
+            r["ac"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_device']:,.0f}",
+            "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", f"{r['ms_per_step']:.1f}",
+            "" if rel is None else f"{rel:.2f}x", f"{r['activation_bytes'] / 2**20:.1f} MiB",
+            "" if act is None else f"{act:.2f}x", f"{r['peak_mem_bytes'] / 2**20:.0f} MiB",
+            "" if r["compile_s"] is None else f"{r['compile_s']:.1f}s",
+        )  # fmt: skip
+    console = log.console()
+    console.print(table, width=None if console.is_terminal else 132)  # files and pipes: no squeezed columns
+    r0 = records[0]
+    log.info(f"{r0['params'] / 1e6:.2f}M params | {r0['tokens_per_step']:,} tokens/step | {r0['dtype']} | "
+             f"{r0['device']} ({r0['threads']} threads) | {'synthetic data' if r0['synthetic'] else 'real data'}"
+             f" | {r0['steps']} timed steps per mode in {r0['rounds']} interleaved rounds | peak mem: "
+             f"{r0['peak_mem_kind']}")  # fmt: skip
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loom bench train",
+        description="Training throughput of a config: tokens/s, tokens/s/device, MFU, memory.",
+        epilog="Any config key can be set as --section.key=value (see loom train --help-config).",
+    )
+    p.add_argument("config", nargs="?", help="a TOML config file (default: loom's defaults)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per mode (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first, per mode (default 3)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds the timed steps are cut into")
+    p.add_argument("--synthetic", action="store_true", help="one fixed random batch: no data I/O")
+    p.add_argument("--ac", default=None,
+                   help="activation checkpointing modes to compare, e.g. none,full,selective "
+                   "(default: the config's train.activation_checkpointing)")  # fmt: skip
+    p.add_argument("--json", metavar="FILE", help="write the records as a JSON list")
+    return p
+
+
+def train_main(argv: list[str]) -> int:
+    """`loom bench train`: time the training step of a config, per activation-checkpointing mode."""
+    args, rest = _parser().parse_known_args(argv)
+    if args.config and args.config.startswith("--"):
+        rest.insert(0, args.config)
+        args.config = None
+    cfg = config.load_config(args.config, rest)
+    modes = [m.strip() for m in args.ac.split(",") if m.strip()] if args.ac else [
+        cfg.train.activation_checkpointing
+    ]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise LoomError(f"--ac: unknown mode(s) {', '.join(bad) or '(none)'}", hint=f"use {','.join(MODES)}")
+    if args.steps < 1 or args.warmup < 0 or not 1 <= args.rounds <= args.steps:
+        raise LoomError("need --steps >= 1, --warmup >= 0 and 1 <= --rounds <= --steps")
+    with tempfile.TemporaryDirectory(prefix="loom-bench-train-") as tmp:
+        records = measure(cfg, list(dict.fromkeys(modes)), args.steps, args.warmup, args.rounds,
+                          args.synthetic, Path(tmp))  # fmt: skip
+    for r in records:
+        r["config"] = args.config
+    print_table(records, f"loom bench train: {args.config or 'defaults'}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
+        log.info(f"wrote {args.json}")
+    return 0

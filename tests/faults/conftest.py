@@ -1,0 +1,30 @@
+"""Uninterrupted reference runs, shared by the tests that kill, stop and resume the same configuration."""
+
+from __future__ import annotations
+
+import pytest
+from faultkit import Proc, curve, run_inprocess, train_args
+
+STEPS = 40
+CKPT = ["--train.ckpt_every=6", "--train.keep_last=10"]
+
+
+@pytest.fixture(scope="session")
+def ref_one(char_data, tmp_path_factory) -> dict[int, float]:
+    """The loss curve of an uninterrupted one-process run."""
+    runs = tmp_path_factory.mktemp("ref1")
+    assert run_inprocess(train_args(char_data, runs, "ref", STEPS, *CKPT)) == 0
+    c = curve(runs / "ref")
+    assert sorted(c) == list(range(1, STEPS + 1))
+    return c
+
+
+@pytest.fixture(scope="session")
+def ref_two(char_data, tmp_path_factory) -> dict[int, float]:
+    """The loss curve of an uninterrupted two-process (DDP, gloo) run."""
+    runs = tmp_path_factory.mktemp("ref2")
+    p = Proc([*train_args(char_data, runs, "ref", STEPS, *CKPT), "--nproc", "2"], runs / "out")
+    assert p.wait() == 0, p.stderr()[-3000:]
+    c = curve(runs / "ref")
+    assert sorted(c) == list(range(1, STEPS + 1))
+    return c

@@ -1,0 +1,178 @@
+"""Helpers for the fault-injection suite: start real `loom train` processes, watch their metrics, kill
+them at a step, and look at what is left (processes, sockets, checkpoints)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from loom.cli import main
+from loom.metrics import read_jsonl
+
+LOOM = [sys.executable, "-m", "loom"]
+# Tiny and CPU-only; dropout on, so the RNG state must come back exactly on resume.
+TINY = [
+    "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=16",
+    "--model.dropout=0.1", "--train.batch_size=8", "--train.eval_batches=1", "--train.eval_every=0",
+    "--train.sample_every=0", "--train.log_every=1", "--train.device=cpu", "--optim.warmup_steps=2",
+]  # fmt: skip
+ENV = {"OMP_NUM_THREADS": "1"}  # the same matmul blocking in every process: bit-exact comparisons
+
+
+def train_args(data: Path, runs: Path, name: str, steps: int, *extra: str) -> list[str]:
+    return ["train", f"--data.path={data}", f"--run.dir={runs}", f"--run.name={name}", f"--train.steps={steps}",
+            *TINY, *extra]  # fmt: skip
+
+
+def run_inprocess(args: list[str]) -> int:
+    """`loom <args>` in this process, with one thread like the subprocesses (same floating-point order)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class Proc:
+    """A `loom` subprocess in its own session, output in files (a full pipe would block it)."""
+
+    def __init__(self, args: list[str], out: Path, env: dict[str, str] | None = None):
+        self.out = out
+        self.t0 = time.monotonic()
+        with open(out.with_suffix(".stdout"), "w") as o, open(out.with_suffix(".stderr"), "w") as e:
+            self.p = subprocess.Popen([*LOOM, *args], stdout=o, stderr=e, start_new_session=True,
+                                      env={**os.environ, **ENV, **(env or {})})  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def wait(self, timeout: float = 180) -> int:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise AssertionError(f"loom did not end within {timeout}s:\n{self.stderr()[-3000:]}") from None
+
+    def stdout(self) -> str:
+        return self.out.with_suffix(".stdout").read_text()
+
+    def stderr(self) -> str:
+        return self.out.with_suffix(".stderr").read_text()
+
+    def tree(self) -> list[int]:
+        """This process and all its descendants (the elastic agent's workers)."""
+        return [self.p.pid, *descendants(self.p.pid)]
+
+    def kill_all(self, sig: int = signal.SIGKILL) -> None:
+        for pid in self.tree():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        self.p.wait(30)
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(d.name))
+                out += descendants(int(d.name))
+    return out
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for kv in env:
+        if kv.startswith(b"RANK="):
+            return int(kv[5:])
+    return None
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The pids that still exist and are not zombies."""
+    out = []
+    for pid in pids:
+        try:
+            state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
+
+
+def records(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return read_jsonl(path) if path.exists() else []
+
+
+def curve(run: Path) -> dict[int, float]:
+    """step -> loss; a step logged twice (replayed after a resume) keeps its last value."""
+    return {r["step"]: r["loss"] for r in records(run) if "loss" in r}
+
+
+def last_step(run: Path) -> int:
+    steps = [r["step"] for r in records(run) if "loss" in r]
+    return max(steps) if steps else 0
+
+
+def wait_for(cond, proc: Proc | None = None, timeout: float = 120, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        if proc is not None and proc.p.poll() is not None:
+            raise AssertionError(f"loom exited ({proc.p.returncode}) before {what}:\n{proc.stderr()[-3000:]}")
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def listening_addresses(pids: list[int]) -> list[str]:
+    """'ip:port' of every listening TCP socket owned by these processes (IPv4 and IPv6)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in (Path("/proc") / str(pid) / "fd").iterdir():
+                try:
+                    link = os.readlink(fd)
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    out = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                addr, port = f[1].split(":")
+                out.append(f"{_ip(addr, v6)}:{int(port, 16)}")
+    return out
+
+
+def _ip(hexaddr: str, v6: bool) -> str:
+    raw = bytes.fromhex(hexaddr)
+    if not v6:
+        return ".".join(str(b) for b in raw[::-1])
+    words = [raw[i : i + 4][::-1] for i in range(0, 16, 4)]  # four little-endian 32-bit words
+    import ipaddress
+
+    return str(ipaddress.IPv6Address(b"".join(words)))

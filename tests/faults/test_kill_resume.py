@@ -1,0 +1,87 @@
+"""SIGKILL at a random step, then continue: the concatenated loss curve is compared, bit for bit, with an
+uninterrupted run of the same configuration (CPU, fp32, dropout on; conftest's references): one process
+resumed with --resume, two processes resumed with --nproc 2 --resume, and two processes restarted by
+the elastic agent (--max-restarts) after one rank is killed. The step to kill at is drawn from
+LOOM_FAULT_SEED (printed, so a failure can be replayed)."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+from conftest import CKPT, STEPS
+from faultkit import Proc, alive, curve, last_step, rank_of, records, train_args, wait_for
+
+from loom import checkpoint
+
+SEED = int(os.environ.get("LOOM_FAULT_SEED", str(time.time_ns() % 100_000)))
+
+
+def kill_step(salt: int) -> int:
+    return random.Random(SEED + salt).randint(8, STEPS - 10)
+
+
+def times_logged(run, step: int) -> int:
+    return sum(1 for r in records(run) if r.get("step") == step and "loss" in r)
+
+
+def saved_step(run) -> int:
+    newest = checkpoint.latest_valid(run / "ckpt")
+    assert newest is not None
+    return int(newest.name.removeprefix("step_"))
+
+
+def _kill_then_resume(char_data, tmp_path, ref, nproc: int) -> None:
+    k = kill_step(nproc)
+    run = tmp_path / "r"
+    launch = ["--nproc", str(nproc)] if nproc > 1 else []
+    p = Proc([*train_args(char_data, tmp_path, "r", STEPS, *CKPT), *launch], tmp_path / "first")
+    wait_for(lambda: last_step(run) >= k, p, what=f"step {k}")
+    tree = p.tree()
+    p.kill_all()  # the whole job at once, as a lost node would
+    killed_at = last_step(run)
+    assert killed_at < STEPS and not alive(tree)
+    first = curve(run)
+    saved = saved_step(run)
+    assert killed_at - 6 <= saved <= killed_at  # ckpt_every=6: at most one interval lost
+    t0 = time.monotonic()
+    r = Proc(["train", "--resume", str(run), *launch], tmp_path / "resume")
+    wait_for(lambda: times_logged(run, killed_at) == 2, r, what="the replay of the killed step")
+    recovered = time.monotonic() - t0
+    assert r.wait() == 0, r.stderr()[-3000:]
+    assert f"resumed from {run / 'ckpt' / f'step_{saved:06d}'}" in r.stdout()
+    assert all(first[s] == ref[s] for s in first)  # the killed attempt followed the reference
+    assert curve(run) == ref  # and the resumed one continues it exactly
+    print(f"\n[fault] SIGKILL {nproc} proc at step {killed_at} (seed {SEED}): resumed from step {saved}, "
+          f"{killed_at - saved} steps replayed, back at step {killed_at} {recovered:.1f}s after --resume")  # fmt: skip
+
+
+def test_sigkill_one_process_then_resume_is_bit_identical(char_data, tmp_path, ref_one):
+    _kill_then_resume(char_data, tmp_path, ref_one, 1)
+
+
+def test_sigkill_two_processes_then_resume_is_bit_identical(char_data, tmp_path, ref_two):
+    _kill_then_resume(char_data, tmp_path, ref_two, 2)
+
+
+def test_killed_rank_elastic_restart_continues_bit_identical(char_data, tmp_path, ref_two):
+    """--max-restarts 1: rank 1 is SIGKILLed; the agent restarts both workers, which find the run's
+    newest checkpoint by themselves (TORCHELASTIC_RESTART_COUNT) and finish the same curve."""
+    k = kill_step(3)
+    run = tmp_path / "r"
+    args = [*train_args(char_data, tmp_path, "r", STEPS, *CKPT), "--nproc", "2", "--max-restarts", "1"]
+    p = Proc(args, tmp_path / "elastic")
+    wait_for(lambda: last_step(run) >= k, p, what=f"step {k}")
+    victim = [c for c in p.tree() if rank_of(c) == 1]
+    assert victim
+    os.kill(victim[0], 9)
+    t0 = time.monotonic()
+    killed_at = last_step(run)
+    wait_for(lambda: times_logged(run, killed_at) == 2, p, what="the restarted group to replay the killed step")
+    recovered = time.monotonic() - t0
+    assert p.wait() == 0, p.stderr()[-3000:]
+    assert "continuing" in p.stdout() and "(restart)" in p.stdout()
+    assert curve(run) == ref_two
+    print(f"\n[fault] SIGKILL rank 1 of 2 at step {killed_at} (seed {SEED}), --max-restarts 1: the group "
+          f"restarted and was back at step {killed_at} {recovered:.1f}s after the kill")  # fmt: skip
