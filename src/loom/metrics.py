@@ -55,7 +55,10 @@ def measure_matmul_flops(device: torch.device, dtype: str, n: int = 2048, second
     """
     dt = DTYPES[dtype]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    probe = torch.randn(256, 256, device=device, dtype=dt)
+    # A generator of its own: measuring must not move the global RNG, or a run's dropout masks would
+    # depend on whether the peak was cached.
+    g = torch.Generator(device=device).manual_seed(0)
+    probe = torch.randn(256, 256, device=device, dtype=dt, generator=g)
     probe @ probe
     sync()
     t0 = time.perf_counter()
@@ -63,8 +66,8 @@ def measure_matmul_flops(device: torch.device, dtype: str, n: int = 2048, second
     sync()
     rate = 2 * 256**3 / max(time.perf_counter() - t0, 1e-9)
     n = max(256, min(n, int((rate * seconds / 10 / 2) ** (1 / 3)) // 64 * 64))
-    a = torch.randn(n, n, device=device, dtype=dt)
-    b = torch.randn(n, n, device=device, dtype=dt)
+    a = torch.randn(n, n, device=device, dtype=dt, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dt, generator=g)
     a @ b
     sync()
     best, deadline = 0.0, time.perf_counter() + seconds

@@ -51,7 +51,8 @@ def _kill_then_resume(char_data, tmp_path, ref, nproc: int) -> None:
     recovered = time.monotonic() - t0
     assert r.wait() == 0, r.stderr()[-3000:]
     assert f"resumed from {run / 'ckpt' / f'step_{saved:06d}'}" in r.stdout()
-    assert all(first[s] == ref[s] for s in first)  # the killed attempt followed the reference
+    diff = [(s, first[s], ref[s]) for s in first if first[s] != ref[s]]
+    assert not diff, diff[:5]  # the killed attempt followed the reference
     assert curve(run) == ref  # and the resumed one continues it exactly
     print(f"\n[fault] SIGKILL {nproc} proc at step {killed_at} (seed {SEED}): resumed from step {saved}, "
           f"{killed_at - saved} steps replayed, back at step {killed_at} {recovered:.1f}s after --resume")  # fmt: skip

@@ -209,8 +209,8 @@ class NpyFormat(Format):
         path = Path(path)
         try:  # allow_pickle=False: an object array is refused instead of unpickled
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise LoomError(f"'{path}' is not a readable .npy token array: {e}") from None
+        except Exception as e:  # numpy parses the header with Python's tokenizer: any error means "not .npy"
+            raise LoomError(f"'{path}' is not a readable .npy token array: {type(e).__name__}: {e}") from None
         return _integer(arr, path, "npy shards")
 
     def write(self, path, data, dtype=None):
@@ -395,9 +395,15 @@ def read_meta(data_dir: str | Path) -> dict:
     if path.is_file():
         try:
             meta = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise LoomError(f"cannot read '{path}': {e}", hint="prepare the data again") from None
-        return _nanogpt_vocab(meta, path) if isinstance(meta, dict) and "itos" in meta else meta
+        if isinstance(meta, dict) and "itos" in meta:
+            return _nanogpt_vocab(meta, path)
+        vocab = meta.get("vocab_size") if isinstance(meta, dict) else None
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
+            raise LoomError(f"'{path}' is not a loom meta.json (no positive integer vocab_size)",
+                            hint="prepare the data again with `loom data prepare`")  # fmt: skip
+        return meta
     if (d / "meta.pkl").is_file():
         return _nanogpt_vocab(read_meta_pkl(d / "meta.pkl"), d / "meta.pkl")
     fmt = detect_dir(d)

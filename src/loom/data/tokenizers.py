@@ -119,25 +119,41 @@ class HFTokenizer:
 def load_tokenizer(directory: str | Path, meta: dict) -> CharTokenizer | HFTokenizer:
     """The tokenizer described by a meta.json (`tokenizer.kind`, `tokenizer.file`) in `directory`, or a
     character table carried in the meta itself (`tokenizer.chars`: a nanoGPT meta.pkl vocabulary)."""
-    info = meta.get("tokenizer") or {}
+    info = _tokenizer_info(directory, meta)
     if not info:
         raise LoomError(f"no tokenizer is known for the data in '{directory}' (token ids only)",
                         hint="put the tokenizer's meta.json (or nanoGPT's meta.pkl) beside the data")  # fmt: skip
-    if info.get("kind") == "char" and "chars" in info:
-        return CharTokenizer(list(info["chars"]))
-    path = Path(directory) / info.get("file", "")
-    if not path.is_file():
-        raise LoomError(f"tokenizer file '{path}' is missing", hint="prepare the data again")
-    if info.get("kind") == "char":
-        return CharTokenizer(json.loads(path.read_text(encoding="utf-8"))["chars"])
-    return HFTokenizer.from_file(path)
+    try:
+        if info.get("kind") == "char" and "chars" in info:
+            return CharTokenizer(list(info["chars"]))
+        path = Path(directory) / info.get("file", "")
+        if not path.is_file():
+            raise LoomError(f"tokenizer file '{path}' is missing", hint="prepare the data again")
+        if info.get("kind") == "char":
+            return CharTokenizer(json.loads(path.read_text(encoding="utf-8"))["chars"])
+        return HFTokenizer.from_file(path)
+    except LoomError:
+        raise
+    except Exception as e:  # a meta.json or tokenizer file that parses but describes no usable tokenizer
+        raise LoomError(f"cannot load the tokenizer of '{directory}': {type(e).__name__}: {e}",
+                        hint="prepare the data again") from None  # fmt: skip
+
+
+def _tokenizer_info(directory: str | Path, meta: dict) -> dict:
+    """meta's tokenizer entry, checked: a table whose `file` is a plain name inside the data directory."""
+    info = meta.get("tokenizer") or {}
+    file = info.get("file", "") if isinstance(info, dict) else None
+    if not isinstance(file, str) or "/" in file or "\\" in file or file in (".", ".."):
+        raise LoomError(f"the tokenizer entry of '{directory}/meta.json' is malformed (file must be a plain name)",
+                        hint="prepare the data again")  # fmt: skip
+    return info
 
 
 def copy_tokenizer(src_dir: str | Path, meta: dict, dst_dir: str | Path) -> None:
     """Copy the tokenizer file (and meta.json) so a run directory is self-contained for generate/eval."""
     dst = Path(dst_dir)
     dst.mkdir(parents=True, exist_ok=True)
-    info = meta.get("tokenizer") or {}
+    info = _tokenizer_info(src_dir, meta)
     if info.get("file"):  # none when the data has no tokenizer, or carries its vocabulary in meta
         shutil.copy2(Path(src_dir) / info["file"], dst / info["file"])
     (dst / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")

@@ -398,13 +398,22 @@ class MeshParallel(DataParallel):
         for st in self.stages:
             st.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)
-        for x, y in valset.batches(micro_batch_size * self.n_microbatches):
+        full = micro_batch_size * self.n_microbatches
+        for x, y in valset.batches(full):
+            # The stages exchange fixed shapes: a short last batch is padded with ignored targets (-1).
+            if len(x) < full:
+                pad = full - len(x)
+                x = torch.cat([x, x[:1].expand(pad, -1)])
+                y = torch.cat([y, torch.full((pad, y.size(1)), -1, dtype=y.dtype)])
             losses: list[torch.Tensor] = []
             with autocast():
                 self._run_schedule(self.schedule.eval, x.to(device), y.to(device), losses)
             if self.holds_last:
-                total[0] += torch.stack(losses).double().mean() * y.numel()
-                total[1] += y.numel()
+                for loss, yc in zip(losses, y.chunk(self.n_microbatches), strict=True):
+                    n = int((yc != -1).sum())
+                    if n:
+                        total[0] += loss.double() * n
+                        total[1] += n
         for st in self.stages:
             st.train()
         total = self.all_reduce_sum(total)

@@ -92,6 +92,14 @@ def check_checkpoint_model(ckpt: Path, cfg: Config) -> None:
                         hint="resume with the checkpoint's model settings, or start a new run")  # fmt: skip
 
 
+def layout_config(cfg: Config, resume, force: bool, explicit: set[str]) -> Config:
+    """The config whose parallel layout this job runs: on resume the saved one (command-line keys win).
+    Only reads files, so every rank can call it before any process group exists."""
+    if not resume:
+        return cfg
+    return resumed_config(resolve_run_dir(cfg, resume, force), cfg, explicit)
+
+
 def dp_impl_for(cfg: Config, env: DistEnv) -> str:
     impl = cfg.parallel.dp_impl
     if cfg.parallel.tp * cfg.parallel.pp > 1:
@@ -206,9 +214,10 @@ def run(
     """`loom train` in this process, alone or as one rank of a job. Returns the summary."""
     env = detect_env()
     log.setup(rank=env.rank, all_ranks=log_all_ranks)
-    impl = dp_impl_for(cfg, env)
+    layout = layout_config(cfg, resume, force, explicit or set())  # the saved layout when resuming
+    impl = dp_impl_for(layout, env)
     device = resolve_device(cfg.train.device, env.local_rank)
-    dp = build_dp(impl, env, cfg, device)
+    dp = build_dp(impl, env, layout, device)
     clean, trainer = False, None
     try:
         if env.world_size > 1:

@@ -34,11 +34,12 @@ def launch_local(
     from loom.config import mesh_degrees
     from loom.distributed import loopback
     from loom.errors import EXIT_PREEMPTED
-    from loom.train import plan_run
+    from loom.train import layout_config, plan_run
 
     if nproc < 1:
         raise LoomError(f"--nproc must be >= 1, got {nproc}")
-    dp = mesh_degrees(cfg, nproc)[0]  # tensor/pipeline degrees leave world / (tp * pp) data-parallel ranks
+    # tensor/pipeline degrees (from the saved config when resuming) leave world / (tp * pp) data-parallel ranks
+    dp = mesh_degrees(layout_config(cfg, resume, force, explicit), nproc)[0]
     if cfg.parallel.dp_impl == "none" and dp > 1:
         raise LoomError(f"--nproc {nproc} with parallel.dp_impl=none", hint="use parallel.dp_impl=ddp (or auto)")
     plan = plan_run(cfg, resume, force, explicit, dp)  # raises before any process starts
@@ -74,6 +75,10 @@ def launch_local(
             log.error(f"loom: stopped by a signal after saving a checkpoint (exit code {EXIT_PREEMPTED})")
             return EXIT_PREEMPTED
         first_rank, first = e.get_first_failure()
+        killed = sorted((f.timestamp, r) for r, f in e.failures.items() if f.exitcode < 0)
+        if killed and first.exitcode >= 0:  # a rank killed by a signal is the cause; the others saw it die
+            first_rank = killed[0][1]
+            first = e.failures[first_rank]
 
         def how(f) -> str:
             return f.signal_name() if f.exitcode < 0 else f"exit code {f.exitcode}"

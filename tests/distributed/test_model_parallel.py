@@ -1,0 +1,140 @@
+"""Tensor, sequence and pipeline parallel and their compositions with real processes (gloo, loopback):
+`loom verify` against one process, exact resume with the same layout, resume into another layout, and the
+layout rules that must fail before any process starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loom.config import load_config, mesh_degrees, validate
+from loom.errors import LoomError
+from loom.metrics import read_jsonl
+from loom.parallel.mesh import stage_layers
+from loom.verify import STRATEGIES
+
+LOOM = [sys.executable, "-m", "loom"]
+TINY = ["--model.n_layer=4", "--model.n_head=4", "--model.n_embd=32", "--model.block_size=16",
+        "--train.batch_size=8", "--train.micro_batch_size=2", "--train.eval_batches=2", "--train.sample_every=0",
+        "--optim.warmup_steps=3", "--train.log_every=1", "--train.eval_every=0", "--train.device=cpu"]  # fmt: skip
+
+
+def loom(*args, timeout=400):
+    return subprocess.run([*LOOM, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def losses(run: Path) -> dict[int, float]:
+    return dict(steps(run))
+
+
+def steps(run: Path) -> list[tuple[int, float]]:
+    """(step, loss) in the order written: a resumed run appends to its metrics.jsonl."""
+    return [(r["step"], r["loss"]) for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+
+
+def _verify(tmp_path, char_data, strategies: list[str]) -> list[dict]:
+    out = tmp_path / "v"
+    r = loom("verify", "--strategies", ",".join(strategies), "--steps", "8", "--out", str(out),
+             "--data", str(char_data), "--tol-loss", "1e-5", "--json", str(tmp_path / "v.json"))  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    records = json.loads((tmp_path / "v.json").read_text())
+    assert [rec["strategy"] for rec in records] == strategies
+    for rec in records:
+        assert rec["passed"] and rec["max_abs_dloss"] <= 1e-5 and rec["max_abs_dparam"] <= 1e-5, rec
+        assert len(losses(out / rec["strategy"])) == 8
+    return records
+
+
+def test_verify_every_model_parallel_strategy(tmp_path, char_data):
+    """2 ranks for tp and pp (each schedule), 4 for dp-tp (FSDP2), dp-pp, tp-pp, 8 for dp-tp-pp (FSDP2)."""
+    names = ["tp", "tp-sp", "pp-gpipe", "pp-1f1b", "pp-interleaved-1f1b", "pp-zero-bubble",
+             "dp-tp", "dp-pp", "tp-pp", "dp-tp-pp"]  # fmt: skip
+    records = _verify(tmp_path, char_data, names)
+    layouts = {r["strategy"]: (r["dp"], r["tp"], r["pp"]) for r in records}
+    assert layouts["tp"] == layouts["tp-sp"] == (1, 2, 1)
+    assert all(layouts[n] == (1, 1, 2) for n in names[2:6])
+    assert [layouts[n] for n in names[6:]] == [(2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
+
+
+def test_resume_same_layout_is_exact_and_other_layout_continues(tmp_path, char_data):
+    """tp=2 x pp=2 (sequence parallel, interleaved 1F1B): steps 4..6 after resuming from step 3 equal the
+    straight run bit for bit; the same checkpoint also resumes in one process (full, unsharded state)."""
+    layout = ["--nproc=4", "--parallel.tp=2", "--parallel.pp=2", "--parallel.sp=true",
+              "--parallel.pp_schedule=interleaved-1f1b"]  # fmt: skip
+    common = [f"--data.path={char_data}", f"--run.dir={tmp_path}", "--train.steps=6", "--train.ckpt_every=3",
+              "--train.keep_last=5", "--model.dropout=0.0", *TINY]  # fmt: skip
+    r = loom("train", *layout, "--run.name=mp", *common)
+    assert r.returncode == 0, r.stderr[-3000:]
+    straight = steps(tmp_path / "mp")
+    assert [s for s, _ in straight] == [1, 2, 3, 4, 5, 6]
+    shutil.copytree(tmp_path / "mp", tmp_path / "single")
+    r = loom("train", *layout, "--resume", str(tmp_path / "mp" / "ckpt" / "step_000003"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert steps(tmp_path / "mp")[6:] == straight[3:]  # exact float equality
+    r = loom("train", "--resume", str(tmp_path / "single" / "ckpt" / "step_000003"), "--parallel.tp=1",
+             "--parallel.pp=1", "--parallel.sp=false")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    single = steps(tmp_path / "single")[6:]
+    assert [s for s, _ in single] == [4, 5, 6]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(single, straight[3:], strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        (["parallel.tp=3"], 3, "does not divide model.n_head=4"),
+        (["parallel.pp=8"], 8, "only model.n_layer=4 layers"),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "model.n_layer=3"], 2, "4 pipeline stages"),
+        (["parallel.tp=2"], 3, "world size 3 is not divisible"),
+        (["parallel.sp=true"], 1, "needs parallel.tp > 1"),
+        (["parallel.tp=2", "parallel.dp_impl=zero1"], 4, "does not compose"),
+        (["parallel.pp=2", "precision.dtype=fp16"], 2, "fp16"),
+    ],
+)
+def test_layout_rules(overrides, world, message):
+    cfg = load_config(None, [f"--{o}" for o in ["model.n_head=4", "model.n_layer=4", "model.n_embd=64", *overrides]])
+    with pytest.raises(LoomError, match=message):
+        mesh_degrees(cfg, world)
+
+
+def test_pipeline_micro_batch_rules():
+    cfg = load_config(None, ["--parallel.pp=4", "--model.n_layer=4", "--train.batch_size=8", "--train.micro_batch_size=4"])
+    with pytest.raises(LoomError, match="needs at least one per stage"):
+        validate(cfg, 1)  # 2 micro-batches for 4 stages under 1F1B
+    cfg.parallel.pp_schedule = "gpipe"
+    assert validate(cfg, 1).pp_microbatches == 2  # GPipe runs any number
+    cfg.parallel.pp_schedule, cfg.parallel.pp_microbatches = "1f1b", 8
+    d = validate(cfg, 1)
+    assert (d.pp_microbatches, d.micro_batch_size, d.grad_accum) == (8, 1, 1)
+
+
+def test_unknown_schedule_and_cli_errors_before_any_process(tmp_path, char_data):
+    with pytest.raises(LoomError, match="must be one of gpipe, 1f1b"):
+        load_config(None, ["--parallel.pp_schedule=looped"])
+    r = loom("train", "--nproc=3", "--parallel.tp=3", f"--data.path={char_data}", f"--run.dir={tmp_path}", *TINY)
+    assert r.returncode != 0 and "does not divide model.n_head=4" in r.stderr
+    assert "starting" not in r.stderr and not any(tmp_path.iterdir())
+
+
+def test_stage_layers_are_balanced_and_contiguous():
+    for n_layer in range(2, 13):
+        for n_stages in range(1, n_layer + 1):
+            ranges = stage_layers(n_layer, n_stages)
+            assert [i for r in ranges for i in r] == list(range(n_layer))
+            sizes = [len(r) for r in ranges]
+            assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+            if n_stages > 2 and n_layer % n_stages:
+                assert sizes[0] <= sizes[n_stages // 2]  # extra layers go to the middle, not the embedding stage
+
+
+def test_verify_strategies_pick_their_degrees():
+    assert STRATEGIES["tp"].degrees(4) == (1, 4, 1)
+    assert STRATEGIES["pp-1f1b"].degrees(4) == (1, 1, 4)
+    assert STRATEGIES["dp-tp"].degrees(8) == (4, 2, 1)
+    assert STRATEGIES["tp-pp"].degrees(8) == (1, 2, 4)
+    assert STRATEGIES["dp-tp-pp"].degrees(8) == (2, 2, 2)
