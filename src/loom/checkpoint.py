@@ -154,6 +154,15 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> None:
 
 
 REQUIRED_FILES = (*TENSOR_FILES, "state.json")
+# Checkpoints verified in this process, by their files' (name, size, mtime): a resume that first looks for
+# the newest valid checkpoint and then loads it hashes the files once, not twice.
+_verified: dict[Path, tuple] = {}
+
+
+def _signature(path: Path) -> tuple:
+    return tuple(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir()) if p.is_file()
+    )
 
 
 def verify(path: str | Path) -> None:
@@ -166,6 +175,9 @@ def verify(path: str | Path) -> None:
     manifest = path / "manifest.json"
     if not path.is_dir():
         raise LoomError(f"checkpoint '{path}' does not exist")
+    signature = _signature(path)
+    if _verified.get(path.resolve()) == signature:
+        return
     if not manifest.is_file():
         raise LoomError(f"checkpoint '{path}' has no manifest.json (incomplete or not a checkpoint)")
     try:
@@ -187,6 +199,7 @@ def verify(path: str | Path) -> None:
             )
         if _sha256(f) != digest:
             raise LoomError(f"checkpoint file '{f}' does not match its SHA-256 in the manifest (corrupt)")
+    _verified[path.resolve()] = signature
 
 
 def latest_valid(ckpt_dir: str | Path) -> Path | None:

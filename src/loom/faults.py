@@ -63,6 +63,17 @@ class Faults:
             a <= step <= b for a, b in self.nan_steps
         )
 
+    def poison_grad(self, model) -> None:
+        """A NaN in one parameter's gradient (LOOM_FAULT_NAN_PARAM, else the first), after synchronisation."""
+        import torch
+
+        named = {n: p for n, p in model.named_parameters() if p.grad is not None}
+        name = self.nan_param or next(iter(named))
+        if name not in named:
+            raise LoomError(f"LOOM_FAULT_NAN_PARAM: no parameter '{name}' with a gradient")
+        with torch.no_grad():
+            named[name].grad.fill_(float("nan"))
+
     def stall_save(self, step: int, tmp_dir: Path) -> None:
         """Called by the checkpoint writer after its first file: stall forever at the chosen step."""
         if self.stall_save_step == step:

@@ -72,12 +72,16 @@ class Proc:
         return [self.p.pid, *descendants(self.p.pid)]
 
     def kill_all(self, sig: int = signal.SIGKILL) -> None:
-        for pid in self.tree():
+        tree = self.tree()
+        for pid in tree:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         self.p.wait(30)
+        deadline = time.monotonic() + 10  # orphaned workers are reaped by init a moment later
+        while alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def descendants(pid: int) -> list[int]:

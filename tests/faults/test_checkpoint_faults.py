@@ -34,7 +34,9 @@ def tree_hash(path: Path) -> str:
 def run_with_ckpts(char_data, tmp_path_factory) -> Path:
     """A finished 6-step run with checkpoints at steps 2, 4 and 6."""
     runs = tmp_path_factory.mktemp("ckpts")
-    assert run_inprocess(train_args(char_data, runs, "r", 6, "--train.ckpt_every=2", "--train.keep_last=5")) == 0
+    assert (
+        run_inprocess(train_args(char_data, runs, "r", 6, "--train.ckpt_every=2", "--train.keep_last=5")) == 0
+    )
     return runs / "r"
 
 

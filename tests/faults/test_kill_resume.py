@@ -22,8 +22,10 @@ def kill_step(salt: int) -> int:
     return random.Random(SEED + salt).randint(8, STEPS - 10)
 
 
-def times_logged(run, step: int) -> int:
-    return sum(1 for r in records(run) if r.get("step") == step and "loss" in r)
+def replayed(run) -> bool:
+    """Some step is logged twice: the continued run is back and has redone a step the first one did."""
+    steps = [r["step"] for r in records(run) if "loss" in r]
+    return len(steps) > len(set(steps))
 
 
 def saved_step(run) -> int:
@@ -47,7 +49,7 @@ def _kill_then_resume(char_data, tmp_path, ref, nproc: int) -> None:
     assert killed_at - 6 <= saved <= killed_at  # ckpt_every=6: at most one interval lost
     t0 = time.monotonic()
     r = Proc(["train", "--resume", str(run), *launch], tmp_path / "resume")
-    wait_for(lambda: times_logged(run, killed_at) == 2, r, what="the replay of the killed step")
+    wait_for(lambda: replayed(run), r, what="the first replayed step")
     recovered = time.monotonic() - t0
     assert r.wait() == 0, r.stderr()[-3000:]
     assert f"resumed from {run / 'ckpt' / f'step_{saved:06d}'}" in r.stdout()
@@ -55,7 +57,7 @@ def _kill_then_resume(char_data, tmp_path, ref, nproc: int) -> None:
     assert not diff, diff[:5]  # the killed attempt followed the reference
     assert curve(run) == ref  # and the resumed one continues it exactly
     print(f"\n[fault] SIGKILL {nproc} proc at step {killed_at} (seed {SEED}): resumed from step {saved}, "
-          f"{killed_at - saved} steps replayed, back at step {killed_at} {recovered:.1f}s after --resume")  # fmt: skip
+          f"{killed_at - saved} steps to replay, first replayed step logged {recovered:.1f}s after --resume")  # fmt: skip
 
 
 def test_sigkill_one_process_then_resume_is_bit_identical(char_data, tmp_path, ref_one):
@@ -78,11 +80,12 @@ def test_killed_rank_elastic_restart_continues_bit_identical(char_data, tmp_path
     assert victim
     os.kill(victim[0], 9)
     t0 = time.monotonic()
-    killed_at = last_step(run)
-    wait_for(lambda: times_logged(run, killed_at) == 2, p, what="the restarted group to replay the killed step")
+    wait_for(lambda: "(restart)" in p.stdout(), p, what="the restart")
+    before = len(records(run))  # the restarted group logs nothing before it says it is continuing
+    wait_for(lambda: len(records(run)) > before, p, what="the restarted group's first step")
     recovered = time.monotonic() - t0
     assert p.wait() == 0, p.stderr()[-3000:]
     assert "continuing" in p.stdout() and "(restart)" in p.stdout()
     assert curve(run) == ref_two
-    print(f"\n[fault] SIGKILL rank 1 of 2 at step {killed_at} (seed {SEED}), --max-restarts 1: the group "
-          f"restarted and was back at step {killed_at} {recovered:.1f}s after the kill")  # fmt: skip
+    print(f"\n[fault] SIGKILL rank 1 of 2 at step {k} (seed {SEED}), --max-restarts 1: the group restarted "
+          f"and logged its first step {recovered:.1f}s after the kill")  # fmt: skip

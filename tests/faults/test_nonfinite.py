@@ -35,13 +35,18 @@ def test_nan_gradient_is_skipped_counted_and_changes_nothing(char_data, tmp_path
     monkeypatch.setenv("LOOM_FAULT_NAN_STEPS", "3")
     monkeypatch.setenv("LOOM_FAULT_NAN_PARAM", PARAM)
     run = tmp_path / "r"
-    assert run_inprocess(train_args(char_data, tmp_path, "r", 5, "--train.ckpt_every=1", "--train.keep_last=9")) == 0
+    assert (
+        run_inprocess(train_args(char_data, tmp_path, "r", 5, "--train.ckpt_every=1", "--train.keep_last=9"))
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"step 3: update skipped, non-finite gradient norm (nan); non-finite gradients in {PARAM}" in out
     recs = {r["step"]: r for r in records(run) if "loss" in r}
     assert recs[3]["skipped"].startswith("non-finite") and recs[3]["bad_steps"] == 1
     assert recs[3]["nonfinite_params"] == [PARAM]
-    assert all("skipped" not in recs[s] for s in (1, 2, 4, 5)) and all(math.isfinite(recs[s]["loss"]) for s in recs)
+    assert all("skipped" not in recs[s] for s in (1, 2, 4, 5)) and all(
+        math.isfinite(recs[s]["loss"]) for s in recs
+    )
     assert records(run)[-1]["summary"]["skipped_steps"] == 1
     # no update at step 3: weights and optimizer state equal step 2's; step 4 moves on
     assert same(tensors(run, 2, "model.pt"), tensors(run, 3, "model.pt"))
@@ -57,10 +62,18 @@ def test_max_bad_steps_in_a_row_saves_last_good_state_and_stops(char_data, tmp_p
                       "--train.keep_last=9")  # fmt: skip
     assert run_inprocess(args) == 2
     err = capsys.readouterr().err
-    assert f"3 bad steps in a row (steps 3-5; last: non-finite gradient norm (nan)); non-finite gradients in: {PARAM}" in err
+    assert (
+        f"3 bad steps in a row (steps 3-5; last: non-finite gradient norm (nan)); non-finite gradients in: {PARAM}"
+        in err
+    )
     assert "The last good state (the weights after step 2) is saved as checkpoint step 5" in err
     assert same(tensors(run, 2, "model.pt"), tensors(run, 5, "model.pt"))
-    assert records(run)[-1] == {"step": 5, "stopped": "max_bad_steps", "bad_steps": [3, 4, 5], "nonfinite_params": [PARAM]}
+    assert records(run)[-1] == {
+        "step": 5,
+        "stopped": "max_bad_steps",
+        "bad_steps": [3, 4, 5],
+        "nonfinite_params": [PARAM],
+    }
 
 
 def test_nan_on_one_rank_makes_every_rank_skip(char_data, tmp_path):

@@ -52,9 +52,33 @@ def _config_and_validate(path):
 
 
 TOML_ISH = st.lists(
-    st.sampled_from(["[model]\n", "[train]\n", "[optim]\n", "n_layer = ", "lr = ", "steps = ", "= ", "nan",
-                     "inf", "-1", "1e400", '"x"', "true", "[1, 2]", "{a = 1}", "\n", "[[a]]\n", "\x00", "é",
-                     "[parallel]\ntimeout_s = ", "0", "resume = ", '"auto"']),  # fmt: skip
+    st.sampled_from(
+        [
+            "[model]\n",
+            "[train]\n",
+            "[optim]\n",
+            "n_layer = ",
+            "lr = ",
+            "steps = ",
+            "= ",
+            "nan",
+            "inf",
+            "-1",
+            "1e400",
+            '"x"',
+            "true",
+            "[1, 2]",
+            "{a = 1}",
+            "\n",
+            "[[a]]\n",
+            "\x00",
+            "é",
+            "[parallel]\ntimeout_s = ",
+            "0",
+            "resume = ",
+            '"auto"',
+        ]
+    ),  # fmt: skip
     max_size=12,
 ).map("".join)
 
@@ -89,8 +113,12 @@ def _header(magic=shards.MAGIC, version=1, ntok=0) -> bytes:
 
 SHARD_BYTES = st.one_of(
     st.binary(max_size=2000),
-    st.builds(lambda v, n, body: _header(version=v, ntok=n) + body, st.sampled_from([0, 1, 2, 3, -1]),
-              st.integers(-5, 600), st.binary(max_size=1200)),  # fmt: skip
+    st.builds(
+        lambda v, n, body: _header(version=v, ntok=n) + body,
+        st.sampled_from([0, 1, 2, 3, -1]),
+        st.integers(-5, 600),
+        st.binary(max_size=1200),
+    ),  # fmt: skip
 )
 
 

@@ -44,7 +44,11 @@ def test_hung_rank_times_out_naming_the_operation_and_the_rank(char_data, tmp_pa
     all-reduce, then fails naming it and rank 1; the launcher stops rank 1 (which cannot finish its step
     within the timeout after SIGTERM either) and nothing is left."""
     run = tmp_path / "hang"
-    args = [*train_args(char_data, tmp_path, "hang", 100_000, f"--parallel.timeout_s={TIMEOUT_S}"), "--nproc", "2"]
+    args = [
+        *train_args(char_data, tmp_path, "hang", 100_000, f"--parallel.timeout_s={TIMEOUT_S}"),
+        "--nproc",
+        "2",
+    ]
     p = Proc(args, tmp_path / "out", env={"LOOM_FAULT_HANG_STEP": "5", "LOOM_FAULT_HANG_RANK": "1"})
     wait_for(lambda: last_step(run) >= 4, p, what="step 4")
     t0 = time.monotonic()
@@ -58,6 +62,7 @@ def test_hung_rank_times_out_naming_the_operation_and_the_rank(char_data, tmp_pa
         f"parallel.timeout_s={TIMEOUT_S}s" in err
     ), err[-3000:]
     assert "did not arrive at step 5: rank 1 (last began step 4)" in err
+    assert "rank 1 (exit code 143)" in err  # it gave up parallel.timeout_s after the launcher's SIGTERM
     assert TIMEOUT_S - 1 < took < 2 * TIMEOUT_S + 8, took
     assert not alive(tree)
     print(f"\n[fault] rank 1 of 2 hung at step 5 (timeout {TIMEOUT_S}s): collective error naming the "

@@ -34,7 +34,9 @@ def _stop_and_check(p: Proc, run, k: int, target: str) -> int:
     assert checkpoint.latest_valid(run / "ckpt") == run / "ckpt" / f"step_{stopped:06d}"
     assert f"stopping at step {stopped} (" in p.stdout()
     assert not alive(tree)
-    print(f"\n[fault] SIGTERM to {target} at step {k}: checkpoint at step {stopped}, exit {rc} {took:.1f}s later")
+    print(
+        f"\n[fault] SIGTERM to {target} at step {k}: checkpoint at step {stopped}, exit {rc} {took:.1f}s later"
+    )
     return stopped
 
 

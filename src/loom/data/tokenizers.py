@@ -151,9 +151,9 @@ def _tokenizer_info(directory: str | Path, meta: dict) -> dict:
 
 def copy_tokenizer(src_dir: str | Path, meta: dict, dst_dir: str | Path) -> None:
     """Copy the tokenizer file (and meta.json) so a run directory is self-contained for generate/eval."""
+    info = _tokenizer_info(src_dir, meta)
     dst = Path(dst_dir)
     dst.mkdir(parents=True, exist_ok=True)
-    info = _tokenizer_info(src_dir, meta)
     if info.get("file"):  # none when the data has no tokenizer, or carries its vocabulary in meta
         shutil.copy2(Path(src_dir) / info["file"], dst / info["file"])
     (dst / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")

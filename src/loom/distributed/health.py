@@ -93,7 +93,7 @@ def describe_failure(
                 names = ", ".join(f"rank {r} (last began step {last})" if last else f"rank {r} (never began a step)"
                                   for r, last in late)  # fmt: skip
                 msg += f"; did not arrive at step {step}: {names}"
-            else:
+            elif step:
                 msg += f"; every rank began step {step}, so one is stuck or died inside it"
     return LoomError(
         msg,

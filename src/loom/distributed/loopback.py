@@ -5,7 +5,8 @@ host name they are given, so a local run would accept connections from the netwo
 the listening socket to loopback itself and hands it to the TCPStore (`master_listen_fd`); the elastic
 agent then shares that store with its workers (MASTER_ADDR=127.0.0.1), and the gloo/NCCL connections the
 workers open to each other follow MASTER_ADDR. It is registered with torch's public handler registry under
-BACKEND; restarts of the worker group reuse the same store (the workers prefix their keys per attempt).
+BACKEND. Each round (the first start, and every restart of the worker group) gets a fresh store, as
+torch's workers expect: they do not prefix their keys per attempt.
 """
 
 from __future__ import annotations
@@ -32,19 +33,25 @@ class LoopbackRendezvous(RendezvousHandler):
     def __init__(self, params: RendezvousParameters):
         self._run_id = params.run_id
         self._closed = False
-        # Kept open for the store's lifetime: the TCPStore serves on this socket's file descriptor.
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind((HOST, 0))
-        self._sock.listen(128)
-        timeout = datetime.timedelta(seconds=float(params.get("timeout", 600)))
-        self._store = dist.TCPStore(
-            HOST, self._sock.getsockname()[1], is_master=True, master_listen_fd=self._sock.fileno(),
-            wait_for_workers=False, multi_tenant=True, timeout=timeout,
-        )  # fmt: skip
+        self._timeout = datetime.timedelta(seconds=float(params.get("timeout", 600)))
+        self._sock: socket.socket | None = None
+        self._store: dist.TCPStore | None = None
 
-    @property
-    def port(self) -> int:
-        return self._sock.getsockname()[1]
+    def _new_store(self) -> tuple[dist.TCPStore, int]:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((HOST, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(
+            HOST, port, is_master=True, master_listen_fd=sock.fileno(), wait_for_workers=False,
+            multi_tenant=True, timeout=self._timeout,
+        )  # fmt: skip
+        # Both kept for the store's lifetime: the TCPStore serves on the socket's file descriptor.
+        old = self._sock
+        self._sock, self._store = sock, store
+        if old is not None:
+            old.close()
+        return store, port
 
     def get_backend(self) -> str:
         return BACKEND
@@ -54,7 +61,8 @@ class LoopbackRendezvous(RendezvousHandler):
         return True
 
     def next_rendezvous(self) -> RendezvousInfo:
-        return RendezvousInfo(self._store, 0, 1, RendezvousStoreInfo(HOST, self.port))
+        store, port = self._new_store()
+        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo(HOST, port))
 
     def is_closed(self) -> bool:
         return self._closed

@@ -225,8 +225,7 @@ class MeshParallel(DataParallel):
         if self.pipelined:
             self._tied_group = self._first_last_group()
             return self._build_schedule()
-        self._wrapped = LocalLoss(model)
-        return self._wrapped
+        return LocalLoss(model)
 
     def eval_model(self, raw: nn.Module, wrapped: nn.Module) -> nn.Module:
         return wrapped

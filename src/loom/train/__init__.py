@@ -75,9 +75,12 @@ def auto_resume(cfg: Config, resume, force: bool) -> tuple[str | bool | None, bo
         return None, force
     run_dir = Path(cfg.run.dir) / cfg.run.name
     if checkpoint.latest_valid(run_dir / "ckpt") is not None:
-        log.info(f"continuing {run_dir} from its newest valid checkpoint" + (" (restart)" if restarted else ""))
+        log.info(
+            f"continuing {run_dir} from its newest valid checkpoint" + (" (restart)" if restarted else "")
+        )
         return True, force
-    if (run_dir / "config.toml").is_file() and not diff_configs(config_from_dict(load_toml(run_dir / "config.toml")), cfg):
+    saved = run_dir / "config.toml"
+    if saved.is_file() and not diff_configs(config_from_dict(load_toml(saved)), cfg):
         log.warn(f"{run_dir} has no valid checkpoint: starting it again")
         return None, True
     return None, force
@@ -86,7 +89,8 @@ def auto_resume(cfg: Config, resume, force: bool) -> tuple[str | bool | None, bo
 def check_checkpoint_model(ckpt: Path, cfg: Config) -> None:
     """A checkpoint of another model shape is refused before anything is built (state.json only)."""
     saved = checkpoint.read_state(ckpt).get("config", {}).get("model", {})
-    diff = [f"model.{k}: {saved.get(k)!r} -> {v!r}" for k, v in cfg.to_dict()["model"].items() if saved.get(k) != v]
+    now = cfg.to_dict()["model"]
+    diff = [f"model.{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
     if diff:
         raise LoomError(f"checkpoint '{ckpt}' was trained with another model shape: " + "; ".join(diff),
                         hint="resume with the checkpoint's model settings, or start a new run")  # fmt: skip
@@ -247,7 +251,7 @@ def run(
         from loom.distributed.health import describe_failure, is_comm_error
 
         if env.world_size > 1 and not isinstance(e, LoomError) and is_comm_error(e):
-            op, step = (trainer.op, trainer.step + 1) if trainer else ("the setup broadcast", 0)
+            op, step = (trainer.op, trainer.op_step) if trainer else ("the setup broadcast", 0)
             hb = trainer.heartbeat if trainer else None
             raise describe_failure(e, env.rank, op, step, cfg.parallel.timeout_s, hb) from None
         raise

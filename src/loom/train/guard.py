@@ -68,7 +68,9 @@ class StopRequest:
             raise KeyboardInterrupt
         if self.signal is None:
             if self.rank == 0:  # os.write: safe inside a signal handler (no locks, unlike the console)
-                os.write(2, f"loom: {name} received: stopping after this step and saving a checkpoint\n".encode())
+                os.write(
+                    2, f"loom: {name} received: stopping after this step and saving a checkpoint\n".encode()
+                )
             import threading
 
             self._deadline = threading.Timer(self.grace_s, self._give_up, args=(signum,))
@@ -124,17 +126,40 @@ class StepGuard:
     def exhausted(self) -> bool:
         return self.in_row >= self.max_bad_steps
 
+    def describe(self, step: int, reason: str, names: list[str]) -> str:
+        """The warning for a skipped step."""
+        more = f" and {len(names) - 6} more" if len(names) > 6 else ""
+        where = f"; non-finite gradients in {', '.join(names[:6])}{more}" if names else ""
+        return (f"step {step}: update skipped, {reason}{where} ({self.in_row} in a row, {self.skipped} skipped "
+                f"in all; limit train.max_bad_steps={self.max_bad_steps})")  # fmt: skip
+
+    def stop_error(self, step: int, reason: str, names: list[str], saved: bool) -> NonFiniteError:
+        """The diagnostic once max_bad_steps bad steps came in a row; `saved`: the checkpoint was written."""
+        first, last = self.bad_steps[0], self.bad_steps[-1]
+        return NonFiniteError(
+            f"{self.in_row} bad steps in a row (steps {first}-{last}; last: {reason})"
+            + (f"; non-finite gradients in: {', '.join(names)}" if names else "")
+            + (f". The last good state (the weights after step {first - 1}) is saved as checkpoint step {step}"
+               if saved else ". The last good state could not be saved"),
+            hint="lower optim.lr or raise optim.warmup_steps (or look at the data of those steps), then continue "
+            "with --resume; train.max_bad_steps sets how many bad steps in a row are tolerated",
+        )  # fmt: skip
+
 
 def grad_flags(model: torch.nn.Module) -> tuple[list[str], torch.Tensor | None]:
     """(names, 1.0 where this rank's gradient holds a NaN/Inf), taken before clipping: clipping by a
-    non-finite norm spreads NaN to every gradient. No host sync; read only after a bad step."""
-    names, flags = [], []
+    non-finite norm spreads NaN to every gradient. No host sync; read only after a bad step.
+
+    Each gradient's norm is non-finite exactly when it holds a NaN/Inf (or, harmlessly, when its finite
+    values overflow the fp32 norm, a step the guard skips anyway): one read of the gradient, where
+    `isfinite(g).any()` made six passes and temporaries (~200 ms a step on a 10M-parameter model on a CPU)."""
+    names, norms = [], []
     for n, p in model.named_parameters():
         if p.grad is not None:
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # a DTensor shard (FSDP, TP)
             names.append(n)
-            flags.append((~torch.isfinite(g)).any())
-    return names, (torch.stack(flags).float() if flags else None)
+            norms.append(torch.linalg.vector_norm(g, dtype=torch.float32))
+    return names, ((~torch.isfinite(torch.stack(norms))).float() if norms else None)
 
 
 def nonfinite_names(names: list[str], flags: torch.Tensor | None, all_reduce_sum) -> list[str]:

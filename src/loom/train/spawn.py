@@ -18,7 +18,13 @@ from loom.errors import LoomError
 
 
 def launch_local(
-    nproc: int, cfg: Config, child_argv: list[str], resume, force: bool, explicit: set[str], max_restarts: int = 0
+    nproc: int,
+    cfg: Config,
+    child_argv: list[str],
+    resume,
+    force: bool,
+    explicit: set[str],
+    max_restarts: int = 0,
 ) -> int:
     """Check once here, then run `python -m loom train <child_argv>` in nproc processes. Returns an exit code.
 

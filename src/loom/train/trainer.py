@@ -25,7 +25,7 @@ from loom.model.gpt import GPT
 from loom.optim.schedule import lr_at
 from loom.parallel.ac import apply_activation_checkpointing
 from loom.parallel.base import DataParallel, model_state_bytes
-from loom.train.guard import NonFiniteError, StepGuard, StopRequest, grad_flags, nonfinite_names
+from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -100,7 +100,7 @@ class Trainer:
         self.stop = StopRequest(self.dp.rank, cfg.parallel.timeout_s)
         self.faults = faults.from_env()
         self.heartbeat = None  # set by run() in multi-process jobs: loom.distributed.health.Heartbeat
-        self.op = "setup"
+        self.op, self.op_step = "setup", 0  # op_step: the last step this rank began (its heartbeat)
         self.throughput = Throughput(
             flops_per_token(self.raw_model.cfg), peak_flops(device, dtype), self.dp.world_size, t.warmup_log_steps,
             compiled=t.compile,
@@ -221,7 +221,7 @@ class Trainer:
             loss_sum += loss.detach()
         self.dp.after_backward()
         if self.faults.nan_at(self.step + 1, self.dp.rank):
-            self._poison_grad()
+            self.faults.poison_grad(self.raw_model)
         self.scaler.unscale_(self.optimizer)
         flags = grad_flags(self.raw_model)  # which gradients are non-finite, before clipping smears NaN
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
@@ -259,9 +259,9 @@ class Trainer:
 
     def _beat(self, op: str) -> None:
         """Note the collective about to run, and tell the job's store this rank reached this step."""
-        self.op = op
+        self.op, self.op_step = op, self.step + 1
         if self.heartbeat is not None:
-            self.heartbeat.beat(self.step + 1)
+            self.heartbeat.beat(self.op_step)
 
     def _agree(self, grad_norm: torch.Tensor) -> tuple[bool, bool]:
         """(stop requested on any rank, non-finite gradient on any rank): one tiny all-reduce per step, so
@@ -279,15 +279,6 @@ class Trainer:
         if self.dp.world_size == self.dp.size:
             return nonfinite_names(names, flags, self.dp.all_reduce_sum)
         return nonfinite_names(names, flags, lambda t: t)  # model parallel: this rank's parameters
-
-    def _poison_grad(self) -> None:
-        """Test hook (LOOM_FAULT_NAN_STEPS): a NaN in one parameter's gradient, after synchronisation."""
-        named = {n: p for n, p in self.raw_model.named_parameters() if p.grad is not None}
-        name = self.faults.nan_param or next(iter(named))
-        if name not in named:
-            raise LoomError(f"LOOM_FAULT_NAN_PARAM: no parameter '{name}' with a gradient")
-        with torch.no_grad():
-            named[name].grad.fill_(math.nan)
 
     def _model_state_report(self) -> dict:
         """mem_params/grads/optim: bytes this rank holds (its shards), on the first and every logged step."""
@@ -430,26 +421,14 @@ class Trainer:
 
     def _after_bad_step(self, rec: dict) -> None:
         """Warn with the step and reason; after train.max_bad_steps in a row, save and stop."""
-        g = self.guard
         names = rec.get("nonfinite_params") or []
-        more = f" and {len(names) - 6} more" if len(names) > 6 else ""
-        where = f"; non-finite gradients in {', '.join(names[:6])}{more}" if names else ""
-        log.warn(f"step {self.step}: update skipped, {rec['skipped']}{where} "
-                 f"({g.in_row} in a row, {g.skipped} skipped in all; limit train.max_bad_steps={g.max_bad_steps})")  # fmt: skip
-        if not g.exhausted:
+        log.warn(self.guard.describe(self.step, rec["skipped"], names))
+        if not self.guard.exhausted:
             return
         saved = self.save()  # the weights and optimizer are still those of the last good step
-        good = g.bad_steps[0] - 1
         if self.metrics:
-            self.metrics.write({"step": self.step, "stopped": "max_bad_steps", "bad_steps": g.bad_steps,
+            self.metrics.write({"step": self.step, "stopped": "max_bad_steps", "bad_steps": self.guard.bad_steps,
                                 "nonfinite_params": names})  # fmt: skip
             self.metrics.close()
             self.metrics = None
-        raise NonFiniteError(
-            f"{g.in_row} bad steps in a row (steps {g.bad_steps[0]}-{g.bad_steps[-1]}; last: {rec['skipped']})"
-            + (f"; non-finite gradients in: {', '.join(names)}" if names else "")
-            + (f". The last good state (the weights after step {good}) is saved as checkpoint step {self.step}"
-               if saved else ". The last good state could not be saved"),
-            hint="lower optim.lr or raise optim.warmup_steps (or look at the data of those steps), then continue "
-            "with --resume; train.max_bad_steps sets how many bad steps in a row are tolerated",
-        )  # fmt: skip
+        raise self.guard.stop_error(self.step, rec["skipped"], names, saved)
