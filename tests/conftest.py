@@ -25,6 +25,12 @@ def make_text(n_chars: int, seed: int = 0) -> str:
     return "".join(out)[:n_chars]
 
 
+@pytest.fixture
+def text_maker():
+    """make_text for tests outside this folder's import path (a bare `conftest` may resolve to another one)."""
+    return make_text
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Keep every test's cache (CPU peak, built-in corpora) out of the user's home."""

@@ -331,7 +331,10 @@ VERBS = {
     ),
     "bench": (_bench, "benchmarks: loom bench comm | optim | peak | train"),
     "doctor": (_doctor, "environment report: versions, devices, GPU links, MPI, compile (--json)"),
-    "plan": (_plan, "memory / time estimates of dp/tp/pp/ZeRO layouts: loom plan --model 7b --gpus 64 --gpu-mem 80"),
+    "plan": (
+        _plan,
+        "memory / time estimates of dp/tp/pp/ZeRO layouts: loom plan --model 7b --gpus 64 --gpu-mem 80",
+    ),
     "launch": (
         _launch,
         "run a command under torchrun, mpiexec or srun: loom launch [opts] -- loom train ...",

@@ -142,7 +142,9 @@ class ParallelConfig:
     bucket_mb: float = _f(25.0, "dp_impl=mpi bucketed sync: bucket size in MiB (DDP's default is 25).")
     mpi_allreduce: str = _f("mpi", "dp_impl=mpi bucketed sync: mpi (Iallreduce) | ring (loom's own ring).")
     timeout_s: float = _f(600.0, "A collective that does not complete in this many seconds is an error.")
-    tp: int = _f(1, "Tensor-parallel degree (Megatron column/row split); divides n_head. dp = world / (tp*pp).")
+    tp: int = _f(
+        1, "Tensor-parallel degree (Megatron column/row split); divides n_head. dp = world / (tp*pp)."
+    )
     sp: bool = _f(False, "Sequence parallel (with tp > 1): LayerNorms and dropout run on sequence shards.")
     pp: int = _f(1, "Pipeline-parallel degree: the layers are cut into pp (or pp * stages per rank) stages.")
     pp_schedule: str = _f("1f1b", "Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zero-bubble.")
@@ -384,7 +386,9 @@ def mesh_degrees(cfg: Config, world_size: int) -> tuple[int, int, int]:
             + ", ".join(str(d) for d in range(1, m.n_head + 1) if m.n_head % d == 0),
         )
     if p.sp and p.tp == 1:
-        raise LoomError("parallel.sp=true needs parallel.tp > 1 (sequence parallel shards what TP replicates)")
+        raise LoomError(
+            "parallel.sp=true needs parallel.tp > 1 (sequence parallel shards what TP replicates)"
+        )
     if p.sp and m.block_size % p.tp:
         raise LoomError(f"parallel.sp: model.block_size={m.block_size} is not divisible by tp={p.tp}")
     stages = p.pp * (SCHEDULE_STAGES_PER_RANK[p.pp_schedule] if p.pp > 1 else 1)
@@ -480,5 +484,7 @@ def validate(cfg: Config, dp_size: int = 1) -> Derived:
             hint=f"set parallel.pp_microbatches >= {pp} (or a smaller train.micro_batch_size)",
         )
     if cfg.parallel.pp_schedule in ("interleaved-1f1b", "zero-bubble") and n_mb % pp:
-        raise LoomError(f"schedule {cfg.parallel.pp_schedule} needs pp_microbatches ({n_mb}) divisible by pp={pp}")
+        raise LoomError(
+            f"schedule {cfg.parallel.pp_schedule} needs pp_microbatches ({n_mb}) divisible by pp={pp}"
+        )
     return Derived(dp_size, 1, tokens, local // n_mb, n_mb)

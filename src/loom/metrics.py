@@ -162,7 +162,12 @@ class Throughput:
         if self.seconds == 0:
             return out
         tps = self.tokens / self.seconds
-        return {**out, "tokens_per_s": tps, "tokens_per_s_per_device": tps / self.n_devices, "mfu": self.mfu(tps)}
+        return {
+            **out,
+            "tokens_per_s": tps,
+            "tokens_per_s_per_device": tps / self.n_devices,
+            "mfu": self.mfu(tps),
+        }
 
 
 class JsonlSink:
@@ -193,7 +198,11 @@ def format_step(rec: dict) -> str:
         f"step {rec['step']:>6} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | norm {rec['grad_norm']:.3f}"
         f" | dt {1000 * rec['dt']:.1f}ms (f {1000 * rec['dtf']:.0f} b {1000 * rec['dtb']:.0f})"
         f" | {rec['tokens_per_s']:,.0f} tok/s | mfu {mfu} | mem {rec['mem_bytes'] / 2**20:.0f}MiB"
-        + (f" | scale {rec['loss_scale']:g} ({rec['overflow_steps']} overflow)" if "loss_scale" in rec else "")
+        + (
+            f" | scale {rec['loss_scale']:g} ({rec['overflow_steps']} overflow)"
+            if "loss_scale" in rec
+            else ""
+        )
         + (f" | compile {rec['compile_s']:.1f}s" if "compile_s" in rec else "")
     )
 

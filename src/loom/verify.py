@@ -80,8 +80,10 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("mpi-bucketed", _mpi("bucketed")),
         Strategy("tp", tp=2),
         Strategy("tp-sp", tp=2, flags=("--parallel.sp=true",)),
-        *(Strategy(f"pp-{k}", pp=2, flags=(f"--parallel.pp_schedule={k}",))
-          for k in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")),  # fmt: skip
+        *(
+            Strategy(f"pp-{k}", pp=2, flags=(f"--parallel.pp_schedule={k}",))
+            for k in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+        ),  # fmt: skip
         Strategy("dp-tp", min_world=4, tp=2, dp_impl="fsdp"),
         Strategy("dp-pp", min_world=4, pp=2),
         Strategy("tp-pp", min_world=4, tp=2, pp=2, flags=("--parallel.sp=true",)),
@@ -175,7 +177,12 @@ def _world(s: Strategy, nproc: int | None) -> int:
     if n < s.min_world:
         raise LoomError(f"strategy {s.name} needs at least {s.min_world} processes; --nproc is {n}")
     dp, tp, pp = s.degrees(n)
-    if dp * tp * pp != n or 16 % (4 * dp) or tp > 4 or pp * (2 if "interleaved" in s.name or "zero" in s.name else 1) > 4:
+    if (
+        dp * tp * pp != n
+        or 16 % (4 * dp)
+        or tp > 4
+        or pp * (2 if "interleaved" in s.name or "zero" in s.name else 1) > 4
+    ):
         raise LoomError(
             f"strategy {s.name} cannot use {n} processes (dp {dp} x tp {tp} x pp {pp}) with the verify model "
             "(4 layers, 4 heads, global batch 16 in micro-batches of 4)",

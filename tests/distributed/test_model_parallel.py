@@ -89,7 +89,11 @@ def test_resume_same_layout_is_exact_and_other_layout_continues(tmp_path, char_d
     [
         (["parallel.tp=3"], 3, "does not divide model.n_head=4"),
         (["parallel.pp=8"], 8, "only model.n_layer=4 layers"),
-        (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "model.n_layer=3"], 2, "4 pipeline stages"),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "model.n_layer=3"],
+            2,
+            "4 pipeline stages",
+        ),
         (["parallel.tp=2"], 3, "world size 3 is not divisible"),
         (["parallel.sp=true"], 1, "needs parallel.tp > 1"),
         (["parallel.tp=2", "parallel.dp_impl=zero1"], 4, "does not compose"),
@@ -97,13 +101,17 @@ def test_resume_same_layout_is_exact_and_other_layout_continues(tmp_path, char_d
     ],
 )
 def test_layout_rules(overrides, world, message):
-    cfg = load_config(None, [f"--{o}" for o in ["model.n_head=4", "model.n_layer=4", "model.n_embd=64", *overrides]])
+    cfg = load_config(
+        None, [f"--{o}" for o in ["model.n_head=4", "model.n_layer=4", "model.n_embd=64", *overrides]]
+    )
     with pytest.raises(LoomError, match=message):
         mesh_degrees(cfg, world)
 
 
 def test_pipeline_micro_batch_rules():
-    cfg = load_config(None, ["--parallel.pp=4", "--model.n_layer=4", "--train.batch_size=8", "--train.micro_batch_size=4"])
+    cfg = load_config(
+        None, ["--parallel.pp=4", "--model.n_layer=4", "--train.batch_size=8", "--train.micro_batch_size=4"]
+    )
     with pytest.raises(LoomError, match="needs at least one per stage"):
         validate(cfg, 1)  # 2 micro-batches for 4 stages under 1F1B
     cfg.parallel.pp_schedule = "gpipe"
@@ -116,7 +124,9 @@ def test_pipeline_micro_batch_rules():
 def test_unknown_schedule_and_cli_errors_before_any_process(tmp_path, char_data):
     with pytest.raises(LoomError, match="must be one of gpipe, 1f1b"):
         load_config(None, ["--parallel.pp_schedule=looped"])
-    r = loom("train", "--nproc=3", "--parallel.tp=3", f"--data.path={char_data}", f"--run.dir={tmp_path}", *TINY)
+    r = loom(
+        "train", "--nproc=3", "--parallel.tp=3", f"--data.path={char_data}", f"--run.dir={tmp_path}", *TINY
+    )
     assert r.returncode != 0 and "does not divide model.n_head=4" in r.stderr
     assert "starting" not in r.stderr and not any(tmp_path.iterdir())
 
@@ -129,7 +139,9 @@ def test_stage_layers_are_balanced_and_contiguous():
             sizes = [len(r) for r in ranges]
             assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
             if n_stages > 2 and n_layer % n_stages:
-                assert sizes[0] <= sizes[n_stages // 2]  # extra layers go to the middle, not the embedding stage
+                assert (
+                    sizes[0] <= sizes[n_stages // 2]
+                )  # extra layers go to the middle, not the embedding stage
 
 
 def test_verify_strategies_pick_their_degrees():

@@ -168,9 +168,8 @@ def test_export_cli_with_tokenizer(tmp_path, char_data, capsys):
     assert "exists and is not empty" in capsys.readouterr().err
 
 
-def test_byte_level_bpe_exports_gpt2_vocab_and_merges(tmp_path):
-    from conftest import make_text
-
+def test_byte_level_bpe_exports_gpt2_vocab_and_merges(tmp_path, text_maker):
+    make_text = text_maker
     from loom.data.tokenizers import HFTokenizer
 
     tok = HFTokenizer.train([make_text(20000)], 400)

@@ -207,9 +207,11 @@ def train_main(argv: list[str]) -> int:
         rest.insert(0, args.config)
         args.config = None
     cfg = config.load_config(args.config, rest)
-    modes = [m.strip() for m in args.ac.split(",") if m.strip()] if args.ac else [
-        cfg.train.activation_checkpointing
-    ]
+    modes = (
+        [m.strip() for m in args.ac.split(",") if m.strip()]
+        if args.ac
+        else [cfg.train.activation_checkpointing]
+    )
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise LoomError(f"--ac: unknown mode(s) {', '.join(bad) or '(none)'}", hint=f"use {','.join(MODES)}")

@@ -80,11 +80,15 @@ def apply_tp(model: GPT, tp_mesh, sp: bool, loss_parallel: bool) -> None:
 
     tp = tp_mesh.size()
     if model.cfg.padded_vocab % tp:
-        raise LoomError(f"the padded vocabulary {model.cfg.padded_vocab} is not divisible by parallel.tp={tp}")
+        raise LoomError(
+            f"the padded vocabulary {model.cfg.padded_vocab} is not divisible by parallel.tp={tp}"
+        )
     seq = Shard(1) if sp else Replicate()
     # Embedding rows (the vocabulary) are split; ids outside a rank's range give zeros and the all-reduce of
     # the partial sums restores the lookup. Its output stays replicated so the position embedding can be added.
-    parallelize_module(model.wte, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    parallelize_module(
+        model.wte, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    )
     for i, block in enumerate(model.blocks):
         plan = {
             "attn.q_proj": ColwiseParallel(),
@@ -206,7 +210,9 @@ class MeshParallel(DataParallel):
     def describe(self) -> str:
         t = self.topo
         dp = f"dp {t.dp} ({'fsdp' if self.fsdp and self.reshard else 'zero2' if self.fsdp else 'replicated'})"
-        pp = f" | pp {t.pp} ({self.pcfg.pp_schedule}, {self.n_microbatches} micro-batches)" if t.pp > 1 else ""
+        pp = (
+            f" | pp {t.pp} ({self.pcfg.pp_schedule}, {self.n_microbatches} micro-batches)" if t.pp > 1 else ""
+        )
         return f"{dp} | tp {t.tp}{' + sp' if self.pcfg.sp else ''}{pp}"
 
     # ----------------------------------------------------------------------------- building
@@ -367,6 +373,7 @@ class MeshParallel(DataParallel):
             for g in grads:
                 g.mul_(coef.to(g.dtype))
         return norm
+
     def _replicas(self, g: torch.Tensor) -> int:
         """How many ranks of this pipeline stage hold exactly this (local) gradient."""
         sizes = {"dp": self.topo.dp, "tp": self.topo.tp}

@@ -246,7 +246,9 @@ def run(
             try:  # only for naming the ranks a failed collective waited for: never a reason to stop
                 trainer.heartbeat = Heartbeat(env.rank, env.world_size)
             except Exception as e:
-                log.warn(f"rank {env.rank}: no heartbeat in the job's store ({e}); a hang will not name ranks")
+                log.warn(
+                    f"rank {env.rank}: no heartbeat in the job's store ({e}); a hang will not name ranks"
+                )
         summary = trainer.train()
         clean = True
         return summary

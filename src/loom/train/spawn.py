@@ -47,7 +47,9 @@ def launch_local(
     # tensor/pipeline degrees (from the saved config when resuming) leave world / (tp * pp) data-parallel ranks
     dp = mesh_degrees(layout_config(cfg, resume, force, explicit), nproc)[0]
     if cfg.parallel.dp_impl == "none" and dp > 1:
-        raise LoomError(f"--nproc {nproc} with parallel.dp_impl=none", hint="use parallel.dp_impl=ddp (or auto)")
+        raise LoomError(
+            f"--nproc {nproc} with parallel.dp_impl=none", hint="use parallel.dp_impl=ddp (or auto)"
+        )
     plan = plan_run(cfg, resume, force, explicit, dp)  # raises before any process starts
     args = [a for a in child_argv if a != "--force"]
     if not resume:

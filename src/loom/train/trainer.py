@@ -247,7 +247,9 @@ class Trainer:
         dt = time.perf_counter() - t0
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, "dt": dt}
         if scale is not None:
-            rec.update(loss_scale=self.scaler.get_scale(), overflow=overflow, overflow_steps=self.overflow_steps)
+            rec.update(
+                loss_scale=self.scaler.get_scale(), overflow=overflow, overflow_steps=self.overflow_steps
+            )
         if skip:
             rec.update(skipped=skip, bad_steps=self.guard.skipped, nonfinite_params=bad_params)
         if stop:
@@ -293,7 +295,9 @@ class Trainer:
 
     def evaluate(self) -> float:
         if self.dp.pipelined:
-            return self.dp.pipeline_val_loss(self.valset, self.derived.micro_batch_size, self.device, self._autocast)
+            return self.dp.pipeline_val_loss(
+                self.valset, self.derived.micro_batch_size, self.device, self._autocast
+            )
         with self.dp.loss_context():
             return val_loss(
                 self.dp.eval_model(self.raw_model, self.model), self.valset, self.derived.micro_batch_size,
