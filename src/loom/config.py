@@ -54,6 +54,11 @@ class ModelConfig:
     dropout: float = _f(0.0, "Dropout probability (0 for pretraining-sized data, ~0.2 for tiny data).")
     bias: bool = _f(False, "Bias in Linear layers and LayerNorms (GPT-2 has them; without is a bit faster).")
     vocab_size: int = _f(0, "Vocabulary size; 0 takes it from the data. Padded up to a multiple of 64.")
+    activation: str = _f(
+        "gelu_tanh",
+        "MLP activation: gelu_tanh (GPT-2's tanh approximation; needed for GPT-2 weights and HF export) | "
+        "gelu (exact, erf; nanoGPT's nn.GELU, ~2.5x faster on CPUs).",
+    )
     init_from: str = _f(
         "", "hf:DIR starts from GPT-2 weights saved by transformers in a local DIR (sets the model shape)."
     )
@@ -76,6 +81,11 @@ class TrainConfig:
     compile: bool = _f(False, "torch.compile the model (compile time is excluded from throughput).")
     device: str = _f("auto", "auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps.")
     warmup_log_steps: int = _f(3, "First steps left out of the throughput summary (warm-up, compile).")
+    reuse_cpu_memory: bool = _f(
+        True,
+        "CPU on Linux: keep freed memory in the process while training (glibc malloc without mmap/trim), "
+        "so large activations are not page-faulted in again every step (~20% faster steps on 10M params).",
+    )
     activation_checkpointing: str = _f(
         "none",
         "Recompute activations in the backward pass, per block: none | full (keep only block inputs) | "
@@ -117,7 +127,11 @@ class OptimConfig:
 
 @dataclass
 class PrecisionConfig:
-    dtype: str = _f("fp32", "fp32 | bf16 (autocast) | fp16 (autocast with dynamic loss scaling).")
+    dtype: str = _f(
+        "fp32",
+        "fp32 | bf16 (autocast) | fp16 (autocast with dynamic loss scaling) | auto (bf16 where the device "
+        "has bf16 units: GPUs since Ampere, CPUs with AVX512-BF16/AMX; fp16 on older GPUs; else fp32).",
+    )
     tf32: bool = _f(True, "CUDA: TF32 tensor cores for fp32 matmuls and convolutions (ignored on CPU).")
     init_scale: float = _f(65536.0, "fp16: initial loss scale (halved after each overflow step).")
     growth_interval: int = _f(2000, "fp16: steps without overflow after which the loss scale doubles.")
@@ -177,11 +191,12 @@ class Config:
 
 CHOICES = {
     ("data", "tokenizer"): ("char", "bpe"),
+    ("model", "activation"): ("gelu_tanh", "gelu"),
     ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop", "triton"),
     ("train", "resume"): ("no", "auto"),
     ("train", "on_save_error"): ("continue", "stop"),
     ("train", "activation_checkpointing"): ("none", "full", "selective"),
-    ("precision", "dtype"): ("fp32", "bf16", "fp16"),
+    ("precision", "dtype"): ("fp32", "bf16", "fp16", "auto"),
     ("parallel", "dp_impl"): ("auto", "none", "ddp", "zero1", "zero2", "fsdp", "mpi"),
     ("parallel", "param_dtype"): ("", "fp32", "bf16", "fp16"),
     ("parallel", "reduce_dtype"): ("", "fp32", "bf16", "fp16"),

@@ -27,9 +27,10 @@ TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.b
         "--optim.warmup_steps=1", "--train.log_every=1", "--train.device=cpu"]  # fmt: skip
 
 
-def tiny_gpt(bias: bool, vocab: int = 100) -> GPT:
+def tiny_gpt(bias: bool, vocab: int = 100, activation: str = "gelu_tanh") -> GPT:
     torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab_size=vocab, n_layer=2, n_head=2, n_embd=32, block_size=16, bias=bias)).eval()
+    m = GPT(GPTConfig(vocab_size=vocab, n_layer=2, n_head=2, n_embd=32, block_size=16, bias=bias,
+                      activation=activation)).eval()  # fmt: skip
     with torch.no_grad():  # non-zero biases and LayerNorm affines, so a mix-up would show
         for name, p in m.named_parameters():
             if name.endswith("bias") or ".ln_" in name or name.startswith("ln_f"):
@@ -37,10 +38,11 @@ def tiny_gpt(bias: bool, vocab: int = 100) -> GPT:
     return m
 
 
-def random_gpt2(tmp_path, vocab=64, n_positions=48, n_embd=48, n_head=3):
+def random_gpt2(tmp_path, vocab=64, n_positions=48, n_embd=48, n_head=3, activation_function="gelu_new"):
     torch.manual_seed(1)
     cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=n_positions, n_embd=n_embd, n_layer=2,
-                                  n_head=n_head, bos_token_id=0, eos_token_id=0)  # fmt: skip
+                                  n_head=n_head, bos_token_id=0, eos_token_id=0,
+                                  activation_function=activation_function)  # fmt: skip
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # the default init has zero biases; make them matter
         for name, p in model.named_parameters():
@@ -51,14 +53,15 @@ def random_gpt2(tmp_path, vocab=64, n_positions=48, n_embd=48, n_head=3):
     return model, d
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_export_loads_in_transformers_with_equal_logits(tmp_path, bias):
-    m = tiny_gpt(bias)
+@pytest.mark.parametrize("bias,activation", [(False, "gelu_tanh"), (True, "gelu_tanh"), (False, "gelu")])
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, bias, activation):
+    m = tiny_gpt(bias, activation=activation)
     assert hf.export_hf(m, tmp_path / "out") == [
         "no tokenizer files: the run was trained on token ids without a known tokenizer"
     ]
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(theirs).__name__ == "GPT2LMHeadModel" and theirs.config.vocab_size == 100  # unpadded
+    assert theirs.config.activation_function == {"gelu_tanh": "gelu_new", "gelu": "gelu"}[activation]
     x = torch.randint(0, 100, (3, 16))
     with torch.no_grad():
         ours, ref = m(x), theirs(x).logits
@@ -86,6 +89,15 @@ def test_import_matches_transformers_logits(tmp_path):
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
     with torch.no_grad():
         assert (again(x).logits - b).abs().max().item() < TOL
+
+
+def test_import_exact_gelu_model(tmp_path):
+    ref, d = random_gpt2(tmp_path, activation_function="gelu")
+    ours = hf.load_gpt2(d).eval()
+    assert ours.cfg.activation == "gelu"
+    x = torch.randint(0, 64, (2, 48))
+    with torch.no_grad():
+        assert (ours(x)[..., :64] - ref(x).logits).abs().max().item() < TOL
 
 
 def test_import_crops_positions_to_block_size(tmp_path):

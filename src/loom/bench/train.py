@@ -93,7 +93,7 @@ def measure(cfg: config.Config, modes: list[str], steps: int, warmup: int, round
             work: Path) -> list[dict[str, Any]]:  # fmt: skip
     """One record per activation-checkpointing mode; see the module docstring for what is measured."""
     from loom.train import Trainer
-    from loom.train.setup import resolve_data, resolve_device
+    from loom.train.setup import cpu_memory_reuse, resolve_data, resolve_device
 
     derived = config.validate(cfg, 1)
     device = resolve_device(cfg.train.device)
@@ -111,25 +111,27 @@ def measure(cfg: config.Config, modes: list[str], steps: int, warmup: int, round
         if synthetic:
             tr.loader = SyntheticLoader(c.train.batch_size, c.model.block_size, vocab, c.run.seed)
         trainers[mode] = tr
-    recs: dict[str, dict[str, Any]] = {}
-    for mode, tr in trainers.items():
-        x, y = tr.loader.next_batch()
-        mb = derived.micro_batch_size
-        act = activation_bytes(tr.model, x[:mb].to(device), y[:mb].to(device), tr._autocast)
-        compile_s = None
-        for _ in range(max(warmup, 1)):  # a compiled model compiles in its first step
-            rec = tr.train_step()
-            compile_s = rec.get("compile_s", compile_s)
-        recs[mode] = {"activation_bytes": act, "compile_s": compile_s, "dts": [], "peak": 0}
-    per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
-    for n in per_round:
+    reuse = device.type == "cpu" and cfg.train.reuse_cpu_memory
+    with cpu_memory_reuse(reuse):  # as loom train does
+        recs: dict[str, dict[str, Any]] = {}
         for mode, tr in trainers.items():
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            for _ in range(n):
-                recs[mode]["dts"].append(tr.train_step()["dt"])
-            _sync(device)
-            recs[mode]["peak"] = max(recs[mode]["peak"], peak_memory_bytes(device))
+            x, y = tr.loader.next_batch()
+            mb = derived.micro_batch_size
+            act = activation_bytes(tr.model, x[:mb].to(device), y[:mb].to(device), tr._autocast)
+            compile_s = None
+            for _ in range(max(warmup, 1)):  # a compiled model compiles in its first step
+                rec = tr.train_step()
+                compile_s = rec.get("compile_s", compile_s)
+            recs[mode] = {"activation_bytes": act, "compile_s": compile_s, "dts": [], "peak": 0}
+        per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+        for n in per_round:
+            for mode, tr in trainers.items():
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                for _ in range(n):
+                    recs[mode]["dts"].append(tr.train_step()["dt"])
+                _sync(device)
+                recs[mode]["peak"] = max(recs[mode]["peak"], peak_memory_bytes(device))
     out = []
     base = recs.get("none")
     for mode, tr in trainers.items():
@@ -143,7 +145,7 @@ def measure(cfg: config.Config, modes: list[str], steps: int, warmup: int, round
             "ms_per_step_median": 1e3 * statistics.median(r["dts"]),
             "activation_bytes": r["activation_bytes"], "peak_mem_bytes": r["peak"],
             "peak_mem_kind": "max allocated" if device.type == "cuda" else "process peak RSS (all modes)",
-            "compile_s": r["compile_s"], "device": str(device), "dtype": cfg.precision.dtype,
+            "compile_s": r["compile_s"], "device": str(device), "dtype": tr.precision,
             "compile": cfg.train.compile, "params": tr.n_params, "tokens_per_step": derived.tokens_per_step,
             "micro_batch_size": derived.micro_batch_size, "grad_accum": derived.grad_accum,
             "synthetic": synthetic, "threads": torch.get_num_threads(), "torch_version": torch.__version__,

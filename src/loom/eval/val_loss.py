@@ -50,6 +50,7 @@ def model_config(cfg: Config, vocab_size: int) -> GPTConfig:
         block_size=m.block_size,
         dropout=m.dropout,
         bias=m.bias,
+        activation=m.activation,
     )
 
 

@@ -30,9 +30,9 @@ from loom.errors import LoomError
 from loom.model.gpt import GPT, GPTConfig
 
 # GPTConfig fields with a GPT-2 equivalent; any other field must keep its default to be exportable.
-_GPT2_FIELDS = {"vocab_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "bias"}
-# transformers' names for loom's GELU (tanh approximation); "gelu" (erf) is a different function.
-TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
+_GPT2_FIELDS = {"vocab_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "activation"}
+# transformers' activation_function names for each of loom's model.activation values.
+HF_ACTIVATIONS = {"gelu_tanh": ("gelu_new", "gelu_pytorch_tanh"), "gelu": ("gelu",)}
 EOT = "<|endoftext|>"
 
 
@@ -63,7 +63,7 @@ def gpt2_config(cfg: GPTConfig, eot_id: int | None = None) -> dict:
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
         "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
-        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
+        "activation_function": HF_ACTIVATIONS[cfg.activation][0], "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
         "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
@@ -231,7 +231,7 @@ def read_hf_config(directory: str | Path) -> dict:
         raise LoomError(f"'{path}' describes a '{hf.get('model_type')}' model; loom imports GPT-2 only",
                         hint="model_type must be gpt2")  # fmt: skip
     checks = [
-        ("activation_function", hf.get("activation_function", "gelu_new") in TANH_GELU, "loom's MLP uses tanh-GELU (gelu_new)"),
+        ("activation_function", _activation(hf) is not None, "loom's MLP has tanh-GELU (gelu_new) or exact GELU (gelu)"),
         ("n_inner", hf.get("n_inner") in (None, 4 * hf.get("n_embd", 768)), "loom's MLP is 4 x n_embd wide"),
         ("tie_word_embeddings", hf.get("tie_word_embeddings", True), "loom ties lm_head to wte"),
         ("scale_attn_weights", hf.get("scale_attn_weights", True), "loom scales attention by 1/sqrt(head_dim)"),
@@ -245,6 +245,12 @@ def read_hf_config(directory: str | Path) -> dict:
     return hf
 
 
+def _activation(hf: dict) -> str | None:
+    """loom's model.activation for a GPT-2 config.json's activation_function (None: none of loom's)."""
+    name = hf.get("activation_function", "gelu_new")
+    return next((a for a, names in HF_ACTIVATIONS.items() if name in names), None)
+
+
 def gpt_config_from_hf(hf: dict, block_size: int | None = None, dropout: float = 0.0) -> GPTConfig:
     """loom's GPTConfig for a GPT-2 config.json; block_size may be cropped below n_positions."""
     n_pos = hf.get("n_positions", hf.get("n_ctx", 1024))
@@ -253,7 +259,8 @@ def gpt_config_from_hf(hf: dict, block_size: int | None = None, dropout: float =
                         hint=f"use model.block_size <= {n_pos}")  # fmt: skip
     return GPTConfig(vocab_size=hf.get("vocab_size", 50257), n_layer=hf.get("n_layer", 12),
                      n_head=hf.get("n_head", 12), n_embd=hf.get("n_embd", 768),
-                     block_size=block_size or n_pos, dropout=dropout, bias=True)  # fmt: skip
+                     block_size=block_size or n_pos, dropout=dropout, bias=True,
+                     activation=_activation(hf))  # fmt: skip
 
 
 def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -361,7 +368,7 @@ def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
         return
     m = cfg.model
     g = gpt_config_from_hf(read_hf_config(parse_init_from(m.init_from)), m.block_size, m.dropout)
-    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "bias"):
+    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "activation"):
         value = getattr(g, key)
         if getattr(m, key) != value:
             if f"model.{key}" in explicit:

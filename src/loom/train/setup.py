@@ -5,8 +5,12 @@ All of it is checked before any expensive work, and nothing that exists is overw
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import platform
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -37,6 +41,52 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
             "train.device asks for cuda but no CUDA device is available", hint="use train.device=auto"
         )
     return dev
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU has bf16 arithmetic units (AVX512-BF16 or AMX), from Linux's /proc/cpuinfo flags."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(dtype: str, device: torch.device) -> str:
+    """precision.dtype, with auto resolved for this device: bf16 on GPUs that have it (fp16 with loss scaling on
+    older ones, as nanoGPT chooses), bf16 on CPUs with bf16 units, fp32 elsewhere (emulated bf16 is slower)."""
+    if dtype != "auto":
+        return dtype
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if device.type == "cpu" and native_bf16_cpu() else "fp32"
+
+
+@contextlib.contextmanager
+def cpu_memory_reuse(enabled: bool = True):
+    """Within it, glibc's malloc keeps freed memory for reuse: no mmap for large blocks, no trimming.
+
+    A training step's activations are tensors of tens of MB; glibc serves blocks that large with mmap and
+    unmaps them when freed, so every step page-faults all its activations in again: ~20% of a step of the
+    6-layer Tiny Shakespeare model on 2 CPU cores. Equivalent to starting the process with
+    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824. The resident size stays
+    at its peak meanwhile; glibc's static defaults come back on exit. A no-op without glibc (macOS, musl)."""
+    libc = None
+    if enabled and sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            libc = None
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
+    if libc is not None:
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    try:
+        yield libc is not None
+    finally:
+        if libc is not None:
+            libc.mallopt(M_MMAP_MAX, 65536)
+            libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
 
 
 def check_data_dir(path: str | Path) -> dict:

@@ -26,6 +26,7 @@ from loom.optim.schedule import lr_at
 from loom.parallel.ac import apply_activation_checkpointing
 from loom.parallel.base import DataParallel, model_state_bytes
 from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
+from loom.train.setup import cpu_memory_reuse, resolve_precision
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -80,7 +81,9 @@ class Trainer:
         if t.compile:
             self.model = torch.compile(self.model)
         self.optimizer = self.dp.build_optimizer(self.raw_model, cfg.optim, device)
-        dtype = cfg.precision.dtype
+        dtype = self.precision = resolve_precision(cfg.precision.dtype, device)
+        if cfg.precision.dtype == "auto":
+            log.info(f"precision.dtype=auto: {dtype} on {device}")
         self.autocast_dtype = AUTOCAST.get(dtype)
         if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise LoomError("precision.dtype=bf16 but this GPU has no bf16", hint="use precision.dtype=fp16")
@@ -160,9 +163,12 @@ class Trainer:
     def load(self, path: Path) -> None:
         tensors, state = checkpoint.load(path, map_location=self.device)
         saved_model = state["config"]["model"]
+        defaults = Config().to_dict()["model"]
         now = self.cfg.to_dict()["model"]
         diff = [
-            f"model.{k}: {saved_model.get(k)!r} -> {v!r}" for k, v in now.items() if saved_model.get(k) != v
+            f"model.{k}: {saved_model.get(k)!r} -> {v!r}"
+            for k, v in now.items()
+            if saved_model.get(k, defaults[k]) != v  # a key added since the save: the default then
         ]
         if diff:
             raise LoomError(f"checkpoint '{path}' was trained with another model shape: " + "; ".join(diff))
@@ -357,11 +363,12 @@ class Trainer:
         last_val = stopped = None
         self.stop.install()
         try:
-            while self.step < t.steps:
-                last_val = self._one_step(last_val)
-                if self.stop_reason:
-                    stopped = self.stop_reason
-                    break
+            with cpu_memory_reuse(self.device.type == "cpu" and t.reuse_cpu_memory):
+                while self.step < t.steps:
+                    last_val = self._one_step(last_val)
+                    if self.stop_reason:
+                        stopped = self.stop_reason
+                        break
         finally:
             self.stop.restore()
         summary = {"step": self.step, "val_loss": last_val, **self.throughput.summary()}

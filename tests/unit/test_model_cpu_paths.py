@@ -1,0 +1,82 @@
+"""The model's CPU fast paths against PyTorch's reference ops: written-out bf16 attention (CPU autocast)
+against F.scaled_dot_product_attention in fp32, loom's Dropout against F.dropout's distribution, and the
+exact-GELU option against nn.GELU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loom.model.gpt import GPT, MLP, Dropout, GPTConfig, causal_attention
+
+
+def _qkv(B=2, H=4, T=48, D=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # (B, T, H, D) transposed to (B, H, T, D), as the model lays them out
+    return [torch.randn(B, T, H, D, generator=g).transpose(1, 2).requires_grad_() for _ in range(3)]
+
+
+def test_bf16_attention_matches_fp32_sdpa():
+    q, k, v = _qkv()
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = causal_attention(q, k, v, 0.0)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad), ref_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+    # causal: the first query sees only the first key
+    torch.testing.assert_close(out[:, :, 0].float(), v[:, :, 0].detach(), atol=2e-2, rtol=2e-2)
+
+
+def test_fp32_attention_is_sdpa_itself():
+    q, k, v = _qkv()
+    assert torch.equal(
+        causal_attention(q, k, v, 0.0), F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    )
+
+
+def test_bf16_attention_dropout_is_unbiased():
+    q, k, v = _qkv(B=1, H=2, T=16, D=8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        clean = causal_attention(q, k, v, 0.0).float()
+        torch.manual_seed(0)
+        mean = sum(causal_attention(q, k, v, 0.3).float() for _ in range(400)) / 400
+    assert (mean - clean).abs().mean() < 0.03
+
+
+def test_dropout_distribution_and_eval_mode():
+    drop = Dropout(0.25)
+    x = torch.ones(400, 500)
+    torch.manual_seed(0)
+    y = drop(x)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.75) < 0.005
+    assert torch.all(y[kept] == 1 / 0.75)
+    assert torch.equal(drop.eval()(x), x)
+    assert isinstance(drop, torch.nn.Dropout)  # module type and state_dict as torch's
+
+
+def test_dropout_is_reproducible_from_the_seed():
+    drop = Dropout(0.5)
+    torch.manual_seed(3)
+    a = drop(torch.ones(64, 64))
+    torch.manual_seed(3)
+    assert torch.equal(drop(torch.ones(64, 64)), a)
+
+
+@pytest.mark.parametrize(
+    "activation,module", [("gelu", torch.nn.GELU()), ("gelu_tanh", torch.nn.GELU("tanh"))]
+)
+def test_mlp_activation(activation, module):
+    cfg = GPTConfig(vocab_size=16, n_embd=8, activation=activation)
+    mlp = MLP(cfg)
+    x = torch.randn(3, 5, 8)
+    torch.testing.assert_close(mlp(x), mlp.down_proj(module(mlp.up_proj(x))))
+    # same parameter names whatever the activation (checkpoints, TP plans, HF export)
+    assert [n for n, _ in GPT(cfg).named_parameters()] == [
+        n for n, _ in GPT(GPTConfig(16, n_embd=8)).named_parameters()
+    ]
