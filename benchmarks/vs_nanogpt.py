@@ -23,6 +23,9 @@ own running time, so a machine that gets busier slows both alike, and neither co
             evaluation, checkpoint or pause (both print a line per step); also the median step.
   time to target: running time from process start (imports and data included) to the first evaluation at
             or below --target (the baby shape), and the val loss at the last step.
+  val loss: each tool's own at the last step, and both final models on the whole val split with one
+            evaluator. --loom-seeds 2,3 adds loom runs with other seeds (interleaved too) whose spread is the
+            seed-to-seed noise that a difference between the tools has to exceed to mean something.
 """
 
 from __future__ import annotations
@@ -212,19 +215,23 @@ def compare(shape: str, args, nanogpt: Path, work: Path) -> dict:
                  *spec["nanogpt"]]  # fmt: skip
     data = nanogpt / "data" / "shakespeare_char"
     loom_argv = [sys.executable, "-m", "loom", "train", str(ROOT / spec["loom_config"]), f"--data.path={data}",
-                 f"--run.dir={work}", f"--run.name=loom-{shape}", "--force", f"--train.steps={steps}",
+                 f"--run.dir={work}", "--force", f"--train.steps={steps}",
                  "--train.log_every=1", f"--train.eval_every={eval_every}", f"--train.ckpt_every={eval_every}",
                  f"--train.eval_batches={spec['loom_eval_batches']}", f"--optim.warmup_steps={warmup}",
                  "--train.sample_every=0", *args.loom_arg]  # fmt: skip
     nano_env = {"GLIBC_TUNABLES": GLIBC_REUSE} if args.nanogpt_malloc_reuse else {}
-    runners = [Runner("nanoGPT", nano_argv, nanogpt, NANO_STEP, NANO_EVAL, nano_env),
-               Runner("loom", loom_argv, ROOT, LOOM_STEP, LOOM_EVAL)]  # fmt: skip
+    runners = [Runner("nanoGPT", nano_argv, nanogpt, NANO_STEP, NANO_EVAL, nano_env)]
+    looms = {"loom": f"loom-{shape}"}  # runner name -> run name; the first is the one timed
+    looms.update({f"loom seed={sd}": f"loom-{shape}-seed{sd}" for sd in args.loom_seeds})
+    for i, (name, run) in enumerate(looms.items()):
+        seed = [f"--run.seed={args.loom_seeds[i - 1]}"] if i else []
+        runners.append(Runner(name, [*loom_argv, f"--run.name={run}", *seed], ROOT, LOOM_STEP, LOOM_EVAL))
     slice_s = args.slice or (3.0 if shape == "baby" else 40.0)
     print(f"[{shape}] {steps} steps each, interleaved in slices of {slice_s:.0f}s ...", flush=True)
     t0 = time.monotonic()
     interleave(runners, slice_s)
     out = {"shape": shape, "steps": steps, "tokens_per_step": spec["tokens_per_step"], "slice_s": slice_s,
-           "wall_s": time.monotonic() - t0, "loom_args": loom_argv[4:], "nanogpt_args": nano_argv[2:],
+           "wall_s": time.monotonic() - t0, "loom_args": runners[1].argv[4:], "nanogpt_args": nano_argv[2:],
            "nanogpt_env": nano_env}  # fmt: skip
     for r in runners:
         rec = throughput(r, spec["tokens_per_step"], eval_every)
@@ -243,7 +250,7 @@ def compare(shape: str, args, nanogpt: Path, work: Path) -> dict:
         out["tokens_per_s_ratio_median_step"] = lo["tokens_per_s_median_step"] / n["tokens_per_s_median_step"]
     if n.get("time_to_target_s") and lo.get("time_to_target_s"):
         out["time_to_target_ratio"] = n["time_to_target_s"] / lo["time_to_target_s"]
-    out["same_evaluator"] = same_evaluator(nanogpt, work, shape, steps, data)
+    out["same_evaluator"] = same_evaluator(nanogpt, work, shape, steps, data, looms)
     return out
 
 
@@ -258,7 +265,7 @@ class _NanoLoss(torch.nn.Module):
         return self.model(x.contiguous(), y.contiguous())[1]
 
 
-def same_evaluator(nanogpt: Path, work: Path, shape: str, steps: int, data: Path) -> dict:
+def same_evaluator(nanogpt: Path, work: Path, shape: str, steps: int, data: Path, looms: dict) -> dict:
     """Both final models on the whole val split, the same windows, fp32, loom's evaluator: each tool's own
     val loss uses its own sample of windows (nanoGPT: random batches; loom: a fixed set)."""
     from loom.data.loader import ValSet
@@ -275,21 +282,22 @@ def same_evaluator(nanogpt: Path, work: Path, shape: str, steps: int, data: Path
         return {"skipped": f"nanoGPT's checkpoint is from step {ck['iter_num']}, not {steps}"}
     nano = nanogpt_model.GPT(nanogpt_model.GPTConfig(**ck["model_args"]))
     nano.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ck["model"].items()})
-    run = work / f"loom-{shape}"
-    _, loom_model, _, _, path = load_run(run, cpu, run / "ckpt" / f"step_{steps:06d}")
     block = ck["model_args"]["block_size"]
     vs = ValSet(data, block, n_rows=10**9)  # every window of the val split
     out = {"windows": vs.total_rows, "tokens": vs.total_rows * block}
     with torch.no_grad():
         out["nanoGPT"] = val_loss(_NanoLoss(nano), vs, 64, cpu)
-        out["loom"] = val_loss(loom_model, vs, 64, cpu)
+        for name, run_name in looms.items():
+            run = work / run_name
+            _, loom_model, _, _, _ = load_run(run, cpu, run / "ckpt" / f"step_{steps:06d}")
+            out[name] = val_loss(loom_model, vs, 64, cpu)
     return out
 
 
 def report(res: dict) -> None:
     print(f"\n== {res['shape']}: {res['steps']} steps, {res['tokens_per_step']} tokens/step "
           f"(slices of {res['slice_s']:.0f}s, {res['wall_s']:.0f}s wall)")  # fmt: skip
-    for name in ("nanoGPT", "loom"):
+    for name in [k for k in res if k == "nanoGPT" or k.startswith("loom")]:
         r = res[name]
         line = (f"  {name:8s} {r.get('tokens_per_s', 0):9,.0f} tok/s  ({r.get('ms_per_step', 0):7.1f} ms/step mean, "
                 f"{r.get('ms_per_step_median', 0):7.1f} median, {r['steps_timed']} steps)  final val loss "
@@ -305,8 +313,14 @@ def report(res: dict) -> None:
               f"(median step: {res['tokens_per_s_ratio_median_step']:.2f}x)")  # fmt: skip
     same = res.get("same_evaluator", {})
     if "loom" in same:
-        print(f"  final val loss, both on the whole val split ({same['windows']} windows, fp32, one evaluator): "
-              f"nanoGPT {same['nanoGPT']:.4f}, loom {same['loom']:.4f}")  # fmt: skip
+        print(
+            f"  final val loss, each on the whole val split ({same['windows']} windows, fp32, one evaluator): "
+            + ", ".join(f"{k} {v:.4f}" for k, v in same.items() if k == "nanoGPT" or k.startswith("loom"))
+        )
+        seeds = [v for k, v in same.items() if k.startswith("loom")]
+        if len(seeds) > 1:
+            print(f"  loom seed-to-seed spread (max - min over {len(seeds)} seeds): {max(seeds) - min(seeds):.4f}; "
+                  f"loom mean - nanoGPT: {statistics.mean(seeds) - same['nanoGPT']:+.4f}")  # fmt: skip
     if "time_to_target_ratio" in res:
         print(
             f"  time to val <= {res['loom']['target']}: nanoGPT / loom = {res['time_to_target_ratio']:.2f}x"
@@ -328,6 +342,8 @@ def main() -> None:
     p.add_argument("--nanogpt-malloc-reuse", action="store_true",
                    help="start nanoGPT with the allocator setting loom applies to itself on Linux CPUs "
                    f"(GLIBC_TUNABLES={GLIBC_REUSE}), to compare the code alone")  # fmt: skip
+    p.add_argument("--loom-seeds", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                   help="extra loom runs with these run.seed values (comma list), for the val loss noise")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
     nanogpt = args.nanogpt.resolve()
