@@ -232,7 +232,7 @@ def compare(shape: str, args, nanogpt: Path, work: Path) -> dict:
     interleave(runners, slice_s)
     out = {"shape": shape, "steps": steps, "tokens_per_step": spec["tokens_per_step"], "slice_s": slice_s,
            "wall_s": time.monotonic() - t0, "loom_args": runners[1].argv[4:], "nanogpt_args": nano_argv[2:],
-           "nanogpt_env": nano_env}  # fmt: skip
+           "nanogpt_env": nano_env, "runners": [r.name for r in runners]}  # fmt: skip
     for r in runners:
         rec = throughput(r, spec["tokens_per_step"], eval_every)
         final = [v for s, v, _ in r.evals if s == steps]
@@ -297,7 +297,7 @@ def same_evaluator(nanogpt: Path, work: Path, shape: str, steps: int, data: Path
 def report(res: dict) -> None:
     print(f"\n== {res['shape']}: {res['steps']} steps, {res['tokens_per_step']} tokens/step "
           f"(slices of {res['slice_s']:.0f}s, {res['wall_s']:.0f}s wall)")  # fmt: skip
-    for name in [k for k in res if k == "nanoGPT" or k.startswith("loom")]:
+    for name in res["runners"]:
         r = res[name]
         line = (f"  {name:8s} {r.get('tokens_per_s', 0):9,.0f} tok/s  ({r.get('ms_per_step', 0):7.1f} ms/step mean, "
                 f"{r.get('ms_per_step_median', 0):7.1f} median, {r['steps_timed']} steps)  final val loss "

@@ -49,3 +49,20 @@ def test_throughput_leaves_out_evals_pauses_and_warmup(vs):
     # and 14->15 (a pause)
     assert out["steps_timed"] == 17 - 4
     assert out["tokens_per_s"] == pytest.approx(1000.0)
+
+
+def test_report_names_every_run_and_the_seed_spread(vs, capsys):
+    def rec(tps, val, t):
+        return {"steps_timed": 90, "tokens_per_s": tps, "tokens_per_s_median_step": tps, "ms_per_step": 1.0,
+                "ms_per_step_median": 1.0, "final_val_loss": val, "target": 2.0, "time_to_target_s": t,
+                "step_at_target": 1500}  # fmt: skip
+
+    res = {"shape": "baby", "steps": 2000, "tokens_per_step": 768, "slice_s": 3.0, "wall_s": 200.0,
+           "loom_args": ["--x"], "runners": ["nanoGPT", "loom", "loom seed=2"],
+           "nanoGPT": rec(1000.0, 1.90, 80.0), "loom": rec(1500.0, 1.91, 50.0), "loom seed=2": rec(1490.0, 1.89, 51.0),
+           "tokens_per_s_ratio": 1.5, "tokens_per_s_ratio_median_step": 1.5, "time_to_target_ratio": 1.6,
+           "same_evaluator": {"windows": 10, "tokens": 640, "nanoGPT": 1.90, "loom": 1.92, "loom seed=2": 1.88}}  # fmt: skip
+    vs.report(res)
+    out = capsys.readouterr().out
+    assert "loom seed=2" in out and "1.50x" in out and "1.60x" in out
+    assert "spread (max - min over 2 seeds): 0.0400" in out and "loom mean - nanoGPT: +0.0000" in out
