@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proctree import descendants, rank_of
 
 from loom.env import free_port
 from loom.metrics import read_jsonl
@@ -85,31 +86,6 @@ def test_resume_dp2_to_dp1_continues_the_curve(tmp_path, char_data):
         assert abs(rec["loss"] - straight[rec["step"]]) < 1e-5
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.append(int(d.name))
-                out += _children(int(d.name))
-    return out
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for kv in env:
-        if kv.startswith(b"RANK="):
-            return int(kv[5:])
-    return None
-
-
 def test_killed_rank_ends_job_and_names_it(tmp_path, char_data):
     args = [f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=kill", *TINY, "--train.steps=100000",
             "--parallel.timeout_s=30"]  # fmt: skip
@@ -119,7 +95,7 @@ def test_killed_rank_ends_job_and_names_it(tmp_path, char_data):
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and metrics.stat().st_size > 200):
         time.sleep(0.2)
-    victims = [c for c in _children(p.pid) if _rank_of(c) == 1]
+    victims = [c for c in descendants(p.pid) if rank_of(c) == 1]
     assert victims, "rank 1 not found"
     os.kill(victims[0], signal.SIGKILL)
     t0 = time.time()
@@ -128,4 +104,4 @@ def test_killed_rank_ends_job_and_names_it(tmp_path, char_data):
     assert p.returncode != 0
     assert elapsed < 60
     assert "rank 1" in err and "SIGKILL" in err
-    assert not [c for c in _children(p.pid)]  # nothing left behind
+    assert not [c for c in descendants(p.pid)]  # nothing left behind

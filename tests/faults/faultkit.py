@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+from proctree import alive, descendants, rank_of  # noqa: F401 (re-exported for the fault tests)
 
 from loom.cli import main
 from loom.metrics import read_jsonl
@@ -82,44 +83,6 @@ class Proc:
         deadline = time.monotonic() + 10  # orphaned workers are reaped by init a moment later
         while alive(tree) and time.monotonic() < deadline:
             time.sleep(0.01)
-
-
-def descendants(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.append(int(d.name))
-                out += descendants(int(d.name))
-    return out
-
-
-def rank_of(pid: int) -> int | None:
-    try:
-        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for kv in env:
-        if kv.startswith(b"RANK="):
-            return int(kv[5:])
-    return None
-
-
-def alive(pids: list[int]) -> list[int]:
-    """The pids that still exist and are not zombies."""
-    out = []
-    for pid in pids:
-        try:
-            state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.append(pid)
-    return out
 
 
 def records(run: Path) -> list[dict]:
