@@ -57,6 +57,7 @@ def test_dropout_distribution_and_eval_mode():
     assert abs(kept.float().mean().item() - 0.75) < 0.005
     assert torch.all(y[kept] == 1 / 0.75)
     assert torch.equal(drop.eval()(x), x)
+    assert torch.equal(Dropout(1.0)(x), torch.zeros_like(x))  # as nn.Dropout(p=1)
     assert isinstance(drop, torch.nn.Dropout)  # module type and state_dict as torch's
 
 

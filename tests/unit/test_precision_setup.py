@@ -27,6 +27,8 @@ def test_auto_on_cuda(monkeypatch, bf16, want):
     # the GPU's answer is stubbed so this runs without one: Ampere and later -> bf16, older -> fp16 + scaling
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
     assert resolve_precision("auto", torch.device("cuda")) == want
+    # pipeline parallel cannot scale the loss (config refuses an explicit fp16 with pp > 1): fp32 then
+    assert resolve_precision("auto", torch.device("cuda"), loss_scaling=False) == ("bf16" if bf16 else "fp32")
 
 
 def test_cpu_memory_reuse_is_a_context():

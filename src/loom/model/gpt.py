@@ -60,6 +60,8 @@ def keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
     For CPUs, where torch's generator is serial and F.dropout's bernoulli_ costs 10-20 ns a value: uniform
     16-bit draws, four cut from each random 64-bit integer (~2 ns a value), compared with p rounded to a
     multiple of 2^-16 (0.2 -> 0.199997); the scale uses the rounded p, so the expectation is x exactly."""
+    if p >= 1:  # nn.Dropout(p=1) drops everything
+        return torch.zeros_like(x)
     n = x.numel()
     r = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64, device=x.device)
     threshold = round(p * 65536) - 32768  # P(int16 draw < threshold) = round(p * 65536) / 65536

@@ -52,13 +52,14 @@ def native_bf16_cpu() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_precision(dtype: str, device: torch.device) -> str:
+def resolve_precision(dtype: str, device: torch.device, loss_scaling: bool = True) -> str:
     """precision.dtype, with auto resolved for this device: bf16 on GPUs that have it (fp16 with loss scaling on
-    older ones, as nanoGPT chooses), bf16 on CPUs with bf16 units, fp32 elsewhere (emulated bf16 is slower)."""
+    older ones, as nanoGPT chooses, unless the layout cannot scale the loss: pipeline parallel), bf16 on CPUs
+    with bf16 units, fp32 elsewhere (emulated bf16 is slower)."""
     if dtype != "auto":
         return dtype
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if torch.cuda.is_bf16_supported() else ("fp16" if loss_scaling else "fp32")
     return "bf16" if device.type == "cpu" and native_bf16_cpu() else "fp32"
 
 

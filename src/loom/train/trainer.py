@@ -81,7 +81,9 @@ class Trainer:
         if t.compile:
             self.model = torch.compile(self.model)
         self.optimizer = self.dp.build_optimizer(self.raw_model, cfg.optim, device)
-        dtype = self.precision = resolve_precision(cfg.precision.dtype, device)
+        dtype = self.precision = resolve_precision(
+            cfg.precision.dtype, device, loss_scaling=cfg.parallel.pp == 1
+        )
         if cfg.precision.dtype == "auto":
             log.info(f"precision.dtype=auto: {dtype} on {device}")
         self.autocast_dtype = AUTOCAST.get(dtype)
