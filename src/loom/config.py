@@ -329,6 +329,20 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
+def _toml_string(s: str) -> str:
+    """A TOML basic string: quote and backslash escaped, and the control characters TOML forbids raw
+    (U+0000-U+001F but tab, U+007F) as \\uXXXX, so a name with a newline still reads back."""
+    out = []
+    for c in s:
+        if c in '"\\':
+            out.append("\\" + c)
+        elif (ord(c) < 0x20 and c != "\t") or c == "\x7f":
+            out.append(f"\\u{ord(c):04x}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
 def to_toml(cfg: Config) -> str:
     """Write the resolved config as TOML (flat sections of scalars, so a tiny writer suffices)."""
     lines = []
@@ -340,7 +354,7 @@ def to_toml(cfg: Config) -> str:
             elif isinstance(v, (int, float)):
                 text = repr(v)
             else:
-                text = '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+                text = _toml_string(str(v))
             lines.append(f"{k} = {text}")
         lines.append("")
     return "\n".join(lines)

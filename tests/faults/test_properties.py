@@ -1,11 +1,14 @@
 """Property tests (hypothesis) of everything that parses user bytes: the config file, config overrides,
 config tables, the shard readers of every token format, meta.json / meta.pkl and checkpoint manifests.
 The property: each input either parses or raises LoomError (a message for the user), never another
-exception."""
+exception. For config tables also the converse, against values generated within each rule of validate():
+a valid table is accepted as given, and every accepted config survives config -> TOML -> config."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import tempfile
 from pathlib import Path
 
@@ -14,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loom import checkpoint
-from loom.config import Config, apply_dict, load_config, validate
+from loom.config import CHOICES, Config, all_keys, apply_dict, load_config, to_toml, validate
 from loom.data import formats, megatron, shards
 from loom.data.safe_pickle import load_restricted
 from loom.errors import LoomError
@@ -38,11 +41,13 @@ def parses_or_loom_error(fn, *args):
         return None
 
 
-def _file(data: bytes, name: str) -> Path:
-    d = Path(tempfile.mkdtemp(prefix="loomprop"))
-    p = d / name
-    p.write_bytes(data)
-    return p
+@contextlib.contextmanager
+def _file(data: bytes, name: str):
+    """data written to a file called name, in a temporary folder removed after the example."""
+    with tempfile.TemporaryDirectory(prefix="loomprop") as d:
+        p = Path(d) / name
+        p.write_bytes(data)
+        yield p
 
 
 def _config_and_validate(path):
@@ -86,16 +91,100 @@ TOML_ISH = st.lists(
 @SETTINGS
 @given(st.one_of(st.binary(max_size=300), TOML_ISH.map(str.encode)))
 def test_config_file_bytes(data):
-    parses_or_loom_error(_config_and_validate, _file(data, "c.toml"))
+    with _file(data, "c.toml") as p:
+        parses_or_loom_error(_config_and_validate, p)
 
 
 @SETTINGS
 @given(st.dictionaries(st.sampled_from(KEYS), VALUES, max_size=4))
 def test_config_tables(table):
     cfg = Config()
-    if parses_or_loom_error(apply_dict, cfg, table) is None and table:
+    try:
+        apply_dict(cfg, table)
+    except LoomError as e:  # rejected: with a message, and only then is validate() not reached
+        assert str(e).strip()
         return
     parses_or_loom_error(validate, cfg)
+
+
+def _flat(cfg: Config) -> dict[str, object]:
+    """section.key -> value, with NaN made comparable (NaN != NaN)."""
+    return {f"{s}.{k}": ("nan" if isinstance(v, float) and math.isnan(v) else v)
+            for s, kv in cfg.to_dict().items() for k, v in kv.items()}  # fmt: skip
+
+
+def _nest(flat: dict[str, object]) -> dict[str, dict[str, object]]:
+    out: dict[str, dict[str, object]] = {}
+    for key, v in flat.items():
+        s, k = key.split(".", 1)
+        out.setdefault(s, {})[k] = v
+    return out
+
+
+def _assert_round_trips(cfg: Config) -> None:
+    with _file(to_toml(cfg).encode(), "config.toml") as p:  # as a run's config.toml is written and read
+        assert _flat(load_config(p)) == _flat(cfg)
+
+
+# Any value of the right type for any real key: what apply_dict accepts must round-trip through TOML.
+_DEFAULTS = _flat(Config())
+TYPED = {bool: st.booleans(), int: st.integers(-(2**63), 2**63 - 1), str: st.text(max_size=12),
+         float: st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(2**53), 2**53)}  # fmt: skip
+
+
+@SETTINGS
+@given(st.lists(st.sampled_from(all_keys()), unique=True, max_size=6), st.data())
+def test_accepted_tables_round_trip(keys, data):
+    flat = {k: data.draw(TYPED[type(_DEFAULTS[k])], label=k) for k in keys}
+    cfg = Config()
+    try:
+        apply_dict(cfg, _nest(flat))
+    except LoomError as e:  # only a value outside a key's choices may be refused here
+        assert "must be one of" in str(e)
+        return
+    _assert_round_trips(cfg)
+
+
+@st.composite
+def valid_tables(draw) -> dict[str, object]:
+    """A config table that satisfies every rule of validate() at dp_size=1, one key at a time."""
+    t: dict[str, object] = {}
+    for (s, k), options in CHOICES.items():
+        if s != "parallel" and draw(st.booleans()):
+            t[f"{s}.{k}"] = draw(st.sampled_from(options))
+    n_head = draw(st.integers(1, 8))
+    micro = draw(st.integers(1, 8))
+    lr = draw(st.floats(1e-6, 10.0))
+    t |= {
+        "run.name": draw(st.text(max_size=12)), "run.dir": draw(st.text(min_size=1, max_size=12)),
+        "run.seed": draw(st.integers(0, 2**32)), "model.n_head": n_head,
+        "model.n_embd": n_head * draw(st.integers(1, 16)), "model.n_layer": draw(st.integers(1, 12)),
+        "model.block_size": draw(st.integers(1, 1024)), "model.dropout": draw(st.floats(0.0, 0.99)),
+        "model.bias": draw(st.booleans()), "model.vocab_size": draw(st.integers(0, 70000)),
+        "train.steps": draw(st.integers(1, 10**6)), "train.micro_batch_size": micro,
+        "train.batch_size": micro * draw(st.integers(1, 8)), "train.eval_every": draw(st.integers(0, 1000)),
+        "train.log_every": draw(st.integers(0, 1000)), "train.keep_last": draw(st.integers(1, 10)),
+        "train.spike_window": draw(st.integers(2, 1000)), "train.spike_zscore": draw(st.floats(0.0, 100.0)),
+        "optim.lr": lr, "optim.min_lr": draw(st.floats(0.0, lr)), "optim.warmup_steps": draw(st.integers(0, 10**4)),
+        "optim.beta1": draw(st.floats(0.0, 0.999)), "optim.beta2": draw(st.floats(0.0, 0.9999)),
+        "optim.weight_decay": draw(st.floats(0.0, 1.0)), "optim.grad_clip": draw(st.floats(0.0, 10.0)),
+        "precision.init_scale": draw(st.floats(1.0, 2.0**24)), "parallel.timeout_s": draw(st.floats(1.0, 1e5)),
+    }  # fmt: skip
+    return dict(draw(st.permutations(sorted(t.items()))))  # any order of keys
+
+
+@SETTINGS
+@given(valid_tables())
+def test_valid_tables_are_accepted_and_round_trip(flat):
+    cfg = Config()
+    apply_dict(cfg, _nest(flat))  # no LoomError: every value is within its rule
+    got = _flat(cfg)
+    assert {k: got[k] for k in flat} == {k: (float(v) if isinstance(_DEFAULTS[k], float) else v)
+                                         for k, v in flat.items()}  # fmt: skip
+    derived = validate(cfg)
+    assert derived.micro_batch_size == flat["train.micro_batch_size"]
+    assert derived.grad_accum == flat["train.batch_size"] // flat["train.micro_batch_size"]
+    _assert_round_trips(cfg)
 
 
 @SETTINGS
@@ -129,17 +218,18 @@ def _read_all(arr):
 @SETTINGS
 @given(SHARD_BYTES)
 def test_llmc_shard_bytes(data):
-    p = _file(data, "train_000000.bin")
-    parses_or_loom_error(lambda: _read_all(shards.read_shard(p)))
-    parses_or_loom_error(lambda: _read_all(formats.FORMATS["llmc"].open(p)))
+    with _file(data, "train_000000.bin") as p:
+        parses_or_loom_error(lambda: _read_all(shards.read_shard(p)))
+        parses_or_loom_error(lambda: _read_all(formats.FORMATS["llmc"].open(p)))
 
 
 @SETTINGS
 @given(st.binary(max_size=600))
 def test_nanogpt_and_npy_bytes(data):
-    parses_or_loom_error(lambda: _read_all(formats.FORMATS["nanogpt"].open(_file(data, "train.bin"))))
-    npy = st_npy_prefix(data)
-    parses_or_loom_error(lambda: _read_all(formats.FORMATS["npy"].open(_file(npy, "x_train_000000.npy"))))
+    with _file(data, "train.bin") as p:
+        parses_or_loom_error(lambda: _read_all(formats.FORMATS["nanogpt"].open(p)))
+    with _file(st_npy_prefix(data), "x_train_000000.npy") as p:
+        parses_or_loom_error(lambda: _read_all(formats.FORMATS["npy"].open(p)))
 
 
 def st_npy_prefix(data: bytes) -> bytes:
@@ -152,18 +242,19 @@ def st_npy_prefix(data: bytes) -> bytes:
 @SETTINGS
 @given(st.binary(max_size=400), st.binary(max_size=400))
 def test_megatron_bytes(idx, body):
-    p = _file(body, "train_000000.bin")
-    (p.parent / "train_000000.idx").write_bytes(megatron.MAGIC + idx if idx[:1] == b"\x01" else idx)
-    parses_or_loom_error(lambda: _read_all(formats.FORMATS["megatron"].open(p)))
+    with _file(body, "train_000000.bin") as p:
+        (p.parent / "train_000000.idx").write_bytes(megatron.MAGIC + idx if idx[:1] == b"\x01" else idx)
+        parses_or_loom_error(lambda: _read_all(formats.FORMATS["megatron"].open(p)))
 
 
 @SETTINGS
 @given(st.binary(max_size=300))
 def test_meta_and_pickle_bytes(data):
-    d = _file(data, "meta.json").parent
-    (d / "train_000000.bin").write_bytes(_header(ntok=2) + b"\x01\x00\x02\x00")
-    (d / "val_000000.bin").write_bytes(_header(ntok=2) + b"\x01\x00\x02\x00")
-    parses_or_loom_error(formats.check_dir, d)
+    with _file(data, "meta.json") as p:
+        d = p.parent
+        (d / "train_000000.bin").write_bytes(_header(ntok=2) + b"\x01\x00\x02\x00")
+        (d / "val_000000.bin").write_bytes(_header(ntok=2) + b"\x01\x00\x02\x00")
+        parses_or_loom_error(formats.check_dir, d)
     parses_or_loom_error(load_restricted, data)
     parses_or_loom_error(load_restricted, b"\x80\x04" + data)
 
@@ -171,11 +262,12 @@ def test_meta_and_pickle_bytes(data):
 @SETTINGS
 @given(st.one_of(st.binary(max_size=200), VALUES.map(lambda v: json.dumps({"files": v}).encode())))
 def test_checkpoint_manifest_bytes(data):
-    d = _file(data, "manifest.json").parent / "step_000001"
-    d.mkdir()
-    (d / "manifest.json").write_bytes(data)
-    parses_or_loom_error(checkpoint.verify, d)
-    parses_or_loom_error(checkpoint.latest_valid, d.parent)
+    with _file(data, "manifest.json") as p:
+        d = p.parent / "step_000001"
+        d.mkdir()
+        (d / "manifest.json").write_bytes(data)
+        parses_or_loom_error(checkpoint.verify, d)
+        parses_or_loom_error(checkpoint.latest_valid, d.parent)
 
 
 @SETTINGS
@@ -184,7 +276,7 @@ def test_meta_tokenizer_entry(tok):
     """meta.json parses, but its tokenizer entry is anything: loading the tokenizer must say so."""
     from loom.data.tokenizers import load_tokenizer
 
-    d = _file(json.dumps({"vocab_size": 50, "tokenizer": tok}).encode(), "meta.json").parent
-    meta = formats.read_meta(d)
-    if meta.get("tokenizer"):
-        parses_or_loom_error(load_tokenizer, d, meta)
+    with _file(json.dumps({"vocab_size": 50, "tokenizer": tok}).encode(), "meta.json") as p:
+        meta = formats.read_meta(p.parent)
+        if meta.get("tokenizer"):
+            parses_or_loom_error(load_tokenizer, p.parent, meta)

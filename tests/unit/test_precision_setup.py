@@ -1,14 +1,18 @@
 """precision.dtype=auto and the CPU allocator setting (loom.train.setup) against what they promise:
-auto follows the device's bf16 support; cpu_memory_reuse applies glibc's options inside and restores them."""
+auto follows the device's bf16 support (fixed answers for stubbed /proc/cpuinfo flags and GPU capabilities);
+cpu_memory_reuse applies glibc's options inside and restores them: the mallopt calls against <malloc.h>'s
+constants and glibc's documented defaults, and the effect on malloc itself read back with mallinfo2."""
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import sys
 
 import pytest
 import torch
 
+from loom.train import setup
 from loom.train.setup import cpu_memory_reuse, native_bf16_cpu, resolve_precision
 
 
@@ -17,9 +21,43 @@ def test_explicit_dtypes_pass_through():
         assert resolve_precision(d, torch.device("cpu")) == d
 
 
-def test_auto_on_cpu_follows_bf16_units():
-    assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if native_bf16_cpu() else "fp32")
+class _CpuInfo:
+    def __init__(self, text: str):
+        self.text = text
+
+    def __call__(self, path):
+        assert str(path) == "/proc/cpuinfo"
+        return self
+
+    def read_text(self, **_):
+        return self.text
+
+
+@pytest.mark.parametrize(
+    "flags,bf16_units,want",
+    [
+        ("fpu sse2 avx2 avx512f avx512bw", False, "fp32"),  # AVX-512 without its BF16 extension
+        ("fpu sse2 avx2 avx512f avx512_bf16", True, "bf16"),  # Cooper Lake, Zen 4
+        ("fpu sse2 avx2 amx_bf16 amx_tile", True, "bf16"),  # Sapphire Rapids
+        ("fpu asimd bf16", False, "fp32"),  # an Arm flag of that name is not one of the x86 units
+        ("", False, "fp32"),
+    ],
+)
+def test_auto_on_cpu_follows_bf16_units(monkeypatch, flags, bf16_units, want):
+    monkeypatch.setattr(setup, "Path", _CpuInfo(f"processor\t: 0\nflags\t\t: {flags}\n"))
+    assert native_bf16_cpu() is bf16_units
+    assert resolve_precision("auto", torch.device("cpu")) == want
     assert resolve_precision("auto", torch.device("meta")) == "fp32"
+
+
+def test_auto_on_cpu_without_cpuinfo(monkeypatch):
+    class Missing(_CpuInfo):
+        def read_text(self, **_):
+            raise FileNotFoundError("/proc/cpuinfo")
+
+    monkeypatch.setattr(setup, "Path", Missing(""))
+    assert native_bf16_cpu() is False
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
 
 
 @pytest.mark.parametrize("bf16,want", [(True, "bf16"), (False, "fp16")])
@@ -31,11 +69,78 @@ def test_auto_on_cuda(monkeypatch, bf16, want):
     assert resolve_precision("auto", torch.device("cuda"), loss_scaling=False) == ("bf16" if bf16 else "fp32")
 
 
-def test_cpu_memory_reuse_is_a_context():
-    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
+GLIBC_DEFAULTS = [(M_MMAP_MAX, 65536), (M_TRIM_THRESHOLD, 128 * 1024)]  # mallopt(3): DEFAULT_MMAP_MAX etc.
+
+
+class _FakeLibc:
+    def __init__(self):
+        self.calls: list[tuple[int, int]] = []
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return 1
+
+
+@pytest.fixture
+def fake_glibc(monkeypatch):
+    libc, opened = _FakeLibc(), []
+    monkeypatch.setattr(setup.sys, "platform", "linux")
+    monkeypatch.setattr(setup.platform, "libc_ver", lambda *a, **k: ("glibc", "2.36"))
+    monkeypatch.setattr(setup.ctypes, "CDLL", lambda name: opened.append(name) or libc)
+    return libc, opened
+
+
+def test_cpu_memory_reuse_sets_and_restores_mallopt(fake_glibc):
+    libc, opened = fake_glibc
     with cpu_memory_reuse(True) as applied:
-        assert applied == glibc
-        x = torch.ones(8 << 20)  # 32 MB: served from the heap while inside
-        assert float(x.sum()) == 8 << 20
+        assert applied is True and opened == ["libc.so.6"]
+        assert libc.calls == [(M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30)]
+    assert libc.calls[2:] == GLIBC_DEFAULTS
+    libc.calls.clear()
+    with pytest.raises(RuntimeError), cpu_memory_reuse(True):
+        raise RuntimeError("a failed step")  # restored on the way out of an error too
+    assert libc.calls[2:] == GLIBC_DEFAULTS
+
+
+def test_cpu_memory_reuse_disabled_or_without_glibc(fake_glibc, monkeypatch):
+    libc, opened = fake_glibc
     with cpu_memory_reuse(False) as applied:
         assert applied is False
+    monkeypatch.setattr(setup.platform, "libc_ver", lambda *a, **k: ("", ""))  # musl
+    with cpu_memory_reuse(True) as applied:
+        assert applied is False
+    assert opened == [] and libc.calls == []
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]  # fmt: skip
+
+
+@pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"), reason="glibc's malloc only"
+)
+def test_cpu_memory_reuse_changes_what_malloc_does():
+    """The real allocator: a block far above the mmap threshold is mmapped outside, taken from the heap inside."""
+    libc = ctypes.CDLL("libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("mallinfo2 needs glibc >= 2.33")
+    libc.mallinfo2.restype = _MallInfo2
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def mmapped(size: int) -> bool:
+        before = libc.mallinfo2().hblks
+        ptr = libc.malloc(size)  # never touched: address space only
+        assert ptr
+        during = libc.mallinfo2().hblks
+        libc.free(ptr)
+        return during == before + 1
+
+    big = 256 << 20  # above glibc's largest dynamic mmap threshold (32 MiB), larger than any free heap
+    assert mmapped(big)
+    with cpu_memory_reuse(True) as applied:
+        assert applied is True
+        assert not mmapped(64 << 20)
+    assert mmapped(big)  # mmap is back after the context
