@@ -1,9 +1,14 @@
 """`loom verify`: the proof that N processes with the same global batch learn the same curve as one.
 
-The same small model is trained on the same data by one process (the reference) and by every requested
+The same model is trained on the same data by one process (the reference) and by every requested
 strategy; the loss curves and final parameters are compared. The reference runs with micro-batch
 batch_size / 4 (4 accumulation steps) and the strategies with the same micro-batch, so dp=2 runs 2
 accumulation steps and dp=4 one: a pass also shows gradient-accumulation invariance.
+
+The model is a small built-in one (grown to as many layers as the requested pipeline stages need), or the
+user's: `loom verify CONFIG --section.key=value ...` reads the config as `loom train` does and keeps its
+model, data, optimizer and batch, with verify's own needs on top (fp32 unless a dtype other than auto is
+asked for, dropout 0, its step count, a record every step, no eval or samples, one final checkpoint).
 
 A strategy is one entry in STRATEGIES: a name, how it picks its world size, and the command that runs it.
 """
@@ -22,6 +27,16 @@ from pathlib import Path
 import torch
 
 from loom import log
+from loom.config import (
+    SCHEDULE_STAGES_PER_RANK,
+    Config,
+    ParallelConfig,
+    load_config,
+    mesh_degrees,
+    parse_overrides,
+    set_key,
+    validate,
+)
 from loom.errors import LoomError
 from loom.metrics import read_jsonl
 
@@ -92,14 +107,96 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
-def common_args(data: Path, out: Path, steps: int) -> list[str]:
-    return [
-        f"--data.path={data}", f"--run.dir={out}", "--model.n_layer=4", "--model.n_head=4", "--model.n_embd=64",
-        "--model.block_size=32", "--model.dropout=0.0", "--train.batch_size=16", "--train.micro_batch_size=4",
-        f"--train.steps={steps}", "--train.log_every=1", "--train.eval_every=0", "--train.sample_every=0",
-        "--train.ckpt_every=0", "--optim.warmup_steps=5", "--optim.lr=1e-3", "--precision.dtype=fp32",
-        "--train.device=cpu", "--force",
-    ]  # fmt: skip
+# The built-in verify model: small enough for a few CPU processes, 4 micro-batches of 4 per step.
+VERIFY_MODEL = ["--model.n_layer=4", "--model.n_head=4", "--model.n_embd=64", "--model.block_size=32",
+                "--train.batch_size=16", "--optim.warmup_steps=5", "--optim.lr=1e-3"]  # fmt: skip
+
+
+def micro_batch(batch_size: int) -> int:
+    """The reference's micro-batch: batch / 4 (4 accumulation steps), or the largest divisor below that."""
+    return max(d for d in range(1, max(1, batch_size // 4) + 1) if batch_size % d == 0)
+
+
+def _schedule_stages(s: Strategy, n: int) -> int:
+    """Pipeline stages strategy s cuts the model into at world size n."""
+    _, _, pp = s.degrees(n)
+    sched = next((f.split("=", 1)[1] for f in s.argv(n, []) if f.startswith("--parallel.pp_schedule=")),
+                 ParallelConfig().pp_schedule)  # fmt: skip
+    return pp * (SCHEDULE_STAGES_PER_RANK[sched] if pp > 1 else 1)
+
+
+def run_config(config: str | None, overrides: list[str], steps: int) -> tuple[Config, list[str]]:
+    """The config every run shares (parallel layout left to the strategies) and what verify changed in it.
+
+    Without CONFIG the overrides apply to the built-in verify model; with one, defaults -> file -> overrides,
+    exactly as `loom train` reads them."""
+    user = load_config(config, overrides) if config else load_config(None, VERIFY_MODEL + overrides)
+    notes = []
+    if user.model.dropout:
+        notes.append(f"model.dropout {user.model.dropout} -> 0 (dropout masks differ between layouts)")
+    if user.precision.dtype == "auto":
+        notes.append("precision.dtype auto -> fp32 (exact comparison; ask for bf16/fp16 with --precision.dtype "
+                     "and widen --tol-loss)")  # fmt: skip
+    elif user.precision.dtype != "fp32":
+        notes.append(f"precision.dtype={user.precision.dtype} as asked: expect differences above fp32's")
+    if user.train.device == "auto":
+        notes.append("train.device auto -> cpu (gloo; --train.device=cuda to verify on GPUs)")
+    own = {"model.dropout": 0.0, "precision.dtype": "fp32" if user.precision.dtype == "auto" else None,
+           "train.device": "cpu" if user.train.device == "auto" else None, "train.steps": steps,
+           "train.micro_batch_size": micro_batch(user.train.batch_size), "train.log_every": 1,
+           "train.eval_every": 0, "train.sample_every": 0, "train.ckpt_every": 0, "train.resume": "no",
+           "train.eval_batches": 1, "train.sample_tokens": 1,  # the end of a run always evaluates and samples
+           "run.name": "", "metrics.tensorboard": False, "metrics.wandb": False}  # fmt: skip
+    for key, value in own.items():
+        if value is not None:
+            set_key(user, key, value)
+    user.parallel = ParallelConfig(timeout_s=user.parallel.timeout_s)  # the strategies set the layout
+    return user, notes
+
+
+def config_args(cfg: Config) -> list[str]:
+    """cfg as `--section.key=value` overrides of the defaults (the parallel section is the strategies')."""
+    out, default = [], Config().to_dict()
+    for section, values in cfg.to_dict().items():
+        for k, v in values.items():
+            if v != default[section][k] and not (section == "parallel" and k != "timeout_s"):
+                out.append(f"--{section}.{k}=" + (str(v).lower() if isinstance(v, bool) else str(v)))
+    return out
+
+
+def common_args(data: Path, out: Path, steps: int, cfg: Config | None = None) -> list[str]:
+    cfg = cfg or run_config(None, [], steps)[0]
+    return [*config_args(cfg), f"--data.path={data}", f"--run.dir={out}", "--force"]
+
+
+def _prepare_hint(config: str | None, path: str) -> str:
+    """The `loom data prepare` command a config's comments give for its data, else a generic one."""
+    lines = Path(config).read_text(encoding="utf-8").splitlines() if config else []
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("#") and "loom data prepare" in line:
+            cmd = [line.lstrip("# ").split("loom data prepare", 1)[1]]
+            while (
+                cmd[-1].rstrip().endswith("\\")
+                and i + 1 < len(lines)
+                and lines[i + 1].lstrip().startswith("#")
+            ):
+                i += 1
+                cmd[-1] = cmd[-1].rstrip()[:-1].rstrip()
+                cmd.append(lines[i].lstrip("# ").strip())
+            return f"prepare it as {config} says: loom data prepare" + " ".join(cmd) + " (or give --data DIR)"
+    return f"prepare it with `loom data prepare --input YOUR_TEXT --out {path}`, or give --data DIR"
+
+
+def check_data(path: str, config: str | None) -> Path:
+    """The data directory every run reads, checked here so that a missing one is one error, before any run."""
+    from loom.data.formats import check_dir
+
+    try:
+        check_dir(path)
+    except LoomError as e:
+        where = f" (the data.path of {config})" if config else ""
+        raise LoomError(e.message + where, hint=_prepare_hint(config, path)) from None
+    return Path(path)
 
 
 def prepare_data(out: Path) -> Path:
@@ -171,57 +268,88 @@ def plot(out_png: Path, runs: dict[str, Path]) -> None:
     plt.close(fig)
 
 
-def _world(s: Strategy, nproc: int | None) -> int:
-    """The world size strategy s runs at, after the checks the verify model (4 layers, 4 heads) imposes."""
+def _world(s: Strategy, nproc: int | None, cfg: Config | None = None) -> int:
+    """The world size strategy s runs at, after every rule of the layout for the model cfg (the run's model,
+    batch and micro-batch; default the built-in verify model) checked by config's own validators."""
+    cfg = cfg or run_config(None, [], 1)[0]
     n = nproc or s.min_world
     if n < s.min_world:
         raise LoomError(f"strategy {s.name} needs at least {s.min_world} processes; --nproc is {n}")
     dp, tp, pp = s.degrees(n)
-    if (
-        dp * tp * pp != n
-        or 16 % (4 * dp)
-        or tp > 4
-        or pp * (2 if "interleaved" in s.name or "zero" in s.name else 1) > 4
-    ):
-        raise LoomError(
-            f"strategy {s.name} cannot use {n} processes (dp {dp} x tp {tp} x pp {pp}) with the verify model "
-            "(4 layers, 4 heads, global batch 16 in micro-batches of 4)",
-            hint=f"use --nproc {s.min_world}",
-        )
+    m, t = cfg.model, cfg.train
+    what = (f"strategy {s.name} cannot use {n} processes (dp {dp} x tp {tp} x pp {pp}) with this model "
+            f"({m.n_layer} layers, {m.n_head} heads, global batch {t.batch_size} in micro-batches of "
+            f"{t.micro_batch_size})")  # fmt: skip
+    if dp * tp * pp != n:
+        raise LoomError(what, hint=f"use --nproc {s.min_world}")
+    layout = Config(**{f: getattr(cfg, f) for f in ("run", "data", "model", "train", "optim", "precision")})
+    for k, v in parse_overrides([a for a in s.argv(n, []) if a.startswith("--parallel.")]):
+        set_key(layout, k, v, from_text=True)
+    try:
+        mesh_degrees(layout, n)
+        validate(layout, dp)
+    except LoomError as e:
+        raise LoomError(f"{what}: {e.message}", hint=e.hint or f"use --nproc {s.min_world}") from None
     return n
 
 
 def verify_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="loom verify", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="loom verify", description=__doc__.split("\n\n")[0],
+                                epilog="Any config key can be set as --section.key=value, as for loom train.")  # fmt: skip
+    p.add_argument(
+        "config", nargs="?", help="a TOML config (as for loom train); default: the built-in verify model"
+    )
     p.add_argument("--strategies", default="ddp", help=f"comma list of: {', '.join(STRATEGIES)}")
     p.add_argument("--nproc", type=int, default=None,
                    help="world size (default: each strategy's smallest: 2, 4 for dp-tp/dp-pp/tp-pp, 8 for dp-tp-pp)")  # fmt: skip
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default=None, help="output folder (default runs/verify-<time>)")
-    p.add_argument("--data", default=None, help="a prepared data directory (default: a small built-in set)")
+    p.add_argument("--data", default=None,
+                   help="a prepared data directory (default: the config's data.path, else a small built-in set)")  # fmt: skip
     p.add_argument("--tol-loss", type=float, default=1e-6, help="max |loss - reference| to pass")
     p.add_argument("--tol-param", type=float, default=1e-5, help="max |param - reference| to pass")
     p.add_argument("--json", default=None, help="write the table as JSON records")
-    args = p.parse_args(argv)
+    args, overrides = p.parse_known_args(argv)
+    if args.config and args.config.startswith("--"):
+        overrides.insert(0, args.config)
+        args.config = None
+    if args.steps < 1:
+        raise LoomError(f"--steps must be >= 1, got {args.steps}")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown or not names:
         raise LoomError(
             f"unknown strategy {', '.join(unknown) or '(none)'}", hint=f"known: {', '.join(STRATEGIES)}"
         )
-    worlds = {n: _world(STRATEGIES[n], args.nproc) for n in names}  # every check before any run
+    cfg, notes = run_config(args.config, overrides, args.steps)
+    built_in = not args.config and not any(k == "model.n_layer" for k, _ in parse_overrides(overrides))
+    stages = {n: _schedule_stages(STRATEGIES[n], args.nproc or STRATEGIES[n].min_world) for n in names}
+    if built_in and max(stages.values()) > cfg.model.n_layer:
+        deepest = max(stages, key=stages.get)
+        notes.append(f"the verify model grows from {cfg.model.n_layer} to {stages[deepest]} layers "
+                     f"({deepest} cuts it into {stages[deepest]} pipeline stages)")  # fmt: skip
+        cfg.model.n_layer = stages[deepest]
+    worlds = {n: _world(STRATEGIES[n], args.nproc, cfg) for n in names}  # every check before any run
+    data_path = args.data or cfg.data.path
+    data = check_data(data_path, None if args.data else args.config) if data_path else None
     out = Path(args.out or f"runs/verify-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    data = Path(args.data) if args.data else prepare_data(out)
-    common = common_args(data, out, args.steps)
+    data = data or prepare_data(out)
+    common = common_args(data, out, args.steps, cfg)
+    B, micro = cfg.train.batch_size, cfg.train.micro_batch_size
+    m = cfg.model
+    log.info(f"model: {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {m.block_size}; "
+             f"batch {B}; {cfg.precision.dtype} on {cfg.train.device}; data {data}")  # fmt: skip
+    for note in notes:
+        log.info(f"verify: {note}")
     runs = {"reference": out / "reference"}
-    log.info("reference: 1 process, micro-batch 4, 4 accumulation steps")
+    log.info(f"reference: 1 process, micro-batch {micro}, {B // micro} accumulation steps")
     _run([*PY, "--run.name=reference", "--parallel.dp_impl=none", *common], out / "reference.log")
     for name in names:
         n = worlds[name]
         dp, tp, pp = STRATEGIES[name].degrees(n)
-        log.info(f"{name}: {n} processes (dp {dp} x tp {tp} x pp {pp}), micro-batch 4, "
-                 f"{16 // (4 * dp)} {'pipeline micro-batches' if pp > 1 else 'accumulation step(s)'}")  # fmt: skip
+        log.info(f"{name}: {n} processes (dp {dp} x tp {tp} x pp {pp}), micro-batch {micro}, "
+                 f"{B // (micro * dp)} {'pipeline micro-batches' if pp > 1 else 'accumulation step(s)'}")  # fmt: skip
         runs[name] = out / name
         _run(STRATEGIES[name].argv(n, [f"--run.name={name}", *common]), out / f"{name}.log")
     records = []
@@ -230,9 +358,9 @@ def verify_main(argv: list[str]) -> int:
         ok = dloss <= args.tol_loss and dparam <= args.tol_param
         dp, tp, pp = STRATEGIES[name].degrees(worlds[name])
         records.append({"strategy": name, "world_size": worlds[name], "dp": dp, "tp": tp, "pp": pp,
-                        "grad_accum": 16 // (4 * dp), "max_abs_dloss": dloss, "max_abs_dparam": dparam,
+                        "grad_accum": B // (micro * dp), "max_abs_dloss": dloss, "max_abs_dparam": dparam,
                         "passed": ok})  # fmt: skip
-    _table(records, args.tol_loss, args.tol_param, args.steps)
+    _table(records, args.tol_loss, args.tol_param, args.steps, cfg.precision.dtype)
     plot(out / "verify.png", runs)
     log.info(f"loss curves: {out / 'verify.png'}")
     if args.json:
@@ -240,11 +368,11 @@ def verify_main(argv: list[str]) -> int:
     return 0 if all(r["passed"] for r in records) else 1
 
 
-def _table(records: list[dict], tol_loss: float, tol_param: float, steps: int) -> None:
+def _table(records: list[dict], tol_loss: float, tol_param: float, steps: int, dtype: str = "fp32") -> None:
     from rich.table import Table
 
     t = Table(
-        title=f"loom verify: {steps} steps fp32 vs 1 process (tolerance loss {tol_loss:g}, param {tol_param:g})"
+        title=f"loom verify: {steps} steps {dtype} vs 1 process (tolerance loss {tol_loss:g}, param {tol_param:g})"
     )
     for col in ("strategy", "world", "dp·tp·pp", "micro", "max |Δloss|", "max |Δparam|", "result"):
         t.add_column(col, no_wrap=True)
