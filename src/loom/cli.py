@@ -107,9 +107,7 @@ def _data(argv: list[str]) -> int:
     pp.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
     pp.add_argument("--tokenizer", default="char", help="char | bpe | PATH/tokenizer.json (default char)")
     pp.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
-    pp.add_argument(
-        "--val-fraction", type=float, default=0.1, help="share of documents for val (default 0.1)"
-    )
+    pp.add_argument("--val-fraction", type=float, default=0.1, help="share of the text for val (default 0.1)")
     pp.add_argument("--split-mode", default="docs", choices=["docs", "tail"],
                     help="docs: whole documents by seeded shuffle; tail: last characters (nanoGPT)")  # fmt: skip
     pp.add_argument("--jsonl-field", default="text", help="JSONL field / Parquet column holding the text")
@@ -189,9 +187,13 @@ def _eval(argv: list[str]) -> int:
     cfg, model, _, meta, path = load_run(args.run_dir, device)
     data_dir = Path(args.data) if args.data else run_data_dir(args.run_dir, cfg)
     data_meta = check_data_dir(data_dir)
-    if data_meta["vocab_size"] != meta["vocab_size"] or data_meta.get("tokenizer") != meta.get("tokenizer"):
-        raise LoomError(f"'{data_dir}' was prepared with another tokenizer than the run's",
+    if data_meta["vocab_size"] != meta["vocab_size"]:
+        raise LoomError(f"'{data_dir}' was prepared with another tokenizer than the run's (vocabulary of "
+                        f"{data_meta['vocab_size']}, the run's {meta['vocab_size']})",
                         hint="prepare it with the run's tokenizer (<run>/tokenizer/)")  # fmt: skip
+    from loom.data.tokenizers import check_same_tokenizer
+
+    check_same_tokenizer(Path(args.run_dir) / "tokenizer", meta, data_dir, data_meta)  # by content, not size
     n_rows = (args.batches or cfg.train.eval_batches) * cfg.train.batch_size
     vs = ValSet(data_dir, cfg.model.block_size, n_rows)
     loss = val_loss(model, vs, cfg.train.micro_batch_size or cfg.train.batch_size, device)
@@ -252,7 +254,9 @@ def _export(argv: list[str]) -> int:
 
     from loom.eval.val_loss import load_run
     from loom.model import hf
+    from loom.outputs import check_apart
 
+    check_apart(args.out, [args.run_dir, *([args.ckpt] if args.ckpt else [])], inside_ok=True)
     _, model, tok, _, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
     if args.format == "hf":
         notes = hf.export_hf(model, args.out, tok, args.force)

@@ -202,6 +202,11 @@ def test_convert_refuses_existing_output_and_leaves_nothing_on_failure(tmp_path)
     with pytest.raises(LoomError, match="already exists"):
         data_convert_main(["--to", "npy", str(d), str(out)])
     assert (out / "keep").exists()
+    with pytest.raises(LoomError, match="not a folder loom wrote"):  # --force replaces only loom's output
+        data_convert_main(["--to", "npy", "--force", str(d), str(out)])
+    assert (out / "keep").exists()
+    (out / "keep").unlink()
+    assert data_convert_main(["--to", "npy", str(d), str(out)]) == 0
     assert data_convert_main(["--to", "npy", "--force", str(d), str(out)]) == 0
     assert F.open_split(out, "train")[0].dtype == np.uint32  # widened: 70000 needs more than 16 bits
 

@@ -20,7 +20,7 @@ from loom.data import corpus
 from loom.data.corpus import corpus_files, python_stdlib_files
 from loom.data.prepare import _chunks, encode_documents, prepare, read_documents, split_documents
 from loom.data.shards import read_header, read_shard
-from loom.data.tokenizers import EOT, CharTokenizer, load_tokenizer
+from loom.data.tokenizers import EOT, CharTokenizer, load_tokenizer, tokenizer_hash
 from loom.errors import LoomError
 
 DOCS = [
@@ -349,8 +349,12 @@ def test_existing_out_is_refused_without_force(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert (out / "keep.txt").read_text() == "precious"
 
-    prepare([inp], out, force=True)
-    assert not (out / "keep.txt").exists()
+    with pytest.raises(LoomError, match="not a folder loom wrote"):  # --force replaces only loom's output
+        prepare([inp], out, force=True)
+    assert (out / "keep.txt").read_text() == "precious"
+    (out / "keep.txt").unlink()
+    prepare([inp], out)
+    prepare([inp], out, force=True)  # a data set loom wrote is replaced
     assert (out / "meta.json").is_file()
     assert not (tmp_path / ".out.loom-tmp").exists()
 
@@ -377,7 +381,8 @@ def test_meta_fields(tmp_path):
     assert json.loads((out / "meta.json").read_text()) == meta
     assert meta["format"] == "llm.c"
     assert meta["loom_version"] == loom.__version__
-    assert meta["tokenizer"] == {"kind": "char", "file": "char_vocab.json", "eot_id": meta["vocab_size"] - 1}
+    assert meta["tokenizer"] == {"kind": "char", "file": "char_vocab.json", "eot_id": meta["vocab_size"] - 1,
+                                 "sha256": tokenizer_hash(out, meta)}  # fmt: skip
     assert meta["vocab_size"] == len(set("".join(DOCS))) + 1
     assert meta["shard_version"] == 1
     assert meta["files"] == len(DOCS)

@@ -37,6 +37,7 @@ from loom.data.formats import (
 from loom.data.shards import write_ids
 from loom.data.tokenizers import CharTokenizer, load_tokenizer
 from loom.errors import LoomError
+from loom.outputs import check_apart, check_replaceable, replace_output, write_marker
 
 SHARD_TOKENS = 100_000_000  # llm.c's shard size: bigger inputs are cut into shards this long (llmc, npy)
 
@@ -119,6 +120,8 @@ def _check_out(out: Path, force: bool) -> None:
         raise LoomError(
             f"output '{out}' already exists", hint="choose another output, or pass --force to replace it"
         )
+    if out.is_dir():
+        check_replaceable(out, "data", force, "output")  # --force replaces only a data set loom wrote
 
 
 def _convert_dir(src: Path, out: Path, source: Format, target: Format, dtype, eot_id: int | None) -> dict:
@@ -145,8 +148,11 @@ def _convert_dir(src: Path, out: Path, source: Format, target: Format, dtype, eo
         if not splits:
             split_files(src, "train", source.name)  # raises: no shards of either split
         _write_meta(src, tmp, meta, source.name, target, splits)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        write_marker(tmp, "data")
+        if out.is_dir():
+            replace_output(out, "data", True, "output")
+        elif out.exists():
+            out.unlink()
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -180,6 +186,7 @@ def convert(
     if fmt == "parquet":
         FORMATS["parquet"].open(src)  # raises: Parquet is text, for `loom data prepare`
     source, target = FORMATS[fmt], FORMATS[to]
+    check_apart(out, [src], "output", inside_ok=True)
     if src.is_dir():
         _check_out(out, force)
         summary = _convert_dir(src, out, source, target, dtype, eot_id)

@@ -279,8 +279,9 @@ FORMATS["parquet"] = ParquetFormat()
 TOKEN_FORMATS = ("llmc", "nanogpt", "npy", "megatron")
 
 
-def read_parquet_texts(path: str | Path, column: str = "text") -> list[str]:
-    """The non-empty strings of one column of a Parquet file (needs pyarrow: `pip install 'loom[parquet]'`)."""
+def read_parquet_texts(path: str | Path, column: str = "text", dropped: list[int] | None = None) -> list[str]:
+    """The non-empty strings of one column of a Parquet file (needs pyarrow: `pip install 'loom[parquet]'`);
+    the rows of other values (null, numbers, empty strings) are appended to `dropped` when it is given."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -295,6 +296,8 @@ def read_parquet_texts(path: str | Path, column: str = "text") -> list[str]:
         raise
     except Exception as e:  # pyarrow raises its own ArrowInvalid / OSError for a file that is not Parquet
         raise LoomError(f"'{path}' is not a readable Parquet file: {e}") from None
+    if dropped is not None:
+        dropped += [i for i, v in enumerate(values) if not (isinstance(v, str) and v)]
     return [v for v in values if isinstance(v, str) and v]
 
 

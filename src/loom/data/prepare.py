@@ -6,6 +6,7 @@ existing directory is never overwritten without --force.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -18,8 +19,9 @@ import numpy as np
 
 from loom import __version__, log
 from loom.data.shards import version_for_vocab, write_shard
-from loom.data.tokenizers import CharTokenizer, HFTokenizer, check_bpe_vocab
+from loom.data.tokenizers import CharTokenizer, HFTokenizer, check_bpe_vocab, tokenizer_hash
 from loom.errors import LoomError
+from loom.outputs import check_apart, check_replaceable, replace_output, write_marker
 
 SHARD_TOKENS = 100_000_000  # llm.c's shard size
 BINARY_PROBE = 8192
@@ -33,6 +35,9 @@ class Documents:
     files: int = 0
     replaced_files: int = 0  # files with undecodable bytes (replaced by U+FFFD)
     skipped_binary: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)  # where bytes were replaced: file or file:line
+    dropped: list[str] = field(default_factory=list)  # documents left out, as "where (why)"
+    read_once: list[str] = field(default_factory=list)  # inputs named again (directly or inside a folder)
 
 
 def _is_binary(head: bytes) -> bool:
@@ -54,8 +59,21 @@ def _read_text(path: Path, docs: Documents, explicit: bool) -> str | None:
     except UnicodeDecodeError:
         text = data.decode("utf-8", errors="replace")
         docs.replaced_files += 1
+        docs.replaced.append(str(path))
     docs.files += 1
+    if not text:
+        docs.dropped.append(f"{path} (empty)")
     return text
+
+
+def _kind_of(value) -> str:
+    """How a JSON value that is not a non-empty string reads in a message."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return "empty"
+    names = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _read_jsonl(path: Path, field_name: str, docs: Documents) -> None:
@@ -79,7 +97,10 @@ def _read_jsonl(path: Path, field_name: str, docs: Documents) -> None:
                 clean = text.encode("utf-8", errors="replace").decode("utf-8")
                 if clean != text:
                     docs.replaced_files += 1
+                    docs.replaced.append(f"{path}:{lineno}")
                 docs.texts.append(clean)
+            else:
+                docs.dropped.append(f"{path}:{lineno} ('{field_name}' is {_kind_of(text)})")
 
 
 def _read_parquet(path: Path, column: str, docs: Documents) -> None:
@@ -87,7 +108,36 @@ def _read_parquet(path: Path, column: str, docs: Documents) -> None:
     from loom.data.formats import read_parquet_texts
 
     docs.files += 1
-    docs.texts.extend(read_parquet_texts(path, column))
+    rows: list[int] = []
+    docs.texts.extend(read_parquet_texts(path, column, dropped=rows))
+    docs.dropped.extend(f"{path} row {r} ('{column}' is not a non-empty string)" for r in rows)
+
+
+def _input_files(paths: list[Path], glob: str, docs: Documents) -> list[tuple[Path, bool]]:
+    """(file, named explicitly) for every input file, each real file once: a file given twice, or given
+    beside a folder that holds it, would put the same text in train and val. Repeats go to docs.read_once."""
+    found: list[tuple[Path, bool]] = []
+    for p in paths:
+        if p.is_dir():
+            found += [
+                (f, False)
+                for f in sorted(p.rglob(glob))
+                if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts)
+            ]
+        else:
+            found.append((p, True))
+    seen: dict[str, int] = {}
+    out: list[tuple[Path, bool]] = []
+    for f, explicit in found:
+        key = os.path.realpath(f)
+        if key in seen:
+            docs.read_once.append(str(f))
+            if explicit:  # named on its own: a binary file is an error, as when named once
+                out[seen[key]] = (out[seen[key]][0], True)
+            continue
+        seen[key] = len(out)
+        out.append((f, explicit))
+    return out
 
 
 def read_documents(inputs: list[str | Path], glob: str = "*", jsonl_field: str = "text") -> Documents:
@@ -97,26 +147,13 @@ def read_documents(inputs: list[str | Path], glob: str = "*", jsonl_field: str =
     if missing:
         raise LoomError(f"input path does not exist: {', '.join(missing)}", hint="check the --input paths")
     docs = Documents()
-    for p in paths:
-        if p.is_dir():
-            found = sorted(
-                f
-                for f in p.rglob(glob)
-                if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts)
-            )
-            for f in found:
-                if f.suffix == ".jsonl":
-                    _read_jsonl(f, jsonl_field, docs)
-                elif f.suffix == ".parquet":
-                    _read_parquet(f, jsonl_field, docs)
-                elif (text := _read_text(f, docs, explicit=False)) is not None:
-                    docs.texts.append(text)
-        elif p.suffix == ".jsonl":
-            _read_jsonl(p, jsonl_field, docs)
-        elif p.suffix == ".parquet":
-            _read_parquet(p, jsonl_field, docs)
-        else:
-            docs.texts.append(_read_text(p, docs, explicit=True))
+    for f, explicit in _input_files(paths, glob, docs):
+        if f.suffix == ".jsonl":
+            _read_jsonl(f, jsonl_field, docs)
+        elif f.suffix == ".parquet":
+            _read_parquet(f, jsonl_field, docs)
+        elif (text := _read_text(f, docs, explicit=explicit)) is not None:
+            docs.texts.append(text)
     docs.texts = [t for t in docs.texts if t]
     if not docs.texts:
         where = ", ".join(str(p) for p in paths)
@@ -127,16 +164,70 @@ def read_documents(inputs: list[str | Path], glob: str = "*", jsonl_field: str =
     return docs
 
 
+def _some(items: list[str], n: int = 3) -> str:
+    """The first n items, and how many more."""
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def report_documents(docs: Documents) -> int:
+    """Warn about everything read_documents noticed, naming the first few; returns the number of documents
+    whose text repeats an earlier one (by content hash)."""
+    if docs.read_once:
+        log.warn(f"{len(docs.read_once)} input file(s) were named more than once (directly or inside a folder)"
+                 f" and are read once: {_some(docs.read_once)}")  # fmt: skip
+    if docs.replaced:
+        log.warn(f"{len(docs.replaced)} file(s) or line(s) had undecodable bytes, replaced with U+FFFD: "
+                 f"{_some(docs.replaced)}")  # fmt: skip
+    if docs.skipped_binary:
+        log.warn(f"skipped {len(docs.skipped_binary)} binary file(s): {_some(docs.skipped_binary)}")
+    if docs.dropped:
+        log.warn(f"dropped {len(docs.dropped)} document(s) with no text: {_some(docs.dropped, 5)}")
+    seen: set[bytes] = set()
+    repeats = 0
+    for t in docs.texts:
+        h = hashlib.blake2b(t.encode("utf-8", errors="surrogatepass"), digest_size=16).digest()
+        repeats += h in seen
+        seen.add(h)
+    if repeats:
+        log.warn(f"{repeats} document(s) repeat the text of an earlier one: with the docs split a copy can land "
+                 "in val while its original trains, which makes the val loss too low")  # fmt: skip
+    return repeats
+
+
+def _val_documents(sizes: list[int], val_fraction: float, seed: int) -> set[int]:
+    """Indices of the val documents: val's share of the characters close to val_fraction, whatever the sizes.
+
+    Counting documents instead sends 40-70% of the text to val when a few documents are large. In a seeded
+    order, every document that still fits under the target joins val (first fit); then the one left whose
+    addition lands closest to the target joins too when that is closer (always when val is still empty).
+    Train keeps at least one document. Characters stand in for tokens, which are counted after the split
+    (prepare warns when the share of tokens ends up far from the target)."""
+    order = np.random.default_rng(seed).permutation(len(sizes)).tolist()
+    target = val_fraction * sum(sizes)
+    chosen: list[int] = []
+    total = 0
+    for i in order:
+        if total + sizes[i] <= target:
+            chosen.append(i)
+            total += sizes[i]
+    rest = [i for i in order if i not in set(chosen)]
+    best = min(rest, key=lambda i: abs(total + sizes[i] - target))
+    if len(rest) > 1 and (not chosen or abs(total + sizes[best] - target) < target - total):
+        chosen.append(best)
+    return set(chosen)
+
+
 def split_documents(
     texts: list[str], val_fraction: float, mode: str, seed: int
 ) -> tuple[list[str], list[str]]:
-    """Train/val split. `docs`: whole documents, chosen by a seeded shuffle; `tail`: the last fraction of the
-    concatenated characters (nanoGPT's 90/10 split). A single document falls back to `tail`."""
+    """Train/val split. `docs`: whole documents, chosen in a seeded order until val holds `val_fraction` of
+    the characters (see _val_documents); `tail`: the last fraction of the concatenated characters (nanoGPT's
+    90/10 split). A single document falls back to `tail`."""
     if not 0.0 < val_fraction < 1.0:
         raise LoomError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
     if mode == "docs" and len(texts) >= 2:
-        n_val = min(len(texts) - 1, max(1, round(val_fraction * len(texts))))
-        val_idx = set(np.random.default_rng(seed).permutation(len(texts))[:n_val].tolist())
+        val_idx = _val_documents([len(t) for t in texts], val_fraction, seed)
         return [t for i, t in enumerate(texts) if i not in val_idx], [
             t for i, t in enumerate(texts) if i in val_idx
         ]
@@ -245,21 +336,13 @@ def prepare(
 ) -> dict:
     """Prepare a data directory; returns its meta.json contents."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise LoomError(f"--out '{out}' is a file, not a directory", hint="choose a directory path for --out")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise LoomError(
-            f"output directory '{out}' already exists and is not empty",
-            hint="choose another --out, or pass --force to replace it",
-        )
+    check_apart(out, inputs)
+    check_replaceable(out, "data", force)  # before any reading; replaced only once the new one is ready
     if tokenizer == "bpe":
         check_bpe_vocab(vocab_size)  # before any reading
     t0 = time.perf_counter()
     docs = read_documents(inputs, glob, jsonl_field)
-    if docs.replaced_files:
-        log.warn(f"{docs.replaced_files} file(s) had undecodable bytes; they were replaced with U+FFFD")
-    if docs.skipped_binary:
-        log.warn(f"skipped {len(docs.skipped_binary)} binary file(s), e.g. {docs.skipped_binary[0]}")
+    repeats = report_documents(docs)
     if split_mode == "docs" and len(docs.texts) < 2:
         log.info("one document only: splitting its characters (train first, val last)")
     train, val = split_documents(docs.texts, val_fraction, split_mode, seed)
@@ -278,21 +361,28 @@ def prepare(
         files=docs.files,
         replaced_files=docs.replaced_files,
         skipped_binary=len(docs.skipped_binary),
+        dropped_documents=len(docs.dropped),
+        repeated_documents=repeats,
         val_fraction=val_fraction,
         split_mode=split_mode,
         seed=seed,
         loom_version=__version__,
     )
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    if out.exists():
-        shutil.rmtree(out)
+    write_marker(tmp, "data")
+    replace_output(out, "data", force)
     os.replace(tmp, out)
     splits = meta["splits"]
+    share = splits["val"]["tokens"] / max(1, splits["train"]["tokens"] + splits["val"]["tokens"])
     log.info(
         f"prepared {out}: {kind} tokenizer, vocab {tok.vocab_size}, train {splits['train']['tokens']:,} tokens"
         f" ({splits['train']['documents']} docs), val {splits['val']['tokens']:,} tokens"
-        f" ({splits['val']['documents']} docs) in {time.perf_counter() - t0:.1f}s"
+        f" ({share:.1%}, {splits['val']['documents']} docs) in {time.perf_counter() - t0:.1f}s"
     )
+    if abs(share - val_fraction) > max(0.02, 0.25 * val_fraction):
+        log.warn(f"val holds {share:.1%} of the tokens, not the {val_fraction:.1%} asked by --val-fraction: the "
+                 f"{len(docs.texts)} documents are too few or too uneven to split closer by whole documents "
+                 "(--split-mode tail cuts at the exact share)")  # fmt: skip
     return meta
 
 
@@ -308,9 +398,11 @@ def _write_prepared(tmp: Path, tok, kind: str, train: list[str], val: list[str],
                 tmp / f"{name}_{i:06d}.bin", tokens[i * shard_tokens : (i + 1) * shard_tokens], version
             )
         splits[name] = {"tokens": int(tokens.size), "documents": len(texts), "shards": n_shards}
+    info = {"kind": kind, "file": tok.save(tmp), "eot_id": tok.eot_id}
+    info["sha256"] = tokenizer_hash(tmp, {"tokenizer": info})  # compares tokenizers by content
     return {
         "format": "llm.c",
-        "tokenizer": {"kind": kind, "file": tok.save(tmp), "eot_id": tok.eot_id},
+        "tokenizer": info,
         "vocab_size": tok.vocab_size,
         "shard_version": version,
         "splits": splits,

@@ -150,10 +150,100 @@ def _tokenizer_info(directory: str | Path, meta: dict) -> dict:
 
 
 def copy_tokenizer(src_dir: str | Path, meta: dict, dst_dir: str | Path) -> None:
-    """Copy the tokenizer file (and meta.json) so a run directory is self-contained for generate/eval."""
+    """Copy the tokenizer file (and meta.json) so a run directory is self-contained for generate/eval.
+
+    Written once: a resumed run keeps the tokenizer its checkpoints were trained with (resume checks that
+    the data's is the same, by content: check_same_tokenizer)."""
     info = _tokenizer_info(src_dir, meta)
     dst = Path(dst_dir)
+    if (dst / "meta.json").is_file():
+        return
     dst.mkdir(parents=True, exist_ok=True)
     if info.get("file"):  # none when the data has no tokenizer, or carries its vocabulary in meta
         shutil.copy2(Path(src_dir) / info["file"], dst / info["file"])
     (dst / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------ comparing by content
+
+
+def _tokenizer_content(directory: str | Path, meta: dict) -> dict | None:
+    """What decides a tokenizer's ids, in a canonical form: a char table, or a BPE's vocabulary, merges and
+    added tokens (not the file's layout, which changes between `tokenizers` versions). None without one."""
+    info = _tokenizer_info(directory, meta)
+    if not info:
+        return None
+    if info.get("kind") == "char" and "chars" in info:
+        return {"kind": "char", "chars": list(info["chars"])}
+    path = Path(directory) / info.get("file", "")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise LoomError(
+            f"cannot read the tokenizer file '{path}': {e}", hint="prepare the data again"
+        ) from None
+    if info.get("kind") == "char":
+        return {"kind": "char", "chars": list(raw["chars"])}
+    model = raw.get("model") or {}
+    merges = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges") or []]
+    added = sorted(
+        (t.get("id"), t.get("content"), bool(t.get("special"))) for t in raw.get("added_tokens") or []
+    )
+    return {"kind": "bpe", "type": model.get("type"), "vocab": model.get("vocab") or {}, "merges": merges,
+            "added": [list(t) for t in added]}  # fmt: skip
+
+
+def tokenizer_hash(directory: str | Path, meta: dict) -> str | None:
+    """SHA-256 of the tokenizer's content (see _tokenizer_content): equal exactly when every text gets the same
+    ids. Two char vocabularies of the same size but other characters differ. None for data without one."""
+    import hashlib
+
+    content = _tokenizer_content(directory, meta)
+    if content is None:
+        return None
+    return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def _difference(a: dict, b: dict, names: tuple[str, str]) -> str:
+    """What differs between two tokenizer contents, in words."""
+    if a["kind"] != b["kind"]:
+        return f"{names[0]} is {a['kind']}, {names[1]} is {b['kind']}"
+    if a["kind"] == "char":
+        only_a = sorted(set(a["chars"]) - set(b["chars"]))
+        only_b = sorted(set(b["chars"]) - set(a["chars"]))
+        parts = [f"{len(a['chars']) + 1} vs {len(b['chars']) + 1} ids"]
+        for name, only in zip(names, (only_a, only_b), strict=True):
+            if only:
+                parts.append(
+                    f"only {name} has " + ", ".join(map(repr, only[:5])) + (" ..." if len(only) > 5 else "")
+                )
+        if not only_a and not only_b:
+            parts.append("the same characters in another order")
+        return "character vocabularies differ (" + "; ".join(parts) + ")"
+    va, vb = a["vocab"], b["vocab"]
+    changed = sum(1 for t in set(va) | set(vb) if va.get(t) != vb.get(t))
+    parts = [f"{len(va)} vs {len(vb)} tokens, {changed} with another id or missing"]
+    if a["merges"] != b["merges"]:
+        parts.append(f"merges differ ({len(a['merges'])} vs {len(b['merges'])})")
+    if a["added"] != b["added"]:
+        parts.append("added tokens differ")
+    return "BPE vocabularies differ (" + "; ".join(parts) + ")"
+
+
+def check_same_tokenizer(
+    run_tok_dir: str | Path, run_meta: dict, data_dir: str | Path, data_meta: dict
+) -> None:
+    """Refuse data whose tokenizer is not the run's (compared by content, not by vocabulary size): its ids
+    would mean other text to the model, and the loss would silently measure something else."""
+    if tokenizer_hash(run_tok_dir, run_meta) == tokenizer_hash(data_dir, data_meta):
+        return
+    a, b = _tokenizer_content(run_tok_dir, run_meta), _tokenizer_content(data_dir, data_meta)
+    if a is None or b is None:
+        what = "the run has a tokenizer and the data token ids only" if b is None else (
+            "the data has a tokenizer and the run token ids only")  # fmt: skip
+    else:
+        what = _difference(a, b, ("the run's", "the data's"))
+    raise LoomError(
+        f"'{data_dir}' was prepared with another tokenizer than the run's: {what}",
+        hint=f"use data prepared with the run's tokenizer ({run_tok_dir}), e.g. the data it was trained on",
+    )

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -110,13 +109,11 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def _prepare_out(out: Path, force: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not force:
-            raise LoomError(
-                f"output directory '{out}' exists and is not empty", hint="pass --force or pick another --out"
-            )
-        shutil.rmtree(out)
+    from loom.outputs import replace_output, write_marker
+
+    replace_output(out, "export", force)  # only an earlier export, never a run or a folder loom did not write
     out.mkdir(parents=True, exist_ok=True)
+    write_marker(out, "export")
 
 
 def export_hf(model: GPT, out: str | Path, tokenizer=None, force: bool = False) -> list[str]:

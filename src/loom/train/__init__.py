@@ -45,8 +45,16 @@ def plan_run(cfg: Config, resume, force: bool, explicit: set[str], dp_size: int)
     if ckpt is not None:
         check_checkpoint_model(ckpt, cfg)
     data_dir = resolve_data(cfg)
+    if run_dir is not None and (run_dir / "tokenizer" / "meta.json").is_file():
+        from loom.data.loader import read_meta
+        from loom.data.tokenizers import check_same_tokenizer
+
+        # the run's checkpoints were trained with its tokenizer: data with another (same size or not) is refused
+        check_same_tokenizer(
+            run_dir / "tokenizer", read_meta(run_dir / "tokenizer"), data_dir, read_meta(data_dir)
+        )
     if run_dir is None:
-        run_dir = resolve_run_dir(cfg, None, force)
+        run_dir = resolve_run_dir(cfg, None, force, (data_dir,))
     return Plan(cfg, derived, run_dir, data_dir, ckpt)
 
 
@@ -155,6 +163,12 @@ def build_dp(impl: str, env: DistEnv, cfg: Config, device):
 
         p = cfg.parallel
         dp = MpiDP(p.mpi_sync, p.bucket_mb, p.mpi_allreduce)
+        if dp.size < env.world_size:  # processes started by another launcher: each its own 1-process world
+            raise LoomError(
+                f"parallel.dp_impl=mpi but MPI sees {dp.size} process(es) where {env.source} started "
+                f"{env.world_size}: they would train separately into the same run",
+                hint=f"start MPI jobs with mpiexec -n {env.world_size} loom train ... (or loom launch)",
+            )
         if dp.size != env.world_size:
             log.warn(f"MPI world size {dp.size} differs from the launcher's {env.world_size} ({env.source})")
         return dp

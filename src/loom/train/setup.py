@@ -9,7 +9,6 @@ import contextlib
 import ctypes
 import os
 import platform
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from loom import log
 from loom.config import Config, config_from_dict, diff_configs, load_toml
 from loom.errors import LoomError
 from loom.metrics import cache_dir
+from loom.outputs import check_apart, replace_output
 
 
 def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
@@ -151,8 +151,9 @@ def check_writable(run_dir: Path) -> None:
         )
 
 
-def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool) -> Path:
-    """The run directory. Refuses one that holds another run unless --resume or --force.
+def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool, inputs: tuple = ()) -> Path:
+    """The run directory. Refuses one that holds another run unless --resume or --force; --force replaces
+    only a loom run, and never one that is or holds one of `inputs` (the data directory).
 
     `--resume PATH` (a run directory) resumes that run; bare `--resume` resumes run.dir/run.name, or the
     newest run under run.dir when no name is given.
@@ -175,20 +176,21 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool) -> Path
         check_writable(run_dir)
         return run_dir
     check_writable(run_dir)
-    if (run_dir / "config.toml").exists():
-        if not force:
-            old = config_from_dict(load_toml(run_dir / "config.toml"))
-            diff = diff_configs(old, cfg)
-            what = "a run with a different config (" + "; ".join(diff[:4]) + ")" if diff else "a run"
-            raise LoomError(
-                f"run directory '{run_dir}' already holds {what}",
-                hint="pass --resume to continue it, --force to start over (deletes it), or pick another run.name",
-            )
-        shutil.rmtree(run_dir)
-    elif run_dir.exists() and any(run_dir.iterdir()) and not force:
+    # --force must never delete the data it trains on
+    check_apart(run_dir, inputs, "run directory", inside_ok=True)
+    if (run_dir / "config.toml").exists() and not force:
+        old = config_from_dict(load_toml(run_dir / "config.toml"))
+        diff = diff_configs(old, cfg)
+        what = "a run with a different config (" + "; ".join(diff[:4]) + ")" if diff else "a run"
+        raise LoomError(
+            f"run directory '{run_dir}' already holds {what}",
+            hint="pass --resume to continue it, --force to start over (deletes it), or pick another run.name",
+        )
+    if run_dir.exists() and any(run_dir.iterdir()) and not force:
         raise LoomError(
             f"run directory '{run_dir}' exists and is not a loom run", hint="pick another run.name"
         )
+    replace_output(run_dir, "run", force, "run directory")  # with --force: only a loom run
     return run_dir  # created by the trainer once everything cheap has been checked
 
 

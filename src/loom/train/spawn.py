@@ -44,8 +44,16 @@ def launch_local(
 
     if nproc < 1:
         raise LoomError(f"--nproc must be >= 1, got {nproc}")
+    layout = layout_config(cfg, resume, force, explicit)
+    if layout.parallel.dp_impl == "mpi" and nproc > 1:  # each child would be its own 1-process MPI world
+        raise LoomError(
+            f"--nproc {nproc} with parallel.dp_impl=mpi would start {nproc} separate 1-process trainings "
+            "into the same run: MPI processes are started by mpiexec, not by --nproc",
+            hint=f"mpiexec -n {nproc} loom train ... (without --nproc), or "
+            f"loom launch --launcher mpiexec --nproc-per-node {nproc} -- loom train ...",
+        )
     # tensor/pipeline degrees (from the saved config when resuming) leave world / (tp * pp) data-parallel ranks
-    dp = mesh_degrees(layout_config(cfg, resume, force, explicit), nproc)[0]
+    dp = mesh_degrees(layout, nproc)[0]
     if cfg.parallel.dp_impl == "none" and dp > 1:
         raise LoomError(
             f"--nproc {nproc} with parallel.dp_impl=none", hint="use parallel.dp_impl=ddp (or auto)"

@@ -23,6 +23,7 @@ from loom.metrics import Sinks, Throughput, format_step, open_sinks, peak_flops,
 from loom.model.flops import flops_per_token
 from loom.model.gpt import GPT
 from loom.optim.schedule import lr_at
+from loom.outputs import write_marker
 from loom.parallel.ac import apply_activation_checkpointing
 from loom.parallel.base import DataParallel, model_state_bytes
 from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
@@ -334,6 +335,7 @@ class Trainer:
         if not self.main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_marker(self.run_dir, "run")  # so that --force may replace this folder later, and nothing else
         self.metrics = open_sinks(self.run_dir, self.cfg)  # metrics.jsonl, and TensorBoard / W&B if asked
         (self.run_dir / "config.toml").write_text(to_toml(self.cfg), encoding="utf-8")
         copy_tokenizer(self.data_dir, self.meta, self.run_dir / "tokenizer")
