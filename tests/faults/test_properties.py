@@ -181,6 +181,8 @@ def test_valid_tables_are_accepted_and_round_trip(flat):
     got = _flat(cfg)
     assert {k: got[k] for k in flat} == {k: (float(v) if isinstance(_DEFAULTS[k], float) else v)
                                          for k, v in flat.items()}  # fmt: skip
+    as_text = [f"--{k}=" + (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in flat.items()]
+    assert _flat(load_config(None, as_text)) == got  # the same values as command-line overrides
     derived = validate(cfg)
     assert derived.micro_batch_size == flat["train.micro_batch_size"]
     assert derived.grad_accum == flat["train.batch_size"] // flat["train.micro_batch_size"]
@@ -221,6 +223,25 @@ def test_llmc_shard_bytes(data):
     with _file(data, "train_000000.bin") as p:
         parses_or_loom_error(lambda: _read_all(shards.read_shard(p)))
         parses_or_loom_error(lambda: _read_all(formats.FORMATS["llmc"].open(p)))
+
+
+@SETTINGS
+@given(st.sampled_from([(1, "<u2", 2**16 - 1), (2, "<u4", 2**32 - 1)]), st.data())
+def test_valid_shards_read_back(layout, data):
+    """The converse: well-formed files (llm.c's header written here by hand, raw nanoGPT uint16, .npy) give
+    back exactly their tokens, so a reader that refused everything would fail."""
+    version, dtype, top = layout
+    tokens = data.draw(st.lists(st.integers(0, top), min_size=1, max_size=300), label="tokens")
+    body = np.asarray(tokens, dtype=dtype)
+    with _file(_header(version=version, ntok=len(tokens)) + body.tobytes(), "train_000000.bin") as p:
+        assert np.asarray(shards.read_shard(p)).tolist() == tokens
+        assert np.asarray(formats.FORMATS["llmc"].open(p)).tolist() == tokens
+    if version == 1:
+        with _file(body.tobytes(), "train.bin") as p:
+            assert np.asarray(formats.FORMATS["nanogpt"].open(p)).tolist() == tokens
+    with _file(b"", "x_train_000000.npy") as p:
+        np.save(p, body)
+        assert np.asarray(formats.FORMATS["npy"].open(p)).tolist() == tokens
 
 
 @SETTINGS
