@@ -144,10 +144,12 @@ class ParallelConfig:
         "Data parallel: auto (ddp when world size > 1, else none) | none | ddp | zero1 | zero2 | fsdp | mpi.",
     )
     param_dtype: str = _f(
-        "", "zero2/fsdp: dtype of gathered parameters for compute (fp32 | bf16 | fp16; empty: as is)."
+        "",
+        "zero2/fsdp: dtype of gathered parameters for compute (fp32 | bf16 | fp16); empty: bf16 on GPUs when "
+        "precision is bf16, else as stored.",
     )
     reduce_dtype: str = _f(
-        "", "zero2/fsdp: dtype of the gradient reduce-scatter (empty: the parameter dtype)."
+        "", "zero2/fsdp: dtype of the gradient reduce-scatter; empty: fp32 (the stored dtype)."
     )
     cpu_offload: bool = _f(
         False, "zero2/fsdp: keep sharded parameters, gradients and optimizer state in host memory."
@@ -156,6 +158,12 @@ class ParallelConfig:
     bucket_mb: float = _f(25.0, "dp_impl=mpi bucketed sync: bucket size in MiB (DDP's default is 25).")
     mpi_allreduce: str = _f("mpi", "dp_impl=mpi bucketed sync: mpi (Iallreduce) | ring (loom's own ring).")
     timeout_s: float = _f(600.0, "A collective that does not complete in this many seconds is an error.")
+    dp_replicate: int = _f(
+        1, "zero2/fsdp: replica groups of HSDP (replicate across nodes, shard within); 1: plain FSDP."
+    )
+    dp_shard: int = _f(
+        -1, "zero2/fsdp: ranks each parameter is sharded over; -1: world / (dp_replicate * tp * pp)."
+    )
     tp: int = _f(
         1, "Tensor-parallel degree (Megatron column/row split); divides n_head. dp = world / (tp*pp)."
     )
@@ -172,6 +180,11 @@ class MetricsConfig:
     tensorboard: bool = _f(False, "Also write TensorBoard event files to <run>/tensorboard (extra: track).")
     wandb: bool = _f(False, "Also log to Weights & Biases (extra: track); WANDB_MODE=offline logs locally.")
     wandb_project: str = _f("loom", "W&B project name.")
+    detail: bool = _f(
+        False,
+        "GPUs: time each micro-batch's forward and backward (dtf, dtb) with CUDA events. Off, a GPU step "
+        "records no dtf/dtb and never waits for the device inside a step (CPUs always record them: free).",
+    )
 
 
 @dataclass
@@ -274,11 +287,14 @@ def set_key(cfg: Config, key: str, value: Any, from_text: bool = False) -> None:
 def load_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise LoomError(f"config file '{p}' does not exist", hint="give the path of a .toml file")
+        what = "is not a regular file" if p.exists() else "does not exist"  # a folder, /dev/zero, a FIFO
+        raise LoomError(f"config file '{p}' {what}", hint="give the path of a .toml file")
     try:
         return tomllib.loads(p.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise LoomError(f"config file '{p}' is not valid TOML: {e}") from None
+    except OSError as e:
+        raise LoomError(f"cannot read config file '{p}': {e.strerror or e}") from None
 
 
 def apply_dict(cfg: Config, data: dict[str, Any]) -> None:

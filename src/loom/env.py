@@ -185,6 +185,9 @@ def read_hostfile(path: str | Path) -> list[str]:
     file is missing or names no host.
     """
     path = Path(path)
+    from loom.paths import check_not_endless
+
+    check_not_endless(path, "--hostfile")
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -387,3 +390,23 @@ def _validated(env: DistEnv) -> DistEnv:
                 hint="check the launcher's variables (env | grep -E 'RANK|SIZE|SLURM|PMI|OMPI')",
             )
     return env
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, as taskset or a container's cpuset sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no sched_getaffinity on macOS
+        return os.cpu_count() or 1
+
+
+def oversubscription(nproc: int, option: str = "--nproc") -> str | None:
+    """A warning when `nproc` local processes would share fewer CPU cores than that, else None."""
+    cores = usable_cores()
+    if nproc <= cores:
+        return None
+    return (
+        f"{option} {nproc} starts {nproc} processes on the {cores} CPU core{'s' * (cores != 1)} this process "
+        f"may use (os.sched_getaffinity): each gets about {cores / nproc:.2g} of a core, so expect it to be "
+        f"slow (use at most {cores} on this machine unless that is what you want)"
+    )

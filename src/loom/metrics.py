@@ -7,6 +7,7 @@ unknown device has no MFU (None, shown as n/a), never a guessed default.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -89,10 +90,15 @@ def cpu_peak_flops(dtype: str) -> float:
         table = {}
     if key not in table:
         table[key] = measure_matmul_flops(torch.device("cpu"), dtype)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(table, indent=1))
+            os.replace(tmp, path)
+        except OSError as e:  # a cache: an unwritable one costs a measurement per run, never the run
+            from loom import log
+
+            log.warn_once(f"cannot cache the CPU peak in '{path}' ({e.strerror or e}): measured on every run")
     return float(table[key])
 
 
@@ -306,3 +312,38 @@ def open_sinks(run_dir: Path, cfg) -> Sinks:
     if m.wandb:
         sinks.append(WandbSink(m.wandb_project, run_dir.name, cfg.to_dict(), run_dir))
     return Sinks(sinks)
+
+
+class StepTimer:
+    """Forward ("f") and backward ("b") time of a step, summed over its micro-batches: dtf, dtb.
+
+    On a CPU the clock is read around each phase (the work is synchronous). On a GPU, CUDA events are
+    recorded on the stream instead, and read once when the step's record is made (after the step's one
+    host read), so timing never makes the host wait inside a step; disabled, it records nothing."""
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.enabled, self.cuda = enabled, device.type == "cuda"
+        self.spans: dict[str, list] = {"f": [], "b": []}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        if not self.enabled:
+            yield
+        elif self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.spans[phase].append((start, end))
+        else:
+            t = time.perf_counter()
+            yield
+            self.spans[phase].append(time.perf_counter() - t)
+
+    def read(self) -> dict:
+        """{"dtf": s, "dtb": s} (seconds), or {} when disabled."""
+        if not self.enabled:
+            return {}
+        if self.cuda:
+            return {f"dt{k}": sum(s.elapsed_time(e) for s, e in v) / 1000 for k, v in self.spans.items()}
+        return {f"dt{k}": float(sum(v)) for k, v in self.spans.items()}

@@ -91,6 +91,12 @@ STRATEGIES: dict[str, Strategy] = {
             Strategy(k, lambda n, a, k=k: [*PY, f"--nproc={n}", f"--parallel.dp_impl={k}", *a])
             for k in ("ddp", "zero1", "zero2", "fsdp")
         ),
+        # HSDP: parameters sharded over 2 ranks within a replica, 2 replicas (world 4: replicate x shard)
+        Strategy(
+            "hsdp",
+            lambda n, a: [*PY, f"--nproc={n}", "--parallel.dp_impl=fsdp", "--parallel.dp_replicate=2", *a],
+            min_world=4,
+        ),  # fmt: skip
         Strategy("mpi-naive", _mpi("naive")),
         Strategy("mpi-bucketed", _mpi("bucketed")),
         Strategy("tp", tp=2),
@@ -293,6 +299,25 @@ def _world(s: Strategy, nproc: int | None, cfg: Config | None = None) -> int:
     return n
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Counts, tolerances and output paths, before any run: --nproc 0 is not 'the default'."""
+    from loom.env import oversubscription
+    from loom.paths import check_output_dir, check_output_file
+
+    if args.nproc is not None and args.nproc < 1:
+        raise LoomError(
+            f"--nproc must be >= 1, got {args.nproc}", hint="leave it out for each strategy's smallest"
+        )
+    if args.nproc is not None and (warning := oversubscription(args.nproc)):
+        log.warn(warning)
+    for flag, v in {"--tol-loss": args.tol_loss, "--tol-param": args.tol_param}.items():
+        if not v >= 0:
+            raise LoomError(f"{flag} must be >= 0, got {v}")
+    check_output_dir(args.out or "runs", "--out")
+    if args.json:
+        check_output_file(args.json, "--json")
+
+
 def verify_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="loom verify", description=__doc__.split("\n\n")[0],
                                 epilog="Any config key can be set as --section.key=value, as for loom train.")  # fmt: skip
@@ -315,6 +340,7 @@ def verify_main(argv: list[str]) -> int:
         args.config = None
     if args.steps < 1:
         raise LoomError(f"--steps must be >= 1, got {args.steps}")
+    _check_args(args)
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown or not names:

@@ -15,7 +15,7 @@ import pytest
 from loom.config import load_config, mesh_degrees, validate
 from loom.errors import LoomError
 from loom.metrics import read_jsonl
-from loom.parallel.mesh import stage_layers
+from loom.model.gpt_parallel import stage_layers
 from loom.verify import STRATEGIES
 
 LOOM = [sys.executable, "-m", "loom"]

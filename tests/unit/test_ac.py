@@ -8,9 +8,15 @@ import torch
 
 from loom.errors import LoomError
 from loom.model.gpt import GPT, GPTConfig
-from loom.parallel.ac import activation_bytes, apply_activation_checkpointing
+from loom.model.gpt_parallel import blocks
+from loom.parallel.ac import activation_bytes, apply_ac
 
 CFG = GPTConfig(vocab_size=50, n_layer=3, n_head=4, n_embd=64, block_size=32, dropout=0.1)
+
+
+def apply_activation_checkpointing(model: GPT, mode: str) -> GPT:
+    apply_ac(blocks(model), mode)
+    return model
 
 
 def _run(mode: str):

@@ -24,7 +24,7 @@ def first_step(data_dir, run_dir) -> dict:
     t.batch_size, t.eval_batches, t.device = 4, 1, "cpu"
     trainer = Trainer(cfg, validate(cfg), run_dir, data_dir, torch.device("cpu"))
     rec = trainer.train_step()
-    return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "vocab": trainer.raw_model.cfg.vocab_size}
+    return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "vocab": trainer.model.cfg.vocab_size}
 
 
 @pytest.mark.parametrize("fmt", list(F.TOKEN_FORMATS))

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from loom import config, log
+from loom.data.loader import DeviceBatches
 from loom.errors import LoomError
 from loom.metrics import peak_memory_bytes
 from loom.parallel.ac import MODES, activation_bytes
@@ -109,15 +110,17 @@ def measure(cfg: config.Config, modes: list[str], steps: int, warmup: int, round
         c.train.steps = warmup + steps
         tr = Trainer(c, derived, work / f"run-{mode}", data_dir, device)
         if synthetic:
-            tr.loader = SyntheticLoader(c.train.batch_size, c.model.block_size, vocab, c.run.seed)
+            tr.batches = DeviceBatches(
+                SyntheticLoader(c.train.batch_size, c.model.block_size, vocab, c.run.seed), device
+            )
         trainers[mode] = tr
     reuse = device.type == "cpu" and cfg.train.reuse_cpu_memory
     with cpu_memory_reuse(reuse):  # as loom train does
         recs: dict[str, dict[str, Any]] = {}
         for mode, tr in trainers.items():
-            x, y = tr.loader.next_batch()
+            x, y = tr.batches.loader.next_batch()
             mb = derived.micro_batch_size
-            act = activation_bytes(tr.model, x[:mb].to(device), y[:mb].to(device), tr._autocast)
+            act = activation_bytes(tr.parallel.forward, x[:mb].to(device), y[:mb].to(device), tr._autocast)
             compile_s = None
             for _ in range(max(warmup, 1)):  # a compiled model compiles in its first step
                 rec = tr.train_step()
@@ -140,7 +143,7 @@ def measure(cfg: config.Config, modes: list[str], steps: int, warmup: int, round
         tps = len(r["dts"]) * derived.tokens_per_step / seconds
         row = {
             "bench": "train", "ac": mode, "steps": len(r["dts"]), "warmup": max(warmup, 1), "rounds": rounds,
-            "tokens_per_s": tps, "tokens_per_s_per_device": tps / tr.dp.world_size,
+            "tokens_per_s": tps, "tokens_per_s_per_device": tps / tr.dims.world_size,
             "mfu": tr.throughput.mfu(tps), "ms_per_step": 1e3 * seconds / len(r["dts"]),
             "ms_per_step_median": 1e3 * statistics.median(r["dts"]),
             "activation_bytes": r["activation_bytes"], "peak_mem_bytes": r["peak"],
@@ -218,7 +221,12 @@ def train_main(argv: list[str]) -> int:
     if bad or not modes:
         raise LoomError(f"--ac: unknown mode(s) {', '.join(bad) or '(none)'}", hint=f"use {','.join(MODES)}")
     if args.steps < 1 or args.warmup < 0 or not 1 <= args.rounds <= args.steps:
-        raise LoomError("need --steps >= 1, --warmup >= 0 and 1 <= --rounds <= --steps")
+        raise LoomError("need --steps >= 1, --warmup >= 0 and 1 <= --rounds <= --steps; got "
+                        f"--steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}")  # fmt: skip
+    if args.json:
+        from loom.paths import check_output_file
+
+        check_output_file(args.json, "--json")  # before the benchmark, not after it
     with tempfile.TemporaryDirectory(prefix="loom-bench-train-") as tmp:
         records = measure(cfg, list(dict.fromkeys(modes)), args.steps, args.warmup, args.rounds,
                           args.synthetic, Path(tmp))  # fmt: skip

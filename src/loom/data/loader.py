@@ -131,6 +131,41 @@ class ShardLoader:
         self.seed, self.cursor = state["seed"], int(state["cursor"])
 
 
+class DeviceBatches:
+    """Training batches on the device, one step ahead of the loop.
+
+    On a GPU the next batch is read into pinned host memory and copied with `non_blocking` as soon as the
+    current one is handed out, so the copy overlaps the step instead of stalling it. `state_dict()` is the
+    loader's position after the last batch handed out (not the prefetched one), so a checkpoint resumes
+    exactly where the loop was."""
+
+    def __init__(self, loader: ShardLoader, device: torch.device):
+        self.loader, self.device = loader, device
+        self._ahead: tuple | None = None  # ((x, y) on the device, the loader's state after it)
+        self._state: dict | None = None
+
+    def _fetch(self) -> tuple:
+        x, y = self.loader.next_batch()
+        state = self.loader.state_dict()
+        if self.device.type == "cuda":
+            x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
+        else:
+            x, y = x.to(self.device), y.to(self.device)
+        return (x, y), state
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, self._state = self._ahead or self._fetch()
+        self._ahead = self._fetch() if self.device.type == "cuda" else None
+        return batch
+
+    def state_dict(self) -> dict:
+        return dict(self._state) if self._state is not None else self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+        self._ahead = self._state = None
+
+
 class ValSet:
     """A fixed validation set: up to n_rows windows evenly spaced over the val split (no repeats)."""
 

@@ -1,4 +1,9 @@
-"""Process-group lifecycle: gloo on CPU, NCCL on CUDA; a timeout from config; a barrier before destroy.
+"""Process-group lifecycle: a backend per device type; a timeout from config; a barrier before destroy.
+
+A GPU job's group is `cpu:gloo,cuda:nccl`: NCCL carries the CUDA tensors (gradients, parameters, activations)
+and gloo the small CPU tensors of the control plane (`loom.distributed.comm`: config agreement, stop and
+non-finite flags, the checkpoint outcome). An NCCL-only group has no backend for a CPU tensor, so every
+control-plane collective of a multi-GPU job would fail before its first step.
 
 On this machine 4-process gloo runs abort at exit ("terminate called without an active exception") unless
 every rank passes a barrier before `destroy_process_group()`, so `shutdown()` always does that.
@@ -18,7 +23,15 @@ from loom.errors import LoomError
 
 
 def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    """The backend string for a job on `device`: one backend per device type the job's tensors live on."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def served_device_types(backend: str) -> set[str]:
+    """The device types a backend string can run collectives on ("cpu:gloo,cuda:nccl" -> {cpu, cuda})."""
+    if ":" in backend:
+        return {part.split(":")[0].strip() for part in backend.split(",")}
+    return {"nccl": {"cuda"}, "gloo": {"cpu", "cuda"}, "mpi": {"cpu", "cuda"}}.get(backend, {"cpu"})
 
 
 def init(env: DistEnv, device: torch.device, timeout_s: float) -> None:

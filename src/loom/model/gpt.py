@@ -9,6 +9,7 @@ shard heads without touching this file.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -177,18 +178,41 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying (GPT-2)
-        self.apply(self._init_weights)
+        if self.wte.weight.device.type != "meta":  # built on the meta device: initialised after sharding
+            self.reset_parameters(int(torch.randint(2**62, ())))  # the seed follows torch.manual_seed
 
-    def _init_weights(self, m: nn.Module) -> None:
-        # GPT-2: N(0, 0.02) everywhere; residual output projections scaled by 1/sqrt(2 * n_layer) so the
-        # residual stream's variance does not grow with depth.
-        if isinstance(m, nn.Linear):
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(m, "residual_scale", False) else 0.02
-            nn.init.normal_(m.weight, mean=0.0, std=std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+    def reset_parameters(self, seed: int) -> None:
+        """Every parameter to its initial values for `seed` (see init_param)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                self.init_param(name, p, seed)
+
+    @torch.no_grad()
+    def init_param(self, name: str, t: torch.Tensor, seed: int) -> None:
+        """Fill t, the whole parameter `name`, with its initial values.
+
+        GPT-2: N(0, 0.02) for embeddings and matrices, residual output projections scaled by 1/sqrt(2 * n_layer)
+        so the residual stream's variance does not grow with depth; LayerNorm gains 1, biases 0. The values
+        come from a generator seeded by (seed, name), so they do not depend on which other parameters exist
+        or in which order they are made: a sharded or pipelined model initialises each of its pieces to the
+        same weights as one process (loom.parallel builds models on the meta device and calls this per name).
+        """
+        if name == "lm_head.weight":
+            name = "wte.weight"  # tied: one tensor
+        try:
+            module = self.get_submodule(name.rpartition(".")[0])
+        except AttributeError:  # a pipeline stage without the embedding keeps only the tied head
+            module = None
+        if name.endswith(".bias"):
+            t.zero_()
+        elif isinstance(module, nn.LayerNorm):
+            t.fill_(1.0)
+        else:
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_scale", False) else 0.02
+            g = torch.Generator(device=t.device).manual_seed(
+                (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+            )
+            t.normal_(0.0, std, generator=g)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None

@@ -1,1 +1,217 @@
-"""Parallelism applied to a single-device model from outside: DDP, FSDP2, ZeRO, TP/SP, PP and MPI-DP."""
+"""Parallelism applied to a single-device model from outside, in one fixed order (torchtitan's):
+
+    tensor parallel -> pipeline split -> activation checkpointing -> compile -> FSDP/HSDP
+    -> materialize (the model was built on the meta device) -> DDP or MPI gradient sync
+
+One module per parallelism with generic functions (tensor.py, pipeline.py, ac.py, compile.py, fsdp.py,
+ddp.py, zero.py, mpi_dp.py); what names a model's modules comes from the model side (`spec`, e.g.
+loom/model/gpt_parallel.py). The trainer holds a `Parallelized` and asks it only what a step needs.
+Adding a parallelism: a module here, its step in `parallelize`, its strategy in loom/verify.py, a test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from loom import log
+from loom.optim.build import build_optimizer, param_groups
+from loom.parallel import state
+from loom.parallel.dims import ParallelDims
+from loom.parallel.grads import clip_grad_norm
+from loom.parallel.tensor import LocalLoss, align_grads, local, loss_context
+
+
+class Parallelized:
+    """The model parts of this rank and the few things a training step asks of the layout."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, spec):
+        self.model, self.dims, self.device, self.spec = model, dims, device, spec
+        self.forward: nn.Module = model  # what a micro-step calls: DDP's wrapper, the TP loss wrapper, ...
+        self.pipeline = None  # loom.parallel.pipeline.Pipeline when pp > 1
+        self.fsdp_roots: list[nn.Module] = []
+        self.grad_sync = None  # MPI's gradient synchroniser (loom.parallel.mpi_dp)
+        self.tied_group = None  # pp: the first and last stage's group, for the tied embedding/head
+        # the single-device model's names, for checkpoints: state-dict keys and the optimizer's order
+        self.names = list(model.state_dict().keys())
+        ids = {id(p): n for n, p in model.named_parameters()}
+        self.order = [[ids[id(p)] for p in g["params"]] for g in param_groups(model, 0.0)]
+
+    # ----------------------------------------------------------------------------- a step
+    def no_sync(self, skip: bool):
+        """Within it, backward accumulates gradients without communicating (all micro-steps but the last)."""
+        if self.fsdp_roots:
+            from loom.parallel.fsdp import set_gradient_sync
+
+            set_gradient_sync(self.fsdp_roots, not skip)
+        elif skip and self.grad_sync is not None:
+            return self.grad_sync.no_sync()
+        elif skip and hasattr(self.forward, "no_sync"):
+            return self.forward.no_sync()
+        return contextlib.nullcontext()
+
+    def loss_context(self):
+        return loss_context(self.dims.tp_enabled and not self.dims.pp_enabled)
+
+    def sync_grads(self) -> None:
+        """After the last backward of a step: what the wrappers do not do during backward."""
+        if self.grad_sync is not None:
+            self.grad_sync.sync()
+        if self.dims.tp_enabled:
+            align_grads(self.model.parameters())
+        if self.dims.pp_enabled and self.tied_group is not None:
+            # A tied pair (embedding/head) on the first and the last stage: their gradients are two halves of one.
+            tied = set(self.spec.TIED) | set(self.spec.TIED.values())
+            for name, w in self.model.named_parameters():
+                if name in tied and w.grad is not None:
+                    dist.all_reduce(local(w.grad), group=self.tied_group)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        shared = set(self.spec.TIED) | set(self.spec.TIED.values()) if self.dims.pp_enabled else set()
+        return clip_grad_norm(self.model, max_norm, self.dims, shared)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """A sum over every rank of the job, on the job's device (losses, eval sums)."""
+        if self.grad_sync is not None:
+            return self.grad_sync.all_reduce_sum(t)
+        if self.dims.world_size == 1:
+            return t
+        t = t.detach().clone()
+        dist.all_reduce(t)
+        return t
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over data-parallel replicas of the loss (only the last pipeline stage has one)."""
+        holds = not self.dims.pp_enabled or self.pipeline.holds_last
+        total = self.all_reduce_sum(loss if holds else torch.zeros_like(loss))
+        return total / (self.dims.dp * self.dims.tp)
+
+    def build_optimizer(self, ocfg) -> torch.optim.Optimizer:
+        if self.dims.dp_impl == "zero1" and self.dims.dp_enabled:
+            from loom.parallel.zero import build_zero1_optimizer
+
+            return build_zero1_optimizer(self.model, ocfg, self.device)
+        impl = ocfg.impl
+        if self.dims.tp_enabled and not self.fsdp_roots:
+            impl = (
+                "torch-loop"  # foreach/fused want one kind of tensor per list: TP mixes DTensors and tensors
+            )
+        elif self.fsdp_roots and impl in ("auto", "torch-fused"):
+            impl = "torch-foreach"  # fused AdamW does not take DTensor parameters on every device
+        if impl != ocfg.impl and ocfg.impl != "auto":
+            log.warn(f"optim.impl={ocfg.impl} does not take this layout's parameters; using {impl}")
+        return build_optimizer(self.model, replace(ocfg, impl=impl), self.device)
+
+    # ----------------------------------------------------------------------------- eval and sampling
+    def eval_model(self) -> nn.Module:
+        """The module validation calls: the unwrapped model, unless the wrapper is what makes it work (TP)."""
+        return self.model if isinstance(self.forward, nn.parallel.DistributedDataParallel) else self.forward
+
+    def sampling_model(self) -> nn.Module | None:
+        """The model this rank samples with, or None (called on every rank; may be a collective)."""
+        if self.dims.model_parallel:  # a whole single-device copy on rank 0
+            sd = self.model_state()
+            if not self.dims.is_main:
+                return None
+            full = type(self.model)(self.model.cfg).to(self.device)
+            full.load_state_dict(sd)
+            return full
+        if self.fsdp_roots:
+            return self.model  # every rank runs the (sharded) forward passes
+        return self.model if self.dims.is_main else None
+
+    # ----------------------------------------------------------------------------- checkpoint state
+    def model_state(self) -> dict:
+        return state.model_state(self.model, self.dims, self.names, self.spec.TIED)
+
+    def load_model_state(self, sd: dict) -> None:
+        state.load_model_state(self.model, sd, self.spec.TIED)
+
+    def optim_state(self, opt) -> dict:
+        if self.dims.dp_impl == "zero1" and self.dims.dp_enabled:
+            from loom.parallel.zero import zero1_state
+
+            return zero1_state(opt, self.dims.is_main)
+        return state.optim_state(self.model, opt, self.dims, self.order, self.spec.TIED)
+
+    def load_optim_state(self, opt, sd: dict) -> None:
+        if self.dims.dp_impl == "zero1" and self.dims.dp_enabled:
+            opt.load_state_dict(sd)
+        else:
+            state.load_optim_state(self.model, opt, sd, self.order, self.spec.TIED)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device, spec, *, precision: str = "fp32",
+                n_microbatches: int = 1, init=None) -> Parallelized:  # fmt: skip
+    """Apply the layout `dims` to `model` (built on the meta device, or already materialized) in the fixed
+    order; `init(name, whole_tensor)` gives a meta-built parameter its initial values (loom.parallel.init)."""
+    from loom.parallel.ac import apply_ac
+    from loom.parallel.compile import apply_compile
+
+    p, t = cfg.parallel, cfg.train
+    par = Parallelized(model, dims, device, spec)
+    mesh = dims.build_mesh(device.type) if dims.model_parallel or dims.fsdp_enabled else None
+    if dims.tp_enabled:
+        from loom.parallel.tensor import apply_tp
+
+        apply_tp(model, mesh["tp"], spec.tp_plan(model, dims.tp, p.sp, loss_parallel=not dims.pp_enabled))
+        spec.retie(model)
+    roots = [model]
+    if dims.pp_enabled:
+        from loom.parallel.pipeline import stage_ids
+
+        ids, n_stages = stage_ids(p.pp_schedule, dims.pp, dims.pp_rank)
+        roots = spec.split_stages(model, ids, n_stages)
+    blocks = [b for root in roots for b in spec.blocks(root)]
+    apply_ac(blocks, t.activation_checkpointing)
+    if t.compile:
+        apply_compile(blocks)
+    if dims.fsdp_enabled or (dims.model_parallel and dims.dp_enabled):
+        from loom.parallel.fsdp import apply_fsdp, mp_policy
+
+        dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+        reshard = dims.dp_impl == "fsdp" and dims.dp_shard > 1  # zero2 and replicas keep gathered parameters
+        mp = mp_policy(p.param_dtype, p.reduce_dtype, device, precision)
+        apply_fsdp(roots, spec.blocks, dp_mesh, reshard, mp, p.cpu_offload, device)
+        par.fsdp_roots = roots
+    if any(t.is_meta for t in model.parameters()):
+        from loom.parallel.init import materialize
+
+        materialize(model, device, init, spec.TIED)
+        spec.retie(model)  # to_empty gave each module of a tied pair its own new tensor
+    if dims.pp_enabled:
+        from loom.parallel.pipeline import Pipeline
+
+        par.pipeline = Pipeline(
+            roots, ids, n_stages, mesh["pp"].get_group(), device, p.pp_schedule, n_microbatches
+        )
+        par.tied_group = _first_last_group(dims)
+    elif dims.tp_enabled:
+        par.forward = LocalLoss(model)
+    elif dims.dp_impl in ("ddp", "zero1") and dims.dp_enabled:
+        from loom.parallel.ddp import apply_ddp
+
+        par.forward = apply_ddp(model, device)
+    elif dims.dp_impl == "mpi":
+        from loom.parallel.mpi_dp import BucketedSync, NaiveSync, mpi_comm
+
+        comm = mpi_comm()
+        par.grad_sync = (NaiveSync(model, comm) if p.mpi_sync == "naive"
+                         else BucketedSync(model, comm, p.bucket_mb, p.mpi_allreduce))  # fmt: skip
+    return par
+
+
+def _first_last_group(dims: ParallelDims):
+    """The group of the first and last pipeline stage with this rank's dp and tp coordinates (every rank
+    creates every group, in the same order, as torch.distributed requires)."""
+    mine, per_stage = None, dims.dp * dims.tp
+    for k in range(per_stage):
+        ranks = [s * per_stage + k for s in (0, dims.pp - 1)]
+        group = dist.new_group(ranks)
+        if dims.rank in ranks:
+            mine = group
+    return mine

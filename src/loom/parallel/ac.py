@@ -55,8 +55,8 @@ def _checkpointed(forward, mode: str, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_context, **kwargs)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """Checkpoint every block of `model.blocks` in `mode` (none | full | selective); returns the model.
+def apply_ac(blocks: list[torch.nn.Module], mode: str) -> None:
+    """Checkpoint each block in `mode` (none | full | selective).
 
     Applied once, before torch.compile and data parallelism (the order of `loom.parallel`)."""
     if mode not in MODES:
@@ -64,16 +64,12 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> torch.n
             f"unknown train.activation_checkpointing '{mode}'", hint=f"use one of {', '.join(MODES)}"
         )
     if mode == "none":
-        return model
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        raise LoomError("activation checkpointing needs a model with a `blocks` list of transformer blocks")
+        return
     for block in blocks:
         if getattr(block, "_loom_ac", None):
             raise LoomError("activation checkpointing is already applied to this model")
         block.forward = functools.partial(_checkpointed, block.forward, mode)
         block._loom_ac = mode
-    return model
 
 
 def activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None) -> int:

@@ -1,118 +1,63 @@
-"""Sharded data parallelism with FSDP2 (`fully_shard`): ZeRO-2 and ZeRO-3.
+"""Sharded data parallelism with FSDP2 (`fully_shard`): ZeRO-2, ZeRO-3 and HSDP.
 
-`fully_shard` is applied to every transformer block and then to the root (which holds the embeddings, the
-final norm and the tied head), as torchtitan does: each block's parameters are all-gathered just before
-its forward/backward and its gradients reduce-scattered just after, so only one block is ever whole.
-ZeRO-3 (`fsdp`) frees the gathered parameters after forward (reshard_after_forward=True); ZeRO-2
-(`zero2`) keeps them until backward, trading memory for one all-gather less (Rajbhandari et al., 2020).
+`fully_shard` is applied to every transformer block and then to the root (the embeddings, the final norm and
+the tied head), as torchtitan does: each block's parameters are all-gathered just before its forward/backward
+and its gradients reduce-scattered just after, so only one block is ever whole. ZeRO-3 (`fsdp`) frees the
+gathered parameters after forward (reshard_after_forward=True); ZeRO-2 (`zero2`) keeps them until backward,
+trading memory for one all-gather less (Rajbhandari et al., 2020).
 
-Checkpoints go through torch.distributed.checkpoint's state-dict API with full_state_dict=True: rank 0
-receives the full, unsharded model and optimizer state (in torch's ordinary formats), so a run saved at one
-world size or implementation resumes at any other and `loom generate` reads it as usual.
+HSDP: on a 2-D mesh (dp_replicate, dp_shard) parameters are sharded within a replica group and replicated
+across groups; gradients are reduce-scattered within a group, then all-reduced across groups. With
+dp_shard = 1 that is plain replicated data parallel, which is how tensor/pipeline layouts get `ddp` for
+their data-parallel dimension.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+import torch.nn as nn
 
 from loom import log
 from loom.errors import LoomError
-from loom.parallel.ddp import TorchDDP
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "": None}
-
-
-class TorchFSDP(TorchDDP):
-    sharded = True
-
-    def __init__(self, rank: int, size: int, device: torch.device, reshard_after_forward: bool,
-                 param_dtype: str = "", reduce_dtype: str = "", cpu_offload: bool = False):  # fmt: skip
-        super().__init__(rank, size, device)
-        self.reshard_after_forward = reshard_after_forward
-        for name, d in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-            if d not in DTYPES:
-                raise LoomError(f"parallel.{name} must be one of fp32, bf16, fp16 or empty; got '{d}'")
-        if param_dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise LoomError("parallel.param_dtype=bf16 but this GPU cannot run bf16", hint="use fp16 or fp32")
-        self.param_dtype, self.reduce_dtype = DTYPES[param_dtype], DTYPES[reduce_dtype]
-        self.cpu_offload = cpu_offload
-        if cpu_offload and device.type == "cpu":
-            log.warn("parallel.cpu_offload has no effect on a CPU device; ignored")
-            self.cpu_offload = False
-
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(self.device.type, (self.size,), mesh_dim_names=("dp",))
-        kwargs = {
-            "mesh": mesh,
-            "reshard_after_forward": self.reshard_after_forward,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype),
-        }
-        if self.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
-        for block in model.blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
-
-    def build_optimizer(self, model, ocfg, device):
-        # fused AdamW does not take DTensor parameters on every device; foreach does.
-        if ocfg.impl in ("auto", "torch-fused"):
-            from dataclasses import replace
-
-            ocfg = replace(ocfg, impl="torch-foreach")
-        return super().build_optimizer(model, ocfg, device)
-
-    def no_sync(self, model, skip: bool):
-        model.set_requires_gradient_sync(not skip)
-        return super().no_sync(model, False)
-
-    def broadcast_model(self, model: torch.nn.Module) -> None:
-        """Every rank initialised (or loaded) the same weights before sharding: nothing to send."""
-
-    def model_state(self, model):
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-    def load_model_state(self, model, sd):
-        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))
-
-    def optim_state(self, model, opt):
-        fqn_sd = get_optimizer_state_dict(
-            model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        return to_index_keys(fqn_sd, model, opt) if fqn_sd else {}
-
-    def load_optim_state(self, model, opt, sd):
-        set_optimizer_state_dict(
-            model, opt, to_fqn_keys(sd, model, opt), options=StateDictOptions(full_state_dict=True)
-        )
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _names_in_optimizer_order(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for g in opt.param_groups for p in g["params"]]
+def mp_policy(param_dtype: str, reduce_dtype: str, device: torch.device, precision: str):
+    """FSDP's mixed precision. Empty param_dtype: bf16 on GPUs when training in bf16 (the gathered copies
+    and the compute are bf16, half the all-gather bytes), else as stored; empty reduce_dtype: fp32, so
+    gradients are summed at full precision (torchtitan's default). On CPUs both stay fp32 unless asked."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    for name, d in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if d and d not in DTYPES:
+            raise LoomError(f"parallel.{name} must be one of fp32, bf16, fp16 or empty; got '{d}'")
+    if param_dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise LoomError("parallel.param_dtype=bf16 but this GPU cannot run bf16", hint="use fp16 or fp32")
+    if not param_dtype and device.type == "cuda" and precision == "bf16":
+        param_dtype = "bf16"
+    if not reduce_dtype and param_dtype and param_dtype != "fp32":
+        reduce_dtype = "fp32"
+    return MixedPrecisionPolicy(param_dtype=DTYPES.get(param_dtype), reduce_dtype=DTYPES.get(reduce_dtype))
 
 
-def to_index_keys(fqn_sd: dict, model, opt) -> dict:
-    """DCP's name-keyed optimizer state -> torch's index-keyed format (what a plain AdamW saves)."""
-    order = _names_in_optimizer_order(model, opt)
-    index = {n: i for i, n in enumerate(order)}
-    state = {index[n]: v for n, v in fqn_sd["state"].items()}
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in fqn_sd["param_groups"]]
-    return {"state": state, "param_groups": groups}
+def apply_fsdp(roots: list[nn.Module], units_of, mesh, reshard_after_forward: bool, mp, cpu_offload: bool,
+               device: torch.device) -> None:  # fmt: skip
+    """fully_shard every unit (transformer block) of each root, then the root itself."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mp}
+    if cpu_offload and device.type == "cpu":
+        log.warn("parallel.cpu_offload has no effect on a CPU device; ignored")
+    elif cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for root in roots:
+        for unit in units_of(root):
+            fully_shard(unit, **kw)
+        fully_shard(root, **kw)
 
 
-def to_fqn_keys(sd: dict, model, opt) -> dict:
-    order = _names_in_optimizer_order(model, opt)
-    state = {order[i]: v for i, v in sd["state"].items()}
-    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]
-    return {"state": state, "param_groups": groups}
+def set_gradient_sync(roots: list[nn.Module], enabled: bool) -> None:
+    """Within gradient accumulation, skip the reduce-scatter of all micro-steps but the last."""
+    for root in roots:
+        root.set_requires_gradient_sync(enabled)

@@ -158,6 +158,12 @@ class _GradSync:
         self.cuda_aware = any(p.is_cuda for p in self.params) and cuda_aware_mpi()
         self.require_sync = True
 
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """A sum over all ranks of a small tensor (losses, eval sums), through host memory."""
+        host = t.detach().to("cpu", copy=True).contiguous()
+        self.comm.Allreduce(_mpi().IN_PLACE, host.numpy(), op=_mpi().SUM)
+        return host.to(t.device)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Within this block backward only accumulates gradients locally; no communication.

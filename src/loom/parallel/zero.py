@@ -11,23 +11,20 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from loom.optim.build import param_groups, resolve_impl
-from loom.parallel.ddp import TorchDDP
 
 
-class TorchZeRO1(TorchDDP):
-    def build_optimizer(self, model, ocfg, device):
-        impl = resolve_impl(ocfg.impl, device)
-        groups = param_groups(model, ocfg.weight_decay)
-        kw = dict(lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps)
-        kw["fused" if impl == "torch-fused" else "foreach"] = impl in ("torch-fused", "torch-foreach")
-        opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                      weight_decay=groups[0]["weight_decay"], **kw)  # fmt: skip
-        opt.add_param_group(groups[1])
-        return opt
+def build_zero1_optimizer(model: torch.nn.Module, ocfg, device: torch.device) -> ZeroRedundancyOptimizer:
+    impl = resolve_impl(ocfg.impl, device)
+    groups = param_groups(model, ocfg.weight_decay)
+    kw = dict(lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps)
+    kw["fused" if impl == "torch-fused" else "foreach"] = impl in ("torch-fused", "torch-foreach")
+    opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                  weight_decay=groups[0]["weight_decay"], **kw)  # fmt: skip
+    opt.add_param_group(groups[1])
+    return opt
 
-    def optim_state(self, model, opt):
-        opt.consolidate_state_dict(to=0)
-        return opt.state_dict() if self.rank == 0 else {}
 
-    def load_optim_state(self, model, opt, sd):
-        opt.load_state_dict(sd)
+def zero1_state(opt: ZeroRedundancyOptimizer, is_main: bool) -> dict:
+    """The full optimizer state on rank 0 (a collective); {} elsewhere."""
+    opt.consolidate_state_dict(to=0)
+    return opt.state_dict() if is_main else {}

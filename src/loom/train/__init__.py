@@ -8,10 +8,11 @@ from pathlib import Path
 
 from loom import checkpoint, log
 from loom.config import Config, Derived, config_from_dict, diff_configs, load_toml, mesh_degrees, validate
+from loom.distributed.comm import Control
 from loom.env import DistEnv, detect_env
 from loom.errors import LoomError
-from loom.parallel.base import DataParallel
-from loom.train.setup import resolve_data, resolve_device, resolve_run_dir, resumed_config
+from loom.parallel.dims import ParallelDims
+from loom.train.setup import check_writable, resolve_data, resolve_device, resolve_run_dir, resumed_config
 from loom.train.trainer import Trainer
 
 
@@ -44,6 +45,9 @@ def plan_run(cfg: Config, resume, force: bool, explicit: set[str], dp_size: int)
     ckpt = checkpoint.resolve_resume(run_dir, resume) if resume else None
     if ckpt is not None:
         check_checkpoint_model(ckpt, cfg)
+        check_not_finished(ckpt, cfg, run_dir)
+    if run_dir is None:  # before the data, which may mean preparing the built-in corpus
+        check_writable(Path(cfg.run.dir))
     data_dir = resolve_data(cfg)
     if run_dir is not None and (run_dir / "tokenizer" / "meta.json").is_file():
         from loom.data.loader import read_meta
@@ -104,6 +108,24 @@ def check_checkpoint_model(ckpt: Path, cfg: Config) -> None:
                         hint="resume with the checkpoint's model settings, or start a new run")  # fmt: skip
 
 
+def check_not_finished(ckpt: Path, cfg: Config, run_dir: Path) -> None:
+    """--resume of a run whose checkpoint already reached train.steps would only print "resumed" and stop:
+    an error that says how to extend it (a warning under train.resume=auto or an elastic restart, which
+    may legitimately start a job again after it finished)."""
+    step = checkpoint.read_state(ckpt)["step"]
+    if step < cfg.train.steps:
+        return
+    more = step + max(cfg.train.steps, 1)
+    msg = (f"run '{run_dir}' already reached train.steps={cfg.train.steps} (checkpoint '{ckpt.name}' is at step "
+           f"{step}): there is nothing left to train")  # fmt: skip
+    hint = f"to train further, resume with a larger train.steps, e.g. --resume --train.steps={more}"
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if cfg.train.resume == "auto" or restarted:
+        log.warn(f"{msg} ({hint})")
+        return
+    raise LoomError(msg, hint=hint)
+
+
 def layout_config(cfg: Config, resume, force: bool, explicit: set[str]) -> Config:
     """The config whose parallel layout this job runs: on resume the saved one (command-line keys win).
     Only reads files, so every rank can call it before any process group exists."""
@@ -113,91 +135,97 @@ def layout_config(cfg: Config, resume, force: bool, explicit: set[str]) -> Confi
 
 
 def dp_impl_for(cfg: Config, env: DistEnv) -> str:
+    """The data-parallel implementation this job runs, after every degree rule (before any process group)."""
     impl = cfg.parallel.dp_impl
     if cfg.parallel.tp * cfg.parallel.pp > 1:
         mesh_degrees(cfg, env.world_size)  # every divisibility rule, before any process group exists
-        return "ddp" if impl in ("auto", "none") else impl
-    if impl == "auto":
-        return "ddp" if env.world_size > 1 else "none"
-    if impl == "none" and env.world_size > 1:
+        impl = "ddp" if impl in ("auto", "none") else impl
+    elif impl == "auto":
+        impl = "ddp" if env.world_size > 1 else "none"
+    elif impl == "none" and env.world_size > 1:
         raise LoomError(
             f"parallel.dp_impl=none but the launcher started {env.world_size} processes",
             hint="use parallel.dp_impl=ddp (or auto), or start one process",
         )
+    if impl != "mpi":
+        check_node_layout(ParallelDims.from_config(cfg.parallel, env.world_size, env.rank, impl), env)
     return impl
 
 
-def build_dp(impl: str, env: DistEnv, cfg: Config, device):
-    """The data-parallel value for `impl`; joins the process group where one is needed."""
-    if cfg.parallel.tp * cfg.parallel.pp > 1:
-        from loom.distributed import process_group
-        from loom.distributed.topology import Topology
-        from loom.parallel.mesh import MeshParallel
+def check_node_layout(dims: ParallelDims, env: DistEnv) -> None:
+    """Warn (rank 0) when a layout sends frequent collectives across nodes: tp and dp_shard belong within one."""
+    per_node = env.local_world_size
+    if env.num_nodes <= 1 or per_node <= 0:
+        return
+    if dims.tp > per_node:
+        log.warn(f"parallel.tp={dims.tp} is larger than the {per_node} processes per node: tensor-parallel "
+                 "all-reduces (two per layer, forward and backward) cross nodes")  # fmt: skip
+    elif dims.fsdp_enabled and dims.dp_shard * dims.tp > per_node:
+        log.warn(
+            f"parallel.dp_shard={dims.dp_shard} x tp={dims.tp} spans more than the {per_node} processes per node: "
+            "FSDP's all-gathers and reduce-scatters (every layer) cross nodes; HSDP keeps them within one "
+            f"(e.g. parallel.dp_replicate={env.num_nodes} for one replica per node when pp=1)"
+        )
 
-        dp, tp, pp = mesh_degrees(cfg, env.world_size)
-        derived = validate(cfg, dp)  # micro-batch and schedule rules, still before joining the group
-        process_group.init(env, device, cfg.parallel.timeout_s)
-        topo = Topology(env.rank, env.world_size, dp, tp, pp)
-        return MeshParallel(topo, device, cfg.parallel, impl, derived.pp_microbatches)
-    if impl == "none":
-        return DataParallel()
-    if impl in ("ddp", "zero1", "zero2", "fsdp"):
-        from loom.distributed import process_group
-        from loom.parallel.ddp import TorchDDP
-        from loom.parallel.fsdp import TorchFSDP
-        from loom.parallel.zero import TorchZeRO1
 
-        p = cfg.parallel
-        if impl in ("zero2", "fsdp"):  # validate options before joining the group
-            dp = TorchFSDP(
-                env.rank, env.world_size, device, impl == "fsdp", p.param_dtype, p.reduce_dtype, p.cpu_offload
-            )
-        process_group.init(env, device, p.timeout_s)
-        if impl == "ddp":
-            return TorchDDP(env.rank, env.world_size, device)
-        if impl == "zero1":
-            return TorchZeRO1(env.rank, env.world_size, device)
-        return dp
+def build_layout(impl: str, env: DistEnv, cfg: Config, device) -> tuple[ParallelDims, Control]:
+    """The job's layout and its control plane; joins the process group (or MPI's world) where one is needed."""
+    from loom.distributed import process_group
+    from loom.distributed.comm import MpiControl, TorchControl
+
+    p = cfg.parallel
     if impl == "mpi":
-        from loom.parallel.mpi_trainer import MpiDP
+        from loom.parallel.mpi_dp import mpi_comm
 
-        p = cfg.parallel
-        dp = MpiDP(p.mpi_sync, p.bucket_mb, p.mpi_allreduce)
-        if dp.size < env.world_size:  # processes started by another launcher: each its own 1-process world
+        if p.bucket_mb <= 0:
             raise LoomError(
-                f"parallel.dp_impl=mpi but MPI sees {dp.size} process(es) where {env.source} started "
+                f"parallel.bucket_mb must be > 0, got {p.bucket_mb}", hint="e.g. 25 (DDP's default)"
+            )
+        comm = mpi_comm()
+        size = comm.Get_size()
+        if size < env.world_size:  # processes started by another launcher: each its own 1-process world
+            raise LoomError(
+                f"parallel.dp_impl=mpi but MPI sees {size} process(es) where {env.source} started "
                 f"{env.world_size}: they would train separately into the same run",
                 hint=f"start MPI jobs with mpiexec -n {env.world_size} loom train ... (or loom launch)",
             )
-        if dp.size != env.world_size:
-            log.warn(f"MPI world size {dp.size} differs from the launcher's {env.world_size} ({env.source})")
-        return dp
-    raise LoomError(f"unknown parallel.dp_impl '{impl}'")
+        if size != env.world_size:
+            log.warn(f"MPI world size {size} differs from the launcher's {env.world_size} ({env.source})")
+        if size == 1:
+            log.warn("parallel.dp_impl=mpi with one process (not started by mpiexec?): training alone")
+        return ParallelDims(size, 1, 1, 1, size, comm.Get_rank(), "mpi"), MpiControl(comm)
+    dims = ParallelDims.from_config(p, env.world_size, env.rank, impl)
+    validate(cfg, dims.dp)  # micro-batch and schedule rules, still before joining the group
+    if dims.fsdp_enabled:  # FSDP's options, before joining the group
+        from loom.parallel.fsdp import mp_policy
+
+        mp_policy(p.param_dtype, p.reduce_dtype, device, "fp32")
+    if impl == "none":
+        return dims, Control()
+    process_group.init(env, device, p.timeout_s)
+    return dims, TorchControl()
 
 
-def shutdown(dp, clean: bool) -> None:
+def shutdown(dims: ParallelDims, control: Control, clean: bool) -> None:
     """Every rank waits for the others (rank 0 may still be sampling or saving) before leaving."""
-    from loom.parallel.ddp import TorchDDP
-    from loom.parallel.mesh import MeshParallel
-    from loom.parallel.mpi_trainer import MpiDP
+    if dims.dp_impl == "mpi":
+        if clean:
+            control.barrier()
+        return
+    from loom.distributed import process_group
 
-    if isinstance(dp, TorchDDP | MeshParallel):
-        from loom.distributed import process_group
-
-        process_group.shutdown(clean, destroy_timeout_s=30.0 if clean else 1.0)  # failed: leave promptly
-    elif isinstance(dp, MpiDP) and clean:
-        dp.comm.Barrier()
+    process_group.shutdown(clean, destroy_timeout_s=30.0 if clean else 1.0)  # failed: leave promptly
 
 
-def agree(dp, fn):
+def agree(control: Control, fn):
     """Rank 0 runs fn (checks, run-dir choice) and every rank receives its result or its error."""
     result = error = None
-    if dp.rank == 0:
+    if control.rank == 0:
         try:
             result = fn()
         except LoomError as e:
             error = e
-    result, msg = dp.broadcast_object((result, str(error) if error else None))
+    result, msg = control.broadcast_object((result, str(error) if error else None))
     if error is not None:
         raise error
     if msg is not None:
@@ -205,18 +233,14 @@ def agree(dp, fn):
     return result
 
 
-def check_same_config(dp, cfg: Config) -> None:
+def check_same_config(control: Control, cfg: Config) -> None:
     """Rank 0 broadcasts its resolved config; a rank that parsed a different one names the keys."""
-    if dp.size == 1:
+    if control.size == 1:
         return
-    import torch
-
-    from loom.config import config_from_dict, diff_configs
-
-    diff = diff_configs(config_from_dict(dp.broadcast_object(cfg.to_dict())), cfg)
-    bad = int(dp.all_reduce_sum(torch.tensor([1.0 if diff else 0.0])).item())
+    diff = diff_configs(config_from_dict(control.broadcast_object(cfg.to_dict())), cfg)
+    bad = int(control.all_reduce_sum([1.0 if diff else 0.0])[0])
     if diff:
-        raise LoomError(f"rank {dp.rank}'s config differs from rank 0's: " + "; ".join(diff),
+        raise LoomError(f"rank {control.rank}'s config differs from rank 0's: " + "; ".join(diff),
                         hint="start every rank with the same command line and config file")  # fmt: skip
     if bad:
         raise PeerError(f"{bad} rank(s) were started with a config that differs from rank 0's")
@@ -235,13 +259,13 @@ def run(
     layout = layout_config(cfg, resume, force, explicit or set())  # the saved layout when resuming
     impl = dp_impl_for(layout, env)
     device = resolve_device(cfg.train.device, env.local_rank)
-    dp = build_dp(impl, env, layout, device)
+    dims, control = build_layout(impl, env, layout, device)
     clean, trainer = False, None
     try:
         if env.world_size > 1:
             log.info(f"launcher {env.source}: {env}")
-        check_same_config(dp, cfg)
-        plan = agree(dp, lambda: plan_run(cfg, resume, force, explicit or set(), dp.size))
+        check_same_config(control, cfg)
+        plan = agree(control, lambda: plan_run(cfg, resume, force, explicit or set(), dims.dp))
         if plan.cfg.run.rank_logs:
             log.setup(
                 rank=env.rank, all_ranks=log_all_ranks, file=plan.run_dir / "logs" / f"rank{env.rank}.log"
@@ -249,9 +273,9 @@ def run(
         log.info(
             f"global batch {plan.cfg.train.batch_size} x {plan.cfg.model.block_size} = "
             f"{plan.derived.tokens_per_step:,} tokens/step | micro-batch {plan.derived.micro_batch_size}"
-            f" | grad accum {plan.derived.grad_accum} | {dp.describe() if dp.world_size > dp.size else f'dp {dp.size} ({impl})'}"
+            f" | grad accum {plan.derived.grad_accum} | {dims.describe()}"
         )
-        trainer = Trainer(plan.cfg, plan.derived, plan.run_dir, plan.data_dir, device, dp)
+        trainer = Trainer(plan.cfg, plan.derived, plan.run_dir, plan.data_dir, device, dims, control)
         if plan.ckpt is not None:
             trainer.load(plan.ckpt)
         if env.world_size > 1 and impl != "mpi":
@@ -275,4 +299,4 @@ def run(
             raise describe_failure(e, env.rank, op, step, cfg.parallel.timeout_s, hb) from None
         raise
     finally:
-        shutdown(dp, clean)
+        shutdown(dims, control, clean)

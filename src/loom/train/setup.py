@@ -22,8 +22,9 @@ from loom.metrics import cache_dir
 from loom.outputs import check_apart, replace_output
 
 
-def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
-    """auto picks cuda > mps > cpu (cuda:<local rank> in a multi-process job); a missing device is an error."""
+def resolve_device(spec: str, local_rank: int = 0, key: str = "train.device") -> torch.device:
+    """auto picks cuda > mps > cpu (cuda:<local rank> in a multi-process job); a missing device is an error.
+    `key` is the option the spec came from, named in the message (train.device, or a command's --device)."""
     if spec == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -34,12 +35,18 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
         dev = torch.device(spec)
     except RuntimeError:
         raise LoomError(
-            f"train.device '{spec}' is not a device", hint="use auto, cpu, cuda, cuda:N or mps"
+            f"{key} '{spec}' is not a device", hint="use auto, cpu, cuda, cuda:N or mps"
         ) from None
+    fix = f"{key}=auto" if "." in key else f"{key} auto (or cpu)"
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise LoomError(
-            "train.device asks for cuda but no CUDA device is available", hint="use train.device=auto"
-        )
+        raise LoomError(f"{key} {spec} asks for cuda but no CUDA device is available", hint=f"use {fix}")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise LoomError(f"{key} {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)",
+                        hint=f"use {fix}")  # fmt: skip
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise LoomError(f"{key} {spec} asks for mps but no MPS device is available", hint=f"use {fix}")
+    if dev.type == "cuda" and dev.index is None:  # each rank its own GPU (LOCAL_RANK), as with auto
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return dev
 
 
@@ -108,6 +115,11 @@ def resolve_data(cfg: Config, main_process: bool = True) -> Path:
     tag = f"{d.corpus}-{d.tokenizer}" + (f"{d.vocab_size}" if d.tokenizer == "bpe" else "")
     out = Path(d.cache_dir or cache_dir()) / "data" / tag
     if not (out / "meta.json").is_file():
+        from loom.paths import check_output_dir
+
+        where = "LOOM_CACHE_DIR" if os.environ.get("LOOM_CACHE_DIR") else "~/.cache/loom"
+        where = "data.cache_dir" if d.cache_dir else where
+        check_output_dir(out, where, temp_beside=True)  # before the corpus is read and tokenized
         if not main_process:
             raise LoomError(f"the built-in corpus is not prepared at {out}", hint="run once with one process")
         log.info(f"preparing the built-in corpus '{d.corpus}' into {out} (once; later runs reuse it)")
@@ -172,7 +184,8 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool, inputs:
         run_dir = parent / check_run_name(cfg.run.name or time.strftime("%Y%m%d-%H%M%S"))
     if resume:
         if not run_dir.is_dir():
-            raise LoomError(f"--resume: run directory '{run_dir}' does not exist")
+            what = "is not a directory" if run_dir.exists() else "does not exist"
+            raise LoomError(f"--resume: run directory '{run_dir}' {what}")
         check_writable(run_dir)
         return run_dir
     check_writable(run_dir)

@@ -1,4 +1,10 @@
-"""The training loop: one process's view; data parallelism comes in through a `DataParallel` value."""
+"""The training loop: one process's view of the job.
+
+The model is built on the meta device and handed to `loom.parallel.parallelize` with the job's layout; the
+trainer then holds the model parts and asks the `Parallelized` value only what a step needs (no_sync for
+accumulation, the loss context, the gradient sync and norm). Checkpoints are a component (checkpointing.py),
+the control plane (stop and skip agreement) is `loom.distributed.comm`.
+"""
 
 from __future__ import annotations
 
@@ -12,40 +18,51 @@ from pathlib import Path
 
 import torch
 
-from loom import __version__, checkpoint, faults, log
+from loom import __version__, faults, log
 from loom.config import Config, Derived, to_toml
-from loom.data.loader import ShardLoader, ValSet, read_meta
+from loom.data.loader import DeviceBatches, ShardLoader, ValSet, read_meta
 from loom.data.tokenizers import copy_tokenizer, load_tokenizer
+from loom.distributed.comm import Control
 from loom.errors import LoomError
 from loom.eval.val_loss import model_config, val_loss
 from loom.generate import generate
-from loom.metrics import Sinks, Throughput, format_step, open_sinks, peak_flops, peak_memory_bytes
+from loom.metrics import Sinks, StepTimer, Throughput, format_step, open_sinks, peak_flops, peak_memory_bytes
+from loom.model import gpt_parallel
 from loom.model.flops import flops_per_token
 from loom.model.gpt import GPT
 from loom.optim.schedule import lr_at
 from loom.outputs import write_marker
-from loom.parallel.ac import apply_activation_checkpointing
-from loom.parallel.base import DataParallel, model_state_bytes
+from loom.parallel import parallelize
+from loom.parallel.dims import ParallelDims
+from loom.parallel.state import model_state_bytes
+from loom.train.checkpointing import Checkpointer
 from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
 from loom.train.setup import cpu_memory_reuse, resolve_precision
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_model(cfg: Config, vocab_size: int, device: torch.device) -> GPT:
-    """The single-device GPT for cfg.model, initialised from run.seed (identical on every rank)."""
+def build_model(cfg: Config, vocab_size: int, device: torch.device | str = "meta") -> GPT:
+    """The single-device GPT for cfg.model, on the meta device by default: shapes only, no storage (loom.parallel
+    materializes each rank's pieces and initialises them from run.seed)."""
     gcfg = model_config(cfg, vocab_size)
     if gcfg.vocab_size < vocab_size:
         raise LoomError(
             f"model.vocab_size={gcfg.vocab_size} is smaller than the data's vocabulary {vocab_size}"
         )
-    torch.manual_seed(cfg.run.seed)
-    model = GPT(gcfg)
-    if cfg.model.init_from:  # e.g. hf:DIR, GPT-2 weights to fine-tune (a resumed checkpoint overrides them)
-        from loom.model.hf import load_gpt2_into, parse_init_from
+    with torch.device(device):
+        return GPT(gcfg)
 
-        load_gpt2_into(model, parse_init_from(cfg.model.init_from))
-    return model.to(device)
+
+def pretrained_state(cfg: Config, model: GPT) -> dict | None:
+    """model.init_from=hf:DIR: the whole GPT-2 weights by loom's names, on the host (to fine-tune)."""
+    if not cfg.model.init_from:
+        return None
+    from loom.model.hf import load_gpt2_into, parse_init_from
+
+    host = GPT(model.cfg)
+    load_gpt2_into(host, parse_init_from(cfg.model.init_from))
+    return host.state_dict()
 
 
 class Trainer:
@@ -56,40 +73,43 @@ class Trainer:
         run_dir: Path,
         data_dir: Path,
         device: torch.device,
-        dp: DataParallel | None = None,
+        dims: ParallelDims | None = None,
+        control: Control | None = None,
     ):
         self.cfg, self.derived, self.run_dir, self.device = cfg, derived, run_dir, device
-        self.dp = dp or DataParallel()
-        self.main = self.dp.is_main
+        self.dims, self.control = dims or ParallelDims(), control or Control()
+        self.main = self.dims.is_main
         self.meta = read_meta(data_dir)
         self.data_dir = data_dir
-        t = cfg.train
+        t, dims = cfg.train, self.dims
         # Data first: a block_size the data cannot provide fails here, before the model is built.
-        self.loader = ShardLoader(
-            data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, self.dp.rank, self.dp.size
+        loader = ShardLoader(
+            data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, dims.dp_rank, dims.dp
         )
+        self.batches = DeviceBatches(loader, device)
         self.valset = ValSet(
-            data_dir, cfg.model.block_size, t.eval_batches * t.batch_size, self.dp.rank, self.dp.size
+            data_dir, cfg.model.block_size, t.eval_batches * t.batch_size, dims.dp_rank, dims.dp
         )
         self.tokenizer = load_tokenizer(data_dir, self.meta) if self.meta.get("tokenizer") else None
-        self.raw_model = build_model(cfg, self.meta["vocab_size"], device)
-        self.dp.broadcast_model(self.raw_model)
-        self.n_params = self.raw_model.num_params()  # before wrap: pipeline parallel keeps only its stages
-        # The order of loom.parallel: activation checkpointing, then compile, then data parallel (the
-        # compiled DDP module is what torch documents: its DDPOptimizer splits graphs at bucket boundaries).
-        apply_activation_checkpointing(self.raw_model, t.activation_checkpointing)
-        self.model = self.dp.wrap(self.raw_model)
-        if t.compile:
-            self.model = torch.compile(self.model)
-        self.optimizer = self.dp.build_optimizer(self.raw_model, cfg.optim, device)
         dtype = self.precision = resolve_precision(
             cfg.precision.dtype, device, loss_scaling=cfg.parallel.pp == 1
         )
         if cfg.precision.dtype == "auto":
             log.info(f"precision.dtype=auto: {dtype} on {device}")
-        self.autocast_dtype = AUTOCAST.get(dtype)
         if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise LoomError("precision.dtype=bf16 but this GPU has no bf16", hint="use precision.dtype=fp16")
+        model = build_model(cfg, self.meta["vocab_size"])
+        self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
+        self.parallel = parallelize(
+            model, dims, cfg, device, gpt_parallel, precision=dtype, n_microbatches=self.derived.pp_microbatches,
+            init=lambda name, whole: model.init_param(name, whole, cfg.run.seed),
+        )  # fmt: skip
+        pretrained = pretrained_state(cfg, model)  # a resumed checkpoint overrides it
+        if pretrained is not None:
+            self.parallel.load_model_state(pretrained)
+        self.model = self.parallel.model
+        self.optimizer = self.parallel.build_optimizer(cfg.optim)
+        self.autocast_dtype = AUTOCAST.get(dtype)
         if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanoGPT)
             torch.backends.cuda.matmul.allow_tf32 = cfg.precision.tf32
             torch.backends.cudnn.allow_tf32 = cfg.precision.tf32
@@ -100,93 +120,27 @@ class Trainer:
         self.overflow_steps = 0  # fp16: steps whose update the scaler skipped (inf/NaN gradients)
         self.step = 0
         self._first_step = True
+        # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
+        self.timing = device.type != "cuda" or cfg.metrics.detail
         # Fault tolerance: skipped bad steps, a stop flag set by SIGTERM/SIGINT, the test hooks (loom.faults),
         # and `op`, the collective under way, named when one fails or times out.
         self.guard = StepGuard(t.max_bad_steps, t.spike_zscore, t.spike_window)
-        self.stop = StopRequest(self.dp.rank, cfg.parallel.timeout_s)
+        self.stop = StopRequest(dims.rank, cfg.parallel.timeout_s)
         self.faults = faults.from_env()
         self.heartbeat = None  # set by run() in multi-process jobs: loom.distributed.health.Heartbeat
         self.op, self.op_step = "setup", 0  # op_step: the last step this rank began (its heartbeat)
         self.throughput = Throughput(
-            flops_per_token(self.raw_model.cfg), peak_flops(device, dtype), self.dp.world_size, t.warmup_log_steps,
+            flops_per_token(model.cfg), peak_flops(device, dtype), dims.world_size, t.warmup_log_steps,
             compiled=t.compile,
         )  # fmt: skip
         self.metrics: Sinks | None = None  # opened with the run files, once nothing can fail cheaply
-
-    # ---------------------------------------------------------------- state
-    def state(self) -> tuple[dict, dict]:
-        extra = {"rng_cpu": torch.get_rng_state(), "scaler": self.scaler.state_dict()}
-        if self.device.type == "cuda":
-            extra["rng_cuda"] = torch.cuda.get_rng_state(self.device)
-        tensors = {
-            "model": self.dp.model_state(self.raw_model),
-            "optim": self.dp.optim_state(self.raw_model, self.optimizer),
-            "extra": extra,
-        }
-        state = {
-            "step": self.step,
-            "loader": self.loader.state_dict(),
-            "config": self.cfg.to_dict(),
-            "world_size": self.dp.world_size,
-            "loom_version": __version__,
-        }
-        return tensors, state
+        self.checkpointer = Checkpointer(self)
 
     def save(self) -> bool:
-        """Write a checkpoint (rank 0). A failed write stops the run or only warns (train.on_save_error);
-        every rank learns the outcome, so all of them stop or go on together. Returns whether it was saved."""
-        self.op = f"the checkpoint gather at step {self.step}"
-        tensors, state = self.state()
-        error = None
-        if self.main:
-            try:
-                path = checkpoint.save(
-                    self.run_dir / "ckpt", self.step, tensors, state, self.cfg.train.keep_last,
-                    free_bytes=self.faults.free_bytes,
-                    after_first_file=lambda tmp: self.faults.stall_save(self.step, tmp),
-                )  # fmt: skip
-                log.info(f"saved checkpoint {path}")
-            except LoomError as e:
-                error = e
-        failed = error is not None
-        if self.dp.world_size > 1:
-            self.op = f"the checkpoint-result all-reduce at step {self.step}"
-            failed = self.dp.all_reduce_sum(torch.tensor([float(failed)], device=self.device)).item() > 0
-        if not failed:
-            return True
-        if self.cfg.train.on_save_error == "stop":
-            raise error or LoomError(f"rank 0 could not write the checkpoint of step {self.step}; stopping")
-        if error is not None:
-            log.warn(f"checkpoint of step {self.step} not saved ({error.message}); training goes on "
-                     "(train.on_save_error=continue), the next save tries again")  # fmt: skip
-            if self.metrics:
-                self.metrics.write({"step": self.step, "ckpt_error": error.message})
-        return False
+        return self.checkpointer.save()
 
     def load(self, path: Path) -> None:
-        tensors, state = checkpoint.load(path, map_location=self.device)
-        saved_model = state["config"]["model"]
-        defaults = Config().to_dict()["model"]
-        now = self.cfg.to_dict()["model"]
-        diff = [
-            f"model.{k}: {saved_model.get(k)!r} -> {v!r}"
-            for k, v in now.items()
-            if saved_model.get(k, defaults[k]) != v  # a key added since the save: the default then
-        ]
-        if diff:
-            raise LoomError(f"checkpoint '{path}' was trained with another model shape: " + "; ".join(diff))
-        self.dp.load_model_state(self.raw_model, tensors["model"])
-        self.dp.broadcast_model(self.raw_model)
-        self.dp.load_optim_state(self.raw_model, self.optimizer, tensors["optim"])
-        self.scaler.load_state_dict(tensors["extra"]["scaler"])
-        torch.set_rng_state(tensors["extra"]["rng_cpu"])
-        if self.device.type == "cuda" and "rng_cuda" in tensors["extra"]:
-            torch.cuda.set_rng_state(tensors["extra"]["rng_cuda"], self.device)
-        self.loader.load_state_dict(state["loader"])
-        self.step = int(state["step"])
-        log.info(
-            f"resumed from {path} at step {self.step} (saved with world size {state.get('world_size', 1)})"
-        )
+        self.checkpointer.load(path)
 
     # ---------------------------------------------------------------- steps
     def _autocast(self):
@@ -194,78 +148,85 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def train_step(self) -> dict:
         """One optimizer step over the global batch: accumulate micro-batches, clip, step."""
-        cfg, accum = self.cfg, self.derived.grad_accum
-        lr = lr_at(self.step, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        par, accum, timer = self.parallel, self.derived.grad_accum, StepTimer(self.device, self.timing)
+        lr = self._set_lr()
         t0 = time.perf_counter()
-        x, y = self.loader.next_batch()
-        self.faults.hang(self.step + 1, self.dp.rank)
-        self._beat(f"the forward/backward collectives of step {self.step + 1} (gradient all-reduce)")
-        xs, ys = x.to(self.device).chunk(accum), y.to(self.device).chunk(accum)
-        loss_sum, dtf, dtb = torch.zeros((), device=self.device), 0.0, 0.0
-        if self.dp.pipelined:  # the schedule runs its own micro-batches, forward and backward interleaved
-            ta = time.perf_counter()
-            loss_sum = self.dp.pipeline_step(x.to(self.device), y.to(self.device), self._autocast)
-            dtf = time.perf_counter() - ta
-            accum = 0
-        for i in range(accum):
-            last = i == accum - 1
-            with self.dp.no_sync(self.model, skip=not last):
-                ta = time.perf_counter()
-                with self._autocast(), self.dp.loss_context():
-                    loss = self.model(xs[i], ys[i]) / accum  # mean over the global batch's tokens
-                self._sync()
-                tb = time.perf_counter()
-                with self.dp.loss_context():
-                    self.scaler.scale(loss).backward()
-                self._sync()
-                dtf, dtb = dtf + tb - ta, dtb + time.perf_counter() - tb
-            loss_sum += loss.detach()
-        self.dp.after_backward()
-        if self.faults.nan_at(self.step + 1, self.dp.rank):
-            self.faults.poison_grad(self.raw_model)
+        x, y = self.batches.next_batch()
+        self._begin_step()
+        if (
+            par.pipeline is not None
+        ):  # the schedule runs its own micro-batches, forward and backward interleaved
+            with timer("f"):
+                loss_sum = par.pipeline.step(x, y, self._autocast)
+        else:
+            loss_sum = torch.zeros((), device=self.device)
+            for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+                with par.no_sync(skip=i < accum - 1), par.loss_context():
+                    with timer("f"), self._autocast():
+                        loss = par.forward(xm, ym) / accum  # mean over the global batch's tokens
+                    with timer("b"):
+                        self.scaler.scale(loss).backward()
+                loss_sum += loss.detach()
+        par.sync_grads()
+        if self.faults.nan_at(self.step + 1, self.dims.rank):
+            self.faults.poison_grad(self.model)
         self.scaler.unscale_(self.optimizer)
-        flags = grad_flags(self.raw_model)  # which gradients are non-finite, before clipping smears NaN
-        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        flags = grad_flags(self.model)  # which gradients are non-finite, before clipping smears NaN
         self.op = f"the gradient-norm and loss collectives of step {self.step + 1}"
-        grad_norm = self.dp.clip_grad_norm(self.raw_model, clip)
-        loss_mean = self.dp.mean_loss(loss_sum)  # before the update: a bad step is skipped on every rank
-        loss, norm = loss_mean.item(), grad_norm.item()
-        stop, nonfinite_anywhere = self._agree(grad_norm)
+        grad_norm = par.clip_grad_norm(self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf)
+        loss, norm = torch.stack(
+            [par.mean_loss(loss_sum).float(), grad_norm.float()]
+        ).tolist()  # one host read
+        stop, nonfinite = self._agree(norm)  # before the update: a bad step is skipped on every rank
         skip = self.guard.check(
-            self.step + 1, loss, math.nan if nonfinite_anywhere else norm, self.scaler.is_enabled()
+            self.step + 1, loss, math.nan if nonfinite else norm, self.scaler.is_enabled()
         )
-        bad_params = self._nonfinite_params(*flags) if skip and "non-finite" in skip else []
         if skip is None:
             self.scaler.step(self.optimizer)
-        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        self.scaler.update()  # with the fp16 scaler: backs the scale off after an overflow
-        overflow = scale is not None and self.scaler.get_scale() < scale  # the scaler skipped this update
-        self.overflow_steps += overflow
+        overflow_scale = self._update_scaler()
         self.step += 1
-        mem = self._model_state_report()  # before zero_grad: gradients are part of what a step holds
+        rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, **timer.read()}
+        rec.update(self._model_state_report())  # before zero_grad: gradients are part of what a step holds
         self.optimizer.zero_grad(set_to_none=True)
-        self._sync()
-        dt = time.perf_counter() - t0
-        rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, "dt": dt}
+        return self._record(rec, time.perf_counter() - t0, skip, stop, flags, overflow_scale)
+
+    def _set_lr(self) -> float:
+        o = self.cfg.optim
+        lr = lr_at(self.step, o.lr, o.min_lr, o.warmup_steps, self.cfg.train.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _begin_step(self) -> None:
+        """Fault hooks (a hang), and the heartbeat that names this step if a collective later fails."""
+        self.faults.hang(self.step + 1, self.dims.rank)
+        self._beat(f"the forward/backward collectives of step {self.step + 1} (gradient all-reduce)")
+
+    def _update_scaler(self) -> float | None:
+        """fp16: the scaler backs its scale off after an overflow. Returns the scale the step used."""
+        if not self.scaler.is_enabled():
+            return None
+        scale = self.scaler.get_scale()
+        self.scaler.update()
+        return scale
+
+    def _record(self, rec: dict, dt: float, skip, stop: bool, flags, scale: float | None) -> dict:
+        """The step's metrics record: time, throughput, loss scale, skips and stops."""
         if scale is not None:
+            overflow = self.scaler.get_scale() < scale  # the scaler skipped this update
+            self.overflow_steps += overflow
             rec.update(
                 loss_scale=self.scaler.get_scale(), overflow=overflow, overflow_steps=self.overflow_steps
             )
         if skip:
-            rec.update(skipped=skip, bad_steps=self.guard.skipped, nonfinite_params=bad_params)
+            bad = self._nonfinite_params(*flags) if "non-finite" in skip else []
+            rec.update(skipped=skip, bad_steps=self.guard.skipped, nonfinite_params=bad)
         if stop:
             rec["stop"] = self.stop.signal or "a signal on another rank"
-        rec.update(dtf=dtf, dtb=dtb, **self.throughput.step(self.derived.tokens_per_step, dt))
+        rec.update(dt=dt, **self.throughput.step(self.derived.tokens_per_step, dt))
         rec["tokens"] = self.step * self.derived.tokens_per_step
-        rec.update(mem)
         return rec
 
     def _beat(self, op: str) -> None:
@@ -274,44 +235,40 @@ class Trainer:
         if self.heartbeat is not None:
             self.heartbeat.beat(self.op_step)
 
-    def _agree(self, grad_norm: torch.Tensor) -> tuple[bool, bool]:
-        """(stop requested on any rank, non-finite gradient on any rank): one tiny all-reduce per step, so
-        every rank stops after the same step and skips the same steps."""
-        flags = torch.tensor(
-            [float(self.stop.requested), float(not torch.isfinite(grad_norm).item())], device=self.device
+    def _agree(self, grad_norm: float) -> tuple[bool, bool]:
+        """(stop requested on any rank, non-finite gradient on any rank): one tiny control-plane all-reduce per
+        step, so every rank stops after the same step and skips the same steps."""
+        self.op = f"the stop/skip agreement of step {self.step + 1}"
+        stop, bad = self.control.all_reduce_sum(
+            [float(self.stop.requested), float(not math.isfinite(grad_norm))]
         )
-        if self.dp.world_size > 1:
-            self.op = f"the stop/skip all-reduce of step {self.step + 1}"
-            flags = self.dp.all_reduce_sum(flags)
-        return bool(flags[0].item() > 0), bool(flags[1].item() > 0)
+        return stop > 0, bad > 0
 
     def _nonfinite_params(self, names: list[str], flags: torch.Tensor | None) -> list[str]:
         """Parameters whose gradient held a NaN/Inf (on any rank when every rank holds the same list)."""
-        if self.dp.world_size == self.dp.size:
-            return nonfinite_names(names, flags, self.dp.all_reduce_sum)
-        return nonfinite_names(names, flags, lambda t: t)  # model parallel: this rank's parameters
+        if self.dims.model_parallel:
+            return nonfinite_names(names, flags, lambda t: t)  # this rank's parameters
+        return nonfinite_names(names, flags, self.parallel.all_reduce_sum)
 
     def _model_state_report(self) -> dict:
         """mem_params/grads/optim: bytes this rank holds (its shards), on the first and every logged step."""
         if not (self._first_step or self._due(self.cfg.train.log_every) or self.step == self.cfg.train.steps):
             return {}
-        m = model_state_bytes(self.raw_model, self.optimizer)
+        m = model_state_bytes(self.model, self.optimizer)
         if self._first_step:
             self._first_step = False
-            log.info(f"rank {self.dp.rank} model state: params {m['params'] / 2**20:.1f} MiB, grads "
+            log.info(f"rank {self.dims.rank} model state: params {m['params'] / 2**20:.1f} MiB, grads "
                      f"{m['grads'] / 2**20:.1f} MiB, optimizer {m['optim'] / 2**20:.1f} MiB (this rank's share)")  # fmt: skip
         return {f"mem_{k}": v for k, v in m.items()}
 
     def evaluate(self) -> float:
-        if self.dp.pipelined:
-            return self.dp.pipeline_val_loss(
-                self.valset, self.derived.micro_batch_size, self.device, self._autocast
-            )
-        with self.dp.loss_context():
+        par, micro = self.parallel, self.derived.micro_batch_size
+        if par.pipeline is not None:
+            return par.pipeline.val_loss(self.valset, micro, self._autocast, par.all_reduce_sum)
+        with par.loss_context():
             return val_loss(
-                self.dp.eval_model(self.raw_model, self.model), self.valset, self.derived.micro_batch_size,
-                self.device, self._autocast, self.dp.all_reduce_sum,
-            )  # fmt: skip
+                par.eval_model(), self.valset, micro, self.device, self._autocast, par.all_reduce_sum
+            )
 
     def sample(self, prompt: str = "", max_new_tokens: int | None = None, model=None) -> str:
         """Text from the model, with a generator of its own so training's RNG stream is untouched."""
@@ -320,7 +277,7 @@ class Trainer:
         g = torch.Generator(device=self.device).manual_seed(self.cfg.run.seed + self.step)
         with self._autocast():
             out = generate(
-                model or self.raw_model,
+                model or self.model,
                 idx,
                 max_new_tokens or self.cfg.train.sample_tokens,
                 temperature=0.8,
@@ -345,7 +302,7 @@ class Trainer:
             "python": platform.python_version(),
             "command": sys.argv,
             "device": str(self.device),
-            "world_size": self.dp.world_size,
+            "world_size": self.dims.world_size,
             "data_dir": str(self.data_dir),
             "params": self.n_params,
             "flops_per_token": self.throughput.flops_per_token,
@@ -360,7 +317,7 @@ class Trainer:
         t = self.cfg.train
         self.write_run_files()
         log.info(
-            f"model {self.n_params / 1e6:.2f}M params | device {self.device} | {self.dp.describe()}"
+            f"model {self.n_params / 1e6:.2f}M params | device {self.device} | {self.dims.describe()}"
             f" | grad accum {self.derived.grad_accum} | {self.derived.tokens_per_step:,} tokens/step"
             f" | {t.steps} steps | run {self.run_dir}"
         )
@@ -424,7 +381,7 @@ class Trainer:
                 self.metrics.write({"step": self.step, "tokens": rec["tokens"], "val_loss": last_val})
         if (self._due(t.sample_every) or final) and self.tokenizer:
             # FSDP: every rank runs the forward passes; tensor/pipeline parallel: rank 0 gets a whole copy
-            model = self.dp.sampling_model(self.raw_model)
+            model = self.parallel.sampling_model()
             text = self.sample(model=model) if model is not None else None
             if self.main:
                 log.info(f"--- sample at step {self.step} ---\n{text}\n---")

@@ -1,0 +1,134 @@
+"""How loom.parallel applies to the GPT: everything that names its modules lives here, beside the model.
+
+loom.parallel is generic: it asks this file for the tensor-parallel plan, how to cut pipeline stages, which
+modules are the transformer blocks (the units of FSDP, activation checkpointing and compile) and which
+parameter names are one tied tensor. (torchtitan keeps the same split: models/*/parallelize.py.)
+The model file itself (gpt.py) stays single-device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from loom.errors import LoomError
+from loom.model.gpt import GPT
+
+# Names of one tensor in the single-device model (alias -> canonical): the head is tied to the embedding.
+TIED = {"lm_head.weight": "wte.weight"}
+
+
+def blocks(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a GPT or of a pipeline stage."""
+    b = module.blocks
+    return [m for m in (b.values() if isinstance(b, nn.ModuleDict) else b) if m is not None]
+
+
+def tp_plan(model: GPT, tp: int, sp: bool, loss_parallel: bool) -> dict:
+    """{module path: ParallelStyle}: Megatron's split (Shoeybi et al. 2019), applied in this order.
+
+    q/k/v and the MLP up-projection column-wise (each rank holds whole heads), the attention output and MLP
+    down-projection row-wise (one all-reduce per sub-layer); the token embedding vocabulary-parallel (row-wise)
+    and the tied head column-wise over the vocabulary, so the cross-entropy runs under `loss_parallel()`
+    without gathering the logits. Sequence parallel (Korthikanti et al. 2022) keeps the LayerNorms and
+    dropouts on sequence shards: the all-reduces become all-gather + reduce-scatter pairs.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if model.cfg.padded_vocab % tp:
+        raise LoomError(
+            f"the padded vocabulary {model.cfg.padded_vocab} is not divisible by parallel.tp={tp}"
+        )
+    seq = Shard(1) if sp else Replicate()
+    # Embedding rows (the vocabulary) are split; ids outside a rank's range give zeros and the all-reduce of
+    # the partial sums restores the lookup. Its output stays replicated so the position embedding can be added.
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    for i in range(model.cfg.n_layer):
+        b = f"blocks.{i}"
+        if sp and i == 0:  # the first block keeps only its own slice of the replicated embedding output
+            plan[b] = PrepareModuleInput(input_layouts=(Replicate(), None, None),
+                                         desired_input_layouts=(Shard(1), None, None), use_local_output=True)  # fmt: skip
+        plan.update({
+            f"{b}.attn.q_proj": ColwiseParallel(), f"{b}.attn.k_proj": ColwiseParallel(),
+            f"{b}.attn.v_proj": ColwiseParallel(), f"{b}.attn.o_proj": RowwiseParallel(output_layouts=seq),
+            f"{b}.mlp.up_proj": ColwiseParallel(), f"{b}.mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        })  # fmt: skip
+        if sp:  # LayerNorm on sequence shards; attention and MLP gather the sequence first
+            plan.update({
+                f"{b}.ln_1": SequenceParallel(), f"{b}.ln_2": SequenceParallel(),
+                f"{b}.attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                desired_input_layouts=(Replicate(), None, None), use_local_output=True),
+                f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True),
+            })  # fmt: skip
+    if sp:
+        plan["ln_f"] = SequenceParallel()
+    plan["lm_head"] = ColwiseParallel(
+        input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        use_local_output=not loss_parallel,
+    )  # fmt: skip
+    return plan
+
+
+def retie(model: GPT) -> None:
+    """Tie the head to the embedding again after tensor parallel (each is Shard(0) over the vocabulary) or
+    materialization replaced them; a pipeline stage holding only one of them has nothing to tie."""
+    if model.wte is not None and model.lm_head is not None:
+        model.lm_head.weight = model.wte.weight
+
+
+def stage_layers(n_layer: int, n_stages: int) -> list[range]:
+    """Balanced contiguous layer ranges, the extra layers going to the middle stages (the first stage also
+    runs the embeddings and the last the head, so they get the smaller share)."""
+    base, extra = divmod(n_layer, n_stages)
+    sizes = [base] * n_stages
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - (n_stages - 1) / 2)))
+    for s in order[:extra]:
+        sizes[s] += 1
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [range(starts[s], starts[s] + sizes[s]) for s in range(n_stages)]
+
+
+class Stage(nn.Module):
+    """A contiguous slice of the GPT. Submodule names equal the single-device model's (blocks keep their
+    index), so a stage's parameter names are the full model's."""
+
+    def __init__(self, model: GPT, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            pos = torch.arange(x.size(1), device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for name, block in self.blocks.items():
+            x = block(x, None, int(name))
+        if self.last:
+            x = self.lm_head(self.ln_f(x))
+        return x
+
+
+def split_stages(model: GPT, stage_ids: list[int], n_stages: int) -> list[Stage]:
+    """This rank's stages; the rest of the model is dropped from it (its names disappear from the module)."""
+    ranges = stage_layers(model.cfg.n_layer, n_stages)
+    stages = [Stage(model, ranges[s], s == 0, s == n_stages - 1) for s in stage_ids]
+    keep = {i for s in stage_ids for i in ranges[s]}
+    for i in range(model.cfg.n_layer):
+        if i not in keep:
+            model.blocks._modules[str(i)] = None
+    if 0 not in stage_ids:
+        model.wte = model.wpe = model.drop = None  # the tied tensor stays reachable as lm_head.weight
+    if n_stages - 1 not in stage_ids:
+        model.ln_f = model.lm_head = None
+    return stages

@@ -1,0 +1,63 @@
+"""Gradients across a mesh: the global norm (each distinct value counted once) and clipping by it.
+
+With tensor or pipeline parallel a rank holds some gradients whole (replicated over tp or dp) and others as
+shards, and each pipeline stage holds different parameters; the tied embedding/head sits on the first and
+the last stage. The norm adds up each rank's squares divided by how many ranks hold the same values, in one
+all-reduce over the job. Without model parallelism torch's clip_grad_norm_ is exact and cheaper (FSDP's and
+HSDP's DTensor gradients included).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from loom.parallel.dims import ParallelDims
+from loom.parallel.tensor import is_dtensor, local
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, shared: set[str] = frozenset()):
+    """The global gradient norm (before clipping); gradients scaled down to max_norm when above it.
+
+    shared: names of parameters whose gradient two pipeline stages hold (the tied embedding and head)."""
+    if not dims.model_parallel:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return norm.full_tensor() if is_dtensor(norm) else norm
+    device = next(local(p) for p in model.parameters()).device
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    grads = []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        copies = replicas(p.grad, dims) * (2 if name in shared else 1)
+        g = local(p.grad)
+        grads.append(g)
+        sq += g.double().pow(2).sum() / copies
+    dist.all_reduce(sq)
+    norm = sq.sqrt().float()
+    if math.isfinite(max_norm):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return norm
+
+
+def replicas(g: torch.Tensor, dims: ParallelDims) -> int:
+    """How many ranks of this pipeline stage hold exactly this (local) gradient."""
+    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
+    if not is_dtensor(g):
+        return dims.dp * dims.tp
+    from torch.distributed.tensor import Replicate
+
+    names = g.device_mesh.mesh_dim_names or ()
+    n = 1
+    for dim, pl in zip(names, g.placements, strict=True):
+        if isinstance(pl, Replicate):
+            n *= sizes.get(dim, 1)
+    for dim, size in sizes.items():
+        if dim not in names:
+            n *= size
+    return n

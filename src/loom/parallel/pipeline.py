@@ -1,0 +1,89 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`: this rank's stages, a schedule, a step, an eval.
+
+The model side cuts the stages (loom/model/gpt_parallel.py: balanced layer ranges, the embeddings on the
+first stage, the head on the last). One stage per rank (GPipe, 1F1B) or two in a loop (interleaved 1F1B,
+interleaved zero-bubble: stage s on pipeline rank s mod pp). The schedule runs its own micro-batches, forward
+and backward interleaved, so gradient accumulation is the schedule's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loom.config import SCHEDULE_STAGES_PER_RANK
+
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
+}
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), ignore_index=-1)
+
+
+def stage_ids(schedule: str, pp: int, pp_rank: int) -> tuple[list[int], int]:
+    """(this rank's stage indices in the looped placement, the number of stages)."""
+    per_rank = SCHEDULE_STAGES_PER_RANK[schedule]
+    return [pp_rank + k * pp for k in range(per_rank)], pp * per_rank
+
+
+class Pipeline:
+    """This rank's stages under a schedule."""
+
+    def __init__(self, stages: list[nn.Module], ids: list[int], n_stages: int, pp_group, device,
+                 schedule: str, n_microbatches: int):  # fmt: skip
+        from torch.distributed import pipelining
+
+        self.stages, self.device, self.n_microbatches = stages, device, n_microbatches
+        self.holds_first, self.holds_last = 0 in ids, n_stages - 1 in ids
+        pstages = [pipelining.PipelineStage(st, sid, n_stages, device, group=pp_group)
+                   for st, sid in zip(stages, ids, strict=True)]  # fmt: skip
+        cls = getattr(pipelining, SCHEDULES[schedule])
+        self.schedule = cls(pstages[0] if len(pstages) == 1 else pstages, n_microbatches=n_microbatches,
+                            loss_fn=lm_loss)  # fmt: skip
+
+    def _run(self, fn, x, y, losses) -> None:
+        args = (x,) if self.holds_first else ()
+        kwargs = {"target": y, "losses": losses} if self.holds_last else {}
+        fn(*args, **kwargs)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, autocast) -> torch.Tensor:
+        """Forward and backward of the local batch; the mean micro-batch loss on the last stage, else 0."""
+        losses: list[torch.Tensor] = []
+        with autocast():
+            self._run(self.schedule.step, x, y, losses)
+        if self.holds_last:
+            return torch.stack([loss.detach() for loss in losses]).mean()
+        return torch.zeros((), device=self.device)
+
+    @torch.no_grad()
+    def val_loss(self, valset, micro_batch_size: int, autocast, all_reduce_sum) -> float:
+        """Mean token loss over the validation set, forward-only through the schedule."""
+        for st in self.stages:
+            st.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        full = micro_batch_size * self.n_microbatches
+        for x, y in valset.batches(full):
+            # The stages exchange fixed shapes: a short last batch is padded with ignored targets (-1).
+            if len(x) < full:
+                pad = full - len(x)
+                x = torch.cat([x, x[:1].expand(pad, -1)])
+                y = torch.cat([y, torch.full((pad, y.size(1)), -1, dtype=y.dtype)])
+            losses: list[torch.Tensor] = []
+            with autocast():
+                self._run(self.schedule.eval, x.to(self.device), y.to(self.device), losses)
+            if self.holds_last:
+                for loss, yc in zip(losses, y.chunk(self.n_microbatches), strict=True):
+                    n = int((yc != -1).sum())
+                    if n:
+                        total[0] += loss.double() * n
+                        total[1] += n
+        for st in self.stages:
+            st.train()
+        total = all_reduce_sum(total)
+        return (total[0] / total[1]).item()

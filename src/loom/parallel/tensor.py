@@ -1,0 +1,59 @@
+"""Tensor and sequence parallelism with DTensor: a plan applied from outside, and what a step needs of it.
+
+The plan ({module path: ParallelStyle}) comes from the model side (loom/model/gpt_parallel.py); this module
+knows no model. With the head column-parallel over the vocabulary, the loss runs under `loss_parallel()`,
+which computes the cross-entropy from vocabulary shards without gathering the logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+
+def is_dtensor(t) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view), or the tensor itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def apply_tp(model: nn.Module, tp_mesh, plan: dict) -> None:
+    """Parallelize each module of the plan over tp_mesh, in the plan's order."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for path, style in plan.items():
+        parallelize_module(model.get_submodule(path) if path else model, tp_mesh, style)
+
+
+def loss_context(enabled: bool):
+    """Around forward and backward when the logits are sharded over the vocabulary."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def align_grads(params) -> None:
+    """Lay every DTensor gradient out like its parameter. A vocabulary-parallel embedding's gradient comes back
+    Partial (each rank a full-size partial sum); the optimizer and the grad norm read local shards."""
+    for p in params:
+        if p.grad is not None and is_dtensor(p.grad) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
+class LocalLoss(nn.Module):
+    """The model with its (replicated DTensor) loss returned as a plain tensor, for the trainer's sums."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, targets=None):
+        out = self.model(idx, targets)
+        return out.to_local() if targets is not None and is_dtensor(out) else out
