@@ -22,6 +22,7 @@ import textwrap
 from pathlib import Path
 
 from loom import __version__, log
+from loom.errors import LoomError
 
 LAUNCHERS = ("torchrun", "mpiexec", "mpirun", "srun", "sbatch", "qsub")
 # Variables that change which paths NCCL / CUDA use between GPUs, and what they do when set.
@@ -439,6 +440,9 @@ def doctor_main(argv: list[str]) -> int:
     p.add_argument("--compile-timeout", type=float, default=120, help="seconds allowed for it (default 120)")
     p.add_argument("--no-mpi-check", action="store_true", help="skip the MPI probe (it initialises MPI)")
     args = p.parse_args(argv)
+    if not args.compile_timeout > 0:
+        raise LoomError(f"--compile-timeout must be > 0 seconds, got {args.compile_timeout}",
+                        hint="or --no-compile-check to skip the test")  # fmt: skip
     report = collect(not args.no_compile_check, args.compile_timeout, not args.no_mpi_check)
     if args.json:
         sys.stdout.write(json.dumps(report, indent=1) + "\n")

@@ -13,7 +13,12 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
 
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if out is not None and Path(out).suffix.lstrip(".").lower() not in kinds:
+        raise LoomError(f"--out '{out}': matplotlib cannot write '{Path(out).suffix or 'no suffix'}' files",
+                        hint="name it .png (or " + ", ".join(f".{k}" for k in sorted(kinds) if k != "png") + ")")  # fmt: skip
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, rd in enumerate(run_dirs):
         path = Path(rd) / "metrics.jsonl"
@@ -33,6 +38,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     ax.grid(alpha=0.3)
     ax.legend()
     out = Path(out) if out else Path(run_dirs[0]) / "loss.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

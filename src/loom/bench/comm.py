@@ -228,6 +228,10 @@ def _launch_local(args: argparse.Namespace, backends: list[str], ops: list[str],
     """--nproc N: one local job of N processes per backend; merge their records here and report."""
     if args.nproc < 1:
         raise LoomError(f"--nproc must be at least 1, got {args.nproc}")
+    from loom.env import oversubscription
+
+    if warning := oversubscription(args.nproc):
+        log.warn(warning)
     if detect_env().world_size > 1:
         raise LoomError("--nproc inside a job that is already distributed",
                         hint="drop --nproc under mpiexec / torchrun / srun")  # fmt: skip
@@ -296,7 +300,13 @@ def comm_main(argv: list[str]) -> int:
     """`loom bench comm`: parse, check everything once, then benchmark here or start local jobs."""
     args = _parser().parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
-        raise LoomError("--iters must be ≥ 1 and --warmup ≥ 0", hint="e.g. --iters 20 --warmup 5")
+        raise LoomError(f"--iters must be ≥ 1 and --warmup ≥ 0; got --iters {args.iters} --warmup {args.warmup}",
+                        hint="e.g. --iters 20 --warmup 5")  # fmt: skip
+    from loom.paths import check_output_file
+
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_output_file(path, flag)  # before the benchmark, not after it
     args.dtype_name, args.dtype = args.dtype, DTYPES[args.dtype]
     ops, sizes = parse_choices(args.ops, OPS, "op"), parse_sizes(args.sizes)
     if args.backend is not None:

@@ -206,7 +206,12 @@ def optim_main(argv: list[str]) -> int:
     """`loom bench optim`: parse, build the parameters once, time each implementation, report."""
     args = _parser().parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
-        raise LoomError("--iters must be ≥ 1 and --warmup ≥ 0", hint="e.g. --iters 20 --warmup 5")
+        raise LoomError(f"--iters must be ≥ 1 and --warmup ≥ 0; got --iters {args.iters} --warmup {args.warmup}",
+                        hint="e.g. --iters 20 --warmup 5")  # fmt: skip
+    if args.json:
+        from loom.paths import check_output_file
+
+        check_output_file(args.json, "--json")  # before the benchmark, not after it
     impls = list(dict.fromkeys(t.strip() for t in args.impls.split(",") if t.strip()))
     for impl in impls:
         if impl not in IMPLS:
@@ -214,7 +219,7 @@ def optim_main(argv: list[str]) -> int:
     if not impls:
         raise LoomError("no implementation given", hint=f"use one or more of {','.join(IMPLS)}")
     if args.copy_mb is not None and args.copy_mb < 1:
-        raise LoomError("--copy-mb must be at least 1")
+        raise LoomError(f"--copy-mb must be at least 1, got {args.copy_mb}")
     device = resolve_device(args.device)
     copy_bytes = None if args.copy_mb is None else args.copy_mb * 2**20
     records = run(parse_count(args.params), impls, device, args.iters, args.warmup, copy_bytes)

@@ -33,7 +33,10 @@ def resolve_device(name: str) -> torch.device:
     """`auto` → cuda when available, else cpu; `cuda` without a GPU is a LoomError."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise LoomError(f"--device '{name}' is not a device", hint="use auto, cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise LoomError("--device cuda, but torch sees no CUDA device", hint="use --device cpu or auto")
     return device
@@ -172,6 +175,10 @@ def _parser() -> argparse.ArgumentParser:
 def peak_main(argv: list[str]) -> int:
     """`loom bench peak`: matmul FLOP/s per dtype (best of a few sizes) and copy bandwidth, as a table."""
     args = _parser().parse_args(argv)
+    if args.json:
+        from loom.paths import check_output_file
+
+        check_output_file(args.json, "--json")  # before the benchmark, not after it
     device = resolve_device(args.device)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
@@ -185,8 +192,14 @@ def peak_main(argv: list[str]) -> int:
         )
     except ValueError as e:
         raise LoomError(f"cannot parse --sizes {args.sizes!r}", hint="write e.g. 1024,2048") from e
-    if not sizes or min(sizes) < 1 or args.seconds <= 0:
-        raise LoomError("--sizes must be positive integers and --seconds > 0", hint="e.g. --sizes 1024,2048")
+    if not sizes or min(sizes) < 1:
+        raise LoomError(
+            f"--sizes must be positive integers, got {args.sizes!r}", hint="e.g. --sizes 1024,2048"
+        )
+    if not args.seconds > 0:
+        raise LoomError(f"--seconds must be > 0, got {args.seconds}", hint="e.g. --seconds 0.5")
+    if args.copy_mb is not None and args.copy_mb < 1:
+        raise LoomError(f"--copy-mb must be at least 1, got {args.copy_mb}")
     name = device_name(device)
     records = [bench_matmul(device, d, sizes, args.seconds) for d in dtypes]
     copy = measure_copy_bandwidth(device, None if args.copy_mb is None else args.copy_mb * 2**20)

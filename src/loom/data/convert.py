@@ -38,6 +38,7 @@ from loom.data.shards import write_ids
 from loom.data.tokenizers import CharTokenizer, load_tokenizer
 from loom.errors import LoomError
 from loom.outputs import check_apart, check_replaceable, replace_output, write_marker
+from loom.paths import check_not_endless, check_output_dir, check_output_file
 
 SHARD_TOKENS = 100_000_000  # llm.c's shard size: bigger inputs are cut into shards this long (llmc, npy)
 
@@ -170,6 +171,20 @@ def _convert_file(src: Path, out: Path, source: Format, target: Format, dtype, e
             "dtype": dt.name, "tokens": len(t.ids)}  # fmt: skip
 
 
+def _check_dtype(dtype: str | None) -> str | None:
+    """--dtype names an integer NumPy dtype (the writer then checks what its format allows)."""
+    if dtype is None:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in "iu":
+        raise LoomError(f"--dtype '{dtype}' is not an integer token dtype",
+                        hint="use uint16 or uint32 (int32, int64 where the format allows them)")  # fmt: skip
+    return dtype
+
+
 def convert(
     src: str | Path, out: str | Path, to: str, source_format: str | None = None, dtype: str | None = None,
     eot_id: int | None = None, force: bool = False,
@@ -178,8 +193,12 @@ def convert(
     src, out = Path(src), Path(out)
     if not src.exists() and not (src.with_name(src.name + ".idx")).is_file():
         raise LoomError(f"input '{src}' does not exist")
+    check_not_endless(src, "input")
     if to not in TOKEN_FORMATS:
         raise LoomError(f"cannot write '{to}'", hint=f"--to is one of {', '.join(TOKEN_FORMATS)}")
+    dtype = _check_dtype(dtype)
+    if eot_id is not None and eot_id < 0:
+        raise LoomError(f"--eot-id must be a token id (>= 0), got {eot_id}")
     fmt = source_format or (detect_dir(src) if src.is_dir() else detect_file(src))
     if fmt is None:
         split_files(src, "train")  # raises with the reason
@@ -188,12 +207,15 @@ def convert(
     source, target = FORMATS[fmt], FORMATS[to]
     check_apart(out, [src], "output", inside_ok=True)
     if src.is_dir():
+        check_output_dir(out, "output", temp_beside=True)  # written beside it first, then renamed
         _check_out(out, force)
         summary = _convert_dir(src, out, source, target, dtype, eot_id)
     else:
         outs = [megatron.bin_path(out), megatron.idx_path(out)] if to == "megatron" else [out]
         if any(q.exists() for q in outs) and not force:
             raise LoomError(f"output '{out}' already exists", hint="choose another output, or pass --force")
+        for q in outs:
+            check_output_file(q, "output")
         summary = _convert_file(src, out, source, target, dtype, eot_id)
     return summary
 
@@ -241,6 +263,7 @@ def inspect(path: str | Path, fmt: str | None = None, sample_tokens: int = 64) -
     """What a data directory or file holds: format, dtype, token and document counts, id range, vocab and,
     when a tokenizer is known (loom meta.json, nanoGPT meta.pkl), the first tokens decoded."""
     p = Path(path)
+    check_not_endless(p, "path")
     if p.is_dir():
         fmt = fmt or detect_dir(p)
         groups = {s: split_files(p, s, fmt) for s in SPLITS if fmt and FORMATS[fmt].split_files(p, s)}
@@ -262,6 +285,11 @@ def inspect(path: str | Path, fmt: str | None = None, sample_tokens: int = 64) -
         s: _split_stats(source, fs, eot, ((meta or {}).get("splits") or {}).get(s))
         for s, fs in groups.items()
     }
+    vocab = (meta or {}).get("vocab_size")
+    for s, v in splits.items():
+        if vocab and v["max_id"] is not None and v["max_id"] >= vocab:
+            src = meta.get("vocab_from", "meta.json")
+            log.warn(f"{s}: token id {v['max_id']} is not below the vocabulary size {vocab} of {src}")
     first = next(s for s in ("val", "train", *groups) if s in groups)  # the sample: val when there is one
     arrays = [source.open(f) for f in groups[first]]
     tokenizer = (meta or {}).get("tokenizer") or {}
@@ -348,6 +376,8 @@ def data_inspect_main(argv: list[str]) -> int:
     p.add_argument("--sample-tokens", type=int, default=64, help="tokens to decode when a tokenizer is known")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = p.parse_args(argv)
+    if args.sample_tokens < 0:
+        raise LoomError(f"--sample-tokens must be >= 0 (0: no decoded sample), got {args.sample_tokens}")
     info = inspect(args.path, args.format, args.sample_tokens)
     if args.json:
         sys.stdout.write(json.dumps(info, indent=1) + "\n")

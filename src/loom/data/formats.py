@@ -418,8 +418,31 @@ def read_meta(data_dir: str | Path) -> dict:
     return {"format": fmt, "vocab_size": r[1] + 1, "tokenizer": None, "vocab_from": "max id + 1"}
 
 
+_ID_CHECK_TOKENS = 1 << 26  # ids checked against the vocabulary before training, over all shards
+
+
+def check_ids_below_vocab(data_dir: str | Path, vocab_size: int, arrays: dict[str, list[np.ndarray]]) -> None:
+    """Refuse ids that the meta's vocabulary does not hold (a meta.json that belongs to other shards), which
+    would index past the embedding. Every shard is checked from its start, up to _ID_CHECK_TOKENS in all, so
+    that starting a run on billions of tokens stays cheap."""
+    shards = [(s, i, a) for s, arrs in arrays.items() for i, a in enumerate(arrs)]
+    per_shard = max(1, _ID_CHECK_TOKENS // max(1, len(shards)))
+    for split, i, a in shards:
+        r = id_range([a[:per_shard]])
+        if r is not None and (r[1] >= vocab_size or r[0] < 0):
+            bad = r[1] if r[1] >= vocab_size else r[0]
+            raise LoomError(
+                f"data directory '{data_dir}': {split} shard {i} holds token id {bad}, outside the vocabulary "
+                f"of {vocab_size} ids its meta says it has",
+                hint="the meta.json (or meta.pkl) does not belong to these shards: prepare the data again",
+            )
+
+
 def check_dir(data_dir: str | Path) -> dict:
-    """Open every shard of both splits (headers, sizes, dtypes checked) and return the directory's meta."""
-    for split in SPLITS:
-        open_split(data_dir, split)
-    return read_meta(data_dir)
+    """Open every shard of both splits (headers, sizes, dtypes checked), check that the ids fit the
+    vocabulary, and return the directory's meta."""
+    arrays = {split: open_split(data_dir, split) for split in SPLITS}
+    meta = read_meta(data_dir)
+    if meta.get("vocab_from") != "max id + 1":  # a vocabulary read from meta.json / meta.pkl
+        check_ids_below_vocab(data_dir, int(meta["vocab_size"]), arrays)
+    return meta

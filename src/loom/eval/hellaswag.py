@@ -27,7 +27,8 @@ def read_examples(path: str | Path, limit: int | None = None) -> list[dict]:
     """Examples of a HellaSwag JSONL file, checked field by field (line numbers in the errors)."""
     p = Path(path)
     if not p.is_file():
-        raise LoomError(f"HellaSwag file '{p}' does not exist", hint="give the path of hellaswag_val.jsonl")
+        what = "is not a regular file" if p.exists() else "does not exist"  # a folder, /dev/zero, a FIFO
+        raise LoomError(f"HellaSwag file '{p}' {what}", hint="give the path of hellaswag_val.jsonl")
     out = []
     with open(p, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):

@@ -69,11 +69,33 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
         raise LoomError(
             f"run '{run_dir}' has no valid checkpoint", hint="train it (checkpoints are written at the end)"
         )
+    if ckpt and (path / "state.json").is_file():
+        _check_same_model(path, cfg, run_dir)  # --ckpt of another run: refused before the weights are read
     tensors, _ = checkpoint.load(path, map_location=device)
     model = GPT(model_config(cfg, meta["vocab_size"])).to(device)
+    mine = model.state_dict()
+    diff = [f"{k}: {tuple(v.shape)} vs {tuple(mine[k].shape)}" for k, v in tensors["model"].items()
+            if k in mine and v.shape != mine[k].shape]  # fmt: skip
+    missing = sorted(set(mine) ^ set(tensors["model"]))
+    if diff or missing:
+        raise LoomError(f"checkpoint '{path}' does not fit the model of run '{run_dir}': "
+                        + "; ".join(diff[:3] or [f"parameters {', '.join(missing[:3])} differ"]),
+                        hint="give a checkpoint of this run (--ckpt RUN/ckpt/step_N), or the run it came from")  # fmt: skip
     model.load_state_dict(tensors["model"])
     model.eval()
     return cfg, model, tokenizer, meta, path
+
+
+def _check_same_model(path: Path, cfg: Config, run_dir: Path) -> None:
+    """The checkpoint's saved model settings (state.json) against the run's config, named key by key."""
+    saved = checkpoint.read_state(path).get("config", {}).get("model", {})
+    now = cfg.to_dict()["model"]
+    diff = [f"model.{k}: {v!r} in the run, {saved[k]!r} in the checkpoint" for k, v in now.items()
+            if k in saved and saved[k] != v]  # fmt: skip
+    if diff:
+        raise LoomError(f"checkpoint '{path}' was trained with another model shape than run '{run_dir}': "
+                        + "; ".join(diff),
+                        hint="give a checkpoint of this run (--ckpt RUN/ckpt/step_N), or the run it came from")  # fmt: skip
 
 
 def run_data_dir(run_dir: str | Path, cfg: Config) -> Path:

@@ -158,8 +158,13 @@ def _check(args: argparse.Namespace) -> None:
     for flag, v in positive.items():
         if not v > 0:
             raise LoomError(f"{flag} must be positive, got {v}")
-    if not (0 < args.mfu <= 1 and 0 <= args.headroom < 1):
-        raise LoomError("--mfu must be in (0, 1] and --headroom in [0, 1)")
+    if not 0 < args.mfu <= 1:
+        raise LoomError(f"--mfu must be in (0, 1], got {args.mfu}")
+    if not 0 <= args.headroom < 1:
+        raise LoomError(f"--headroom must be in [0, 1), got {args.headroom}")
+    for flag, v in {"--seq-len": args.seq_len, "--global-batch-tokens": args.global_batch_tokens}.items():
+        if v is not None and v < 1:  # 0 must not silently mean "the default"
+            raise LoomError(f"{flag} must be positive, got {v}", hint=f"leave {flag} out for the default")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise LoomError(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes",
                         hint="give a multiple of --gpus-per-node (or fewer GPUs than one node)")  # fmt: skip
@@ -169,14 +174,16 @@ def run_plan(args: argparse.Namespace) -> tuple[ModelShape, Cluster, Workload, l
     """Resolve the inputs and rank every layout; raise LoomError when none is valid or none fits."""
     _check(args)
     shape = resolve_model(args.model, args.params)
-    if shape.assumed and args.seq_len:
+    if shape.assumed and args.seq_len is not None:
         shape = replace(shape, block_size=args.seq_len)
     assert_valid(shape)
-    s = args.seq_len or shape.block_size
+    s = shape.block_size if args.seq_len is None else args.seq_len
     if s > shape.block_size or s < 1:
         raise LoomError(f"--seq-len {s} is outside the model's context of {shape.block_size} tokens",
                         hint="a config with a larger model.block_size, or a shorter --seq-len")  # fmt: skip
-    tokens = args.global_batch_tokens or (2**22 if shape.param_count() >= 1e9 else 2**19)
+    tokens = args.global_batch_tokens
+    if tokens is None:
+        tokens = 2**22 if shape.param_count() >= 1e9 else 2**19
     if tokens % s or tokens < s:
         raise LoomError(f"--global-batch-tokens {tokens} is not a whole number of {s}-token sequences",
                         hint=f"a multiple of {s}, e.g. {max(1, tokens // s) * s}")  # fmt: skip
