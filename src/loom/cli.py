@@ -35,12 +35,19 @@ def _train(argv: list[str]) -> int:
     if args.config and args.config.startswith("--"):
         rest.insert(0, args.config)
         args.config = None
+    _check_override_value(argv, args.config)
     cfg = config.load_config(args.config, rest)
     explicit = {k for k, _ in config.parse_overrides(rest)}
     if args.config:
         explicit |= {f"{s}.{k}" for s, kv in config.load_toml(args.config).items() for k in kv}
     if args.max_restarts < 0:
         raise LoomError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.nproc is not None and args.nproc > 1:
+        from loom import log
+        from loom.env import oversubscription
+
+        if warning := oversubscription(args.nproc):
+            log.warn(warning)
     if (args.nproc is not None and args.nproc != 1) or args.max_restarts:
         from loom.train.spawn import launch_local
 
@@ -79,6 +86,21 @@ def _train(argv: list[str]) -> int:
     return code
 
 
+def _check_override_value(argv: list[str], config_arg: str | None) -> None:
+    """`loom train --train.steps 5`: argparse takes the bare 5 for the config file (the optional positional);
+    say so instead of reporting a missing config file '5'."""
+    if not config_arg:
+        return
+    for i, a in enumerate(argv[1:], 1):
+        prev = argv[i - 1]
+        if a == config_arg and prev.startswith("--") and "." in prev and "=" not in prev:
+            raise LoomError(
+                f"'{a}' after {prev} was taken for the config file: an override before the config file "
+                f"needs '=' ({prev}={a})",
+                hint=f"write {prev}={a}",
+            )
+
+
 def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
     """argv without the launcher's own options, in both the '--x=V' and the '--x V' forms."""
     out, skip = [], False
@@ -115,6 +137,11 @@ def _data(argv: list[str]) -> int:
     pp.add_argument("--seed", type=int, default=1337)
     pp.add_argument("--force", action="store_true", help="replace an existing output directory")
     args = p.parse_args(argv)
+    from loom.paths import check_not_endless, check_output_dir
+
+    for path in args.input or []:
+        check_not_endless(path, "--input")
+    check_output_dir(args.out, "--out", temp_beside=True)  # written beside it first, then renamed
     from loom.data.corpus import corpus_files
     from loom.data.prepare import prepare
 
@@ -140,13 +167,14 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--no-cache", action="store_true", help="recompute the context every token (slower)")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
+    _check_sampling(args)
     import torch
 
     from loom.eval.val_loss import load_run
     from loom.generate import generate
     from loom.train.setup import resolve_device
 
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, key="--device")
     _, model, tok, _, _ = load_run(args.run_dir, device)
     if tok is None:
         raise LoomError(f"run '{args.run_dir}' was trained on data without a tokenizer: cannot turn text into ids",
@@ -165,6 +193,23 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+def _check_sampling(args: argparse.Namespace) -> None:
+    """Sampling options outside their domain are refused, never silently read as 'off' (before any load)."""
+    import math
+
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise LoomError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k <= 0:
+        raise LoomError(f"--top-k must be a positive number of tokens, got {args.top_k}",
+                        hint="leave --top-k out (default 200), or give a vocabulary-sized value to keep every token")  # fmt: skip
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise LoomError(f"--top-p must be in (0, 1], got {args.top_p}", hint="1 keeps every token")
+    if args.max_new_tokens < 0:
+        raise LoomError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.num_samples < 1:
+        raise LoomError(f"--num-samples must be >= 1, got {args.num_samples}")
+
+
 def _eval(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="loom eval", description="Validation loss and perplexity of a run, "
                                 "or HellaSwag accuracy (--task hellaswag --data hellaswag_val.jsonl).")  # fmt: skip
@@ -175,6 +220,11 @@ def _eval(argv: list[str]) -> int:
     p.add_argument("--limit", type=int, default=None, help="hellaswag: only the first N examples")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
+    if args.batches is not None and args.batches < 1:
+        raise LoomError(f"--batches must be >= 1, got {args.batches}",
+                        hint="leave it out for the run's train.eval_batches")  # fmt: skip
+    if args.limit is not None and args.limit < 1:
+        raise LoomError(f"--limit must be >= 1, got {args.limit}", hint="leave it out for every example")
     if args.task == "hellaswag":
         return _eval_hellaswag(args)
     import math
@@ -183,7 +233,7 @@ def _eval(argv: list[str]) -> int:
     from loom.eval.val_loss import load_run, run_data_dir, val_loss
     from loom.train.setup import check_data_dir, resolve_device
 
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, key="--device")
     cfg, model, _, meta, path = load_run(args.run_dir, device)
     data_dir = Path(args.data) if args.data else run_data_dir(args.run_dir, cfg)
     data_meta = check_data_dir(data_dir)
@@ -194,7 +244,7 @@ def _eval(argv: list[str]) -> int:
     from loom.data.tokenizers import check_same_tokenizer
 
     check_same_tokenizer(Path(args.run_dir) / "tokenizer", meta, data_dir, data_meta)  # by content, not size
-    n_rows = (args.batches or cfg.train.eval_batches) * cfg.train.batch_size
+    n_rows = (cfg.train.eval_batches if args.batches is None else args.batches) * cfg.train.batch_size
     vs = ValSet(data_dir, cfg.model.block_size, n_rows)
     loss = val_loss(model, vs, cfg.train.micro_batch_size or cfg.train.batch_size, device)
     print(f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} windows of {cfg.model.block_size} tokens)")
@@ -213,7 +263,7 @@ def _eval_hellaswag(args) -> int:
 
     examples = hellaswag.read_examples(args.data, args.limit)
     env = detect_env()
-    device = resolve_device(args.device, env.local_rank)
+    device = resolve_device(args.device, env.local_rank, key="--device")
     _, model, tok, _, path = load_run(args.run_dir, device)
     if tok is None:
         raise LoomError(f"run '{args.run_dir}' has no tokenizer, so HellaSwag text cannot be encoded",
@@ -250,6 +300,9 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--ckpt", default=None, help="a checkpoint directory (default: the newest valid one)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     args = p.parse_args(argv)
+    from loom.paths import check_output_dir
+
+    check_output_dir(args.out, "--out")  # before the checkpoint is read
     import torch
 
     from loom.eval.val_loss import load_run
@@ -273,7 +326,11 @@ def _plot(argv: list[str]) -> int:
     p.add_argument("run_dirs", nargs="+")
     p.add_argument("--out", default=None, help="PNG file (default: <first run>/loss.png)")
     args = p.parse_args(argv)
+    from loom.paths import check_output_file
     from loom.plot import plot_runs
+
+    if args.out or Path(args.run_dirs[0]).is_dir():  # before reading the runs
+        check_output_file(args.out or Path(args.run_dirs[0]) / "loss.png", "--out")
 
     out = plot_runs(args.run_dirs, args.out)
     print(f"wrote {out}")

@@ -1,15 +1,25 @@
-"""Bad input, table-driven: config files and keys, data directories and shards, parallel sizes, run
-directories and checkpoints. Each row must give one clear message (asserted), a non-zero exit code, and
-leave every existing file as it was (the whole tree is hashed before and after). Compared against that
-contract, not against a reference implementation."""
+"""Bad input, table-driven, through the real command line (`python -m loom` in a subprocess): config files
+and keys, data directories and shards, parallel sizes, run directories and checkpoints, and for every
+command that writes, outputs it cannot write; endless inputs (/dev/zero, a FIFO); sampling options out of
+their domain; zero or negative counts; messages that must name the real cause. Each row must exit 2 with
+one `loom: error:` that names the bad value (asserted), no traceback, and leave every existing file as it
+was (the whole tree, the working directory and the cache are hashed before and after). Compared against
+that contract, not against a reference implementation.
+
+test_the_table writes the table of rows and first message lines (printed with -s); every test here runs
+on its own, in any order: rows are run once per module by a caching fixture, not through a module global.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +41,9 @@ def _tree_hash(root: Path) -> str:
 @pytest.fixture(scope="module")
 def tree(char_data):
     """Data in good and broken forms, config files, a finished run with a checkpoint, a corrupt copy of
-    it, and a folder this user may not write (chmod; as root, which ignores modes, chattr +i)."""
+    it, a run of another width, a folder this user may not write (chmod; as root, which ignores modes,
+    chattr +i), a regular file where a folder is expected, a FIFO, and the subprocesses' working directory
+    and cache."""
     root = Path(tempfile.mkdtemp(prefix="loom-badinput-"))
     shutil.copytree(char_data, root / "data")
     for name, damage in {"lies": "length", "badmagic": "magic", "badmeta": "meta"}.items():
@@ -48,12 +60,22 @@ def tree(char_data):
             shard.write_bytes(bytes(raw))
         else:
             (d / "meta.json").write_text("{not json")
+    small = root / "smallvocab"  # a meta.json that claims 5 ids; the shards hold more
+    shutil.copytree(char_data, small)
+    meta = json.loads((small / "meta.json").read_text())
+    (small / "meta.json").write_text(json.dumps({**meta, "vocab_size": 5}))
+    (root / "afile").write_text("a regular file, not a folder\n")
+    os.mkfifo(root / "fifo")
+    (root / "cwd").mkdir()
+    (root / "cache").mkdir()
     (root / "empty").mkdir()
     (root / "bad.toml").write_text("this is [not toml\n")
     (root / "section.toml").write_text("[modle]\nn_layer = 2\n")
     runs = root / "runs"
     assert main(["train", f"--data.path={root / 'data'}", f"--run.dir={runs}", "--run.name=ok", "--train.steps=2",
                  *TINY]) == 0  # fmt: skip
+    assert main(["train", f"--data.path={root / 'data'}", f"--run.dir={runs}", "--run.name=wide", "--train.steps=1",
+                 *TINY, "--model.n_embd=64"]) == 0  # fmt: skip
     shutil.copytree(runs / "ok", runs / "corrupt")
     model = runs / "corrupt" / "ckpt" / "step_000002" / "model.pt"
     raw = bytearray(model.read_bytes())
@@ -113,10 +135,117 @@ CASES = {
     "train.resume=auto without a run name": (["--train.resume=auto"], "train.resume=auto needs a run.name", 2),
     "run directory without write permission": (["--run.dir={root}/ro", "--run.name=x"], "is not writable", 2),
 }  # fmt: skip
-ROWS: list[str] = []
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+MANY = 8 * CORES  # far above the cores this process may use
+# Every other command (and train rows that need an exact command line): name -> (argv after `loom`, the
+# message, the exit code). {root} is the tree, {many} and {cores} the process and core counts.
+COMMANDS = {
+    # outputs that cannot be written: a folder this user may not write, or a path through a regular file
+    "train: run.dir through a regular file": (["train", "--run.dir={root}/afile/runs", "--run.name=x"],
+                                              "'{root}/afile' is not a directory", 2),
+    "prepare: --out in a folder without write permission": (["data", "prepare", "--input", "{root}/afile",
+                                                             "--out", "{root}/ro/x"], "--out '{root}/ro/x' is not writable", 2),
+    "prepare: --out through a regular file": (["data", "prepare", "--input", "{root}/afile", "--out", "{root}/afile/x"],
+                                              "'{root}/afile' is a file, not a directory", 2),
+    "convert: output folder without write permission": (["data", "convert", "--to", "nanogpt", "{root}/data", "{root}/ro/x"],
+                                                        "output '{root}/ro/x' is not writable", 2),
+    "convert: output file through a regular file": (["data", "convert", "--to", "llmc", "{root}/data/train_000000.bin",
+                                                     "{root}/afile/x.bin"], "'{root}/afile' is a file, not a directory", 2),
+    "export: --out in a folder without write permission": (["export", "{root}/runs/ok", "--format", "hf", "--out", "{root}/ro/x"],
+                                                           "--out '{root}/ro/x' is not writable", 2),
+    "export: --out that is a regular file": (["export", "{root}/runs/ok", "--format", "safetensors", "--out", "{root}/afile"],
+                                             "--out '{root}/afile' is a file, not a directory", 2),
+    "plot: --out in a folder without write permission": (["plot", "{root}/runs/ok", "--out", "{root}/ro/loss.png"],
+                                                         "--out '{root}/ro/loss.png' is not writable", 2),
+    "plot: --out through a regular file": (["plot", "{root}/runs/ok", "--out", "{root}/afile/loss.png"],
+                                           "'{root}/afile' is a file, not a directory", 2),
+    "plot: --out of a format matplotlib cannot write": (["plot", "{root}/runs/ok", "--out", "{root}/cwd/loss.xyz"],
+                                                        "cannot write '.xyz' files", 2),
+    "verify: --out in a folder without write permission": (["verify", "--strategies", "ddp", "--out", "{root}/ro/v"],
+                                                           "--out '{root}/ro/v' is not writable", 2),
+    "verify: --json through a regular file": (["verify", "--strategies", "ddp", "--json", "{root}/afile/v.json"],
+                                              "'{root}/afile' is a file, not a directory", 2),
+    "bench peak: --json in a folder without write permission": (["bench", "peak", "--json", "{root}/ro/p.json"],
+                                                                "--json '{root}/ro/p.json' is not writable", 2),
+    "bench optim: --json through a regular file": (["bench", "optim", "--params", "1M", "--json", "{root}/afile/o.json"],
+                                                   "'{root}/afile' is a file, not a directory", 2),
+    "bench train: --json in a folder without write permission": (["bench", "train", "--synthetic", "--json", "{root}/ro/t.json"],
+                                                                 "--json '{root}/ro/t.json' is not writable", 2),
+    "bench comm: --plot through a regular file": (["bench", "comm", "--nproc", "2", "--plot", "{root}/afile/c.png"],
+                                                  "'{root}/afile' is a file, not a directory", 2),
+    # shapes that do not match
+    "export --ckpt of a model of another shape": (["export", "{root}/runs/ok", "--format", "safetensors", "--out",
+                                                   "{root}/cwd/x", "--ckpt", "{root}/runs/wide/ckpt/step_000001"],
+                                                  "model.n_embd: 32 in the run, 64 in the checkpoint", 2),
+    # token dtypes
+    "convert: unknown --dtype": (["data", "convert", "--to", "llmc", "{root}/data", "{root}/cwd/x", "--dtype", "int7"],
+                                 "--dtype 'int7' is not an integer token dtype", 2),
+    "convert: float --dtype": (["data", "convert", "--to", "llmc", "{root}/data", "{root}/cwd/x", "--dtype", "float32"],
+                               "--dtype 'float32' is not an integer token dtype", 2),
+    # a meta.json whose vocabulary is smaller than the ids
+    "train on a meta.json that claims fewer ids than the shards hold": (
+        ["train", "--data.path={root}/smallvocab"], "outside the vocabulary of 5 ids", 2),
+    "eval --data with a meta.json that claims fewer ids": (["eval", "{root}/runs/ok", "--data", "{root}/smallvocab"],
+                                                           "outside the vocabulary of 5 ids", 2),
+    # endless inputs
+    "prepare --input /dev/zero": (["data", "prepare", "--input", "/dev/zero", "--out", "{root}/cwd/z"],
+                                  "--input '/dev/zero' is a device", 2),
+    "prepare --input a FIFO": (["data", "prepare", "--input", "{root}/fifo", "--out", "{root}/cwd/z"],
+                               "--input '{root}/fifo' is a named pipe (FIFO)", 2),
+    "convert /dev/urandom": (["data", "convert", "--to", "llmc", "/dev/urandom", "{root}/cwd/z"],
+                             "input '/dev/urandom' is a device", 2),
+    "inspect /dev/zero": (["data", "inspect", "/dev/zero"], "path '/dev/zero' is a device", 2),
+    "train with /dev/zero as the config file": (["train", "/dev/zero"], "config file '/dev/zero' is not a regular file", 2),
+    "hellaswag --data /dev/zero": (["eval", "{root}/runs/ok", "--task", "hellaswag", "--data", "/dev/zero"],
+                                   "HellaSwag file '/dev/zero' is not a regular file", 2),
+    "launch --hostfile /dev/zero": (["launch", "--hostfile", "/dev/zero", "--dry-run", "--", "loom", "train"],
+                                    "--hostfile '/dev/zero' is a device", 2),
+    # sampling options outside their domain
+    "generate --temperature -1": (["generate", "{root}/runs/ok", "--temperature", "-1"], "--temperature must be >= 0 (0: greedy), got -1.0", 2),
+    "generate --top-k 0": (["generate", "{root}/runs/ok", "--top-k", "0"], "--top-k must be a positive number of tokens, got 0", 2),
+    "generate --top-k -5": (["generate", "{root}/runs/ok", "--top-k", "-5"], "--top-k must be a positive number of tokens, got -5", 2),
+    "generate --top-p 0": (["generate", "{root}/runs/ok", "--top-p", "0"], "--top-p must be in (0, 1], got 0.0", 2),
+    "generate --top-p 1.5": (["generate", "{root}/runs/ok", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5", 2),
+    "generate --max-new-tokens -1": (["generate", "{root}/runs/ok", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1", 2),
+    "generate --num-samples 0": (["generate", "{root}/runs/ok", "--num-samples", "0"], "--num-samples must be >= 1, got 0", 2),
+    # zero or negative counts, never silently replaced by a default
+    "eval --batches 0": (["eval", "{root}/runs/ok", "--batches", "0"], "--batches must be >= 1, got 0", 2),
+    "eval --batches -1": (["eval", "{root}/runs/ok", "--batches", "-1"], "--batches must be >= 1, got -1", 2),
+    "hellaswag --limit 0": (["eval", "{root}/runs/ok", "--task", "hellaswag", "--data", "{root}/afile", "--limit", "0"],
+                            "--limit must be >= 1, got 0", 2),
+    "plan --seq-len 0": (["plan", "--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--seq-len", "0"],
+                         "--seq-len must be positive, got 0", 2),
+    "plan --global-batch-tokens 0": (["plan", "--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--global-batch-tokens", "0"],
+                                     "--global-batch-tokens must be positive, got 0", 2),
+    "plan --mfu 2": (["plan", "--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--mfu", "2"], "--mfu must be in (0, 1], got 2.0", 2),
+    "verify --nproc 0": (["verify", "--strategies", "ddp", "--nproc", "0"], "--nproc must be >= 1, got 0", 2),
+    "verify --tol-loss -1": (["verify", "--strategies", "ddp", "--tol-loss", "-1"], "--tol-loss must be >= 0, got -1.0", 2),
+    "inspect --sample-tokens -1": (["data", "inspect", "{root}/data", "--sample-tokens", "-1"],
+                                   "--sample-tokens must be >= 0 (0: no decoded sample), got -1", 2),
+    "convert --eot-id -1": (["data", "convert", "--to", "megatron", "{root}/data", "{root}/cwd/m", "--eot-id", "-1"],
+                            "--eot-id must be a token id (>= 0), got -1", 2),
+    "bench peak --copy-mb 0": (["bench", "peak", "--copy-mb", "0"], "--copy-mb must be at least 1, got 0", 2),
+    "bench optim --iters 0": (["bench", "optim", "--iters", "0"], "got --iters 0 --warmup 5", 2),
+    "doctor --compile-timeout 0": (["doctor", "--compile-timeout", "0"], "--compile-timeout must be > 0 seconds, got 0.0", 2),
+    # messages that must name the real cause
+    "a bare number after --train.steps": (["train", "--train.steps", "5", "--data.path={root}/data", "--run.dir={root}/runs"],
+                                          "write --train.steps=5", 2),
+    "generate --device on a GPU that is not there": (["generate", "{root}/runs/ok", "--device", "cuda:999"],
+                                                     "--device cuda:999", 2),
+    "eval --device that is not a device": (["eval", "{root}/runs/ok", "--device", "bogus"], "--device 'bogus' is not a device", 2),
+    "bench peak --device that is not a device": (["bench", "peak", "--device", "bogus"], "--device 'bogus' is not a device", 2),
+    # --nproc far above the cores (warned, naming them; the bad data path then stops it before any process)
+    "--nproc far above the core count": (["train", "--nproc={many}", "--data.path={root}/nowhere"],
+                                         "--nproc {many} starts {many} processes on the {cores} CPU core", 2),
+    # --resume of a run that already reached train.steps
+    "--resume of a finished run": (["train", "--resume", "{root}/runs/ok"],
+                                   "already reached train.steps=2 (checkpoint 'step_000002' is at step 2)", 2),
+}  # fmt: skip
 
 
 def _args(case: str, root: Path) -> list[str]:
+    """`loom train` with the tiny model, the good data and the tree's run.dir, then the row's own settings
+    (last: they win)."""
     args = [a.format(root=root) for a in CASES[case][0]]
     if not any(a.startswith("--data.path") for a in args) and not args[0].endswith(".toml"):
         args.append(f"--data.path={root / 'data'}")
@@ -129,29 +258,93 @@ def _args(case: str, root: Path) -> list[str]:
     return ["train", "--train.steps=2", *TINY, *args]  # the row's own settings last: they win
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_input(case, tree, char_data, capsys):
-    _, message, code = CASES[case]
-    message = message.format(root=tree)
-    argv = _args(case, tree)
-    before = (_tree_hash(tree), _tree_hash(char_data))
-    capsys.readouterr()
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == code, err
-    assert message in err, err
-    assert err.count("loom: error:") == 1, err
-    assert (_tree_hash(tree), _tree_hash(char_data)) == before  # nothing written, nothing changed
-    first = err.split("loom: error: ", 1)[1].splitlines()[0].replace(str(tree), "…").replace("|", "\\|")
-    ROWS.append(f"| {case} | {first} | {rc} |")
+def _fill(text: str, root: Path) -> str:
+    return text.format(root=root, many=MANY, cores=CORES)
 
 
-def test_zz_write_the_table(tmp_path_factory):
-    """The markdown table of the rows above (printed with -s; written next to pytest's temp files)."""
-    if len(ROWS) < len(CASES):
-        pytest.skip("the table is written when every row ran")
-    table = "\n".join(["| input | message | exit code |", "|---|---|---|", *ROWS])
-    out = tmp_path_factory.getbasetemp() / "bad_input_table.md"
+def _row(case: str, root: Path) -> tuple[list[str], str, int]:
+    """(argv after `loom`, expected message, expected exit code) of a row of either table."""
+    if case in CASES:
+        return _args(case, root), _fill(CASES[case][1], root), CASES[case][2]
+    argv, message, code = COMMANDS[case]
+    argv = [_fill(a, root) for a in argv]
+    if argv[0] == "train" and argv[1:2] != ["/dev/zero"]:
+        argv += (
+            [*TINY, f"--run.dir={root / 'runs'}"]
+            if not any(a.startswith("--run.dir") for a in argv)
+            else TINY
+        )
+    return argv, _fill(message, root), code
+
+
+@dataclass
+class Result:
+    argv: list[str]
+    rc: int
+    out: str
+    err: str
+    unchanged: bool  # every file of the tree, the data, the working directory and the cache as before
+
+
+@pytest.fixture(scope="module")
+def run_row(tree, char_data):
+    """Run a row once as `python -m loom ...` (its cwd and LOOM_CACHE_DIR inside the hashed tree);
+    later calls for the same row return the cached Result, so tests may run in any order or alone."""
+    done: dict[str, Result] = {}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOOM_CACHE_DIR": str(tree / "cache")}
+
+    def run(case: str) -> Result:
+        if case not in done:
+            argv, _, _ = _row(case, tree)
+            before = (_tree_hash(tree), _tree_hash(char_data))
+            p = subprocess.run([sys.executable, "-m", "loom", *argv], cwd=tree / "cwd", env=env, text=True,
+                               capture_output=True, timeout=120, stdin=subprocess.DEVNULL)  # fmt: skip
+            unchanged = (_tree_hash(tree), _tree_hash(char_data)) == before
+            done[case] = Result(argv, p.returncode, p.stdout, p.stderr, unchanged)
+        return done[case]
+
+    return run
+
+
+ALL = [*CASES, *COMMANDS]
+
+
+@pytest.mark.parametrize("case", ALL)
+def test_bad_input(case, tree, run_row):
+    _, message, code = _row(case, tree)
+    r = run_row(case)
+    said = r.out + r.err
+    assert r.rc == code, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
+    assert r.err.count("loom: error:") == 1, said[-3000:]
+    assert message in said, said[-3000:]
+    assert r.unchanged, f"{r.argv} wrote, changed or deleted files"
+
+
+def test_the_table(tree, run_row, tmp_path):
+    """The markdown table of every row (printed with -s; written next to this test's temp files). Runs (or
+    reuses) every row itself, so it passes or fails the same alone, first or last."""
+    rows = []
+    for case in ALL:
+        r = run_row(case)
+        first = r.err.split("loom: error: ", 1)[-1].splitlines()[0] if r.err else ""
+        first = first.replace(str(tree), "…").replace("|", "\\|")
+        rows.append(f"| {case} | {first} | {r.rc} |")
+    table = "\n".join(["| input | message | exit code |", "|---|---|---|", *rows])
+    out = tmp_path / "bad_input_table.md"
     out.write_text(table + "\n")
     print(f"\n{table}\n(written to {out})")
-    assert len(ROWS) >= 20
+    assert len(rows) == len(CASES) + len(COMMANDS) >= 80
+    assert all(row.endswith("| 2 |") for row in rows), table
+
+
+def test_resume_auto_of_a_finished_run_warns(tree, tmp_path):
+    """train.resume=auto (or an elastic restart) may start a job again after it finished: that is not an
+    error, but it says that nothing is left to train and how to extend the run, instead of only 'resumed'."""
+    shutil.copytree(tree / "runs" / "ok", tmp_path / "ok")
+    argv = ["train", f"--run.dir={tmp_path}", "--run.name=ok", "--train.resume=auto", f"--data.path={tree / 'data'}",
+            *TINY]  # fmt: skip
+    p = subprocess.run([sys.executable, "-m", "loom", *argv], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "already reached train.steps=2" in p.stdout and "--train.steps=4" in p.stdout, p.stdout
