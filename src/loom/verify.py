@@ -338,6 +338,9 @@ def verify_main(argv: list[str]) -> int:
     if args.config and args.config.startswith("--"):
         overrides.insert(0, args.config)
         args.config = None
+    from loom.cli import _check_override_value
+
+    _check_override_value(argv, args.config)  # `--train.steps 5`: the 5 is not a config file
     if args.steps < 1:
         raise LoomError(f"--steps must be >= 1, got {args.steps}")
     _check_args(args)

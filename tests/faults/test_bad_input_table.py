@@ -230,6 +230,9 @@ COMMANDS = {
     # messages that must name the real cause
     "a bare number after --train.steps": (["train", "--train.steps", "5", "--data.path={root}/data", "--run.dir={root}/runs"],
                                           "write --train.steps=5", 2),
+    "verify: a bare number after --model.n_layer": (["verify", "--model.n_layer", "4"], "write --model.n_layer=4", 2),
+    "bench train: a bare number after --train.steps": (["bench", "train", "--train.steps", "5", "--synthetic"],
+                                                       "write --train.steps=5", 2),
     "generate --device on a GPU that is not there": (["generate", "{root}/runs/ok", "--device", "cuda:999"],
                                                      "--device cuda:999", 2),
     "eval --device that is not a device": (["eval", "{root}/runs/ok", "--device", "bogus"], "--device 'bogus' is not a device", 2),
@@ -334,7 +337,7 @@ def test_the_table(tree, run_row, tmp_path):
     out = tmp_path / "bad_input_table.md"
     out.write_text(table + "\n")
     print(f"\n{table}\n(written to {out})")
-    assert len(rows) == len(CASES) + len(COMMANDS) >= 80
+    assert len(rows) == len(CASES) + len(COMMANDS) >= 85
     assert all(row.endswith("| 2 |") for row in rows), table
 
 

@@ -211,6 +211,9 @@ def train_main(argv: list[str]) -> int:
     if args.config and args.config.startswith("--"):
         rest.insert(0, args.config)
         args.config = None
+    from loom.cli import _check_override_value
+
+    _check_override_value(argv, args.config)  # `--train.steps 5`: the 5 is not a config file
     cfg = config.load_config(args.config, rest)
     modes = (
         [m.strip() for m in args.ac.split(",") if m.strip()]
