@@ -1,0 +1,83 @@
+"""Meta-device initialisation: a model built on `meta` and parallelized in any layout starts from exactly the
+weights one process gets from the same seed (compared: the whole state every layout gathers to rank 0 against
+`GPT.reset_parameters(seed)` on a plain CPU model), and no rank allocates the whole model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from loom.config import Config, validate
+from loom.model import gpt_parallel
+from loom.parallel import parallelize
+from loom.parallel.dims import ParallelDims
+from loom.train.trainer import build_model
+
+SEED, VOCAB = 1234, 70
+
+
+def _cfg(**parallel) -> Config:
+    cfg = Config()
+    m = cfg.model
+    m.n_layer, m.n_head, m.n_embd, m.block_size = 4, 4, 32, 16
+    cfg.train.batch_size, cfg.run.seed = 8, SEED
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def _worker(rank: int, world: int, store: str, parallel: dict, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        cfg = _cfg(**parallel)
+        dims = ParallelDims.from_config(cfg.parallel, world, rank)
+        model = build_model(cfg, VOCAB)  # meta
+        assert all(p.is_meta for p in model.parameters())
+        derived = validate(cfg, dims.dp)
+        par = parallelize(model, dims, cfg, torch.device("cpu"), gpt_parallel, n_microbatches=derived.pp_microbatches,
+                          init=lambda name, whole: model.init_param(name, whole, SEED))  # fmt: skip
+        local = sum(
+            p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in par.model.parameters()
+        )
+        sd = par.model_state()
+        if rank == 0:
+            torch.save({"state": sd, "local": local}, out)
+        else:
+            torch.save({"local": local}, f"{out}.{rank}")
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+LAYOUTS = {
+    "fsdp": (2, {"dp_impl": "fsdp"}),
+    "zero2": (2, {"dp_impl": "zero2"}),
+    "tp": (2, {"tp": 2}),
+    "pp": (2, {"pp": 2, "pp_microbatches": 2}),
+    "hsdp": (4, {"dp_impl": "fsdp", "dp_replicate": 2}),
+    "tp-pp": (4, {"tp": 2, "pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 2}),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_starts_from_one_process_weights(tmp_path, layout):
+    world, parallel = LAYOUTS[layout]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = str(tmp_path / "state.pt")
+    mp.spawn(_worker, args=(world, str(tmp_path / "store"), parallel, out), nprocs=world, join=True)
+    got = torch.load(out, weights_only=True)
+    torch.manual_seed(0)  # the reference's init must not depend on the global RNG: reset_parameters(SEED)
+    ref = build_model(_cfg(), VOCAB, "cpu")
+    ref.reset_parameters(SEED)
+    want = ref.state_dict()
+    assert list(got["state"]) == list(want)
+    for k, v in want.items():
+        assert torch.equal(got["state"][k], v), k
+    # each rank allocated only its pieces: sharded and split layouts hold less than the whole model
+    whole = ref.num_params()
+    locals_ = [got["local"]] + [torch.load(f"{out}.{r}", weights_only=True)["local"] for r in range(1, world)]
+    assert max(locals_) < whole, (locals_, whole)
