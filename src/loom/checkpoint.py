@@ -174,7 +174,8 @@ def verify(path: str | Path) -> None:
     path = Path(path)
     manifest = path / "manifest.json"
     if not path.is_dir():
-        raise LoomError(f"checkpoint '{path}' does not exist")
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise LoomError(f"checkpoint '{path}' {what}", hint="give a checkpoint folder, RUN/ckpt/step_N")
     signature = _signature(path)
     if _verified.get(path.resolve()) == signature:
         return

@@ -142,6 +142,14 @@ def _data(argv: list[str]) -> int:
     for path in args.input or []:
         check_not_endless(path, "--input")
     check_output_dir(args.out, "--out", temp_beside=True)  # written beside it first, then renamed
+    # what prepare() would refuse only after reading (and tokenizing) the whole corpus
+    if not 0.0 < args.val_fraction < 1.0:
+        raise LoomError(f"--val-fraction must be between 0 and 1, got {args.val_fraction}")
+    if args.tokenizer not in ("char", "bpe"):
+        tok = Path(args.tokenizer)
+        if not (tok / "tokenizer.json" if tok.is_dir() else tok).is_file():
+            raise LoomError(f"--tokenizer '{args.tokenizer}' is neither char, bpe nor an existing tokenizer.json",
+                            hint="char, bpe, or the path of a tokenizer.json (or of the folder holding one)")  # fmt: skip
     from loom.data.corpus import corpus_files
     from loom.data.prepare import prepare
 

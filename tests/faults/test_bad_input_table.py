@@ -177,6 +177,11 @@ COMMANDS = {
     "export --ckpt of a model of another shape": (["export", "{root}/runs/ok", "--format", "safetensors", "--out",
                                                    "{root}/cwd/x", "--ckpt", "{root}/runs/wide/ckpt/step_000001"],
                                                   "model.n_embd: 32 in the run, 64 in the checkpoint", 2),
+    "export --ckpt that is a file": (["export", "{root}/runs/ok", "--format", "hf", "--out", "{root}/cwd/x", "--ckpt",
+                                      "{root}/afile"], "checkpoint '{root}/afile' is not a directory", 2),
+    "prepare --tokenizer that does not exist (refused before reading the corpus)": (
+        ["data", "prepare", "--input", "{root}/afile", "--out", "{root}/cwd/p", "--tokenizer", "{root}/nope.json"],
+        "--tokenizer '{root}/nope.json' is neither char, bpe nor an existing tokenizer.json", 2),
     # token dtypes
     "convert: unknown --dtype": (["data", "convert", "--to", "llmc", "{root}/data", "{root}/cwd/x", "--dtype", "int7"],
                                  "--dtype 'int7' is not an integer token dtype", 2),

@@ -317,7 +317,7 @@ def detect_file(path: str | Path) -> str:
     if p.suffix == ".idx" or megatron.idx_path(p).is_file():
         return "megatron"
     if not p.is_file():
-        raise LoomError(f"'{p}' does not exist")
+        raise LoomError(f"'{p}' is not a regular file" if p.exists() else f"'{p}' does not exist")
     if p.stat().st_size >= HEADER_BYTES and _has_llmc_magic(p):
         return "llmc"
     if p.suffix == ".bin":
