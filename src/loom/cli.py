@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -417,6 +418,13 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+_ENVIRONMENT_ERRNOS = {
+    getattr(errno, name)
+    for name in ("EACCES", "EPERM", "ENOSPC", "EDQUOT", "EROFS", "ENOTDIR", "EISDIR")
+    if hasattr(errno, name)
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -442,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         return verb[0](argv[1:])
     except LoomError as e:
         print(f"loom: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # Outputs are checked before any work; what the filesystem refuses later (a full disk, a folder
+        # made read-only meanwhile) is still the user's environment, not a bug: no traceback for it.
+        if e.errno not in _ENVIRONMENT_ERRNOS or not e.filename:
+            raise
+        print(f"loom: error: cannot write or read '{e.filename}': {e.strerror}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("loom: interrupted", file=sys.stderr)

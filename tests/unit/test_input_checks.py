@@ -115,3 +115,23 @@ def test_ids_beyond_the_meta_vocabulary_are_refused(char_data, tmp_path):
     (d / "meta.json").write_text(json.dumps({**meta, "vocab_size": 3}))
     with pytest.raises(LoomError, match="outside the vocabulary of 3 ids"):
         check_dir(d)
+
+
+def test_filesystem_refusals_after_the_checks_are_errors_not_tracebacks(monkeypatch, tmp_path, capsys):
+    """A disk that fills up or a folder made read-only mid-command: `loom: error:` naming the file, exit 2.
+    Any other exception (a bug) still raises with its traceback."""
+    from loom import cli
+
+    def full_disk(argv):
+        raise OSError(28, "No space left on device", str(tmp_path / "out" / "x.bin"))  # ENOSPC
+
+    def bug(argv):
+        raise OSError("no errno, no file: a bug, not the environment")
+
+    monkeypatch.setitem(cli.VERBS, "plot", (full_disk, ""))
+    assert cli.main(["plot"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loom: error: ") and f"'{tmp_path / 'out' / 'x.bin'}'" in err and "No space" in err
+    monkeypatch.setitem(cli.VERBS, "plot", (bug, ""))
+    with pytest.raises(OSError, match="a bug"):
+        cli.main(["plot"])
