@@ -444,6 +444,7 @@ def mesh_degrees(cfg: Config, world_size: int) -> tuple[int, int, int]:
             hint="lower parallel.pp, use the gpipe or 1f1b schedule, or add layers",
         )
     dp = world_size // (p.tp * p.pp)
+    dp_degrees(p, dp, p.dp_impl)
     if p.tp * p.pp > 1:
         if p.dp_impl in ("zero1", "mpi"):
             raise LoomError(
@@ -456,6 +457,30 @@ def mesh_degrees(cfg: Config, world_size: int) -> tuple[int, int, int]:
             raise LoomError("precision.dtype=fp16 (loss scaling) is not supported with pp > 1",
                             hint="use bf16 or fp32 with pipeline parallel")  # fmt: skip
     return dp, p.tp, p.pp
+
+
+def dp_degrees(p: ParallelConfig, dp: int, dp_impl: str) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) for a data-parallel degree dp: HSDP's split for fsdp/zero2 (dp_shard=-1 takes
+    what dp_replicate leaves); every other implementation replicates over all of dp."""
+    if p.dp_replicate < 1 or (p.dp_shard < 1 and p.dp_shard != -1):
+        raise LoomError(f"parallel.dp_replicate must be >= 1 and parallel.dp_shard >= 1 (or -1: the rest); got "
+                        f"{p.dp_replicate} and {p.dp_shard}")  # fmt: skip
+    if dp_impl not in ("fsdp", "zero2"):
+        if p.dp_shard not in (-1, 1) or p.dp_replicate != 1:
+            raise LoomError(
+                f"parallel.dp_replicate/dp_shard split FSDP's data-parallel ranks (HSDP); dp_impl={dp_impl} "
+                "replicates the model on every data-parallel rank",
+                hint="use parallel.dp_impl=fsdp (or zero2) for HSDP, or leave dp_replicate/dp_shard unset",
+            )
+        return dp, 1
+    shard = dp // p.dp_replicate if p.dp_shard == -1 else p.dp_shard
+    if p.dp_replicate * shard != dp:
+        raise LoomError(
+            f"parallel.dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} must equal the data-parallel degree "
+            f"{dp} (world / (tp x pp))",
+            hint="pick dp_replicate among the divisors of " + f"{dp} and leave dp_shard=-1",
+        )
+    return p.dp_replicate, shard
 
 
 def validate(cfg: Config, dp_size: int = 1) -> Derived:

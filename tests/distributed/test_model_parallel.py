@@ -98,6 +98,10 @@ def test_resume_same_layout_is_exact_and_other_layout_continues(tmp_path, char_d
         (["parallel.sp=true"], 1, "needs parallel.tp > 1"),
         (["parallel.tp=2", "parallel.dp_impl=zero1"], 4, "does not compose"),
         (["parallel.pp=2", "precision.dtype=fp16"], 2, "fp16"),
+        (["parallel.dp_impl=fsdp", "parallel.dp_replicate=3"], 4, "must equal the data-parallel degree 4"),
+        (["parallel.dp_impl=fsdp", "parallel.dp_replicate=2", "parallel.dp_shard=4"], 4, "must equal"),
+        (["parallel.dp_impl=ddp", "parallel.dp_replicate=2"], 4, "replicates the model"),
+        (["parallel.dp_impl=fsdp", "parallel.dp_shard=0"], 4, "dp_shard >= 1"),
     ],
 )
 def test_layout_rules(overrides, world, message):

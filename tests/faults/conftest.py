@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from faultkit import Proc, curve, run_inprocess, train_args
-
-STEPS = 40
-CKPT = ["--train.ckpt_every=6", "--train.keep_last=10"]
+from faultkit import CKPT, STEPS, Proc, curve, run_inprocess, train_args
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,11 @@ from proctree import alive, descendants, rank_of  # noqa: F401 (re-exported for 
 from loom.cli import main
 from loom.metrics import read_jsonl
 
+# The configuration the kill/stop/resume tests share (a module, not conftest: a bare `conftest` import
+# resolves to whichever folder's conftest.py pytest imported first)
+STEPS = 40
+CKPT = ["--train.ckpt_every=6", "--train.keep_last=10"]
+
 LOOM = [sys.executable, "-m", "loom"]
 # Tiny and CPU-only; dropout on, so the RNG state must come back exactly on resume.
 TINY = [

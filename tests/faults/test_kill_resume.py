@@ -10,8 +10,7 @@ import os
 import random
 import time
 
-from conftest import CKPT, STEPS
-from faultkit import Proc, alive, curve, last_step, rank_of, records, train_args, wait_for
+from faultkit import CKPT, STEPS, Proc, alive, curve, last_step, rank_of, records, train_args, wait_for
 
 from loom import checkpoint
 

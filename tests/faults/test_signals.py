@@ -12,8 +12,7 @@ import signal
 import time
 
 import pytest
-from conftest import CKPT, STEPS
-from faultkit import Proc, alive, curve, last_step, rank_of, run_inprocess, train_args, wait_for
+from faultkit import CKPT, STEPS, Proc, alive, curve, last_step, rank_of, run_inprocess, train_args, wait_for
 
 from loom import checkpoint
 from loom.errors import EXIT_PREEMPTED

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loom.config import dp_degrees
 from loom.errors import LoomError
 
 SHARDED = ("fsdp", "zero2")  # dp_impl values that shard parameters over dp_shard (FSDP2)
@@ -34,34 +35,14 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p, world_size: int, rank: int = 0, dp_impl: str | None = None) -> ParallelDims:
-        """Degrees from the parallel config section; dp_shard=-1 takes what the other degrees leave."""
+        """Degrees from the parallel config section (config.mesh_degrees has checked tp and pp)."""
         impl = dp_impl or p.dp_impl
-        if p.tp < 1 or p.pp < 1 or p.dp_replicate < 1 or (p.dp_shard < 1 and p.dp_shard != -1):
-            raise LoomError(
-                f"parallel degrees must be >= 1 (dp_shard may be -1: the rest); got dp_replicate={p.dp_replicate}"
-                f", dp_shard={p.dp_shard}, tp={p.tp}, pp={p.pp}"
-            )
         if world_size % (p.tp * p.pp):
             raise LoomError(
-                f"world size {world_size} is not divisible by parallel.tp x parallel.pp = {p.tp} x {p.pp}",
-                hint=f"start a multiple of {p.tp * p.pp} processes, or change tp/pp",
+                f"world size {world_size} is not divisible by parallel.tp x parallel.pp = {p.tp * p.pp}"
             )
-        dp = world_size // (p.tp * p.pp)
-        if impl not in SHARDED:  # replicated data parallel: every dp rank a replica
-            if p.dp_shard not in (-1, 1) or p.dp_replicate not in (1, dp):
-                raise LoomError(
-                    f"parallel.dp_replicate/dp_shard shard parameters, which dp_impl={impl} does not do",
-                    hint="use parallel.dp_impl=fsdp (or zero2) for HSDP, or leave dp_replicate/dp_shard unset",
-                )
-            return cls(dp, 1, p.tp, p.pp, world_size, rank, impl)
-        shard = dp // p.dp_replicate if p.dp_shard == -1 else p.dp_shard
-        if p.dp_replicate * shard != dp:
-            raise LoomError(
-                f"parallel.dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} must equal the data-parallel "
-                f"degree {dp} (world {world_size} / (tp {p.tp} x pp {p.pp}))",
-                hint=f"pick dp_replicate among the divisors of {dp} and leave dp_shard=-1",
-            )
-        return cls(p.dp_replicate, shard, p.tp, p.pp, world_size, rank, impl)
+        replicate, shard = dp_degrees(p, world_size // (p.tp * p.pp), impl)
+        return cls(replicate, shard, p.tp, p.pp, world_size, rank, impl)
 
     # ----------------------------------------------------------------------------- derived degrees
     @property

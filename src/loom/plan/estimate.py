@@ -1,10 +1,11 @@
 """Enumerate (dp, tp, pp, ZeRO stage, micro-batch, activation checkpointing) and estimate each layout.
 
-Mesh order is loom's (distributed/topology.py): dp × pp × tp with tp innermost, so a tensor-parallel
-group is tp neighbouring ranks (kept inside a node: tp divides gpus_per_node), a pipeline group spans
-tp·pp neighbouring ranks (inside a node while tp·pp <= gpus_per_node, else its stage-to-stage sends cross
-nodes) and a data-parallel group strides over everything (inside a node only for single-node jobs). A
-group inside a node uses the intra-node bandwidth, one that crosses nodes the inter-node bandwidth.
+Mesh order is loom's (parallel/dims.py, torchtitan's): pp × dp × tp with tp innermost, so a tensor-parallel
+group is tp neighbouring ranks (kept inside a node: tp divides gpus_per_node), a data-parallel group spans
+dp·tp neighbouring ranks (inside a node while dp·tp <= gpus_per_node, else its all-reduces or FSDP's
+gathers cross nodes) and a pipeline group strides over everything (its small stage-to-stage sends are what
+crosses nodes first). A group inside a node uses the intra-node bandwidth, one that crosses nodes the
+inter-node bandwidth.
 Bandwidths are nccl-tests bus bandwidths (what `loom bench comm` prints as busbw): a ring all-reduce of
 M bytes over n ranks takes 2·(n-1)/n·M / busbw; an all-gather or reduce-scatter half that.
 
@@ -197,7 +198,7 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     t_tp = tp_bytes / (_group_bw(c.tp, cluster) * GB)
     # pipeline: forward activation + backward gradient per micro-batch across each stage boundary
     pp_bytes = 2 * b * s * shape.n_embd * e / c.tp if c.pp > 1 else 0.0
-    t_pp = pp_bytes / (_group_bw(c.tp * c.pp, cluster) * GB)
+    t_pp = pp_bytes / (_group_bw(cluster.gpus, cluster) * GB)
     slots = c.n_micro + c.pp - 1
     c.bubble = (c.pp - 1) / slots
     pipe_time = slots * (t_micro + t_tp + t_pp)
@@ -212,7 +213,7 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     else:
         dp_bytes = first_p * 2 * ring * prec.grad
         hide = t_micro * 2 / 3
-    t_dp = dp_bytes / (_group_bw(cluster.gpus, cluster) * GB)
+    t_dp = dp_bytes / (_group_bw(c.dp * c.tp, cluster) * GB)
     c.comm_gb = {"dp": dp_bytes / GB, "tp": tp_bytes * c.n_micro / GB, "pp": pp_bytes * c.n_micro / GB}
     c.compute_s = c.n_micro * t_micro
     c.step_time_s = pipe_time + max(0.0, t_dp - hide)
