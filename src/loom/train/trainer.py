@@ -107,6 +107,7 @@ class Trainer:
         pretrained = pretrained_state(cfg, model)  # a resumed checkpoint overrides it
         if pretrained is not None:
             self.parallel.load_model_state(pretrained)
+        torch.manual_seed(cfg.run.seed)  # dropout's stream: the same on every rank and every run of this seed
         self.model = self.parallel.model
         self.optimizer = self.parallel.build_optimizer(cfg.optim)
         self.autocast_dtype = AUTOCAST.get(dtype)
@@ -155,9 +156,7 @@ class Trainer:
         t0 = time.perf_counter()
         x, y = self.batches.next_batch()
         self._begin_step()
-        if (
-            par.pipeline is not None
-        ):  # the schedule runs its own micro-batches, forward and backward interleaved
+        if par.pipeline is not None:  # the schedule runs its micro-batches, forward and backward interleaved
             with timer("f"):
                 loss_sum = par.pipeline.step(x, y, self._autocast)
         else:
@@ -175,11 +174,10 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         flags = grad_flags(self.model)  # which gradients are non-finite, before clipping smears NaN
         self.op = f"the gradient-norm and loss collectives of step {self.step + 1}"
-        grad_norm = par.clip_grad_norm(self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf)
-        loss, norm = torch.stack(
-            [par.mean_loss(loss_sum).float(), grad_norm.float()]
-        ).tolist()  # one host read
-        stop, nonfinite = self._agree(norm)  # before the update: a bad step is skipped on every rank
+        grad_norm = par.clip_grad_norm(self.cfg.optim.grad_clip or math.inf)
+        # the step's one host read; then every rank agrees on stop and skip before the update
+        loss, norm = torch.stack([par.mean_loss(loss_sum).float(), grad_norm.float()]).tolist()
+        stop, nonfinite = self._agree(norm)
         skip = self.guard.check(
             self.step + 1, loss, math.nan if nonfinite else norm, self.scaler.is_enabled()
         )
