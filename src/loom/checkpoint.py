@@ -9,6 +9,14 @@ Layout of `<run>/ckpt/step_000500/`:
 
 Everything is written into `step_000500.tmp/` and renamed when complete, so a crash never leaves a half
 checkpoint under a final name. Loading uses `torch.load(weights_only=True)`: no pickle code runs.
+
+That is format 1 (whole tensors, written by rank 0), still read. The trainer writes format 2 (`save_sharded`):
+  model/        torch.distributed.checkpoint (DCP) folder: `__<rank>_0.distcp` per rank + `.metadata`
+  optim/        the same for the optimizer state, keyed by parameter name
+  extra.pt, state.json   as above, from rank 0
+  manifest.json "format": 2; every file with its size and SHA-256, each hashed by the rank that wrote it
+Each rank writes only the shards it holds; loading reshards them onto any layout (loom.parallel.dcp_state),
+and a model-only load (`generate`, `eval`, `export`) reads model/ alone.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,6 +60,7 @@ def estimate_bytes(tensors: dict[str, Any], state: dict) -> int:
 
     def walk(obj) -> int:
         if isinstance(obj, torch.Tensor):
+            obj = obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank's shard
             return obj.numel() * obj.element_size() + 512
         if isinstance(obj, dict):
             return sum(walk(v) + 64 for v in obj.values())
@@ -139,6 +149,116 @@ def save(
     return final
 
 
+def _write_error(step: int, final: Path, e: BaseException) -> LoomError:
+    reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:300]
+    return LoomError(f"could not write checkpoint step {step} to '{final}': {reason}",
+                     hint="check free space and permissions of run.dir; earlier checkpoints are untouched")  # fmt: skip
+
+
+def _dcp_save(sd: dict, path: Path, no_dist: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(sd, storage_writer=writer, no_dist=no_dist)
+
+
+def _own_files(tmp: Path, rank: int, main: bool) -> dict:
+    """Size and SHA-256 of the files this rank wrote (its shards; rank 0 also metadata, extra, state)."""
+    mine = [p for sub in ("model", "optim") for p in sorted((tmp / sub).glob(f"__{rank}_*.distcp"))]
+    if main:
+        mine += [
+            tmp / "model" / ".metadata",
+            tmp / "optim" / ".metadata",
+            tmp / "extra.pt",
+            tmp / "state.json",
+        ]
+    return {
+        str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p, sync=True)} for p in mine
+    }
+
+
+def save_sharded(ckpt_dir: str | Path, step: int, model_sd: dict, optim_sd: dict, extra: dict, state: dict,
+                 keep_last: int, control, free_bytes: int | None = None,
+                 after_first_file: Callable[[Path], None] | None = None) -> Path:  # fmt: skip
+    """Write a format-2 checkpoint; called by every rank with its own pieces (loom.parallel.dcp_state).
+
+    Each rank checks the free space for its shards, writes them into `step_N.tmp/` through DCP and hashes
+    them; rank 0 gathers the per-rank manifests through the control plane, writes manifest.json and renames
+    the folder into place: the step directory appears only when every rank's files are complete. Without a
+    torch process group (one process, MPI: replicated state) rank 0 alone writes. Every rank raises the
+    same way when any rank failed, so all of them stop or go on together.
+    """
+    import torch.distributed as dist
+
+    final = step_dir(ckpt_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    main, no_dist = control.rank == 0, not (dist.is_available() and dist.is_initialized())
+    writes = main or not no_dist
+
+    def agree(err: LoomError | None) -> None:
+        failed = control.all_reduce_sum([float(err is not None)])[0] > 0
+        if err is not None:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise err
+        if failed:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise LoomError(f"another rank could not write its part of checkpoint step {step}; not saved")
+
+    err = None
+    try:
+        need = estimate_bytes({"model": model_sd, "optim": optim_sd}, {}) if writes else 0
+        check_free_space(ckpt_dir, step, need + (estimate_bytes(extra, state) if main else 0), free_bytes)
+        if main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+    except LoomError as e:
+        err = e
+    except OSError as e:
+        err = _write_error(step, final, e)
+    agree(err)
+    try:
+        if writes:
+            _dcp_save(model_sd, tmp / "model", no_dist)
+            if main and after_first_file is not None:
+                after_first_file(tmp)
+            _dcp_save(optim_sd, tmp / "optim", no_dist)
+        if main:
+            torch.save(extra, tmp / "extra.pt")
+            (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
+        files = _own_files(tmp, 0 if no_dist else control.rank, main) if writes else {}
+    except Exception as e:  # OSError, or DCP's CheckpointException carrying a rank's OSError
+        err, files = _write_error(step, final, e), {}
+    agree(err)
+    parts = control.gather_object(files)
+    try:
+        if main:
+            merged = {k: v for part in parts for k, v in part.items()}
+            (tmp / "manifest.json").write_text(
+                json.dumps({"step": step, "format": 2, "files": dict(sorted(merged.items()))}, indent=1),
+                encoding="utf-8",
+            )
+            _sha256(tmp / "manifest.json", sync=True)
+            for sub in ("model", "optim", "."):
+                _fsync_dir(tmp / sub)
+            if final.exists():  # the same step saved again (e.g. the final step after a resume): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+    except OSError as e:
+        err = _write_error(step, final, e)
+    agree(err)
+    if main:
+        for stale in Path(ckpt_dir).glob("step_*.tmp"):  # left by a process killed while writing
+            shutil.rmtree(stale, ignore_errors=True)
+        prune(ckpt_dir, keep_last)
+    return final
+
+
 def list_steps(ckpt_dir: str | Path) -> list[Path]:
     """Checkpoint directories under ckpt_dir, oldest first (temporary ones excluded)."""
     d = Path(ckpt_dir)
@@ -154,6 +274,8 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> None:
 
 
 REQUIRED_FILES = (*TENSOR_FILES, "state.json")
+SHARDED_REQUIRED = ("extra.pt", "state.json", "model/.metadata", "optim/.metadata")
+_SHARD_RE = re.compile(r"^(model|optim)/(\.metadata|__\d+_\d+\.distcp)$")
 # Checkpoints verified in this process, by their files' (name, size, mtime): a resume that first looks for
 # the newest valid checkpoint and then loads it hashes the files once, not twice.
 _verified: dict[Path, tuple] = {}
@@ -161,15 +283,36 @@ _verified: dict[Path, tuple] = {}
 
 def _signature(path: Path) -> tuple:
     return tuple(
-        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.iterdir()) if p.is_file()
+        (str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
     )
 
 
-def verify(path: str | Path) -> None:
+def is_sharded(path: str | Path) -> bool:
+    """Whether a checkpoint folder is format 2 (DCP shards) rather than format 1 (model.pt, ...)."""
+    return (Path(path) / "model").is_dir() or not (Path(path) / "model.pt").exists()
+
+
+def _check_names(path: Path, records: dict) -> None:
+    if any(n.startswith(("model/", "optim/")) for n in records):
+        bad = [n for n in records if not (_SHARD_RE.match(n) or n in SHARDED_REQUIRED)]
+        missing = [n for n in SHARDED_REQUIRED if n not in records]
+        if bad or missing:
+            raise LoomError(f"checkpoint '{path}' manifest lists {sorted(bad) or sorted(records)[:6]}, "
+                            f"expected {list(SHARDED_REQUIRED)} and model/, optim/ shards (corrupt)")  # fmt: skip
+    elif sorted(records) != sorted(REQUIRED_FILES):
+        raise LoomError(
+            f"checkpoint '{path}' manifest lists {sorted(records)}, expected {list(REQUIRED_FILES)} (corrupt)"
+        )
+
+
+def verify(path: str | Path, model_only: bool = False) -> None:
     """Raise LoomError naming the problem if the checkpoint at `path` is missing, incomplete or corrupt.
 
-    The manifest must list exactly loom's files by plain name (a manifest cannot point outside the folder);
-    each file must have the recorded size and SHA-256.
+    The manifest must list exactly loom's files by plain name (format 2: model/ and optim/ shard names; a
+    manifest cannot point outside the folder); each file must have the recorded size and SHA-256. With
+    `model_only`, a format-2 checkpoint's optim/ files are neither required nor read.
     """
     path = Path(path)
     manifest = path / "manifest.json"
@@ -177,7 +320,7 @@ def verify(path: str | Path) -> None:
         what = "is not a directory" if path.exists() else "does not exist"
         raise LoomError(f"checkpoint '{path}' {what}", hint="give a checkpoint folder, RUN/ckpt/step_N")
     signature = _signature(path)
-    if _verified.get(path.resolve()) == signature:
+    if _verified.get(path.resolve()) == signature or _verified.get((path.resolve(), model_only)) == signature:
         return
     if not manifest.is_file():
         raise LoomError(f"checkpoint '{path}' has no manifest.json (incomplete or not a checkpoint)")
@@ -186,11 +329,10 @@ def verify(path: str | Path) -> None:
         records = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in files.items()}
     except (json.JSONDecodeError, KeyError, UnicodeDecodeError, TypeError, ValueError, AttributeError):
         raise LoomError(f"checkpoint '{path}' has an unreadable manifest.json (corrupt)") from None
-    if sorted(records) != sorted(REQUIRED_FILES):
-        raise LoomError(
-            f"checkpoint '{path}' manifest lists {sorted(records)}, expected {list(REQUIRED_FILES)} (corrupt)"
-        )
+    _check_names(path, records)
     for name, (size, digest) in records.items():
+        if model_only and name.startswith("optim/"):
+            continue
         f = path / name
         if not f.is_file():
             raise LoomError(f"checkpoint '{path}' is missing {name}")
@@ -200,14 +342,15 @@ def verify(path: str | Path) -> None:
             )
         if _sha256(f) != digest:
             raise LoomError(f"checkpoint file '{f}' does not match its SHA-256 in the manifest (corrupt)")
-    _verified[path.resolve()] = signature
+    _verified[(path.resolve(), True) if model_only else path.resolve()] = signature
 
 
-def latest_valid(ckpt_dir: str | Path) -> Path | None:
-    """The newest checkpoint that verifies; corrupt newer ones are reported and skipped."""
+def latest_valid(ckpt_dir: str | Path, model_only: bool = False) -> Path | None:
+    """The newest checkpoint that verifies (its weights alone with `model_only`); corrupt newer ones are
+    reported and skipped."""
     for p in reversed(list_steps(ckpt_dir)):
         try:
-            verify(p)
+            verify(p, model_only=model_only)
             return p
         except LoomError as e:
             log.warn(f"skipping checkpoint: {e}")
@@ -229,6 +372,13 @@ def read_state(path: str | Path) -> dict:
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], dict]:
     """Verify and load a checkpoint: (tensors by name, state.json). No pickle code runs (weights_only)."""
     path = Path(path)
+    if is_sharded(path):  # format 2: whole tensors read from the shards (optim: flat, by parameter name)
+        from loom.parallel import dcp_state
+
+        tensors, state = load_extra(path)
+        for part in ("model", "optim"):
+            tensors[part] = dcp_state.read_whole(path / part)
+        return tensors, state
     verify(path)
     tensors = {}
     for name in TENSOR_FILES:
@@ -239,6 +389,29 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[di
         except Exception as e:  # a file torch cannot read, or one holding objects weights_only refuses
             raise LoomError(f"checkpoint file '{path / name}' cannot be loaded: {e}") from None
     return tensors, read_state(path)
+
+
+def load_extra(path: str | Path) -> tuple[dict[str, Any], dict]:
+    """Of a format-2 checkpoint, after verifying it: ({'extra': RNG and scaler}, state.json); the model and
+    optimizer shards are read by loom.parallel.dcp_state into each rank's own pieces."""
+    path = Path(path)
+    verify(path)
+    try:
+        extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise LoomError(f"checkpoint file '{path / 'extra.pt'}' cannot be loaded: {e}") from None
+    return {"extra": extra}, read_state(path)
+
+
+def load_model(path: str | Path, model: torch.nn.Module) -> None:
+    """Load only the weights of a format-2 checkpoint into a single-device model (generate, eval, export):
+    model/ and state.json are verified and read, optim/ is not touched (it may even be missing)."""
+    from loom.model.gpt_parallel import TIED
+    from loom.parallel import dcp_state
+
+    path = Path(path)
+    verify(path, model_only=True)
+    dcp_state.load_model_shards(model, path / "model", TIED)
 
 
 def resolve_resume(run_dir: Path, resume: str | bool) -> Path:

@@ -77,7 +77,7 @@ def tree(char_data):
     assert main(["train", f"--data.path={root / 'data'}", f"--run.dir={runs}", "--run.name=wide", "--train.steps=1",
                  *TINY, "--model.n_embd=64"]) == 0  # fmt: skip
     shutil.copytree(runs / "ok", runs / "corrupt")
-    model = runs / "corrupt" / "ckpt" / "step_000002" / "model.pt"
+    model = runs / "corrupt" / "ckpt" / "step_000002" / "model" / "__0_0.distcp"
     raw = bytearray(model.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     model.write_bytes(bytes(raw))
@@ -126,7 +126,7 @@ CASES = {
     "checkpoint from a different model shape": (["--resume", "{root}/runs/ok", "--model.n_embd=64"],
                                                 "was trained with another model shape: model.n_embd: 32 -> 64", 2),
     "bit-flipped checkpoint named by --resume": (["--resume", "{root}/runs/corrupt/ckpt/step_000002"],
-                                                 "model.pt' does not match its SHA-256 in the manifest", 2),
+                                                 "__0_0.distcp' does not match its SHA-256 in the manifest", 2),
     "--resume of a run with no valid checkpoint": (["--resume", "{root}/runs/corrupt"], "no valid checkpoint", 2),
     "--resume of a run that does not exist": (["--resume", "--run.name=none"], "does not exist", 2),
     "existing run with another config": (["--run.name=ok", "--train.steps=5"],

@@ -20,6 +20,8 @@ from loom import checkpoint
 from loom.errors import LoomError
 from loom.metrics import read_jsonl
 
+MODEL, OPTIM = "model/__0_0.distcp", "optim/__0_0.distcp"  # rank 0's shards of a one-process run
+
 
 def tree_hash(path: Path) -> str:
     h = hashlib.sha256()
@@ -48,7 +50,7 @@ def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(char_data, t
     wait_for(marker.exists, p, what="the stalled write of step 8")
     before = tree_hash(run / "ckpt" / "step_000004")
     p.kill_all()
-    assert (run / "ckpt" / "step_000008.tmp" / "model.pt").exists()  # half written, never renamed
+    assert (run / "ckpt" / "step_000008.tmp" / "model" / ".metadata").exists()  # half written, never renamed
     assert not (run / "ckpt" / "step_000008").exists()
     assert checkpoint.latest_valid(run / "ckpt") == run / "ckpt" / "step_000004"
     assert tree_hash(run / "ckpt" / "step_000004") == before
@@ -79,12 +81,13 @@ def _truncate(path: Path) -> None:
 def _manifest_escape(step: Path) -> None:
     """A manifest that names a file outside the checkpoint folder."""
     m = step / "manifest.json"
-    m.write_text(m.read_text().replace('"model.pt"', '"../../../etc/passwd"'))
+    m.write_text(m.read_text().replace('"model/__0_0.distcp"', '"../../../etc/passwd"'))
 
 
 DAMAGE = {
-    "truncated": (lambda s: _truncate(s / "model.pt"), "model.pt' has", "manifest says"),
-    "bit flip": (lambda s: _flip_bit(s / "optim.pt"), "optim.pt' does not match its SHA-256", "corrupt"),
+    "truncated": (lambda s: _truncate(s / MODEL), "__0_0.distcp' has", "manifest says"),
+    "bit flip": (lambda s: _flip_bit(s / OPTIM), "optim/__0_0.distcp' does not match its SHA-256", "corrupt"),
+    "missing rank shard": (lambda s: (s / MODEL).unlink(), "is missing model/__0_0.distcp", ""),
     "missing file": (lambda s: (s / "extra.pt").unlink(), "is missing extra.pt", ""),
     "no manifest": (lambda s: (s / "manifest.json").unlink(), "has no manifest.json", "incomplete"),
     "garbled manifest": (lambda s: (s / "manifest.json").write_text("{nope"), "unreadable manifest", ""),
@@ -106,23 +109,25 @@ def test_damaged_checkpoint_is_named_and_skipped(run_with_ckpts, tmp_path, kind)
 
 def test_resume_falls_back_to_newest_valid(run_with_ckpts, tmp_path, capsys):
     ckpt = _copy(run_with_ckpts, tmp_path)
-    _flip_bit(ckpt / "step_000006" / "model.pt")
+    _flip_bit(ckpt / "step_000006" / MODEL)
     capsys.readouterr()
     t0 = time.monotonic()
     assert run_inprocess(["train", "--resume", str(ckpt.parent), "--train.steps=7"]) == 0
     out = capsys.readouterr().out
-    assert "skipping checkpoint" in out and "step_000006/model.pt' does not match its SHA-256" in out
+    assert (
+        "skipping checkpoint" in out and "step_000006/model/__0_0.distcp' does not match its SHA-256" in out
+    )
     assert f"resumed from {ckpt / 'step_000004'} at step 4" in out
     print(f"\n[fault] bit flip in the newest checkpoint: fell back to step 4, {time.monotonic() - t0:.1f}s")
 
 
 def test_resume_of_a_named_corrupt_step_is_refused(run_with_ckpts, tmp_path, capsys):
     ckpt = _copy(run_with_ckpts, tmp_path)
-    _truncate(ckpt / "step_000004" / "optim.pt")
+    _truncate(ckpt / "step_000004" / OPTIM)
     before = tree_hash(ckpt.parent)
     assert run_inprocess(["train", "--resume", str(ckpt / "step_000004")]) == 2
     err = capsys.readouterr().err
-    assert "step_000004/optim.pt' has" in err and "(truncated or corrupt)" in err
+    assert "step_000004/optim/__0_0.distcp' has" in err and "(truncated or corrupt)" in err
     assert tree_hash(ckpt.parent) == before
 
 

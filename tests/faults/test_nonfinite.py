@@ -18,7 +18,9 @@ PARAM = "blocks.1.mlp.up_proj.weight"
 
 
 def tensors(run, step: int, name: str) -> dict:
-    return torch.load(run / "ckpt" / f"step_{step:06d}" / name, weights_only=True)
+    from loom import checkpoint  # format 2: the whole tensors read back from the shards
+
+    return checkpoint.load(run / "ckpt" / f"step_{step:06d}")[0][name.removesuffix(".pt")]
 
 
 def same(a, b) -> bool:

@@ -100,5 +100,28 @@ def test_checkpoint_state_is_json_and_tensors_only(char_data, tmp_path):
     json.loads((step / "state.json").read_text())
     import torch
 
-    for name in ("model.pt", "optim.pt", "extra.pt"):
-        torch.load(step / name, weights_only=True)  # loads under the restricted unpickler
+    torch.load(step / "extra.pt", weights_only=True)  # loads under the restricted unpickler
+    from loom.parallel.dcp_state import read_whole
+
+    for part in ("model", "optim"):  # DCP shards: raw tensor bytes; .metadata under an allow-list unpickler
+        assert read_whole(step / part)
+
+
+def test_checkpoint_metadata_with_code_is_refused(char_data, tmp_path):
+    import os
+    import pickle
+
+    from loom.errors import LoomError
+    from loom.parallel.dcp_state import read_whole
+
+    assert run_inprocess(train_args(char_data, tmp_path, "r", 1)) == 0
+    meta = tmp_path / "r" / "ckpt" / "step_000001" / "model" / ".metadata"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    meta.write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(LoomError, match="not allowed in checkpoint metadata"):
+        read_whole(meta.parent)
+    assert not (tmp_path / "pwned").exists()

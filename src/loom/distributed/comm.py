@@ -31,6 +31,10 @@ class Control:
     def barrier(self) -> None:
         """Wait until every rank arrives."""
 
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Every rank's Python object, in rank order, on rank 0; None elsewhere."""
+        return [obj]
+
 
 class TorchControl(Control):
     """The control plane on the job's torch.distributed default group (CPU tensors: gloo)."""
@@ -60,6 +64,13 @@ class TorchControl(Control):
 
         dist.barrier()
 
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        import torch.distributed as dist
+
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
 
 class MpiControl(Control):
     """The control plane over an mpi4py communicator."""
@@ -81,3 +92,6 @@ class MpiControl(Control):
 
     def barrier(self) -> None:
         self.comm.Barrier()
+
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        return self.comm.gather(obj, root=0)

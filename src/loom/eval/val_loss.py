@@ -64,15 +64,19 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
     cfg = config_from_dict(load_toml(run_dir / "config.toml"))
     meta = read_meta(run_dir / "tokenizer")
     tokenizer = load_tokenizer(run_dir / "tokenizer", meta) if meta.get("tokenizer") else None
-    path = Path(ckpt) if ckpt else checkpoint.latest_valid(run_dir / "ckpt")
+    path = Path(ckpt) if ckpt else checkpoint.latest_valid(run_dir / "ckpt", model_only=True)
     if path is None:
         raise LoomError(
             f"run '{run_dir}' has no valid checkpoint", hint="train it (checkpoints are written at the end)"
         )
     if ckpt and (path / "state.json").is_file():
         _check_same_model(path, cfg, run_dir)  # --ckpt of another run: refused before the weights are read
-    tensors, _ = checkpoint.load(path, map_location=device)
     model = GPT(model_config(cfg, meta["vocab_size"])).to(device)
+    if checkpoint.is_sharded(path):  # model/ alone: the optimizer's files are never read
+        checkpoint.load_model(path, model)
+        model.eval()
+        return cfg, model, tokenizer, meta, path
+    tensors, _ = checkpoint.load(path, map_location=device)
     mine = model.state_dict()
     diff = [f"{k}: {tuple(v.shape)} vs {tuple(mine[k].shape)}" for k, v in tensors["model"].items()
             if k in mine and v.shape != mine[k].shape]  # fmt: skip

@@ -138,6 +138,21 @@ class Parallelized:
             return zero1_state(opt, self.dims.is_main)
         return state.optim_state(self.model, opt, self.dims, self.order, self.spec.TIED)
 
+    def sharded_state(self, opt) -> tuple[dict, dict]:
+        """(model, optimizer) state of this rank's pieces under single-device names, for DCP (nothing gathered)."""
+        from loom.parallel import dcp_state
+
+        tied = self.spec.TIED
+        return dcp_state.model_shards(self.model, tied), dcp_state.optim_shards(self.model, opt, tied)
+
+    def load_sharded(self, opt, model_dir, optim_dir=None) -> None:
+        """Load DCP folders written under any layout into this rank's pieces (optimizer: when given)."""
+        from loom.parallel import dcp_state
+
+        dcp_state.load_model_shards(self.model, model_dir, self.spec.TIED)
+        if optim_dir is not None:
+            dcp_state.load_optim_shards(self.model, opt, optim_dir, self.spec.TIED)
+
     def load_optim_state(self, opt, sd: dict) -> None:
         if self.dims.dp_impl == "zero1" and self.dims.dp_enabled:
             opt.load_state_dict(sd)

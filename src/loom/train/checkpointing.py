@@ -23,11 +23,8 @@ class Checkpointer:
         extra = {"rng_cpu": torch.get_rng_state(), "scaler": tr.scaler.state_dict()}
         if tr.device.type == "cuda":
             extra["rng_cuda"] = torch.cuda.get_rng_state(tr.device)
-        tensors = {
-            "model": tr.parallel.model_state(),
-            "optim": tr.parallel.optim_state(tr.optimizer),
-            "extra": extra,
-        }
+        model_sd, optim_sd = tr.parallel.sharded_state(tr.optimizer)  # this rank's pieces, nothing gathered
+        tensors = {"model": model_sd, "optim": optim_sd, "extra": extra}
         state = {
             "step": tr.step,
             "loader": tr.batches.state_dict(),
@@ -41,19 +38,18 @@ class Checkpointer:
         """Write a checkpoint (rank 0). A failed write stops the run or only warns (train.on_save_error);
         every rank learns the outcome, so all of them stop or go on together. Returns whether it was saved."""
         tr = self.tr
-        tr.op = f"the checkpoint gather at step {tr.step}"
+        tr.op = f"the sharded checkpoint save at step {tr.step}"
         tensors, state = self.state()
         error = None
-        if tr.dims.is_main:
-            try:
-                path = checkpoint.save(
-                    tr.run_dir / "ckpt", tr.step, tensors, state, tr.cfg.train.keep_last,
-                    free_bytes=tr.faults.free_bytes,
-                    after_first_file=lambda tmp: tr.faults.stall_save(tr.step, tmp),
-                )  # fmt: skip
-                log.info(f"saved checkpoint {path}")
-            except LoomError as e:
-                error = e
+        try:
+            path = checkpoint.save_sharded(
+                tr.run_dir / "ckpt", tr.step, tensors["model"], tensors["optim"], tensors["extra"], state,
+                tr.cfg.train.keep_last, tr.control, free_bytes=tr.faults.free_bytes,
+                after_first_file=lambda tmp: tr.faults.stall_save(tr.step, tmp),
+            )  # fmt: skip
+            log.info(f"saved checkpoint {path}")
+        except LoomError as e:
+            error = e if tr.dims.is_main or "another rank" not in e.message else None
         tr.op = f"the checkpoint-result agreement at step {tr.step}"
         failed = tr.control.all_reduce_sum([float(error is not None)])[0] > 0
         if not failed:
@@ -69,7 +65,11 @@ class Checkpointer:
 
     def load(self, path: Path) -> None:
         tr = self.tr
-        tensors, state = checkpoint.load(path, map_location="cpu")  # sliced onto the device per parameter
+        sharded = checkpoint.is_sharded(path)
+        if sharded:
+            tensors, state = checkpoint.load_extra(path)
+        else:  # format 1: whole tensors, sliced onto the device per parameter
+            tensors, state = checkpoint.load(path, map_location="cpu")
         saved_model = state["config"]["model"]
         defaults = Config().to_dict()["model"]
         diff = [
@@ -79,8 +79,11 @@ class Checkpointer:
         ]
         if diff:
             raise LoomError(f"checkpoint '{path}' was trained with another model shape: " + "; ".join(diff))
-        tr.parallel.load_model_state(tensors["model"])
-        tr.parallel.load_optim_state(tr.optimizer, tensors["optim"])
+        if sharded:  # each rank reads the pieces its layout holds, whatever layout wrote them
+            tr.parallel.load_sharded(tr.optimizer, path / "model", path / "optim")
+        else:
+            tr.parallel.load_model_state(tensors["model"])
+            tr.parallel.load_optim_state(tr.optimizer, tensors["optim"])
         tr.scaler.load_state_dict(tensors["extra"]["scaler"])
         torch.set_rng_state(tensors["extra"]["rng_cpu"])
         if tr.device.type == "cuda" and "rng_cuda" in tensors["extra"]:

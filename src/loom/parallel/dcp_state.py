@@ -1,0 +1,180 @@
+"""Sharded checkpoint state through torch.distributed.checkpoint (DCP), under the single-device model's names.
+
+Each rank hands DCP only what it holds (FSDP/TP DTensors stay local shards; DCP records their global offsets),
+so saving never makes a tensor whole and loading reads into each rank's own pieces whatever layout wrote them:
+a checkpoint of fsdp x 4 resumes under ddp, tp x dp, pp x dp, HSDP or one process. The keys are the
+single-device names on every layout: wrappers' prefixes go (`canonical`), a tied alias is saved once under
+its canonical name (with pipeline parallel the two copies live on two stages; DCP keeps one of the equal
+chunks), and optimizer state is keyed by parameter name (DCP's state_dict API, flattened:
+`state.<name>.<moment>`), not by torch's per-layout parameter index.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from loom.errors import LoomError
+from loom.parallel.init import canonical
+
+_OPTIONS = None
+
+
+def _options():
+    global _OPTIONS
+    if _OPTIONS is None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        _OPTIONS = StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
+    return _OPTIONS
+
+
+def _inner(opt):
+    """The torch optimizer that holds this rank's state (ZeRO-1 keeps its local shard in .optim)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+
+def _optim_key(key: str, aliases: dict[str, str]) -> str:
+    """'state.<param name>.<what>' with the parameter's single-device name."""
+    kind, rest = key.split(".", 1)
+    name, what = rest.rsplit(".", 1)
+    return f"{kind}.{canonical(name, aliases)}.{what}"
+
+
+def _dedup(sd: dict, rename) -> dict:
+    out: dict = {}
+    for k, v in sd.items():
+        out.setdefault(rename(k), v)  # tied: one tensor under two names on one rank, saved once
+    return out
+
+
+def model_shards(model: nn.Module, aliases: dict[str, str]) -> dict:
+    """{single-device name: this rank's piece}: DTensors stay sharded, nothing is gathered."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return _dedup(get_model_state_dict(model, options=_options()), lambda k: canonical(k, aliases))
+
+
+def optim_shards(model: nn.Module, opt, aliases: dict[str, str]) -> dict:
+    """This rank's optimizer state, flattened and keyed by single-device parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(model, _inner(opt), options=_options())
+    return _dedup(sd, lambda k: _optim_key(k, aliases))
+
+
+class SafeReader:
+    """A DCP FileSystemReader whose `.metadata` (a pickle) is read by an unpickler that admits only DCP's
+    metadata classes and torch's sizes and dtypes: a tampered checkpoint cannot run code."""
+
+    _ALLOWED = {
+        "torch.distributed.checkpoint.metadata": None,
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch": {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
+        "torch.serialization": {"_get_layout"},
+        "pathlib": {"PosixPath", "WindowsPath", "Path", "PurePosixPath"},
+        "collections": {"OrderedDict"},
+    }
+
+    def __new__(cls, path: str | Path):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        allowed = cls._ALLOWED
+
+        class _Unpickler(pickle.Unpickler):
+            def find_class(self, module, name):
+                names = allowed.get(module, set())
+                if module in allowed and (names is None or name in names):
+                    return super().find_class(module, name)
+                raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+        class _Reader(FileSystemReader):
+            def read_metadata(self, *args, **kwargs):
+                f = Path(self.path) / ".metadata"
+                try:
+                    with open(f, "rb") as fh:
+                        md = _Unpickler(fh).load()
+                except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+                    raise LoomError(f"checkpoint file '{f}' cannot be read: {e}") from None
+                if getattr(md, "storage_meta", None) is None:
+                    from torch.distributed.checkpoint.metadata import StorageMeta
+
+                    md.storage_meta = StorageMeta()
+                md.storage_meta.load_id = self.load_id
+                return md
+
+        return _Reader(str(path))
+
+
+def saved_keys(path: str | Path) -> dict[str, tuple[int, ...] | None]:
+    """{key: global shape (None for a non-tensor)} of a DCP folder, from its metadata only."""
+    md = SafeReader(path).read_metadata()
+    return {k: tuple(getattr(v, "size", ())) if hasattr(v, "size") else None
+            for k, v in md.state_dict_metadata.items()}  # fmt: skip
+
+
+def read_whole(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP folder, whole, on the CPU (one process; tools and tests, not training)."""
+    md = SafeReader(path).read_metadata().state_dict_metadata
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items() if hasattr(v, "size")}
+    load_into(sd, path)
+    return sd
+
+
+def _check_keys(path: Path, want: dict, what: str) -> None:
+    have = saved_keys(path)
+    missing = sorted(k for k in want if k not in have)
+    shapes = [f"{k}: {have[k]} saved, {tuple(v.shape)} here" for k, v in want.items()
+              if k in have and isinstance(v, torch.Tensor) and have[k] is not None and have[k] != tuple(v.shape)]  # fmt: skip
+    if missing or shapes:
+        detail = "; ".join(shapes[:4] or [f"missing {', '.join(missing[:4])}"])
+        raise LoomError(f"checkpoint '{path.parent}' does not fit this {what}: {detail}",
+                        hint="resume with the model settings it was trained with (its state.json 'config')")  # fmt: skip
+
+
+def load_into(sd: dict, path: str | Path, what: str = "model") -> None:
+    """Read a DCP folder into `sd`'s tensors in place (each rank only the pieces it holds)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    _check_keys(path, sd, what)
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(sd, storage_reader=SafeReader(path), no_dist=no_dist)
+    except LoomError:
+        raise
+    except Exception as e:  # DCP wraps every rank's read errors into one CheckpointException
+        raise LoomError(f"checkpoint '{path}' cannot be loaded: {str(e).splitlines()[0][:300]}") from None
+
+
+def load_model_shards(model: nn.Module, path: str | Path, aliases: dict[str, str]) -> None:
+    """Load a DCP model folder into this rank's pieces of `model`, whatever layout saved it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    local = get_model_state_dict(model, options=_options())
+    target = _dedup(local, lambda k: canonical(k, aliases))
+    load_into(target, path, "model")
+    set_model_state_dict(model, {k: target[canonical(k, aliases)] for k in local}, options=_options())
+
+
+def load_optim_shards(model: nn.Module, opt, path: str | Path, aliases: dict[str, str]) -> None:
+    """Load the optimizer's per-parameter state (moments, step) from a DCP folder; the hyperparameters of
+    the param groups stay those of this run's config (and its implementation flags those of this layout)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    inner = _inner(opt)
+    local = get_optimizer_state_dict(model, inner, options=_options())  # creates empty state if none yet
+    states = {k: v for k, v in local.items() if k.startswith("state.")}
+    target = _dedup(states, lambda k: _optim_key(k, aliases))
+    load_into(target, path, "optimizer")
+    loaded = {k: (target[_optim_key(k, aliases)] if k in states else v) for k, v in local.items()}
+    set_optimizer_state_dict(model, inner, loaded, options=_options())
