@@ -155,13 +155,13 @@ def _write_error(step: int, final: Path, e: BaseException) -> LoomError:
                      hint="check free space and permissions of run.dir; earlier checkpoints are untouched")  # fmt: skip
 
 
-def _dcp_save(sd: dict, path: Path, no_dist: bool) -> None:
+def _dcp_save(sd: dict, path: Path, no_dist: bool, group=None) -> None:
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(sd, storage_writer=writer, no_dist=no_dist)
+        dcp.save(sd, storage_writer=writer, no_dist=no_dist, process_group=group)
 
 
 def _own_files(tmp: Path, rank: int, main: bool) -> dict:
@@ -181,14 +181,15 @@ def _own_files(tmp: Path, rank: int, main: bool) -> dict:
 
 def save_sharded(ckpt_dir: str | Path, step: int, model_sd: dict, optim_sd: dict, extra: dict, state: dict,
                  keep_last: int, control, free_bytes: int | None = None,
-                 after_first_file: Callable[[Path], None] | None = None) -> Path:  # fmt: skip
+                 after_first_file: Callable[[Path], None] | None = None, group=None) -> Path:  # fmt: skip
     """Write a format-2 checkpoint; called by every rank with its own pieces (loom.parallel.dcp_state).
 
     Each rank checks the free space for its shards, writes them into `step_N.tmp/` through DCP and hashes
     them; rank 0 gathers the per-rank manifests through the control plane, writes manifest.json and renames
     the folder into place: the step directory appears only when every rank's files are complete. Without a
     torch process group (one process, MPI: replicated state) rank 0 alone writes. Every rank raises the
-    same way when any rank failed, so all of them stop or go on together.
+    same way when any rank failed, so all of them stop or go on together. `group`: the process group of
+    DCP's own collectives (a background save runs them on a group of its own, `control` over the same).
     """
     import torch.distributed as dist
 
@@ -223,10 +224,10 @@ def save_sharded(ckpt_dir: str | Path, step: int, model_sd: dict, optim_sd: dict
     agree(err)
     try:
         if writes:
-            _dcp_save(model_sd, tmp / "model", no_dist)
+            _dcp_save(model_sd, tmp / "model", no_dist, group)
             if main and after_first_file is not None:
                 after_first_file(tmp)
-            _dcp_save(optim_sd, tmp / "optim", no_dist)
+            _dcp_save(optim_sd, tmp / "optim", no_dist, group)
         if main:
             torch.save(extra, tmp / "extra.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")

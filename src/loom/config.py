@@ -96,6 +96,12 @@ class TrainConfig:
         "auto: continue run.dir/run.name from its newest valid checkpoint if it has one, else start it "
         "(needs run.name) | no: start a new run (--resume continues one).",
     )
+    async_ckpt: str = _f(
+        "auto",
+        "Checkpoint in the background: auto (on for CUDA, off on CPU) | true | false. The step that starts a "
+        "save only copies this rank's shards to host memory; writing, hashing and the rename go on in a "
+        "thread, at most one save in flight (the next save, the last step and a stop signal wait for it).",
+    )
     on_save_error: str = _f(
         "continue",
         "A checkpoint that cannot be written (too little free disk, I/O error): continue (warn, retry at the "
@@ -208,6 +214,7 @@ CHOICES = {
     ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop", "triton"),
     ("train", "resume"): ("no", "auto"),
     ("train", "on_save_error"): ("continue", "stop"),
+    ("train", "async_ckpt"): ("auto", "true", "false"),
     ("train", "activation_checkpointing"): ("none", "full", "selective"),
     ("precision", "dtype"): ("fp32", "bf16", "fp16", "auto"),
     ("parallel", "dp_impl"): ("auto", "none", "ddp", "zero1", "zero2", "fsdp", "mpi"),

@@ -39,36 +39,37 @@ class Control:
 class TorchControl(Control):
     """The control plane on the job's torch.distributed default group (CPU tensors: gloo)."""
 
-    def __init__(self):
+    def __init__(self, group: Any = None):
         import torch.distributed as dist
 
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.group = group  # None: the default group; a background checkpoint save gets its own gloo group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         import torch
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.float64, device="cpu")
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t.tolist()
 
     def broadcast_object(self, obj: Any) -> Any:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=0, device="cpu")
+        dist.broadcast_object_list(box, src=0, device="cpu", group=self.group)
         return box[0]
 
     def barrier(self) -> None:
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def gather_object(self, obj: Any) -> list[Any] | None:
         import torch.distributed as dist
 
         out = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
+        dist.gather_object(obj, out, dst=0, group=self.group)
         return out
 
 

@@ -69,6 +69,25 @@ def optim_shards(model: nn.Module, opt, aliases: dict[str, str]) -> dict:
     return _dedup(sd, lambda k: _optim_key(k, aliases))
 
 
+class HostStager:
+    """Copies state dicts into host memory that a background writer saves while training changes the
+    originals; on a GPU the pinned buffers are made once and reused by every save (DCP's stager)."""
+
+    def __init__(self, cuda: bool):
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        self.cuda = cuda
+        self.stagers: dict[str, BlockingAsyncStager] = {}
+        self._make = lambda: BlockingAsyncStager(cache_staged_state_dict=cuda)
+
+    def stage(self, part: str, sd: dict) -> dict:
+        """A host copy of `sd` (DTensors stay DTensors, with host-memory local pieces)."""
+        staged = self.stagers.setdefault(part, self._make()).stage(sd)
+        if self.cuda:
+            torch.cuda.synchronize()
+        return staged
+
+
 class SafeReader:
     """A DCP FileSystemReader whose `.metadata` (a pickle) is read by an unpickler that admits only DCP's
     metadata classes and torch's sizes and dtypes: a tampered checkpoint cannot run code."""

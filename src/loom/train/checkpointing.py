@@ -9,6 +9,7 @@ import torch
 
 from loom import __version__, checkpoint, log
 from loom.config import Config
+from loom.distributed.comm import Control
 from loom.errors import LoomError
 
 
@@ -17,6 +18,8 @@ class Checkpointer:
 
     def __init__(self, trainer):
         self.tr = trainer
+        self._inflight = None  # (step, result box, thread) of a background save
+        self._stager = self._group = self._control = None
 
     def state(self) -> tuple[dict, dict]:
         tr = self.tr
@@ -34,34 +37,87 @@ class Checkpointer:
         }
         return tensors, state
 
-    def save(self) -> bool:
-        """Write a checkpoint (rank 0). A failed write stops the run or only warns (train.on_save_error);
-        every rank learns the outcome, so all of them stop or go on together. Returns whether it was saved."""
+    # ------------------------------------------------------------------------------- saving
+    def async_enabled(self) -> bool:
+        mode = self.tr.cfg.train.async_ckpt
+        return self.tr.device.type == "cuda" if mode == "auto" else mode == "true"
+
+    def _write(self, step: int, tensors: dict, state: dict, control, group=None) -> LoomError | None:
+        """Every rank's part of a sharded save; the error it ended with (every rank raises when one fails)."""
         tr = self.tr
-        tr.op = f"the sharded checkpoint save at step {tr.step}"
-        tensors, state = self.state()
-        error = None
         try:
             path = checkpoint.save_sharded(
-                tr.run_dir / "ckpt", tr.step, tensors["model"], tensors["optim"], tensors["extra"], state,
-                tr.cfg.train.keep_last, tr.control, free_bytes=tr.faults.free_bytes,
-                after_first_file=lambda tmp: tr.faults.stall_save(tr.step, tmp),
+                tr.run_dir / "ckpt", step, tensors["model"], tensors["optim"], tensors["extra"], state,
+                tr.cfg.train.keep_last, control, free_bytes=tr.faults.free_bytes,
+                after_first_file=lambda tmp: tr.faults.stall_save(step, tmp), group=group,
             )  # fmt: skip
             log.info(f"saved checkpoint {path}")
         except LoomError as e:
-            error = e if tr.dims.is_main or "another rank" not in e.message else None
-        tr.op = f"the checkpoint-result agreement at step {tr.step}"
+            return e if tr.dims.is_main or "another rank" not in e.message else None
+        return None
+
+    def save(self, background: bool = False) -> bool:
+        """Write a checkpoint: each rank its own shards. A failed write stops the run or only warns
+        (train.on_save_error); every rank learns the outcome, so all of them stop or go on together. Returns
+        whether it was saved. `background` (with train.async_ckpt): copy the shards to host memory and write
+        them in a thread; its outcome is agreed on when the next save (or the end of the run) waits for it."""
+        tr = self.tr
+        self.wait()  # at most one save in flight
+        tr.op = f"the sharded checkpoint save at step {tr.step}"
+        tensors, state = self.state()
+        if background and self.async_enabled():
+            self._start(tensors, state)
+            return True
+        return self._agree(tr.step, self._write(tr.step, tensors, state, tr.control))
+
+    def _agree(self, step: int, error: LoomError | None) -> bool:
+        tr = self.tr
+        tr.op = f"the checkpoint-result agreement at step {step}"
         failed = tr.control.all_reduce_sum([float(error is not None)])[0] > 0
         if not failed:
             return True
         if tr.cfg.train.on_save_error == "stop":
-            raise error or LoomError(f"rank 0 could not write the checkpoint of step {tr.step}; stopping")
+            raise error or LoomError(f"another rank could not write the checkpoint of step {step}; stopping")
         if error is not None:
-            log.warn(f"checkpoint of step {tr.step} not saved ({error.message}); training goes on "
+            log.warn(f"checkpoint of step {step} not saved ({error.message}); training goes on "
                      "(train.on_save_error=continue), the next save tries again")  # fmt: skip
             if tr.metrics:
-                tr.metrics.write({"step": tr.step, "ckpt_error": error.message})
+                tr.metrics.write({"step": step, "ckpt_error": error.message})
         return False
+
+    def _start(self, tensors: dict, state: dict) -> None:
+        """Stage this rank's shards to host memory (the only part the loop waits for), then write them in a
+        thread whose collectives run on a gloo group of their own, never beside the training's."""
+        import threading
+
+        from loom.parallel.dcp_state import HostStager
+
+        tr = self.tr
+        if self._stager is None:
+            self._stager = HostStager(tr.device.type == "cuda")
+            self._group, self._control = _background_group()
+        staged = {part: self._stager.stage(part, tensors[part]) for part in ("model", "optim")}
+        staged["extra"] = tensors["extra"]
+        step, control, group = tr.step, self._control or Control(), self._group
+        # without a process group (one process, MPI) rank 0 writes alone: the thread needs no collective
+        writes = self._group is not None or tr.dims.is_main
+        box: dict = {}
+
+        def run() -> None:
+            box["error"] = self._write(step, staged, state, control, group) if writes else None
+
+        self._inflight = (step, box, threading.Thread(target=run, name=f"loom-ckpt-{step}", daemon=True))
+        self._inflight[2].start()
+
+    def wait(self) -> bool | None:
+        """Wait for the save in flight, if any, and agree on its outcome; None when there was none."""
+        if self._inflight is None:
+            return None
+        step, box, thread = self._inflight
+        self._inflight = None
+        self.tr.op = f"the background checkpoint save of step {step}"
+        thread.join()
+        return self._agree(step, box.get("error", LoomError(f"the checkpoint writer of step {step} crashed")))
 
     def load(self, path: Path) -> None:
         tr = self.tr
@@ -93,3 +149,17 @@ class Checkpointer:
         log.info(
             f"resumed from {path} at step {tr.step} (saved with world size {state.get('world_size', 1)})"
         )
+
+
+def _background_group():
+    """(process group, control plane) for a background save: a gloo group of every rank, so that DCP's and
+    the manifest's collectives in the writer thread never interleave with the training's; (None, None)
+    without torch.distributed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, None
+    from loom.distributed.comm import TorchControl
+
+    group = dist.new_group(backend="gloo")
+    return group, TorchControl(group)

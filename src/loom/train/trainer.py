@@ -137,8 +137,8 @@ class Trainer:
         self.metrics: Sinks | None = None  # opened with the run files, once nothing can fail cheaply
         self.checkpointer = Checkpointer(self)
 
-    def save(self) -> bool:
-        return self.checkpointer.save()
+    def save(self, background: bool = False) -> bool:
+        return self.checkpointer.save(background)
 
     def load(self, path: Path) -> None:
         self.checkpointer.load(path)
@@ -386,7 +386,7 @@ class Trainer:
                 with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as f:
                     f.write(f"=== step {self.step}\n{text}\n")
         if self._due(t.ckpt_every) or final:
-            self.save()
+            self.save(background=not final)  # train.async_ckpt: in a thread, except the last (waited for)
         return last_val
 
     def _after_bad_step(self, rec: dict) -> None:
