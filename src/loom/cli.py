@@ -330,6 +330,29 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
+def _ckpt(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="loom ckpt", description="Inspect or consolidate a run's checkpoints.")
+    sub = p.add_subparsers(dest="verb", required=True)
+    ins = sub.add_parser("inspect", help="format, step, layout, files and sizes, valid or not")
+    ins.add_argument("target", help="a run directory, its ckpt/ folder or one RUN/ckpt/step_N")
+    ins.add_argument("--json", action="store_true", help="print JSON")
+    con = sub.add_parser("consolidate", help="one model.safetensors + config + tokenizer, tensor by tensor")
+    con.add_argument("run_dir")
+    con.add_argument("--step", type=int, default=None, help="default: the newest valid checkpoint")
+    con.add_argument(
+        "--out", required=True, help="output folder (a small run: loom generate/eval/export read it)"
+    )
+    con.add_argument("--force", action="store_true", help="write into a non-empty output folder")
+    args = p.parse_args(argv)
+    from loom import checkpoint_tools
+
+    if args.verb == "inspect":
+        return checkpoint_tools.inspect_main(args.target, args.json)
+    target = checkpoint_tools.consolidate(args.run_dir, args.out, args.step, args.force)
+    print(f"wrote {target} ({target.stat().st_size / 2**20:.1f} MiB), config.toml and tokenizer/")
+    return 0
+
+
 def _plot(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="loom plot", description="Train and val loss against tokens.")
     p.add_argument("run_dirs", nargs="+")
@@ -394,6 +417,7 @@ VERBS = {
     "generate": (_generate, "sample from a trained run"),
     "eval": (_eval, "validation loss and perplexity of a run"),
     "plot": (_plot, "plot loss curves of one or more runs"),
+    "ckpt": (_ckpt, "checkpoints: loom ckpt inspect RUN | consolidate RUN --out DIR"),
     "export": (_export, "write a run's model as a transformers GPT-2 directory or raw safetensors"),
     "verify": (
         _verify,

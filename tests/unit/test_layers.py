@@ -11,7 +11,7 @@ LAYER = {
     "data": 1, "model": 1, "metrics": 1, "launch": 1, "plot": 1,
     "distributed": 2,
     "parallel": 3, "optim": 3,
-    "checkpoint": 4, "eval": 4, "generate": 4,
+    "checkpoint": 4, "checkpoint_tools": 4, "eval": 4, "generate": 4,
     "train": 5, "plan": 5, "doctor": 5,
     "cli": 6, "bench": 6, "verify": 6, "__main__": 6, "__init__": 0,
 }  # fmt: skip

@@ -64,6 +64,12 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
     cfg = config_from_dict(load_toml(run_dir / "config.toml"))
     meta = read_meta(run_dir / "tokenizer")
     tokenizer = load_tokenizer(run_dir / "tokenizer", meta) if meta.get("tokenizer") else None
+    if not ckpt and not (run_dir / "ckpt").is_dir() and (run_dir / "model.safetensors").is_file():
+        from loom.checkpoint_tools import load_consolidated  # a `loom ckpt consolidate` folder
+
+        model = GPT(model_config(cfg, meta["vocab_size"]))
+        load_consolidated(run_dir, model)
+        return cfg, model.to(device).eval(), tokenizer, meta, run_dir / "model.safetensors"
     path = Path(ckpt) if ckpt else checkpoint.latest_valid(run_dir / "ckpt", model_only=True)
     if path is None:
         raise LoomError(

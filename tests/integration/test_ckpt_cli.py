@@ -1,0 +1,96 @@
+"""What reads a sharded checkpoint besides training, on a run saved by 2 FSDP processes: generate, eval and
+export read only model/ (shown by deleting optim/ first); `loom ckpt consolidate` writes one safetensors model
+that generates the same text and exports to transformers with the same logits as the run itself; `loom ckpt
+inspect` names a damaged checkpoint; a format-1 checkpoint (model.pt, optim.pt, extra.pt) still loads."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from loom import checkpoint
+from loom.cli import main
+
+TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
+        "--train.batch_size=8", "--train.eval_batches=2", "--train.sample_every=0", "--optim.warmup_steps=3",
+        "--train.log_every=1", "--train.eval_every=0", "--train.device=cpu"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(char_data, tmp_path_factory):
+    runs = tmp_path_factory.mktemp("ckpt_cli")
+    r = subprocess.run([sys.executable, "-m", "loom", "train", "--nproc=2", "--parallel.dp_impl=fsdp",
+                        f"--data.path={char_data}", f"--run.dir={runs}", "--run.name=f", "--train.steps=4", *TINY],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return runs / "f"
+
+
+def _generate(run, capsys) -> str:
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "The", "--max-new-tokens", "12", "--seed", "3"]) == 0
+    return capsys.readouterr().out
+
+
+def test_generate_and_eval_never_read_the_optimizer(fsdp_run, tmp_path, capsys):
+    ref = _generate(fsdp_run, capsys)
+    run = tmp_path / "f"
+    shutil.copytree(fsdp_run, run)
+    for step in (run / "ckpt").iterdir():
+        shutil.rmtree(step / "optim")
+    assert _generate(run, capsys) == ref
+    assert main(["eval", str(run)]) == 0 and "val loss" in capsys.readouterr().out
+    # training needs the optimizer: resuming is refused, naming what is missing
+    assert main(["train", "--resume", str(run)]) == 2
+    res = capsys.readouterr()
+    assert "is missing optim/.metadata" in res.out and "no valid checkpoint" in res.err
+
+
+def test_consolidate_generates_and_exports_the_same_model(fsdp_run, tmp_path, capsys):
+    out = tmp_path / "c"
+    assert main(["ckpt", "consolidate", str(fsdp_run), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.toml",
+        "model.safetensors",
+        "run.json",
+        "tokenizer",
+    ]
+    assert _generate(out, capsys) == _generate(fsdp_run, capsys)
+    transformers = pytest.importorskip("transformers")
+    assert main(["export", str(out), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    from loom.eval.val_loss import load_run
+
+    _, model, _, meta, _ = load_run(fsdp_run, torch.device("cpu"))
+    x = torch.randint(0, meta["vocab_size"], (1, 16))
+    with torch.no_grad():
+        diff = (model(x)[0][..., : theirs.config.vocab_size] - theirs(x).logits).abs().max().item()
+    assert diff < 1e-4, diff
+
+
+def test_inspect_names_valid_and_damaged_checkpoints(fsdp_run, tmp_path, capsys):
+    run = tmp_path / "f"
+    shutil.copytree(fsdp_run, run)
+    shard = run / "ckpt" / "step_000004" / "model" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    capsys.readouterr()
+    assert main(["ckpt", "inspect", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "step 4, format 2, world size 2" in out and "dp_impl=fsdp" in out
+    assert "INVALID" in out and "__1_0.distcp' has" in out and "model             3 file(s)" in out
+
+
+def test_format1_checkpoint_still_loads_for_generation(fsdp_run, tmp_path, capsys):
+    run = tmp_path / "f"
+    shutil.copytree(fsdp_run, run, ignore=shutil.ignore_patterns("ckpt"))
+    whole, state = checkpoint.load(checkpoint.latest_valid(fsdp_run / "ckpt"))
+    model = {**whole["model"], "lm_head.weight": whole["model"]["wte.weight"]}
+    checkpoint.save(
+        run / "ckpt", 4, {"model": model, "optim": {}, "extra": whole["extra"]}, state, keep_last=1
+    )
+    assert (run / "ckpt" / "step_000004" / "model.pt").is_file()
+    assert _generate(run, capsys) == _generate(fsdp_run, capsys)
