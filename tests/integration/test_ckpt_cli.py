@@ -94,3 +94,39 @@ def test_format1_checkpoint_still_loads_for_generation(fsdp_run, tmp_path, capsy
     )
     assert (run / "ckpt" / "step_000004" / "model.pt").is_file()
     assert _generate(run, capsys) == _generate(fsdp_run, capsys)
+
+
+def test_format1_checkpoint_resumes_bit_exact(char_data, tmp_path, monkeypatch):
+    """A run saved by the previous writer (whole tensors on rank 0: model.pt, optim.pt, extra.pt) resumes
+    under the sharded code and continues the uninterrupted curve exactly."""
+    from loom.metrics import read_jsonl
+    from loom.train.checkpointing import Checkpointer
+
+    args = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--train.steps=6", "--train.ckpt_every=3",
+            "--train.keep_last=5", "--model.dropout=0.1", *TINY]  # fmt: skip
+    assert main([*args, "--run.name=ref"]) == 0
+
+    def format1_save(self, background=False):  # the writer of the previous main, kept in loom.parallel.state
+        tr = self.tr
+        tensors, state = self.state()
+        tensors = {
+            **tensors,
+            "model": tr.parallel.model_state(),
+            "optim": tr.parallel.optim_state(tr.optimizer),
+        }
+        checkpoint.save(tr.run_dir / "ckpt", tr.step, tensors, state, tr.cfg.train.keep_last)
+        return True
+
+    with monkeypatch.context() as m:
+        m.setattr(Checkpointer, "save", format1_save)
+        assert main([*args, "--run.name=old", "--train.steps=6"]) == 0
+    step3 = tmp_path / "old" / "ckpt" / "step_000003"
+    assert (step3 / "optim.pt").is_file() and not checkpoint.is_sharded(step3)
+    shutil.rmtree(tmp_path / "old" / "ckpt" / "step_000006")
+    assert main(["train", "--resume", str(step3)]) == 0
+
+    def curve(run):
+        return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}
+
+    assert curve(tmp_path / "old") == curve(tmp_path / "ref")
+    assert checkpoint.is_sharded(tmp_path / "old" / "ckpt" / "step_000006")  # saved on in the new format
