@@ -122,7 +122,8 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
         for name, (shape, dtype) in metas.items():
             t = {name: torch.empty(shape, dtype=dtype)}
             load_into(t, path / "model")
-            f.write(t[name].contiguous().view(torch.uint8).numpy().tobytes() if t[name].numel() else b"")
+            if t[name].numel():
+                f.write(t[name].contiguous().view(torch.uint8).numpy().data)  # no copy of the tensor
             del t
     shutil.copyfile(run_dir / "config.toml", out / "config.toml")
     if (run_dir / "tokenizer").is_dir():
