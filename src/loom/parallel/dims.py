@@ -14,6 +14,7 @@ from loom.config import dp_degrees
 from loom.errors import LoomError
 
 SHARDED = ("fsdp", "zero2")  # dp_impl values that shard parameters over dp_shard (FSDP2)
+WRAPPERS = ("ddp", "zero1", "zero2", "fsdp")  # dp_impl values with a torch wrapper (applied even on 1 rank)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,10 @@ class ParallelDims:
 
     @property
     def dp_enabled(self) -> bool:
-        return self.dp > 1
+        """Data parallel is applied: more than one replica, or a 1-process job that asked for a wrapper by
+        name (dp_impl=ddp|zero1|zero2|fsdp; `auto` gives `none` there), which then runs the same code on a
+        1-rank group: how one GPU exercises every NCCL path (benchmarks/gpu_check.py)."""
+        return self.dp > 1 or (self.world_size == 1 and self.dp_impl in WRAPPERS)
 
     @property
     def fsdp_enabled(self) -> bool:
