@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench setup clean
+.PHONY: demo test lint bench setup clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The GPU acceptance kit (benchmarks/gpu_check.py): make gpu-check on a CUDA machine, ARGS=--cpu anywhere.
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -1,0 +1,410 @@
+"""The GPU acceptance kit: one command that says what works on this GPU, in a few minutes.
+
+    make gpu-check                        # on a CUDA machine (whole kit <= 8 minutes on one H100/H200)
+    make gpu-check ARGS=--cpu             # the same checks with tiny shapes on the CPU (CI tests the kit)
+    python benchmarks/gpu_check.py [--cpu] [--out DIR] [--nanogpt PATH] [--only a,b] [--fail-check NAME]
+
+Each check is a subprocess with a time limit; its output is kept in OUT/<check>.log. The kit writes
+OUT/gpu-report.json and OUT/gpu-report.md (check, status, seconds, key figures) and exits 1 if any check
+failed. Statuses: pass, fail, skipped (with the reason; "gpu only: would run <command>" under --cpu).
+Checks, in order:
+  tests-gpu            pytest tests/gpu -rs; on CUDA a skipped test is a failure (they exist to run there)
+  prepare-data         a small char-level data set for the training checks (loom data prepare)
+  train-<impl>         a few dozen steps with --parallel.dp_impl=ddp|zero1|zero2|fsdp in one process: the
+                       wrapper is applied on a 1-rank NCCL group (gloo under --cpu), so its code path runs
+  train-tp1, train-pp1 tensor and pipeline parallel on 1-rank meshes: not built yet (reported as skipped)
+  verify               with 2+ GPUs: loom verify over them (ddp, zero1, zero2, fsdp, tp, pp-1f1b)
+  bench-optim          loom bench optim --params 124M: torch-fused, torch-foreach, triton; ms/step and the
+                       share of the datasheet memory bandwidth (and of the copy bandwidth measured there)
+  bench-train-eager    GPT-2 124M (vocab 50304, T=1024, bf16) through loom bench train: tokens/s, MFU, peak
+                       memory, at the largest micro-batch of --micro-batches that fits (tried largest first)
+  bench-train-compile  the same with train.compile=true at that micro-batch
+  nanogpt              nanoGPT's own train.py on the same shape (compile on), with --nanogpt PATH
+--fail-check NAME makes that check fail on purpose (its command is replaced by one that exits 1): how the
+kit's own test proves that a failure reaches the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+LOOM = [PY, "-m", "loom"]
+BUDGET_S = 480.0  # the whole kit on a GPU: 8 minutes, under the device machine's 10 minutes per command
+
+# Datasheet memory bandwidth in GB/s, matched as substrings of torch.cuda.get_device_name (first match wins).
+GPU_BANDWIDTH_GBPS = {
+    "H200": 4800.0,
+    "H100 NVL": 3900.0,
+    "H100 PCIe": 2000.0,
+    "H100": 3350.0,  # SXM
+    "A100-SXM4-80GB": 2039.0,
+    "A100 80GB PCIe": 1935.0,
+    "A100": 1555.0,  # 40 GB
+}
+
+# GPT-2 124M as nanoGPT trains it: vocab padded to 50304, T=1024, no bias, no dropout.
+GPT2 = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50304}
+TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 50304}  # the same vocabulary
+DP_IMPLS = ("ddp", "zero1", "zero2", "fsdp")
+VERIFY_STRATEGIES = "ddp,zero1,zero2,fsdp,tp,pp-1f1b"
+NANO_STEP = re.compile(r"^iter (\d+): loss ([-\d.naif]+), time ([\d.]+)ms")
+
+
+def datasheet_bandwidth(name: str) -> float | None:
+    """The GPU's memory bandwidth in GB/s from its name, or None for an unknown device."""
+    return next((bw for key, bw in GPU_BANDWIDTH_GBPS.items() if key in name), None)
+
+
+@dataclass
+class Check:
+    name: str
+    # candidate commands, tried in order until one does not run out of memory (usually just one)
+    argvs: Callable[[dict], list[list[str]]] | None
+    timeout_s: float
+    figures: Callable[[str, dict], dict] = lambda out, ctx: {}  # key figures from the output
+    why_not: str | None = None  # set: the check is not run, and this is the reason
+    gpu_only: bool = False
+    strict_skips: bool = False  # pytest: a skipped test fails the check
+    cwd: Path = ROOT
+
+
+# ------------------------------------------------------------------------------------------- the checks
+def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
+    """Every check of the kit, in order; those that cannot run here carry the reason and the command."""
+    data, shape = out / "data", (GPT2 if cuda else TINY)
+    device = "cuda" if cuda else "cpu"
+    checks = [
+        Check("tests-gpu", lambda ctx: [[PY, "-m", "pytest", "tests/gpu", "-rs", "-q", "-p", "no:cacheprovider"]],
+              240, pytest_figures, strict_skips=cuda),
+        Check("prepare-data", lambda ctx: [[*LOOM, "data", "prepare", "--input", str(write_text(out)), "--out",
+              str(data), "--tokenizer", "char", "--val-fraction", "0.1"]], 120),
+    ]  # fmt: skip
+    steps = 30 if cuda else 5
+    small = ["--model.n_layer=4", "--model.n_head=4", "--model.n_embd=128", "--model.block_size=128",
+             "--train.batch_size=16"] if cuda else ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32",
+             "--model.block_size=32", "--train.batch_size=8"]  # fmt: skip
+    common = [f"--data.path={data}", f"--run.dir={out / 'runs'}", f"--train.device={device}", "--train.log_every=1",
+              f"--train.steps={steps}", "--train.eval_every=0", "--train.sample_every=0", "--train.eval_batches=1",
+              f"--precision.dtype={'bf16' if cuda else 'fp32'}", *small]  # fmt: skip
+    for impl in DP_IMPLS:
+        run = out / "runs" / f"train-{impl}"
+        checks.append(Check(f"train-{impl}", lambda ctx, impl=impl: [[*LOOM, "train", *common,
+                            f"--run.name=train-{impl}", f"--parallel.dp_impl={impl}"]], 120,
+                            lambda o, ctx, run=run: train_figures(run)))  # fmt: skip
+    for kind in ("tp", "pp"):
+        checks.append(Check(f"train-{kind}1", None, 0, why_not=(
+            f"not built: {kind.upper()} at degree 1 on a 1-rank mesh needs a layout flag that parallel.dims does "
+            "not have yet; the verify check runs it with 2+ GPUs")))  # fmt: skip
+    verify = [*LOOM, "verify", "--strategies", VERIFY_STRATEGIES, f"--nproc={max(n_gpus, 2)}", "--steps=10",
+              "--out", str(out / "verify"), "--train.device=cuda"]  # fmt: skip
+    no_verify = f"gpu only (needs 2+ GPUs, {n_gpus} here): would run {cmd(verify)}"
+    checks.append(
+        Check("verify", lambda ctx: [verify], 300, gpu_only=True, why_not=None if n_gpus >= 2 else no_verify)
+    )
+    optim = out / "bench-optim.json"
+    sizes = ["--params", "124M", "--device", "cuda"] if cuda else [
+        "--params", "1M", "--device", "cpu", "--iters", "3", "--warmup", "1", "--copy-mb", "16"]  # fmt: skip
+    impls = ["--impls", "torch-fused,torch-foreach,triton"]
+    checks.append(Check("bench-optim", lambda ctx: [[*LOOM, "bench", "optim", *impls, *sizes, "--json", str(optim)]],
+                        180, lambda o, ctx: optim_figures(optim, cuda)))  # fmt: skip
+    mbs = args.micro_batches if cuda else [2]
+    bench = [*LOOM, "bench", "train", "--synthetic", f"--steps={10 if cuda else 2}", f"--warmup={3 if cuda else 1}",
+             *[f"--model.{k}={v}" for k, v in shape.items()], "--model.dropout=0.0", "--model.bias=false",
+             f"--train.device={device}", f"--precision.dtype={'bf16' if cuda else 'fp32'}"]  # fmt: skip
+
+    def bench_argvs(compile_: bool):
+        def argvs(ctx: dict) -> list[list[str]]:
+            found = ctx.get("bench-train-eager", {}).get("figures", {}).get("micro_batch")
+            sizes = [found] if compile_ and found else mbs
+            return [[*bench, f"--train.compile={str(compile_).lower()}", f"--train.batch_size={mb}",
+                     f"--train.micro_batch_size={mb}", "--json", str(out / f"bench-train-{mb}-{compile_}.json")]
+                    for mb in sizes]  # fmt: skip
+
+        return argvs
+
+    checks.append(Check("bench-train-eager", bench_argvs(False), 240, bench_train_figures))
+    checks.append(Check("bench-train-compile", bench_argvs(True), 300, bench_train_figures))
+    if not cuda:
+        checks[-1].why_not = ("--cpu leaves torch.compile out (minutes of C++ compilation on a CPU): would run "
+                              + cmd(bench_argvs(True)({})[0]))  # fmt: skip
+    checks.append(Check("nanogpt", lambda ctx: [nanogpt_argv(args.nanogpt, out, shape, ctx, mbs, cuda)], 300,
+                        nanogpt_figures, cwd=Path(args.nanogpt or ROOT).resolve()))  # fmt: skip
+    if args.nanogpt is None:
+        checks[
+            -1
+        ].why_not = "needs --nanogpt PATH (a nanoGPT checkout): would run PATH/train.py on the same shape"
+    return checks
+
+
+def write_text(out: Path) -> Path:
+    """Deterministic pseudo-English (about 200k characters) for the training checks."""
+    import random
+
+    words = ("the of and to in is that it for as with was on be by at this from have or an they which one you "
+             "were her all she there would their we him been has when who will more no if out so").split()  # fmt: skip
+    rng, lines, size = random.Random(0), [], 0
+    while size < 200_000:
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + ".")
+        size += len(lines[-1]) + 1
+    path = out / "text.txt"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def nanogpt_argv(nanogpt: Path, out: Path, shape: dict, ctx: dict, mbs: list[int], cuda: bool) -> list[str]:
+    """nanoGPT's train.py on loom's bench shape, run in its checkout (it reads configurator.py and data/ from
+    there), on random tokens written in its own format to PATH/data/gpu_check/{train,val}.bin."""
+    import numpy as np
+
+    mb = ctx.get("bench-train-compile", {}).get("figures", {}).get("micro_batch") or mbs[-1]
+    data = Path(nanogpt) / "data" / "gpu_check"
+    data.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):  # no meta.pkl: nanoGPT then uses GPT-2's vocabulary padded to 50304
+        rng.integers(0, shape["vocab_size"], 64 * (shape["block_size"] + 1), dtype=np.uint16).tofile(
+            data / f"{split}.bin"
+        )
+    return [PY, "train.py", "--dataset=gpu_check", f"--out_dir={out / 'nanogpt'}",
+            f"--n_layer={shape['n_layer']}", f"--n_head={shape['n_head']}", f"--n_embd={shape['n_embd']}",
+            f"--block_size={shape['block_size']}", f"--batch_size={mb}", "--gradient_accumulation_steps=1",
+            f"--max_iters={20 if cuda else 3}", "--eval_interval=100000", "--eval_iters=1", "--log_interval=1",
+            "--dropout=0.0", "--bias=False", "--always_save_checkpoint=False", "--wandb_log=False",
+            f"--compile={cuda}", f"--device={'cuda' if cuda else 'cpu'}",
+            f"--dtype={'bfloat16' if cuda else 'float32'}"]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- key figures
+def pytest_figures(output: str, ctx: dict) -> dict:
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)\b", output)}
+    reasons = sorted(set(re.findall(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", output, re.M)))
+    return {**counts, **({"skip_reasons": reasons} if reasons else {})}
+
+
+def train_figures(run: Path) -> dict:
+    from loom.metrics import read_jsonl
+
+    recs = read_jsonl(run / "metrics.jsonl")
+    losses = [r["loss"] for r in recs if "loss" in r]
+    summary = next((r["summary"] for r in recs if "summary" in r), {})
+    return {"steps": len(losses), "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
+            "tokens_per_s": round(summary.get("tokens_per_s") or 0)}  # fmt: skip
+
+
+def optim_figures(path: Path, cuda: bool) -> dict:
+    recs = json.loads(path.read_text())
+    name = recs[0]["device_name"]
+    sheet = datasheet_bandwidth(name) if cuda else None
+    figs: dict[str, Any] = {"device_name": name, "n_params": recs[0]["n_params"],
+                            "datasheet_gbps": sheet, "copy_gbps": round(recs[0]["copy_bandwidth_gbps"], 1)}  # fmt: skip
+    for r in recs:
+        if "skipped" in r:
+            figs[r["impl"]] = f"skipped: {r['skipped']}"
+            continue
+        figs[r["impl"]] = {"ms": round(r["time_ms"], 3), "gbps": round(r["bandwidth_gbps"], 1),
+                           "of_copy": round(r["fraction_of_copy"], 3),
+                           "of_datasheet": round(r["bandwidth_gbps"] / sheet, 3) if sheet else "n/a"}  # fmt: skip
+    return figs
+
+
+def bench_train_figures(output: str, ctx: dict) -> dict:
+    path = Path(ctx["argv"][ctx["argv"].index("--json") + 1])
+    r = json.loads(path.read_text())[0]
+    return {"micro_batch": r["micro_batch_size"], "micro_batch_note": ctx["mb_note"],
+            "tokens_per_s": round(r["tokens_per_s"]), "mfu": round(r["mfu"], 4) if r["mfu"] is not None else "n/a",
+            "peak_mem_gib": round(r["peak_mem_bytes"] / 2**30, 2), "compile_s": r["compile_s"],
+            "ms_per_step": round(r["ms_per_step"], 1)}  # fmt: skip
+
+
+def nanogpt_figures(output: str, ctx: dict) -> dict:
+    times = [float(m.group(3)) for line in output.splitlines() if (m := NANO_STEP.match(line.strip()))]
+    mb = int(
+        ctx["argv"][next(i for i, a in enumerate(ctx["argv"]) if a.startswith("--batch_size="))].split("=")[1]
+    )
+    block = int(next(a for a in ctx["argv"] if a.startswith("--block_size=")).split("=")[1])
+    steady = times[3:] or times[1:] or times  # iteration 0 includes compilation and the first evaluation
+    tps = mb * block / (statistics.median(steady) / 1e3) if steady else 0.0
+    figs = {"micro_batch": mb, "steps": len(times), "tokens_per_s": round(tps)}
+    loom_tps = ctx.get("bench-train-compile", {}).get("figures", {}).get("tokens_per_s") or ctx.get(
+        "bench-train-eager", {}
+    ).get("figures", {}).get("tokens_per_s")
+    if loom_tps and tps:
+        figs["loom_over_nanogpt"] = round(loom_tps / tps, 3)
+    return figs
+
+
+# ------------------------------------------------------------------------------------------- running
+def cmd(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv).replace(PY, "python")
+
+
+def out_of_memory(output: str) -> bool:
+    return "out of memory" in output.lower() or "OutOfMemoryError" in output
+
+
+def run_check(c: Check, ctx: dict, out: Path, deadline: float, fail: str | None) -> dict:
+    """Run one check (each candidate command until one fits in memory); its result as a report row."""
+    t0 = time.perf_counter()
+    argvs = c.argvs(ctx)
+    if c.name == fail:
+        argvs = [[PY, "-c", f"raise SystemExit('deliberate failure of {c.name} (--fail-check)')"]]
+    log_path, tried, output, rc = out / f"{c.name}.log", [], "", 0
+    with log_path.open("w", encoding="utf-8") as log:
+        for argv in argvs:
+            limit = min(c.timeout_s, deadline - time.monotonic())
+            if limit <= 0:
+                return {"status": "fail", "reason": f"the kit's {BUDGET_S:.0f} s budget was spent before it ran",
+                        "seconds": 0.0, "command": cmd(argv)}  # fmt: skip
+            log.write(f"$ {cmd(argv)}\n")
+            log.flush()
+            try:
+                p = subprocess.run(argv, cwd=c.cwd, capture_output=True, text=True, timeout=limit,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                output, rc = p.stdout + p.stderr, p.returncode
+            except subprocess.TimeoutExpired as e:
+                output = (
+                    (e.stdout or b"").decode(errors="replace")
+                    if isinstance(e.stdout, bytes)
+                    else (e.stdout or "")
+                )
+                log.write(output)
+                return {"status": "fail", "reason": f"timed out after {limit:.0f} s", "command": cmd(argv),
+                        "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+            log.write(output + f"\n[exit {rc}]\n")
+            tried.append(argv)
+            if rc == 0 or not out_of_memory(output) or argv is argvs[-1]:
+                break
+    row: dict[str, Any] = {"command": cmd(argv), "seconds": round(time.perf_counter() - t0, 1), "rc": rc}
+    sizes = [a.split("=")[1] for v in argvs for a in v if a.startswith("--train.micro_batch_size=")]
+    note = f"largest of {'/'.join(sizes)} that fits ({len(tried) - 1} ran out of memory)"
+    ctx_one = {**ctx, "argv": argv, "mb_note": note}
+    if rc != 0:
+        tail = [ln for ln in output.strip().splitlines() if ln.strip()][-3:]
+        row.update(status="fail", reason=f"exit {rc}: " + " | ".join(tail)[-300:])
+        return row
+    try:
+        row["figures"] = c.figures(output, ctx_one)
+    except Exception as e:  # a check that ran but whose output lacks its figures has failed
+        row.update(status="fail", reason=f"no figures in its output: {type(e).__name__}: {e}")
+        return row
+    skipped = row["figures"].get("skipped", 0) if isinstance(row["figures"], dict) else 0
+    if c.strict_skips and skipped:
+        row.update(status="fail", reason=f"{skipped} test(s) skipped on a CUDA machine")
+    elif (
+        ctx["_cuda"]
+        and c.name == "bench-optim"
+        and any(str(v).startswith("skipped") for v in row["figures"].values())
+    ):
+        row.update(status="fail", reason="an implementation was skipped on CUDA (triton missing?)")
+    else:
+        row["status"] = "pass"
+    return row
+
+
+def fmt_figures(figs: dict) -> str:
+    parts = []
+    for k, v in figs.items():
+        if isinstance(v, dict):
+            v = ", ".join(f"{a} {b}" for a, b in v.items())
+            parts.append(f"{k}: {v}")
+        elif isinstance(v, list):
+            parts.append(f"{k}: " + "; ".join(map(str, v)))
+        else:
+            parts.append(f"{k} {v}")
+    return "; ".join(parts).replace("|", "/")
+
+
+def write_report(out: Path, header: dict, rows: list[dict]) -> None:
+    (out / "gpu-report.json").write_text(json.dumps({**header, "checks": rows}, indent=1) + "\n")
+    lines = [f"# loom GPU check: {header['device_name']}", "",
+             f"{header['mode']} | torch {header['torch']} | {header['n_gpus']} GPU(s) | {header['date']} | "
+             f"{header['seconds']:.0f} s | {'all passed' if header['ok'] else 'FAILED'}", "",
+             "| check | status | seconds | key figures |", "|---|---|---:|---|"]  # fmt: skip
+    for r in rows:
+        status = r["status"] + (f": {r['reason']}" if r.get("reason") else "")
+        lines.append(f"| {r['check']} | {status.replace('|', '/')} | {r.get('seconds', 0):.1f} | "
+                     f"{fmt_figures(r.get('figures', {}))} |")  # fmt: skip
+    (out / "gpu-report.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--cpu", action="store_true", help="tiny shapes on the CPU (GPU-only checks listed, not run)"
+    )
+    p.add_argument("--out", type=Path, help="report folder (default runs/gpu-check-<time>)")
+    p.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout: also run its train.py on the same shape")
+    p.add_argument("--micro-batches", default="32,16,8",
+                   help="GPT-2 124M micro-batches to try, largest first (default 32,16,8)")  # fmt: skip
+    p.add_argument("--only", help="comma list of checks to run (the others are reported as not selected)")
+    p.add_argument("--fail-check", metavar="NAME", help="make this check fail on purpose (tests the kit)")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="time for the whole kit (default 480)")
+    args = p.parse_args(argv)
+    args.micro_batches = [int(x) for x in args.micro_batches.split(",")]
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    if not cuda and not args.cpu:
+        print(
+            "gpu_check: no CUDA device here; run with --cpu (tiny shapes, GPU-only checks listed)",
+            file=sys.stderr,
+        )
+        return 2
+    n_gpus = torch.cuda.device_count() if cuda else 0
+    out = args.out or ROOT / "runs" / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    checks = build_checks(args, cuda, n_gpus, out)
+    names = [c.name for c in checks]
+    only = set(args.only.split(",")) if args.only else None
+    for n in [*(only or []), *([args.fail_check] if args.fail_check else [])]:
+        if n not in names:
+            print(f"gpu_check: unknown check '{n}'; the checks are {', '.join(names)}", file=sys.stderr)
+            return 2
+    t0, deadline = time.perf_counter(), time.monotonic() + args.budget_s
+    ctx: dict[str, Any] = {"_cuda": cuda}
+    rows = []
+    for i, c in enumerate(checks, 1):
+        row: dict[str, Any] = {"check": c.name}
+        if only is not None and c.name not in only:
+            row.update(status="skipped", reason="not selected (--only)")
+        elif c.gpu_only and not cuda:
+            row.update(status="skipped", reason=c.why_not or f"gpu only: would run {cmd(c.argvs({})[0])}")
+        elif c.why_not:
+            row.update(status="skipped", reason=c.why_not)
+        elif c.name.startswith("train-") and ctx.get("prepare-data", {}).get("status") != "pass":
+            row.update(status="fail", reason="prepare-data failed")
+        else:
+            print(f"[{i}/{len(checks)}] {c.name} ...", flush=True)
+            row.update(run_check(c, ctx, out, deadline, args.fail_check))
+        ctx[c.name] = row
+        rows.append(row)
+        extra = f" ({row['reason']})" if row.get("reason") else ""
+        print(f"[{i}/{len(checks)}] {c.name}: {row['status']}{extra}", flush=True)
+    ok = all(r["status"] != "fail" for r in rows)
+    header = {
+        "mode": "cuda" if cuda else "cpu (--cpu: tiny shapes)", "ok": ok, "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(0) if cuda else "cpu", "n_gpus": n_gpus,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0,
+    }  # fmt: skip
+    write_report(out, header, rows)
+    print((out / "gpu-report.md").read_text())
+    print(f"report: {out / 'gpu-report.md'} and gpu-report.json")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
