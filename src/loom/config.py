@@ -179,6 +179,11 @@ class ParallelConfig:
     pp_microbatches: int = _f(
         0, "Micro-batches per pipeline step; 0: the local batch / train.micro_batch_size."
     )
+    degree1_meshes: bool = _f(
+        False,
+        "One process: apply tensor and pipeline parallel at degree 1 on 1-rank meshes, so one GPU runs every "
+        "code path (the GPU check, benchmarks/gpu_check.py); ignored with more processes.",
+    )
 
 
 @dataclass

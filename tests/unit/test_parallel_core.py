@@ -80,3 +80,13 @@ def test_node_layout_warning(monkeypatch):
     assert len(seen) == 1
     check_node_layout(ParallelDims(1, 1, 16, 1, 16, 0, "ddp"), _env(8, 2))
     assert len(seen) == 2 and "tensor-parallel" in seen[1]
+
+
+def test_degree1_meshes_only_in_one_process():
+    """parallel.degree1_meshes turns tp and pp on at degree 1 in a 1-process job (the GPU check), and only there."""
+    p = ParallelConfig(dp_impl="fsdp", degree1_meshes=True)
+    one = ParallelDims.from_config(p, 1)
+    assert one.tp_enabled and one.pp_enabled and one.dp_enabled and (one.tp, one.pp, one.dp) == (1, 1, 1)
+    two = ParallelDims.from_config(p, 2)
+    assert not (two.tp_enabled or two.pp_enabled) and two.dp == 2
+    assert not ParallelDims.from_config(ParallelConfig(), 1).model_parallel

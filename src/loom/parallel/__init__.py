@@ -71,7 +71,8 @@ class Parallelized:
                     dist.all_reduce(local(w.grad), group=self.tied_group)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        shared = set(self.spec.TIED) | set(self.spec.TIED.values()) if self.dims.pp_enabled else set()
+        # the tied pair counts twice only where two stages hold it (not with one stage: pp at degree 1)
+        shared = set(self.spec.TIED) | set(self.spec.TIED.values()) if self.tied_group is not None else set()
         return clip_grad_norm(self.model, max_norm, self.dims, shared)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -204,7 +205,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         par.pipeline = Pipeline(
             roots, ids, n_stages, mesh["pp"].get_group(), device, p.pp_schedule, n_microbatches
         )
-        par.tied_group = _first_last_group(dims)
+        par.tied_group = _first_last_group(dims) if dims.pp > 1 else None  # one stage holds the whole pair
     elif dims.tp_enabled:
         par.forward = LocalLoss(model)
     elif dims.dp_impl in ("ddp", "zero1") and dims.dp_enabled:

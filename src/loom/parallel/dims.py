@@ -26,6 +26,7 @@ class ParallelDims:
     world_size: int = 1
     rank: int = 0
     dp_impl: str = "none"  # none | ddp | zero1 | zero2 | fsdp | mpi
+    degree1: bool = False  # parallel.degree1_meshes: tp and pp applied at degree 1 in a 1-process job
 
     def __post_init__(self):
         if self.dp_replicate * self.dp_shard * self.tp * self.pp != self.world_size:
@@ -43,7 +44,7 @@ class ParallelDims:
                 f"world size {world_size} is not divisible by parallel.tp x parallel.pp = {p.tp * p.pp}"
             )
         replicate, shard = dp_degrees(p, world_size // (p.tp * p.pp), impl)
-        return cls(replicate, shard, p.tp, p.pp, world_size, rank, impl)
+        return cls(replicate, shard, p.tp, p.pp, world_size, rank, impl, p.degree1_meshes and world_size == 1)
 
     # ----------------------------------------------------------------------------- derived degrees
     @property
@@ -67,11 +68,11 @@ class ParallelDims:
 
     @property
     def tp_enabled(self) -> bool:
-        return self.tp > 1
+        return self.tp > 1 or self.degree1
 
     @property
     def pp_enabled(self) -> bool:
-        return self.pp > 1
+        return self.pp > 1 or self.degree1
 
     @property
     def model_parallel(self) -> bool:

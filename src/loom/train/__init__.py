@@ -137,7 +137,14 @@ def layout_config(cfg: Config, resume, force: bool, explicit: set[str]) -> Confi
 def dp_impl_for(cfg: Config, env: DistEnv) -> str:
     """The data-parallel implementation this job runs, after every degree rule (before any process group)."""
     impl = cfg.parallel.dp_impl
-    if cfg.parallel.tp * cfg.parallel.pp > 1:
+    degree1 = cfg.parallel.degree1_meshes and env.world_size == 1
+    if degree1 and cfg.parallel.pp_schedule not in ("gpipe", "1f1b"):  # 2 local stages: torch's eval fails
+        raise LoomError(
+            f"parallel.degree1_meshes takes a 1-stage schedule; pp_schedule={cfg.parallel.pp_schedule} puts two "
+            "stages on the one rank, which torch's schedule cannot evaluate",
+            hint="use parallel.pp_schedule=1f1b or gpipe",
+        )
+    if cfg.parallel.tp * cfg.parallel.pp > 1 or degree1:
         mesh_degrees(cfg, env.world_size)  # every divisibility rule, before any process group exists
         impl = "ddp" if impl in ("auto", "none") else impl
     elif impl == "auto":
