@@ -12,7 +12,8 @@ Checks, in order:
   prepare-data         a small char-level data set for the training checks (loom data prepare)
   train-<impl>         a few dozen steps with --parallel.dp_impl=ddp|zero1|zero2|fsdp in one process: the
                        wrapper is applied on a 1-rank NCCL group (gloo under --cpu), so its code path runs
-  train-tp1, train-pp1 tensor and pipeline parallel on 1-rank meshes: not built yet (reported as skipped)
+  train-tp-pp          tensor and pipeline parallel (1f1b) at degree 1 on 1-rank meshes with fsdp
+                       (parallel.degree1_meshes): every model-parallel code path on one GPU
   verify               with 2+ GPUs: loom verify over them (ddp, zero1, zero2, fsdp, tp, pp-1f1b)
   bench-optim          loom bench optim --params 124M: torch-fused, torch-foreach, triton; ms/step and the
                        share of the datasheet memory bandwidth (and of the copy bandwidth measured there)
@@ -105,10 +106,10 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         checks.append(Check(f"train-{impl}", lambda ctx, impl=impl: [[*LOOM, "train", *common,
                             f"--run.name=train-{impl}", f"--parallel.dp_impl={impl}"]], 120,
                             lambda o, ctx, run=run: train_figures(run)))  # fmt: skip
-    for kind in ("tp", "pp"):
-        checks.append(Check(f"train-{kind}1", None, 0, why_not=(
-            f"not built: {kind.upper()} at degree 1 on a 1-rank mesh needs a layout flag that parallel.dims does "
-            "not have yet; the verify check runs it with 2+ GPUs")))  # fmt: skip
+    run = out / "runs" / "train-tp-pp"
+    checks.append(Check("train-tp-pp", lambda ctx: [[*LOOM, "train", *common, "--run.name=train-tp-pp",
+                        "--parallel.degree1_meshes=true", "--parallel.dp_impl=fsdp"]], 120,
+                        lambda o, ctx, run=run: train_figures(run)))  # fmt: skip
     verify = [*LOOM, "verify", "--strategies", VERIFY_STRATEGIES, f"--nproc={max(n_gpus, 2)}", "--steps=10",
               "--out", str(out / "verify"), "--train.device=cuda"]  # fmt: skip
     no_verify = f"gpu only (needs 2+ GPUs, {n_gpus} here): would run {cmd(verify)}"

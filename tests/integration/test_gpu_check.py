@@ -11,8 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-CHECKS = ["tests-gpu", "prepare-data", "train-ddp", "train-zero1", "train-zero2", "train-fsdp", "train-tp1",
-          "train-pp1", "verify", "bench-optim", "bench-train-eager", "bench-train-compile", "nanogpt"]  # fmt: skip
+CHECKS = ["tests-gpu", "prepare-data", "train-ddp", "train-zero1", "train-zero2", "train-fsdp", "train-tp-pp",
+          "verify", "bench-optim", "bench-train-eager", "bench-train-compile", "nanogpt"]  # fmt: skip
 
 
 def kit(out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, str]:
@@ -29,14 +29,17 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
     assert list(rows) == CHECKS
     assert all(f"| {name} |" in md for name in CHECKS)
     for name in ("tests-gpu", "prepare-data", "train-ddp", "train-zero1", "train-zero2", "train-fsdp",
-                 "bench-optim", "bench-train-eager"):  # fmt: skip
+                 "train-tp-pp", "bench-optim", "bench-train-eager"):  # fmt: skip
         assert rows[name]["status"] == "pass", rows[name]
     assert rows["tests-gpu"]["figures"]["skipped"] >= 8  # on CPU every GPU test is skipped, with its reason
     assert rows["tests-gpu"]["figures"]["skip_reasons"] == ["needs a CUDA GPU"]
     assert rows["verify"]["reason"].startswith("gpu only") and "loom verify" in rows["verify"]["reason"]
     assert "would run" in rows["bench-train-compile"]["reason"] and "--train.compile=true" in md
-    # the 1-process DP wrappers apply the same update: the same loss curve whatever the wrapper
-    assert len({rows[f"train-{i}"]["figures"]["last_loss"] for i in ("ddp", "zero1", "zero2", "fsdp")}) == 1
+    # the 1-process DP wrappers, and tp x pp at degree 1, apply the same update: the same loss whatever the layout
+    assert (
+        len({rows[f"train-{i}"]["figures"]["last_loss"] for i in ("ddp", "zero1", "zero2", "fsdp", "tp-pp")})
+        == 1
+    )
 
 
 def test_a_failing_check_fails_the_kit(tmp_path):
