@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -267,20 +268,19 @@ def run_check(c: Check, ctx: dict, out: Path, deadline: float, fail: str | None)
         for argv in argvs:
             limit = min(c.timeout_s, deadline - time.monotonic())
             if limit <= 0:
-                return {"status": "fail", "reason": f"the kit's {BUDGET_S:.0f} s budget was spent before it ran",
+                return {"status": "fail", "reason": "the kit's time budget (--budget-s) was spent before it ran",
                         "seconds": 0.0, "command": cmd(argv)}  # fmt: skip
             log.write(f"$ {cmd(argv)}\n")
             log.flush()
+            # a session of its own, so that a timeout ends the check's whole process tree (loom's workers too)
+            proc = subprocess.Popen(argv, cwd=c.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)  # fmt: skip
             try:
-                p = subprocess.run(argv, cwd=c.cwd, capture_output=True, text=True, timeout=limit,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-                output, rc = p.stdout + p.stderr, p.returncode
-            except subprocess.TimeoutExpired as e:
-                output = (
-                    (e.stdout or b"").decode(errors="replace")
-                    if isinstance(e.stdout, bytes)
-                    else (e.stdout or "")
-                )
+                output, _ = proc.communicate(timeout=limit)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                output, _ = proc.communicate()
                 log.write(output)
                 return {"status": "fail", "reason": f"timed out after {limit:.0f} s", "command": cmd(argv),
                         "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
