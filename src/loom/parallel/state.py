@@ -4,8 +4,8 @@ Every parameter and optimizer tensor is made whole (DTensor.full_tensor: a colle
 so only the ranks of one pipeline stage take part), kept on global rank 0, and with pipeline parallel each
 stage's first rank sends its stage there (gather_object). Loading slices each rank's piece out of the whole
 tensors (loom.parallel.init.load_full), so a checkpoint saved under one layout resumes under any other and
-`loom generate` reads it as a plain model. (Sharded, asynchronous checkpoints replace this path: see the
-issue "Sharded asynchronous checkpoints".)
+`loom generate` reads it as a plain model. Checkpoints are now written sharded (dcp_state.py); this path
+remains for a whole copy to sample from under tensor/pipeline parallel and for checkpoints of format 1.
 """
 
 from __future__ import annotations
