@@ -13,50 +13,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
-HOOK = textwrap.dedent("""
-    import os, sys, threading, time, json
+from hooked import run_hooked
 
-    def _patch():
-        name = "loom.train.checkpointing"
-        while name not in sys.modules or not hasattr(sys.modules[name], "Checkpointer"):
-            time.sleep(0.001)
-        cls = sys.modules[name].Checkpointer
-        real = cls.save
+HOOK = """
+def _patch():
+    cls = _loaded("loom.train.checkpointing", "Checkpointer")
+    real = cls.save
 
-        def save(self, *a, **k):
-            t0 = time.perf_counter()
-            out = real(self, *a, **k)
-            rec = {"step": self.tr.step, "blocked_s": time.perf_counter() - t0, "background": bool(k.get("background") or a)}
-            if os.environ.get("RANK", "0") == "0":
-                with open(os.environ["LOOM_CKPT_TIMES"], "a") as f:
-                    f.write(json.dumps(rec) + "\\n")
-            return out
+    def save(self, *a, **k):
+        t0 = time.perf_counter()
+        out = real(self, *a, **k)
+        rec = {"step": self.tr.step, "blocked_s": time.perf_counter() - t0, "background": bool(k.get("background") or a)}
+        if os.environ.get("RANK", "0") == "0":
+            with open(os.environ["LOOM_CKPT_TIMES"], "a") as f:
+                f.write(json.dumps(rec) + "\\n")
+        return out
 
-        cls.save = save
+    cls.save = save
 
-    if os.environ.get("LOOM_CKPT_TIMES"):
-        threading.Thread(target=_patch, daemon=True).start()
-""")
+if os.environ.get("LOOM_CKPT_TIMES"):
+    threading.Thread(target=_patch, daemon=True).start()
+"""
 
 
 def run(mode: str, train_args: list[str], tmp: Path) -> dict:
-    hook = tmp / "hook"
-    hook.mkdir(exist_ok=True)
-    (hook / "sitecustomize.py").write_text(HOOK)
     times = tmp / f"{mode}.jsonl"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [str(hook), os.environ.get("PYTHONPATH", "")] if p),
-           "LOOM_CKPT_TIMES": str(times)}  # fmt: skip
-    cmd = [sys.executable, "-m", "loom", "train", f"--run.dir={tmp}", f"--run.name={mode}",
-           f"--train.async_ckpt={mode}", "--train.log_every=1", *train_args]  # fmt: skip
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    argv = ["train", f"--run.dir={tmp}", f"--run.name={mode}", f"--train.async_ckpt={mode}", "--train.log_every=1",
+            *train_args]  # fmt: skip
+    r = run_hooked(HOOK, argv, {"LOOM_CKPT_TIMES": str(times)})
     if r.returncode != 0:
         raise SystemExit(r.stdout[-2000:] + r.stderr[-3000:])
     saves = [json.loads(x) for x in times.read_text().splitlines()]

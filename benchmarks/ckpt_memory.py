@@ -16,78 +16,53 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
-HOOK = textwrap.dedent("""
-    import os, sys, threading, time, json
+from hooked import rank_files, run_hooked
 
-    def _kib(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
+HOOK = """
+def _kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
 
-    def _patch():
-        name = "loom.train.checkpointing"
-        while name not in sys.modules or not hasattr(sys.modules[name], "Checkpointer"):
-            time.sleep(0.001)
-        cls = sys.modules[name].Checkpointer
-        real = cls.save
+def _patch():
+    cls = _loaded("loom.train.checkpointing", "Checkpointer")
+    real = cls.save
 
-        def save(self, *a, **k):
-            if os.environ.get("LOOM_CKPT_RSS_TRIM"):  # hand freed heap back first: RSS = live memory
-                import ctypes
-                ctypes.CDLL("libc.so.6").malloc_trim(0)
-            before = _kib("VmRSS")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            t0 = time.perf_counter()
-            out = real(self, *a, **k)
-            took = time.perf_counter() - t0
-            rank = os.environ.get("RANK", "0")
-            rec = {"rank": int(rank), "rss_before": before, "peak_during": _kib("VmHWM"), "save_s": took}
-            with open(os.path.join(os.environ["LOOM_CKPT_RSS_DIR"], f"rank{rank}.json"), "w") as f:
-                json.dump(rec, f)
-            sys.stdout.flush()
-            os._exit(0)
+    def save(self, *a, **k):
+        if os.environ.get("LOOM_CKPT_RSS_TRIM"):  # hand freed heap back first: RSS = live memory
+            import ctypes
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        before = _kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        t0 = time.perf_counter()
+        out = real(self, *a, **k)
+        took = time.perf_counter() - t0
+        rank = os.environ.get("RANK", "0")
+        rec = {"rank": int(rank), "rss_before": before, "peak_during": _kib("VmHWM"), "save_s": took}
+        with open(os.path.join(os.environ["LOOM_CKPT_RSS_DIR"], f"rank{rank}.json"), "w") as f:
+            json.dump(rec, f)
+        sys.stdout.flush()
+        os._exit(0)
 
-        cls.save = save
+    cls.save = save
 
-    if os.environ.get("LOOM_CKPT_RSS_DIR"):
-        threading.Thread(target=_patch, daemon=True).start()
-""")
+if os.environ.get("LOOM_CKPT_RSS_DIR"):
+    threading.Thread(target=_patch, daemon=True).start()
+"""
 
 
 def measure(nproc: int, train_args: list[str], src: str | None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        hook_dir, out = Path(tmp, "hook"), Path(tmp, "out")
-        hook_dir.mkdir()
+        out = Path(tmp, "out")
         out.mkdir()
-        (hook_dir / "sitecustomize.py").write_text(HOOK)
-        paths = [str(hook_dir)] + ([src] if src else []) + [os.environ.get("PYTHONPATH", "")]
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(p for p in paths if p),
-            "LOOM_CKPT_RSS_DIR": str(out),
-        }
-        cmd = [
-            sys.executable,
-            "-m",
-            "loom",
-            "train",
-            f"--nproc={nproc}",
-            f"--run.dir={tmp}/runs",
-            *train_args,
-        ]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        files = sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-        if len(files) != nproc:
-            raise SystemExit(f"only {len(files)} of {nproc} ranks reported (exit {r.returncode}):\n"
-                             + r.stdout[-3000:] + r.stderr[-3000:])  # fmt: skip
-        return [json.loads(p.read_text()) for p in files]
+        argv = ["train", f"--nproc={nproc}", f"--run.dir={tmp}/runs", *train_args]
+        r = run_hooked(HOOK, argv, {"LOOM_CKPT_RSS_DIR": str(out)}, src)
+        return [json.loads(p.read_text()) for p in rank_files(out, nproc, r)]
 
 
 def main() -> None:

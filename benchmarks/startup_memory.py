@@ -14,57 +14,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
-HOOK = textwrap.dedent("""
-    import os, sys, threading, time, json, resource
+from hooked import rank_files, run_hooked
 
-    def _patch():
-        while "loom.train.trainer" not in sys.modules or not hasattr(sys.modules["loom.train.trainer"], "Trainer"):
-            time.sleep(0.001)
-        trainer = sys.modules["loom.train.trainer"].Trainer
+HOOK = """
+import resource
 
-        def first_step(self, *a, **k):
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            rank = os.environ.get("RANK", "0")
-            out = os.environ["LOOM_STARTUP_RSS_DIR"]
-            with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-                json.dump({"rank": int(rank), "peak_rss_bytes": rss}, f)
-            sys.stdout.flush()
-            os._exit(0)
+def _patch():
+    trainer = _loaded("loom.train.trainer", "Trainer")
 
-        trainer.train_step = first_step
+    def first_step(self, *a, **k):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        rank = os.environ.get("RANK", "0")
+        with open(os.path.join(os.environ["LOOM_STARTUP_RSS_DIR"], f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": int(rank), "peak_rss_bytes": rss}, f)
+        sys.stdout.flush()
+        os._exit(0)
 
-    if os.environ.get("LOOM_STARTUP_RSS_DIR"):
-        threading.Thread(target=_patch, daemon=True).start()
-""")
+    trainer.train_step = first_step
+
+if os.environ.get("LOOM_STARTUP_RSS_DIR"):
+    threading.Thread(target=_patch, daemon=True).start()
+"""
 
 
 def measure(nproc: int, train_args: list[str], src: str | None) -> list[int]:
     """Peak RSS in bytes of each rank, in rank order."""
     with tempfile.TemporaryDirectory() as tmp:
-        hook_dir, out = Path(tmp, "hook"), Path(tmp, "out")
-        hook_dir.mkdir()
-        out.mkdir()
-        (hook_dir / "sitecustomize.py").write_text(HOOK)
-        paths = [str(hook_dir)] + ([src] if src else []) + [os.environ.get("PYTHONPATH", "")]
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(p for p in paths if p),
-            "LOOM_STARTUP_RSS_DIR": str(out),
-        }
-        cmd = [sys.executable, "-m", "loom", "train", f"--nproc={nproc}", *train_args]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        files = sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-        if len(files) != nproc:
-            raise SystemExit(f"only {len(files)} of {nproc} ranks reported (exit {r.returncode}):\n"
-                             + r.stdout[-3000:] + r.stderr[-3000:])  # fmt: skip
-        return [json.loads(p.read_text())["peak_rss_bytes"] for p in files]
+        out = Path(tmp)
+        r = run_hooked(HOOK, ["train", f"--nproc={nproc}", *train_args], {"LOOM_STARTUP_RSS_DIR": tmp}, src)
+        return [json.loads(p.read_text())["peak_rss_bytes"] for p in rank_files(out, nproc, r)]
 
 
 def main() -> None:
