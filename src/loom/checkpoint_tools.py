@@ -8,9 +8,12 @@ so memory stays near the largest tensor whatever the model's size. The output fo
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import shutil
 import struct
+import zipfile
 from pathlib import Path
 
 import torch
@@ -74,18 +77,9 @@ def inspect_main(target: str, as_json: bool = False) -> int:
     return 0
 
 
-def _tensor_meta(model_dir: Path) -> dict:
-    from loom.parallel.dcp_state import SafeReader
-
-    md = SafeReader(model_dir).read_metadata().state_dict_metadata
-    return {k: (tuple(v.size), v.properties.dtype) for k, v in sorted(md.items()) if hasattr(v, "size")}
-
-
 def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, force: bool = False) -> Path:
     """Write out/model.safetensors (tensor by tensor), out/config.toml and out/tokenizer/ from a run's
     checkpoint (the newest valid one, or `step`); only the model's files are read."""
-    from loom.parallel.dcp_state import load_into
-
     run_dir, out = Path(run_dir), Path(out)
     if step is None:
         path = checkpoint.latest_valid(run_dir / "ckpt", model_only=True)
@@ -100,16 +94,16 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
     if out.exists() and any(out.iterdir()) and not force:
         raise LoomError(f"--out '{out}' exists and is not empty", hint="give a new folder, or --force")
     out.mkdir(parents=True, exist_ok=True)
-    metas = _tensor_meta(path / "model")
+    from loom.parallel.dcp_state import SafeReader
+
+    md = SafeReader(path / "model").read_metadata()
+    metas = {k: v for k, v in sorted(md.state_dict_metadata.items()) if hasattr(v, "size")}
     header: dict = {}
     offset = 0
-    for name, (shape, dtype) in metas.items():
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        header[name] = {
-            "dtype": _ST_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + n],
-        }
+    for name, m in metas.items():
+        n = m.size.numel() * _itemsize(m.properties.dtype)
+        header[name] = {"dtype": _ST_DTYPES[m.properties.dtype], "shape": list(m.size),
+                        "data_offsets": [offset, offset + n]}  # fmt: skip
         offset += n
     state = checkpoint.read_state(path)
     header["__metadata__"] = {"format": "pt", "loom_step": str(state["step"]),
@@ -119,12 +113,8 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
     target = out / "model.safetensors"
     with open(target, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
-        for name, (shape, dtype) in metas.items():
-            t = {name: torch.empty(shape, dtype=dtype)}
-            load_into(t, path / "model")
-            if t[name].numel():
-                f.write(t[name].contiguous().view(torch.uint8).numpy().data)  # no copy of the tensor
-            del t
+        for name, m in metas.items():
+            _write_tensor(f, path / "model", name, m, md.storage_data)
     shutil.copyfile(run_dir / "config.toml", out / "config.toml")
     if (run_dir / "tokenizer").is_dir():
         shutil.copytree(run_dir / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
@@ -152,3 +142,124 @@ def _tied(name: str, sd: dict) -> bool:
     from loom.model.gpt_parallel import TIED
 
     return name in TIED and TIED[name] in sd
+
+
+# Streaming tensor bytes out of DCP's files. DCP (TORCH_SAVE format) writes each chunk of a tensor as one
+# torch.save archive (an uncompressed zip) at an offset of a rank's .distcp file; the raw bytes of the chunk
+# are the zip member `*/data/<key>`, located through `*/data.pkl`, which a restricted unpickler reads without
+# building a tensor. Chunks that are whole row blocks (FSDP's dim-0 shards, replicated tensors) are copied
+# file to file in blocks of _BLOCK bytes, so memory stays constant; other splits (tensor parallel's columns)
+# are assembled in one host tensor of the output's size, filled chunk by chunk.
+_BLOCK = 8 << 20
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class _Window(io.RawIOBase):
+    """A read-only file view of bytes [start, start + length) of an open file (one DCP item)."""
+
+    def __init__(self, f, start: int, length: int):
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, pos, whence=0):
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def readinto(self, b):
+        n = max(0, min(len(b), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        got = self.f.readinto(memoryview(b)[:n])
+        self.pos += got
+        return got
+
+
+class _Rebuild(pickle.Unpickler):
+    """Reads a torch.save data.pkl of one tensor into (storage key, storage offset, shape, stride)."""
+
+    def find_class(self, module, name):
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return lambda storage, off, size, stride, *_: (storage, off, tuple(size), tuple(stride))
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        if module == "collections" and name == "OrderedDict":
+            return dict
+        raise pickle.UnpicklingError(f"{module}.{name} is not expected in a checkpoint tensor")
+
+    def persistent_load(self, pid):
+        return pid[2]  # ('storage', storage type, key, location, numel)
+
+
+def _chunk_reader(f, info, numel: int, itemsize: int, where: str):
+    """A readable object positioned at the first byte of one chunk's raw data."""
+    if info.transform_descriptors:
+        raise LoomError(
+            f"'{where}' stores transformed (e.g. compressed) chunks, which consolidate does not read"
+        )
+    win = _Window(f, info.offset, info.length)
+    if info.length == numel * itemsize:  # DCP's raw (safetensors) serialization
+        return win
+    try:
+        zf = zipfile.ZipFile(win)
+        pkl = next(n for n in zf.namelist() if n.endswith("/data.pkl"))
+        key, off, size, stride = _Rebuild(io.BytesIO(zf.read(pkl))).load()
+        contiguous = tuple(torch.empty(size, device="meta").stride())
+        if torch.Size(size).numel() != numel or (numel > 1 and stride != contiguous):
+            raise ValueError(f"chunk of shape {size} and stride {stride}, {numel} elements expected")
+        data = zf.open(pkl[: -len("data.pkl")] + f"data/{key}")
+        data.read(off * itemsize)
+        return data
+    except (zipfile.BadZipFile, StopIteration, KeyError, ValueError, pickle.UnpicklingError, EOFError) as e:
+        raise LoomError(f"checkpoint file '{where}' holds a chunk that cannot be read: {e}") from None
+
+
+def _write_tensor(out, folder: Path, name: str, meta, storage: dict) -> None:
+    """Append tensor `name`'s bytes (row-major, whole) to `out`, reading each of its chunks once."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    size, itemsize = meta.size, _itemsize(meta.properties.dtype)
+    chunks = sorted(meta.chunks, key=lambda c: tuple(c.offsets))
+    if sum(c.sizes.numel() for c in chunks) != size.numel():
+        raise LoomError(
+            f"checkpoint '{folder}' does not cover tensor '{name}' (missing or overlapping chunks)"
+        )
+    rows = all(tuple(c.sizes[1:]) == tuple(size[1:]) for c in chunks)
+    whole = None if rows or not size.numel() else torch.empty(size, dtype=meta.properties.dtype)
+    for c in chunks:
+        info = storage[MetadataIndex(name, c.offsets)]
+        where = folder / info.relative_path
+        with open(where, "rb") as f:
+            src = _chunk_reader(f, info, c.sizes.numel(), itemsize, str(where))
+            if whole is None:
+                _copy(src, out, c.sizes.numel() * itemsize, str(where))
+            else:
+                piece = torch.empty(c.sizes, dtype=meta.properties.dtype)
+                _copy(src, memoryview(piece.view(torch.uint8).numpy()).cast("B"), piece.nbytes, str(where))
+                whole[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes, strict=True))] = piece
+                del piece
+    if whole is not None:
+        out.write(whole.view(torch.uint8).numpy().data)
+
+
+def _copy(src, dst, n: int, where: str) -> None:
+    """n bytes from src to dst (a file, or a writable memoryview of exactly n bytes), _BLOCK at a time."""
+    done = 0
+    while done < n:
+        block = src.read(min(_BLOCK, n - done))
+        if not block:
+            raise LoomError(f"checkpoint file '{where}' ends early (truncated?)")
+        if isinstance(dst, memoryview):
+            dst[done : done + len(block)] = block
+        else:
+            dst.write(block)
+        done += len(block)
