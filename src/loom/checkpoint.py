@@ -407,12 +407,12 @@ def load_extra(path: str | Path) -> tuple[dict[str, Any], dict]:
 def load_model(path: str | Path, model: torch.nn.Module) -> None:
     """Load only the weights of a format-2 checkpoint into a single-device model (generate, eval, export):
     model/ and state.json are verified and read, optim/ is not touched (it may even be missing)."""
-    from loom.model.gpt_parallel import TIED
+    from loom.model.gpt_parallel import tied
     from loom.parallel import dcp_state
 
     path = Path(path)
     verify(path, model_only=True)
-    dcp_state.load_model_shards(model, path / "model", TIED)
+    dcp_state.load_model_shards(model, path / "model", tied(model))
 
 
 def resolve_resume(run_dir: Path, resume: str | bool) -> Path:

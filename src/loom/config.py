@@ -60,8 +60,36 @@ class ModelConfig:
         "gelu (exact, erf; nanoGPT's nn.GELU, ~2.5x faster on CPUs).",
     )
     init_from: str = _f(
-        "", "hf:DIR starts from GPT-2 weights saved by transformers in a local DIR (sets the model shape)."
+        "",
+        "hf:DIR starts from the weights of a GPT2LMHeadModel or LlamaForCausalLM saved by transformers in a local "
+        "DIR (sets the model shape, including model.family and the options below; a tokenizer.json there is "
+        "checked against the data's vocabulary).",
     )
+    family: str = _f(
+        "gpt2",
+        "Preset of the options below: gpt2 (learned positions, LayerNorm, GELU, tied head) | llama (pos=rope, "
+        "norm=rmsnorm, mlp=swiglu, tie_embeddings=false, bias=false). A key set explicitly overrides the preset.",
+    )
+    pos: str = _f("learned", "Positions: learned (a table of block_size vectors, GPT-2) | rope (rotary).")
+    rope_theta: float = _f(10000.0, "pos=rope: base period of the rotary frequencies (Llama 3: 500000).")
+    norm: str = _f("layernorm", "Normalisation: layernorm (GPT-2) | rmsnorm (Llama: no mean, no bias).")
+    norm_eps: float = _f(1e-5, "Epsilon of every LayerNorm/RMSNorm (Llama 2: 1e-6).")
+    mlp: str = _f(
+        "gelu",
+        "MLP: gelu (up, GELU, down) | swiglu (down(silu(gate x) * up x), Llama; three matrices).",
+    )
+    ffn_hidden: int = _f(
+        0,
+        "MLP hidden width; 0: 4 x n_embd for gelu, and for swiglu 8/3 x n_embd rounded up to a multiple of 64 "
+        "(LLaMA's rule: the parameters of a 4x GELU MLP in three matrices).",
+    )
+    n_kv_head: int = _f(
+        0,
+        "Key/value heads; 0: n_head (multi-head). Fewer share each among n_head / n_kv_head query heads "
+        "(grouped-query attention; 1: multi-query); must divide n_head. The KV cache holds only these.",
+    )
+    qk_norm: bool = _f(False, "RMSNorm of each query and key head before RoPE (OLMo 2, Qwen 3, nanochat).")
+    tie_embeddings: bool = _f(True, "The LM head shares the token embedding's weights (GPT-2); false: own.")
 
 
 @dataclass
@@ -216,6 +244,10 @@ class Config:
 CHOICES = {
     ("data", "tokenizer"): ("char", "bpe"),
     ("model", "activation"): ("gelu_tanh", "gelu"),
+    ("model", "family"): ("gpt2", "llama"),
+    ("model", "pos"): ("learned", "rope"),
+    ("model", "norm"): ("layernorm", "rmsnorm"),
+    ("model", "mlp"): ("gelu", "swiglu"),
     ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop", "triton"),
     ("train", "resume"): ("no", "auto"),
     ("train", "on_save_error"): ("continue", "stop"),
@@ -341,19 +373,40 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+# model.family presets: the model keys each family sets, unless the TOML or the command line sets them.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "gpt2": {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "tie_embeddings": True},
+    "llama": {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False, "bias": False},
+}
+
+
+def apply_family(cfg: Config, explicit: set[str]) -> None:
+    """Set model.family's preset keys, except those in `explicit` ('model.pos', ...: set by the user)."""
+    for k, v in FAMILIES[cfg.model.family].items():
+        if f"model.{k}" not in explicit:
+            setattr(cfg.model, k, v)
+
+
+def _keys(data: dict[str, Any]) -> set[str]:
+    return {f"{s}.{k}" for s, values in data.items() if isinstance(values, dict) for k in values}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """defaults -> TOML file -> overrides."""
+    """defaults -> TOML file -> overrides (then model.family's preset for the model keys neither set)."""
     cfg = Config()
-    if path:
-        apply_dict(cfg, load_toml(path))
-    for k, v in parse_overrides(overrides or []):
+    data = load_toml(path) if path else {}
+    apply_dict(cfg, data)
+    pairs = parse_overrides(overrides or [])
+    for k, v in pairs:
         set_key(cfg, k, v, from_text=True)
+    apply_family(cfg, _keys(data) | {k for k, _ in pairs})
     return cfg
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
     cfg = Config()
     apply_dict(cfg, data)
+    apply_family(cfg, _keys(data))
     return cfg
 
 
@@ -442,6 +495,13 @@ def mesh_degrees(cfg: Config, world_size: int) -> tuple[int, int, int]:
             hint="pick tp among the divisors of n_head: "
             + ", ".join(str(d) for d in range(1, m.n_head + 1) if m.n_head % d == 0),
         )
+    kv = m.n_kv_head or m.n_head
+    if kv % p.tp:
+        raise LoomError(
+            f"parallel.tp={p.tp} does not divide model.n_kv_head={kv} (each rank holds whole key/value heads)",
+            hint="pick tp among the divisors of n_kv_head: "
+            + ", ".join(str(d) for d in range(1, kv + 1) if kv % d == 0),
+        )
     if p.sp and p.tp == 1:
         raise LoomError(
             "parallel.sp=true needs parallel.tp > 1 (sequence parallel shards what TP replicates)"
@@ -495,6 +555,25 @@ def dp_degrees(p: ParallelConfig, dp: int, dp_impl: str) -> tuple[int, int]:
     return p.dp_replicate, shard
 
 
+def check_model_shape(m: ModelConfig) -> None:
+    """The rules of the Llama-family options (grouped-query heads, RoPE's pairs, widths)."""
+    if m.n_kv_head < 0 or m.ffn_hidden < 0:
+        raise LoomError(f"model.n_kv_head and model.ffn_hidden must be >= 0 (0: the default); got "
+                        f"{m.n_kv_head} and {m.ffn_hidden}")  # fmt: skip
+    if m.n_kv_head and m.n_head % m.n_kv_head:
+        raise LoomError(
+            f"model.n_head={m.n_head} is not divisible by model.n_kv_head={m.n_kv_head} (each key/value head "
+            "serves the same number of query heads)",
+            hint="pick n_kv_head among the divisors of n_head: "
+            + ", ".join(str(d) for d in range(1, m.n_head + 1) if m.n_head % d == 0),
+        )
+    if m.pos == "rope" and (m.n_embd // m.n_head) % 2:
+        raise LoomError(f"model.pos=rope needs an even head size; n_embd / n_head = {m.n_embd // m.n_head}",
+                        hint="change n_embd or n_head")  # fmt: skip
+    if m.rope_theta <= 0 or m.norm_eps <= 0:
+        raise LoomError(f"model.rope_theta and model.norm_eps must be > 0; got {m.rope_theta}, {m.norm_eps}")
+
+
 def validate(cfg: Config, dp_size: int = 1) -> Derived:
     """Every rule that can be checked before data or devices are touched."""
     m, t, o = cfg.model, cfg.train, cfg.optim
@@ -531,6 +610,7 @@ def validate(cfg: Config, dp_size: int = 1) -> Derived:
         )
     if not 0.0 <= m.dropout < 1.0:
         raise LoomError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    check_model_shape(m)
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise LoomError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={o.lr}, min_lr={o.min_lr}")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):

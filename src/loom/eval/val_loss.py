@@ -51,6 +51,15 @@ def model_config(cfg: Config, vocab_size: int) -> GPTConfig:
         dropout=m.dropout,
         bias=m.bias,
         activation=m.activation,
+        pos=m.pos,
+        rope_theta=m.rope_theta,
+        norm=m.norm,
+        norm_eps=m.norm_eps,
+        mlp=m.mlp,
+        ffn_hidden=m.ffn_hidden,
+        n_kv_head=m.n_kv_head,
+        qk_norm=m.qk_norm,
+        tie_embeddings=m.tie_embeddings,
     )
 
 

@@ -3,7 +3,9 @@
 FLOPs follow the PaLM appendix B convention (also nanoGPT's estimate_mfu): every weight matrix costs
 2 FLOPs per token per parameter forward and 4 backward (6N), and attention's score and value products add
 12 * n_layer * n_embd * block_size per token (counted as if not causal, as PaLM does). N counts the matrices
-that are multiplied: all Linear weights including the (tied) LM head; embedding lookups cost no FLOPs.
+that are multiplied: all Linear weights including the LM head (tied or not); embedding lookups cost no FLOPs.
+Grouped-query attention makes the key and value projections K/H as wide; SwiGLU has three MLP matrices of
+width cfg.ffn_width; the attention products are the same whatever K (each query head reads a whole key).
 """
 
 from __future__ import annotations
@@ -11,20 +13,31 @@ from __future__ import annotations
 from loom.model.gpt import GPTConfig
 
 
+def _block_matrices(cfg: GPTConfig) -> int:
+    C, kv = cfg.n_embd, cfg.kv_heads * cfg.head_dim
+    attn = 2 * C * C + 2 * C * kv  # q and o (C x C), k and v (C x K*D)
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * C * cfg.ffn_width
+    return attn + mlp
+
+
 def matmul_params(cfg: GPTConfig) -> int:
-    C, L = cfg.n_embd, cfg.n_layer
-    per_block = 4 * C * C + 2 * 4 * C * C  # q, k, v, o + MLP up and down
-    return L * per_block + cfg.padded_vocab * C  # + LM head
+    return cfg.n_layer * _block_matrices(cfg) + cfg.padded_vocab * cfg.n_embd  # + LM head
 
 
 def param_count(cfg: GPTConfig) -> int:
-    """Distinct parameters (tied head counted once), matching GPT.num_params()."""
-    C, L = cfg.n_embd, cfg.n_layer
-    ln = 2 * C if cfg.bias else C
-    per_block = 12 * C * C + 2 * ln
+    """Distinct parameters (a tied head counted once), matching GPT.num_params()."""
+    C, L, kv, F = cfg.n_embd, cfg.n_layer, cfg.kv_heads * cfg.head_dim, cfg.ffn_width
+    norm = 2 * C if cfg.bias and cfg.norm == "layernorm" else C  # RMSNorm has no bias
+    per_block = _block_matrices(cfg) + 2 * norm
+    if cfg.qk_norm:
+        per_block += 2 * cfg.head_dim
     if cfg.bias:
-        per_block += 4 * C + 4 * C + C  # q, k, v, o biases; up bias; down bias
-    return cfg.padded_vocab * C + cfg.block_size * C + L * per_block + ln
+        per_block += 2 * C + 2 * kv  # q, o; k, v
+        per_block += (2 if cfg.mlp == "swiglu" else 1) * F + C  # gate and up, or up; down
+    embeddings = cfg.padded_vocab * C * (1 if cfg.tie_embeddings else 2)
+    if cfg.pos == "learned":
+        embeddings += cfg.block_size * C
+    return embeddings + L * per_block + norm
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:

@@ -1,9 +1,15 @@
 """A GPT for one device, readable top to bottom.
 
-Shapes: B batch, T time (tokens), C = n_embd channels, H heads, D = C / H head size, V padded vocabulary.
+Shapes: B batch, T time (tokens), C = n_embd channels, H query heads, K key/value heads (H for GPT-2, fewer
+with grouped-query attention), D = C / H head size, V padded vocabulary.
 Parallelism is applied from outside (loom.parallel); nothing here knows about ranks. Attention keeps separate
 q/k/v projections and infers the number of local heads from the projection width, so tensor parallelism can
 shard heads without touching this file.
+
+Two families share the file, each part chosen by a config field (all combinable; GPT-2 is the default):
+  GPT-2 (Radford et al. 2019)   learned positions, LayerNorm, GELU MLP of width 4C, tied head, biases
+  Llama (Touvron et al. 2023)   rotary positions (pos="rope"), RMSNorm, SwiGLU MLP, grouped-query attention
+                                (n_kv_head < n_head), untied head, no biases; optional QK-norm (qk_norm)
 """
 
 from __future__ import annotations
@@ -27,6 +33,33 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False
     activation: str = "gelu_tanh"  # GPT-2's tanh approximation; "gelu": exact (erf), as nanoGPT
+    pos: str = "learned"  # "rope": rotary embeddings on q and k, no position table (Su et al. 2021)
+    rope_theta: float = 10000.0  # RoPE's base period; Llama 3 uses 500000 for long contexts
+    norm: str = "layernorm"  # "rmsnorm": no mean subtraction, no bias (Zhang & Sennrich 2019)
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # "swiglu": down(silu(gate(x)) * up(x)) (Shazeer 2020)
+    ffn_hidden: int = 0  # MLP width; 0: the rule of `ffn_width`
+    n_kv_head: int = 0  # key/value heads; 0: n_head (multi-head), 1: multi-query, between: grouped-query
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (OLMo 2, Qwen 3, modded-nanogpt)
+    tie_embeddings: bool = True  # the head shares the token embedding (GPT-2); Llama unties them
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP's hidden width: ffn_hidden, else 4C for GELU and for SwiGLU 2/3 of 4C rounded up to a
+        multiple of 64, LLaMA's rule, which keeps the parameters of a 4C GELU MLP with three matrices."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.mlp == "swiglu":
+            return (8 * self.n_embd // 3 + 63) // 64 * 64
+        return 4 * self.n_embd
 
     @property
     def padded_vocab(self) -> int:
@@ -35,10 +68,11 @@ class GPTConfig:
 
 
 class KVCache:
-    """Keys and values of every layer for incremental decoding: (B, H, max_T, D) per layer."""
+    """Keys and values of every layer for incremental decoding: (B, K, max_T, D) per layer (key/value heads
+    only: grouped-query attention shares each among H / K query heads when attention runs)."""
 
     def __init__(self, cfg: GPTConfig, batch: int, max_len: int, device, dtype):
-        shape = (batch, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+        shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.len = 0  # tokens already cached
@@ -101,16 +135,45 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
         return att @ v
 
 
+def rope_cos_sin(
+    start: int, T: int, head_dim: int, theta: float, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, D) for positions start .. start+T-1: channel i and i + D/2 of a head turn together by
+    position * theta^(-2i/D). The half-split pairing is transformers' Llama layout (its weights load as they
+    are; Meta's original checkpoints pair neighbours and are permuted by the HF conversion). fp32 throughout."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim)
+    freqs = torch.arange(start, start + T, dtype=torch.float, device=device)[:, None] * inv_freq  # (T, D/2)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) queries or keys by their positions' angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def norm_layer(cfg: GPTConfig, dim: int) -> nn.Module:
+    """LayerNorm (GPT-2; bias with model.bias) or RMSNorm (Llama): a gain per channel, eps cfg.norm_eps."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        C = cfg.n_embd
-        self.head_dim = C // cfg.n_head
-        self.q_proj = nn.Linear(C, C, bias=cfg.bias)
-        self.k_proj = nn.Linear(C, C, bias=cfg.bias)
-        self.v_proj = nn.Linear(C, C, bias=cfg.bias)
-        self.o_proj = nn.Linear(C, C, bias=cfg.bias)
+        C, D = cfg.n_embd, cfg.head_dim
+        self.head_dim, self.rope_theta = D, cfg.rope_theta if cfg.pos == "rope" else None
+        self.q_proj = nn.Linear(C, cfg.n_head * D, bias=cfg.bias)
+        self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.bias)  # K < H heads: grouped-query attention
+        self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.n_head * D, C, bias=cfg.bias)
         self.o_proj.residual_scale = True  # GPT-2 init: scaled by 1/sqrt(2 * n_layer)
+        # QK-norm: each head's query and key to unit RMS (times a gain) before RoPE; bounds the logits
+        self.q_norm = nn.RMSNorm(D, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(D, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
         self.resid_dropout = Dropout(cfg.dropout)
 
@@ -118,48 +181,64 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         if _cpu_bf16_autocast(x):  # one cast for the three projections (autocast would cast x three times)
             x = x.to(torch.bfloat16)
-        # (B, T, C) -> (B, H, T, D); -1 lets a tensor-parallel shard hold fewer heads.
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        drop = self.dropout if self.training else 0.0
-        if cache is None:
-            y = causal_attention(q, k, v, drop)
-        else:
-            start = cache.len
+        # (B, T, C) -> (B, T, H, D); -1 lets a tensor-parallel shard hold fewer heads.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
+        start = cache.len if cache is not None else 0
+        if self.rope_theta is not None:
+            cos, sin = rope_cos_sin(start, T, self.head_dim, self.rope_theta, x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # the cache keeps the K key/value heads, rotated
             cache.k[layer][:, :, start : start + T] = k
             cache.v[layer][:, :, start : start + T] = v
             k, v = cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T]
-            if start == 0:  # prefill: ordinary causal attention
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:  # new queries see every cached key and the causal part of their own block
-                mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if k.size(1) != q.size(1):  # grouped-query: query head h reads key/value head h // (H / K)
+            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        if cache is None:
+            y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
+        elif start == 0:  # prefill: ordinary causal attention
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # new queries see every cached key and the causal part of their own block
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C_local)
         return self.resid_dropout(self.o_proj(y))
 
 
 class MLP(nn.Module):
+    """GELU: down(gelu(up(x))), width 4C. SwiGLU: down(silu(gate(x)) * up(x)), width ~8C/3 (cfg.ffn_width)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.up_proj = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.down_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        hidden = cfg.ffn_width
+        self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
+        self.up_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.down_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.down_proj.residual_scale = True
         self.dropout = Dropout(cfg.dropout)
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"  # erf: ~2.5x faster on CPUs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate)))
+        if self.gate_proj is not None:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = F.gelu(self.up_proj(x), approximate=self.approximate)
+        return self.dropout(self.down_proj(h))
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = norm_layer(cfg, cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = norm_layer(cfg, cfg.n_embd)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
@@ -172,12 +251,13 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.padded_vocab, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None  # RoPE: none
         self.drop = Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = norm_layer(cfg, cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying (GPT-2)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # weight tying (GPT-2)
         if self.wte.weight.device.type != "meta":  # built on the meta device: initialised after sharding
             self.reset_parameters(int(torch.randint(2**62, ())))  # the seed follows torch.manual_seed
 
@@ -191,13 +271,14 @@ class GPT(nn.Module):
     def init_param(self, name: str, t: torch.Tensor, seed: int) -> None:
         """Fill t, the whole parameter `name`, with its initial values.
 
-        GPT-2: N(0, 0.02) for embeddings and matrices, residual output projections scaled by 1/sqrt(2 * n_layer)
-        so the residual stream's variance does not grow with depth; LayerNorm gains 1, biases 0. The values
+        GPT-2: N(0, 0.02) for embeddings and matrices (an untied head too), residual output projections scaled
+        by 1/sqrt(2 * n_layer) so the residual stream's variance does not grow with depth; norm gains 1, biases 0.
+        The values
         come from a generator seeded by (seed, name), so they do not depend on which other parameters exist
         or in which order they are made: a sharded or pipelined model initialises each of its pieces to the
         same weights as one process (loom.parallel builds models on the meta device and calls this per name).
         """
-        if name == "lm_head.weight":
+        if name == "lm_head.weight" and self.cfg.tie_embeddings:
             name = "wte.weight"  # tied: one tensor
         try:
             module = self.get_submodule(name.rpartition(".")[0])
@@ -205,7 +286,7 @@ class GPT(nn.Module):
             module = None
         if name.endswith(".bias"):
             t.zero_()
-        elif isinstance(module, nn.LayerNorm):
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             t.fill_(1.0)
         else:
             std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_scale", False) else 0.02
@@ -222,8 +303,10 @@ class GPT(nn.Module):
         start = cache.len if cache is not None else 0
         if start + T > self.cfg.block_size:
             raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(start, start + T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:  # learned absolute positions; RoPE turns q and k inside attention instead
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
+        x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x = block(x, cache, i)
         if cache is not None:
@@ -235,8 +318,8 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Parameters counted once (the tied head is the token embedding)."""
+        """Parameters counted once (a tied head is the token embedding)."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
-            n -= self.wte.weight.numel() + self.wpe.weight.numel()
+            n -= sum(e.weight.numel() for e in (self.wte, self.wpe) if e is not None)
         return n

@@ -14,8 +14,13 @@ import torch.nn as nn
 from loom.errors import LoomError
 from loom.model.gpt import GPT
 
-# Names of one tensor in the single-device model (alias -> canonical): the head is tied to the embedding.
+# Names of one tensor in the single-device model (alias -> canonical): the head tied to the embedding.
 TIED = {"lm_head.weight": "wte.weight"}
+
+
+def tied(model: GPT) -> dict[str, str]:
+    """TIED for a model whose head is its token embedding (GPT-2), {} for an untied one (Llama)."""
+    return TIED if model.cfg.tie_embeddings else {}
 
 
 def blocks(module: nn.Module) -> list[nn.Module]:
@@ -27,8 +32,10 @@ def blocks(module: nn.Module) -> list[nn.Module]:
 def tp_plan(model: GPT, tp: int, sp: bool, loss_parallel: bool) -> dict:
     """{module path: ParallelStyle}: Megatron's split (Shoeybi et al. 2019), applied in this order.
 
-    q/k/v and the MLP up-projection column-wise (each rank holds whole heads), the attention output and MLP
-    down-projection row-wise (one all-reduce per sub-layer); the token embedding vocabulary-parallel (row-wise)
+    q/k/v and the MLP up- (and SwiGLU gate) projections column-wise (each rank holds whole heads: H / tp query
+    heads and the K / tp key/value heads they read, so tp divides both), the attention output and MLP
+    down-projection row-wise (one all-reduce per sub-layer); QK-norm's gains replicated over the local heads
+    (their gradients are partial sums over heads, reduced by align_grads); the token embedding vocabulary-parallel (row-wise)
     and the tied head column-wise over the vocabulary, so the cross-entropy runs under `loss_parallel()`
     without gathering the logits. Sequence parallel (Korthikanti et al. 2022) keeps the LayerNorms and
     dropouts on sequence shards: the all-reduces become all-gather + reduce-scatter pairs.
@@ -41,15 +48,17 @@ def tp_plan(model: GPT, tp: int, sp: bool, loss_parallel: bool) -> dict:
         SequenceParallel,
     )
 
-    if model.cfg.padded_vocab % tp:
-        raise LoomError(
-            f"the padded vocabulary {model.cfg.padded_vocab} is not divisible by parallel.tp={tp}"
-        )
+    cfg = model.cfg
+    if cfg.padded_vocab % tp:
+        raise LoomError(f"the padded vocabulary {cfg.padded_vocab} is not divisible by parallel.tp={tp}")
+    if cfg.n_head % tp or cfg.kv_heads % tp:
+        raise LoomError(f"parallel.tp={tp} must divide model.n_head={cfg.n_head} and model.n_kv_head="
+                        f"{cfg.kv_heads}: each rank holds whole query heads and the key/value heads they read")  # fmt: skip
     seq = Shard(1) if sp else Replicate()
     # Embedding rows (the vocabulary) are split; ids outside a rank's range give zeros and the all-reduce of
     # the partial sums restores the lookup. Its output stays replicated so the position embedding can be added.
     plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
-    for i in range(model.cfg.n_layer):
+    for i in range(cfg.n_layer):
         b = f"blocks.{i}"
         if sp and i == 0:  # the first block keeps only its own slice of the replicated embedding output
             plan[b] = PrepareModuleInput(input_layouts=(Replicate(), None, None),
@@ -59,6 +68,11 @@ def tp_plan(model: GPT, tp: int, sp: bool, loss_parallel: bool) -> dict:
             f"{b}.attn.v_proj": ColwiseParallel(), f"{b}.attn.o_proj": RowwiseParallel(output_layouts=seq),
             f"{b}.mlp.up_proj": ColwiseParallel(), f"{b}.mlp.down_proj": RowwiseParallel(output_layouts=seq),
         })  # fmt: skip
+        if cfg.mlp == "swiglu":
+            plan[f"{b}.mlp.gate_proj"] = ColwiseParallel()
+        if cfg.qk_norm:  # input (B, T, H_local, D): a DTensor sharded over heads (dim 2) around the norm
+            for n in ("q_norm", "k_norm"):
+                plan[f"{b}.attn.{n}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sp:  # LayerNorm on sequence shards; attention and MLP gather the sequence first
             plan.update({
                 f"{b}.ln_1": SequenceParallel(), f"{b}.ln_2": SequenceParallel(),
@@ -78,8 +92,9 @@ def tp_plan(model: GPT, tp: int, sp: bool, loss_parallel: bool) -> dict:
 
 def retie(model: GPT) -> None:
     """Tie the head to the embedding again after tensor parallel (each is Shard(0) over the vocabulary) or
-    materialization replaced them; a pipeline stage holding only one of them has nothing to tie."""
-    if model.wte is not None and model.lm_head is not None:
+    materialization replaced them; a pipeline stage holding only one of them, or an untied model, has nothing
+    to tie."""
+    if model.cfg.tie_embeddings and model.wte is not None and model.lm_head is not None:
         model.lm_head.weight = model.wte.weight
 
 
@@ -109,9 +124,11 @@ class Stage(nn.Module):
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            pos = torch.arange(x.size(1), device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
+        if self.first:  # the GPT's embedding (learned positions unless RoPE turns q and k instead)
+            x = self.wte(x)
+            if self.wpe is not None:
+                x = x + self.wpe(torch.arange(x.size(1), device=x.device))
+            x = self.drop(x)
         for name, block in self.blocks.items():
             x = block(x, None, int(name))
         if self.last:
@@ -128,7 +145,7 @@ def split_stages(model: GPT, stage_ids: list[int], n_stages: int) -> list[Stage]
         if i not in keep:
             model.blocks._modules[str(i)] = None
     if 0 not in stage_ids:
-        model.wte = model.wpe = model.drop = None  # the tied tensor stays reachable as lm_head.weight
+        model.wte = model.wpe = model.drop = None  # a tied tensor stays reachable as lm_head.weight
     if n_stages - 1 not in stage_ids:
         model.ln_f = model.lm_head = None
     return stages

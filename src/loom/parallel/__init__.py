@@ -36,6 +36,7 @@ class Parallelized:
         self.fsdp_roots: list[nn.Module] = []
         self.grad_sync = None  # MPI's gradient synchroniser (loom.parallel.mpi_dp)
         self.tied_group = None  # pp: the first and last stage's group, for the tied embedding/head
+        self.tied: dict[str, str] = spec.tied(model)  # alias -> canonical name of one tensor ({}: untied)
         # the single-device model's names, for checkpoints: state-dict keys and the optimizer's order
         self.names = list(model.state_dict().keys())
         ids = {id(p): n for n, p in model.named_parameters()}
@@ -65,14 +66,14 @@ class Parallelized:
             align_grads(self.model.parameters())
         if self.dims.pp_enabled and self.tied_group is not None:
             # A tied pair (embedding/head) on the first and the last stage: their gradients are two halves of one.
-            tied = set(self.spec.TIED) | set(self.spec.TIED.values())
+            tied = set(self.tied) | set(self.tied.values())
             for name, w in self.model.named_parameters():
                 if name in tied and w.grad is not None:
                     dist.all_reduce(local(w.grad), group=self.tied_group)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         # the tied pair counts twice only where two stages hold it (not with one stage: pp at degree 1)
-        shared = set(self.spec.TIED) | set(self.spec.TIED.values()) if self.tied_group is not None else set()
+        shared = set(self.tied) | set(self.tied.values()) if self.tied_group is not None else set()
         return clip_grad_norm(self.model, max_norm, self.dims, shared)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -127,38 +128,38 @@ class Parallelized:
 
     # ----------------------------------------------------------------------------- checkpoint state
     def model_state(self) -> dict:
-        return state.model_state(self.model, self.dims, self.names, self.spec.TIED)
+        return state.model_state(self.model, self.dims, self.names, self.tied)
 
     def load_model_state(self, sd: dict) -> None:
-        state.load_model_state(self.model, sd, self.spec.TIED)
+        state.load_model_state(self.model, sd, self.tied)
 
     def optim_state(self, opt) -> dict:
         if self.dims.dp_impl == "zero1" and self.dims.dp_enabled:
             from loom.parallel.zero import zero1_state
 
             return zero1_state(opt, self.dims.is_main)
-        return state.optim_state(self.model, opt, self.dims, self.order, self.spec.TIED)
+        return state.optim_state(self.model, opt, self.dims, self.order, self.tied)
 
     def sharded_state(self, opt) -> tuple[dict, dict]:
         """(model, optimizer) state of this rank's pieces under single-device names, for DCP (nothing gathered)."""
         from loom.parallel import dcp_state
 
-        tied = self.spec.TIED
+        tied = self.tied
         return dcp_state.model_shards(self.model, tied), dcp_state.optim_shards(self.model, opt, tied)
 
     def load_sharded(self, opt, model_dir, optim_dir=None) -> None:
         """Load DCP folders written under any layout into this rank's pieces (optimizer: when given)."""
         from loom.parallel import dcp_state
 
-        dcp_state.load_model_shards(self.model, model_dir, self.spec.TIED)
+        dcp_state.load_model_shards(self.model, model_dir, self.tied)
         if optim_dir is not None:
-            dcp_state.load_optim_shards(self.model, opt, optim_dir, self.spec.TIED)
+            dcp_state.load_optim_shards(self.model, opt, optim_dir, self.tied)
 
     def load_optim_state(self, opt, sd: dict) -> None:
         if self.dims.dp_impl == "zero1" and self.dims.dp_enabled:
             opt.load_state_dict(sd)
         else:
-            state.load_optim_state(self.model, opt, sd, self.order, self.spec.TIED)
+            state.load_optim_state(self.model, opt, sd, self.order, self.tied)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device, spec, *, precision: str = "fp32",
@@ -197,7 +198,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
     if any(t.is_meta for t in model.parameters()):
         from loom.parallel.init import materialize
 
-        materialize(model, device, init, spec.TIED)
+        materialize(model, device, init, par.tied)
         spec.retie(model)  # to_empty gave each module of a tied pair its own new tensor
     if dims.pp_enabled:
         from loom.parallel.pipeline import Pipeline
@@ -205,7 +206,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         par.pipeline = Pipeline(
             roots, ids, n_stages, mesh["pp"].get_group(), device, p.pp_schedule, n_microbatches
         )
-        par.tied_group = _first_last_group(dims) if dims.pp > 1 else None  # one stage holds the whole pair
+        par.tied_group = _first_last_group(dims) if dims.pp > 1 and par.tied else None  # 1 stage: whole pair
     elif dims.tp_enabled:
         par.forward = LocalLoss(model)
     elif dims.dp_impl in ("ddp", "zero1") and dims.dp_enabled:

@@ -100,9 +100,9 @@ def auto_resume(cfg: Config, resume, force: bool) -> tuple[str | bool | None, bo
 
 def check_checkpoint_model(ckpt: Path, cfg: Config) -> None:
     """A checkpoint of another model shape is refused before anything is built (state.json only)."""
-    saved = checkpoint.read_state(ckpt).get("config", {}).get("model", {})
-    now = cfg.to_dict()["model"]
-    diff = [f"model.{k}: {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
+    saved = {**Config().to_dict()["model"], **checkpoint.read_state(ckpt).get("config", {}).get("model", {})}
+    now = cfg.to_dict()["model"]  # (keys newer than the checkpoint: their defaults, above)
+    diff = [f"model.{k}: {saved[k]!r} -> {v!r}" for k, v in now.items() if saved[k] != v]
     if diff:
         raise LoomError(f"checkpoint '{ckpt}' was trained with another model shape: " + "; ".join(diff),
                         hint="resume with the checkpoint's model settings, or start a new run")  # fmt: skip
