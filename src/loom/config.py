@@ -128,7 +128,8 @@ class TrainConfig:
         "auto",
         "Checkpoint in the background: auto (on for CUDA, off on CPU) | true | false. The step that starts a "
         "save only copies this rank's shards to host memory; writing, hashing and the rename go on in a "
-        "thread, at most one save in flight (the next save, the last step and a stop signal wait for it).",
+        "thread at the lowest CPU priority (nice 19, so it takes no core from the loop), at most one save in "
+        "flight (the next save, the last step and a stop signal wait for it).",
     )
     on_save_error: str = _f(
         "continue",
@@ -157,6 +158,27 @@ class OptimConfig:
     eps: float = _f(1e-8, "AdamW epsilon.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0: no clipping).")
     impl: str = _f("auto", "auto | torch-fused | torch-foreach | torch-loop | triton (one kernel launch).")
+    name: str = _f(
+        "adamw",
+        "adamw | muon: Newton-Schulz-orthogonalised momentum for the 2-D hidden matrices (attention and MLP "
+        "weights), AdamW (lr, betas, weight_decay) for embeddings, head, norms and biases (optim.impl ignored).",
+    )
+    muon_lr: float = _f(
+        0.02, "optim.name=muon: peak learning rate of the hidden matrices (same schedule as lr)."
+    )
+    muon_momentum: float = _f(0.95, "optim.name=muon: Nesterov momentum of the hidden matrices.")
+    muon_ns_steps: int = _f(
+        5, "optim.name=muon: Newton-Schulz iterations per step (5: singular values ~0.7-1.2)."
+    )
+    muon_weight_decay: float = _f(0.0, "optim.name=muon: decoupled weight decay of the hidden matrices.")
+    schedule: str = _f(
+        "cosine",
+        "Learning-rate shape after warm-up: cosine (to min_lr at the last step) | wsd (warmup-stable-decay: "
+        "hold lr, then fall linearly to min_lr over the last decay_frac of the steps).",
+    )
+    decay_frac: float = _f(
+        0.3, "optim.schedule=wsd: fraction of train.steps spent in the final linear decay."
+    )
 
 
 @dataclass
@@ -249,6 +271,8 @@ CHOICES = {
     ("model", "norm"): ("layernorm", "rmsnorm"),
     ("model", "mlp"): ("gelu", "swiglu"),
     ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop", "triton"),
+    ("optim", "name"): ("adamw", "muon"),
+    ("optim", "schedule"): ("cosine", "wsd"),
     ("train", "resume"): ("no", "auto"),
     ("train", "on_save_error"): ("continue", "stop"),
     ("train", "async_ckpt"): ("auto", "true", "false"),
@@ -613,6 +637,12 @@ def validate(cfg: Config, dp_size: int = 1) -> Derived:
     check_model_shape(m)
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise LoomError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={o.lr}, min_lr={o.min_lr}")
+    if o.muon_lr <= 0 or not 0 <= o.muon_momentum < 1 or o.muon_ns_steps < 1 or o.muon_weight_decay < 0:
+        raise LoomError(f"optim.muon_*: need muon_lr > 0, 0 <= muon_momentum < 1, muon_ns_steps >= 1, "
+                        f"muon_weight_decay >= 0; got {o.muon_lr}, {o.muon_momentum}, {o.muon_ns_steps}, "
+                        f"{o.muon_weight_decay}")  # fmt: skip
+    if not 0 <= o.decay_frac <= 1:
+        raise LoomError(f"optim.decay_frac must be in [0, 1], got {o.decay_frac}")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         raise LoomError(f"optim.beta1/beta2 must be in [0, 1); got {o.beta1}, {o.beta2}")
     if t.batch_size % dp_size:

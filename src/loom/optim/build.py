@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on >=2-D parameters only, and the implementation switch."""
+"""The optimizer of a run: AdamW (decoupled weight decay on >=2-D parameters only, with the implementation
+switch) or Muon for the hidden matrices with AdamW for everything else (optim.name)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,41 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def is_hidden_matrix(module: torch.nn.Module, name: str, p: torch.nn.Parameter) -> bool:
+    """A 2-D weight of a Linear layer that is not the output head: what Muon orthogonalises. Embeddings (a
+    lookup, not a map between hidden spaces), the head (its rows are per-token outputs), norms and biases
+    keep AdamW, as in modded-nanogpt."""
+    return isinstance(module, torch.nn.Linear) and name == "weight" and p.dim() == 2
+
+
+def muon_param_groups(model: torch.nn.Module, ocfg) -> list[dict]:
+    """[Muon group, AdamW decay group, AdamW no-decay group]; tied weights appear once (in the first group
+    that meets them in module order; a tied embedding/head is an Embedding first, so AdamW)."""
+    seen, muon, decay, no_decay = set(), [], [], []
+    for mod_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            head = mod_name.split(".")[-1] == "lm_head"
+            if is_hidden_matrix(module, name, p) and not head:
+                muon.append(p)
+            else:
+                (decay if p.dim() >= 2 else no_decay).append(p)
+    scale = ocfg.muon_lr / ocfg.lr  # Muon's step follows the same schedule as AdamW's lr
+    return [
+        {"params": muon, "use_muon": True, "lr_scale": scale, "weight_decay": ocfg.muon_weight_decay},
+        {"params": decay, "use_muon": False, "lr_scale": 1.0, "weight_decay": ocfg.weight_decay},
+        {"params": no_decay, "use_muon": False, "lr_scale": 1.0, "weight_decay": 0.0},
+    ]
+
+
+def muon_defaults(ocfg) -> dict:
+    """Muon's constructor arguments from an OptimConfig (per-group values come from muon_param_groups)."""
+    return dict(lr=ocfg.lr, momentum=ocfg.muon_momentum, ns_steps=ocfg.muon_ns_steps,
+                betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps)  # fmt: skip
+
+
 def resolve_impl(impl: str, device: torch.device) -> str:
     """auto picks torch's fused AdamW (CPU and CUDA have it), else foreach."""
     if impl == "auto":
@@ -30,6 +66,10 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
     """The optimizer for `cfg.optim` (an OptimConfig); lr is set per step by the schedule."""
+    if cfg.name == "muon":
+        from loom.optim.muon import Muon
+
+        return Muon(muon_param_groups(model, cfg), **muon_defaults(cfg))
     impl = resolve_impl(cfg.impl, device)
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     groups = param_groups(model, cfg.weight_decay)

@@ -97,6 +97,8 @@ class Parallelized:
             from loom.parallel.zero import build_zero1_optimizer
 
             return build_zero1_optimizer(self.model, ocfg, self.device)
+        if ocfg.name == "muon":  # one code path for every layout (DTensors: loom.optim.muon.orthogonalize)
+            return build_optimizer(self.model, ocfg, self.device)
         impl = ocfg.impl
         if self.dims.tp_enabled and not self.fsdp_roots:
             impl = (

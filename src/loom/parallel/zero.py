@@ -14,6 +14,16 @@ from loom.optim.build import param_groups, resolve_impl
 
 
 def build_zero1_optimizer(model: torch.nn.Module, ocfg, device: torch.device) -> ZeroRedundancyOptimizer:
+    if ocfg.name == "muon":  # ZeRO partitions whole parameters: each rank orthogonalises the matrices it owns
+        from loom.optim.build import muon_defaults, muon_param_groups
+        from loom.optim.muon import Muon
+
+        first, *rest = muon_param_groups(model, ocfg)
+        opt = ZeroRedundancyOptimizer(first["params"], optimizer_class=Muon, **muon_defaults(ocfg),
+                                      **{k: v for k, v in first.items() if k != "params"})  # fmt: skip
+        for group in rest:
+            opt.add_param_group(group)
+        return opt
     impl = resolve_impl(ocfg.impl, device)
     groups = param_groups(model, ocfg.weight_decay)
     kw = dict(lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps)

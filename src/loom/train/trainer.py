@@ -192,7 +192,7 @@ class Trainer:
 
     def _set_lr(self) -> float:
         o = self.cfg.optim
-        lr = lr_at(self.step, o.lr, o.min_lr, o.warmup_steps, self.cfg.train.steps)
+        lr = lr_at(self.step, o.lr, o.min_lr, o.warmup_steps, self.cfg.train.steps, o.schedule, o.decay_frac)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
