@@ -152,17 +152,21 @@ def test_jsonl_missing_field_names_the_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "a"}\n{"text": "b"}\n{"content": "c"}\n')
     with pytest.raises(LoomError, match=r"d\.jsonl:3 has no field 'text'"):
-        read_documents([path])
+        read_documents([path], strict=True)
     with pytest.raises(LoomError, match="no field 'body'") as e:
-        read_documents([path], jsonl_field="body")
+        read_documents([path], jsonl_field="body", strict=True)
     assert "--jsonl-field" in e.value.hint
+    docs = read_documents([path])  # without --strict: counted, named and skipped
+    assert docs.texts == ["a", "b"]
+    assert docs.stats.bad_lines_count == 1 and "d.jsonl:3" in docs.stats.bad_lines[0]
 
 
 def test_jsonl_invalid_json_names_the_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "a"}\n{"text": oops}\n')
     with pytest.raises(LoomError, match=r"d\.jsonl:2 is not valid JSON"):
-        read_documents([path])
+        read_documents([path], strict=True)
+    assert read_documents([path]).stats.bad_lines_count == 1
 
 
 def test_folder_recursive_glob_skips_hidden(tmp_path):

@@ -1,7 +1,15 @@
-"""`loom data prepare`: text files, folders or JSONL -> tokenizer -> train/val token shards + meta.json.
+"""`loom data prepare`: text files, folders, JSONL (.gz, .zst) or Parquet -> tokenizer -> train/val token
+shards + meta.json, streamed with bounded memory.
 
-Everything is written into `<out>.tmp` and renamed at the end, so a failure leaves nothing half-made and an
-existing directory is never overwritten without --force.
+Documents flow from the inputs (loom.data.sources) through the train/val split (loom.data.split) to a pool
+of worker processes (loom.data.encode) and into fixed-size shards written as they fill (ShardWriter). Peak
+memory does not grow with the corpus: at most one split window of documents, a few chunks in flight and the
+tokenizer's training sample are held.
+
+Everything is written into `.<out>.loom-tmp` beside the output and renamed at the end. Shards are committed
+one by one with a progress record (progress.json); run the same command again after an interruption and it
+continues from the last complete shard, giving the same bytes as an uninterrupted run. A different
+preparation in the way is refused unless --force.
 """
 
 from __future__ import annotations
@@ -11,256 +19,133 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 
 from loom import __version__, log
-from loom.data.shards import version_for_vocab, write_shard
+from loom.data.encode import SPLITS, choose_backend, cpu_count, encode_chunks, tiktoken_spec
+from loom.data.shards import DTYPES, ShardWriter, read_header, version_for_vocab
+from loom.data.sources import (
+    ReadOptions,
+    ReadStats,
+    estimated_bytes,
+    input_files,
+    iter_units,
+    kind_of_file,
+)
+from loom.data.split import Splitter, check_split, split_documents  # noqa: F401 (split_documents: re-export)
 from loom.data.tokenizers import CharTokenizer, HFTokenizer, check_bpe_vocab, tokenizer_hash
 from loom.errors import LoomError
 from loom.outputs import check_apart, check_replaceable, replace_output, write_marker
 
 SHARD_TOKENS = 100_000_000  # llm.c's shard size
-BINARY_PROBE = 8192
+CHUNK_CHARS = 1 << 20  # characters per encoding task
+TOKENIZER_SAMPLE = 200_000_000  # characters of train text a BPE is trained on (at most)
+DOC_CAP = 10_000  # characters of one document that go into the tokenizer's sample (nanochat's cap)
+REPEAT_CHECK_DOCS = 1_000_000  # repeated documents are looked for among the first this many
+PROGRESS = "progress.json"
+
+
+# ------------------------------------------------------------------------ documents in memory (small data)
 
 
 @dataclass
 class Documents:
-    """Documents read from the inputs, with what was noticed on the way."""
+    """Documents read from the inputs (all held in memory), with what was noticed on the way."""
 
     texts: list[str] = field(default_factory=list)
-    files: int = 0
-    replaced_files: int = 0  # files with undecodable bytes (replaced by U+FFFD)
-    skipped_binary: list[str] = field(default_factory=list)
-    replaced: list[str] = field(default_factory=list)  # where bytes were replaced: file or file:line
-    dropped: list[str] = field(default_factory=list)  # documents left out, as "where (why)"
-    read_once: list[str] = field(default_factory=list)  # inputs named again (directly or inside a folder)
+    stats: ReadStats = field(default_factory=ReadStats)
+
+    @property
+    def files(self) -> int:
+        return self.stats.files
+
+    @property
+    def replaced_files(self) -> int:
+        return self.stats.replaced_files
+
+    @property
+    def skipped_binary(self) -> list[str]:
+        return self.stats.skipped_binary
+
+    @property
+    def dropped(self) -> list[str]:
+        return self.stats.dropped
 
 
-def _is_binary(head: bytes) -> bool:
-    return b"\x00" in head
-
-
-def _read_text(path: Path, docs: Documents, explicit: bool) -> str | None:
-    data = path.read_bytes()
-    if _is_binary(data[:BINARY_PROBE]):
-        if explicit:
-            raise LoomError(
-                f"input '{path}' looks binary (it contains NUL bytes), not text",
-                hint="give text files, folders of text files (with --glob), or JSONL",
-            )
-        docs.skipped_binary.append(str(path))
-        return None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        text = data.decode("utf-8", errors="replace")
-        docs.replaced_files += 1
-        docs.replaced.append(str(path))
-    docs.files += 1
-    if not text:
-        docs.dropped.append(f"{path} (empty)")
-    return text
-
-
-def _kind_of(value) -> str:
-    """How a JSON value that is not a non-empty string reads in a message."""
-    if value is None:
-        return "null"
-    if isinstance(value, str):
-        return "empty"
-    names = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _read_jsonl(path: Path, field_name: str, docs: Documents) -> None:
-    docs.files += 1
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw.decode("utf-8", errors="replace"))
-            except json.JSONDecodeError as e:
-                raise LoomError(f"{path}:{lineno} is not valid JSON: {e.msg}") from None
-            if not isinstance(rec, dict) or field_name not in rec:
-                raise LoomError(
-                    f"{path}:{lineno} has no field '{field_name}'",
-                    hint="name the text field with --jsonl-field",
-                )
-            text = rec[field_name]
-            if isinstance(text, str) and text:
-                # JSON may escape lone surrogates (\ud800) that no encoder accepts: replace them.
-                clean = text.encode("utf-8", errors="replace").decode("utf-8")
-                if clean != text:
-                    docs.replaced_files += 1
-                    docs.replaced.append(f"{path}:{lineno}")
-                docs.texts.append(clean)
-            else:
-                docs.dropped.append(f"{path}:{lineno} ('{field_name}' is {_kind_of(text)})")
-
-
-def _read_parquet(path: Path, column: str, docs: Documents) -> None:
-    """One document per non-empty string of the text column (pyarrow: the loom[parquet] extra)."""
-    from loom.data.formats import read_parquet_texts
-
-    docs.files += 1
-    rows: list[int] = []
-    docs.texts.extend(read_parquet_texts(path, column, dropped=rows))
-    docs.dropped.extend(f"{path} row {r} ('{column}' is not a non-empty string)" for r in rows)
-
-
-def _input_files(paths: list[Path], glob: str, docs: Documents) -> list[tuple[Path, bool]]:
-    """(file, named explicitly) for every input file, each real file once: a file given twice, or given
-    beside a folder that holds it, would put the same text in train and val. Repeats go to docs.read_once."""
-    found: list[tuple[Path, bool]] = []
-    for p in paths:
-        if p.is_dir():
-            found += [
-                (f, False)
-                for f in sorted(p.rglob(glob))
-                if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts)
-            ]
-        else:
-            found.append((p, True))
-    seen: dict[str, int] = {}
-    out: list[tuple[Path, bool]] = []
-    for f, explicit in found:
-        key = os.path.realpath(f)
-        if key in seen:
-            docs.read_once.append(str(f))
-            if explicit:  # named on its own: a binary file is an error, as when named once
-                out[seen[key]] = (out[seen[key]][0], True)
-            continue
-        seen[key] = len(out)
-        out.append((f, explicit))
-    return out
-
-
-def read_documents(inputs: list[str | Path], glob: str = "*", jsonl_field: str = "text") -> Documents:
-    """One document per text file, JSONL line or Parquet row. Folders are searched recursively with `glob`."""
-    paths = [Path(p) for p in inputs]
-    missing = [str(p) for p in paths if not p.exists()]
-    if missing:
-        raise LoomError(f"input path does not exist: {', '.join(missing)}", hint="check the --input paths")
-    docs = Documents()
-    for f, explicit in _input_files(paths, glob, docs):
-        if f.suffix == ".jsonl":
-            _read_jsonl(f, jsonl_field, docs)
-        elif f.suffix == ".parquet":
-            _read_parquet(f, jsonl_field, docs)
-        elif (text := _read_text(f, docs, explicit=explicit)) is not None:
-            docs.texts.append(text)
-    docs.texts = [t for t in docs.texts if t]
-    if not docs.texts:
-        where = ", ".join(str(p) for p in paths)
-        extra = f" ({len(docs.skipped_binary)} binary files skipped)" if docs.skipped_binary else ""
+def _check_not_empty(found: bool, inputs, stats: ReadStats) -> None:
+    if not found:
+        where = ", ".join(str(p) for p in inputs)
+        n = stats.skipped_binary_count
+        extra = f" ({n} binary files skipped)" if n else ""
         raise LoomError(
             f"the corpus is empty: no text found in {where}{extra}", hint="check --input and --glob"
         )
+
+
+def read_documents(
+    inputs: list[str | Path], glob: str = "*", jsonl_field: str = "text", strict: bool = False
+) -> Documents:
+    """Every document of the inputs as one string (for small data; `prepare` streams instead)."""
+    docs = Documents()
+    opts = ReadOptions(glob=glob, field=jsonl_field, strict=strict)
+    for u in iter_units(input_files(inputs, glob, docs.stats), opts, docs.stats):
+        if u.new_doc:
+            docs.texts.append(u.text)
+        else:
+            docs.texts[-1] += u.text
+    _check_not_empty(bool(docs.texts), inputs, docs.stats)
     return docs
 
 
-def _some(items: list[str], n: int = 3) -> str:
+def _some(items: list[str], n: int = 3, total: int | None = None) -> str:
     """The first n items, and how many more."""
-    more = f" and {len(items) - n} more" if len(items) > n else ""
+    total = len(items) if total is None else total
+    more = f" and {total - n} more" if total > n else ""
     return ", ".join(items[:n]) + more
 
 
+def report_stats(stats: ReadStats, repeats: int = 0) -> None:
+    """Warn about everything reading noticed, naming the first few places."""
+    if stats.read_once:
+        log.warn(f"{len(stats.read_once)} input file(s) were named more than once (directly or inside a folder)"
+                 f" and are read once: {_some(stats.read_once)}")  # fmt: skip
+    if stats.replaced_files:
+        log.warn(f"{stats.replaced_files} file(s) or line(s) had undecodable bytes, replaced with U+FFFD: "
+                 f"{_some(stats.replaced, total=stats.replaced_files)}")  # fmt: skip
+    if stats.skipped_binary_count:
+        log.warn(f"skipped {stats.skipped_binary_count} binary file(s): "
+                 f"{_some(stats.skipped_binary, total=stats.skipped_binary_count)}")  # fmt: skip
+    if stats.dropped_count:
+        log.warn(f"dropped {stats.dropped_count} document(s) with no text: "
+                 f"{_some(stats.dropped, 5, stats.dropped_count)}")  # fmt: skip
+    if stats.bad_lines_count:
+        log.warn(f"skipped {stats.bad_lines_count} JSONL line(s) (--strict makes this an error): "
+                 f"{_some(stats.bad_lines, 5, stats.bad_lines_count)}")  # fmt: skip
+    for what in stats.corrupt:
+        log.warn(f"{what}: the rest of that file is skipped (--strict makes this an error)")
+    if repeats:
+        log.warn(f"{repeats} document(s) repeat the text of an earlier one: with the docs split a copy can land "
+                 "in val while its original trains, which makes the val loss too low")  # fmt: skip
+
+
 def report_documents(docs: Documents) -> int:
-    """Warn about everything read_documents noticed, naming the first few; returns the number of documents
-    whose text repeats an earlier one (by content hash)."""
-    if docs.read_once:
-        log.warn(f"{len(docs.read_once)} input file(s) were named more than once (directly or inside a folder)"
-                 f" and are read once: {_some(docs.read_once)}")  # fmt: skip
-    if docs.replaced:
-        log.warn(f"{len(docs.replaced)} file(s) or line(s) had undecodable bytes, replaced with U+FFFD: "
-                 f"{_some(docs.replaced)}")  # fmt: skip
-    if docs.skipped_binary:
-        log.warn(f"skipped {len(docs.skipped_binary)} binary file(s): {_some(docs.skipped_binary)}")
-    if docs.dropped:
-        log.warn(f"dropped {len(docs.dropped)} document(s) with no text: {_some(docs.dropped, 5)}")
+    """report_stats for documents in memory; returns how many repeat an earlier one's text."""
     seen: set[bytes] = set()
     repeats = 0
     for t in docs.texts:
         h = hashlib.blake2b(t.encode("utf-8", errors="surrogatepass"), digest_size=16).digest()
         repeats += h in seen
         seen.add(h)
-    if repeats:
-        log.warn(f"{repeats} document(s) repeat the text of an earlier one: with the docs split a copy can land "
-                 "in val while its original trains, which makes the val loss too low")  # fmt: skip
+    report_stats(docs.stats, repeats)
     return repeats
 
 
-def _val_documents(sizes: list[int], val_fraction: float, seed: int) -> set[int]:
-    """Indices of the val documents: val's share of the characters close to val_fraction, whatever the sizes.
-
-    Counting documents instead sends 40-70% of the text to val when a few documents are large. In a seeded
-    order, every document that still fits under the target joins val (first fit); then the one left whose
-    addition lands closest to the target joins too when that is closer (always when val is still empty).
-    Train keeps at least one document. Characters stand in for tokens, which are counted after the split
-    (prepare warns when the share of tokens ends up far from the target)."""
-    order = np.random.default_rng(seed).permutation(len(sizes)).tolist()
-    target = val_fraction * sum(sizes)
-    chosen: list[int] = []
-    total = 0
-    for i in order:
-        if total + sizes[i] <= target:
-            chosen.append(i)
-            total += sizes[i]
-    rest = [i for i in order if i not in set(chosen)]
-    best = min(rest, key=lambda i: abs(total + sizes[i] - target))
-    if len(rest) > 1 and (not chosen or abs(total + sizes[best] - target) < target - total):
-        chosen.append(best)
-    return set(chosen)
-
-
-def split_documents(
-    texts: list[str], val_fraction: float, mode: str, seed: int
-) -> tuple[list[str], list[str]]:
-    """Train/val split. `docs`: whole documents, chosen in a seeded order until val holds `val_fraction` of
-    the characters (see _val_documents); `tail`: the last fraction of the concatenated characters (nanoGPT's
-    90/10 split). A single document falls back to `tail`."""
-    if not 0.0 < val_fraction < 1.0:
-        raise LoomError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
-    if mode == "docs" and len(texts) >= 2:
-        val_idx = _val_documents([len(t) for t in texts], val_fraction, seed)
-        return [t for i, t in enumerate(texts) if i not in val_idx], [
-            t for i, t in enumerate(texts) if i in val_idx
-        ]
-    if mode not in ("docs", "tail"):
-        raise LoomError(f"unknown --split-mode '{mode}'", hint="use docs or tail")
-    total = sum(len(t) for t in texts)
-    cut = int(total * (1.0 - val_fraction))
-    if cut <= 0 or cut >= total:
-        raise LoomError(f"the corpus ({total} characters) is too small to split into train and val")
-    train, val, seen = [], [], 0
-    for t in texts:
-        if seen + len(t) <= cut:
-            train.append(t)
-        elif seen >= cut:
-            val.append(t)
-        else:
-            train.append(t[: cut - seen])
-            val.append(t[cut - seen :])
-        seen += len(t)
-    return train, val
-
-
-def _char_chunk(args) -> np.ndarray:
-    """Encode a list of texts with a char table (runs in a worker process)."""
-    texts, lut, eot = args
-    out = []
-    for t in texts:
-        cps = np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32)
-        out.append(np.concatenate([[eot], lut[cps]]))
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
-
-
-def _chunks(texts: list[str], chars_per_chunk: int = 1 << 20):
+def _chunks(texts: list[str], chars_per_chunk: int = CHUNK_CHARS):
     chunk, size = [], 0
     for t in texts:
         chunk.append(t)
@@ -272,52 +157,188 @@ def _chunks(texts: list[str], chars_per_chunk: int = 1 << 20):
         yield chunk
 
 
-def encode_documents(tok, texts: list[str], label: str) -> np.ndarray:
-    """Token ids of all documents, each preceded by end-of-text (llm.c's convention), with a progress bar.
-    Uses every core: worker processes for char, the tokenizers library's threads for BPE."""
-    from rich.progress import Progress
-
-    chunks = list(_chunks(texts))
-    parts: list[np.ndarray] = []
-    with Progress(transient=True, console=log.console()) as bar:
-        task = bar.add_task(f"tokenizing {label}", total=len(chunks))
-        if isinstance(tok, CharTokenizer):
-            lut = np.full(0x110000, -1, dtype=np.int64)
-            lut[[ord(c) for c in tok.chars]] = np.arange(len(tok.chars))
-            jobs = [(c, lut, tok.eot_id) for c in chunks]
-            procs = min(len(jobs), os.cpu_count() or 1)
-            if procs > 1:
-                with get_context("fork").Pool(procs) as pool:
-                    for arr in pool.imap(_char_chunk, jobs):
-                        parts.append(arr)
-                        bar.advance(task)
-            else:
-                for job in jobs:
-                    parts.append(_char_chunk(job))
-                    bar.advance(task)
-        else:
-            for c in chunks:
-                for ids in tok.encode_batch(c):
-                    parts.append(np.asarray([tok.eot_id, *ids], dtype=np.int64))
-                bar.advance(task)
-    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    if tokens.size and tokens.min() < 0:
-        raise LoomError("a character is missing from the character vocabulary")
-    return tokens
+def encoder_spec(tok, dtype=np.int64) -> dict:
+    """What a worker process needs to rebuild the tokenizer (picklable)."""
+    spec = {"kind": tok.kind, "eot_id": tok.eot_id, "dtype": np.dtype(dtype).str}
+    if isinstance(tok, CharTokenizer):
+        spec["chars"] = tok.chars
+    else:
+        spec["json"] = tok.tok.to_str()
+    return spec
 
 
-def build_tokenizer(spec: str, train_texts: list[str], all_texts: list[str], vocab_size: int):
-    """`char`, `bpe` (trained here on the train split) or the path of an existing tokenizer.json."""
-    if spec == "char":
-        return CharTokenizer.train(all_texts), "char"
-    if spec == "bpe":
-        return HFTokenizer.train(train_texts, vocab_size), "bpe"
+def encode_documents(tok, texts: list[str], label: str = "", workers: int = 0) -> np.ndarray:
+    """Token ids of documents held in memory, each preceded by end-of-text (llm.c's convention), encoded
+    by `workers` processes (0: every core)."""
+    chunks = ([(0, t, True) for t in c] for c in _chunks(texts))
+    parts = [r[0] for r in encode_chunks(encoder_spec(tok), chunks, workers or cpu_count())]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+# ---------------------------------------------------------------------------------------- streaming
+
+
+@dataclass
+class Plan:
+    """The settings of one preparation; its fingerprint decides whether an unfinished one may continue."""
+
+    inputs: list[str]
+    tokenizer: str
+    vocab_size: int
+    val_fraction: float
+    split_mode: str
+    seed: int
+    shard_tokens: int
+    read: ReadOptions
+    tokenizer_sample: int
+    doc_cap: int
+    pattern: str
+    dtype: str
+    chunk_chars: int
+
+    def fingerprint(self, files: list[tuple[Path, bool]]) -> str:
+        d = {k: v for k, v in vars(self).items() if k != "read"}
+        d["read"] = vars(self.read)
+        # the inputs as found (names, sizes, modification times): an edited input is another preparation
+        d["files"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f, _ in files]
+        if self.tokenizer not in ("char", "bpe"):
+            d["tokenizer_sha"] = hashlib.sha256(_tokenizer_path(self.tokenizer).read_bytes()).hexdigest()
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _tokenizer_path(spec: str) -> Path:
     path = Path(spec)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise LoomError(f"--tokenizer '{spec}' is neither char, bpe nor an existing tokenizer.json")
-    return HFTokenizer.from_file(path), "tokenizer.json"
+        raise LoomError(f"--tokenizer '{spec}' is neither char, bpe nor an existing tokenizer.json",
+                        hint="char, bpe, or the path of a tokenizer.json (or of the folder holding one)")  # fmt: skip
+    return path
+
+
+def _version(vocab_size: int, dtype: str) -> int:
+    """Shard version (1 = uint16, 2 = uint32) for a vocabulary; refuses a dtype too small for it."""
+    if dtype == "auto":
+        return version_for_vocab(vocab_size)
+    version = {"uint16": 1, "uint32": 2}.get(dtype)
+    if version is None:
+        raise LoomError(f"unknown --dtype '{dtype}'", hint="use auto, uint16 or uint32")
+    if vocab_size - 1 > np.iinfo(DTYPES[version]).max:
+        raise LoomError(f"a vocabulary of {vocab_size:,} ids does not fit in {dtype}",
+                        hint="use --dtype uint32 (or auto)")  # fmt: skip
+    return version
+
+
+@contextmanager
+def _bar(label: str, total: int | None):
+    """A progress bar with bytes read, bytes/s, tokens/s and ETA; yields update(bytes_read, tokens)."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    t0 = time.perf_counter()
+    cols = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            TextColumn("{task.fields[tps]}"), TimeRemainingColumn()]  # fmt: skip
+    with Progress(*cols, transient=True, console=log.console()) as bar:
+        task = bar.add_task(label, total=total, tps="")
+
+        def update(done: int, tokens: int = 0) -> None:
+            dt = max(time.perf_counter() - t0, 1e-9)
+            tps = f"{tokens / dt / 1e6:.2f}M tok/s" if tokens else ""
+            bar.update(task, completed=done, total=max(total or 0, done) or None, tps=tps)
+
+        yield update
+
+
+def _units(plan: Plan, files, stats: ReadStats, total_chars: int | None) -> Iterator[tuple[str, object]]:
+    """(split, unit) for every document piece, in order."""
+    sp = Splitter(plan.val_fraction, plan.split_mode, plan.seed, total_chars)
+    for u in iter_units(files, plan.read, stats):
+        yield from sp.feed(u)
+    _check_not_empty(stats.documents > 0, plan.inputs, stats)
+    yield from sp.finish()
+
+
+def _count_chars(plan: Plan, files, label: str) -> int:
+    """Characters of the whole corpus (a reading pass; the tail split needs the total first)."""
+    stats, n = ReadStats(), 0
+    with _bar(label, estimated_bytes(files)) as update:
+        for i, u in enumerate(iter_units(files, plan.read, stats)):
+            n += len(u.text)
+            if i % 256 == 0:
+                update(stats.bytes)
+    _check_not_empty(n > 0, plan.inputs, stats)
+    return n
+
+
+def _train_tokenizer(plan: Plan, files, total_chars: int | None):
+    """char: the characters of the whole corpus; bpe: trained on a sample of the train split (documents
+    taken with a seeded probability, each capped at doc_cap characters); else the given tokenizer.json."""
+    if plan.tokenizer not in ("char", "bpe"):
+        return HFTokenizer.from_file(_tokenizer_path(plan.tokenizer)), "tokenizer.json"
+    stats = ReadStats()
+    est = estimated_bytes(files)
+    if plan.tokenizer == "char":
+        seen: set[str] = set()
+        with _bar("reading characters", est) as update:
+            for i, (_, u) in enumerate(_units(plan, files, stats, total_chars)):
+                seen.update(u.text)
+                if i % 256 == 0:
+                    update(stats.bytes)
+        return CharTokenizer(sorted(seen)), "char"
+    keep = min(1.0, plan.tokenizer_sample / max(1, est * (1 - plan.val_fraction)))
+    rng = np.random.default_rng([plan.seed, 2])
+    sample: list[str] = []
+    size, taking, in_doc = 0, False, 0
+    with _bar("tokenizer sample", est) as update:
+        for i, (split, u) in enumerate(_units(plan, files, stats, total_chars)):
+            if u.new_doc:
+                taking, in_doc = split == "train" and bool(rng.random() < keep), 0
+            if taking and in_doc < plan.doc_cap:
+                piece = u.text[: plan.doc_cap - in_doc]
+                sample.append(piece)
+                in_doc += len(piece)
+                size += len(piece)
+            if i % 256 == 0:
+                update(stats.bytes)
+            if size >= plan.tokenizer_sample:
+                break
+    t0 = time.perf_counter()
+    tok = HFTokenizer.train(sample, plan.vocab_size, plan.pattern)
+    log.info(f"trained a byte-level BPE ({plan.pattern} split, vocab {tok.vocab_size:,}) on a sample of "
+             f"{size:,} characters in {time.perf_counter() - t0:.1f}s")  # fmt: skip
+    return tok, "bpe"
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _start(tmp: Path, fingerprint: str, force: bool) -> dict | None:
+    """The progress record of an unfinished preparation of the same settings in tmp (to continue), else
+    None with tmp emptied; a different unfinished preparation is refused unless --force."""
+    rec = None
+    if (tmp / PROGRESS).is_file():
+        try:
+            rec = json.loads((tmp / PROGRESS).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            rec = None
+    if rec and rec.get("fingerprint") == fingerprint:
+        return rec
+    if rec and not force:
+        raise LoomError(f"'{tmp}' holds an unfinished preparation with other settings or inputs",
+                        hint="run that preparation's command again to finish it, or pass --force to start "
+                        "this one instead")  # fmt: skip
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return None
 
 
 def prepare(
@@ -333,80 +354,205 @@ def prepare(
     force: bool = False,
     source: str | None = None,
     shard_tokens: int = SHARD_TOKENS,
+    *,
+    workers: int = 0,
+    tokenizer_sample: int = TOKENIZER_SAMPLE,
+    doc_cap: int = DOC_CAP,
+    pattern: str = "gpt2",
+    text_separator: str | None = None,
+    doc_chars: int = 0,
+    strict: bool = False,
+    dtype: str = "auto",
+    encoder: str = "auto",
+    chunk_chars: int = CHUNK_CHARS,
 ) -> dict:
-    """Prepare a data directory; returns its meta.json contents."""
+    """Prepare a data directory (streaming, resumable); returns its meta.json contents.
+
+    workers: encoding processes (0: every core this process may use)."""
     out = Path(out)
     check_apart(out, inputs)
     check_replaceable(out, "data", force)  # before any reading; replaced only once the new one is ready
     if tokenizer == "bpe":
         check_bpe_vocab(vocab_size)  # before any reading
+        _version(vocab_size, dtype)
+    elif tokenizer != "char":
+        _tokenizer_path(tokenizer)
+    check_split(val_fraction, split_mode)
+    if shard_tokens < 1 or chunk_chars < 1:
+        raise LoomError("--shard-tokens must be at least 1")
     t0 = time.perf_counter()
-    docs = read_documents(inputs, glob, jsonl_field)
-    repeats = report_documents(docs)
-    if split_mode == "docs" and len(docs.texts) < 2:
-        log.info("one document only: splitting its characters (train first, val last)")
-    train, val = split_documents(docs.texts, val_fraction, split_mode, seed)
-    tok, kind = build_tokenizer(tokenizer, train, docs.texts, vocab_size)
-
+    read = ReadOptions(glob=glob, field=jsonl_field, text_separator=text_separator or None,
+                       doc_chars=doc_chars, strict=strict)  # fmt: skip
+    files = input_files(inputs, glob, ReadStats())
+    _check_not_empty(bool(files), inputs, ReadStats())
+    mode = split_mode
+    if mode == "docs" and len(files) == 1 and kind_of_file(files[0][0]) == "text":
+        if not read.text_separator and not read.doc_chars:
+            log.info("one document only: splitting its characters (train first, val last)")
+            mode = "tail"
+    plan = Plan([str(p) for p in inputs], tokenizer, vocab_size, val_fraction, mode, seed, shard_tokens, read,
+                tokenizer_sample, doc_cap, pattern, dtype, chunk_chars)  # fmt: skip
     tmp = out.with_name(f".{out.name}.loom-tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    fingerprint = plan.fingerprint(files)
+    rec = _start(tmp, fingerprint, force)
     try:
-        meta = _write_prepared(tmp, tok, kind, train, val, shard_tokens)
+        meta = _run(plan, files, tmp, rec, fingerprint, workers or cpu_count(), encoder)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # a failure leaves nothing half-made
+        if not any(tmp.glob("*_000000.bin")):  # nothing worth continuing from
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    meta.update(
-        source=source or ", ".join(str(p) for p in inputs),
-        files=docs.files,
-        replaced_files=docs.replaced_files,
-        skipped_binary=len(docs.skipped_binary),
-        dropped_documents=len(docs.dropped),
-        repeated_documents=repeats,
-        val_fraction=val_fraction,
-        split_mode=split_mode,
-        seed=seed,
-        loom_version=__version__,
-    )
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    meta.update(source=source or ", ".join(str(p) for p in inputs), loom_version=__version__)
+    _write_json(tmp / "meta.json", meta)
+    (tmp / PROGRESS).unlink()
     write_marker(tmp, "data")
     replace_output(out, "data", force)
     os.replace(tmp, out)
     splits = meta["splits"]
-    share = splits["val"]["tokens"] / max(1, splits["train"]["tokens"] + splits["val"]["tokens"])
+    n_tok = splits["train"]["tokens"] + splits["val"]["tokens"]
+    share = splits["val"]["tokens"] / max(1, n_tok)
+    dt = time.perf_counter() - t0
     log.info(
-        f"prepared {out}: {kind} tokenizer, vocab {tok.vocab_size}, train {splits['train']['tokens']:,} tokens"
-        f" ({splits['train']['documents']} docs), val {splits['val']['tokens']:,} tokens"
-        f" ({share:.1%}, {splits['val']['documents']} docs) in {time.perf_counter() - t0:.1f}s"
+        f"prepared {out}: {meta['tokenizer']['kind']} tokenizer, vocab {meta['vocab_size']:,}, train "
+        f"{splits['train']['tokens']:,} tokens ({splits['train']['documents']} docs), val "
+        f"{splits['val']['tokens']:,} tokens ({share:.1%}, {splits['val']['documents']} docs), "
+        f"{meta['bytes_per_token_val']:.2f} bytes/token on val, in {dt:.1f}s ({n_tok / dt / 1e6:.2f}M tokens/s)"
     )
     if abs(share - val_fraction) > max(0.02, 0.25 * val_fraction):
         log.warn(f"val holds {share:.1%} of the tokens, not the {val_fraction:.1%} asked by --val-fraction: the "
-                 f"{len(docs.texts)} documents are too few or too uneven to split closer by whole documents "
+                 f"{meta['documents']} documents are too few or too uneven to split closer by whole documents "
                  "(--split-mode tail cuts at the exact share)")  # fmt: skip
     return meta
 
 
-def _write_prepared(tmp: Path, tok, kind: str, train: list[str], val: list[str], shard_tokens: int) -> dict:
-    """Tokenize both splits into shards under tmp, save the tokenizer; the core of meta.json."""
-    version = version_for_vocab(tok.vocab_size)
+def _run(
+    plan: Plan, files, tmp: Path, rec: dict | None, fingerprint: str, workers: int, encoder: str
+) -> dict:
+    """Tokenizer, then every chunk encoded into shards under tmp; the core of meta.json."""
+    if rec is None:
+        total = _count_chars(plan, files, "counting characters") if plan.split_mode == "tail" else None
+        tok, kind = _train_tokenizer(plan, files, total)
+        info = {"kind": kind, "file": tok.save(tmp), "eot_id": tok.eot_id}
+        info["sha256"] = tokenizer_hash(tmp, {"tokenizer": info})  # compares tokenizers by content
+        rec = {"fingerprint": fingerprint, "tokenizer": info, "total_chars": total, "vocab_size": tok.vocab_size,
+               "splits": {s: {"shards": 0, "chunk": 0, "offset": 0} for s in SPLITS}}  # fmt: skip
+        _write_json(tmp / PROGRESS, rec)
+    else:
+        from loom.data.tokenizers import load_tokenizer
+
+        tok = load_tokenizer(tmp, {"tokenizer": rec["tokenizer"]})
+        done = rec["splits"]
+        log.info(f"continuing the unfinished preparation in {tmp}: {done['train']['shards']} train and "
+                 f"{done['val']['shards']} val shard(s) already complete")  # fmt: skip
+    version = _version(tok.vocab_size, plan.dtype)
+    spec = encoder_spec(tok, DTYPES[version])
+    start = {s: (v["chunk"], v["offset"]) for s, v in rec["splits"].items()}
+    for s, v in rec["splits"].items():  # anything after the last committed shard is written again
+        for p in tmp.glob(f"{s}_*.bin*"):
+            if p.name.endswith(".tmp") or int(p.name[len(s) + 1 : len(s) + 7]) >= v["shards"]:
+                p.unlink()
+
+    def commit(split: str, shards: int, position) -> None:
+        if position is not None:
+            rec["splits"][split] = {"shards": shards, "chunk": position[0], "offset": position[1]}
+            _write_json(tmp / PROGRESS, rec)
+
+    writers = {s: ShardWriter(tmp, s, plan.shard_tokens, version, rec["splits"][s]["shards"], commit)
+               for s in SPLITS}  # fmt: skip
+    stats = ReadStats()
+    resume_chunk = min(c for c, _ in start.values())
+    counts = {"documents": {s: 0 for s in SPLITS}, "val_bytes": 0, "repeats": 0}
+    seen: set[bytes] = set()
+
+    def chunks():
+        chunk: list = []
+        size = 0
+        for split, u in _units(plan, files, stats, rec["total_chars"]):
+            si = SPLITS.index(split)
+            if u.new_doc:
+                counts["documents"][split] += 1
+                if len(seen) < REPEAT_CHECK_DOCS:
+                    h = hashlib.blake2b(
+                        u.text.encode("utf-8", errors="surrogatepass"), digest_size=16
+                    ).digest()
+                    counts["repeats"] += h in seen
+                    seen.add(h)
+            if si == 1:
+                counts["val_bytes"] += len(u.text.encode("utf-8", errors="surrogatepass"))
+            chunk.append((si, u.text, u.new_doc))
+            size += len(u.text)
+            if size >= plan.chunk_chars:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
+
+    def numbered():
+        for i, c in enumerate(chunks()):
+            yield c if i >= resume_chunk else None
+
+    gen = numbered()
+    first = next(gen)
+    if "backend" in rec:  # continuing: the encoder chosen at the start (the same ids either way)
+        if rec["backend"] == "tiktoken":
+            spec = {**spec, "backend": "tiktoken", "tiktoken": tiktoken_spec(spec["json"])}
+    else:
+        spec = choose_backend(spec, [t for _, t, _ in first[:64]], encoder)
+        rec["backend"] = spec.get("backend", "tokenizers")
+        _write_json(tmp / PROGRESS, rec)
+    tokens = 0
+    t0 = time.perf_counter()
+    try:
+        with _bar("encoding", estimated_bytes(files)) as update:
+            for i, res in enumerate(encode_chunks(spec, _prepend(first, gen), workers)):
+                if res is not None:
+                    for si, s in enumerate(SPLITS):
+                        c, off = start[s]
+                        if i > c:
+                            writers[s].add(res[si], i, 0)
+                        elif i == c:
+                            writers[s].add(res[si][off:], i, off)
+                    tokens += len(res[0]) + len(res[1])
+                update(stats.bytes, tokens)
+        for w in writers.values():
+            if w.n or w.index == 0:
+                w.commit(None)
+    finally:
+        for w in writers.values():
+            w.close()
+    enc_s = time.perf_counter() - t0
+    report_stats(stats, counts["repeats"])
     splits = {}
-    for name, texts in (("train", train), ("val", val)):
-        tokens = encode_documents(tok, texts, name)
-        n_shards = max(1, -(-tokens.size // shard_tokens))
-        for i in range(n_shards):
-            write_shard(
-                tmp / f"{name}_{i:06d}.bin", tokens[i * shard_tokens : (i + 1) * shard_tokens], version
-            )
-        splits[name] = {"tokens": int(tokens.size), "documents": len(texts), "shards": n_shards}
-    info = {"kind": kind, "file": tok.save(tmp), "eot_id": tok.eot_id}
-    info["sha256"] = tokenizer_hash(tmp, {"tokenizer": info})  # compares tokenizers by content
+    for s in SPLITS:
+        n = [read_header(p)[1] for p in sorted(tmp.glob(f"{s}_*.bin"))]
+        splits[s] = {"tokens": int(sum(n)), "documents": counts["documents"][s], "shards": len(n)}
     return {
         "format": "llm.c",
-        "tokenizer": info,
+        "tokenizer": rec["tokenizer"],
         "vocab_size": tok.vocab_size,
         "shard_version": version,
         "splits": splits,
+        "files": stats.files,
+        "documents": stats.documents,
+        "bytes": stats.bytes,
+        "replaced_files": stats.replaced_files,
+        "skipped_binary": stats.skipped_binary_count,
+        "dropped_documents": stats.dropped_count,
+        "bad_lines": stats.bad_lines_count,
+        "corrupt_files": len(stats.corrupt),
+        "repeated_documents": counts["repeats"],
+        "val_fraction": plan.val_fraction,
+        "split_mode": plan.split_mode if plan.split_mode == "docs" else "tail",
+        "seed": plan.seed,
+        "bytes_per_token_val": counts["val_bytes"]
+        / max(1, splits["val"]["tokens"] - splits["val"]["documents"]),
+        "encoder": spec.get("backend", "tokenizers") if spec["kind"] != "char" else "char",
+        "encode_seconds": round(enc_s, 2),
     }
+
+
+def _prepend(first, rest):
+    yield first
+    yield from rest
 
 
 def prepare_corpus(name: str, out: str | Path, tokenizer: str, vocab_size: int, seed: int = 1337) -> dict:

@@ -88,3 +88,81 @@ def read_shard(path: str | Path) -> np.ndarray:
     if ntok == 0:
         return np.zeros(0, dtype=DTYPES[version])
     return np.memmap(path, dtype=DTYPES[version], mode="r", offset=HEADER_BYTES, shape=(ntok,))
+
+
+class ShardWriter:
+    """Writes one split's tokens into fixed-size shards as they come, committing each when it is full.
+
+    A shard is written as `<name>.tmp` (a zero header until it is complete), its header filled in, synced
+    and renamed; then `on_commit(split, shards, position)` records progress. A crash or a full disk leaves
+    at most a `.tmp` file, never a shard that looks complete. `position` is where the next shard's tokens
+    begin: (chunk index, token offset in that chunk's output for this split)."""
+
+    def __init__(self, directory: Path, split: str, shard_tokens: int, version: int, index: int, on_commit):
+        self.dir, self.split, self.shard_tokens, self.version = Path(directory), split, shard_tokens, version
+        self.dtype = np.dtype(DTYPES[version]).newbyteorder("<")
+        self.index, self.on_commit = index, on_commit
+        self.n = 0  # tokens in the open shard
+        self.f = None
+        self.tokens = 0  # tokens written by this writer
+
+    def path(self, index: int) -> Path:
+        return self.dir / f"{self.split}_{index:06d}.bin"
+
+    def _write(self, ids: np.ndarray) -> None:
+        try:
+            if self.f is None:
+                self.f = open(self.path(self.index).with_suffix(".bin.tmp"), "wb")  # noqa: SIM115
+                self.f.write(bytes(HEADER_BYTES))
+            self.f.write(np.ascontiguousarray(ids, dtype=self.dtype).tobytes())
+        except OSError as e:
+            raise _disk_error(self.path(self.index), e) from None
+        self.n += len(ids)
+        self.tokens += len(ids)
+
+    def add(self, ids: np.ndarray, chunk: int, base: int) -> None:
+        """Append ids: the tokens from offset `base` of chunk `chunk`'s output for this split."""
+        i = 0
+        while i < len(ids):
+            take = min(len(ids) - i, self.shard_tokens - self.n)
+            self._write(ids[i : i + take])
+            i += take
+            if self.n == self.shard_tokens:
+                self.commit((chunk, base + i))
+
+    def commit(self, position: tuple[int, int] | None) -> None:
+        """Close the open shard (an empty one if none is open) and record it."""
+        if self.f is None:
+            self._write(np.zeros(0, self.dtype))
+        header = np.zeros(HEADER_INTS, dtype=np.int32)
+        header[:3] = (MAGIC, self.version, self.n)
+        tmp = self.path(self.index).with_suffix(".bin.tmp")
+        try:
+            self.f.seek(0)
+            self.f.write(header.tobytes())
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            self.f = None
+            os.replace(tmp, self.path(self.index))
+        except OSError as e:
+            raise _disk_error(self.path(self.index), e) from None
+        self.index += 1
+        self.n = 0
+        self.on_commit(self.split, self.index, position)
+
+    def close(self) -> None:
+        """Drop an open, uncommitted shard file handle (its .tmp stays, never looking complete)."""
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+
+def _disk_error(path: Path, e: OSError) -> LoomError:
+    import errno
+
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    what = "the disk is full" if full else f"{type(e).__name__}: {e}"
+    return LoomError(f"cannot write shard '{path}': {what}",
+                     hint="free some space and run the same command again: it continues from the last "
+                     "complete shard")  # fmt: skip

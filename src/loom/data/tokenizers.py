@@ -11,6 +11,7 @@ from pathlib import Path
 from loom.errors import LoomError
 
 EOT = "<|endoftext|>"
+SPECIAL_TOKENS = (EOT,)  # declared once: a trained tokenizer gets these ids first, in this order
 
 
 class CharTokenizer:
@@ -52,7 +53,7 @@ class CharTokenizer:
 
 
 def check_bpe_vocab(vocab_size: int) -> None:
-    min_vocab = 256 + 1 + 1  # every byte, the end-of-text token, at least one merge
+    min_vocab = 256 + len(SPECIAL_TOKENS) + 1  # every byte, the special tokens, at least one merge
     if vocab_size < min_vocab:
         raise LoomError(
             f"--vocab-size {vocab_size} is too small for byte-level BPE",
@@ -76,16 +77,28 @@ class HFTokenizer:
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def train(cls, texts, vocab_size: int) -> HFTokenizer:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    def train(cls, texts, vocab_size: int, pattern: str = "gpt2") -> HFTokenizer:
+        """Byte-level BPE trained on `texts` (an iterable of str). `pattern`: gpt2 (GPT-2's pre-tokenizer
+        split) or gpt4 (cl100k's: digits in groups of at most 3, no leading space on punctuation runs)."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        from loom.data.encode import GPT4_PATTERN
 
         check_bpe_vocab(vocab_size)
         tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if pattern == "gpt4":
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(GPT4_PATTERN), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])  # fmt: skip
+        elif pattern == "gpt2":
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:
+            raise LoomError(f"unknown split pattern '{pattern}'", hint="use gpt2 or gpt4")
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
-            special_tokens=[EOT],
+            special_tokens=list(SPECIAL_TOKENS),
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
