@@ -125,7 +125,7 @@ def _data(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="verb", required=True)
     pp = sub.add_parser("prepare", help="text files, folders or JSONL -> tokenizer + train/val shards")
     src = pp.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", nargs="+", help="files, folders (recursive) or .jsonl files")
+    src.add_argument("--input", nargs="+", help="files, folders (recursive), .jsonl(.gz/.zst) or .parquet")
     src.add_argument("--corpus", help="a built-in corpus: python-stdlib")
     pp.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
     pp.add_argument("--tokenizer", default="char", help="char | bpe | PATH/tokenizer.json (default char)")
@@ -137,6 +137,18 @@ def _data(argv: list[str]) -> int:
     pp.add_argument("--glob", default="*", help="file pattern inside folders, e.g. '*.py' (default *)")
     pp.add_argument("--seed", type=int, default=1337)
     pp.add_argument("--force", action="store_true", help="replace an existing output directory")
+    pp.add_argument("--workers", type=int, default=0, help="encoding processes (default: every usable core)")
+    pp.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
+    pp.add_argument("--tokenizer-sample", type=int, default=200_000_000,
+                    help="characters of train text the BPE is trained on (default 200M)")  # fmt: skip
+    pp.add_argument("--doc-cap", type=int, default=10_000, help="characters per document in that sample")
+    pp.add_argument("--split-pattern", default="gpt2", choices=["gpt2", "gpt4"], help="BPE pre-tokenizer split")
+    pp.add_argument("--text-separator", default=None, help="cut text files into documents at this string")
+    pp.add_argument("--doc-chars", type=int, default=0, help="cut text files into documents of ~N characters")
+    pp.add_argument("--strict", action="store_true", help="a bad JSONL line or corrupt file is an error")
+    pp.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"], help="token dtype")
+    pp.add_argument("--encoder", default="auto", choices=["auto", "tiktoken", "tokenizers"],
+                    help="BPE encoding library (auto: tiktoken when it gives the same ids)")  # fmt: skip
     args = p.parse_args(argv)
     from loom.paths import check_not_endless, check_output_dir
 
@@ -158,7 +170,10 @@ def _data(argv: list[str]) -> int:
     prepare(
         inputs, args.out, args.tokenizer, args.vocab_size, args.val_fraction, args.split_mode,
         args.jsonl_field, args.glob, args.seed, args.force,
-        source=f"built-in corpus {args.corpus}" if args.corpus else None,
+        source=f"built-in corpus {args.corpus}" if args.corpus else None, shard_tokens=args.shard_tokens,
+        workers=args.workers, tokenizer_sample=args.tokenizer_sample, doc_cap=args.doc_cap,
+        pattern=args.split_pattern, text_separator=args.text_separator, doc_chars=args.doc_chars,
+        strict=args.strict, dtype=args.dtype, encoder=args.encoder,
     )  # fmt: skip
     return 0
 
@@ -243,7 +258,7 @@ def _eval(argv: list[str]) -> int:
     from loom.train.setup import check_data_dir, resolve_device
 
     device = resolve_device(args.device, key="--device")
-    cfg, model, _, meta, path = load_run(args.run_dir, device)
+    cfg, model, tok, meta, path = load_run(args.run_dir, device)
     data_dir = Path(args.data) if args.data else run_data_dir(args.run_dir, cfg)
     data_meta = check_data_dir(data_dir)
     if data_meta["vocab_size"] != meta["vocab_size"]:
@@ -257,7 +272,12 @@ def _eval(argv: list[str]) -> int:
     vs = ValSet(data_dir, cfg.model.block_size, n_rows)
     loss = val_loss(model, vs, cfg.train.micro_batch_size or cfg.train.batch_size, device)
     print(f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} windows of {cfg.model.block_size} tokens)")
-    print(f"val loss {loss:.4f} | perplexity {math.exp(loss):.2f}")
+    line = f"val loss {loss:.4f} | perplexity {math.exp(loss):.2f}"
+    if tok is not None:  # bits per byte: comparable across tokenizers
+        from loom.eval.val_loss import bits_per_byte, tokens_per_byte
+
+        line += f" | bits per byte {bits_per_byte(loss, tokens_per_byte(vs, tok)):.4f}"
+    print(line)
     return 0
 
 
