@@ -9,12 +9,14 @@ value that the trainer and checkpoint code receive explicitly; with none set, ev
   LOOM_FAULT_NAN_RANK    only this rank injects (default: every rank)
   LOOM_FAULT_NAN_PARAM   the parameter whose gradient is poisoned (default: the model's first)
   LOOM_FAULT_STALL_SAVE  step whose checkpoint write stalls after its first file (marker file STALLED)
+  LOOM_FAULT_DISK_FULL   step whose checkpoint write fails with ENOSPC after its first file (a disk that fills)
   LOOM_FAULT_FREE_BYTES  free disk space the checkpoint writer believes it has
   LOOM_FAULT_HANG_STEP   step at which LOOM_FAULT_HANG_RANK (default 1) stops, before its collectives
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from dataclasses import dataclass
@@ -54,6 +56,7 @@ class Faults:
     nan_param: str = ""
     stall_save_step: int | None = None
     free_bytes: int | None = None
+    disk_full_step: int | None = None
     hang_step: int | None = None
     hang_rank: int = 1
 
@@ -74,8 +77,11 @@ class Faults:
         with torch.no_grad():
             named[name].grad.fill_(float("nan"))
 
-    def stall_save(self, step: int, tmp_dir: Path) -> None:
-        """Called by the checkpoint writer after its first file: stall forever at the chosen step."""
+    def mid_save(self, step: int, tmp_dir: Path) -> None:
+        """Called by the checkpoint writer after its first file: at the chosen steps, fail as a disk that has
+        just filled up, or stall forever."""
+        if self.disk_full_step == step:
+            raise OSError(errno.ENOSPC, "No space left on device (LOOM_FAULT_DISK_FULL)")
         if self.stall_save_step == step:
             (tmp_dir / "STALLED").write_text(str(os.getpid()))
             while True:
@@ -96,6 +102,7 @@ def from_env(env=None) -> Faults:
         nan_param=env.get("LOOM_FAULT_NAN_PARAM", ""),
         stall_save_step=_int(env, "LOOM_FAULT_STALL_SAVE"),
         free_bytes=_int(env, "LOOM_FAULT_FREE_BYTES"),
+        disk_full_step=_int(env, "LOOM_FAULT_DISK_FULL"),
         hang_step=_int(env, "LOOM_FAULT_HANG_STEP"),
         hang_rank=1 if (rank := _int(env, "LOOM_FAULT_HANG_RANK")) is None else rank,
     )

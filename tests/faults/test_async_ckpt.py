@@ -1,17 +1,21 @@
 """Background checkpoints (train.async_ckpt=true, here on CPU): a SIGKILL while a background save is being
 written leaves the previous checkpoint as the newest valid one and the resumed curve equals the uninterrupted
 run (conftest's references) bit for bit; a SIGTERM waits for the save in flight, saves the current step and
-exits 75; two ranks write their shards from writer threads on a gloo group of their own."""
+exits 75; two ranks write their shards from writer threads on a gloo group of their own; a disk that fills
+during a background write never leaves that step looking complete, and the run goes on or stops as
+train.on_save_error says."""
 
 from __future__ import annotations
 
 import os
 import signal
 
+import pytest
 from faultkit import CKPT, STEPS, Proc, curve, last_step, run_inprocess, train_args, wait_for
 
 from loom import checkpoint
 from loom.errors import EXIT_PREEMPTED
+from loom.metrics import read_jsonl
 
 ASYNC = "--train.async_ckpt=true"
 
@@ -50,3 +54,23 @@ def test_two_ranks_save_in_the_background(char_data, tmp_path, ref_two):
     checkpoint.verify(step)
     assert sorted(x.name for x in (step / "model").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert curve(run) == ref_two  # the writer threads change nothing in training
+
+
+@pytest.mark.parametrize("policy", ["continue", "stop"])
+def test_disk_filling_during_a_background_save(char_data, tmp_path, monkeypatch, capsys, policy):
+    monkeypatch.setenv("LOOM_FAULT_DISK_FULL", "4")  # ENOSPC after the first file of step 4's write
+    args = train_args(char_data, tmp_path, "r", 8, "--train.ckpt_every=2", "--train.keep_last=5",
+                      f"--train.on_save_error={policy}", ASYNC)  # fmt: skip
+    rc = run_inprocess(args)
+    out = capsys.readouterr()
+    ckpt = tmp_path / "r" / "ckpt"
+    assert not (ckpt / "step_000004").exists() and not (ckpt / "step_000004.tmp").exists()
+    assert "No space left on device" in out.out + out.err
+    if policy == "continue":  # the failure is learned when the next save waits; the run goes on
+        assert rc == 0 and last_step(tmp_path / "r") == 8
+        assert sorted(p.name for p in ckpt.iterdir()) == ["step_000002", "step_000006", "step_000008"]
+        errors = [r for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if "ckpt_error" in r]
+        assert [r["step"] for r in errors] == [4]
+    else:  # stops at that wait (step 6), before any later checkpoint
+        assert rc == 2 and last_step(tmp_path / "r") == 6
+        assert sorted(p.name for p in ckpt.iterdir()) == ["step_000002"]

@@ -50,7 +50,7 @@ class Checkpointer:
             path = checkpoint.save_sharded(
                 tr.run_dir / "ckpt", step, tensors["model"], tensors["optim"], tensors["extra"], state,
                 tr.cfg.train.keep_last, control, free_bytes=tr.faults.free_bytes,
-                after_first_file=lambda tmp: tr.faults.stall_save(step, tmp), group=group,
+                after_first_file=lambda tmp: tr.faults.mid_save(step, tmp), group=group,
             )  # fmt: skip
             log.info(f"saved checkpoint {path}")
         except LoomError as e:
