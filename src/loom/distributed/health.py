@@ -13,7 +13,10 @@ collective and the ranks that had not joined it.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import re
+import socket
 
 import torch.distributed as dist
 
@@ -60,6 +63,7 @@ class Heartbeat:
             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
         )  # fmt: skip
         self.store = dist.PrefixStore(f"loom/heartbeat/{attempt}", store)
+        self.store.set(f"where/{rank}", " ".join(local_addresses(os.environ["MASTER_ADDR"])))
 
     def beat(self, step: int) -> None:
         self.store.set(str(self.rank), str(step))
@@ -74,6 +78,46 @@ class Heartbeat:
                 out.append((r, last))
         return out
 
+    def ranks_at(self, addresses: set[str]) -> dict[str, list[int]]:
+        """Which ranks run at each of these addresses (host name or IP), from what every rank recorded."""
+        out: dict[str, list[int]] = {}
+        for r in range(self.world_size):
+            key = f"where/{r}"
+            if self.store.check([key]):
+                names = self.store.get(key).decode().split()
+                for a in addresses & set(names):
+                    out.setdefault(f"{names[0]} ({a})" if a != names[0] else a, []).append(r)
+        return out
+
+
+def local_addresses(master_addr: str) -> list[str]:
+    """This host's name, then the addresses peers see it at: its hostname's and the one routed to the master."""
+    host = socket.gethostname()
+    found = [host]
+    try:
+        found.append(socket.gethostbyname(host))
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, 9))  # UDP: chooses the route and source address, sends nothing
+            found.append(s.getsockname()[0])
+    except OSError:
+        pass
+    return list(dict.fromkeys(found))
+
+
+# gloo names the peer whose connection broke: "Read error [10.77.0.2]:20697: Connection reset by peer"
+_PEER = re.compile(r"\[([0-9A-Za-z.:-]+)\]:\d+")
+
+
+def _loopback(addr: str) -> bool:
+    """On one machine every rank is at 127.0.0.1: such a peer names no host."""
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
 
 def describe_failure(
     e: BaseException, rank: int, op: str, step: int, timeout_s: float, heartbeat: Heartbeat | None
@@ -85,15 +129,18 @@ def describe_failure(
     msg = f"rank {rank}: {op} {what} ({text[:300]})"
     if heartbeat is not None:
         try:
+            peers = heartbeat.ranks_at({a for a in _PEER.findall(text) if not _loopback(a)})
             late = heartbeat.laggards(step)
         except Exception:  # the store is gone with its host (rank 0 or the launcher)
             msg += "; the job's store is unreachable, so rank 0 or the launcher is gone"
         else:
+            for where, ranks in peers.items():
+                msg += f"; the connection to {where} broke: rank(s) {', '.join(map(str, ranks))} run there"
             if late:
                 names = ", ".join(f"rank {r} (last began step {last})" if last else f"rank {r} (never began a step)"
                                   for r, last in late)  # fmt: skip
                 msg += f"; did not arrive at step {step}: {names}"
-            elif step:
+            elif step and not peers:
                 msg += f"; every rank began step {step}, so one is stuck or died inside it"
     return LoomError(
         msg,

@@ -16,6 +16,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from loom import log
 from loom.env import port_from_job_id
@@ -26,9 +27,11 @@ from loom.launch.commands import (
     build_command,
     detect_mpi_flavour,
     resolve_launcher,
+    torchrun_command,
     uses_mpiexec,
 )
-from loom.launch.detect import Allocation, default_nproc_per_node, detect_allocation
+from loom.launch.detect import Allocation, default_nproc_per_node, detect_allocation, node_task
+from loom.launch.gate import head_gate, local_hello, node_gate
 
 __all__ = ["launch_main", "plan_command", "Allocation", "build_command", "detect_allocation"]
 
@@ -78,6 +81,26 @@ def _parser() -> _Parser:
         default="auto",
         help="mpiexec dialect: auto (ask mpiexec --version), mpich (also Intel MPI, Cray PALS) or openmpi",
     )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this node's index when loom launch runs on every node (default: SLURM_NODEID inside an srun "
+        "step, PBS_NODENUM under pbsdsh); node 0 serves the rendezvous",
+    )
+    p.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        default=600,
+        help="seconds the nodes wait for each other at the start (default 600, torchrun's)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="torchrun restarts every worker this many times after a failure (a node that comes back "
+        "rejoins); add --train.resume=auto to the command so the restart continues from the last checkpoint",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     return p
 
@@ -109,8 +132,19 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
         raise LoomError("loom launch: nothing after -- to launch", hint=_USAGE_HINT)
 
     allocation = detect_allocation(environ, hostfile=args.hostfile)
+    task = node_task(environ)
+    if args.node_rank is not None:
+        task = (args.node_rank, task[1] if task else None)
     launcher = resolve_launcher(args.launcher, allocation.scheduler)
-    nnodes = args.nnodes if args.nnodes is not None else allocation.num_nodes
+    if task is not None:
+        if args.launcher not in ("auto", "torchrun"):
+            raise LoomError(
+                f"--launcher {args.launcher} on every node: loom launch runs once per node here "
+                f"(node {task[0]}), so it starts this node's torchrun",
+                hint="leave --launcher out, or run loom launch once (on the head node or in the batch script)",
+            )
+        launcher = "torchrun"
+    nnodes = args.nnodes if args.nnodes is not None else (task and task[1]) or allocation.num_nodes
     nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc_per_node(environ)
     if nnodes < 1 or nproc < 1:
         raise LoomError(
@@ -125,6 +159,31 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
     if not 0 < port < 65536:
         raise LoomError(f"--port {port} is not a TCP port", hint="pick a port in 1024-65535, e.g. 29500")
     head_addr = args.master_addr or environ.get("MASTER_ADDR", "").strip() or allocation.head
+
+    if task is not None:
+        if not 0 <= task[0] < nnodes:
+            raise LoomError(
+                f"node index {task[0]} is outside the {nnodes} node(s) of this job",
+                hint="pass --node-rank 0 on the head node and 1 .. N-1 on the others, with --nnodes N",
+            )
+        if args.rdzv_timeout <= 0 or args.max_restarts < 0:
+            raise LoomError(
+                "--rdzv-timeout must be > 0 and --max-restarts >= 0", hint="e.g. --rdzv-timeout 300"
+            )
+        args.node = _PerNode(task[0], nnodes, nproc, head_addr, port, allocation.hosts)
+        cmd = torchrun_command(
+            command,
+            nnodes=nnodes,
+            nproc_per_node=nproc,
+            head_addr=head_addr,
+            port=port,
+            job_id=allocation.job_id,
+            is_host=task[0] == 0 if nnodes > 1 else None,
+            rdzv_timeout=args.rdzv_timeout if nnodes > 1 else None,
+            max_restarts=args.max_restarts,
+        )
+        return cmd, args
+    args.node = None
 
     mpi_flavour = args.mpi_flavour
     if mpi_flavour not in ("auto", *MPI_FLAVOURS):
@@ -153,6 +212,30 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
     return cmd, args
 
 
+@dataclass(frozen=True)
+class _PerNode:
+    """loom launch running on every node: which one this is, and where they meet."""
+
+    node: int
+    nnodes: int
+    nproc: int
+    head_addr: str
+    port: int
+    hosts: tuple[str, ...]
+
+
+def _gate(job: _PerNode, timeout: float, rejoin: bool) -> None:
+    """Every node checks in with the head before torchrun starts (`gate.py`); node 0 logs who came."""
+    hello = local_hello(job.node, job.nproc)
+    if job.node == 0:
+        hellos = head_gate(job.head_addr, job.port, job.nnodes, hello, timeout, job.hosts)
+        log.info(f"loom launch: {job.nnodes} nodes checked in at {job.head_addr}:{job.port}: "
+                 + ", ".join(f"{h.host} ({h.nproc} proc)" for h in hellos)
+                 + f"; loom {hello.loom}, torch {hello.torch}")  # fmt: skip
+    else:
+        node_gate(job.head_addr, job.port, hello, timeout, job.hosts, rejoin=rejoin)
+
+
 def launch_main(argv: list[str]) -> int:
     """Entry point of `loom launch`: build the command for this cluster, then print or run it.
 
@@ -170,6 +253,8 @@ def launch_main(argv: list[str]) -> int:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
         return 0
+    if args.node is not None and args.node.nnodes > 1:
+        _gate(args.node, args.rdzv_timeout, rejoin=args.max_restarts > 0)
     log.info(f"loom launch: {line}")
     try:
         result = subprocess.run(cmd, check=False)

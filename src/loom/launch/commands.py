@@ -82,12 +82,18 @@ def torchrun_command(
     head_addr: str | None = None,
     port: int = DEFAULT_MASTER_PORT,
     job_id: str | None = None,
+    is_host: bool | None = None,
+    rdzv_timeout: float | None = None,
+    max_restarts: int = 0,
 ) -> list[str]:
     """One torchrun (run once per node) that starts `nproc_per_node` workers.
 
     One node → `--standalone` (torchrun picks a free local port itself). Several nodes → a c10d
-    rendezvous at `head_addr:port` under id `job_id`, which every node must share. A command that is
-    not a `.py` script (`loom train`, `python -m loom train`) is run as is through `--no-python`.
+    rendezvous at `head_addr:port` under id `job_id`, which every node must share. `is_host` says
+    whether this node serves the rendezvous store (known when the scheduler gives the node index;
+    otherwise torchrun guesses from the address); `rdzv_timeout` is how long a node waits for the
+    others to join; `max_restarts` how often the agents restart every worker after a failure. A command
+    that is not a `.py` script (`loom train`, `python -m loom train`) is run as is through `--no-python`.
     """
     _check_counts(nnodes, nproc_per_node)
     _check_command(command)
@@ -108,6 +114,13 @@ def torchrun_command(
             "--rdzv-endpoint", f"{head_addr}:{port}",
             "--rdzv-id", job_id or "loom",
         ]  # fmt: skip
+        conf = ([f"is_host={int(is_host)}"] if is_host is not None else []) + (
+            [f"join_timeout={rdzv_timeout:g}"] if rdzv_timeout else []
+        )
+        if conf:
+            cmd += ["--rdzv-conf", ",".join(conf)]
+    if max_restarts:
+        cmd += ["--max-restarts", str(max_restarts)]
     if not command[0].endswith(".py"):
         cmd.append("--no-python")
     return cmd + list(command)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loom.env import expand_hostlist, read_hostfile
+from loom.errors import LoomError
 
 SCHEDULERS = ("slurm", "pbs", "hostfile", "none")
 
@@ -57,6 +58,37 @@ def detect_allocation(environ: Mapping[str, str] | None = None, hostfile: str | 
         hosts = read_hostfile(nodefile)
         return Allocation("pbs", tuple(hosts), environ.get("PBS_JOBID", "").strip() or None, nodefile)
     return Allocation("none")
+
+
+def node_task(environ: Mapping[str, str] | None = None) -> tuple[int, int | None] | None:
+    """(this node's index, the node count or None) when the scheduler started this process once per node.
+
+    That is how a job starts `loom launch` on every host: `srun --ntasks-per-node=1 loom launch ...`
+    inside a Slurm allocation (a step: `SLURM_STEP_ID`, `SLURM_NODEID`, `SLURM_NNODES`), or
+    `pbsdsh -u loom launch ...` under PBS (`PBS_NODENUM`). Then loom launch runs torchrun for this node
+    only, instead of starting srun or mpiexec again. None otherwise (a batch script, a login node).
+    """
+    environ = os.environ if environ is None else environ
+
+    def number(name: str) -> int | None:
+        value = environ.get(name, "").strip()
+        return int(value) if value.isdigit() else None
+
+    if environ.get("SLURM_JOB_ID") and (
+        number("SLURM_STEP_ID") is not None or number("SLURM_STEPID") is not None
+    ):
+        node = number("SLURM_NODEID")
+        if node is not None:
+            local = number("SLURM_LOCALID")
+            if local not in (None, 0):
+                raise LoomError(
+                    "srun started several tasks on this node, and each would start its own loom launch",
+                    hint="start one task per node: srun --ntasks-per-node=1 loom launch ...",
+                )
+            return node, number("SLURM_STEP_NUM_NODES") or number("SLURM_NNODES")
+    if environ.get("PBS_NODEFILE") and number("PBS_NODENUM") is not None:
+        return number("PBS_NODENUM"), None  # type: ignore[return-value]
+    return None
 
 
 def count_local_gpus(environ: Mapping[str, str] | None = None, dev_dir: str | Path = "/dev") -> int:
