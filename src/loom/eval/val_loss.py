@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +39,31 @@ def val_loss(
     total = all_reduce_sum(total)
     model.train(was_training)
     return (total[0] / total[1]).item()
+
+
+def tokens_per_byte(
+    valset: ValSet,
+    tokenizer,
+    device: torch.device | str = "cpu",
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> float:
+    """Target tokens per UTF-8 byte of the validation windows: each window's targets decoded to text and its
+    bytes counted (a window cut inside a multi-byte character counts its replacement character; a few bytes
+    in a set of thousands). A sum over the ranks' shares; a rank counted twice (tensor parallel holds the
+    same windows on each tp rank) counts tokens and bytes alike, so the ratio holds."""
+    tokens = n_bytes = 0
+    for i in range(0, len(valset.ids), 64):
+        for row in valset.windows.rows(valset.ids[i : i + 64])[:, 1:].tolist():
+            tokens += len(row)
+            n_bytes += len(tokenizer.decode(row).encode("utf-8"))
+    total = all_reduce_sum(torch.tensor([tokens, n_bytes], dtype=torch.float64, device=device))
+    return (total[0] / total[1]).item() if total[1] > 0 else math.nan
+
+
+def bits_per_byte(loss: float, tokens_per_byte: float) -> float:
+    """Validation loss in bits per byte of text: nats/token / ln 2 x tokens/byte. Independent of the
+    tokenizer, so a char run and a BPE run on the same text compare (lower is better)."""
+    return loss / math.log(2) * tokens_per_byte
 
 
 def model_config(cfg: Config, vocab_size: int) -> GPTConfig:

@@ -268,6 +268,21 @@ class Trainer:
                 par.eval_model(), self.valset, micro, self.device, self._autocast, par.all_reduce_sum
             )
 
+    _tokens_per_byte: float | None = None
+
+    def val_bpb(self, loss: float) -> float | None:
+        """Validation loss in bits per byte (eval.val_loss.bits_per_byte); None for data without a tokenizer.
+        The validation windows' bytes are counted once, at the first evaluation."""
+        from loom.eval.val_loss import bits_per_byte, tokens_per_byte
+
+        if self.tokenizer is None:
+            return None
+        if self._tokens_per_byte is None:
+            self._tokens_per_byte = tokens_per_byte(
+                self.valset, self.tokenizer, self.device, self.parallel.all_reduce_sum
+            )
+        return bits_per_byte(loss, self._tokens_per_byte)
+
     def sample(self, prompt: str = "", max_new_tokens: int | None = None, model=None) -> str:
         """Text from the model, with a generator of its own so training's RNG stream is untouched."""
         ids = self.tokenizer.encode(prompt) if prompt else [self.tokenizer.eot_id]
@@ -374,9 +389,14 @@ class Trainer:
             return last_val
         if self._due(t.eval_every) or final:
             last_val = self.evaluate()
-            log.info(f"step {self.step:>6} | val loss {last_val:.4f}", style="bold")
+            bpb = self.val_bpb(last_val)
+            log.info(f"step {self.step:>6} | val loss {last_val:.4f}" + (f" | {bpb:.4f} bits/byte" if bpb else ""),
+                     style="bold")  # fmt: skip
             if self.metrics:
-                self.metrics.write({"step": self.step, "tokens": rec["tokens"], "val_loss": last_val})
+                extra = {"val_bpb": bpb} if bpb else {}
+                self.metrics.write(
+                    {"step": self.step, "tokens": rec["tokens"], "val_loss": last_val, **extra}
+                )
         if (self._due(t.sample_every) or final) and self.tokenizer:
             # FSDP: every rank runs the forward passes; tensor/pipeline parallel: rank 0 gets a whole copy
             model = self.parallel.sampling_model()
