@@ -1,4 +1,8 @@
-"""GPT-2 interoperability with Hugging Face transformers: export a loom GPT, import GPT-2 weights.
+"""Interoperability with Hugging Face transformers: GPT2LMHeadModel here, LlamaForCausalLM in hf_llama.py.
+
+Export writes the architecture the model's family has (GPT-2 for the default options, Llama for
+model.family=llama); import reads either from a local directory (model.init_from=hf:DIR). The rest of this
+docstring is GPT-2's mapping; hf_llama.py has Llama's.
 
 loom's GPT is GPT-2's architecture (pre-LayerNorm, learned positions, tanh-GELU MLP of width 4C, tied
 embeddings); only the parameter layout differs:
@@ -26,10 +30,23 @@ import torch
 
 from loom import log
 from loom.errors import LoomError
+from loom.model import hf_llama
 from loom.model.gpt import GPT, GPTConfig
 
 # GPTConfig fields with a GPT-2 equivalent; any other field must keep its default to be exportable.
-_GPT2_FIELDS = {"vocab_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "activation"}
+_GPT2_FIELDS = {
+    "vocab_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "block_size",
+    "dropout",
+    "bias",
+    "activation",
+    "rope_theta",
+}  # fmt: skip (rope_theta: unused with learned positions)
+# The architectures loom imports: config.json's model_type -> its transformers class.
+SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": hf_llama.ARCHITECTURE}
 # transformers' activation_function names for each of loom's model.activation values.
 HF_ACTIVATIONS = {"gelu_tanh": ("gelu_new", "gelu_pytorch_tanh"), "gelu": ("gelu",)}
 EOT = "<|endoftext|>"
@@ -116,15 +133,27 @@ def _prepare_out(out: Path, force: bool) -> None:
     write_marker(out, "export")
 
 
+def is_llama(cfg: GPTConfig) -> bool:
+    """Exported as LlamaForCausalLM (any of the Llama parts), else as GPT2LMHeadModel."""
+    return (cfg.pos, cfg.norm, cfg.mlp) != ("learned", "layernorm", "gelu")
+
+
 def export_hf(model: GPT, out: str | Path, tokenizer=None, force: bool = False) -> list[str]:
-    """Write a directory that `transformers.AutoModelForCausalLM.from_pretrained(out)` loads as GPT-2.
+    """Write a directory that `transformers.AutoModelForCausalLM.from_pretrained(out)` loads as GPT-2 or,
+    for the llama family, as LlamaForCausalLM.
 
     `tokenizer` is loom's (char or BPE) or None; returns notes for the user (what could not be written)."""
     from safetensors.torch import save_file
 
     eot = getattr(tokenizer, "eot_id", None)
-    config = gpt2_config(model.cfg, eot)  # refuses before anything is written
-    state = gpt2_state_dict(model)
+    if is_llama(model.cfg):  # refuses before anything is written
+        config = hf_llama.llama_config(model.cfg, eot)
+        state = hf_llama.llama_state_dict(
+            {k: v.detach().float().cpu() for k, v in model.state_dict().items()}, model.cfg
+        )
+    else:
+        config = gpt2_config(model.cfg, eot)
+        state = gpt2_state_dict(model)
     out = Path(out)
     _prepare_out(out, force)
     (out / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
@@ -136,18 +165,18 @@ def export_hf(model: GPT, out: str | Path, tokenizer=None, force: bool = False) 
 
 
 def export_safetensors(model: GPT, out: str | Path, force: bool = False) -> Path:
-    """loom's own state dict as out/model.safetensors; the tied lm_head is left out (it is wte), and the
+    """loom's own state dict as out/model.safetensors; a tied lm_head is left out (it is wte), and the
     model shape is in the metadata under 'loom_model'."""
     from safetensors.torch import save_file
 
     out = Path(out)
     _prepare_out(out, force)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    meta = {
-        "format": "pt",
-        "loom_model": json.dumps(dataclasses.asdict(model.cfg)),
-        "tied": "lm_head.weight=wte.weight",
-    }
+    tied = model.cfg.tie_embeddings
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
+             if not (tied and k == "lm_head.weight")}  # fmt: skip
+    meta = {"format": "pt", "loom_model": json.dumps(dataclasses.asdict(model.cfg))}
+    if tied:
+        meta["tied"] = "lm_head.weight=wte.weight"
     save_file(state, str(out / "model.safetensors"), metadata=meta)
     return out / "model.safetensors"
 
@@ -211,7 +240,7 @@ def write_tokenizer(tokenizer, out: Path, block_size: int) -> list[str]:
 
 
 def read_hf_config(directory: str | Path) -> dict:
-    """config.json of a local GPT-2 directory, checked for what loom's GPT can represent."""
+    """config.json of a local GPT-2 or Llama directory, checked for what loom's GPT can represent."""
     d = Path(directory)
     if not d.is_dir():
         raise LoomError(f"'{d}' is not a directory", hint="give a local folder saved by save_pretrained "
@@ -224,9 +253,15 @@ def read_hf_config(directory: str | Path) -> dict:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise LoomError(f"cannot read '{path}': {e}") from None
-    if hf.get("model_type") != "gpt2":
-        raise LoomError(f"'{path}' describes a '{hf.get('model_type')}' model; loom imports GPT-2 only",
-                        hint="model_type must be gpt2")  # fmt: skip
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        arch = ", ".join(hf.get("architectures") or []) or "an unnamed architecture"
+        raise LoomError(f"'{path}' holds {arch} (model_type '{kind}'), which loom cannot import",
+                        hint="supported: " + ", ".join(f"{a} (model_type {t})" for t, a in SUPPORTED.items()))  # fmt: skip
+    _check_tokenizer_vocab(d, hf.get("vocab_size"))
+    if kind == "llama":
+        hf_llama.check_config(hf, path)
+        return hf
     checks = [
         ("activation_function", _activation(hf) is not None, "loom's MLP has tanh-GELU (gelu_new) or exact GELU (gelu)"),
         ("n_inner", hf.get("n_inner") in (None, 4 * hf.get("n_embd", 768)), "loom's MLP is 4 x n_embd wide"),
@@ -242,6 +277,24 @@ def read_hf_config(directory: str | Path) -> dict:
     return hf
 
 
+def _check_tokenizer_vocab(d: Path, vocab_size: int | None) -> None:
+    """A tokenizer.json beside the weights whose ids reach past the model's vocabulary is refused."""
+    path = d / "tokenizer.json"
+    if vocab_size is None or not path.is_file():
+        return
+    from tokenizers import Tokenizer
+
+    try:
+        n = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # tokenizers raises its own exception types for damaged files
+        raise LoomError(f"cannot read '{path}': {e}") from None
+    if n > vocab_size:
+        raise LoomError(f"'{path}' has {n} tokens but the model's vocab_size is {vocab_size}: ids >= "
+                        f"{vocab_size} would have no embedding",
+                        hint="use the tokenizer the model was trained with, or resize the model's embeddings "
+                        "in transformers (resize_token_embeddings) and save it again")  # fmt: skip
+
+
 def _activation(hf: dict) -> str | None:
     """loom's model.activation for a GPT-2 config.json's activation_function (None: none of loom's)."""
     name = hf.get("activation_function", "gelu_new")
@@ -249,7 +302,9 @@ def _activation(hf: dict) -> str | None:
 
 
 def gpt_config_from_hf(hf: dict, block_size: int | None = None, dropout: float = 0.0) -> GPTConfig:
-    """loom's GPTConfig for a GPT-2 config.json; block_size may be cropped below n_positions."""
+    """loom's GPTConfig for a GPT-2 or Llama config.json; GPT-2's block_size may be cropped below n_positions."""
+    if hf.get("model_type") == "llama":
+        return hf_llama.gpt_config(hf, block_size, dropout)
     n_pos = hf.get("n_positions", hf.get("n_ctx", 1024))
     if block_size is not None and block_size > n_pos:
         raise LoomError(f"model.block_size={block_size} exceeds the imported model's n_positions={n_pos}",
@@ -340,21 +395,37 @@ def parse_init_from(spec: str) -> Path:
     """`hf:DIR` -> DIR (the only source loom imports from)."""
     if not spec.startswith("hf:") or len(spec) == 3:
         raise LoomError(f"model.init_from='{spec}' is not understood", hint="use model.init_from=hf:DIR "
-                        "with a local GPT-2 directory saved by transformers")  # fmt: skip
+                        "with a local GPT-2 or Llama directory saved by transformers")  # fmt: skip
     return Path(spec[3:]).expanduser()
 
 
 @torch.no_grad()
-def load_gpt2_into(model: GPT, directory: str | Path) -> None:
-    """Copy GPT-2 weights from a local transformers directory into `model` (shapes must agree)."""
+def load_hf_into(model: GPT, directory: str | Path) -> None:
+    """Copy GPT-2 or Llama weights from a local transformers directory into `model` (shapes must agree)."""
     hf = read_hf_config(directory)
     want = gpt_config_from_hf(hf, model.cfg.block_size, model.cfg.dropout)
+    if hf["model_type"] == "gpt2":
+        want = dataclasses.replace(want, rope_theta=model.cfg.rope_theta)  # unused by learned positions
     if want != model.cfg:
-        raise LoomError(f"the model shape {model.cfg} differs from '{directory}' ({want})",
-                        hint="leave model.n_layer/n_head/n_embd/vocab_size/bias to the imported config")  # fmt: skip
-    state = loom_state_from_gpt2(read_hf_weights(directory), model.cfg)
+        diff = [f"{f.name}={getattr(model.cfg, f.name)!r} (the directory: {getattr(want, f.name)!r})"
+                for f in dataclasses.fields(want) if getattr(want, f.name) != getattr(model.cfg, f.name)]  # fmt: skip
+        raise LoomError(f"the model differs from '{directory}' in " + ", ".join(diff),
+                        hint="leave the model's shape and options to the imported config")  # fmt: skip
+    weights = read_hf_weights(directory)
+    if hf["model_type"] == "llama":
+        state = hf_llama.loom_state(weights, model.cfg)
+    else:
+        state = loom_state_from_gpt2(weights, model.cfg)
     model.load_state_dict(state)
-    log.info(f"initialised from GPT-2 weights in {directory}")
+    log.info(f"initialised from {SUPPORTED[hf['model_type']]} weights in {directory}")
+
+
+load_gpt2_into = load_hf_into  # the name the trainer imports
+
+
+# model.* keys that model.init_from sets from config.json (block_size and dropout stay the user's).
+_SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "activation", "pos", "norm", "norm_eps",
+               "mlp", "ffn_hidden", "n_kv_head", "qk_norm", "tie_embeddings")  # fmt: skip
 
 
 def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
@@ -364,8 +435,14 @@ def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
     if not cfg.model.init_from:
         return
     m = cfg.model
-    g = gpt_config_from_hf(read_hf_config(parse_init_from(m.init_from)), m.block_size, m.dropout)
-    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "activation"):
+    hf = read_hf_config(parse_init_from(m.init_from))
+    g = gpt_config_from_hf(hf, m.block_size, m.dropout)
+    keys = _SHAPE_KEYS + (("rope_theta",) if g.pos == "rope" else ())
+    if g.pos == "rope" and m.family != "llama" and "model.family" not in explicit:
+        m.family = "llama"  # what the imported model is; recorded in the run's config
+    elif g.pos == "learned" and m.family != "gpt2" and "model.family" not in explicit:
+        m.family = "gpt2"
+    for key in keys:
         value = getattr(g, key)
         if getattr(m, key) != value:
             if f"model.{key}" in explicit:
@@ -374,9 +451,18 @@ def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
             setattr(m, key, value)
 
 
-def load_gpt2(directory: str | Path, block_size: int | None = None, dropout: float = 0.0) -> GPT:
-    """A loom GPT holding the GPT-2 model saved in `directory`."""
+def load_hf(directory: str | Path, block_size: int | None = None, dropout: float = 0.0) -> GPT:
+    """A loom GPT holding the GPT-2 or Llama model saved in `directory`."""
     cfg = gpt_config_from_hf(read_hf_config(directory), block_size, dropout)
     model = GPT(cfg)
-    load_gpt2_into(model, directory)
+    load_hf_into(model, directory)
     return model
+
+
+def load_gpt2(directory: str | Path, block_size: int | None = None, dropout: float = 0.0) -> GPT:
+    """A loom GPT holding the GPT-2 model saved in `directory` (another architecture is refused)."""
+    kind = read_hf_config(directory).get("model_type")
+    if kind != "gpt2":
+        raise LoomError(f"'{directory}' describes a '{kind}' model; load_gpt2 reads GPT-2 only",
+                        hint="use loom.model.hf.load_hf for every supported architecture")  # fmt: skip
+    return load_hf(directory, block_size, dropout)

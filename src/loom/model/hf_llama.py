@@ -1,0 +1,172 @@
+"""Llama interoperability with Hugging Face transformers: LlamaForCausalLM directories both ways.
+
+A loom model of the llama family (pos=rope, norm=rmsnorm, mlp=swiglu) is LlamaForCausalLM's architecture
+with the same module layout, so the mapping is by name only, no transposes or permutations: loom's RoPE
+pairs channel i with i + D/2 as transformers' Llama does (the HF conversion already permuted Meta's weights).
+
+  loom                                   LlamaForCausalLM (transformers)
+  wte.weight (V_padded, C)               model.embed_tokens.weight (V, C)                 rows [:V]
+  blocks.i.ln_1 / ln_2                   model.layers.i.input_layernorm / post_attention_layernorm
+  blocks.i.attn.{q,k,v,o}_proj           model.layers.i.self_attn.{q,k,v,o}_proj         (K*D rows for k, v)
+  blocks.i.mlp.{gate,up,down}_proj       model.layers.i.mlp.{gate,up,down}_proj
+  ln_f                                   model.norm
+  lm_head.weight (V_padded, C)           lm_head.weight (V, C); absent when tie_word_embeddings
+
+Only the default RoPE is implemented: a config with another rope type (linear, dynamic, yarn, llama3, ...)
+is refused rather than imported with silently different positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loom.errors import LoomError
+from loom.model.gpt import GPT, GPTConfig
+
+ARCHITECTURE = "LlamaForCausalLM"
+
+
+def _refuse(field: str, why: str, hint: str | None = None) -> LoomError:
+    return LoomError(f"LlamaForCausalLM cannot represent this model: {field} {why}", hint=hint)
+
+
+# ------------------------------------------------------------------------------------------- export
+
+
+def check_exportable(cfg: GPTConfig) -> None:
+    """Refuse, naming the field, a loom model that LlamaForCausalLM has no setting for."""
+    want = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "qk_norm": False}
+    for key, value in want.items():
+        if getattr(cfg, key) != value:
+            raise _refuse(f"model.{key}={getattr(cfg, key)!r}", f"is not Llama's ({value!r})",
+                          hint="export models of model.family=llama without qk_norm (or GPT-2-shaped models)")  # fmt: skip
+
+
+def llama_config(cfg: GPTConfig, eot_id: int | None = None) -> dict:
+    """config.json of a LlamaForCausalLM with loom's shape (vocabulary unpadded)."""
+    check_exportable(cfg)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_width,
+        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": rope, "rope_theta": cfg.rope_theta,  # the second for transformers 4.x readers
+        "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": 0.0, "pretraining_tp": 1,
+        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": 0.02, "use_cache": True,
+        "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": "float32",
+    }  # fmt: skip
+
+
+def llama_state_dict(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """loom weights (fp32 on the host, by loom's names) in LlamaForCausalLM's names, vocabulary unpadded."""
+    check_exportable(cfg)
+    V = cfg.vocab_size
+    out = {"model.embed_tokens.weight": sd["wte.weight"][:V], "model.norm.weight": sd["ln_f.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"][:V]
+    for i in range(cfg.n_layer):
+        for ours, theirs in _layer_names(i):
+            if ours in sd:  # biases only with model.bias
+                out[theirs] = sd[ours]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _layer_names(i: int) -> list[tuple[str, str]]:
+    p, h = f"blocks.{i}.", f"model.layers.{i}."
+    pairs = [(p + "ln_1.weight", h + "input_layernorm.weight"), (p + "ln_2.weight", h + "post_attention_layernorm.weight")]  # fmt: skip
+    for n in "qkvo":
+        pairs += [(p + f"attn.{n}_proj.{w}", h + f"self_attn.{n}_proj.{w}") for w in ("weight", "bias")]
+    for n in ("gate", "up", "down"):
+        pairs += [(p + f"mlp.{n}_proj.{w}", h + f"mlp.{n}_proj.{w}") for w in ("weight", "bias")]
+    return pairs
+
+
+# ------------------------------------------------------------------------------------------- import
+
+
+def _rope_type(hf: dict) -> str:
+    """The rope type of a config.json: transformers 5 writes rope_parameters, 4.x rope_scaling."""
+    for key in ("rope_parameters", "rope_scaling"):
+        spec = hf.get(key)
+        if isinstance(spec, dict):
+            kind = spec.get("rope_type", spec.get("type", "default"))
+            if kind != "default":
+                return kind
+    return "default"
+
+
+def _rope_theta(hf: dict) -> float:
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(hf.get("rope_theta", 10000.0))
+
+
+def check_config(hf: dict, path) -> None:
+    """What loom's llama family cannot represent, named with the key (before any weight is read)."""
+    C, H = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+    K = hf.get("num_key_value_heads") or H
+    rope = _rope_type(hf)
+    if rope != "default":
+        raise LoomError(f"'{path}': rope type '{rope}' is not implemented in loom (only the default RoPE); "
+                        "importing it would silently train with other positions",
+                        hint="use a model whose config.json has rope_type 'default' (no rope_scaling)")  # fmt: skip
+    head_dim = hf.get("head_dim") or C // H
+    checks = [
+        ("hidden_act", hf.get("hidden_act", "silu") == "silu", "loom's SwiGLU uses silu"),
+        ("head_dim", C % H == 0 and head_dim == C // H, "loom's head size is hidden_size / num_attention_heads"),
+        ("num_key_value_heads", H % K == 0, "it must divide num_attention_heads"),
+        ("mlp_bias", bool(hf.get("mlp_bias", False)) == bool(hf.get("attention_bias", False)),
+         "loom has one model.bias for attention and MLP (attention_bias must equal mlp_bias)"),
+        ("pretraining_tp", hf.get("pretraining_tp", 1) in (None, 1), "loom computes each projection whole"),
+    ]  # fmt: skip
+    for key, ok, why in checks:
+        if not ok:
+            raise LoomError(f"'{path}': {key}={hf.get(key)!r} cannot be imported: {why}")
+
+
+def gpt_config(hf: dict, block_size: int | None = None, dropout: float = 0.0) -> GPTConfig:
+    """loom's GPTConfig for a LlamaForCausalLM config.json (RoPE: block_size is free; default: the model's
+    max_position_embeddings)."""
+    H = hf.get("num_attention_heads", 32)
+    K = hf.get("num_key_value_heads") or H
+    return GPTConfig(
+        vocab_size=hf.get("vocab_size", 32000), n_layer=hf.get("num_hidden_layers", 32), n_head=H,
+        n_embd=hf.get("hidden_size", 4096), block_size=block_size or hf.get("max_position_embeddings", 2048),
+        dropout=dropout, bias=bool(hf.get("attention_bias", False)), pos="rope", rope_theta=_rope_theta(hf),
+        norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), mlp="swiglu",
+        ffn_hidden=hf.get("intermediate_size", 11008), n_kv_head=0 if K == H else K,
+        qk_norm=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )  # fmt: skip
+
+
+def loom_state(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM tensors -> loom's state dict for `cfg`, vocabulary padded with the mean row (as the
+    GPT-2 import: a padding id's probability is at most 1/V)."""
+    C, V = cfg.n_embd, cfg.vocab_size
+
+    def get(name: str, shape: tuple) -> torch.Tensor:
+        if name not in sd:
+            raise LoomError(
+                f"the imported weights have no '{name}'", hint="is this a LlamaForCausalLM checkpoint?"
+            )
+        t = sd[name]
+        if tuple(t.shape) != shape:
+            raise LoomError(f"imported '{name}' has shape {tuple(t.shape)}, config.json implies {shape}")
+        return t
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.mean(dim=0, keepdim=True).expand(cfg.padded_vocab - V, C)])
+
+    wte = padded(get("model.embed_tokens.weight", (V, C)))
+    out = {"wte.weight": wte, "ln_f.weight": get("model.norm.weight", (C,))}
+    out["lm_head.weight"] = wte if cfg.tie_embeddings else padded(get("lm_head.weight", (V, C)))
+    with torch.device("meta"):  # the shapes of a loom model of this config, no memory
+        shapes = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
+    for i in range(cfg.n_layer):
+        for ours, theirs in _layer_names(i):
+            if ours in shapes:
+                out[ours] = get(theirs, shapes[ours])
+    return {k: v.contiguous() for k, v in out.items()}

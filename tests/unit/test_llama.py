@@ -1,0 +1,197 @@
+"""The llama family (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head), compared against
+transformers' own LlamaForCausalLM built here with random weights: logits of the same weights agree to
+float32 rounding after import and after export, and greedy generation with loom's KV cache gives
+transformers' tokens. Also the config preset, the parameter count, and the bad input of issue 20."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from loom.config import Config, config_from_dict, load_config, mesh_degrees, to_toml, validate
+from loom.errors import LoomError
+from loom.generate import generate
+from loom.model import hf
+from loom.model.flops import param_count
+from loom.model.gpt import GPT, GPTConfig
+
+transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'loom[hf]'")
+
+TOL = 1e-5  # float32
+
+
+def random_llama(tmp_path, heads=4, kv_heads=2, tie=False, bias=False, vocab=100, **extra):
+    """A LlamaForCausalLM saved by transformers, with non-trivial norms and biases so a mix-up would show."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=96,
+                                   rms_norm_eps=1e-6, rope_theta=500.0, tie_word_embeddings=tie, attention_bias=bias,
+                                   mlp_bias=bias, initializer_range=0.1, bos_token_id=0, eos_token_id=0, **extra)  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    d = tmp_path / "llama"
+    model.save_pretrained(d)
+    return model, d
+
+
+@pytest.mark.parametrize("kv_heads,tie,bias", [(2, False, False), (1, True, True)])  # GQA; MQA, tied, biases
+def test_import_export_logits_and_greedy_generation(tmp_path, kv_heads, tie, bias):
+    theirs, d = random_llama(tmp_path, kv_heads=kv_heads, tie=tie, bias=bias)
+    ours = hf.load_hf(d).eval()
+    assert (ours.cfg.pos, ours.cfg.norm, ours.cfg.mlp, ours.cfg.kv_heads) == (
+        "rope",
+        "rmsnorm",
+        "swiglu",
+        kv_heads,
+    )
+    x = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = theirs(x).logits
+        assert (ours(x)[..., :100] - ref).abs().max() <= TOL  # after import
+        hf.export_hf(ours, tmp_path / "out")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+        assert type(back).__name__ == "LlamaForCausalLM"
+        assert (back(x).logits - ref).abs().max() <= TOL  # after export
+    prompt = x[:1, :6]
+    want = theirs.generate(prompt, max_new_tokens=50, min_new_tokens=50, do_sample=False, pad_token_id=0)
+    got = generate(ours, prompt, 50, temperature=0, vocab_size=100)  # KV cache: kv heads only, rotated keys
+    assert got.tolist() == want.tolist() and len(set(got[0, 6:].tolist())) > 1
+
+
+def test_kv_cache_equals_full_forward_with_rope_gqa_qk_norm():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_embd=32, block_size=24, pos="rope", norm="rmsnorm",
+                    mlp="swiglu", n_kv_head=2, qk_norm=True, tie_embeddings=False)  # fmt: skip
+    m = GPT(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    prompt = torch.randint(0, 50, (2, 5))
+    cached = generate(m, prompt, 30, temperature=0)  # 35 > block_size: the cache is dropped and recomputed
+    plain = generate(m, prompt, 30, temperature=0, use_cache=False)
+    assert torch.equal(cached, plain)
+
+
+def test_meta_init_equals_direct_init_untied():
+    cfg = GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_embd=32, pos="rope", norm="rmsnorm", mlp="swiglu",
+                    n_kv_head=2, qk_norm=True, tie_embeddings=False)  # fmt: skip
+    a = GPT(cfg)
+    a.reset_parameters(7)
+    with torch.device("meta"):
+        b = GPT(cfg)
+    b.to_empty(device="cpu")
+    for name, p in b.named_parameters():  # loom.parallel initialises each piece by name like this
+        b.init_param(name, p, 7)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert not torch.equal(a.lm_head.weight, a.wte.weight)  # the untied head is a tensor of its own
+
+
+def test_family_preset_explicit_keys_win(tmp_path):
+    cfg = load_config(None, ["--model.family=llama"])
+    m = cfg.model
+    assert (m.pos, m.norm, m.mlp, m.tie_embeddings, m.bias) == ("rope", "rmsnorm", "swiglu", False, False)
+    toml = tmp_path / "c.toml"
+    toml.write_text('[model]\nfamily = "llama"\ntie_embeddings = true\n')
+    cfg = load_config(toml, ["--model.norm=layernorm"])
+    assert (cfg.model.pos, cfg.model.norm, cfg.model.tie_embeddings) == ("rope", "layernorm", True)
+    (tmp_path / "saved.toml").write_text(to_toml(cfg))  # the run's resolved config reads back the same
+    assert config_from_dict(__import__("tomllib").loads(to_toml(cfg))) == cfg
+    assert load_config(None, []).model.pos == "learned"  # GPT-2 stays the default
+
+
+def test_param_count_matches_the_model():
+    for kw in (
+        {},
+        {"n_kv_head": 2},
+        {"qk_norm": True, "bias": True, "tie_embeddings": True},
+        {"ffn_hidden": 80},
+    ):
+        cfg = GPTConfig(vocab_size=100, n_layer=2, n_head=4, n_embd=48, pos="rope", norm="rmsnorm", mlp="swiglu",
+                        **{"tie_embeddings": False, **kw})  # fmt: skip
+        with torch.device("meta"):
+            assert GPT(cfg).num_params() == param_count(cfg)
+    assert GPTConfig(vocab_size=1, n_embd=192, mlp="swiglu").ffn_width == 512  # 8/3 x 192, multiple of 64
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def test_heads_not_divisible_and_tp_not_dividing_kv_heads():
+    with pytest.raises(LoomError, match="n_head=4 is not divisible by model.n_kv_head=3"):
+        validate(load_config(None, ["--model.n_kv_head=3"]))
+    cfg = load_config(None, ["--model.n_head=4", "--model.n_kv_head=1", "--parallel.tp=2"])
+    with pytest.raises(LoomError, match="tp=2 does not divide model.n_kv_head=1"):
+        mesh_degrees(cfg, 2)
+
+
+def _edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
+    _, d = random_llama(tmp_path)
+    _edit_config(d, model_type="mistral", architectures=["MistralForCausalLM"])
+    with pytest.raises(LoomError, match="MistralForCausalLM .model_type 'mistral'.") as e:
+        hf.load_hf(d)
+    assert "GPT2LMHeadModel" in e.value.hint and "LlamaForCausalLM" in e.value.hint
+
+
+@pytest.mark.parametrize("key,value", [
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}),
+])  # fmt: skip
+def test_rope_scaling_loom_does_not_implement_is_refused(tmp_path, key, value):
+    _, d = random_llama(tmp_path)
+    _edit_config(d, **{key: value})
+    cfg = Config()
+    cfg.model.init_from = f"hf:{d}"
+    with pytest.raises(
+        LoomError, match=f"rope type '{value.get('rope_type', value.get('type'))}' is not implemented"
+    ):
+        hf.apply_init_from(cfg)
+
+
+def test_tokenizer_larger_than_the_model_vocabulary(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    _, d = random_llama(tmp_path, vocab=100)
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(120)}, unk_token="w0")).save(
+        str(d / "tokenizer.json")
+    )
+    with pytest.raises(LoomError, match="has 120 tokens but the model's vocab_size is 100"):
+        hf.load_hf(d)
+
+
+def test_init_from_sets_the_llama_options_and_refuses_conflicts(tmp_path):
+    _, d = random_llama(tmp_path, kv_heads=2)
+    cfg = Config()
+    cfg.model.init_from = f"hf:{d}"
+    hf.apply_init_from(cfg, set())
+    m = cfg.model
+    assert (m.family, m.pos, m.n_kv_head, m.ffn_hidden, m.rope_theta, m.norm_eps) == (
+        "llama",
+        "rope",
+        2,
+        96,
+        500.0,
+        1e-6,
+    )
+    cfg = Config()
+    cfg.model.init_from, cfg.model.n_kv_head = f"hf:{d}", 4
+    with pytest.raises(LoomError, match="model.n_kv_head=4 conflicts with model.init_from"):
+        hf.apply_init_from(cfg, {"model.n_kv_head"})
+
+
+def test_export_refuses_what_llama_cannot_represent(tmp_path):
+    m = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, pos="rope", norm="rmsnorm", mlp="swiglu",
+                      qk_norm=True))  # fmt: skip
+    with pytest.raises(LoomError, match="LlamaForCausalLM cannot represent this model: model.qk_norm=True"):
+        hf.export_hf(m, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before anything is written
