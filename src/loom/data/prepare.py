@@ -244,7 +244,8 @@ def _bar(label: str, total: int | None):
     t0 = time.perf_counter()
     cols = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
             TextColumn("{task.fields[tps]}"), TimeRemainingColumn()]  # fmt: skip
-    with Progress(*cols, transient=True, console=log.console()) as bar:
+    console = log.console()
+    with Progress(*cols, transient=True, console=console, disable=not console.is_terminal) as bar:
         task = bar.add_task(label, total=total, tps="")
 
         def update(done: int, tokens: int = 0) -> None:
@@ -291,18 +292,20 @@ def _train_tokenizer(plan: Plan, files, total_chars: int | None):
                 if i % 256 == 0:
                     update(stats.bytes)
         return CharTokenizer(sorted(seen)), "char"
+    # a corpus larger than the sample: documents taken with a seeded probability, each capped (a document
+    # longer than a piece is capped per piece); a smaller one is taken whole
     keep = min(1.0, plan.tokenizer_sample / max(1, est * (1 - plan.val_fraction)))
+    cap = plan.doc_cap if keep < 1.0 else float("inf")
     rng = np.random.default_rng([plan.seed, 2])
     sample: list[str] = []
-    size, taking, in_doc = 0, False, 0
+    size, taking = 0, False
     with _bar("tokenizer sample", est) as update:
         for i, (split, u) in enumerate(_units(plan, files, stats, total_chars)):
             if u.new_doc:
-                taking, in_doc = split == "train" and bool(rng.random() < keep), 0
-            if taking and in_doc < plan.doc_cap:
-                piece = u.text[: plan.doc_cap - in_doc]
+                taking = split == "train" and bool(rng.random() < keep)
+            if taking:  # a document, or one piece of a long one, capped
+                piece = u.text if cap == float("inf") else u.text[:cap]
                 sample.append(piece)
-                in_doc += len(piece)
                 size += len(piece)
             if i % 256 == 0:
                 update(stats.bytes)
