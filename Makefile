@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev,mpi,triton,parquet,hf,track]"
+	$(BIN)/python -m pip install -q -e ".[dev,mpi,triton,parquet,data,hf,track]"
 	touch $(STAMP)
 
 setup: $(STAMP)
