@@ -430,16 +430,153 @@ def render(r: dict) -> None:
         con.print("no problems found", style="green")
 
 
+# ------------------------------------------------------------------------- several nodes (--nodes)
+
+
+def this_node(hosts: list[str], node_rank: int | None, environ) -> int:
+    """Which host of the hostfile this is: --node-rank, the scheduler's node index, or the hostname."""
+    import socket
+
+    from loom.launch.detect import node_task
+
+    if node_rank is None:
+        task = node_task(environ)
+        node_rank = task[0] if task else None
+    if node_rank is None:
+        names = {socket.gethostname(), socket.getfqdn(), socket.gethostname().split(".")[0]}
+        matches = [i for i, h in enumerate(hosts) if h in names or h.split(".")[0] in names]
+        if len(matches) != 1:
+            raise LoomError(
+                f"cannot tell which host of the hostfile this is ({socket.gethostname()} is "
+                f"{'not in it' if not matches else 'in it more than once'})",
+                hint="pass --node-rank I (0 for the first host), or run it under srun / pbsdsh",
+            )
+        node_rank = matches[0]
+    if not 0 <= node_rank < len(hosts):
+        raise LoomError(f"--node-rank {node_rank} is outside the {len(hosts)} hosts of the hostfile",
+                        hint=f"use 0 .. {len(hosts) - 1}")  # fmt: skip
+    return node_rank
+
+
+def nodes_check(
+    hostfile: str,
+    node_rank: int | None = None,
+    master_addr: str | None = None,
+    port: int | None = None,
+    timeout: float = 60,
+    nproc: int | None = None,
+    megabytes: float = 4,
+    environ=None,
+) -> dict:
+    """`loom doctor --nodes HOSTFILE`, run on every host: the launch gate, then an all-reduce between hosts.
+
+    The gate (`loom.launch.gate`) shows a wrong MASTER_ADDR, a host that is down or cannot reach the head,
+    a port in use, and different loom / torch / Python versions or processes per node, each as a LoomError
+    that says what to do. Then one process per host all-reduces `megabytes` of float32 over gloo at the
+    rendezvous address, and node 0 reports the bus bandwidth (2 (n-1)/n bytes per byte reduced, as
+    nccl-tests count it).
+    """
+    import datetime
+    import time
+
+    from loom.env import port_from_job_id, read_hostfile
+    from loom.launch.detect import default_nproc_per_node
+    from loom.launch.gate import head_gate, local_hello, node_gate
+
+    environ = os.environ if environ is None else environ
+    hosts = read_hostfile(hostfile)
+    node = this_node(hosts, node_rank, environ)
+    addr = master_addr or environ.get("MASTER_ADDR", "").strip() or hosts[0]
+    job = environ.get("SLURM_JOB_ID") or environ.get("PBS_JOBID")
+    port = port or (
+        int(environ["MASTER_PORT"]) if environ.get("MASTER_PORT", "").isdigit() else port_from_job_id(job)
+    )
+    hello = local_hello(node, nproc or default_nproc_per_node(environ), environ)
+    report = {"hosts": hosts, "node": node, "rendezvous": f"{addr}:{port}"}
+    if len(hosts) == 1:
+        return {**report, "hellos": [hello.__dict__]}
+    if node == 0:
+        report["hellos"] = [h.__dict__ for h in head_gate(addr, port, len(hosts), hello, timeout, hosts)]
+    else:
+        node_gate(addr, port, hello, timeout, hosts)
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{addr}:{port}", rank=node, world_size=len(hosts),
+        timeout=datetime.timedelta(seconds=timeout),
+    )  # fmt: skip
+    try:
+        x = torch.ones(max(1, int(megabytes * 2**20 / 4)))
+        dist.all_reduce(x)  # the first one also connects the pairs
+        times = []
+        for _ in range(5):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    n, seconds = len(hosts), sorted(times)[len(times) // 2]
+    report["allreduce"] = {
+        "megabytes": x.numel() * 4 / 2**20,
+        "median_ms": seconds * 1e3,
+        "bus_gb_s": x.numel() * 4 * 2 * (n - 1) / n / seconds / 1e9,
+    }
+    return report
+
+
+def render_nodes(r: dict) -> None:
+    if "hellos" not in r:
+        log.info(f"node {r['node']}: checked in with {r['rendezvous']}; node 0 prints the report")
+    else:
+        log.info(f"{len(r['hosts'])} host(s) checked in at {r['rendezvous']}: loom, torch, Python and processes "
+                 "per node agree")  # fmt: skip
+        for h in r["hellos"]:
+            log.info(f"  node {h['node']} {h['host']}: loom {h['loom']}, torch {h['torch']}, Python {h['python']}, "
+                     f"{h['nproc']} proc")  # fmt: skip
+    if "allreduce" in r and "hellos" in r:
+        a = r["allreduce"]
+        log.info(f"all-reduce of {a['megabytes']:.1f} MiB between the hosts (gloo, one process each): "
+                 f"{a['median_ms']:.1f} ms, bus bandwidth {a['bus_gb_s']:.2f} GB/s")  # fmt: skip
+
+
 def doctor_main(argv: list[str]) -> int:
-    """`loom doctor [--json] [--no-compile-check] [--no-mpi-check]`."""
+    """`loom doctor [--json] [--no-compile-check] [--no-mpi-check]`, or `loom doctor --nodes HOSTFILE ...`."""
     p = argparse.ArgumentParser(
         prog="loom doctor", description="Report what this machine can run and how fast."
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--nodes", metavar="HOSTFILE", default=None,
+        help="before a multi-node job, run on every host: checks that each reaches the rendezvous address and "
+        "port and that versions agree, and reports the all-reduce bandwidth between hosts",
+    )  # fmt: skip
+    p.add_argument("--node-rank", type=int, default=None, help="with --nodes: this host's index in HOSTFILE "
+                   "(default: the scheduler's node index, or the hostname's line)")  # fmt: skip
+    p.add_argument("--master-addr", default=None, help="with --nodes: rendezvous address (default: "
+                   "$MASTER_ADDR, or the first host)")  # fmt: skip
+    p.add_argument("--port", type=int, default=None, help="with --nodes: rendezvous port (default: "
+                   "$MASTER_PORT, or from the job id)")  # fmt: skip
+    p.add_argument("--nproc-per-node", type=int, default=None, help="with --nodes: the processes per node "
+                   "the job will start, compared across hosts (default: visible GPUs, or 1)")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=60, help="with --nodes: seconds to wait for every host")
     p.add_argument("--no-compile-check", action="store_true", help="skip the torch.compile test (10-20 s)")
     p.add_argument("--compile-timeout", type=float, default=120, help="seconds allowed for it (default 120)")
     p.add_argument("--no-mpi-check", action="store_true", help="skip the MPI probe (it initialises MPI)")
     args = p.parse_args(argv)
+    if args.nodes:
+        if not args.timeout > 0:
+            raise LoomError(f"--timeout must be > 0 seconds, got {args.timeout}", hint="e.g. --timeout 60")
+        nodes = nodes_check(args.nodes, args.node_rank, args.master_addr, args.port, args.timeout,
+                            args.nproc_per_node)  # fmt: skip
+        if args.json:
+            sys.stdout.write(json.dumps(nodes, indent=1) + "\n")
+        else:
+            render_nodes(nodes)
+        return 0
     if not args.compile_timeout > 0:
         raise LoomError(f"--compile-timeout must be > 0 seconds, got {args.compile_timeout}",
                         hint="or --no-compile-check to skip the test")  # fmt: skip
