@@ -308,12 +308,22 @@ def _check_names(path: Path, records: dict) -> None:
         )
 
 
-def verify(path: str | Path, model_only: bool = False) -> None:
+def hash_owner(name: str, world: int) -> int:
+    """The rank that checks a file's SHA-256 when `world` ranks verify a checkpoint together: shard
+    `__k_0.distcp` goes to rank k mod world (on the layout that wrote it, the rank that wrote it and reads it
+    back), every other file to rank 0."""
+    m = re.search(r"__(\d+)_\d+\.distcp$", name)
+    return int(m.group(1)) % world if m else 0
+
+
+def verify(path: str | Path, model_only: bool = False, share: tuple[int, int] | None = (0, 1)) -> None:
     """Raise LoomError naming the problem if the checkpoint at `path` is missing, incomplete or corrupt.
 
     The manifest must list exactly loom's files by plain name (format 2: model/ and optim/ shard names; a
     manifest cannot point outside the folder); each file must have the recorded size and SHA-256. With
-    `model_only`, a format-2 checkpoint's optim/ files are neither required nor read.
+    `model_only`, a format-2 checkpoint's optim/ files are neither required nor read. `share` = (rank,
+    world): this rank hashes only the files `hash_owner` gives it (every file is still checked for presence
+    and size); None: no file is hashed (a cheap check before the ranks hash their shares together).
     """
     path = Path(path)
     manifest = path / "manifest.json"
@@ -341,17 +351,23 @@ def verify(path: str | Path, model_only: bool = False) -> None:
             raise LoomError(
                 f"checkpoint file '{f}' has {f.stat().st_size} bytes, manifest says {size} (truncated or corrupt)"
             )
-        if _sha256(f) != digest:
+        if share is not None and hash_owner(name, share[1]) == share[0] and _sha256(f) != digest:
             raise LoomError(f"checkpoint file '{f}' does not match its SHA-256 in the manifest (corrupt)")
-    _verified[(path.resolve(), True) if model_only else path.resolve()] = signature
+    if share == (0, 1):  # every file hashed
+        _verified[(path.resolve(), True) if model_only else path.resolve()] = signature
 
 
-def latest_valid(ckpt_dir: str | Path, model_only: bool = False) -> Path | None:
-    """The newest checkpoint that verifies (its weights alone with `model_only`); corrupt newer ones are
-    reported and skipped."""
-    for p in reversed(list_steps(ckpt_dir)):
+def latest_valid(ckpt_dir: str | Path, model_only: bool = False, share: tuple[int, int] | None = (0, 1),
+                 before: Path | None = None) -> Path | None:  # fmt: skip
+    """The newest checkpoint that verifies (its weights alone with `model_only`; `share` as in verify),
+    older than the step folder `before` if given; corrupt newer ones are reported and skipped."""
+    steps = list_steps(ckpt_dir)
+    if before is not None:
+        names = [p.name for p in steps]
+        steps = steps[: names.index(before.name)] if before.name in names else []
+    for p in reversed(steps):
         try:
-            verify(p, model_only=model_only)
+            verify(p, model_only=model_only, share=share)
             return p
         except LoomError as e:
             log.warn(f"skipping checkpoint: {e}")
@@ -415,14 +431,20 @@ def load_model(path: str | Path, model: torch.nn.Module) -> None:
     dcp_state.load_model_shards(model, path / "model", tied(model))
 
 
-def resolve_resume(run_dir: Path, resume: str | bool) -> Path:
-    """`--resume` (True: newest valid in the run) or `--resume PATH` (a run dir or a step dir)."""
+def names_step(resume: str | bool) -> bool:
+    """Whether `--resume PATH` names one step folder (then no other checkpoint may stand in for it)."""
+    return isinstance(resume, str) and bool(_STEP_RE.match(Path(resume).name))
+
+
+def resolve_resume(run_dir: Path, resume: str | bool, share: tuple[int, int] | None = (0, 1)) -> Path:
+    """`--resume` (True: newest valid in the run) or `--resume PATH` (a run dir or a step dir); `share` as
+    in verify."""
     target = Path(resume) if isinstance(resume, str) else run_dir
-    if _STEP_RE.match(target.name) and target.is_dir():
-        verify(target)
+    if names_step(resume) and target.is_dir():
+        verify(target, share=share)
         return target
     ckpt_dir = target / "ckpt" if (target / "ckpt").is_dir() else target
-    found = latest_valid(ckpt_dir)
+    found = latest_valid(ckpt_dir, share=share)
     if found is None:
         raise LoomError(
             f"--resume: no valid checkpoint under '{ckpt_dir}'",

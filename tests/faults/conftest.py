@@ -17,11 +17,17 @@ def ref_one(char_data, tmp_path_factory) -> dict[int, float]:
 
 
 @pytest.fixture(scope="session")
-def ref_two(char_data, tmp_path_factory) -> dict[int, float]:
-    """The loss curve of an uninterrupted two-process (DDP, gloo) run."""
+def ref_two_run(char_data, tmp_path_factory):
+    """The run directory of an uninterrupted two-process (DDP, gloo) run (its checkpoints: every CKPT step)."""
     runs = tmp_path_factory.mktemp("ref2")
     p = Proc([*train_args(char_data, runs, "ref", STEPS, *CKPT), "--nproc", "2"], runs / "out")
     assert p.wait() == 0, p.stderr()[-3000:]
-    c = curve(runs / "ref")
+    return runs / "ref"
+
+
+@pytest.fixture(scope="session")
+def ref_two(ref_two_run) -> dict[int, float]:
+    """The loss curve of that run."""
+    c = curve(ref_two_run)
     assert sorted(c) == list(range(1, STEPS + 1))
     return c

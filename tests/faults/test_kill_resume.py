@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import time
 
 from faultkit import CKPT, STEPS, Proc, alive, curve, last_step, rank_of, records, train_args, wait_for
@@ -82,3 +83,26 @@ def test_killed_rank_elastic_restart_continues_bit_identical(char_data, tmp_path
     assert curve(run) == ref_two
     print(f"\n[fault] SIGKILL rank 1 of 2 at step {k} (seed {SEED}), --max-restarts 1: the group restarted "
           f"and logged its first step {recovered:.1f}s after the kill")  # fmt: skip
+
+
+def test_two_ranks_hash_their_own_shards_and_fall_back_together(tmp_path, ref_two_run, ref_two):
+    """Rank 1 hashes the shard it wrote; its corrupt optimizer shard in the newest step sends both ranks back
+    to the step before, and the curve from there equals the uninterrupted run's."""
+    run = tmp_path / "ref"
+    shutil.copytree(ref_two_run, run)
+    for step in checkpoint.list_steps(run / "ckpt"):
+        if int(step.name[5:]) > 18:
+            shutil.rmtree(step)
+    shard = run / "ckpt" / "step_000018" / "optim" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only a hash finds it
+    shard.write_bytes(bytes(data))
+    (run / "metrics.jsonl").unlink()
+    p = Proc(["train", "--resume", str(run), "--nproc", "2"], tmp_path / "out")
+    assert p.wait() == 0, p.stderr()[-3000:]
+    said = p.stdout() + p.stderr()
+    assert "skipping checkpoint" in said and "step_000018/optim/__1_0.distcp' does not match" in said, said[
+        -3000:
+    ]
+    c = curve(run)
+    assert sorted(c) == list(range(13, STEPS + 1)) and all(c[s] == ref_two[s] for s in c)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loom import checkpoint, log
@@ -27,11 +27,15 @@ class Plan:
     run_dir: Path
     data_dir: Path
     ckpt: Path | None
+    resume: str | bool | None = None  # as given (or chosen by train.resume=auto)
 
 
-def plan_run(cfg: Config, resume, force: bool, explicit: set[str], dp_size: int) -> Plan:
-    """Every cheap check, in the order that touches the least: config, run dir, checkpoint, data."""
-    resume, force = auto_resume(cfg, resume, force)
+def plan_run(cfg: Config, resume, force: bool, explicit: set[str], dp_size: int, hashes: bool = True) -> Plan:
+    """Every cheap check, in the order that touches the least: config, run dir, checkpoint, data.
+    `hashes=False`: checkpoint files are checked for presence and size only; the ranks of the job then hash
+    them together (`check_hashes`)."""
+    share = (0, 1) if hashes else None
+    resume, force = auto_resume(cfg, resume, force, share)
     run_dir = resolve_run_dir(cfg, resume, force) if resume else None
     if run_dir is not None:
         cfg = resumed_config(run_dir, cfg, explicit)
@@ -42,7 +46,7 @@ def plan_run(cfg: Config, resume, force: bool, explicit: set[str], dp_size: int)
     derived = validate(cfg, dp_size)
     check_trackers(cfg.metrics)
     resolve_device(cfg.train.device)
-    ckpt = checkpoint.resolve_resume(run_dir, resume) if resume else None
+    ckpt = checkpoint.resolve_resume(run_dir, resume, share) if resume else None
     if ckpt is not None:
         check_checkpoint_model(ckpt, cfg)
         check_not_finished(ckpt, cfg, run_dir)
@@ -59,10 +63,46 @@ def plan_run(cfg: Config, resume, force: bool, explicit: set[str], dp_size: int)
         )
     if run_dir is None:
         run_dir = resolve_run_dir(cfg, None, force, (data_dir,))
-    return Plan(cfg, derived, run_dir, data_dir, ckpt)
+    return Plan(cfg, derived, run_dir, data_dir, ckpt, resume)
 
 
-def auto_resume(cfg: Config, resume, force: bool) -> tuple[str | bool | None, bool]:
+def check_hashes(control: Control, plan: Plan) -> Plan:
+    """Every rank hashes its share of the resumed checkpoint's files (`checkpoint.hash_owner`: on the layout
+    that wrote them, each rank the shards it wrote and reads back), instead of one rank hashing them all.
+    A bad file, reported by whichever rank found it, falls back to the newest older checkpoint, which the
+    ranks hash the same way, or is an error when that step was named by --resume."""
+    ckpt = plan.ckpt
+    while ckpt is not None:
+        try:
+            checkpoint.verify(ckpt, share=(control.rank, control.size))
+            error = None
+        except LoomError as e:
+            error = e.message
+        if control.all_reduce_sum([float(error is not None)])[0] == 0:
+            return replace(plan, ckpt=ckpt)
+        errors = control.gather_object(error)
+
+        def fallback(bad=ckpt, errors=errors) -> Path:
+            first = next(e for e in errors if e)
+            if checkpoint.names_step(plan.resume):
+                raise LoomError(
+                    first, hint="resume from the run directory to fall back to its newest valid step"
+                )
+            for e in errors:
+                if e:
+                    log.warn(f"skipping checkpoint: {e}")
+            older = checkpoint.latest_valid(bad.parent, share=None, before=bad)
+            if older is None:
+                raise LoomError(f"--resume: no valid checkpoint under '{bad.parent}'",
+                                hint="start without --resume")  # fmt: skip
+            check_checkpoint_model(older, plan.cfg)
+            return older
+
+        ckpt = agree(control, fallback)
+    return plan
+
+
+def auto_resume(cfg: Config, resume, force: bool, share=(0, 1)) -> tuple[str | bool | None, bool]:
     """(resume, force) after train.resume=auto and elastic restarts.
 
     auto continues run.dir/run.name from its newest valid checkpoint, or starts it (again, when a run
@@ -77,7 +117,7 @@ def auto_resume(cfg: Config, resume, force: bool) -> tuple[str | bool | None, bo
         if restarted and isinstance(resume, str):
             p = Path(resume)
             run_dir = p.parent.parent if p.parent.name == "ckpt" else p
-            if checkpoint.latest_valid(run_dir / "ckpt") is not None:
+            if checkpoint.latest_valid(run_dir / "ckpt", share=share) is not None:
                 return str(run_dir), force
         return resume, force
     if not cfg.run.name:
@@ -86,7 +126,7 @@ def auto_resume(cfg: Config, resume, force: bool) -> tuple[str | bool | None, bo
                             hint="add --run.name=NAME (the same name on every launch)")  # fmt: skip
         return None, force
     run_dir = Path(cfg.run.dir) / cfg.run.name
-    if checkpoint.latest_valid(run_dir / "ckpt") is not None:
+    if checkpoint.latest_valid(run_dir / "ckpt", share=share) is not None:
         log.info(
             f"continuing {run_dir} from its newest valid checkpoint" + (" (restart)" if restarted else "")
         )
@@ -272,7 +312,12 @@ def run(
         if env.world_size > 1:
             log.info(f"launcher {env.source}: {env}")
         check_same_config(control, cfg)
-        plan = agree(control, lambda: plan_run(cfg, resume, force, explicit or set(), dims.dp))
+        many = control.size > 1
+        plan = agree(
+            control, lambda: plan_run(cfg, resume, force, explicit or set(), dims.dp, hashes=not many)
+        )
+        if many:
+            plan = check_hashes(control, plan)
         if plan.cfg.run.rank_logs:
             log.setup(
                 rank=env.rank, all_ranks=log_all_ranks, file=plan.run_dir / "logs" / f"rank{env.rank}.log"

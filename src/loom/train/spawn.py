@@ -58,7 +58,8 @@ def launch_local(
         raise LoomError(
             f"--nproc {nproc} with parallel.dp_impl=none", hint="use parallel.dp_impl=ddp (or auto)"
         )
-    plan = plan_run(cfg, resume, force, explicit, dp)  # raises before any process starts
+    plan = plan_run(cfg, resume, force, explicit, dp, hashes=False)  # raises before any process starts;
+    # the workers hash the checkpoint's files, each its share
     args = [a for a in child_argv if a != "--force"]
     if not resume:
         args.append(f"--run.name={plan.run_dir.name}")
