@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import shutil
 import sys
@@ -306,6 +307,23 @@ def inspect(path: str | Path, fmt: str | None = None, sample_tokens: int = 64) -
     }
 
 
+def write_foreign_meta(d: Path, info: dict) -> dict:
+    """meta.json for a foreign token directory (llm.c/FineWeb shards): the vocabulary as max id + 1 over
+    every token (inspect scanned them all), token and document counts per split; no tokenizer."""
+    top = max(s["max_id"] for s in info["splits"].values() if s["max_id"] is not None)
+    meta = {"format": info["format"], "vocab_size": int(top) + 1, "tokenizer": None,
+            "vocab_from": "max id + 1 (loom data inspect --write-meta)",
+            "splits": {k: {"tokens": v["tokens"], "documents": v["documents"], "shards": len(v["files"])}
+                       for k, v in info["splits"].items()}}  # fmt: skip
+    tmp = d / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    os.replace(tmp, d / "meta.json")
+    log.info(
+        f"wrote {d / 'meta.json'}: vocab {meta['vocab_size']:,} (max id + 1); training reads it at start"
+    )
+    return meta
+
+
 def _print_inspect(info: dict) -> None:
     from rich.table import Table
 
@@ -375,10 +393,23 @@ def data_inspect_main(argv: list[str]) -> int:
     p.add_argument("--format", choices=[*TOKEN_FORMATS, "parquet"], default=None, help="skip detection")
     p.add_argument("--sample-tokens", type=int, default=64, help="tokens to decode when a tokenizer is known")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--write-meta", action="store_true",
+                   help="write meta.json into a directory that has none (one scan of the ids), so that "
+                   "training starts without scanning")  # fmt: skip
     args = p.parse_args(argv)
     if args.sample_tokens < 0:
         raise LoomError(f"--sample-tokens must be >= 0 (0: no decoded sample), got {args.sample_tokens}")
+    if args.write_meta:
+        d = Path(args.path)
+        if not d.is_dir():
+            raise LoomError(f"--write-meta needs a data directory, not '{d}'")
+        if (d / "meta.json").is_file() or (d / "meta.pkl").is_file():
+            raise LoomError(
+                f"'{d}' already has a meta file", hint="--write-meta is for directories without one"
+            )
     info = inspect(args.path, args.format, args.sample_tokens)
+    if args.write_meta:
+        write_foreign_meta(Path(args.path), info)
     if args.json:
         sys.stdout.write(json.dumps(info, indent=1) + "\n")
     else:
