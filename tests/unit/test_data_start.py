@@ -42,3 +42,12 @@ def test_no_meta_reads_only_each_shards_start_then_write_meta_records_all(tmp_pa
     ShardLoader(d, 4, 64, seed=0).next_batch()  # still the llm.c file names, now with a meta
     with pytest.raises(LoomError, match="already has a meta"):
         data_inspect_main([str(d), "--write-meta"])
+
+
+def test_megatron_training_reader_is_one_memory_map(tmp_path):
+    from loom.data import megatron
+
+    ids = np.arange(3000, dtype=np.int64) % 500
+    megatron.write(tmp_path / "ds", ids, np.array([0, 100, 1700, 3000]), np.uint16)
+    got = megatron.read_ids(tmp_path / "ds")
+    assert isinstance(got, np.memmap) and np.array_equal(got, megatron.read(tmp_path / "ds").ids)

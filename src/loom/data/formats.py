@@ -233,7 +233,7 @@ class MegatronFormat(Format):
         return [megatron.bin_path(p) for p in super().split_files(d, split)]
 
     def open(self, path):
-        return megatron.read(path).ids
+        return megatron.read_ids(path)  # one memory map; no per-document arrays on every rank
 
     def read(self, path):
         r = megatron.read(path)

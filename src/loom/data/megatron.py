@@ -154,6 +154,22 @@ def read(path: str | Path) -> Indexed:
     return Indexed(ids, doc_offsets.astype(np.int64), len(lengths), code)
 
 
+def read_ids(path: str | Path) -> np.ndarray:
+    """Memory-map a dataset's tokens for training without building document-count-sized arrays: when the
+    sequences are stored in order (as Megatron's writers store them: first at 0, last ending at the sum of
+    the lengths, the .bin that long) the ids are one memory map; otherwise `read` gathers them."""
+    dtype, lengths, pointers, _, _ = read_index(path)
+    binp = bin_path(path)
+    if not len(lengths) or not binp.is_file():
+        return read(path).ids
+    item = dtype.itemsize
+    total = int(lengths.sum(dtype=np.int64))
+    last = int(pointers[-1]) + int(lengths[-1]) * item
+    if int(pointers[0]) != 0 or last != total * item or binp.stat().st_size < last:
+        return read(path).ids
+    return _array(binp, dtype.newbyteorder("<").str, total, 0)
+
+
 def write(path: str | Path, ids: np.ndarray, doc_offsets: np.ndarray, dtype) -> list[Path]:
     """Write PREFIX.bin and PREFIX.idx: one sequence per document, tokens as `dtype` (one of DTYPES)."""
     dtype = np.dtype(dtype)
