@@ -195,3 +195,16 @@ def test_export_refuses_what_llama_cannot_represent(tmp_path):
     with pytest.raises(LoomError, match="LlamaForCausalLM cannot represent this model: model.qk_norm=True"):
         hf.export_hf(m, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("name,released", [("llama2-7b", 6_738_415_616), ("llama3-8b", 8_030_261_248),
+                                           ("llama3-70b", 70_553_706_496)])  # fmt: skip
+def test_planner_llama_presets_have_the_released_counts(name, released):
+    """Meta's counts (also torchtitan's); the planner's arithmetic equals GPT.num_params() of that config."""
+    from loom.plan.shapes import PRESETS
+
+    s = PRESETS[name]
+    assert s.param_count() == released
+    cfg = GPTConfig(s.vocab_size, s.n_layer, s.n_head, s.n_embd, s.block_size, pos=s.pos, norm=s.norm,
+                    mlp=s.mlp, ffn_hidden=s.ffn_hidden, n_kv_head=s.n_kv_head, tie_embeddings=False)  # fmt: skip
+    assert param_count(cfg) == released

@@ -110,7 +110,12 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, wl: Workload, attenti
     node = min(cluster.gpus_per_node, cluster.gpus)
     seqs = wl.global_batch_tokens // wl.seq_len
     for tp in _divisors(node):
-        if shape.n_head % tp or shape.padded_vocab % tp or wl.seq_len % tp:
+        if (
+            shape.n_head % tp
+            or (shape.n_kv_head or shape.n_head) % tp
+            or shape.padded_vocab % tp
+            or wl.seq_len % tp
+        ):
             continue
         for pp in _divisors(cluster.gpus // tp) if cluster.gpus % tp == 0 else []:
             if pp > shape.n_layer:
@@ -138,17 +143,19 @@ def _stage_params(shape: ModelShape, tp: int, pp: int) -> tuple[float, float, fl
     """(params on the first stage, params on the last stage, params of one layer) per GPU.
 
     Layers split as evenly as possible (the first stage gets the rounding); the embedding lives on the
-    first stage, the final LayerNorm and head on the last (with pp > 1 the tied head is a second copy).
-    Matrices shard tp ways (vocabulary-parallel embedding); positions and LayerNorms are replicated.
+    first stage, the final norm and head on the last (with pp > 1 a tied head is a second copy; an untied
+    head is always its own). Matrices shard tp ways (vocabulary-parallel embedding); positions and norms
+    are replicated.
     """
     C = shape.n_embd
     layer = (shape.layer_params - 2 * shape.ln_params) / tp + 2 * shape.ln_params
     n_first = math.ceil(shape.n_layer / pp)
-    embed = shape.padded_vocab * C / tp + shape.block_size * C
+    embed = shape.padded_vocab * C / tp + shape.embed_params - shape.padded_vocab * C  # + positions
     first = n_first * layer + embed
-    last = (shape.n_layer // pp) * layer + shape.ln_params + (shape.head_params / tp if pp > 1 else 0)
-    if pp == 1:
-        first, last = first + shape.ln_params, first + shape.ln_params
+    head = shape.head_params / tp if pp > 1 or not shape.tie_embeddings else 0
+    last = (shape.n_layer // pp) * layer + shape.ln_params + head
+    if pp == 1:  # one stage holds it all
+        first = last = first + shape.ln_params + head
     scale = shape.param_count() / shape.counted_params()  # --params N with an assumed shape
     return first * scale, last * scale, layer * scale
 
@@ -185,7 +192,7 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     c.fits = c.memory_gb["total"] <= cluster.usable_gb
 
     # compute
-    matmul = shape.n_layer * 12 * shape.n_embd**2 + shape.padded_vocab * shape.n_embd
+    matmul = shape.n_layer * shape.layer_matrices + shape.padded_vocab * shape.n_embd
     attn = 12 * shape.n_layer * shape.n_embd * s
     flops_tok = {"none": 6 * matmul + attn, "selective": 6 * matmul + attn * 4 / 3,
                  "full": 8 * matmul + attn * 4 / 3}[ckpt]  # fmt: skip

@@ -1,9 +1,10 @@
 """Model shapes for planning: presets, a config file's [model] section, or a bare parameter count.
 
 Pure arithmetic, no torch: `loom plan` answers in milliseconds on a laptop. The block is loom's GPT block
-(model/gpt.py): separate q/k/v/o projections, a 4·C GELU MLP, pre-LayerNorm, learned positions, and the
-LM head tied to the token embedding. `param_count` equals `GPT.num_params()` (tested against
-loom.model.flops.param_count).
+(model/gpt.py) with its options: separate q/k/v/o projections (k and v n_kv_head heads wide: grouped-query
+attention), a 4·C GELU MLP or a SwiGLU MLP of ffn_hidden (three matrices), LayerNorm or RMSNorm, learned or
+rotary positions, and an LM head tied to the token embedding or not. `param_count` equals
+`GPT.num_params()` (tested against loom.model.flops.param_count).
 """
 
 from __future__ import annotations
@@ -29,6 +30,32 @@ class ModelShape:
     assumed: bool = False  # shape derived from a bare parameter count (--params)
     n_params: int | None = None  # the count given with --params; None: counted from the shape
     note: str = ""
+    # the llama family's options (model/gpt.py; defaults: GPT-2's block)
+    n_kv_head: int = 0  # 0: n_head
+    mlp: str = "gelu"  # gelu | swiglu
+    ffn_hidden: int = 0  # 0: 4·C (gelu), LLaMA's 8/3·C rounded up to 64 (swiglu)
+    norm: str = "layernorm"  # layernorm | rmsnorm (no bias)
+    pos: str = "learned"  # learned | rope (no position table)
+    tie_embeddings: bool = True
+    qk_norm: bool = False
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the key and of the value projection: n_kv_head heads of n_embd / n_head."""
+        return (self.n_kv_head or self.n_head) * (self.n_embd // self.n_head)
+
+    @property
+    def ffn_width(self) -> int:
+        """As GPTConfig.ffn_width."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return (8 * self.n_embd // 3 + 63) // 64 * 64 if self.mlp == "swiglu" else 4 * self.n_embd
+
+    @property
+    def layer_matrices(self) -> int:
+        """One block's weight matrices: q and o (C²), k and v (C·kv_dim), the MLP's two or three."""
+        C = self.n_embd
+        return 2 * C * C + 2 * C * self.kv_dim + (3 if self.mlp == "swiglu" else 2) * C * self.ffn_width
 
     @property
     def padded_vocab(self) -> int:
@@ -36,29 +63,43 @@ class ModelShape:
         return (self.vocab_size + 63) // 64 * 64
 
     @property
+    def act_units(self) -> float:
+        """Activations a layer keeps for backward, in units of s·b·h elements (Korthikanti et al.'s 16 for
+        GPT-2's block: the inputs of q/k/v, o and the MLP, q, k, v, the MLP's hidden pair, two norms' inputs).
+        Grouped-query k and v are kv_dim wide; SwiGLU keeps four hidden tensors (gate, up, silu, product)."""
+        h = self.n_embd
+        hidden = (4 if self.mlp == "swiglu" else 2) * self.ffn_width / h
+        return 1 + 1 + 2 * self.kv_dim / h + 1 + 1 + hidden + 2
+
+    @property
     def ln_params(self) -> int:
-        return 2 * self.n_embd if self.bias else self.n_embd
+        return 2 * self.n_embd if self.bias and self.norm == "layernorm" else self.n_embd
 
     @property
     def layer_params(self) -> int:
-        """One block: q, k, v, o (4·C²) + MLP up and down (8·C²) + two LayerNorms (+ biases)."""
-        C = self.n_embd
-        biases = 9 * C if self.bias else 0  # q, k, v, o: 4·C; up: 4·C; down: C
-        return 12 * C * C + 2 * self.ln_params + biases
+        """One block: its matrices (12·C² for GPT-2's) + two norms (+ QK-norm gains) (+ biases)."""
+        C, F = self.n_embd, self.ffn_width
+        biases = 2 * C + 2 * self.kv_dim + (2 if self.mlp == "swiglu" else 1) * F + C if self.bias else 0
+        qk = 2 * (self.n_embd // self.n_head) if self.qk_norm else 0
+        return self.layer_matrices + 2 * self.ln_params + qk + biases
 
     @property
     def embed_params(self) -> int:
-        """Token embedding (also the tied LM head) + learned positions."""
-        return self.padded_vocab * self.n_embd + self.block_size * self.n_embd
+        """Token embedding (also the LM head when tied) + learned positions (none with RoPE)."""
+        return self.padded_vocab * self.n_embd + (
+            self.block_size * self.n_embd if self.pos == "learned" else 0
+        )
 
     @property
     def head_params(self) -> int:
-        """The LM head's matrix: shared with the embedding on one stage, a second copy when pp > 1."""
+        """The LM head's matrix: tied, shared with the embedding on one stage and a second copy when pp > 1;
+        untied, a tensor of its own on the last stage."""
         return self.padded_vocab * self.n_embd
 
     def counted_params(self) -> int:
-        """Distinct parameters of the shape (tied head counted once) = GPT.num_params()."""
-        return self.embed_params + self.n_layer * self.layer_params + self.ln_params
+        """Distinct parameters of the shape (a tied head counted once) = GPT.num_params()."""
+        head = 0 if self.tie_embeddings else self.head_params
+        return self.embed_params + self.n_layer * self.layer_params + self.ln_params + head
 
     def param_count(self) -> int:
         """Ψ: the count given with --params, else the shape's own count."""
@@ -67,14 +108,24 @@ class ModelShape:
     def describe(self) -> str:
         s = (f"{self.name}: {fmt_count(self.param_count())} parameters, n_layer={self.n_layer} "
              f"n_head={self.n_head} n_embd={self.n_embd} vocab={self.vocab_size} block_size={self.block_size}")  # fmt: skip
+        if (self.mlp, self.norm, self.pos, self.tie_embeddings, self.n_kv_head) != (
+            "gelu",
+            "layernorm",
+            "learned",
+            True,
+            0,
+        ):
+            s += (f" n_kv_head={self.n_kv_head or self.n_head} {self.mlp} {self.ffn_width} {self.norm} {self.pos}"
+                  f"{'' if self.tie_embeddings else ' untied'}")  # fmt: skip
         if self.assumed:
             s += " (shape assumed for activations: only the parameter count was given)"
         return s + (f"; {self.note}" if self.note else "")
 
 
 _GPT2 = dict(vocab_size=50257, block_size=1024, bias=True)
-_LLAMA_NOTE = ("loom's GPT block at LLaMA's depth and width (4·C GELU MLP, tied head, 32k vocabulary); "
-               "LLaMA's SwiGLU MLP and grouped-query attention are not modelled")  # fmt: skip
+_LLAMA_NOTE = ("loom's GPT-2 block at LLaMA's depth and width (4·C GELU MLP, tied head, 32k vocabulary); "
+               "the llama-family presets (llama2-7b, llama3-8b, llama3-70b) have Llama's own block")  # fmt: skip
+_LLAMA = dict(mlp="swiglu", norm="rmsnorm", pos="rope", tie_embeddings=False)
 # GPT-2 shapes from Radford et al. 2019 / the released checkpoints; 7B/13B/70B at LLaMA's (Touvron et al.
 # 2023) n_layer / n_embd / n_head with context 4096 (LLaMA 2). loom can build all of them; the large ones
 # are for planning, not for a CPU.
@@ -86,6 +137,13 @@ PRESETS: dict[str, ModelShape] = {
     "7b": ModelShape("7B-class", 32, 32, 4096, 32000, 4096, note=_LLAMA_NOTE),
     "13b": ModelShape("13B-class", 40, 40, 5120, 32000, 4096, note=_LLAMA_NOTE),
     "70b": ModelShape("70B-class", 80, 64, 8192, 32000, 4096, note=_LLAMA_NOTE),
+    # Touvron et al. 2023 (Llama 2: 6.74B) and Meta's Llama 3 model card / torchtitan's llama3 args (8.03B,
+    # 70.55B): SwiGLU widths 11008 / 14336 / 28672, 8 key/value heads for Llama 3, vocabulary 32000 / 128256.
+    "llama2-7b": ModelShape("llama2-7b", 32, 32, 4096, 32000, 4096, ffn_hidden=11008, **_LLAMA),
+    "llama3-8b": ModelShape("llama3-8b", 32, 32, 4096, 128256, 8192, n_kv_head=8, ffn_hidden=14336, **_LLAMA),
+    "llama3-70b": ModelShape(
+        "llama3-70b", 80, 64, 8192, 128256, 8192, n_kv_head=8, ffn_hidden=28672, **_LLAMA
+    ),
 }
 ALIASES = {"124m": "gpt2", "gpt2-124m": "gpt2", "350m": "gpt2-medium", "gpt2-350m": "gpt2-medium",
            "774m": "gpt2-large", "gpt2-774m": "gpt2-large", "1.5b": "gpt2-xl", "gpt2-1.5b": "gpt2-xl",
@@ -130,7 +188,9 @@ def shape_from_config(path: str) -> ModelShape:
     vocab = m.vocab_size
     if not vocab:
         vocab, note = 50257, "model.vocab_size=0 (taken from the data): assumed GPT-2's 50257"
-    return ModelShape(path, m.n_layer, m.n_head, m.n_embd, vocab, m.block_size, m.bias, m.dropout, note=note)
+    return ModelShape(path, m.n_layer, m.n_head, m.n_embd, vocab, m.block_size, m.bias, m.dropout, note=note,
+                      n_kv_head=m.n_kv_head, mlp=m.mlp, ffn_hidden=m.ffn_hidden, norm=m.norm, pos=m.pos,
+                      tie_embeddings=m.tie_embeddings, qk_norm=m.qk_norm)  # fmt: skip
 
 
 def resolve_model(model: str | None, params: str | None) -> ModelShape:
@@ -158,6 +218,9 @@ def assert_valid(shape: ModelShape) -> None:
     if shape.n_embd % shape.n_head:
         raise LoomError(f"n_embd={shape.n_embd} is not divisible by n_head={shape.n_head}",
                         hint="pick n_head among the divisors of n_embd")  # fmt: skip
+    if shape.n_kv_head and shape.n_head % shape.n_kv_head:
+        raise LoomError(f"n_head={shape.n_head} is not divisible by n_kv_head={shape.n_kv_head}",
+                        hint="pick n_kv_head among the divisors of n_head")  # fmt: skip
     if min(
         shape.n_layer, shape.n_head, shape.n_embd, shape.vocab_size, shape.block_size
     ) < 1 or not math.isfinite(shape.dropout):
