@@ -375,3 +375,119 @@ def test_builders_reject_bad_counts_and_empty_commands():
         mpiexec_command(TRAIN, nnodes=1, nproc_per_node=1, flavour="lam")
     with pytest.raises(LoomError, match="needs the head node"):
         torchrun_command(TRAIN, nnodes=2, nproc_per_node=1)
+
+
+# ------------------------------------------------------------------- loom launch on every node (issue 18)
+
+
+def test_inside_a_slurm_step_each_node_runs_its_own_torchrun(slurm_env):
+    """`srun --ntasks-per-node=1 loom launch -- ...`: no second srun; node 0 serves the rendezvous."""
+    port = port_from_job_id("123456")
+    for node in (0, 1):
+        step = {**slurm_env, "SLURM_STEP_ID": "0", "SLURM_NODEID": str(node), "SLURM_LOCALID": "0"}
+        cmd = plan_command(["--rdzv-timeout", "120", "--max-restarts", "2", "--", *TRAIN], step)
+        assert cmd == [
+            "torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"nid001:{port}", "--rdzv-id", "123456",
+            "--rdzv-conf", f"is_host={int(node == 0)},join_timeout=120", "--max-restarts", "2", "--no-python", *TRAIN,
+        ]  # fmt: skip
+
+
+def test_under_pbsdsh_each_node_runs_its_own_torchrun(pbs_env):
+    cmd = plan_command(["--nproc-per-node", "4", "--", *TRAIN], {**pbs_env, "PBS_NODENUM": "1"})
+    port = port_from_job_id("98765")
+    assert cmd[:10] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"x3005c0s7b0n0:{port}", "--rdzv-id"]  # fmt: skip
+    assert cmd[cmd.index("--rdzv-conf") + 1] == "is_host=0,join_timeout=600"
+
+
+def test_node_detection_and_its_refusals(slurm_env):
+    from loom.launch.detect import node_task
+
+    assert node_task(slurm_env) is None  # the batch script: one process, not a step
+    step = {**slurm_env, "SLURM_STEP_ID": "3", "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2"}
+    assert node_task(step) == (1, 2)
+    with pytest.raises(LoomError, match="several tasks on this node") as info:
+        node_task({**step, "SLURM_LOCALID": "1"})
+    assert "--ntasks-per-node=1" in info.value.hint
+    with pytest.raises(LoomError, match="--launcher srun on every node"):
+        plan_command(["--launcher", "srun", "--", *TRAIN], step)
+    with pytest.raises(LoomError, match="node index 5 is outside the 2 node"):
+        plan_command(["--node-rank", "5", "--", *TRAIN], slurm_env)
+    manual = plan_command(["--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--port", "29601", "--", *TRAIN],
+                          {"CUDA_VISIBLE_DEVICES": "0"})  # fmt: skip
+    assert (
+        manual[manual.index("--rdzv-endpoint") + 1] == "h0:29601" and "is_host=0,join_timeout=600" in manual
+    )
+
+
+def _hello(node, host, loom="0.1.0", nproc=2):
+    from loom.launch.gate import Hello
+
+    return Hello(node=node, host=host, loom=loom, torch="2.13.0+cpu", python="3.11.7", nproc=nproc)
+
+
+def test_gate_names_each_mismatch_and_each_missing_node():
+    from loom.launch.gate import _verdict, mismatches
+
+    same = [_hello(0, "a"), _hello(1, "b")]
+    assert mismatches(same) == [] and _verdict(same, 2, "a", 1, 5, ("a", "b")) is None
+    odd = [_hello(1, "b", loom="0.2.0", nproc=1), _hello(0, "a")]
+    assert mismatches(odd) == [
+        "loom versions differ: a 0.1.0, b 0.2.0",
+        "processes per node differ: a 2, b 1",
+    ]
+    err = _verdict(odd, 2, "a", 1, 5, ("a", "b"))
+    assert "install the same loom on every node" in err.hint and "--nproc-per-node" in err.hint
+    missing = _verdict(same, 4, "a", 29500, 5, ("a", "b", "c", "d"))
+    assert missing.message.startswith(
+        "no word from c (node 2), d (node 3) within 5s at the rendezvous a:29500"
+    )
+
+
+def test_gate_node_tells_a_running_job_from_the_gate(monkeypatch):
+    """A port that answers without the gate's greeting: an error, or with --max-restarts a job to rejoin."""
+    import socket
+    import threading
+
+    from loom.launch import gate
+
+    monkeypatch.setattr(gate, "_BANNER_WAIT_S", 0.2)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    threading.Thread(target=lambda: [server.accept() for _ in range(2)], daemon=True).start()
+    with pytest.raises(LoomError, match="answers, but not as loom launch on the head node") as info:
+        gate.node_gate("127.0.0.1", port, _hello(1, "b"), timeout=5)
+    assert "--port P" in info.value.hint
+    gate.node_gate("127.0.0.1", port, _hello(1, "b"), timeout=5, rejoin=True)  # joins, no error
+    server.close()
+    with pytest.raises(LoomError, match=r"b \(node 1\) could not reach the rendezvous MASTER_ADDR=127.0.0.1"):
+        gate.node_gate("127.0.0.1", port, _hello(1, "b"), timeout=0.3, hosts=("a", "b"))
+
+
+def test_a_broken_connection_names_the_ranks_of_that_host(monkeypatch):
+    """describe_failure reads where every rank runs (recorded by Heartbeat) and names the dead peer's ranks."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from loom.distributed import health
+    from loom.env import free_port
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    hb = health.Heartbeat(0, 4)
+    for rank, where in ((1, "node1 10.77.0.1"), (2, "node2 10.77.0.2"), (3, "node2 10.77.0.2")):
+        hb.store.set(f"where/{rank}", where)
+        hb.store.set(str(rank), "7")
+    hb.beat(7)
+    gloo = RuntimeError("[pair.cc:537] Read error [10.77.0.2]:20697: Connection reset by peer.")
+    err = health.describe_failure(gloo, 0, "the gradient all-reduce", 7, 5.0, hb)
+    assert "the connection to node2 (10.77.0.2) broke: rank(s) 2, 3 run there" in err.message
+    loopback = RuntimeError("Read error [127.0.0.1]:20697: Connection reset by peer.")
+    assert (
+        "broke" not in health.describe_failure(loopback, 0, "x", 7, 5.0, hb).message
+    )  # one machine: no host
+    del master

@@ -32,6 +32,8 @@ from loom.errors import LoomError
 # For tests of the version check: the loom version this node reports instead of its own.
 VERSION_OVERRIDE = "LOOM_REPORTED_VERSION"
 _RETRY_S = 0.25
+_BANNER = {"loom-gate": 1}
+_BANNER_WAIT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ def head_gate(
             except TimeoutError:
                 break
             try:
+                _send(conn, _BANNER)  # the head speaks first: a node can tell the gate from a running job
                 other = Hello(**_recv(conn, min(deadline, time.monotonic() + 10)))
             except (OSError, ValueError, TypeError):
                 conn.close()  # not a loom node (a port scan, another program): ignore it
@@ -236,17 +239,28 @@ def node_gate(
             "the port is open between the nodes",
         )
     with conn:
+        try:  # the gate greets first; a running job's store (torchrun's) says nothing and is left alone
+            banner = _recv(conn, time.monotonic() + _BANNER_WAIT_S)
+        except (OSError, ValueError):
+            banner = None
+        if banner != _BANNER:
+            if rejoin:
+                log.warn(f"loom launch: {addr}:{port} is not the launch gate but a running job: this node "
+                         "joins it at its next restart (--max-restarts)")  # fmt: skip
+                return
+            raise LoomError(
+                f"{hello.host} (node {hello.node}): {addr}:{port} answers, but not as loom launch on the head "
+                "node: a job already runs there, or another program holds the port",
+                hint="pass --port P (the same on every node), or --max-restarts N on every node so that a "
+                "node that comes back rejoins a running job",
+            )
         try:
             _send(conn, asdict(hello))
             answer = _recv(conn, deadline + 10)
         except (OSError, ValueError) as e:
-            if rejoin:
-                log.warn(f"loom launch: {addr}:{port} answers but not as the launch gate: joining the job "
-                         "that runs there at its next restart")  # fmt: skip
-                return
             raise LoomError(
-                f"{hello.host} (node {hello.node}): the head at {addr}:{port} did not answer ({e})",
-                hint="another program may hold that port on the head node: pass --port P on every node",
+                f"{hello.host} (node {hello.node}): the head at {addr}:{port} stopped answering ({e})",
+                hint="look at the head node's output: its loom launch says why",
             ) from None
     if "error" in answer:
         raise LoomError(answer["error"], hint=answer.get("hint"))
