@@ -143,6 +143,8 @@ def _data(argv: list[str]) -> int:
                     help="characters of train text the BPE is trained on (default 200M)")  # fmt: skip
     pp.add_argument("--doc-cap", type=int, default=10_000, help="characters per document in that sample")
     pp.add_argument("--split-pattern", default="gpt2", choices=["gpt2", "gpt4"], help="BPE pre-tokenizer split")
+    pp.add_argument("--bpe-trainer", default="auto", choices=["auto", "rustbpe", "tokenizers"],
+                    help="BPE training library (auto: rustbpe when installed)")  # fmt: skip
     pp.add_argument("--text-separator", default=None, help="cut text files into documents at this string")
     pp.add_argument("--doc-chars", type=int, default=0, help="cut text files into documents of ~N characters")
     pp.add_argument("--strict", action="store_true", help="a bad JSONL line or corrupt file is an error")
@@ -172,7 +174,8 @@ def _data(argv: list[str]) -> int:
         args.jsonl_field, args.glob, args.seed, args.force,
         source=f"built-in corpus {args.corpus}" if args.corpus else None, shard_tokens=args.shard_tokens,
         workers=args.workers, tokenizer_sample=args.tokenizer_sample, doc_cap=args.doc_cap,
-        pattern=args.split_pattern, text_separator=args.text_separator, doc_chars=args.doc_chars,
+        pattern=args.split_pattern, bpe_trainer=args.bpe_trainer, text_separator=args.text_separator,
+        doc_chars=args.doc_chars,
         strict=args.strict, dtype=args.dtype, encoder=args.encoder,
     )  # fmt: skip
     return 0

@@ -128,8 +128,14 @@ def test_split_is_deterministic_and_near_the_share():
 
 def test_tiktoken_gives_the_tokenizers_ids_and_the_library_loads_loom_bpe(tmp_path):
     pytest.importorskip("tiktoken")  # an optional extra: loom[data]
-    for pattern in ("gpt2", "gpt4"):
-        tok = HFTokenizer.train(DOCS, 320, pattern)
+    pytest.importorskip("rustbpe")
+    for pattern, trainer in [
+        ("gpt2", "rustbpe"),
+        ("gpt4", "rustbpe"),
+        ("gpt2", "tokenizers"),
+        ("gpt4", "tokenizers"),
+    ]:
+        tok = HFTokenizer.train(DOCS, 320, pattern, trainer)
         spec = encoder_spec(tok)
         assert tiktoken_spec(spec["json"]) is not None
         fast = Encoder({**spec, "backend": "tiktoken", "tiktoken": tiktoken_spec(spec["json"])})

@@ -193,6 +193,7 @@ class Plan:
     tokenizer_sample: int
     doc_cap: int
     pattern: str
+    bpe_trainer: str
     dtype: str
     chunk_chars: int
 
@@ -312,7 +313,8 @@ def _train_tokenizer(plan: Plan, files, total_chars: int | None):
             if size >= plan.tokenizer_sample:
                 break
     t0 = time.perf_counter()
-    tok = HFTokenizer.train(sample, plan.vocab_size, plan.pattern)
+    tok = HFTokenizer.train(sample, plan.vocab_size, plan.pattern, plan.bpe_trainer)
+    del sample
     log.info(f"trained a byte-level BPE ({plan.pattern} split, vocab {tok.vocab_size:,}) on a sample of "
              f"{size:,} characters in {time.perf_counter() - t0:.1f}s")  # fmt: skip
     return tok, "bpe"
@@ -362,6 +364,7 @@ def prepare(
     tokenizer_sample: int = TOKENIZER_SAMPLE,
     doc_cap: int = DOC_CAP,
     pattern: str = "gpt2",
+    bpe_trainer: str = "auto",
     text_separator: str | None = None,
     doc_chars: int = 0,
     strict: bool = False,
@@ -394,7 +397,7 @@ def prepare(
             log.info("one document only: splitting its characters (train first, val last)")
             mode = "tail"
     plan = Plan([str(p) for p in inputs], tokenizer, vocab_size, val_fraction, mode, seed, shard_tokens, read,
-                tokenizer_sample, doc_cap, pattern, dtype, chunk_chars)  # fmt: skip
+                tokenizer_sample, doc_cap, pattern, bpe_trainer, dtype, chunk_chars)  # fmt: skip
     tmp = out.with_name(f".{out.name}.loom-tmp")
     fingerprint = plan.fingerprint(files)
     rec = _start(tmp, fingerprint, force)

@@ -77,24 +77,36 @@ class HFTokenizer:
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def train(cls, texts, vocab_size: int, pattern: str = "gpt2") -> HFTokenizer:
-        """Byte-level BPE trained on `texts` (an iterable of str). `pattern`: gpt2 (GPT-2's pre-tokenizer
-        split) or gpt4 (cl100k's: digits in groups of at most 3, no leading space on punctuation runs)."""
+    def train(cls, texts, vocab_size: int, pattern: str = "gpt2", trainer: str = "auto") -> HFTokenizer:
+        """Byte-level BPE trained on `texts` (a list of str). `pattern`: gpt2 (GPT-2's pre-tokenizer split)
+        or gpt4 (cl100k's: digits in groups of at most 3, no leading space on punctuation runs). `trainer`:
+        rustbpe (loom.data.bpe), tokenizers (the library's BpeTrainer) or auto (rustbpe when installed)."""
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-        from loom.data.encode import GPT4_PATTERN
+        from loom.data.encode import GPT2_PATTERN, GPT4_PATTERN
 
         check_bpe_vocab(vocab_size)
+        if pattern not in ("gpt2", "gpt4"):
+            raise LoomError(f"unknown split pattern '{pattern}'", hint="use gpt2 or gpt4")
+        if trainer in ("auto", "rustbpe"):
+            try:
+                from loom.data.bpe import train_rustbpe
+
+                regex = GPT4_PATTERN if pattern == "gpt4" else GPT2_PATTERN
+                return cls(train_rustbpe(texts, vocab_size, regex, SPECIAL_TOKENS))
+            except ImportError:
+                if trainer == "rustbpe":
+                    raise LoomError(
+                        "the rustbpe trainer is not installed", hint="pip install 'loom[data]'"
+                    ) from None
         tok = Tokenizer(models.BPE())
         if pattern == "gpt4":
             tok.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Split(Regex(GPT4_PATTERN), behavior="isolated", invert=False),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ])  # fmt: skip
-        elif pattern == "gpt2":
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         else:
-            raise LoomError(f"unknown split pattern '{pattern}'", hint="use gpt2 or gpt4")
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
