@@ -12,6 +12,10 @@ machine's own network namespace, and deleting the namespaces deletes every inter
     python scripts/netns_hosts.py down TAG        # kill what runs there, delete everything
     python scripts/netns_hosts.py reap            # remove leftovers of test runs whose process died
 
+MPICH's mpiexec (Hydra) starts its proxies through `ssh HOST CMD`; `Hosts.ssh` is a stand-in for ssh that
+runs CMD on the host of that name instead, so `HYDRA_LAUNCHER=ssh HYDRA_LAUNCHER_EXEC=<hosts.ssh>` (the
+same as `mpiexec -launcher ssh -launcher-exec <hosts.ssh>`) runs a hostfile job across the namespaces.
+
 Needs root (`ip netns add`). Names start with "loomt-" and carry a random tag, so runs side by side
 never collide; the tests use `Hosts` as a context manager, which tears down even when a test fails.
 Standard library only.
@@ -138,10 +142,19 @@ class Hosts:
                 _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
+            self.ssh.write_text(
+                f'#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} ssh {self.tag} "$@"\n'
+            )
+            self.ssh.chmod(0o755)
         except BaseException:
             self.down()
             raise
         return self
+
+    @property
+    def ssh(self) -> Path:
+        """An executable that works like `ssh [-x] HOST CMD...` for the hosts of this set (for mpiexec)."""
+        return OWNERS / f"{PREFIX}{self.tag}-ssh"
 
     def _mark(self, ns: str) -> None:
         """Record the owning process, so `reap()` can tell a crashed run's leftovers from a live run."""
@@ -159,6 +172,7 @@ class Hosts:
                 delete_netns(ns)
             except Exception as e:  # keep removing the others
                 errors.append(f"{ns}: {e}")
+        self.ssh.unlink(missing_ok=True)
         if errors:
             raise RuntimeError("teardown incomplete: " + "; ".join(errors))
 
@@ -215,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("tag")
     ex.add_argument("i", type=int)
     ex.add_argument("cmd", nargs=argparse.REMAINDER)
+    ssh = sub.add_parser(
+        "ssh", help="like ssh [-x] HOST CMD: run CMD through sh on the host named HOST of TAG"
+    )
+    ssh.add_argument("tag")
+    ssh.add_argument("words", nargs=argparse.REMAINDER)
     down = sub.add_parser("down", help="kill everything on the hosts of TAG and delete them")
     down.add_argument("tag")
     sub.add_parser("reap", help="delete leftovers of test runs that died")
@@ -234,6 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.verb == "exec":
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return subprocess.call(existing(args.tag).wrap(args.i, cmd))
+    elif args.verb == "ssh":
+        words = [w for w in args.words if w != "-x"]  # ssh's "no X11 forwarding", as Hydra passes it
+        hosts = existing(args.tag)
+        if not words or words[0] not in hosts.names:
+            sys.exit(f"ssh: no host {words[0] if words else ''!r} in {hosts.names}")
+        # ssh joins the words and hands them to the remote shell: so does this
+        return subprocess.call(hosts.wrap(hosts.names.index(words[0]) + 1, ["sh", "-c", " ".join(words[1:])]))
     elif args.verb == "down":
         existing(args.tag).down()
     else:

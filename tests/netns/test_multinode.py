@@ -172,3 +172,19 @@ def test_killed_host_ends_the_job_on_the_other_naming_its_ranks(hosts, char_data
     text = jobs[0].text()
     assert "the connection to node2 (10.77.0.2) broke: rank(s) 2, 3 run there" in text, text[-3000:]
     assert hosts.pids() == []  # nothing left on either host
+
+
+def test_pbs_job_script_runs_mpiexec_across_the_hosts(hosts, tmp_path):
+    """The job script on the head node (no PBS_NODENUM): loom launch runs MPICH's mpiexec over the nodefile,
+    whose proxies Hydra starts through its ssh launcher, here a stand-in that enters the host's namespace."""
+    env = {**base_env(), **scheduler_env("pbs", 0, tmp_path), "HYDRA_LAUNCHER": "ssh",
+           "HYDRA_LAUNCHER_EXEC": str(hosts.ssh)}  # fmt: skip
+    del env["PBS_NODENUM"]
+    show = "import os, socket; print('rank', os.environ['PMI_RANK'], socket.gethostname(), os.environ['MASTER_ADDR'])"
+    r = hosts.run(1, [PY, "-m", "loom", "launch", "--nproc-per-node", "2", "--", PY, "-c", show], env=env,
+                  capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "mpiexec -n 4 -ppn 2 --hostfile" in r.stdout + r.stderr
+    ranks = sorted(line for line in r.stdout.splitlines() if line.startswith("rank "))
+    assert ranks == ["rank 0 node1 node1", "rank 1 node1 node1", "rank 2 node2 node1", "rank 3 node2 node1"]
+    assert hosts.pids() == []

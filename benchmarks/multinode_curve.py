@@ -1,0 +1,131 @@
+"""Two hosts (network namespaces, scripts/netns_hosts.py) x 2 processes, HSDP (replicate across the hosts,
+shard within), launched with `loom launch -- loom train ...` on each host as a Slurm step and as PBS's
+pbsdsh start it; each 30-step curve against one process, and the Slurm run resumed from its step-15
+checkpoint on one host (one process). Also the all-reduce bandwidth `loom doctor --nodes` reports.
+
+    sudo .venv/bin/python benchmarks/multinode_curve.py [--steps 30] [--out FILE]
+
+Needs root (ip netns add). Writes a JSON summary (default benchmarks/results/cpu-2core-2026-11-23/
+multinode_curve.json). The test suite runs the Slurm curve and resume (tests/netns); this adds PBS's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
+from conftest import make_text  # noqa: E402  (the test suite's deterministic pseudo-English)
+from netns_hosts import Hosts  # noqa: E402
+
+PY = sys.executable
+TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=16",
+        "--train.batch_size=8", "--train.eval_batches=1", "--train.eval_every=0", "--train.sample_every=0",
+        "--train.log_every=1", "--train.device=cpu", "--optim.warmup_steps=2"]  # fmt: skip
+HSDP = ["--parallel.dp_impl=fsdp", "--parallel.dp_replicate=2"]
+
+
+def env_for(scheduler: str, node: int, work: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_", "MASTER_"))}
+    env.update(PATH=f"{Path(PY).parent}:{env.get('PATH', '')}", OMP_NUM_THREADS="1")
+    if scheduler == "slurm":
+        env.update(SLURM_JOB_ID="777", SLURM_NODELIST="node[1-2]", SLURM_NNODES="2", SLURM_STEP_ID="0",
+                   SLURM_NODEID=str(node), SLURM_PROCID=str(node), SLURM_LOCALID="0")  # fmt: skip
+    else:
+        nodefile = work / "pbs_nodefile"
+        nodefile.write_text("node1\nnode1\nnode2\nnode2\n")
+        env.update(PBS_JOBID="778.pbs01", PBS_NODEFILE=str(nodefile), PBS_NODENUM=str(node))
+    return env
+
+
+def curve(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def worst(got: dict[int, float], ref: dict[int, float]) -> float:
+    return max(abs(v - ref[s]) for s, v in got.items())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument(
+        "--out", default=str(ROOT / "benchmarks/results/cpu-2core-2026-11-23/multinode_curve.json")
+    )
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("needs root: network namespaces (ip netns add)")
+    work = Path(tempfile.mkdtemp(prefix="loomt-bench-"))
+    try:
+        docs = work / "docs"
+        docs.mkdir()
+        for i in range(8):
+            (docs / f"doc{i}.txt").write_text(make_text(5000, seed=i))
+        data = work / "data"
+        subprocess.run([PY, "-m", "loom", "data", "prepare", "--input", str(docs), "--out", str(data), "--tokenizer", "char",
+                        "--val-fraction", "0.25"], check=True, capture_output=True)  # fmt: skip
+        base = [PY, "-m", "loom", "train", f"--data.path={data}", f"--run.dir={work / 'runs'}",
+                f"--train.steps={args.steps}", *TINY]  # fmt: skip
+        result: dict = {"steps": args.steps, "layout": "2 hosts x 2 processes, HSDP replicate 2 x shard 2",
+                        "machine": "2 CPU cores, shared with other jobs"}  # fmt: skip
+        t0 = time.monotonic()
+        env1 = {k: v for k, v in env_for("slurm", 0, work).items() if not k.startswith("SLURM_")}
+        subprocess.run(
+            [*base, "--run.name=ref", "--parallel.dp_impl=none"], env=env1, check=True, capture_output=True
+        )
+        ref = curve(work / "runs" / "ref")
+        result["single_process_s"] = round(time.monotonic() - t0, 1)
+        with Hosts(2) as hosts:
+            for scheduler in ("slurm", "pbs"):
+                name = f"hsdp-{scheduler}"
+                cmd = [*base, f"--run.name={name}", *HSDP, f"--train.ckpt_every={args.steps // 2}"]
+                t0 = time.monotonic()
+                procs = [hosts.popen(i, [PY, "-m", "loom", "launch", "--nproc-per-node", "2", "--rdzv-timeout",
+                                         "120", "--", *cmd], env=env_for(scheduler, i - 1, work),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         for i in (1, 2)]  # fmt: skip
+                outs = [proc.communicate(timeout=600)[0] for proc in procs]
+                if any(proc.returncode for proc in procs):
+                    sys.exit(f"{scheduler} run failed:\n" + "\n".join(o[-3000:] for o in outs))
+                got = curve(work / "runs" / name)
+                result[scheduler] = {"max_abs_dloss": worst(got, ref), "steps": len(got),
+                                     "wall_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+                print(f"{scheduler}: {len(got)} steps, max |dloss| vs one process = {worst(got, ref):.2e}")
+            run = work / "runs" / "hsdp-slurm"
+            shutil.rmtree(run / "ckpt" / f"step_{args.steps:06d}")
+            (run / "metrics.jsonl").write_text("")
+            half = run / "ckpt" / f"step_{args.steps // 2:06d}"
+            hosts.run(1, [PY, "-m", "loom", "train", "--resume", str(half), "--parallel.dp_impl=none",
+                          "--parallel.dp_replicate=1", "--train.device=cpu"], env=env1, check=True,
+                      capture_output=True)  # fmt: skip
+            got = curve(run)
+            result["resume_one_host"] = {"from_step": args.steps // 2, "steps": len(got),
+                                         "max_abs_dloss": worst(got, ref)}  # fmt: skip
+            print(f"resumed on one host from step {args.steps // 2}: max |dloss| = {worst(got, ref):.2e}")
+            hostfile = work / "hostfile"
+            hostfile.write_text("node1\nnode2\n")
+            doctors = [hosts.popen(i, [PY, "-m", "loom", "doctor", "--nodes", str(hostfile), "--json"], env=env1,
+                                   stdout=subprocess.PIPE, text=True) for i in (1, 2)]  # fmt: skip
+            report = json.loads(doctors[0].communicate(timeout=120)[0])
+            doctors[1].wait(120)
+            result["doctor_allreduce"] = report["allreduce"]
+            print(f"loom doctor --nodes: {report['allreduce']}")
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
