@@ -387,6 +387,7 @@ def test_inside_a_slurm_step_each_node_runs_its_own_torchrun(slurm_env):
         step = {**slurm_env, "SLURM_STEP_ID": "0", "SLURM_NODEID": str(node), "SLURM_LOCALID": "0"}
         cmd = plan_command(["--rdzv-timeout", "120", "--max-restarts", "2", "--", *TRAIN], step)
         assert cmd == [
+            "env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",  # or a node that comes back never rejoins
             "torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"nid001:{port}", "--rdzv-id", "123456",
             "--rdzv-conf", f"is_host={int(node == 0)},join_timeout=120", "--max-restarts", "2", "--no-python", *TRAIN,

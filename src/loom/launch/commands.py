@@ -121,6 +121,11 @@ def torchrun_command(
             cmd += ["--rdzv-conf", ",".join(conf)]
     if max_restarts:
         cmd += ["--max-restarts", str(max_restarts)]
+        if nnodes > 1:
+            # A node that comes back joins the next round, but with the rendezvous store shared with the
+            # workers (torch's default) the round never completes: the new agent waits for MASTER_ADDR and
+            # the old one for role_info, until the join timeout (torch 2.13, two namespace hosts).
+            cmd = ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", *cmd]
     if not command[0].endswith(".py"):
         cmd.append("--no-python")
     return cmd + list(command)
