@@ -161,8 +161,9 @@ def run_config(config: str | None, overrides: list[str], steps: int) -> tuple[Co
 
 
 def config_args(cfg: Config) -> list[str]:
-    """cfg as `--section.key=value` overrides of the defaults (the parallel section is the strategies')."""
-    out, default = [], Config().to_dict()
+    """cfg as `--section.key=value` overrides of the defaults (the parallel section is the strategies'); the
+    defaults of cfg's model.family, whose preset applies to every key not given."""
+    out, default = [], load_config(None, [f"--model.family={cfg.model.family}"]).to_dict()
     for section, values in cfg.to_dict().items():
         for k, v in values.items():
             if v != default[section][k] and not (section == "parallel" and k != "timeout_s"):
