@@ -492,3 +492,13 @@ def test_a_broken_connection_names_the_ranks_of_that_host(monkeypatch):
         "broke" not in health.describe_failure(loopback, 0, "x", 7, 5.0, hb).message
     )  # one machine: no host
     del master
+
+
+def test_max_restarts_goes_to_torchrun_and_is_refused_elsewhere(slurm_env):
+    cmd = plan_command(["--max-restarts", "3", "--", *TRAIN], {"CUDA_VISIBLE_DEVICES": "0"})
+    assert cmd[:2] == ["torchrun", "--standalone"] and cmd[cmd.index("--max-restarts") + 1] == "3"
+    with pytest.raises(LoomError, match="--max-restarts needs torchrun's elastic agent, not srun") as info:
+        plan_command(["--max-restarts", "1", "--", *TRAIN], slurm_env)
+    assert "srun --ntasks-per-node=1 loom launch" in info.value.hint
+    with pytest.raises(LoomError, match="--rdzv-timeout must be > 0"):
+        plan_command(["--rdzv-timeout", "0", "--", *TRAIN], slurm_env)

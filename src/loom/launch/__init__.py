@@ -2,10 +2,12 @@
 
     loom launch [--launcher auto|torchrun|mpiexec|srun] [--nnodes N] [--nproc-per-node G]
                 [--hostfile F] [--port P] [--master-addr HOST] [--mpi-flavour auto|mpich|openmpi]
-                [--dry-run] -- loom train ...
+                [--node-rank I] [--rdzv-timeout S] [--max-restarts R] [--dry-run] -- loom train ...
 
 The scheduler is detected (`detect.py`), the launcher chosen and its command line built
-(`commands.py`); `--dry-run` prints that command instead of running it.
+(`commands.py`); `--dry-run` prints that command instead of running it. Started once per node (inside
+an srun step, under pbsdsh, or with --node-rank), it runs this node's torchrun, after every node has
+checked in with node 0 (`gate.py`).
 """
 
 from __future__ import annotations
@@ -160,30 +162,18 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
         raise LoomError(f"--port {port} is not a TCP port", hint="pick a port in 1024-65535, e.g. 29500")
     head_addr = args.master_addr or environ.get("MASTER_ADDR", "").strip() or allocation.head
 
-    if task is not None:
-        if not 0 <= task[0] < nnodes:
-            raise LoomError(
-                f"node index {task[0]} is outside the {nnodes} node(s) of this job",
-                hint="pass --node-rank 0 on the head node and 1 .. N-1 on the others, with --nnodes N",
-            )
-        if args.rdzv_timeout <= 0 or args.max_restarts < 0:
-            raise LoomError(
-                "--rdzv-timeout must be > 0 and --max-restarts >= 0", hint="e.g. --rdzv-timeout 300"
-            )
-        args.node = _PerNode(task[0], nnodes, nproc, head_addr, port, allocation.hosts)
-        cmd = torchrun_command(
-            command,
-            nnodes=nnodes,
-            nproc_per_node=nproc,
-            head_addr=head_addr,
-            port=port,
-            job_id=allocation.job_id,
-            is_host=task[0] == 0 if nnodes > 1 else None,
-            rdzv_timeout=args.rdzv_timeout if nnodes > 1 else None,
-            max_restarts=args.max_restarts,
-        )
-        return cmd, args
+    if args.rdzv_timeout <= 0 or args.max_restarts < 0:
+        raise LoomError("--rdzv-timeout must be > 0 and --max-restarts >= 0", hint="e.g. --rdzv-timeout 300")
     args.node = None
+    if task is not None:
+        args.node = _PerNode(task[0], nnodes, nproc, head_addr, port, allocation.hosts)
+        return _per_node_command(args.node, command, allocation.job_id, args), args
+    if args.max_restarts and launcher != "torchrun":
+        raise LoomError(
+            f"--max-restarts needs torchrun's elastic agent, not {launcher}",
+            hint="run loom launch on every node (srun --ntasks-per-node=1 loom launch ..., pbsdsh -u ...), "
+            "or pass --launcher torchrun",
+        )
 
     mpi_flavour = args.mpi_flavour
     if mpi_flavour not in ("auto", *MPI_FLAVOURS):
@@ -208,8 +198,30 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
         job_id=allocation.job_id,
         mpi_flavour=mpi_flavour,
         as_root=_as_root(),
+        max_restarts=args.max_restarts,
     )
     return cmd, args
+
+
+def _per_node_command(job: _PerNode, command: list[str], job_id: str | None, args) -> list[str]:
+    """This node's torchrun, when loom launch runs on every node; node 0 serves the rendezvous."""
+    if not 0 <= job.node < job.nnodes:
+        raise LoomError(
+            f"node index {job.node} is outside the {job.nnodes} node(s) of this job",
+            hint="pass --node-rank 0 on the head node and 1 .. N-1 on the others, with --nnodes N",
+        )
+    several = job.nnodes > 1
+    return torchrun_command(
+        command,
+        nnodes=job.nnodes,
+        nproc_per_node=job.nproc,
+        head_addr=job.head_addr,
+        port=job.port,
+        job_id=job_id,
+        is_host=job.node == 0 if several else None,
+        rdzv_timeout=args.rdzv_timeout if several else None,
+        max_restarts=args.max_restarts,
+    )
 
 
 @dataclass(frozen=True)

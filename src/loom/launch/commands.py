@@ -198,6 +198,7 @@ def build_command(
     job_id: str | None = None,
     mpi_flavour: str = "mpich",
     as_root: bool = False,
+    max_restarts: int = 0,
 ) -> list[str]:
     """The full command line that starts `command` on `nnodes × nproc_per_node` processes.
 
@@ -241,8 +242,9 @@ def build_command(
         )
     # torchrun
     torchrun = torchrun_command(
-        command, nnodes=nnodes, nproc_per_node=nproc_per_node, head_addr=head_addr, port=port, job_id=job_id
-    )
+        command, nnodes=nnodes, nproc_per_node=nproc_per_node, head_addr=head_addr, port=port, job_id=job_id,
+        max_restarts=max_restarts,
+    )  # fmt: skip
     if scheduler == "slurm":
         return srun_command(torchrun, nnodes=nnodes, nproc_per_node=1, nodelist=nodelist)
     if uses_mpiexec(launcher, scheduler, nnodes):
