@@ -488,10 +488,12 @@ def test_a_broken_connection_names_the_ranks_of_that_host(monkeypatch):
     err = health.describe_failure(gloo, 0, "the gradient all-reduce", 7, 5.0, hb)
     assert "the connection to node2 (10.77.0.2) broke: rank(s) 2, 3 run there" in err.message
     loopback = RuntimeError("Read error [127.0.0.1]:20697: Connection reset by peer.")
-    assert (
-        "broke" not in health.describe_failure(loopback, 0, "x", 7, 5.0, hb).message
-    )  # one machine: no host
-    del master
+    on_one_machine = health.describe_failure(loopback, 0, "x", 7, 5.0, hb)
+    assert "broke" not in on_one_machine.message  # every rank is at 127.0.0.1: no host to name
+    del master  # the head's host is gone, with the store: the address in gloo's error is all there is
+    gloo = RuntimeError("Read error [10.77.0.1]:20697: Connection reset by peer.")
+    err = health.describe_failure(gloo, 2, "the gradient all-reduce", 7, 5.0, hb)
+    assert "the connection to 10.77.0.1 broke: rank 0's host is down or unreachable" in err.message
 
 
 def test_max_restarts_goes_to_torchrun_and_is_refused_elsewhere(slurm_env):

@@ -128,11 +128,14 @@ def describe_failure(
     what = f"did not complete within parallel.timeout_s={timeout_s:g}s" if timed_out else "failed"
     msg = f"rank {rank}: {op} {what} ({text[:300]})"
     if heartbeat is not None:
+        addresses = {a for a in _PEER.findall(text) if not _loopback(a)}
         try:
-            peers = heartbeat.ranks_at({a for a in _PEER.findall(text) if not _loopback(a)})
+            peers = heartbeat.ranks_at(addresses)
             late = heartbeat.laggards(step)
         except Exception:  # the store is gone with its host (rank 0 or the launcher)
             msg += "; the job's store is unreachable, so rank 0 or the launcher is gone"
+            if addresses:
+                msg += f" (the connection to {', '.join(sorted(addresses))} broke: rank 0's host is down or unreachable)"
         else:
             for where, ranks in peers.items():
                 msg += f"; the connection to {where} broke: rank(s) {', '.join(map(str, ranks))} run there"
