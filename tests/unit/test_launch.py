@@ -479,7 +479,7 @@ def test_a_broken_connection_names_the_ranks_of_that_host(monkeypatch):
     master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    hb = health.Heartbeat(0, 4)
+    hb = health.Heartbeat(0, 4, timeout_s=1)
     for rank, where in ((1, "node1 10.77.0.1"), (2, "node2 10.77.0.2"), (3, "node2 10.77.0.2")):
         hb.store.set(f"where/{rank}", where)
         hb.store.set(str(rank), "7")
