@@ -128,7 +128,9 @@ def _data(argv: list[str]) -> int:
     src.add_argument("--input", nargs="+", help="files, folders (recursive), .jsonl(.gz/.zst) or .parquet")
     src.add_argument("--corpus", help="a built-in corpus: python-stdlib")
     pp.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
-    pp.add_argument("--tokenizer", default="char", help="char | bpe | PATH/tokenizer.json (default char)")
+    pp.add_argument("--tokenizer", default="char",
+                    help="char | bpe | PATH/tokenizer.json | a folder with one or with GPT-2's encoder.json + "
+                    "vocab.bpe (default char)")  # fmt: skip
     pp.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
     pp.add_argument("--val-fraction", type=float, default=0.1, help="share of the text for val (default 0.1)")
     pp.add_argument("--split-mode", default="docs", choices=["docs", "tail"],
@@ -161,10 +163,9 @@ def _data(argv: list[str]) -> int:
     if not 0.0 < args.val_fraction < 1.0:
         raise LoomError(f"--val-fraction must be between 0 and 1, got {args.val_fraction}")
     if args.tokenizer not in ("char", "bpe"):
-        tok = Path(args.tokenizer)
-        if not (tok / "tokenizer.json" if tok.is_dir() else tok).is_file():
-            raise LoomError(f"--tokenizer '{args.tokenizer}' is neither char, bpe nor an existing tokenizer.json",
-                            hint="char, bpe, or the path of a tokenizer.json (or of the folder holding one)")  # fmt: skip
+        from loom.data.tokenizers import tokenizer_files
+
+        tokenizer_files(args.tokenizer)  # a tokenizer.json, a folder with one, or GPT-2's vocabulary files
     from loom.data.corpus import corpus_files
     from loom.data.prepare import prepare
 

@@ -38,7 +38,14 @@ from loom.data.sources import (
     kind_of_file,
 )
 from loom.data.split import Splitter, check_split, split_documents  # noqa: F401 (split_documents: re-export)
-from loom.data.tokenizers import CharTokenizer, HFTokenizer, check_bpe_vocab, tokenizer_hash
+from loom.data.tokenizers import (
+    CharTokenizer,
+    HFTokenizer,
+    check_bpe_vocab,
+    load_given_tokenizer,
+    tokenizer_files,
+    tokenizer_hash,
+)
 from loom.errors import LoomError
 from loom.outputs import check_apart, check_replaceable, replace_output, write_marker
 
@@ -203,18 +210,10 @@ class Plan:
         # the inputs as found (names, sizes, modification times): an edited input is another preparation
         d["files"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f, _ in files]
         if self.tokenizer not in ("char", "bpe"):
-            d["tokenizer_sha"] = hashlib.sha256(_tokenizer_path(self.tokenizer).read_bytes()).hexdigest()
+            d["tokenizer_sha"] = [
+                hashlib.sha256(f.read_bytes()).hexdigest() for f in tokenizer_files(self.tokenizer)
+            ]
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _tokenizer_path(spec: str) -> Path:
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise LoomError(f"--tokenizer '{spec}' is neither char, bpe nor an existing tokenizer.json",
-                        hint="char, bpe, or the path of a tokenizer.json (or of the folder holding one)")  # fmt: skip
-    return path
 
 
 def _version(vocab_size: int, dtype: str) -> int:
@@ -282,7 +281,7 @@ def _train_tokenizer(plan: Plan, files, total_chars: int | None):
     """char: the characters of the whole corpus; bpe: trained on a sample of the train split (documents
     taken with a seeded probability, each capped at doc_cap characters); else the given tokenizer.json."""
     if plan.tokenizer not in ("char", "bpe"):
-        return HFTokenizer.from_file(_tokenizer_path(plan.tokenizer)), "tokenizer.json"
+        return load_given_tokenizer(plan.tokenizer), "tokenizer.json"
     stats = ReadStats()
     est = estimated_bytes(files)
     if plan.tokenizer == "char":
@@ -382,7 +381,7 @@ def prepare(
         check_bpe_vocab(vocab_size)  # before any reading
         _version(vocab_size, dtype)
     elif tokenizer != "char":
-        _tokenizer_path(tokenizer)
+        tokenizer_files(tokenizer)
     check_split(val_fraction, split_mode)
     if shard_tokens < 1 or chunk_chars < 1:
         raise LoomError("--shard-tokens must be at least 1")

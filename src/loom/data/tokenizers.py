@@ -118,6 +118,19 @@ class HFTokenizer:
         return cls(tok)
 
     @classmethod
+    def from_vocab_files(cls, vocab: Path, merges: Path) -> HFTokenizer:
+        """GPT-2's tokenizer from OpenAI's encoder.json + vocab.bpe (or the same as vocab.json + merges.txt)."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        try:
+            tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        except Exception as e:  # the library raises plain Exceptions for malformed files
+            raise LoomError(f"'{vocab}' + '{merges}' are not a BPE vocabulary and merges: {e}") from None
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        return cls(tok)
+
+    @classmethod
     def from_file(cls, path: str | Path) -> HFTokenizer:
         from tokenizers import Tokenizer
 
@@ -139,6 +152,32 @@ class HFTokenizer:
     def save(self, out_dir: str | Path) -> str:
         self.tok.save(str(Path(out_dir) / self.filename))
         return self.filename
+
+
+VOCAB_FILE_PAIRS = (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt"))
+
+
+def tokenizer_files(spec: str | Path) -> list[Path]:
+    """The files of a given tokenizer: a tokenizer.json, or a folder holding one, or GPT-2's vocabulary and
+    merges (encoder.json + vocab.bpe, or vocab.json + merges.txt)."""
+    path = Path(spec)
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return [path / "tokenizer.json"]
+        for pair in VOCAB_FILE_PAIRS:
+            if all((path / f).is_file() for f in pair):
+                return [path / f for f in pair]
+    elif path.is_file():
+        return [path]
+    raise LoomError(f"--tokenizer '{spec}' is neither char, bpe nor an existing tokenizer.json",
+                    hint="char, bpe, the path of a tokenizer.json, or a folder holding one (or GPT-2's "
+                    "encoder.json + vocab.bpe)")  # fmt: skip
+
+
+def load_given_tokenizer(spec: str | Path) -> HFTokenizer:
+    """The tokenizer named by --tokenizer PATH (see tokenizer_files)."""
+    files = tokenizer_files(spec)
+    return HFTokenizer.from_file(files[0]) if len(files) == 1 else HFTokenizer.from_vocab_files(*files)
 
 
 def load_tokenizer(directory: str | Path, meta: dict) -> CharTokenizer | HFTokenizer:
