@@ -63,7 +63,8 @@ class Heartbeat:
             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
         )  # fmt: skip
         self.store = dist.PrefixStore(f"loom/heartbeat/{attempt}", store)
-        self.store.set(f"where/{rank}", " ".join(local_addresses(os.environ["MASTER_ADDR"])))
+        self.here = local_addresses(os.environ["MASTER_ADDR"])
+        self.store.set(f"where/{rank}", " ".join(self.here))
 
     def beat(self, step: int) -> None:
         self.store.set(str(self.rank), str(step))
@@ -128,7 +129,8 @@ def describe_failure(
     what = f"did not complete within parallel.timeout_s={timeout_s:g}s" if timed_out else "failed"
     msg = f"rank {rank}: {op} {what} ({text[:300]})"
     if heartbeat is not None:
-        addresses = {a for a in _PEER.findall(text) if not _loopback(a)}
+        # A peer on this rank's own host is a sibling that stopped because of the failure, not its cause.
+        addresses = {a for a in _PEER.findall(text) if not _loopback(a)} - set(heartbeat.here)
         try:
             peers = heartbeat.ranks_at(addresses)
             late = heartbeat.laggards(step)
