@@ -43,6 +43,11 @@ class DataConfig:
     tokenizer: str = _f("bpe", "Tokenizer for the built-in corpus: char | bpe.")
     vocab_size: int = _f(4096, "BPE vocabulary size for the built-in corpus.")
     cache_dir: str = _f("", "Where built-in corpora are prepared; empty: $LOOM_CACHE_DIR or ~/.cache/loom.")
+    align: str = _f(
+        "none",
+        "none: training windows cut the token stream anywhere | bos: each window starts at a document start "
+        "(the tokens after a window's end up to the next document are dropped; the count is printed).",
+    )
 
 
 @dataclass
@@ -278,6 +283,7 @@ CHOICES = {
     ("train", "async_ckpt"): ("auto", "true", "false"),
     ("train", "activation_checkpointing"): ("none", "full", "selective"),
     ("precision", "dtype"): ("fp32", "bf16", "fp16", "auto"),
+    ("data", "align"): ("none", "bos"),
     ("parallel", "dp_impl"): ("auto", "none", "ddp", "zero1", "zero2", "fsdp", "mpi"),
     ("parallel", "param_dtype"): ("", "fp32", "bf16", "fp16"),
     ("parallel", "reduce_dtype"): ("", "fp32", "bf16", "fp16"),

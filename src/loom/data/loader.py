@@ -37,12 +37,24 @@ class TokenWindows:
 
     `shards`: loom shard paths, or 1-D integer arrays (memory maps) as `open_split` gives for any format."""
 
-    def __init__(self, shards: list[Path] | list[np.ndarray], block_size: int, split: str = "train"):
+    def __init__(
+        self,
+        shards: list[Path] | list[np.ndarray],
+        block_size: int,
+        split: str = "train",
+        bos_id: int | None = None,
+    ):
         self.block_size = block_size
         self.arrays = [s if isinstance(s, np.ndarray) else read_shard(s) for s in shards]
         total = sum(len(a) for a in self.arrays)
-        # One window per block_size tokens, keeping room for a shift of up to block_size - 1.
-        self.counts = np.array([max(0, len(a) // block_size - 1) for a in self.arrays], dtype=np.int64)
+        self.starts: list[np.ndarray] | None = None
+        self.dropped = 0
+        if bos_id is not None:  # data.align=bos: every window starts at a document's first token
+            self.starts = [bos_starts(a, bos_id, block_size) for a in self.arrays]
+            self.counts = np.array([len(s) for s in self.starts], dtype=np.int64)
+            self.dropped = total - int(self.counts.sum()) * block_size
+        else:  # one window per block_size tokens, keeping room for a shift of up to block_size - 1
+            self.counts = np.array([max(0, len(a) // block_size - 1) for a in self.arrays], dtype=np.int64)
         if self.counts.sum() == 0:
             raise LoomError(
                 f"model.block_size={block_size} is larger than the {split} split can provide ({total} tokens)",
@@ -58,9 +70,29 @@ class TokenWindows:
         out = np.empty((len(window_ids), T + 1), dtype=np.int64)
         shard = np.searchsorted(self.cum, window_ids, side="right") - 1
         for i, (w, s) in enumerate(zip(window_ids, shard, strict=True)):
-            start = shift + (int(w) - int(self.cum[s])) * T
+            if self.starts is not None:
+                start = int(self.starts[s][int(w) - int(self.cum[s])])
+            else:
+                start = shift + (int(w) - int(self.cum[s])) * T
             out[i] = self.arrays[s][start : start + T + 1]
         return torch.from_numpy(out)
+
+
+def bos_starts(ids: np.ndarray, bos_id: int, block_size: int, chunk: int = 1 << 24) -> np.ndarray:
+    """Window starts for data.align=bos: each at a document start (an end-of-text id, which loom puts before
+    every document), the next one at the first document start at least block_size later, every window's
+    block_size + 1 tokens inside the shard (as nanochat and modded-nanogpt align their rows). The tokens
+    between a window's end and the next document start are not trained on. One scan of the shard."""
+    docs = np.concatenate(
+        [np.flatnonzero(np.asarray(ids[i : i + chunk]) == bos_id) + i for i in range(0, len(ids), chunk)]
+        or [np.zeros(0, np.int64)]
+    )
+    docs = docs[docs + block_size + 1 <= len(ids)]
+    out, i = [], 0
+    while i < len(docs):
+        out.append(docs[i])
+        i = int(np.searchsorted(docs, docs[i] + block_size, side="left"))
+    return np.asarray(out, dtype=np.int64)
 
 
 class ShardLoader:
@@ -75,10 +107,18 @@ class ShardLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         split: str = "train",
+        align: str = "none",
     ):
         if batch_size % dp_size:
             raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={dp_size}")
-        self.windows = TokenWindows(open_split(data_dir, split), block_size, split)
+        self.windows = TokenWindows(open_split(data_dir, split), block_size, split, _bos_id(data_dir, align))
+        if align == "bos" and dp_rank == 0:
+            from loom import log
+
+            total = self.windows.tokens
+            log.info(f"data.align=bos: {self.windows.n:,} windows start at a document start; "
+                     f"{self.windows.dropped:,} of {total:,} {split} tokens ({self.windows.dropped / max(1, total):.1%})"
+                     " are never trained on (between a window's end and the next document)")  # fmt: skip
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.cursor = 0  # global samples consumed (all ranks together)
@@ -129,6 +169,20 @@ class ShardLoader:
                 hint="resume with the same data.path and model.block_size",
             )
         self.seed, self.cursor = state["seed"], int(state["cursor"])
+
+
+def _bos_id(data_dir: str | Path, align: str) -> int | None:
+    """The end-of-text id that starts each document, for data.align=bos (None for the default stream)."""
+    if align == "none":
+        return None
+    if align != "bos":
+        raise LoomError(f"data.align must be none or bos, got '{align}'")
+    tok = read_meta(data_dir).get("tokenizer") or {}
+    eot = tok.get("eot_id") if isinstance(tok, dict) else None
+    if not isinstance(eot, int):
+        raise LoomError(f"data.align=bos needs the end-of-text id of '{data_dir}', which its meta does not give",
+                        hint="prepare the data with loom (meta.json records tokenizer.eot_id), or use data.align=none")  # fmt: skip
+    return eot
 
 
 class DeviceBatches:
