@@ -501,7 +501,13 @@ def _run(
         if rec["backend"] == "tiktoken":
             spec = {**spec, "backend": "tiktoken", "tiktoken": tiktoken_spec(spec["json"])}
     else:
-        spec = choose_backend(spec, [t for _, t, _ in first[:64]], encoder)
+        probe, n = [], 0
+        for _, t, _ in first:  # ~100k characters of the corpus: the check costs a fraction of a second
+            probe.append(t[:20_000])
+            n += len(probe[-1])
+            if n >= 100_000:
+                break
+        spec = choose_backend(spec, probe, encoder)
         rec["backend"] = spec.get("backend", "tokenizers")
         _write_json(tmp / PROGRESS, rec)
     tokens = 0
