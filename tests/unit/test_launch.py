@@ -408,6 +408,13 @@ def test_node_detection_and_its_refusals(slurm_env):
     assert node_task(slurm_env) is None  # the batch script: one process, not a step
     step = {**slurm_env, "SLURM_STEP_ID": "3", "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2"}
     assert node_task(step) == (1, 2)
+    subset = {
+        **step,
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_NODELIST": "nid[007-008]",
+        "SLURM_JOB_NODELIST": "nid[001-008]",
+    }
+    assert "nid007:" in plan_command(["--", *TRAIN], subset)[8]  # the step's first node, not the job's
     with pytest.raises(LoomError, match="several tasks on this node") as info:
         node_task({**step, "SLURM_LOCALID": "1"})
     assert "--ntasks-per-node=1" in info.value.hint

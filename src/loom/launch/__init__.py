@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from loom import log
-from loom.env import port_from_job_id
+from loom.env import port_from_job_id, slurm_hosts
 from loom.errors import LoomError
 from loom.launch.commands import (
     LAUNCHERS,
@@ -160,13 +160,16 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
         port = port_from_job_id(allocation.job_id)
     if not 0 < port < 65536:
         raise LoomError(f"--port {port} is not a TCP port", hint="pick a port in 1024-65535, e.g. 29500")
-    head_addr = args.master_addr or environ.get("MASTER_ADDR", "").strip() or allocation.head
+    hosts = allocation.hosts
+    if task is not None and allocation.scheduler == "slurm":
+        hosts = tuple(slurm_hosts(environ))  # the step's nodes (SLURM_STEP_NODELIST) when it runs on a subset
+    head_addr = args.master_addr or environ.get("MASTER_ADDR", "").strip() or (hosts[0] if hosts else None)
 
     if args.rdzv_timeout <= 0 or args.max_restarts < 0:
         raise LoomError("--rdzv-timeout must be > 0 and --max-restarts >= 0", hint="e.g. --rdzv-timeout 300")
     args.node = None
     if task is not None:
-        args.node = _PerNode(task[0], nnodes, nproc, head_addr, port, allocation.hosts)
+        args.node = _PerNode(task[0], nnodes, nproc, head_addr, port, hosts)
         return _per_node_command(args.node, command, allocation.job_id, args), args
     if args.max_restarts and launcher != "torchrun":
         raise LoomError(
