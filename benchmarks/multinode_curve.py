@@ -30,7 +30,7 @@ from netns_hosts import Hosts  # noqa: E402
 PY = sys.executable
 TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=16",
         "--train.batch_size=8", "--train.eval_batches=1", "--train.eval_every=0", "--train.sample_every=0",
-        "--train.log_every=1", "--train.device=cpu", "--optim.warmup_steps=2"]  # fmt: skip
+        "--train.log_every=1", "--train.device=cpu", "--optim.warmup_steps=2", "--train.sample_tokens=8"]  # fmt: skip
 HSDP = ["--parallel.dp_impl=fsdp", "--parallel.dp_replicate=2"]
 
 
@@ -54,6 +54,55 @@ def curve(run: Path) -> dict[int, float]:
 
 def worst(got: dict[int, float], ref: dict[int, float]) -> float:
     return max(abs(v - ref[s]) for s, v in got.items())
+
+
+def restart_when_the_host_comes_back(hosts, base: list[str], work: Path, ref: dict[int, float]) -> dict:
+    """--max-restarts 1: kill node2 after a checkpoint, start its loom launch again; the job resumes."""
+    run = work / "runs" / "restart"
+    every = max(2, len(ref) // 6)
+    cmd = [*base, "--run.name=restart", "--train.resume=auto", f"--train.ckpt_every={every}", *HSDP,
+           "--parallel.timeout_s=5"]  # fmt: skip
+    launch = [
+        PY,
+        "-m",
+        "loom",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-timeout",
+        "120",
+        "--max-restarts",
+        "1",
+    ]
+
+    def start(i: int, tag: str) -> subprocess.Popen:
+        out = open(work / f"restart-node{i}-{tag}.out", "w")
+        return hosts.popen(i, [*launch, "--", *cmd], env=env_for("slurm", i - 1, work), stdout=out,
+                           stderr=subprocess.STDOUT)  # fmt: skip
+
+    first = [start(1, "a"), start(2, "a")]
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").exists() and len(curve(run)) >= every + 2):
+        if time.monotonic() > deadline or first[0].poll() is not None:
+            sys.exit(
+                "restart run did not reach its first checkpoint:\n"
+                + (work / "restart-node1-a.out").read_text()
+            )
+        time.sleep(0.05)
+    killed_at = max(curve(run))
+    hosts.kill(2)
+    first[1].wait()
+    time.sleep(3)
+    t0 = time.monotonic()
+    again = start(2, "b")
+    codes = [first[0].wait(600), again.wait(600)]
+    got = curve(run)  # a step replayed after the restart keeps its last value
+    text = (work / "restart-node1-a.out").read_text()
+    out = {"killed_after_step": killed_at, "exit_codes": codes, "steps": len(got),
+           "seconds_from_comeback_to_end": round(time.monotonic() - t0, 1),
+           "resumed": "resumed from" in text, "max_abs_dloss": worst(got, ref)}  # fmt: skip
+    print(f"--max-restarts: {out}")
+    return out
 
 
 def main() -> int:
@@ -112,6 +161,7 @@ def main() -> int:
             result["resume_one_host"] = {"from_step": args.steps // 2, "steps": len(got),
                                          "max_abs_dloss": worst(got, ref)}  # fmt: skip
             print(f"resumed on one host from step {args.steps // 2}: max |dloss| = {worst(got, ref):.2e}")
+            result["max_restarts"] = restart_when_the_host_comes_back(hosts, base, work, ref)
             hostfile = work / "hostfile"
             hostfile.write_text("node1\nnode2\n")
             doctors = [hosts.popen(i, [PY, "-m", "loom", "doctor", "--nodes", str(hostfile), "--json"], env=env1,
