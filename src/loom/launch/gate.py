@@ -33,7 +33,7 @@ from loom.errors import LoomError
 VERSION_OVERRIDE = "LOOM_REPORTED_VERSION"
 _RETRY_S = 0.25
 _BANNER = {"loom-gate": 1}
-_BANNER_WAIT_S = 3.0
+_BANNER_WAIT_S = 10.0  # the head answers nodes one by one; a running job's store never greets
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,8 @@ def node_gate(
         )
     with conn:
         try:  # the gate greets first; a running job's store (torchrun's) says nothing and is left alone
-            banner = _recv(conn, time.monotonic() + _BANNER_WAIT_S)
+            now = time.monotonic()
+            banner = _recv(conn, min(max(deadline, now + 1), now + _BANNER_WAIT_S))
         except (OSError, ValueError):
             banner = None
         if banner != _BANNER:
