@@ -28,6 +28,7 @@ import torch
 
 from loom import log
 from loom.config import (
+    FAMILIES,
     SCHEDULE_STAGES_PER_RANK,
     Config,
     ParallelConfig,
@@ -163,7 +164,8 @@ def run_config(config: str | None, overrides: list[str], steps: int) -> tuple[Co
 def config_args(cfg: Config) -> list[str]:
     """cfg as `--section.key=value` overrides of the defaults (the parallel section is the strategies'); the
     defaults of cfg's model.family, whose preset applies to every key not given."""
-    out, default = [], load_config(None, [f"--model.family={cfg.model.family}"]).to_dict()
+    out, default = [], Config().to_dict()
+    default["model"].update(FAMILIES[cfg.model.family])  # (family itself differs from the default: passed)
     for section, values in cfg.to_dict().items():
         for k, v in values.items():
             if v != default[section][k] and not (section == "parallel" and k != "timeout_s"):
