@@ -388,7 +388,8 @@ def prepare(
     t0 = time.perf_counter()
     read = ReadOptions(glob=glob, field=jsonl_field, text_separator=text_separator or None,
                        doc_chars=doc_chars, strict=strict)  # fmt: skip
-    files = input_files(inputs, glob, ReadStats())
+    found = ReadStats()
+    files = input_files(inputs, glob, found)
     _check_not_empty(bool(files), inputs, ReadStats())
     mode = split_mode
     if mode == "docs" and len(files) == 1 and kind_of_file(files[0][0]) == "text":
@@ -401,7 +402,7 @@ def prepare(
     fingerprint = plan.fingerprint(files)
     rec = _start(tmp, fingerprint, force)
     try:
-        meta = _run(plan, files, tmp, rec, fingerprint, workers or cpu_count(), encoder)
+        meta = _run(plan, files, tmp, rec, fingerprint, workers or cpu_count(), encoder, found.read_once)
     except BaseException:
         if not any(tmp.glob("*_000000.bin")):  # nothing worth continuing from
             shutil.rmtree(tmp, ignore_errors=True)
@@ -430,7 +431,14 @@ def prepare(
 
 
 def _run(
-    plan: Plan, files, tmp: Path, rec: dict | None, fingerprint: str, workers: int, encoder: str
+    plan: Plan,
+    files,
+    tmp: Path,
+    rec: dict | None,
+    fingerprint: str,
+    workers: int,
+    encoder: str,
+    read_once: list,
 ) -> dict:
     """Tokenizer, then every chunk encoded into shards under tmp; the core of meta.json."""
     if rec is None:
@@ -463,7 +471,7 @@ def _run(
 
     writers = {s: ShardWriter(tmp, s, plan.shard_tokens, version, rec["splits"][s]["shards"], commit)
                for s in SPLITS}  # fmt: skip
-    stats = ReadStats()
+    stats = ReadStats(read_once=read_once)
     resume_chunk = min(c for c, _ in start.values())
     counts = {"documents": {s: 0 for s in SPLITS}, "val_bytes": 0, "repeats": 0}
     seen: set[bytes] = set()
