@@ -32,13 +32,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LOOM = [sys.executable, "-m", "loom"]
 SOURCES = ["/usr/include", "/usr/lib/python3", "/usr/lib/python3.11", "/usr/local/lib/python3.11",
-           str(ROOT / ".venv/lib")]  # fmt: skip
+           str(ROOT / ".venv/lib"), "/usr/local/include", "/root/.pyenv", "/usr/src", "/usr/share", "/opt",
+           "/usr/lib", "/usr/local"]  # fmt: skip
 SUFFIXES = (".h", ".hpp", ".py")
 
 
 def source_files():
     seen = set()
     for root in SOURCES:
+        if not Path(root).is_dir():
+            continue
         for p in sorted(Path(root).rglob("*")):
             if p.suffix in SUFFIXES and p.is_file() and not p.is_symlink():
                 key = p.resolve()
@@ -119,6 +122,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/loom-data-prepare")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/cpu-2core-2026-11-23/data_prepare.json"))
     ap.add_argument("--only", default="", help="comma-separated steps (1-5) to run; default all")
+    ap.add_argument("--formats", default="jsonl_gz,jsonl_zst,parquet,text_1gb", help="step 2's inputs")
     args = ap.parse_args()
     steps = {int(s) for s in args.only.split(",") if s} or {1, 2, 3, 4, 5}
     work = Path(args.work)
@@ -134,20 +138,18 @@ def main() -> None:
         print(json.dumps(res, indent=1), flush=True)
 
     try:
-        one, two = work / "c1" / "corpus.jsonl", work / "c2"
+        one, two = work / "c1" / "corpus.jsonl", work / "c2" / "corpus.jsonl"
         one.parent.mkdir(exist_ok=True)
         if not one.is_file():
             res["corpus_bytes"] = build_jsonl(one, args.mb * 10**6)
-        if 1 in steps:
-            two.mkdir(exist_ok=True)
-            for i in range(2):
-                if not (two / f"part{i}.jsonl").is_file():
-                    shutil.copy(one, two / f"part{i}.jsonl")
+        if 1 in steps:  # 2x: the first 2 x --mb MB of the same files (no repeated text)
+            two.parent.mkdir(exist_ok=True)
+            res["corpus_2x_bytes"] = build_jsonl(two, 2 * args.mb * 10**6)
             bpe = ["--tokenizer", "bpe", "--vocab-size", "32768"]
             res["prepare_1x"] = prepare(one, work / "o1", *bpe)
             res["prepare_2x"] = prepare(two, work / "o2", *bpe)
             shutil.rmtree(work / "o2")
-            shutil.rmtree(two)
+            shutil.rmtree(two.parent)
             res["rss_2x_over_1x"] = round(
                 res["prepare_2x"]["peak_rss_mb"] / res["prepare_1x"]["peak_rss_mb"], 3
             )
@@ -177,12 +179,17 @@ def main() -> None:
                         writer.write_table(table)
                         batch = []
             writer.close()
-            with open(txt, "w", encoding="utf-8") as g:  # one text file of twice the corpus (~1 GB)
-                for _ in range(2):
+            with open(
+                txt, "w", encoding="utf-8"
+            ) as g:  # one text file of at least 1 GB (the corpus repeated)
+                for _ in range(-(-(10**9) // one.stat().st_size)):
                     with open(one, encoding="utf-8") as f:
                         for line in f:
                             g.write(json.loads(line)["text"])
             for name, path in (("jsonl_gz", gz), ("jsonl_zst", zst), ("parquet", pq_path), ("text_1gb", txt)):
+                if name not in args.formats.split(","):
+                    path.unlink()
+                    continue
                 res[f"prepare_{name}"] = prepare(path, work / "o3", "--tokenizer", tok)
                 res[f"prepare_{name}"]["input_bytes"] = path.stat().st_size
                 shutil.rmtree(work / "o3")
