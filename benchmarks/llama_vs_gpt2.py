@@ -3,9 +3,9 @@
     python benchmarks/llama_vs_gpt2.py [--steps 400] [--seeds 0,1,2] [--out DIR]
 
 Both train with `loom train` on the built-in corpus (the Python standard library, byte-level BPE of 1,024
-tokens, so the embeddings do not dominate a model this small), fp32, one process each, the runs of the two
-families interleaved seed by seed so a machine that gets busier affects both alike (only losses are compared,
-never times). The shapes:
+tokens, so the embeddings do not dominate a model this small), fp32, one process each with one thread; the two
+families of a seed run side by side, so a machine that gets busier affects both alike (only losses are
+compared, never times). The shapes:
   gpt2   4 layers, 4 heads, 128 wide, learned positions, LayerNorm, GELU MLP 512 wide, tied head: 926,848 params
   llama  model.family=llama: RoPE, RMSNorm, SwiGLU 304 wide, 2 key/value heads for 4 query heads, untied head:
          926,848 params too (the SwiGLU width is picked to match GPT-2's count; the 8/3 rule would give 384)
@@ -41,18 +41,22 @@ def common(args) -> list[str]:
             "--precision.dtype=fp32", "--train.device=cpu", f"--run.dir={args.runs}"]  # fmt: skip
 
 
-def run(family: str, seed: int, args) -> dict:
-    name = f"{family}-s{seed}"
+def start(family: str, seed: int, args) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "loom", "train", *SHAPES[family], *common(args), f"--run.seed={seed}",
-           f"--run.name={name}", "--force"]  # fmt: skip
-    t0 = time.time()
-    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+           f"--run.name={family}-s{seed}", "--force"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # two processes, no thread fights
+    log = open(args.runs / f"{family}-s{seed}.log", "w")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def result(family: str, seed: int, args, wall_s: float) -> dict:
+    name = f"{family}-s{seed}"
     recs = [json.loads(line) for line in (args.runs / name / "metrics.jsonl").read_text().splitlines()]
     params = json.loads((args.runs / name / "run.json").read_text())["params"]
     curve = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None and "step" in r]
     curve = sorted(dict(curve).items())
     return {"family": family, "seed": seed, "params": params, "curve": curve, "final": curve[-1][1],
-            "wall_s": round(time.time() - t0, 1)}  # fmt: skip
+            "wall_s": round(wall_s, 1)}  # fmt: skip
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -89,9 +93,14 @@ def main() -> int:
     p.add_argument("--runs", type=Path, default=Path("/tmp/loom-llama-vs-gpt2"))
     args = p.parse_args()
     results = []
+    args.runs.mkdir(parents=True, exist_ok=True)
     for seed in (int(s) for s in args.seeds.split(",")):
-        for family in ("gpt2", "llama"):
-            results.append(run(family, seed, args))
+        t0 = time.time()
+        procs = {family: start(family, seed, args) for family in ("gpt2", "llama")}
+        for family, proc in procs.items():
+            if proc.wait() != 0:
+                raise SystemExit(f"{family} seed {seed} failed: see {args.runs / f'{family}-s{seed}.log'}")
+            results.append(result(family, seed, args, time.time() - t0))
             print(f"{family} seed {seed}: final val loss {results[-1]['final']:.4f}", flush=True)
     summary = {}
     for family in ("gpt2", "llama"):
