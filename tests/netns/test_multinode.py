@@ -180,11 +180,18 @@ def test_pbs_job_script_runs_mpiexec_across_the_hosts(hosts, tmp_path):
     env = {**base_env(), **scheduler_env("pbs", 0, tmp_path), "HYDRA_LAUNCHER": "ssh",
            "HYDRA_LAUNCHER_EXEC": str(hosts.ssh)}  # fmt: skip
     del env["PBS_NODENUM"]
-    show = "import os, socket; print('rank', os.environ['PMI_RANK'], socket.gethostname(), os.environ['MASTER_ADDR'])"
+    # one write per rank: mpiexec forwards each rank's output as it comes, so pieces of lines can interleave
+    show = ("import os, socket; e = os.environ; "
+            "os.write(1, f\"rank {e['PMI_RANK']} {socket.gethostname()} {e['MASTER_ADDR']}\\n\".encode())")  # fmt: skip
     r = hosts.run(1, [PY, "-m", "loom", "launch", "--nproc-per-node", "2", "--", PY, "-c", show], env=env,
                   capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert "mpiexec -n 4 -ppn 2 --hostfile" in r.stdout + r.stderr
     ranks = sorted(line for line in r.stdout.splitlines() if line.startswith("rank "))
-    assert ranks == ["rank 0 node1 node1", "rank 1 node1 node1", "rank 2 node2 node1", "rank 3 node2 node1"]
+    assert ranks == [
+        "rank 0 node1 node1",
+        "rank 1 node1 node1",
+        "rank 2 node2 node1",
+        "rank 3 node2 node1",
+    ], r.stdout + r.stderr
     assert hosts.pids() == []
