@@ -106,3 +106,9 @@ def test_mixed_precision_trains(char_data, tmp_path, dtype):
     if dtype == "fp16":
         state = json.loads((tmp_path / dtype / "ckpt" / "step_000020" / "state.json").read_text())
         assert state["step"] == 20
+
+
+def test_align_bos_reaches_the_training_loader(char_data, tmp_path, capsys):
+    assert train(char_data, tmp_path, "a", "--train.steps=2", "--data.align=bos", "--train.eval_every=0",
+                 "--train.sample_every=0") == 0  # fmt: skip
+    assert "data.align=bos:" in capsys.readouterr().out  # the loader's report of windows and dropped tokens

@@ -84,7 +84,13 @@ class Trainer:
         t, dims = cfg.train, self.dims
         # Data first: a block_size the data cannot provide fails here, before the model is built.
         loader = ShardLoader(
-            data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, dims.dp_rank, dims.dp
+            data_dir,
+            t.batch_size,
+            cfg.model.block_size,
+            cfg.run.seed,
+            dims.dp_rank,
+            dims.dp,
+            align=cfg.data.align,
         )
         self.batches = DeviceBatches(loader, device)
         self.valset = ValSet(
