@@ -208,3 +208,24 @@ def test_planner_llama_presets_have_the_released_counts(name, released):
     cfg = GPTConfig(s.vocab_size, s.n_layer, s.n_head, s.n_embd, s.block_size, pos=s.pos, norm=s.norm,
                     mlp=s.mlp, ffn_hidden=s.ffn_hidden, n_kv_head=s.n_kv_head, tie_embeddings=False)  # fmt: skip
     assert param_count(cfg) == released
+
+
+def test_data_for_an_imported_model_must_use_its_tokenizer(tmp_path):
+    """model.init_from: the data's ids must fit the model and mean what the model's tokenizer.json says."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models
+
+    _, d = random_llama(tmp_path, vocab=100)
+
+    def words(n, offset=0):
+        return Tokenizer(models.WordLevel({f"w{i}": (i + offset) % n for i in range(n)}, unk_token="w0"))
+
+    words(90).save(str(d / "tokenizer.json"))
+    spec = f"hf:{d}"
+    hf.check_data_tokenizer(spec, tmp_path, 90, SimpleNamespace(tok=words(90)), 100)  # the model's own: fine
+    with pytest.raises(LoomError, match="vocabulary of 120 tokens but the model imported from .* has 100"):
+        hf.check_data_tokenizer(spec, tmp_path, 120, SimpleNamespace(tok=words(120)), 100)
+    with pytest.raises(LoomError, match="another tokenizer than .*tokenizer.json' .90 of its 90 tokens") as e:
+        hf.check_data_tokenizer(spec, tmp_path, 90, SimpleNamespace(tok=words(90, offset=1)), 100)
+    assert "--tokenizer" in e.value.hint

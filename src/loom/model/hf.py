@@ -295,6 +295,33 @@ def _check_tokenizer_vocab(d: Path, vocab_size: int | None) -> None:
                         "in transformers (resize_token_embeddings) and save it again")  # fmt: skip
 
 
+def check_data_tokenizer(
+    init_from: str, data_dir: Path, data_vocab: int, data_tokenizer, vocab_size: int
+) -> None:
+    """Data to continue an imported model on must fit its embedding and, when the model came with a
+    tokenizer.json, be tokenized by it (every token keeps its id; the data may add tokens within vocab_size).
+    `data_tokenizer` is loom's tokenizer of the data (None: token ids only)."""
+    d = parse_init_from(init_from)
+    has_json = (d / "tokenizer.json").is_file()
+    remedy = f"prepare the data with the model's tokenizer: loom data prepare ... --tokenizer {d / 'tokenizer.json'}"
+    if data_vocab > vocab_size:
+        raise LoomError(f"the data '{data_dir}' has a vocabulary of {data_vocab} tokens but the model imported "
+                        f"from '{d}' has {vocab_size}: ids >= {vocab_size} have no embedding",
+                        hint=remedy if has_json else "use data prepared with the model's own tokenizer")  # fmt: skip
+    if not has_json or data_tokenizer is None:
+        return
+    from tokenizers import Tokenizer
+
+    theirs = Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    tok = getattr(data_tokenizer, "tok", None)  # a char tokenizer has none: every id differs
+    ours = tok.get_vocab(with_added_tokens=True) if tok is not None else {}
+    moved = [t for t, i in theirs.items() if ours.get(t) != i]
+    if moved:
+        raise LoomError(f"the data '{data_dir}' was tokenized with another tokenizer than '{d / 'tokenizer.json'}' "
+                        f"({len(moved)} of its {len(theirs)} tokens have another id or none, e.g. {moved[0]!r}): "
+                        "the model would read other text than the data holds", hint=remedy)  # fmt: skip
+
+
 def _activation(hf: dict) -> str | None:
     """loom's model.activation for a GPT-2 config.json's activation_function (None: none of loom's)."""
     name = hf.get("activation_function", "gelu_new")

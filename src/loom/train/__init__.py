@@ -61,6 +61,14 @@ def plan_run(cfg: Config, resume, force: bool, explicit: set[str], dp_size: int,
         check_same_tokenizer(
             run_dir / "tokenizer", read_meta(run_dir / "tokenizer"), data_dir, read_meta(data_dir)
         )
+    if cfg.model.init_from and ckpt is None:
+        from loom.data.loader import read_meta
+        from loom.data.tokenizers import load_tokenizer
+        from loom.model.hf import check_data_tokenizer
+
+        meta = read_meta(data_dir)  # the data's ids must mean to the model what they meant to its tokenizer
+        tok = load_tokenizer(data_dir, meta) if meta.get("tokenizer") else None
+        check_data_tokenizer(cfg.model.init_from, data_dir, meta["vocab_size"], tok, cfg.model.vocab_size)
     if run_dir is None:
         run_dir = resolve_run_dir(cfg, None, force, (data_dir,))
     return Plan(cfg, derived, run_dir, data_dir, ckpt, resume)
