@@ -15,10 +15,15 @@ from test_multinode import PY, Launched, base_env, scheduler_env
 
 from loom.env import port_from_job_id
 
-TIMEOUT = 2  # --rdzv-timeout: how long a node waits for the others
+TIMEOUT = 2  # --rdzv-timeout where a node must wait it out (nobody answers): the time the test costs
+ARRIVE = (
+    30  # where every node checks in: the verdict comes as soon as they have, so a slow start is no failure
+)
 
 
-def launch(hosts, tmp_path, scheduler="slurm", args=None, env=None, nodes=(1, 2), node_count=2):
+def launch(
+    hosts, tmp_path, scheduler="slurm", args=None, env=None, nodes=(1, 2), node_count=2, timeout=TIMEOUT
+):
     jobs = {}
     for i in nodes:
         job_env = {
@@ -26,10 +31,10 @@ def launch(hosts, tmp_path, scheduler="slurm", args=None, env=None, nodes=(1, 2)
             **scheduler_env(scheduler, i - 1, tmp_path, nodes=node_count),
             **(env or {}).get(i, {}),
         }
-        job_args = ["--rdzv-timeout", str(TIMEOUT), *(args or {}).get(i, ["--nproc-per-node", "2"])]
+        job_args = ["--rdzv-timeout", str(timeout), *(args or {}).get(i, ["--nproc-per-node", "2"])]
         jobs[i] = Launched(hosts, i, [*job_args, "--", "true"], job_env, tmp_path / f"node{i}.out")
     for job in jobs.values():
-        assert job.wait(TIMEOUT + 30) == 2, job.text()  # 2: a LoomError, printed without a traceback
+        assert job.wait(timeout + 30) == 2, job.text()  # 2: a LoomError, printed without a traceback
     return {i: job.text() for i, job in jobs.items()}
 
 
@@ -51,10 +56,12 @@ CASES = {
     ),  # fmt: skip
     "loom-versions-differ": dict(
         env={2: {"LOOM_REPORTED_VERSION": "0.0.9"}},
+        timeout=ARRIVE,
         expect={1: "loom versions differ: node1 0.1.0, node2 0.0.9", 2: "loom versions differ"},
     ),
     "nproc-differs": dict(
         args={2: ["--nproc-per-node", "1"]},
+        timeout=ARRIVE,
         expect={1: "processes per node differ: node1 2, node2 1", 2: "same --nproc-per-node"},
     ),
     "host-down": dict(
@@ -115,7 +122,8 @@ def test_doctor_nodes_finds_a_wrong_master_addr_and_a_version_mismatch(hosts, tm
     assert "MASTER_ADDR=10.77.0.9 (10.77.0.9) is not an address of node1, the head node" in head
     assert "hint: unset MASTER_ADDR to use the allocation's first host (node1)" in head
     assert "node2 (node 1) could not reach the rendezvous MASTER_ADDR=10.77.0.9" in other
-    (rc1, head), (rc2, other) = doctor_on_hosts(hosts, tmp_path, env={1: {"LOOM_REPORTED_VERSION": "0.2.0"}})
+    mismatch = {1: {"LOOM_REPORTED_VERSION": "0.2.0"}}
+    (rc1, head), (rc2, other) = doctor_on_hosts(hosts, tmp_path, "--timeout", str(ARRIVE), env=mismatch)
     assert (rc1, rc2) == (2, 2)
     for text in (head, other):
         assert "loom versions differ: node1 0.2.0, node2 0.1.0" in text
