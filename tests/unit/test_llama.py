@@ -229,3 +229,24 @@ def test_data_for_an_imported_model_must_use_its_tokenizer(tmp_path):
     with pytest.raises(LoomError, match="another tokenizer than .*tokenizer.json' .90 of its 90 tokens") as e:
         hf.check_data_tokenizer(spec, tmp_path, 90, SimpleNamespace(tok=words(90, offset=1)), 100)
     assert "--tokenizer" in e.value.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_loss_and_gradients(mode):
+    from loom.model.gpt_parallel import blocks
+    from loom.parallel.ac import apply_ac
+
+    cfg = GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_embd=32, block_size=16, pos="rope", norm="rmsnorm",
+                    mlp="swiglu", n_kv_head=2, qk_norm=True, tie_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    a, b = GPT(cfg), GPT(cfg)
+    b.load_state_dict(a.state_dict())
+    apply_ac(blocks(b), mode)
+    x = torch.randint(0, 50, (2, 16))
+    la, lb = a(x, x), b(x, x)
+    la.backward()
+    lb.backward()
+    assert torch.equal(la, lb)
+    assert all(
+        torch.allclose(p.grad, q.grad, atol=1e-7) for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
