@@ -1,8 +1,10 @@
 """Sampling with a KV cache: temperature, top-k, top-p (nucleus), seeded.
 
-With the cache, the prompt is run once (prefill) and each new token costs one position. The GPT's positions
-are learned and absolute, so once the sequence outgrows block_size the context must be re-cropped and
-recomputed every step, exactly as cache-free generation does; the result is the same either way.
+With the cache, the prompt is run once (prefill) and each new token costs one position. The cache holds the
+key/value heads only (grouped-query attention shares them when attention runs) and, with RoPE, keys already
+rotated by their positions. Once the sequence outgrows block_size the context is re-cropped and recomputed
+every step, exactly as cache-free generation does (learned positions shift; the cache has block_size slots),
+so the result is the same either way.
 """
 
 from __future__ import annotations
