@@ -1,20 +1,23 @@
 """Two hosts (network namespaces, scripts/netns_hosts.py) x 2 processes, HSDP (replicate across the hosts,
 shard within), launched with `loom launch -- loom train ...` on each host as a Slurm step and as PBS's
-pbsdsh start it; each 30-step curve against one process, and the Slurm run resumed from its step-15
-checkpoint on one host (one process). Also the all-reduce bandwidth `loom doctor --nodes` reports.
+pbsdsh start it, and once from a PBS job script through MPICH's mpiexec; each 30-step curve against one
+process. Then the Slurm run resumed from its step-15 checkpoint on one host (one process); --max-restarts
+with node2 killed and started again; and the all-reduce bandwidth `loom doctor --nodes` reports.
 
     sudo .venv/bin/python benchmarks/multinode_curve.py [--steps 30] [--out FILE]
 
 Needs root (ip netns add). Writes a JSON summary (default benchmarks/results/cpu-2core-2026-11-23/
-multinode_curve.json). The test suite runs the Slurm curve and resume (tests/netns); this adds PBS's.
+multinode_curve.json). The test suite runs the Slurm curve and resume (tests/netns); this adds the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +31,7 @@ from conftest import make_text  # noqa: E402  (the test suite's deterministic ps
 from netns_hosts import Hosts  # noqa: E402
 
 PY = sys.executable
+print = functools.partial(print, flush=True)  # noqa: A001  (progress shows while the next run starts)
 TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=16",
         "--train.batch_size=8", "--train.eval_batches=1", "--train.eval_every=0", "--train.sample_every=0",
         "--train.log_every=1", "--train.device=cpu", "--optim.warmup_steps=2", "--train.sample_tokens=8"]  # fmt: skip
@@ -54,6 +58,23 @@ def curve(run: Path) -> dict[int, float]:
 
 def worst(got: dict[int, float], ref: dict[int, float]) -> float:
     return max(abs(v - ref[s]) for s, v in got.items())
+
+
+def mpiexec_from_the_job_script(hosts, base: list[str], work: Path, ref: dict[int, float]) -> dict:
+    """A PBS job script's loom launch (node1, no PBS_NODENUM): MPICH's mpiexec over the nodefile, its
+    proxies started on each host through the namespaces' ssh stand-in (HYDRA_LAUNCHER_EXEC)."""
+    env = env_for("pbs", 0, work)
+    del env["PBS_NODENUM"]
+    env.update(HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=str(hosts.ssh))
+    t0 = time.monotonic()
+    r = hosts.run(1, [PY, "-m", "loom", "launch", "--nproc-per-node", "2", "--", *base, "--run.name=hsdp-mpiexec",
+                      *HSDP], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    if r.returncode:
+        sys.exit(f"mpiexec run failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
+    got = curve(work / "runs" / "hsdp-mpiexec")
+    out = {"max_abs_dloss": worst(got, ref), "steps": len(got), "wall_s": round(time.monotonic() - t0, 1)}
+    print(f"mpiexec: {out}")
+    return out
 
 
 def restart_when_the_host_comes_back(hosts, base: list[str], work: Path, ref: dict[int, float]) -> dict:
@@ -114,6 +135,7 @@ def main() -> int:
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root: network namespaces (ip netns add)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # tear the hosts down when stopped
     work = Path(tempfile.mkdtemp(prefix="loomt-bench-"))
     try:
         docs = work / "docs"
@@ -139,17 +161,20 @@ def main() -> int:
                 name = f"hsdp-{scheduler}"
                 cmd = [*base, f"--run.name={name}", *HSDP, f"--train.ckpt_every={args.steps // 2}"]
                 t0 = time.monotonic()
+                outs = [work / f"{name}-node{i}.out" for i in (1, 2)]
                 procs = [hosts.popen(i, [PY, "-m", "loom", "launch", "--nproc-per-node", "2", "--rdzv-timeout",
                                          "120", "--", *cmd], env=env_for(scheduler, i - 1, work),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=open(outs[i - 1], "w"), stderr=subprocess.STDOUT)
                          for i in (1, 2)]  # fmt: skip
-                outs = [proc.communicate(timeout=600)[0] for proc in procs]
-                if any(proc.returncode for proc in procs):
-                    sys.exit(f"{scheduler} run failed:\n" + "\n".join(o[-3000:] for o in outs))
+                while any(proc.poll() is None for proc in procs) and not any(proc.poll() for proc in procs):
+                    time.sleep(0.1)  # until both end, or one fails (the other would wait for it)
+                if any(proc.poll() != 0 for proc in procs):
+                    sys.exit(f"{scheduler} run failed:\n" + "\n".join(o.read_text()[-3000:] for o in outs))
                 got = curve(work / "runs" / name)
                 result[scheduler] = {"max_abs_dloss": worst(got, ref), "steps": len(got),
                                      "wall_s": round(time.monotonic() - t0, 1)}  # fmt: skip
                 print(f"{scheduler}: {len(got)} steps, max |dloss| vs one process = {worst(got, ref):.2e}")
+            result["mpiexec"] = mpiexec_from_the_job_script(hosts, base, work, ref)
             run = work / "runs" / "hsdp-slurm"
             shutil.rmtree(run / "ckpt" / f"step_{args.steps:06d}")
             (run / "metrics.jsonl").write_text("")

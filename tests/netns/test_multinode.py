@@ -88,6 +88,24 @@ def launch_on_hosts(
     return jobs
 
 
+def wait_all(jobs: list[Launched], timeout: float) -> None:
+    """Every host's loom launch exits 0; on the first failure (or the timeout) show every host's output."""
+    deadline = time.monotonic() + timeout
+    while any(job.p.poll() is None for job in jobs):
+        failed = [job for job in jobs if job.p.poll() not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            texts = "\n".join(
+                f"--- {job.out.name} (exit {job.p.poll()}):\n{job.text()[-2500:]}" for job in jobs
+            )
+            raise AssertionError(
+                f"{'a host failed' if failed else f'still running after {timeout}s'}:\n{texts}"
+            )
+        time.sleep(0.1)
+    assert [job.p.returncode for job in jobs] == [0] * len(jobs), "\n".join(
+        job.text()[-2500:] for job in jobs
+    )
+
+
 def curve(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}
 
@@ -118,8 +136,7 @@ def test_two_hosts_hsdp_match_one_process_and_resume_on_one_host(hosts, referenc
     jobs = launch_on_hosts(
         hosts, scheduler, tmp_path, ["--nproc-per-node", "2", "--rdzv-timeout", "120"], command
     )
-    for job in jobs:
-        assert job.wait(300) == 0, job.text()[-3000:]
+    wait_all(jobs, 300)
     head = jobs[0].text()
     assert "2 nodes checked in" in head and "node1 (2 proc), node2 (2 proc)" in head
     assert "rank=0/4 local=0/2 node=0/2 master=node1:" in head  # rank 0 and the store on the first host

@@ -172,6 +172,9 @@ def head_gate(
                 conn.close()
                 continue
             got[other.node] = (other, conn)
+        # Stop listening before anyone is told to go: a node's torchrun that connects early must be refused
+        # (it retries) rather than queued on this socket and reset when it closes.
+        server.close()
         hellos = [hello, *(h for h, _ in got.values())]
         error = _verdict(hellos, nnodes, addr, port, timeout, hosts)
         for _, conn in got.values():
@@ -185,6 +188,8 @@ def head_gate(
             conn.close()
     finally:
         server.close()
+        for _, conn in got.values():
+            conn.close()
     if error:
         raise error
     return sorted(hellos, key=lambda h: h.node)
