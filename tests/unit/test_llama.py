@@ -226,6 +226,11 @@ def test_data_for_an_imported_model_must_use_its_tokenizer(tmp_path):
     hf.check_data_tokenizer(spec, tmp_path, 90, SimpleNamespace(tok=words(90)), 100)  # the model's own: fine
     with pytest.raises(LoomError, match="vocabulary of 120 tokens but the model imported from .* has 100"):
         hf.check_data_tokenizer(spec, tmp_path, 120, SimpleNamespace(tok=words(120)), 100)
+    with pytest.raises(
+        LoomError, match="separates documents with .* .id 100."
+    ) as e:  # loom's added separator
+        hf.check_data_tokenizer(spec, tmp_path, 101, SimpleNamespace(tok=words(101), eot_id=100), 100)
+    assert "resize_token_embeddings(101)" in e.value.hint
     with pytest.raises(LoomError, match="another tokenizer than .*tokenizer.json' .90 of its 90 tokens") as e:
         hf.check_data_tokenizer(spec, tmp_path, 90, SimpleNamespace(tok=words(90, offset=1)), 100)
     assert "--tokenizer" in e.value.hint

@@ -304,6 +304,13 @@ def check_data_tokenizer(
     d = parse_init_from(init_from)
     has_json = (d / "tokenizer.json").is_file()
     remedy = f"prepare the data with the model's tokenizer: loom data prepare ... --tokenizer {d / 'tokenizer.json'}"
+    eot = getattr(data_tokenizer, "eot_id", None)
+    if data_vocab > vocab_size and eot is not None and eot >= vocab_size:  # loom's separator has no row
+        raise LoomError(f"the data '{data_dir}' separates documents with {EOT} (id {eot}), which loom's data "
+                        f"prepare added because the tokenizer has no such token, but the model imported from "
+                        f"'{d}' has only {vocab_size} embedding rows",
+                        hint=f"give the model a row for it in transformers (model.resize_token_embeddings({eot + 1}),"
+                        " then save_pretrained), or prepare data whose tokenizer already has that token")  # fmt: skip
     if data_vocab > vocab_size:
         raise LoomError(f"the data '{data_dir}' has a vocabulary of {data_vocab} tokens but the model imported "
                         f"from '{d}' has {vocab_size}: ids >= {vocab_size} have no embedding",
