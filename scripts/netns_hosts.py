@@ -216,6 +216,10 @@ def reap() -> list[str]:
         if owner and not Path(f"/proc/{owner}").exists():
             delete_netns(ns)
             removed.append(ns)
+    left = namespaces()
+    for ssh in OWNERS.glob(f"{PREFIX}*-ssh"):  # the ssh stand-in of a set whose hosts are all gone
+        if not any(ns.startswith(ssh.name.removesuffix("ssh")) for ns in left):
+            ssh.unlink(missing_ok=True)
     return removed
 
 
