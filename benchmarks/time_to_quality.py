@@ -19,7 +19,8 @@ Built-in corpus (--bpe): the recipe (configs/speedrun_stdlib_bpe.toml) against l
 on the Python-stdlib corpus with the BPE tokenizer, at equal running time: a short interleaved calibration
 measures each config's step time, then each trains for --budget-s seconds' worth of steps (its LR schedule
 complete), interleaved, and both are evaluated on the same validation windows with `loom eval` (val loss and
-bits per byte). Every seed runs both.
+bits per byte). Every seed runs both. Both warm up over a tenth of their steps (the default's 100 warm-up
+steps would be most of a short run's).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def bpe(args, work: Path) -> dict:
     for seed in args.seeds:
         for n, cfg in sides.items():
             argv = [*PY, "train", *cfg, *common, f"--run.name={n}-seed{seed}", f"--run.seed={seed}",
-                    f"--train.steps={steps[n]}"]  # fmt: skip
+                    f"--train.steps={steps[n]}", f"--optim.warmup_steps={max(5, steps[n] // 10)}"]  # fmt: skip
             runners.append(Runner(f"{n} seed={seed}", argv, ROOT, LOOM_STEP, LOOM_EVAL, env))
     interleave(runners, args.slice)
     out = {"mode": "stdlib_bpe", "budget_s": args.budget_s, "step_s": step_s, "steps": steps,
