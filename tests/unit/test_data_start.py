@@ -21,7 +21,7 @@ from loom.errors import LoomError
 def llmc_dir(d):
     d.mkdir()
     ids = np.arange(5000, dtype=np.uint16) % 100
-    ids[-1] = 999  # a high id late in the shard
+    ids[2500] = 999  # a high id past the start of the shard
     write_shard(d / "fineweb_train_000001.bin", ids, version=1)
     write_shard(d / "fineweb_val_000000.bin", ids[:2000], version=1)
     return d
@@ -51,3 +51,12 @@ def test_megatron_training_reader_is_one_memory_map(tmp_path):
     megatron.write(tmp_path / "ds", ids, np.array([0, 100, 1700, 3000]), np.uint16)
     got = megatron.read_ids(tmp_path / "ds")
     assert isinstance(got, np.memmap) and np.array_equal(got, megatron.read(tmp_path / "ds").ids)
+
+
+def test_ids_past_the_vocabulary_stop_at_the_batch_that_holds_them(tmp_path, monkeypatch):
+    d = llmc_dir(tmp_path / "d")
+    monkeypatch.setattr(formats, "_ID_CHECK_TOKENS", 2000)  # the sample misses the id 999 at the end
+    loader = ShardLoader(d, 77, 64, seed=0)  # 77 windows: the whole train split, one of them holds 999
+    with pytest.raises(LoomError, match="token id 999, outside the vocabulary of 100") as e:
+        loader.next_batch()
+    assert "--write-meta" in e.value.hint

@@ -43,8 +43,9 @@ class TokenWindows:
         block_size: int,
         split: str = "train",
         bos_id: int | None = None,
+        vocab_size: int | None = None,
     ):
-        self.block_size = block_size
+        self.block_size, self.split, self.vocab_size = block_size, split, vocab_size
         self.arrays = [s if isinstance(s, np.ndarray) else read_shard(s) for s in shards]
         total = sum(len(a) for a in self.arrays)
         self.starts: list[np.ndarray] | None = None
@@ -75,6 +76,15 @@ class TokenWindows:
             else:
                 start = shift + (int(w) - int(self.cum[s])) * T
             out[i] = self.arrays[s][start : start + T + 1]
+        # The ids are checked here, per batch, not by a scan of every token at start: a shard with ids past
+        # the vocabulary (a meta.json of other data, or one taken from a sample) stops with a clear error.
+        if self.vocab_size is not None and len(out) and int(out.max()) >= self.vocab_size:
+            raise LoomError(
+                f"the {self.split} data holds token id {int(out.max())}, outside the vocabulary of "
+                f"{self.vocab_size} ids its meta gives",
+                hint="record the vocabulary with `loom data inspect DIR --write-meta` (a folder without "
+                "meta.json), or prepare the data again",
+            )
         return torch.from_numpy(out)
 
 
@@ -111,7 +121,9 @@ class ShardLoader:
     ):
         if batch_size % dp_size:
             raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={dp_size}")
-        self.windows = TokenWindows(open_split(data_dir, split), block_size, split, _bos_id(data_dir, align))
+        self.windows = TokenWindows(
+            open_split(data_dir, split), block_size, split, _bos_id(data_dir, align), _vocab(data_dir)
+        )
         if align == "bos" and dp_rank == 0:
             from loom import log
 
@@ -171,6 +183,12 @@ class ShardLoader:
         self.seed, self.cursor = state["seed"], int(state["cursor"])
 
 
+def _vocab(data_dir: str | Path) -> int | None:
+    """The vocabulary size the meta gives (read_meta: meta.json, meta.pkl, or the start of each shard)."""
+    v = read_meta(data_dir).get("vocab_size")
+    return int(v) if isinstance(v, int) else None
+
+
 def _bos_id(data_dir: str | Path, align: str) -> int | None:
     """The end-of-text id that starts each document, for data.align=bos (None for the default stream)."""
     if align == "none":
@@ -226,7 +244,9 @@ class ValSet:
     def __init__(
         self, data_dir: str | Path, block_size: int, n_rows: int, dp_rank: int = 0, dp_size: int = 1
     ):
-        self.windows = TokenWindows(open_split(data_dir, "val"), block_size, "val")
+        self.windows = TokenWindows(
+            open_split(data_dir, "val"), block_size, "val", vocab_size=_vocab(data_dir)
+        )
         n = min(n_rows, self.windows.n)
         ids = np.unique(np.linspace(0, self.windows.n - 1, n).round().astype(np.int64))
         self.ids = ids[dp_rank::dp_size]  # ranks take interleaved rows; losses are summed across ranks
