@@ -325,12 +325,17 @@ def _parquet_units(path: Path, opts: ReadOptions, stats: ReadStats) -> Iterator[
                         hint="name the text column with --jsonl-field")  # fmt: skip
     stats.files += 1
     row = 0
-    for g in range(pf.num_row_groups):
+    batches = pf.iter_batches(batch_size=256, columns=[opts.field])  # within one row group at a time
+    while True:
         try:
-            values = pf.read_row_group(g, columns=[opts.field]).column(0).to_pylist()
+            batch = next(batches, None)
         except Exception as e:
-            raise LoomError(f"'{path}' row group {g} cannot be read: {e}") from None
-        stats.bytes += pf.metadata.row_group(g).total_byte_size
+            raise LoomError(f"'{path}' cannot be read after row {row}: {e}") from None
+        if batch is None:
+            break
+        stats.bytes += batch.nbytes
+        values = batch.column(0).to_pylist()
+        del batch
         for v in values:
             if isinstance(v, str) and v:
                 yield from _split_text(v, opts)
