@@ -155,6 +155,11 @@ def main() -> None:
             )
             save()
         tok = str(work / "o1" / "tokenizer.json")
+        if not Path(tok).is_file():  # step 2 alone: a BPE of the same size, trained on a 50 MB sample
+            from loom.data.tokenizers import HFTokenizer
+
+            (work / "o1").mkdir()
+            HFTokenizer.train(sample_texts(one, 50 * 10**6), 32768).save(work / "o1")
         if 2 in steps:
             gz, zst, pq_path, txt = (work / "c.jsonl.gz", work / "c.jsonl.zst", work / "c.parquet",
                                      work / "one.txt")  # fmt: skip
