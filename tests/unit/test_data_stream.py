@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import signal
+from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from loom.data import encode
 from loom.data.encode import Encoder, tiktoken_spec
 from loom.data.prepare import encoder_spec, prepare
 from loom.data.shards import read_shard
@@ -80,6 +83,20 @@ def test_two_workers_write_the_same_bytes_as_one(tmp_path):
     assert shard_bytes(a) == shard_bytes(b)
     assert ma["splits"] == mb["splits"]
     assert 1.0 < ma["bytes_per_token_val"] < 8.0  # compression reported on val
+
+
+def test_pool_workers_die_on_sigterm_whatever_handler_the_caller_has():
+    """A forked worker inherits the caller's handlers; with a SIGTERM handler that does not exit (a training
+    loop's), the pool's terminate left the workers alive and its exit waited forever (seen in a test
+    process that had run `loom train` in-process). Workers restore the default at start."""
+    spec = {"kind": "char", "chars": "ab", "eot_id": 2, "dtype": "uint16"}
+    old = signal.signal(signal.SIGTERM, lambda *a: None)
+    try:
+        with get_context("fork").Pool(1, initializer=encode._init, initargs=(spec,)) as pool:
+            assert pool.apply(signal.getsignal, (signal.SIGTERM,)) == signal.SIG_DFL
+            assert pool.apply(signal.getsignal, (signal.SIGINT,)) == signal.SIG_IGN  # Ctrl-C: the parent's
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def test_long_text_in_pieces_encodes_like_the_whole(tmp_path):

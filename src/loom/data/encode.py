@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections import deque
 from collections.abc import Iterable, Iterator
 from multiprocessing import get_context
@@ -141,6 +142,10 @@ _WORKER: Encoder | None = None
 
 def _init(spec: dict) -> None:
     global _WORKER
+    # A forked worker inherits the caller's signal handlers: with a SIGTERM handler that does not exit (a
+    # training loop's), the pool's terminate could not stop the workers and its exit waited forever.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the pool
     os.environ["TOKENIZERS_PARALLELISM"] = (
         "false"  # one thread per worker process: the pool is the parallelism
     )
