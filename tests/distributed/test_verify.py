@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.config import load_config, load_toml
+from loom.config import Config, load_config, load_toml
 from loom.errors import LoomError
 from loom.verify import STRATEGIES, _world, common_args, run_config, verify_main
 
@@ -139,7 +139,7 @@ def test_verify_a_config_end_to_end(tmp_path, char_data):
     assert rec["passed"] and rec["grad_accum"] == 2 and rec["max_abs_dloss"] <= 1e-6, rec
     for run in ("reference", "ddp"):
         saved = load_toml(out / run / "config.toml")
-        assert saved["model"] | {"vocab_size": 0} == {
+        assert saved["model"] | {"vocab_size": 0} == Config().to_dict()["model"] | {
             "n_layer": 3, "n_head": 2, "n_embd": 32, "block_size": 16, "dropout": 0.0, "bias": False,
             "vocab_size": 0, "activation": "gelu", "init_from": "",
         }  # fmt: skip
