@@ -17,8 +17,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/loom train
 
+# Two test processes (pytest-xdist), each file whole in one of them (its module fixtures are built once):
+# most tests wait on subprocesses, sockets or one core, so two at a time use the machine's cores better.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 # The GPU acceptance kit (benchmarks/gpu_check.py): make gpu-check on a CUDA machine, ARGS=--cpu anywhere.
 gpu-check: $(STAMP)

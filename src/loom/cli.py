@@ -144,7 +144,9 @@ def _data(argv: list[str]) -> int:
     pp.add_argument("--tokenizer-sample", type=int, default=200_000_000,
                     help="characters of train text the BPE is trained on (default 200M)")  # fmt: skip
     pp.add_argument("--doc-cap", type=int, default=10_000, help="characters per document in that sample")
-    pp.add_argument("--split-pattern", default="gpt2", choices=["gpt2", "gpt4"], help="BPE pre-tokenizer split")
+    pp.add_argument(
+        "--split-pattern", default="gpt2", choices=["gpt2", "gpt4"], help="BPE pre-tokenizer split"
+    )
     pp.add_argument("--bpe-trainer", default="auto", choices=["auto", "rustbpe", "tokenizers"],
                     help="BPE training library (auto: rustbpe when installed)")  # fmt: skip
     pp.add_argument("--text-separator", default=None, help="cut text files into documents at this string")
