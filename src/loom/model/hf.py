@@ -388,14 +388,7 @@ def loom_state_from_gpt2(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[st
     C, V = cfg.n_embd, cfg.vocab_size
 
     def get(name: str, shape: tuple) -> torch.Tensor:
-        if name not in sd:
-            raise LoomError(
-                f"the imported weights have no '{name}'", hint="is this a GPT2LMHeadModel checkpoint?"
-            )
-        t = sd[name]
-        if tuple(t.shape) != shape:
-            raise LoomError(f"imported '{name}' has shape {tuple(t.shape)}, config.json implies {shape}")
-        return t
+        return hf_llama.imported(sd, name, shape, "GPT2LMHeadModel")
 
     wte = get("wte.weight", (V, C))
     pad = wte.mean(dim=0, keepdim=True).expand(cfg.padded_vocab - V, C)

@@ -142,20 +142,25 @@ def gpt_config(hf: dict, block_size: int | None = None, dropout: float = 0.0) ->
     )  # fmt: skip
 
 
+def imported(sd: dict[str, torch.Tensor], name: str, shape: tuple, architecture: str) -> torch.Tensor:
+    """sd[name], checked to exist and to have the shape the imported config.json implies."""
+    if name not in sd:
+        raise LoomError(
+            f"the imported weights have no '{name}'", hint=f"is this a {architecture} checkpoint?"
+        )
+    t = sd[name]
+    if tuple(t.shape) != shape:
+        raise LoomError(f"imported '{name}' has shape {tuple(t.shape)}, config.json implies {shape}")
+    return t
+
+
 def loom_state(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """LlamaForCausalLM tensors -> loom's state dict for `cfg`, vocabulary padded with the mean row (as the
     GPT-2 import: a padding id's probability is at most 1/V)."""
     C, V = cfg.n_embd, cfg.vocab_size
 
     def get(name: str, shape: tuple) -> torch.Tensor:
-        if name not in sd:
-            raise LoomError(
-                f"the imported weights have no '{name}'", hint="is this a LlamaForCausalLM checkpoint?"
-            )
-        t = sd[name]
-        if tuple(t.shape) != shape:
-            raise LoomError(f"imported '{name}' has shape {tuple(t.shape)}, config.json implies {shape}")
-        return t
+        return imported(sd, name, shape, ARCHITECTURE)
 
     def padded(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.mean(dim=0, keepdim=True).expand(cfg.padded_vocab - V, C)])
