@@ -255,3 +255,15 @@ def test_activation_checkpointing_keeps_loss_and_gradients(mode):
     assert all(
         torch.allclose(p.grad, q.grad, atol=1e-7) for p, q in zip(a.parameters(), b.parameters(), strict=True)
     )
+
+
+def test_an_imported_tensor_missing_or_of_another_shape_is_named():
+    from loom.model.hf_llama import imported
+
+    sd = {"a": torch.zeros(2, 3)}
+    assert imported(sd, "a", (2, 3), "LlamaForCausalLM") is sd["a"]
+    with pytest.raises(LoomError, match="no 'b'") as e:
+        imported(sd, "b", (2, 3), "LlamaForCausalLM")
+    assert "LlamaForCausalLM checkpoint" in e.value.hint
+    with pytest.raises(LoomError, match=r"'a' has shape \(2, 3\), config.json implies \(3, 2\)"):
+        imported(sd, "a", (3, 2), "GPT2LMHeadModel")
