@@ -133,8 +133,8 @@ class TrainConfig:
         "auto",
         "Checkpoint in the background: auto (on for CUDA, off on CPU) | true | false. The step that starts a "
         "save only copies this rank's shards to host memory; writing, hashing and the rename go on in a "
-        "thread at the lowest CPU priority (nice 19, so it takes no core from the loop), at most one save in "
-        "flight (the next save, the last step and a stop signal wait for it).",
+        "thread at a low CPU priority (nice 10: little is taken from a loop that keeps every core busy), at "
+        "most one save in flight (the next save, the last step and a stop signal wait for it).",
     )
     on_save_error: str = _f(
         "continue",

@@ -1,5 +1,5 @@
 """The background checkpoint writer yields the cores to the training loop: its thread (and threads it starts)
-run at nice 19 while the loop's thread keeps its priority."""
+run at nice 10 while the loop's thread keeps its priority."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from loom.train.checkpointing import _yield_cores
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux behaviour")
-def test_writer_thread_runs_at_lowest_priority_and_the_loop_does_not():
+def test_writer_thread_runs_at_low_priority_and_the_loop_does_not():
     seen = {}
 
     def writer():
@@ -31,5 +31,5 @@ def test_writer_thread_runs_at_lowest_priority_and_the_loop_does_not():
     t = threading.Thread(target=writer)
     t.start()
     t.join()
-    assert seen == {"writer": 19, "child": 19}
+    assert seen == {"writer": 10, "child": 10}
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
