@@ -118,21 +118,17 @@ def _some(items: list[str], n: int = 3, total: int | None = None) -> str:
 
 def report_stats(stats: ReadStats, repeats: int = 0) -> None:
     """Warn about everything reading noticed, naming the first few places."""
-    if stats.read_once:
-        log.warn(f"{len(stats.read_once)} input file(s) were named more than once (directly or inside a folder)"
-                 f" and are read once: {_some(stats.read_once)}")  # fmt: skip
-    if stats.replaced_files:
-        log.warn(f"{stats.replaced_files} file(s) or line(s) had undecodable bytes, replaced with U+FFFD: "
-                 f"{_some(stats.replaced, total=stats.replaced_files)}")  # fmt: skip
-    if stats.skipped_binary_count:
-        log.warn(f"skipped {stats.skipped_binary_count} binary file(s): "
-                 f"{_some(stats.skipped_binary, total=stats.skipped_binary_count)}")  # fmt: skip
-    if stats.dropped_count:
-        log.warn(f"dropped {stats.dropped_count} document(s) with no text: "
-                 f"{_some(stats.dropped, 5, stats.dropped_count)}")  # fmt: skip
-    if stats.bad_lines_count:
-        log.warn(f"skipped {stats.bad_lines_count} JSONL line(s) (--strict makes this an error): "
-                 f"{_some(stats.bad_lines, 5, stats.bad_lines_count)}")  # fmt: skip
+    notes = [  # (how many, the first places, how many to name, the message before them)
+        (len(stats.read_once), stats.read_once, 3,
+         "{} input file(s) were named more than once (directly or inside a folder) and are read once"),
+        (stats.replaced_files, stats.replaced, 3, "{} file(s) or line(s) had undecodable bytes, replaced with U+FFFD"),
+        (stats.skipped_binary_count, stats.skipped_binary, 3, "skipped {} binary file(s)"),
+        (stats.dropped_count, stats.dropped, 5, "dropped {} document(s) with no text"),
+        (stats.bad_lines_count, stats.bad_lines, 5, "skipped {} JSONL line(s) (--strict makes this an error)"),
+    ]  # fmt: skip
+    for count, places, n, message in notes:
+        if count:
+            log.warn(f"{message.format(count)}: {_some(places, n, count)}")
     for what in stats.corrupt:
         log.warn(f"{what}: the rest of that file is skipped (--strict makes this an error)")
     if repeats:
