@@ -101,7 +101,7 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
     header: dict = {}
     offset = 0
     for name, m in metas.items():
-        n = m.size.numel() * _itemsize(m.properties.dtype)
+        n = m.size.numel() * m.properties.dtype.itemsize
         header[name] = {"dtype": _ST_DTYPES[m.properties.dtype], "shape": list(m.size),
                         "data_offsets": [offset, offset + n]}  # fmt: skip
         offset += n
@@ -151,10 +151,6 @@ def _tied(name: str, sd: dict) -> bool:
 # file to file in blocks of _BLOCK bytes, so memory stays constant; other splits (tensor parallel's columns)
 # are assembled in one host tensor of the output's size, filled chunk by chunk.
 _BLOCK = 8 << 20
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class _Window(io.RawIOBase):
@@ -227,7 +223,7 @@ def _write_tensor(out, folder: Path, name: str, meta, storage: dict) -> None:
     """Append tensor `name`'s bytes (row-major, whole) to `out`, reading each of its chunks once."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    size, itemsize = meta.size, _itemsize(meta.properties.dtype)
+    size, itemsize = meta.size, meta.properties.dtype.itemsize
     chunks = sorted(meta.chunks, key=lambda c: tuple(c.offsets))
     if sum(c.sizes.numel() for c in chunks) != size.numel():
         raise LoomError(
