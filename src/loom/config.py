@@ -111,6 +111,13 @@ class TrainConfig:
     log_every: int = _f(50, "Console line and metrics.jsonl record every N steps (0: never).")
     sample_every: int = _f(500, "Print and save a sample every N steps (0: never; always at the end).")
     sample_tokens: int = _f(200, "Tokens generated per sample.")
+    hellaswag_every: int = _f(
+        0,
+        "HellaSwag accuracy every N steps and at the end (0: never), from train.hellaswag_data; examples "
+        "are split across the data-parallel ranks (as `loom eval --task hellaswag`).",
+    )
+    hellaswag_data: str = _f("", "The HellaSwag JSONL (ctx, endings, label), e.g. hellaswag_val.jsonl.")
+    hellaswag_limit: int = _f(0, "Score only the first N HellaSwag examples (0: all).")
     compile: bool = _f(False, "torch.compile the model (compile time is excluded from throughput).")
     device: str = _f("auto", "auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps.")
     warmup_log_steps: int = _f(3, "First steps left out of the throughput summary (warm-up, compile).")
@@ -625,12 +632,16 @@ def validate(cfg: Config, dp_size: int = 1) -> Derived:
     nonneg = {
         "train.eval_every": t.eval_every, "train.ckpt_every": t.ckpt_every, "train.log_every": t.log_every,
         "train.sample_every": t.sample_every, "train.sample_tokens": t.sample_tokens,
+        "train.hellaswag_every": t.hellaswag_every, "train.hellaswag_limit": t.hellaswag_limit,
         "optim.warmup_steps": o.warmup_steps, "optim.weight_decay": o.weight_decay,
         "optim.grad_clip": o.grad_clip, "train.spike_zscore": t.spike_zscore, "model.vocab_size": m.vocab_size, "train.warmup_log_steps": t.warmup_log_steps,
     }  # fmt: skip
     for k, v in nonneg.items():
         if v < 0:
             raise LoomError(f"{k} must be >= 0, got {v}")
+    if t.hellaswag_every and not t.hellaswag_data:
+        raise LoomError(f"train.hellaswag_every={t.hellaswag_every} needs train.hellaswag_data (a HellaSwag JSONL)",
+                        hint="give --train.hellaswag_data=hellaswag_val.jsonl, or set train.hellaswag_every=0")  # fmt: skip
     if t.spike_window < 2:
         raise LoomError(f"train.spike_window must be >= 2 (a mean and a spread), got {t.spike_window}")
     if m.n_embd % m.n_head:

@@ -52,10 +52,14 @@ def test_gpt2_recipe_from_parquet_tiny_shapes(tmp_path, capsys):
     tiny = ["--model.vocab_size=0", "--precision.dtype=fp32", "--model.n_layer=1", "--model.n_head=1", "--model.n_embd=16", "--model.block_size=8",
             "--train.compile=false", "--train.steps=2", "--train.eval_every=0", "--train.eval_batches=1",
             "--train.sample_every=0", "--train.sample_tokens=2", "--train.log_every=1", "--train.device=cpu"]  # fmt: skip
+    hellaswag = tmp_path / "hellaswag_val.jsonl"  # the recipe scores HellaSwag in the loop (every 250 steps)
+    hellaswag.write_text("".join(json.dumps({"ctx": t[:40], "endings": [t[40:60], t[60:70], "x", t[:5]], "label": 0})
+                                 + "\n" for t in TEXTS[:5]))  # fmt: skip
     assert main(["train", "configs/gpt2_124m.toml", f"--data.path={data}", f"--run.dir={tmp_path}",
-                 "--run.name=r", *tiny]) == 0  # fmt: skip
+                 "--run.name=r", f"--train.hellaswag_data={hellaswag}", *tiny]) == 0  # fmt: skip
     out = capsys.readouterr()
     accum = 524_288 // (64 * 1024 * 1)
     assert f"grad accum {accum} |" in out.out + out.err
-    recs = [r for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in recs] == [1, 2]
+    recs = read_jsonl(tmp_path / "r" / "metrics.jsonl")
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2]
+    assert [(r["step"], 0 <= r["hellaswag_acc"] <= 1) for r in recs if "hellaswag_acc" in r] == [(2, True)]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from loom.data.loader import ShardLoader, ValSet, split_paths
+from loom.data.loader import ShardLoader, ValSet, WindowOrder, split_paths
 from loom.data.shards import write_shard
 from loom.errors import LoomError
 
@@ -121,6 +121,39 @@ def test_state_from_dp2_loads_into_dp1(data_dir):
     single.load_state_dict(state)
     for x in expected:
         assert torch.equal(single.next_batch()[0], x)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 30, 64, 65, 1000, 4099, (1 << 16) + 3])
+def test_window_order_is_a_permutation_of_any_size(n):
+    order = WindowOrder(n, seed=3, epoch=1)
+    assert sorted(order[0:n].tolist()) == list(range(n))
+    assert np.array_equal(order[np.arange(n)[::-1]], order[0:n][::-1])  # index by index, any order
+
+
+def test_window_order_depends_on_seed_and_epoch_and_is_cheap_for_huge_n():
+    first = WindowOrder(1000, seed=1, epoch=0)[0:1000]
+    assert np.array_equal(first, WindowOrder(1000, seed=1, epoch=0)[0:1000])
+    for other in (WindowOrder(1000, seed=2, epoch=0), WindowOrder(1000, seed=1, epoch=1)):
+        assert (other[0:1000] != first).mean() > 0.9
+    assert abs(np.corrcoef(np.arange(1000), first)[0, 1]) < 0.15  # no trace of the identity left
+    huge = WindowOrder(10**12, seed=0, epoch=0)  # a trillion windows: nothing of that size is built
+    got = huge[np.arange(10_000)]
+    assert len(np.unique(got)) == 10_000 and got.min() >= 0 and got.max() < 10**12
+    assert got.max() > 9 * 10**11  # spread over the whole range
+
+
+def test_resume_of_a_state_saved_before_window_order_keeps_its_order(data_dir):
+    # A loader state without "order" comes from a checkpoint of the materialized permutation; resuming it
+    # reads exactly the windows that order gives (np.random.default_rng([seed, epoch]).permutation).
+    ld = ShardLoader(data_dir, B, T, seed=5)
+    state = {k: v for k, v in ld.state_dict().items() if k != "order"}
+    ld.load_state_dict(state)
+    rng = np.random.default_rng([5, 0])
+    perm, shift = rng.permutation(N_WINDOWS), int(rng.integers(T))
+    assert ld.next_batch()[0][:, 0].tolist() == [shift + int(w) * T for w in perm[:B]]
+    assert ld.state_dict()["order"] == "permutation"  # and goes on with it in its next checkpoint
+    fresh = ShardLoader(data_dir, B, T, seed=5)
+    assert fresh.state_dict()["order"] == "feistel"
 
 
 def test_load_state_for_other_data_is_refused(data_dir):

@@ -1,8 +1,9 @@
 """Memory-mapped token loader with a global cursor.
 
 The training split is cut into windows of block_size + 1 tokens at stride block_size. Each epoch visits all
-windows in an order drawn from (seed, epoch), with the window grid shifted by a per-epoch offset so repeated
-epochs see new cut points. The global batch at step s is windows [s*B, (s+1)*B) of that endless sequence:
+windows in an order drawn from (seed, epoch) (`WindowOrder`: computed per index, nothing of the size of the
+corpus is built at start), with the window grid shifted by a per-epoch offset so repeated epochs see new cut
+points. The global batch at step s is windows [s*B, (s+1)*B) of that endless sequence:
 it depends only on (seed, s, B), never on how many data-parallel ranks or micro-batches share it. Rank r of
 dp_size takes the contiguous slice [r*B/dp, (r+1)*B/dp). That is what makes N processes comparable with one,
 and resume exact: the whole loader state is the sample cursor.
@@ -105,6 +106,50 @@ def bos_starts(ids: np.ndarray, bos_id: int, block_size: int, chunk: int = 1 << 
     return np.asarray(out, dtype=np.int64)
 
 
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+class WindowOrder:
+    """A pseudo-random permutation of [0, n), computed index by index: a keyed Feistel network on the smallest
+    even number of bits that holds n, with cycle walking (an index mapped past n is mapped again until it
+    lands inside; at most 4x the domain, so ~2 passes on average). Memory and start time do not grow with n:
+    a 2 GB token directory at block_size 32 has 30M windows, whose materialized permutation took 1.7 s and
+    240 MB per rank at every start and every epoch. Six rounds of a splitmix64 round function keyed by
+    (seed, epoch) shuffle well beyond what data order needs; it is a permutation by construction."""
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        rng = np.random.default_rng([seed, epoch, 0xFE15])
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        self.half = np.uint64((bits + 1) // 2)
+        self.mask = np.uint64((1 << int(self.half)) - 1)
+        self.keys = rng.integers(0, 1 << 63, size=self.ROUNDS, dtype=np.uint64)
+
+    def _round(self, r: np.ndarray, key: np.uint64) -> np.ndarray:
+        z = r ^ key
+        z = (z ^ (z >> np.uint64(30))) * _MIX[0]
+        z = (z ^ (z >> np.uint64(27))) * _MIX[1]
+        return (z ^ (z >> np.uint64(31))) & self.mask
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ self._round(right, key)
+        return (left << self.half) | right
+
+    def __getitem__(self, index: np.ndarray | slice) -> np.ndarray:
+        if isinstance(index, slice):
+            index = np.arange(*index.indices(self.n))
+        out = self._encrypt(np.asarray(index, dtype=np.uint64))
+        outside = out >= self.n
+        while outside.any():
+            out[outside] = self._encrypt(out[outside])
+            outside = out >= self.n
+        return out.astype(np.int64)
+
+
 class ShardLoader:
     """Training batches: the global batch at step s, sliced for one data-parallel rank."""
 
@@ -134,12 +179,17 @@ class ShardLoader:
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.cursor = 0  # global samples consumed (all ranks together)
-        self._epoch: tuple[int, np.ndarray, int] | None = None
+        self.order = "feistel"  # "permutation": the materialized order of checkpoints from before WindowOrder
+        self._epoch: tuple[int, np.ndarray | WindowOrder, int] | None = None
 
-    def _order(self, epoch: int) -> tuple[np.ndarray, int]:
+    def _order(self, epoch: int) -> tuple[np.ndarray | WindowOrder, int]:
         if self._epoch is None or self._epoch[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch])
-            self._epoch = (epoch, rng.permutation(self.windows.n), int(rng.integers(self.block_size)))
+            if self.order == "permutation":  # resuming a run that started with it: the same batches
+                order = rng.permutation(self.windows.n)
+            else:
+                order = WindowOrder(self.windows.n, self.seed, epoch)
+            self._epoch = (epoch, order, int(rng.integers(self.block_size)))
         return self._epoch[1], self._epoch[2]
 
     def global_rows(self, start: int, count: int) -> torch.Tensor:
@@ -171,6 +221,7 @@ class ShardLoader:
             "seed": self.seed,
             "block_size": self.block_size,
             "windows": self.windows.n,
+            "order": self.order,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -181,6 +232,8 @@ class ShardLoader:
                 hint="resume with the same data.path and model.block_size",
             )
         self.seed, self.cursor = state["seed"], int(state["cursor"])
+        self.order = state.get("order", "permutation")  # a state without it was saved before WindowOrder
+        self._epoch = None
 
 
 def _vocab(data_dir: str | Path) -> int | None:

@@ -99,13 +99,19 @@ def evaluate(
     world_size: int = 1,
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> dict:
-    """acc and acc_norm over all examples; this rank scores examples rank, rank + world, ..."""
+    """acc and acc_norm over all examples; this rank scores examples rank, rank + world, ... Every rank runs
+    the same number of forward passes (a rank with one example fewer scores one more without counting it), so
+    a sharded model, whose forward is a collective, stays in step."""
     was_training = model.training
     model.eval()
     block_size = model.cfg.block_size
     counts = torch.zeros(3, dtype=torch.long, device=device)  # examples, correct (sum), correct (mean)
-    for ex in examples[rank::world_size]:
+    mine = examples[rank::world_size]
+    for i in range(-(-len(examples) // world_size)):
+        ex = mine[i] if i < len(mine) else examples[0]
         total, mean = ending_losses(model, *encode_example(ex, tokenizer, block_size), device)
+        if i >= len(mine):
+            continue
         counts[0] += 1
         counts[1] += int(total.argmin().item() == ex["label"])
         counts[2] += int(mean.argmin().item() == ex["label"])

@@ -62,14 +62,33 @@ class Checkpointer:
         (train.on_save_error); every rank learns the outcome, so all of them stop or go on together. Returns
         whether it was saved. `background` (with train.async_ckpt): copy the shards to host memory and write
         them in a thread; its outcome is agreed on when the next save (or the end of the run) waits for it."""
+        import time
+
         tr = self.tr
+        t0 = time.perf_counter()
+        busy = self._inflight is not None and self._inflight[2].is_alive()
         self.wait()  # at most one save in flight
+        waited = time.perf_counter() - t0
+        if busy and tr.main:
+            log.warn(f"the background save of the previous checkpoint was still writing: the loop waited "
+                     f"{waited:.2f}s for it before step {tr.step}'s save; saves come faster than they are "
+                     "written, so raise train.ckpt_every (or write to faster storage)")  # fmt: skip
         tr.op = f"the sharded checkpoint save at step {tr.step}"
         tensors, state = self.state()
         if background and self.async_enabled():
             self._start(tensors, state)
+            self._record(waited, time.perf_counter() - t0)
             return True
-        return self._agree(tr.step, self._write(tr.step, tensors, state, tr.control))
+        saved = self._agree(tr.step, self._write(tr.step, tensors, state, tr.control))
+        self._record(waited, time.perf_counter() - t0)
+        return saved
+
+    def _record(self, waited: float, blocked: float) -> None:
+        """metrics.jsonl gets, per save, how long the loop stood still for it (`ckpt_blocked_s`) and the part
+        of that spent waiting for the previous background save to finish (`ckpt_waited_s`)."""
+        if self.tr.metrics:
+            self.tr.metrics.write({"step": self.tr.step, "ckpt_blocked_s": round(blocked, 4),
+                                   "ckpt_waited_s": round(waited, 4)})  # fmt: skip
 
     def _agree(self, step: int, error: LoomError | None) -> bool:
         tr = self.tr

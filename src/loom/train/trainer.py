@@ -97,6 +97,7 @@ class Trainer:
             data_dir, cfg.model.block_size, t.eval_batches * t.batch_size, dims.dp_rank, dims.dp
         )
         self.tokenizer = load_tokenizer(data_dir, self.meta) if self.meta.get("tokenizer") else None
+        self.hellaswag = self._hellaswag_examples()
         dtype = self.precision = resolve_precision(
             cfg.precision.dtype, device, loss_scaling=cfg.parallel.pp == 1
         )
@@ -329,6 +330,34 @@ class Trainer:
         }
         (self.run_dir / "run.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
 
+    def _hellaswag_examples(self) -> list[dict] | None:
+        """train.hellaswag_data read and checked at start (a bad file fails before the model is built)."""
+        t = self.cfg.train
+        if not t.hellaswag_every:
+            return None
+        from loom.eval.hellaswag import read_examples
+
+        if self.tokenizer is None:
+            raise LoomError(f"train.hellaswag_every needs the data's tokenizer, and '{self.data_dir}' has none",
+                            hint="prepare the data with loom (or use nanoGPT data with meta.pkl)")  # fmt: skip
+        return read_examples(t.hellaswag_data, t.hellaswag_limit or None)
+
+    def hellaswag_accuracy(self) -> dict | None:
+        """HellaSwag over train.hellaswag_data (called on every rank): the examples split across the ranks when
+        each holds a whole or FSDP-sharded model; under tensor/pipeline parallelism rank 0 scores them all on a
+        gathered copy. The result on rank 0 (None elsewhere in the second case)."""
+        from loom.eval.hellaswag import evaluate
+
+        par = self.parallel
+        if self.dims.model_parallel:
+            model, rank, world, reduce = par.sampling_model(), 0, 1, (lambda x: x)
+        else:
+            model, rank, world, reduce = par.eval_model(), self.dims.rank, self.dims.world_size, par.all_reduce_sum  # fmt: skip
+        if model is None:
+            return None
+        with self._autocast():
+            return evaluate(model, self.tokenizer, self.hellaswag, self.device, rank, world, reduce)
+
     def _due(self, every: int) -> bool:
         return every > 0 and self.step % every == 0
 
@@ -403,6 +432,14 @@ class Trainer:
                 self.metrics.write(
                     {"step": self.step, "tokens": rec["tokens"], "val_loss": last_val, **extra}
                 )
+        if self.hellaswag and (self._due(t.hellaswag_every) or final):
+            hs = self.hellaswag_accuracy()
+            if self.main and hs is not None:
+                log.info(f"step {self.step:>6} | hellaswag acc {hs['acc']:.4f} | acc_norm {hs['acc_norm']:.4f}"
+                         f" ({hs['n']} examples)", style="bold")  # fmt: skip
+                if self.metrics:
+                    self.metrics.write({"step": self.step, "tokens": rec["tokens"], "hellaswag_acc": hs["acc"],
+                                        "hellaswag_acc_norm": hs["acc_norm"]})  # fmt: skip
         if (self._due(t.sample_every) or final) and self.tokenizer:
             # FSDP: every rank runs the forward passes; tensor/pipeline parallel: rank 0 gets a whole copy
             model = self.parallel.sampling_model()
