@@ -267,3 +267,25 @@ def test_an_imported_tensor_missing_or_of_another_shape_is_named():
     assert "LlamaForCausalLM checkpoint" in e.value.hint
     with pytest.raises(LoomError, match=r"'a' has shape \(2, 3\), config.json implies \(3, 2\)"):
         imported(sd, "a", (3, 2), "GPT2LMHeadModel")
+
+
+@pytest.mark.parametrize("eos", ["<|end_of_text|>", "</s>", "<|endoftext|>", None])
+def test_a_tokenizers_own_end_of_text_separates_documents(tmp_path, eos):
+    # Llama 3 (<|end_of_text|>), Llama 2 / Mistral (</s>), GPT-2: data prepared with their tokenizer.json keeps
+    # the model's vocabulary; only a tokenizer without any end-of-text token gets GPT-2's added (one id more).
+    from tokenizers import AddedToken, Tokenizer, models
+
+    from loom.data.tokenizers import HFTokenizer
+    from loom.model.hf import write_tokenizer
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(50)}, unk_token="w0"))
+    if eos:
+        tok.add_special_tokens([AddedToken(eos, special=True)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ours = HFTokenizer.from_file(tmp_path / "tokenizer.json")
+    assert ours.eot == (eos or "<|endoftext|>") and ours.eot_id == 50
+    assert ours.vocab_size == 51  # the token the file had, or the one added when it had none
+    assert ours.tok.id_to_token(ours.eot_id) == ours.eot
+    write_tokenizer(ours, tmp_path, block_size=16)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["eos_token"] == config["bos_token"] == ours.eot

@@ -11,6 +11,9 @@ from pathlib import Path
 from loom.errors import LoomError
 
 EOT = "<|endoftext|>"
+# End-of-text tokens of other families, used as the document separator when a tokenizer.json has one (Llama 3,
+# Llama 2 / Mistral, Gemma) instead of adding GPT-2's, which would make the vocabulary one larger than the model
+EOT_ALIASES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
 SPECIAL_TOKENS = (EOT,)  # declared once: a trained tokenizer gets these ids first, in this order
 
 
@@ -69,11 +72,10 @@ class HFTokenizer:
 
     def __init__(self, tok):
         self.tok = tok
-        eot = tok.token_to_id(EOT)
-        if eot is None:  # e.g. a tokenizer.json without GPT-2's special token: add it
+        self.eot = next((t for t in EOT_ALIASES if tok.token_to_id(t) is not None), EOT)
+        if tok.token_to_id(self.eot) is None:  # a tokenizer.json without an end-of-text token: add GPT-2's
             tok.add_special_tokens([EOT])
-            eot = tok.token_to_id(EOT)
-        self.eot_id = eot
+        self.eot_id = tok.token_to_id(self.eot)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod

@@ -228,7 +228,8 @@ def write_tokenizer(tokenizer, out: Path, block_size: int) -> list[str]:
             (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(files[1]) + "\n", encoding="utf-8")
             cls = "GPT2TokenizerFast"
     (out / "tokenizer.json").write_text(text, encoding="utf-8")
-    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
+    eot = getattr(tokenizer, "eot", EOT)  # the tokenizer's own end-of-text token (Llama's, GPT-2's)
+    special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
     config = {"tokenizer_class": cls, "model_max_length": block_size, "add_prefix_space": False,
               "clean_up_tokenization_spaces": False, **special}  # fmt: skip
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
