@@ -74,3 +74,28 @@ def test_disk_filling_during_a_background_save(char_data, tmp_path, monkeypatch,
     else:  # stops at that wait (step 6), before any later checkpoint
         assert rc == 2 and last_step(tmp_path / "r") == 6
         assert sorted(p.name for p in ckpt.iterdir()) == ["step_000002"]
+
+
+def test_a_save_that_outruns_its_writer_waits_says_so_and_records_it(
+    char_data, tmp_path, monkeypatch, capsys
+):
+    # A writer slower than the save interval (here 0.5 s per save against millisecond steps): the next save
+    # waits for it, warns, and metrics.jsonl records the wait within the blocked time of every save.
+    import time
+
+    real = checkpoint.save_sharded
+
+    def slow(*a, **k):
+        time.sleep(0.5)
+        return real(*a, **k)
+
+    monkeypatch.setattr(checkpoint, "save_sharded", slow)
+    assert run_inprocess(train_args(char_data, tmp_path, "r", 6, "--train.ckpt_every=2", ASYNC)) == 0
+    out = capsys.readouterr()
+    assert "the background save of the previous checkpoint was still writing" in out.out + out.err
+    saves = [r for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if "ckpt_blocked_s" in r]
+    assert [r["step"] for r in saves] == [2, 4, 6]
+    assert saves[0]["ckpt_waited_s"] == 0 and saves[1]["ckpt_waited_s"] > 0.3
+    assert all(r["ckpt_blocked_s"] >= r["ckpt_waited_s"] for r in saves)
+    assert saves[2]["ckpt_blocked_s"] > 0.5  # the last save is written before the run ends
+    assert checkpoint.latest_valid(tmp_path / "r" / "ckpt") == tmp_path / "r" / "ckpt" / "step_000006"

@@ -403,6 +403,8 @@ class Trainer:
         t = self.cfg.train
         rec = self.train_step()
         final = self.step == t.steps
+        if t.ckpt_every and not final:  # after this process's first step (then at once returns)
+            self.checkpointer.warm()  # background saves: staging buffers and the writer's group, off the step time
         if "compile_s" in rec:
             log.info(f"torch.compile: the first step (tracing and compiling forward and backward) took "
                      f"{rec['compile_s']:.1f}s; left out of tokens/s")  # fmt: skip
