@@ -420,14 +420,16 @@ def load_extra(path: str | Path) -> tuple[dict[str, Any], dict]:
     return {"extra": extra}, read_state(path)
 
 
-def load_model(path: str | Path, model: torch.nn.Module) -> None:
-    """Load only the weights of a format-2 checkpoint into a single-device model (generate, eval, export):
-    model/ and state.json are verified and read, optim/ is not touched (it may even be missing)."""
+def load_model(path: str | Path, model: torch.nn.Module, verified: bool = False) -> None:
+    """Load only the weights of a format-2 checkpoint into a model, single-device or sharded (generate, eval,
+    export): model/ and state.json are verified (unless the caller has) and read, optim/ is not touched (it
+    may even be missing)."""
     from loom.model.gpt_parallel import tied
     from loom.parallel import dcp_state
 
     path = Path(path)
-    verify(path, model_only=True)
+    if not verified:
+        verify(path, model_only=True)
     dcp_state.load_model_shards(model, path / "model", tied(model))
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from loom.errors import LoomError
@@ -196,16 +198,69 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--no-cache", action="store_true", help="recompute the context every token (slower)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--shard", action="store_true", help=SHARD_HELP)
     args = p.parse_args(argv)
     _check_sampling(args)
-    import torch
+    with _run_model(args) as run:
+        return _generate_samples(args, run)
 
-    from loom.eval.val_loss import load_run
-    from loom.generate import generate
+
+SHARD_HELP = ("in a job of several processes (torchrun, srun, mpiexec): split the model over them with FSDP, "
+              "each reading only its part of the checkpoint (for a model that does not fit one device)")  # fmt: skip
+
+
+@dataclass
+class _Loaded:
+    """A trained run's model for eval/generate, whole on one device or FSDP-sharded over the job's processes."""
+
+    model: object
+    tok: object
+    cfg: object
+    path: Path
+    device: object
+    rank: int
+    world: int
+    all_reduce_sum: object  # a sum over the ranks (sharded: a collective)
+
+
+@contextlib.contextmanager
+def _run_model(args):
+    """args.run_dir's model (`_Loaded`) on args.device; with --shard, FSDP-sharded over the processes of a
+    torchrun/srun/mpiexec job (each reading its part of the checkpoint), the process group left at the end."""
+    from loom.env import detect_env
+    from loom.eval.val_loss import load_run, load_run_sharded
     from loom.train.setup import resolve_device
 
-    device = resolve_device(args.device, key="--device")
-    _, model, tok, _, _ = load_run(args.run_dir, device)
+    env = detect_env()
+    device = resolve_device(args.device, env.local_rank, key="--device")
+    if not getattr(args, "shard", False):
+        cfg, model, tok, _, path = load_run(args.run_dir, device)
+        yield _Loaded(model, tok, cfg, path, device, 0, 1, lambda t: t)
+        return
+    if env.world_size == 1:
+        raise LoomError("--shard splits the model over the processes of a job, and this is one process",
+                        hint="start it with torchrun --nproc-per-node N -m loom ... --shard (or srun / mpiexec)")  # fmt: skip
+    from loom import log
+    from loom.distributed import process_group
+
+    log.setup(rank=env.rank, stderr=True)  # rank 0 tells; stdout keeps only the result
+    clean = False
+    try:
+        cfg, par, tok, _, path = load_run_sharded(args.run_dir, device, env)
+        yield _Loaded(par.model, tok, cfg, path, device, env.rank, env.world_size, par.all_reduce_sum)
+        clean = True
+    finally:
+        process_group.shutdown(clean)
+
+
+def _generate_samples(args, run: _Loaded) -> int:
+    """Every rank runs the same sampling (the same generator seed; a sharded forward is a collective); rank 0
+    prints."""
+    import torch
+
+    from loom.generate import generate
+
+    model, tok, device = run.model, run.tok, run.device
     if tok is None:
         raise LoomError(f"run '{args.run_dir}' was trained on data without a tokenizer: cannot turn text into ids",
                         hint="prepare the data with loom (or give nanoGPT's meta.pkl) to get a tokenizer")  # fmt: skip
@@ -217,6 +272,8 @@ def _generate(argv: list[str]) -> int:
         idx = torch.tensor([ids], dtype=torch.long, device=device)
         out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p, g,
                        use_cache=not args.no_cache, vocab_size=tok.vocab_size)  # fmt: skip
+        if run.rank:
+            continue
         if i:
             print("\n---------------")
         sys.stdout.write(args.prompt + tok.decode(out[0, len(ids) :].tolist()) + "\n")
@@ -249,6 +306,7 @@ def _eval(argv: list[str]) -> int:
     p.add_argument("--batches", type=int, default=None, help="validation size in global batches")
     p.add_argument("--limit", type=int, default=None, help="hellaswag: only the first N examples")
     p.add_argument("--device", default="auto")
+    p.add_argument("--shard", action="store_true", help=SHARD_HELP)
     args = p.parse_args(argv)
     if args.batches is not None and args.batches < 1:
         raise LoomError(f"--batches must be >= 1, got {args.batches}",
@@ -257,14 +315,20 @@ def _eval(argv: list[str]) -> int:
         raise LoomError(f"--limit must be >= 1, got {args.limit}", hint="leave it out for every example")
     if args.task == "hellaswag":
         return _eval_hellaswag(args)
+    with _run_model(args) as run:
+        return _eval_val(args, run)
+
+
+def _eval_val(args, run: _Loaded) -> int:
+    """Validation loss of a run's model; a sharded model's ranks each score a share of the windows."""
     import math
 
-    from loom.data.loader import ValSet
-    from loom.eval.val_loss import load_run, run_data_dir, val_loss
-    from loom.train.setup import check_data_dir, resolve_device
+    from loom.data.loader import ValSet, read_meta
+    from loom.eval.val_loss import run_data_dir, val_loss
+    from loom.train.setup import check_data_dir
 
-    device = resolve_device(args.device, key="--device")
-    cfg, model, tok, meta, path = load_run(args.run_dir, device)
+    cfg, tok, path = run.cfg, run.tok, run.path
+    meta = read_meta(Path(args.run_dir) / "tokenizer")
     data_dir = Path(args.data) if args.data else run_data_dir(args.run_dir, cfg)
     data_meta = check_data_dir(data_dir)
     if data_meta["vocab_size"] != meta["vocab_size"]:
@@ -275,55 +339,67 @@ def _eval(argv: list[str]) -> int:
 
     check_same_tokenizer(Path(args.run_dir) / "tokenizer", meta, data_dir, data_meta)  # by content, not size
     n_rows = (cfg.train.eval_batches if args.batches is None else args.batches) * cfg.train.batch_size
-    vs = ValSet(data_dir, cfg.model.block_size, n_rows)
-    loss = val_loss(model, vs, cfg.train.micro_batch_size or cfg.train.batch_size, device)
-    print(f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} windows of {cfg.model.block_size} tokens)")
+    vs = ValSet(data_dir, cfg.model.block_size, n_rows, run.rank, run.world)
+    micro = cfg.train.micro_batch_size or cfg.train.batch_size
+    loss = val_loss(run.model, vs, micro, run.device, all_reduce_sum=run.all_reduce_sum)
     line = f"val loss {loss:.4f} | perplexity {math.exp(loss):.2f}"
     if tok is not None:  # bits per byte: comparable across tokenizers
         from loom.eval.val_loss import bits_per_byte, tokens_per_byte
 
-        line += f" | bits per byte {bits_per_byte(loss, tokens_per_byte(vs, tok)):.4f}"
-    print(line)
+        tpb = tokens_per_byte(vs, tok, run.device, run.all_reduce_sum)
+        line += f" | bits per byte {bits_per_byte(loss, tpb):.4f}"
+    if run.rank == 0:
+        print(f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} windows of {cfg.model.block_size} tokens)"
+              + (f", model sharded over {run.world} processes" if run.world > 1 else ""))  # fmt: skip
+        print(line)
     return 0
 
 
 def _eval_hellaswag(args) -> int:
-    """HellaSwag on one process, or split across the ranks of a torchrun/mpiexec job."""
+    """HellaSwag on one process, or split across the ranks of a torchrun/srun/mpiexec job: each rank with the
+    whole model (or, with --shard, its FSDP share of it) scores examples rank, rank + world, ..."""
     if not args.data:
         raise LoomError("--task hellaswag needs --data FILE.jsonl", hint="the official hellaswag_val.jsonl")
     from loom.env import detect_env
     from loom.eval import hellaswag
-    from loom.eval.val_loss import load_run
-    from loom.train.setup import resolve_device
 
     examples = hellaswag.read_examples(args.data, args.limit)
     env = detect_env()
-    device = resolve_device(args.device, env.local_rank, key="--device")
-    _, model, tok, _, path = load_run(args.run_dir, device)
-    if tok is None:
-        raise LoomError(f"run '{args.run_dir}' has no tokenizer, so HellaSwag text cannot be encoded",
-                        hint="train on data prepared by loom (or nanoGPT data with meta.pkl)")  # fmt: skip
-    reduce = lambda t: t  # noqa: E731
-    if env.world_size > 1:
+    if env.world_size > 1 and not args.shard:  # whole model on every rank, the examples split
         import torch.distributed as dist
 
+        from loom import log
         from loom.distributed import process_group
+        from loom.eval.val_loss import load_run
+        from loom.train.setup import resolve_device
 
+        device = resolve_device(args.device, env.local_rank, key="--device")
+        _, model, tok, _, path = load_run(args.run_dir, device)
+        _need_tokenizer(args, tok)
+        log.setup(rank=env.rank)
         process_group.init(env, device, 600.0)
-
-        def reduce(t):
-            dist.all_reduce(t)
-            return t
-
-    try:
-        r = hellaswag.evaluate(model, tok, examples, device, env.rank, env.world_size, reduce)
-    finally:
-        if env.world_size > 1:
+        try:
+            r = hellaswag.evaluate(model, tok, examples, device, env.rank, env.world_size,
+                                   lambda t: (dist.all_reduce(t), t)[1])  # fmt: skip
+        finally:
             process_group.shutdown()
+    else:
+        with _run_model(args) as run:
+            tok, path = run.tok, run.path
+            _need_tokenizer(args, tok)
+            r = hellaswag.evaluate(
+                run.model, tok, examples, run.device, run.rank, run.world, run.all_reduce_sum
+            )
     if env.rank == 0:
         print(f"checkpoint {path}\nhellaswag {args.data}: {r['n']} examples on {env.world_size} process(es)")
         print(f"acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f}")
     return 0
+
+
+def _need_tokenizer(args, tok) -> None:
+    if tok is None:
+        raise LoomError(f"run '{args.run_dir}' has no tokenizer, so HellaSwag text cannot be encoded",
+                        hint="train on data prepared by loom (or nanoGPT data with meta.pkl)")  # fmt: skip
 
 
 def _export(argv: list[str]) -> int:

@@ -8,9 +8,16 @@ from pathlib import Path
 _state = {"rank": 0, "all_ranks": False, "file": None, "console": None}
 
 
-def setup(rank: int = 0, all_ranks: bool = False, file: str | Path | None = None) -> None:
-    """Configure this process's logging: which rank it is, whether it prints, and an optional log file."""
+def setup(
+    rank: int = 0, all_ranks: bool = False, file: str | Path | None = None, stderr: bool = False
+) -> None:
+    """Configure this process's logging: which rank it is, whether it prints, an optional log file, and
+    whether the console lines go to stderr (a command whose stdout is its result, as `loom generate`)."""
     _state["rank"], _state["all_ranks"] = rank, all_ranks
+    if stderr:
+        from rich.console import Console
+
+        _state["console"] = Console(highlight=False, soft_wrap=True, stderr=True)
     if _state["file"] is not None:
         _state["file"].close()
         _state["file"] = None

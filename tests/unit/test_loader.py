@@ -207,9 +207,8 @@ def test_batch_not_divisible_by_dp(data_dir):
 
 
 def _val_rows(vs, micro=3):
-    return [
-        tuple(torch.cat([x, y[:, -1:]], 1)[i].tolist()) for x, y in vs.batches(micro) for i in range(len(x))
-    ]
+    return [tuple(torch.cat([x, y[:, -1:]], 1)[i].tolist()) for x, y in vs.batches(micro) for i in range(len(x))
+            if y[i, 0] != -1]  # fmt: skip
 
 
 def test_valset_covers_each_window_once(data_dir):
@@ -226,6 +225,34 @@ def test_valset_fewer_rows_spread_without_repeats(data_dir):
     starts = [r[0] for r in _val_rows(vs)]
     assert len(starts) == len(set(starts)) == vs.total_rows == 4
     assert min(starts) == 0 and max(starts) == 9 * T  # evenly spaced over the whole split
+
+
+@pytest.mark.parametrize("dp", [2, 3, 4])
+@pytest.mark.parametrize("micro", [1, 2, 3])
+def test_valset_every_rank_yields_as_many_batches(data_dir, dp, micro):
+    # 7 rows over dp ranks: shares differ by a row; a sharded model's forward needs the same number of batches
+    # on every rank, so a rank a row short ends with a padding batch whose targets are all -1 (ignored)
+    n_batches = -(-(-(-7 // dp)) // micro)
+    for r in range(dp):
+        vs = ValSet(data_dir, T, 7, dp_rank=r, dp_size=dp)
+        batches = list(vs.batches(micro))
+        assert len(batches) == n_batches
+        real = [y[i] for _, y in batches for i in range(len(y)) if y[i, 0] != -1]
+        assert len(real) == len(vs.ids)
+        assert all((y == -1).all() for _, y in batches[-(-len(vs.ids) // micro) :])
+
+
+def test_a_padding_batch_changes_no_val_loss(data_dir):
+    from loom.eval.val_loss import val_loss
+    from loom.model.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, n_layer=1, n_head=1, n_embd=8, block_size=T))
+    short = ValSet(
+        data_dir, T, 7, dp_rank=1, dp_size=2
+    )  # 3 rows where rank 0 has 4: one padding batch at micro 1
+    assert len(list(short.batches(1))) == 4
+    assert val_loss(model, short, 1, "cpu") == pytest.approx(val_loss(model, short, 4, "cpu"), rel=1e-6)
 
 
 @pytest.mark.parametrize("dp", [2, 3, 4])

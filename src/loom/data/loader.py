@@ -302,10 +302,22 @@ class ValSet:
         )
         n = min(n_rows, self.windows.n)
         ids = np.unique(np.linspace(0, self.windows.n - 1, n).round().astype(np.int64))
-        self.ids = ids[dp_rank::dp_size]  # ranks take interleaved rows; losses are summed across ranks
+        self.ids, self.dp_size = (
+            ids[dp_rank::dp_size],
+            dp_size,
+        )  # ranks take interleaved rows; sums are reduced
         self.total_rows = len(ids)
 
     def batches(self, micro_batch_size: int):
-        for i in range(0, len(self.ids), micro_batch_size):
-            rows = self.windows.rows(self.ids[i : i + micro_batch_size])
-            yield rows[:, :-1], rows[:, 1:]
+        """This rank's rows in micro-batches (inputs, targets). Every rank yields as many batches as the rank with
+        the largest share, since a sharded model's forward is a collective: a rank a row short ends with a batch
+        whose targets are all -1 (ignored; val_loss counts no tokens for it)."""
+        share = -(-self.total_rows // self.dp_size)
+        for i in range(0, share, micro_batch_size):
+            ids = self.ids[i : i + micro_batch_size]
+            if len(ids):
+                rows = self.windows.rows(ids)
+                yield rows[:, :-1], rows[:, 1:]
+            else:
+                x = self.windows.rows(np.zeros(1, dtype=np.int64))[:, :-1]
+                yield x, torch.full_like(x, -1)

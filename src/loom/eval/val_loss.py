@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from loom import checkpoint
+from loom import checkpoint, log
 from loom.config import Config, config_from_dict, load_toml
 from loom.data.loader import ValSet, read_meta
 from loom.data.tokenizers import load_tokenizer
@@ -26,14 +26,18 @@ def val_loss(
     autocast=contextlib.nullcontext,
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> float:
-    """Mean token loss over the validation set; with several ranks each holds a share and sums are reduced."""
+    """Mean token loss over the validation set; with several ranks each holds a share and sums are reduced (a
+    padding batch, whose targets are all -1, runs its forward and counts nothing: ValSet.batches)."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in valset.batches(micro_batch_size):
+        padding = bool(y[0, 0] == -1)  # read on the host, before the copy
         x, y = x.to(device), y.to(device)
         with autocast():
             loss = model(x, y)
+        if padding:
+            continue
         total[0] += loss.double() * y.numel()
         total[1] += y.numel()
     total = all_reduce_sum(total)
@@ -89,9 +93,8 @@ def model_config(cfg: Config, vocab_size: int) -> GPTConfig:
     )
 
 
-def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None = None):
-    """(config, model with the newest valid checkpoint's weights, tokenizer, data meta, checkpoint path)."""
-    run_dir = Path(run_dir)
+def _open_run(run_dir: Path) -> tuple[Config, dict, object]:
+    """(config, data meta, tokenizer or None) of a run directory."""
     if not (run_dir / "config.toml").is_file():
         raise LoomError(
             f"'{run_dir}' is not a loom run directory (no config.toml)", hint="give a runs/<name> folder"
@@ -99,6 +102,13 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
     cfg = config_from_dict(load_toml(run_dir / "config.toml"))
     meta = read_meta(run_dir / "tokenizer")
     tokenizer = load_tokenizer(run_dir / "tokenizer", meta) if meta.get("tokenizer") else None
+    return cfg, meta, tokenizer
+
+
+def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None = None):
+    """(config, model with the newest valid checkpoint's weights, tokenizer, data meta, checkpoint path)."""
+    run_dir = Path(run_dir)
+    cfg, meta, tokenizer = _open_run(run_dir)
     if not ckpt and not (run_dir / "ckpt").is_dir() and (run_dir / "model.safetensors").is_file():
         from loom.checkpoint_tools import load_consolidated  # a `loom ckpt consolidate` folder
 
@@ -129,6 +139,76 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
     model.load_state_dict(tensors["model"])
     model.eval()
     return cfg, model, tokenizer, meta, path
+
+
+def load_run_sharded(run_dir: str | Path, device: torch.device, env, ckpt: str | Path | None = None):
+    """load_run for a model that need not fit one device: in a job of several processes (torchrun, srun,
+    mpiexec), the model is built on the meta device and FSDP-sharded over every process; each rank reads only
+    its pieces of the checkpoint's model/ (the optimizer's files are never read) and hashes only its share of
+    them, the ranks agreeing on the newest checkpoint that verifies. Joins the job's process group. Returns
+    (config, Parallelized, tokenizer, data meta, checkpoint path): every rank must run the same forward passes
+    (`Parallelized.all_reduce_sum` sums over the ranks)."""
+    from loom.distributed import process_group
+    from loom.distributed.comm import TorchControl
+    from loom.model import gpt_parallel
+    from loom.parallel import parallelize
+    from loom.parallel.dims import ParallelDims
+
+    run_dir = Path(run_dir)
+    cfg, meta, tokenizer = _open_run(run_dir)
+    process_group.init(env, device, cfg.parallel.timeout_s)
+    control = TorchControl()
+    consolidated = not ckpt and not (run_dir / "ckpt").is_dir() and (run_dir / "model.safetensors").is_file()
+    if ckpt:
+        path = Path(ckpt)
+        if (path / "state.json").is_file():
+            _check_same_model(path, cfg, run_dir)
+        _agreed_valid([path], control)
+    elif not consolidated:
+        steps = checkpoint.list_steps(run_dir / "ckpt")
+        path = _agreed_valid(steps, control)
+        if path is None:
+            raise LoomError(f"run '{run_dir}' has no valid checkpoint",
+                            hint="train it (checkpoints are written at the end)")  # fmt: skip
+    cfg.train.compile, cfg.train.activation_checkpointing = False, "none"
+    with torch.device("meta"):
+        model = GPT(model_config(cfg, meta["vocab_size"]))
+    dims = ParallelDims(1, env.world_size, 1, 1, env.world_size, env.rank, "fsdp")
+    par = parallelize(
+        model, dims, cfg, device, gpt_parallel
+    )  # no init: every value comes from the checkpoint
+    if consolidated:  # one file made for sharing: read whole on the host, each rank keeping its slices
+        from loom.checkpoint_tools import load_consolidated
+
+        whole = GPT(model_config(cfg, meta["vocab_size"]))
+        load_consolidated(run_dir, whole)
+        par.load_model_state(whole.state_dict())
+        par.model.eval()
+        return cfg, par, tokenizer, meta, run_dir / "model.safetensors"
+    if checkpoint.is_sharded(path):
+        checkpoint.load_model(path, par.model, verified=True)
+    else:  # format 1: whole tensors on the host, each rank keeping its slices
+        par.load_model_state(checkpoint.load(path, map_location="cpu")[0]["model"])
+    par.model.eval()
+    return cfg, par, tokenizer, meta, path
+
+
+def _agreed_valid(candidates: list[Path], control) -> Path | None:
+    """The newest of `candidates` whose model files every rank finds intact, each hashing its share."""
+    for path in reversed(candidates):
+        try:
+            checkpoint.verify(path, model_only=True, share=(control.rank, control.size))
+            error = None
+        except LoomError as e:
+            error = e.message
+        if control.all_reduce_sum([float(error is not None)])[0] == 0:
+            return path
+        if len(candidates) == 1:
+            raise LoomError(error or f"checkpoint '{path}' failed its check on another rank")
+        for e in control.gather_object(error) or []:  # rank 0 names what the ranks found
+            if e:
+                log.warn(f"skipping checkpoint: {e}")
+    return None
 
 
 def _check_same_model(path: Path, cfg: Config, run_dir: Path) -> None:

@@ -36,11 +36,14 @@ def canonical(name: str, aliases: dict[str, str]) -> str:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, init: Callable[[str, torch.Tensor], None],
+def materialize(model: nn.Module, device: torch.device, init: Callable[[str, torch.Tensor], None] | None,
                 aliases: dict[str, str]) -> None:  # fmt: skip
     """Allocate the model's (local) parameters on device and give each its initial values:
-    `init(name, whole)` fills the whole tensor of the single-device parameter `name`."""
+    `init(name, whole)` fills the whole tensor of the single-device parameter `name` (None: left
+    uninitialised, for a model whose every value is then loaded)."""
     model.to_empty(device=device)
+    if init is None:
+        return
     for name, p in model.named_parameters():
         whole = torch.empty(p.shape, dtype=p.dtype, device=device)  # a DTensor's shape is the global one
         init(canonical(name, aliases), whole)
