@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 
 import numpy as np
 import pytest
@@ -232,7 +233,7 @@ def test_valset_fewer_rows_spread_without_repeats(data_dir):
 def test_valset_every_rank_yields_as_many_batches(data_dir, dp, micro):
     # 7 rows over dp ranks: shares differ by a row; a sharded model's forward needs the same number of batches
     # on every rank, so a rank a row short ends with a padding batch whose targets are all -1 (ignored)
-    n_batches = -(-(-(-7 // dp)) // micro)
+    n_batches = math.ceil(math.ceil(7 / dp) / micro)
     for r in range(dp):
         vs = ValSet(data_dir, T, 7, dp_rank=r, dp_size=dp)
         batches = list(vs.batches(micro))
