@@ -75,18 +75,23 @@ def _train(argv: list[str]) -> int:
         print(f"loom: error: {e}", file=sys.stderr)
         code = EXIT_ERROR
     if world_size > 1:
-        # Every file is closed and the process group destroyed after a barrier; still, 4-rank gloo jobs
-        # here sometimes abort in C++ static destructors at interpreter exit ("terminate called without an
-        # active exception"), which would turn a finished run into a failed job. Leave without them.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if "mpi4py.MPI" in sys.modules:  # mpiexec treats a rank that skips MPI_Finalize as failed
-            from mpi4py import MPI
-
-            if MPI.Is_initialized() and not MPI.Is_finalized():
-                MPI.Finalize()
-        os._exit(code)
+        _leave_job(code)
     return code
+
+
+def _leave_job(code: int) -> None:
+    """End a rank of a multi-process job. Every file is closed and the process group destroyed after a
+    barrier; still, gloo jobs here sometimes abort in C++ static destructors at interpreter exit ("terminate
+    called without an active exception"), which would turn a finished job into a failed one. Leave without
+    them."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "mpi4py.MPI" in sys.modules:  # mpiexec treats a rank that skips MPI_Finalize as failed
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    os._exit(code)
 
 
 def _check_override_value(argv: list[str], config_arg: str | None) -> None:
@@ -251,6 +256,7 @@ def _run_model(args):
         clean = True
     finally:
         process_group.shutdown(clean)
+    _leave_job(0)  # the command has printed its result
 
 
 def _generate_samples(args, run: _Loaded) -> int:
@@ -383,13 +389,16 @@ def _eval_hellaswag(args) -> int:
                                    lambda t: (dist.all_reduce(t), t)[1])  # fmt: skip
         finally:
             process_group.shutdown()
-    else:
-        with _run_model(args) as run:
-            tok, path = run.tok, run.path
-            _need_tokenizer(args, tok)
-            r = hellaswag.evaluate(
-                run.model, tok, examples, run.device, run.rank, run.world, run.all_reduce_sum
-            )
+        return _print_hellaswag(args, path, r, env)
+    with _run_model(args) as run:  # one process, or --shard (which leaves the job when the block ends)
+        _need_tokenizer(args, run.tok)
+        r = hellaswag.evaluate(
+            run.model, run.tok, examples, run.device, run.rank, run.world, run.all_reduce_sum
+        )
+        return _print_hellaswag(args, run.path, r, env)
+
+
+def _print_hellaswag(args, path, r: dict, env) -> int:
     if env.rank == 0:
         print(f"checkpoint {path}\nhellaswag {args.data}: {r['n']} examples on {env.world_size} process(es)")
         print(f"acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f}")
