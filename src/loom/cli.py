@@ -356,9 +356,17 @@ def _eval_val(args, run: _Loaded) -> int:
         line += f" | bits per byte {bits_per_byte(loss, tpb):.4f}"
     if run.rank == 0:
         print(f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} windows of {cfg.model.block_size} tokens)"
-              + (f", model sharded over {run.world} processes" if run.world > 1 else ""))  # fmt: skip
+              + (f", {_sharding(run.model, run.world)}" if run.world > 1 else ""))  # fmt: skip
         print(line)
     return 0
+
+
+def _sharding(model, world: int) -> str:
+    """How much of the model this rank holds (a DTensor's numel is the whole tensor's)."""
+    from loom.parallel.tensor import local
+
+    here, total = (sum(f(p).numel() for p in model.parameters()) for f in (local, lambda p: p))
+    return f"model sharded over {world} processes ({here:,} of its {total:,} parameters on rank 0)"
 
 
 def _eval_hellaswag(args) -> int:

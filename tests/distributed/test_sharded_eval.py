@@ -52,7 +52,13 @@ def test_val_loss_of_the_sharded_model_equals_the_whole_one(run, capsys):
     assert main(["eval", str(run), "--device", "cpu", "--batches", "1"]) == 0
     one = capsys.readouterr().out
     two = torchrun("eval", str(run), "--device", "cpu", "--batches", "1", "--shard")
-    assert "(3 windows of 32 tokens), model sharded over 2 processes" in two
+    assert "(3 windows of 32 tokens), model sharded over 2 processes (" in two
+    here, total = (
+        int(x.replace(",", "")) for x in two.split("processes (")[1].split(" parameters")[0].split(" of its ")
+    )
+    assert (
+        abs(here - total / 2) <= 0.02 * total
+    )  # each rank holds its half (FSDP's dim-0 shards), not the whole
     assert two.count("val loss") == 1  # printed by rank 0 only
     assert _value(two, "val loss") == pytest.approx(_value(one, "val loss"), abs=2e-4)
     assert _value(two, "bits per byte") == pytest.approx(_value(one, "bits per byte"), abs=2e-4)
