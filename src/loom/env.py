@@ -20,11 +20,14 @@ job computes the same value without talking and two jobs sharing a node rarely c
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import os
+import platform
 import re
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -410,3 +413,27 @@ def oversubscription(nproc: int, option: str = "--nproc") -> str | None:
         f"may use (os.sched_getaffinity): each gets about {cores / nproc:.2g} of a core, so expect it to be "
         f"slow (use at most {cores} on this machine unless that is what you want)"
     )
+
+
+def cpu_memory_release() -> bool:
+    """From now on glibc's malloc serves every block of 1 MiB or more with mmap and unmaps it when freed.
+
+    By default glibc raises that threshold (up to 32 MiB) each time such a block is freed, after which blocks
+    of tens of MB come from the heap, which fragments and keeps them. A sharded (FSDP) forward on CPU
+    all-gathers each block's parameters into buffers of that size, once per block: measured on a
+    170M-parameter model (24 blocks) evaluated by 2 ranks, the peak per rank was 1.64 GB, more than the whole
+    model in one process (1.07 GB); with the fixed threshold 0.84 GB. Returns whether it applied (glibc)."""
+    libc = glibc()
+    if libc is not None:
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD; setting it also stops glibc's dynamic adjustment
+    return libc is not None
+
+
+def glibc():
+    """glibc through ctypes, or None (another libc, another system)."""
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        try:
+            return ctypes.CDLL("libc.so.6")
+        except OSError:
+            return None
+    return None

@@ -190,11 +190,11 @@ class JsonlSink:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            out.append(json.loads(line))
-    return out
+    """The records of a JSONL file. A last line without its newline is left out: the run is writing it (a read
+    beside a write can see part of it) or was killed in the middle of it."""
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.split("\n")[:-1]  # the piece after the last newline is not a whole record yet
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def format_step(rec: dict) -> str:

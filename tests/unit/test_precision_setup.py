@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from loom import env as loom_env
 from loom.train import setup
 from loom.train.setup import cpu_memory_reuse, native_bf16_cpu, resolve_precision
 
@@ -85,9 +86,9 @@ class _FakeLibc:
 @pytest.fixture
 def fake_glibc(monkeypatch):
     libc, opened = _FakeLibc(), []
-    monkeypatch.setattr(setup.sys, "platform", "linux")
-    monkeypatch.setattr(setup.platform, "libc_ver", lambda *a, **k: ("glibc", "2.36"))
-    monkeypatch.setattr(setup.ctypes, "CDLL", lambda name: opened.append(name) or libc)
+    monkeypatch.setattr(loom_env.sys, "platform", "linux")
+    monkeypatch.setattr(loom_env.platform, "libc_ver", lambda *a, **k: ("glibc", "2.36"))
+    monkeypatch.setattr(loom_env.ctypes, "CDLL", lambda name: opened.append(name) or libc)
     return libc, opened
 
 
@@ -107,7 +108,7 @@ def test_cpu_memory_reuse_disabled_or_without_glibc(fake_glibc, monkeypatch):
     libc, opened = fake_glibc
     with cpu_memory_reuse(False) as applied:
         assert applied is False
-    monkeypatch.setattr(setup.platform, "libc_ver", lambda *a, **k: ("", ""))  # musl
+    monkeypatch.setattr(loom_env.platform, "libc_ver", lambda *a, **k: ("", ""))  # musl
     with cpu_memory_reuse(True) as applied:
         assert applied is False
     assert opened == [] and libc.calls == []
@@ -121,8 +122,8 @@ class _MallInfo2(ctypes.Structure):
 @pytest.mark.skipif(
     not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"), reason="glibc's malloc only"
 )
-def test_cpu_memory_reuse_changes_what_malloc_does():
-    """The real allocator: a block far above the mmap threshold is mmapped outside, taken from the heap inside."""
+def _mmapped_probe():
+    """mmapped(size): whether glibc's malloc serves a block of that size with mmap (mallinfo2's hblks)."""
     libc = ctypes.CDLL("libc.so.6")
     if not hasattr(libc, "mallinfo2"):
         pytest.skip("mallinfo2 needs glibc >= 2.33")
@@ -138,9 +139,51 @@ def test_cpu_memory_reuse_changes_what_malloc_does():
         libc.free(ptr)
         return during == before + 1
 
+    return mmapped
+
+
+def test_cpu_memory_reuse_changes_what_malloc_does():
+    """The real allocator: a block far above the mmap threshold is mmapped outside, taken from the heap inside."""
+    mmapped = _mmapped_probe()
     big = 256 << 20  # above glibc's largest dynamic mmap threshold (32 MiB), larger than any free heap
     assert mmapped(big)
     with cpu_memory_reuse(True) as applied:
         assert applied is True
         assert not mmapped(64 << 20)
     assert mmapped(big)  # mmap is back after the context
+
+
+_RELEASE_PROBE = """
+import ctypes, sys
+from loom.env import cpu_memory_release
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.free(libc.malloc(24 << 20))  # an mmapped block freed: glibc raises its threshold to 24 MiB
+if sys.argv[1] == "release":
+    cpu_memory_release()
+blocks = [libc.malloc(8 << 20) for _ in range(4)]  # all-gather buffers of 8 MiB, touched, then freed
+for b in blocks:
+    ctypes.memset(b, 1, 8 << 20)
+for b in blocks:
+    libc.free(b)
+print(sum(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")))
+"""
+
+
+@pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"), reason="glibc's malloc only"
+)
+def test_cpu_memory_release_gives_large_freed_blocks_back():
+    """The sharded eval's setting, in fresh interpreters: once glibc has raised its mmap threshold, 8 MiB blocks
+    come from the heap and stay there after free (RSS grows by them, here 32 MiB once touched); with
+    cpu_memory_release they are mmapped and unmapped when freed."""
+    import subprocess
+
+    rss = {}
+    for mode in ("default", "release"):
+        r = subprocess.run(
+            [sys.executable, "-c", _RELEASE_PROBE, mode], capture_output=True, text=True, check=True
+        )
+        rss[mode] = int(r.stdout.strip())  # KiB
+    assert rss["default"] - rss["release"] > 16 << 10

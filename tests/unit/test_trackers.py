@@ -106,3 +106,12 @@ def test_training_logs_to_tensorboard_and_wandb_offline(char_data, tmp_path, mon
     assert {s: float(h["train/loss"]) for s, h in history.items() if "train/loss" in h} == loss
     assert {s: float(h["val/loss"]) for s, h in history.items() if "val/loss" in h} == val
     assert '"n_embd": 16' in config["model"] or '"n_embd":16' in config["model"]
+
+
+def test_read_jsonl_leaves_out_a_line_still_being_written(tmp_path):
+    # a reader beside a running (or killed) trainer can see the start of a record without its newline
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1, "loss": 2.5}\n\n{"step": 2, "lo')
+    assert read_jsonl(p) == [{"step": 1, "loss": 2.5}]
+    p.write_text('{"step": 1, "loss": 2.5}\n{"step": 2}\n')
+    assert read_jsonl(p) == [{"step": 1, "loss": 2.5}, {"step": 2}]

@@ -157,7 +157,7 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env, ckpt: str |
     run_dir = Path(run_dir)
     cfg, meta, tokenizer = _open_run(run_dir)
     if device.type == "cpu":
-        from loom.train.setup import cpu_memory_release
+        from loom.env import cpu_memory_release
 
         cpu_memory_release()  # the all-gathered block buffers go back to the system, not into the heap
     process_group.init(env, device, cfg.parallel.timeout_s)

@@ -6,10 +6,7 @@ All of it is checked before any expensive work, and nothing that exists is overw
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import platform
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import torch
 
 from loom import log
 from loom.config import Config, config_from_dict, diff_configs, load_toml
+from loom.env import glibc
 from loom.errors import LoomError
 from loom.metrics import cache_dir
 from loom.outputs import check_apart, replace_output
@@ -79,7 +77,7 @@ def cpu_memory_reuse(enabled: bool = True):
     6-layer Tiny Shakespeare model on 2 CPU cores. Equivalent to starting the process with
     GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824. The resident size stays
     at its peak meanwhile; glibc's static defaults come back on exit. A no-op without glibc (macOS, musl)."""
-    libc = _glibc() if enabled else None
+    libc = glibc() if enabled else None
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
     if libc is not None:
         libc.mallopt(M_MMAP_MAX, 0)
@@ -90,29 +88,6 @@ def cpu_memory_reuse(enabled: bool = True):
         if libc is not None:
             libc.mallopt(M_MMAP_MAX, 65536)
             libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
-
-
-def cpu_memory_release() -> bool:
-    """From now on glibc's malloc serves every block of 1 MiB or more with mmap and unmaps it when freed.
-
-    By default glibc raises that threshold (up to 32 MiB) each time such a block is freed, after which blocks
-    of tens of MB come from the heap, which fragments and keeps them. A sharded (FSDP) forward on CPU
-    all-gathers each block's parameters into buffers of that size, once per block: measured on a
-    170M-parameter model (24 blocks) evaluated by 2 ranks, the peak per rank was 1.64 GB, more than the whole
-    model in one process (1.07 GB); with the fixed threshold 0.84 GB. Returns whether it applied (glibc)."""
-    libc = _glibc()
-    if libc is not None:
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD; setting it also stops glibc's dynamic adjustment
-    return libc is not None
-
-
-def _glibc():
-    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
-        try:
-            return ctypes.CDLL("libc.so.6")
-        except OSError:
-            return None
-    return None
 
 
 def check_data_dir(path: str | Path) -> dict:
