@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from loom.data.loader import ShardLoader, TokenWindows, bos_starts
 from loom.data.shards import write_shard
@@ -56,3 +57,25 @@ def test_loader_reads_the_eot_id_from_meta(tmp_path, capsys):
     (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 50, "tokenizer": None}))
     with pytest.raises(LoomError, match="end-of-text id"):
         ShardLoader(tmp_path, 8, 16, seed=0, align="bos")
+
+
+def test_document_starts_are_scanned_once_and_read_back_from_the_cache(tmp_path, monkeypatch):
+    from loom.data import loader as loader_mod
+
+    for split in ("train", "val"):
+        write_shard(tmp_path / f"{split}_000000.bin", shard(), 1)
+    (tmp_path / "meta.json").write_text(
+        json.dumps({"vocab_size": 50, "tokenizer": {"kind": "x", "eot_id": EOT}})
+    )
+    scans = []
+    real = loader_mod.bos_starts
+    monkeypatch.setattr(loader_mod, "bos_starts", lambda *a, **k: scans.append(1) or real(*a, **k))
+    first = ShardLoader(tmp_path, 8, 16, seed=0, align="bos")
+    again = ShardLoader(tmp_path, 8, 16, seed=0, align="bos")  # the next start, another rank
+    assert len(scans) == 1
+    assert np.array_equal(again.windows.starts[0], first.windows.starts[0])
+    assert torch.equal(again.next_batch()[0], first.next_batch()[0])
+    ShardLoader(tmp_path, 8, 24, seed=0, align="bos")  # another block size: its own entry
+    write_shard(tmp_path / "train_000000.bin", shard()[:-16], 1)  # the shard rewritten
+    ShardLoader(tmp_path, 8, 16, seed=0, align="bos")
+    assert len(scans) == 3
