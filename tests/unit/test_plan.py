@@ -42,7 +42,7 @@ def test_zero_figures_through_the_planner(capsys):
         c = next(c for c in out["candidates"] if (c["dp"], c["zero"]) == (64, zero))
         m = c["memory_gb"]
         assert m["params"] + m["grads"] + m["optim"] == pytest.approx(paper, rel=0.05)
-    z3 = next(c for c in out["candidates"] if (c["dp"], c["zero"]) == (64, 3))["memory_gb"]
+    z3 = next(c for c in out["candidates"] if (c["dp"], c["zero"], c["replicate"]) == (64, 3, 1))["memory_gb"]
     assert 1.8 < z3["params"] + z3["grads"] + z3["optim"] < 3.5
 
 
@@ -89,7 +89,8 @@ def test_enumeration_is_valid_and_complete():
         assert c.zero in (0, 1, 2, 3) and (c.dp > 1 or c.zero == 0)
         assert c.activation_checkpointing in ("none", "full")  # flash attention: selective == none
         assert 0 <= c.bubble < 1 and c.step_time_s > 0
-        keys.add((c.dp, c.tp, c.pp, c.zero, c.micro_batch, c.activation_checkpointing))
+        assert c.replicate == 1 or (c.zero == 3 and 1 < c.replicate < c.dp and c.dp % c.replicate == 0)
+        keys.add((c.dp, c.tp, c.pp, c.zero, c.replicate, c.micro_batch, c.activation_checkpointing))
     assert len(keys) == len(cands)
     degrees = {(c.dp, c.tp, c.pp) for c in cands}
     assert {(64, 1, 1), (8, 8, 1), (1, 8, 8), (2, 1, 32), (4, 2, 8)} <= degrees
@@ -112,7 +113,11 @@ def test_bubble_and_communication_formulas():
     _, _, wl, cands = _plan(
         "--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--global-batch-tokens", "8192"
     )
-    flat = {c.zero: c for c in cands if c.tp == c.pp == 1 and c.activation_checkpointing == "none"}
+    flat = {
+        c.zero: c
+        for c in cands
+        if c.tp == c.pp == 1 and c.activation_checkpointing == "none" and c.replicate == 1
+    }
     psi = wl.shape.param_count()
     assert flat[0].comm_gb["dp"] == pytest.approx(2 * 7 / 8 * psi * 2 / 1e9, rel=1e-3)
     assert flat[1].comm_gb["dp"] == flat[2].comm_gb["dp"] == flat[0].comm_gb["dp"]
@@ -120,6 +125,36 @@ def test_bubble_and_communication_formulas():
     _, _, _, cands = _plan("--model", "gpt2", "--gpus", "8", "--gpu-mem", "80")
     for c in cands:
         assert c.bubble == pytest.approx((c.pp - 1) / (c.n_micro + c.pp - 1))
+
+
+def test_hsdp_shards_within_a_group_and_all_reduces_across_replicas():
+    # HSDP r x s (dp = r * s): model states sharded s ways; FSDP's gathers within the s-rank group, plus one
+    # all-reduce of each gradient shard (psi / s) across the r replicas per step
+    args = ("--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--global-batch-tokens", "8192")
+    _, _, wl, cands = _plan(*args)
+    psi, prec = wl.shape.param_count(), wl.precision
+    by = {
+        c.replicate: c
+        for c in cands
+        if c.tp == c.pp == 1 and c.zero == 3 and c.activation_checkpointing == "none"
+    }
+    assert sorted(by) == [1, 2, 4]  # 8 ranks: groups of 8 (plain FSDP), 4 x 2, 2 x 4
+    for r, c in by.items():
+        shard = 8 // r
+        gather = psi * (shard - 1) / shard * (2 * prec.param + prec.grad)
+        across = 2 * (r - 1) / r * psi / shard * prec.grad
+        assert c.comm_gb["dp"] == pytest.approx((gather + across) / 1e9, rel=1e-3)
+        assert c.memory_gb["optim"] == pytest.approx(psi * prec.optim / shard / 1e9, rel=1e-3)
+    assert by[1].memory_gb["optim"] < by[2].memory_gb["optim"] < by[4].memory_gb["optim"]
+    assert "--parallel.dp_replicate=2" in by[2].reason and "groups of 4 inside a node" in by[2].reason
+    # a slow link between nodes and one micro-batch per rank: FSDP over all 64 ranks waits on it, HSDP with its
+    # shard group inside a node does not (only the gradient shards' all-reduce crosses nodes)
+    _, _, _, big = _plan("--model", "7b", "--gpus", "64", "--gpus-per-node", "8", "--gpu-mem", "80",
+                         "--inter-bw", "5", "--global-batch-tokens", "262144")  # fmt: skip
+    assert big[0].zero == 3 and big[0].replicate > 1 and "HSDP" in big[0].reason
+    flat_fsdp = min((c for c in big if c.zero == 3 and c.replicate == 1 and c.tp == c.pp == 1),
+                    key=lambda c: c.step_time_s)  # fmt: skip
+    assert big[0].step_time_s < flat_fsdp.step_time_s
 
 
 def test_decision_rules_in_the_ranking():

@@ -24,7 +24,11 @@ Time model, per optimizer step, with m micro-batches per data-parallel rank:
     parameters: the same volume). ZeRO-2 keeps only a gradient shard, so every micro-batch's gradients
     are reduce-scattered, plus one parameter all-gather per step; at m = 1 the all-reduce's volume.
     ZeRO-3 all-gathers the parameters for forward and again for backward of every micro-batch and
-    reduce-scatters the gradients: 1.5× the all-reduce at m = 1 (section 7.2.2). DP traffic overlaps
+    reduce-scatters the gradients: 1.5× the all-reduce at m = 1 (section 7.2.2). HSDP (ZeRO-3 within
+    groups of dp/r neighbouring ranks, r replicas: torchtitan's dp_replicate × dp_shard, PyTorch FSDP's
+    hybrid sharding) moves that traffic over the shard group only (inside a node when it fits one) and
+    all-reduces each gradient shard (Ψ/shard) across the replicas once per step; the model states are
+    sharded shard ways, not dp ways. DP traffic overlaps
     with backward (ZeRO-1: the last micro-batch's; ZeRO-2: every micro-batch's; ZeRO-3: all compute,
     prefetching); only what is left adds to the step.
   The optimizer update and kernel launch overheads are left out.
@@ -81,6 +85,7 @@ class Candidate:
     micro_batch: int
     activation_checkpointing: str
     n_micro: int = 0  # micro-batches per data-parallel rank per step
+    replicate: int = 1  # HSDP (zero 3): replicas of a model sharded over dp / replicate ranks
     memory_gb: dict[str, float] = field(default_factory=dict)
     comm_gb: dict[str, float] = field(default_factory=dict)  # bytes sent per GPU per step, by kind
     compute_s: float = 0.0
@@ -92,9 +97,10 @@ class Candidate:
     reason: str = ""
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("dp", "tp", "pp", "zero", "micro_batch", "activation_checkpointing",
-                                          "n_micro", "memory_gb", "comm_gb", "compute_s", "comm_s",
-                                          "step_time_s", "bubble", "fits", "tokens_per_s", "reason")}  # fmt: skip
+        d = {k: getattr(self, k) for k in ("dp", "tp", "pp", "zero", "replicate", "micro_batch",
+                                          "activation_checkpointing", "n_micro", "memory_gb", "comm_gb",
+                                          "compute_s", "comm_s", "step_time_s", "bubble", "fits",
+                                          "tokens_per_s", "reason")}  # fmt: skip
         d["sequence_parallel"] = self.tp > 1
         return d
 
@@ -106,7 +112,8 @@ def _divisors(n: int) -> list[int]:
 def enumerate_layouts(shape: ModelShape, cluster: Cluster, wl: Workload, attention_modes: tuple[str, ...]):
     """Every valid layout. Rules (as config.validate): dp·tp·pp = gpus; tp divides n_head and
     gpus_per_node (tensor parallelism stays inside a node); pp <= n_layer; the global batch splits into
-    whole micro-batches per data-parallel rank; 1F1B needs at least pp micro-batches; ZeRO needs dp > 1."""
+    whole micro-batches per data-parallel rank; 1F1B needs at least pp micro-batches; ZeRO needs dp > 1;
+    HSDP (zero 3 with replicate r) needs 1 < r < dp."""
     node = min(cluster.gpus_per_node, cluster.gpus)
     seqs = wl.global_batch_tokens // wl.seq_len
     for tp in _divisors(node):
@@ -128,8 +135,9 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, wl: Workload, attenti
                 if per_rank % b or per_rank // b < pp:
                     continue
                 for zero in range(4) if dp > 1 else (0,):
-                    for ckpt in attention_modes:
-                        yield Candidate(dp, tp, pp, zero, b, ckpt, n_micro=per_rank // b)
+                    for rep in [1] + [r for r in _divisors(dp)[1:-1] if zero == 3]:
+                        for ckpt in attention_modes:
+                            yield Candidate(dp, tp, pp, zero, b, ckpt, n_micro=per_rank // b, replicate=rep)
 
 
 def _group_bw(span: int, cluster: Cluster) -> float:
@@ -179,7 +187,7 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     ):
         if c.pp == 1:  # one stage holds embedding, layers and head
             extra = embed_activation_bytes(shape, s, b, c.tp) + head_activation_bytes(shape, s, b, c.tp, e)
-        p, g, o = model_state_bytes(params, prec, c.zero, c.dp)
+        p, g, o = model_state_bytes(params, prec, c.zero, c.dp // c.replicate)
         if c.zero == 3:  # FSDP gathers one layer and prefetches the next
             p += 2 * layer_p * prec.param
         act = n_layers * layer_act * in_flight + extra * in_flight
@@ -211,16 +219,24 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     pipe_time = slots * (t_micro + t_tp + t_pp)
     # data parallel
     ring = (c.dp - 1) / c.dp
+    dp_bw = _group_bw(c.dp * c.tp, cluster) * GB
     if c.zero == 3:
-        dp_bytes = first_p * c.n_micro * ring * (2 * prec.param + prec.grad)
+        shard = (
+            c.dp // c.replicate
+        )  # FSDP's group: dp / replicate neighbouring ranks (all of dp without HSDP)
+        gather = first_p * c.n_micro * (shard - 1) / shard * (2 * prec.param + prec.grad)
+        across = (
+            2 * (c.replicate - 1) / c.replicate * first_p / shard * prec.grad
+        )  # HSDP: the replicas' all-reduce
+        dp_bytes = gather + across
+        t_dp = gather / (_group_bw(shard * c.tp, cluster) * GB) + across / dp_bw
         hide = c.n_micro * t_micro
     elif c.zero == 2:
         dp_bytes = first_p * ring * (c.n_micro * prec.grad + prec.param)
-        hide = c.n_micro * t_micro * 2 / 3
+        t_dp, hide = dp_bytes / dp_bw, c.n_micro * t_micro * 2 / 3
     else:
         dp_bytes = first_p * 2 * ring * prec.grad
-        hide = t_micro * 2 / 3
-    t_dp = dp_bytes / (_group_bw(c.dp * c.tp, cluster) * GB)
+        t_dp, hide = dp_bytes / dp_bw, t_micro * 2 / 3
     c.comm_gb = {"dp": dp_bytes / GB, "tp": tp_bytes * c.n_micro / GB, "pp": pp_bytes * c.n_micro / GB}
     c.compute_s = c.n_micro * t_micro
     c.step_time_s = pipe_time + max(0.0, t_dp - hide)

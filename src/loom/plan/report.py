@@ -48,6 +48,13 @@ def reason(c: Candidate, cands: list[Candidate], cluster: Cluster) -> str:
             need = f" (replicated states {states:.0f} GB > {usable:.0f} usable)" if states > usable else ""
             name = {1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}[c.zero]
             parts.append(f"{name} shards {_ZERO_WHAT[c.zero]} over dp={c.dp}{need}")
+    if c.replicate > 1:
+        shard = c.dp // c.replicate
+        where = (
+            "inside a node" if shard * c.tp <= min(cluster.gpus_per_node, cluster.gpus) else "across nodes"
+        )
+        parts[-1] = (f"HSDP: FSDP over groups of {shard} {where}, {c.replicate} replicas all-reduce gradient "
+                     f"shards (--parallel.dp_replicate={c.replicate})")  # fmt: skip
     if c.zero == 0 and c.dp > 1 and (c.tp > 1 or c.pp > 1):
         parts.append("no ZeRO: TP/PP alone split the model states")
     if c.tp > 1:
@@ -80,14 +87,14 @@ def model_state(c: Candidate) -> float:
 
 
 def table(cands: list[Candidate]) -> str:
-    head = (" #  dp  tp  pp zero  mb  ckpt  |  params  grads  optim   act  total GB | comm GB   step s"
+    head = (" #  dp  tp  pp zero rep  mb  ckpt  |  params  grads  optim   act  total GB | comm GB   step s"
             "  bubble   tok/s | fits | reason")  # fmt: skip
     rows = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         m = c.memory_gb
         comm = sum(c.comm_gb.values())
         rows.append(
-            f"{i:>2} {c.dp:>3} {c.tp:>3} {c.pp:>3} {c.zero:>4} {c.micro_batch:>3}  {c.activation_checkpointing[:4]:<4}"
+            f"{i:>2} {c.dp:>3} {c.tp:>3} {c.pp:>3} {c.zero:>4} {c.replicate:>3} {c.micro_batch:>3}  {c.activation_checkpointing[:4]:<4}"
             f"  | {m['params']:>7.1f} {m['grads']:>6.1f} {m['optim']:>6.1f} {m['activations']:>5.1f} {m['total']:>6.1f}"
             f"    | {comm:>7.1f} {c.step_time_s:>8.2f} {c.bubble:>6.1%} {fmt_count(c.tokens_per_s):>7}"
             f" | {'yes' if c.fits else 'NO':<4} | {c.reason}"
