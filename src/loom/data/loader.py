@@ -52,7 +52,7 @@ def cached_bos_starts(ids: np.ndarray, bos_id: int, block_size: int) -> np.ndarr
                 bos_id, block_size))  # fmt: skip
     path = cache_dir() / "align" / f"{hashlib.sha1(key.encode()).hexdigest()}.npy"
     try:
-        return np.load(path, mmap_mode="r")
+        return np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError):
         pass
     starts = bos_starts(ids, bos_id, block_size)
