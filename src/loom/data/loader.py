@@ -335,10 +335,8 @@ class ValSet:
         )
         n = min(n_rows, self.windows.n)
         ids = np.unique(np.linspace(0, self.windows.n - 1, n).round().astype(np.int64))
-        self.ids, self.dp_size = (
-            ids[dp_rank::dp_size],
-            dp_size,
-        )  # ranks take interleaved rows; sums are reduced
+        self.ids = ids[dp_rank::dp_size]  # ranks take interleaved rows; sums are reduced across ranks
+        self.dp_size = dp_size
         self.total_rows = len(ids)
 
     def batches(self, micro_batch_size: int):

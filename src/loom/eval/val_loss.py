@@ -109,8 +109,8 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
     """(config, model with the newest valid checkpoint's weights, tokenizer, data meta, checkpoint path)."""
     run_dir = Path(run_dir)
     cfg, meta, tokenizer = _open_run(run_dir)
-    if not ckpt and not (run_dir / "ckpt").is_dir() and (run_dir / "model.safetensors").is_file():
-        from loom.checkpoint_tools import load_consolidated  # a `loom ckpt consolidate` folder
+    if not ckpt and _consolidated(run_dir):
+        from loom.checkpoint_tools import load_consolidated
 
         model = GPT(model_config(cfg, meta["vocab_size"]))
         load_consolidated(run_dir, model)
@@ -141,13 +141,18 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
     return cfg, model, tokenizer, meta, path
 
 
-def load_run_sharded(run_dir: str | Path, device: torch.device, env, ckpt: str | Path | None = None):
+def _consolidated(run_dir: Path) -> bool:
+    """A `loom ckpt consolidate` folder: one model.safetensors, no checkpoints."""
+    return not (run_dir / "ckpt").is_dir() and (run_dir / "model.safetensors").is_file()
+
+
+def load_run_sharded(run_dir: str | Path, device: torch.device, env):
     """load_run for a model that need not fit one device: in a job of several processes (torchrun, srun,
     mpiexec), the model is built on the meta device and FSDP-sharded over every process; each rank reads only
-    its pieces of the checkpoint's model/ (the optimizer's files are never read) and hashes only its share of
-    them, the ranks agreeing on the newest checkpoint that verifies. Joins the job's process group. Returns
-    (config, Parallelized, tokenizer, data meta, checkpoint path): every rank must run the same forward passes
-    (`Parallelized.all_reduce_sum` sums over the ranks)."""
+    its pieces of the newest checkpoint's model/ (the optimizer's files are never read) and hashes only its
+    share of them, the ranks agreeing on the newest checkpoint that verifies. Joins the job's process group.
+    Returns (config, Parallelized, tokenizer, data meta, checkpoint path): every rank must run the same forward
+    passes (`Parallelized.all_reduce_sum` sums over the ranks)."""
     from loom.distributed import process_group
     from loom.distributed.comm import TorchControl
     from loom.model import gpt_parallel
@@ -161,16 +166,10 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env, ckpt: str |
 
         cpu_memory_release()  # the all-gathered block buffers go back to the system, not into the heap
     process_group.init(env, device, cfg.parallel.timeout_s)
-    control = TorchControl()
-    consolidated = not ckpt and not (run_dir / "ckpt").is_dir() and (run_dir / "model.safetensors").is_file()
-    if ckpt:
-        path = Path(ckpt)
-        if (path / "state.json").is_file():
-            _check_same_model(path, cfg, run_dir)
-        _agreed_valid([path], control)
-    elif not consolidated:
-        steps = checkpoint.list_steps(run_dir / "ckpt")
-        path = _agreed_valid(steps, control)
+    if _consolidated(run_dir):
+        path = run_dir / "model.safetensors"
+    else:
+        path = _agreed_valid(checkpoint.list_steps(run_dir / "ckpt"), TorchControl())
         if path is None:
             raise LoomError(f"run '{run_dir}' has no valid checkpoint",
                             hint="train it (checkpoints are written at the end)")  # fmt: skip
@@ -178,18 +177,15 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env, ckpt: str |
     with torch.device("meta"):
         model = GPT(model_config(cfg, meta["vocab_size"]))
     dims = ParallelDims(1, env.world_size, 1, 1, env.world_size, env.rank, "fsdp")
-    par = parallelize(
-        model, dims, cfg, device, gpt_parallel
-    )  # no init: every value comes from the checkpoint
-    if consolidated:  # one file made for sharing: read whole on the host, each rank keeping its slices
+    # no init: every value comes from the checkpoint
+    par = parallelize(model, dims, cfg, device, gpt_parallel)
+    if path.suffix == ".safetensors":  # a consolidated file: read whole on the host, each rank its slices
         from loom.checkpoint_tools import load_consolidated
 
         whole = GPT(model_config(cfg, meta["vocab_size"]))
         load_consolidated(run_dir, whole)
         par.load_model_state(whole.state_dict())
-        par.model.eval()
-        return cfg, par, tokenizer, meta, run_dir / "model.safetensors"
-    if checkpoint.is_sharded(path):
+    elif checkpoint.is_sharded(path):
         checkpoint.load_model(path, par.model, verified=True)
     else:  # format 1: whole tensors on the host, each rank keeping its slices
         par.load_model_state(checkpoint.load(path, map_location="cpu")[0]["model"])
@@ -207,8 +203,6 @@ def _agreed_valid(candidates: list[Path], control) -> Path | None:
             error = e.message
         if control.all_reduce_sum([float(error is not None)])[0] == 0:
             return path
-        if len(candidates) == 1:
-            raise LoomError(error or f"checkpoint '{path}' failed its check on another rank")
         for e in control.gather_object(error) or []:  # rank 0 names what the ranks found
             if e:
                 log.warn(f"skipping checkpoint: {e}")
