@@ -188,6 +188,34 @@ def test_single_file_conversion(tmp_path):
     assert len(F.FORMATS["megatron"].read(tmp_path / "again").documents()) == len(VAL[0])
 
 
+def test_eot_id_outside_the_vocabulary_is_refused_and_documents_are_counted(tmp_path, capsys):
+    """An --eot-id the data cannot hold started no document: the Megatron index held one per file."""
+    d = write_reference("llmc", tmp_path / "llmc")  # no meta: the vocabulary is max id + 1 = EOT + 1
+    for src in (d, d / "fineweb_val_000000.bin"):
+        out = tmp_path / "m"
+        with pytest.raises(
+            LoomError, match=rf"--eot-id {EOT + 1} is outside the vocabulary of .*\(ids 0\.\.{EOT}"
+        ) as e:
+            data_convert_main(["--to", "megatron", "--eot-id", str(EOT + 1), str(src), str(out)])
+        assert "--eot-id" in e.value.hint
+        assert not list(tmp_path.glob("m*")) and not list(tmp_path.glob(".m*"))  # nothing written
+    capsys.readouterr()
+    assert data_convert_main(["--to", "megatron", "--eot-id", str(EOT), str(d), str(tmp_path / "m")]) == 0
+    said = capsys.readouterr().out
+    assert f"train {len(stream(TRAIN)):,} tokens in 2 file(s) ({sum(map(len, TRAIN))} documents)" in said, (
+        said
+    )
+    assert f"({len(VAL[0])} documents)" in said, said
+    prefix = tmp_path / "one"
+    assert (
+        data_convert_main(
+            ["--to", "megatron", "--eot-id", str(EOT), str(d / "fineweb_val_000000.bin"), str(prefix)]
+        )
+        == 0
+    )
+    assert f"({len(VAL[0])} documents)" in capsys.readouterr().out
+
+
 def test_convert_refuses_existing_output_and_leaves_nothing_on_failure(tmp_path):
     d = tmp_path / "big"
     d.mkdir()

@@ -53,11 +53,28 @@ def _eot(meta: dict | None, eot_id: int | None) -> int | None:
     return eot_id if eot_id is not None else ((meta or {}).get("tokenizer") or {}).get("eot_id")
 
 
-def _with_documents(t: Tokens, target: Format, eot: int | None) -> Tokens:
+def _check_eot(eot_id: int | None, vocab: int, vocab_from: str, src: Path) -> None:
+    """An --eot-id the data's vocabulary does not hold starts no document: refused, instead of an index that
+    holds one document per file."""
+    if eot_id is not None and eot_id >= vocab:
+        raise LoomError(
+            f"--eot-id {eot_id} is outside the vocabulary of '{src}' (ids 0..{vocab - 1}, from {vocab_from}): "
+            "no document would start with it",
+            hint="give the end-of-text id of the tokenizer the data was made with (GPT-2's is 50256), or leave "
+            "--eot-id out to use the one its meta.json names",
+        )
+
+
+def _with_documents(t: Tokens, target: Format, eot: int | None, where: Path) -> Tokens:
     """Recover document boundaries from end-of-text ids when the target keeps documents and the source
     did not."""
     if target.keeps_documents and t.doc_offsets is None and eot is not None:
-        return Tokens(t.ids, doc_offsets_from_eot(t.ids, eot))
+        off = doc_offsets_from_eot(t.ids, eot)
+        if len(off) == 2 and len(t.ids) > 1 and int(t.ids[0]) != eot:
+            log.warn(
+                f"end-of-text id {eot} does not occur in '{where}': its {len(t.ids):,} tokens are one document"
+            )
+        return Tokens(t.ids, off)
     return t
 
 
@@ -128,6 +145,7 @@ def _check_out(out: Path, force: bool) -> None:
 
 def _convert_dir(src: Path, out: Path, source: Format, target: Format, dtype, eot_id: int | None) -> dict:
     meta = read_meta(src)
+    _check_eot(eot_id, int(meta["vocab_size"]), meta.get("vocab_from", "meta.json"), src)
     eot = _eot(meta, eot_id)
     dt = np.dtype(dtype) if dtype else np.dtype(target.default_dtype(int(meta["vocab_size"]) - 1))
     tmp = out.with_name(f".{out.name}.loom-tmp")
@@ -139,7 +157,7 @@ def _convert_dir(src: Path, out: Path, source: Format, target: Format, dtype, eo
             files = source.split_files(src, split)
             if not files:
                 continue
-            parts = [_with_documents(source.read(f), target, eot) for f in files]
+            parts = [_with_documents(source.read(f), target, eot, f) for f in files]
             n_files = _write_split(target, tmp, split, parts, dt)
             docs = [len(t.doc_offsets) - 1 for t in parts if t.doc_offsets is not None]
             splits[split] = {
@@ -164,12 +182,19 @@ def _convert_dir(src: Path, out: Path, source: Format, target: Format, dtype, eo
 
 
 def _convert_file(src: Path, out: Path, source: Format, target: Format, dtype, eot_id: int | None) -> dict:
-    t = _with_documents(source.read(src), target, _eot(known_meta(src.parent), eot_id))
+    meta = known_meta(src.parent)
+    t = source.read(src)
     r = id_range([t.ids])
+    if meta is not None:
+        _check_eot(eot_id, int(meta["vocab_size"]), meta.get("vocab_from", "meta.json"), src)
+    elif r is not None:  # no meta: the vocabulary the data shows
+        _check_eot(eot_id, r[1] + 1, "max id + 1", src)
+    t = _with_documents(t, target, _eot(meta, eot_id), src)
     dt = np.dtype(dtype) if dtype else np.dtype(target.default_dtype(r[1] if r else 0))
     written = target.write(out, t, dt)
+    docs = None if t.doc_offsets is None else len(t.doc_offsets) - 1
     return {"input": str(src), "output": [str(p) for p in written], "from": source.name, "to": target.name,
-            "dtype": dt.name, "tokens": len(t.ids)}  # fmt: skip
+            "dtype": dt.name, "tokens": len(t.ids), "documents": docs}  # fmt: skip
 
 
 def _check_dtype(dtype: str | None) -> str | None:
@@ -375,12 +400,17 @@ def data_convert_main(argv: list[str]) -> int:
     p.add_argument("--force", action="store_true", help="replace an existing output")
     args = p.parse_args(argv)
     s = convert(args.input, args.output, args.target, args.source, args.dtype, args.eot_id, args.force)
+
+    def docs(n: int | None) -> str:  # what a Megatron index holds (or the source knew) is said, not assumed
+        return "" if n is None else f" ({n:,} document{'s' if n != 1 else ''})"
+
     if "splits" in s:
         what = ", ".join(
-            f"{k} {v['tokens']:,} tokens in {v['shards']} file(s)" for k, v in s["splits"].items()
+            f"{k} {v['tokens']:,} tokens in {v['shards']} file(s){docs(v['documents'])}"
+            for k, v in s["splits"].items()
         )
     else:
-        what = f"{s['tokens']:,} tokens"
+        what = f"{s['tokens']:,} tokens{docs(s['documents'])}"
     log.info(f"converted {s['input']} ({s['from']}) -> {s['output']} ({s['to']}, {s['dtype']}): {what}")
     return 0
 
