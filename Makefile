@@ -4,13 +4,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench setup clean gpu-check
+# The oldest torch loom supports (pyproject's lower bound): the unit and distributed tests run on it too.
+# Its wheel for Linux is the CUDA build (~4.7 GB installed with its libraries); it runs on a CPU.
+TORCH_OLDEST ?= 2.11.0
+VENV_OLDEST := .venv-torch$(TORCH_OLDEST)
+STAMP_OLDEST := $(VENV_OLDEST)/.installed
+
+.PHONY: demo test test-oldest lint bench setup clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev,mpi,triton,parquet,data,hf,track]"
 	touch $(STAMP)
+
+$(STAMP_OLDEST): pyproject.toml
+	test -x $(VENV_OLDEST)/bin/python || $(PY) -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/python -m pip install -q --upgrade pip
+	echo "torch==$(TORCH_OLDEST)" > $(VENV_OLDEST)/constraints.txt
+	$(VENV_OLDEST)/bin/python -m pip install -q -c $(VENV_OLDEST)/constraints.txt -e ".[dev,mpi,triton,parquet,data,hf,track]"
+	touch $(STAMP_OLDEST)
 
 setup: $(STAMP)
 
@@ -22,13 +35,23 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
+# The unit and distributed tests on the oldest supported torch, in a virtualenv of its own (.ci/run runs both).
+test-oldest: $(STAMP_OLDEST)
+	$(VENV_OLDEST)/bin/python -m pytest -q -n 2 --dist loadfile --durations=10 tests/unit tests/distributed
+
 # The GPU acceptance kit (benchmarks/gpu_check.py): make gpu-check on a CUDA machine, ARGS=--cpu anywhere.
-gpu-check: $(STAMP)
-	$(BIN)/python benchmarks/gpu_check.py $(ARGS)
+# Where $(PY) already has torch (with CUDA, unless ARGS=--cpu) and loom's dependencies, as on a GPU machine
+# without a package index, the kit runs from the working tree with it: no virtualenv, no pip.
+gpu-check:
+	@if $(PY) benchmarks/gpu_check.py --probe $(filter --cpu,$(ARGS)); then \
+		PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/gpu_check.py $(ARGS); \
+	else \
+		$(MAKE) --no-print-directory setup && $(BIN)/python benchmarks/gpu_check.py $(ARGS); \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-torch* runs .pytest_cache

@@ -21,6 +21,10 @@ Checks, in order:
                        memory, at the largest micro-batch of --micro-batches that fits (tried largest first)
   bench-train-compile  the same with train.compile=true at that micro-batch
   nanogpt              nanoGPT's own train.py on the same shape (compile on), with --nanogpt PATH
+On a bare GPU machine (an interpreter that already has torch with CUDA and loom's dependencies, no package
+index) `make gpu-check` runs this file from the working tree with that interpreter: `--probe` says whether it
+can (exit 0) and lists what it misses. A missing optional package skips only the checks that need it: pytest
+(tests-gpu), triton (bench-optim's triton kernel), transformers (the HF tests inside tests-gpu).
 --fail-check NAME makes that check fail on purpose (its command is replaced by one that exits 1): how the
 kit's own test proves that a failure reaches the exit code.
 """
@@ -43,8 +47,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 PY = sys.executable
 LOOM = [PY, "-m", "loom"]
+# loom's own dependencies (pyproject.toml) as import names; without one of them nothing runs
+REQUIRED = ("torch", "numpy", "tokenizers", "rich", "safetensors", "matplotlib")
+# optional packages and the checks they serve: a missing one skips only those
+OPTIONAL = {"pytest": "tests-gpu", "triton": "bench-optim's triton kernel",
+            "transformers": "the HF import/export tests in tests-gpu"}  # fmt: skip
 BUDGET_S = 480.0  # the whole kit on a GPU: 8 minutes, under the device machine's 10 minutes per command
 
 # Datasheet memory bandwidth in GB/s, matched as substrings of torch.cuda.get_device_name (first match wins).
@@ -84,14 +94,94 @@ class Check:
     cwd: Path = ROOT
 
 
+# ------------------------------------------------------------------------------------------- the interpreter
+def missing(names) -> list[str]:
+    """The packages among `names` that this interpreter cannot import (found without importing them)."""
+    import importlib.util
+
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of every check: loom's sources first on PYTHONPATH, so the kit runs from the working
+    tree on an interpreter where loom is not installed (a bare GPU machine), and from the same tree in .venv."""
+    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+def probe(cpu: bool) -> int:
+    """--probe: can this interpreter run the kit as it is, with no virtualenv and no pip? 0 if so, else 1.
+    It can when it imports loom's dependencies and (unless --cpu) its torch sees a CUDA device; then
+    installing anything would only replace the machine's own CUDA torch."""
+    lacking = missing(REQUIRED)
+    if lacking:
+        print(
+            f"gpu_check --probe: {PY} lacks loom's dependencies {', '.join(lacking)}: use a virtualenv (make setup)"
+        )
+        return 1
+    import torch
+
+    if not cpu and not torch.cuda.is_available():
+        print(f"gpu_check --probe: torch {torch.__version__} in {PY} sees no CUDA device")
+        return 1
+    opt = missing(OPTIONAL)
+    print(f"gpu_check --probe: {PY} has torch {torch.__version__} (CUDA {torch.version.cuda}) and loom's "
+          "dependencies: running from the working tree, no virtualenv, no pip"
+          + "".join(f"\n  missing optional package {n}: skips {OPTIONAL[n]}" for n in opt))  # fmt: skip
+    return 0
+
+
+def versions(cuda: bool) -> dict[str, Any]:
+    """What a figure depends on: interpreter, torch, CUDA, cuDNN, driver, the GPUs, triton, loom's commit."""
+    import platform
+
+    import torch
+
+    info: dict[str, Any] = {"python": platform.python_version(), "executable": PY, "torch": torch.__version__,
+                            "cuda": torch.version.cuda, "platform": platform.platform()}  # fmt: skip
+    for name in ("triton", "transformers", "numpy"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception:
+            info[name] = None
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        info["loom_commit"] = sha.stdout.strip() or None
+    except OSError:
+        info["loom_commit"] = None
+    if cuda:
+        info["cudnn"] = torch.backends.cudnn.version()
+        info["gpus"] = [
+            {"name": torch.cuda.get_device_name(i), "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
+             "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
+            for i in range(torch.cuda.device_count())
+        ]  # fmt: skip
+        info["driver"] = nvidia_driver()
+    return info
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver's version (nvidia-smi), or None where it cannot be asked."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+
+
 # ------------------------------------------------------------------------------------------- the checks
 def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
     """Every check of the kit, in order; those that cannot run here carry the reason and the command."""
     data, shape = out / "data", (GPT2 if cuda else TINY)
     device = "cuda" if cuda else "cpu"
+    lacking = set(missing(OPTIONAL))
     checks = [
         Check("tests-gpu", lambda ctx: [[PY, "-m", "pytest", "tests/gpu", "-rs", "-q", "-p", "no:cacheprovider"]],
-              240, pytest_figures, strict_skips=cuda),
+              240, pytest_figures, strict_skips=cuda,
+              why_not="needs pytest, which this interpreter lacks" if "pytest" in lacking else None),
         Check("prepare-data", lambda ctx: [[*LOOM, "data", "prepare", "--input", str(write_text(out)), "--out",
               str(data), "--tokenizer", "char", "--val-fraction", "0.1"]], 120),
     ]  # fmt: skip
@@ -120,7 +210,7 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
     optim = out / "bench-optim.json"
     sizes = ["--params", "124M", "--device", "cuda"] if cuda else [
         "--params", "1M", "--device", "cpu", "--iters", "3", "--warmup", "1", "--copy-mb", "16"]  # fmt: skip
-    impls = ["--impls", "torch-fused,torch-foreach,triton"]
+    impls = ["--impls", "torch-fused,torch-foreach" + ("" if "triton" in lacking else ",triton")]
     checks.append(Check("bench-optim", lambda ctx: [[*LOOM, "bench", "optim", *impls, *sizes, "--json", str(optim)]],
                         180, lambda o, ctx: optim_figures(optim, cuda)))  # fmt: skip
     mbs = args.micro_batches if cuda else [2]
@@ -192,8 +282,12 @@ def nanogpt_argv(nanogpt: Path, out: Path, shape: dict, ctx: dict, mbs: list[int
 # ------------------------------------------------------------------------------------------- key figures
 def pytest_figures(output: str, ctx: dict) -> dict:
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)\b", output)}
-    reasons = sorted(set(re.findall(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", output, re.M)))
-    return {**counts, **({"skip_reasons": reasons} if reasons else {})}
+    skips = re.findall(r"^SKIPPED \[(\d+)\] [^:]+:\d+: (.*)$", output, re.M)
+    reasons = sorted({r for _, r in skips})
+    lacking = missing(OPTIONAL)  # tests skipped for a package this interpreter lacks: reported, not failed
+    excused = sum(int(n) for n, r in skips if any(p in r for p in lacking))
+    return {**counts, **({"skip_reasons": reasons} if reasons else {}),
+            **({"skipped_missing_package": excused} if excused else {})}  # fmt: skip
 
 
 def train_figures(run: Path) -> dict:
@@ -274,7 +368,7 @@ def run_check(c: Check, ctx: dict, out: Path, deadline: float, fail: str | None)
             log.flush()
             # a session of its own, so that a timeout ends the check's whole process tree (loom's workers too)
             proc = subprocess.Popen(argv, cwd=c.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)  # fmt: skip
+                                    env=child_env(), start_new_session=True)  # fmt: skip
             try:
                 output, _ = proc.communicate(timeout=limit)
                 rc = proc.returncode
@@ -302,7 +396,8 @@ def run_check(c: Check, ctx: dict, out: Path, deadline: float, fail: str | None)
         row.update(status="fail", reason=f"no figures in its output: {type(e).__name__}: {e}")
         return row
     skipped = row["figures"].get("skipped", 0) if isinstance(row["figures"], dict) else 0
-    if c.strict_skips and skipped:
+    skipped -= row["figures"].get("skipped_missing_package", 0) if isinstance(row["figures"], dict) else 0
+    if c.strict_skips and skipped > 0:
         row.update(status="fail", reason=f"{skipped} test(s) skipped on a CUDA machine")
     elif (
         ctx["_cuda"]
@@ -333,6 +428,9 @@ def write_report(out: Path, header: dict, rows: list[dict]) -> None:
     lines = [f"# loom GPU check: {header['device_name']}", "",
              f"{header['mode']} | torch {header['torch']} | {header['n_gpus']} GPU(s) | {header['date']} | "
              f"{header['seconds']:.0f} s | {'all passed' if header['ok'] else 'FAILED'}", "",
+             "versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items() if k != "gpus"), "",
+             *[f"GPU {i}: {g['name']}, sm {g['capability']}, {g['memory_gib']} GiB"
+               for i, g in enumerate(header["versions"].get("gpus", []))], "",
              "| check | status | seconds | key figures |", "|---|---|---:|---|"]  # fmt: skip
     for r in rows:
         status = r["status"] + (f": {r['reason']}" if r.get("reason") else "")
@@ -353,8 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="comma list of checks to run (the others are reported as not selected)")
     p.add_argument("--fail-check", metavar="NAME", help="make this check fail on purpose (tests the kit)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="time for the whole kit (default 480)")
+    p.add_argument("--probe", action="store_true",
+                   help="only say whether this interpreter runs the kit as it is (exit 0) or needs a virtualenv")  # fmt: skip
     args = p.parse_args(argv)
+    if args.probe:
+        return probe(args.cpu)
     args.micro_batches = [int(x) for x in args.micro_batches.split(",")]
+    if str(SRC) not in sys.path:  # the figures read loom's records in this process: the tree's loom
+        sys.path.insert(0, str(SRC))
     import torch
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -377,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     t0, deadline = time.perf_counter(), time.monotonic() + args.budget_s
     ctx: dict[str, Any] = {"_cuda": cuda}
+    env = versions(cuda)
+    print("gpu_check: " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "gpus" and v is not None)
+          + "".join(f"\n  GPU {i}: {g['name']} (sm {g['capability']}, {g['memory_gib']} GiB)"
+                    for i, g in enumerate(env.get("gpus", []))), flush=True)  # fmt: skip
+    for n in missing(OPTIONAL):
+        print(f"gpu_check: optional package {n} is missing here: skips {OPTIONAL[n]}", flush=True)
     rows = []
     for i, c in enumerate(checks, 1):
         row: dict[str, Any] = {"check": c.name}
@@ -400,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "cuda" if cuda else "cpu (--cpu: tiny shapes)", "ok": ok, "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(0) if cuda else "cpu", "n_gpus": n_gpus,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0,
+        "versions": env, "missing_optional": missing(OPTIONAL),
     }  # fmt: skip
     write_report(out, header, rows)
     print((out / "gpu-report.md").read_text())

@@ -18,7 +18,9 @@ TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.b
 
 
 def test_export_of_a_cuda_trained_run(tmp_path, char_data):
-    transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'loom[hf]'")
+    transformers = pytest.importorskip(
+        "transformers", reason="needs transformers (the hf extra: pip install 'loom[hf]')"
+    )
     assert main(["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=r",
                  "--train.steps=5", *TINY]) == 0  # fmt: skip
     out = tmp_path / "hf"

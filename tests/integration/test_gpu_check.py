@@ -53,3 +53,49 @@ def test_a_failing_check_fails_the_kit(tmp_path):
     assert rows["bench-optim"]["status"] == "fail" and "deliberate failure" in rows["bench-optim"]["reason"]
     assert rows["train-ddp"]["reason"] == "not selected (--only)"
     assert "FAILED" in md
+
+
+def test_bare_machine_runs_from_the_tree_without_pip(tmp_path):
+    """A GPU machine without a package index, simulated: an interpreter that has loom's dependencies but not loom,
+    whose pip (module and command) only records that it was called. `make gpu-check` must run the kit from the
+    working tree with it, reach the checks, and never call pip."""
+    import os
+    import sysconfig
+
+    bare, fake = tmp_path / "bare", tmp_path / "fakepip"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    called = tmp_path / "pip-called"
+    record = f"import pathlib, sys\npathlib.Path({str(called)!r}).write_text(repr(sys.argv))\nsys.exit(3)\n"
+    (fake / "pip").mkdir(parents=True)
+    (fake / "pip" / "__init__.py").write_text("")
+    (fake / "pip" / "__main__.py").write_text(record)
+    (fake / "bin").mkdir()
+    for name in ("pip", "pip3"):
+        (fake / "bin" / name).write_text(f"#!{bare / 'bin' / 'python'}\n{record}")
+        (fake / "bin" / name).chmod(0o755)
+    # the dependencies through a plain path entry: site-packages' own .pth files (loom's editable install) are
+    # not read from it, so loom is importable only from the tree; the fake pip comes first
+    site = Path(subprocess.run([str(bare / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
+                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    (site / "deps.pth").write_text(f"{fake}\n{sysconfig.get_paths()['purelib']}\n")
+    py = str(bare / "bin" / "python")
+    assert subprocess.run([py, "-c", "import loom"], capture_output=True, cwd=tmp_path).returncode != 0
+    assert (
+        subprocess.run([py, "-m", "pip", "install", "x"], capture_output=True).returncode == 3
+        and called.exists()
+    )
+    called.unlink()  # the fake pip records a call: its absence below means none was made
+
+    env = {**os.environ, "PATH": f"{fake / 'bin'}{os.pathsep}{os.environ['PATH']}", "PIP_NO_INDEX": "1"}
+    env.pop("PYTHONPATH", None)
+    out = tmp_path / "kit"
+    r = subprocess.run(["make", "--no-print-directory", "gpu-check", f"PY={py}",
+                        f"ARGS=--cpu --only prepare-data --out {out}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "running from the working tree, no virtualenv, no pip" in r.stdout
+    assert not called.exists(), called.read_text()
+    report = json.loads((out / "gpu-report.json").read_text())
+    rows = {c["check"]: c for c in report["checks"]}
+    assert rows["prepare-data"]["status"] == "pass"
+    assert report["versions"]["torch"] and report["versions"]["executable"] == py

@@ -48,7 +48,8 @@ class Pipeline:
                             loss_fn=lm_loss)  # fmt: skip
 
     def _run(self, fn, x, y, losses) -> None:
-        args = (x,) if self.holds_first else ()
+        # the first stage's input must be contiguous: torch 2.11's stage checks its strides against its meta
+        args = (x.contiguous(),) if self.holds_first else ()
         kwargs = {"target": y, "losses": losses} if self.holds_last else {}
         fn(*args, **kwargs)
 

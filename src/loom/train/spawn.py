@@ -7,6 +7,7 @@ If a worker dies, the elastic agent stops the others and the parent names the fa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -64,6 +65,11 @@ def launch_local(
     if not resume:
         args.append(f"--run.name={plan.run_dir.name}")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # after SIGTERM the workers finish their step and save; a stuck one is killed after the timeout. The
+    # option exists from torch 2.12 on; older launchers wait a fixed 30 s (PContext.close's default).
+    shutdown = {"shutdown_timeout": int(max(10, cfg.parallel.timeout_s))}
+    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        shutdown = {}
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -74,8 +80,7 @@ def launch_local(
         rdzv_configs={"timeout": int(cfg.parallel.timeout_s)},
         max_restarts=max_restarts,
         monitor_interval=0.2,
-        # after SIGTERM the workers finish their step and save; a stuck one is killed after the timeout
-        shutdown_timeout=int(max(10, cfg.parallel.timeout_s)),
+        **shutdown,
     )
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     restarts = f", up to {max_restarts} restart(s)" if max_restarts else ""
