@@ -142,7 +142,9 @@ def _data(argv: list[str]) -> int:
     pp.add_argument("--val-fraction", type=float, default=0.1, help="share of the text for val (default 0.1)")
     pp.add_argument("--split-mode", default="docs", choices=["docs", "tail"],
                     help="docs: whole documents by seeded shuffle; tail: last characters (nanoGPT)")  # fmt: skip
-    pp.add_argument("--jsonl-field", default="text", help="JSONL field / Parquet column holding the text")
+    pp.add_argument("--jsonl-field", default="text",
+                    help="JSONL field / Parquet column holding the text; a dotted name reaches into objects "
+                    "(meta.text)")  # fmt: skip
     pp.add_argument("--glob", default="*", help="file pattern inside folders, e.g. '*.py' (default *)")
     pp.add_argument("--seed", type=int, default=1337)
     pp.add_argument("--force", action="store_true", help="replace an existing output directory")

@@ -169,6 +169,58 @@ def test_jsonl_invalid_json_names_the_line(tmp_path):
     assert read_documents([path]).stats.bad_lines_count == 1
 
 
+def _write_input(tmp_path, name: str):
+    """An input whose text cannot be found for one reason the user can fix (see the table below)."""
+    lines = '{"body": "first doc", "id": 1}\n{"body": "second doc", "id": 2}\n'
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+        cols = (
+            {"text": [1, 2]} if name == "ints.parquet" else {"meta": [{"text": "hi there"}, {"text": "yo"}]}
+        )
+        pq.write_table(pa.table({**cols, "body": ["first doc", "second doc"]}), path)
+    elif name == "nested.jsonl":
+        path.write_text('{"meta": {"text": "first doc"}}\n{"meta": {"text": "second doc"}}\n')
+    elif name == "empty.jsonl":
+        path.write_text('{"text": ""}\n{"text": null}\n')
+    else:  # plain JSONL, under any name (a .gz / .zst that is not compressed)
+        path.write_text(lines)
+    return path
+
+
+@pytest.mark.parametrize(
+    "name,field,message,hint",
+    [
+        ("nofield.jsonl", "text", r"none of the 2 JSON line\(s\) of .* has the field 'text' \(the first line's "
+         r"fields: body, id\)", "text under: body"),
+        ("plain.jsonl.gz", "body", "is not gzip-compressed", "name a plain JSONL file .jsonl"),
+        ("plain.jsonl.zst", "body", "is not zstandard-compressed", "name a plain JSONL file .jsonl"),
+        ("ints.parquet", "text", "column 'text' of .* holds int64, not text", "--jsonl-field: body"),
+        ("nested.parquet", "text", "has no column 'text'", "--jsonl-field: meta.text, body"),
+        ("nested.jsonl", "meta", "has text under 'meta': it holds an object", "--jsonl-field: meta.text"),
+        ("empty.jsonl", "text", r"corpus is empty.*2 document\(s\) with no text: .*empty.jsonl:1 \('text' is "
+         r"empty\), .*empty.jsonl:2 \('text' is null\)", "--input"),
+    ],
+)  # fmt: skip
+def test_an_empty_corpus_names_the_real_cause(tmp_path, name, field, message, hint):
+    """The cause behind "the corpus is empty" is named, with the option that fixes it (a field missing from
+    every line was an error before streaming; it had become an empty corpus)."""
+    path = _write_input(tmp_path, name)
+    with pytest.raises(LoomError, match=message) as e:
+        prepare([path], tmp_path / "out", jsonl_field=field)
+    assert hint in e.value.hint
+    with pytest.raises(LoomError):  # --strict: the same, or the first bad line named
+        prepare([path], tmp_path / "out", jsonl_field=field, strict=True)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["nested.jsonl", "nested.parquet"])
+def test_a_dotted_field_reaches_into_objects(tmp_path, name):
+    path = _write_input(tmp_path, name)
+    want = ["first doc", "second doc"] if name.endswith(".jsonl") else ["hi there", "yo"]
+    assert read_documents([path], jsonl_field="meta.text").texts == want
+
+
 def test_folder_recursive_glob_skips_hidden(tmp_path):
     root = tmp_path / "src"
     files = {

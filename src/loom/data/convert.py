@@ -285,7 +285,7 @@ def _sample(d: Path, meta: dict | None, arrays: list[np.ndarray], n: int) -> str
     return None if first is None else tok.decode(np.asarray(first[:n]).tolist())
 
 
-def inspect(path: str | Path, fmt: str | None = None, sample_tokens: int = 64) -> dict:
+def inspect(path: str | Path, fmt: str | None = None, sample_tokens: int = 64, column: str = "text") -> dict:
     """What a data directory or file holds: format, dtype, token and document counts, id range, vocab and,
     when a tokenizer is known (loom meta.json, nanoGPT meta.pkl), the first tokens decoded."""
     p = Path(path)
@@ -300,7 +300,7 @@ def inspect(path: str | Path, fmt: str | None = None, sample_tokens: int = 64) -
     else:
         fmt = fmt or detect_file(p)
         if fmt == "parquet":
-            texts = read_parquet_texts(p)
+            texts = read_parquet_texts(p, column)
             return {"path": str(p), "format": "parquet", "documents": len(texts),
                     "characters": sum(map(len, texts)), "sample": texts[0][:200] if texts else None}  # fmt: skip
         source, where = FORMATS[fmt], p.parent
@@ -423,6 +423,7 @@ def data_inspect_main(argv: list[str]) -> int:
     p.add_argument("--format", choices=[*TOKEN_FORMATS, "parquet"], default=None, help="skip detection")
     p.add_argument("--sample-tokens", type=int, default=64, help="tokens to decode when a tokenizer is known")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--jsonl-field", default="text", help="a .parquet file's text column (as for prepare)")
     p.add_argument("--write-meta", action="store_true",
                    help="write meta.json into a directory that has none (one scan of the ids), so that "
                    "training starts without scanning")  # fmt: skip
@@ -437,7 +438,7 @@ def data_inspect_main(argv: list[str]) -> int:
             raise LoomError(
                 f"'{d}' already has a meta file", hint="--write-meta is for directories without one"
             )
-    info = inspect(args.path, args.format, args.sample_tokens)
+    info = inspect(args.path, args.format, args.sample_tokens, args.jsonl_field)
     if args.write_meta:
         write_foreign_meta(Path(args.path), info)
     if args.json:

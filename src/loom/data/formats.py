@@ -286,12 +286,13 @@ def read_parquet_texts(path: str | Path, column: str = "text", dropped: list[int
         import pyarrow.parquet as pq
     except ImportError:
         raise LoomError(f"reading '{path}' needs pyarrow", hint="pip install 'loom[parquet]'") from None
+    from loom.data.sources import field_value, parquet_text_column
+
     try:
-        schema = pq.read_schema(path)
-        if column not in schema.names:
-            raise LoomError(f"'{path}' has no column '{column}' (columns: {', '.join(schema.names)})",
-                            hint="name the text column with --jsonl-field")  # fmt: skip
-        values = pq.read_table(path, columns=[column]).column(column).to_pylist()
+        top, inner = parquet_text_column(pq.read_schema(path), column, path)  # a text column, or refused
+        values = pq.read_table(path, columns=[top]).column(top).to_pylist()
+        if inner:
+            values = [field_value(v, inner) for v in values]
     except LoomError:
         raise
     except Exception as e:  # pyarrow raises its own ArrowInvalid / OSError for a file that is not Parquet

@@ -84,14 +84,35 @@ class Documents:
         return self.stats.dropped
 
 
-def _check_not_empty(found: bool, inputs, stats: ReadStats) -> None:
-    if not found:
-        where = ", ".join(str(p) for p in inputs)
-        n = stats.skipped_binary_count
-        extra = f" ({n} binary files skipped)" if n else ""
-        raise LoomError(
-            f"the corpus is empty: no text found in {where}{extra}", hint="check --input and --glob"
+def _check_not_empty(found: bool, inputs, stats: ReadStats, glob: str | None = None) -> None:
+    """Refuse an empty corpus with what reading met on the way (binary files, documents with no text, JSONL
+    lines skipped, corrupt files): the real cause, not only "empty"."""
+    if found:
+        return
+    where = ", ".join(str(p) for p in inputs)
+    if glob is not None:  # no input file at all
+        raise LoomError(f"the corpus is empty: no file in {where} matches --glob '{glob}'",
+                        hint="check --input and --glob (folders are searched recursively; hidden entries skipped)")  # fmt: skip
+    n = stats.skipped_binary_count
+    reasons = [f"{n} binary files skipped ({_some(stats.skipped_binary, 3, n)})"] if n else []
+    if stats.dropped_count:
+        reasons.append(
+            f"{stats.dropped_count} document(s) with no text: {_some(stats.dropped, 3, stats.dropped_count)}"
         )
+    if stats.bad_lines_count:
+        reasons.append(
+            f"{stats.bad_lines_count} JSONL line(s) skipped: {_some(stats.bad_lines, 3, stats.bad_lines_count)}"
+        )
+    reasons += stats.corrupt[:3]
+    hint = "check --input and --glob"
+    if stats.bad_lines_count:
+        hint = (
+            "fix those lines, or name the text field with --jsonl-field; --strict stops at the first bad line"
+        )
+    elif stats.corrupt:
+        hint = "replace the corrupt file(s)"
+    raise LoomError(f"the corpus is empty: no text found in {where}" + (f"; {'; '.join(reasons)}" if reasons else ""),
+                    hint=hint)  # fmt: skip
 
 
 def read_documents(
@@ -405,7 +426,7 @@ def prepare(
                        doc_chars=doc_chars, strict=strict)  # fmt: skip
     found = ReadStats()
     files = input_files(inputs, glob, found)
-    _check_not_empty(bool(files), inputs, ReadStats())
+    _check_not_empty(bool(files), inputs, ReadStats(), glob)
     mode = split_mode
     if mode == "docs" and len(files) == 1 and kind_of_file(files[0][0]) == "text":
         if not read.text_separator and not read.doc_chars:

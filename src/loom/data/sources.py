@@ -234,7 +234,25 @@ def _kind_of(value) -> str:
     return names.get(type(value), type(value).__name__)
 
 
+_MAGIC = {"jsonl.gz": (b"\x1f\x8b", "gzip"), "jsonl.zst": (b"\x28\xb5\x2f\xfd", "zstandard")}
+
+
+def _check_compressed(path: Path, kind: str) -> None:
+    """A .jsonl.gz / .jsonl.zst that does not start with its format's magic bytes is refused by name (it
+    would otherwise read as a corrupt stream with no lines, and the corpus as empty)."""
+    magic, name = _MAGIC[kind]
+    with open(path, "rb") as f:
+        head = f.read(len(magic))
+    if head and head != magic:
+        raise LoomError(
+            f"'{path}' is not {name}-compressed (it starts with {head!r}, not {name}'s {magic!r})",
+            hint=f"a file named .{kind} must be {name}-compressed; name a plain JSONL file .jsonl",
+        )
+
+
 def _open_jsonl(path: Path, kind: str):
+    if kind in _MAGIC:
+        _check_compressed(path, kind)
     if kind == "jsonl.gz":
         return gzip.open(path, "rb")
     if kind == "jsonl.zst":
@@ -250,16 +268,90 @@ def _open_jsonl(path: Path, kind: str):
 _CORRUPT = (OSError, EOFError, zlib.error, ValueError)
 
 
+def _corrupt_errors(kind: str) -> tuple[type[BaseException], ...]:
+    """What reading a broken stream of this kind raises (zstandard's own ZstdError is none of _CORRUPT)."""
+    if kind == "jsonl.zst":
+        import zstandard
+
+        return (*_CORRUPT, zstandard.ZstdError)
+    return _CORRUPT
+
+
 def _bad_line(stats: ReadStats, opts: ReadOptions, where: str, why: str, hint: str | None = None) -> None:
     if opts.strict:
         raise LoomError(f"{where} {why}", hint=hint)
     stats.note("bad_lines", f"{where} ({why})")
 
 
+_MISSING = object()
+
+
+def field_value(rec, name: str):
+    """rec[name]; for a dotted name that is not a key, the value at that path of nested objects ('meta.text');
+    _MISSING when there is none."""
+    if isinstance(rec, dict) and name in rec:
+        return rec[name]
+    value = rec
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _text_paths(value, prefix: str = "") -> list[str]:
+    """The (dotted) names of the non-empty strings inside a JSON object, in order: what --jsonl-field could be."""
+    if isinstance(value, str) and value and prefix:
+        return [prefix]
+    if not isinstance(value, dict):
+        return []
+    return [p for k, v in value.items() for p in _text_paths(v, f"{prefix}.{k}" if prefix else str(k))]
+
+
+@dataclass
+class _FieldSeen:
+    """What one JSONL file's lines held under --jsonl-field, to name the cause when none held text."""
+
+    texts: int = 0
+    records: int = 0
+    missing: int = 0
+    first: object = None  # the first record
+    not_text: str | None = None  # the first value that was neither text nor empty / null: its kind, line
+    not_text_value: object = None
+    not_text_line: int = 0
+
+    def check(self, path: Path, name: str) -> None:
+        """Refuse a file none of whose lines has text under `name` for a reason the user can fix: the field
+        is in no line, or it holds objects, lists or numbers (lines of null or "" stay dropped documents)."""
+        if self.texts or not self.records:
+            return
+        if self.missing == self.records:
+            first = self.first if isinstance(self.first, dict) else {}
+            keys = ", ".join(map(str, list(first)[:8])) or "none"
+            names = _text_paths(first)
+            raise LoomError(
+                f"none of the {self.records:,} JSON line(s) of '{path}' has the field '{name}' (the first "
+                f"line's fields: {keys})",
+                hint="name the text field with --jsonl-field"
+                + (f" (the first line has text under: {', '.join(names[:4])})" if names else ""),
+            )
+        if self.not_text is not None:
+            inside = _text_paths(self.not_text_value, name)
+            raise LoomError(
+                f"no line of '{path}' has text under '{name}': it holds {self.not_text} "
+                f"(first on line {self.not_text_line})",
+                hint=f"name a text field inside it with --jsonl-field: {', '.join(inside[:4])}"
+                if inside
+                else "name the field that holds the text with --jsonl-field",
+            )
+
+
 def _jsonl_units(path: Path, kind: str, opts: ReadOptions, stats: ReadStats) -> Iterator[Unit]:
     stats.files += 1
     lineno = 0
+    seen = _FieldSeen()
     f = _open_jsonl(path, kind)
+    corrupt = _corrupt_errors(kind)
     try:
         it = iter(f)
         while True:
@@ -267,7 +359,7 @@ def _jsonl_units(path: Path, kind: str, opts: ReadOptions, stats: ReadStats) -> 
                 raw = next(it)
             except StopIteration:
                 break
-            except _CORRUPT as e:
+            except corrupt as e:
                 what = f"'{path}' is corrupt after line {lineno} ({type(e).__name__}: {e})"
                 if opts.strict:
                     raise LoomError(
@@ -284,21 +376,29 @@ def _jsonl_units(path: Path, kind: str, opts: ReadOptions, stats: ReadStats) -> 
             except json.JSONDecodeError as e:
                 _bad_line(stats, opts, f"{path}:{lineno}", f"is not valid JSON: {e.msg}")
                 continue
-            if not isinstance(rec, dict) or opts.field not in rec:
+            seen.records += 1
+            if seen.first is None:
+                seen.first = rec
+            text = field_value(rec, opts.field)
+            if text is _MISSING:
+                seen.missing += 1
                 _bad_line(stats, opts, f"{path}:{lineno}", f"has no field '{opts.field}'",
                           hint="name the text field with --jsonl-field")  # fmt: skip
                 continue
-            text = rec[opts.field]
             if isinstance(text, str) and text:
+                seen.texts += 1
                 # JSON may escape lone surrogates (\ud800) that no encoder accepts: replace them.
                 clean = text.encode("utf-8", errors="replace").decode("utf-8")
                 if clean != text:
                     stats.note("replaced", f"{path}:{lineno}")
                 yield from _split_text(clean, opts)
             else:
+                if seen.not_text is None and text is not None and text != "":
+                    seen.not_text, seen.not_text_value, seen.not_text_line = _kind_of(text), text, lineno
                 stats.note("dropped", f"{path}:{lineno} ('{opts.field}' is {_kind_of(text)})")
     finally:
         f.close()
+    seen.check(path, opts.field)
 
 
 def _split_text(text: str, opts: ReadOptions) -> Iterator[Unit]:
@@ -317,20 +417,20 @@ def _parquet_units(path: Path, opts: ReadOptions, stats: ReadStats) -> Iterator[
         raise LoomError(f"reading '{path}' needs pyarrow", hint="pip install 'loom[parquet]'") from None
     try:
         pf = pq.ParquetFile(path)
-        names = pf.schema_arrow.names
+        schema = pf.schema_arrow
     except Exception as e:  # pyarrow raises its own ArrowInvalid / OSError for a file that is not Parquet
         raise LoomError(f"'{path}' is not a readable Parquet file: {e}") from None
-    if opts.field not in names:
-        raise LoomError(f"'{path}' has no column '{opts.field}' (columns: {', '.join(names)})",
-                        hint="name the text column with --jsonl-field")  # fmt: skip
+    top, inner = parquet_text_column(schema, opts.field, path)
     stats.files += 1
     row = 0
     for g in range(pf.num_row_groups):  # one row group at a time (iter_batches held more: 448 vs 394 MB)
         try:
-            values = pf.read_row_group(g, columns=[opts.field]).column(0).to_pylist()
+            values = pf.read_row_group(g, columns=[top]).column(0).to_pylist()
         except Exception as e:
             raise LoomError(f"'{path}' row group {g} cannot be read: {e}") from None
         stats.bytes += pf.metadata.row_group(g).total_byte_size
+        if inner:  # a field of a struct column ('meta.text')
+            values = [field_value(v, inner) for v in values]
         for v in values:
             if isinstance(v, str) and v:
                 yield from _split_text(v, opts)
@@ -338,6 +438,64 @@ def _parquet_units(path: Path, opts: ReadOptions, stats: ReadStats) -> Iterator[
                 stats.note("dropped", f"{path} row {row} ('{opts.field}' is not a non-empty string)")
             row += 1
         del values
+
+
+def _string_type(t) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return (
+        pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", bool)(t)
+    )
+
+
+def _string_columns(schema) -> list[str]:
+    """The (dotted, for fields of struct columns) names of a Parquet schema's text columns."""
+    import pyarrow as pa
+
+    out: list[str] = []
+
+    def walk(name: str, t) -> None:
+        if _string_type(t):
+            out.append(name)
+        elif pa.types.is_struct(t):
+            for i in range(t.num_fields):
+                walk(f"{name}.{t.field(i).name}", t.field(i).type)
+
+    for f in schema:
+        walk(f.name, f.type)
+    return out
+
+
+def parquet_text_column(schema, name: str, path: Path) -> tuple[str, str]:
+    """(top-level column, dotted path inside it or '') of the text column `name` of a Parquet schema: a
+    column, or a field of a struct column ('meta.text'). Refuses a missing column and one that is not text
+    (numbers, a struct, lists), naming the text columns there are."""
+    import pyarrow as pa
+
+    texts = _string_columns(schema)
+    hint = (f"name a text column with --jsonl-field: {', '.join(texts[:6])}" if texts
+            else "this file has no text column")  # fmt: skip
+    if name in schema.names:
+        top, inner = name, ""
+    else:
+        top, _, inner = name.partition(".")
+        if top not in schema.names or not inner:
+            raise LoomError(
+                f"'{path}' has no column '{name}' (columns: {', '.join(schema.names)})", hint=hint
+            )
+    t = schema.field(top).type
+    for part in inner.split(".") if inner else []:
+        i = t.get_field_index(part) if pa.types.is_struct(t) else -1
+        if i < 0:
+            raise LoomError(
+                f"'{path}' has no column '{name}' (columns: {', '.join(schema.names)})", hint=hint
+            )
+        t = t.field(i).type
+    if not _string_type(t):
+        raise LoomError(f"column '{name}' of '{path}' holds {t}, not text", hint=hint)
+    return top, inner
 
 
 def iter_units(files: list[tuple[Path, bool]], opts: ReadOptions, stats: ReadStats) -> Iterator[Unit]:
