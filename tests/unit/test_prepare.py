@@ -132,6 +132,54 @@ def test_bpe_vocab_too_small_fails_before_reading(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "option,value,message",
+    [
+        ("--tokenizer-sample", "0", "--tokenizer-sample must be >= 1 (characters of train text the BPE is trained on), got 0"),
+        ("--doc-cap", "0", "--doc-cap must be >= 1 (characters of one document in the BPE's sample), got 0"),
+        ("--doc-cap", "-5", "--doc-cap must be >= 1"),
+        ("--workers", "-1", "--workers must be >= 0 (encoding processes), got -1"),
+        ("--doc-chars", "-1", "--doc-chars must be >= 0 (characters per document cut from a text file), got -1"),
+        ("--seed", "-1", "--seed must be >= 0"),
+        ("--vocab-size", "-3", "--vocab-size must be >= 1"),
+        ("--shard-tokens", "0", "--shard-tokens must be >= 1 (tokens per shard), got 0"),
+    ],
+)  # fmt: skip
+def test_counts_outside_their_domain_are_refused_before_reading(tmp_path, capsys, option, value, message):
+    """A BPE trained on 0 characters, negative workers or document sizes: refused, one error naming the
+    option, before the (missing) input is read."""
+    from loom.cli import main
+
+    out = tmp_path / "out"
+    argv = [
+        "data",
+        "prepare",
+        "--input",
+        str(tmp_path / "missing.txt"),
+        "--out",
+        str(out),
+        "--tokenizer",
+        "bpe",
+    ]
+    assert main([*argv, option, value]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("loom: error:") == 1, err
+    assert not out.exists()
+
+
+def test_a_bpe_sample_that_took_nothing_is_refused(tmp_path):
+    with pytest.raises(LoomError, match="the BPE's training sample is empty") as e:
+        prepare(
+            [write_docs(tmp_path / "in")],
+            tmp_path / "out",
+            tokenizer="bpe",
+            vocab_size=300,
+            tokenizer_sample=1,
+        )
+    assert "--tokenizer-sample" in e.value.hint
+    assert not (tmp_path / "out").exists()
+
+
 # --- reading documents ----------------------------------------------------------------------------------
 
 

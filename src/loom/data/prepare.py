@@ -328,6 +328,10 @@ def _train_tokenizer(plan: Plan, files, total_chars: int | None):
                 update(stats.bytes)
             if size >= plan.tokenizer_sample:
                 break
+    if size == 0:  # a corpus far larger than the sample: the seeded draw took no document
+        raise LoomError(f"the BPE's training sample is empty: --tokenizer-sample {plan.tokenizer_sample:,} of "
+                        f"~{est:,} bytes of input took no document of the train split",
+                        hint="raise --tokenizer-sample (default 200,000,000 characters)")  # fmt: skip
     t0 = time.perf_counter()
     tok = HFTokenizer.train(sample, plan.vocab_size, plan.pattern, plan.bpe_trainer)
     del sample
@@ -380,6 +384,29 @@ def _start(tmp: Path, fingerprint: str, force: bool) -> dict | None:
     return None
 
 
+# option -> (the smallest value it takes, what it is, what its smallest value means or None)
+COUNTS = {
+    "vocab_size": (1, "the BPE vocabulary size", None),
+    "seed": (0, "the seed of the train/val split and the tokenizer sample", None),
+    "shard_tokens": (1, "tokens per shard", None),
+    "workers": (0, "encoding processes", "0: every usable core"),
+    "tokenizer_sample": (1, "characters of train text the BPE is trained on", None),
+    "doc_cap": (1, "characters of one document in the BPE's sample", None),
+    "doc_chars": (0, "characters per document cut from a text file", "0: one document per file"),
+}
+
+
+def check_counts(**values: int) -> None:
+    """The counts of `loom data prepare` refused outside their domain before anything is read (a BPE trained
+    on 0 characters, a negative number of workers): one error naming the first bad option."""
+    for key, value in values.items():
+        low, what, zero = COUNTS[key]
+        if value < low:
+            option = "--" + key.replace("_", "-")
+            raise LoomError(f"{option} must be >= {low} ({what}), got {value}",
+                            hint=f"{option} {zero}" if zero else f"leave {option} out for its default")  # fmt: skip
+
+
 def prepare(
     inputs: list[str | Path],
     out: str | Path,
@@ -412,14 +439,16 @@ def prepare(
     out = Path(out)
     check_apart(out, inputs)
     check_replaceable(out, "data", force)  # before any reading; replaced only once the new one is ready
+    check_counts(vocab_size=vocab_size, seed=seed, shard_tokens=shard_tokens, workers=workers,
+                 tokenizer_sample=tokenizer_sample, doc_cap=doc_cap, doc_chars=doc_chars)  # fmt: skip
     if tokenizer == "bpe":
         check_bpe_vocab(vocab_size)  # before any reading
         _version(vocab_size, dtype)
     elif tokenizer != "char":
         tokenizer_files(tokenizer)
     check_split(val_fraction, split_mode)
-    if shard_tokens < 1 or chunk_chars < 1:
-        raise LoomError("--shard-tokens must be at least 1")
+    if chunk_chars < 1:
+        raise LoomError(f"chunk_chars must be at least 1, got {chunk_chars}")
     t0 = time.perf_counter()
     _large_blocks_to_os()
     read = ReadOptions(glob=glob, field=jsonl_field, text_separator=text_separator or None,
