@@ -484,7 +484,7 @@ def nodes_check(
     from loom.launch.gate import head_gate, local_hello, node_gate
 
     environ = os.environ if environ is None else environ
-    hosts = read_hostfile(hostfile)
+    hosts = read_hostfile(hostfile, "--nodes")
     node = this_node(hosts, node_rank, environ)
     addr = master_addr or environ.get("MASTER_ADDR", "").strip() or hosts[0]
     job = environ.get("SLURM_JOB_ID") or environ.get("PBS_JOBID")
@@ -570,6 +570,13 @@ def doctor_main(argv: list[str]) -> int:
     if args.nodes:
         if not args.timeout > 0:
             raise LoomError(f"--timeout must be > 0 seconds, got {args.timeout}", hint="e.g. --timeout 60")
+        if args.port is not None and not 0 < args.port < 65536:  # 0 was read as "not given"
+            raise LoomError(
+                f"--port {args.port} is not a TCP port", hint="pick a port in 1024-65535, e.g. 29500"
+            )
+        if args.nproc_per_node is not None and args.nproc_per_node < 1:
+            raise LoomError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}",
+                            hint="leave it out for the visible GPUs (or 1)")  # fmt: skip
         nodes = nodes_check(args.nodes, args.node_rank, args.master_addr, args.port, args.timeout,
                             args.nproc_per_node)  # fmt: skip
         if args.json:

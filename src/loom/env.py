@@ -180,23 +180,28 @@ def parse_tasks_per_node(text: str) -> list[int]:
     return counts
 
 
-def read_hostfile(path: str | Path) -> list[str]:
+def read_hostfile(path: str | Path, option: str = "--hostfile") -> list[str]:
     """Unique hosts, in first-seen order, from a PBS nodefile or an MPI hostfile.
 
     Understands one host per line (PBS repeats a host once per MPI slot), `host:4` (MPICH) and
     `host slots=4` (Open MPI); blank lines and `#` comments are skipped. Raises `LoomError` when the
-    file is missing or names no host.
+    file is missing or names no host, naming where the path came from: `option` (--hostfile, loom doctor's
+    --nodes, or the PBS_NODEFILE variable).
     """
     path = Path(path)
     from loom.paths import check_not_endless
 
-    check_not_endless(path, "--hostfile")
+    check_not_endless(path, option)
+    if option == "PBS_NODEFILE":
+        remedy = ("PBS_NODEFILE is set by a PBS job: run inside the job that set it, or unset it outside one "
+                  "(and pass --hostfile FILE for other hosts)")  # fmt: skip
+    else:
+        remedy = f"pass an existing file with one host per line to {option}"
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise LoomError(
-            f"cannot read host file {str(path)!r}: {exc.strerror or exc}",
-            hint="pass an existing file with one host per line to --hostfile",
+            f"cannot read host file {str(path)!r} ({option}): {exc.strerror or exc}", hint=remedy
         ) from None
     hosts: list[str] = []
     for line in text.splitlines():
@@ -207,7 +212,8 @@ def read_hostfile(path: str | Path) -> list[str]:
         if host and host not in hosts:
             hosts.append(host)
     if not hosts:
-        raise LoomError(f"host file {str(path)!r} lists no hosts", hint="write one host name per line")
+        raise LoomError(f"host file {str(path)!r} ({option}) lists no hosts",
+                        hint="write one host name per line" if option != "PBS_NODEFILE" else remedy)  # fmt: skip
     return hosts
 
 
@@ -242,7 +248,7 @@ def _pbs_hosts(environ: Mapping[str, str]) -> list[str]:
     if not path:
         return []
     try:
-        return read_hostfile(path)
+        return read_hostfile(path, "PBS_NODEFILE")
     except LoomError:
         return []
 

@@ -15,6 +15,7 @@ import pytest
 
 from loom import doctor
 from loom.doctor import cuda_consistency, doctor_main, parse_topo, topo_verdict
+from loom.errors import LoomError
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 
@@ -110,3 +111,16 @@ def test_human_report(capsys, monkeypatch):
     out = capsys.readouterr().out
     for word in ("torch", "interconnect", "launchers", "not checked", "NCCL_P2P_DISABLE=1", "peer-to-peer"):
         assert word in out
+
+
+@pytest.mark.parametrize(
+    "option,value,message",
+    [("--port", "0", "--port 0 is not a TCP port"), ("--port", "-5", "--port -5 is not a TCP port"),
+     ("--nproc-per-node", "0", "--nproc-per-node must be >= 1, got 0")],
+)  # fmt: skip
+def test_nodes_check_refuses_nonsense_counts(tmp_path, option, value, message):
+    """--port 0 was read as 'not given', a negative port was used as it was, 0 processes per node compared."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost\n")
+    with pytest.raises(LoomError, match=message):
+        doctor_main(["--nodes", str(hosts), option, value])

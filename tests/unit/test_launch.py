@@ -360,6 +360,26 @@ def test_missing_or_empty_hostfile(tmp_path):
         plan_command(["--hostfile", str(empty), "--", *TRAIN], {})
 
 
+def test_hints_name_the_option_or_variable_the_value_came_from(tmp_path):
+    """A missing PBS nodefile is PBS_NODEFILE's problem, not --hostfile's; a bad MASTER_PORT is not --port;
+    one bad count is named alone."""
+    with pytest.raises(LoomError, match=r"cannot read host file .*nope' \(PBS_NODEFILE\)") as info:
+        plan_command(["--", *TRAIN], {"PBS_NODEFILE": str(tmp_path / "nope"), "PBS_JOBID": "1.pbs"})
+    assert "PBS_NODEFILE" in info.value.hint and "to --hostfile" not in info.value.hint
+    with pytest.raises(LoomError, match="^MASTER_PORT 99999 is not a TCP port") as info:
+        plan_command(["--", *TRAIN], {"MASTER_PORT": "99999", "CUDA_VISIBLE_DEVICES": "0"})
+    assert "MASTER_PORT" in info.value.hint
+    with pytest.raises(LoomError, match="^--nnodes must be at least 1, got 0\n"):
+        plan_command(["--nnodes", "0", "--", *TRAIN], {"CUDA_VISIBLE_DEVICES": "0"})
+    with pytest.raises(LoomError, match="^--max-restarts must be >= 0, got -1\n"):
+        plan_command(["--max-restarts", "-1", "--", *TRAIN], {"CUDA_VISIBLE_DEVICES": "0"})
+    from loom.doctor import nodes_check
+
+    with pytest.raises(LoomError, match=r"\(--nodes\)") as info:  # loom doctor takes --nodes, not --hostfile
+        nodes_check(str(tmp_path / "nope"))
+    assert "--nodes" in info.value.hint and "--hostfile" not in info.value.hint
+
+
 def test_more_nodes_than_the_allocation(slurm_env):
     with pytest.raises(LoomError, match="asked for 3 nodes") as info:
         plan_command(["--nnodes", "3", "--", *TRAIN], slurm_env)

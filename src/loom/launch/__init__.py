@@ -148,25 +148,31 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
         launcher = "torchrun"
     nnodes = args.nnodes if args.nnodes is not None else (task and task[1]) or allocation.num_nodes
     nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc_per_node(environ)
-    if nnodes < 1 or nproc < 1:
-        raise LoomError(
-            f"--nnodes and --nproc-per-node must be at least 1 (got {nnodes} and {nproc})",
-            hint="leave them out to use the whole allocation and every visible GPU",
-        )
-    port = args.port
-    if port is None:
-        port = int(environ["MASTER_PORT"]) if environ.get("MASTER_PORT", "").isdigit() else None
+    for option, value in (("--nnodes", nnodes), ("--nproc-per-node", nproc)):  # one error per bad option
+        if value < 1:
+            raise LoomError(f"{option} must be at least 1, got {value}",
+                            hint=f"leave {option} out to use the whole allocation and every visible GPU")  # fmt: skip
+    port, port_from = args.port, "--port"
+    if port is None and environ.get("MASTER_PORT", "").isdigit():
+        port, port_from = int(environ["MASTER_PORT"]), "MASTER_PORT"
     if port is None:
         port = port_from_job_id(allocation.job_id)
     if not 0 < port < 65536:
-        raise LoomError(f"--port {port} is not a TCP port", hint="pick a port in 1024-65535, e.g. 29500")
+        raise LoomError(
+            f"{port_from} {port} is not a TCP port",
+            hint=f"pick a port in 1024-65535 for {port_from}, e.g. 29500",
+        )
     hosts = allocation.hosts
     if task is not None and allocation.scheduler == "slurm":
         hosts = tuple(slurm_hosts(environ))  # the step's nodes (SLURM_STEP_NODELIST) when it runs on a subset
     head_addr = args.master_addr or environ.get("MASTER_ADDR", "").strip() or (hosts[0] if hosts else None)
 
-    if args.rdzv_timeout <= 0 or args.max_restarts < 0:
-        raise LoomError("--rdzv-timeout must be > 0 and --max-restarts >= 0", hint="e.g. --rdzv-timeout 300")
+    if not args.rdzv_timeout > 0:
+        raise LoomError(
+            f"--rdzv-timeout must be > 0 seconds, got {args.rdzv_timeout}", hint="e.g. --rdzv-timeout 300"
+        )
+    if args.max_restarts < 0:
+        raise LoomError(f"--max-restarts must be >= 0, got {args.max_restarts}", hint="0: no restarts")
     args.node = None
     if task is not None:
         args.node = _PerNode(task[0], nnodes, nproc, head_addr, port, hosts)

@@ -55,7 +55,7 @@ def detect_allocation(environ: Mapping[str, str] | None = None, hostfile: str | 
         return Allocation("slurm", tuple(expand_hostlist(nodelist)), job_id)
     nodefile = environ.get("PBS_NODEFILE", "").strip()
     if nodefile:
-        hosts = read_hostfile(nodefile)
+        hosts = read_hostfile(nodefile, "PBS_NODEFILE")  # set by PBS, not by an option
         return Allocation("pbs", tuple(hosts), environ.get("PBS_JOBID", "").strip() or None, nodefile)
     return Allocation("none")
 
