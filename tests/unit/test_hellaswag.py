@@ -50,9 +50,10 @@ def test_hand_built_model_knows_the_answer():
     rows, n_ctx = hs.encode_example({"ctx": "xyz.", "endings": ["a"] * 4, "label": 0}, TOK, 32)
     assert rows[0] == [TOK.eot_id, *TOK.encode("xyz. a")] and n_ctx == [5] * 4
     total, mean = hs.ending_losses(m, [TOK.encode(" aab")], [1], "cpu")
+    others = [0.0] * (TOK.vocab_size - 1)  # the padding ids (up to 64) take no probability
     high, low = (
-        torch.logsumexp(torch.tensor([10.0] + [0.0] * 63), 0).item(),
-        -torch.log_softmax(torch.tensor([10.0] + [0.0] * 63), 0)[0].item(),
+        torch.logsumexp(torch.tensor([10.0] + others), 0).item(),
+        -torch.log_softmax(torch.tensor([10.0] + others), 0)[0].item(),
     )  # loss of any other token, and of `a`
     assert m.cfg.padded_vocab == 64 and b != a
     assert total.item() == pytest.approx(2 * low + high, rel=1e-5)  # " " is context; a, a, b are scored

@@ -41,7 +41,7 @@ def test_initial_loss_is_uniform():
     m = tiny()
     x = torch.randint(0, 70, (4, 16))
     loss = m(x, x)
-    assert abs(loss.item() - math.log(128)) < 0.6  # GPT-2 init: near-uniform over the padded vocabulary
+    assert abs(loss.item() - math.log(70)) < 0.6  # GPT-2 init: near-uniform over the 70 real ids
 
 
 def test_residual_projections_scaled_init():

@@ -231,6 +231,36 @@ class MLP(nn.Module):
         return self.dropout(self.down_proj(h))
 
 
+def mask_padding_(logits: torch.Tensor, vocab_size: int, offset: int = 0) -> torch.Tensor:
+    """Set the logits of padding ids (>= vocab_size) to their dtype's lowest value, in place, and return them.
+
+    `logits` (..., V_local) holds the ids offset .. offset + V_local - 1 (a vocabulary-parallel shard starts at
+    its rank's offset). exp(lowest - max) is 0 in every float type, so padding ids take no probability in
+    the loss, in sampling or in evaluation, and no gradient reaches their rows; a finite value rather than
+    -inf keeps p * log p at 0 where something computes an entropy."""
+    start = max(vocab_size - offset, 0)
+    if start < logits.size(-1):
+        logits.narrow(-1, start, logits.size(-1) - start).fill_(torch.finfo(logits.dtype).min)
+    return logits
+
+
+class LMHead(nn.Linear):
+    """The output projection (B, T, C) -> (B, T, V) without bias, padding ids masked (mask_padding_).
+
+    The vocabulary is padded to a multiple of 64 for the matmul's sake only: the model is a distribution over
+    vocab_size ids, as transformers' is for the same weights. A vocabulary-parallel head (tensor parallel,
+    gpt_parallel.py) sets mask_padding False and masks each rank's shard of the logits itself."""
+
+    def __init__(self, n_embd: int, vocab_size: int, padded_vocab: int):
+        super().__init__(n_embd, padded_vocab, bias=False)
+        self.vocab_size = vocab_size
+        self.mask_padding = vocab_size < padded_vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        return mask_padding_(logits, self.vocab_size) if self.mask_padding else logits
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -255,7 +285,7 @@ class GPT(nn.Module):
         self.drop = Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = norm_layer(cfg, cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
+        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, cfg.padded_vocab)  # padding ids masked
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # weight tying (GPT-2)
         if self.wte.weight.device.type != "meta":  # built on the meta device: initialised after sharding
@@ -298,7 +328,8 @@ class GPT(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> torch.Tensor:
-        """Logits (B, T, V) when targets is None, else the mean cross-entropy over all target tokens."""
+        """Logits (B, T, V) when targets is None (padding ids at the lowest value: LMHead), else the mean
+        cross-entropy over all target tokens."""
         B, T = idx.shape
         start = cache.len if cache is not None else 0
         if start + T > self.cfg.block_size:

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from loom.errors import LoomError
-from loom.model.gpt import GPT
+from loom.model.gpt import GPT, mask_padding_
 
 # Names of one tensor in the single-device model (alias -> canonical): the head tied to the embedding.
 TIED = {"lm_head.weight": "wte.weight"}
@@ -83,11 +83,39 @@ def tp_plan(model: GPT, tp: int, sp: bool, loss_parallel: bool) -> dict:
             })  # fmt: skip
     if sp:
         plan["ln_f"] = SequenceParallel()
-    plan["lm_head"] = ColwiseParallel(
+    plan["lm_head"] = _vocab_parallel_head()(
         input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
         use_local_output=not loss_parallel,
     )  # fmt: skip
     return plan
+
+
+def _vocab_parallel_head():
+    """ColwiseParallel for the LMHead: each rank masks the padding ids of its own shard of the logits (the
+    module's mask would index the whole vocabulary of a sharded DTensor), before any gather or loss_parallel
+    reads them, so tensor parallel gives the single-device model's loss and samples."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class VocabParallelHead(ColwiseParallel):
+        def _apply(self, module, device_mesh):
+            module.mask_padding = False  # masked per shard below
+            return super()._apply(module, device_mesh)
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            part = outputs.to_local()  # (B, T, V / tp): ids offset .. offset + V / tp - 1
+            offset = device_mesh.get_local_rank() * part.size(-1)
+            if (
+                offset + part.size(-1) > mod.vocab_size
+            ):  # this shard holds padding: masked on a copy (autograd)
+                part = mask_padding_(part.clone(), mod.vocab_size, offset)
+                outputs = DTensor.from_local(part, device_mesh, outputs.placements, run_check=False)
+            return ColwiseParallel._prepare_output_fn(
+                output_layouts, use_local_output, mod, outputs, device_mesh
+            )
+
+    return VocabParallelHead
 
 
 def retie(model: GPT) -> None:

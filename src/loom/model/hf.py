@@ -383,9 +383,8 @@ def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
 def loom_state_from_gpt2(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """GPT-2 tensors -> loom's state dict for `cfg` (vocabulary padded, positions cropped to block_size).
 
-    Padding rows are set to the mean of the real embedding rows, so a padding id's logit is the mean of
-    the real logits; by Jensen's inequality its probability is at most 1/V and all padding together
-    takes at most (V_padded - V)/V of the probability mass (~0.1% for GPT-2's 50257)."""
+    Padding rows are set to the mean of the real embedding rows (no id reads them, and the head masks their
+    logits: LMHead), so the model is transformers' distribution over the V real ids."""
     C, V = cfg.n_embd, cfg.vocab_size
 
     def get(name: str, shape: tuple) -> torch.Tensor:

@@ -156,7 +156,7 @@ def imported(sd: dict[str, torch.Tensor], name: str, shape: tuple, architecture:
 
 def loom_state(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """LlamaForCausalLM tensors -> loom's state dict for `cfg`, vocabulary padded with the mean row (as the
-    GPT-2 import: a padding id's probability is at most 1/V)."""
+    GPT-2 import; the head masks the padding ids' logits, so they take no probability)."""
     C, V = cfg.n_embd, cfg.vocab_size
 
     def get(name: str, shape: tuple) -> torch.Tensor:
