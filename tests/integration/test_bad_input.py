@@ -103,3 +103,15 @@ def test_bad_prepare_input(tmp_path, capsys, args, message):
     rc = main(["data", "prepare", *[a.format(tmp=tmp_path) for a in args], "--out", str(out)])
     assert rc == 2 and message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_resume_with_another_optimizer_names_the_optimizer(char_data, tmp_path, capsys):
+    """An optimizer change on resume was called a change of "model settings"."""
+    common = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=r", "--model.n_layer=1",
+              "--model.n_embd=32", "--model.block_size=16", "--train.sample_every=0", "--train.eval_every=0"]  # fmt: skip
+    assert main([*common, "--train.steps=2"]) == 0
+    capsys.readouterr()
+    assert main([*common, "--train.steps=4", "--resume", "--optim.name=muon"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit this optimizer" in err and "optimizer settings (optim.name" in err, err
+    assert "model settings" not in err, err

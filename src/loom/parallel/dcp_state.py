@@ -153,8 +153,10 @@ def _check_keys(path: Path, want: dict, what: str) -> None:
               if k in have and isinstance(v, torch.Tensor) and have[k] is not None and have[k] != tuple(v.shape)]  # fmt: skip
     if missing or shapes:
         detail = "; ".join(shapes[:4] or [f"missing {', '.join(missing[:4])}"])
+        settings = "optimizer settings (optim.name, ...)" if what == "optimizer" else f"{what} settings"
         raise LoomError(f"checkpoint '{path.parent}' does not fit this {what}: {detail}",
-                        hint="resume with the model settings it was trained with (its state.json 'config')")  # fmt: skip
+                        hint=f"resume with the {settings} it was trained with (its state.json 'config'), or "
+                        "start a new run")  # fmt: skip
 
 
 def load_into(sd: dict, path: str | Path, what: str = "model") -> None:
