@@ -449,3 +449,39 @@ def test_parquet_text_column_is_a_prepare_input(tmp_path):
     assert read_documents([tmp_path / "t.parquet"]).texts == ["first doc", "second doc"]
     with pytest.raises(LoomError, match="no column 'body'"):
         read_documents([tmp_path / "t.parquet"], jsonl_field="body")
+
+
+def test_a_folder_of_two_token_formats_is_refused(tmp_path):
+    """llm.c shards beside .npy shards trained silently on the .npy ones; a Megatron .bin is its .idx's."""
+    d = write_reference("llmc", tmp_path / "mixed")
+    np.save(d / "edufineweb_train_000001", np.arange(5, dtype=np.uint16))
+    for call in (F.detect_dir, lambda x: F.open_split(x, "train"), inspect):
+        with pytest.raises(LoomError, match=r"holds token files of 2 formats \(\.npy: edufineweb_train_000001"
+                           r"\.npy; llm\.c/nanoGPT \.bin: fineweb_train_000001\.bin") as e:  # fmt: skip
+            call(d)
+        assert "one format per directory" in e.value.hint
+    with pytest.raises(LoomError, match="2 formats"):
+        data_convert_main(["--to", "megatron", str(d), str(tmp_path / "out")])
+    assert (
+        F.detect_dir(write_reference("megatron", tmp_path / "meg")) == "megatron"
+    )  # .bin + .idx: one format
+
+
+def test_inspect_takes_a_headerless_bin_for_nanogpt_only_with_evidence(tmp_path):
+    """An arbitrary binary was reported as nanoGPT tokens."""
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(os.urandom(4000))
+    with pytest.raises(LoomError, match="'.*blob.bin' is not a token file loom knows") as e:
+        inspect(blob)
+    assert "--format nanogpt" in e.value.hint
+    with pytest.raises(LoomError, match="not a token file loom knows") as e:
+        data_convert_main(["--to", "npy", str(blob), str(tmp_path / "x.npy")])
+    assert "--from nanogpt" in e.value.hint
+    assert inspect(blob, "nanogpt")["format"] == "nanogpt"  # named: read as asked
+    named = tmp_path / "nano" / "train.bin"
+    named.parent.mkdir()
+    named.write_bytes(np.arange(10, dtype="<u2").tobytes())
+    assert inspect(named)["format"] == "nanogpt"
+    with open(tmp_path / "meta.pkl", "wb") as f:  # its vocabulary beside it
+        pickle.dump(nanogpt_meta(), f)
+    assert inspect(blob)["format"] == "nanogpt"

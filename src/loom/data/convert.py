@@ -298,7 +298,7 @@ def inspect(path: str | Path, fmt: str | None = None, sample_tokens: int = 64, c
         meta = read_meta(p)
         source, where = FORMATS[fmt], p
     else:
-        fmt = fmt or detect_file(p)
+        fmt = fmt or detect_file(p, "--format")
         if fmt == "parquet":
             texts = read_parquet_texts(p, column)
             return {"path": str(p), "format": "parquet", "documents": len(texts),

@@ -308,8 +308,20 @@ def _has_llmc_magic(path: Path) -> bool:
     return len(head) == 4 and int(np.frombuffer(head, "<i4")[0]) == MAGIC
 
 
-def detect_file(path: str | Path) -> str:
-    """The format of one file (a Megatron prefix may be given without suffix)."""
+def _nanogpt_evidence(p: Path) -> bool:
+    """A headerless .bin is taken for nanoGPT's raw uint16 tokens only with evidence: its names (train.bin,
+    val.bin) or its vocabulary beside it (meta.pkl, or a meta.json of format nanogpt)."""
+    if p.name in ("train.bin", "val.bin") or (p.parent / "meta.pkl").is_file():
+        return True
+    try:
+        return json.loads((p.parent / "meta.json").read_text(encoding="utf-8")).get("format") == "nanogpt"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def detect_file(path: str | Path, option: str = "--from") -> str:
+    """The format of one file (a Megatron prefix may be given without suffix); `option` is the command's
+    option that names a format (convert's --from, inspect's --format)."""
     p = Path(path)
     if p.suffix == ".parquet":
         return "parquet"
@@ -321,16 +333,46 @@ def detect_file(path: str | Path) -> str:
         raise LoomError(f"'{p}' is not a regular file" if p.exists() else f"'{p}' does not exist")
     if p.stat().st_size >= HEADER_BYTES and _has_llmc_magic(p):
         return "llmc"
-    if p.suffix == ".bin":
+    if p.suffix == ".bin" and _nanogpt_evidence(p):
         return "nanogpt"
+    if p.suffix == ".bin":
+        raise LoomError(
+            f"'{p}' is not a token file loom knows: it has no llm.c header, and a nanoGPT raw .bin is named "
+            "train.bin / val.bin or has its meta.pkl beside it",
+            hint=f"if it holds raw uint16 token ids, say so with {option} nanogpt",
+        )
     raise LoomError(
-        f"cannot tell the format of '{p}'", hint=f"name it with --from ({', '.join(TOKEN_FORMATS)})"
+        f"cannot tell the format of '{p}'", hint=f"name it with {option} ({', '.join(TOKEN_FORMATS)})"
     )
 
 
+def _check_one_format(d: Path) -> None:
+    """Refuse a directory holding token files of two formats (llm.c / nanoGPT .bin, .npy, Megatron .idx):
+    training and conversion would read one of them and silently leave the other out."""
+    idx = sorted(p for p in d.glob("*.idx") if p.is_file())
+    partners = {megatron.bin_path(p) for p in idx}
+    kinds = {
+        "Megatron .bin/.idx": idx,
+        ".npy": sorted(p for p in d.glob("*.npy") if p.is_file()),
+        "llm.c/nanoGPT .bin": sorted(p for p in d.glob("*.bin") if p.is_file() and p not in partners),
+    }
+    present = {k: v for k, v in kinds.items() if v}
+    if len(present) > 1:
+        what = "; ".join(f"{k}: {', '.join(p.name for p in v[:3])}{' ...' if len(v) > 3 else ''}"
+                         for k, v in present.items())  # fmt: skip
+        raise LoomError(
+            f"data directory '{d}' holds token files of {len(present)} formats ({what}): loom would read one "
+            "format and leave the others out",
+            hint="keep one format per directory: move the other files out (`loom data convert` turns one "
+            "format into another)",
+        )
+
+
 def detect_dir(data_dir: str | Path) -> str | None:
-    """The token format of a directory, from the files in it (None when there are none loom knows)."""
+    """The token format of a directory, from the files in it (None when there are none loom knows); a
+    directory holding two formats is refused."""
     d = Path(data_dir)
+    _check_one_format(d)
     if any(d.glob("*.idx")):
         return "megatron"
     if any(d.glob("*.npy")):
