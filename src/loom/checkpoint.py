@@ -270,7 +270,18 @@ def list_steps(ckpt_dir: str | Path) -> list[Path]:
 
 
 def prune(ckpt_dir: str | Path, keep_last: int) -> None:
-    for p in list_steps(ckpt_dir)[:-keep_last]:
+    """Delete all but the newest `keep_last` checkpoints. Only checkpoints count and only they are deleted: a
+    folder named like one that is not (no manifest, files missing or of the wrong size: a copy, a stray
+    folder, a damaged save) neither takes a place among the kept ones nor is removed; it is named once.
+    The check reads the manifest and file sizes only (no hashing), so it costs little at every save."""
+    valid = []
+    for p in list_steps(ckpt_dir):
+        try:
+            verify(p, share=None)
+            valid.append(p)
+        except LoomError as e:
+            log.warn_once(f"{e.message}: train.keep_last does not count it, and it is left in place")
+    for p in valid[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
 
 

@@ -47,3 +47,22 @@ def test_corrupt_and_incomplete_are_detected_and_skipped(tmp_path):
     assert checkpoint.latest_valid(tmp_path) is None
     with pytest.raises(LoomError, match="no valid checkpoint"):
         checkpoint.resolve_resume(tmp_path, True)
+
+
+def test_keep_last_counts_and_deletes_only_checkpoints(tmp_path):
+    """Issue 27 item 5: a stray step_000099/ (no manifest) took a place among the kept ones, and the valid
+    checkpoints were deleted to make room for it; a damaged checkpoint is not counted and not deleted either."""
+    for s in (1, 2):
+        _save(tmp_path, s, keep=2)
+    stray = tmp_path / "step_000099"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("a copy someone is still looking at")
+    damaged = tmp_path / "step_000050"
+    damaged.mkdir()
+    (damaged / "manifest.json").write_text("{nope")
+    _save(tmp_path, 3, keep=2)
+    _save(tmp_path, 4, keep=2)
+    names = [p.name for p in checkpoint.list_steps(tmp_path)]
+    assert names == ["step_000003", "step_000004", "step_000050", "step_000099"]
+    assert (stray / "notes.txt").read_text() == "a copy someone is still looking at"
+    assert checkpoint.latest_valid(tmp_path).name == "step_000004"
