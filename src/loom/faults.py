@@ -10,6 +10,9 @@ value that the trainer and checkpoint code receive explicitly; with none set, ev
   LOOM_FAULT_NAN_PARAM   the parameter whose gradient is poisoned (default: the model's first)
   LOOM_FAULT_STALL_SAVE  step whose checkpoint write stalls after its first file (marker file STALLED)
   LOOM_FAULT_DISK_FULL   step whose checkpoint write fails with ENOSPC after its first file (a disk that fills)
+  LOOM_FAULT_HOLD_SAVE   1: every checkpoint write pauses after its first file until the test deletes the marker
+                         file HELD it leaves in the temporary folder (a save still being written, for as long
+                         as the test needs)
   LOOM_FAULT_FREE_BYTES  free disk space the checkpoint writer believes it has
   LOOM_FAULT_HANG_STEP   step at which LOOM_FAULT_HANG_RANK (default 1) stops, before its collectives
 """
@@ -57,6 +60,7 @@ class Faults:
     stall_save_step: int | None = None
     free_bytes: int | None = None
     disk_full_step: int | None = None
+    hold_save: bool = False
     hang_step: int | None = None
     hang_rank: int = 1
 
@@ -79,9 +83,14 @@ class Faults:
 
     def mid_save(self, step: int, tmp_dir: Path) -> None:
         """Called by the checkpoint writer after its first file: at the chosen steps, fail as a disk that has
-        just filled up, or stall forever."""
+        just filled up, or stall forever; with hold_save, wait (every save) until the test lets it go on."""
         if self.disk_full_step == step:
             raise OSError(errno.ENOSPC, "No space left on device (LOOM_FAULT_DISK_FULL)")
+        if self.hold_save:
+            held = tmp_dir / "HELD"
+            held.write_text(str(os.getpid()))
+            while held.exists():
+                time.sleep(0.01)
         if self.stall_save_step == step:
             (tmp_dir / "STALLED").write_text(str(os.getpid()))
             while True:
@@ -103,6 +112,7 @@ def from_env(env=None) -> Faults:
         stall_save_step=_int(env, "LOOM_FAULT_STALL_SAVE"),
         free_bytes=_int(env, "LOOM_FAULT_FREE_BYTES"),
         disk_full_step=_int(env, "LOOM_FAULT_DISK_FULL"),
+        hold_save=bool(_int(env, "LOOM_FAULT_HOLD_SAVE")),
         hang_step=_int(env, "LOOM_FAULT_HANG_STEP"),
         hang_rank=1 if (rank := _int(env, "LOOM_FAULT_HANG_RANK")) is None else rank,
     )

@@ -139,10 +139,14 @@ def test_disk_too_full_for_a_checkpoint(char_data, tmp_path, monkeypatch, capsys
     out = capsys.readouterr()
     assert not any((tmp_path / "r" / "ckpt").glob("step_*"))  # nothing half written
     if policy == "continue":
-        assert rc == 0 and last_step(tmp_path / "r") == 6  # the run went on to its end
-        assert out.out.count("not enough disk space for checkpoint step") == 3  # steps 2, 4, 6
+        # the run went on to its end, but its final checkpoint has no next save to make up for it (issue 27
+        # item 1: this exited 0 with no checkpoint): tried twice, then the run fails and says what is lost
+        assert rc == 2 and last_step(tmp_path / "r") == 6
+        assert out.out.count("not enough disk space for checkpoint step") == 4  # steps 2, 4, and 6 twice
         errors = [r for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if "ckpt_error" in r]
-        assert [r["step"] for r in errors] == [2, 4, 6]
+        assert [r["step"] for r in errors] == [2, 4, 6, 6]
+        assert "the final checkpoint of step 6 could not be saved (tried twice" in out.err
+        assert "steps 1-6 of this run are in no checkpoint" in out.err and "hint: free disk space" in out.err
     else:
         assert rc == 2 and last_step(tmp_path / "r") == 2  # stopped at the first failed save
         assert "not enough disk space for checkpoint step 2" in out.err and "MiB free" in out.err
@@ -177,3 +181,53 @@ def test_free_space_estimate_covers_the_written_size(tmp_path):
     assert written <= need <= written + (2 << 20)
     with pytest.raises(LoomError, match="not enough disk space"):
         checkpoint.save(tmp_path, 4, tensors, state, keep_last=1, free_bytes=need - 1)
+
+
+def test_final_checkpoint_is_retried_once(char_data, tmp_path, monkeypatch, capsys):
+    """Issue 27 item 1: a final save that fails once (a full disk freed meanwhile, a flaky mount) is tried
+    again and the run ends saved; before, it warned "the next save tries again" (there is none) and exited 0."""
+    real, calls = checkpoint.save_sharded, []
+
+    def flaky(ckpt_dir, step, *args, **kwargs):
+        calls.append(step)
+        if len(calls) == 1:
+            raise LoomError(f"could not write checkpoint step {step}: Input/output error")
+        return real(ckpt_dir, step, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_sharded", flaky)
+    assert run_inprocess(train_args(char_data, tmp_path, "r", 3)) == 0
+    out = capsys.readouterr().out
+    assert calls == [3, 3] and "retrying the final checkpoint of step 3 once" in out
+    assert "the next save tries again" not in out
+    assert checkpoint.latest_valid(tmp_path / "r" / "ckpt") == tmp_path / "r" / "ckpt" / "step_000003"
+
+
+def test_final_checkpoint_that_cannot_be_written_fails_the_run(char_data, tmp_path, monkeypatch, capsys):
+    """Issue 27 item 1: a ckpt/ that takes no file (read-only, full) at the last step: exit 2 naming the step,
+    the newest checkpoint that holds the run and how to continue; never "done" with exit 0."""
+    monkeypatch.setenv("LOOM_FAULT_DISK_FULL", "6")  # every write of step 6 fails half way (ENOSPC)
+    args = train_args(char_data, tmp_path, "r", 6, "--train.ckpt_every=4", "--train.on_save_error=continue")
+    assert run_inprocess(args) == 2
+    out = capsys.readouterr()
+    ckpt = tmp_path / "r" / "ckpt"
+    assert "the final checkpoint of step 6 could not be saved (tried twice" in out.err
+    assert "No space left on device" in out.err and "steps 5-6 of this run are in no checkpoint" in out.err
+    assert f"--resume continues from step 4 ('{ckpt / 'step_000004'}')" in out.err
+    assert "the next save tries again" not in out.out
+    assert [p.name for p in ckpt.iterdir()] == ["step_000004"]  # nothing half written left behind
+
+
+def test_free_space_is_judged_by_the_real_size(char_data, tmp_path, monkeypatch):
+    """Issue 27 item 1: the estimate added a fixed 1 MiB per state dict, so a ~0.1 MiB checkpoint was refused
+    with 2 MiB free. Now a disk a little larger than the checkpoint takes it, and one byte less than what it
+    really writes is still refused before anything is written."""
+    assert run_inprocess(train_args(char_data, tmp_path, "a", 2)) == 0
+    step = tmp_path / "a" / "ckpt" / "step_000002"
+    written = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
+    assert written < 1 << 20
+    monkeypatch.setenv("LOOM_FAULT_FREE_BYTES", str(int(written * 1.5)))
+    assert run_inprocess(train_args(char_data, tmp_path, "b", 2)) == 0
+    assert checkpoint.latest_valid(tmp_path / "b" / "ckpt") == tmp_path / "b" / "ckpt" / "step_000002"
+    monkeypatch.setenv("LOOM_FAULT_FREE_BYTES", str(written - 1))
+    assert run_inprocess(train_args(char_data, tmp_path, "c", 2)) == 2
+    assert not any((tmp_path / "c" / "ckpt").glob("step_*"))

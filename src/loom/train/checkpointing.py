@@ -57,11 +57,14 @@ class Checkpointer:
             return e if tr.dims.is_main or "another rank" not in e.message else None
         return None
 
-    def save(self, background: bool = False) -> bool:
+    last_error: LoomError | None = None  # of the newest failed save (save_last names it)
+
+    def save(self, background: bool = False, last: bool = False) -> bool:
         """Write a checkpoint: each rank its own shards. A failed write stops the run or only warns
         (train.on_save_error); every rank learns the outcome, so all of them stop or go on together. Returns
         whether it was saved. `background` (with train.async_ckpt): copy the shards to host memory and write
-        them in a thread; its outcome is agreed on when the next save (or the end of the run) waits for it."""
+        them in a thread; its outcome is agreed on when the next save (or the end of the run) waits for it.
+        `last`: the run's last save (save_last), whose failure is not the policy's to decide."""
         import time
 
         tr = self.tr
@@ -79,7 +82,7 @@ class Checkpointer:
             self._start(tensors, state)
             self._record(waited, time.perf_counter() - t0)
             return True
-        saved = self._agree(tr.step, self._write(tr.step, tensors, state, tr.control))
+        saved = self._agree(tr.step, self._write(tr.step, tensors, state, tr.control), last)
         self._record(waited, time.perf_counter() - t0)
         return saved
 
@@ -90,20 +93,55 @@ class Checkpointer:
             self.tr.metrics.write({"step": self.tr.step, "ckpt_blocked_s": round(blocked, 4),
                                    "ckpt_waited_s": round(waited, 4)})  # fmt: skip
 
-    def _agree(self, step: int, error: LoomError | None) -> bool:
+    def _agree(self, step: int, error: LoomError | None, last: bool = False) -> bool:
+        """Every rank learns whether the save of `step` failed anywhere. A failure raises under
+        train.on_save_error=stop, else warns and returns False; `last`: the run's last save (save_last
+        decides what follows, whatever the policy)."""
         tr = self.tr
         tr.op = f"the checkpoint-result agreement at step {step}"
         failed = tr.control.all_reduce_sum([float(error is not None)])[0] > 0
         if not failed:
             return True
-        if tr.cfg.train.on_save_error == "stop":
-            raise error or LoomError(f"another rank could not write the checkpoint of step {step}; stopping")
+        self.last_error = error or LoomError(f"another rank could not write the checkpoint of step {step}")
+        if tr.cfg.train.on_save_error == "stop" and not last:
+            raise self.last_error
         if error is not None:
-            log.warn(f"checkpoint of step {step} not saved ({error.message}); training goes on "
-                     "(train.on_save_error=continue), the next save tries again")  # fmt: skip
+            then = ("it is the run's last save" if last else
+                    "training goes on (train.on_save_error=continue), the next save tries again")  # fmt: skip
+            log.warn(f"checkpoint of step {step} not saved ({error.message}); {then}")
             if tr.metrics:
                 tr.metrics.write({"step": step, "ckpt_error": error.message})
         return False
+
+    def save_last(self, what: str) -> None:
+        """The run's last save (`what`: "final" at its end, "stop" on a signal). No later save makes up for
+        it, so a failure is retried once, and a second one ends the run with an error that says which steps
+        are in no checkpoint and what to do (under either train.on_save_error)."""
+        tr = self.tr
+        self.last_error = None
+        for attempt in (1, 2):
+            if attempt == 2:
+                log.warn(f"retrying the {what} checkpoint of step {tr.step} once")
+            if self.save(last=True):
+                return
+        ckpt_dir = tr.run_dir / "ckpt"
+        newest = checkpoint.latest_valid(ckpt_dir, share=None)  # sizes only: the message, not a resume
+        since = checkpoint.read_state(newest)["step"] if newest is not None else 0
+        reason = self.last_error.message if self.last_error else "unknown error"
+        then = (f"--resume continues from step {since} ('{newest}') and redoes steps {since + 1}-{tr.step}"
+                if newest is not None else "the run has no checkpoint: start it again with --force")  # fmt: skip
+        msg = (f"the {what} checkpoint of step {tr.step} could not be saved (tried twice: {reason}); "
+               f"steps {since + 1}-{tr.step} of this run are in no checkpoint")  # fmt: skip
+        hint = (
+            f"free disk space or fix the permissions of '{ckpt_dir}' (or set run.dir elsewhere), then {then}"
+        )
+        if tr.metrics:
+            tr.metrics.write({"step": tr.step, "stopped": f"{what} checkpoint not saved"})
+        if tr.dims.is_main:
+            raise LoomError(msg, hint=hint)
+        from loom.train import PeerError  # rank 0 prints the message
+
+        raise PeerError(msg, hint=hint)
 
     def warm(self) -> None:
         """For background saves, once, after the first step (when the optimizer state exists; called on every

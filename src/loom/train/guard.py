@@ -3,7 +3,8 @@
 * `StopRequest`: SIGTERM / SIGINT (preemption, Ctrl-C) only set a flag. The trainer adds the flag to the
   all-reduce it already does at the end of every step, so every rank sees the same sum and all stop after
   the same step; then a checkpoint is saved and the process exits with `EXIT_PREEMPTED`. A second SIGINT
-  in a process with no launcher above it aborts at once.
+  in a process with no launcher above it aborts at once, except while the run's last checkpoint (the stop
+  checkpoint, or the final one) is being written: that one is finished first.
 * `StepGuard`: a step whose loss or gradient norm is NaN/Inf, or whose loss is a spike (z-score over a
   window of recent good losses, off by default, as llm.c does), is skipped: no optimizer step. The
   decision uses values that are identical on every rank (the all-reduced loss and the global grad norm).
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -37,6 +39,18 @@ class StopRequest:
         self._previous: dict[int, object] = {}
         self._deadline = None
 
+    finishing_what: str | None = None  # set by `finishing`: the last checkpoint, being written
+
+    @contextlib.contextmanager
+    def finishing(self, what: str):
+        """Within it (the run's last checkpoint being written), SIGINT and SIGTERM no longer interrupt: a second
+        Ctrl-C used to abandon the stop checkpoint half written. The user is told it is being finished."""
+        self.finishing_what = what
+        try:
+            yield
+        finally:
+            self.finishing_what = None
+
     @property
     def requested(self) -> bool:
         return self.signal is not None
@@ -62,6 +76,12 @@ class StopRequest:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        if self.finishing_what is not None:  # the last checkpoint is being written: abandoning it loses it
+            if self.rank == 0:
+                os.write(2, f"loom: {name} received while {self.finishing_what} is being written: finishing it "
+                         "first (it takes seconds; kill -9 abandons it)\n".encode())  # fmt: skip
+            self.signal = self.signal or name
+            return
         # Under a launcher (torchrun, loom --nproc) the agent forwards one signal; by hand, a second Ctrl-C
         # means "now".
         if self.signal is not None and signum == signal.SIGINT and "TORCHELASTIC_RUN_ID" not in os.environ:

@@ -418,11 +418,13 @@ class Trainer:
         if "stop" in rec:
             self.stop.disarm()  # every rank reached the end of this step
             log.info(f"stopping at step {self.step} ({rec['stop']}): saving a checkpoint", style="bold")
-            saved = self.save()
+            with self.stop.finishing(f"the stop checkpoint of step {self.step}"):
+                self.checkpointer.save_last("stop")  # saved, or an error that says what is not
             self.stop_reason = rec["stop"]
             if self.main:
-                log.info(("checkpoint saved; " if saved else "no checkpoint could be saved; ")
-                         + "run the same command with --resume (or train.resume=auto) to continue")  # fmt: skip
+                log.info(
+                    "checkpoint saved; run the same command with --resume (or train.resume=auto) to continue"
+                )
             return last_val
         if self._due(t.eval_every) or final:
             last_val = self.evaluate()
@@ -450,8 +452,11 @@ class Trainer:
                 log.info(f"--- sample at step {self.step} ---\n{text}\n---")
                 with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as f:
                     f.write(f"=== step {self.step}\n{text}\n")
-        if self._due(t.ckpt_every) or final:
-            self.save(background=not final)  # train.async_ckpt: in a thread, except the last (waited for)
+        if final:  # waited for, retried once, and an error if it still fails: no later save makes up for it
+            with self.stop.finishing(f"the final checkpoint of step {self.step}"):
+                self.checkpointer.save_last("final")
+        elif self._due(t.ckpt_every):
+            self.save(background=True)  # with train.async_ckpt: written in a thread
         return last_val
 
     def _after_bad_step(self, rec: dict) -> None:
