@@ -379,7 +379,7 @@ def _eval_hellaswag(args) -> int:
     from loom.env import detect_env
     from loom.eval import hellaswag
 
-    examples = hellaswag.read_examples(args.data, args.limit)
+    examples, lines = hellaswag.read_examples_and_lines(args.data, args.limit)  # before the model is read
     env = detect_env()
     if env.world_size > 1 and not args.shard:  # whole model on every rank, the examples split
         import torch.distributed as dist
@@ -392,6 +392,7 @@ def _eval_hellaswag(args) -> int:
         device = resolve_device(args.device, env.local_rank, key="--device")
         _, model, tok, _, path = load_run(args.run_dir, device)
         _need_tokenizer(args, tok)
+        hellaswag.check_encodable(examples, tok, args.data, lines)  # before any example is scored
         log.setup(rank=env.rank)
         process_group.init(env, device, 600.0)
         try:
@@ -402,6 +403,7 @@ def _eval_hellaswag(args) -> int:
         return _print_hellaswag(args, path, r, env)
     with _run_model(args) as run:  # one process, or --shard (which leaves the job when the block ends)
         _need_tokenizer(args, run.tok)
+        hellaswag.check_encodable(examples, run.tok, args.data, lines)
         r = hellaswag.evaluate(
             run.model, run.tok, examples, run.device, run.rank, run.world, run.all_reduce_sum
         )

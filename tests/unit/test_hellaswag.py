@@ -164,3 +164,32 @@ def test_cli_on_a_trained_run(tmp_path, char_data, capsys):
     assert "10 examples" in out and f"acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f}" in out
     assert main(["eval", str(tmp_path / "r"), "--task", "hellaswag"]) == 2
     assert "needs --data" in capsys.readouterr().err
+
+
+def test_an_example_the_tokenizer_cannot_encode_is_refused_at_start_with_its_line(
+    tmp_path, char_data, capsys
+):
+    """A character outside a char run's vocabulary failed only at the first evaluation (after training had
+    started), without the line; now at start, naming the file and line, in training and in `loom eval`."""
+    good = {"ctx": "the cat", "endings": ["sat", "ran", "ate", "hid"], "label": 0}
+    path = write_jsonl(
+        tmp_path / "hs.jsonl", [good, good, {**good, "endings": ["sat", "ran", "caf\u00e9", "hid"]}]
+    )
+    tok = CharTokenizer(sorted(set("the cat sran hid caf")))
+    with pytest.raises(LoomError, match=r"hs.jsonl:3: the ending 2 cannot be encoded: character '\u00e9'"):
+        hs.read_examples(path, tokenizer=tok)
+    assert len(hs.read_examples(path, limit=2, tokenizer=tok)) == 2
+    run = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--model.n_layer=1", "--model.n_head=2",
+           "--model.n_embd=16", "--model.block_size=32", "--train.batch_size=4", "--train.eval_batches=1",
+           "--train.sample_every=0", "--train.device=cpu", "--train.steps=2"]  # fmt: skip
+    assert main([*run, "--run.name=bad", "--train.hellaswag_every=1", f"--train.hellaswag_data={path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:3: the ending 2 cannot be encoded" in err and err.count("loom: error:") == 1, err
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()  # refused before the first step
+    assert main([*run, "--run.name=ok"]) == 0
+    capsys.readouterr()
+    assert (
+        main(["eval", str(tmp_path / "ok"), "--task", "hellaswag", "--data", str(path), "--device", "cpu"])
+        == 2
+    )
+    assert f"{path}:3: the ending 2 cannot be encoded" in capsys.readouterr().err

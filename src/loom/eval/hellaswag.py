@@ -23,13 +23,22 @@ import torch.nn.functional as F
 from loom.errors import LoomError
 
 
-def read_examples(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Examples of a HellaSwag JSONL file, checked field by field (line numbers in the errors)."""
+def read_examples(path: str | Path, limit: int | None = None, tokenizer=None) -> list[dict]:
+    """Examples of a HellaSwag JSONL file, checked field by field (line numbers in the errors); with a
+    tokenizer, also checked to encode (`check_encodable`)."""
+    examples, lines = read_examples_and_lines(path, limit)
+    if tokenizer is not None:
+        check_encodable(examples, tokenizer, path, lines)
+    return examples
+
+
+def read_examples_and_lines(path: str | Path, limit: int | None = None) -> tuple[list[dict], list[int]]:
+    """read_examples' examples, and the line of the file each came from."""
     p = Path(path)
     if not p.is_file():
         what = "is not a regular file" if p.exists() else "does not exist"  # a folder, /dev/zero, a FIFO
         raise LoomError(f"HellaSwag file '{p}' {what}", hint="give the path of hellaswag_val.jsonl")
-    out = []
+    out, lines = [], []
     with open(p, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -51,11 +60,33 @@ def read_examples(path: str | Path, limit: int | None = None) -> list[dict]:
                 raise LoomError(f"{p}:{n} has label {label!r}; it must be 0, 1, 2 or 3",
                                 hint="the test split has no labels: evaluate on hellaswag_val.jsonl")  # fmt: skip
             out.append({"ctx": ctx, "endings": endings, "label": label})
+            lines.append(n)
             if limit and len(out) >= limit:
                 break
     if not out:
         raise LoomError(f"HellaSwag file '{p}' holds no examples")
-    return out
+    return out, lines
+
+
+def check_encodable(examples: list[dict], tokenizer, path: str | Path, lines: list[int]) -> None:
+    """Refuse, before any scoring (and before training when the loop evaluates), an example whose context or
+    ending the tokenizer cannot encode: a character table lacks characters its corpus never had. Named by
+    file and line. Byte-level BPE and tiktoken encode any text, so only a character table is checked."""
+    from loom.data.tokenizers import CharTokenizer
+
+    if not isinstance(tokenizer, CharTokenizer):
+        return
+    for i, ex in enumerate(examples):
+        texts = [("ctx", ex["ctx"])] + [(f"ending {j}", " " + e) for j, e in enumerate(ex["endings"])]
+        for what, text in texts:
+            try:
+                tokenizer.encode(text)
+            except LoomError as e:
+                raise LoomError(
+                    f"{path}:{lines[i]}: the {what} cannot be encoded: {e.message}",
+                    hint="the run's tokenizer is a character table of its training text: evaluate on examples "
+                    "in its characters (--limit, or a filtered file), or train on data prepared with --tokenizer bpe",
+                ) from None
 
 
 def encode_example(ex: dict, tokenizer, block_size: int) -> tuple[list[list[int]], list[int]]:

@@ -340,7 +340,7 @@ class Trainer:
         if self.tokenizer is None:
             raise LoomError(f"train.hellaswag_every needs the data's tokenizer, and '{self.data_dir}' has none",
                             hint="prepare the data with loom (or use nanoGPT data with meta.pkl)")  # fmt: skip
-        return read_examples(t.hellaswag_data, t.hellaswag_limit or None)
+        return read_examples(t.hellaswag_data, t.hellaswag_limit or None, self.tokenizer)  # encodable too
 
     def hellaswag_accuracy(self) -> dict | None:
         """HellaSwag over train.hellaswag_data (called on every rank): the examples split across the ranks when
