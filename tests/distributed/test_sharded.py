@@ -5,6 +5,7 @@ state each rank holds."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,59 @@ def test_generate_from_fsdp_run(tmp_path, char_data):
     assert "=== step 3" in (tmp_path / "f" / "samples.txt").read_text()
     out = loom("generate", str(tmp_path / "f"), "--prompt", "The", "--max-new-tokens", "10").stdout
     assert out.startswith("The") and len(out) >= 10
+
+
+@pytest.mark.parametrize("impl", ["fsdp", "zero2"])
+def test_sampling_mid_run_gathers_once_and_leaves_training_as_it_was(tmp_path, char_data, impl):
+    """The sample gathers the sharded weights once for the whole call (Parallelized.sampling) and gives them
+    back: a run that samples at steps 2 and 4 of 6 has the losses of a run that never samples, bit for bit."""
+    base = [f"--data.path={char_data}", f"--run.dir={tmp_path}", *TINY, "--train.steps=6", "--nproc=2",
+            f"--parallel.dp_impl={impl}", "--train.sample_tokens=40"]  # fmt: skip
+    loom("train", "--run.name=quiet", *base)
+    # every process counts FSDP's all-gathers during each sample (a hook imported at interpreter start)
+    hooks, counts = tmp_path / "hooks", tmp_path / "counts"
+    hooks.mkdir()
+    counts.mkdir()
+    (hooks / "sitecustomize.py").write_text(SAMPLE_GATHERS.format(out=str(counts)))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH")) if p),
+    }
+    r = subprocess.run([*LOOM, "train", "--run.name=sampling", *base, "--train.sample_every=2"], env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert _losses(tmp_path / "sampling") == _losses(tmp_path / "quiet")
+    samples = (tmp_path / "sampling" / "samples.txt").read_text()
+    assert all(f"=== step {s}" in samples for s in (2, 4, 6))
+    per_sample = [json.loads(f.read_text()) for f in sorted(counts.glob("rank*.json"))]
+    assert len(per_sample) == 2 and all(len(c) == 3 for c in per_sample), per_sample
+    # one gather per FSDP unit (2 blocks and the root) per sample, not one per unit per token (3 x 40)
+    assert all(n <= 3 for c in per_sample for n in c), per_sample
+
+
+SAMPLE_GATHERS = """
+import json, os
+
+import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
+import loom.train.trainer as trainer
+
+_n, _per_sample, _gather, _sample = [0], [], group.foreach_all_gather, trainer.Trainer.sample
+
+def _counted_gather(*a, **k):
+    _n[0] += 1
+    return _gather(*a, **k)
+
+def _counted_sample(self, *a, **k):
+    before = _n[0]
+    try:
+        return _sample(self, *a, **k)
+    finally:
+        _per_sample.append(_n[0] - before)  # written at once: the workers leave through os._exit
+        with open(os.path.join({out!r}, "rank" + os.environ.get("RANK", "0") + ".json"), "w") as f:
+            f.write(json.dumps(_per_sample))
+
+group.foreach_all_gather, trainer.Trainer.sample = _counted_gather, _counted_sample
+"""
 
 
 def test_model_state_bytes_shrink_with_sharding(tmp_path, char_data):

@@ -34,6 +34,7 @@ class Parallelized:
         self.forward: nn.Module = model  # what a micro-step calls: DDP's wrapper, the TP loss wrapper, ...
         self.pipeline = None  # loom.parallel.pipeline.Pipeline when pp > 1
         self.fsdp_roots: list[nn.Module] = []
+        self.reshard_after_forward = True  # FSDP's setting for the roots (zero2 and replicas: False)
         self.grad_sync = None  # MPI's gradient synchroniser (loom.parallel.mpi_dp)
         self.tied_group = None  # pp: the first and last stage's group, for the tied embedding/head
         self.tied: dict[str, str] = spec.tied(model)  # alias -> canonical name of one tensor ({}: untied)
@@ -128,6 +129,18 @@ class Parallelized:
             return self.model  # every rank runs the (sharded) forward passes
         return self.model if self.dims.is_main else None
 
+    @contextlib.contextmanager
+    def sampling(self):
+        """sampling_model() as a context (called on every rank): an FSDP-sharded model's parameters are
+        gathered once for the whole call and freed after it, instead of once per generated token."""
+        if not self.fsdp_roots or self.dims.model_parallel:
+            yield self.sampling_model()
+            return
+        from loom.parallel.fsdp import gathered
+
+        with gathered(self.fsdp_roots, self.reshard_after_forward):
+            yield self.model
+
     # ----------------------------------------------------------------------------- checkpoint state
     def model_state(self) -> dict:
         return state.model_state(self.model, self.dims, self.names, self.tied)
@@ -196,7 +209,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         reshard = dims.dp_impl == "fsdp" and dims.dp_shard > 1  # zero2 and replicas keep gathered parameters
         mp = mp_policy(p.param_dtype, p.reduce_dtype, device, precision)
         apply_fsdp(roots, spec.blocks, dp_mesh, reshard, mp, p.cpu_offload, device)
-        par.fsdp_roots = roots
+        par.fsdp_roots, par.reshard_after_forward = roots, reshard
     if any(t.is_meta for t in model.parameters()):
         from loom.parallel.init import materialize
 

@@ -446,8 +446,8 @@ class Trainer:
                                         "hellaswag_acc_norm": hs["acc_norm"]})  # fmt: skip
         if (self._due(t.sample_every) or final) and self.tokenizer:
             # FSDP: every rank runs the forward passes; tensor/pipeline parallel: rank 0 gets a whole copy
-            model = self.parallel.sampling_model()
-            text = self.sample(model=model) if model is not None else None
+            with self.parallel.sampling() as model:  # FSDP: the weights gathered once for the whole sample
+                text = self.sample(model=model) if model is not None else None
             if self.main:
                 log.info(f"--- sample at step {self.step} ---\n{text}\n---")
                 with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as f:
