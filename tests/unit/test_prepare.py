@@ -550,3 +550,44 @@ def test_unknown_corpus():
     with pytest.raises(LoomError, match="unknown built-in corpus") as e:
         corpus_files("shakespeare")
     assert "python-stdlib" in e.value.hint
+
+
+def test_the_built_in_corpus_needs_no_warning_and_users_data_keeps_them(tmp_path, monkeypatch, capsys):
+    """`make demo` warned about loom's own corpus: empty __init__.py files dropped, repeated documents (which
+    make the val loss too low). The built-in corpus leaves them out before the split, under a new cache key
+    (a cache prepared by an older loom is prepared again); the same files given as --input still warn."""
+    from loom.config import Config
+    from loom.train.setup import resolve_data
+
+    root = tmp_path / "stdlib"
+    for name, text in {"os.py": "import sys\n", "json/__init__.py": "from .decoder import x\n", "json/decoder.py":
+                       "x = 1\n" * 50, "email/mime/__init__.py": "", "urllib/__init__.py": "", "__phello__/spam.py":
+                       "print('hi')\n", "__phello__/__init__.py": "print('hi')\n", "xmlrpc/__init__.py": "# a package\n",
+                       "concurrent/__init__.py": "# a package\n", "test/test_os.py": "assert 1\n"}.items():  # fmt: skip
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    monkeypatch.setattr(corpus.sysconfig, "get_paths", lambda: {"stdlib": str(root)})
+    names = [f.relative_to(root).as_posix() for f in python_stdlib_files()]
+    assert names == ["__phello__/__init__.py", "concurrent/__init__.py", "json/__init__.py", "json/decoder.py",
+                     "os.py"]  # fmt: skip
+    cache = tmp_path / "cache"
+    old = cache / "data" / "python-stdlib-char"  # what an older loom prepared: not used
+    old.mkdir(parents=True)
+    (old / "meta.json").write_text("{}")
+    capsys.readouterr()
+    cfg = Config()
+    cfg.data.cache_dir = str(cache)
+    out = resolve_data(cfg)
+    said = capsys.readouterr().out
+    assert out != old and out.name.startswith(corpus.cache_name("python-stdlib")), out
+    assert "with no text" not in said and "repeat the text" not in said, (
+        said
+    )  # (5 files: too few to split evenly)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["documents"] == 5 and meta["dropped_documents"] == 0 and meta["repeated_documents"] == 0
+    prepare([root], tmp_path / "users", val_fraction=0.3)  # the same files as a user's input: warned about
+    said = capsys.readouterr().out
+    assert (
+        "dropped 2 document(s) with no text" in said
+        and "2 document(s) repeat the text of an earlier one" in said
+    )

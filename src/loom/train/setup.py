@@ -102,10 +102,11 @@ def resolve_data(cfg: Config, main_process: bool = True) -> Path:
     if cfg.data.path:
         check_data_dir(cfg.data.path)
         return Path(cfg.data.path)
+    from loom.data.corpus import cache_name
     from loom.data.prepare import prepare_corpus
 
     d = cfg.data
-    tag = f"{d.corpus}-{d.tokenizer}" + (f"{d.vocab_size}" if d.tokenizer == "bpe" else "")
+    tag = f"{cache_name(d.corpus)}-{d.tokenizer}" + (f"{d.vocab_size}" if d.tokenizer == "bpe" else "")
     out = Path(d.cache_dir or cache_dir()) / "data" / tag
     if not (out / "meta.json").is_file():
         from loom.paths import check_output_dir
