@@ -465,8 +465,11 @@ def resolve_resume(run_dir: Path, resume: str | bool, share: tuple[int, int] | N
     ckpt_dir = target / "ckpt" if (target / "ckpt").is_dir() else target
     found = latest_valid(ckpt_dir, share=share)
     if found is None:
-        raise LoomError(
-            f"--resume: no valid checkpoint under '{ckpt_dir}'",
-            hint="start without --resume, or point --resume at a run directory that has checkpoints",
-        )
+        partial = sorted(p.name for p in ckpt_dir.glob("step_*.tmp")) if ckpt_dir.is_dir() else []
+        why = f" ({', '.join(partial)}: a save interrupted half way, discarded)" if partial else ""
+        hint = "start without --resume, or point --resume at a run directory that has checkpoints"
+        if (target / "config.toml").is_file():  # a run that never completed a checkpoint: nothing to resume
+            hint = ("there is nothing to resume: start the run over with --force (replaces it), or with "
+                    "train.resume=auto (starts again a run that has no checkpoint)")  # fmt: skip
+        raise LoomError(f"--resume: no valid checkpoint under '{ckpt_dir}'{why}", hint=hint)
     return found

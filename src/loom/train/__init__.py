@@ -140,7 +140,11 @@ def auto_resume(cfg: Config, resume, force: bool, share=(0, 1)) -> tuple[str | b
         )
         return True, force
     saved = run_dir / "config.toml"
-    if saved.is_file() and not diff_configs(config_from_dict(load_toml(saved)), cfg):
+    # the start mode is not part of what the run is: a run started plainly (or with --resume) that died before
+    # its first complete checkpoint (a save killed half way leaves only step_N.tmp) is started again by auto
+    if saved.is_file() and not [
+        d for d in diff_configs(config_from_dict(load_toml(saved)), cfg) if not d.startswith("train.resume:")
+    ]:
         log.warn(f"{run_dir} has no valid checkpoint: starting it again")
         return None, True
     return None, force

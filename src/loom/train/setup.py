@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from loom import log
+from loom import checkpoint, log
 from loom.config import Config, config_from_dict, diff_configs, load_toml
 from loom.env import glibc
 from loom.errors import LoomError
@@ -189,10 +189,11 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool, inputs:
         old = config_from_dict(load_toml(run_dir / "config.toml"))
         diff = diff_configs(old, cfg)
         what = "a run with a different config (" + "; ".join(diff[:4]) + ")" if diff else "a run"
-        raise LoomError(
-            f"run directory '{run_dir}' already holds {what}",
-            hint="pass --resume to continue it, --force to start over (deletes it), or pick another run.name",
-        )
+        hint = "pass --resume to continue it, --force to start over (deletes it), or pick another run.name"
+        if checkpoint.latest_valid(run_dir / "ckpt", share=None) is None:  # sizes only: a cheap look
+            what += " with no complete checkpoint"
+            hint = "nothing can be resumed: pass --force to start it over (deletes it), or pick another run.name"
+        raise LoomError(f"run directory '{run_dir}' already holds {what}", hint=hint)
     if run_dir.exists() and any(run_dir.iterdir()) and not force:
         raise LoomError(
             f"run directory '{run_dir}' exists and is not a loom run", hint="pick another run.name"
