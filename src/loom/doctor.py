@@ -496,9 +496,12 @@ def nodes_check(
     if len(hosts) == 1:
         return {**report, "hellos": [hello.__dict__]}
     if node == 0:
-        report["hellos"] = [h.__dict__ for h in head_gate(addr, port, len(hosts), hello, timeout, hosts)]
+        report["hellos"] = [
+            h.__dict__
+            for h in head_gate(addr, port, len(hosts), hello, timeout, hosts, "loom doctor --nodes")
+        ]
     else:
-        node_gate(addr, port, hello, timeout, hosts)
+        node_gate(addr, port, hello, timeout, hosts, command="loom doctor --nodes")
 
     import torch
     import torch.distributed as dist

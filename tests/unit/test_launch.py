@@ -493,6 +493,29 @@ def test_gate_node_tells_a_running_job_from_the_gate(monkeypatch):
         gate.node_gate("127.0.0.1", port, _hello(1, "b"), timeout=0.3, hosts=("a", "b"))
 
 
+def test_gate_hints_name_the_command_that_runs_it(monkeypatch):
+    """Under loom doctor --nodes the gate's hints told the user to start loom launch and to pass
+    --max-restarts, which doctor does not take."""
+    import socket
+    import threading
+
+    from loom.launch import gate
+
+    monkeypatch.setattr(gate, "_BANNER_WAIT_S", 0.2)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    threading.Thread(target=server.accept, daemon=True).start()
+    with pytest.raises(LoomError, match="answers, but not as loom doctor --nodes on the head node") as info:
+        gate.node_gate("127.0.0.1", port, _hello(1, "b"), timeout=5, command="loom doctor --nodes")
+    assert "--max-restarts" not in info.value.hint and "--port P" in info.value.hint
+    server.close()
+    missing = gate._verdict([_hello(0, "a")], 2, "a", 29500, 5, ("a", "b"), "loom doctor --nodes")
+    assert (
+        missing.hint.startswith("start loom doctor --nodes on every node")
+        and "loom launch" not in missing.hint
+    )
+
+
 def test_a_broken_connection_names_the_ranks_of_that_host(monkeypatch):
     """describe_failure reads where every rank runs (recorded by Heartbeat) and names the dead peer's ranks."""
     import datetime

@@ -119,9 +119,16 @@ def _recv(conn: socket.socket, deadline: float) -> dict:
 
 
 def head_gate(
-    addr: str, port: int, nnodes: int, hello: Hello, timeout: float, hosts: Sequence[str] = ()
+    addr: str,
+    port: int,
+    nnodes: int,
+    hello: Hello,
+    timeout: float,
+    hosts: Sequence[str] = (),
+    command: str = "loom launch",
 ) -> list[Hello]:
-    """On node 0: own `addr:port`, gather the other nodes' hellos, answer them; returns every hello."""
+    """On node 0: own `addr:port`, gather the other nodes' hellos, answer them; returns every hello.
+    `command` is what runs the gate on every node (loom launch, or loom doctor --nodes), named in hints."""
     ip = _resolve(addr, port, hello.host)
     if nnodes > 1 and ipaddress.ip_address(ip).is_loopback:
         raise LoomError(
@@ -176,7 +183,7 @@ def head_gate(
         # (it retries) rather than queued on this socket and reset when it closes.
         server.close()
         hellos = [hello, *(h for h, _ in got.values())]
-        error = _verdict(hellos, nnodes, addr, port, timeout, hosts)
+        error = _verdict(hellos, nnodes, addr, port, timeout, hosts, command)
         for _, conn in got.values():
             _send(conn, {"error": error.message, "hint": error.hint} if error else {"ok": True})
         for _, conn in got.values():  # let each node close first: TIME_WAIT stays on its side, not on PORT
@@ -195,15 +202,28 @@ def head_gate(
     return sorted(hellos, key=lambda h: h.node)
 
 
-def _verdict(hellos: list[Hello], nnodes: int, addr: str, port: int, timeout: float, hosts: Sequence[str]):
+def _verdict(
+    hellos: list[Hello],
+    nnodes: int,
+    addr: str,
+    port: int,
+    timeout: float,
+    hosts: Sequence[str],
+    command: str = "loom launch",
+):
     missing = sorted(set(range(nnodes)) - {h.node for h in hellos})
     if missing:
         names = ", ".join(f"{hosts[i]} (node {i})" if i < len(hosts) else f"node {i}" for i in missing)
         return LoomError(
             f"no word from {names} within {timeout:g}s at the rendezvous {addr}:{port}; "
             f"{len(hellos)} of {nnodes} nodes checked in",
-            hint="start loom launch on every node of the job; check that the host is up and can reach "
-            f"{addr}:{port} (loom doctor --nodes HOSTFILE checks every host before a job)",
+            hint=f"start {command} on every node of the job; check that the host is up and can reach "
+            f"{addr}:{port}"
+            + (
+                ""
+                if command != "loom launch"
+                else " (loom doctor --nodes HOSTFILE checks every host before a job)"
+            ),
         )
     problems = mismatches(hellos)
     if problems:
@@ -213,7 +233,13 @@ def _verdict(hellos: list[Hello], nnodes: int, addr: str, port: int, timeout: fl
 
 
 def node_gate(
-    addr: str, port: int, hello: Hello, timeout: float, hosts: Sequence[str] = (), rejoin: bool = False
+    addr: str,
+    port: int,
+    hello: Hello,
+    timeout: float,
+    hosts: Sequence[str] = (),
+    rejoin: bool = False,
+    command: str = "loom launch",
 ) -> None:
     """On node k > 0: reach the head at `addr:port` (retrying until `timeout`), send the hello, obey the answer.
 
@@ -240,7 +266,7 @@ def node_gate(
         raise LoomError(
             f"{hello.host} (node {hello.node}) could not reach the rendezvous MASTER_ADDR={addr} port {port} "
             f"within {timeout:g}s ({last})",
-            hint=f"check that MASTER_ADDR names the head node{head}, that loom launch runs there, and that "
+            hint=f"check that MASTER_ADDR names the head node{head}, that {command} runs there, and that "
             "the port is open between the nodes",
         )
     with conn:
@@ -255,10 +281,14 @@ def node_gate(
                          "joins it at its next restart (--max-restarts)")  # fmt: skip
                 return
             raise LoomError(
-                f"{hello.host} (node {hello.node}): {addr}:{port} answers, but not as loom launch on the head "
+                f"{hello.host} (node {hello.node}): {addr}:{port} answers, but not as {command} on the head "
                 "node: a job already runs there, or another program holds the port",
-                hint="pass --port P (the same on every node), or --max-restarts N on every node so that a "
-                "node that comes back rejoins a running job",
+                hint="pass --port P (the same on every node)"
+                + (
+                    ", or --max-restarts N on every node so that a node that comes back rejoins a running job"
+                    if command == "loom launch"
+                    else ""
+                ),
             )
         try:
             _send(conn, asdict(hello))
@@ -266,7 +296,7 @@ def node_gate(
         except (OSError, ValueError) as e:
             raise LoomError(
                 f"{hello.host} (node {hello.node}): the head at {addr}:{port} stopped answering ({e})",
-                hint="look at the head node's output: its loom launch says why",
+                hint=f"look at the head node's output: its {command} says why",
             ) from None
     if "error" in answer:
         raise LoomError(answer["error"], hint=answer.get("hint"))
