@@ -91,6 +91,7 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
     if not checkpoint.is_sharded(path):
         raise LoomError(f"'{path}' is a format-1 checkpoint (model.pt): already whole",
                         hint="use loom export RUN --format safetensors for it")  # fmt: skip
+    _check_run_config(run_dir, path)  # the folder's config.toml is the run's: it must describe these weights
     if out.exists() and any(out.iterdir()) and not force:
         raise LoomError(f"--out '{out}' exists and is not empty", hint="give a new folder, or --force")
     out.mkdir(parents=True, exist_ok=True)
@@ -123,18 +124,52 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
     return target
 
 
+def _check_run_config(run_dir: Path, path: Path) -> None:
+    """The run's config.toml, which the consolidated folder takes, describes the model `path` trained."""
+    from loom.config import check_model_config, config_from_dict, load_toml
+
+    if (run_dir / "config.toml").is_file():
+        check_model_config(checkpoint.read_state(path).get("config", {}).get("model", {}),
+                           config_from_dict(load_toml(run_dir / "config.toml")), f"checkpoint '{path}'",
+                           f"'{run_dir / 'config.toml'}' must hold the model settings the checkpoint was trained "
+                           "with: put them back (the checkpoint records them in its state.json)", inference=True)  # fmt: skip
+
+
+def consolidated_model(file: Path) -> dict | None:
+    """The model section of the config a consolidated model.safetensors was trained with (its metadata), or
+    None for a file without one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own types for damaged files
+        raise LoomError(f"cannot read '{file}': {e}") from None
+    return json.loads(meta["loom_model"]) if "loom_model" in meta else None
+
+
+def check_fits(sd: dict, model: torch.nn.Module, source: str, hint: str | None = None) -> None:
+    """Every tensor of `sd` has a parameter of the model's shape and every parameter a tensor (a tied head
+    may be left out when its embedding is there): the last guard after config.check_model_config, for
+    files that record no config."""
+    mine = model.state_dict()
+    missing = sorted(k for k in mine if k not in sd and not _tied(k, sd))
+    extra = sorted(k for k in sd if k not in mine)
+    shapes = [f"{k}: {tuple(v.shape)} vs {tuple(mine[k].shape)}" for k, v in sd.items()
+              if k in mine and v.shape != mine[k].shape]  # fmt: skip
+    if missing or extra or shapes:
+        what = shapes[:3] or [
+            f"{n} {', '.join(ks[:3])}" for n, ks in (("missing", missing), ("extra", extra)) if ks
+        ]
+        raise LoomError(f"{source} does not fit the model of its config.toml: " + "; ".join(what), hint=hint)
+
+
 def load_consolidated(folder: Path, model: torch.nn.Module) -> None:
     """Weights of a consolidated folder (model.safetensors, the tied head left out) into a GPT."""
     from safetensors.torch import load_file
 
     sd = load_file(str(folder / "model.safetensors"))
-    mine = model.state_dict()
-    missing = sorted(k for k in mine if k not in sd and not _tied(k, sd))
-    shapes = [f"{k}: {tuple(v.shape)} vs {tuple(mine[k].shape)}" for k, v in sd.items()
-              if k in mine and v.shape != mine[k].shape]  # fmt: skip
-    if missing or shapes:
-        raise LoomError(f"'{folder / 'model.safetensors'}' does not fit the model of its config.toml: "
-                        + "; ".join(shapes[:3] or [f"missing {', '.join(missing[:3])}"]))  # fmt: skip
+    check_fits(sd, model, f"'{folder / 'model.safetensors'}'")
     model.load_state_dict(sd, strict=False)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from loom import checkpoint, log
-from loom.config import Config, config_from_dict, load_toml
+from loom.config import Config, check_model_config, config_from_dict, load_toml
 from loom.data.loader import ValSet, read_meta
 from loom.data.tokenizers import load_tokenizer
 from loom.errors import LoomError
@@ -112,6 +112,7 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
     if not ckpt and _consolidated(run_dir):
         from loom.checkpoint_tools import load_consolidated
 
+        check_trained_model(run_dir / "model.safetensors", cfg, run_dir)
         model = GPT(model_config(cfg, meta["vocab_size"]))
         load_consolidated(run_dir, model)
         return cfg, model.to(device).eval(), tokenizer, meta, run_dir / "model.safetensors"
@@ -120,22 +121,16 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
         raise LoomError(
             f"run '{run_dir}' has no valid checkpoint", hint="train it (checkpoints are written at the end)"
         )
-    if ckpt and (path / "state.json").is_file():
-        _check_same_model(path, cfg, run_dir)  # --ckpt of another run: refused before the weights are read
+    check_trained_model(path, cfg, run_dir)  # before the weights are read
     model = GPT(model_config(cfg, meta["vocab_size"])).to(device)
     if checkpoint.is_sharded(path):  # model/ alone: the optimizer's files are never read
         checkpoint.load_model(path, model)
         model.eval()
         return cfg, model, tokenizer, meta, path
+    from loom.checkpoint_tools import check_fits
+
     tensors, _ = checkpoint.load(path, map_location=device)
-    mine = model.state_dict()
-    diff = [f"{k}: {tuple(v.shape)} vs {tuple(mine[k].shape)}" for k, v in tensors["model"].items()
-            if k in mine and v.shape != mine[k].shape]  # fmt: skip
-    missing = sorted(set(mine) ^ set(tensors["model"]))
-    if diff or missing:
-        raise LoomError(f"checkpoint '{path}' does not fit the model of run '{run_dir}': "
-                        + "; ".join(diff[:3] or [f"parameters {', '.join(missing[:3])} differ"]),
-                        hint="give a checkpoint of this run (--ckpt RUN/ckpt/step_N), or the run it came from")  # fmt: skip
+    check_fits(tensors["model"], model, f"checkpoint '{path}'", _hint(run_dir))
     model.load_state_dict(tensors["model"])
     model.eval()
     return cfg, model, tokenizer, meta, path
@@ -173,6 +168,7 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
         if path is None:
             raise LoomError(f"run '{run_dir}' has no valid checkpoint",
                             hint="train it (checkpoints are written at the end)")  # fmt: skip
+    check_trained_model(path, cfg, run_dir)
     cfg.train.compile, cfg.train.activation_checkpointing = False, "none"
     with torch.device("meta"):
         model = GPT(model_config(cfg, meta["vocab_size"]))
@@ -209,16 +205,29 @@ def _agreed_valid(candidates: list[Path], control) -> Path | None:
     return None
 
 
-def _check_same_model(path: Path, cfg: Config, run_dir: Path) -> None:
-    """The checkpoint's saved model settings (state.json) against the run's config, named key by key."""
-    saved = checkpoint.read_state(path).get("config", {}).get("model", {})
-    now = cfg.to_dict()["model"]
-    diff = [f"model.{k}: {v!r} in the run, {saved[k]!r} in the checkpoint" for k, v in now.items()
-            if k in saved and saved[k] != v]  # fmt: skip
-    if diff:
-        raise LoomError(f"checkpoint '{path}' was trained with another model shape than run '{run_dir}': "
-                        + "; ".join(diff),
-                        hint="give a checkpoint of this run (--ckpt RUN/ckpt/step_N), or the run it came from")  # fmt: skip
+def _hint(run_dir: Path) -> str:
+    return (f"'{run_dir / 'config.toml'}' must hold the model settings the checkpoint was trained with: put "
+            "them back (the checkpoint records them in its state.json), or give a checkpoint of this run "
+            "(--ckpt RUN/ckpt/step_N)")  # fmt: skip
+
+
+def check_trained_model(path: Path, cfg: Config, run_dir: Path) -> None:
+    """eval, generate and export build the model from the run's config.toml: the checkpoint's own record of
+    the model it trained (state.json; a consolidated file's metadata) must agree on every key that changes
+    shapes or numerics (config.check_model_config), or a truncated or otherwise different model would be
+    evaluated or exported without a word. A file with no record is left to the tensors' shape check."""
+    if path.suffix == ".safetensors":
+        from loom.checkpoint_tools import consolidated_model
+
+        saved = consolidated_model(path)
+    else:
+        saved = (
+            checkpoint.read_state(path).get("config", {}).get("model")
+            if (path / "state.json").is_file()
+            else None
+        )
+    if saved is not None:
+        check_model_config(saved, cfg, f"checkpoint '{path}'", _hint(run_dir), inference=True)
 
 
 def run_data_dir(run_dir: str | Path, cfg: Config) -> Path:

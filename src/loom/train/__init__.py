@@ -7,7 +7,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loom import checkpoint, log
-from loom.config import Config, Derived, config_from_dict, diff_configs, load_toml, mesh_degrees, validate
+from loom.config import (
+    Config,
+    Derived,
+    check_model_config,
+    config_from_dict,
+    diff_configs,
+    load_toml,
+    mesh_degrees,
+    validate,
+)
 from loom.distributed.comm import Control
 from loom.env import DistEnv, detect_env
 from loom.errors import LoomError
@@ -152,12 +161,8 @@ def auto_resume(cfg: Config, resume, force: bool, share=(0, 1)) -> tuple[str | b
 
 def check_checkpoint_model(ckpt: Path, cfg: Config) -> None:
     """A checkpoint of another model shape is refused before anything is built (state.json only)."""
-    saved = {**Config().to_dict()["model"], **checkpoint.read_state(ckpt).get("config", {}).get("model", {})}
-    now = cfg.to_dict()["model"]  # (keys newer than the checkpoint: their defaults, above)
-    diff = [f"model.{k}: {saved[k]!r} -> {v!r}" for k, v in now.items() if saved[k] != v]
-    if diff:
-        raise LoomError(f"checkpoint '{ckpt}' was trained with another model shape: " + "; ".join(diff),
-                        hint="resume with the checkpoint's model settings, or start a new run")  # fmt: skip
+    check_model_config(checkpoint.read_state(ckpt).get("config", {}).get("model", {}), cfg,
+                       f"checkpoint '{ckpt}'", "resume with the checkpoint's model settings, or start a new run")  # fmt: skip
 
 
 def check_not_finished(ckpt: Path, cfg: Config, run_dir: Path) -> None:

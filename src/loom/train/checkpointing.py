@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from loom import __version__, checkpoint, log
-from loom.config import Config
+from loom.config import check_model_config
 from loom.distributed.comm import Control
 from loom.errors import LoomError
 
@@ -198,15 +198,8 @@ class Checkpointer:
             tensors, state = checkpoint.load_extra(path)
         else:  # format 1: whole tensors, sliced onto the device per parameter
             tensors, state = checkpoint.load(path, map_location="cpu")
-        saved_model = state["config"]["model"]
-        defaults = Config().to_dict()["model"]
-        diff = [
-            f"model.{k}: {saved_model.get(k)!r} -> {v!r}"
-            for k, v in tr.cfg.to_dict()["model"].items()
-            if saved_model.get(k, defaults[k]) != v  # a key added since the save: the default then
-        ]
-        if diff:
-            raise LoomError(f"checkpoint '{path}' was trained with another model shape: " + "; ".join(diff))
+        check_model_config(state["config"]["model"], tr.cfg, f"checkpoint '{path}'",
+                           "resume with the checkpoint's model settings, or start a new run")  # fmt: skip
         if sharded:  # each rank reads the pieces its layout holds, whatever layout wrote them
             tr.parallel.load_sharded(tr.optimizer, path / "model", path / "optim")
         else:
