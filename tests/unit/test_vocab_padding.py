@@ -92,3 +92,23 @@ def test_bf16_logits_and_sampling_never_reach_padding():
         m(x)[:, -1].repeat(500, 1), temperature=5.0, generator=torch.Generator().manual_seed(0)
     )
     assert int(draws.max()) < VOCAB
+
+
+def test_char_export_imports_again_on_its_own_data(tmp_path, char_data):
+    """train(char) -> export -> init_from=hf:EXPORT on the same data: the export's tokenizer.json is the
+    data's char tokenizer (it was refused: "66 of its 66 tokens have another id"), and training starts from
+    the exported model (loss of the first step = the exported model's loss in transformers)."""
+    from loom.data.loader import ShardLoader
+
+    common = [f"--data.path={char_data}", f"--run.dir={tmp_path}", "--train.steps=1", "--model.n_layer=1",
+              "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32", "--train.batch_size=4",
+              "--train.eval_batches=1", "--train.sample_every=0", "--train.eval_every=0",
+              "--optim.warmup_steps=1", "--train.log_every=1", "--train.device=cpu"]  # fmt: skip
+    assert main(["train", "--run.name=a", *common]) == 0
+    assert main(["export", str(tmp_path / "a"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    rest = [a for a in common if not a.startswith("--model.n_")]
+    assert main(["train", "--run.name=b", f"--model.init_from=hf:{tmp_path / 'hf'}", *rest]) == 0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    first = next(r for r in read_jsonl(tmp_path / "b" / "metrics.jsonl") if "loss" in r)
+    x, y = ShardLoader(char_data, 4, 32, seed=1337).next_batch()
+    assert first["loss"] == pytest.approx(hf_loss(theirs, x, y), abs=TOL)

@@ -321,8 +321,11 @@ def check_data_tokenizer(
     from tokenizers import Tokenizer
 
     theirs = Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab(with_added_tokens=True)
-    tok = getattr(data_tokenizer, "tok", None)  # a char tokenizer has none: every id differs
-    ours = tok.get_vocab(with_added_tokens=True) if tok is not None else {}
+    tok = getattr(data_tokenizer, "tok", None)
+    if tok is not None:
+        ours = tok.get_vocab(with_added_tokens=True)
+    else:  # loom's char tokenizer: its characters, and the end-of-text token its export names (EOT)
+        ours = {**getattr(data_tokenizer, "stoi", {}), EOT: eot}
     moved = [t for t, i in theirs.items() if ours.get(t) != i]
     if moved:
         raise LoomError(f"the data '{data_dir}' was tokenized with another tokenizer than '{d / 'tokenizer.json'}' "
