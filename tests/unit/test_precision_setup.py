@@ -1,4 +1,4 @@
-"""precision.dtype=auto and the CPU allocator setting (loom.train.setup) against what they promise:
+"""precision.dtype=auto (loom.train.setup) and the CPU allocator settings (loom.env) against what they promise:
 auto follows the device's bf16 support (fixed answers for stubbed /proc/cpuinfo flags and GPU capabilities);
 cpu_memory_reuse applies glibc's options inside and restores them: the mallopt calls against <malloc.h>'s
 constants and glibc's documented defaults, and the effect on malloc itself read back with mallinfo2."""
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from loom import env as loom_env
+from loom.env import cpu_memory_reuse
 from loom.train import setup
-from loom.train.setup import cpu_memory_reuse, native_bf16_cpu, resolve_precision
+from loom.train.setup import native_bf16_cpu, resolve_precision
 
 
 def test_explicit_dtypes_pass_through():
@@ -70,7 +71,7 @@ def test_auto_on_cuda(monkeypatch, bf16, want):
     assert resolve_precision("auto", torch.device("cuda"), loss_scaling=False) == ("bf16" if bf16 else "fp32")
 
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # <malloc.h>
 GLIBC_DEFAULTS = [(M_MMAP_MAX, 65536), (M_TRIM_THRESHOLD, 128 * 1024)]  # mallopt(3): DEFAULT_MMAP_MAX etc.
 
 
@@ -112,6 +113,16 @@ def test_cpu_memory_reuse_disabled_or_without_glibc(fake_glibc, monkeypatch):
     with cpu_memory_reuse(True) as applied:
         assert applied is False
     assert opened == [] and libc.calls == []
+
+
+def test_cpu_memory_release_sets_a_fixed_mmap_threshold(fake_glibc):
+    """eval/generate set only the mmap threshold; loom data prepare also a trim threshold of 8 MiB."""
+    libc, opened = fake_glibc
+    assert loom_env.cpu_memory_release() is True
+    assert libc.calls == [(M_MMAP_THRESHOLD, 1 << 20)]
+    libc.calls.clear()
+    assert loom_env.cpu_memory_release(trim_threshold=8 << 20) is True
+    assert libc.calls == [(M_MMAP_THRESHOLD, 1 << 20), (M_TRIM_THRESHOLD, 8 << 20)]
 
 
 class _MallInfo2(ctypes.Structure):

@@ -46,6 +46,7 @@ from loom.data.tokenizers import (
     tokenizer_files,
     tokenizer_hash,
 )
+from loom.env import cpu_memory_release
 from loom.errors import LoomError
 from loom.outputs import check_apart, check_replaceable, replace_output, write_marker
 
@@ -340,24 +341,6 @@ def _train_tokenizer(plan: Plan, files, total_chars: int | None):
     return tok, "bpe"
 
 
-def _large_blocks_to_os() -> None:
-    """Linux/glibc: allocations of 1 MiB and more (text blocks, pieces, chunks) are memory maps given back
-    when freed. glibc otherwise raises its mmap threshold after the first large free and serves them from
-    the heap, whose fragmentation made peak RSS grow with the length of a single large text file."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)  # a fixed threshold also stops the dynamic adjustment
-    libc.mallopt(M_TRIM_THRESHOLD, 8 << 20)
-
-
 def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1), encoding="utf-8")
@@ -450,7 +433,9 @@ def prepare(
     if chunk_chars < 1:
         raise LoomError(f"chunk_chars must be at least 1, got {chunk_chars}")
     t0 = time.perf_counter()
-    _large_blocks_to_os()
+    # blocks of 1 MiB and more (text blocks, pieces, chunks) are memory maps given back when freed: from the
+    # heap, their fragmentation made peak RSS grow with the length of a single large text file
+    cpu_memory_release(trim_threshold=8 << 20)
     read = ReadOptions(glob=glob, field=jsonl_field, text_separator=text_separator or None,
                        doc_chars=doc_chars, strict=strict)  # fmt: skip
     found = ReadStats()

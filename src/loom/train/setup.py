@@ -5,7 +5,6 @@ All of it is checked before any expensive work, and nothing that exists is overw
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 
 from loom import checkpoint, log
 from loom.config import Config, config_from_dict, diff_configs, load_toml
-from loom.env import glibc
+from loom.env import cpu_memory_reuse  # noqa: F401 (re-export until trainer imports it from env)
 from loom.errors import LoomError
 from loom.metrics import cache_dir
 from loom.outputs import check_apart, replace_output
@@ -66,28 +65,6 @@ def resolve_precision(dtype: str, device: torch.device, loss_scaling: bool = Tru
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else ("fp16" if loss_scaling else "fp32")
     return "bf16" if device.type == "cpu" and native_bf16_cpu() else "fp32"
-
-
-@contextlib.contextmanager
-def cpu_memory_reuse(enabled: bool = True):
-    """Within it, glibc's malloc keeps freed memory for reuse: no mmap for large blocks, no trimming.
-
-    A training step's activations are tensors of tens of MB; glibc serves blocks that large with mmap and
-    unmaps them when freed, so every step page-faults all its activations in again: ~20% of a step of the
-    6-layer Tiny Shakespeare model on 2 CPU cores. Equivalent to starting the process with
-    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824. The resident size stays
-    at its peak meanwhile; glibc's static defaults come back on exit. A no-op without glibc (macOS, musl)."""
-    libc = glibc() if enabled else None
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
-    if libc is not None:
-        libc.mallopt(M_MMAP_MAX, 0)
-        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-    try:
-        yield libc is not None
-    finally:
-        if libc is not None:
-            libc.mallopt(M_MMAP_MAX, 65536)
-            libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
 
 
 def check_data_dir(path: str | Path) -> dict:
@@ -192,7 +169,9 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool, inputs:
         hint = "pass --resume to continue it, --force to start over (deletes it), or pick another run.name"
         if checkpoint.latest_valid(run_dir / "ckpt", share=None) is None:  # sizes only: a cheap look
             what += " with no complete checkpoint"
-            hint = "nothing can be resumed: pass --force to start it over (deletes it), or pick another run.name"
+            hint = (
+                "nothing can be resumed: pass --force to start it over (deletes it), or pick another run.name"
+            )
         raise LoomError(f"run directory '{run_dir}' already holds {what}", hint=hint)
     if run_dir.exists() and any(run_dir.iterdir()) and not force:
         raise LoomError(
