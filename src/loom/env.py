@@ -402,6 +402,13 @@ def _validated(env: DistEnv) -> DistEnv:
     return env
 
 
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How many times torch elastic's agent has restarted this job's workers (TORCHELASTIC_RESTART_COUNT; 0 on
+    the first attempt and under any other launcher)."""
+    environ = os.environ if environ is None else environ
+    return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask, as taskset or a container's cpuset sets it)."""
     try:

@@ -20,6 +20,7 @@ from loom.env import (
     parse_tasks_per_node,
     port_from_job_id,
     read_hostfile,
+    restart_count,
 )
 from loom.errors import LoomError
 
@@ -318,3 +319,10 @@ def test_free_port_can_be_bound():
     assert 0 < port < 65536
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", port))  # raises if the port were not free
+
+
+def test_restart_count_from_torch_elastic():
+    assert restart_count({}) == 0  # first attempt, or another launcher
+    assert restart_count({"TORCHELASTIC_RESTART_COUNT": ""}) == 0
+    assert restart_count({"TORCHELASTIC_RESTART_COUNT": "0"}) == 0
+    assert restart_count({"TORCHELASTIC_RESTART_COUNT": "2"}) == 2

@@ -20,6 +20,7 @@ import socket
 
 import torch.distributed as dist
 
+from loom.env import restart_count
 from loom.errors import LoomError
 
 
@@ -57,7 +58,7 @@ class Heartbeat:
 
     def __init__(self, rank: int, world_size: int, timeout_s: float = 10.0):
         self.rank, self.world_size = rank, world_size
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = restart_count()
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
