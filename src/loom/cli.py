@@ -427,7 +427,8 @@ def _export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="loom export", description="Write a run's model for other tools.")
     p.add_argument("run_dir")
     p.add_argument("--format", required=True, choices=["hf", "safetensors"],
-                   help="hf: a GPT-2 directory for transformers; safetensors: loom's raw state")  # fmt: skip
+                   help="hf: a transformers directory (GPT2LMHeadModel, or LlamaForCausalLM for the llama family); "
+                   "safetensors: loom's raw state")  # fmt: skip
     p.add_argument("--out", required=True, help="output directory (must be empty unless --force)")
     p.add_argument("--ckpt", default=None, help="a checkpoint directory (default: the newest valid one)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
@@ -445,7 +446,10 @@ def _export(argv: list[str]) -> int:
     _, model, tok, _, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
     if args.format == "hf":
         notes = hf.export_hf(model, args.out, tok, args.force)
-        print(f"wrote {args.out} from {path}: a GPT-2 directory for AutoModelForCausalLM.from_pretrained")
+        import json
+
+        arch = json.loads((Path(args.out) / "config.json").read_text(encoding="utf-8"))["architectures"][0]
+        print(f"wrote {args.out} from {path}: a {arch} directory for AutoModelForCausalLM.from_pretrained")
     else:
         notes = [f"wrote {hf.export_safetensors(model, args.out, args.force)} from {path}"]
     for n in notes:
@@ -541,7 +545,7 @@ VERBS = {
     "eval": (_eval, "validation loss and perplexity of a run"),
     "plot": (_plot, "plot loss curves of one or more runs"),
     "ckpt": (_ckpt, "checkpoints: loom ckpt inspect RUN | consolidate RUN --out DIR"),
-    "export": (_export, "write a run's model as a transformers GPT-2 directory or raw safetensors"),
+    "export": (_export, "write a run's model as a transformers (GPT-2, Llama) directory or safetensors"),
     "verify": (
         _verify,
         "prove N processes learn the same curve as one: loom verify --strategies ddp --nproc 2",

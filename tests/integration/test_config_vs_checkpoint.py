@@ -82,3 +82,11 @@ def test_consolidate_and_its_folder_are_checked(runs, tmp_path, capsys):
     for command in ("eval", "export"):
         assert main(commands(tmp_path / "c2", tmp_path)[command]) == 2
         assert "model.n_layer: 2 -> 1" in capsys.readouterr().err
+
+
+def test_export_names_the_architecture_it_wrote(runs, tmp_path, capsys):
+    """A Llama export was announced as "a GPT-2 directory"."""
+    for name, arch in (("llama", "LlamaForCausalLM"), ("gpt", "GPT2LMHeadModel")):
+        assert main(["export", str(runs / name), "--format", "hf", "--out", str(tmp_path / name)]) == 0
+        out = capsys.readouterr().out
+        assert f"a {arch} directory" in out and (arch == "GPT2LMHeadModel" or "GPT-2" not in out), out
