@@ -92,9 +92,7 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
         raise LoomError(f"'{path}' is a format-1 checkpoint (model.pt): already whole",
                         hint="use loom export RUN --format safetensors for it")  # fmt: skip
     _check_run_config(run_dir, path)  # the folder's config.toml is the run's: it must describe these weights
-    if out.exists() and any(out.iterdir()) and not force:
-        raise LoomError(f"--out '{out}' exists and is not empty", hint="give a new folder, or --force")
-    out.mkdir(parents=True, exist_ok=True)
+    _prepare_out(run_dir, out, force)
     from loom.parallel.dcp_state import SafeReader
 
     md = SafeReader(path / "model").read_metadata()
@@ -162,6 +160,21 @@ def check_fits(sd: dict, model: torch.nn.Module, source: str, hint: str | None =
             f"{n} {', '.join(ks[:3])}" for n, ks in (("missing", missing), ("extra", extra)) if ks
         ]
         raise LoomError(f"{source} does not fit the model of its config.toml: " + "; ".join(what), hint=hint)
+
+
+def _prepare_out(run_dir: Path, out: Path, force: bool) -> None:
+    """The output folder, made and marked: never the run read nor any other run (it would lose its config.toml,
+    run.json and tokenizer/), and with --force replacing only a folder consolidate wrote (loom.outputs' rule)."""
+    from loom.outputs import check_apart, output_kind, replace_output, write_marker
+
+    check_apart(out, [run_dir], inside_ok=True)
+    if output_kind(out) == "run":
+        raise LoomError(f"--out '{out}' is a training run: loom ckpt consolidate never writes into a run directory "
+                        "(it would replace that run's config.toml, run.json and tokenizer/)",
+                        hint=f"give a new folder for the consolidated model, e.g. --out {out}-consolidated")  # fmt: skip
+    replace_output(out, "consolidated", force)
+    out.mkdir(parents=True, exist_ok=True)
+    write_marker(out, "consolidated")  # first: a write that fails half way leaves one --force may replace
 
 
 def load_consolidated(folder: Path, model: torch.nn.Module) -> None:

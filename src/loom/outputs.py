@@ -1,11 +1,11 @@
 """Output folders loom writes, and the only way `--force` may replace one (layer 0, no torch).
 
-Every folder loom creates (a prepared data set, a run, an export) carries a marker file, `.loom-output`,
-holding one JSON line that names its kind. `--force` replaces a folder only when it is loom's own output
-of the same kind: with the marker, or (folders written before the marker existed) with nothing in it but
-what loom writes there. Anything else is refused with a hint, and so is an output that is, contains or
-lies inside one of the command's inputs: `loom export RUN --out RUN --force` or `loom data prepare
---input DIR --out DIR --force` must never delete what they read.
+Every folder loom creates (a prepared data set, a run, an export, a consolidated model) carries a marker
+file, `.loom-output`, holding one JSON line that names its kind. `--force` replaces a folder only when it
+is loom's own output of the same kind: with the marker, or (folders written before the marker existed)
+with nothing in it but what loom writes there. Anything else is refused with a hint, and so is an output
+that is, contains or lies inside one of the command's inputs: `loom export RUN --out RUN --force` or
+`loom data prepare --input DIR --out DIR --force` must never delete what they read.
 """
 
 from __future__ import annotations
@@ -19,13 +19,15 @@ from pathlib import Path
 from loom.errors import LoomError
 
 MARKER = ".loom-output"
-KINDS = {"data": "a prepared data set", "run": "a training run", "export": "an exported model"}
+KINDS = {"data": "a prepared data set", "run": "a training run", "export": "an exported model",
+         "consolidated": "a consolidated model (loom ckpt consolidate)"}  # fmt: skip
 
 # What loom writes into each kind of folder, to recognise folders from before the marker existed.
 _RUN_ENTRIES = {"config.toml", "run.json", "metrics.jsonl", "samples.txt", "tokenizer", "ckpt", "logs",
                 "tensorboard", "wandb", "loss.png"}  # fmt: skip
 _EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"}  # fmt: skip
+_CONSOLIDATED_ENTRIES = {"model.safetensors", "config.toml", "run.json", "tokenizer"}
 
 
 def write_marker(directory: str | Path, kind: str) -> None:
@@ -49,6 +51,8 @@ def _legacy_kind(d: Path) -> str | None:
         return "data"
     if "model.safetensors" in names and names <= _EXPORT_FILES and all(p.is_file() for p in entries):
         return "export"
+    if {"model.safetensors", "config.toml"} <= names <= _CONSOLIDATED_ENTRIES:
+        return "consolidated"
     return None
 
 

@@ -120,6 +120,37 @@ def test_force_replaces_only_what_loom_wrote(made, tmp_path):
     assert json.loads((data / "meta.json").read_text())["seed"] == 2
 
 
+def test_consolidate_never_writes_over_a_run(made, tmp_path):
+    """Issue 27 item 2: `loom ckpt consolidate RUN --out OTHER_RUN --force` replaced the other run's config.toml,
+    run.json and tokenizer/ (exit 0; that run then refused to resume). A run is never consolidate's output, and
+    --force replaces only a folder consolidate wrote (outputs.py's rule, as every other --force)."""
+    run = copy(made / "runs" / "r", tmp_path / "runs" / "r")
+    other = copy(made / "runs" / "r", tmp_path / "runs" / "other")
+    info = json.loads((other / "run.json").read_text())
+    (other / "run.json").write_text(json.dumps({**info, "note": "the other run's own record"}))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not loom's")
+    before = snapshot(tmp_path)
+    for force in ([], ["--force"]):
+        out = refused(loom("ckpt", "consolidate", run, "--out", other, *force), "is a training run", "never")
+        assert "hint: give a new folder" in out
+    refused(loom("ckpt", "consolidate", run, "--out", run, "--force"), "is the input")
+    refused(loom("ckpt", "consolidate", run, "--out", mine, "--force"), "not a folder loom wrote")
+    assert snapshot(tmp_path) == before
+    # its own output: refused without --force, replaced with it (marked, or from before the marker existed)
+    cons = tmp_path / "cons"
+    assert loom("ckpt", "consolidate", run, "--out", cons).returncode == 0
+    assert json.loads((cons / ".loom-output").read_text())["kind"] == "consolidated"
+    refused(loom("ckpt", "consolidate", run, "--out", cons), "not empty", "--force")
+    assert loom("ckpt", "consolidate", run, "--out", cons, "--force").returncode == 0
+    (cons / ".loom-output").unlink()
+    r = loom("ckpt", "consolidate", run, "--out", cons, "--force")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in cons.iterdir()) == [".loom-output", "config.toml", "model.safetensors",
+                                                      "run.json", "tokenizer"]  # fmt: skip
+
+
 # --- 2. silent wrong results ------------------------------------------------------------------------------
 
 
