@@ -58,13 +58,14 @@ class Checkpointer:
         return None
 
     last_error: LoomError | None = None  # of the newest failed save (save_last names it)
+    # True within save_last: the run's last save, whose failure is not train.on_save_error's to decide
+    _last = False
 
-    def save(self, background: bool = False, last: bool = False) -> bool:
+    def save(self, background: bool = False) -> bool:
         """Write a checkpoint: each rank its own shards. A failed write stops the run or only warns
         (train.on_save_error); every rank learns the outcome, so all of them stop or go on together. Returns
         whether it was saved. `background` (with train.async_ckpt): copy the shards to host memory and write
-        them in a thread; its outcome is agreed on when the next save (or the end of the run) waits for it.
-        `last`: the run's last save (save_last), whose failure is not the policy's to decide."""
+        them in a thread; its outcome is agreed on when the next save (or the end of the run) waits for it."""
         import time
 
         tr = self.tr
@@ -82,7 +83,7 @@ class Checkpointer:
             self._start(tensors, state)
             self._record(waited, time.perf_counter() - t0)
             return True
-        saved = self._agree(tr.step, self._write(tr.step, tensors, state, tr.control), last)
+        saved = self._agree(tr.step, self._write(tr.step, tensors, state, tr.control), self._last)
         self._record(waited, time.perf_counter() - t0)
         return saved
 
@@ -118,12 +119,15 @@ class Checkpointer:
         it, so a failure is retried once, and a second one ends the run with an error that says which steps
         are in no checkpoint and what to do (under either train.on_save_error)."""
         tr = self.tr
-        self.last_error = None
-        for attempt in (1, 2):
-            if attempt == 2:
-                log.warn(f"retrying the {what} checkpoint of step {tr.step} once")
-            if self.save(last=True):
-                return
+        self.last_error, self._last = None, True
+        try:
+            for attempt in (1, 2):
+                if attempt == 2:
+                    log.warn(f"retrying the {what} checkpoint of step {tr.step} once")
+                if self.save():
+                    return
+        finally:
+            self._last = False
         ckpt_dir = tr.run_dir / "ckpt"
         newest = checkpoint.latest_valid(ckpt_dir, share=None)  # sizes only: the message, not a resume
         since = checkpoint.read_state(newest)["step"] if newest is not None else 0
