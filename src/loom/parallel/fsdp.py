@@ -21,8 +21,7 @@ import torch.nn as nn
 
 from loom import log
 from loom.errors import LoomError
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from loom.metrics import DTYPES
 
 
 def mp_policy(param_dtype: str, reduce_dtype: str, device: torch.device, precision: str):
