@@ -14,6 +14,12 @@ from pathlib import Path
 from loom.errors import LoomError
 
 
+def cache_dir() -> Path:
+    """loom's cache (built-in corpora, measured CPU peaks, alignment indexes): $LOOM_CACHE_DIR, else
+    ~/.cache/loom."""
+    return Path(os.environ.get("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom")
+
+
 def _nearest_existing(path: Path) -> Path:
     p = path
     while not p.exists() and p != p.parent:

@@ -45,7 +45,7 @@ def cached_bos_starts(ids: np.ndarray, bos_id: int, block_size: int) -> np.ndarr
     import hashlib
     import os
 
-    from loom.metrics import cache_dir
+    from loom.paths import cache_dir
 
     st = os.stat(name)
     key = repr((str(name), st.st_size, st.st_mtime_ns, getattr(ids, "offset", 0), len(ids), ids.dtype.str,

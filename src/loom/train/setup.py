@@ -15,8 +15,8 @@ from loom import checkpoint, log
 from loom.config import Config, config_from_dict, diff_configs, load_toml
 from loom.env import cpu_memory_reuse  # noqa: F401 (re-export until trainer imports it from env)
 from loom.errors import LoomError
-from loom.metrics import cache_dir
 from loom.outputs import check_apart, replace_output
+from loom.paths import cache_dir
 
 
 def resolve_device(spec: str, local_rank: int = 0, key: str = "train.device") -> torch.device:
