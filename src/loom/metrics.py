@@ -189,12 +189,33 @@ class JsonlSink:
         self.f.close()
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+def read_jsonl(path: str | Path, superseded: bool = False) -> list[dict]:
     """The records of a JSONL file. A last line without its newline is left out: the run is writing it (a read
-    beside a write can see part of it) or was killed in the middle of it."""
+    beside a write can see part of it) or was killed in the middle of it.
+
+    A resumed run writes `{"resumed_from": S}` (its checkpoint's step) before its first step: the records of
+    steps after S written before that line belong to the attempt that was abandoned (those steps are trained
+    again) and are left out, so every reader (`loom plot`, verify, ...) sees one timeline, never a curve that
+    doubles back. Nothing is deleted from the file; `superseded=True` returns every record as written."""
     text = Path(path).read_text(encoding="utf-8")
     lines = text.split("\n")[:-1]  # the piece after the last newline is not a whole record yet
-    return [json.loads(line) for line in lines if line.strip()]
+    records = [json.loads(line) for line in lines if line.strip()]
+    if superseded:
+        return records
+    out: list[dict] = []
+    for rec in records:
+        if isinstance(rec.get("resumed_from"), int):
+            out = [r for r in out if (_step_of(r) or 0) <= rec["resumed_from"]]
+        out.append(rec)
+    return out
+
+
+def _step_of(record: dict) -> int | None:
+    """The step a record belongs to (a summary: the step the run ended at)."""
+    step = record.get("step")
+    if step is None and isinstance(record.get("summary"), dict):
+        step = record["summary"].get("step")
+    return step if isinstance(step, int) else None
 
 
 def format_step(rec: dict) -> str:
@@ -296,6 +317,13 @@ class Sinks:
     def write(self, record: dict) -> None:
         for s in self.sinks:
             s.write(record)
+
+    def mark_resumed(self, step: int) -> None:
+        """metrics.jsonl alone gets `{"resumed_from": step}` (bookkeeping for read_jsonl, not a metric): the
+        records of later steps before it are superseded by the steps this run trains again."""
+        for s in self.sinks:
+            if isinstance(s, JsonlSink):
+                s.write({"resumed_from": step})
 
     def close(self) -> None:
         for s in self.sinks:

@@ -11,9 +11,22 @@ import random
 import shutil
 import time
 
-from faultkit import CKPT, STEPS, Proc, alive, curve, last_step, rank_of, records, train_args, wait_for
+from faultkit import (
+    CKPT,
+    STEPS,
+    Proc,
+    alive,
+    curve,
+    last_step,
+    rank_of,
+    records,
+    run_inprocess,
+    train_args,
+    wait_for,
+)
 
 from loom import checkpoint
+from loom.metrics import read_jsonl
 
 SEED = int(os.environ.get("LOOM_FAULT_SEED", str(time.time_ns() % 100_000)))
 
@@ -50,6 +63,8 @@ def _kill_then_resume(char_data, tmp_path, ref, nproc: int) -> None:
     diff = [(s, first[s], ref[s]) for s in first if first[s] != ref[s]]
     assert not diff, diff[:5]  # the killed attempt followed the reference
     assert curve(run) == ref  # and the resumed one continues it exactly
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+    assert steps == sorted(ref)  # one timeline: the replayed steps replace the killed attempt's (issue 27)
     print(f"\n[fault] SIGKILL {nproc} proc at step {killed_at} (seed {SEED}): resumed from step {saved}, "
           f"{killed_at - saved} steps to replay, first step logged {recovered:.1f}s after --resume")  # fmt: skip
 
@@ -106,3 +121,24 @@ def test_two_ranks_hash_their_own_shards_and_fall_back_together(tmp_path, ref_tw
     ]
     c = curve(run)
     assert sorted(c) == list(range(13, STEPS + 1)) and all(c[s] == ref_two[s] for s in c)
+
+
+def test_steps_trained_again_after_a_resume_replace_the_abandoned_ones(char_data, tmp_path, capsys):
+    """Issue 27 item 7: resumed from an earlier checkpoint, the steps trained again appeared twice in
+    metrics.jsonl and `loom plot` drew the curve doubling back. Every reader now sees one timeline: the
+    resumed run's records of those steps, none of the abandoned ones (which stay in the file)."""
+    run = tmp_path / "r"
+    args = train_args(char_data, tmp_path, "r", 8, "--train.ckpt_every=4", "--train.keep_last=5")
+    assert run_inprocess(args) == 0
+    first = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}
+    assert run_inprocess(["train", "--resume", str(run / "ckpt" / "step_000004"), "--optim.lr=0.0123"]) == 0
+    recs = read_jsonl(run / "metrics.jsonl")
+    steps = [(r["step"], r["lr"]) for r in recs if "loss" in r]
+    assert [s for s, _ in steps] == list(range(1, 9))
+    assert all(lr == first[s]["lr"] for s, lr in steps[:4])  # before the resume: the first run's records
+    assert all(lr != first[s]["lr"] for s, lr in steps[4:7])  # after: the resumed run's (another optim.lr)
+    raw = read_jsonl(run / "metrics.jsonl", superseded=True)
+    assert len([r for r in raw if "loss" in r]) == 12 and {"resumed_from": 4} in raw
+    from loom.cli import main
+
+    assert main(["plot", str(run)]) == 0 and (run / "loss.png").is_file()

@@ -4,6 +4,7 @@ back record by record from its LevelDB-style .wandb file)."""
 
 from __future__ import annotations
 
+import json
 import struct
 import time
 
@@ -115,3 +116,20 @@ def test_read_jsonl_leaves_out_a_line_still_being_written(tmp_path):
     assert read_jsonl(p) == [{"step": 1, "loss": 2.5}]
     p.write_text('{"step": 1, "loss": 2.5}\n{"step": 2}\n')
     assert read_jsonl(p) == [{"step": 1, "loss": 2.5}, {"step": 2}]
+
+
+def test_read_jsonl_gives_one_timeline_after_resumes(tmp_path):
+    """Issue 27 item 7: steps trained again after a resume appeared twice and `loom plot` drew the curve
+    doubling back. Records of steps after a resume's step, written before it, are superseded (left in the file)."""
+    p = tmp_path / "metrics.jsonl"
+    lines = [{"step": s, "loss": 10.0 - s} for s in range(1, 8)]  # killed after step 7, saved at step 4
+    lines += [{"summary": {"step": 7}}, {"resumed_from": 4}]
+    lines += [{"step": s, "loss": 20.0 - s} for s in range(5, 10)]  # killed after step 9, saved at step 8
+    lines += [{"resumed_from": 8}, {"step": 9, "loss": 0.5}, {"step": 9, "val_loss": 0.6}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    recs = read_jsonl(p)
+    assert [(r["step"], r["loss"]) for r in recs if "loss" in r] == [
+        *((s, 10.0 - s) for s in range(1, 5)), *((s, 20.0 - s) for s in range(5, 9)), (9, 0.5)
+    ]  # fmt: skip
+    assert not any("summary" in r for r in recs) and [r for r in recs if "val_loss" in r] == [lines[-1]]
+    assert read_jsonl(p, superseded=True) == lines  # nothing dropped from the file itself

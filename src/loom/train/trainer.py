@@ -364,6 +364,8 @@ class Trainer:
     def train(self) -> dict:
         t = self.cfg.train
         self.write_run_files()
+        if self.metrics and self.step > 0:  # resumed: the file's records of later steps are superseded
+            self.metrics.mark_resumed(self.step)
         log.info(
             f"model {self.n_params / 1e6:.2f}M params | device {self.device} | {self.dims.describe()}"
             f" | grad accum {self.derived.grad_accum} | {self.derived.tokens_per_step:,} tokens/step"
