@@ -171,7 +171,7 @@ def split_stages(model: GPT, stage_ids: list[int], n_stages: int) -> list[Stage]
     keep = {i for s in stage_ids for i in ranges[s]}
     for i in range(model.cfg.n_layer):
         if i not in keep:
-            model.blocks._modules[str(i)] = None
+            model.blocks[i] = None  # the entry stays empty: later blocks keep their names (del renumbers)
     if 0 not in stage_ids:
         model.wte = model.wpe = model.drop = None  # a tied tensor stays reachable as lm_head.weight
     if n_stages - 1 not in stage_ids:

@@ -18,8 +18,8 @@ def is_dtensor(t) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view), or the tensor itself."""
-    return t._local_tensor if is_dtensor(t) else t
+    """This rank's shard of a DTensor (a view of its storage), or the tensor itself."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def apply_tp(model: nn.Module, tp_mesh, plan: dict) -> None:
