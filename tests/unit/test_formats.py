@@ -22,7 +22,7 @@ import pytest
 
 from loom.data import formats as F
 from loom.data.convert import data_convert_main, data_inspect_main, inspect
-from loom.data.loader import ShardLoader, read_meta, split_paths
+from loom.data.loader import ShardLoader, read_meta
 from loom.data.safe_pickle import load_restricted, read_meta_pkl
 from loom.data.tokenizers import load_tokenizer
 from loom.errors import LoomError
@@ -169,7 +169,7 @@ def test_training_reads_a_foreign_directory_like_loom_shards(tmp_path):
         d = write_reference(fmt, tmp_path / fmt)
         loom_dir = tmp_path / f"{fmt}-loom"
         data_convert_main(["--to", "llmc", str(d), str(loom_dir)])
-        assert [p.name for p in split_paths(loom_dir, "train")][0] == "train_000000.bin"
+        assert [p.name for p in F.split_files(loom_dir, "train")][0] == "train_000000.bin"
         a, b = (ShardLoader(x, batch_size=4, block_size=8, seed=0) for x in (d, loom_dir))
         for _ in range(5):
             assert all(np.array_equal(x, y) for x, y in zip(a.next_batch(), b.next_batch(), strict=True))
@@ -392,12 +392,12 @@ def test_meta_without_vocabulary_is_max_id_plus_one(tmp_path):
 
 def test_llmc_names_without_meta_are_accepted_loom_names_are_not(tmp_path):
     d = write_reference("llmc", tmp_path / "llmc")
-    assert [p.name for p in split_paths(d, "val")] == ["fineweb_val_000000.bin"]
+    assert [p.name for p in F.split_files(d, "val")] == ["fineweb_val_000000.bin"]
     loom = tmp_path / "loomish"
     loom.mkdir()
     ref_llmc(loom / "train_000000.bin", [1, 2, 3])
     with pytest.raises(LoomError, match="no meta.json"):
-        split_paths(loom, "train")
+        F.split_files(loom, "train")
 
 
 def test_inspect_prepared_directory_decodes_a_sample(char_data, capsys):

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from loom.data.loader import ShardLoader, ValSet, WindowOrder, split_paths
+from loom.data.formats import split_files
+from loom.data.loader import ShardLoader, ValSet, WindowOrder
 from loom.data.shards import write_shard
 from loom.errors import LoomError
 
@@ -268,31 +269,31 @@ def test_valset_rank_shares(data_dir, dp, n_rows):
             assert not set(shares[i]) & set(shares[j])
 
 
-def test_split_paths_order(tmp_path):
+def test_split_files_order(tmp_path):
     d = make_dir(tmp_path / "d", train=(20, 20, 20))
-    assert [p.name for p in split_paths(d, "train")] == [f"train_{i:06d}.bin" for i in range(3)]
+    assert [p.name for p in split_files(d, "train")] == [f"train_{i:06d}.bin" for i in range(3)]
 
 
-def test_split_paths_not_a_directory(tmp_path):
+def test_split_files_not_a_directory(tmp_path):
     f = tmp_path / "file.bin"
     f.write_bytes(b"x")
     with pytest.raises(LoomError, match="not a directory"):
-        split_paths(f, "train")
+        split_files(f, "train")
     with pytest.raises(LoomError, match="not a directory"):
-        split_paths(tmp_path / "missing", "train")
+        split_files(tmp_path / "missing", "train")
 
 
-def test_split_paths_without_meta(tmp_path):
+def test_split_files_without_meta(tmp_path):
     d = make_dir(tmp_path / "d")
     (d / "meta.json").unlink()
     with pytest.raises(LoomError, match="no meta.json"):
-        split_paths(d, "train")
+        split_files(d, "train")
 
 
-def test_split_paths_without_val_shards(tmp_path):
+def test_split_files_without_val_shards(tmp_path):
     d = make_dir(tmp_path / "d", val=())
-    assert split_paths(d, "train")
+    assert split_files(d, "train")
     with pytest.raises(LoomError, match="no val shards"):
-        split_paths(d, "val")
+        split_files(d, "val")
     with pytest.raises(LoomError, match="no val shards"):
         ValSet(d, T, 10)

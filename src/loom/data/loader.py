@@ -16,16 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loom.data.formats import open_split, split_files
+from loom.data.formats import open_split
 from loom.data.formats import read_meta as formats_read_meta
 from loom.data.shards import read_shard
 from loom.errors import LoomError
-
-
-def split_paths(data_dir: str | Path, split: str) -> list[Path]:
-    """The shard files of one split of a data directory, in order: loom's prepared layout, or a nanoGPT,
-    build-nanogpt .npy, Megatron or llm.c directory used in place (see loom.data.formats)."""
-    return split_files(data_dir, split)
 
 
 def read_meta(data_dir: str | Path) -> dict:
