@@ -441,14 +441,18 @@ def test_parquet_text_column_is_a_prepare_input(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    from loom.data.prepare import read_documents
+    from loom.data.prepare import prepare
+    from loom.data.sources import ReadOptions, ReadStats, input_files, iter_units
 
-    pq.write_table(
-        pa.table({"text": ["first doc", "", "second doc"], "id": [1, 2, 3]}), tmp_path / "t.parquet"
-    )
-    assert read_documents([tmp_path / "t.parquet"]).texts == ["first doc", "second doc"]
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": ["first doc", "", "second doc"], "id": [1, 2, 3]}), path)
+    stats = ReadStats()  # as loom data prepare streams it
+    assert [u.text for u in iter_units(input_files([path], "*", stats), ReadOptions(), stats)] == [
+        "first doc",
+        "second doc",
+    ]
     with pytest.raises(LoomError, match="no column 'body'"):
-        read_documents([tmp_path / "t.parquet"], jsonl_field="body")
+        prepare([path], tmp_path / "out", jsonl_field="body")
 
 
 def test_a_folder_of_two_token_formats_is_refused(tmp_path):

@@ -18,8 +18,9 @@ import pytest
 import loom
 from loom.data import corpus
 from loom.data.corpus import corpus_files, python_stdlib_files
-from loom.data.prepare import _chunks, encode_documents, prepare, read_documents, split_documents
+from loom.data.prepare import prepare, split_documents
 from loom.data.shards import read_header, read_shard
+from loom.data.sources import ReadOptions, ReadStats, input_files, iter_units
 from loom.data.tokenizers import EOT, CharTokenizer, load_tokenizer, tokenizer_hash
 from loom.errors import LoomError
 
@@ -183,14 +184,27 @@ def test_a_bpe_sample_that_took_nothing_is_refused(tmp_path):
 # --- reading documents ----------------------------------------------------------------------------------
 
 
+def streamed(inputs, glob: str = "*", jsonl_field: str = "text", strict: bool = False):
+    """(whole documents, ReadStats) as `loom data prepare` reads them: loom.data.sources' input_files and
+    iter_units, the pieces of a document joined back."""
+    stats, texts = ReadStats(), []
+    opts = ReadOptions(glob=glob, field=jsonl_field, strict=strict)
+    for u in iter_units(input_files(inputs, glob, stats), opts, stats):
+        if u.new_doc:
+            texts.append(u.text)
+        else:
+            texts[-1] += u.text
+    return texts, stats
+
+
 def test_jsonl_named_field(tmp_path):
     path = tmp_path / "d.jsonl"
     recs = [{"body": "first doc", "id": 1}, {"body": "second doc"}, {"body": ""}, {"body": "third"}]
     path.write_text(
         "\n".join(json.dumps(r) for r in recs[:2]) + "\n\n" + "\n".join(json.dumps(r) for r in recs[2:])
     )
-    docs = read_documents([path], jsonl_field="body")
-    assert docs.texts == ["first doc", "second doc", "third"]  # blank lines and empty texts dropped
+    texts, _ = streamed([path], jsonl_field="body")
+    assert texts == ["first doc", "second doc", "third"]  # blank lines and empty texts dropped
     out = tmp_path / "out"
     meta = prepare([path], out, jsonl_field="body", seed=0)
     assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 3
@@ -200,21 +214,21 @@ def test_jsonl_missing_field_names_the_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "a"}\n{"text": "b"}\n{"content": "c"}\n')
     with pytest.raises(LoomError, match=r"d\.jsonl:3 has no field 'text'"):
-        read_documents([path], strict=True)
+        streamed([path], strict=True)
     with pytest.raises(LoomError, match="no field 'body'") as e:
-        read_documents([path], jsonl_field="body", strict=True)
+        streamed([path], jsonl_field="body", strict=True)
     assert "--jsonl-field" in e.value.hint
-    docs = read_documents([path])  # without --strict: counted, named and skipped
-    assert docs.texts == ["a", "b"]
-    assert docs.stats.bad_lines_count == 1 and "d.jsonl:3" in docs.stats.bad_lines[0]
+    texts, stats = streamed([path])  # without --strict: counted, named and skipped
+    assert texts == ["a", "b"]
+    assert stats.bad_lines_count == 1 and "d.jsonl:3" in stats.bad_lines[0]
 
 
 def test_jsonl_invalid_json_names_the_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "a"}\n{"text": oops}\n')
     with pytest.raises(LoomError, match=r"d\.jsonl:2 is not valid JSON"):
-        read_documents([path], strict=True)
-    assert read_documents([path]).stats.bad_lines_count == 1
+        streamed([path], strict=True)
+    assert streamed([path])[1].bad_lines_count == 1
 
 
 def _write_input(tmp_path, name: str):
@@ -266,7 +280,7 @@ def test_an_empty_corpus_names_the_real_cause(tmp_path, name, field, message, hi
 def test_a_dotted_field_reaches_into_objects(tmp_path, name):
     path = _write_input(tmp_path, name)
     want = ["first doc", "second doc"] if name.endswith(".jsonl") else ["hi there", "yo"]
-    assert read_documents([path], jsonl_field="meta.text").texts == want
+    assert streamed([path], jsonl_field="meta.text")[0] == want
 
 
 def test_folder_recursive_glob_skips_hidden(tmp_path):
@@ -284,11 +298,11 @@ def test_folder_recursive_glob_skips_hidden(tmp_path):
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
-    docs = read_documents([root], glob="*.py")
-    assert docs.texts == ["A = 1\n", "B = 2\n", "C = 3\n"]
-    assert docs.files == 3
-    everything = read_documents([root])
-    assert sorted(everything.texts) == sorted(["A = 1\n", "B = 2\n", "C = 3\n", "not python\n", "# readme\n"])
+    texts, stats = streamed([root], glob="*.py")
+    assert texts == ["A = 1\n", "B = 2\n", "C = 3\n"]
+    assert stats.files == 3
+    everything, _ = streamed([root])
+    assert sorted(everything) == sorted(["A = 1\n", "B = 2\n", "C = 3\n", "not python\n", "# readme\n"])
 
 
 def test_undecodable_bytes_are_replaced_and_counted(tmp_path):
@@ -297,10 +311,10 @@ def test_undecodable_bytes_are_replaced_and_counted(tmp_path):
     (root / "bad.txt").write_bytes(b"caf\xe9 latin-1 \xff\xfe text\n")
     (root / "good.txt").write_text("plain text\n")
     (root / "literal.txt").write_text("a real \ufffd replacement char\n")  # valid UTF-8: not counted
-    docs = read_documents([root])
-    assert docs.replaced_files == 1
-    assert docs.files == 3
-    assert "caf\ufffd latin-1" in docs.texts[0]
+    texts, stats = streamed([root])
+    assert stats.replaced_files == 1
+    assert stats.files == 3
+    assert "caf\ufffd latin-1" in texts[0]
     meta = prepare([root], tmp_path / "out", seed=0)
     assert meta["replaced_files"] == 1
     assert meta["files"] == 3
@@ -309,7 +323,7 @@ def test_undecodable_bytes_are_replaced_and_counted(tmp_path):
 def test_undecodable_bytes_counted_beside_a_literal_replacement_char(tmp_path):
     path = tmp_path / "mixed.txt"
     path.write_bytes("ok \ufffd ".encode() + b"\xff bad\n")
-    assert read_documents([path]).replaced_files == 1
+    assert streamed([path])[1].replaced_files == 1
 
 
 @pytest.mark.parametrize("tokenizer", ["char", "bpe"])
@@ -330,15 +344,18 @@ def test_binary_explicit_input_is_an_error(tmp_path):
     path = tmp_path / "model.bin"
     path.write_bytes(b"\x7fELF\x00\x00\x01" * 20)
     with pytest.raises(LoomError, match="looks binary"):
-        read_documents([path])
+        streamed([path])
+    with pytest.raises(LoomError, match="looks binary"):
+        prepare([path], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_binary_files_in_folder_are_skipped_and_counted(tmp_path):
     root = write_docs(tmp_path / "in", DOCS[:3])
     (root / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
-    docs = read_documents([root])
-    assert len(docs.texts) == 3
-    assert docs.skipped_binary == [str(root / "image.png")]
+    texts, stats = streamed([root])
+    assert len(texts) == 3
+    assert stats.skipped_binary == [str(root / "image.png")]
     meta = prepare([root], tmp_path / "out", seed=0)
     assert meta["skipped_binary"] == 1
     assert meta["files"] == 3
@@ -349,12 +366,13 @@ def test_folder_of_only_binary_files_is_empty(tmp_path):
     root.mkdir()
     (root / "a.bin").write_bytes(b"\x00\x01\x02")
     with pytest.raises(LoomError, match=r"corpus is empty.*1 binary files skipped"):
-        read_documents([root])
+        prepare([root], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_input(tmp_path):
     with pytest.raises(LoomError, match="does not exist") as e:
-        read_documents([write_docs(tmp_path / "in"), tmp_path / "nope.txt"])
+        streamed([write_docs(tmp_path / "in"), tmp_path / "nope.txt"])
     assert "nope.txt" in str(e.value)
     with pytest.raises(LoomError, match="does not exist"):
         prepare([tmp_path / "nope.txt"], tmp_path / "out")
@@ -368,12 +386,10 @@ def test_empty_corpus(tmp_path):
     empty_dir.mkdir()
     for inp in (empty_file, empty_dir):
         with pytest.raises(LoomError, match="corpus is empty"):
-            read_documents([inp])
-        with pytest.raises(LoomError, match="corpus is empty"):
             prepare([inp], tmp_path / "out")
         assert not (tmp_path / "out").exists()
     with pytest.raises(LoomError, match="corpus is empty"):
-        read_documents([write_docs(tmp_path / "py", DOCS[:2])], glob="*.py")  # nothing matches the glob
+        prepare([write_docs(tmp_path / "py", DOCS[:2])], tmp_path / "out", glob="*.py")  # nothing matches
 
 
 # --- splitting ------------------------------------------------------------------------------------------
@@ -515,14 +531,22 @@ def test_small_shards_hold_the_same_tokens(tmp_path):
         assert np.array_equal(split_tokens(many, split), split_tokens(one, split))
 
 
-def test_parallel_char_encoding_matches_serial():
-    # Over 1M characters the char encoder is split into chunks run in worker processes.
-    texts = [_text(1000, s) * 600 for s in range(3)]  # 3 x 600k chars -> chunks of 2 and 1 documents
-    assert [len(c) for c in _chunks(texts)] == [2, 1]
-    tok = CharTokenizer.train(texts)
-    got = encode_documents(tok, texts, "test")
-    expected = np.concatenate([[tok.eot_id, *tok.encode(t)] for t in texts])
-    assert np.array_equal(got, expected)
+def test_parallel_char_encoding_matches_serial(tmp_path):
+    """prepare's chunks (chunk_chars) encoded by a pool of worker processes give the ids of one process, and
+    each document's ids are its characters' after an end-of-text."""
+    texts = [_text(1000, s) * 60 for s in range(3)]  # 3 x 60k chars -> chunks of 2 and 1 documents
+    inp = write_docs(tmp_path / "in", texts)
+    kw = dict(tokenizer="char", val_fraction=0.34, seed=0, chunk_chars=100_000)
+    serial = prepare([inp], tmp_path / "one", workers=1, **kw)
+    pooled = prepare([inp], tmp_path / "two", workers=2, **kw)
+    assert serial["splits"] == pooled["splits"]
+    _, tok = load(tmp_path / "two")
+    got = []
+    for split in ("train", "val"):
+        ids = split_tokens(tmp_path / "two", split)
+        assert np.array_equal(ids, split_tokens(tmp_path / "one", split))
+        got += [tok.decode(d.tolist()) for d in documents(ids, tok.eot_id)]
+    assert sorted(got) == sorted(texts)
 
 
 # --- built-in corpus ------------------------------------------------------------------------------------

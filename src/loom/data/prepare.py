@@ -21,7 +21,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -58,33 +58,6 @@ REPEAT_CHECK_DOCS = 1_000_000  # repeated documents are looked for among the fir
 PROGRESS = "progress.json"
 
 
-# ------------------------------------------------------------------------ documents in memory (small data)
-
-
-@dataclass
-class Documents:
-    """Documents read from the inputs (all held in memory), with what was noticed on the way."""
-
-    texts: list[str] = field(default_factory=list)
-    stats: ReadStats = field(default_factory=ReadStats)
-
-    @property
-    def files(self) -> int:
-        return self.stats.files
-
-    @property
-    def replaced_files(self) -> int:
-        return self.stats.replaced_files
-
-    @property
-    def skipped_binary(self) -> list[str]:
-        return self.stats.skipped_binary
-
-    @property
-    def dropped(self) -> list[str]:
-        return self.stats.dropped
-
-
 def _check_not_empty(found: bool, inputs, stats: ReadStats, glob: str | None = None) -> None:
     """Refuse an empty corpus with what reading met on the way (binary files, documents with no text, JSONL
     lines skipped, corrupt files): the real cause, not only "empty"."""
@@ -116,21 +89,6 @@ def _check_not_empty(found: bool, inputs, stats: ReadStats, glob: str | None = N
                     hint=hint)  # fmt: skip
 
 
-def read_documents(
-    inputs: list[str | Path], glob: str = "*", jsonl_field: str = "text", strict: bool = False
-) -> Documents:
-    """Every document of the inputs as one string (for small data; `prepare` streams instead)."""
-    docs = Documents()
-    opts = ReadOptions(glob=glob, field=jsonl_field, strict=strict)
-    for u in iter_units(input_files(inputs, glob, docs.stats), opts, docs.stats):
-        if u.new_doc:
-            docs.texts.append(u.text)
-        else:
-            docs.texts[-1] += u.text
-    _check_not_empty(bool(docs.texts), inputs, docs.stats)
-    return docs
-
-
 def _some(items: list[str], n: int = 3, total: int | None = None) -> str:
     """The first n items, and how many more."""
     total = len(items) if total is None else total
@@ -158,30 +116,6 @@ def report_stats(stats: ReadStats, repeats: int = 0) -> None:
                  "in val while its original trains, which makes the val loss too low")  # fmt: skip
 
 
-def report_documents(docs: Documents) -> int:
-    """report_stats for documents in memory; returns how many repeat an earlier one's text."""
-    seen: set[bytes] = set()
-    repeats = 0
-    for t in docs.texts:
-        h = hashlib.blake2b(t.encode("utf-8", errors="surrogatepass"), digest_size=16).digest()
-        repeats += h in seen
-        seen.add(h)
-    report_stats(docs.stats, repeats)
-    return repeats
-
-
-def _chunks(texts: list[str], chars_per_chunk: int = CHUNK_CHARS):
-    chunk, size = [], 0
-    for t in texts:
-        chunk.append(t)
-        size += len(t)
-        if size >= chars_per_chunk:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
-
-
 def encoder_spec(tok, dtype=np.int64) -> dict:
     """What a worker process needs to rebuild the tokenizer (picklable)."""
     spec = {"kind": tok.kind, "eot_id": tok.eot_id, "dtype": np.dtype(dtype).str}
@@ -190,14 +124,6 @@ def encoder_spec(tok, dtype=np.int64) -> dict:
     else:
         spec["json"] = tok.tok.to_str()
     return spec
-
-
-def encode_documents(tok, texts: list[str], label: str = "", workers: int = 0) -> np.ndarray:
-    """Token ids of documents held in memory, each preceded by end-of-text (llm.c's convention), encoded
-    by `workers` processes (0: every core)."""
-    chunks = ([(0, t, True) for t in c] for c in _chunks(texts))
-    parts = [r[0] for r in encode_chunks(encoder_spec(tok), chunks, workers or cpu_count())]
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
 # ---------------------------------------------------------------------------------------- streaming
