@@ -165,9 +165,15 @@ def _dcp_save(sd: dict, path: Path, no_dist: bool, group=None) -> None:
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(sd, storage_writer=writer, no_dist=no_dist, process_group=group)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(sd, storage_writer=writer, no_dist=no_dist, process_group=group)
+    except dcp.CheckpointException as e:  # a BaseException: raise what a rank met (a full disk: an OSError)
+        failed = next(iter(e.failures.values()), None)
+        if failed is None or not isinstance(failed[0], Exception):
+            raise
+        raise failed[0] from None
 
 
 def _own_files(tmp: Path, rank: int, main: bool) -> dict:
@@ -204,7 +210,7 @@ def save_sharded(ckpt_dir: str | Path, step: int, model_sd: dict, optim_sd: dict
     main, no_dist = control.rank == 0, not (dist.is_available() and dist.is_initialized())
     writes = main or not no_dist
 
-    def agree(err: LoomError | None) -> None:
+    def stop_unless_every_rank_wrote(err: LoomError | None) -> None:
         failed = control.all_reduce_sum([float(err is not None)])[0] > 0
         if err is not None:
             if main:
@@ -227,7 +233,7 @@ def save_sharded(ckpt_dir: str | Path, step: int, model_sd: dict, optim_sd: dict
         err = e
     except OSError as e:
         err = _write_error(step, final, e)
-    agree(err)
+    stop_unless_every_rank_wrote(err)
     try:
         if writes:
             _dcp_save(model_sd, tmp / "model", no_dist, group)
@@ -238,9 +244,9 @@ def save_sharded(ckpt_dir: str | Path, step: int, model_sd: dict, optim_sd: dict
             torch.save(extra, tmp / "extra.pt")
             (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
         files = _own_files(tmp, 0 if no_dist else control.rank, main) if writes else {}
-    except Exception as e:  # OSError, or DCP's CheckpointException carrying a rank's OSError
+    except Exception as e:  # OSError, or what DCP met on a rank (_dcp_save unwraps its CheckpointException)
         err, files = _write_error(step, final, e), {}
-    agree(err)
+    stop_unless_every_rank_wrote(err)
     parts = control.gather_object(files)
     try:
         if main:
@@ -258,7 +264,7 @@ def save_sharded(ckpt_dir: str | Path, step: int, model_sd: dict, optim_sd: dict
             _fsync_dir(final.parent)
     except OSError as e:
         err = _write_error(step, final, e)
-    agree(err)
+    stop_unless_every_rank_wrote(err)
     if main:
         for stale in Path(ckpt_dir).glob("step_*.tmp"):  # left by a process killed while writing
             shutil.rmtree(stale, ignore_errors=True)
@@ -374,20 +380,43 @@ def verify(path: str | Path, model_only: bool = False, share: tuple[int, int] | 
         _verified[(path.resolve(), True) if model_only else path.resolve()] = signature
 
 
-def latest_valid(ckpt_dir: str | Path, model_only: bool = False, share: tuple[int, int] | None = (0, 1),
-                 before: Path | None = None) -> Path | None:  # fmt: skip
-    """The newest checkpoint that verifies (its weights alone with `model_only`; `share` as in verify),
-    older than the step folder `before` if given; corrupt newer ones are reported and skipped."""
-    steps = list_steps(ckpt_dir)
-    if before is not None:
-        names = [p.name for p in steps]
-        steps = steps[: names.index(before.name)] if before.name in names else []
-    for p in reversed(steps):
+def latest_valid(
+    ckpt_dir: str | Path, model_only: bool = False, share: tuple[int, int] | None = (0, 1)
+) -> Path | None:
+    """The newest checkpoint that verifies (its weights alone with `model_only`; `share` as in verify);
+    corrupt newer ones are reported and skipped."""
+    for p in reversed(list_steps(ckpt_dir)):
         try:
             verify(p, model_only=model_only, share=share)
             return p
         except LoomError as e:
             log.warn(f"skipping checkpoint: {e}")
+    return None
+
+
+def share_errors(path: Path, control, model_only: bool = False) -> list[str | None] | None:
+    """Every rank of `control` verifies `path`, hashing only its share of the files (hash_owner): None when
+    all of them found it intact, else what each rank found (None where intact), on rank 0; [] on the others."""
+    try:
+        verify(path, model_only=model_only, share=(control.rank, control.size))
+        error = None
+    except LoomError as e:
+        error = e.message
+    if control.all_reduce_sum([float(error is not None)])[0] == 0:
+        return None
+    return control.gather_object(error) or []
+
+
+def newest_intact(candidates: list[Path], control, model_only: bool = False) -> Path | None:
+    """The newest of `candidates` (oldest first, as list_steps gives them) whose files every rank finds intact,
+    each hashing its share: all ranks agree on it. Rank 0 names what the ranks found wrong with newer ones."""
+    for path in reversed(candidates):
+        errors = share_errors(path, control, model_only)
+        if errors is None:
+            return path
+        for e in errors:
+            if e:
+                log.warn(f"skipping checkpoint: {e}")
     return None
 
 
@@ -441,13 +470,25 @@ def load_model(path: str | Path, model: torch.nn.Module, verified: bool = False)
     """Load only the weights of a format-2 checkpoint into a model, single-device or sharded (generate, eval,
     export): model/ and state.json are verified (unless the caller has) and read, optim/ is not touched (it
     may even be missing)."""
-    from loom.model.gpt_parallel import tied
     from loom.parallel import dcp_state
 
     path = Path(path)
     if not verified:
         verify(path, model_only=True)
-    dcp_state.load_model_shards(model, path / "model", tied(model))
+    dcp_state.load_model_shards(model, path / "model", tied_names(model))
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: canonical name} of every parameter the model holds under two names (a head tied to the token
+    embedding: {'lm_head.weight': 'wte.weight'}), read off the model itself, whatever its family."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
 
 
 def names_step(resume: str | bool) -> bool:

@@ -21,3 +21,7 @@ class LoomError(Exception):
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
+
+
+class PeerError(LoomError):
+    """Rank 0 found a user error and has reported it; the other ranks stop quietly."""

@@ -17,6 +17,7 @@ import torch
 from faultkit import Proc, curve, last_step, run_inprocess, train_args, wait_for
 
 from loom import checkpoint
+from loom.distributed.comm import Control
 from loom.errors import LoomError
 from loom.metrics import read_jsonl
 
@@ -121,6 +122,23 @@ def test_resume_falls_back_to_newest_valid(run_with_ckpts, tmp_path, capsys):
     print(f"\n[fault] bit flip in the newest checkpoint: fell back to step 4, {time.monotonic() - t0:.1f}s")
 
 
+def test_ranks_fall_back_together_from_a_shard_only_one_rank_hashes(char_data, tmp_path, capfd):
+    """2 FSDP ranks each hash their own shards of the checkpoint they resume (checkpoint.newest_intact): a bit
+    flip in rank 1's shard of the newest step is found by rank 1 alone, named by rank 0, and both fall back to
+    the step before."""
+    args = train_args(char_data, tmp_path, "r", 4, "--train.ckpt_every=2", "--train.keep_last=5")
+    assert run_inprocess([*args, "--nproc", "2", "--parallel.dp_impl=fsdp"]) == 0
+    ckpt = tmp_path / "r" / "ckpt"
+    _flip_bit(ckpt / "step_000004" / "model" / "__1_0.distcp")
+    capfd.readouterr()
+    assert run_inprocess(["train", "--resume", str(ckpt.parent), "--train.steps=5", "--nproc", "2"]) == 0
+    out = "".join(capfd.readouterr())
+    assert (
+        "skipping checkpoint" in out and "step_000004/model/__1_0.distcp' does not match its SHA-256" in out
+    )
+    assert f"resumed from {ckpt / 'step_000002'} at step 2" in out
+
+
 def test_resume_of_a_named_corrupt_step_is_refused(run_with_ckpts, tmp_path, capsys):
     ckpt = _copy(run_with_ckpts, tmp_path)
     _truncate(ckpt / "step_000004" / OPTIM)
@@ -152,13 +170,19 @@ def test_disk_too_full_for_a_checkpoint(char_data, tmp_path, monkeypatch, capsys
         assert "not enough disk space for checkpoint step 2" in out.err and "MiB free" in out.err
 
 
+def _save(ckpt_dir: Path, step: int, tensors: dict, state: dict, keep_last: int, **hooks) -> Path:
+    """The writer training uses (checkpoint.save_sharded), in one process."""
+    return checkpoint.save_sharded(ckpt_dir, step, tensors["model"], tensors["optim"], tensors["extra"], state,
+                                   keep_last, Control(), **hooks)  # fmt: skip
+
+
 def test_io_error_half_way_leaves_earlier_checkpoints(tmp_path, monkeypatch):
-    tensors = {"model": {"w": torch.arange(10.0)}, "optim": {}, "extra": {}}
-    first = checkpoint.save(tmp_path, 1, tensors, {"step": 1}, keep_last=3)
+    tensors = {"model": {"w": torch.arange(10.0)}, "optim": {"state.w.exp_avg": torch.ones(10)}, "extra": {}}
+    first = _save(tmp_path, 1, tensors, {"step": 1}, keep_last=3)
     before = tree_hash(first)
     real_save, calls = torch.save, []
 
-    def full_disk(obj, f):
+    def full_disk(obj, f):  # extra.pt, written after the model's and the optimizer's shards
         calls.append(f)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -166,7 +190,7 @@ def test_io_error_half_way_leaves_earlier_checkpoints(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(LoomError, match="could not write checkpoint step 2.*No space left on device"):
-        checkpoint.save(tmp_path, 2, tensors, {"step": 2}, keep_last=3)
+        _save(tmp_path, 2, tensors, {"step": 2}, keep_last=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]  # the .tmp folder is gone
     assert tree_hash(first) == before and checkpoint.latest_valid(tmp_path) == first
 
@@ -175,12 +199,16 @@ def test_free_space_estimate_covers_the_written_size(tmp_path):
     tensors = {"model": {"w": torch.randn(300, 300)}, "optim": {"state": {0: {"m": torch.randn(300, 300)}}},
                "extra": {"rng": torch.get_rng_state()}}  # fmt: skip
     state = {"step": 3, "config": {"a": "b" * 1000}}
-    need = checkpoint.estimate_bytes(tensors, state)
-    path = checkpoint.save(tmp_path, 3, tensors, state, keep_last=1)
-    written = sum(p.stat().st_size for p in path.iterdir())
+    # what save_sharded checks: the shards' estimate and, on rank 0, extra.pt's and state.json's
+    parts = {"model": tensors["model"], "optim": tensors["optim"]}
+    need = checkpoint.estimate_bytes(parts, {}) + checkpoint.estimate_bytes(tensors["extra"], state)
+    path = _save(tmp_path, 3, tensors, state, keep_last=1)
+    written = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     assert written <= need <= written + (2 << 20)
     with pytest.raises(LoomError, match="not enough disk space"):
-        checkpoint.save(tmp_path, 4, tensors, state, keep_last=1, free_bytes=need - 1)
+        _save(tmp_path, 4, tensors, state, keep_last=1, free_bytes=need - 1)
+    assert not (tmp_path / "step_000004.tmp").exists()
+    assert _save(tmp_path, 4, tensors, state, keep_last=1, free_bytes=need).name == "step_000004"
 
 
 def test_final_checkpoint_is_retried_once(char_data, tmp_path, monkeypatch, capsys):

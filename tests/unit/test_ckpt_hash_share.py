@@ -40,3 +40,38 @@ def test_every_rank_checks_presence_and_size(step):
     for share in ((1, 2), None):
         with pytest.raises(LoomError, match="missing optim/__0_0.distcp"):
             checkpoint.verify(step, share=share)
+
+
+class _Rank1Of2(Control):
+    """Rank 1 of a 2-rank job whose rank 0 reports `rank0_failed` (sums include rank 0's flag)."""
+
+    def __init__(self, rank0_failed: bool):
+        self.rank, self.size, self.rank0_failed = 1, 2, rank0_failed
+
+    def all_reduce_sum(self, values):
+        return [v + float(self.rank0_failed) for v in values]
+
+    def gather_object(self, obj):
+        return None  # only rank 0 receives
+
+
+def test_ranks_agree_on_the_newest_intact(tmp_path):
+    """newest_intact (resume of a job, eval/generate of a sharded model): the newest step every rank's share
+    verifies; a damaged newer one is skipped with the rank's reason, on any rank that found it."""
+    ckpt = tmp_path / "ckpt"
+    steps = [checkpoint.save_sharded(ckpt, s, {"w": torch.full((4,), float(s))}, {}, {}, {"step": s},
+                                     keep_last=3, control=Control()) for s in (1, 2)]  # fmt: skip
+    assert checkpoint.share_errors(steps[1], Control()) is None
+    assert checkpoint.newest_intact(steps, Control()) == steps[1]
+    f = steps[1] / "model" / "__0_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    errors = checkpoint.share_errors(steps[1], Control())
+    assert len(errors) == 1 and "__0_0.distcp' does not match its SHA-256" in errors[0]
+    assert checkpoint.newest_intact(steps, Control()) == steps[0]
+    assert checkpoint.newest_intact(steps, Control(), model_only=True) == steps[0]
+    # rank 1 does not own the damaged shard, yet follows rank 0's verdict: every rank picks the same step
+    assert checkpoint.share_errors(steps[1], _Rank1Of2(rank0_failed=True)) == []
+    assert checkpoint.newest_intact(steps[:1], _Rank1Of2(rank0_failed=False)) == steps[0]
+    assert checkpoint.newest_intact([steps[1]], Control()) is None

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from loom import checkpoint
+from loom.distributed.comm import Control
 from loom.errors import LoomError
 from loom.optim.schedule import lr_at
 
@@ -19,7 +20,11 @@ def test_warmup_then_cosine_to_min():
 
 
 def _save(d, step, keep=3):
-    return checkpoint.save(d, step, {"model": {"w": torch.full((4,), float(step))}}, {"step": step}, keep)
+    """A one-process checkpoint through the writer training uses (save_sharded)."""
+    w = torch.full((4,), float(step))
+    return checkpoint.save_sharded(
+        d, step, {"w": w}, {"state.w.exp_avg": w * 0.5}, {}, {"step": step}, keep, Control()
+    )
 
 
 def test_save_load_prune(tmp_path):
@@ -34,13 +39,13 @@ def test_save_load_prune(tmp_path):
 def test_corrupt_and_incomplete_are_detected_and_skipped(tmp_path):
     _save(tmp_path, 1)
     p2 = _save(tmp_path, 2)
-    data = bytearray((p2 / "model.pt").read_bytes())
-    data[-10] ^= 0xFF
-    (p2 / "model.pt").write_bytes(bytes(data))
+    data = bytearray((p2 / "model" / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (p2 / "model" / "__0_0.distcp").write_bytes(bytes(data))
     with pytest.raises(LoomError, match="SHA-256"):
         checkpoint.verify(p2)
     assert checkpoint.latest_valid(tmp_path).name == "step_000001"
-    (tmp_path / "step_000001" / "optim.pt").write_bytes(b"short")
+    (tmp_path / "step_000001" / "optim" / "__0_0.distcp").write_bytes(b"short")
     with pytest.raises(LoomError, match="bytes"):
         checkpoint.verify(tmp_path / "step_000001")
     (tmp_path / "step_000003.tmp").mkdir()  # a crash mid-write leaves only a .tmp, never a final name

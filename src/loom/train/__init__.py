@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,15 +17,11 @@ from loom.config import (
     validate,
 )
 from loom.distributed.comm import Control
-from loom.env import DistEnv, detect_env
-from loom.errors import LoomError
+from loom.env import DistEnv, detect_env, restart_count
+from loom.errors import LoomError, PeerError
 from loom.parallel.dims import ParallelDims
 from loom.train.setup import check_writable, resolve_data, resolve_device, resolve_run_dir, resumed_config
 from loom.train.trainer import Trainer
-
-
-class PeerError(LoomError):
-    """Rank 0 found a user error and has reported it; the other ranks stop quietly."""
 
 
 @dataclass
@@ -88,35 +83,34 @@ def check_hashes(control: Control, plan: Plan) -> Plan:
     that wrote them, each rank the shards it wrote and reads back), instead of one rank hashing them all.
     A bad file, reported by whichever rank found it, falls back to the newest older checkpoint, which the
     ranks hash the same way, or is an error when that step was named by --resume."""
-    ckpt = plan.ckpt
-    while ckpt is not None:
-        try:
-            checkpoint.verify(ckpt, share=(control.rank, control.size))
-            error = None
-        except LoomError as e:
-            error = e.message
-        if control.all_reduce_sum([float(error is not None)])[0] == 0:
-            return replace(plan, ckpt=ckpt)
-        errors = control.gather_object(error)
+    if plan.ckpt is None:
+        return plan
+    errors = checkpoint.share_errors(plan.ckpt, control)
+    if errors is None:
+        return plan
 
-        def fallback(bad=ckpt, errors=errors) -> Path:
-            first = next(e for e in errors if e)
-            if checkpoint.names_step(plan.resume):
-                raise LoomError(
-                    first, hint="resume from the run directory to fall back to its newest valid step"
-                )
-            for e in errors:
-                if e:
-                    log.warn(f"skipping checkpoint: {e}")
-            older = checkpoint.latest_valid(bad.parent, share=None, before=bad)
-            if older is None:
-                raise LoomError(f"--resume: no valid checkpoint under '{bad.parent}'",
-                                hint="start without --resume")  # fmt: skip
-            check_checkpoint_model(older, plan.cfg)
-            return older
+    def refuse_named_step() -> None:
+        if checkpoint.names_step(plan.resume):
+            raise LoomError(next(e for e in errors if e),
+                            hint="resume from the run directory to fall back to its newest valid step")  # fmt: skip
+        for e in errors:
+            if e:
+                log.warn(f"skipping checkpoint: {e}")
 
-        ckpt = agree(control, fallback)
-    return plan
+    rank0_result(control, refuse_named_step)
+    steps = checkpoint.list_steps(plan.ckpt.parent)
+    names = [p.name for p in steps]
+    older = steps[: names.index(plan.ckpt.name)] if plan.ckpt.name in names else []
+    found = checkpoint.newest_intact(older, control)
+
+    def check_found() -> Path:
+        if found is None:
+            raise LoomError(f"--resume: no valid checkpoint under '{plan.ckpt.parent}'",
+                            hint="start without --resume")  # fmt: skip
+        check_checkpoint_model(found, plan.cfg)
+        return found
+
+    return replace(plan, ckpt=rank0_result(control, check_found))
 
 
 def auto_resume(cfg: Config, resume, force: bool, share=(0, 1)) -> tuple[str | bool | None, bool]:
@@ -127,7 +121,7 @@ def auto_resume(cfg: Config, resume, force: bool, share=(0, 1)) -> tuple[str | b
     (TORCHELASTIC_RESTART_COUNT > 0) behaves as auto, and continues from the newest checkpoint of its run
     rather than the one first named by `--resume PATH`.
     """
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    restarted = restart_count() > 0
     if cfg.train.resume != "auto" and not restarted:
         return resume, force
     if resume is not None:
@@ -176,7 +170,7 @@ def check_not_finished(ckpt: Path, cfg: Config, run_dir: Path) -> None:
     msg = (f"run '{run_dir}' already reached train.steps={cfg.train.steps} (checkpoint '{ckpt.name}' is at step "
            f"{step}): there is nothing left to train")  # fmt: skip
     hint = f"to train further, resume with a larger train.steps, e.g. --resume --train.steps={more}"
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    restarted = restart_count() > 0
     if cfg.train.resume == "auto" or restarted:
         log.warn(f"{msg} ({hint})")
         return
@@ -281,7 +275,7 @@ def shutdown(dims: ParallelDims, control: Control, clean: bool) -> None:
     process_group.shutdown(clean, destroy_timeout_s=30.0 if clean else 1.0)  # failed: leave promptly
 
 
-def agree(control: Control, fn):
+def rank0_result(control: Control, fn):
     """Rank 0 runs fn (checks, run-dir choice) and every rank receives its result or its error."""
     result = error = None
     if control.rank == 0:
@@ -330,7 +324,7 @@ def run(
             log.info(f"launcher {env.source}: {env}")
         check_same_config(control, cfg)
         many = control.size > 1
-        plan = agree(
+        plan = rank0_result(
             control, lambda: plan_run(cfg, resume, force, explicit or set(), dims.dp, hashes=not many)
         )
         if many:
