@@ -150,8 +150,8 @@ def check_fits(sd: dict, model: torch.nn.Module, source: str, hint: str | None =
     """Every tensor of `sd` has a parameter of the model's shape and every parameter a tensor (a tied head
     may be left out when its embedding is there): the last guard after config.check_model_config, for
     files that record no config."""
-    mine = model.state_dict()
-    missing = sorted(k for k in mine if k not in sd and not _tied(k, sd))
+    mine, tied = model.state_dict(), checkpoint.tied_names(model)
+    missing = sorted(k for k in mine if k not in sd and not (k in tied and tied[k] in sd))
     extra = sorted(k for k in sd if k not in mine)
     shapes = [f"{k}: {tuple(v.shape)} vs {tuple(mine[k].shape)}" for k, v in sd.items()
               if k in mine and v.shape != mine[k].shape]  # fmt: skip
@@ -178,18 +178,12 @@ def _prepare_out(run_dir: Path, out: Path, force: bool) -> None:
 
 
 def load_consolidated(folder: Path, model: torch.nn.Module) -> None:
-    """Weights of a consolidated folder (model.safetensors, the tied head left out) into a GPT."""
+    """Weights of a consolidated folder (model.safetensors, the tied head left out) into a model."""
     from safetensors.torch import load_file
 
     sd = load_file(str(folder / "model.safetensors"))
     check_fits(sd, model, f"'{folder / 'model.safetensors'}'")
     model.load_state_dict(sd, strict=False)
-
-
-def _tied(name: str, sd: dict) -> bool:
-    from loom.model.gpt_parallel import TIED
-
-    return name in TIED and TIED[name] in sd
 
 
 # Streaming tensor bytes out of DCP's files. DCP (TORCH_SAVE format) writes each chunk of a tensor as one

@@ -35,10 +35,7 @@ def _train(argv: list[str]) -> int:
     if args.help_config:
         print(config.help_text())
         return 0
-    if args.config and args.config.startswith("--"):
-        rest.insert(0, args.config)
-        args.config = None
-    _check_override_value(argv, args.config)
+    args.config, rest = config.config_argv(argv, args.config, rest)
     cfg = config.load_config(args.config, rest)
     explicit = {k for k, _ in config.parse_overrides(rest)}
     if args.config:
@@ -58,8 +55,8 @@ def _train(argv: list[str]) -> int:
         nproc = 1 if args.nproc is None else args.nproc
         return launch_local(nproc, cfg, child, args.resume, args.force, explicit, args.max_restarts)
     from loom.env import detect_env
-    from loom.errors import EXIT_ERROR, EXIT_PREEMPTED
-    from loom.train import PeerError, run
+    from loom.errors import EXIT_ERROR, EXIT_PREEMPTED, PeerError
+    from loom.train import run
 
     world_size = detect_env().world_size
     try:
@@ -92,21 +89,6 @@ def _leave_job(code: int) -> None:
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.Finalize()
     os._exit(code)
-
-
-def _check_override_value(argv: list[str], config_arg: str | None) -> None:
-    """`loom train --train.steps 5`: argparse takes the bare 5 for the config file (the optional positional);
-    say so instead of reporting a missing config file '5'."""
-    if not config_arg:
-        return
-    for i, a in enumerate(argv[1:], 1):
-        prev = argv[i - 1]
-        if a == config_arg and prev.startswith("--") and "." in prev and "=" not in prev:
-            raise LoomError(
-                f"'{a}' after {prev} was taken for the config file: an override before the config file "
-                f"needs '=' ({prev}={a})",
-                hint=f"write {prev}={a}",
-            )
 
 
 def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
@@ -267,6 +249,7 @@ def _generate_samples(args, run: _Loaded) -> int:
     import torch
 
     from loom.generate import generate
+    from loom.model.registry import spec_of
 
     model, tok, device = run.model, run.tok, run.device
     if tok is None:
@@ -276,10 +259,11 @@ def _generate_samples(args, run: _Loaded) -> int:
     if len(ids) > model.cfg.block_size:
         ids = ids[-model.cfg.block_size :]
     g = torch.Generator(device=device).manual_seed(args.seed)
+    extend = spec_of(run.cfg).extends_context(model.cfg)  # past block_size: run on (RoPE) or crop
     for i in range(args.num_samples):
         idx = torch.tensor([ids], dtype=torch.long, device=device)
         out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p, g,
-                       use_cache=not args.no_cache, vocab_size=tok.vocab_size)  # fmt: skip
+                       use_cache=not args.no_cache, vocab_size=tok.vocab_size, extends_context=extend)  # fmt: skip
         if run.rank:
             continue
         if i:
@@ -440,12 +424,17 @@ def _export(argv: list[str]) -> int:
 
     from loom.eval.val_loss import load_run
     from loom.model import hf
+    from loom.model.registry import spec_of
     from loom.outputs import check_apart
 
     check_apart(args.out, [args.run_dir, *([args.ckpt] if args.ckpt else [])], inside_ok=True)
-    _, model, tok, _, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
+    cfg, model, tok, _, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
     if args.format == "hf":
-        notes = hf.export_hf(model, args.out, tok, args.force)
+        spec = spec_of(cfg)
+        if spec.hf is None:
+            raise LoomError(f"the model family '{spec.name}' has no transformers mapping",
+                            hint="export it with --format safetensors")  # fmt: skip
+        notes = spec.hf.export_hf(model, args.out, tok, args.force)
         import json
 
         arch = json.loads((Path(args.out) / "config.json").read_text(encoding="utf-8"))["architectures"][0]
@@ -598,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage(), file=sys.stderr)
         return 2
     try:
+        if os.environ.get("LOOM_PLUGINS"):  # plug-in model families register before any config is read
+            from loom.model.registry import load_plugins
+
+            load_plugins()
         return verb[0](argv[1:])
     except LoomError as e:
         print(f"loom: error: {e}", file=sys.stderr)

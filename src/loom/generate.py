@@ -2,16 +2,20 @@
 
 With the cache, the prompt is run once (prefill) and each new token costs one position. The cache holds the
 key/value heads only (grouped-query attention shares them when attention runs) and, with RoPE, keys already
-rotated by their positions. Once the sequence outgrows block_size the context is re-cropped and recomputed
-every step, exactly as cache-free generation does (learned positions shift; the cache has block_size slots),
-so the result is the same either way.
+rotated by their positions. Past block_size the family decides (ModelSpec.extends_context): a RoPE model runs
+on with its cache, as transformers' does, so an exported model samples what `loom generate` does; with learned
+positions the context is re-cropped to block_size and recomputed every step, exactly as cache-free generation
+does, so the result is the same either way.
 """
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
-from loom.model.gpt import GPT, KVCache
+import torch
+import torch.nn as nn
+
+from loom.eval.evaluator import EvalContext, Every
 
 
 def sample_next(
@@ -41,7 +45,7 @@ def sample_next(
 
 @torch.no_grad()
 def generate(
-    model: GPT,
+    model: nn.Module,
     idx: torch.Tensor,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -50,19 +54,22 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     vocab_size: int | None = None,
+    extends_context: bool = False,
 ) -> torch.Tensor:
-    """Extend `idx` (B, T) by max_new_tokens sampled tokens. Padding ids >= vocab_size are never sampled."""
+    """Extend `idx` (B, T) by max_new_tokens sampled tokens. Padding ids >= vocab_size are never sampled.
+    extends_context (the family's ModelSpec.extends_context): past block_size, run on with the cache instead of
+    re-cropping the context."""
     was_training = model.training
     model.eval()
     block = model.cfg.block_size
     vocab = vocab_size or model.cfg.vocab_size
-    cache = None
-    if use_cache:
-        p = next(model.parameters())
-        cache = KVCache(model.cfg, idx.size(0), block, p.device, p.dtype)
+    extend = extends_context and use_cache
+    cache = (
+        model.kv_cache(idx.size(0), idx.size(1) + max_new_tokens if extend else block) if use_cache else None
+    )
     try:
         for _ in range(max_new_tokens):
-            if cache is not None and idx.size(1) <= block:
+            if cache is not None and (extend or idx.size(1) <= block):
                 # Feed only what the cache has not seen yet (the whole prompt the first time).
                 logits = model(idx[:, cache.len :], cache=cache)
             else:  # no cache, or beyond block_size where positions shift: recompute the cropped context
@@ -73,3 +80,44 @@ def generate(
     finally:
         model.train(was_training)
     return idx
+
+
+class Sampler(Every):
+    """A sample of text every train.sample_every steps (and at the end), printed and appended to the run's
+    samples.txt. It has a generator of its own (seeded by run.seed + step), so training's RNG stream is untouched.
+    Called on every rank: an FSDP-sharded model's weights are gathered once for the whole sample
+    (Parallelized.sampling); under tensor/pipeline parallelism rank 0 samples from a gathered copy."""
+
+    name = "sample"
+    in_metrics = False
+
+    def __init__(self, every: int, max_new_tokens: int, seed: int, extends_context: bool, out: Path | None):
+        super().__init__(every)
+        self.max_new_tokens, self.seed, self.extends_context, self.out = (
+            max_new_tokens,
+            seed,
+            extends_context,
+            out,
+        )
+
+    def text(self, model: nn.Module, ctx: EvalContext, prompt: str = "") -> str:
+        tok = ctx.tokenizer
+        ids = tok.encode(prompt) if prompt else [tok.eot_id]
+        idx = torch.tensor([ids], dtype=torch.long, device=ctx.device)
+        g = torch.Generator(device=ctx.device).manual_seed(self.seed + ctx.step)
+        with ctx.autocast():
+            out = generate(model, idx, self.max_new_tokens, temperature=0.8, top_k=200, generator=g,
+                           vocab_size=tok.vocab_size, extends_context=self.extends_context)  # fmt: skip
+        return tok.decode(out[0, len(ids) :].tolist())
+
+    def run(self, ctx: EvalContext) -> dict | None:
+        with ctx.parallel.sampling() as model:
+            text = self.text(model, ctx) if model is not None else None
+        if text is None or self.out is None:
+            return None
+        with open(self.out, "a", encoding="utf-8") as f:
+            f.write(f"=== step {ctx.step}\n{text}\n")
+        return {"sample": text}
+
+    def line(self, step: int, record: dict) -> str:
+        return f"--- sample at step {step} ---\n{record['sample']}\n---"

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from loom.config import Config, validate
 from loom.model import gpt_parallel
+from loom.model.registry import spec_of
 from loom.parallel import parallelize
 from loom.parallel.dims import ParallelDims
 from loom.train.trainer import build_model
@@ -40,7 +41,7 @@ def _worker(rank: int, world: int, store: str, parallel: dict, out: str, compile
         model = build_model(cfg, VOCAB)  # meta
         assert all(p.is_meta for p in model.parameters())
         derived = validate(cfg, dims.dp)
-        par = parallelize(model, dims, cfg, torch.device("cpu"), gpt_parallel, n_microbatches=derived.pp_microbatches,
+        par = parallelize(model, dims, cfg, torch.device("cpu"), spec_of(cfg), n_microbatches=derived.pp_microbatches,
                           init=lambda name, whole: model.init_param(name, whole, SEED))  # fmt: skip
         local = sum(
             p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in par.model.parameters()

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from loom.config import Config, validate
-from loom.model import gpt_parallel
+from loom.model.registry import spec_of
 from loom.parallel import parallelize
 from loom.parallel.dims import ParallelDims
 from loom.train.trainer import build_model
@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, store: str, parallel: dict, out: str) -> None
         dims = ParallelDims.from_config(cfg.parallel, world, rank)
         model = build_model(cfg, VOCAB)  # meta
         derived = validate(cfg, dims.dp)
-        par = parallelize(model, dims, cfg, torch.device("cpu"), gpt_parallel, n_microbatches=derived.pp_microbatches,
+        par = parallelize(model, dims, cfg, torch.device("cpu"), spec_of(cfg), n_microbatches=derived.pp_microbatches,
                           init=lambda name, whole: model.init_param(name, whole, SEED))  # fmt: skip
         x, y = _batch()
         record = {}

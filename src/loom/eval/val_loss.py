@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
-from loom import checkpoint, log
+from loom import checkpoint
 from loom.config import Config, check_model_config, config_from_dict, load_toml
 from loom.data.loader import ValSet, read_meta
 from loom.data.tokenizers import load_tokenizer
 from loom.errors import LoomError
-from loom.model.gpt import GPT, GPTConfig
+from loom.eval.evaluator import EvalContext, Every
+from loom.model.registry import spec_of
 
 
 @torch.no_grad()
@@ -45,6 +46,39 @@ def val_loss(
     return (total[0] / total[1]).item()
 
 
+class ValLossEval(Every):
+    """Validation loss (and bits per byte when the data has a tokenizer) every train.eval_every steps."""
+
+    name = "val_loss"
+
+    def __init__(self, valset: ValSet, micro_batch_size: int, every: int):
+        super().__init__(every)
+        self.valset, self.micro_batch_size = valset, micro_batch_size
+        self.last: float | None = None  # the newest validation loss (the run's summary reports it)
+        self._tokens_per_byte: float | None = None  # the windows' bytes, counted at the first evaluation
+
+    def run(self, ctx: EvalContext) -> dict:
+        par = ctx.parallel
+        if par.pipeline is not None:
+            loss = par.pipeline.val_loss(self.valset, self.micro_batch_size, ctx.autocast, par.all_reduce_sum)
+        else:
+            with par.loss_context():
+                loss = val_loss(par.eval_model(), self.valset, self.micro_batch_size, ctx.device, ctx.autocast,
+                                par.all_reduce_sum)  # fmt: skip
+        self.last = loss
+        if ctx.tokenizer is None:
+            return {"val_loss": loss}
+        if self._tokens_per_byte is None:
+            self._tokens_per_byte = tokens_per_byte(
+                self.valset, ctx.tokenizer, ctx.device, par.all_reduce_sum
+            )
+        return {"val_loss": loss, "val_bpb": bits_per_byte(loss, self._tokens_per_byte)}
+
+    def line(self, step: int, record: dict) -> str:
+        bpb = f" | {record['val_bpb']:.4f} bits/byte" if record.get("val_bpb") else ""
+        return f"step {step:>6} | val loss {record['val_loss']:.4f}{bpb}"
+
+
 def tokens_per_byte(
     valset: ValSet,
     tokenizer,
@@ -70,29 +104,6 @@ def bits_per_byte(loss: float, tokens_per_byte: float) -> float:
     return loss / math.log(2) * tokens_per_byte
 
 
-def model_config(cfg: Config, vocab_size: int) -> GPTConfig:
-    m = cfg.model
-    return GPTConfig(
-        vocab_size=m.vocab_size or vocab_size,
-        n_layer=m.n_layer,
-        n_head=m.n_head,
-        n_embd=m.n_embd,
-        block_size=m.block_size,
-        dropout=m.dropout,
-        bias=m.bias,
-        activation=m.activation,
-        pos=m.pos,
-        rope_theta=m.rope_theta,
-        norm=m.norm,
-        norm_eps=m.norm_eps,
-        mlp=m.mlp,
-        ffn_hidden=m.ffn_hidden,
-        n_kv_head=m.n_kv_head,
-        qk_norm=m.qk_norm,
-        tie_embeddings=m.tie_embeddings,
-    )
-
-
 def _open_run(run_dir: Path) -> tuple[Config, dict, object]:
     """(config, data meta, tokenizer or None) of a run directory."""
     if not (run_dir / "config.toml").is_file():
@@ -113,7 +124,7 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
         from loom.checkpoint_tools import load_consolidated
 
         check_trained_model(run_dir / "model.safetensors", cfg, run_dir)
-        model = GPT(model_config(cfg, meta["vocab_size"]))
+        model = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu")
         load_consolidated(run_dir, model)
         return cfg, model.to(device).eval(), tokenizer, meta, run_dir / "model.safetensors"
     path = Path(ckpt) if ckpt else checkpoint.latest_valid(run_dir / "ckpt", model_only=True)
@@ -122,7 +133,7 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
             f"run '{run_dir}' has no valid checkpoint", hint="train it (checkpoints are written at the end)"
         )
     check_trained_model(path, cfg, run_dir)  # before the weights are read
-    model = GPT(model_config(cfg, meta["vocab_size"])).to(device)
+    model = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu").to(device)
     if checkpoint.is_sharded(path):  # model/ alone: the optimizer's files are never read
         checkpoint.load_model(path, model)
         model.eval()
@@ -150,7 +161,6 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
     passes (`Parallelized.all_reduce_sum` sums over the ranks)."""
     from loom.distributed import process_group
     from loom.distributed.comm import TorchControl
-    from loom.model import gpt_parallel
     from loom.parallel import parallelize
     from loom.parallel.dims import ParallelDims
 
@@ -164,21 +174,23 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
     if _consolidated(run_dir):
         path = run_dir / "model.safetensors"
     else:
-        path = _agreed_valid(checkpoint.list_steps(run_dir / "ckpt"), TorchControl())
+        path = checkpoint.newest_intact(
+            checkpoint.list_steps(run_dir / "ckpt"), TorchControl(), model_only=True
+        )
         if path is None:
             raise LoomError(f"run '{run_dir}' has no valid checkpoint",
                             hint="train it (checkpoints are written at the end)")  # fmt: skip
     check_trained_model(path, cfg, run_dir)
     cfg.train.compile, cfg.train.activation_checkpointing = False, "none"
-    with torch.device("meta"):
-        model = GPT(model_config(cfg, meta["vocab_size"]))
+    spec = spec_of(cfg)
+    model = spec.build_model(cfg, meta["vocab_size"])  # on the meta device
     dims = ParallelDims(1, env.world_size, 1, 1, env.world_size, env.rank, "fsdp")
     # no init: every value comes from the checkpoint
-    par = parallelize(model, dims, cfg, device, gpt_parallel)
+    par = parallelize(model, dims, cfg, device, spec)
     if path.suffix == ".safetensors":  # a consolidated file: read whole on the host, each rank its slices
         from loom.checkpoint_tools import load_consolidated
 
-        whole = GPT(model_config(cfg, meta["vocab_size"]))
+        whole = spec.build_model(cfg, meta["vocab_size"], "cpu")
         load_consolidated(run_dir, whole)
         par.load_model_state(whole.state_dict())
     elif checkpoint.is_sharded(path):
@@ -187,22 +199,6 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
         par.load_model_state(checkpoint.load(path, map_location="cpu")[0]["model"])
     par.model.eval()
     return cfg, par, tokenizer, meta, path
-
-
-def _agreed_valid(candidates: list[Path], control) -> Path | None:
-    """The newest of `candidates` whose model files every rank finds intact, each hashing its share."""
-    for path in reversed(candidates):
-        try:
-            checkpoint.verify(path, model_only=True, share=(control.rank, control.size))
-            error = None
-        except LoomError as e:
-            error = e.message
-        if control.all_reduce_sum([float(error is not None)])[0] == 0:
-            return path
-        for e in control.gather_object(error) or []:  # rank 0 names what the ranks found
-            if e:
-                log.warn(f"skipping checkpoint: {e}")
-    return None
 
 
 def _hint(run_dir: Path) -> str:

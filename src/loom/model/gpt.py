@@ -277,13 +277,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    block_cls = Block  # a family on this class with another block (a plug-in) sets its own
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.padded_vocab, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None  # RoPE: none
         self.drop = Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self.block_cls(cfg) for _ in range(cfg.n_layer))
         self.ln_f = norm_layer(cfg, cfg.n_embd)
         self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, cfg.padded_vocab)  # padding ids masked
         if cfg.tie_embeddings:
@@ -332,7 +334,9 @@ class GPT(nn.Module):
         cross-entropy over all target tokens."""
         B, T = idx.shape
         start = cache.len if cache is not None else 0
-        if start + T > self.cfg.block_size:
+        # learned positions have block_size slots; RoPE has none, and runs on past block_size with a cache (the
+        # model was trained on block_size tokens: what it does beyond is what transformers' Llama does too)
+        if start + T > self.cfg.block_size and (self.wpe is not None or cache is None):
             raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.cfg.block_size}")
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:  # learned absolute positions; RoPE turns q and k inside attention instead
@@ -347,6 +351,11 @@ class GPT(nn.Module):
             return self.lm_head(x)
         logits = self.lm_head(x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+    def kv_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache for `batch` sequences of up to max_len tokens, on the parameters' device and dtype."""
+        p = next(self.parameters())
+        return KVCache(self.cfg, batch, max_len, p.device, p.dtype)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameters counted once (a tied head is the token embedding)."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from loom import log
+from loom.model.registry import ModelSpec, ParallelPlan
 from loom.optim.build import build_optimizer, param_groups
 from loom.parallel import state
 from loom.parallel.dims import ParallelDims
@@ -29,15 +30,15 @@ from loom.parallel.tensor import LocalLoss, align_grads, local, loss_context
 class Parallelized:
     """The model parts of this rank and the few things a training step asks of the layout."""
 
-    def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, spec):
-        self.model, self.dims, self.device, self.spec = model, dims, device, spec
+    def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, plan: ParallelPlan):
+        self.model, self.dims, self.device, self.plan = model, dims, device, plan
         self.forward: nn.Module = model  # what a micro-step calls: DDP's wrapper, the TP loss wrapper, ...
         self.pipeline = None  # loom.parallel.pipeline.Pipeline when pp > 1
         self.fsdp_roots: list[nn.Module] = []
         self.reshard_after_forward = True  # FSDP's setting for the roots (zero2 and replicas: False)
         self.grad_sync = None  # MPI's gradient synchroniser (loom.parallel.mpi_dp)
         self.tied_group = None  # pp: the first and last stage's group, for the tied embedding/head
-        self.tied: dict[str, str] = spec.tied(model)  # alias -> canonical name of one tensor ({}: untied)
+        self.tied: dict[str, str] = plan.tied(model)  # alias -> canonical name of one tensor ({}: untied)
         # the single-device model's names, for checkpoints: state-dict keys and the optimizer's order
         self.names = list(model.state_dict().keys())
         ids = {id(p): n for n, p in model.named_parameters()}
@@ -177,28 +178,30 @@ class Parallelized:
             state.load_optim_state(self.model, opt, sd, self.order, self.tied)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device, spec, *, precision: str = "fp32",
-                n_microbatches: int = 1, init=None) -> Parallelized:  # fmt: skip
+def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device, spec: ModelSpec, *,
+                precision: str = "fp32", n_microbatches: int = 1, init=None) -> Parallelized:  # fmt: skip
     """Apply the layout `dims` to `model` (built on the meta device, or already materialized) in the fixed
-    order; `init(name, whole_tensor)` gives a meta-built parameter its initial values (loom.parallel.init)."""
+    order, asking the family's plan (spec.parallel) what to split, cut and wrap; `init(name, whole_tensor)` gives
+    a meta-built parameter its initial values (loom.parallel.init)."""
     from loom.parallel.ac import apply_ac
     from loom.parallel.compile import apply_compile
 
     p, t = cfg.parallel, cfg.train
-    par = Parallelized(model, dims, device, spec)
+    plan = spec.parallel
+    par = Parallelized(model, dims, device, plan)
     mesh = dims.build_mesh(device.type) if dims.model_parallel or dims.fsdp_enabled else None
     if dims.tp_enabled:
         from loom.parallel.tensor import apply_tp
 
-        apply_tp(model, mesh["tp"], spec.tp_plan(model, dims.tp, p.sp, loss_parallel=not dims.pp_enabled))
-        spec.retie(model)
+        apply_tp(model, mesh["tp"], plan.tp_plan(model, dims.tp, p.sp, loss_parallel=not dims.pp_enabled))
+        plan.retie(model)
     roots = [model]
     if dims.pp_enabled:
         from loom.parallel.pipeline import stage_ids
 
         ids, n_stages = stage_ids(p.pp_schedule, dims.pp, dims.pp_rank)
-        roots = spec.split_stages(model, ids, n_stages)
-    blocks = [b for root in roots for b in spec.blocks(root)]
+        roots = plan.split_stages(model, ids, n_stages)
+    blocks = [b for root in roots for b in plan.blocks(root)]
     apply_ac(blocks, t.activation_checkpointing)
     if t.compile:
         apply_compile(blocks)
@@ -208,13 +211,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
         reshard = dims.dp_impl == "fsdp" and dims.dp_shard > 1  # zero2 and replicas keep gathered parameters
         mp = mp_policy(p.param_dtype, p.reduce_dtype, device, precision)
-        apply_fsdp(roots, spec.blocks, dp_mesh, reshard, mp, p.cpu_offload, device)
+        apply_fsdp(roots, plan.blocks, dp_mesh, reshard, mp, p.cpu_offload, device)
         par.fsdp_roots, par.reshard_after_forward = roots, reshard
     if any(t.is_meta for t in model.parameters()):
         from loom.parallel.init import materialize
 
         materialize(model, device, init, par.tied)
-        spec.retie(model)  # to_empty gave each module of a tied pair its own new tensor
+        plan.retie(model)  # to_empty gave each module of a tied pair its own new tensor
     if dims.pp_enabled:
         from loom.parallel.pipeline import Pipeline
 

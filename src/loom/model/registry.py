@@ -1,0 +1,117 @@
+"""Model families: `model.family` -> a ModelSpec, the one place the rest of loom asks about a model.
+
+A family is a single-device model class plus what the layers above need to know about it: how to build it
+from loom's config, its parallel plan (tensor-parallel styles, pipeline stages, the transformer blocks, tied
+weights), FLOPs per token, an HF mapping if it has one, and what generation does past block_size. The
+trainer, eval, checkpoint, generate and export code call `get(cfg.model.family)` and never name a class.
+(torchtitan's TrainSpec plays this part.)
+
+A new family is one module or folder that calls `register(ModelSpec(...))` when imported: the built-in ones
+in model/families.py, imported by the package's __init__; a family outside loom is loaded by naming its module in LOOM_PLUGINS (a comma list of
+importable modules), or through the `loom.plugins` entry-point group of an installed package. Every process
+of a job imports them at start (the variable is inherited), so `loom train --nproc N`, `loom verify` and
+the launchers need nothing more.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch.nn as nn
+
+from loom.config import FAMILIES, Config
+from loom.errors import LoomError
+
+
+class ParallelPlan(Protocol):
+    """How loom.parallel applies to a family (loom/model/gpt_parallel.py is GPT's)."""
+
+    def tied(self, model: nn.Module) -> dict[str, str]: ...  # alias -> canonical name of one tensor
+
+    def blocks(self, module: nn.Module) -> list[nn.Module]: ...  # units of FSDP, act. checkpointing, compile
+
+    def tp_plan(self, model: nn.Module, tp: int, sp: bool, loss_parallel: bool) -> dict: ...
+
+    def retie(self, model: nn.Module) -> None: ...
+
+    def split_stages(self, model: nn.Module, stage_ids: list[int], n_stages: int) -> list[nn.Module]: ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # the value of model.family
+    config: Callable[[Config, int], Any]  # (loom config, the data's vocabulary) -> the model's own config
+    build: Callable[[Any], nn.Module]  # model config -> the single-device model, on the current device
+    parallel: ParallelPlan
+    flops_per_token: Callable[
+        [Any, int | None], int
+    ]  # (model config, sequence length) -> training FLOPs/token
+    preset: dict[str, Any] = field(default_factory=dict)  # model.* keys the family sets unless given
+    hf: Any = None  # HF mapping (export_hf, load_hf_into) or None: no transformers export/import
+    verify_model: dict[str, Any] = field(default_factory=dict)  # model.* keys of loom verify's tiny model
+    # generation past block_size: True runs on with the cache (RoPE: what transformers does), False re-crops
+    # the context to block_size and recomputes it every token (learned positions have block_size slots)
+    extends_context: Callable[[Any], bool] = lambda model_cfg: False
+
+    def build_model(self, cfg: Config, vocab_size: int, device: Any = "meta") -> nn.Module:
+        """The model for cfg.model, on the meta device by default (shapes only: loom.parallel materializes)."""
+        import torch
+
+        mcfg = self.config(cfg, vocab_size)
+        if mcfg.vocab_size < vocab_size:
+            raise LoomError(f"model.vocab_size={mcfg.vocab_size} is smaller than the data's vocabulary {vocab_size}",
+                            hint="leave model.vocab_size=0 to take the data's")  # fmt: skip
+        with torch.device(device):
+            return self.build(mcfg)
+
+
+_SPECS: dict[str, ModelSpec] = {}
+_loaded = False
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Make `spec` the family `spec.name` (its preset becomes what model.family=NAME sets)."""
+    _SPECS[spec.name] = spec
+    FAMILIES[spec.name] = dict(spec.preset)
+    return spec
+
+
+def load_plugins() -> None:
+    """Import the built-in families and every plug-in family (LOOM_PLUGINS, entry points), once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True  # the built-in families registered when loom.model was imported (its __init__)
+    names = [n.strip() for n in os.environ.get("LOOM_PLUGINS", "").split(",") if n.strip()]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise LoomError(f"LOOM_PLUGINS names '{name}', which cannot be imported: {e}",
+                            hint="put the plug-in's folder on PYTHONPATH, or remove it from LOOM_PLUGINS") from e  # fmt: skip
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="loom.plugins"):
+        ep.load()
+
+
+def get(name: str) -> ModelSpec:
+    """The family `name` (model.family), or an error listing the known ones."""
+    load_plugins()
+    if name not in _SPECS:
+        raise LoomError(f"model.family='{name}' is not a known model family ({', '.join(sorted(_SPECS))})",
+                        hint="a plug-in family is loaded by naming its module in LOOM_PLUGINS=module[,module]")  # fmt: skip
+    return _SPECS[name]
+
+
+def spec_of(cfg: Config) -> ModelSpec:
+    return get(cfg.model.family)
+
+
+def names() -> list[str]:
+    load_plugins()
+    return sorted(_SPECS)
