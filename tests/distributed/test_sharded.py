@@ -36,7 +36,9 @@ def test_verify_sharded_strategies(tmp_path, char_data):
 
 
 def _losses(run, start=0):
-    return [(r["step"], r["loss"]) for r in read_jsonl(run / "metrics.jsonl") if "loss" in r][start:]
+    """(step, loss) of every record written (superseded ones too), from the start-th on."""
+    recs = read_jsonl(run / "metrics.jsonl", superseded=True)
+    return [(r["step"], r["loss"]) for r in recs if "loss" in r][start:]
 
 
 @pytest.mark.parametrize(
@@ -98,9 +100,9 @@ SAMPLE_GATHERS = """
 import json, os
 
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as group
-import loom.train.trainer as trainer
+import loom.generate as generate
 
-_n, _per_sample, _gather, _sample = [0], [], group.foreach_all_gather, trainer.Trainer.sample
+_n, _per_sample, _gather, _sample = [0], [], group.foreach_all_gather, generate.Sampler.run
 
 def _counted_gather(*a, **k):
     _n[0] += 1
@@ -115,7 +117,7 @@ def _counted_sample(self, *a, **k):
         with open(os.path.join({out!r}, "rank" + os.environ.get("RANK", "0") + ".json"), "w") as f:
             f.write(json.dumps(_per_sample))
 
-group.foreach_all_gather, trainer.Trainer.sample = _counted_gather, _counted_sample
+group.foreach_all_gather, generate.Sampler.run = _counted_gather, _counted_sample
 """
 
 

@@ -36,3 +36,26 @@ def test_console_line_shows_scale_and_compile():
            "overflow_steps": 3, "compile_s": 12.5}  # fmt: skip
     line = format_step(rec)
     assert "scale 32768 (3 overflow)" in line and "compile 12.5s" in line
+
+
+def test_an_impossible_mfu_mends_the_cached_cpu_peak(tmp_path, monkeypatch):
+    """A CPU peak cached from a busy machine is too low, so every later run showed MFU above 100%: the first
+    such step measures the peak again, keeps the higher figure in the cache, and MFU is below 100% from then on."""
+    import json
+
+    from loom import metrics
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    measured = iter([1e9, 5e10])  # a busy first measurement, then the real one
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda device, dtype: next(measured))
+    low = metrics.cpu_peak_flops("fp32")
+    assert low == 1e9 and metrics.cpu_peak_flops("fp32") == 1e9  # cached: not measured again
+    tp = Throughput(1_000_000, low, 1, 0, remeasure=lambda: metrics.cpu_peak_flops("fp32", again=True))
+    mfu = tp.step(tokens=20_000, dt=1.0)["mfu"]  # 2e10 FLOP/s: 2000% of the busy peak, 40% of the real one
+    assert mfu == pytest.approx(0.4)
+    table = json.loads((tmp_path / "cpu_peak.json").read_text())
+    assert list(table.values()) == [5e10]
+    assert tp.step(tokens=20_000, dt=1.0)["mfu"] == pytest.approx(0.4)  # measured once only
+    # a later measurement that comes out lower never lowers the cached peak
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda device, dtype: 1e6)
+    assert metrics.cpu_peak_flops("fp32", again=True) == 5e10

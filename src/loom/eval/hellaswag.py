@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.errors import LoomError
+from loom.eval.evaluator import EvalContext, Every
 
 
 def read_examples(path: str | Path, limit: int | None = None, tokenizer=None) -> list[dict]:
@@ -121,6 +122,34 @@ def ending_losses(model: torch.nn.Module, rows: list[list[int]], n_ctx: list[int
 
 
 @torch.no_grad()
+class HellaSwagEval(Every):
+    """HellaSwag accuracy over train.hellaswag_data every train.hellaswag_every steps. The examples split across
+    the ranks when each holds a whole or FSDP-sharded model; under tensor/pipeline parallelism rank 0 scores them
+    all on a gathered copy."""
+
+    name = "hellaswag"
+
+    def __init__(self, examples: list[dict], every: int):
+        super().__init__(every)
+        self.examples = examples
+
+    def run(self, ctx: EvalContext) -> dict | None:
+        par, dims = ctx.parallel, ctx.parallel.dims
+        if dims.model_parallel:
+            model, rank, world, reduce = par.sampling_model(), 0, 1, (lambda x: x)
+        else:
+            model, rank, world, reduce = par.eval_model(), dims.rank, dims.world_size, par.all_reduce_sum
+        if model is None:
+            return None
+        with ctx.autocast():
+            hs = evaluate(model, ctx.tokenizer, self.examples, ctx.device, rank, world, reduce)
+        return {"hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"], "hellaswag_n": hs["n"]}
+
+    def line(self, step: int, record: dict) -> str:
+        return (f"step {step:>6} | hellaswag acc {record['hellaswag_acc']:.4f} | acc_norm "
+                f"{record['hellaswag_acc_norm']:.4f} ({record['hellaswag_n']} examples)")  # fmt: skip
+
+
 def evaluate(
     model: torch.nn.Module,
     tokenizer,

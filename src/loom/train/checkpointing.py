@@ -11,7 +11,7 @@ import torch
 from loom import __version__, checkpoint, log
 from loom.config import check_model_config
 from loom.distributed.comm import Control
-from loom.errors import LoomError
+from loom.errors import LoomError, PeerError
 
 
 class Checkpointer:
@@ -83,7 +83,7 @@ class Checkpointer:
             self._start(tensors, state)
             self._record(waited, time.perf_counter() - t0)
             return True
-        saved = self._agree(tr.step, self._write(tr.step, tensors, state, tr.control), self._last)
+        saved = self._saved_everywhere(tr.step, self._write(tr.step, tensors, state, tr.control), self._last)
         self._record(waited, time.perf_counter() - t0)
         return saved
 
@@ -94,7 +94,7 @@ class Checkpointer:
             self.tr.metrics.write({"step": self.tr.step, "ckpt_blocked_s": round(blocked, 4),
                                    "ckpt_waited_s": round(waited, 4)})  # fmt: skip
 
-    def _agree(self, step: int, error: LoomError | None, last: bool = False) -> bool:
+    def _saved_everywhere(self, step: int, error: LoomError | None, last: bool = False) -> bool:
         """Every rank learns whether the save of `step` failed anywhere. A failure raises under
         train.on_save_error=stop, else warns and returns False; `last`: the run's last save (save_last
         decides what follows, whatever the policy)."""
@@ -143,9 +143,7 @@ class Checkpointer:
             tr.metrics.write({"step": tr.step, "stopped": f"{what} checkpoint not saved"})
         if tr.dims.is_main:
             raise LoomError(msg, hint=hint)
-        from loom.train import PeerError  # rank 0 prints the message
-
-        raise PeerError(msg, hint=hint)
+        raise PeerError(msg, hint=hint)  # rank 0 prints the message
 
     def warm(self) -> None:
         """For background saves, once, after the first step (when the optimizer state exists; called on every
@@ -193,7 +191,9 @@ class Checkpointer:
         self._inflight = None
         self.tr.op = f"the background checkpoint save of step {step}"
         thread.join()
-        return self._agree(step, box.get("error", LoomError(f"the checkpoint writer of step {step} crashed")))
+        return self._saved_everywhere(
+            step, box.get("error", LoomError(f"the checkpoint writer of step {step} crashed"))
+        )
 
     def load(self, path: Path) -> None:
         tr = self.tr

@@ -13,7 +13,6 @@ import torch
 
 from loom import checkpoint, log
 from loom.config import Config, config_from_dict, diff_configs, load_toml
-from loom.env import cpu_memory_reuse  # noqa: F401 (re-export until trainer imports it from env)
 from loom.errors import LoomError
 from loom.outputs import check_apart, replace_output
 from loom.paths import cache_dir

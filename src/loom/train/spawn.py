@@ -38,10 +38,58 @@ def launch_local(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from loom import checkpoint
-    from loom.config import mesh_degrees
     from loom.distributed import loopback
     from loom.errors import EXIT_PREEMPTED
-    from loom.train import layout_config, plan_run
+    from loom.train import plan_run
+
+    dp = _data_parallel_degree(cfg, nproc, resume, force, explicit)
+    plan = plan_run(cfg, resume, force, explicit, dp, hashes=False)  # raises before any process starts;
+    # the workers hash the checkpoint's files, each its share
+    args = [a for a in child_argv if a != "--force"]
+    if not resume:
+        args.append(f"--run.name={plan.run_dir.name}")
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"loom-{uuid.uuid4().hex[:8]}",
+        rdzv_backend=loopback.register(),  # the store listens on 127.0.0.1 only
+        rdzv_endpoint=f"{loopback.HOST}:0",
+        rdzv_configs={"timeout": int(cfg.parallel.timeout_s)},
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+        **_shutdown_option(LaunchConfig, cfg.parallel.timeout_s),
+    )
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    restarts = f", up to {max_restarts} restart(s)" if max_restarts else ""
+    log.info(f"starting {nproc} processes (rendezvous on {loopback.HOST}{restarts}) for run {plan.run_dir}")
+    try:
+        elastic_launch(config, sys.executable)("-m", "loom", "train", *args)
+    except SignalException as e:
+        newest = checkpoint.latest_valid(plan.run_dir / "ckpt")
+        log.error(f"loom: {e.sigval.name}: the processes were asked to save and stop; "
+                  + (f"newest checkpoint {newest}" if newest else "no checkpoint was saved"))  # fmt: skip
+        return EXIT_PREEMPTED
+    except ChildFailedError as e:
+        return _report_failure(e)
+    return 0
+
+
+def _shutdown_option(launch_config, timeout_s: float) -> dict:
+    """After SIGTERM the workers finish their step and save; a stuck one is killed after this timeout. The
+    option exists from torch 2.12 on (a feature check, not a version string); older launchers wait a fixed
+    30 s (PContext.close's default)."""
+    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(launch_config)}:
+        return {}
+    return {"shutdown_timeout": int(max(10, timeout_s))}
+
+
+def _data_parallel_degree(cfg: Config, nproc: int, resume, force: bool, explicit: set[str]) -> int:
+    """The data-parallel degree of `nproc` local processes, after the checks a layout must pass before any
+    process starts."""
+    from loom.config import mesh_degrees
+    from loom.train import layout_config
 
     if nproc < 1:
         raise LoomError(f"--nproc must be >= 1, got {nproc}")
@@ -59,56 +107,29 @@ def launch_local(
         raise LoomError(
             f"--nproc {nproc} with parallel.dp_impl=none", hint="use parallel.dp_impl=ddp (or auto)"
         )
-    plan = plan_run(cfg, resume, force, explicit, dp, hashes=False)  # raises before any process starts;
-    # the workers hash the checkpoint's files, each its share
-    args = [a for a in child_argv if a != "--force"]
-    if not resume:
-        args.append(f"--run.name={plan.run_dir.name}")
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # after SIGTERM the workers finish their step and save; a stuck one is killed after the timeout. The
-    # option exists from torch 2.12 on; older launchers wait a fixed 30 s (PContext.close's default).
-    shutdown = {"shutdown_timeout": int(max(10, cfg.parallel.timeout_s))}
-    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
-        shutdown = {}
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"loom-{uuid.uuid4().hex[:8]}",
-        rdzv_backend=loopback.register(),  # the store listens on 127.0.0.1 only
-        rdzv_endpoint=f"{loopback.HOST}:0",
-        rdzv_configs={"timeout": int(cfg.parallel.timeout_s)},
-        max_restarts=max_restarts,
-        monitor_interval=0.2,
-        **shutdown,
-    )
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    restarts = f", up to {max_restarts} restart(s)" if max_restarts else ""
-    log.info(f"starting {nproc} processes (rendezvous on {loopback.HOST}{restarts}) for run {plan.run_dir}")
-    try:
-        elastic_launch(config, sys.executable)("-m", "loom", "train", *args)
-    except SignalException as e:
-        newest = checkpoint.latest_valid(plan.run_dir / "ckpt")
-        log.error(f"loom: {e.sigval.name}: the processes were asked to save and stop; "
-                  + (f"newest checkpoint {newest}" if newest else "no checkpoint was saved"))  # fmt: skip
+    return dp
+
+
+def _report_failure(e) -> int:
+    """The exit code of a job whose workers failed (torch's ChildFailedError), and one line naming the rank
+    that failed first: a rank killed by a signal is the cause when the others only saw it die."""
+    from loom.errors import EXIT_PREEMPTED
+
+    if all(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
+        log.error(f"loom: stopped by a signal after saving a checkpoint (exit code {EXIT_PREEMPTED})")
         return EXIT_PREEMPTED
-    except ChildFailedError as e:
-        if all(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
-            log.error(f"loom: stopped by a signal after saving a checkpoint (exit code {EXIT_PREEMPTED})")
-            return EXIT_PREEMPTED
-        first_rank, first = e.get_first_failure()
-        killed = sorted((f.timestamp, r) for r, f in e.failures.items() if f.exitcode < 0)
-        if killed and first.exitcode >= 0:  # a rank killed by a signal is the cause; the others saw it die
-            first_rank = killed[0][1]
-            first = e.failures[first_rank]
+    first_rank, first = e.get_first_failure()
+    killed = sorted((f.timestamp, r) for r, f in e.failures.items() if f.exitcode < 0)
+    if killed and first.exitcode >= 0:
+        first_rank = killed[0][1]
+        first = e.failures[first_rank]
 
-        def how(f) -> str:
-            return f.signal_name() if f.exitcode < 0 else f"exit code {f.exitcode}"
+    def how(f) -> str:
+        return f.signal_name() if f.exitcode < 0 else f"exit code {f.exitcode}"
 
-        others = [f"rank {r} ({how(f)})" for r, f in sorted(e.failures.items()) if r != first_rank]
-        log.error(
-            f"loom: error: rank {first_rank} (pid {first.pid}) failed first: {how(first)}; the other ranks were "
-            "stopped" + (f" ({', '.join(others)} after it)" if others else "")
-        )
-        return 1
-    return 0
+    others = [f"rank {r} ({how(f)})" for r, f in sorted(e.failures.items()) if r != first_rank]
+    log.error(
+        f"loom: error: rank {first_rank} (pid {first.pid}) failed first: {how(first)}; the other ranks were "
+        "stopped" + (f" ({', '.join(others)} after it)" if others else "")
+    )
+    return 1

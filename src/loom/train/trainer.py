@@ -17,19 +17,31 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from loom import __version__, faults, log
 from loom.config import Config, Derived, to_toml
 from loom.data.loader import DeviceBatches, ShardLoader, ValSet, read_meta
 from loom.data.tokenizers import copy_tokenizer, load_tokenizer
 from loom.distributed.comm import Control
+from loom.env import cpu_memory_release, cpu_memory_reuse
 from loom.errors import LoomError
-from loom.eval.val_loss import model_config, val_loss
-from loom.generate import generate
-from loom.metrics import Sinks, StepTimer, Throughput, format_step, open_sinks, peak_flops, peak_memory_bytes
-from loom.model import gpt_parallel
-from loom.model.flops import flops_per_token
-from loom.model.gpt import GPT
+from loom.eval.evaluator import EvalContext, Evaluator
+from loom.eval.hellaswag import HellaSwagEval
+from loom.eval.val_loss import ValLossEval
+from loom.generate import Sampler
+from loom.metrics import (
+    DTYPES,
+    Sinks,
+    StepTimer,
+    Throughput,
+    cpu_peak_flops,
+    format_step,
+    open_sinks,
+    peak_flops,
+    peak_memory_bytes,
+)
+from loom.model.registry import spec_of
 from loom.optim.schedule import lr_at
 from loom.outputs import write_marker
 from loom.parallel import parallelize
@@ -37,31 +49,25 @@ from loom.parallel.dims import ParallelDims
 from loom.parallel.state import model_state_bytes
 from loom.train.checkpointing import Checkpointer
 from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
-from loom.train.setup import cpu_memory_reuse, resolve_precision
-
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from loom.train.setup import resolve_precision
 
 
-def build_model(cfg: Config, vocab_size: int, device: torch.device | str = "meta") -> GPT:
-    """The single-device GPT for cfg.model, on the meta device by default: shapes only, no storage (loom.parallel
-    materializes each rank's pieces and initialises them from run.seed)."""
-    gcfg = model_config(cfg, vocab_size)
-    if gcfg.vocab_size < vocab_size:
-        raise LoomError(
-            f"model.vocab_size={gcfg.vocab_size} is smaller than the data's vocabulary {vocab_size}"
-        )
-    with torch.device(device):
-        return GPT(gcfg)
+def build_model(cfg: Config, vocab_size: int, device: torch.device | str = "meta") -> nn.Module:
+    """The single-device model of cfg.model's family, on the meta device by default: shapes only, no storage
+    (loom.parallel materializes each rank's pieces and initialises them from run.seed)."""
+    return spec_of(cfg).build_model(cfg, vocab_size, device)
 
 
-def pretrained_state(cfg: Config, model: GPT) -> dict | None:
-    """model.init_from=hf:DIR: the whole GPT-2 weights by loom's names, on the host (to fine-tune)."""
+def pretrained_state(cfg: Config, model: nn.Module) -> dict | None:
+    """model.init_from=hf:DIR: the whole imported weights by loom's names, on the host (to fine-tune)."""
     if not cfg.model.init_from:
         return None
-    from loom.model.hf import load_gpt2_into, parse_init_from
-
-    host = GPT(model.cfg)
-    load_gpt2_into(host, parse_init_from(cfg.model.init_from))
+    spec = spec_of(cfg)
+    if spec.hf is None:
+        raise LoomError(f"model.init_from={cfg.model.init_from}: the family '{spec.name}' has no HF mapping",
+                        hint="leave model.init_from empty, or choose a family that imports from transformers")  # fmt: skip
+    host = spec.build(model.cfg)
+    spec.hf.load_hf_into(host, spec.hf.parse_init_from(cfg.model.init_from))
     return host.state_dict()
 
 
@@ -82,22 +88,11 @@ class Trainer:
         self.meta = read_meta(data_dir)
         self.data_dir = data_dir
         t, dims = cfg.train, self.dims
-        # Data first: a block_size the data cannot provide fails here, before the model is built.
-        loader = ShardLoader(
-            data_dir,
-            t.batch_size,
-            cfg.model.block_size,
-            cfg.run.seed,
-            dims.dp_rank,
-            dims.dp,
-            align=cfg.data.align,
-        )
-        self.batches = DeviceBatches(loader, device)
-        self.valset = ValSet(
-            data_dir, cfg.model.block_size, t.eval_batches * t.batch_size, dims.dp_rank, dims.dp
-        )
+        self._data(
+            data_dir
+        )  # first: a block_size the data cannot provide fails here, before the model is built
         self.tokenizer = load_tokenizer(data_dir, self.meta) if self.meta.get("tokenizer") else None
-        self.hellaswag = self._hellaswag_examples()
+        hellaswag = self._hellaswag_examples()
         dtype = self.precision = resolve_precision(
             cfg.precision.dtype, device, loss_scaling=cfg.parallel.pp == 1
         )
@@ -105,19 +100,10 @@ class Trainer:
             log.info(f"precision.dtype=auto: {dtype} on {device}")
         if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise LoomError("precision.dtype=bf16 but this GPU has no bf16", hint="use precision.dtype=fp16")
-        model = build_model(cfg, self.meta["vocab_size"])
-        self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
-        self.parallel = parallelize(
-            model, dims, cfg, device, gpt_parallel, precision=dtype, n_microbatches=self.derived.pp_microbatches,
-            init=lambda name, whole: model.init_param(name, whole, cfg.run.seed),
-        )  # fmt: skip
-        pretrained = pretrained_state(cfg, model)  # a resumed checkpoint overrides it
-        if pretrained is not None:
-            self.parallel.load_model_state(pretrained)
+        model = self._model(dtype)
         torch.manual_seed(cfg.run.seed)  # dropout's stream: the same on every rank and every run of this seed
-        self.model = self.parallel.model
         self.optimizer = self.parallel.build_optimizer(cfg.optim)
-        self.autocast_dtype = AUTOCAST.get(dtype)
+        self.autocast_dtype = None if dtype == "fp32" else DTYPES[dtype]  # autocast for bf16 / fp16
         if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanoGPT)
             torch.backends.cuda.matmul.allow_tf32 = cfg.precision.tf32
             torch.backends.cudnn.allow_tf32 = cfg.precision.tf32
@@ -138,11 +124,42 @@ class Trainer:
         self.heartbeat = None  # set by run() in multi-process jobs: loom.distributed.health.Heartbeat
         self.op, self.op_step = "setup", 0  # op_step: the last step this rank began (its heartbeat)
         self.throughput = Throughput(
-            flops_per_token(model.cfg), peak_flops(device, dtype), dims.world_size, t.warmup_log_steps,
+            spec_of(cfg).flops_per_token(model.cfg, None), peak_flops(device, dtype), dims.world_size, t.warmup_log_steps,
             compiled=t.compile,
+            remeasure=(lambda: cpu_peak_flops(dtype, again=True)) if device.type == "cpu" else None,
         )  # fmt: skip
         self.metrics: Sinks | None = None  # opened with the run files, once nothing can fail cheaply
+        self.val = ValLossEval(self.valset, self.derived.micro_batch_size, t.eval_every)
+        self.evaluators = self._evaluators(hellaswag)
         self.checkpointer = Checkpointer(self)
+
+    def _data(self, data_dir: Path) -> None:
+        """The training batches (a global cursor; this data-parallel rank's slice) and the validation windows."""
+        cfg, t, dims = self.cfg, self.cfg.train, self.dims
+        loader = ShardLoader(data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, dims.dp_rank, dims.dp,
+                             align=cfg.data.align)  # fmt: skip
+        self.batches = DeviceBatches(loader, self.device)
+        self.valset = ValSet(
+            data_dir, cfg.model.block_size, t.eval_batches * t.batch_size, dims.dp_rank, dims.dp
+        )
+
+    def _model(self, dtype: str) -> torch.nn.Module:
+        """The family's model, built on the meta device and parallelized (each rank materializes and initialises
+        its pieces), imported weights loaded if model.init_from asks (a resumed checkpoint overrides them)."""
+        cfg = self.cfg
+        model = build_model(cfg, self.meta["vocab_size"])
+        self.model_cfg = model.cfg  # the family's own config (the whole model's: pipeline stages keep theirs)
+        self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
+        self.parallel = parallelize(
+            model, self.dims, cfg, self.device, spec_of(cfg), precision=dtype,
+            n_microbatches=self.derived.pp_microbatches,
+            init=lambda name, whole: model.init_param(name, whole, cfg.run.seed),
+        )  # fmt: skip
+        pretrained = pretrained_state(cfg, model)
+        if pretrained is not None:
+            self.parallel.load_model_state(pretrained)
+        self.model = self.parallel.model
+        return model
 
     def save(self, background: bool = False) -> bool:
         return self.checkpointer.save(background)
@@ -184,7 +201,7 @@ class Trainer:
         grad_norm = par.clip_grad_norm(self.cfg.optim.grad_clip or math.inf)
         # the step's one host read; then every rank agrees on stop and skip before the update
         loss, norm = torch.stack([par.mean_loss(loss_sum).float(), grad_norm.float()]).tolist()
-        stop, nonfinite = self._agree(norm)
+        stop, nonfinite = self._agree_stop_or_skip(norm)
         skip = self.guard.check(
             self.step + 1, loss, math.nan if nonfinite else norm, self.scaler.is_enabled()
         )
@@ -240,7 +257,7 @@ class Trainer:
         if self.heartbeat is not None:
             self.heartbeat.beat(self.op_step)
 
-    def _agree(self, grad_norm: float) -> tuple[bool, bool]:
+    def _agree_stop_or_skip(self, grad_norm: float) -> tuple[bool, bool]:
         """(stop requested on any rank, non-finite gradient on any rank): one tiny control-plane all-reduce per
         step, so every rank stops after the same step and skips the same steps."""
         self.op = f"the stop/skip agreement of step {self.step + 1}"
@@ -266,46 +283,23 @@ class Trainer:
                      f"{m['grads'] / 2**20:.1f} MiB, optimizer {m['optim'] / 2**20:.1f} MiB (this rank's share)")  # fmt: skip
         return {f"mem_{k}": v for k, v in m.items()}
 
+    def _evaluators(self, hellaswag: list[dict] | None) -> list[Evaluator]:
+        """What runs after a step when it is due, in this order; each evaluator owns its cadence."""
+        t, out = self.cfg.train, [self.val]
+        if hellaswag:
+            out.append(HellaSwagEval(hellaswag, t.hellaswag_every))
+        if self.tokenizer:
+            extend = spec_of(self.cfg).extends_context(self.model_cfg)
+            samples = self.run_dir / "samples.txt" if self.main else None
+            out.append(Sampler(t.sample_every, t.sample_tokens, self.cfg.run.seed, extend, samples))
+        return out
+
+    def eval_context(self) -> EvalContext:
+        return EvalContext(self.parallel, self.device, self.step, self._autocast, self.tokenizer)
+
     def evaluate(self) -> float:
-        par, micro = self.parallel, self.derived.micro_batch_size
-        if par.pipeline is not None:
-            return par.pipeline.val_loss(self.valset, micro, self._autocast, par.all_reduce_sum)
-        with par.loss_context():
-            return val_loss(
-                par.eval_model(), self.valset, micro, self.device, self._autocast, par.all_reduce_sum
-            )
-
-    _tokens_per_byte: float | None = None
-
-    def val_bpb(self, loss: float) -> float | None:
-        """Validation loss in bits per byte (eval.val_loss.bits_per_byte); None for data without a tokenizer.
-        The validation windows' bytes are counted once, at the first evaluation."""
-        from loom.eval.val_loss import bits_per_byte, tokens_per_byte
-
-        if self.tokenizer is None:
-            return None
-        if self._tokens_per_byte is None:
-            self._tokens_per_byte = tokens_per_byte(
-                self.valset, self.tokenizer, self.device, self.parallel.all_reduce_sum
-            )
-        return bits_per_byte(loss, self._tokens_per_byte)
-
-    def sample(self, prompt: str = "", max_new_tokens: int | None = None, model=None) -> str:
-        """Text from the model, with a generator of its own so training's RNG stream is untouched."""
-        ids = self.tokenizer.encode(prompt) if prompt else [self.tokenizer.eot_id]
-        idx = torch.tensor([ids], dtype=torch.long, device=self.device)
-        g = torch.Generator(device=self.device).manual_seed(self.cfg.run.seed + self.step)
-        with self._autocast():
-            out = generate(
-                model or self.model,
-                idx,
-                max_new_tokens or self.cfg.train.sample_tokens,
-                temperature=0.8,
-                top_k=200,
-                generator=g,
-                vocab_size=self.tokenizer.vocab_size,
-            )
-        return self.tokenizer.decode(out[0, len(ids) :].tolist())
+        """The validation loss now (every rank)."""
+        return self.val.run(self.eval_context())["val_loss"]
 
     # ---------------------------------------------------------------- the run
     def write_run_files(self) -> None:
@@ -342,21 +336,18 @@ class Trainer:
                             hint="prepare the data with loom (or use nanoGPT data with meta.pkl)")  # fmt: skip
         return read_examples(t.hellaswag_data, t.hellaswag_limit or None, self.tokenizer)  # encodable too
 
-    def hellaswag_accuracy(self) -> dict | None:
-        """HellaSwag over train.hellaswag_data (called on every rank): the examples split across the ranks when
-        each holds a whole or FSDP-sharded model; under tensor/pipeline parallelism rank 0 scores them all on a
-        gathered copy. The result on rank 0 (None elsewhere in the second case)."""
-        from loom.eval.hellaswag import evaluate
-
-        par = self.parallel
-        if self.dims.model_parallel:
-            model, rank, world, reduce = par.sampling_model(), 0, 1, (lambda x: x)
-        else:
-            model, rank, world, reduce = par.eval_model(), self.dims.rank, self.dims.world_size, par.all_reduce_sum  # fmt: skip
-        if model is None:
-            return None
-        with self._autocast():
-            return evaluate(model, self.tokenizer, self.hellaswag, self.device, rank, world, reduce)
+    def _cpu_memory(self):
+        """glibc's malloc for this layout on a CPU. Unsharded: keep freed memory for reuse (train.reuse_cpu_memory:
+        activations are not page-faulted in again every step). Sharded (FSDP, ZeRO-2, HSDP): give large blocks back
+        instead, since FSDP's gathered-block buffers (MBs each, every block, every step) otherwise pile up
+        fragmented in the heap: on 4 ranks of a 6x768 model the largest rank peaked at 1.74-1.97 GB with
+        ~0.39 GB live."""
+        if self.device.type != "cpu":
+            return contextlib.nullcontext(False)
+        if self.parallel.fsdp_roots:
+            cpu_memory_release()
+            return contextlib.nullcontext(False)
+        return cpu_memory_reuse(self.cfg.train.reuse_cpu_memory)
 
     def _due(self, every: int) -> bool:
         return every > 0 and self.step % every == 0
@@ -371,17 +362,18 @@ class Trainer:
             f" | grad accum {self.derived.grad_accum} | {self.derived.tokens_per_step:,} tokens/step"
             f" | {t.steps} steps | run {self.run_dir}"
         )
-        last_val = stopped = None
+        stopped = None
         self.stop.install()
         try:
-            with cpu_memory_reuse(self.device.type == "cpu" and t.reuse_cpu_memory):
+            with self._cpu_memory():
                 while self.step < t.steps:
-                    last_val = self._one_step(last_val)
+                    self._one_step()
                     if self.stop_reason:
                         stopped = self.stop_reason
                         break
         finally:
             self.stop.restore()
+        last_val = self.val.last
         summary = {"step": self.step, "val_loss": last_val, **self.throughput.summary()}
         summary.update(skipped_steps=self.guard.skipped, stopped_by=stopped)
         if self.scaler.is_enabled():
@@ -400,8 +392,8 @@ class Trainer:
 
     stop_reason: str | None = None
 
-    def _one_step(self, last_val: float | None) -> float | None:
-        """A step, then what is due after it: log, skip bookkeeping, stop on a signal, eval, sample, save."""
+    def _one_step(self) -> None:
+        """A step, then what is due after it: log, skip bookkeeping, stop on a signal, each evaluator, save."""
         t = self.cfg.train
         rec = self.train_step()
         final = self.step == t.steps
@@ -427,39 +419,20 @@ class Trainer:
                 log.info(
                     "checkpoint saved; run the same command with --resume (or train.resume=auto) to continue"
                 )
-            return last_val
-        if self._due(t.eval_every) or final:
-            last_val = self.evaluate()
-            bpb = self.val_bpb(last_val)
-            log.info(f"step {self.step:>6} | val loss {last_val:.4f}" + (f" | {bpb:.4f} bits/byte" if bpb else ""),
-                     style="bold")  # fmt: skip
-            if self.metrics:
-                extra = {"val_bpb": bpb} if bpb else {}
-                self.metrics.write(
-                    {"step": self.step, "tokens": rec["tokens"], "val_loss": last_val, **extra}
-                )
-        if self.hellaswag and (self._due(t.hellaswag_every) or final):
-            hs = self.hellaswag_accuracy()
-            if self.main and hs is not None:
-                log.info(f"step {self.step:>6} | hellaswag acc {hs['acc']:.4f} | acc_norm {hs['acc_norm']:.4f}"
-                         f" ({hs['n']} examples)", style="bold")  # fmt: skip
-                if self.metrics:
-                    self.metrics.write({"step": self.step, "tokens": rec["tokens"], "hellaswag_acc": hs["acc"],
-                                        "hellaswag_acc_norm": hs["acc_norm"]})  # fmt: skip
-        if (self._due(t.sample_every) or final) and self.tokenizer:
-            # FSDP: every rank runs the forward passes; tensor/pipeline parallel: rank 0 gets a whole copy
-            with self.parallel.sampling() as model:  # FSDP: the weights gathered once for the whole sample
-                text = self.sample(model=model) if model is not None else None
-            if self.main:
-                log.info(f"--- sample at step {self.step} ---\n{text}\n---")
-                with open(self.run_dir / "samples.txt", "a", encoding="utf-8") as f:
-                    f.write(f"=== step {self.step}\n{text}\n")
+            return
+        ctx = self.eval_context()
+        for ev in self.evaluators:
+            if ev.due(self.step, final):
+                found = ev.run(ctx)
+                if self.main and found:
+                    log.info(ev.line(self.step, found), style="bold")
+                    if self.metrics and ev.in_metrics:
+                        self.metrics.write({"step": self.step, "tokens": rec["tokens"], **found})
         if final:  # waited for, retried once, and an error if it still fails: no later save makes up for it
             with self.stop.finishing(f"the final checkpoint of step {self.step}"):
                 self.checkpointer.save_last("final")
         elif self._due(t.ckpt_every):
             self.save(background=True)  # with train.async_ckpt: written in a thread
-        return last_val
 
     def _after_bad_step(self, rec: dict) -> None:
         """Warn with the step and reason; after train.max_bad_steps in a row, save and stop."""
