@@ -124,7 +124,8 @@ class TrainConfig:
     reuse_cpu_memory: bool = _f(
         True,
         "CPU on Linux: keep freed memory in the process while training (glibc malloc without mmap/trim), "
-        "so large activations are not page-faulted in again every step (~20% faster steps on 10M params).",
+        "so large activations are not page-faulted in again every step (~20% faster steps on 10M params). "
+        "Sharded layouts (fsdp, zero2, HSDP) give large blocks back instead: their gathered weights fragment the heap.",
     )
     activation_checkpointing: str = _f(
         "none",
@@ -275,10 +276,19 @@ class Config:
         return dataclasses.asdict(self)
 
 
+# Pipeline schedules, the one table: parallel.pp_schedule -> (its class in torch.distributed.pipelining, stages
+# per pipeline rank: 2 for the looped placement, stage s on pipeline rank s mod pp)
+PP_SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2),
+    "zero-bubble": ("ScheduleInterleavedZeroBubble", 2),
+}
+SCHEDULE_STAGES_PER_RANK = {name: per_rank for name, (_, per_rank) in PP_SCHEDULES.items()}
+
 CHOICES = {
     ("data", "tokenizer"): ("char", "bpe"),
     ("model", "activation"): ("gelu_tanh", "gelu"),
-    ("model", "family"): ("gpt2", "llama"),
     ("model", "pos"): ("learned", "rope"),
     ("model", "norm"): ("layernorm", "rmsnorm"),
     ("model", "mlp"): ("gelu", "swiglu"),
@@ -296,7 +306,7 @@ CHOICES = {
     ("parallel", "reduce_dtype"): ("", "fp32", "bf16", "fp16"),
     ("parallel", "mpi_sync"): ("naive", "bucketed"),
     ("parallel", "mpi_allreduce"): ("mpi", "ring"),
-    ("parallel", "pp_schedule"): ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"),
+    ("parallel", "pp_schedule"): tuple(PP_SCHEDULES),
 }
 
 
@@ -360,8 +370,11 @@ def set_key(cfg: Config, key: str, value: Any, from_text: bool = False) -> None:
         )
     value = _coerce(key, value, getattr(sub, name), from_text)
     choices = CHOICES.get((section, name))
+    if (section, name) == ("model", "family"):  # the registered families (loom.model.registry, plug-ins too)
+        choices = tuple(FAMILIES)
     if choices and value not in choices:
-        raise LoomError(f"config key '{key}' must be one of {', '.join(choices)}; got '{value}'")
+        hint = "a plug-in family is loaded by naming its module in LOOM_PLUGINS" if name == "family" else None
+        raise LoomError(f"config key '{key}' must be one of {', '.join(choices)}; got '{value}'", hint=hint)
     setattr(sub, name, value)
 
 
@@ -389,6 +402,21 @@ def apply_dict(cfg: Config, data: dict[str, Any]) -> None:
             set_key(cfg, f"{section}.{name}", value)
 
 
+def config_argv(argv: list[str], config_arg: str | None, rest: list[str]) -> tuple[str | None, list[str]]:
+    """(config file, overrides) of a command with an optional config-file positional and --section.key=value
+    overrides (`rest`: what argparse left): an override argparse took for the file goes back to the
+    overrides, and `--train.steps 5` (no '=': the 5 read as the file) is refused, naming the fix."""
+    rest = list(rest)
+    if config_arg and config_arg.startswith("--"):
+        return None, [config_arg, *rest]
+    for i, a in enumerate(argv[1:], 1):
+        prev = argv[i - 1]
+        if config_arg and a == config_arg and prev.startswith("--") and "." in prev and "=" not in prev:
+            raise LoomError(f"'{a}' after {prev} was taken for the config file: an override before the "
+                            f"config file needs '=' ({prev}={a})", hint=f"write {prev}={a}")  # fmt: skip
+    return config_arg, rest
+
+
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     """Turn ['--model.n_layer=4', '--train.steps', '10'] into [(key, text)] pairs."""
     out, i = [], 0
@@ -411,6 +439,8 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 
 # model.family presets: the model keys each family sets, unless the TOML or the command line sets them.
+# The built-in families' are here so that a config parses without the model package; a plug-in family adds
+# its own when it registers (loom.model.registry.register).
 FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "tie_embeddings": True},
     "llama": {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False, "bias": False},
@@ -436,7 +466,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     pairs = parse_overrides(overrides or [])
     for k, v in pairs:
         set_key(cfg, k, v, from_text=True)
-    apply_family(cfg, _keys(data) | {k for k, _ in pairs})
+    explicit = _keys(data) | {k for k, _ in pairs}
+    apply_family(cfg, explicit)
+    if "model.activation" in explicit and cfg.model.mlp == "swiglu":  # set, and nothing reads it
+        from loom import log
+
+        log.warn(f"model.activation={cfg.model.activation} is not used: model.mlp=swiglu gates with SiLU "
+                 "(model.activation is the gelu MLP's); leave it out, or set model.mlp=gelu to use it")  # fmt: skip
     return cfg
 
 
@@ -530,9 +566,6 @@ class Derived:
     tokens_per_step: int
     micro_batch_size: int
     pp_microbatches: int = 1  # with pp > 1 the schedule splits the local batch; grad_accum is then 1
-
-
-SCHEDULE_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zero-bubble": 2}
 
 
 def mesh_degrees(cfg: Config, world_size: int) -> tuple[int, int, int]:
@@ -711,7 +744,7 @@ def validate(cfg: Config, dp_size: int = 1) -> Derived:
             f"one per stage",
             hint=f"set parallel.pp_microbatches >= {pp} (or a smaller train.micro_batch_size)",
         )
-    if cfg.parallel.pp_schedule in ("interleaved-1f1b", "zero-bubble") and n_mb % pp:
+    if SCHEDULE_STAGES_PER_RANK[cfg.parallel.pp_schedule] > 1 and n_mb % pp:  # the looped schedules
         raise LoomError(
             f"schedule {cfg.parallel.pp_schedule} needs pp_microbatches ({n_mb}) divisible by pp={pp}"
         )

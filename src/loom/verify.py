@@ -29,9 +29,11 @@ import torch
 from loom import log
 from loom.config import (
     FAMILIES,
+    PP_SCHEDULES,
     SCHEDULE_STAGES_PER_RANK,
     Config,
     ParallelConfig,
+    config_argv,
     load_config,
     mesh_degrees,
     parse_overrides,
@@ -103,8 +105,7 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("tp", tp=2),
         Strategy("tp-sp", tp=2, flags=("--parallel.sp=true",)),
         *(
-            Strategy(f"pp-{k}", pp=2, flags=(f"--parallel.pp_schedule={k}",))
-            for k in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+            Strategy(f"pp-{k}", pp=2, flags=(f"--parallel.pp_schedule={k}",)) for k in PP_SCHEDULES
         ),  # fmt: skip
         Strategy("dp-tp", min_world=4, tp=2, dp_impl="fsdp"),
         Strategy("dp-pp", min_world=4, pp=2),
@@ -338,12 +339,7 @@ def verify_main(argv: list[str]) -> int:
     p.add_argument("--tol-param", type=float, default=1e-5, help="max |param - reference| to pass")
     p.add_argument("--json", default=None, help="write the table as JSON records")
     args, overrides = p.parse_known_args(argv)
-    if args.config and args.config.startswith("--"):
-        overrides.insert(0, args.config)
-        args.config = None
-    from loom.cli import _check_override_value
-
-    _check_override_value(argv, args.config)  # `--train.steps 5`: the 5 is not a config file
+    args.config, overrides = config_argv(argv, args.config, overrides)  # `--train.steps 5`: 5 is no file
     if args.steps < 1:
         raise LoomError(f"--steps must be >= 1, got {args.steps}")
     _check_args(args)

@@ -89,3 +89,16 @@ def test_validate_derives_accumulation():
 def test_validate_errors(args, dp, match):
     with pytest.raises(LoomError, match=match):
         validate(load_config(None, args), dp)
+
+
+def test_an_activation_that_swiglu_does_not_read_is_warned_about(monkeypatch):
+    """model.activation set with mlp=swiglu did nothing, silently; the Llama preset alone says nothing."""
+    from loom import log
+
+    said = []
+    monkeypatch.setattr(log, "warn", said.append)
+    load_config(None, ["--model.family=llama"])
+    load_config(None, ["--model.activation=gelu"])  # the gelu MLP reads it
+    assert said == []
+    load_config(None, ["--model.family=llama", "--model.activation=gelu"])
+    assert len(said) == 1 and "model.activation=gelu is not used" in said[0] and "model.mlp=gelu" in said[0]

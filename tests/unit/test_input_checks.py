@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from loom import env
-from loom.cli import _check_override_value
+from loom.config import config_argv
 from loom.data.formats import check_dir
 from loom.errors import LoomError
 from loom.paths import check_not_endless, check_output_dir, check_output_file
@@ -90,10 +90,16 @@ def test_nproc_warning_names_the_usable_cores(monkeypatch):
 
 def test_bare_value_after_an_override():
     with pytest.raises(LoomError, match="write --train.steps=5"):
-        _check_override_value(["--train.steps", "5"], "5")
-    _check_override_value(["configs/x.toml", "--train.steps", "5"], "configs/x.toml")  # after the file: fine
-    _check_override_value(["--train.steps=5", "configs/x.toml"], "configs/x.toml")
-    _check_override_value(["--train.steps", "5"], None)
+        config_argv(["--train.steps", "5"], "5", [])
+    # after the file: fine
+    assert config_argv(["configs/x.toml", "--train.steps", "5"], "configs/x.toml", []) == (
+        "configs/x.toml",
+        [],
+    )
+    assert config_argv(["--train.steps=5", "configs/x.toml"], "configs/x.toml", []) == ("configs/x.toml", [])
+    assert config_argv(["--train.steps", "5"], None, ["--train.steps"]) == (None, ["--train.steps"])
+    # an override argparse took for the config file goes back to the overrides
+    assert config_argv(["--train.steps=5"], "--train.steps=5", ["--x"]) == (None, ["--train.steps=5", "--x"])
 
 
 def test_device_errors_name_the_option_they_came_from():

@@ -93,8 +93,9 @@ def _sync(device: torch.device) -> None:
 def measure(cfg: config.Config, modes: list[str], steps: int, warmup: int, rounds: int, synthetic: bool,
             work: Path) -> list[dict[str, Any]]:  # fmt: skip
     """One record per activation-checkpointing mode; see the module docstring for what is measured."""
+    from loom.env import cpu_memory_reuse
     from loom.train import Trainer
-    from loom.train.setup import cpu_memory_reuse, resolve_data, resolve_device
+    from loom.train.setup import resolve_data, resolve_device
 
     derived = config.validate(cfg, 1)
     device = resolve_device(cfg.train.device)
@@ -208,12 +209,7 @@ def _parser() -> argparse.ArgumentParser:
 def train_main(argv: list[str]) -> int:
     """`loom bench train`: time the training step of a config, per activation-checkpointing mode."""
     args, rest = _parser().parse_known_args(argv)
-    if args.config and args.config.startswith("--"):
-        rest.insert(0, args.config)
-        args.config = None
-    from loom.cli import _check_override_value
-
-    _check_override_value(argv, args.config)  # `--train.steps 5`: the 5 is not a config file
+    args.config, rest = config.config_argv(argv, args.config, rest)
     cfg = config.load_config(args.config, rest)
     modes = (
         [m.strip() for m in args.ac.split(",") if m.strip()]

@@ -12,14 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom.config import SCHEDULE_STAGES_PER_RANK
-
-SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "zero-bubble": "ScheduleInterleavedZeroBubble",
-}
+from loom.config import PP_SCHEDULES, SCHEDULE_STAGES_PER_RANK
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -43,7 +36,7 @@ class Pipeline:
         self.holds_first, self.holds_last = 0 in ids, n_stages - 1 in ids
         pstages = [pipelining.PipelineStage(st, sid, n_stages, device, group=pp_group)
                    for st, sid in zip(stages, ids, strict=True)]  # fmt: skip
-        cls = getattr(pipelining, SCHEDULES[schedule])
+        cls = getattr(pipelining, PP_SCHEDULES[schedule][0])
         self.schedule = cls(pstages[0] if len(pstages) == 1 else pstages, n_microbatches=n_microbatches,
                             loss_fn=lm_loss)  # fmt: skip
 
