@@ -85,8 +85,8 @@ def generate(
 class Sampler(Every):
     """A sample of text every train.sample_every steps (and at the end), printed and appended to the run's
     samples.txt. It has a generator of its own (seeded by run.seed + step), so training's RNG stream is untouched.
-    Called on every rank: an FSDP-sharded model's weights are gathered once for the whole sample
-    (Parallelized.sampling); under tensor/pipeline parallelism rank 0 samples from a gathered copy."""
+    Called on every rank: rank 0 samples, from a whole copy gathered once when the model is split (FSDP,
+    tensor, pipeline: Parallelized.sampling_model), while the others wait."""
 
     name = "sample"
     in_metrics = False
@@ -111,8 +111,8 @@ class Sampler(Every):
         return tok.decode(out[0, len(ids) :].tolist())
 
     def run(self, ctx: EvalContext) -> dict | None:
-        with ctx.parallel.sampling() as model:
-            text = self.text(model, ctx) if model is not None else None
+        model = ctx.parallel.sampling_model()  # rank 0: a whole copy (gathered once if split); others: None
+        text = self.text(model, ctx) if model is not None else None
         if text is None or self.out is None:
             return None
         with open(self.out, "a", encoding="utf-8") as f:

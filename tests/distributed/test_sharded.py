@@ -70,8 +70,9 @@ def test_generate_from_fsdp_run(tmp_path, char_data):
 
 @pytest.mark.parametrize("impl", ["fsdp", "zero2"])
 def test_sampling_mid_run_gathers_once_and_leaves_training_as_it_was(tmp_path, char_data, impl):
-    """The sample gathers the sharded weights once for the whole call (Parallelized.sampling) and gives them
-    back: a run that samples at steps 2 and 4 of 6 has the losses of a run that never samples, bit for bit."""
+    """The sample gathers the sharded weights once per call into a whole copy on rank 0
+    (Parallelized.sampling_model) instead of running FSDP's sharded forward once per token, and leaves the
+    training as it was: a run that samples at steps 2 and 4 of 6 has the losses of one that never samples."""
     base = [f"--data.path={char_data}", f"--run.dir={tmp_path}", *TINY, "--train.steps=6", "--nproc=2",
             f"--parallel.dp_impl={impl}", "--train.sample_tokens=40"]  # fmt: skip
     loom("train", "--run.name=quiet", *base)
@@ -92,7 +93,7 @@ def test_sampling_mid_run_gathers_once_and_leaves_training_as_it_was(tmp_path, c
     assert all(f"=== step {s}" in samples for s in (2, 4, 6))
     per_sample = [json.loads(f.read_text()) for f in sorted(counts.glob("rank*.json"))]
     assert len(per_sample) == 2 and all(len(c) == 3 for c in per_sample), per_sample
-    # one gather per FSDP unit (2 blocks and the root) per sample, not one per unit per token (3 x 40)
+    # at most one FSDP gather per unit (2 blocks and the root) per sample, never one per unit per token (3 x 40)
     assert all(n <= 3 for c in per_sample for n in c), per_sample
 
 

@@ -121,7 +121,6 @@ def ending_losses(model: torch.nn.Module, rows: list[list[int]], n_ctx: list[int
     return total, total / mask.sum(1)
 
 
-@torch.no_grad()
 class HellaSwagEval(Every):
     """HellaSwag accuracy over train.hellaswag_data every train.hellaswag_every steps. The examples split across
     the ranks when each holds a whole or FSDP-sharded model; under tensor/pipeline parallelism rank 0 scores them
@@ -150,6 +149,7 @@ class HellaSwagEval(Every):
                 f"{record['hellaswag_acc_norm']:.4f} ({record['hellaswag_n']} examples)")  # fmt: skip
 
 
+@torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
     tokenizer,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from loom import log
-from loom.model.registry import ModelSpec, ParallelPlan
+from loom.model.registry import ModelSpec
 from loom.optim.build import build_optimizer, param_groups
 from loom.parallel import state
 from loom.parallel.dims import ParallelDims
@@ -30,12 +30,12 @@ from loom.parallel.tensor import LocalLoss, align_grads, local, loss_context
 class Parallelized:
     """The model parts of this rank and the few things a training step asks of the layout."""
 
-    def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, plan: ParallelPlan):
-        self.model, self.dims, self.device, self.plan = model, dims, device, plan
+    def __init__(self, model: nn.Module, dims: ParallelDims, device: torch.device, spec: ModelSpec):
+        self.model, self.dims, self.device, self.spec = model, dims, device, spec
+        plan = self.plan = spec.parallel
         self.forward: nn.Module = model  # what a micro-step calls: DDP's wrapper, the TP loss wrapper, ...
         self.pipeline = None  # loom.parallel.pipeline.Pipeline when pp > 1
         self.fsdp_roots: list[nn.Module] = []
-        self.reshard_after_forward = True  # FSDP's setting for the roots (zero2 and replicas: False)
         self.grad_sync = None  # MPI's gradient synchroniser (loom.parallel.mpi_dp)
         self.tied_group = None  # pp: the first and last stage's group, for the tied embedding/head
         self.tied: dict[str, str] = plan.tied(model)  # alias -> canonical name of one tensor ({}: untied)
@@ -118,29 +118,21 @@ class Parallelized:
         return self.model if isinstance(self.forward, nn.parallel.DistributedDataParallel) else self.forward
 
     def sampling_model(self) -> nn.Module | None:
-        """The model this rank samples with, or None (called on every rank; may be a collective)."""
-        if self.dims.model_parallel:  # a whole single-device copy on rank 0
-            sd = self.model_state()
-            if not self.dims.is_main:
-                return None
-            full = type(self.model)(self.model.cfg).to(self.device)
-            full.load_state_dict(sd)
-            return full
-        if self.fsdp_roots:
-            return self.model  # every rank runs the (sharded) forward passes
-        return self.model if self.dims.is_main else None
-
-    @contextlib.contextmanager
-    def sampling(self):
-        """sampling_model() as a context (called on every rank): an FSDP-sharded model's parameters are
-        gathered once for the whole call and freed after it, instead of once per generated token."""
-        if not self.fsdp_roots or self.dims.model_parallel:
-            yield self.sampling_model()
-            return
-        from loom.parallel.fsdp import gathered
-
-        with gathered(self.fsdp_roots, self.reshard_after_forward):
-            yield self.model
+        """The model this rank samples with, or None (called on every rank; a collective when the model is
+        split). A whole model samples itself on rank 0. A split one (tensor, pipeline, FSDP/ZeRO-2) is gathered
+        once into a whole single-device copy on rank 0 while the other ranks wait: a sharded forward per token
+        would all-gather every block for every token on every rank (a 43M model's 200-token sample on 4 CPU
+        ranks: 105 s that way, benchmarks/results/)."""
+        if not (self.dims.model_parallel or self.fsdp_roots):
+            return self.model if self.dims.is_main else None
+        sd = self.model_state()
+        if not self.dims.is_main:
+            return None
+        with torch.device("meta"):
+            whole = self.spec.build(self.model.cfg)
+        whole.load_state_dict(sd, assign=True)
+        self.plan.retie(whole)
+        return whole.to(self.device)
 
     # ----------------------------------------------------------------------------- checkpoint state
     def model_state(self) -> dict:
@@ -188,7 +180,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
 
     p, t = cfg.parallel, cfg.train
     plan = spec.parallel
-    par = Parallelized(model, dims, device, plan)
+    par = Parallelized(model, dims, device, spec)
     mesh = dims.build_mesh(device.type) if dims.model_parallel or dims.fsdp_enabled else None
     if dims.tp_enabled:
         from loom.parallel.tensor import apply_tp
@@ -212,7 +204,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         reshard = dims.dp_impl == "fsdp" and dims.dp_shard > 1  # zero2 and replicas keep gathered parameters
         mp = mp_policy(p.param_dtype, p.reduce_dtype, device, precision)
         apply_fsdp(roots, plan.blocks, dp_mesh, reshard, mp, p.cpu_offload, device)
-        par.fsdp_roots, par.reshard_after_forward = roots, reshard
+        par.fsdp_roots = roots
     if any(t.is_meta for t in model.parameters()):
         from loom.parallel.init import materialize
 

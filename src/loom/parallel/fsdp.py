@@ -14,8 +14,6 @@ their data-parallel dimension.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn as nn
 
@@ -56,29 +54,6 @@ def apply_fsdp(roots: list[nn.Module], units_of, mesh, reshard_after_forward: bo
         for unit in units_of(root):
             fully_shard(unit, **kw)
         fully_shard(root, **kw)
-
-
-@contextlib.contextmanager
-def gathered(roots: list[nn.Module], reshard_after_forward: bool):
-    """Within it every FSDP unit of `roots` holds its whole parameters: all-gathered once on entry, kept through
-    any number of forward passes, freed on exit (restoring `reshard_after_forward`). For sampling: a sample of
-    N tokens otherwise all-gathers every block N times (a 43M model on 4 CPU ranks spent 126-141 s on 200
-    tokens). Costs one whole model's parameters on every rank meanwhile. Called on every rank (collective)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    # the roots are left as FSDP set them (a root keeps its parameters after forward anyway)
-    units = [m for root in roots for m in root.modules() if isinstance(m, FSDPModule) and m not in roots]
-    for m in units:
-        m.set_reshard_after_forward(False, recurse=False)
-    for m in [*roots, *units]:
-        m.unshard()
-    try:
-        yield
-    finally:
-        for m in units:
-            m.set_reshard_after_forward(reshard_after_forward, recurse=False)
-        for m in [*roots, *units]:
-            m.reshard()
 
 
 def set_gradient_sync(roots: list[nn.Module], enabled: bool) -> None:

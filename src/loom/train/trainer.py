@@ -88,9 +88,9 @@ class Trainer:
         self.meta = read_meta(data_dir)
         self.data_dir = data_dir
         t, dims = cfg.train, self.dims
-        self._data(
-            data_dir
-        )  # first: a block_size the data cannot provide fails here, before the model is built
+        if device.type == "cpu" and dims.fsdp_enabled:  # before any weight exists: see _cpu_memory
+            cpu_memory_release()
+        self._data(data_dir)  # first: a block_size the data cannot provide fails here, not after the model
         self.tokenizer = load_tokenizer(data_dir, self.meta) if self.meta.get("tokenizer") else None
         hellaswag = self._hellaswag_examples()
         dtype = self.precision = resolve_precision(
@@ -342,10 +342,7 @@ class Trainer:
         instead, since FSDP's gathered-block buffers (MBs each, every block, every step) otherwise pile up
         fragmented in the heap: on 4 ranks of a 6x768 model the largest rank peaked at 1.74-1.97 GB with
         ~0.39 GB live."""
-        if self.device.type != "cpu":
-            return contextlib.nullcontext(False)
-        if self.parallel.fsdp_roots:
-            cpu_memory_release()
+        if self.device.type != "cpu" or self.dims.fsdp_enabled:  # sharded: released since __init__
             return contextlib.nullcontext(False)
         return cpu_memory_reuse(self.cfg.train.reuse_cpu_memory)
 
