@@ -535,12 +535,17 @@ _NOT_THE_MODEL = ("init_from", "dropout")
 def check_model_config(saved: dict, cfg: Config, source: str, hint: str, *, inference: bool = False) -> None:
     """The one check of a saved model against a config: `saved` is the "model" section a checkpoint recorded
     (state.json, or a consolidated file's metadata; a key it lacks, newer than the save, counts as its
-    default). Every model key that differs is named, saved -> config, in a LoomError ("`source` was trained
+    default). Every model key that differs is named (saved -> config; inference: the run's and the
+    checkpoint's values) in a LoomError ("`source` was trained
     with another model shape: ...", with `hint`). inference: only the keys that change the shapes or the numerics
     of a forward pass (not _NOT_THE_MODEL); training (resume) compares every model key."""
     defaults = Config().to_dict()["model"]
     saved = {**defaults, **{k: v for k, v in saved.items() if k in defaults}}
-    diff = [f"model.{k}: {saved[k]!r} -> {v!r}" for k, v in cfg.to_dict()["model"].items()
+    # a resume changes the config from the saved one (saved -> config); a finished run's config.toml should
+    # say what its checkpoint holds (run vs checkpoint)
+    say = (lambda k, a, b: f"model.{k}: {b!r} in the run, {a!r} in the checkpoint") if inference else (
+        lambda k, a, b: f"model.{k}: {a!r} -> {b!r}")  # fmt: skip
+    diff = [say(k, saved[k], v) for k, v in cfg.to_dict()["model"].items()
             if saved[k] != v and not (inference and k in _NOT_THE_MODEL)]  # fmt: skip
     if diff:
         raise LoomError(f"{source} was trained with another model shape: " + "; ".join(diff), hint=hint)

@@ -33,8 +33,9 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def steps(run: Path) -> list[tuple[int, float]]:
-    """(step, loss) in the order written: a resumed run appends to its metrics.jsonl."""
-    return [(r["step"], r["loss"]) for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
+    """(step, loss) in the order written: a resumed run appends to its metrics.jsonl (every line read, the
+    records a resume superseded too)."""
+    return [(r["step"], r["loss"]) for r in read_jsonl(run / "metrics.jsonl", superseded=True) if "loss" in r]
 
 
 def _verify(tmp_path, char_data, strategies: list[str]) -> list[dict]:

@@ -61,7 +61,7 @@ def test_plugin_family_trains_resumes_and_exports(tmp_path, char_data):
 @pytest.mark.slow
 def test_plugin_family_passes_verify(tmp_path, char_data):
     out = tmp_path / "v.json"
-    loom("verify", "--strategies", "ddp,fsdp,tp,pp-1f1b", "--nproc", "2", "--steps", "6", "--out",
+    loom("verify", "--strategies", "ddp,fsdp,tp,pp-1f1b", "--nproc", "2", "--steps", "3", "--out",
          str(tmp_path / "v"), "--data", str(char_data), "--json", str(out), *TINY[:5])  # fmt: skip
     recs = json.loads(out.read_text())
     assert [r["strategy"] for r in recs] == ["ddp", "fsdp", "tp", "pp-1f1b"]
