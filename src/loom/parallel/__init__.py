@@ -122,7 +122,7 @@ class Parallelized:
         split). A whole model samples itself on rank 0. A split one (tensor, pipeline, FSDP/ZeRO-2) is gathered
         once into a whole single-device copy on rank 0 while the other ranks wait: a sharded forward per token
         would all-gather every block for every token on every rank (a 43M model's 200-token sample on 4 CPU
-        ranks: 105 s that way, benchmarks/results/)."""
+        ranks: 105 s that way, 15-19 s this way: benchmarks/fsdp_cpu_memory.py)."""
         if not (self.dims.model_parallel or self.fsdp_roots):
             return self.model if self.dims.is_main else None
         sd = self.model_state()

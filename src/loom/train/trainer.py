@@ -124,7 +124,7 @@ class Trainer:
         self.heartbeat = None  # set by run() in multi-process jobs: loom.distributed.health.Heartbeat
         self.op, self.op_step = "setup", 0  # op_step: the last step this rank began (its heartbeat)
         self.throughput = Throughput(
-            spec_of(cfg).flops_per_token(model.cfg, None), peak_flops(device, dtype), dims.world_size, t.warmup_log_steps,
+            self.spec.flops_per_token(model.cfg, None), peak_flops(device, dtype), dims.world_size, t.warmup_log_steps,
             compiled=t.compile,
             remeasure=(lambda: cpu_peak_flops(dtype, again=True)) if device.type == "cpu" else None,
         )  # fmt: skip
@@ -147,11 +147,12 @@ class Trainer:
         """The family's model, built on the meta device and parallelized (each rank materializes and initialises
         its pieces), imported weights loaded if model.init_from asks (a resumed checkpoint overrides them)."""
         cfg = self.cfg
-        model = build_model(cfg, self.meta["vocab_size"])
+        self.spec = spec_of(cfg)  # the model family: everything the trainer asks about the model
+        model = self.spec.build_model(cfg, self.meta["vocab_size"])
         self.model_cfg = model.cfg  # the family's own config (the whole model's: pipeline stages keep theirs)
         self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
         self.parallel = parallelize(
-            model, self.dims, cfg, self.device, spec_of(cfg), precision=dtype,
+            model, self.dims, cfg, self.device, self.spec, precision=dtype,
             n_microbatches=self.derived.pp_microbatches,
             init=lambda name, whole: model.init_param(name, whole, cfg.run.seed),
         )  # fmt: skip
@@ -289,17 +290,13 @@ class Trainer:
         if hellaswag:
             out.append(HellaSwagEval(hellaswag, t.hellaswag_every))
         if self.tokenizer:
-            extend = spec_of(self.cfg).extends_context(self.model_cfg)
+            extend = self.spec.extends_context(self.model_cfg)
             samples = self.run_dir / "samples.txt" if self.main else None
             out.append(Sampler(t.sample_every, t.sample_tokens, self.cfg.run.seed, extend, samples))
         return out
 
     def eval_context(self) -> EvalContext:
         return EvalContext(self.parallel, self.device, self.step, self._autocast, self.tokenizer)
-
-    def evaluate(self) -> float:
-        """The validation loss now (every rank)."""
-        return self.val.run(self.eval_context())["val_loss"]
 
     # ---------------------------------------------------------------- the run
     def write_run_files(self) -> None:
