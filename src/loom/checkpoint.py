@@ -10,7 +10,8 @@ Layout of `<run>/ckpt/step_000500/`:
 Everything is written into `step_000500.tmp/` and renamed when complete, so a crash never leaves a half
 checkpoint under a final name. Loading uses `torch.load(weights_only=True)`: no pickle code runs.
 
-That is format 1 (whole tensors, written by rank 0), still read. The trainer writes format 2 (`save_sharded`):
+That is format 1 (whole tensors, written by rank 0 until the sharded writer of issue 16 replaced it): still read,
+no longer written. The trainer writes format 2 (`save_sharded`):
   model/        torch.distributed.checkpoint (DCP) folder: `__<rank>_0.distcp` per rank + `.metadata`
   optim/        the same for the optimizer state, keyed by parameter name
   extra.pt, state.json   as above, from rank 0
@@ -100,59 +101,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def save(
-    ckpt_dir: str | Path,
-    step: int,
-    tensors: dict[str, Any],
-    state: dict,
-    keep_last: int,
-    free_bytes: int | None = None,
-    after_first_file: Callable[[Path], None] | None = None,
-) -> Path:
-    """Write a checkpoint for `step`; `tensors` maps 'model'/'optim'/'extra' to state dicts.
-
-    Free space is checked first (against `estimate_bytes`); a write that fails half way (disk full, I/O
-    error) removes its temporary folder and raises LoomError, leaving every earlier checkpoint as it was.
-    `free_bytes` and `after_first_file` are test hooks (loom.faults): a fake free figure, and a call made
-    once the first file is on disk.
-    """
-    final = step_dir(ckpt_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
-    check_free_space(ckpt_dir, step, estimate_bytes(tensors, state), free_bytes)
-    try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        for i, name in enumerate(TENSOR_FILES):
-            torch.save(tensors.get(name.removesuffix(".pt"), {}), tmp / name)
-            if i == 0 and after_first_file is not None:
-                after_first_file(tmp)
-        (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
-        files = {
-            p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p, sync=True)}
-            for p in sorted(tmp.iterdir())
-        }
-        (tmp / "manifest.json").write_text(
-            json.dumps({"step": step, "files": files}, indent=1), encoding="utf-8"
-        )
-        _sha256(tmp / "manifest.json", sync=True)
-        _fsync_dir(tmp)
-        if final.exists():  # the same step saved again (e.g. the final step after a resume): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise LoomError(
-            f"could not write checkpoint step {step} to '{final}': {e.strerror or e}",
-            hint="check free space and permissions of run.dir; earlier checkpoints are untouched",
-        ) from None
-    for stale in Path(ckpt_dir).glob("step_*.tmp"):  # left by a process killed while writing
-        shutil.rmtree(stale, ignore_errors=True)
-    prune(ckpt_dir, keep_last)
-    return final
 
 
 def _write_error(step: int, final: Path, e: BaseException) -> LoomError:

@@ -130,7 +130,7 @@ def encoder_spec(tok, dtype=np.int64) -> dict:
 
 
 @dataclass
-class Plan:
+class PrepareRequest:
     """The settings of one preparation; its fingerprint decides whether an unfinished one may continue."""
 
     inputs: list[str]
@@ -200,7 +200,9 @@ def _bar(label: str, total: int | None):
         yield update
 
 
-def _units(plan: Plan, files, stats: ReadStats, total_chars: int | None) -> Iterator[tuple[str, object]]:
+def _units(
+    plan: PrepareRequest, files, stats: ReadStats, total_chars: int | None
+) -> Iterator[tuple[str, object]]:
     """(split, unit) for every document piece, in order."""
     sp = Splitter(plan.val_fraction, plan.split_mode, plan.seed, total_chars)
     for u in iter_units(files, plan.read, stats):
@@ -209,7 +211,7 @@ def _units(plan: Plan, files, stats: ReadStats, total_chars: int | None) -> Iter
     yield from sp.finish()
 
 
-def _count_chars(plan: Plan, files, label: str) -> int:
+def _count_chars(plan: PrepareRequest, files, label: str) -> int:
     """Characters of the whole corpus (a reading pass; the tail split needs the total first)."""
     stats, n = ReadStats(), 0
     with _bar(label, estimated_bytes(files)) as update:
@@ -221,7 +223,7 @@ def _count_chars(plan: Plan, files, label: str) -> int:
     return n
 
 
-def _train_tokenizer(plan: Plan, files, total_chars: int | None):
+def _train_tokenizer(plan: PrepareRequest, files, total_chars: int | None):
     """char: the characters of the whole corpus; bpe: trained on a sample of the train split (documents
     taken with a seeded probability, each capped at doc_cap characters); else the given tokenizer.json."""
     if plan.tokenizer not in ("char", "bpe"):
@@ -372,7 +374,7 @@ def prepare(
         if not read.text_separator and not read.doc_chars:
             log.info("one document only: splitting its characters (train first, val last)")
             mode = "tail"
-    plan = Plan([str(p) for p in inputs], tokenizer, vocab_size, val_fraction, mode, seed, shard_tokens, read,
+    plan = PrepareRequest([str(p) for p in inputs], tokenizer, vocab_size, val_fraction, mode, seed, shard_tokens, read,
                 tokenizer_sample, doc_cap, pattern, bpe_trainer, dtype, chunk_chars)  # fmt: skip
     tmp = out.with_name(f".{out.name}.loom-tmp")
     fingerprint = plan.fingerprint(files)
@@ -407,7 +409,7 @@ def prepare(
 
 
 def _run(
-    plan: Plan,
+    plan: PrepareRequest,
     files,
     tmp: Path,
     rec: dict | None,

@@ -141,13 +141,6 @@ class Parallelized:
     def load_model_state(self, sd: dict) -> None:
         state.load_model_state(self.model, sd, self.tied)
 
-    def optim_state(self, opt) -> dict:
-        if self.dims.dp_impl == "zero1" and self.dims.dp_enabled:
-            from loom.parallel.zero import zero1_state
-
-            return zero1_state(opt, self.dims.is_main)
-        return state.optim_state(self.model, opt, self.dims, self.order, self.tied)
-
     def sharded_state(self, opt) -> tuple[dict, dict]:
         """(model, optimizer) state of this rank's pieces under single-device names, for DCP (nothing gathered)."""
         from loom.parallel import dcp_state

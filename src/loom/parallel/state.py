@@ -1,11 +1,12 @@
 """Checkpoint state as whole tensors under the single-device model's names, from any layout.
 
-Every parameter and optimizer tensor is made whole (DTensor.full_tensor: a collective over its own mesh,
+Every parameter is made whole (DTensor.full_tensor: a collective over its own mesh,
 so only the ranks of one pipeline stage take part), kept on global rank 0, and with pipeline parallel each
 stage's first rank sends its stage there (gather_object). Loading slices each rank's piece out of the whole
 tensors (loom.parallel.init.load_full), so a checkpoint saved under one layout resumes under any other and
 `loom generate` reads it as a plain model. Checkpoints are now written sharded (dcp_state.py); this path
-remains for a whole copy to sample from under tensor/pipeline parallel and for checkpoints of format 1.
+remains for a whole copy to sample from when the model is split, and to load checkpoints of format 1
+(whole model and optimizer state, which only earlier mains wrote).
 """
 
 from __future__ import annotations
@@ -58,23 +59,6 @@ def load_model_state(model: nn.Module, sd: dict, aliases: dict[str, str]) -> Non
 def _optimizer_names(model: nn.Module, opt, aliases) -> list[str]:
     ids = {id(p): n for n, p in model.named_parameters()}
     return [canonical(ids[id(p)], aliases) for g in opt.param_groups for p in g["params"]]
-
-
-def optim_state(model: nn.Module, opt, dims: ParallelDims, order: list[list[str]], aliases) -> dict:
-    """torch's index-keyed optimizer state of the single-device model (order: its names per param group)."""
-    sd, names, keep = opt.state_dict(), _optimizer_names(model, opt, aliases), _sender(dims)
-    part = {
-        "state": {names[i]: {k: _whole(v, keep) if v.dim() else v for k, v in s.items()} for i, s in sd["state"].items()},
-        "groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]],
-    }  # fmt: skip
-    parts = _merge_stages(part, dims)
-    if not dims.is_main:
-        return {}
-    index = {n: i for i, n in enumerate(n for g in order for n in g)}
-    state = {index[n]: s for p in parts for n, s in p["state"].items()}
-    groups = [{**g, "params": [index[n] for n in names_in_group]}
-              for g, names_in_group in zip(parts[0]["groups"], order, strict=True)]  # fmt: skip
-    return {"state": state, "param_groups": groups}
 
 
 def load_optim_state(model: nn.Module, opt, sd: dict, order: list[list[str]], aliases) -> None:

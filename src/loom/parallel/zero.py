@@ -32,9 +32,3 @@ def build_zero1_optimizer(model: torch.nn.Module, ocfg, device: torch.device) ->
                                   weight_decay=groups[0]["weight_decay"], **kw)  # fmt: skip
     opt.add_param_group(groups[1])
     return opt
-
-
-def zero1_state(opt: ZeroRedundancyOptimizer, is_main: bool) -> dict:
-    """The full optimizer state on rank 0 (a collective); {} elsewhere."""
-    opt.consolidate_state_dict(to=0)
-    return opt.state_dict() if is_main else {}
