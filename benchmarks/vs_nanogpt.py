@@ -1,6 +1,7 @@
 """loom against nanoGPT on the same machine, data and shapes, interleaved in one run.
 
     python benchmarks/vs_nanogpt.py --nanogpt PATH [--shapes baby,6l] [--text input.txt] [--json out.json]
+                                    [--loom-before OTHER_LOOM_CHECKOUT]
 
 PATH is a checkout of https://github.com/karpathy/nanoGPT; this script only runs its train.py (with the
 interpreter running this script, which needs torch and numpy). Both train on Tiny Shakespeare characters in
@@ -226,6 +227,11 @@ def compare(shape: str, args, nanogpt: Path, work: Path) -> dict:
     for i, (name, run) in enumerate(looms.items()):
         seed = [f"--run.seed={args.loom_seeds[i - 1]}"] if i else []
         runners.append(Runner(name, [*loom_argv, f"--run.name={run}", *seed], ROOT, LOOM_STEP, LOOM_EVAL))
+    if args.loom_before:  # another checkout of loom, its own code and config, for a before/after in one run
+        tree = args.loom_before.resolve()
+        argv = [*loom_argv[:4], str(tree / spec["loom_config"]), *loom_argv[5:], f"--run.name=loom-{shape}-before"]
+        looms["loom before"] = f"loom-{shape}-before"
+        runners.append(Runner("loom before", argv, tree, LOOM_STEP, LOOM_EVAL, {"PYTHONPATH": str(tree / "src")}))
     slice_s = args.slice or (3.0 if shape == "baby" else 40.0)
     print(f"[{shape}] {steps} steps each, interleaved in slices of {slice_s:.0f}s ...", flush=True)
     t0 = time.monotonic()
@@ -248,6 +254,10 @@ def compare(shape: str, args, nanogpt: Path, work: Path) -> dict:
     if n.get("tokens_per_s") and lo.get("tokens_per_s"):
         out["tokens_per_s_ratio"] = lo["tokens_per_s"] / n["tokens_per_s"]
         out["tokens_per_s_ratio_median_step"] = lo["tokens_per_s_median_step"] / n["tokens_per_s_median_step"]
+    before = out.get("loom before", {})
+    if before.get("tokens_per_s") and lo.get("tokens_per_s"):
+        out["after_before_tokens_per_s_ratio"] = lo["tokens_per_s"] / before["tokens_per_s"]
+        out["after_before_ratio_median_step"] = lo["tokens_per_s_median_step"] / before["tokens_per_s_median_step"]
     if n.get("time_to_target_s") and lo.get("time_to_target_s"):
         out["time_to_target_ratio"] = n["time_to_target_s"] / lo["time_to_target_s"]
     out["same_evaluator"] = same_evaluator(nanogpt, work, shape, steps, data, looms)
@@ -311,6 +321,9 @@ def report(res: dict) -> None:
     if "tokens_per_s_ratio" in res:
         print(f"  loom / nanoGPT tokens/s: {res['tokens_per_s_ratio']:.2f}x "
               f"(median step: {res['tokens_per_s_ratio_median_step']:.2f}x)")  # fmt: skip
+    if "after_before_tokens_per_s_ratio" in res:
+        print(f"  loom (this tree) / loom before tokens/s: {res['after_before_tokens_per_s_ratio']:.3f}x "
+              f"(median step: {res['after_before_ratio_median_step']:.3f}x)")
     same = res.get("same_evaluator", {})
     if "loom" in same:
         print(
@@ -344,6 +357,9 @@ def main() -> None:
                    f"(GLIBC_TUNABLES={GLIBC_REUSE}), to compare the code alone")  # fmt: skip
     p.add_argument("--loom-seeds", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
                    help="extra loom runs with these run.seed values (comma list), for the val loss noise")  # fmt: skip
+    p.add_argument("--loom-before", type=Path,
+                   help="another loom checkout run beside this one, interleaved (its src/ and configs/): the "
+                   "step time of a change, before and after in one run")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
     nanogpt = args.nanogpt.resolve()
