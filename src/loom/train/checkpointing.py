@@ -1,60 +1,109 @@
 """The trainer's checkpoint component: what a checkpoint holds, saving it (every rank learns the outcome),
-and loading it back into any layout."""
+and loading it back into any layout. It is handed the Stateful parts it saves (loom.train.state) and the few
+values and hooks it needs of the job, never the trainer: a new resumable part is one more Stateful."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from loom import __version__, checkpoint, log
-from loom.config import check_model_config
+from loom.config import Config, check_model_config
 from loom.distributed.comm import Control
 from loom.errors import LoomError, PeerError
+from loom.faults import Faults
+from loom.train.state import Stateful, TrainState
+
+
+@dataclass(frozen=True)
+class CheckpointParts:
+    """The resumable state of a run, laid out on disk as every loom version reads it: model/ and optim/ (DCP
+    shards; format 1: model.pt and optim.pt), extra.pt with the RNG's keys and "scaler", state.json with the
+    train state's keys ("step") and "loader" beside the run's config, world size and loom version."""
+
+    model_optim: Stateful  # {"model", "optim"}: loom.train.state.ModelOptimState
+    loader: Stateful
+    scaler: Stateful
+    rng: Stateful  # {"rng_cpu", "rng_cuda" on a GPU}
+    train: TrainState  # the step the checkpoint is of
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Where checkpoints go and what a save does when it fails or may run in the background."""
+
+    folder: Path  # the run's ckpt/
+    keep_last: int  # train.keep_last
+    on_save_error: str = "stop"  # train.on_save_error: "stop" | "continue"
+    async_ckpt: str = "auto"  # train.async_ckpt: "auto" (on a GPU) | "true" | "false"
+
+    @classmethod
+    def of(cls, cfg: Config, run_dir: Path) -> CheckpointPolicy:
+        t = cfg.train
+        return cls(run_dir / "ckpt", t.keep_last, t.on_save_error, t.async_ckpt)
+
+
+@dataclass(frozen=True)
+class CheckpointJob:
+    """What the checkpointer needs of the job around it: values, the control plane and hooks."""
+
+    config: Config  # saved in state.json; a resumed checkpoint's model must match its model section
+    world_size: int
+    is_main: bool
+    device_type: str  # "cuda": background saves by default, staged in pinned memory
+    control: Control  # every rank learns each save's outcome through it
+    faults: Faults  # test hooks: a disk that fills up, a crash in the middle of a save
+    # a metrics record (metrics.jsonl is opened after the checkpointer is made, so a callable, not the sinks)
+    record: Callable[[dict], None]
+    # names the operation under way: the error a failed or timed-out collective raises says which
+    name_op: Callable[[str], None]
 
 
 class Checkpointer:
-    """Saves and loads the trainer's model, optimizer, loader, scaler, RNG and step."""
+    """Saves and loads the Stateful parts of a run: model and optimizer, loader, scaler, RNG, train state."""
 
-    def __init__(self, trainer):
-        self.tr = trainer
+    def __init__(self, parts: CheckpointParts, policy: CheckpointPolicy, job: CheckpointJob):
+        self.parts, self.policy, self.job = parts, policy, job
         self._inflight = None  # (step, result box, thread) of a background save
         self._stager = self._group = self._control = None
 
+    @property
+    def step(self) -> int:
+        return self.parts.train.step
+
     def state(self) -> tuple[dict, dict]:
-        tr = self.tr
-        extra = {"rng_cpu": torch.get_rng_state(), "scaler": tr.scaler.state_dict()}
-        if tr.device.type == "cuda":
-            extra["rng_cuda"] = torch.cuda.get_rng_state(tr.device)
-        model_sd, optim_sd = tr.parallel.sharded_state(tr.optimizer)  # this rank's pieces, nothing gathered
-        tensors = {"model": model_sd, "optim": optim_sd, "extra": extra}
+        """This rank's (tensors {"model", "optim", "extra"}, state.json) in the checkpoint format."""
+        p, job = self.parts, self.job
+        extra = {**p.rng.state_dict(), "scaler": p.scaler.state_dict()}
+        tensors = {**p.model_optim.state_dict(), "extra": extra}  # this rank's pieces, nothing gathered
         state = {
-            "step": tr.step,
-            "loader": tr.batches.state_dict(),
-            "config": tr.cfg.to_dict(),
-            "world_size": tr.dims.world_size,
+            **p.train.state_dict(),
+            "loader": p.loader.state_dict(),
+            "config": job.config.to_dict(),
+            "world_size": job.world_size,
             "loom_version": __version__,
         }
         return tensors, state
 
     # ------------------------------------------------------------------------------- saving
     def async_enabled(self) -> bool:
-        mode = self.tr.cfg.train.async_ckpt
-        return self.tr.device.type == "cuda" if mode == "auto" else mode == "true"
+        mode = self.policy.async_ckpt
+        return self.job.device_type == "cuda" if mode == "auto" else mode == "true"
 
     def _write(self, step: int, tensors: dict, state: dict, control, group=None) -> LoomError | None:
         """Every rank's part of a sharded save; the error it ended with (every rank raises when one fails)."""
-        tr = self.tr
+        faults = self.job.faults
         try:
             path = checkpoint.save_sharded(
-                tr.run_dir / "ckpt", step, tensors["model"], tensors["optim"], tensors["extra"], state,
-                tr.cfg.train.keep_last, control, free_bytes=tr.faults.free_bytes,
-                after_first_file=lambda tmp: tr.faults.mid_save(step, tmp), group=group,
+                self.policy.folder, step, tensors["model"], tensors["optim"], tensors["extra"], state,
+                self.policy.keep_last, control, free_bytes=faults.free_bytes,
+                after_first_file=lambda tmp: faults.mid_save(step, tmp), group=group,
             )  # fmt: skip
             log.info(f"saved checkpoint {path}")
         except LoomError as e:
-            return e if tr.dims.is_main or "another rank" not in e.message else None
+            return e if self.job.is_main or "another rank" not in e.message else None
         return None
 
     last_error: LoomError | None = None  # of the newest failed save (save_last names it)
@@ -68,80 +117,74 @@ class Checkpointer:
         them in a thread; its outcome is agreed on when the next save (or the end of the run) waits for it."""
         import time
 
-        tr = self.tr
         t0 = time.perf_counter()
         busy = self._inflight is not None and self._inflight[2].is_alive()
         self.wait()  # at most one save in flight
-        waited = time.perf_counter() - t0
-        if busy and tr.main:
+        waited, step = time.perf_counter() - t0, self.step
+        if busy and self.job.is_main:
             log.warn(f"the background save of the previous checkpoint was still writing: the loop waited "
-                     f"{waited:.2f}s for it before step {tr.step}'s save; saves come faster than they are "
+                     f"{waited:.2f}s for it before step {step}'s save; saves come faster than they are "
                      "written, so raise train.ckpt_every (or write to faster storage)")  # fmt: skip
-        tr.op = f"the sharded checkpoint save at step {tr.step}"
+        self.job.name_op(f"the sharded checkpoint save at step {step}")
         tensors, state = self.state()
         if background and self.async_enabled():
             self._start(tensors, state)
             self._record(waited, time.perf_counter() - t0)
             return True
-        saved = self._saved_everywhere(tr.step, self._write(tr.step, tensors, state, tr.control), self._last)
+        saved = self._saved_everywhere(step, self._write(step, tensors, state, self.job.control), self._last)
         self._record(waited, time.perf_counter() - t0)
         return saved
 
     def _record(self, waited: float, blocked: float) -> None:
         """metrics.jsonl gets, per save, how long the loop stood still for it (`ckpt_blocked_s`) and the part
         of that spent waiting for the previous background save to finish (`ckpt_waited_s`)."""
-        if self.tr.metrics:
-            self.tr.metrics.write({"step": self.tr.step, "ckpt_blocked_s": round(blocked, 4),
-                                   "ckpt_waited_s": round(waited, 4)})  # fmt: skip
+        rec = {"step": self.step, "ckpt_blocked_s": round(blocked, 4), "ckpt_waited_s": round(waited, 4)}
+        self.job.record(rec)
 
     def _saved_everywhere(self, step: int, error: LoomError | None, last: bool = False) -> bool:
         """Every rank learns whether the save of `step` failed anywhere. A failure raises under
         train.on_save_error=stop, else warns and returns False; `last`: the run's last save (save_last
         decides what follows, whatever the policy)."""
-        tr = self.tr
-        tr.op = f"the checkpoint-result agreement at step {step}"
-        failed = tr.control.all_reduce_sum([float(error is not None)])[0] > 0
+        self.job.name_op(f"the checkpoint-result agreement at step {step}")
+        failed = self.job.control.all_reduce_sum([float(error is not None)])[0] > 0
         if not failed:
             return True
         self.last_error = error or LoomError(f"another rank could not write the checkpoint of step {step}")
-        if tr.cfg.train.on_save_error == "stop" and not last:
+        if self.policy.on_save_error == "stop" and not last:
             raise self.last_error
         if error is not None:
             then = ("it is the run's last save" if last else
                     "training goes on (train.on_save_error=continue), the next save tries again")  # fmt: skip
             log.warn(f"checkpoint of step {step} not saved ({error.message}); {then}")
-            if tr.metrics:
-                tr.metrics.write({"step": step, "ckpt_error": error.message})
+            self.job.record({"step": step, "ckpt_error": error.message})
         return False
 
     def save_last(self, what: str) -> None:
         """The run's last save (`what`: "final" at its end, "stop" on a signal). No later save makes up for
         it, so a failure is retried once, and a second one ends the run with an error that says which steps
         are in no checkpoint and what to do (under either train.on_save_error)."""
-        tr = self.tr
-        self.last_error, self._last = None, True
+        self.last_error, self._last, step = None, True, self.step
         try:
             for attempt in (1, 2):
                 if attempt == 2:
-                    log.warn(f"retrying the {what} checkpoint of step {tr.step} once")
+                    log.warn(f"retrying the {what} checkpoint of step {step} once")
                 if self.save():
                     return
         finally:
             self._last = False
-        ckpt_dir = tr.run_dir / "ckpt"
+        ckpt_dir = self.policy.folder
         newest = checkpoint.latest_valid(ckpt_dir, share=None)  # sizes only: the message, not a resume
         since = checkpoint.read_state(newest)["step"] if newest is not None else 0
         reason = self.last_error.message if self.last_error else "unknown error"
-        then = (f"--resume continues from step {since} ('{newest}') and redoes steps {since + 1}-{tr.step}"
+        then = (f"--resume continues from step {since} ('{newest}') and redoes steps {since + 1}-{step}"
                 if newest is not None else "the run has no checkpoint: start it again with --force")  # fmt: skip
-        msg = (f"the {what} checkpoint of step {tr.step} could not be saved (tried twice: {reason}); "
-               f"steps {since + 1}-{tr.step} of this run are in no checkpoint")  # fmt: skip
+        msg = (f"the {what} checkpoint of step {step} could not be saved (tried twice: {reason}); "
+               f"steps {since + 1}-{step} of this run are in no checkpoint")  # fmt: skip
         hint = (
             f"free disk space or fix the permissions of '{ckpt_dir}' (or set run.dir elsewhere), then {then}"
         )
-        if tr.metrics:
-            tr.metrics.write({"step": tr.step, "stopped": f"{what} checkpoint not saved"})
-        if tr.dims.is_main:
+        self.job.record({"step": step, "stopped": f"{what} checkpoint not saved"})
+        if self.job.is_main:
             raise LoomError(msg, hint=hint)
         raise PeerError(msg, hint=hint)  # rank 0 prints the message
 
@@ -156,7 +199,7 @@ class Checkpointer:
 
         from loom.parallel.dcp_state import HostStager
 
-        self._stager = HostStager(self.tr.device.type == "cuda")
+        self._stager = HostStager(self.job.device_type == "cuda")
         self._group, self._control = _background_group()
         tensors, _ = self.state()
         for part in ("model", "optim"):
@@ -167,13 +210,12 @@ class Checkpointer:
         thread whose collectives run on a gloo group of their own, never beside the training's."""
         import threading
 
-        tr = self.tr
         self.warm()
         staged = {part: self._stager.stage(part, tensors[part]) for part in ("model", "optim")}
         staged["extra"] = tensors["extra"]
-        step, control, group = tr.step, self._control or Control(), self._group
+        step, control, group = self.step, self._control or Control(), self._group
         # without a process group (one process, MPI) rank 0 writes alone: the thread needs no collective
-        writes = self._group is not None or tr.dims.is_main
+        writes = self._group is not None or self.job.is_main
         box: dict = {}
 
         def run() -> None:
@@ -189,34 +231,30 @@ class Checkpointer:
             return None
         step, box, thread = self._inflight
         self._inflight = None
-        self.tr.op = f"the background checkpoint save of step {step}"
+        self.job.name_op(f"the background checkpoint save of step {step}")
         thread.join()
         return self._saved_everywhere(
             step, box.get("error", LoomError(f"the checkpoint writer of step {step} crashed"))
         )
 
     def load(self, path: Path) -> None:
-        tr = self.tr
-        sharded = checkpoint.is_sharded(path)
-        if sharded:
+        """Resume every part from a checkpoint folder of either format, saved under any layout."""
+        p = self.parts
+        if checkpoint.is_sharded(path):  # each rank reads the pieces its layout holds from the DCP folders
             tensors, state = checkpoint.load_extra(path)
+            tensors.update(model=path / "model", optim=path / "optim")
         else:  # format 1: whole tensors, sliced onto the device per parameter
             tensors, state = checkpoint.load(path, map_location="cpu")
-        check_model_config(state["config"]["model"], tr.cfg, f"checkpoint '{path}'",
+        check_model_config(state["config"]["model"], self.job.config, f"checkpoint '{path}'",
                            "resume with the checkpoint's model settings, or start a new run")  # fmt: skip
-        if sharded:  # each rank reads the pieces its layout holds, whatever layout wrote them
-            tr.parallel.load_sharded(tr.optimizer, path / "model", path / "optim")
-        else:
-            tr.parallel.load_model_state(tensors["model"])
-            tr.parallel.load_optim_state(tr.optimizer, tensors["optim"])
-        tr.scaler.load_state_dict(tensors["extra"]["scaler"])
-        torch.set_rng_state(tensors["extra"]["rng_cpu"])
-        if tr.device.type == "cuda" and "rng_cuda" in tensors["extra"]:
-            torch.cuda.set_rng_state(tensors["extra"]["rng_cuda"], tr.device)
-        tr.batches.load_state_dict(state["loader"])
-        tr.step = int(state["step"])
+        p.model_optim.load_state_dict({"model": tensors["model"], "optim": tensors["optim"]})
+        extra = tensors["extra"]
+        p.scaler.load_state_dict(extra["scaler"])
+        p.rng.load_state_dict({k: v for k, v in extra.items() if k != "scaler"})
+        p.loader.load_state_dict(state["loader"])
+        p.train.load_state_dict(state)  # state.json's top level: "step"
         log.info(
-            f"resumed from {path} at step {tr.step} (saved with world size {state.get('world_size', 1)})"
+            f"resumed from {path} at step {self.step} (saved with world size {state.get('world_size', 1)})"
         )
 
 

@@ -2,27 +2,25 @@
 
 The model is built on the meta device and handed to `loom.parallel.parallelize` with the job's layout; the
 trainer then holds the model parts and asks the `Parallelized` value only what a step needs (no_sync for
-accumulation, the loss context, the gradient sync and norm). Checkpoints are a component (checkpointing.py),
-the control plane (stop and skip agreement) is `loom.distributed.comm`.
+accumulation, the loss context, the gradient sync and norm). Checkpoints are a component (checkpointing.py)
+handed the Stateful parts it saves, the run folder's files another (run_files.py); the control plane (stop
+and skip agreement) is `loom.distributed.comm`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from loom import __version__, faults, log
-from loom.config import Config, Derived, to_toml
+from loom import faults, log
+from loom.config import Config, Derived
 from loom.data.loader import DeviceBatches, ShardLoader, ValSet, read_meta
-from loom.data.tokenizers import copy_tokenizer, load_tokenizer
+from loom.data.tokenizers import load_tokenizer
 from loom.distributed.comm import Control
 from loom.env import cpu_memory_release, cpu_memory_reuse
 from loom.errors import LoomError
@@ -37,19 +35,19 @@ from loom.metrics import (
     Throughput,
     cpu_peak_flops,
     format_step,
-    open_sinks,
     peak_flops,
     peak_memory_bytes,
 )
 from loom.model.registry import spec_of
 from loom.optim.schedule import lr_at
-from loom.outputs import write_marker
 from loom.parallel import parallelize
 from loom.parallel.dims import ParallelDims
 from loom.parallel.state import model_state_bytes
-from loom.train.checkpointing import Checkpointer
+from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointParts, CheckpointPolicy
 from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
+from loom.train.run_files import write_run_files
 from loom.train.setup import resolve_precision
+from loom.train.state import ModelOptimState, RngState, TrainState
 
 
 def build_model(cfg: Config, vocab_size: int, device: torch.device | str = "meta") -> nn.Module:
@@ -112,7 +110,7 @@ class Trainer:
             device.type, init_scale=p.init_scale, growth_interval=p.growth_interval, enabled=dtype == "fp16"
         )
         self.overflow_steps = 0  # fp16: steps whose update the scaler skipped (inf/NaN gradients)
-        self.step = 0
+        self.train_state = TrainState()  # the step; `step` reads and sets it
         self._first_step = True
         # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
         self.timing = device.type != "cuda" or cfg.metrics.detail
@@ -131,7 +129,7 @@ class Trainer:
         self.metrics: Sinks | None = None  # opened with the run files, once nothing can fail cheaply
         self.val = ValLossEval(self.valset, self.derived.micro_batch_size, t.eval_every)
         self.evaluators = self._evaluators(hellaswag)
-        self.checkpointer = Checkpointer(self)
+        self.checkpointer = self._checkpointer()
 
     def _data(self, data_dir: Path) -> None:
         """The training batches (a global cursor; this data-parallel rank's slice) and the validation windows."""
@@ -161,6 +159,44 @@ class Trainer:
             self.parallel.load_model_state(pretrained)
         self.model = self.parallel.model
         return model
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (held by the train state, which checkpoints save and resume)."""
+        return self.train_state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.train_state.step = value
+
+    def _checkpointer(self) -> Checkpointer:
+        """The checkpoint component, handed the parts it saves and the hooks it reports through."""
+        parts = CheckpointParts(
+            model_optim=ModelOptimState(self.parallel, self.optimizer),
+            loader=self.batches,
+            scaler=self.scaler,
+            rng=RngState(self.device),
+            train=self.train_state,
+        )
+        job = CheckpointJob(
+            config=self.cfg,
+            world_size=self.dims.world_size,
+            is_main=self.main,
+            device_type=self.device.type,
+            control=self.control,
+            faults=self.faults,
+            record=self._write_metrics,
+            name_op=self._name_op,
+        )
+        return Checkpointer(parts, CheckpointPolicy.of(self.cfg, self.run_dir), job)
+
+    def _write_metrics(self, rec: dict) -> None:
+        """A record into the metrics sinks, when open (rank 0, once the run files are written)."""
+        if self.metrics:
+            self.metrics.write(rec)
+
+    def _name_op(self, op: str) -> None:
+        self.op = op
 
     def save(self, background: bool = False) -> bool:
         return self.checkpointer.save(background)
@@ -299,27 +335,18 @@ class Trainer:
         return EvalContext(self.parallel, self.device, self.step, self._autocast, self.tokenizer)
 
     # ---------------------------------------------------------------- the run
-    def write_run_files(self) -> None:
-        if not self.main:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_marker(self.run_dir, "run")  # so that --force may replace this folder later, and nothing else
-        self.metrics = open_sinks(self.run_dir, self.cfg)  # metrics.jsonl, and TensorBoard / W&B if asked
-        (self.run_dir / "config.toml").write_text(to_toml(self.cfg), encoding="utf-8")
-        copy_tokenizer(self.data_dir, self.meta, self.run_dir / "tokenizer")
-        info = {
-            "loom_version": __version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "command": sys.argv,
-            "device": str(self.device),
-            "world_size": self.dims.world_size,
-            "data_dir": str(self.data_dir),
-            "params": self.n_params,
-            "flops_per_token": self.throughput.flops_per_token,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        }
-        (self.run_dir / "run.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+    def _write_run_files(self) -> Sinks:
+        """Rank 0's run folder (loom.train.run_files), written once nothing can fail cheaply: its sinks."""
+        return write_run_files(
+            self.run_dir,
+            self.cfg,
+            self.data_dir,
+            self.meta,
+            device=self.device,
+            world_size=self.dims.world_size,
+            n_params=self.n_params,
+            flops_per_token=self.throughput.flops_per_token,
+        )
 
     def _hellaswag_examples(self) -> list[dict] | None:
         """train.hellaswag_data read and checked at start (a bad file fails before the model is built)."""
@@ -348,7 +375,8 @@ class Trainer:
 
     def train(self) -> dict:
         t = self.cfg.train
-        self.write_run_files()
+        if self.main:
+            self.metrics = self._write_run_files()
         if self.metrics and self.step > 0:  # resumed: the file's records of later steps are superseded
             self.metrics.mark_resumed(self.step)
         log.info(
