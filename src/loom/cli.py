@@ -48,21 +48,21 @@ def _train(argv: list[str]) -> int:
 
         if warning := oversubscription(args.nproc):
             log.warn(warning)
+    from loom.train import RunRequest, run
+
+    req = RunRequest(cfg, args.resume, args.force, frozenset(explicit))
     if (args.nproc is not None and args.nproc != 1) or args.max_restarts:
         from loom.train.spawn import launch_local
 
         child = _without_options(argv, ("--nproc", "--max-restarts"))
         nproc = 1 if args.nproc is None else args.nproc
-        return launch_local(nproc, cfg, child, args.resume, args.force, explicit, args.max_restarts)
+        return launch_local(nproc, req, child, args.max_restarts)
     from loom.env import detect_env
     from loom.errors import EXIT_ERROR, EXIT_PREEMPTED, PeerError
-    from loom.train import run
 
     world_size = detect_env().world_size
     try:
-        summary = run(
-            cfg, resume=args.resume, force=args.force, explicit=explicit, log_all_ranks=args.log_all_ranks
-        )
+        summary = run(req, log_all_ranks=args.log_all_ranks)
         code = EXIT_PREEMPTED if summary.get("stopped_by") else 0  # stopped by a signal, checkpoint saved
     except PeerError:
         code = EXIT_ERROR  # rank 0 printed the message

@@ -1,8 +1,10 @@
 """Configuration: one dataclass tree, a docstring per field (layer 0).
 
 Resolution order: defaults -> TOML file -> `--section.key=value` overrides. Unknown sections or keys raise
-a LoomError naming the closest valid key; values of the wrong type raise too. `validate()` holds every
-divisibility rule and derives the values printed at start (gradient accumulation, tokens per step).
+a LoomError naming the closest valid key; values of the wrong type raise too. `validate(cfg, world)` is the
+one check of a config against a world size: each field's bounds (declared on the field), the model's shape,
+the parallel layout and the batch, each rule in one place; it returns the values printed at start (gradient
+accumulation, tokens per step) and the layout (ParallelDims).
 """
 
 from __future__ import annotations
@@ -23,9 +25,31 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 
-def _f(default: Any, doc: str):
-    """A dataclass field with its documentation (shown by `loom train --help-config`)."""
-    return field(default=default, metadata={"doc": doc})
+def _f(default: Any, doc: str, **bounds: Any):
+    """A dataclass field with its documentation (shown by `loom train --help-config`) and the bounds validate()
+    checks it against: gt / ge (lower), lt / le (upper); `why` (a note after the bound in the message), `also`
+    (one more value allowed outside them), `msg` (the message of a rule that several fields share, formatted
+    with the config's sections: '{optim.lr}'), `hint` (the remedy)."""
+    return field(default=default, metadata={"doc": doc, **bounds})
+
+
+# The messages of the bounds that several fields share (one rule, one message).
+_POSITIVE_SHAPE = "model.rope_theta and model.norm_eps must be > 0; got {model.rope_theta}, {model.norm_eps}"
+_DEFAULT_WIDTHS = (
+    "model.n_kv_head and model.ffn_hidden must be >= 0 (0: the default); got {model.n_kv_head} and "
+    "{model.ffn_hidden}"
+)
+_LR = "need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={optim.lr}, min_lr={optim.min_lr}"
+_BETAS = "optim.beta1/beta2 must be in [0, 1); got {optim.beta1}, {optim.beta2}"
+_MUON = (
+    "optim.muon_*: need muon_lr > 0, 0 <= muon_momentum < 1, muon_ns_steps >= 1, muon_weight_decay >= 0; "
+    "got {optim.muon_lr}, {optim.muon_momentum}, {optim.muon_ns_steps}, {optim.muon_weight_decay}"
+)
+_DEGREES = "parallel.tp and parallel.pp must be >= 1; got tp={parallel.tp}, pp={parallel.pp}"
+_HSDP = (
+    "parallel.dp_replicate must be >= 1 and parallel.dp_shard >= 1 (or -1: the rest); got "
+    "{parallel.dp_replicate} and {parallel.dp_shard}"
+)
 
 
 @dataclass
@@ -52,13 +76,15 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    n_layer: int = _f(4, "Transformer blocks.")
-    n_head: int = _f(4, "Attention heads per block; must divide n_embd.")
-    n_embd: int = _f(192, "Residual stream width.")
-    block_size: int = _f(128, "Context length in tokens.")
-    dropout: float = _f(0.0, "Dropout probability (0 for pretraining-sized data, ~0.2 for tiny data).")
+    n_layer: int = _f(4, "Transformer blocks.", gt=0)
+    n_head: int = _f(4, "Attention heads per block; must divide n_embd.", gt=0)
+    n_embd: int = _f(192, "Residual stream width.", gt=0)
+    block_size: int = _f(128, "Context length in tokens.", gt=0)
+    dropout: float = _f(
+        0.0, "Dropout probability (0 for pretraining-sized data, ~0.2 for tiny data).", ge=0, lt=1
+    )
     bias: bool = _f(False, "Bias in Linear layers and LayerNorms (GPT-2 has them; without is a bit faster).")
-    vocab_size: int = _f(0, "Vocabulary size; 0 takes it from the data. Padded up to a multiple of 64.")
+    vocab_size: int = _f(0, "Vocabulary size; 0 takes it from the data. Padded up to a multiple of 64.", ge=0)
     activation: str = _f(
         "gelu_tanh",
         "MLP activation: gelu_tanh (GPT-2's tanh approximation; needed for GPT-2 weights and HF export) | "
@@ -76,9 +102,16 @@ class ModelConfig:
         "norm=rmsnorm, mlp=swiglu, tie_embeddings=false, bias=false). A key set explicitly overrides the preset.",
     )
     pos: str = _f("learned", "Positions: learned (a table of block_size vectors, GPT-2) | rope (rotary).")
-    rope_theta: float = _f(10000.0, "pos=rope: base period of the rotary frequencies (Llama 3: 500000).")
+    rope_theta: float = _f(
+        10000.0,
+        "pos=rope: base period of the rotary frequencies (Llama 3: 500000).",
+        gt=0,
+        msg=_POSITIVE_SHAPE,
+    )
     norm: str = _f("layernorm", "Normalisation: layernorm (GPT-2) | rmsnorm (Llama: no mean, no bias).")
-    norm_eps: float = _f(1e-5, "Epsilon of every LayerNorm/RMSNorm (Llama 2: 1e-6).")
+    norm_eps: float = _f(
+        1e-5, "Epsilon of every LayerNorm/RMSNorm (Llama 2: 1e-6).", gt=0, msg=_POSITIVE_SHAPE
+    )
     mlp: str = _f(
         "gelu",
         "MLP: gelu (up, GELU, down) | swiglu (down(silu(gate x) * up x), Llama; three matrices).",
@@ -87,11 +120,15 @@ class ModelConfig:
         0,
         "MLP hidden width; 0: 4 x n_embd for gelu, and for swiglu 8/3 x n_embd rounded up to a multiple of 64 "
         "(LLaMA's rule: the parameters of a 4x GELU MLP in three matrices).",
+        ge=0,
+        msg=_DEFAULT_WIDTHS,
     )
     n_kv_head: int = _f(
         0,
         "Key/value heads; 0: n_head (multi-head). Fewer share each among n_head / n_kv_head query heads "
         "(grouped-query attention; 1: multi-query); must divide n_head. The KV cache holds only these.",
+        ge=0,
+        msg=_DEFAULT_WIDTHS,
     )
     qk_norm: bool = _f(False, "RMSNorm of each query and key head before RoPE (OLMo 2, Qwen 3, nanochat).")
     tie_embeddings: bool = _f(True, "The LM head shares the token embedding's weights (GPT-2); false: own.")
@@ -99,28 +136,34 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(1000, "Optimizer steps.")
-    batch_size: int = _f(16, "Global batch in sequences per optimizer step (all ranks, all micro-steps).")
-    micro_batch_size: int = _f(
-        0, "Sequences per device per forward pass; 0: batch_size / dp (no accumulation)."
+    steps: int = _f(1000, "Optimizer steps.", gt=0)
+    batch_size: int = _f(
+        16, "Global batch in sequences per optimizer step (all ranks, all micro-steps).", gt=0
     )
-    eval_every: int = _f(200, "Evaluate validation loss every N steps (0: never; always at the end).")
-    eval_batches: int = _f(20, "Validation set size in global batches (a fixed set of sequences).")
-    ckpt_every: int = _f(500, "Write a checkpoint every N steps (0: only at the end).")
-    keep_last: int = _f(2, "Checkpoints kept on disk (older ones are deleted).")
-    log_every: int = _f(50, "Console line and metrics.jsonl record every N steps (0: never).")
-    sample_every: int = _f(500, "Print and save a sample every N steps (0: never; always at the end).")
-    sample_tokens: int = _f(200, "Tokens generated per sample.")
+    micro_batch_size: int = _f(
+        0,
+        "Sequences per device per forward pass; 0: batch_size / dp (no accumulation).",
+        ge=0,
+        why="0: batch_size / dp",
+    )
+    eval_every: int = _f(200, "Evaluate validation loss every N steps (0: never; always at the end).", ge=0)
+    eval_batches: int = _f(20, "Validation set size in global batches (a fixed set of sequences).", gt=0)
+    ckpt_every: int = _f(500, "Write a checkpoint every N steps (0: only at the end).", ge=0)
+    keep_last: int = _f(2, "Checkpoints kept on disk (older ones are deleted).", gt=0)
+    log_every: int = _f(50, "Console line and metrics.jsonl record every N steps (0: never).", ge=0)
+    sample_every: int = _f(500, "Print and save a sample every N steps (0: never; always at the end).", ge=0)
+    sample_tokens: int = _f(200, "Tokens generated per sample.", ge=0)
     hellaswag_every: int = _f(
         0,
         "HellaSwag accuracy every N steps and at the end (0: never), from train.hellaswag_data; examples "
         "are split across the data-parallel ranks (as `loom eval --task hellaswag`).",
+        ge=0,
     )
     hellaswag_data: str = _f("", "The HellaSwag JSONL (ctx, endings, label), e.g. hellaswag_val.jsonl.")
-    hellaswag_limit: int = _f(0, "Score only the first N HellaSwag examples (0: all).")
+    hellaswag_limit: int = _f(0, "Score only the first N HellaSwag examples (0: all).", ge=0)
     compile: bool = _f(False, "torch.compile the model (compile time is excluded from throughput).")
     device: str = _f("auto", "auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps.")
-    warmup_log_steps: int = _f(3, "First steps left out of the throughput summary (warm-up, compile).")
+    warmup_log_steps: int = _f(3, "First steps left out of the throughput summary (warm-up, compile).", ge=0)
     reuse_cpu_memory: bool = _f(
         True,
         "CPU on Linux: keep freed memory in the process while training (glibc malloc without mmap/trim), "
@@ -153,23 +196,31 @@ class TrainConfig:
         5,
         "A step with a NaN/Inf loss or gradient norm (or a loss spike) is skipped; after this many in a row "
         "the run saves its last good state and stops, naming the parameters with non-finite gradients.",
+        gt=0,
     )
     spike_zscore: float = _f(
-        0.0, "Loss-spike guard: skip a step whose loss is this many std devs above the recent mean (0: off)."
+        0.0,
+        "Loss-spike guard: skip a step whose loss is this many std devs above the recent mean (0: off).",
+        ge=0,
     )
-    spike_window: int = _f(100, "Loss-spike guard: the number of recent good steps it compares against.")
+    spike_window: int = _f(
+        100,
+        "Loss-spike guard: the number of recent good steps it compares against.",
+        ge=2,
+        why="a mean and a spread",
+    )
 
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(1e-3, "Peak learning rate, reached after warmup_steps.")
-    min_lr: float = _f(1e-4, "Learning rate at the end of the cosine decay.")
-    warmup_steps: int = _f(100, "Linear warm-up steps.")
-    weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D parameters only.")
-    beta1: float = _f(0.9, "AdamW beta1.")
-    beta2: float = _f(0.99, "AdamW beta2.")
+    lr: float = _f(1e-3, "Peak learning rate, reached after warmup_steps.", gt=0, msg=_LR)
+    min_lr: float = _f(1e-4, "Learning rate at the end of the cosine decay.", ge=0, msg=_LR)
+    warmup_steps: int = _f(100, "Linear warm-up steps.", ge=0)
+    weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D parameters only.", ge=0)
+    beta1: float = _f(0.9, "AdamW beta1.", ge=0, lt=1, msg=_BETAS)
+    beta2: float = _f(0.99, "AdamW beta2.", ge=0, lt=1, msg=_BETAS)
     eps: float = _f(1e-8, "AdamW epsilon.")
-    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0: no clipping).")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0: no clipping).", ge=0)
     impl: str = _f("auto", "auto | torch-fused | torch-foreach | torch-loop | triton (one kernel launch).")
     name: str = _f(
         "adamw",
@@ -177,20 +228,30 @@ class OptimConfig:
         "weights), AdamW (lr, betas, weight_decay) for embeddings, head, norms and biases (optim.impl ignored).",
     )
     muon_lr: float = _f(
-        0.02, "optim.name=muon: peak learning rate of the hidden matrices (same schedule as lr)."
+        0.02,
+        "optim.name=muon: peak learning rate of the hidden matrices (same schedule as lr).",
+        gt=0,
+        msg=_MUON,
     )
-    muon_momentum: float = _f(0.95, "optim.name=muon: Nesterov momentum of the hidden matrices.")
+    muon_momentum: float = _f(
+        0.95, "optim.name=muon: Nesterov momentum of the hidden matrices.", ge=0, lt=1, msg=_MUON
+    )
     muon_ns_steps: int = _f(
-        5, "optim.name=muon: Newton-Schulz iterations per step (5: singular values ~0.7-1.2)."
+        5,
+        "optim.name=muon: Newton-Schulz iterations per step (5: singular values ~0.7-1.2).",
+        ge=1,
+        msg=_MUON,
     )
-    muon_weight_decay: float = _f(0.0, "optim.name=muon: decoupled weight decay of the hidden matrices.")
+    muon_weight_decay: float = _f(
+        0.0, "optim.name=muon: decoupled weight decay of the hidden matrices.", ge=0, msg=_MUON
+    )
     schedule: str = _f(
         "cosine",
         "Learning-rate shape after warm-up: cosine (to min_lr at the last step) | wsd (warmup-stable-decay: "
         "hold lr, then fall linearly to min_lr over the last decay_frac of the steps).",
     )
     decay_frac: float = _f(
-        0.3, "optim.schedule=wsd: fraction of train.steps spent in the final linear decay."
+        0.3, "optim.schedule=wsd: fraction of train.steps spent in the final linear decay.", ge=0, le=1
     )
 
 
@@ -202,8 +263,8 @@ class PrecisionConfig:
         "has bf16 units: GPUs since Ampere, CPUs with AVX512-BF16/AMX; fp16 on older GPUs; else fp32).",
     )
     tf32: bool = _f(True, "CUDA: TF32 tensor cores for fp32 matmuls and convolutions (ignored on CPU).")
-    init_scale: float = _f(65536.0, "fp16: initial loss scale (halved after each overflow step).")
-    growth_interval: int = _f(2000, "fp16: steps without overflow after which the loss scale doubles.")
+    init_scale: float = _f(65536.0, "fp16: initial loss scale (halved after each overflow step).", gt=0)
+    growth_interval: int = _f(2000, "fp16: steps without overflow after which the loss scale doubles.", gt=0)
 
 
 @dataclass
@@ -224,20 +285,43 @@ class ParallelConfig:
         False, "zero2/fsdp: keep sharded parameters, gradients and optimizer state in host memory."
     )
     mpi_sync: str = _f("bucketed", "dp_impl=mpi gradient sync: naive (Allreduce per parameter) | bucketed.")
-    bucket_mb: float = _f(25.0, "dp_impl=mpi bucketed sync: bucket size in MiB (DDP's default is 25).")
+    bucket_mb: float = _f(
+        25.0,
+        "dp_impl=mpi bucketed sync: bucket size in MiB (DDP's default is 25).",
+        gt=0,
+        msg="parallel.bucket_mb must be > 0, got {parallel.bucket_mb}",
+        hint="e.g. 25 (DDP's default)",
+    )
     mpi_allreduce: str = _f("mpi", "dp_impl=mpi bucketed sync: mpi (Iallreduce) | ring (loom's own ring).")
-    timeout_s: float = _f(600.0, "A collective that does not complete in this many seconds is an error.")
+    timeout_s: float = _f(
+        600.0, "A collective that does not complete in this many seconds is an error.", gt=0
+    )
     dp_replicate: int = _f(
-        1, "zero2/fsdp: replica groups of HSDP (replicate across nodes, shard within); 1: plain FSDP."
+        1,
+        "zero2/fsdp: replica groups of HSDP (replicate across nodes, shard within); 1: plain FSDP.",
+        ge=1,
+        msg=_HSDP,
     )
     dp_shard: int = _f(
-        -1, "zero2/fsdp: ranks each parameter is sharded over; -1: world / (dp_replicate * tp * pp)."
+        -1,
+        "zero2/fsdp: ranks each parameter is sharded over; -1: world / (dp_replicate * tp * pp).",
+        ge=1,
+        also=-1,
+        msg=_HSDP,
     )
     tp: int = _f(
-        1, "Tensor-parallel degree (Megatron column/row split); divides n_head. dp = world / (tp*pp)."
+        1,
+        "Tensor-parallel degree (Megatron column/row split); divides n_head. dp = world / (tp*pp).",
+        ge=1,
+        msg=_DEGREES,
     )
     sp: bool = _f(False, "Sequence parallel (with tp > 1): LayerNorms and dropout run on sequence shards.")
-    pp: int = _f(1, "Pipeline-parallel degree: the layers are cut into pp (or pp * stages per rank) stages.")
+    pp: int = _f(
+        1,
+        "Pipeline-parallel degree: the layers are cut into pp (or pp * stages per rank) stages.",
+        ge=1,
+        msg=_DEGREES,
+    )
     pp_schedule: str = _f("1f1b", "Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zero-bubble.")
     pp_microbatches: int = _f(
         0, "Micro-batches per pipeline step; 0: the local batch / train.micro_batch_size."
@@ -573,28 +657,217 @@ class Derived:
     pp_microbatches: int = 1  # with pp > 1 the schedule splits the local batch; grad_accum is then 1
 
 
-def mesh_degrees(cfg: Config, world_size: int) -> tuple[int, int, int]:
-    """(dp, tp, pp) for this world, after every divisibility rule that needs no data (tp innermost)."""
-    p, m = cfg.parallel, cfg.model
-    if p.tp < 1 or p.pp < 1:
-        raise LoomError(f"parallel.tp and parallel.pp must be >= 1; got tp={p.tp}, pp={p.pp}")
-    if world_size % (p.tp * p.pp):
+SHARDED = ("fsdp", "zero2")  # dp_impl values that shard parameters over dp_shard (FSDP2)
+WRAPPERS = ("ddp", "zero1", "zero2", "fsdp")  # dp_impl values with a torch wrapper (applied even on 1 rank)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The parallel layout of a job as a value: degrees, this rank's coordinates, and the device mesh. Built by
+    validate() (here, in layer 0, so that the degrees it checked are the ones returned); the parallel package
+    imports it as loom.parallel.dims.ParallelDims.
+
+    Degrees, outermost first (torchtitan's order): pp, dp_replicate, dp_shard, tp. Tensor parallel is innermost
+    so its frequent collectives stay among neighbouring ranks (one node); dp_replicate is outside dp_shard so
+    HSDP shards within a node and replicates across nodes (Zhao et al. 2023, PyTorch FSDP). The data-parallel
+    degree is dp = dp_replicate * dp_shard: the number of different batch shards read at each step.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    world_size: int = 1
+    rank: int = 0
+    dp_impl: str = "none"  # none | ddp | zero1 | zero2 | fsdp | mpi
+    degree1: bool = False  # parallel.degree1_meshes: tp and pp applied at degree 1 in a 1-process job
+
+    def __post_init__(self):
+        if self.dp_replicate * self.dp_shard * self.tp * self.pp != self.world_size:
+            raise LoomError(
+                f"dp_replicate x dp_shard x tp x pp = {self.dp_replicate} x {self.dp_shard} x {self.tp} x "
+                f"{self.pp} is not the world size {self.world_size}"
+            )
+
+    # ----------------------------------------------------------------------------- derived degrees
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        """Data parallel is applied: more than one replica, or a 1-process job that asked for a wrapper by
+        name (dp_impl=ddp|zero1|zero2|fsdp; `auto` gives `none` there), which then runs the same code on a
+        1-rank group: how one GPU exercises every NCCL path (benchmarks/gpu_check.py)."""
+        return self.dp > 1 or (self.world_size == 1 and self.dp_impl in WRAPPERS)
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_impl in SHARDED and self.dp_enabled
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.fsdp_enabled and self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1 or self.degree1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1 or self.degree1
+
+    @property
+    def model_parallel(self) -> bool:
+        """Tensor or pipeline parallel: the model itself is split, not only the batch."""
+        return self.tp_enabled or self.pp_enabled
+
+    # ----------------------------------------------------------------------------- this rank
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_shard_rank(self) -> int:
+        return (self.rank // self.tp) % self.dp_shard
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        return (self.rank // (self.tp * self.dp_shard)) % self.dp_replicate
+
+    @property
+    def dp_rank(self) -> int:
+        """Which batch shard this rank reads."""
+        return self.dp_replicate_rank * self.dp_shard + self.dp_shard_rank
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp * self.dp)
+
+    @property
+    def is_main(self) -> bool:
+        """The rank that logs and writes files."""
+        return self.rank == 0
+
+    def build_mesh(self, device_type: str):
+        """The job's DeviceMesh (pp, dp_replicate, dp_shard, tp); every sub-group is created here, once."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(
+            device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+        )  # fmt: skip
+
+    def describe(self) -> str:
+        dp = f"dp {self.dp} ({self.dp_impl}"
+        if self.hsdp_enabled:
+            dp += f": replicate {self.dp_replicate} x shard {self.dp_shard}"
+        return dp + f") | tp {self.tp} | pp {self.pp}"
+
+    def __str__(self) -> str:
+        return (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp} "
+                f"rank={self.rank}")  # fmt: skip
+
+
+def validate(
+    cfg: Config, world: int = 1, rank: int = 0, dp_impl: str | None = None
+) -> tuple[Derived, ParallelDims]:
+    """Every rule that can be checked before data or devices are touched, each in one place, in this order:
+    each field's bounds (its metadata), the model's shape, the mesh of `world` processes (world = dp x tp x pp),
+    the data-parallel implementation (`dp_impl`, default parallel.dp_impl; auto resolved here), the batch.
+    Returns the derived values printed at start and the layout of `rank`."""
+    _check_fields(cfg)
+    _check_model_shape(cfg.model)
+    dp = _check_mesh(cfg, world)
+    impl = _resolve_dp_impl(cfg, world, dp, dp_impl)
+    replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
+    derived = _derive_batch(cfg, dp)
+    p = cfg.parallel
+    return derived, ParallelDims(
+        replicate, shard, p.tp, p.pp, world, rank, impl, p.degree1_meshes and world == 1
+    )
+
+
+def _within(v: Any, bounds: Any) -> bool:
+    if "also" in bounds and v == bounds["also"]:
+        return True
+    low = v > bounds["gt"] if "gt" in bounds else v >= bounds.get("ge", v)
+    high = v < bounds["lt"] if "lt" in bounds else v <= bounds.get("le", v)
+    return low and high
+
+
+def _bound_message(key: str, v: Any, bounds: Any) -> str:
+    if "lt" in bounds or "le" in bounds:  # an interval
+        low = f"({bounds['gt']}" if "gt" in bounds else f"[{bounds['ge']}"
+        high = f"{bounds['lt']})" if "lt" in bounds else f"{bounds['le']}]"
+        return f"{key} must be in {low}, {high}, got {v}"
+    if "gt" in bounds:
+        return f"{key} must be " + ("positive" if bounds["gt"] == 0 else f"> {bounds['gt']}") + f", got {v}"
+    why = f" ({bounds['why']})" if "why" in bounds else ""
+    return f"{key} must be >= {bounds['ge']}{why}, got {v}"
+
+
+def _check_fields(cfg: Config) -> None:
+    """Every field against its bounds (read from its metadata; floats also against nan and inf, which TOML and
+    float() accept), then the rules between two fields."""
+    sections = {s: getattr(cfg, s) for s in _sections()}
+    for s, sub in sections.items():
+        for f in fields(sub):
+            key, v = f"{s}.{f.name}", getattr(sub, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise LoomError(f"{key} must be a finite number, got {v}")
+            if not _within(v, f.metadata):
+                msg = f.metadata["msg"].format(**sections) if "msg" in f.metadata else None
+                raise LoomError(msg or _bound_message(key, v, f.metadata), hint=f.metadata.get("hint"))
+    t = cfg.train
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise LoomError(_LR.format(**sections))
+    if t.hellaswag_every and not t.hellaswag_data:
+        raise LoomError(f"train.hellaswag_every={t.hellaswag_every} needs train.hellaswag_data (a HellaSwag JSONL)",
+                        hint="give --train.hellaswag_data=hellaswag_val.jsonl, or set train.hellaswag_every=0")  # fmt: skip
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _check_model_shape(m: ModelConfig) -> None:
+    """Heads divide the width; the rules of the Llama-family options (grouped-query heads, RoPE's pairs)."""
+    if m.n_embd % m.n_head:
         raise LoomError(
-            f"world size {world_size} is not divisible by parallel.tp x parallel.pp = {p.tp} x {p.pp}",
+            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}",
+            hint=f"pick n_embd as a multiple of n_head, e.g. {m.n_head * max(1, m.n_embd // m.n_head)}",
+        )
+    if m.n_kv_head and m.n_head % m.n_kv_head:
+        raise LoomError(
+            f"model.n_head={m.n_head} is not divisible by model.n_kv_head={m.n_kv_head} (each key/value head "
+            "serves the same number of query heads)",
+            hint="pick n_kv_head among the divisors of n_head: " + _divisors(m.n_head),
+        )
+    if m.pos == "rope" and (m.n_embd // m.n_head) % 2:
+        raise LoomError(f"model.pos=rope needs an even head size; n_embd / n_head = {m.n_embd // m.n_head}",
+                        hint="change n_embd or n_head")  # fmt: skip
+
+
+def _check_mesh(cfg: Config, world: int) -> int:
+    """The data-parallel degree of `world` processes (tp innermost), after every rule of tensor and pipeline
+    parallel."""
+    p, m = cfg.parallel, cfg.model
+    if world % (p.tp * p.pp):
+        raise LoomError(
+            f"world size {world} is not divisible by parallel.tp x parallel.pp = {p.tp} x {p.pp}",
             hint=f"start a multiple of {p.tp * p.pp} processes, or change tp/pp",
         )
     if m.n_head % p.tp:
         raise LoomError(
             f"parallel.tp={p.tp} does not divide model.n_head={m.n_head} (each rank holds whole heads)",
-            hint="pick tp among the divisors of n_head: "
-            + ", ".join(str(d) for d in range(1, m.n_head + 1) if m.n_head % d == 0),
+            hint="pick tp among the divisors of n_head: " + _divisors(m.n_head),
         )
     kv = m.n_kv_head or m.n_head
     if kv % p.tp:
         raise LoomError(
             f"parallel.tp={p.tp} does not divide model.n_kv_head={kv} (each rank holds whole key/value heads)",
-            hint="pick tp among the divisors of n_kv_head: "
-            + ", ".join(str(d) for d in range(1, kv + 1) if kv % d == 0),
+            hint="pick tp among the divisors of n_kv_head: " + _divisors(kv),
         )
     if p.sp and p.tp == 1:
         raise LoomError(
@@ -609,29 +882,44 @@ def mesh_degrees(cfg: Config, world_size: int) -> tuple[int, int, int]:
             f"{m.n_layer} layers: every stage needs at least one",
             hint="lower parallel.pp, use the gpipe or 1f1b schedule, or add layers",
         )
-    dp = world_size // (p.tp * p.pp)
-    dp_degrees(p, dp, p.dp_impl)
-    if p.tp * p.pp > 1:
-        if p.dp_impl in ("zero1", "mpi"):
-            raise LoomError(
-                f"parallel.dp_impl={p.dp_impl} does not compose with tp/pp",
-                hint="use parallel.dp_impl=ddp or fsdp (or zero2) with tensor/pipeline parallel",
-            )
-        if p.dp_impl == "none" and dp > 1:
-            raise LoomError(f"parallel.dp_impl=none but the world leaves a data-parallel degree of {dp}")
-        if cfg.precision.dtype == "fp16" and p.pp > 1:
-            raise LoomError("precision.dtype=fp16 (loss scaling) is not supported with pp > 1",
-                            hint="use bf16 or fp32 with pipeline parallel")  # fmt: skip
-    return dp, p.tp, p.pp
+    if p.degree1_meshes and world == 1 and SCHEDULE_STAGES_PER_RANK[p.pp_schedule] > 1:
+        raise LoomError(  # two local stages: torch's schedule cannot evaluate them
+            f"parallel.degree1_meshes takes a 1-stage schedule; pp_schedule={p.pp_schedule} puts two "
+            "stages on the one rank, which torch's schedule cannot evaluate",
+            hint="use parallel.pp_schedule=1f1b or gpipe",
+        )
+    if cfg.precision.dtype == "fp16" and p.pp > 1:
+        raise LoomError("precision.dtype=fp16 (loss scaling) is not supported with pp > 1",
+                        hint="use bf16 or fp32 with pipeline parallel")  # fmt: skip
+    return world // (p.tp * p.pp)
 
 
-def dp_degrees(p: ParallelConfig, dp: int, dp_impl: str) -> tuple[int, int]:
+def _resolve_dp_impl(cfg: Config, world: int, dp: int, dp_impl: str | None) -> str:
+    """The data-parallel implementation `world` processes run: auto is ddp with more than one process (or a
+    split model), else none; none with a split model and no data parallelism runs ddp's code on 1-rank groups."""
+    p = cfg.parallel
+    impl = dp_impl or p.dp_impl
+    split = p.tp * p.pp > 1 or (p.degree1_meshes and world == 1)  # the model is split (or at degree 1)
+    if impl == "none" and dp > 1:
+        raise LoomError(
+            f"{world} processes with parallel.dp_impl=none leave a data-parallel degree of {dp}",
+            hint="use parallel.dp_impl=ddp (or auto), or start "
+            + ("one process" if p.tp * p.pp == 1 else f"tp x pp = {p.tp * p.pp} processes"),
+        )
+    if p.tp * p.pp > 1 and impl in ("zero1", "mpi"):
+        raise LoomError(
+            f"parallel.dp_impl={impl} does not compose with tp/pp",
+            hint="use parallel.dp_impl=ddp or fsdp (or zero2) with tensor/pipeline parallel",
+        )
+    if impl == "auto":
+        return "ddp" if world > 1 or split else "none"
+    return "ddp" if impl == "none" and split else impl
+
+
+def _dp_degrees(p: ParallelConfig, dp: int, dp_impl: str) -> tuple[int, int]:
     """(dp_replicate, dp_shard) for a data-parallel degree dp: HSDP's split for fsdp/zero2 (dp_shard=-1 takes
     what dp_replicate leaves); every other implementation replicates over all of dp."""
-    if p.dp_replicate < 1 or (p.dp_shard < 1 and p.dp_shard != -1):
-        raise LoomError(f"parallel.dp_replicate must be >= 1 and parallel.dp_shard >= 1 (or -1: the rest); got "
-                        f"{p.dp_replicate} and {p.dp_shard}")  # fmt: skip
-    if dp_impl not in ("fsdp", "zero2"):
+    if dp_impl not in SHARDED:
         if p.dp_shard not in (-1, 1) or p.dp_replicate != 1:
             raise LoomError(
                 f"parallel.dp_replicate/dp_shard split FSDP's data-parallel ranks (HSDP); dp_impl={dp_impl} "
@@ -649,83 +937,15 @@ def dp_degrees(p: ParallelConfig, dp: int, dp_impl: str) -> tuple[int, int]:
     return p.dp_replicate, shard
 
 
-def check_model_shape(m: ModelConfig) -> None:
-    """The rules of the Llama-family options (grouped-query heads, RoPE's pairs, widths)."""
-    if m.n_kv_head < 0 or m.ffn_hidden < 0:
-        raise LoomError(f"model.n_kv_head and model.ffn_hidden must be >= 0 (0: the default); got "
-                        f"{m.n_kv_head} and {m.ffn_hidden}")  # fmt: skip
-    if m.n_kv_head and m.n_head % m.n_kv_head:
-        raise LoomError(
-            f"model.n_head={m.n_head} is not divisible by model.n_kv_head={m.n_kv_head} (each key/value head "
-            "serves the same number of query heads)",
-            hint="pick n_kv_head among the divisors of n_head: "
-            + ", ".join(str(d) for d in range(1, m.n_head + 1) if m.n_head % d == 0),
-        )
-    if m.pos == "rope" and (m.n_embd // m.n_head) % 2:
-        raise LoomError(f"model.pos=rope needs an even head size; n_embd / n_head = {m.n_embd // m.n_head}",
-                        hint="change n_embd or n_head")  # fmt: skip
-    if m.rope_theta <= 0 or m.norm_eps <= 0:
-        raise LoomError(f"model.rope_theta and model.norm_eps must be > 0; got {m.rope_theta}, {m.norm_eps}")
-
-
-def validate(cfg: Config, dp_size: int = 1) -> Derived:
-    """Every rule that can be checked before data or devices are touched."""
-    m, t, o = cfg.model, cfg.train, cfg.optim
-    for section, values in cfg.to_dict().items():  # TOML and float() accept nan and inf
-        for k, v in values.items():
-            if isinstance(v, float) and not math.isfinite(v):
-                raise LoomError(f"{section}.{k} must be a finite number, got {v}")
-    positive = {
-        "model.n_layer": m.n_layer, "model.n_head": m.n_head, "model.n_embd": m.n_embd,
-        "model.block_size": m.block_size, "train.steps": t.steps, "train.batch_size": t.batch_size,
-        "train.eval_batches": t.eval_batches,
-        "train.keep_last": t.keep_last, "train.max_bad_steps": t.max_bad_steps,
-        "parallel.timeout_s": cfg.parallel.timeout_s,
-        "precision.init_scale": cfg.precision.init_scale, "precision.growth_interval": cfg.precision.growth_interval,
-    }  # fmt: skip
-    for k, v in positive.items():
-        if v <= 0:
-            raise LoomError(f"{k} must be positive, got {v}")
-    nonneg = {
-        "train.eval_every": t.eval_every, "train.ckpt_every": t.ckpt_every, "train.log_every": t.log_every,
-        "train.sample_every": t.sample_every, "train.sample_tokens": t.sample_tokens,
-        "train.hellaswag_every": t.hellaswag_every, "train.hellaswag_limit": t.hellaswag_limit,
-        "optim.warmup_steps": o.warmup_steps, "optim.weight_decay": o.weight_decay,
-        "optim.grad_clip": o.grad_clip, "train.spike_zscore": t.spike_zscore, "model.vocab_size": m.vocab_size, "train.warmup_log_steps": t.warmup_log_steps,
-    }  # fmt: skip
-    for k, v in nonneg.items():
-        if v < 0:
-            raise LoomError(f"{k} must be >= 0, got {v}")
-    if t.hellaswag_every and not t.hellaswag_data:
-        raise LoomError(f"train.hellaswag_every={t.hellaswag_every} needs train.hellaswag_data (a HellaSwag JSONL)",
-                        hint="give --train.hellaswag_data=hellaswag_val.jsonl, or set train.hellaswag_every=0")  # fmt: skip
-    if t.spike_window < 2:
-        raise LoomError(f"train.spike_window must be >= 2 (a mean and a spread), got {t.spike_window}")
-    if m.n_embd % m.n_head:
-        raise LoomError(
-            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}",
-            hint=f"pick n_embd as a multiple of n_head, e.g. {m.n_head * max(1, m.n_embd // m.n_head)}",
-        )
-    if not 0.0 <= m.dropout < 1.0:
-        raise LoomError(f"model.dropout must be in [0, 1), got {m.dropout}")
-    check_model_shape(m)
-    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        raise LoomError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={o.lr}, min_lr={o.min_lr}")
-    if o.muon_lr <= 0 or not 0 <= o.muon_momentum < 1 or o.muon_ns_steps < 1 or o.muon_weight_decay < 0:
-        raise LoomError(f"optim.muon_*: need muon_lr > 0, 0 <= muon_momentum < 1, muon_ns_steps >= 1, "
-                        f"muon_weight_decay >= 0; got {o.muon_lr}, {o.muon_momentum}, {o.muon_ns_steps}, "
-                        f"{o.muon_weight_decay}")  # fmt: skip
-    if not 0 <= o.decay_frac <= 1:
-        raise LoomError(f"optim.decay_frac must be in [0, 1], got {o.decay_frac}")
-    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
-        raise LoomError(f"optim.beta1/beta2 must be in [0, 1); got {o.beta1}, {o.beta2}")
+def _derive_batch(cfg: Config, dp_size: int) -> Derived:
+    """Gradient accumulation, or with pp > 1 the schedule's micro-batches, from the global batch over dp_size
+    data-parallel ranks."""
+    t, p = cfg.train, cfg.parallel
     if t.batch_size % dp_size:
         raise LoomError(
             f"train.batch_size={t.batch_size} is not divisible by the data-parallel size {dp_size}",
             hint=f"use a batch_size that is a multiple of {dp_size}, or fewer processes",
         )
-    if t.micro_batch_size < 0:
-        raise LoomError(f"train.micro_batch_size must be >= 0 (0: batch_size / dp), got {t.micro_batch_size}")
     micro = t.micro_batch_size or t.batch_size // dp_size
     per_step = micro * dp_size
     if t.batch_size % per_step:
@@ -734,23 +954,20 @@ def validate(cfg: Config, dp_size: int = 1) -> Derived:
             f" x data-parallel size {dp_size} = {per_step}",
             hint="make batch_size a multiple of micro_batch_size * dp (gradient accumulation fills the rest)",
         )
-    tokens = t.batch_size * m.block_size
-    pp = cfg.parallel.pp
-    if pp == 1:
+    tokens = t.batch_size * cfg.model.block_size
+    if p.pp == 1:
         return Derived(dp_size, t.batch_size // per_step, tokens, micro)
     # Pipeline: the schedule's micro-batches replace gradient accumulation.
     local = t.batch_size // dp_size
-    n_mb = cfg.parallel.pp_microbatches or local // micro
+    n_mb = p.pp_microbatches or local // micro
     if n_mb < 1 or local % n_mb:
         raise LoomError(f"parallel.pp_microbatches={n_mb} does not divide the local batch {local}")
-    if cfg.parallel.pp_schedule != "gpipe" and n_mb < pp:
+    if p.pp_schedule != "gpipe" and n_mb < p.pp:
         raise LoomError(
-            f"{n_mb} pipeline micro-batches for {pp} stages: schedule {cfg.parallel.pp_schedule} needs at least "
-            f"one per stage",
-            hint=f"set parallel.pp_microbatches >= {pp} (or a smaller train.micro_batch_size)",
+            f"{n_mb} pipeline micro-batches for {p.pp} stages: schedule {p.pp_schedule} needs at least one per "
+            "stage",
+            hint=f"set parallel.pp_microbatches >= {p.pp} (or a smaller train.micro_batch_size)",
         )
-    if SCHEDULE_STAGES_PER_RANK[cfg.parallel.pp_schedule] > 1 and n_mb % pp:  # the looped schedules
-        raise LoomError(
-            f"schedule {cfg.parallel.pp_schedule} needs pp_microbatches ({n_mb}) divisible by pp={pp}"
-        )
+    if SCHEDULE_STAGES_PER_RANK[p.pp_schedule] > 1 and n_mb % p.pp:  # the looped schedules
+        raise LoomError(f"schedule {p.pp_schedule} needs pp_microbatches ({n_mb}) divisible by pp={p.pp}")
     return Derived(dp_size, 1, tokens, local // n_mb, n_mb)

@@ -35,7 +35,6 @@ from loom.config import (
     ParallelConfig,
     config_argv,
     load_config,
-    mesh_degrees,
     parse_overrides,
     set_key,
     validate,
@@ -280,7 +279,7 @@ def plot(out_png: Path, runs: dict[str, Path]) -> None:
 
 def _world(s: Strategy, nproc: int | None, cfg: Config | None = None) -> int:
     """The world size strategy s runs at, after every rule of the layout for the model cfg (the run's model,
-    batch and micro-batch; default the built-in verify model) checked by config's own validators."""
+    batch and micro-batch; default the built-in verify model), checked by config.validate() at that world size."""
     cfg = cfg or run_config(None, [], 1)[0]
     n = nproc or s.min_world
     if n < s.min_world:
@@ -296,8 +295,7 @@ def _world(s: Strategy, nproc: int | None, cfg: Config | None = None) -> int:
     for k, v in parse_overrides([a for a in s.argv(n, []) if a.startswith("--parallel.")]):
         set_key(layout, k, v, from_text=True)
     try:
-        mesh_degrees(layout, n)
-        validate(layout, dp)
+        validate(layout, n)
     except LoomError as e:
         raise LoomError(f"{what}: {e.message}", hint=e.hint or f"use --nproc {s.min_world}") from None
     return n

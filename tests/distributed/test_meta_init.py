@@ -16,7 +16,6 @@ from loom.config import Config, validate
 from loom.model import gpt_parallel
 from loom.model.registry import spec_of
 from loom.parallel import parallelize
-from loom.parallel.dims import ParallelDims
 from loom.train.trainer import build_model
 
 SEED, VOCAB = 1234, 70
@@ -37,10 +36,9 @@ def _worker(rank: int, world: int, store: str, parallel: dict, out: str, compile
     try:
         cfg = _cfg(**parallel)
         cfg.train.compile = compile
-        dims = ParallelDims.from_config(cfg.parallel, world, rank)
+        derived, dims = validate(cfg, world, rank)
         model = build_model(cfg, VOCAB)  # meta
         assert all(p.is_meta for p in model.parameters())
-        derived = validate(cfg, dims.dp)
         par = parallelize(model, dims, cfg, torch.device("cpu"), spec_of(cfg), n_microbatches=derived.pp_microbatches,
                           init=lambda name, whole: model.init_param(name, whole, SEED))  # fmt: skip
         local = sum(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.config import load_config, mesh_degrees, validate
+from loom.config import load_config, validate
 from loom.errors import LoomError
 from loom.metrics import read_jsonl
 from loom.model.gpt_parallel import stage_layers
@@ -110,7 +110,7 @@ def test_layout_rules(overrides, world, message):
         None, [f"--{o}" for o in ["model.n_head=4", "model.n_layer=4", "model.n_embd=64", *overrides]]
     )
     with pytest.raises(LoomError, match=message):
-        mesh_degrees(cfg, world)
+        validate(cfg, world)
 
 
 def test_pipeline_micro_batch_rules():
@@ -118,11 +118,11 @@ def test_pipeline_micro_batch_rules():
         None, ["--parallel.pp=4", "--model.n_layer=4", "--train.batch_size=8", "--train.micro_batch_size=4"]
     )
     with pytest.raises(LoomError, match="needs at least one per stage"):
-        validate(cfg, 1)  # 2 micro-batches for 4 stages under 1F1B
+        validate(cfg, world=4)  # 2 micro-batches for 4 stages under 1F1B
     cfg.parallel.pp_schedule = "gpipe"
-    assert validate(cfg, 1).pp_microbatches == 2  # GPipe runs any number
+    assert validate(cfg, world=4)[0].pp_microbatches == 2  # GPipe runs any number
     cfg.parallel.pp_schedule, cfg.parallel.pp_microbatches = "1f1b", 8
-    d = validate(cfg, 1)
+    d = validate(cfg, world=4)[0]
     assert (d.pp_microbatches, d.micro_batch_size, d.grad_accum) == (8, 1, 1)
 
 

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from loom.config import Config, validate
 from loom.model.registry import spec_of
 from loom.parallel import parallelize
-from loom.parallel.dims import ParallelDims
 from loom.train.trainer import build_model
 
 SEED, VOCAB = 99, 70
@@ -44,9 +43,8 @@ def _worker(rank: int, world: int, store: str, parallel: dict, out: str) -> None
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         cfg = _cfg(**parallel)
-        dims = ParallelDims.from_config(cfg.parallel, world, rank)
+        derived, dims = validate(cfg, world, rank)
         model = build_model(cfg, VOCAB)  # meta
-        derived = validate(cfg, dims.dp)
         par = parallelize(model, dims, cfg, torch.device("cpu"), spec_of(cfg), n_microbatches=derived.pp_microbatches,
                           init=lambda name, whole: model.init_param(name, whole, SEED))  # fmt: skip
         x, y = _batch()

@@ -184,7 +184,7 @@ def test_valid_tables_are_accepted_and_round_trip(flat):
                                          for k, v in flat.items()}  # fmt: skip
     as_text = [f"--{k}=" + (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in flat.items()]
     assert _flat(load_config(None, as_text)) == got  # the same values as command-line overrides
-    derived = validate(cfg)
+    derived = validate(cfg)[0]
     assert derived.micro_batch_size == flat["train.micro_batch_size"]
     assert derived.grad_accum == flat["train.batch_size"] // flat["train.micro_batch_size"]
     _assert_round_trips(cfg)

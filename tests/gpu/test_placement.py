@@ -31,7 +31,7 @@ def test_model_optimizer_and_batches_are_on_the_gpu(tmp_path, char_data):
     m, t = cfg.model, cfg.train
     m.n_layer, m.n_head, m.n_embd, m.block_size = 2, 2, 64, 32
     t.batch_size, t.micro_batch_size, t.device, t.eval_batches = 8, 4, "cuda", 1
-    trainer = Trainer(cfg, validate(cfg), tmp_path / "run", char_data, torch.device("cuda", 0))
+    trainer = Trainer(cfg, validate(cfg)[0], tmp_path / "run", char_data, torch.device("cuda", 0))
     x, y = trainer.batches.next_batch()
     assert x.device.type == y.device.type == "cuda"
     trainer.train_step()

@@ -32,7 +32,7 @@ def test_bf16_autocast_on_cuda(tmp_path, char_data):
     cfg = Config()
     cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size = 2, 2, 64, 32
     cfg.train.batch_size, cfg.train.device, cfg.precision.dtype = 8, "cuda", "bf16"
-    trainer = Trainer(cfg, validate(cfg), tmp_path / "run", char_data, torch.device("cuda", 0))
+    trainer = Trainer(cfg, validate(cfg)[0], tmp_path / "run", char_data, torch.device("cuda", 0))
     assert trainer.precision == "bf16" and not trainer.scaler.is_enabled()
     x, _ = trainer.batches.next_batch()
     with trainer._autocast():

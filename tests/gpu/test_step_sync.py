@@ -19,7 +19,7 @@ def test_a_step_reads_the_device_once(tmp_path, char_data):
     m.n_layer, m.n_head, m.n_embd, m.block_size = 2, 2, 64, 32
     t.batch_size, t.micro_batch_size, t.device, t.eval_batches = 16, 4, "cuda", 1
     cfg.precision.dtype = "bf16"
-    trainer = Trainer(cfg, validate(cfg), tmp_path / "run", char_data, torch.device("cuda", 0))
+    trainer = Trainer(cfg, validate(cfg)[0], tmp_path / "run", char_data, torch.device("cuda", 0))
     assert trainer.derived.grad_accum == 4
     trainer.train_step()  # warm-up: allocations, kernels chosen
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

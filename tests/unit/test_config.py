@@ -71,7 +71,7 @@ def test_bad_toml(tmp_path):
 
 def test_validate_derives_accumulation():
     cfg = load_config(None, ["--train.batch_size=32", "--train.micro_batch_size=4", "--model.block_size=64"])
-    d = validate(cfg, dp_size=2)
+    d = validate(cfg, world=2)[0]
     assert (d.grad_accum, d.tokens_per_step) == (4, 32 * 64)
 
 
@@ -88,7 +88,7 @@ def test_validate_derives_accumulation():
 )
 def test_validate_errors(args, dp, match):
     with pytest.raises(LoomError, match=match):
-        validate(load_config(None, args), dp)
+        validate(load_config(None, args), world=dp)
 
 
 def test_an_activation_that_swiglu_does_not_read_is_warned_about(monkeypatch):

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from loom.config import Config, config_from_dict, load_config, mesh_degrees, to_toml, validate
+from loom.config import Config, config_from_dict, load_config, to_toml, validate
 from loom.errors import LoomError
 from loom.generate import generate
 from loom.model import hf
@@ -126,7 +126,7 @@ def test_heads_not_divisible_and_tp_not_dividing_kv_heads():
         validate(load_config(None, ["--model.n_kv_head=3"]))
     cfg = load_config(None, ["--model.n_head=4", "--model.n_kv_head=1", "--parallel.tp=2"])
     with pytest.raises(LoomError, match="tp=2 does not divide model.n_kv_head=1"):
-        mesh_degrees(cfg, 2)
+        validate(cfg, world=2)
 
 
 def _edit_config(d, **changes):

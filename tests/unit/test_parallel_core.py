@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from loom.config import ParallelConfig
+from loom.config import Config, ParallelConfig, validate
 from loom.env import DistEnv
 from loom.errors import LoomError
 from loom.parallel.dims import ParallelDims
@@ -28,15 +28,19 @@ def test_coordinates_follow_the_mesh_order(shape):
     assert sorted({d.dp_rank for d in ranks}) == list(range(rep * shard))
 
 
+def _dims(p: ParallelConfig, world: int) -> ParallelDims:
+    return validate(Config(parallel=p), world)[1]
+
+
 def test_from_config():
     p = ParallelConfig(dp_impl="fsdp", dp_replicate=2)
-    d = ParallelDims.from_config(p, 8)
+    d = _dims(p, 8)
     assert (d.dp_replicate, d.dp_shard, d.dp, d.hsdp_enabled) == (2, 4, 8, True)
-    d = ParallelDims.from_config(ParallelConfig(dp_impl="ddp", tp=2), 8)
+    d = _dims(ParallelConfig(dp_impl="ddp", tp=2), 8)
     assert (d.dp_replicate, d.dp_shard, d.fsdp_enabled, d.model_parallel) == (4, 1, False, True)
-    assert "replicate 2 x shard 4" in ParallelDims.from_config(p, 8).describe()
+    assert "replicate 2 x shard 4" in _dims(p, 8).describe()
     with pytest.raises(LoomError, match="must equal"):
-        ParallelDims.from_config(ParallelConfig(dp_impl="fsdp", dp_replicate=3), 8)
+        _dims(ParallelConfig(dp_impl="fsdp", dp_replicate=3), 8)
 
 
 def test_fsdp_mixed_precision_defaults():
@@ -85,8 +89,8 @@ def test_node_layout_warning(monkeypatch):
 def test_degree1_meshes_only_in_one_process():
     """parallel.degree1_meshes turns tp and pp on at degree 1 in a 1-process job (the GPU check), and only there."""
     p = ParallelConfig(dp_impl="fsdp", degree1_meshes=True)
-    one = ParallelDims.from_config(p, 1)
+    one = _dims(p, 1)
     assert one.tp_enabled and one.pp_enabled and one.dp_enabled and (one.tp, one.pp, one.dp) == (1, 1, 1)
-    two = ParallelDims.from_config(p, 2)
+    two = _dims(p, 2)
     assert not (two.tp_enabled or two.pp_enabled) and two.dp == 2
-    assert not ParallelDims.from_config(ParallelConfig(), 1).model_parallel
+    assert not _dims(ParallelConfig(), 1).model_parallel

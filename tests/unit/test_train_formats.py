@@ -22,7 +22,7 @@ def first_step(data_dir, run_dir) -> dict:
     m, t = cfg.model, cfg.train
     m.n_layer, m.n_head, m.n_embd, m.block_size = 1, 2, 16, 8
     t.batch_size, t.eval_batches, t.device = 4, 1, "cpu"
-    trainer = Trainer(cfg, validate(cfg), run_dir, data_dir, torch.device("cpu"))
+    trainer = Trainer(cfg, validate(cfg)[0], run_dir, data_dir, torch.device("cpu"))
     rec = trainer.train_step()
     return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "vocab": trainer.model.cfg.vocab_size}
 

@@ -97,7 +97,7 @@ def measure(cfg: config.Config, modes: list[str], steps: int, warmup: int, round
     from loom.train import Trainer
     from loom.train.setup import resolve_data, resolve_device
 
-    derived = config.validate(cfg, 1)
+    derived = config.validate(cfg)[0]
     device = resolve_device(cfg.train.device)
     if synthetic:
         vocab = synthetic_vocab(cfg)

@@ -13,7 +13,6 @@ from loom.config import (
     config_from_dict,
     diff_configs,
     load_toml,
-    mesh_degrees,
     validate,
 )
 from loom.distributed.comm import Control
@@ -22,6 +21,18 @@ from loom.errors import LoomError, PeerError
 from loom.parallel.dims import ParallelDims
 from loom.train.setup import check_writable, resolve_data, resolve_device, resolve_run_dir, resumed_config
 from loom.train.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What `loom train` was asked, built once by the command line: the config as parsed, --resume (None: start
+    a run; True: continue this run; a path: continue that run or checkpoint), --force, and the keys the user set
+    (in the file or on the command line), which win over a resumed run's saved config."""
+
+    cfg: Config
+    resume: str | bool | None = None
+    force: bool = False
+    explicit: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -34,20 +45,21 @@ class Plan:
     resume: str | bool | None = None  # as given (or chosen by train.resume=auto)
 
 
-def plan_run(cfg: Config, resume, force: bool, explicit: set[str], dp_size: int, hashes: bool = True) -> Plan:
-    """Every cheap check, in the order that touches the least: config, run dir, checkpoint, data.
-    `hashes=False`: checkpoint files are checked for presence and size only; the ranks of the job then hash
-    them together (`check_hashes`)."""
+def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
+    """Every cheap check, in the order that touches the least: config (on the job's layout `dims`), run dir,
+    checkpoint, data. `hashes=False`: checkpoint files are checked for presence and size only; the ranks of the
+    job then hash them together (`check_hashes`)."""
     share = (0, 1) if hashes else None
-    resume, force = auto_resume(cfg, resume, force, share)
-    run_dir = resolve_run_dir(cfg, resume, force) if resume else None
+    req = auto_resume(req, share)
+    cfg, resume = req.cfg, req.resume
+    run_dir = resolve_run_dir(cfg, resume, req.force) if resume else None
     if run_dir is not None:
-        cfg = resumed_config(run_dir, cfg, explicit)
+        cfg = resumed_config(run_dir, cfg, req.explicit)
     from loom.metrics import check_trackers
     from loom.model.hf import apply_init_from
 
-    apply_init_from(cfg, explicit)  # model.init_from=hf:DIR sets the model shape from DIR/config.json
-    derived = validate(cfg, dp_size)
+    apply_init_from(cfg, req.explicit)  # model.init_from=hf:DIR sets the model shape from DIR/config.json
+    derived = validate_on(cfg, dims)
     check_trackers(cfg.metrics)
     resolve_device(cfg.train.device)
     ckpt = checkpoint.resolve_resume(run_dir, resume, share) if resume else None
@@ -74,8 +86,21 @@ def plan_run(cfg: Config, resume, force: bool, explicit: set[str], dp_size: int,
         tok = load_tokenizer(data_dir, meta) if meta.get("tokenizer") else None
         check_data_tokenizer(cfg.model.init_from, data_dir, meta["vocab_size"], tok, cfg.model.vocab_size)
     if run_dir is None:
-        run_dir = resolve_run_dir(cfg, None, force, (data_dir,))
+        run_dir = resolve_run_dir(cfg, None, req.force, (data_dir,))
     return Plan(cfg, derived, run_dir, data_dir, ckpt, resume)
+
+
+def validate_on(cfg: Config, dims: ParallelDims) -> Derived:
+    """validate() of the config a run trains with on the layout its job was given (the same but for a run that
+    train.resume=auto continues, whose saved layout the job could not know before it started)."""
+    derived, planned = validate(cfg, dims.world_size, dims.rank, dims.dp_impl)
+    if (planned.tp, planned.pp) != (dims.tp, dims.pp):
+        raise LoomError(
+            f"the run's config has parallel.tp={planned.tp}, parallel.pp={planned.pp} but this job was laid out "
+            f"with tp={dims.tp}, pp={dims.pp}",
+            hint="give its parallel.tp and parallel.pp on the command line, or continue it with --resume",
+        )
+    return derived
 
 
 def check_hashes(control: Control, plan: Plan) -> Plan:
@@ -113,35 +138,35 @@ def check_hashes(control: Control, plan: Plan) -> Plan:
     return replace(plan, ckpt=rank0_result(control, check_found))
 
 
-def auto_resume(cfg: Config, resume, force: bool, share=(0, 1)) -> tuple[str | bool | None, bool]:
-    """(resume, force) after train.resume=auto and elastic restarts.
+def auto_resume(req: RunRequest, share=(0, 1)) -> RunRequest:
+    """The request after train.resume=auto and elastic restarts (its resume and force).
 
     auto continues run.dir/run.name from its newest valid checkpoint, or starts it (again, when a run
     with the same config died before its first checkpoint). A worker restarted by an elastic agent
     (TORCHELASTIC_RESTART_COUNT > 0) behaves as auto, and continues from the newest checkpoint of its run
     rather than the one first named by `--resume PATH`.
     """
-    restarted = restart_count() > 0
+    restarted, cfg, resume = restart_count() > 0, req.cfg, req.resume
     if cfg.train.resume != "auto" and not restarted:
-        return resume, force
+        return req
     if resume is not None:
         if restarted and isinstance(resume, str):
             p = Path(resume)
             run_dir = p.parent.parent if p.parent.name == "ckpt" else p
             if checkpoint.latest_valid(run_dir / "ckpt", share=share) is not None:
-                return str(run_dir), force
-        return resume, force
+                return replace(req, resume=str(run_dir))
+        return req
     if not cfg.run.name:
         if cfg.train.resume == "auto":
             raise LoomError("train.resume=auto needs a run.name to find the run again",
                             hint="add --run.name=NAME (the same name on every launch)")  # fmt: skip
-        return None, force
+        return req
     run_dir = Path(cfg.run.dir) / cfg.run.name
     if checkpoint.latest_valid(run_dir / "ckpt", share=share) is not None:
         log.info(
             f"continuing {run_dir} from its newest valid checkpoint" + (" (restart)" if restarted else "")
         )
-        return True, force
+        return replace(req, resume=True)
     saved = run_dir / "config.toml"
     # the start mode is not part of what the run is: a run started plainly (or with --resume) that died before
     # its first complete checkpoint (a save killed half way leaves only step_N.tmp) is started again by auto
@@ -149,8 +174,8 @@ def auto_resume(cfg: Config, resume, force: bool, share=(0, 1)) -> tuple[str | b
         d for d in diff_configs(config_from_dict(load_toml(saved)), cfg) if not d.startswith("train.resume:")
     ]:
         log.warn(f"{run_dir} has no valid checkpoint: starting it again")
-        return None, True
-    return None, force
+        return replace(req, force=True)
+    return req
 
 
 def check_checkpoint_model(ckpt: Path, cfg: Config) -> None:
@@ -177,37 +202,21 @@ def check_not_finished(ckpt: Path, cfg: Config, run_dir: Path) -> None:
     raise LoomError(msg, hint=hint)
 
 
-def layout_config(cfg: Config, resume, force: bool, explicit: set[str]) -> Config:
+def layout_config(req: RunRequest) -> Config:
     """The config whose parallel layout this job runs: on resume the saved one (command-line keys win).
     Only reads files, so every rank can call it before any process group exists."""
-    if not resume:
-        return cfg
-    return resumed_config(resolve_run_dir(cfg, resume, force), cfg, explicit)
+    if not req.resume:
+        return req.cfg
+    return resumed_config(resolve_run_dir(req.cfg, req.resume, req.force), req.cfg, req.explicit)
 
 
-def dp_impl_for(cfg: Config, env: DistEnv) -> str:
-    """The data-parallel implementation this job runs, after every degree rule (before any process group)."""
-    impl = cfg.parallel.dp_impl
-    degree1 = cfg.parallel.degree1_meshes and env.world_size == 1
-    if degree1 and cfg.parallel.pp_schedule not in ("gpipe", "1f1b"):  # 2 local stages: torch's eval fails
-        raise LoomError(
-            f"parallel.degree1_meshes takes a 1-stage schedule; pp_schedule={cfg.parallel.pp_schedule} puts two "
-            "stages on the one rank, which torch's schedule cannot evaluate",
-            hint="use parallel.pp_schedule=1f1b or gpipe",
-        )
-    if cfg.parallel.tp * cfg.parallel.pp > 1 or degree1:
-        mesh_degrees(cfg, env.world_size)  # every divisibility rule, before any process group exists
-        impl = "ddp" if impl in ("auto", "none") else impl
-    elif impl == "auto":
-        impl = "ddp" if env.world_size > 1 else "none"
-    elif impl == "none" and env.world_size > 1:
-        raise LoomError(
-            f"parallel.dp_impl=none but the launcher started {env.world_size} processes",
-            hint="use parallel.dp_impl=ddp (or auto), or start one process",
-        )
-    if impl != "mpi":
-        check_node_layout(ParallelDims.from_config(cfg.parallel, env.world_size, env.rank, impl), env)
-    return impl
+def job_dims(cfg: Config, env: DistEnv) -> ParallelDims:
+    """This rank's layout in the launcher's world, after every rule of config.validate() (before any process
+    group); a layout whose frequent collectives cross nodes is warned about."""
+    dims = validate(cfg, env.world_size, env.rank)[1]
+    if dims.dp_impl != "mpi":
+        check_node_layout(dims, env)
+    return dims
 
 
 def check_node_layout(dims: ParallelDims, env: DistEnv) -> None:
@@ -226,19 +235,16 @@ def check_node_layout(dims: ParallelDims, env: DistEnv) -> None:
         )
 
 
-def build_layout(impl: str, env: DistEnv, cfg: Config, device) -> tuple[ParallelDims, Control]:
-    """The job's layout and its control plane; joins the process group (or MPI's world) where one is needed."""
+def build_layout(dims: ParallelDims, env: DistEnv, cfg: Config, device) -> tuple[ParallelDims, Control]:
+    """The job's layout (`dims` from job_dims; with dp_impl=mpi, MPI's world) and its control plane; joins the
+    process group (or MPI's world) where one is needed."""
     from loom.distributed import process_group
     from loom.distributed.comm import MpiControl, TorchControl
 
     p = cfg.parallel
-    if impl == "mpi":
+    if dims.dp_impl == "mpi":
         from loom.parallel.mpi_dp import mpi_comm
 
-        if p.bucket_mb <= 0:
-            raise LoomError(
-                f"parallel.bucket_mb must be > 0, got {p.bucket_mb}", hint="e.g. 25 (DDP's default)"
-            )
         comm = mpi_comm()
         size = comm.Get_size()
         if size < env.world_size:  # processes started by another launcher: each its own 1-process world
@@ -252,13 +258,11 @@ def build_layout(impl: str, env: DistEnv, cfg: Config, device) -> tuple[Parallel
         if size == 1:
             log.warn("parallel.dp_impl=mpi with one process (not started by mpiexec?): training alone")
         return ParallelDims(size, 1, 1, 1, size, comm.Get_rank(), "mpi"), MpiControl(comm)
-    dims = ParallelDims.from_config(p, env.world_size, env.rank, impl)
-    validate(cfg, dims.dp)  # micro-batch and schedule rules, still before joining the group
     if dims.fsdp_enabled:  # FSDP's options, before joining the group
         from loom.parallel.fsdp import mp_policy
 
         mp_policy(p.param_dtype, p.reduce_dtype, device, "fp32")
-    if impl == "none":
+    if dims.dp_impl == "none":
         return dims, Control()
     process_group.init(env, device, p.timeout_s)
     return dims, TorchControl()
@@ -304,29 +308,23 @@ def check_same_config(control: Control, cfg: Config) -> None:
         raise PeerError(f"{bad} rank(s) were started with a config that differs from rank 0's")
 
 
-def run(
-    cfg: Config,
-    resume: str | bool | None = None,
-    force: bool = False,
-    explicit: set[str] | None = None,
-    log_all_ranks: bool = False,
-) -> dict:
-    """`loom train` in this process, alone or as one rank of a job. Returns the summary."""
-    env = detect_env()
+def run(req: RunRequest | Config, log_all_ranks: bool = False) -> dict:
+    """`loom train` in this process, alone or as one rank of a job (a Config alone: a new run). Returns the
+    summary."""
+    req = req if isinstance(req, RunRequest) else RunRequest(req)
+    cfg, env = req.cfg, detect_env()
     log.setup(rank=env.rank, all_ranks=log_all_ranks)
-    layout = layout_config(cfg, resume, force, explicit or set())  # the saved layout when resuming
-    impl = dp_impl_for(layout, env)
+    layout = layout_config(req)  # the saved layout when resuming
+    dims = job_dims(layout, env)  # every rule of the config and the layout, before any process group
     device = resolve_device(cfg.train.device, env.local_rank)
-    dims, control = build_layout(impl, env, layout, device)
+    dims, control = build_layout(dims, env, layout, device)
     clean, trainer = False, None
     try:
         if env.world_size > 1:
             log.info(f"launcher {env.source}: {env}")
         check_same_config(control, cfg)
         many = control.size > 1
-        plan = rank0_result(
-            control, lambda: plan_run(cfg, resume, force, explicit or set(), dims.dp, hashes=not many)
-        )
+        plan = rank0_result(control, lambda: plan_run(req, dims, hashes=not many))
         if many:
             plan = check_hashes(control, plan)
         if plan.cfg.run.rank_logs:
@@ -341,7 +339,7 @@ def run(
         trainer = Trainer(plan.cfg, plan.derived, plan.run_dir, plan.data_dir, device, dims, control)
         if plan.ckpt is not None:
             trainer.load(plan.ckpt)
-        if env.world_size > 1 and impl != "mpi":
+        if env.world_size > 1 and dims.dp_impl != "mpi":
             from loom.distributed.health import Heartbeat
 
             try:  # only for naming the ranks a failed collective waited for: never a reason to stop

@@ -14,19 +14,12 @@ import sys
 import uuid
 
 from loom import log
-from loom.config import Config
+from loom.config import ParallelDims, validate
 from loom.errors import LoomError
+from loom.train import RunRequest, layout_config, plan_run
 
 
-def launch_local(
-    nproc: int,
-    cfg: Config,
-    child_argv: list[str],
-    resume,
-    force: bool,
-    explicit: set[str],
-    max_restarts: int = 0,
-) -> int:
+def launch_local(nproc: int, req: RunRequest, child_argv: list[str], max_restarts: int = 0) -> int:
     """Check once here, then run `python -m loom train <child_argv>` in nproc processes. Returns an exit code.
 
     With max_restarts > 0 the elastic agent restarts all processes after a failure; restarted workers see
@@ -40,13 +33,12 @@ def launch_local(
     from loom import checkpoint
     from loom.distributed import loopback
     from loom.errors import EXIT_PREEMPTED
-    from loom.train import plan_run
 
-    dp = _data_parallel_degree(cfg, nproc, resume, force, explicit)
-    plan = plan_run(cfg, resume, force, explicit, dp, hashes=False)  # raises before any process starts;
+    cfg = req.cfg
+    plan = plan_run(req, _local_dims(req, nproc), hashes=False)  # raises before any process starts;
     # the workers hash the checkpoint's files, each its share
     args = [a for a in child_argv if a != "--force"]
-    if not resume:
+    if not req.resume:
         args.append(f"--run.name={plan.run_dir.name}")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(
@@ -85,15 +77,12 @@ def _shutdown_option(launch_config, timeout_s: float) -> dict:
     return {"shutdown_timeout": int(max(10, timeout_s))}
 
 
-def _data_parallel_degree(cfg: Config, nproc: int, resume, force: bool, explicit: set[str]) -> int:
-    """The data-parallel degree of `nproc` local processes, after the checks a layout must pass before any
-    process starts."""
-    from loom.config import mesh_degrees
-    from loom.train import layout_config
-
+def _local_dims(req: RunRequest, nproc: int) -> ParallelDims:
+    """The layout of `nproc` local processes (rank 0's), after every rule of config.validate() on the config whose
+    layout they run (the saved one when resuming), before any process starts."""
     if nproc < 1:
         raise LoomError(f"--nproc must be >= 1, got {nproc}")
-    layout = layout_config(cfg, resume, force, explicit)
+    layout = layout_config(req)
     if layout.parallel.dp_impl == "mpi" and nproc > 1:  # each child would be its own 1-process MPI world
         raise LoomError(
             f"--nproc {nproc} with parallel.dp_impl=mpi would start {nproc} separate 1-process trainings "
@@ -101,13 +90,7 @@ def _data_parallel_degree(cfg: Config, nproc: int, resume, force: bool, explicit
             hint=f"mpiexec -n {nproc} loom train ... (without --nproc), or "
             f"loom launch --launcher mpiexec --nproc-per-node {nproc} -- loom train ...",
         )
-    # tensor/pipeline degrees (from the saved config when resuming) leave world / (tp * pp) data-parallel ranks
-    dp = mesh_degrees(layout, nproc)[0]
-    if cfg.parallel.dp_impl == "none" and dp > 1:
-        raise LoomError(
-            f"--nproc {nproc} with parallel.dp_impl=none", hint="use parallel.dp_impl=ddp (or auto)"
-        )
-    return dp
+    return validate(layout, nproc)[1]
 
 
 def _report_failure(e) -> int:
