@@ -5,9 +5,12 @@ inspect` names a damaged checkpoint; a format-1 checkpoint (model.pt, optim.pt, 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,43 +88,60 @@ def test_inspect_names_valid_and_damaged_checkpoints(fsdp_run, tmp_path, capsys)
     assert "INVALID" in out and "__1_0.distcp' has" in out and "model             3 file(s)" in out
 
 
+def _write_format1(ckpt_dir: Path, step: int, tensors: dict, state: dict) -> Path:
+    """A checkpoint as mains before the sharded writer (issue 16) wrote it, format 1: rank 0's whole tensors in
+    model.pt, optim.pt and extra.pt, state.json, and a manifest of every file's size and SHA-256. loom reads
+    this format and no longer writes it; this is its writer, kept with the tests that need one."""
+    path = checkpoint.step_dir(ckpt_dir, step)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    for name in checkpoint.TENSOR_FILES:
+        torch.save(tensors.get(name.removesuffix(".pt"), {}), path / name)
+    (path / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(path.iterdir())
+    }
+    (path / "manifest.json").write_text(json.dumps({"step": step, "files": files}), encoding="utf-8")
+    return path
+
+
 def test_format1_checkpoint_still_loads_for_generation(fsdp_run, tmp_path, capsys):
     run = tmp_path / "f"
     shutil.copytree(fsdp_run, run, ignore=shutil.ignore_patterns("ckpt"))
     whole, state = checkpoint.load(checkpoint.latest_valid(fsdp_run / "ckpt"))
     model = {**whole["model"], "lm_head.weight": whole["model"]["wte.weight"]}
-    checkpoint.save(
-        run / "ckpt", 4, {"model": model, "optim": {}, "extra": whole["extra"]}, state, keep_last=1
-    )
+    _write_format1(run / "ckpt", 4, {"model": model, "optim": {}, "extra": whole["extra"]}, state)
     assert (run / "ckpt" / "step_000004" / "model.pt").is_file()
     assert _generate(run, capsys) == _generate(fsdp_run, capsys)
 
 
-def test_format1_checkpoint_resumes_bit_exact(char_data, tmp_path, monkeypatch):
+def _as_format1(path: Path) -> None:
+    """Rewrite the format-2 checkpoint `path` of a one-process run in format 1: its state read back by the
+    trainer (the loader training uses), then written whole, as the previous writer did."""
+    from loom.config import config_from_dict, load_toml, validate
+    from loom.train.trainer import Trainer
+
+    run = path.parent.parent
+    cfg = config_from_dict(load_toml(run / "config.toml"))
+    tr = Trainer(cfg, validate(cfg)[0], run, Path(cfg.data.path), torch.device("cpu"))
+    tr.load(path)
+    whole, state = checkpoint.load_extra(path)
+    tensors = {"model": tr.parallel.model_state(), "optim": tr.optimizer.state_dict(), "extra": whole["extra"]}
+    _write_format1(path.parent, state["step"], tensors, state)
+
+
+def test_format1_checkpoint_resumes_bit_exact(char_data, tmp_path):
     """A run saved by the previous writer (whole tensors on rank 0: model.pt, optim.pt, extra.pt) resumes
     under the sharded code and continues the uninterrupted curve exactly."""
     from loom.metrics import read_jsonl
-    from loom.train.checkpointing import Checkpointer
 
     args = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--train.steps=6", "--train.ckpt_every=3",
             "--train.keep_last=5", "--model.dropout=0.1", *TINY]  # fmt: skip
     assert main([*args, "--run.name=ref"]) == 0
-
-    def format1_save(self, background=False):  # the writer of the previous main, kept in loom.parallel.state
-        tr = self.tr
-        tensors, state = self.state()
-        tensors = {
-            **tensors,
-            "model": tr.parallel.model_state(),
-            "optim": tr.parallel.optim_state(tr.optimizer),
-        }
-        checkpoint.save(tr.run_dir / "ckpt", tr.step, tensors, state, tr.cfg.train.keep_last)
-        return True
-
-    with monkeypatch.context() as m:
-        m.setattr(Checkpointer, "save", format1_save)
-        assert main([*args, "--run.name=old", "--train.steps=6"]) == 0
+    assert main([*args, "--run.name=old", "--train.steps=6"]) == 0
     step3 = tmp_path / "old" / "ckpt" / "step_000003"
+    _as_format1(step3)
     assert (step3 / "optim.pt").is_file() and not checkpoint.is_sharded(step3)
     shutil.rmtree(tmp_path / "old" / "ckpt" / "step_000006")
     assert main(["train", "--resume", str(step3)]) == 0
