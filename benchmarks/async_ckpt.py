@@ -27,8 +27,17 @@ from loom.metrics import read_jsonl
 
 
 def run(mode: str, train_args: list[str], tmp: Path) -> dict:
-    argv = [sys.executable, "-m", "loom", "train", f"--run.dir={tmp}", f"--run.name={mode}",
-            f"--train.async_ckpt={mode}", "--train.log_every=1", *train_args]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "loom",
+        "train",
+        f"--run.dir={tmp}",
+        f"--run.name={mode}",
+        f"--train.async_ckpt={mode}",
+        "--train.log_every=1",
+        *train_args,
+    ]
     r = subprocess.run(argv, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(r.stdout[-2000:] + r.stderr[-3000:])

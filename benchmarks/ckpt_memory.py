@@ -70,9 +70,12 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--src", action="append", default=[], help="a checkout's src/ folder (repeat to compare)")
     p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--trim", action="store_true",
-                   help="malloc_trim before the save, so that memory freed by training (on a CPU, FSDP's gathered "
-                        "parameters) is not counted as held, nor silently reused by the save")  # fmt: skip
+    p.add_argument(
+        "--trim",
+        action="store_true",
+        help="malloc_trim before the save, so that memory freed by training (on a CPU, FSDP's gathered "
+        "parameters) is not counted as held, nor silently reused by the save",
+    )
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: arguments of `loom train`")
     args = p.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
@@ -82,17 +85,23 @@ def main() -> None:
     for src in args.src or [None]:
         ranks = measure(args.nproc, train_args, src)
         mib = lambda b: round(b / 2**20)  # noqa: E731
-        rec = {"src": src or "installed", "nproc": args.nproc,
-               "rank0_rss_before_mib": mib(ranks[0]["rss_before"]), "rank0_peak_during_save_mib": mib(ranks[0]["peak_during"]),
-               "peak_during_save_mib": [mib(r["peak_during"]) for r in ranks],
-               "save_s": [round(r["save_s"], 2) for r in ranks]}  # fmt: skip
+        rec = {
+            "src": src or "installed",
+            "nproc": args.nproc,
+            "rank0_rss_before_mib": mib(ranks[0]["rss_before"]),
+            "rank0_peak_during_save_mib": mib(ranks[0]["peak_during"]),
+            "peak_during_save_mib": [mib(r["peak_during"]) for r in ranks],
+            "save_s": [round(r["save_s"], 2) for r in ranks],
+        }
         print(json.dumps(rec))
         results.append(rec)
     if len(results) > 1:
         base = results[0]["rank0_peak_during_save_mib"]
         for r in results[1:]:
-            print(f"{r['src']}: rank 0 peak during the save {r['rank0_peak_during_save_mib']} MiB = "
-                  f"{r['rank0_peak_during_save_mib'] / base:.2f}x of {results[0]['src']} ({base} MiB)")  # fmt: skip
+            print(
+                f"{r['src']}: rank 0 peak during the save {r['rank0_peak_during_save_mib']} MiB = "
+                f"{r['rank0_peak_during_save_mib'] / base:.2f}x of {results[0]['src']} ({base} MiB)"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"command": sys.argv, "results": results}, indent=1))
 

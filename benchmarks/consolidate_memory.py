@@ -49,11 +49,28 @@ print(json.dumps({"rss_before": before, "peak_during": kib("VmHWM"), "largest_te
 def make_run(where: Path, nproc: int, extra: list[str]) -> Path:
     data = where / "data"
     src = Path(__file__).resolve().parents[1] / "src" / "loom"  # loom's own sources as the text
-    subprocess.run([sys.executable, "-m", "loom", "data", "prepare", "--input", str(src), "--out", str(data)],
-                   check=True, capture_output=True)  # fmt: skip
-    argv = [sys.executable, "-m", "loom", "train", f"--nproc={nproc}", "--parallel.dp_impl=fsdp",
-            f"--data.path={data}", f"--run.dir={where}", "--run.name=c", "--train.steps=1", "--train.device=cpu",
-            "--precision.dtype=fp32", "--train.eval_every=0", "--train.sample_every=0", *extra]  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "loom", "data", "prepare", "--input", str(src), "--out", str(data)],
+        check=True,
+        capture_output=True,
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "loom",
+        "train",
+        f"--nproc={nproc}",
+        "--parallel.dp_impl=fsdp",
+        f"--data.path={data}",
+        f"--run.dir={where}",
+        "--run.name=c",
+        "--train.steps=1",
+        "--train.device=cpu",
+        "--precision.dtype=fp32",
+        "--train.eval_every=0",
+        "--train.sample_every=0",
+        *extra,
+    ]
     r = subprocess.run(argv, capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(r.stdout[-2000:] + r.stderr[-3000:])
@@ -74,16 +91,19 @@ def main() -> None:
             if args.run
             else make_run(Path(tmp), args.nproc, [a for a in args.train_args if a != "--"])
         )
-        r = subprocess.run([sys.executable, "-c", CHILD, str(run), str(Path(tmp, "out"))], capture_output=True,
-                           text=True)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-c", CHILD, str(run), str(Path(tmp, "out"))], capture_output=True, text=True
+        )
         if r.returncode:
             raise SystemExit(r.stderr[-3000:])
         rec = json.loads(r.stdout.strip().splitlines()[-1])
     mib = lambda b: round(b / 2**20, 1)  # noqa: E731
     rec["extra_over_largest"] = round((rec["peak_during"] - rec["rss_before"]) / rec["largest_tensor"], 2)
-    print(f"{rec['params'] / 1e6:.1f}M parameters, largest tensor {mib(rec['largest_tensor'])} MiB: RSS "
-          f"{mib(rec['rss_before'])} MiB before, peak {mib(rec['peak_during'])} MiB during consolidate "
-          f"({rec['seconds']:.1f} s): +{rec['extra_over_largest']}x the largest tensor")  # fmt: skip
+    print(
+        f"{rec['params'] / 1e6:.1f}M parameters, largest tensor {mib(rec['largest_tensor'])} MiB: RSS "
+        f"{mib(rec['rss_before'])} MiB before, peak {mib(rec['peak_during'])} MiB during consolidate "
+        f"({rec['seconds']:.1f} s): +{rec['extra_over_largest']}x the largest tensor"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"command": sys.argv, **rec}, indent=1))
 

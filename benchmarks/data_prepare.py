@@ -31,9 +31,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOM = [sys.executable, "-m", "loom"]
-SOURCES = ["/usr/include", "/usr/lib/python3", "/usr/lib/python3.11", "/usr/local/lib/python3.11",
-           str(ROOT / ".venv/lib"), "/usr/local/include", "/root/.pyenv", "/usr/src", "/usr/share", "/opt",
-           "/usr/lib", "/usr/local"]  # fmt: skip
+SOURCES = [
+    "/usr/include",
+    "/usr/lib/python3",
+    "/usr/lib/python3.11",
+    "/usr/local/lib/python3.11",
+    str(ROOT / ".venv/lib"),
+    "/usr/local/include",
+    "/root/.pyenv",
+    "/usr/src",
+    "/usr/share",
+    "/opt",
+    "/usr/lib",
+    "/usr/local",
+]
 SUFFIXES = (".h", ".hpp", ".py")
 
 
@@ -78,8 +89,12 @@ def prepare(inp: Path, out: Path, *extra: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     res = timed([*LOOM, "data", "prepare", "--input", str(inp), "--out", str(out), *extra])
     meta = json.loads((out / "meta.json").read_text())
-    res.update({k: meta[k] for k in ("bytes", "documents", "vocab_size", "encoder", "encode_seconds",
-                                       "bytes_per_token_val")})  # fmt: skip
+    res.update(
+        {
+            k: meta[k]
+            for k in ("bytes", "documents", "vocab_size", "encoder", "encode_seconds", "bytes_per_token_val")
+        }
+    )
     res["tokens"] = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
     return res
 
@@ -161,8 +176,12 @@ def main() -> None:
             (work / "o1").mkdir()
             HFTokenizer.train(sample_texts(one, 50 * 10**6), 32768).save(work / "o1")
         if 2 in steps:
-            gz, zst, pq_path, txt = (work / "c.jsonl.gz", work / "c.jsonl.zst", work / "c.parquet",
-                                     work / "one.txt")  # fmt: skip
+            gz, zst, pq_path, txt = (
+                work / "c.jsonl.gz",
+                work / "c.jsonl.zst",
+                work / "c.parquet",
+                work / "one.txt",
+            )
             with open(one, "rb") as f, gzip.open(gz, "wb", compresslevel=3) as g:
                 shutil.copyfileobj(f, g, 1 << 22)
             import zstandard
@@ -224,8 +243,12 @@ def encode_speed(tok_path: str, texts: list[str]) -> dict:
     spec = tiktoken_spec(lib.to_str())
     import tiktoken
 
-    enc = tiktoken.Encoding("loom", pat_str=spec["pattern"], special_tokens=spec["special"],
-                            mergeable_ranks={bytes.fromhex(k): v for k, v in spec["ranks"].items()})  # fmt: skip
+    enc = tiktoken.Encoding(
+        "loom",
+        pat_str=spec["pattern"],
+        special_tokens=spec["special"],
+        mergeable_ranks={bytes.fromhex(k): v for k, v in spec["ranks"].items()},
+    )
     del Encoder
     n = sum(len(t.encode()) for t in texts)
     t0 = time.perf_counter()
@@ -234,8 +257,14 @@ def encode_speed(tok_path: str, texts: list[str]) -> dict:
     t0 = time.perf_counter()
     b = enc.encode_ordinary_batch(texts, num_threads=cpu_count())
     t_tk = time.perf_counter() - t0
-    return {"bytes": n, "tokenizers_encode_batch_s": round(t_lib, 2), "tiktoken_batch_s": round(t_tk, 2),
-            "speedup": round(t_lib / t_tk, 2), "identical_ids": a == b, "threads": cpu_count()}  # fmt: skip
+    return {
+        "bytes": n,
+        "tokenizers_encode_batch_s": round(t_lib, 2),
+        "tiktoken_batch_s": round(t_tk, 2),
+        "speedup": round(t_lib / t_tk, 2),
+        "identical_ids": a == b,
+        "threads": cpu_count(),
+    }
 
 
 def training_speed(texts200: list[str], texts50: list[str]) -> dict:
@@ -268,8 +297,11 @@ def sample_vs_whole(one: Path, work: Path) -> dict:
     for name, sample in (("sample_100mb", "100000000"), ("whole", str(10**12))):
         o = work / f"tpb_{name}"
         r = prepare(one, o, "--tokenizer", "bpe", "--vocab-size", "32768", "--tokenizer-sample", sample)
-        out[name] = {"tokens_per_byte_val": round(1 / r["bytes_per_token_val"], 5),
-                     "peak_rss_mb": r["peak_rss_mb"], "wall_s": r["wall_s"]}  # fmt: skip
+        out[name] = {
+            "tokens_per_byte_val": round(1 / r["bytes_per_token_val"], 5),
+            "peak_rss_mb": r["peak_rss_mb"],
+            "wall_s": r["wall_s"],
+        }
         shutil.rmtree(o)
     a, b = out["sample_100mb"]["tokens_per_byte_val"], out["whole"]["tokens_per_byte_val"]
     out["relative_difference"] = round(abs(a - b) / b, 4)

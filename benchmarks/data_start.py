@@ -42,11 +42,26 @@ def write_dir(d: Path, shards: int, tokens: int) -> None:
 
 
 def train_seconds(data: Path, runs: Path) -> float:
-    cmd = [*LOOM, "train", f"--data.path={data}", "--model.vocab_size=50304", "--model.n_layer=1",
-           "--model.n_head=1", "--model.n_embd=32", "--model.block_size=32", "--train.batch_size=2",
-           "--train.steps=1", "--train.eval_every=0", "--train.eval_batches=1", "--train.sample_every=0",
-           "--train.sample_tokens=1", "--train.ckpt_every=0", "--train.log_every=1", "--train.device=cpu",
-           f"--run.dir={runs}"]  # fmt: skip
+    cmd = [
+        *LOOM,
+        "train",
+        f"--data.path={data}",
+        "--model.vocab_size=50304",
+        "--model.n_layer=1",
+        "--model.n_head=1",
+        "--model.n_embd=32",
+        "--model.block_size=32",
+        "--train.batch_size=2",
+        "--train.steps=1",
+        "--train.eval_every=0",
+        "--train.eval_batches=1",
+        "--train.sample_every=0",
+        "--train.sample_tokens=1",
+        "--train.ckpt_every=0",
+        "--train.log_every=1",
+        "--train.device=cpu",
+        f"--run.dir={runs}",
+    ]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     dt = time.perf_counter() - t0
@@ -102,8 +117,12 @@ def main() -> None:
             lambda: id_range([a for s in ("train", "val") for a in open_split(big, s)])
         )
         t0 = time.perf_counter()
-        subprocess.run([*LOOM, "data", "inspect", str(big), "--write-meta", "--sample-tokens", "0"],
-                       check=True, capture_output=True, cwd=ROOT)  # fmt: skip
+        subprocess.run(
+            [*LOOM, "data", "inspect", str(big), "--write-meta", "--sample-tokens", "0"],
+            check=True,
+            capture_output=True,
+            cwd=ROOT,
+        )
         res["inspect_write_meta_s"] = time.perf_counter() - t0
         res["data_start_big_with_meta_s"] = data_start(big)
         res["train_command_big_with_meta_s"] = train_seconds(big, tmp / "runs")

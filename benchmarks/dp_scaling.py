@@ -57,16 +57,36 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="loom-dp-bench-"))
     data = tmp / "data"
     prepare(python_stdlib_files()[:40], data, tokenizer="char", seed=0)
-    common = [f"--data.path={data}", f"--run.dir={tmp}", *MODEL, f"--train.steps={args.steps}",
-              "--train.log_every=1", "--train.eval_every=0", "--train.sample_every=0", "--train.ckpt_every=0",
-              "--train.eval_batches=1", "--train.device=cpu"]  # fmt: skip
+    common = [
+        f"--data.path={data}",
+        f"--run.dir={tmp}",
+        *MODEL,
+        f"--train.steps={args.steps}",
+        "--train.log_every=1",
+        "--train.eval_every=0",
+        "--train.sample_every=0",
+        "--train.ckpt_every=0",
+        "--train.eval_batches=1",
+        "--train.device=cpu",
+    ]
     two = [f"--train.batch_size={args.batch}"]
     results = {
-        "ddp": summarise(run("ddp", 0, ["--nproc=2", "--parallel.dp_impl=ddp", *two], common, tmp), args.skip),
-        "mpi-naive": summarise(run("naive", 2, ["--parallel.dp_impl=mpi", "--parallel.mpi_sync=naive", *two], common, tmp), args.skip),
-        "mpi-bucketed": summarise(run("bucketed", 2, ["--parallel.dp_impl=mpi", "--parallel.mpi_sync=bucketed", *two], common, tmp), args.skip),
-        "1rank-half-batch": summarise(run("one", 0, ["--parallel.dp_impl=none", f"--train.batch_size={args.batch // 2}"], common, tmp), args.skip),
-    }  # fmt: skip
+        "ddp": summarise(
+            run("ddp", 0, ["--nproc=2", "--parallel.dp_impl=ddp", *two], common, tmp), args.skip
+        ),
+        "mpi-naive": summarise(
+            run("naive", 2, ["--parallel.dp_impl=mpi", "--parallel.mpi_sync=naive", *two], common, tmp),
+            args.skip,
+        ),
+        "mpi-bucketed": summarise(
+            run("bucketed", 2, ["--parallel.dp_impl=mpi", "--parallel.mpi_sync=bucketed", *two], common, tmp),
+            args.skip,
+        ),
+        "1rank-half-batch": summarise(
+            run("one", 0, ["--parallel.dp_impl=none", f"--train.batch_size={args.batch // 2}"], common, tmp),
+            args.skip,
+        ),
+    }
     ddp, naive, bucketed, one = (results[k] for k in ("ddp", "mpi-naive", "mpi-bucketed", "1rank-half-batch"))
     ratios = {
         "bucketed_over_naive": bucketed["dt_s"] / naive["dt_s"],

@@ -26,11 +26,31 @@ def main() -> int:
     p.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[1], help="a loom checkout")
     p.add_argument("--name", default="fsdp-memory", help="run name (under runs/bench)")
     args = p.parse_args()
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "loom", "train", "--nproc=4", "--parallel.dp_impl=fsdp",
-           "--model.n_layer=6", "--model.n_head=6", "--model.n_embd=768", "--model.block_size=128",
-           "--train.batch_size=8", "--train.steps=2", "--train.eval_batches=1", "--train.eval_every=0",
-           "--train.sample_tokens=200", "--train.log_every=1", "--train.device=cpu", f"--data.path={args.data}",
-           "--run.dir=runs/bench", f"--run.name={args.name}", "--force"]  # fmt: skip
+    cmd = [
+        "/usr/bin/time",
+        "-v",
+        sys.executable,
+        "-m",
+        "loom",
+        "train",
+        "--nproc=4",
+        "--parallel.dp_impl=fsdp",
+        "--model.n_layer=6",
+        "--model.n_head=6",
+        "--model.n_embd=768",
+        "--model.block_size=128",
+        "--train.batch_size=8",
+        "--train.steps=2",
+        "--train.eval_batches=1",
+        "--train.eval_every=0",
+        "--train.sample_tokens=200",
+        "--train.log_every=1",
+        "--train.device=cpu",
+        f"--data.path={args.data}",
+        "--run.dir=runs/bench",
+        f"--run.name={args.name}",
+        "--force",
+    ]
     env = {**os.environ, "PYTHONPATH": str(args.tree / "src"), "PYTHONUNBUFFERED": "1"}
     t0, marks, out = time.perf_counter(), {}, []
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -45,8 +65,10 @@ def main() -> int:
     if proc.returncode or not rss or len(marks) < 2:
         print("".join(out[-40:]))
         return 1
-    print(f"{args.tree}: peak RSS of the largest rank {int(rss.group(1)) / 1e6:.2f} GB, end-of-run sample "
-          f"{marks['sample'] - marks['eval']:.1f} s, whole run {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    print(
+        f"{args.tree}: peak RSS of the largest rank {int(rss.group(1)) / 1e6:.2f} GB, end-of-run sample "
+        f"{marks['sample'] - marks['eval']:.1f} s, whole run {time.perf_counter() - t0:.1f} s"
+    )
     return 0
 
 

@@ -53,8 +53,11 @@ LOOM = [PY, "-m", "loom"]
 # loom's own dependencies (pyproject.toml) as import names; without one of them nothing runs
 REQUIRED = ("torch", "numpy", "tokenizers", "rich", "safetensors", "matplotlib")
 # optional packages and the checks they serve: a missing one skips only those
-OPTIONAL = {"pytest": "tests-gpu", "triton": "bench-optim's triton kernel",
-            "transformers": "the HF import/export tests in tests-gpu"}  # fmt: skip
+OPTIONAL = {
+    "pytest": "tests-gpu",
+    "triton": "bench-optim's triton kernel",
+    "transformers": "the HF import/export tests in tests-gpu",
+}
 BUDGET_S = 480.0  # the whole kit on a GPU: 8 minutes, under the device machine's 10 minutes per command
 
 # Datasheet memory bandwidth in GB/s, matched as substrings of torch.cuda.get_device_name (first match wins).
@@ -125,9 +128,11 @@ def probe(cpu: bool) -> int:
         print(f"gpu_check --probe: torch {torch.__version__} in {PY} sees no CUDA device")
         return 1
     opt = missing(OPTIONAL)
-    print(f"gpu_check --probe: {PY} has torch {torch.__version__} (CUDA {torch.version.cuda}) and loom's "
-          "dependencies: running from the working tree, no virtualenv, no pip"
-          + "".join(f"\n  missing optional package {n}: skips {OPTIONAL[n]}" for n in opt))  # fmt: skip
+    print(
+        f"gpu_check --probe: {PY} has torch {torch.__version__} (CUDA {torch.version.cuda}) and loom's "
+        "dependencies: running from the working tree, no virtualenv, no pip"
+        + "".join(f"\n  missing optional package {n}: skips {OPTIONAL[n]}" for n in opt)
+    )
     return 0
 
 
@@ -137,8 +142,13 @@ def versions(cuda: bool) -> dict[str, Any]:
 
     import torch
 
-    info: dict[str, Any] = {"python": platform.python_version(), "executable": PY, "torch": torch.__version__,
-                            "cuda": torch.version.cuda, "platform": platform.platform()}  # fmt: skip
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "executable": PY,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "platform": platform.platform(),
+    }
     for name in ("triton", "transformers", "numpy"):
         try:
             info[name] = __import__(name).__version__
@@ -154,10 +164,13 @@ def versions(cuda: bool) -> dict[str, Any]:
     if cuda:
         info["cudnn"] = torch.backends.cudnn.version()
         info["gpus"] = [
-            {"name": torch.cuda.get_device_name(i), "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
-             "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
+            {
+                "name": torch.cuda.get_device_name(i),
+                "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
+                "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1),
+            }
             for i in range(torch.cuda.device_count())
-        ]  # fmt: skip
+        ]
         info["driver"] = nvidia_driver()
     return info
 
@@ -165,8 +178,12 @@ def versions(cuda: bool) -> dict[str, Any]:
 def nvidia_driver() -> str | None:
     """The NVIDIA driver's version (nvidia-smi), or None where it cannot be asked."""
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30)  # fmt: skip
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
@@ -179,62 +196,173 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
     device = "cuda" if cuda else "cpu"
     lacking = set(missing(OPTIONAL))
     checks = [
-        Check("tests-gpu", lambda ctx: [[PY, "-m", "pytest", "tests/gpu", "-rs", "-q", "-p", "no:cacheprovider"]],
-              240, pytest_figures, strict_skips=cuda,
-              why_not="needs pytest, which this interpreter lacks" if "pytest" in lacking else None),
-        Check("prepare-data", lambda ctx: [[*LOOM, "data", "prepare", "--input", str(write_text(out)), "--out",
-              str(data), "--tokenizer", "char", "--val-fraction", "0.1"]], 120),
-    ]  # fmt: skip
+        Check(
+            "tests-gpu",
+            lambda ctx: [[PY, "-m", "pytest", "tests/gpu", "-rs", "-q", "-p", "no:cacheprovider"]],
+            240,
+            pytest_figures,
+            strict_skips=cuda,
+            why_not="needs pytest, which this interpreter lacks" if "pytest" in lacking else None,
+        ),
+        Check(
+            "prepare-data",
+            lambda ctx: [
+                [
+                    *LOOM,
+                    "data",
+                    "prepare",
+                    "--input",
+                    str(write_text(out)),
+                    "--out",
+                    str(data),
+                    "--tokenizer",
+                    "char",
+                    "--val-fraction",
+                    "0.1",
+                ]
+            ],
+            120,
+        ),
+    ]
     steps = 30 if cuda else 5
-    small = ["--model.n_layer=4", "--model.n_head=4", "--model.n_embd=128", "--model.block_size=128",
-             "--train.batch_size=16"] if cuda else ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32",
-             "--model.block_size=32", "--train.batch_size=8"]  # fmt: skip
-    common = [f"--data.path={data}", f"--run.dir={out / 'runs'}", f"--train.device={device}", "--train.log_every=1",
-              f"--train.steps={steps}", "--train.eval_every=0", "--train.sample_every=0", "--train.eval_batches=1",
-              f"--precision.dtype={'bf16' if cuda else 'fp32'}", *small]  # fmt: skip
+    small = (
+        [
+            "--model.n_layer=4",
+            "--model.n_head=4",
+            "--model.n_embd=128",
+            "--model.block_size=128",
+            "--train.batch_size=16",
+        ]
+        if cuda
+        else [
+            "--model.n_layer=2",
+            "--model.n_head=2",
+            "--model.n_embd=32",
+            "--model.block_size=32",
+            "--train.batch_size=8",
+        ]
+    )
+    common = [
+        f"--data.path={data}",
+        f"--run.dir={out / 'runs'}",
+        f"--train.device={device}",
+        "--train.log_every=1",
+        f"--train.steps={steps}",
+        "--train.eval_every=0",
+        "--train.sample_every=0",
+        "--train.eval_batches=1",
+        f"--precision.dtype={'bf16' if cuda else 'fp32'}",
+        *small,
+    ]
     for impl in DP_IMPLS:
         run = out / "runs" / f"train-{impl}"
-        checks.append(Check(f"train-{impl}", lambda ctx, impl=impl: [[*LOOM, "train", *common,
-                            f"--run.name=train-{impl}", f"--parallel.dp_impl={impl}"]], 120,
-                            lambda o, ctx, run=run: train_figures(run)))  # fmt: skip
+        checks.append(
+            Check(
+                f"train-{impl}",
+                lambda ctx, impl=impl: [
+                    [*LOOM, "train", *common, f"--run.name=train-{impl}", f"--parallel.dp_impl={impl}"]
+                ],
+                120,
+                lambda o, ctx, run=run: train_figures(run),
+            )
+        )
     run = out / "runs" / "train-tp-pp"
-    checks.append(Check("train-tp-pp", lambda ctx: [[*LOOM, "train", *common, "--run.name=train-tp-pp",
-                        "--parallel.degree1_meshes=true", "--parallel.dp_impl=fsdp"]], 120,
-                        lambda o, ctx, run=run: train_figures(run)))  # fmt: skip
-    verify = [*LOOM, "verify", "--strategies", VERIFY_STRATEGIES, f"--nproc={max(n_gpus, 2)}", "--steps=10",
-              "--out", str(out / "verify"), "--train.device=cuda"]  # fmt: skip
+    checks.append(
+        Check(
+            "train-tp-pp",
+            lambda ctx: [
+                [
+                    *LOOM,
+                    "train",
+                    *common,
+                    "--run.name=train-tp-pp",
+                    "--parallel.degree1_meshes=true",
+                    "--parallel.dp_impl=fsdp",
+                ]
+            ],
+            120,
+            lambda o, ctx, run=run: train_figures(run),
+        )
+    )
+    verify = [
+        *LOOM,
+        "verify",
+        "--strategies",
+        VERIFY_STRATEGIES,
+        f"--nproc={max(n_gpus, 2)}",
+        "--steps=10",
+        "--out",
+        str(out / "verify"),
+        "--train.device=cuda",
+    ]
     no_verify = f"gpu only (needs 2+ GPUs, {n_gpus} here): would run {cmd(verify)}"
     checks.append(
         Check("verify", lambda ctx: [verify], 300, gpu_only=True, why_not=None if n_gpus >= 2 else no_verify)
     )
     optim = out / "bench-optim.json"
-    sizes = ["--params", "124M", "--device", "cuda"] if cuda else [
-        "--params", "1M", "--device", "cpu", "--iters", "3", "--warmup", "1", "--copy-mb", "16"]  # fmt: skip
+    sizes = (
+        ["--params", "124M", "--device", "cuda"]
+        if cuda
+        else ["--params", "1M", "--device", "cpu", "--iters", "3", "--warmup", "1", "--copy-mb", "16"]
+    )
     impls = ["--impls", "torch-fused,torch-foreach" + ("" if "triton" in lacking else ",triton")]
-    checks.append(Check("bench-optim", lambda ctx: [[*LOOM, "bench", "optim", *impls, *sizes, "--json", str(optim)]],
-                        180, lambda o, ctx: optim_figures(optim, cuda)))  # fmt: skip
+    checks.append(
+        Check(
+            "bench-optim",
+            lambda ctx: [[*LOOM, "bench", "optim", *impls, *sizes, "--json", str(optim)]],
+            180,
+            lambda o, ctx: optim_figures(optim, cuda),
+        )
+    )
     mbs = args.micro_batches if cuda else [2]
-    bench = [*LOOM, "bench", "train", "--synthetic", f"--steps={10 if cuda else 2}", f"--warmup={3 if cuda else 1}",
-             *[f"--model.{k}={v}" for k, v in shape.items()], "--model.dropout=0.0", "--model.bias=false",
-             f"--train.device={device}", f"--precision.dtype={'bf16' if cuda else 'fp32'}"]  # fmt: skip
+    bench = [
+        *LOOM,
+        "bench",
+        "train",
+        "--synthetic",
+        f"--steps={10 if cuda else 2}",
+        f"--warmup={3 if cuda else 1}",
+        *[f"--model.{k}={v}" for k, v in shape.items()],
+        "--model.dropout=0.0",
+        "--model.bias=false",
+        f"--train.device={device}",
+        f"--precision.dtype={'bf16' if cuda else 'fp32'}",
+    ]
 
     def bench_argvs(compile_: bool):
         def argvs(ctx: dict) -> list[list[str]]:
             found = ctx.get("bench-train-eager", {}).get("figures", {}).get("micro_batch")
             sizes = [found] if compile_ and found else mbs
-            return [[*bench, f"--train.compile={str(compile_).lower()}", f"--train.batch_size={mb}",
-                     f"--train.micro_batch_size={mb}", "--json", str(out / f"bench-train-{mb}-{compile_}.json")]
-                    for mb in sizes]  # fmt: skip
+            return [
+                [
+                    *bench,
+                    f"--train.compile={str(compile_).lower()}",
+                    f"--train.batch_size={mb}",
+                    f"--train.micro_batch_size={mb}",
+                    "--json",
+                    str(out / f"bench-train-{mb}-{compile_}.json"),
+                ]
+                for mb in sizes
+            ]
 
         return argvs
 
     checks.append(Check("bench-train-eager", bench_argvs(False), 240, bench_train_figures))
     checks.append(Check("bench-train-compile", bench_argvs(True), 300, bench_train_figures))
     if not cuda:
-        checks[-1].why_not = ("--cpu leaves torch.compile out (minutes of C++ compilation on a CPU): would run "
-                              + cmd(bench_argvs(True)({})[0]))  # fmt: skip
-    checks.append(Check("nanogpt", lambda ctx: [nanogpt_argv(args.nanogpt, out, shape, ctx, mbs, cuda)], 300,
-                        nanogpt_figures, cwd=Path(args.nanogpt or ROOT).resolve()))  # fmt: skip
+        checks[-1].why_not = (
+            "--cpu leaves torch.compile out (minutes of C++ compilation on a CPU): would run "
+            + cmd(bench_argvs(True)({})[0])
+        )
+    checks.append(
+        Check(
+            "nanogpt",
+            lambda ctx: [nanogpt_argv(args.nanogpt, out, shape, ctx, mbs, cuda)],
+            300,
+            nanogpt_figures,
+            cwd=Path(args.nanogpt or ROOT).resolve(),
+        )
+    )
     if args.nanogpt is None:
         checks[
             -1
@@ -246,8 +374,10 @@ def write_text(out: Path) -> Path:
     """Deterministic pseudo-English (about 200k characters) for the training checks."""
     import random
 
-    words = ("the of and to in is that it for as with was on be by at this from have or an they which one you "
-             "were her all she there would their we him been has when who will more no if out so").split()  # fmt: skip
+    words = (
+        "the of and to in is that it for as with was on be by at this from have or an they which one you "
+        "were her all she there would their we him been has when who will more no if out so"
+    ).split()
     rng, lines, size = random.Random(0), [], 0
     while size < 200_000:
         lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + ".")
@@ -270,13 +400,29 @@ def nanogpt_argv(nanogpt: Path, out: Path, shape: dict, ctx: dict, mbs: list[int
         rng.integers(0, shape["vocab_size"], 64 * (shape["block_size"] + 1), dtype=np.uint16).tofile(
             data / f"{split}.bin"
         )
-    return [PY, "train.py", "--dataset=gpu_check", f"--out_dir={out / 'nanogpt'}",
-            f"--n_layer={shape['n_layer']}", f"--n_head={shape['n_head']}", f"--n_embd={shape['n_embd']}",
-            f"--block_size={shape['block_size']}", f"--batch_size={mb}", "--gradient_accumulation_steps=1",
-            f"--max_iters={20 if cuda else 3}", "--eval_interval=100000", "--eval_iters=1", "--log_interval=1",
-            "--dropout=0.0", "--bias=False", "--always_save_checkpoint=False", "--wandb_log=False",
-            f"--compile={cuda}", f"--device={'cuda' if cuda else 'cpu'}",
-            f"--dtype={'bfloat16' if cuda else 'float32'}"]  # fmt: skip
+    return [
+        PY,
+        "train.py",
+        "--dataset=gpu_check",
+        f"--out_dir={out / 'nanogpt'}",
+        f"--n_layer={shape['n_layer']}",
+        f"--n_head={shape['n_head']}",
+        f"--n_embd={shape['n_embd']}",
+        f"--block_size={shape['block_size']}",
+        f"--batch_size={mb}",
+        "--gradient_accumulation_steps=1",
+        f"--max_iters={20 if cuda else 3}",
+        "--eval_interval=100000",
+        "--eval_iters=1",
+        "--log_interval=1",
+        "--dropout=0.0",
+        "--bias=False",
+        "--always_save_checkpoint=False",
+        "--wandb_log=False",
+        f"--compile={cuda}",
+        f"--device={'cuda' if cuda else 'cpu'}",
+        f"--dtype={'bfloat16' if cuda else 'float32'}",
+    ]
 
 
 # ------------------------------------------------------------------------------------------- key figures
@@ -286,8 +432,11 @@ def pytest_figures(output: str, ctx: dict) -> dict:
     reasons = sorted({r for _, r in skips})
     lacking = missing(OPTIONAL)  # tests skipped for a package this interpreter lacks: reported, not failed
     excused = sum(int(n) for n, r in skips if any(p in r for p in lacking))
-    return {**counts, **({"skip_reasons": reasons} if reasons else {}),
-            **({"skipped_missing_package": excused} if excused else {})}  # fmt: skip
+    return {
+        **counts,
+        **({"skip_reasons": reasons} if reasons else {}),
+        **({"skipped_missing_package": excused} if excused else {}),
+    }
 
 
 def train_figures(run: Path) -> dict:
@@ -296,33 +445,49 @@ def train_figures(run: Path) -> dict:
     recs = read_jsonl(run / "metrics.jsonl")
     losses = [r["loss"] for r in recs if "loss" in r]
     summary = next((r["summary"] for r in recs if "summary" in r), {})
-    return {"steps": len(losses), "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
-            "tokens_per_s": round(summary.get("tokens_per_s") or 0)}  # fmt: skip
+    return {
+        "steps": len(losses),
+        "first_loss": round(losses[0], 4),
+        "last_loss": round(losses[-1], 4),
+        "tokens_per_s": round(summary.get("tokens_per_s") or 0),
+    }
 
 
 def optim_figures(path: Path, cuda: bool) -> dict:
     recs = json.loads(path.read_text())
     name = recs[0]["device_name"]
     sheet = datasheet_bandwidth(name) if cuda else None
-    figs: dict[str, Any] = {"device_name": name, "n_params": recs[0]["n_params"],
-                            "datasheet_gbps": sheet, "copy_gbps": round(recs[0]["copy_bandwidth_gbps"], 1)}  # fmt: skip
+    figs: dict[str, Any] = {
+        "device_name": name,
+        "n_params": recs[0]["n_params"],
+        "datasheet_gbps": sheet,
+        "copy_gbps": round(recs[0]["copy_bandwidth_gbps"], 1),
+    }
     for r in recs:
         if "skipped" in r:
             figs[r["impl"]] = f"skipped: {r['skipped']}"
             continue
-        figs[r["impl"]] = {"ms": round(r["time_ms"], 3), "gbps": round(r["bandwidth_gbps"], 1),
-                           "of_copy": round(r["fraction_of_copy"], 3),
-                           "of_datasheet": round(r["bandwidth_gbps"] / sheet, 3) if sheet else "n/a"}  # fmt: skip
+        figs[r["impl"]] = {
+            "ms": round(r["time_ms"], 3),
+            "gbps": round(r["bandwidth_gbps"], 1),
+            "of_copy": round(r["fraction_of_copy"], 3),
+            "of_datasheet": round(r["bandwidth_gbps"] / sheet, 3) if sheet else "n/a",
+        }
     return figs
 
 
 def bench_train_figures(output: str, ctx: dict) -> dict:
     path = Path(ctx["argv"][ctx["argv"].index("--json") + 1])
     r = json.loads(path.read_text())[0]
-    return {"micro_batch": r["micro_batch_size"], "micro_batch_note": ctx["mb_note"],
-            "tokens_per_s": round(r["tokens_per_s"]), "mfu": round(r["mfu"], 4) if r["mfu"] is not None else "n/a",
-            "peak_mem_gib": round(r["peak_mem_bytes"] / 2**30, 2), "compile_s": r["compile_s"],
-            "ms_per_step": round(r["ms_per_step"], 1)}  # fmt: skip
+    return {
+        "micro_batch": r["micro_batch_size"],
+        "micro_batch_note": ctx["mb_note"],
+        "tokens_per_s": round(r["tokens_per_s"]),
+        "mfu": round(r["mfu"], 4) if r["mfu"] is not None else "n/a",
+        "peak_mem_gib": round(r["peak_mem_bytes"] / 2**30, 2),
+        "compile_s": r["compile_s"],
+        "ms_per_step": round(r["ms_per_step"], 1),
+    }
 
 
 def nanogpt_figures(output: str, ctx: dict) -> dict:
@@ -362,13 +527,24 @@ def run_check(c: Check, ctx: dict, out: Path, deadline: float, fail: str | None)
         for argv in argvs:
             limit = min(c.timeout_s, deadline - time.monotonic())
             if limit <= 0:
-                return {"status": "fail", "reason": "the kit's time budget (--budget-s) was spent before it ran",
-                        "seconds": 0.0, "command": cmd(argv)}  # fmt: skip
+                return {
+                    "status": "fail",
+                    "reason": "the kit's time budget (--budget-s) was spent before it ran",
+                    "seconds": 0.0,
+                    "command": cmd(argv),
+                }
             log.write(f"$ {cmd(argv)}\n")
             log.flush()
             # a session of its own, so that a timeout ends the check's whole process tree (loom's workers too)
-            proc = subprocess.Popen(argv, cwd=c.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    env=child_env(), start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                argv,
+                cwd=c.cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=child_env(),
+                start_new_session=True,
+            )
             try:
                 output, _ = proc.communicate(timeout=limit)
                 rc = proc.returncode
@@ -376,8 +552,12 @@ def run_check(c: Check, ctx: dict, out: Path, deadline: float, fail: str | None)
                 os.killpg(proc.pid, signal.SIGKILL)
                 output, _ = proc.communicate()
                 log.write(output)
-                return {"status": "fail", "reason": f"timed out after {limit:.0f} s", "command": cmd(argv),
-                        "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+                return {
+                    "status": "fail",
+                    "reason": f"timed out after {limit:.0f} s",
+                    "command": cmd(argv),
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
             log.write(output + f"\n[exit {rc}]\n")
             tried.append(argv)
             if rc == 0 or not out_of_memory(output) or argv is argvs[-1]:
@@ -425,17 +605,28 @@ def fmt_figures(figs: dict) -> str:
 
 def write_report(out: Path, header: dict, rows: list[dict]) -> None:
     (out / "gpu-report.json").write_text(json.dumps({**header, "checks": rows}, indent=1) + "\n")
-    lines = [f"# loom GPU check: {header['device_name']}", "",
-             f"{header['mode']} | torch {header['torch']} | {header['n_gpus']} GPU(s) | {header['date']} | "
-             f"{header['seconds']:.0f} s | {'all passed' if header['ok'] else 'FAILED'}", "",
-             "versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items() if k != "gpus"), "",
-             *[f"GPU {i}: {g['name']}, sm {g['capability']}, {g['memory_gib']} GiB"
-               for i, g in enumerate(header["versions"].get("gpus", []))], "",
-             "| check | status | seconds | key figures |", "|---|---|---:|---|"]  # fmt: skip
+    lines = [
+        f"# loom GPU check: {header['device_name']}",
+        "",
+        f"{header['mode']} | torch {header['torch']} | {header['n_gpus']} GPU(s) | {header['date']} | "
+        f"{header['seconds']:.0f} s | {'all passed' if header['ok'] else 'FAILED'}",
+        "",
+        "versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items() if k != "gpus"),
+        "",
+        *[
+            f"GPU {i}: {g['name']}, sm {g['capability']}, {g['memory_gib']} GiB"
+            for i, g in enumerate(header["versions"].get("gpus", []))
+        ],
+        "",
+        "| check | status | seconds | key figures |",
+        "|---|---|---:|---|",
+    ]
     for r in rows:
         status = r["status"] + (f": {r['reason']}" if r.get("reason") else "")
-        lines.append(f"| {r['check']} | {status.replace('|', '/')} | {r.get('seconds', 0):.1f} | "
-                     f"{fmt_figures(r.get('figures', {}))} |")  # fmt: skip
+        lines.append(
+            f"| {r['check']} | {status.replace('|', '/')} | {r.get('seconds', 0):.1f} | "
+            f"{fmt_figures(r.get('figures', {}))} |"
+        )
     (out / "gpu-report.md").write_text("\n".join(lines) + "\n")
 
 
@@ -446,13 +637,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, help="report folder (default runs/gpu-check-<time>)")
     p.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout: also run its train.py on the same shape")
-    p.add_argument("--micro-batches", default="32,16,8",
-                   help="GPT-2 124M micro-batches to try, largest first (default 32,16,8)")  # fmt: skip
+    p.add_argument(
+        "--micro-batches",
+        default="32,16,8",
+        help="GPT-2 124M micro-batches to try, largest first (default 32,16,8)",
+    )
     p.add_argument("--only", help="comma list of checks to run (the others are reported as not selected)")
     p.add_argument("--fail-check", metavar="NAME", help="make this check fail on purpose (tests the kit)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="time for the whole kit (default 480)")
-    p.add_argument("--probe", action="store_true",
-                   help="only say whether this interpreter runs the kit as it is (exit 0) or needs a virtualenv")  # fmt: skip
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="only say whether this interpreter runs the kit as it is (exit 0) or needs a virtualenv",
+    )
     args = p.parse_args(argv)
     if args.probe:
         return probe(args.cpu)
@@ -482,9 +679,15 @@ def main(argv: list[str] | None = None) -> int:
     t0, deadline = time.perf_counter(), time.monotonic() + args.budget_s
     ctx: dict[str, Any] = {"_cuda": cuda}
     env = versions(cuda)
-    print("gpu_check: " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "gpus" and v is not None)
-          + "".join(f"\n  GPU {i}: {g['name']} (sm {g['capability']}, {g['memory_gib']} GiB)"
-                    for i, g in enumerate(env.get("gpus", []))), flush=True)  # fmt: skip
+    print(
+        "gpu_check: "
+        + ", ".join(f"{k} {v}" for k, v in env.items() if k != "gpus" and v is not None)
+        + "".join(
+            f"\n  GPU {i}: {g['name']} (sm {g['capability']}, {g['memory_gib']} GiB)"
+            for i, g in enumerate(env.get("gpus", []))
+        ),
+        flush=True,
+    )
     for n in missing(OPTIONAL):
         print(f"gpu_check: optional package {n} is missing here: skips {OPTIONAL[n]}", flush=True)
     rows = []
@@ -507,11 +710,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}/{len(checks)}] {c.name}: {row['status']}{extra}", flush=True)
     ok = all(r["status"] != "fail" for r in rows)
     header = {
-        "mode": "cuda" if cuda else "cpu (--cpu: tiny shapes)", "ok": ok, "torch": torch.__version__,
-        "device_name": torch.cuda.get_device_name(0) if cuda else "cpu", "n_gpus": n_gpus,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - t0,
-        "versions": env, "missing_optional": missing(OPTIONAL),
-    }  # fmt: skip
+        "mode": "cuda" if cuda else "cpu (--cpu: tiny shapes)",
+        "ok": ok,
+        "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "n_gpus": n_gpus,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "seconds": time.perf_counter() - t0,
+        "versions": env,
+        "missing_optional": missing(OPTIONAL),
+    }
     write_report(out, header, rows)
     print((out / "gpu-report.md").read_text())
     print(f"report: {out / 'gpu-report.md'} and gpu-report.json")

@@ -24,8 +24,9 @@ def _loaded(module, attr):
 """
 
 
-def run_hooked(hook: str, loom_args: list[str], env: dict[str, str], src: str | None = None,
-               hook_dir: Path | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+def run_hooked(
+    hook: str, loom_args: list[str], env: dict[str, str], src: str | None = None, hook_dir: Path | None = None
+) -> subprocess.CompletedProcess:
     """`python -m loom *loom_args` with `PRELUDE + hook` as sitecustomize and `env` added; `src`: a checkout's
     src/ folder to run instead of the installed loom."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -43,6 +44,9 @@ def rank_files(out: Path, nproc: int, r: subprocess.CompletedProcess) -> list[Pa
     """The per-rank rank<N>.json files a hook wrote into `out`, in rank order; exits if a rank did not write."""
     files = sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
     if len(files) != nproc:
-        raise SystemExit(f"only {len(files)} of {nproc} ranks reported (exit {r.returncode}):\n"
-                         + r.stdout[-3000:] + r.stderr[-3000:])  # fmt: skip
+        raise SystemExit(
+            f"only {len(files)} of {nproc} ranks reported (exit {r.returncode}):\n"
+            + r.stdout[-3000:]
+            + r.stderr[-3000:]
+        )
     return files

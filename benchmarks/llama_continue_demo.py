@@ -47,15 +47,25 @@ def make_llama(d: Path, texts: list[str]) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=[EOT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=[EOT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(texts, trainer)
     assert tok.get_vocab_size() == 512, tok.get_vocab_size()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.token_to_id(EOT),
-                                   eos_token_id=tok.token_to_id(EOT))  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tok.token_to_id(EOT),
+        eos_token_id=tok.token_to_id(EOT),
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save(str(d / "tokenizer.json"))
 
@@ -109,13 +119,38 @@ def main() -> int:
     t0 = time.time()
     hf_dir, data, runs, export = work / "hf-llama", work / "data", work / "runs", work / "export"
     make_llama(hf_dir, [Path(f).read_text(errors="replace") for f in files[:20]])
-    sh("data", "prepare", "--input", *map(str, files[20:60]), "--out", str(data), "--tokenizer",
-       str(hf_dir / "tokenizer.json"), "--force")  # fmt: skip
-    sh("train", f"--data.path={data}", f"--model.init_from=hf:{hf_dir}", f"--nproc={args.nproc}",
-       "--parallel.dp_impl=fsdp", f"--train.steps={args.steps}", "--model.block_size=64", "--train.batch_size=8",
-       "--train.eval_every=0", "--train.eval_batches=8", "--train.sample_every=0", "--train.log_every=10",
-       "--optim.lr=3e-3", "--optim.warmup_steps=5", "--precision.dtype=fp32", "--train.device=cpu",
-       f"--run.dir={runs}", "--run.name=continued", "--force")  # fmt: skip
+    sh(
+        "data",
+        "prepare",
+        "--input",
+        *map(str, files[20:60]),
+        "--out",
+        str(data),
+        "--tokenizer",
+        str(hf_dir / "tokenizer.json"),
+        "--force",
+    )
+    sh(
+        "train",
+        f"--data.path={data}",
+        f"--model.init_from=hf:{hf_dir}",
+        f"--nproc={args.nproc}",
+        "--parallel.dp_impl=fsdp",
+        f"--train.steps={args.steps}",
+        "--model.block_size=64",
+        "--train.batch_size=8",
+        "--train.eval_every=0",
+        "--train.eval_batches=8",
+        "--train.sample_every=0",
+        "--train.log_every=10",
+        "--optim.lr=3e-3",
+        "--optim.warmup_steps=5",
+        "--precision.dtype=fp32",
+        "--train.device=cpu",
+        f"--run.dir={runs}",
+        "--run.name=continued",
+        "--force",
+    )
     run = runs / "continued"
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     sh("export", str(run), "--format", "hf", "--out", str(export), "--force")
@@ -124,11 +159,20 @@ def main() -> int:
     assert abs(loom_loss - printed) <= 5e-5
     theirs, tokens = transformers_loss(export, run)
     result = {
-        "steps": args.steps, "nproc": args.nproc, "dp_impl": "fsdp", "first_logged_train_loss": first,
-        "loom_eval_printed": printed, "loom_eval_val_loss": loom_loss, "transformers_val_loss": theirs, "abs_diff": abs(theirs - loom_loss),
-        "val_tokens": tokens, "pass_1e-4": abs(theirs - loom_loss) <= 1e-4, "wall_s": round(time.time() - t0, 1),
-        "work": str(work), "note": "2-core CPU shared with other jobs",
-    }  # fmt: skip
+        "steps": args.steps,
+        "nproc": args.nproc,
+        "dp_impl": "fsdp",
+        "first_logged_train_loss": first,
+        "loom_eval_printed": printed,
+        "loom_eval_val_loss": loom_loss,
+        "transformers_val_loss": theirs,
+        "abs_diff": abs(theirs - loom_loss),
+        "val_tokens": tokens,
+        "pass_1e-4": abs(theirs - loom_loss) <= 1e-4,
+        "wall_s": round(time.time() - t0, 1),
+        "work": str(work),
+        "note": "2-core CPU shared with other jobs",
+    }
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

@@ -28,22 +28,49 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
     "gpt2": ["--model.n_layer=4", "--model.n_head=4", "--model.n_embd=128"],
-    "llama": ["--model.family=llama", "--model.n_layer=4", "--model.n_head=4", "--model.n_kv_head=2",
-              "--model.n_embd=128", "--model.ffn_hidden=304"],
-}  # fmt: skip
+    "llama": [
+        "--model.family=llama",
+        "--model.n_layer=4",
+        "--model.n_head=4",
+        "--model.n_kv_head=2",
+        "--model.n_embd=128",
+        "--model.ffn_hidden=304",
+    ],
+}
 
 
 def common(args) -> list[str]:
-    return ["--data.vocab_size=1024", "--model.block_size=64", "--train.batch_size=16",
-            f"--train.steps={args.steps}", f"--train.eval_every={args.eval_every}", "--train.eval_batches=16",
-            "--train.ckpt_every=0", "--train.sample_every=0", f"--train.log_every={args.eval_every}",
-            "--optim.lr=2e-3", "--optim.min_lr=2e-4", f"--optim.warmup_steps={args.steps // 10}",
-            "--precision.dtype=fp32", "--train.device=cpu", f"--run.dir={args.runs}"]  # fmt: skip
+    return [
+        "--data.vocab_size=1024",
+        "--model.block_size=64",
+        "--train.batch_size=16",
+        f"--train.steps={args.steps}",
+        f"--train.eval_every={args.eval_every}",
+        "--train.eval_batches=16",
+        "--train.ckpt_every=0",
+        "--train.sample_every=0",
+        f"--train.log_every={args.eval_every}",
+        "--optim.lr=2e-3",
+        "--optim.min_lr=2e-4",
+        f"--optim.warmup_steps={args.steps // 10}",
+        "--precision.dtype=fp32",
+        "--train.device=cpu",
+        f"--run.dir={args.runs}",
+    ]
 
 
 def start(family: str, seed: int, args) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "loom", "train", *SHAPES[family], *common(args), f"--run.seed={seed}",
-           f"--run.name={family}-s{seed}", "--force"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loom",
+        "train",
+        *SHAPES[family],
+        *common(args),
+        f"--run.seed={seed}",
+        f"--run.name={family}-s{seed}",
+        "--force",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # two processes, no thread fights
     log = open(args.runs / f"{family}-s{seed}.log", "w")  # noqa: SIM115 (closed with the process)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -55,8 +82,14 @@ def result(family: str, seed: int, args, wall_s: float) -> dict:
     params = json.loads((args.runs / name / "run.json").read_text())["params"]
     curve = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None and "step" in r]
     curve = sorted(dict(curve).items())
-    return {"family": family, "seed": seed, "params": params, "curve": curve, "final": curve[-1][1],
-            "wall_s": round(wall_s, 1)}  # fmt: skip
+    return {
+        "family": family,
+        "seed": seed,
+        "params": params,
+        "curve": curve,
+        "final": curve[-1][1],
+        "wall_s": round(wall_s, 1),
+    }
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -105,12 +138,23 @@ def main() -> int:
     summary = {}
     for family in ("gpt2", "llama"):
         finals = [r["final"] for r in results if r["family"] == family]
-        summary[family] = {"final_mean": statistics.mean(finals), "final_min": min(finals), "final_max": max(finals),
-                           "final_stdev": statistics.stdev(finals) if len(finals) > 1 else 0.0, "finals": finals}  # fmt: skip
+        summary[family] = {
+            "final_mean": statistics.mean(finals),
+            "final_min": min(finals),
+            "final_max": max(finals),
+            "final_stdev": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "finals": finals,
+        }
     summary["llama_minus_gpt2"] = summary["llama"]["final_mean"] - summary["gpt2"]["final_mean"]
     args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"command": " ".join(sys.argv), "common_args": common(args), "shapes": SHAPES, "summary": summary,
-           "runs": results, "note": "2-core CPU shared with other jobs: only losses are compared"}  # fmt: skip
+    doc = {
+        "command": " ".join(sys.argv),
+        "common_args": common(args),
+        "shapes": SHAPES,
+        "summary": summary,
+        "runs": results,
+        "note": "2-core CPU shared with other jobs: only losses are compared",
+    }
     (args.out / "llama_vs_gpt2.json").write_text(json.dumps(doc, indent=1))
     plot(results, args.out / "llama_vs_gpt2.png")
     print(json.dumps(summary, indent=1))

@@ -26,16 +26,29 @@ def main() -> None:
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="loom-mem-"))
     prepare(python_stdlib_files()[:20], tmp / "data", tokenizer="char", seed=0)
-    common = [f"--data.path={tmp / 'data'}", f"--run.dir={tmp}", *MODEL, "--train.steps=2", "--train.batch_size=4",
-              "--train.log_every=1", "--train.eval_every=0", "--train.sample_every=0", "--train.ckpt_every=0",
-              "--train.eval_batches=1", "--train.device=cpu"]  # fmt: skip
+    common = [
+        f"--data.path={tmp / 'data'}",
+        f"--run.dir={tmp}",
+        *MODEL,
+        "--train.steps=2",
+        "--train.batch_size=4",
+        "--train.log_every=1",
+        "--train.eval_every=0",
+        "--train.sample_every=0",
+        "--train.ckpt_every=0",
+        "--train.eval_batches=1",
+        "--train.device=cpu",
+    ]
     rows = {}
     for name, extra in [("dp=1", ["--parallel.dp_impl=none"])] + [
         (f"dp=4 {k}", ["--nproc=4", f"--parallel.dp_impl={k}"]) for k in ("ddp", "zero1", "zero2", "fsdp")
     ]:
         run = name.replace(" ", "-").replace("=", "")
-        r = subprocess.run([sys.executable, "-m", "loom", "train", f"--run.name={run}", *common, *extra],
-                           capture_output=True, text=True)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "loom", "train", f"--run.name={run}", *common, *extra],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode:
             raise SystemExit(r.stderr[-3000:])
         rec = [x for x in read_jsonl(tmp / run / "metrics.jsonl") if "mem_params" in x][-1]
@@ -46,8 +59,10 @@ def main() -> None:
     )
     for name, m in rows.items():
         state = (m["params"] + m["grads"] + m["optim"]) / (base["params"] + base["grads"] + base["optim"])
-        print(f"{name:<12} {m['params'] / 2**20:>11.2f} {m['grads'] / 2**20:>10.2f} {m['optim'] / 2**20:>10.2f}"
-              f" {state:>11.3f} {m['peak'] / 2**20:>13.0f}")  # fmt: skip
+        print(
+            f"{name:<12} {m['params'] / 2**20:>11.2f} {m['grads'] / 2**20:>10.2f} {m['optim'] / 2**20:>10.2f}"
+            f" {state:>11.3f} {m['peak'] / 2**20:>13.0f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -32,9 +32,20 @@ from netns_hosts import Hosts  # noqa: E402
 
 PY = sys.executable
 print = functools.partial(print, flush=True)  # noqa: A001  (progress shows while the next run starts)
-TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=16",
-        "--train.batch_size=8", "--train.eval_batches=1", "--train.eval_every=0", "--train.sample_every=0",
-        "--train.log_every=1", "--train.device=cpu", "--optim.warmup_steps=2", "--train.sample_tokens=8"]  # fmt: skip
+TINY = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=16",
+    "--train.batch_size=8",
+    "--train.eval_batches=1",
+    "--train.eval_every=0",
+    "--train.sample_every=0",
+    "--train.log_every=1",
+    "--train.device=cpu",
+    "--optim.warmup_steps=2",
+    "--train.sample_tokens=8",
+]
 HSDP = ["--parallel.dp_impl=fsdp", "--parallel.dp_replicate=2"]
 
 
@@ -42,8 +53,15 @@ def env_for(scheduler: str, node: int, work: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_", "MASTER_"))}
     env.update(PATH=f"{Path(PY).parent}:{env.get('PATH', '')}", OMP_NUM_THREADS="1")
     if scheduler == "slurm":
-        env.update(SLURM_JOB_ID="777", SLURM_NODELIST="node[1-2]", SLURM_NNODES="2", SLURM_STEP_ID="0",
-                   SLURM_NODEID=str(node), SLURM_PROCID=str(node), SLURM_LOCALID="0")  # fmt: skip
+        env.update(
+            SLURM_JOB_ID="777",
+            SLURM_NODELIST="node[1-2]",
+            SLURM_NNODES="2",
+            SLURM_STEP_ID="0",
+            SLURM_NODEID=str(node),
+            SLURM_PROCID=str(node),
+            SLURM_LOCALID="0",
+        )
     else:
         nodefile = work / "pbs_nodefile"
         nodefile.write_text("node1\nnode1\nnode2\nnode2\n")
@@ -67,8 +85,14 @@ def mpiexec_from_the_job_script(hosts, base: list[str], work: Path, ref: dict[in
     del env["PBS_NODENUM"]
     env.update(HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=str(hosts.ssh))
     t0 = time.monotonic()
-    r = hosts.run(1, [PY, "-m", "loom", "launch", "--nproc-per-node", "2", "--", *base, "--run.name=hsdp-mpiexec",
-                      *HSDP], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = hosts.run(
+        1,
+        [PY, "-m", "loom", "launch", "--nproc-per-node", "2", "--", *base, "--run.name=hsdp-mpiexec", *HSDP],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if r.returncode:
         sys.exit(f"mpiexec run failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
     got = curve(work / "runs" / "hsdp-mpiexec")
@@ -81,8 +105,14 @@ def restart_when_the_host_comes_back(hosts, base: list[str], work: Path, ref: di
     """--max-restarts 1: kill node2 after a checkpoint, start its loom launch again; the job resumes."""
     run = work / "runs" / "restart"
     every = max(2, len(ref) // 6)
-    cmd = [*base, "--run.name=restart", "--train.resume=auto", f"--train.ckpt_every={every}", *HSDP,
-           "--parallel.timeout_s=5"]  # fmt: skip
+    cmd = [
+        *base,
+        "--run.name=restart",
+        "--train.resume=auto",
+        f"--train.ckpt_every={every}",
+        *HSDP,
+        "--parallel.timeout_s=5",
+    ]
     launch = [
         PY,
         "-m",
@@ -98,8 +128,9 @@ def restart_when_the_host_comes_back(hosts, base: list[str], work: Path, ref: di
 
     def start(i: int, tag: str) -> subprocess.Popen:
         out = open(work / f"restart-node{i}-{tag}.out", "w")
-        return hosts.popen(i, [*launch, "--", *cmd], env=env_for("slurm", i - 1, work), stdout=out,
-                           stderr=subprocess.STDOUT)  # fmt: skip
+        return hosts.popen(
+            i, [*launch, "--", *cmd], env=env_for("slurm", i - 1, work), stdout=out, stderr=subprocess.STDOUT
+        )
 
     first = [start(1, "a"), start(2, "a")]
     deadline = time.monotonic() + 300
@@ -119,9 +150,14 @@ def restart_when_the_host_comes_back(hosts, base: list[str], work: Path, ref: di
     codes = [first[0].wait(600), again.wait(600)]
     got = curve(run)  # a step replayed after the restart keeps its last value
     text = (work / "restart-node1-a.out").read_text()
-    out = {"killed_after_step": killed_at, "exit_codes": codes, "steps": len(got),
-           "seconds_from_comeback_to_end": round(time.monotonic() - t0, 1),
-           "resumed": "resumed from" in text, "max_abs_dloss": worst(got, ref)}  # fmt: skip
+    out = {
+        "killed_after_step": killed_at,
+        "exit_codes": codes,
+        "steps": len(got),
+        "seconds_from_comeback_to_end": round(time.monotonic() - t0, 1),
+        "resumed": "resumed from" in text,
+        "max_abs_dloss": worst(got, ref),
+    }
     print(f"--max-restarts: {out}")
     return out
 
@@ -143,12 +179,40 @@ def main() -> int:
         for i in range(8):
             (docs / f"doc{i}.txt").write_text(make_text(5000, seed=i))
         data = work / "data"
-        subprocess.run([PY, "-m", "loom", "data", "prepare", "--input", str(docs), "--out", str(data), "--tokenizer", "char",
-                        "--val-fraction", "0.25"], check=True, capture_output=True)  # fmt: skip
-        base = [PY, "-m", "loom", "train", f"--data.path={data}", f"--run.dir={work / 'runs'}",
-                f"--train.steps={args.steps}", *TINY]  # fmt: skip
-        result: dict = {"steps": args.steps, "layout": "2 hosts x 2 processes, HSDP replicate 2 x shard 2",
-                        "machine": "2 CPU cores, shared with other jobs"}  # fmt: skip
+        subprocess.run(
+            [
+                PY,
+                "-m",
+                "loom",
+                "data",
+                "prepare",
+                "--input",
+                str(docs),
+                "--out",
+                str(data),
+                "--tokenizer",
+                "char",
+                "--val-fraction",
+                "0.25",
+            ],
+            check=True,
+            capture_output=True,
+        )
+        base = [
+            PY,
+            "-m",
+            "loom",
+            "train",
+            f"--data.path={data}",
+            f"--run.dir={work / 'runs'}",
+            f"--train.steps={args.steps}",
+            *TINY,
+        ]
+        result: dict = {
+            "steps": args.steps,
+            "layout": "2 hosts x 2 processes, HSDP replicate 2 x shard 2",
+            "machine": "2 CPU cores, shared with other jobs",
+        }
         t0 = time.monotonic()
         env1 = {k: v for k, v in env_for("slurm", 0, work).items() if not k.startswith("SLURM_")}
         subprocess.run(
@@ -162,35 +226,80 @@ def main() -> int:
                 cmd = [*base, f"--run.name={name}", *HSDP, f"--train.ckpt_every={args.steps // 2}"]
                 t0 = time.monotonic()
                 outs = [work / f"{name}-node{i}.out" for i in (1, 2)]
-                procs = [hosts.popen(i, [PY, "-m", "loom", "launch", "--nproc-per-node", "2", "--rdzv-timeout",
-                                         "120", "--", *cmd], env=env_for(scheduler, i - 1, work),
-                                     stdout=open(outs[i - 1], "w"), stderr=subprocess.STDOUT)
-                         for i in (1, 2)]  # fmt: skip
+                procs = [
+                    hosts.popen(
+                        i,
+                        [
+                            PY,
+                            "-m",
+                            "loom",
+                            "launch",
+                            "--nproc-per-node",
+                            "2",
+                            "--rdzv-timeout",
+                            "120",
+                            "--",
+                            *cmd,
+                        ],
+                        env=env_for(scheduler, i - 1, work),
+                        stdout=open(outs[i - 1], "w"),
+                        stderr=subprocess.STDOUT,
+                    )
+                    for i in (1, 2)
+                ]
                 while any(proc.poll() is None for proc in procs) and not any(proc.poll() for proc in procs):
                     time.sleep(0.1)  # until both end, or one fails (the other would wait for it)
                 if any(proc.poll() != 0 for proc in procs):
                     sys.exit(f"{scheduler} run failed:\n" + "\n".join(o.read_text()[-3000:] for o in outs))
                 got = curve(work / "runs" / name)
-                result[scheduler] = {"max_abs_dloss": worst(got, ref), "steps": len(got),
-                                     "wall_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+                result[scheduler] = {
+                    "max_abs_dloss": worst(got, ref),
+                    "steps": len(got),
+                    "wall_s": round(time.monotonic() - t0, 1),
+                }
                 print(f"{scheduler}: {len(got)} steps, max |dloss| vs one process = {worst(got, ref):.2e}")
             result["mpiexec"] = mpiexec_from_the_job_script(hosts, base, work, ref)
             run = work / "runs" / "hsdp-slurm"
             shutil.rmtree(run / "ckpt" / f"step_{args.steps:06d}")
             (run / "metrics.jsonl").write_text("")
             half = run / "ckpt" / f"step_{args.steps // 2:06d}"
-            hosts.run(1, [PY, "-m", "loom", "train", "--resume", str(half), "--parallel.dp_impl=none",
-                          "--parallel.dp_replicate=1", "--train.device=cpu"], env=env1, check=True,
-                      capture_output=True)  # fmt: skip
+            hosts.run(
+                1,
+                [
+                    PY,
+                    "-m",
+                    "loom",
+                    "train",
+                    "--resume",
+                    str(half),
+                    "--parallel.dp_impl=none",
+                    "--parallel.dp_replicate=1",
+                    "--train.device=cpu",
+                ],
+                env=env1,
+                check=True,
+                capture_output=True,
+            )
             got = curve(run)
-            result["resume_one_host"] = {"from_step": args.steps // 2, "steps": len(got),
-                                         "max_abs_dloss": worst(got, ref)}  # fmt: skip
+            result["resume_one_host"] = {
+                "from_step": args.steps // 2,
+                "steps": len(got),
+                "max_abs_dloss": worst(got, ref),
+            }
             print(f"resumed on one host from step {args.steps // 2}: max |dloss| = {worst(got, ref):.2e}")
             result["max_restarts"] = restart_when_the_host_comes_back(hosts, base, work, ref)
             hostfile = work / "hostfile"
             hostfile.write_text("node1\nnode2\n")
-            doctors = [hosts.popen(i, [PY, "-m", "loom", "doctor", "--nodes", str(hostfile), "--json"], env=env1,
-                                   stdout=subprocess.PIPE, text=True) for i in (1, 2)]  # fmt: skip
+            doctors = [
+                hosts.popen(
+                    i,
+                    [PY, "-m", "loom", "doctor", "--nodes", str(hostfile), "--json"],
+                    env=env1,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for i in (1, 2)
+            ]
             report = json.loads(doctors[0].communicate(timeout=120)[0])
             doctors[1].wait(120)
             result["doctor_allreduce"] = report["allreduce"]

@@ -23,10 +23,25 @@ TIME = ["/usr/bin/time", "-f", "peak_rss_kib %M"]
 
 
 def train(runs: Path, name: str, layers: int, width: int, heads: int) -> None:
-    cmd = [sys.executable, "-m", "loom", "train", "--data.path=data/shakespeare_char", f"--run.dir={runs}",
-           f"--run.name={name}", f"--model.n_layer={layers}", f"--model.n_embd={width}", f"--model.n_head={heads}",
-           "--model.block_size=64", "--train.batch_size=4", "--train.steps=1", "--train.eval_batches=1",
-           "--train.sample_every=0", "--train.sample_tokens=1", "--train.device=cpu"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "loom",
+        "train",
+        "--data.path=data/shakespeare_char",
+        f"--run.dir={runs}",
+        f"--run.name={name}",
+        f"--model.n_layer={layers}",
+        f"--model.n_embd={width}",
+        f"--model.n_head={heads}",
+        "--model.block_size=64",
+        "--train.batch_size=4",
+        "--train.steps=1",
+        "--train.eval_batches=1",
+        "--train.sample_every=0",
+        "--train.sample_tokens=1",
+        "--train.device=cpu",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
 
 
@@ -56,15 +71,37 @@ def main() -> None:
         )
         const = peaks([*TIME, sys.executable, *eval_args, str(runs / "tiny")])[0][0]
         whole, loss = peaks([*TIME, sys.executable, *eval_args, str(runs / "model")])
-        res = {"model_weights_mib": round(weights, 1), "constant_mib": round(const, 1),
-               "whole": {"peak_mib": round(whole[0], 1), "above_constant_x_weights": round((whole[0] - const) / weights, 3),
-                         "val_loss": loss}}  # fmt: skip
+        res = {
+            "model_weights_mib": round(weights, 1),
+            "constant_mib": round(const, 1),
+            "whole": {
+                "peak_mib": round(whole[0], 1),
+                "above_constant_x_weights": round((whole[0] - const) / weights, 3),
+                "val_loss": loss,
+            },
+        }
         torchrun = str(Path(sys.executable).parent / "torchrun")
         for n in args.nproc:
-            got, loss_n = peaks([torchrun, "--nproc-per-node", str(n), "--master-port", str(29700 + n), "--no-python",
-                                 *TIME, sys.executable, *eval_args, str(runs / "model"), "--shard"])  # fmt: skip
-            res[f"shard{n}"] = {"peak_mib_per_rank": [round(x, 1) for x in got],
-                                "above_constant_x_weights": round((max(got) - const) / weights, 3), "val_loss": loss_n}  # fmt: skip
+            got, loss_n = peaks(
+                [
+                    torchrun,
+                    "--nproc-per-node",
+                    str(n),
+                    "--master-port",
+                    str(29700 + n),
+                    "--no-python",
+                    *TIME,
+                    sys.executable,
+                    *eval_args,
+                    str(runs / "model"),
+                    "--shard",
+                ]
+            )
+            res[f"shard{n}"] = {
+                "peak_mib_per_rank": [round(x, 1) for x in got],
+                "above_constant_x_weights": round((max(got) - const) / weights, 3),
+                "val_loss": loss_n,
+            }
     print(json.dumps(res, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps({"command": sys.argv, **res}, indent=1) + "\n")

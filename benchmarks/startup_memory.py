@@ -52,8 +52,12 @@ def measure(nproc: int, train_args: list[str], src: str | None) -> list[int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--src", action="append", default=[],
-                   help="a checkout's src/ folder to measure (repeat to compare; default: the installed loom)")  # fmt: skip
+    p.add_argument(
+        "--src",
+        action="append",
+        default=[],
+        help="a checkout's src/ folder to measure (repeat to compare; default: the installed loom)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: arguments of `loom train`")
     args = p.parse_args()
@@ -61,18 +65,25 @@ def main() -> None:
     results = []
     for src in args.src or [None]:
         rss = measure(args.nproc, train_args, src)
-        rec = {"src": src or "installed", "nproc": args.nproc, "peak_rss_mib": [round(b / 2**20) for b in rss],
-               "max_peak_rss_mib": round(max(rss) / 2**20)}  # fmt: skip
+        rec = {
+            "src": src or "installed",
+            "nproc": args.nproc,
+            "peak_rss_mib": [round(b / 2**20) for b in rss],
+            "max_peak_rss_mib": round(max(rss) / 2**20),
+        }
         print(json.dumps(rec))
         results.append(rec)
     if len(results) > 1:
         base = results[0]["max_peak_rss_mib"]
         for r in results[1:]:
-            print(f"{r['src']}: max rank peak {r['max_peak_rss_mib']} MiB = {r['max_peak_rss_mib'] / base:.2f}x "
-                  f"of {results[0]['src']} ({base} MiB)")  # fmt: skip
+            print(
+                f"{r['src']}: max rank peak {r['max_peak_rss_mib']} MiB = {r['max_peak_rss_mib'] / base:.2f}x "
+                f"of {results[0]['src']} ({base} MiB)"
+            )
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": sys.argv, "train_args": train_args, "results": results},
-                                              indent=1))  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps({"command": sys.argv, "train_args": train_args, "results": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

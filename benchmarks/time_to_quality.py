@@ -58,43 +58,90 @@ def shakespeare(args, work: Path) -> dict:
         raise SystemExit(f"{nanogpt} is not a nanoGPT checkout (no train.py)")
     data = ensure_data(nanogpt, args.text)
     spec, steps = SHAPES["baby"], 2000
-    nano_argv = [sys.executable, "train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
-                 "--dtype=float32", f"--out_dir={work / 'nanogpt'}", "--log_interval=1", "--eval_interval=250",
-                 f"--max_iters={steps}", f"--lr_decay_iters={steps}", "--warmup_iters=100", *spec["nanogpt"]]  # fmt: skip
+    nano_argv = [
+        sys.executable,
+        "train.py",
+        "config/train_shakespeare_char.py",
+        "--device=cpu",
+        "--compile=False",
+        "--dtype=float32",
+        f"--out_dir={work / 'nanogpt'}",
+        "--log_interval=1",
+        "--eval_interval=250",
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={steps}",
+        "--warmup_iters=100",
+        *spec["nanogpt"],
+    ]
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     runners = [Runner("nanoGPT", nano_argv, nanogpt, NANO_STEP, NANO_EVAL, env)]
     for seed in args.seeds:
-        argv = [*PY, "train", str(ROOT / args.recipe), f"--data.path={data}", f"--run.dir={work}",
-                f"--run.name=loom-seed{seed}", f"--run.seed={seed}", "--force", "--train.log_every=1",
-                f"--train.eval_every={args.loom_eval_every}", "--train.sample_every=0", "--train.ckpt_every=0",
-                *args.loom_arg]  # fmt: skip
+        argv = [
+            *PY,
+            "train",
+            str(ROOT / args.recipe),
+            f"--data.path={data}",
+            f"--run.dir={work}",
+            f"--run.name=loom-seed{seed}",
+            f"--run.seed={seed}",
+            "--force",
+            "--train.log_every=1",
+            f"--train.eval_every={args.loom_eval_every}",
+            "--train.sample_every=0",
+            "--train.ckpt_every=0",
+            *args.loom_arg,
+        ]
         runners.append(Runner(f"loom seed={seed}", argv, ROOT, LOOM_STEP, LOOM_EVAL, env))
-    print(f"Tiny Shakespeare: nanoGPT baby GPT ({steps} iters) and loom {args.recipe} x {len(args.seeds)} seeds, "
-          f"interleaved in slices of {args.slice:.0f}s ...", flush=True)  # fmt: skip
+    print(
+        f"Tiny Shakespeare: nanoGPT baby GPT ({steps} iters) and loom {args.recipe} x {len(args.seeds)} seeds, "
+        f"interleaved in slices of {args.slice:.0f}s ...",
+        flush=True,
+    )
     t0 = time.monotonic()
     interleave(runners, args.slice)
-    out = {"mode": "shakespeare_char", "target": args.target, "recipe": args.recipe, "slice_s": args.slice,
-           "wall_s": time.monotonic() - t0, "nanogpt_args": nano_argv[2:], "loom_args": runners[1].argv[3:],
-           "threads": args.threads or "default", "runs": {}}  # fmt: skip
+    out = {
+        "mode": "shakespeare_char",
+        "target": args.target,
+        "recipe": args.recipe,
+        "slice_s": args.slice,
+        "wall_s": time.monotonic() - t0,
+        "nanogpt_args": nano_argv[2:],
+        "loom_args": runners[1].argv[3:],
+        "threads": args.threads or "default",
+        "runs": {},
+    }
     for r in runners:
         hit = time_to_target(r.evals, args.target)
         out["runs"][r.name] = {
-            "evals": [(s, v, round(t, 2)) for s, v, t in r.evals], "running_s": r.active,
-            "time_to_target_s": hit[0] if hit else None, "step_at_target": hit[1] if hit else None,
+            "evals": [(s, v, round(t, 2)) for s, v, t in r.evals],
+            "running_s": r.active,
+            "time_to_target_s": hit[0] if hit else None,
+            "step_at_target": hit[1] if hit else None,
             "reached": hit[2] if hit else False,
-        }  # fmt: skip
+        }
     nano = out["runs"]["nanoGPT"]["time_to_target_s"]
-    ratios = [v["time_to_target_s"] / nano for k, v in out["runs"].items()
-              if k != "nanoGPT" and v["reached"] and nano]  # fmt: skip
+    ratios = [
+        v["time_to_target_s"] / nano
+        for k, v in out["runs"].items()
+        if k != "nanoGPT" and v["reached"] and nano
+    ]
     if ratios and len(ratios) == len(args.seeds):
-        out["ratio_loom_over_nanogpt"] = {"per_seed": ratios, "mean": statistics.mean(ratios),
-                                          "min": min(ratios), "max": max(ratios)}  # fmt: skip
+        out["ratio_loom_over_nanogpt"] = {
+            "per_seed": ratios,
+            "mean": statistics.mean(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+        }
     return out
 
 
 def _loom_eval(run: Path, data: Path, batches: int) -> tuple[float, float]:
-    r = subprocess.run([*PY, "eval", str(run), "--data", str(data), "--batches", str(batches), "--device", "cpu"],
-                       capture_output=True, text=True, check=True)  # fmt: skip
+    r = subprocess.run(
+        [*PY, "eval", str(run), "--data", str(data), "--batches", str(batches), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     m = next(EVAL_LINE.match(line) for line in r.stdout.splitlines() if EVAL_LINE.match(line))
     return float(m.group(1)), float(m.group(2))
 
@@ -102,41 +149,85 @@ def _loom_eval(run: Path, data: Path, batches: int) -> tuple[float, float]:
 def bpe(args, work: Path) -> dict:
     """Recipe vs the default config on the built-in corpus at equal running time."""
     sides = {"default": [], "recipe": [str(ROOT / args.bpe_recipe)]}
-    common = [f"--run.dir={work}", "--force", "--train.log_every=1", "--train.eval_every=0",
-              "--train.sample_every=0", "--train.ckpt_every=0", *args.loom_arg]  # fmt: skip
+    common = [
+        f"--run.dir={work}",
+        "--force",
+        "--train.log_every=1",
+        "--train.eval_every=0",
+        "--train.sample_every=0",
+        "--train.ckpt_every=0",
+        *args.loom_arg,
+    ]
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     # 1. calibration: the median step of each side, interleaved
-    cal = [Runner(n, [*PY, "train", *cfg, *common, f"--run.name=cal-{n}", f"--train.steps={args.calib_steps}"],
-                  ROOT, LOOM_STEP, LOOM_EVAL, env) for n, cfg in sides.items()]  # fmt: skip
+    cal = [
+        Runner(
+            n,
+            [*PY, "train", *cfg, *common, f"--run.name=cal-{n}", f"--train.steps={args.calib_steps}"],
+            ROOT,
+            LOOM_STEP,
+            LOOM_EVAL,
+            env,
+        )
+        for n, cfg in sides.items()
+    ]
     interleave(cal, args.slice)
     step_s = {}
     for r in cal:
-        dts = [t1 - t0 for (s0, t0, p0, _), (s1, t1, p1, _) in zip(r.steps, r.steps[1:], strict=False)
-               if s1 == s0 + 1 and p1 == p0 and s0 > 3]  # fmt: skip
+        dts = [
+            t1 - t0
+            for (s0, t0, p0, _), (s1, t1, p1, _) in zip(r.steps, r.steps[1:], strict=False)
+            if s1 == s0 + 1 and p1 == p0 and s0 > 3
+        ]
         step_s[r.name] = statistics.median(dts)
     steps = {n: max(10, int(args.budget_s / s)) for n, s in step_s.items()}
-    print(f"calibration: {', '.join(f'{n} {1e3 * s:.0f} ms/step -> {steps[n]} steps' for n, s in step_s.items())}",
-          flush=True)  # fmt: skip
+    print(
+        f"calibration: {', '.join(f'{n} {1e3 * s:.0f} ms/step -> {steps[n]} steps' for n, s in step_s.items())}",
+        flush=True,
+    )
     # 2. the runs, interleaved; then one evaluator on the same windows (the default's val set size)
     runners = []
     for seed in args.seeds:
         for n, cfg in sides.items():
-            argv = [*PY, "train", *cfg, *common, f"--run.name={n}-seed{seed}", f"--run.seed={seed}",
-                    f"--train.steps={steps[n]}", f"--optim.warmup_steps={max(5, steps[n] // 10)}"]  # fmt: skip
+            argv = [
+                *PY,
+                "train",
+                *cfg,
+                *common,
+                f"--run.name={n}-seed{seed}",
+                f"--run.seed={seed}",
+                f"--train.steps={steps[n]}",
+                f"--optim.warmup_steps={max(5, steps[n] // 10)}",
+            ]
             runners.append(Runner(f"{n} seed={seed}", argv, ROOT, LOOM_STEP, LOOM_EVAL, env))
     interleave(runners, args.slice)
-    out = {"mode": "stdlib_bpe", "budget_s": args.budget_s, "step_s": step_s, "steps": steps,
-           "recipe": args.bpe_recipe, "runs": {}}  # fmt: skip
+    out = {
+        "mode": "stdlib_bpe",
+        "budget_s": args.budget_s,
+        "step_s": step_s,
+        "steps": steps,
+        "recipe": args.bpe_recipe,
+        "runs": {},
+    }
     for r, (seed, n) in zip(runners, [(sd, n) for sd in args.seeds for n in sides], strict=True):
         run = work / f"{n}-seed{seed}"
         data = Path(json.loads((run / "run.json").read_text())["data_dir"])
         loss, bpb = _loom_eval(run, data, args.eval_batches)
-        out["runs"][r.name] = {"side": n, "seed": seed, "running_s": r.active, "steps": steps[n],
-                               "val_loss": loss, "val_bpb": bpb}  # fmt: skip
+        out["runs"][r.name] = {
+            "side": n,
+            "seed": seed,
+            "running_s": r.active,
+            "steps": steps[n],
+            "val_loss": loss,
+            "val_bpb": bpb,
+        }
     for n in sides:
         bpbs = [v["val_bpb"] for v in out["runs"].values() if v["side"] == n]
-        out[n] = {"bpb_mean": statistics.mean(bpbs), "bpb_spread": max(bpbs) - min(bpbs),
-                  "loss_mean": statistics.mean(v["val_loss"] for v in out["runs"].values() if v["side"] == n)}  # fmt: skip
+        out[n] = {
+            "bpb_mean": statistics.mean(bpbs),
+            "bpb_spread": max(bpbs) - min(bpbs),
+            "loss_mean": statistics.mean(v["val_loss"] for v in out["runs"].values() if v["side"] == n),
+        }
     return out
 
 
@@ -154,8 +245,14 @@ def plot(res: dict, png: Path) -> None:
         ax.plot(t, v, marker="o", ms=3, color=color, label=name)
         if r["time_to_target_s"] is not None:
             ax.axvline(r["time_to_target_s"], color=color, ls=":", lw=1)
-            ax.annotate(f"{r['time_to_target_s']:.0f}s", (r["time_to_target_s"], res["target"]),
-                        textcoords="offset points", xytext=(3, 8 + 10 * i), color=color, fontsize=8)  # fmt: skip
+            ax.annotate(
+                f"{r['time_to_target_s']:.0f}s",
+                (r["time_to_target_s"], res["target"]),
+                textcoords="offset points",
+                xytext=(3, 8 + 10 * i),
+                color=color,
+                fontsize=8,
+            )
     ax.axhline(res["target"], color="grey", ls="--", lw=1, label=f"target {res['target']}")
     ratio = res.get("ratio_loom_over_nanogpt")
     title = "Tiny Shakespeare (char): val loss vs running time, interleaved on one machine"
@@ -187,16 +284,21 @@ def report(res: dict) -> None:
             )
         return
     for name, r in res["runs"].items():
-        print(f"  {name:18s} {r['steps']:5d} steps in {r['running_s']:.1f}s: val loss {r['val_loss']:.4f}, "
-              f"{r['val_bpb']:.4f} bits/byte")  # fmt: skip
+        print(
+            f"  {name:18s} {r['steps']:5d} steps in {r['running_s']:.1f}s: val loss {r['val_loss']:.4f}, "
+            f"{r['val_bpb']:.4f} bits/byte"
+        )
     for n in ("default", "recipe"):
         print(f"  {n}: bpb mean {res[n]['bpb_mean']:.4f}, seed spread {res[n]['bpb_spread']:.4f}")
     print(f"  recipe - default: {res['recipe']['bpb_mean'] - res['default']['bpb_mean']:+.4f} bits/byte")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     p.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout (train.py); Tiny Shakespeare mode")
     p.add_argument(
         "--text", type=Path, help="Tiny Shakespeare text, used when nanoGPT's .bin files are missing"
@@ -220,15 +322,20 @@ def main() -> None:
         raise SystemExit(
             "give --nanogpt PATH (a nanoGPT checkout), or --bpe for the built-in corpus comparison"
         )
-    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg_start": os.getloadavg(),
-            "python": sys.version.split()[0]}  # fmt: skip
+    meta = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_avg_start": os.getloadavg(),
+        "python": sys.version.split()[0],
+    }
     with tempfile.TemporaryDirectory(prefix="loom-ttq-") as tmp:
         res = bpe(args, Path(tmp)) if args.bpe else shakespeare(args, Path(tmp))
     meta["load_avg_end"] = os.getloadavg()
     res["meta"] = meta
     report(res)
-    print(f"load average at start {meta['load_avg_start']}, at end {meta['load_avg_end']} (the machine is shared; "
-          "the runs alternate in slices so that load slows every side alike)")  # fmt: skip
+    print(
+        f"load average at start {meta['load_avg_start']}, at end {meta['load_avg_end']} (the machine is shared; "
+        "the runs alternate in slices so that load slows every side alike)"
+    )
     if args.png and not args.bpe:
         plot(res, args.png)
         print(f"wrote {args.png}")

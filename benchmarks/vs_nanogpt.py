@@ -59,7 +59,7 @@ SHAPES = {
             "--n_embd=128",
             "--dropout=0.0",
             "--eval_iters=20",
-        ],  # fmt: skip
+        ],
         "loom_config": "configs/shakespeare_char.toml",
         "tokens_per_step": 64 * 12,
         "eval_every": 250,
@@ -127,8 +127,15 @@ class Runner:
             self.since = time.monotonic()
         if self.proc is None:
             env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
-            self.proc = subprocess.Popen(self.argv, cwd=self.cwd, env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True, bufsize=1)  # fmt: skip
+            self.proc = subprocess.Popen(
+                self.argv,
+                cwd=self.cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+            )
             threading.Thread(target=self._read, daemon=True).start()
         else:
             os.kill(self.proc.pid, signal.SIGCONT)
@@ -196,11 +203,13 @@ def throughput(r: Runner, tokens_per_step: int, eval_every: int) -> dict:
     if not dts:
         return {"steps_timed": 0}
     return {
-        "steps_timed": len(dts), "tokens_per_s": tokens_per_step * len(dts) / sum(dts),
+        "steps_timed": len(dts),
+        "tokens_per_s": tokens_per_step * len(dts) / sum(dts),
         "tokens_per_s_median_step": tokens_per_step / statistics.median(dts),
-        "ms_per_step": 1e3 * sum(dts) / len(dts), "ms_per_step_median": 1e3 * statistics.median(dts),
+        "ms_per_step": 1e3 * sum(dts) / len(dts),
+        "ms_per_step_median": 1e3 * statistics.median(dts),
         "self_reported_ms_median": 1e3 * statistics.median(own) if own else None,
-    }  # fmt: skip
+    }
 
 
 def compare(shape: str, args, nanogpt: Path, work: Path) -> dict:
@@ -209,17 +218,41 @@ def compare(shape: str, args, nanogpt: Path, work: Path) -> dict:
     every = spec["eval_every"]
     eval_every = every if every and steps % every == 0 else steps  # both evaluate after the last step
     warmup = min(spec["warmup"], steps // 2)
-    nano_argv = [sys.executable, "train.py", "config/train_shakespeare_char.py", "--device=cpu",
-                 "--compile=False", "--dtype=float32", f"--out_dir={work / f'nanogpt-{shape}'}",
-                 "--always_save_checkpoint=True", "--log_interval=1", f"--eval_interval={eval_every}",
-                 f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--warmup_iters={warmup}",
-                 *spec["nanogpt"]]  # fmt: skip
+    nano_argv = [
+        sys.executable,
+        "train.py",
+        "config/train_shakespeare_char.py",
+        "--device=cpu",
+        "--compile=False",
+        "--dtype=float32",
+        f"--out_dir={work / f'nanogpt-{shape}'}",
+        "--always_save_checkpoint=True",
+        "--log_interval=1",
+        f"--eval_interval={eval_every}",
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={steps}",
+        f"--warmup_iters={warmup}",
+        *spec["nanogpt"],
+    ]
     data = nanogpt / "data" / "shakespeare_char"
-    loom_argv = [sys.executable, "-m", "loom", "train", str(ROOT / spec["loom_config"]), f"--data.path={data}",
-                 f"--run.dir={work}", "--force", f"--train.steps={steps}",
-                 "--train.log_every=1", f"--train.eval_every={eval_every}", f"--train.ckpt_every={eval_every}",
-                 f"--train.eval_batches={spec['loom_eval_batches']}", f"--optim.warmup_steps={warmup}",
-                 "--train.sample_every=0", *args.loom_arg]  # fmt: skip
+    loom_argv = [
+        sys.executable,
+        "-m",
+        "loom",
+        "train",
+        str(ROOT / spec["loom_config"]),
+        f"--data.path={data}",
+        f"--run.dir={work}",
+        "--force",
+        f"--train.steps={steps}",
+        "--train.log_every=1",
+        f"--train.eval_every={eval_every}",
+        f"--train.ckpt_every={eval_every}",
+        f"--train.eval_batches={spec['loom_eval_batches']}",
+        f"--optim.warmup_steps={warmup}",
+        "--train.sample_every=0",
+        *args.loom_arg,
+    ]
     nano_env = {"GLIBC_TUNABLES": GLIBC_REUSE} if args.nanogpt_malloc_reuse else {}
     runners = [Runner("nanoGPT", nano_argv, nanogpt, NANO_STEP, NANO_EVAL, nano_env)]
     looms = {"loom": f"loom-{shape}"}  # runner name -> run name; the first is the one timed
@@ -229,16 +262,31 @@ def compare(shape: str, args, nanogpt: Path, work: Path) -> dict:
         runners.append(Runner(name, [*loom_argv, f"--run.name={run}", *seed], ROOT, LOOM_STEP, LOOM_EVAL))
     if args.loom_before:  # another checkout of loom, its own code and config, for a before/after in one run
         tree = args.loom_before.resolve()
-        argv = [*loom_argv[:4], str(tree / spec["loom_config"]), *loom_argv[5:], f"--run.name=loom-{shape}-before"]
+        argv = [
+            *loom_argv[:4],
+            str(tree / spec["loom_config"]),
+            *loom_argv[5:],
+            f"--run.name=loom-{shape}-before",
+        ]
         looms["loom before"] = f"loom-{shape}-before"
-        runners.append(Runner("loom before", argv, tree, LOOM_STEP, LOOM_EVAL, {"PYTHONPATH": str(tree / "src")}))
+        runners.append(
+            Runner("loom before", argv, tree, LOOM_STEP, LOOM_EVAL, {"PYTHONPATH": str(tree / "src")})
+        )
     slice_s = args.slice or (3.0 if shape == "baby" else 40.0)
     print(f"[{shape}] {steps} steps each, interleaved in slices of {slice_s:.0f}s ...", flush=True)
     t0 = time.monotonic()
     interleave(runners, slice_s)
-    out = {"shape": shape, "steps": steps, "tokens_per_step": spec["tokens_per_step"], "slice_s": slice_s,
-           "wall_s": time.monotonic() - t0, "loom_args": runners[1].argv[4:], "nanogpt_args": nano_argv[2:],
-           "nanogpt_env": nano_env, "runners": [r.name for r in runners]}  # fmt: skip
+    out = {
+        "shape": shape,
+        "steps": steps,
+        "tokens_per_step": spec["tokens_per_step"],
+        "slice_s": slice_s,
+        "wall_s": time.monotonic() - t0,
+        "loom_args": runners[1].argv[4:],
+        "nanogpt_args": nano_argv[2:],
+        "nanogpt_env": nano_env,
+        "runners": [r.name for r in runners],
+    }
     for r in runners:
         rec = throughput(r, spec["tokens_per_step"], eval_every)
         final = [v for s, v, _ in r.evals if s == steps]
@@ -257,7 +305,9 @@ def compare(shape: str, args, nanogpt: Path, work: Path) -> dict:
     before = out.get("loom before", {})
     if before.get("tokens_per_s") and lo.get("tokens_per_s"):
         out["after_before_tokens_per_s_ratio"] = lo["tokens_per_s"] / before["tokens_per_s"]
-        out["after_before_ratio_median_step"] = lo["tokens_per_s_median_step"] / before["tokens_per_s_median_step"]
+        out["after_before_ratio_median_step"] = (
+            lo["tokens_per_s_median_step"] / before["tokens_per_s_median_step"]
+        )
     if n.get("time_to_target_s") and lo.get("time_to_target_s"):
         out["time_to_target_ratio"] = n["time_to_target_s"] / lo["time_to_target_s"]
     out["same_evaluator"] = same_evaluator(nanogpt, work, shape, steps, data, looms)
@@ -305,13 +355,17 @@ def same_evaluator(nanogpt: Path, work: Path, shape: str, steps: int, data: Path
 
 
 def report(res: dict) -> None:
-    print(f"\n== {res['shape']}: {res['steps']} steps, {res['tokens_per_step']} tokens/step "
-          f"(slices of {res['slice_s']:.0f}s, {res['wall_s']:.0f}s wall)")  # fmt: skip
+    print(
+        f"\n== {res['shape']}: {res['steps']} steps, {res['tokens_per_step']} tokens/step "
+        f"(slices of {res['slice_s']:.0f}s, {res['wall_s']:.0f}s wall)"
+    )
     for name in res["runners"]:
         r = res[name]
-        line = (f"  {name:8s} {r.get('tokens_per_s', 0):9,.0f} tok/s  ({r.get('ms_per_step', 0):7.1f} ms/step mean, "
-                f"{r.get('ms_per_step_median', 0):7.1f} median, {r['steps_timed']} steps)  final val loss "
-                f"{r['final_val_loss'] if r['final_val_loss'] is None else round(r['final_val_loss'], 4)}")  # fmt: skip
+        line = (
+            f"  {name:8s} {r.get('tokens_per_s', 0):9,.0f} tok/s  ({r.get('ms_per_step', 0):7.1f} ms/step mean, "
+            f"{r.get('ms_per_step_median', 0):7.1f} median, {r['steps_timed']} steps)  final val loss "
+            f"{r['final_val_loss'] if r['final_val_loss'] is None else round(r['final_val_loss'], 4)}"
+        )
         if "time_to_target_s" in r:
             t = r["time_to_target_s"]
             line += f"  | val <= {r['target']}: " + (
@@ -319,11 +373,15 @@ def report(res: dict) -> None:
             )
         print(line)
     if "tokens_per_s_ratio" in res:
-        print(f"  loom / nanoGPT tokens/s: {res['tokens_per_s_ratio']:.2f}x "
-              f"(median step: {res['tokens_per_s_ratio_median_step']:.2f}x)")  # fmt: skip
+        print(
+            f"  loom / nanoGPT tokens/s: {res['tokens_per_s_ratio']:.2f}x "
+            f"(median step: {res['tokens_per_s_ratio_median_step']:.2f}x)"
+        )
     if "after_before_tokens_per_s_ratio" in res:
-        print(f"  loom (this tree) / loom before tokens/s: {res['after_before_tokens_per_s_ratio']:.3f}x "
-              f"(median step: {res['after_before_ratio_median_step']:.3f}x)")
+        print(
+            f"  loom (this tree) / loom before tokens/s: {res['after_before_tokens_per_s_ratio']:.3f}x "
+            f"(median step: {res['after_before_ratio_median_step']:.3f}x)"
+        )
     same = res.get("same_evaluator", {})
     if "loom" in same:
         print(
@@ -332,8 +390,10 @@ def report(res: dict) -> None:
         )
         seeds = [v for k, v in same.items() if k.startswith("loom")]
         if len(seeds) > 1:
-            print(f"  loom seed-to-seed spread (max - min over {len(seeds)} seeds): {max(seeds) - min(seeds):.4f}; "
-                  f"loom mean - nanoGPT: {statistics.mean(seeds) - same['nanoGPT']:+.4f}")  # fmt: skip
+            print(
+                f"  loom seed-to-seed spread (max - min over {len(seeds)} seeds): {max(seeds) - min(seeds):.4f}; "
+                f"loom mean - nanoGPT: {statistics.mean(seeds) - same['nanoGPT']:+.4f}"
+            )
     if "time_to_target_ratio" in res:
         print(
             f"  time to val <= {res['loom']['target']}: nanoGPT / loom = {res['time_to_target_ratio']:.2f}x"
@@ -341,8 +401,11 @@ def report(res: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     p.add_argument("--nanogpt", required=True, type=Path, help="a nanoGPT checkout (train.py, config/)")
     p.add_argument("--text", type=Path, help="Tiny Shakespeare text, used when the .bin files are missing")
     p.add_argument("--shapes", default="baby,6l", help="comma list of baby, 6l (default both)")
@@ -350,16 +413,30 @@ def main() -> None:
     p.add_argument("--steps-6l", type=int, default=50)
     p.add_argument("--target", type=float, default=2.0, help="val loss for the time-to-target (baby)")
     p.add_argument("--slice", type=float, default=None, help="seconds per slice (default 3 baby, 40 6l)")
-    p.add_argument("--loom-arg", action="append", default=[], help="extra loom override, e.g. "
-                   "--loom-arg=--precision.dtype=fp32 (repeatable)")  # fmt: skip
-    p.add_argument("--nanogpt-malloc-reuse", action="store_true",
-                   help="start nanoGPT with the allocator setting loom applies to itself on Linux CPUs "
-                   f"(GLIBC_TUNABLES={GLIBC_REUSE}), to compare the code alone")  # fmt: skip
-    p.add_argument("--loom-seeds", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
-                   help="extra loom runs with these run.seed values (comma list), for the val loss noise")  # fmt: skip
-    p.add_argument("--loom-before", type=Path,
-                   help="another loom checkout run beside this one, interleaved (its src/ and configs/): the "
-                   "step time of a change, before and after in one run")
+    p.add_argument(
+        "--loom-arg",
+        action="append",
+        default=[],
+        help="extra loom override, e.g. --loom-arg=--precision.dtype=fp32 (repeatable)",
+    )
+    p.add_argument(
+        "--nanogpt-malloc-reuse",
+        action="store_true",
+        help="start nanoGPT with the allocator setting loom applies to itself on Linux CPUs "
+        f"(GLIBC_TUNABLES={GLIBC_REUSE}), to compare the code alone",
+    )
+    p.add_argument(
+        "--loom-seeds",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        help="extra loom runs with these run.seed values (comma list), for the val loss noise",
+    )
+    p.add_argument(
+        "--loom-before",
+        type=Path,
+        help="another loom checkout run beside this one, interleaved (its src/ and configs/): the "
+        "step time of a change, before and after in one run",
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
     nanogpt = args.nanogpt.resolve()
@@ -371,8 +448,13 @@ def main() -> None:
             f"{nanogpt} is not a nanoGPT checkout (no train.py / config/train_shakespeare_char.py)"
         )
     ensure_data(nanogpt, args.text)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": sys.version.split()[0],
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg_start": os.getloadavg()}  # fmt: skip
+    meta = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_avg_start": os.getloadavg(),
+    }
     results = []
     with tempfile.TemporaryDirectory(prefix="loom-vs-nanogpt-") as tmp:
         for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
@@ -382,8 +464,10 @@ def main() -> None:
             report(res)
             results.append(res)
     meta["load_avg_end"] = os.getloadavg()
-    print(f"\nload average at start {meta['load_avg_start']}, at end {meta['load_avg_end']} "
-          "(other work on the machine slows both tools alike: they run in alternating slices)")  # fmt: skip
+    print(
+        f"\nload average at start {meta['load_avg_start']}, at end {meta['load_avg_end']} "
+        "(other work on the machine slows both tools alike: they run in alternating slices)"
+    )
     if args.json:
         args.json.write_text(
             json.dumps({"meta": meta, "results": results}, indent=1) + "\n", encoding="utf-8"

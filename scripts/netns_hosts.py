@@ -184,8 +184,19 @@ class Hosts:
 
     def wrap(self, i: int, cmd: list[str]) -> list[str]:
         """`cmd` as run on host i: in its namespace, with its hostname (a UTS namespace of its own)."""
-        return ["ip", "netns", "exec", self.ns(i), "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-                self.names[i - 1], *cmd]  # fmt: skip
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.ns(i),
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.names[i - 1],
+            *cmd,
+        ]
 
     def popen(self, i: int, cmd: list[str], **kw) -> subprocess.Popen:
         return subprocess.Popen(self.wrap(i, cmd), **kw)

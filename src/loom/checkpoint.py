@@ -105,8 +105,10 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_error(step: int, final: Path, e: BaseException) -> LoomError:
     reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:300]
-    return LoomError(f"could not write checkpoint step {step} to '{final}': {reason}",
-                     hint="check free space and permissions of run.dir; earlier checkpoints are untouched")  # fmt: skip
+    return LoomError(
+        f"could not write checkpoint step {step} to '{final}': {reason}",
+        hint="check free space and permissions of run.dir; earlier checkpoints are untouched",
+    )
 
 
 def _dcp_save(sd: dict, path: Path, no_dist: bool, group=None) -> None:
@@ -139,9 +141,19 @@ def _own_files(tmp: Path, rank: int, main: bool) -> dict:
     }
 
 
-def save_sharded(ckpt_dir: str | Path, step: int, model_sd: dict, optim_sd: dict, extra: dict, state: dict,
-                 keep_last: int, control, free_bytes: int | None = None,
-                 after_first_file: Callable[[Path], None] | None = None, group=None) -> Path:  # fmt: skip
+def save_sharded(
+    ckpt_dir: str | Path,
+    step: int,
+    model_sd: dict,
+    optim_sd: dict,
+    extra: dict,
+    state: dict,
+    keep_last: int,
+    control,
+    free_bytes: int | None = None,
+    after_first_file: Callable[[Path], None] | None = None,
+    group=None,
+) -> Path:
     """Write a format-2 checkpoint; called by every rank with its own pieces (loom.parallel.dcp_state).
 
     Each rank checks the free space for its shards, writes them into `step_N.tmp/` through DCP and hashes
@@ -271,8 +283,10 @@ def _check_names(path: Path, records: dict) -> None:
         bad = [n for n in records if not (_SHARD_RE.match(n) or n in SHARDED_REQUIRED)]
         missing = [n for n in SHARDED_REQUIRED if n not in records]
         if bad or missing:
-            raise LoomError(f"checkpoint '{path}' manifest lists {sorted(bad) or sorted(records)[:6]}, "
-                            f"expected {list(SHARDED_REQUIRED)} and model/, optim/ shards (corrupt)")  # fmt: skip
+            raise LoomError(
+                f"checkpoint '{path}' manifest lists {sorted(bad) or sorted(records)[:6]}, "
+                f"expected {list(SHARDED_REQUIRED)} and model/, optim/ shards (corrupt)"
+            )
     elif sorted(records) != sorted(REQUIRED_FILES):
         raise LoomError(
             f"checkpoint '{path}' manifest lists {sorted(records)}, expected {list(REQUIRED_FILES)} (corrupt)"
@@ -458,7 +472,9 @@ def resolve_resume(run_dir: Path, resume: str | bool, share: tuple[int, int] | N
         why = f" ({', '.join(partial)}: a save interrupted half way, discarded)" if partial else ""
         hint = "start without --resume, or point --resume at a run directory that has checkpoints"
         if (target / "config.toml").is_file():  # a run that never completed a checkpoint: nothing to resume
-            hint = ("there is nothing to resume: start the run over with --force (replaces it), or with "
-                    "train.resume=auto (starts again a run that has no checkpoint)")  # fmt: skip
+            hint = (
+                "there is nothing to resume: start the run over with --force (replaces it), or with "
+                "train.resume=auto (starts again a run that has no checkpoint)"
+            )
         raise LoomError(f"--resume: no valid checkpoint under '{ckpt_dir}'{why}", hint=hint)
     return found

@@ -21,9 +21,18 @@ import torch
 from loom import checkpoint
 from loom.errors import LoomError
 
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}  # fmt: skip
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def _steps(target: Path) -> list[Path]:
@@ -70,8 +79,10 @@ def inspect_main(target: str, as_json: bool = False) -> int:
         return 0
     for i in infos:
         layout = " ".join(f"{k}={v}" for k, v in i.get("layout", {}).items())
-        print(f"{i['path']}: step {i.get('step', '?')}, format {i['format']}, world size {i.get('world_size', '?')}"
-              f" ({layout}), {'valid' if i['valid'] else 'INVALID: ' + i['problem']}")  # fmt: skip
+        print(
+            f"{i['path']}: step {i.get('step', '?')}, format {i['format']}, world size {i.get('world_size', '?')}"
+            f" ({layout}), {'valid' if i['valid'] else 'INVALID: ' + i['problem']}"
+        )
         for name, rec in i["parts"].items():
             print(f"  {name:<14} {rec['files']:>4} file(s) {rec['bytes'] / 2**20:>10.2f} MiB")
     return 0
@@ -89,8 +100,10 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
         path = checkpoint.step_dir(run_dir / "ckpt", step)
         checkpoint.verify(path, model_only=True)
     if not checkpoint.is_sharded(path):
-        raise LoomError(f"'{path}' is a format-1 checkpoint (model.pt): already whole",
-                        hint="use loom export RUN --format safetensors for it")  # fmt: skip
+        raise LoomError(
+            f"'{path}' is a format-1 checkpoint (model.pt): already whole",
+            hint="use loom export RUN --format safetensors for it",
+        )
     _check_run_config(run_dir, path)  # the folder's config.toml is the run's: it must describe these weights
     _prepare_out(run_dir, out, force)
     from loom.parallel.dcp_state import SafeReader
@@ -101,12 +114,18 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
     offset = 0
     for name, m in metas.items():
         n = m.size.numel() * m.properties.dtype.itemsize
-        header[name] = {"dtype": _ST_DTYPES[m.properties.dtype], "shape": list(m.size),
-                        "data_offsets": [offset, offset + n]}  # fmt: skip
+        header[name] = {
+            "dtype": _ST_DTYPES[m.properties.dtype],
+            "shape": list(m.size),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     state = checkpoint.read_state(path)
-    header["__metadata__"] = {"format": "pt", "loom_step": str(state["step"]),
-                              "loom_model": json.dumps(state.get("config", {}).get("model", {}))}  # fmt: skip
+    header["__metadata__"] = {
+        "format": "pt",
+        "loom_step": str(state["step"]),
+        "loom_model": json.dumps(state.get("config", {}).get("model", {})),
+    }
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
     target = out / "model.safetensors"
@@ -127,10 +146,14 @@ def _check_run_config(run_dir: Path, path: Path) -> None:
     from loom.config import check_model_config, config_from_dict, load_toml
 
     if (run_dir / "config.toml").is_file():
-        check_model_config(checkpoint.read_state(path).get("config", {}).get("model", {}),
-                           config_from_dict(load_toml(run_dir / "config.toml")), f"checkpoint '{path}'",
-                           f"'{run_dir / 'config.toml'}' must hold the model settings the checkpoint was trained "
-                           "with: put them back (the checkpoint records them in its state.json)", inference=True)  # fmt: skip
+        check_model_config(
+            checkpoint.read_state(path).get("config", {}).get("model", {}),
+            config_from_dict(load_toml(run_dir / "config.toml")),
+            f"checkpoint '{path}'",
+            f"'{run_dir / 'config.toml'}' must hold the model settings the checkpoint was trained "
+            "with: put them back (the checkpoint records them in its state.json)",
+            inference=True,
+        )
 
 
 def consolidated_model(file: Path) -> dict | None:
@@ -153,8 +176,11 @@ def check_fits(sd: dict, model: torch.nn.Module, source: str, hint: str | None =
     mine, tied = model.state_dict(), checkpoint.tied_names(model)
     missing = sorted(k for k in mine if k not in sd and not (k in tied and tied[k] in sd))
     extra = sorted(k for k in sd if k not in mine)
-    shapes = [f"{k}: {tuple(v.shape)} vs {tuple(mine[k].shape)}" for k, v in sd.items()
-              if k in mine and v.shape != mine[k].shape]  # fmt: skip
+    shapes = [
+        f"{k}: {tuple(v.shape)} vs {tuple(mine[k].shape)}"
+        for k, v in sd.items()
+        if k in mine and v.shape != mine[k].shape
+    ]
     if missing or extra or shapes:
         what = shapes[:3] or [
             f"{n} {', '.join(ks[:3])}" for n, ks in (("missing", missing), ("extra", extra)) if ks
@@ -169,9 +195,11 @@ def _prepare_out(run_dir: Path, out: Path, force: bool) -> None:
 
     check_apart(out, [run_dir], inside_ok=True)
     if output_kind(out) == "run":
-        raise LoomError(f"--out '{out}' is a training run: loom ckpt consolidate never writes into a run directory "
-                        "(it would replace that run's config.toml, run.json and tokenizer/)",
-                        hint=f"give a new folder for the consolidated model, e.g. --out {out}-consolidated")  # fmt: skip
+        raise LoomError(
+            f"--out '{out}' is a training run: loom ckpt consolidate never writes into a run directory "
+            "(it would replace that run's config.toml, run.json and tokenizer/)",
+            hint=f"give a new folder for the consolidated model, e.g. --out {out}-consolidated",
+        )
     replace_output(out, "consolidated", force)
     out.mkdir(parents=True, exist_ok=True)
     write_marker(out, "consolidated")  # first: a write that fails half way leaves one --force may replace

@@ -20,14 +20,25 @@ def _train(argv: list[str]) -> int:
         epilog="Any config key can be set as --section.key=value; see --help-config.",
     )
     p.add_argument("config", nargs="?", help="a TOML config file (configs/*.toml)")
-    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="PATH",
-                   help="continue from the newest valid checkpoint (of this run, or of PATH)")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="PATH",
+        help="continue from the newest valid checkpoint (of this run, or of PATH)",
+    )
     p.add_argument("--force", action="store_true", help="replace a run directory that holds another run")
     p.add_argument("--help-config", action="store_true", help="list every config key with default and doc")
     p.add_argument("--nproc", type=int, default=None, help="start N local processes (data parallel)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                   help="restart the local processes up to R times after a failure; each restart continues "
-                   "from the newest valid checkpoint")  # fmt: skip
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="restart the local processes up to R times after a failure; each restart continues "
+        "from the newest valid checkpoint",
+    )
     p.add_argument("--log-all-ranks", action="store_true", help="every rank prints, prefixed with its rank")
     args, rest = p.parse_known_args(argv)
     from loom import config
@@ -109,43 +120,67 @@ def _data(argv: list[str]) -> int:
         from loom.data.convert import data_convert_main, data_inspect_main
 
         return (data_convert_main if argv[0] == "convert" else data_inspect_main)(argv[1:])
-    p = argparse.ArgumentParser(prog="loom data", description="Prepare, convert and inspect token data.",
-                                epilog="also: loom data convert --help, loom data inspect --help")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="loom data",
+        description="Prepare, convert and inspect token data.",
+        epilog="also: loom data convert --help, loom data inspect --help",
+    )
     sub = p.add_subparsers(dest="verb", required=True)
     pp = sub.add_parser("prepare", help="text files, folders or JSONL -> tokenizer + train/val shards")
     src = pp.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", help="files, folders (recursive), .jsonl(.gz/.zst) or .parquet")
     src.add_argument("--corpus", help="a built-in corpus: python-stdlib")
     pp.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
-    pp.add_argument("--tokenizer", default="char",
-                    help="char | bpe | PATH/tokenizer.json | a folder with one or with GPT-2's encoder.json + "
-                    "vocab.bpe (default char)")  # fmt: skip
+    pp.add_argument(
+        "--tokenizer",
+        default="char",
+        help="char | bpe | PATH/tokenizer.json | a folder with one or with GPT-2's encoder.json + "
+        "vocab.bpe (default char)",
+    )
     pp.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
     pp.add_argument("--val-fraction", type=float, default=0.1, help="share of the text for val (default 0.1)")
-    pp.add_argument("--split-mode", default="docs", choices=["docs", "tail"],
-                    help="docs: whole documents by seeded shuffle; tail: last characters (nanoGPT)")  # fmt: skip
-    pp.add_argument("--jsonl-field", default="text",
-                    help="JSONL field / Parquet column holding the text; a dotted name reaches into objects "
-                    "(meta.text)")  # fmt: skip
+    pp.add_argument(
+        "--split-mode",
+        default="docs",
+        choices=["docs", "tail"],
+        help="docs: whole documents by seeded shuffle; tail: last characters (nanoGPT)",
+    )
+    pp.add_argument(
+        "--jsonl-field",
+        default="text",
+        help="JSONL field / Parquet column holding the text; a dotted name reaches into objects (meta.text)",
+    )
     pp.add_argument("--glob", default="*", help="file pattern inside folders, e.g. '*.py' (default *)")
     pp.add_argument("--seed", type=int, default=1337)
     pp.add_argument("--force", action="store_true", help="replace an existing output directory")
     pp.add_argument("--workers", type=int, default=0, help="encoding processes (default: every usable core)")
     pp.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
-    pp.add_argument("--tokenizer-sample", type=int, default=200_000_000,
-                    help="characters of train text the BPE is trained on (default 200M)")  # fmt: skip
+    pp.add_argument(
+        "--tokenizer-sample",
+        type=int,
+        default=200_000_000,
+        help="characters of train text the BPE is trained on (default 200M)",
+    )
     pp.add_argument("--doc-cap", type=int, default=10_000, help="characters per document in that sample")
     pp.add_argument(
         "--split-pattern", default="gpt2", choices=["gpt2", "gpt4"], help="BPE pre-tokenizer split"
     )
-    pp.add_argument("--bpe-trainer", default="auto", choices=["auto", "rustbpe", "tokenizers"],
-                    help="BPE training library (auto: rustbpe when installed)")  # fmt: skip
+    pp.add_argument(
+        "--bpe-trainer",
+        default="auto",
+        choices=["auto", "rustbpe", "tokenizers"],
+        help="BPE training library (auto: rustbpe when installed)",
+    )
     pp.add_argument("--text-separator", default=None, help="cut text files into documents at this string")
     pp.add_argument("--doc-chars", type=int, default=0, help="cut text files into documents of ~N characters")
     pp.add_argument("--strict", action="store_true", help="a bad JSONL line or corrupt file is an error")
     pp.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"], help="token dtype")
-    pp.add_argument("--encoder", default="auto", choices=["auto", "tiktoken", "tokenizers"],
-                    help="BPE encoding library (auto: tiktoken when it gives the same ids)")  # fmt: skip
+    pp.add_argument(
+        "--encoder",
+        default="auto",
+        choices=["auto", "tiktoken", "tokenizers"],
+        help="BPE encoding library (auto: tiktoken when it gives the same ids)",
+    )
     args = p.parse_args(argv)
     from loom.paths import check_not_endless, check_output_dir
 
@@ -164,14 +199,29 @@ def _data(argv: list[str]) -> int:
 
     inputs = corpus_files(args.corpus) if args.corpus else args.input
     prepare(
-        inputs, args.out, args.tokenizer, args.vocab_size, args.val_fraction, args.split_mode,
-        args.jsonl_field, args.glob, args.seed, args.force,
-        source=f"built-in corpus {args.corpus}" if args.corpus else None, shard_tokens=args.shard_tokens,
-        workers=args.workers, tokenizer_sample=args.tokenizer_sample, doc_cap=args.doc_cap,
-        pattern=args.split_pattern, bpe_trainer=args.bpe_trainer, text_separator=args.text_separator,
+        inputs,
+        args.out,
+        args.tokenizer,
+        args.vocab_size,
+        args.val_fraction,
+        args.split_mode,
+        args.jsonl_field,
+        args.glob,
+        args.seed,
+        args.force,
+        source=f"built-in corpus {args.corpus}" if args.corpus else None,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
+        tokenizer_sample=args.tokenizer_sample,
+        doc_cap=args.doc_cap,
+        pattern=args.split_pattern,
+        bpe_trainer=args.bpe_trainer,
+        text_separator=args.text_separator,
         doc_chars=args.doc_chars,
-        strict=args.strict, dtype=args.dtype, encoder=args.encoder,
-    )  # fmt: skip
+        strict=args.strict,
+        dtype=args.dtype,
+        encoder=args.encoder,
+    )
     return 0
 
 
@@ -194,8 +244,10 @@ def _generate(argv: list[str]) -> int:
         return _generate_samples(args, run)
 
 
-SHARD_HELP = ("in a job of several processes (torchrun, srun, mpiexec): split the model over them with FSDP, "
-              "each reading only its part of the checkpoint (for a model that does not fit one device)")  # fmt: skip
+SHARD_HELP = (
+    "in a job of several processes (torchrun, srun, mpiexec): split the model over them with FSDP, "
+    "each reading only its part of the checkpoint (for a model that does not fit one device)"
+)
 
 
 @dataclass
@@ -227,8 +279,10 @@ def _run_model(args):
         yield _Loaded(model, tok, cfg, path, device, 0, 1, lambda t: t)
         return
     if env.world_size == 1:
-        raise LoomError("--shard splits the model over the processes of a job, and this is one process",
-                        hint="start it with torchrun --nproc-per-node N -m loom ... --shard (or srun / mpiexec)")  # fmt: skip
+        raise LoomError(
+            "--shard splits the model over the processes of a job, and this is one process",
+            hint="start it with torchrun --nproc-per-node N -m loom ... --shard (or srun / mpiexec)",
+        )
     from loom import log
     from loom.distributed import process_group
 
@@ -253,8 +307,10 @@ def _generate_samples(args, run: _Loaded) -> int:
 
     model, tok, device = run.model, run.tok, run.device
     if tok is None:
-        raise LoomError(f"run '{args.run_dir}' was trained on data without a tokenizer: cannot turn text into ids",
-                        hint="prepare the data with loom (or give nanoGPT's meta.pkl) to get a tokenizer")  # fmt: skip
+        raise LoomError(
+            f"run '{args.run_dir}' was trained on data without a tokenizer: cannot turn text into ids",
+            hint="prepare the data with loom (or give nanoGPT's meta.pkl) to get a tokenizer",
+        )
     ids = tok.encode(args.prompt) if args.prompt else [tok.eot_id]
     if len(ids) > model.cfg.block_size:
         ids = ids[-model.cfg.block_size :]
@@ -262,8 +318,18 @@ def _generate_samples(args, run: _Loaded) -> int:
     extend = spec_of(run.cfg).extends_context(model.cfg)  # past block_size: run on (RoPE) or crop
     for i in range(args.num_samples):
         idx = torch.tensor([ids], dtype=torch.long, device=device)
-        out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p, g,
-                       use_cache=not args.no_cache, vocab_size=tok.vocab_size, extends_context=extend)  # fmt: skip
+        out = generate(
+            model,
+            idx,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            g,
+            use_cache=not args.no_cache,
+            vocab_size=tok.vocab_size,
+            extends_context=extend,
+        )
         if run.rank:
             continue
         if i:
@@ -279,8 +345,10 @@ def _check_sampling(args: argparse.Namespace) -> None:
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise LoomError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     if args.top_k is not None and args.top_k <= 0:
-        raise LoomError(f"--top-k must be a positive number of tokens, got {args.top_k}",
-                        hint="leave --top-k out (default 200), or give a vocabulary-sized value to keep every token")  # fmt: skip
+        raise LoomError(
+            f"--top-k must be a positive number of tokens, got {args.top_k}",
+            hint="leave --top-k out (default 200), or give a vocabulary-sized value to keep every token",
+        )
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise LoomError(f"--top-p must be in (0, 1], got {args.top_p}", hint="1 keeps every token")
     if args.max_new_tokens < 0:
@@ -290,8 +358,11 @@ def _check_sampling(args: argparse.Namespace) -> None:
 
 
 def _eval(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="loom eval", description="Validation loss and perplexity of a run, "
-                                "or HellaSwag accuracy (--task hellaswag --data hellaswag_val.jsonl).")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="loom eval",
+        description="Validation loss and perplexity of a run, "
+        "or HellaSwag accuracy (--task hellaswag --data hellaswag_val.jsonl).",
+    )
     p.add_argument("run_dir")
     p.add_argument("--task", default="val", choices=["val", "hellaswag"], help="val (default) | hellaswag")
     p.add_argument("--data", help="val: another prepared data directory (same tokenizer); hellaswag: JSONL")
@@ -301,8 +372,10 @@ def _eval(argv: list[str]) -> int:
     p.add_argument("--shard", action="store_true", help=SHARD_HELP)
     args = p.parse_args(argv)
     if args.batches is not None and args.batches < 1:
-        raise LoomError(f"--batches must be >= 1, got {args.batches}",
-                        hint="leave it out for the run's train.eval_batches")  # fmt: skip
+        raise LoomError(
+            f"--batches must be >= 1, got {args.batches}",
+            hint="leave it out for the run's train.eval_batches",
+        )
     if args.limit is not None and args.limit < 1:
         raise LoomError(f"--limit must be >= 1, got {args.limit}", hint="leave it out for every example")
     if args.task == "hellaswag":
@@ -324,9 +397,11 @@ def _eval_val(args, run: _Loaded) -> int:
     data_dir = Path(args.data) if args.data else run_data_dir(args.run_dir, cfg)
     data_meta = check_data_dir(data_dir)
     if data_meta["vocab_size"] != meta["vocab_size"]:
-        raise LoomError(f"'{data_dir}' was prepared with another tokenizer than the run's (vocabulary of "
-                        f"{data_meta['vocab_size']}, the run's {meta['vocab_size']})",
-                        hint="prepare it with the run's tokenizer (<run>/tokenizer/)")  # fmt: skip
+        raise LoomError(
+            f"'{data_dir}' was prepared with another tokenizer than the run's (vocabulary of "
+            f"{data_meta['vocab_size']}, the run's {meta['vocab_size']})",
+            hint="prepare it with the run's tokenizer (<run>/tokenizer/)",
+        )
     from loom.data.tokenizers import check_same_tokenizer
 
     check_same_tokenizer(Path(args.run_dir) / "tokenizer", meta, data_dir, data_meta)  # by content, not size
@@ -341,8 +416,10 @@ def _eval_val(args, run: _Loaded) -> int:
         tpb = tokens_per_byte(vs, tok, run.device, run.all_reduce_sum)
         line += f" | bits per byte {bits_per_byte(loss, tpb):.4f}"
     if run.rank == 0:
-        print(f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} windows of {cfg.model.block_size} tokens)"
-              + (f", {_sharding(run.model, run.world)}" if run.world > 1 else ""))  # fmt: skip
+        print(
+            f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} windows of {cfg.model.block_size} tokens)"
+            + (f", {_sharding(run.model, run.world)}" if run.world > 1 else "")
+        )
         print(line)
     return 0
 
@@ -380,8 +457,9 @@ def _eval_hellaswag(args) -> int:
         log.setup(rank=env.rank)
         process_group.init(env, device, 600.0)
         try:
-            r = hellaswag.evaluate(model, tok, examples, device, env.rank, env.world_size,
-                                   lambda t: (dist.all_reduce(t), t)[1])  # fmt: skip
+            r = hellaswag.evaluate(
+                model, tok, examples, device, env.rank, env.world_size, lambda t: (dist.all_reduce(t), t)[1]
+            )
         finally:
             process_group.shutdown()
         return _print_hellaswag(args, path, r, env)
@@ -403,16 +481,22 @@ def _print_hellaswag(args, path, r: dict, env) -> int:
 
 def _need_tokenizer(args, tok) -> None:
     if tok is None:
-        raise LoomError(f"run '{args.run_dir}' has no tokenizer, so HellaSwag text cannot be encoded",
-                        hint="train on data prepared by loom (or nanoGPT data with meta.pkl)")  # fmt: skip
+        raise LoomError(
+            f"run '{args.run_dir}' has no tokenizer, so HellaSwag text cannot be encoded",
+            hint="train on data prepared by loom (or nanoGPT data with meta.pkl)",
+        )
 
 
 def _export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="loom export", description="Write a run's model for other tools.")
     p.add_argument("run_dir")
-    p.add_argument("--format", required=True, choices=["hf", "safetensors"],
-                   help="hf: a transformers directory (GPT2LMHeadModel, or LlamaForCausalLM for the llama family); "
-                   "safetensors: loom's raw state")  # fmt: skip
+    p.add_argument(
+        "--format",
+        required=True,
+        choices=["hf", "safetensors"],
+        help="hf: a transformers directory (GPT2LMHeadModel, or LlamaForCausalLM for the llama family); "
+        "safetensors: loom's raw state",
+    )
     p.add_argument("--out", required=True, help="output directory (must be empty unless --force)")
     p.add_argument("--ckpt", default=None, help="a checkpoint directory (default: the newest valid one)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
@@ -432,8 +516,10 @@ def _export(argv: list[str]) -> int:
     if args.format == "hf":
         spec = spec_of(cfg)
         if spec.hf is None:
-            raise LoomError(f"the model family '{spec.name}' has no transformers mapping",
-                            hint="export it with --format safetensors")  # fmt: skip
+            raise LoomError(
+                f"the model family '{spec.name}' has no transformers mapping",
+                hint="export it with --format safetensors",
+            )
         notes = spec.hf.export_hf(model, args.out, tok, args.force)
         import json
 

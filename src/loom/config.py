@@ -496,8 +496,11 @@ def config_argv(argv: list[str], config_arg: str | None, rest: list[str]) -> tup
     for i, a in enumerate(argv[1:], 1):
         prev = argv[i - 1]
         if config_arg and a == config_arg and prev.startswith("--") and "." in prev and "=" not in prev:
-            raise LoomError(f"'{a}' after {prev} was taken for the config file: an override before the "
-                            f"config file needs '=' ({prev}={a})", hint=f"write {prev}={a}")  # fmt: skip
+            raise LoomError(
+                f"'{a}' after {prev} was taken for the config file: an override before the "
+                f"config file needs '=' ({prev}={a})",
+                hint=f"write {prev}={a}",
+            )
     return config_arg, rest
 
 
@@ -555,8 +558,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if "model.activation" in explicit and cfg.model.mlp == "swiglu":  # set, and nothing reads it
         from loom import log
 
-        log.warn(f"model.activation={cfg.model.activation} is not used: model.mlp=swiglu gates with SiLU "
-                 "(model.activation is the gelu MLP's); leave it out, or set model.mlp=gelu to use it")  # fmt: skip
+        log.warn(
+            f"model.activation={cfg.model.activation} is not used: model.mlp=swiglu gates with SiLU "
+            "(model.activation is the gelu MLP's); leave it out, or set model.mlp=gelu to use it"
+        )
     return cfg
 
 
@@ -627,10 +632,16 @@ def check_model_config(saved: dict, cfg: Config, source: str, hint: str, *, infe
     saved = {**defaults, **{k: v for k, v in saved.items() if k in defaults}}
     # a resume changes the config from the saved one (saved -> config); a finished run's config.toml should
     # say what its checkpoint holds (run vs checkpoint)
-    say = (lambda k, a, b: f"model.{k}: {b!r} in the run, {a!r} in the checkpoint") if inference else (
-        lambda k, a, b: f"model.{k}: {a!r} -> {b!r}")  # fmt: skip
-    diff = [say(k, saved[k], v) for k, v in cfg.to_dict()["model"].items()
-            if saved[k] != v and not (inference and k in _NOT_THE_MODEL)]  # fmt: skip
+    say = (
+        (lambda k, a, b: f"model.{k}: {b!r} in the run, {a!r} in the checkpoint")
+        if inference
+        else (lambda k, a, b: f"model.{k}: {a!r} -> {b!r}")
+    )
+    diff = [
+        say(k, saved[k], v)
+        for k, v in cfg.to_dict()["model"].items()
+        if saved[k] != v and not (inference and k in _NOT_THE_MODEL)
+    ]
     if diff:
         raise LoomError(f"{source} was trained with another model shape: " + "; ".join(diff), hint=hint)
 
@@ -754,9 +765,10 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(
-            device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            device_type,
+            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
-        )  # fmt: skip
+        )
 
     def describe(self) -> str:
         dp = f"dp {self.dp} ({self.dp_impl}"
@@ -765,8 +777,10 @@ class ParallelDims:
         return dp + f") | tp {self.tp} | pp {self.pp}"
 
     def __str__(self) -> str:
-        return (f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp} "
-                f"rank={self.rank}")  # fmt: skip
+        return (
+            f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp} "
+            f"rank={self.rank}"
+        )
 
 
 def validate(
@@ -823,8 +837,10 @@ def _check_fields(cfg: Config) -> None:
     if cfg.optim.min_lr > cfg.optim.lr:
         raise LoomError(_LR.format(**sections))
     if t.hellaswag_every and not t.hellaswag_data:
-        raise LoomError(f"train.hellaswag_every={t.hellaswag_every} needs train.hellaswag_data (a HellaSwag JSONL)",
-                        hint="give --train.hellaswag_data=hellaswag_val.jsonl, or set train.hellaswag_every=0")  # fmt: skip
+        raise LoomError(
+            f"train.hellaswag_every={t.hellaswag_every} needs train.hellaswag_data (a HellaSwag JSONL)",
+            hint="give --train.hellaswag_data=hellaswag_val.jsonl, or set train.hellaswag_every=0",
+        )
 
 
 def _divisors(n: int) -> str:
@@ -845,8 +861,10 @@ def _check_model_shape(m: ModelConfig) -> None:
             hint="pick n_kv_head among the divisors of n_head: " + _divisors(m.n_head),
         )
     if m.pos == "rope" and (m.n_embd // m.n_head) % 2:
-        raise LoomError(f"model.pos=rope needs an even head size; n_embd / n_head = {m.n_embd // m.n_head}",
-                        hint="change n_embd or n_head")  # fmt: skip
+        raise LoomError(
+            f"model.pos=rope needs an even head size; n_embd / n_head = {m.n_embd // m.n_head}",
+            hint="change n_embd or n_head",
+        )
 
 
 def _check_mesh(cfg: Config, world: int) -> int:
@@ -889,8 +907,10 @@ def _check_mesh(cfg: Config, world: int) -> int:
             hint="use parallel.pp_schedule=1f1b or gpipe",
         )
     if cfg.precision.dtype == "fp16" and p.pp > 1:
-        raise LoomError("precision.dtype=fp16 (loss scaling) is not supported with pp > 1",
-                        hint="use bf16 or fp32 with pipeline parallel")  # fmt: skip
+        raise LoomError(
+            "precision.dtype=fp16 (loss scaling) is not supported with pp > 1",
+            hint="use bf16 or fp32 with pipeline parallel",
+        )
     return world // (p.tp * p.pp)
 
 

@@ -182,11 +182,17 @@ def _devices() -> list[dict]:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             cc = (p.major, p.minor)
-            out.append({
-                "index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
-                "capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count,
-                "bf16": cc >= (8, 0), "tf32": cc >= (8, 0),
-            })  # fmt: skip
+            out.append(
+                {
+                    "index": i,
+                    "name": p.name,
+                    "memory_gib": round(p.total_memory / 2**30, 1),
+                    "capability": f"{p.major}.{p.minor}",
+                    "multiprocessors": p.multi_processor_count,
+                    "bf16": cc >= (8, 0),
+                    "tf32": cc >= (8, 0),
+                }
+            )
     return out
 
 
@@ -373,29 +379,58 @@ def render(r: dict) -> None:
         ("loom", r["loom"]),
         ("python", f"{r['python']['version']} ({r['python']['executable']})"),
         ("platform", r["platform"]),
-        ("torch", f"{t['version']} | CUDA {t['cuda'] or '-'} | cuDNN {t['cudnn'] or '-'} | NCCL {t['nccl'] or '-'}"),
-        ("driver", f"{c['driver_version'] or '-'} (CUDA {c['driver_cuda'] or '-'})" if c["nvidia_smi"] else "no nvidia-smi"),
+        (
+            "torch",
+            f"{t['version']} | CUDA {t['cuda'] or '-'} | cuDNN {t['cudnn'] or '-'} | NCCL {t['nccl'] or '-'}",
+        ),
+        (
+            "driver",
+            f"{c['driver_version'] or '-'} (CUDA {c['driver_cuda'] or '-'})"
+            if c["nvidia_smi"]
+            else "no nvidia-smi",
+        ),
         ("cuda check", c["note"]),
         ("backends", ", ".join(f"{k} {_yes(v)}" for k, v in t["backends"].items())),
-        ("cpu", f"{r['cpu']['model']} | {r['cpu']['cores']} cores, torch threads {r['cpu']['torch_threads']} | "
-                f"{r['cpu']['capability']} | bf16 {r['cpu']['bf16']}"),
-        ("precision", f"float32 matmul '{t['float32_matmul_precision']}', tf32 {_yes(t['tf32_matmul_enabled'])}"),
+        (
+            "cpu",
+            f"{r['cpu']['model']} | {r['cpu']['cores']} cores, torch threads {r['cpu']['torch_threads']} | "
+            f"{r['cpu']['capability']} | bf16 {r['cpu']['bf16']}",
+        ),
+        (
+            "precision",
+            f"float32 matmul '{t['float32_matmul_precision']}', tf32 {_yes(t['tf32_matmul_enabled'])}",
+        ),
         ("interconnect", r["topology"]["verdict"]),
-    ]  # fmt: skip
+    ]
     m = r["mpi"]
-    mpi = "not checked (--no-mpi-check)" if m.get("checked") is False else m.get("note") or m.get("error") or (
-        f"{m['vendor']} {m['vendor_version']} (MPI {m['mpi_standard']}), mpi4py {m['mpi4py']}, "
-        f"CUDA-aware {_yes(m['cuda_aware'])}"
-    )  # fmt: skip
+    mpi = (
+        "not checked (--no-mpi-check)"
+        if m.get("checked") is False
+        else m.get("note")
+        or m.get("error")
+        or (
+            f"{m['vendor']} {m['vendor_version']} (MPI {m['mpi_standard']}), mpi4py {m['mpi4py']}, "
+            f"CUDA-aware {_yes(m['cuda_aware'])}"
+        )
+    )
     tr = r["triton"]
     cp = r["compile"]
     rows += [
         ("mpi", mpi),
-        ("triton", f"{tr['version']}, kernels: {tr['kernels']}" if tr["available"] else f"no ({tr['error']})"),
-        ("torch.compile", "not checked (--no-compile-check)" if not cp["checked"]
-            else f"works ({cp['seconds']:.1f} s for a tiny function)" if cp["ok"] else f"FAILS: {cp['error']}"),
+        (
+            "triton",
+            f"{tr['version']}, kernels: {tr['kernels']}" if tr["available"] else f"no ({tr['error']})",
+        ),
+        (
+            "torch.compile",
+            "not checked (--no-compile-check)"
+            if not cp["checked"]
+            else f"works ({cp['seconds']:.1f} s for a tiny function)"
+            if cp["ok"]
+            else f"FAILS: {cp['error']}",
+        ),
         ("launchers", ", ".join(n for n, p in r["launchers"].items() if p) or "none"),
-    ]  # fmt: skip
+    ]
     for k, v in rows:
         kv.add_row(k, str(v))
     con.print(kv)
@@ -404,8 +439,15 @@ def render(r: dict) -> None:
         for col in ("#", "name", "memory", "capability", "SMs", "bf16", "tf32"):
             dev.add_column(col)
         for d in r["devices"]:
-            dev.add_row(str(d["index"]), d["name"], f"{d['memory_gib']} GiB", d["capability"],
-                        str(d["multiprocessors"]), _yes(d["bf16"]), _yes(d["tf32"]))  # fmt: skip
+            dev.add_row(
+                str(d["index"]),
+                d["name"],
+                f"{d['memory_gib']} GiB",
+                d["capability"],
+                str(d["multiprocessors"]),
+                _yes(d["bf16"]),
+                _yes(d["tf32"]),
+            )
         con.print(dev)
     else:
         con.print(
@@ -453,8 +495,10 @@ def this_node(hosts: list[str], node_rank: int | None, environ) -> int:
             )
         node_rank = matches[0]
     if not 0 <= node_rank < len(hosts):
-        raise LoomError(f"--node-rank {node_rank} is outside the {len(hosts)} hosts of the hostfile",
-                        hint=f"use 0 .. {len(hosts) - 1}")  # fmt: skip
+        raise LoomError(
+            f"--node-rank {node_rank} is outside the {len(hosts)} hosts of the hostfile",
+            hint=f"use 0 .. {len(hosts) - 1}",
+        )
     return node_rank
 
 
@@ -507,9 +551,12 @@ def nodes_check(
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{addr}:{port}", rank=node, world_size=len(hosts),
+        "gloo",
+        init_method=f"tcp://{addr}:{port}",
+        rank=node,
+        world_size=len(hosts),
         timeout=datetime.timedelta(seconds=timeout),
-    )  # fmt: skip
+    )
     try:
         x = torch.ones(max(1, int(megabytes * 2**20 / 4)))
         dist.all_reduce(x)  # the first one also connects the pairs
@@ -535,15 +582,21 @@ def render_nodes(r: dict) -> None:
     if "hellos" not in r:
         log.info(f"node {r['node']}: checked in with {r['rendezvous']}; node 0 prints the report")
     else:
-        log.info(f"{len(r['hosts'])} host(s) checked in at {r['rendezvous']}: loom, torch, Python and processes "
-                 "per node agree")  # fmt: skip
+        log.info(
+            f"{len(r['hosts'])} host(s) checked in at {r['rendezvous']}: loom, torch, Python and processes "
+            "per node agree"
+        )
         for h in r["hellos"]:
-            log.info(f"  node {h['node']} {h['host']}: loom {h['loom']}, torch {h['torch']}, Python {h['python']}, "
-                     f"{h['nproc']} proc")  # fmt: skip
+            log.info(
+                f"  node {h['node']} {h['host']}: loom {h['loom']}, torch {h['torch']}, Python {h['python']}, "
+                f"{h['nproc']} proc"
+            )
     if "allreduce" in r and "hellos" in r:
         a = r["allreduce"]
-        log.info(f"all-reduce of {a['megabytes']:.1f} MiB between the hosts (gloo, one process each): "
-                 f"{a['median_ms']:.1f} ms, bus bandwidth {a['bus_gb_s']:.2f} GB/s")  # fmt: skip
+        log.info(
+            f"all-reduce of {a['megabytes']:.1f} MiB between the hosts (gloo, one process each): "
+            f"{a['median_ms']:.1f} ms, bus bandwidth {a['bus_gb_s']:.2f} GB/s"
+        )
 
 
 def doctor_main(argv: list[str]) -> int:
@@ -553,18 +606,37 @@ def doctor_main(argv: list[str]) -> int:
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
-        "--nodes", metavar="HOSTFILE", default=None,
+        "--nodes",
+        metavar="HOSTFILE",
+        default=None,
         help="before a multi-node job, run on every host: checks that each reaches the rendezvous address and "
         "port and that versions agree, and reports the all-reduce bandwidth between hosts",
-    )  # fmt: skip
-    p.add_argument("--node-rank", type=int, default=None, help="with --nodes: this host's index in HOSTFILE "
-                   "(default: the scheduler's node index, or the hostname's line)")  # fmt: skip
-    p.add_argument("--master-addr", default=None, help="with --nodes: rendezvous address (default: "
-                   "$MASTER_ADDR, or the first host)")  # fmt: skip
-    p.add_argument("--port", type=int, default=None, help="with --nodes: rendezvous port (default: "
-                   "$MASTER_PORT, or from the job id)")  # fmt: skip
-    p.add_argument("--nproc-per-node", type=int, default=None, help="with --nodes: the processes per node "
-                   "the job will start, compared across hosts (default: visible GPUs, or 1)")  # fmt: skip
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="with --nodes: this host's index in HOSTFILE "
+        "(default: the scheduler's node index, or the hostname's line)",
+    )
+    p.add_argument(
+        "--master-addr",
+        default=None,
+        help="with --nodes: rendezvous address (default: $MASTER_ADDR, or the first host)",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="with --nodes: rendezvous port (default: $MASTER_PORT, or from the job id)",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="with --nodes: the processes per node "
+        "the job will start, compared across hosts (default: visible GPUs, or 1)",
+    )
     p.add_argument("--timeout", type=float, default=60, help="with --nodes: seconds to wait for every host")
     p.add_argument("--no-compile-check", action="store_true", help="skip the torch.compile test (10-20 s)")
     p.add_argument("--compile-timeout", type=float, default=120, help="seconds allowed for it (default 120)")
@@ -578,18 +650,23 @@ def doctor_main(argv: list[str]) -> int:
                 f"--port {args.port} is not a TCP port", hint="pick a port in 1024-65535, e.g. 29500"
             )
         if args.nproc_per_node is not None and args.nproc_per_node < 1:
-            raise LoomError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}",
-                            hint="leave it out for the visible GPUs (or 1)")  # fmt: skip
-        nodes = nodes_check(args.nodes, args.node_rank, args.master_addr, args.port, args.timeout,
-                            args.nproc_per_node)  # fmt: skip
+            raise LoomError(
+                f"--nproc-per-node must be >= 1, got {args.nproc_per_node}",
+                hint="leave it out for the visible GPUs (or 1)",
+            )
+        nodes = nodes_check(
+            args.nodes, args.node_rank, args.master_addr, args.port, args.timeout, args.nproc_per_node
+        )
         if args.json:
             sys.stdout.write(json.dumps(nodes, indent=1) + "\n")
         else:
             render_nodes(nodes)
         return 0
     if not args.compile_timeout > 0:
-        raise LoomError(f"--compile-timeout must be > 0 seconds, got {args.compile_timeout}",
-                        hint="or --no-compile-check to skip the test")  # fmt: skip
+        raise LoomError(
+            f"--compile-timeout must be > 0 seconds, got {args.compile_timeout}",
+            hint="or --no-compile-check to skip the test",
+        )
     report = collect(not args.no_compile_check, args.compile_timeout, not args.no_mpi_check)
     if args.json:
         sys.stdout.write(json.dumps(report, indent=1) + "\n")

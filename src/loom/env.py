@@ -194,8 +194,10 @@ def read_hostfile(path: str | Path, option: str = "--hostfile") -> list[str]:
 
     check_not_endless(path, option)
     if option == "PBS_NODEFILE":
-        remedy = ("PBS_NODEFILE is set by a PBS job: run inside the job that set it, or unset it outside one "
-                  "(and pass --hostfile FILE for other hosts)")  # fmt: skip
+        remedy = (
+            "PBS_NODEFILE is set by a PBS job: run inside the job that set it, or unset it outside one "
+            "(and pass --hostfile FILE for other hosts)"
+        )
     else:
         remedy = f"pass an existing file with one host per line to {option}"
     try:
@@ -213,8 +215,10 @@ def read_hostfile(path: str | Path, option: str = "--hostfile") -> list[str]:
         if host and host not in hosts:
             hosts.append(host)
     if not hosts:
-        raise LoomError(f"host file {str(path)!r} ({option}) lists no hosts",
-                        hint="write one host name per line" if option != "PBS_NODEFILE" else remedy)  # fmt: skip
+        raise LoomError(
+            f"host file {str(path)!r} ({option}) lists no hosts",
+            hint="write one host name per line" if option != "PBS_NODEFILE" else remedy,
+        )
     return hosts
 
 

@@ -106,8 +106,16 @@ class Sampler(Every):
         idx = torch.tensor([ids], dtype=torch.long, device=ctx.device)
         g = torch.Generator(device=ctx.device).manual_seed(self.seed + ctx.step)
         with ctx.autocast():
-            out = generate(model, idx, self.max_new_tokens, temperature=0.8, top_k=200, generator=g,
-                           vocab_size=tok.vocab_size, extends_context=self.extends_context)  # fmt: skip
+            out = generate(
+                model,
+                idx,
+                self.max_new_tokens,
+                temperature=0.8,
+                top_k=200,
+                generator=g,
+                vocab_size=tok.vocab_size,
+                extends_context=self.extends_context,
+            )
         return tok.decode(out[0, len(ids) :].tolist())
 
     def run(self, ctx: EvalContext) -> dict | None:

@@ -130,8 +130,15 @@ class Throughput:
     With `compiled`, the first step is where torch.compile traces and compiles forward and backward: its
     time is reported apart as `compile_s` (the whole first step) and never counted, whatever `skip` says."""
 
-    def __init__(self, flops_per_token: int, peak: float | None, n_devices: int, skip: int, compiled: bool = False,
-                 remeasure: Callable[[], float] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        flops_per_token: int,
+        peak: float | None,
+        n_devices: int,
+        skip: int,
+        compiled: bool = False,
+        remeasure: Callable[[], float] | None = None,
+    ):
         """`remeasure`: a measured peak can be re-measured (CPU): called once if a step's MFU exceeds 100%."""
         self.flops_per_token, self.peak, self.n_devices = flops_per_token, peak, n_devices
         self.remeasure = remeasure
@@ -160,15 +167,19 @@ class Throughput:
             from loom import log
 
             old, self.peak, self.remeasure = self.peak, self.remeasure(), None
-            log.info(f"MFU {100 * mfu:.0f}% is impossible: the cached matmul peak ({old / 1e9:.0f} GFLOP/s) was "
-                     f"measured on a busy machine; measured again: {self.peak / 1e9:.0f} GFLOP/s (kept if higher)")  # fmt: skip
+            log.info(
+                f"MFU {100 * mfu:.0f}% is impossible: the cached matmul peak ({old / 1e9:.0f} GFLOP/s) was "
+                f"measured on a busy machine; measured again: {self.peak / 1e9:.0f} GFLOP/s (kept if higher)"
+            )
             mfu = tokens_per_s * self.flops_per_token / (self.peak * self.n_devices)
         if mfu > 1.0 and not self.warned:
             self.warned = True
             from loom import log
 
-            log.warn(f"MFU above 100%: this step ran faster than the peak ({self.peak / 1e9:.0f} GFLOP/s per "
-                     "device) allows: the peak of this device (table or measurement) is wrong")  # fmt: skip
+            log.warn(
+                f"MFU above 100%: this step ran faster than the peak ({self.peak / 1e9:.0f} GFLOP/s per "
+                "device) allows: the peak of this device (table or measurement) is wrong"
+            )
         return mfu
 
     def summary(self) -> dict:
@@ -301,10 +312,12 @@ class WandbSink:
         import wandb
 
         self.run = wandb.init(
-            project=project, name=name, config=config,
+            project=project,
+            name=name,
+            config=config,
             dir=None if os.environ.get("WANDB_DIR") else str(run_dir),
             settings=wandb.Settings(console="off"),  # loom's own console output stays as it is
-        )  # fmt: skip
+        )
 
     def write(self, record: dict) -> None:
         if "summary" in record:

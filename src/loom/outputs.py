@@ -19,14 +19,36 @@ from pathlib import Path
 from loom.errors import LoomError
 
 MARKER = ".loom-output"
-KINDS = {"data": "a prepared data set", "run": "a training run", "export": "an exported model",
-         "consolidated": "a consolidated model (loom ckpt consolidate)"}  # fmt: skip
+KINDS = {
+    "data": "a prepared data set",
+    "run": "a training run",
+    "export": "an exported model",
+    "consolidated": "a consolidated model (loom ckpt consolidate)",
+}
 
 # What loom writes into each kind of folder, to recognise folders from before the marker existed.
-_RUN_ENTRIES = {"config.toml", "run.json", "metrics.jsonl", "samples.txt", "tokenizer", "ckpt", "logs",
-                "tensorboard", "wandb", "loss.png"}  # fmt: skip
-_EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"}  # fmt: skip
+_RUN_ENTRIES = {
+    "config.toml",
+    "run.json",
+    "metrics.jsonl",
+    "samples.txt",
+    "tokenizer",
+    "ckpt",
+    "logs",
+    "tensorboard",
+    "wandb",
+    "loss.png",
+}
+_EXPORT_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+}
 _CONSOLIDATED_ENTRIES = {"model.safetensors", "config.toml", "run.json", "tokenizer"}
 
 

@@ -18,8 +18,10 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
 
     kinds = FigureCanvasBase.get_supported_filetypes()
     if out is not None and Path(out).suffix.lstrip(".").lower() not in kinds:
-        raise LoomError(f"--out '{out}': matplotlib cannot write '{Path(out).suffix or 'no suffix'}' files",
-                        hint="name it .png (or " + ", ".join(f".{k}" for k in sorted(kinds) if k != "png") + ")")  # fmt: skip
+        raise LoomError(
+            f"--out '{out}': matplotlib cannot write '{Path(out).suffix or 'no suffix'}' files",
+            hint="name it .png (or " + ", ".join(f".{k}" for k in sorted(kinds) if k != "png") + ")",
+        )
     runs = []
     for rd in run_dirs:
         path = Path(rd) / "metrics.jsonl"

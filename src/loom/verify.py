@@ -82,8 +82,15 @@ class Strategy:
         if self.command is not None:
             return self.command(n, args)
         _, tp, pp = self.degrees(n)
-        return [*PY, f"--nproc={n}", f"--parallel.tp={tp}", f"--parallel.pp={pp}",
-                f"--parallel.dp_impl={self.dp_impl}", *self.flags, *args]  # fmt: skip
+        return [
+            *PY,
+            f"--nproc={n}",
+            f"--parallel.tp={tp}",
+            f"--parallel.pp={pp}",
+            f"--parallel.dp_impl={self.dp_impl}",
+            *self.flags,
+            *args,
+        ]
 
 
 STRATEGIES: dict[str, Strategy] = {
@@ -98,14 +105,12 @@ STRATEGIES: dict[str, Strategy] = {
             "hsdp",
             lambda n, a: [*PY, f"--nproc={n}", "--parallel.dp_impl=fsdp", "--parallel.dp_replicate=2", *a],
             min_world=4,
-        ),  # fmt: skip
+        ),
         Strategy("mpi-naive", _mpi("naive")),
         Strategy("mpi-bucketed", _mpi("bucketed")),
         Strategy("tp", tp=2),
         Strategy("tp-sp", tp=2, flags=("--parallel.sp=true",)),
-        *(
-            Strategy(f"pp-{k}", pp=2, flags=(f"--parallel.pp_schedule={k}",)) for k in PP_SCHEDULES
-        ),  # fmt: skip
+        *(Strategy(f"pp-{k}", pp=2, flags=(f"--parallel.pp_schedule={k}",)) for k in PP_SCHEDULES),
         Strategy("dp-tp", min_world=4, tp=2, dp_impl="fsdp"),
         Strategy("dp-pp", min_world=4, pp=2),
         Strategy("tp-pp", min_world=4, tp=2, pp=2, flags=("--parallel.sp=true",)),
@@ -115,8 +120,15 @@ STRATEGIES: dict[str, Strategy] = {
 
 
 # The built-in verify model: small enough for a few CPU processes, 4 micro-batches of 4 per step.
-VERIFY_MODEL = ["--model.n_layer=4", "--model.n_head=4", "--model.n_embd=64", "--model.block_size=32",
-                "--train.batch_size=16", "--optim.warmup_steps=5", "--optim.lr=1e-3"]  # fmt: skip
+VERIFY_MODEL = [
+    "--model.n_layer=4",
+    "--model.n_head=4",
+    "--model.n_embd=64",
+    "--model.block_size=32",
+    "--train.batch_size=16",
+    "--optim.warmup_steps=5",
+    "--optim.lr=1e-3",
+]
 
 
 def micro_batch(batch_size: int) -> int:
@@ -127,8 +139,10 @@ def micro_batch(batch_size: int) -> int:
 def _schedule_stages(s: Strategy, n: int) -> int:
     """Pipeline stages strategy s cuts the model into at world size n."""
     _, _, pp = s.degrees(n)
-    sched = next((f.split("=", 1)[1] for f in s.argv(n, []) if f.startswith("--parallel.pp_schedule=")),
-                 ParallelConfig().pp_schedule)  # fmt: skip
+    sched = next(
+        (f.split("=", 1)[1] for f in s.argv(n, []) if f.startswith("--parallel.pp_schedule=")),
+        ParallelConfig().pp_schedule,
+    )
     return pp * (SCHEDULE_STAGES_PER_RANK[sched] if pp > 1 else 1)
 
 
@@ -142,18 +156,31 @@ def run_config(config: str | None, overrides: list[str], steps: int) -> tuple[Co
     if user.model.dropout:
         notes.append(f"model.dropout {user.model.dropout} -> 0 (dropout masks differ between layouts)")
     if user.precision.dtype == "auto":
-        notes.append("precision.dtype auto -> fp32 (exact comparison; ask for bf16/fp16 with --precision.dtype "
-                     "and widen --tol-loss)")  # fmt: skip
+        notes.append(
+            "precision.dtype auto -> fp32 (exact comparison; ask for bf16/fp16 with --precision.dtype "
+            "and widen --tol-loss)"
+        )
     elif user.precision.dtype != "fp32":
         notes.append(f"precision.dtype={user.precision.dtype} as asked: expect differences above fp32's")
     if user.train.device == "auto":
         notes.append("train.device auto -> cpu (gloo; --train.device=cuda to verify on GPUs)")
-    own = {"model.dropout": 0.0, "precision.dtype": "fp32" if user.precision.dtype == "auto" else None,
-           "train.device": "cpu" if user.train.device == "auto" else None, "train.steps": steps,
-           "train.micro_batch_size": micro_batch(user.train.batch_size), "train.log_every": 1,
-           "train.eval_every": 0, "train.sample_every": 0, "train.ckpt_every": 0, "train.resume": "no",
-           "train.eval_batches": 1, "train.sample_tokens": 1,  # the end of a run always evaluates and samples
-           "run.name": "", "metrics.tensorboard": False, "metrics.wandb": False}  # fmt: skip
+    own = {
+        "model.dropout": 0.0,
+        "precision.dtype": "fp32" if user.precision.dtype == "auto" else None,
+        "train.device": "cpu" if user.train.device == "auto" else None,
+        "train.steps": steps,
+        "train.micro_batch_size": micro_batch(user.train.batch_size),
+        "train.log_every": 1,
+        "train.eval_every": 0,
+        "train.sample_every": 0,
+        "train.ckpt_every": 0,
+        "train.resume": "no",
+        "train.eval_batches": 1,
+        "train.sample_tokens": 1,  # the end of a run always evaluates and samples
+        "run.name": "",
+        "metrics.tensorboard": False,
+        "metrics.wandb": False,
+    }
     for key, value in own.items():
         if value is not None:
             set_key(user, key, value)
@@ -286,9 +313,11 @@ def _world(s: Strategy, nproc: int | None, cfg: Config | None = None) -> int:
         raise LoomError(f"strategy {s.name} needs at least {s.min_world} processes; --nproc is {n}")
     dp, tp, pp = s.degrees(n)
     m, t = cfg.model, cfg.train
-    what = (f"strategy {s.name} cannot use {n} processes (dp {dp} x tp {tp} x pp {pp}) with this model "
-            f"({m.n_layer} layers, {m.n_head} heads, global batch {t.batch_size} in micro-batches of "
-            f"{t.micro_batch_size})")  # fmt: skip
+    what = (
+        f"strategy {s.name} cannot use {n} processes (dp {dp} x tp {tp} x pp {pp}) with this model "
+        f"({m.n_layer} layers, {m.n_head} heads, global batch {t.batch_size} in micro-batches of "
+        f"{t.micro_batch_size})"
+    )
     if dp * tp * pp != n:
         raise LoomError(what, hint=f"use --nproc {s.min_world}")
     layout = Config(**{f: getattr(cfg, f) for f in ("run", "data", "model", "train", "optim", "precision")})
@@ -321,18 +350,28 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def verify_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="loom verify", description=__doc__.split("\n\n")[0],
-                                epilog="Any config key can be set as --section.key=value, as for loom train.")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="loom verify",
+        description=__doc__.split("\n\n")[0],
+        epilog="Any config key can be set as --section.key=value, as for loom train.",
+    )
     p.add_argument(
         "config", nargs="?", help="a TOML config (as for loom train); default: the built-in verify model"
     )
     p.add_argument("--strategies", default="ddp", help=f"comma list of: {', '.join(STRATEGIES)}")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="world size (default: each strategy's smallest: 2, 4 for dp-tp/dp-pp/tp-pp, 8 for dp-tp-pp)")  # fmt: skip
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="world size (default: each strategy's smallest: 2, 4 for dp-tp/dp-pp/tp-pp, 8 for dp-tp-pp)",
+    )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out", default=None, help="output folder (default runs/verify-<time>)")
-    p.add_argument("--data", default=None,
-                   help="a prepared data directory (default: the config's data.path, else a small built-in set)")  # fmt: skip
+    p.add_argument(
+        "--data",
+        default=None,
+        help="a prepared data directory (default: the config's data.path, else a small built-in set)",
+    )
     p.add_argument("--tol-loss", type=float, default=1e-6, help="max |loss - reference| to pass")
     p.add_argument("--tol-param", type=float, default=1e-5, help="max |param - reference| to pass")
     p.add_argument("--json", default=None, help="write the table as JSON records")
@@ -352,8 +391,10 @@ def verify_main(argv: list[str]) -> int:
     stages = {n: _schedule_stages(STRATEGIES[n], args.nproc or STRATEGIES[n].min_world) for n in names}
     if built_in and max(stages.values()) > cfg.model.n_layer:
         deepest = max(stages, key=stages.get)
-        notes.append(f"the verify model grows from {cfg.model.n_layer} to {stages[deepest]} layers "
-                     f"({deepest} cuts it into {stages[deepest]} pipeline stages)")  # fmt: skip
+        notes.append(
+            f"the verify model grows from {cfg.model.n_layer} to {stages[deepest]} layers "
+            f"({deepest} cuts it into {stages[deepest]} pipeline stages)"
+        )
         cfg.model.n_layer = stages[deepest]
     worlds = {n: _world(STRATEGIES[n], args.nproc, cfg) for n in names}  # every check before any run
     data_path = args.data or cfg.data.path
@@ -364,8 +405,10 @@ def verify_main(argv: list[str]) -> int:
     common = common_args(data, out, args.steps, cfg)
     B, micro = cfg.train.batch_size, cfg.train.micro_batch_size
     m = cfg.model
-    log.info(f"model: {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {m.block_size}; "
-             f"batch {B}; {cfg.precision.dtype} on {cfg.train.device}; data {data}")  # fmt: skip
+    log.info(
+        f"model: {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {m.block_size}; "
+        f"batch {B}; {cfg.precision.dtype} on {cfg.train.device}; data {data}"
+    )
     for note in notes:
         log.info(f"verify: {note}")
     runs = {"reference": out / "reference"}
@@ -374,8 +417,10 @@ def verify_main(argv: list[str]) -> int:
     for name in names:
         n = worlds[name]
         dp, tp, pp = STRATEGIES[name].degrees(n)
-        log.info(f"{name}: {n} processes (dp {dp} x tp {tp} x pp {pp}), micro-batch {micro}, "
-                 f"{B // (micro * dp)} {'pipeline micro-batches' if pp > 1 else 'accumulation step(s)'}")  # fmt: skip
+        log.info(
+            f"{name}: {n} processes (dp {dp} x tp {tp} x pp {pp}), micro-batch {micro}, "
+            f"{B // (micro * dp)} {'pipeline micro-batches' if pp > 1 else 'accumulation step(s)'}"
+        )
         runs[name] = out / name
         _run(STRATEGIES[name].argv(n, [f"--run.name={name}", *common]), out / f"{name}.log")
     records = []
@@ -383,9 +428,19 @@ def verify_main(argv: list[str]) -> int:
         dloss, dparam = compare(runs["reference"], runs[name])
         ok = dloss <= args.tol_loss and dparam <= args.tol_param
         dp, tp, pp = STRATEGIES[name].degrees(worlds[name])
-        records.append({"strategy": name, "world_size": worlds[name], "dp": dp, "tp": tp, "pp": pp,
-                        "grad_accum": B // (micro * dp), "max_abs_dloss": dloss, "max_abs_dparam": dparam,
-                        "passed": ok})  # fmt: skip
+        records.append(
+            {
+                "strategy": name,
+                "world_size": worlds[name],
+                "dp": dp,
+                "tp": tp,
+                "pp": pp,
+                "grad_accum": B // (micro * dp),
+                "max_abs_dloss": dloss,
+                "max_abs_dparam": dparam,
+                "passed": ok,
+            }
+        )
     _table(records, args.tol_loss, args.tol_param, args.steps, cfg.precision.dtype)
     plot(out / "verify.png", runs)
     log.info(f"loss curves: {out / 'verify.png'}")
@@ -403,7 +458,13 @@ def _table(records: list[dict], tol_loss: float, tol_param: float, steps: int, d
     for col in ("strategy", "world", "dp·tp·pp", "micro", "max |Δloss|", "max |Δparam|", "result"):
         t.add_column(col, no_wrap=True)
     for r in records:
-        t.add_row(r["strategy"], str(r["world_size"]), f"{r['dp']}·{r['tp']}·{r['pp']}", str(r["grad_accum"]),
-                  f"{r['max_abs_dloss']:.3e}",
-                  f"{r['max_abs_dparam']:.3e}", "pass" if r["passed"] else "FAIL")  # fmt: skip
+        t.add_row(
+            r["strategy"],
+            str(r["world_size"]),
+            f"{r['dp']}·{r['tp']}·{r['pp']}",
+            str(r["grad_accum"]),
+            f"{r['max_abs_dloss']:.3e}",
+            f"{r['max_abs_dparam']:.3e}",
+            "pass" if r["passed"] else "FAIL",
+        )
     log.console().print(t)

@@ -17,25 +17,50 @@ from pathlib import Path
 import pytest
 
 HOOKS = Path(__file__).parent / "hooks"
-TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-        "--train.batch_size=8", "--train.eval_batches=2", "--train.sample_every=0", "--optim.warmup_steps=1",
-        "--train.log_every=1", "--train.device=cpu"]  # fmt: skip
+TINY = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=32",
+    "--train.batch_size=8",
+    "--train.eval_batches=2",
+    "--train.sample_every=0",
+    "--optim.warmup_steps=1",
+    "--train.log_every=1",
+    "--train.device=cpu",
+]
 
 
 def checked_run(tmp_path, data, impl: str, backend_override: str | None = None) -> list[dict]:
     """`loom train --nproc 2` with every collective checked; what each rank saw."""
     out = tmp_path / "seen"
     out.mkdir()
-    env = {**os.environ, "LOOM_CHECK_DEVICES_AS": "cuda", "LOOM_CHECK_OUT": str(out),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
+    env = {
+        **os.environ,
+        "LOOM_CHECK_DEVICES_AS": "cuda",
+        "LOOM_CHECK_OUT": str(out),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p),
+    }
     if backend_override:
         env["LOOM_CHECK_BACKEND"] = backend_override
     # 3 steps with an eval and a checkpoint: config agreement, the run plan, stop/skip flags, the checkpoint
     # outcome, gradient and loss collectives, the validation sums
-    args = [f"--data.path={data}", f"--run.dir={tmp_path}", "--train.steps=3", "--train.eval_every=2",
-            "--train.ckpt_every=2", f"--parallel.dp_impl={impl}", *TINY]  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", "loom", "train", "--nproc=2", *args], env=env, capture_output=True,
-                       text=True, timeout=300)  # fmt: skip
+    args = [
+        f"--data.path={data}",
+        f"--run.dir={tmp_path}",
+        "--train.steps=3",
+        "--train.eval_every=2",
+        "--train.ckpt_every=2",
+        f"--parallel.dp_impl={impl}",
+        *TINY,
+    ]
+    r = subprocess.run(
+        [sys.executable, "-m", "loom", "train", "--nproc=2", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     seen = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     assert len(seen) == 2, "every rank reports what it saw"

@@ -11,17 +11,42 @@ import pytest
 from loom.cli import main
 from loom.metrics import read_jsonl
 
-TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-        "--train.batch_size=8", "--train.eval_batches=2", "--train.sample_every=0", "--optim.warmup_steps=3",
-        "--train.log_every=1", "--train.eval_every=0", "--train.device=cpu", "--train.steps=4"]  # fmt: skip
+TINY = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=32",
+    "--train.batch_size=8",
+    "--train.eval_batches=2",
+    "--train.sample_every=0",
+    "--optim.warmup_steps=3",
+    "--train.log_every=1",
+    "--train.eval_every=0",
+    "--train.device=cpu",
+    "--train.steps=4",
+]
 
 
 @pytest.mark.slow
 def test_compiled_ddp_matches_eager_single_process(tmp_path, char_data):
     pytest.importorskip("torch._inductor")
     common = [f"--data.path={char_data}", f"--run.dir={tmp_path}", *TINY]
-    r = subprocess.run([sys.executable, "-m", "loom", "train", "--nproc", "2", *common, "--run.name=ddp",
-                        "--train.compile=true"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loom",
+            "train",
+            "--nproc",
+            "2",
+            *common,
+            "--run.name=ddp",
+            "--train.compile=true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert main(["train", *common, "--run.name=ref"]) == 0
     recs = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("ddp", "ref")}

@@ -20,9 +20,19 @@ from loom.env import free_port
 from loom.metrics import read_jsonl
 
 LOOM = [sys.executable, "-m", "loom"]
-TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-        "--train.batch_size=8", "--train.eval_batches=2", "--train.sample_every=0", "--optim.warmup_steps=3",
-        "--train.log_every=1", "--train.eval_every=0", "--train.device=cpu"]  # fmt: skip
+TINY = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=32",
+    "--train.batch_size=8",
+    "--train.eval_batches=2",
+    "--train.sample_every=0",
+    "--optim.warmup_steps=3",
+    "--train.log_every=1",
+    "--train.eval_every=0",
+    "--train.device=cpu",
+]
 
 
 def loom(*args, timeout=240, **kw):
@@ -36,8 +46,21 @@ def losses(run: Path) -> dict[int, float]:
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_verify_ddp_matches_one_process(tmp_path, char_data, nproc):
     out = tmp_path / "v"
-    r = loom("verify", "--strategies", "ddp", "--nproc", str(nproc), "--steps", "30", "--out", str(out),
-             "--data", str(char_data), "--json", str(tmp_path / "v.json"))  # fmt: skip
+    r = loom(
+        "verify",
+        "--strategies",
+        "ddp",
+        "--nproc",
+        str(nproc),
+        "--steps",
+        "30",
+        "--out",
+        str(out),
+        "--data",
+        str(char_data),
+        "--json",
+        str(tmp_path / "v.json"),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (rec,) = json.loads((tmp_path / "v.json").read_text())
     assert rec["strategy"] == "ddp" and rec["world_size"] == nproc and rec["passed"]
@@ -55,9 +78,23 @@ def test_two_torchrun_nodes_on_loopback(tmp_path, char_data):
     args = [f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=nodes", "--train.steps=6", *TINY]
     procs = []
     for _node in range(2):
-        cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loomtest", "--no-python",
-               *LOOM, "train", *args]  # fmt: skip
+        cmd = [
+            torchrun,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "loomtest",
+            "--no-python",
+            *LOOM,
+            "train",
+            *args,
+        ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -71,8 +108,14 @@ def test_two_torchrun_nodes_on_loopback(tmp_path, char_data):
 
 
 def test_resume_dp2_to_dp1_continues_the_curve(tmp_path, char_data):
-    base = [f"--data.path={char_data}", f"--run.dir={tmp_path}", *TINY, "--train.steps=8", "--train.ckpt_every=4",
-            "--train.keep_last=3"]  # fmt: skip
+    base = [
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        *TINY,
+        "--train.steps=8",
+        "--train.ckpt_every=4",
+        "--train.keep_last=3",
+    ]
     r = loom("train", "--nproc", "2", "--run.name=two", *base)
     assert r.returncode == 0, r.stderr
     straight = losses(tmp_path / "two")
@@ -89,10 +132,17 @@ def test_resume_dp2_to_dp1_continues_the_curve(tmp_path, char_data):
 
 
 def test_killed_rank_ends_job_and_names_it(tmp_path, char_data):
-    args = [f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=kill", *TINY, "--train.steps=100000",
-            "--parallel.timeout_s=30"]  # fmt: skip
-    p = subprocess.Popen([*LOOM, "train", "--nproc", "2", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)  # fmt: skip
+    args = [
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--run.name=kill",
+        *TINY,
+        "--train.steps=100000",
+        "--parallel.timeout_s=30",
+    ]
+    p = subprocess.Popen(
+        [*LOOM, "train", "--nproc", "2", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     metrics = tmp_path / "kill" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and metrics.stat().st_size > 200):

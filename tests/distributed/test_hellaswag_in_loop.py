@@ -14,34 +14,62 @@ from loom.cli import main
 from loom.metrics import read_jsonl
 
 LOOM = [sys.executable, "-m", "loom"]
-TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--model.block_size=32",
-        "--train.batch_size=4", "--train.eval_batches=1", "--train.sample_every=0", "--train.steps=4",
-        "--train.eval_every=0", "--train.log_every=1", "--train.hellaswag_every=2", "--train.device=cpu",
-        "--precision.dtype=fp32"]  # fmt: skip
+TINY = [
+    "--model.n_layer=1",
+    "--model.n_head=2",
+    "--model.n_embd=16",
+    "--model.block_size=32",
+    "--train.batch_size=4",
+    "--train.eval_batches=1",
+    "--train.sample_every=0",
+    "--train.steps=4",
+    "--train.eval_every=0",
+    "--train.log_every=1",
+    "--train.hellaswag_every=2",
+    "--train.device=cpu",
+    "--precision.dtype=fp32",
+]
 
 
 def hellaswag_file(path, n=7):
     words = "the of and to in is that it for as with was on be by at this from".split()
     rng = random.Random(5)
-    lines = [json.dumps({"ctx": " ".join(rng.choices(words, k=6)),
-                         "endings": [" ".join(rng.choices(words, k=rng.randint(1, 5))) for _ in range(4)],
-                         "label": rng.randrange(4)}) for _ in range(n)]  # fmt: skip
+    lines = [
+        json.dumps(
+            {
+                "ctx": " ".join(rng.choices(words, k=6)),
+                "endings": [" ".join(rng.choices(words, k=rng.randint(1, 5))) for _ in range(4)],
+                "label": rng.randrange(4),
+            }
+        )
+        for _ in range(n)
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def accuracies(run):
-    return {r["step"]: (r["hellaswag_acc"], r["hellaswag_acc_norm"]) for r in read_jsonl(run / "metrics.jsonl")
-            if "hellaswag_acc" in r}  # fmt: skip
+    return {
+        r["step"]: (r["hellaswag_acc"], r["hellaswag_acc_norm"])
+        for r in read_jsonl(run / "metrics.jsonl")
+        if "hellaswag_acc" in r
+    }
 
 
 def test_every_layout_logs_the_one_process_accuracies(tmp_path, char_data, capsys):
     hs = hellaswag_file(tmp_path / "hs.jsonl")
     base = [f"--data.path={char_data}", f"--run.dir={tmp_path}", f"--train.hellaswag_data={hs}", *TINY]
-    for name, layout in {"one": [], "fsdp2": ["--nproc=2", "--parallel.dp_impl=fsdp"],
-                         "tp2": ["--nproc=2", "--parallel.tp=2"]}.items():  # fmt: skip
-        r = subprocess.run([*LOOM, "train", f"--run.name={name}", *layout, *base], capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
+    for name, layout in {
+        "one": [],
+        "fsdp2": ["--nproc=2", "--parallel.dp_impl=fsdp"],
+        "tp2": ["--nproc=2", "--parallel.tp=2"],
+    }.items():
+        r = subprocess.run(
+            [*LOOM, "train", f"--run.name={name}", *layout, *base],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     one = accuracies(tmp_path / "one")
     assert sorted(one) == [2, 4]

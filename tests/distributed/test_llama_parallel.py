@@ -13,11 +13,31 @@ import sys
 
 def test_verify_tp_pp_sp_llama_gqa_qk_norm(tmp_path, char_data):
     r = subprocess.run(
-        [sys.executable, "-m", "loom", "verify", "--strategies", "tp-pp", "--steps", "4", "--out", str(tmp_path / "v"),
-         "--data", str(char_data), "--json", str(tmp_path / "v.json"), "--tol-loss", "1e-5",
-         "--model.family=llama", "--model.n_kv_head=2", "--model.qk_norm=true"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "loom",
+            "verify",
+            "--strategies",
+            "tp-pp",
+            "--steps",
+            "4",
+            "--out",
+            str(tmp_path / "v"),
+            "--data",
+            str(char_data),
+            "--json",
+            str(tmp_path / "v.json"),
+            "--tol-loss",
+            "1e-5",
+            "--model.family=llama",
+            "--model.n_kv_head=2",
+            "--model.qk_norm=true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (rec,) = json.loads((tmp_path / "v.json").read_text())
     assert (rec["strategy"], rec["dp"], rec["tp"], rec["pp"]) == ("tp-pp", 1, 2, 2)

@@ -39,8 +39,15 @@ def _worker(rank: int, world: int, store: str, parallel: dict, out: str, compile
         derived, dims = validate(cfg, world, rank)
         model = build_model(cfg, VOCAB)  # meta
         assert all(p.is_meta for p in model.parameters())
-        par = parallelize(model, dims, cfg, torch.device("cpu"), spec_of(cfg), n_microbatches=derived.pp_microbatches,
-                          init=lambda name, whole: model.init_param(name, whole, SEED))  # fmt: skip
+        par = parallelize(
+            model,
+            dims,
+            cfg,
+            torch.device("cpu"),
+            spec_of(cfg),
+            n_microbatches=derived.pp_microbatches,
+            init=lambda name, whole: model.init_param(name, whole, SEED),
+        )
         local = sum(
             p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in par.model.parameters()
         )

@@ -19,9 +19,20 @@ from loom.model.gpt_parallel import stage_layers
 from loom.verify import STRATEGIES
 
 LOOM = [sys.executable, "-m", "loom"]
-TINY = ["--model.n_layer=4", "--model.n_head=4", "--model.n_embd=32", "--model.block_size=16",
-        "--train.batch_size=8", "--train.micro_batch_size=2", "--train.eval_batches=2", "--train.sample_every=0",
-        "--optim.warmup_steps=3", "--train.log_every=1", "--train.eval_every=0", "--train.device=cpu"]  # fmt: skip
+TINY = [
+    "--model.n_layer=4",
+    "--model.n_head=4",
+    "--model.n_embd=32",
+    "--model.block_size=16",
+    "--train.batch_size=8",
+    "--train.micro_batch_size=2",
+    "--train.eval_batches=2",
+    "--train.sample_every=0",
+    "--optim.warmup_steps=3",
+    "--train.log_every=1",
+    "--train.eval_every=0",
+    "--train.device=cpu",
+]
 
 
 def loom(*args, timeout=400):
@@ -40,8 +51,21 @@ def steps(run: Path) -> list[tuple[int, float]]:
 
 def _verify(tmp_path, char_data, strategies: list[str]) -> list[dict]:
     out = tmp_path / "v"
-    r = loom("verify", "--strategies", ",".join(strategies), "--steps", "8", "--out", str(out),
-             "--data", str(char_data), "--tol-loss", "1e-5", "--json", str(tmp_path / "v.json"))  # fmt: skip
+    r = loom(
+        "verify",
+        "--strategies",
+        ",".join(strategies),
+        "--steps",
+        "8",
+        "--out",
+        str(out),
+        "--data",
+        str(char_data),
+        "--tol-loss",
+        "1e-5",
+        "--json",
+        str(tmp_path / "v.json"),
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     records = json.loads((tmp_path / "v.json").read_text())
     assert [rec["strategy"] for rec in records] == strategies
@@ -53,8 +77,18 @@ def _verify(tmp_path, char_data, strategies: list[str]) -> list[dict]:
 
 def test_verify_every_model_parallel_strategy(tmp_path, char_data):
     """2 ranks for tp and pp (each schedule), 4 for dp-tp (FSDP2), dp-pp, tp-pp, 8 for dp-tp-pp (FSDP2)."""
-    names = ["tp", "tp-sp", "pp-gpipe", "pp-1f1b", "pp-interleaved-1f1b", "pp-zero-bubble",
-             "dp-tp", "dp-pp", "tp-pp", "dp-tp-pp"]  # fmt: skip
+    names = [
+        "tp",
+        "tp-sp",
+        "pp-gpipe",
+        "pp-1f1b",
+        "pp-interleaved-1f1b",
+        "pp-zero-bubble",
+        "dp-tp",
+        "dp-pp",
+        "tp-pp",
+        "dp-tp-pp",
+    ]
     records = _verify(tmp_path, char_data, names)
     layouts = {r["strategy"]: (r["dp"], r["tp"], r["pp"]) for r in records}
     assert layouts["tp"] == layouts["tp-sp"] == (1, 2, 1)
@@ -65,10 +99,22 @@ def test_verify_every_model_parallel_strategy(tmp_path, char_data):
 def test_resume_same_layout_is_exact_and_other_layout_continues(tmp_path, char_data):
     """tp=2 x pp=2 (sequence parallel, interleaved 1F1B): steps 4..6 after resuming from step 3 equal the
     straight run bit for bit; the same checkpoint also resumes in one process (full, unsharded state)."""
-    layout = ["--nproc=4", "--parallel.tp=2", "--parallel.pp=2", "--parallel.sp=true",
-              "--parallel.pp_schedule=interleaved-1f1b"]  # fmt: skip
-    common = [f"--data.path={char_data}", f"--run.dir={tmp_path}", "--train.steps=6", "--train.ckpt_every=3",
-              "--train.keep_last=5", "--model.dropout=0.0", *TINY]  # fmt: skip
+    layout = [
+        "--nproc=4",
+        "--parallel.tp=2",
+        "--parallel.pp=2",
+        "--parallel.sp=true",
+        "--parallel.pp_schedule=interleaved-1f1b",
+    ]
+    common = [
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--train.steps=6",
+        "--train.ckpt_every=3",
+        "--train.keep_last=5",
+        "--model.dropout=0.0",
+        *TINY,
+    ]
     r = loom("train", *layout, "--run.name=mp", *common)
     assert r.returncode == 0, r.stderr[-3000:]
     straight = steps(tmp_path / "mp")
@@ -77,8 +123,14 @@ def test_resume_same_layout_is_exact_and_other_layout_continues(tmp_path, char_d
     r = loom("train", *layout, "--resume", str(tmp_path / "mp" / "ckpt" / "step_000003"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert steps(tmp_path / "mp")[6:] == straight[3:]  # exact float equality
-    r = loom("train", "--resume", str(tmp_path / "single" / "ckpt" / "step_000003"), "--parallel.tp=1",
-             "--parallel.pp=1", "--parallel.sp=false")  # fmt: skip
+    r = loom(
+        "train",
+        "--resume",
+        str(tmp_path / "single" / "ckpt" / "step_000003"),
+        "--parallel.tp=1",
+        "--parallel.pp=1",
+        "--parallel.sp=false",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     single = steps(tmp_path / "single")[6:]
     assert [s for s, _ in single] == [4, 5, 6]

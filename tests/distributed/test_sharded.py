@@ -15,9 +15,19 @@ import pytest
 from loom.metrics import read_jsonl
 
 LOOM = [sys.executable, "-m", "loom"]
-TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-        "--train.batch_size=8", "--train.eval_batches=2", "--train.sample_every=0", "--optim.warmup_steps=3",
-        "--train.log_every=1", "--train.eval_every=0", "--train.device=cpu"]  # fmt: skip
+TINY = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=32",
+    "--train.batch_size=8",
+    "--train.eval_batches=2",
+    "--train.sample_every=0",
+    "--optim.warmup_steps=3",
+    "--train.log_every=1",
+    "--train.eval_every=0",
+    "--train.device=cpu",
+]
 
 
 def loom(*args, timeout=300):
@@ -27,8 +37,21 @@ def loom(*args, timeout=300):
 
 
 def test_verify_sharded_strategies(tmp_path, char_data):
-    loom("verify", "--strategies", "zero1,zero2,fsdp", "--nproc", "2", "--steps", "30", "--out", str(tmp_path / "v"),
-         "--data", str(char_data), "--json", str(tmp_path / "v.json"))  # fmt: skip
+    loom(
+        "verify",
+        "--strategies",
+        "zero1,zero2,fsdp",
+        "--nproc",
+        "2",
+        "--steps",
+        "30",
+        "--out",
+        str(tmp_path / "v"),
+        "--data",
+        str(char_data),
+        "--json",
+        str(tmp_path / "v.json"),
+    )
     recs = json.loads((tmp_path / "v.json").read_text())
     assert [r["strategy"] for r in recs] == ["zero1", "zero2", "fsdp"]
     for r in recs:
@@ -47,13 +70,25 @@ def _losses(run, start=0):
     ids=["fsdp2-to-fsdp4", "fsdp2-to-single", "zero1-to-ddp"],
 )
 def test_checkpoint_reshards(tmp_path, char_data, saved, resumed):
-    base = [f"--data.path={char_data}", f"--run.dir={tmp_path}", *TINY, "--train.steps=8", "--train.ckpt_every=4",
-            "--train.keep_last=3"]  # fmt: skip
+    base = [
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        *TINY,
+        "--train.steps=8",
+        "--train.ckpt_every=4",
+        "--train.keep_last=3",
+    ]
     loom("train", "--run.name=ref", "--parallel.dp_impl=none", *base)
     reference = dict(_losses(tmp_path / "ref"))
     loom("train", f"--nproc={saved[1]}", f"--parallel.dp_impl={saved[0]}", "--run.name=saved", *base)
-    loom("train", "--resume", str(tmp_path / "saved" / "ckpt" / "step_000004"), f"--nproc={resumed[1]}",
-         f"--parallel.dp_impl={resumed[0]}", "--train.device=cpu")  # fmt: skip
+    loom(
+        "train",
+        "--resume",
+        str(tmp_path / "saved" / "ckpt" / "step_000004"),
+        f"--nproc={resumed[1]}",
+        f"--parallel.dp_impl={resumed[0]}",
+        "--train.device=cpu",
+    )
     continued = _losses(tmp_path / "saved", start=8)
     assert [s for s, _ in continued] == [5, 6, 7, 8]
     for step, loss in continued:
@@ -61,8 +96,17 @@ def test_checkpoint_reshards(tmp_path, char_data, saved, resumed):
 
 
 def test_generate_from_fsdp_run(tmp_path, char_data):
-    loom("train", "--nproc=2", "--parallel.dp_impl=fsdp", "--run.name=f", f"--data.path={char_data}",
-         f"--run.dir={tmp_path}", *TINY, "--train.steps=3", "--train.sample_every=3")  # fmt: skip
+    loom(
+        "train",
+        "--nproc=2",
+        "--parallel.dp_impl=fsdp",
+        "--run.name=f",
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        *TINY,
+        "--train.steps=3",
+        "--train.sample_every=3",
+    )
     assert "=== step 3" in (tmp_path / "f" / "samples.txt").read_text()
     out = loom("generate", str(tmp_path / "f"), "--prompt", "The", "--max-new-tokens", "10").stdout
     assert out.startswith("The") and len(out) >= 10
@@ -73,8 +117,15 @@ def test_sampling_mid_run_gathers_once_and_leaves_training_as_it_was(tmp_path, c
     """The sample gathers the sharded weights once per call into a whole copy on rank 0
     (Parallelized.sampling_model) instead of running FSDP's sharded forward once per token, and leaves the
     training as it was: a run that samples at steps 2 and 4 of 6 has the losses of one that never samples."""
-    base = [f"--data.path={char_data}", f"--run.dir={tmp_path}", *TINY, "--train.steps=6", "--nproc=2",
-            f"--parallel.dp_impl={impl}", "--train.sample_tokens=40"]  # fmt: skip
+    base = [
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        *TINY,
+        "--train.steps=6",
+        "--nproc=2",
+        f"--parallel.dp_impl={impl}",
+        "--train.sample_tokens=40",
+    ]
     loom("train", "--run.name=quiet", *base)
     # every process counts FSDP's all-gathers during each sample (a hook imported at interpreter start)
     hooks, counts = tmp_path / "hooks", tmp_path / "counts"
@@ -85,8 +136,13 @@ def test_sampling_mid_run_gathers_once_and_leaves_training_as_it_was(tmp_path, c
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH")) if p),
     }
-    r = subprocess.run([*LOOM, "train", "--run.name=sampling", *base, "--train.sample_every=2"], env=env,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [*LOOM, "train", "--run.name=sampling", *base, "--train.sample_every=2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert _losses(tmp_path / "sampling") == _losses(tmp_path / "quiet")
     samples = (tmp_path / "sampling" / "samples.txt").read_text()
@@ -127,8 +183,16 @@ def test_model_state_bytes_shrink_with_sharding(tmp_path, char_data):
     parameters (a little more where a tensor's first dimension does not divide by 4)."""
     mem = {}
     for impl in ("ddp", "zero1", "zero2", "fsdp"):
-        loom("train", "--nproc=4", f"--parallel.dp_impl={impl}", f"--run.name={impl}", f"--data.path={char_data}",
-             f"--run.dir={tmp_path}", *TINY, "--train.steps=2")  # fmt: skip
+        loom(
+            "train",
+            "--nproc=4",
+            f"--parallel.dp_impl={impl}",
+            f"--run.name={impl}",
+            f"--data.path={char_data}",
+            f"--run.dir={tmp_path}",
+            *TINY,
+            "--train.steps=2",
+        )
         rec = [r for r in read_jsonl(tmp_path / impl / "metrics.jsonl") if "mem_params" in r][-1]
         mem[impl] = {k: rec[f"mem_{k}"] for k in ("params", "grads", "optim")}
     full = mem["ddp"]
@@ -146,8 +210,21 @@ def test_model_state_bytes_shrink_with_sharding(tmp_path, char_data):
 
 def test_hsdp_matches_one_process(tmp_path, char_data):
     """HSDP: 2 replicas x 2 shards (parallel.dp_replicate=2) learns the one-process curve."""
-    loom("verify", "--strategies", "hsdp", "--nproc", "4", "--steps", "10", "--out", str(tmp_path / "v"),
-         "--data", str(char_data), "--json", str(tmp_path / "v.json"))  # fmt: skip
+    loom(
+        "verify",
+        "--strategies",
+        "hsdp",
+        "--nproc",
+        "4",
+        "--steps",
+        "10",
+        "--out",
+        str(tmp_path / "v"),
+        "--data",
+        str(char_data),
+        "--json",
+        str(tmp_path / "v.json"),
+    )
     (rec,) = json.loads((tmp_path / "v.json").read_text())
     assert rec["strategy"] == "hsdp" and rec["world_size"] == 4 and rec["dp"] == 4
     assert rec["passed"] and rec["max_abs_dloss"] <= 1e-5, rec

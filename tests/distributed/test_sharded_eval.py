@@ -22,8 +22,18 @@ from loom.env import free_port
 
 def torchrun(*args: str) -> str:
     exe = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    cmd = [exe, "--nproc-per-node", "2", "--master-port", str(free_port()), "--no-python",
-           sys.executable, "-m", "loom", *args]  # fmt: skip
+    cmd = [
+        exe,
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "--no-python",
+        sys.executable,
+        "-m",
+        "loom",
+        *args,
+    ]
     r = subprocess.run(
         cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1")
     )
@@ -34,10 +44,28 @@ def torchrun(*args: str) -> str:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, char_data):
     root = tmp_path_factory.mktemp("sharded_eval")
-    assert main(["train", f"--data.path={char_data}", f"--run.dir={root}", "--run.name=r", "--train.steps=6",
-                 "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-                 "--train.batch_size=3", "--train.micro_batch_size=1", "--train.eval_batches=1",
-                 "--train.sample_every=0", "--train.sample_tokens=4", "--train.device=cpu"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                f"--data.path={char_data}",
+                f"--run.dir={root}",
+                "--run.name=r",
+                "--train.steps=6",
+                "--model.n_layer=2",
+                "--model.n_head=2",
+                "--model.n_embd=32",
+                "--model.block_size=32",
+                "--train.batch_size=3",
+                "--train.micro_batch_size=1",
+                "--train.eval_batches=1",
+                "--train.sample_every=0",
+                "--train.sample_tokens=4",
+                "--train.device=cpu",
+            ]
+        )
+        == 0
+    )
     step = next((root / "r" / "ckpt").iterdir())
     shutil.rmtree(step / "optim")  # model-only loading: the optimizer's files are never read
     return root / "r"
@@ -82,9 +110,19 @@ def test_greedy_generation_and_hellaswag_of_the_sharded_model(run, capsys, tmp_p
     assert torchrun(*gen, "--shard") == one  # every rank samples in step; rank 0 prints the same text
     rng = random.Random(1)
     words = "the of and to in is that it for as with".split()
-    (tmp_path / "hs.jsonl").write_text("".join(json.dumps({"ctx": " ".join(rng.choices(words, k=5)),
-        "endings": [" ".join(rng.choices(words, k=rng.randint(1, 4))) for _ in range(4)], "label": rng.randrange(4)})
-        + "\n" for _ in range(5)))  # fmt: skip
+    (tmp_path / "hs.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "ctx": " ".join(rng.choices(words, k=5)),
+                    "endings": [" ".join(rng.choices(words, k=rng.randint(1, 4))) for _ in range(4)],
+                    "label": rng.randrange(4),
+                }
+            )
+            + "\n"
+            for _ in range(5)
+        )
+    )
     hs = ["eval", str(run), "--device", "cpu", "--task", "hellaswag", "--data", str(tmp_path / "hs.jsonl")]
     assert main(hs) == 0
     acc = capsys.readouterr().out.splitlines()[-1]

@@ -112,15 +112,36 @@ def test_interleaved_pipeline_of_4_grows_the_built_in_model(tmp_path, monkeypatc
     monkeypatch.setattr("loom.verify.plot", lambda *a: None)
     data = tmp_path / "data"
     monkeypatch.setattr("loom.verify.prepare_data", lambda out: data)
-    rc = verify_main(["--strategies", "pp-interleaved-1f1b", "--nproc", "4", "--steps", "2", "--out",
-                      str(tmp_path / "v"), "--json", str(tmp_path / "v.json")])  # fmt: skip
+    rc = verify_main(
+        [
+            "--strategies",
+            "pp-interleaved-1f1b",
+            "--nproc",
+            "4",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path / "v"),
+            "--json",
+            str(tmp_path / "v.json"),
+        ]
+    )
     assert rc == 0 and len(ran) == 2
     for argv in ran:  # the reference and the strategy train the same 8-layer model
         assert "--model.n_layer=8" in argv
     assert "--parallel.pp=4" in ran[1] and "--nproc=4" in ran[1]
     with pytest.raises(LoomError, match="8 pipeline stages"):  # an explicit depth is the user's: not grown
-        verify_main(["--model.n_layer=4", "--strategies", "pp-interleaved-1f1b", "--nproc", "4",
-                     "--out", str(tmp_path / "w")])  # fmt: skip
+        verify_main(
+            [
+                "--model.n_layer=4",
+                "--strategies",
+                "pp-interleaved-1f1b",
+                "--nproc",
+                "4",
+                "--out",
+                str(tmp_path / "w"),
+            ]
+        )
 
 
 def _verify(*args, timeout=500) -> subprocess.CompletedProcess:
@@ -133,24 +154,53 @@ def _verify(*args, timeout=500) -> subprocess.CompletedProcess:
 def test_verify_a_config_end_to_end(tmp_path, char_data):
     f = _config(tmp_path, char_data)
     out = tmp_path / "v"
-    _verify(str(f), "--model.n_embd=32", "--strategies", "ddp", "--steps", "3", "--out", str(out),
-            "--json", str(tmp_path / "v.json"))  # fmt: skip
+    _verify(
+        str(f),
+        "--model.n_embd=32",
+        "--strategies",
+        "ddp",
+        "--steps",
+        "3",
+        "--out",
+        str(out),
+        "--json",
+        str(tmp_path / "v.json"),
+    )
     (rec,) = json.loads((tmp_path / "v.json").read_text())
     assert rec["passed"] and rec["grad_accum"] == 2 and rec["max_abs_dloss"] <= 1e-6, rec
     for run in ("reference", "ddp"):
         saved = load_toml(out / run / "config.toml")
         assert saved["model"] | {"vocab_size": 0} == Config().to_dict()["model"] | {
-            "n_layer": 3, "n_head": 2, "n_embd": 32, "block_size": 16, "dropout": 0.0, "bias": False,
-            "vocab_size": 0, "activation": "gelu", "init_from": "",
-        }  # fmt: skip
+            "n_layer": 3,
+            "n_head": 2,
+            "n_embd": 32,
+            "block_size": 16,
+            "dropout": 0.0,
+            "bias": False,
+            "vocab_size": 0,
+            "activation": "gelu",
+            "init_from": "",
+        }
         assert (saved["optim"]["lr"], saved["train"]["batch_size"], saved["train"]["steps"]) == (3e-3, 12, 3)
 
 
 @pytest.mark.slow
 def test_verify_interleaved_pipeline_at_4_ranks(tmp_path, char_data):
     out = tmp_path / "v"
-    _verify("--strategies", "pp-interleaved-1f1b", "--nproc", "4", "--steps", "3", "--data", str(char_data),
-            "--out", str(out), "--json", str(tmp_path / "v.json"))  # fmt: skip
+    _verify(
+        "--strategies",
+        "pp-interleaved-1f1b",
+        "--nproc",
+        "4",
+        "--steps",
+        "3",
+        "--data",
+        str(char_data),
+        "--out",
+        str(out),
+        "--json",
+        str(tmp_path / "v.json"),
+    )
     (rec,) = json.loads((tmp_path / "v.json").read_text())
     assert rec["passed"] and (rec["dp"], rec["tp"], rec["pp"]) == (1, 1, 4), rec
     assert load_toml(out / rec["strategy"] / "config.toml")["model"]["n_layer"] == 8

@@ -45,8 +45,15 @@ def _worker(rank: int, world: int, store: str, parallel: dict, out: str) -> None
         cfg = _cfg(**parallel)
         derived, dims = validate(cfg, world, rank)
         model = build_model(cfg, VOCAB)  # meta
-        par = parallelize(model, dims, cfg, torch.device("cpu"), spec_of(cfg), n_microbatches=derived.pp_microbatches,
-                          init=lambda name, whole: model.init_param(name, whole, SEED))  # fmt: skip
+        par = parallelize(
+            model,
+            dims,
+            cfg,
+            torch.device("cpu"),
+            spec_of(cfg),
+            n_microbatches=derived.pp_microbatches,
+            init=lambda name, whole: model.init_param(name, whole, SEED),
+        )
         x, y = _batch()
         record = {}
         if par.pipeline is not None:

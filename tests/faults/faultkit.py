@@ -24,16 +24,32 @@ CKPT = ["--train.ckpt_every=6", "--train.keep_last=10"]
 LOOM = [sys.executable, "-m", "loom"]
 # Tiny and CPU-only; dropout on, so the RNG state must come back exactly on resume.
 TINY = [
-    "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=16",
-    "--model.dropout=0.1", "--train.batch_size=8", "--train.eval_batches=1", "--train.eval_every=0",
-    "--train.sample_every=0", "--train.log_every=1", "--train.device=cpu", "--optim.warmup_steps=2",
-]  # fmt: skip
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=16",
+    "--model.dropout=0.1",
+    "--train.batch_size=8",
+    "--train.eval_batches=1",
+    "--train.eval_every=0",
+    "--train.sample_every=0",
+    "--train.log_every=1",
+    "--train.device=cpu",
+    "--optim.warmup_steps=2",
+]
 ENV = {"OMP_NUM_THREADS": "1"}  # the same matmul blocking in every process: bit-exact comparisons
 
 
 def train_args(data: Path, runs: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return ["train", f"--data.path={data}", f"--run.dir={runs}", f"--run.name={name}", f"--train.steps={steps}",
-            *TINY, *extra]  # fmt: skip
+    return [
+        "train",
+        f"--data.path={data}",
+        f"--run.dir={runs}",
+        f"--run.name={name}",
+        f"--train.steps={steps}",
+        *TINY,
+        *extra,
+    ]
 
 
 def run_inprocess(args: list[str]) -> int:
@@ -53,8 +69,13 @@ class Proc:
         self.out = out
         self.t0 = time.monotonic()
         with open(out.with_suffix(".stdout"), "w") as o, open(out.with_suffix(".stderr"), "w") as e:
-            self.p = subprocess.Popen([*LOOM, *args], stdout=o, stderr=e, start_new_session=True,
-                                      env={**os.environ, **ENV, **(env or {})})  # fmt: skip
+            self.p = subprocess.Popen(
+                [*LOOM, *args],
+                stdout=o,
+                stderr=e,
+                start_new_session=True,
+                env={**os.environ, **ENV, **(env or {})},
+            )
 
     @property
     def pid(self) -> int:

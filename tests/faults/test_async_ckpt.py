@@ -22,8 +22,11 @@ ASYNC = "--train.async_ckpt=true"
 
 def test_sigkill_during_a_background_save_resumes_bit_exact(char_data, tmp_path, ref_one):
     run = tmp_path / "r"
-    p = Proc(train_args(char_data, tmp_path, "r", STEPS, *CKPT, ASYNC), tmp_path / "out",
-             env={"LOOM_FAULT_STALL_SAVE": "12"})  # fmt: skip
+    p = Proc(
+        train_args(char_data, tmp_path, "r", STEPS, *CKPT, ASYNC),
+        tmp_path / "out",
+        env={"LOOM_FAULT_STALL_SAVE": "12"},
+    )
     wait_for((run / "ckpt" / "step_000012.tmp" / "STALLED").exists, p, what="the stalled background write")
     wait_for(lambda: last_step(run) >= 13, p, what="a step while the save is in flight")  # the loop went on
     p.kill_all()
@@ -59,8 +62,16 @@ def test_two_ranks_save_in_the_background(char_data, tmp_path, ref_two):
 @pytest.mark.parametrize("policy", ["continue", "stop"])
 def test_disk_filling_during_a_background_save(char_data, tmp_path, monkeypatch, capsys, policy):
     monkeypatch.setenv("LOOM_FAULT_DISK_FULL", "4")  # ENOSPC after the first file of step 4's write
-    args = train_args(char_data, tmp_path, "r", 8, "--train.ckpt_every=2", "--train.keep_last=5",
-                      f"--train.on_save_error={policy}", ASYNC)  # fmt: skip
+    args = train_args(
+        char_data,
+        tmp_path,
+        "r",
+        8,
+        "--train.ckpt_every=2",
+        "--train.keep_last=5",
+        f"--train.on_save_error={policy}",
+        ASYNC,
+    )
     rc = run_inprocess(args)
     out = capsys.readouterr()
     ckpt = tmp_path / "r" / "ckpt"

@@ -72,10 +72,33 @@ def tree(char_data):
     (root / "bad.toml").write_text("this is [not toml\n")
     (root / "section.toml").write_text("[modle]\nn_layer = 2\n")
     runs = root / "runs"
-    assert main(["train", f"--data.path={root / 'data'}", f"--run.dir={runs}", "--run.name=ok", "--train.steps=2",
-                 *TINY]) == 0  # fmt: skip
-    assert main(["train", f"--data.path={root / 'data'}", f"--run.dir={runs}", "--run.name=wide", "--train.steps=1",
-                 *TINY, "--model.n_embd=64"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                f"--data.path={root / 'data'}",
+                f"--run.dir={runs}",
+                "--run.name=ok",
+                "--train.steps=2",
+                *TINY,
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                f"--data.path={root / 'data'}",
+                f"--run.dir={runs}",
+                "--run.name=wide",
+                "--train.steps=1",
+                *TINY,
+                "--model.n_embd=64",
+            ]
+        )
+        == 0
+    )
     shutil.copytree(runs / "ok", runs / "corrupt")
     model = runs / "corrupt" / "ckpt" / "step_000002" / "model" / "__0_0.distcp"
     raw = bytearray(model.read_bytes())
@@ -100,155 +123,389 @@ def tree(char_data):
 # name -> (arguments after `loom train`, the message, the exit code)
 CASES = {
     "config file that is not TOML": (["{root}/bad.toml"], "is not valid TOML", 2),
-    "config file that does not exist": (["{root}/nope.toml"], "config file '{root}/nope.toml' does not exist", 2),
+    "config file that does not exist": (
+        ["{root}/nope.toml"],
+        "config file '{root}/nope.toml' does not exist",
+        2,
+    ),
     "unknown config section in a file": (["{root}/section.toml"], "unknown config section 'modle'", 2),
     "unknown config key": (["--model.n_layers=2"], "did you mean 'model.n_layer'", 2),
-    "value of the wrong type": (["--train.steps=many"], "config key 'train.steps' expects int, got 'many'", 2),
+    "value of the wrong type": (
+        ["--train.steps=many"],
+        "config key 'train.steps' expects int, got 'many'",
+        2,
+    ),
     "negative learning rate": (["--optim.lr=-0.001"], "lr > 0; got lr=-0.001", 2),
     "NaN learning rate": (["--optim.lr=nan"], "optim.lr must be a finite number, got nan", 2),
-    "heads do not divide the width": (["--model.n_embd=30", "--model.n_head=4"], "not divisible by model.n_head", 2),
+    "heads do not divide the width": (
+        ["--model.n_embd=30", "--model.n_head=4"],
+        "not divisible by model.n_head",
+        2,
+    ),
     "dropout of 1.5": (["--model.dropout=1.5"], "model.dropout must be in [0, 1), got 1.5", 2),
-    "batch not divisible by micro-batch": (["--train.batch_size=10", "--train.micro_batch_size=4"],
-                                           "train.batch_size=10 is not divisible by train.micro_batch_size=4", 2),
+    "batch not divisible by micro-batch": (
+        ["--train.batch_size=10", "--train.micro_batch_size=4"],
+        "train.batch_size=10 is not divisible by train.micro_batch_size=4",
+        2,
+    ),
     "--nproc that does not divide the batch": (["--nproc=3"], "not divisible by the data-parallel size 3", 2),
     "--nproc 0": (["--nproc=0"], "--nproc must be >= 1, got 0", 2),
-    "--nproc 2 with dp_impl=none": (["--nproc=2", "--parallel.dp_impl=none"], "with parallel.dp_impl=none", 2),
+    "--nproc 2 with dp_impl=none": (
+        ["--nproc=2", "--parallel.dp_impl=none"],
+        "with parallel.dp_impl=none",
+        2,
+    ),
     "negative --max-restarts": (["--nproc=2", "--max-restarts=-1"], "--max-restarts must be >= 0, got -1", 2),
-    "collective timeout of 0 s": (["--parallel.timeout_s=0"], "parallel.timeout_s must be positive, got 0.0", 2),
-    "unknown on_save_error policy": (["--train.on_save_error=retry"], "must be one of continue, stop; got 'retry'", 2),
+    "collective timeout of 0 s": (
+        ["--parallel.timeout_s=0"],
+        "parallel.timeout_s must be positive, got 0.0",
+        2,
+    ),
+    "unknown on_save_error policy": (
+        ["--train.on_save_error=retry"],
+        "must be one of continue, stop; got 'retry'",
+        2,
+    ),
     "max_bad_steps of 0": (["--train.max_bad_steps=0"], "train.max_bad_steps must be positive, got 0", 2),
     "data directory that does not exist": (["--data.path={root}/nowhere"], "is not a directory", 2),
     "data directory that is not prepared": (["--data.path={root}/empty"], "not a prepared data directory", 2),
     "shard whose header lies about its length": (["--data.path={root}/lies"], "header says", 2),
     "shard with a wrong magic number": (["--data.path={root}/badmagic"], "not an llm.c/loom token shard", 2),
-    "meta.json that is not JSON": (["--data.path={root}/badmeta"], "cannot read '{root}/badmeta/meta.json'", 2),
+    "meta.json that is not JSON": (
+        ["--data.path={root}/badmeta"],
+        "cannot read '{root}/badmeta/meta.json'",
+        2,
+    ),
     "context longer than the data": (["--model.block_size=100000"], "larger than the", 2),
-    "checkpoint from a different model shape": (["--resume", "{root}/runs/ok", "--model.n_embd=64"],
-                                                "was trained with another model shape: model.n_embd: 32 -> 64", 2),
-    "bit-flipped checkpoint named by --resume": (["--resume", "{root}/runs/corrupt/ckpt/step_000002"],
-                                                 "__0_0.distcp' does not match its SHA-256 in the manifest", 2),
-    "--resume of a run with no valid checkpoint": (["--resume", "{root}/runs/corrupt"], "no valid checkpoint", 2),
+    "checkpoint from a different model shape": (
+        ["--resume", "{root}/runs/ok", "--model.n_embd=64"],
+        "was trained with another model shape: model.n_embd: 32 -> 64",
+        2,
+    ),
+    "bit-flipped checkpoint named by --resume": (
+        ["--resume", "{root}/runs/corrupt/ckpt/step_000002"],
+        "__0_0.distcp' does not match its SHA-256 in the manifest",
+        2,
+    ),
+    "--resume of a run with no valid checkpoint": (
+        ["--resume", "{root}/runs/corrupt"],
+        "no valid checkpoint",
+        2,
+    ),
     "--resume of a run that does not exist": (["--resume", "--run.name=none"], "does not exist", 2),
-    "existing run with another config": (["--run.name=ok", "--train.steps=5"],
-                                         "already holds a run with a different config (train.steps: 2 -> 5)", 2),
+    "existing run with another config": (
+        ["--run.name=ok", "--train.steps=5"],
+        "already holds a run with a different config (train.steps: 2 -> 5)",
+        2,
+    ),
     "run name that climbs out of run.dir": (["--run.name=../../x"], "must be a plain folder name", 2),
-    "train.resume=auto without a run name": (["--train.resume=auto"], "train.resume=auto needs a run.name", 2),
+    "train.resume=auto without a run name": (
+        ["--train.resume=auto"],
+        "train.resume=auto needs a run.name",
+        2,
+    ),
     "run directory without write permission": (["--run.dir={root}/ro", "--run.name=x"], "is not writable", 2),
-}  # fmt: skip
+}
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 MANY = 8 * CORES  # far above the cores this process may use
 # Every other command (and train rows that need an exact command line): name -> (argv after `loom`, the
 # message, the exit code). {root} is the tree, {many} and {cores} the process and core counts.
 COMMANDS = {
     # outputs that cannot be written: a folder this user may not write, or a path through a regular file
-    "train: run.dir through a regular file": (["train", "--run.dir={root}/afile/runs", "--run.name=x"],
-                                              "'{root}/afile' is not a directory", 2),
-    "prepare: --out in a folder without write permission": (["data", "prepare", "--input", "{root}/afile",
-                                                             "--out", "{root}/ro/x"], "--out '{root}/ro/x' is not writable", 2),
-    "prepare: --out through a regular file": (["data", "prepare", "--input", "{root}/afile", "--out", "{root}/afile/x"],
-                                              "'{root}/afile' is a file, not a directory", 2),
-    "convert: output folder without write permission": (["data", "convert", "--to", "nanogpt", "{root}/data", "{root}/ro/x"],
-                                                        "output '{root}/ro/x' is not writable", 2),
-    "convert: output file through a regular file": (["data", "convert", "--to", "llmc", "{root}/data/train_000000.bin",
-                                                     "{root}/afile/x.bin"], "'{root}/afile' is a file, not a directory", 2),
-    "export: --out in a folder without write permission": (["export", "{root}/runs/ok", "--format", "hf", "--out", "{root}/ro/x"],
-                                                           "--out '{root}/ro/x' is not writable", 2),
-    "export: --out that is a regular file": (["export", "{root}/runs/ok", "--format", "safetensors", "--out", "{root}/afile"],
-                                             "--out '{root}/afile' is a file, not a directory", 2),
-    "plot: --out in a folder without write permission": (["plot", "{root}/runs/ok", "--out", "{root}/ro/loss.png"],
-                                                         "--out '{root}/ro/loss.png' is not writable", 2),
-    "plot: --out through a regular file": (["plot", "{root}/runs/ok", "--out", "{root}/afile/loss.png"],
-                                           "'{root}/afile' is a file, not a directory", 2),
-    "plot: --out of a format matplotlib cannot write": (["plot", "{root}/runs/ok", "--out", "{root}/cwd/loss.xyz"],
-                                                        "cannot write '.xyz' files", 2),
-    "verify: --out in a folder without write permission": (["verify", "--strategies", "ddp", "--out", "{root}/ro/v"],
-                                                           "--out '{root}/ro/v' is not writable", 2),
-    "verify: --json through a regular file": (["verify", "--strategies", "ddp", "--json", "{root}/afile/v.json"],
-                                              "'{root}/afile' is a file, not a directory", 2),
-    "bench peak: --json in a folder without write permission": (["bench", "peak", "--json", "{root}/ro/p.json"],
-                                                                "--json '{root}/ro/p.json' is not writable", 2),
-    "bench optim: --json through a regular file": (["bench", "optim", "--params", "1M", "--json", "{root}/afile/o.json"],
-                                                   "'{root}/afile' is a file, not a directory", 2),
-    "bench train: --json in a folder without write permission": (["bench", "train", "--synthetic", "--json", "{root}/ro/t.json"],
-                                                                 "--json '{root}/ro/t.json' is not writable", 2),
-    "bench comm: --plot through a regular file": (["bench", "comm", "--nproc", "2", "--plot", "{root}/afile/c.png"],
-                                                  "'{root}/afile' is a file, not a directory", 2),
+    "train: run.dir through a regular file": (
+        ["train", "--run.dir={root}/afile/runs", "--run.name=x"],
+        "'{root}/afile' is not a directory",
+        2,
+    ),
+    "prepare: --out in a folder without write permission": (
+        ["data", "prepare", "--input", "{root}/afile", "--out", "{root}/ro/x"],
+        "--out '{root}/ro/x' is not writable",
+        2,
+    ),
+    "prepare: --out through a regular file": (
+        ["data", "prepare", "--input", "{root}/afile", "--out", "{root}/afile/x"],
+        "'{root}/afile' is a file, not a directory",
+        2,
+    ),
+    "convert: output folder without write permission": (
+        ["data", "convert", "--to", "nanogpt", "{root}/data", "{root}/ro/x"],
+        "output '{root}/ro/x' is not writable",
+        2,
+    ),
+    "convert: output file through a regular file": (
+        ["data", "convert", "--to", "llmc", "{root}/data/train_000000.bin", "{root}/afile/x.bin"],
+        "'{root}/afile' is a file, not a directory",
+        2,
+    ),
+    "export: --out in a folder without write permission": (
+        ["export", "{root}/runs/ok", "--format", "hf", "--out", "{root}/ro/x"],
+        "--out '{root}/ro/x' is not writable",
+        2,
+    ),
+    "export: --out that is a regular file": (
+        ["export", "{root}/runs/ok", "--format", "safetensors", "--out", "{root}/afile"],
+        "--out '{root}/afile' is a file, not a directory",
+        2,
+    ),
+    "plot: --out in a folder without write permission": (
+        ["plot", "{root}/runs/ok", "--out", "{root}/ro/loss.png"],
+        "--out '{root}/ro/loss.png' is not writable",
+        2,
+    ),
+    "plot: --out through a regular file": (
+        ["plot", "{root}/runs/ok", "--out", "{root}/afile/loss.png"],
+        "'{root}/afile' is a file, not a directory",
+        2,
+    ),
+    "plot: --out of a format matplotlib cannot write": (
+        ["plot", "{root}/runs/ok", "--out", "{root}/cwd/loss.xyz"],
+        "cannot write '.xyz' files",
+        2,
+    ),
+    "verify: --out in a folder without write permission": (
+        ["verify", "--strategies", "ddp", "--out", "{root}/ro/v"],
+        "--out '{root}/ro/v' is not writable",
+        2,
+    ),
+    "verify: --json through a regular file": (
+        ["verify", "--strategies", "ddp", "--json", "{root}/afile/v.json"],
+        "'{root}/afile' is a file, not a directory",
+        2,
+    ),
+    "bench peak: --json in a folder without write permission": (
+        ["bench", "peak", "--json", "{root}/ro/p.json"],
+        "--json '{root}/ro/p.json' is not writable",
+        2,
+    ),
+    "bench optim: --json through a regular file": (
+        ["bench", "optim", "--params", "1M", "--json", "{root}/afile/o.json"],
+        "'{root}/afile' is a file, not a directory",
+        2,
+    ),
+    "bench train: --json in a folder without write permission": (
+        ["bench", "train", "--synthetic", "--json", "{root}/ro/t.json"],
+        "--json '{root}/ro/t.json' is not writable",
+        2,
+    ),
+    "bench comm: --plot through a regular file": (
+        ["bench", "comm", "--nproc", "2", "--plot", "{root}/afile/c.png"],
+        "'{root}/afile' is a file, not a directory",
+        2,
+    ),
     # shapes that do not match
-    "export --ckpt of a model of another shape": (["export", "{root}/runs/ok", "--format", "safetensors", "--out",
-                                                   "{root}/cwd/x", "--ckpt", "{root}/runs/wide/ckpt/step_000001"],
-                                                  "model.n_embd: 32 in the run, 64 in the checkpoint", 2),
-    "export --ckpt that is a file": (["export", "{root}/runs/ok", "--format", "hf", "--out", "{root}/cwd/x", "--ckpt",
-                                      "{root}/afile"], "checkpoint '{root}/afile' is not a directory", 2),
+    "export --ckpt of a model of another shape": (
+        [
+            "export",
+            "{root}/runs/ok",
+            "--format",
+            "safetensors",
+            "--out",
+            "{root}/cwd/x",
+            "--ckpt",
+            "{root}/runs/wide/ckpt/step_000001",
+        ],
+        "model.n_embd: 32 in the run, 64 in the checkpoint",
+        2,
+    ),
+    "export --ckpt that is a file": (
+        ["export", "{root}/runs/ok", "--format", "hf", "--out", "{root}/cwd/x", "--ckpt", "{root}/afile"],
+        "checkpoint '{root}/afile' is not a directory",
+        2,
+    ),
     "prepare --tokenizer that does not exist (refused before reading the corpus)": (
-        ["data", "prepare", "--input", "{root}/afile", "--out", "{root}/cwd/p", "--tokenizer", "{root}/nope.json"],
-        "--tokenizer '{root}/nope.json' is neither char, bpe nor an existing tokenizer.json", 2),
+        [
+            "data",
+            "prepare",
+            "--input",
+            "{root}/afile",
+            "--out",
+            "{root}/cwd/p",
+            "--tokenizer",
+            "{root}/nope.json",
+        ],
+        "--tokenizer '{root}/nope.json' is neither char, bpe nor an existing tokenizer.json",
+        2,
+    ),
     # token dtypes
-    "convert: unknown --dtype": (["data", "convert", "--to", "llmc", "{root}/data", "{root}/cwd/x", "--dtype", "int7"],
-                                 "--dtype 'int7' is not an integer token dtype", 2),
-    "convert: float --dtype": (["data", "convert", "--to", "llmc", "{root}/data", "{root}/cwd/x", "--dtype", "float32"],
-                               "--dtype 'float32' is not an integer token dtype", 2),
+    "convert: unknown --dtype": (
+        ["data", "convert", "--to", "llmc", "{root}/data", "{root}/cwd/x", "--dtype", "int7"],
+        "--dtype 'int7' is not an integer token dtype",
+        2,
+    ),
+    "convert: float --dtype": (
+        ["data", "convert", "--to", "llmc", "{root}/data", "{root}/cwd/x", "--dtype", "float32"],
+        "--dtype 'float32' is not an integer token dtype",
+        2,
+    ),
     # a meta.json whose vocabulary is smaller than the ids
     "train on a meta.json that claims fewer ids than the shards hold": (
-        ["train", "--data.path={root}/smallvocab"], "outside the vocabulary of 5 ids", 2),
-    "eval --data with a meta.json that claims fewer ids": (["eval", "{root}/runs/ok", "--data", "{root}/smallvocab"],
-                                                           "outside the vocabulary of 5 ids", 2),
+        ["train", "--data.path={root}/smallvocab"],
+        "outside the vocabulary of 5 ids",
+        2,
+    ),
+    "eval --data with a meta.json that claims fewer ids": (
+        ["eval", "{root}/runs/ok", "--data", "{root}/smallvocab"],
+        "outside the vocabulary of 5 ids",
+        2,
+    ),
     # endless inputs
-    "prepare --input /dev/zero": (["data", "prepare", "--input", "/dev/zero", "--out", "{root}/cwd/z"],
-                                  "--input '/dev/zero' is a device", 2),
-    "prepare --input a FIFO": (["data", "prepare", "--input", "{root}/fifo", "--out", "{root}/cwd/z"],
-                               "--input '{root}/fifo' is a named pipe (FIFO)", 2),
-    "convert /dev/urandom": (["data", "convert", "--to", "llmc", "/dev/urandom", "{root}/cwd/z"],
-                             "input '/dev/urandom' is a device", 2),
+    "prepare --input /dev/zero": (
+        ["data", "prepare", "--input", "/dev/zero", "--out", "{root}/cwd/z"],
+        "--input '/dev/zero' is a device",
+        2,
+    ),
+    "prepare --input a FIFO": (
+        ["data", "prepare", "--input", "{root}/fifo", "--out", "{root}/cwd/z"],
+        "--input '{root}/fifo' is a named pipe (FIFO)",
+        2,
+    ),
+    "convert /dev/urandom": (
+        ["data", "convert", "--to", "llmc", "/dev/urandom", "{root}/cwd/z"],
+        "input '/dev/urandom' is a device",
+        2,
+    ),
     "inspect /dev/zero": (["data", "inspect", "/dev/zero"], "path '/dev/zero' is a device", 2),
-    "train with /dev/zero as the config file": (["train", "/dev/zero"], "config file '/dev/zero' is not a regular file", 2),
-    "hellaswag --data /dev/zero": (["eval", "{root}/runs/ok", "--task", "hellaswag", "--data", "/dev/zero"],
-                                   "HellaSwag file '/dev/zero' is not a regular file", 2),
-    "launch --hostfile /dev/zero": (["launch", "--hostfile", "/dev/zero", "--dry-run", "--", "loom", "train"],
-                                    "--hostfile '/dev/zero' is a device", 2),
+    "train with /dev/zero as the config file": (
+        ["train", "/dev/zero"],
+        "config file '/dev/zero' is not a regular file",
+        2,
+    ),
+    "hellaswag --data /dev/zero": (
+        ["eval", "{root}/runs/ok", "--task", "hellaswag", "--data", "/dev/zero"],
+        "HellaSwag file '/dev/zero' is not a regular file",
+        2,
+    ),
+    "launch --hostfile /dev/zero": (
+        ["launch", "--hostfile", "/dev/zero", "--dry-run", "--", "loom", "train"],
+        "--hostfile '/dev/zero' is a device",
+        2,
+    ),
     # sampling options outside their domain
-    "generate --temperature -1": (["generate", "{root}/runs/ok", "--temperature", "-1"], "--temperature must be >= 0 (0: greedy), got -1.0", 2),
-    "generate --top-k 0": (["generate", "{root}/runs/ok", "--top-k", "0"], "--top-k must be a positive number of tokens, got 0", 2),
-    "generate --top-k -5": (["generate", "{root}/runs/ok", "--top-k", "-5"], "--top-k must be a positive number of tokens, got -5", 2),
-    "generate --top-p 0": (["generate", "{root}/runs/ok", "--top-p", "0"], "--top-p must be in (0, 1], got 0.0", 2),
-    "generate --top-p 1.5": (["generate", "{root}/runs/ok", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5", 2),
-    "generate --max-new-tokens -1": (["generate", "{root}/runs/ok", "--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1", 2),
-    "generate --num-samples 0": (["generate", "{root}/runs/ok", "--num-samples", "0"], "--num-samples must be >= 1, got 0", 2),
+    "generate --temperature -1": (
+        ["generate", "{root}/runs/ok", "--temperature", "-1"],
+        "--temperature must be >= 0 (0: greedy), got -1.0",
+        2,
+    ),
+    "generate --top-k 0": (
+        ["generate", "{root}/runs/ok", "--top-k", "0"],
+        "--top-k must be a positive number of tokens, got 0",
+        2,
+    ),
+    "generate --top-k -5": (
+        ["generate", "{root}/runs/ok", "--top-k", "-5"],
+        "--top-k must be a positive number of tokens, got -5",
+        2,
+    ),
+    "generate --top-p 0": (
+        ["generate", "{root}/runs/ok", "--top-p", "0"],
+        "--top-p must be in (0, 1], got 0.0",
+        2,
+    ),
+    "generate --top-p 1.5": (
+        ["generate", "{root}/runs/ok", "--top-p", "1.5"],
+        "--top-p must be in (0, 1], got 1.5",
+        2,
+    ),
+    "generate --max-new-tokens -1": (
+        ["generate", "{root}/runs/ok", "--max-new-tokens", "-1"],
+        "--max-new-tokens must be >= 0, got -1",
+        2,
+    ),
+    "generate --num-samples 0": (
+        ["generate", "{root}/runs/ok", "--num-samples", "0"],
+        "--num-samples must be >= 1, got 0",
+        2,
+    ),
     # zero or negative counts, never silently replaced by a default
     "eval --batches 0": (["eval", "{root}/runs/ok", "--batches", "0"], "--batches must be >= 1, got 0", 2),
     "eval --batches -1": (["eval", "{root}/runs/ok", "--batches", "-1"], "--batches must be >= 1, got -1", 2),
-    "hellaswag --limit 0": (["eval", "{root}/runs/ok", "--task", "hellaswag", "--data", "{root}/afile", "--limit", "0"],
-                            "--limit must be >= 1, got 0", 2),
-    "plan --seq-len 0": (["plan", "--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--seq-len", "0"],
-                         "--seq-len must be positive, got 0", 2),
-    "plan --global-batch-tokens 0": (["plan", "--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--global-batch-tokens", "0"],
-                                     "--global-batch-tokens must be positive, got 0", 2),
-    "plan --mfu 2": (["plan", "--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--mfu", "2"], "--mfu must be in (0, 1], got 2.0", 2),
+    "hellaswag --limit 0": (
+        ["eval", "{root}/runs/ok", "--task", "hellaswag", "--data", "{root}/afile", "--limit", "0"],
+        "--limit must be >= 1, got 0",
+        2,
+    ),
+    "plan --seq-len 0": (
+        ["plan", "--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--seq-len", "0"],
+        "--seq-len must be positive, got 0",
+        2,
+    ),
+    "plan --global-batch-tokens 0": (
+        ["plan", "--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--global-batch-tokens", "0"],
+        "--global-batch-tokens must be positive, got 0",
+        2,
+    ),
+    "plan --mfu 2": (
+        ["plan", "--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--mfu", "2"],
+        "--mfu must be in (0, 1], got 2.0",
+        2,
+    ),
     "verify --nproc 0": (["verify", "--strategies", "ddp", "--nproc", "0"], "--nproc must be >= 1, got 0", 2),
-    "verify --tol-loss -1": (["verify", "--strategies", "ddp", "--tol-loss", "-1"], "--tol-loss must be >= 0, got -1.0", 2),
-    "inspect --sample-tokens -1": (["data", "inspect", "{root}/data", "--sample-tokens", "-1"],
-                                   "--sample-tokens must be >= 0 (0: no decoded sample), got -1", 2),
-    "convert --eot-id -1": (["data", "convert", "--to", "megatron", "{root}/data", "{root}/cwd/m", "--eot-id", "-1"],
-                            "--eot-id must be a token id (>= 0), got -1", 2),
+    "verify --tol-loss -1": (
+        ["verify", "--strategies", "ddp", "--tol-loss", "-1"],
+        "--tol-loss must be >= 0, got -1.0",
+        2,
+    ),
+    "inspect --sample-tokens -1": (
+        ["data", "inspect", "{root}/data", "--sample-tokens", "-1"],
+        "--sample-tokens must be >= 0 (0: no decoded sample), got -1",
+        2,
+    ),
+    "convert --eot-id -1": (
+        ["data", "convert", "--to", "megatron", "{root}/data", "{root}/cwd/m", "--eot-id", "-1"],
+        "--eot-id must be a token id (>= 0), got -1",
+        2,
+    ),
     "bench peak --copy-mb 0": (["bench", "peak", "--copy-mb", "0"], "--copy-mb must be at least 1, got 0", 2),
     "bench optim --iters 0": (["bench", "optim", "--iters", "0"], "got --iters 0 --warmup 5", 2),
-    "doctor --compile-timeout 0": (["doctor", "--compile-timeout", "0"], "--compile-timeout must be > 0 seconds, got 0.0", 2),
+    "doctor --compile-timeout 0": (
+        ["doctor", "--compile-timeout", "0"],
+        "--compile-timeout must be > 0 seconds, got 0.0",
+        2,
+    ),
     # messages that must name the real cause
-    "a bare number after --train.steps": (["train", "--train.steps", "5", "--data.path={root}/data", "--run.dir={root}/runs"],
-                                          "write --train.steps=5", 2),
-    "verify: a bare number after --model.n_layer": (["verify", "--model.n_layer", "4"], "write --model.n_layer=4", 2),
-    "bench train: a bare number after --train.steps": (["bench", "train", "--train.steps", "5", "--synthetic"],
-                                                       "write --train.steps=5", 2),
-    "generate --device on a GPU that is not there": (["generate", "{root}/runs/ok", "--device", "cuda:999"],
-                                                     "--device cuda:999", 2),
-    "eval --device that is not a device": (["eval", "{root}/runs/ok", "--device", "bogus"], "--device 'bogus' is not a device", 2),
-    "bench peak --device that is not a device": (["bench", "peak", "--device", "bogus"], "--device 'bogus' is not a device", 2),
+    "a bare number after --train.steps": (
+        ["train", "--train.steps", "5", "--data.path={root}/data", "--run.dir={root}/runs"],
+        "write --train.steps=5",
+        2,
+    ),
+    "verify: a bare number after --model.n_layer": (
+        ["verify", "--model.n_layer", "4"],
+        "write --model.n_layer=4",
+        2,
+    ),
+    "bench train: a bare number after --train.steps": (
+        ["bench", "train", "--train.steps", "5", "--synthetic"],
+        "write --train.steps=5",
+        2,
+    ),
+    "generate --device on a GPU that is not there": (
+        ["generate", "{root}/runs/ok", "--device", "cuda:999"],
+        "--device cuda:999",
+        2,
+    ),
+    "eval --device that is not a device": (
+        ["eval", "{root}/runs/ok", "--device", "bogus"],
+        "--device 'bogus' is not a device",
+        2,
+    ),
+    "bench peak --device that is not a device": (
+        ["bench", "peak", "--device", "bogus"],
+        "--device 'bogus' is not a device",
+        2,
+    ),
     # --nproc far above the cores (warned, naming them; the bad data path then stops it before any process)
-    "--nproc far above the core count": (["train", "--nproc={many}", "--data.path={root}/nowhere"],
-                                         "--nproc {many} starts {many} processes on the {cores} CPU core", 2),
+    "--nproc far above the core count": (
+        ["train", "--nproc={many}", "--data.path={root}/nowhere"],
+        "--nproc {many} starts {many} processes on the {cores} CPU core",
+        2,
+    ),
     # --resume of a run that already reached train.steps
-    "--resume of a finished run": (["train", "--resume", "{root}/runs/ok"],
-                                   "already reached train.steps=2 (checkpoint 'step_000002' is at step 2)", 2),
-}  # fmt: skip
+    "--resume of a finished run": (
+        ["train", "--resume", "{root}/runs/ok"],
+        "already reached train.steps=2 (checkpoint 'step_000002' is at step 2)",
+        2,
+    ),
+}
 
 
 def _args(case: str, root: Path) -> list[str]:
@@ -305,8 +562,15 @@ def run_row(tree, char_data):
         if case not in done:
             argv, _, _ = _row(case, tree)
             before = (_tree_hash(tree), _tree_hash(char_data))
-            p = subprocess.run([sys.executable, "-m", "loom", *argv], cwd=tree / "cwd", env=env, text=True,
-                               capture_output=True, timeout=120, stdin=subprocess.DEVNULL)  # fmt: skip
+            p = subprocess.run(
+                [sys.executable, "-m", "loom", *argv],
+                cwd=tree / "cwd",
+                env=env,
+                text=True,
+                capture_output=True,
+                timeout=120,
+                stdin=subprocess.DEVNULL,
+            )
             unchanged = (_tree_hash(tree), _tree_hash(char_data)) == before
             done[case] = Result(argv, p.returncode, p.stdout, p.stderr, unchanged)
         return done[case]
@@ -350,9 +614,21 @@ def test_resume_auto_of_a_finished_run_warns(tree, tmp_path):
     """train.resume=auto (or an elastic restart) may start a job again after it finished: that is not an
     error, but it says that nothing is left to train and how to extend the run, instead of only 'resumed'."""
     shutil.copytree(tree / "runs" / "ok", tmp_path / "ok")
-    argv = ["train", f"--run.dir={tmp_path}", "--run.name=ok", "--train.resume=auto", f"--data.path={tree / 'data'}",
-            *TINY]  # fmt: skip
-    p = subprocess.run([sys.executable, "-m", "loom", *argv], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)  # fmt: skip
+    argv = [
+        "train",
+        f"--run.dir={tmp_path}",
+        "--run.name=ok",
+        "--train.resume=auto",
+        f"--data.path={tree / 'data'}",
+        *TINY,
+    ]
+    p = subprocess.run(
+        [sys.executable, "-m", "loom", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdin=subprocess.DEVNULL,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "already reached train.steps=2" in p.stdout and "--train.steps=4" in p.stdout, p.stdout

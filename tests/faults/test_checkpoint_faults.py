@@ -45,8 +45,11 @@ def run_with_ckpts(char_data, tmp_path_factory) -> Path:
 
 def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(char_data, tmp_path):
     run = tmp_path / "r"
-    p = Proc(train_args(char_data, tmp_path, "r", 12, "--train.ckpt_every=4", "--train.keep_last=1"),
-             tmp_path / "out", env={"LOOM_FAULT_STALL_SAVE": "8"})  # fmt: skip
+    p = Proc(
+        train_args(char_data, tmp_path, "r", 12, "--train.ckpt_every=4", "--train.keep_last=1"),
+        tmp_path / "out",
+        env={"LOOM_FAULT_STALL_SAVE": "8"},
+    )
     marker = run / "ckpt" / "step_000008.tmp" / "STALLED"
     wait_for(marker.exists, p, what="the stalled write of step 8")
     before = tree_hash(run / "ckpt" / "step_000004")
@@ -172,8 +175,17 @@ def test_disk_too_full_for_a_checkpoint(char_data, tmp_path, monkeypatch, capsys
 
 def _save(ckpt_dir: Path, step: int, tensors: dict, state: dict, keep_last: int, **hooks) -> Path:
     """The writer training uses (checkpoint.save_sharded), in one process."""
-    return checkpoint.save_sharded(ckpt_dir, step, tensors["model"], tensors["optim"], tensors["extra"], state,
-                                   keep_last, Control(), **hooks)  # fmt: skip
+    return checkpoint.save_sharded(
+        ckpt_dir,
+        step,
+        tensors["model"],
+        tensors["optim"],
+        tensors["extra"],
+        state,
+        keep_last,
+        Control(),
+        **hooks,
+    )
 
 
 def test_io_error_half_way_leaves_earlier_checkpoints(tmp_path, monkeypatch):
@@ -196,8 +208,11 @@ def test_io_error_half_way_leaves_earlier_checkpoints(tmp_path, monkeypatch):
 
 
 def test_free_space_estimate_covers_the_written_size(tmp_path):
-    tensors = {"model": {"w": torch.randn(300, 300)}, "optim": {"state": {0: {"m": torch.randn(300, 300)}}},
-               "extra": {"rng": torch.get_rng_state()}}  # fmt: skip
+    tensors = {
+        "model": {"w": torch.randn(300, 300)},
+        "optim": {"state": {0: {"m": torch.randn(300, 300)}}},
+        "extra": {"rng": torch.get_rng_state()},
+    }
     state = {"step": 3, "config": {"a": "b" * 1000}}
     # what save_sharded checks: the shards' estimate and, on rank 0, extra.pt's and state.json's
     parts = {"model": tensors["model"], "optim": tensors["optim"]}

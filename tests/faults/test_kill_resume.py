@@ -65,8 +65,10 @@ def _kill_then_resume(char_data, tmp_path, ref, nproc: int) -> None:
     assert curve(run) == ref  # and the resumed one continues it exactly
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
     assert steps == sorted(ref)  # one timeline: the replayed steps replace the killed attempt's (issue 27)
-    print(f"\n[fault] SIGKILL {nproc} proc at step {killed_at} (seed {SEED}): resumed from step {saved}, "
-          f"{killed_at - saved} steps to replay, first step logged {recovered:.1f}s after --resume")  # fmt: skip
+    print(
+        f"\n[fault] SIGKILL {nproc} proc at step {killed_at} (seed {SEED}): resumed from step {saved}, "
+        f"{killed_at - saved} steps to replay, first step logged {recovered:.1f}s after --resume"
+    )
 
 
 def test_sigkill_one_process_then_resume_is_bit_identical(char_data, tmp_path, ref_one):
@@ -96,8 +98,10 @@ def test_killed_rank_elastic_restart_continues_bit_identical(char_data, tmp_path
     assert p.wait() == 0, p.stderr()[-3000:]
     assert "continuing" in p.stdout() and "(restart)" in p.stdout()
     assert curve(run) == ref_two
-    print(f"\n[fault] SIGKILL rank 1 of 2 at step {k} (seed {SEED}), --max-restarts 1: the group restarted "
-          f"and logged its first step {recovered:.1f}s after the kill")  # fmt: skip
+    print(
+        f"\n[fault] SIGKILL rank 1 of 2 at step {k} (seed {SEED}), --max-restarts 1: the group restarted "
+        f"and logged its first step {recovered:.1f}s after the kill"
+    )
 
 
 def test_two_ranks_hash_their_own_shards_and_fall_back_together(tmp_path, ref_two_run, ref_two):

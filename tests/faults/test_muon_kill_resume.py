@@ -9,16 +9,28 @@ from __future__ import annotations
 from faultkit import Proc, last_step, records, train_args, wait_for
 
 STEPS, CKPT_AT, HANG = 10, 4, 8
-MUON = ["--optim.name=muon", "--parallel.dp_impl=fsdp", "--nproc", "2",
-        "--train.ckpt_every=4", "--train.keep_last=3"]  # fmt: skip
+MUON = [
+    "--optim.name=muon",
+    "--parallel.dp_impl=fsdp",
+    "--nproc",
+    "2",
+    "--train.ckpt_every=4",
+    "--train.keep_last=3",
+]
 
 
 def test_muon_fsdp_sigkill_then_resume_replays_bit_identical(char_data, tmp_path):
     run = tmp_path / "r"
-    p = Proc([*train_args(char_data, tmp_path, "r", STEPS), *MUON], tmp_path / "first",
-             env={"LOOM_FAULT_HANG_STEP": str(HANG)})  # fmt: skip
-    wait_for(lambda: last_step(run) >= HANG - 1 and (run / "ckpt" / f"step_{CKPT_AT:06d}").is_dir(), p,
-             what=f"step {HANG - 1}")  # fmt: skip
+    p = Proc(
+        [*train_args(char_data, tmp_path, "r", STEPS), *MUON],
+        tmp_path / "first",
+        env={"LOOM_FAULT_HANG_STEP": str(HANG)},
+    )
+    wait_for(
+        lambda: last_step(run) >= HANG - 1 and (run / "ckpt" / f"step_{CKPT_AT:06d}").is_dir(),
+        p,
+        what=f"step {HANG - 1}",
+    )
     p.kill_all()
     first = {r["step"]: r["loss"] for r in records(run) if "loss" in r}
     assert sorted(first) == list(range(1, HANG))

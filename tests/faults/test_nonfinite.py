@@ -60,8 +60,9 @@ def test_max_bad_steps_in_a_row_saves_last_good_state_and_stops(char_data, tmp_p
     monkeypatch.setenv("LOOM_FAULT_NAN_STEPS", "3-")
     monkeypatch.setenv("LOOM_FAULT_NAN_PARAM", PARAM)
     run = tmp_path / "r"
-    args = train_args(char_data, tmp_path, "r", 20, "--train.ckpt_every=2", "--train.max_bad_steps=3",
-                      "--train.keep_last=9")  # fmt: skip
+    args = train_args(
+        char_data, tmp_path, "r", 20, "--train.ckpt_every=2", "--train.max_bad_steps=3", "--train.keep_last=9"
+    )
     assert run_inprocess(args) == 2
     err = capsys.readouterr().err
     assert (
@@ -82,8 +83,11 @@ def test_nan_on_one_rank_makes_every_rank_skip(char_data, tmp_path):
     """Only rank 1 poisons its gradient, after DDP's all-reduce: had either rank stepped alone, the
     replicas would part and later losses turn NaN too; instead exactly one step is skipped."""
     run = tmp_path / "r"
-    p = Proc([*train_args(char_data, tmp_path, "r", 8), "--nproc", "2"], tmp_path / "out",
-             env={"LOOM_FAULT_NAN_STEPS": "3", "LOOM_FAULT_NAN_RANK": "1"})  # fmt: skip
+    p = Proc(
+        [*train_args(char_data, tmp_path, "r", 8), "--nproc", "2"],
+        tmp_path / "out",
+        env={"LOOM_FAULT_NAN_STEPS": "3", "LOOM_FAULT_NAN_RANK": "1"},
+    )
     assert p.wait() == 0, p.stderr()[-3000:]
     recs = {r["step"]: r for r in records(run) if "loss" in r}
     assert [s for s, r in recs.items() if "skipped" in r] == [3]

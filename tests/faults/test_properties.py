@@ -23,14 +23,36 @@ from loom.data.safe_pickle import load_restricted
 from loom.errors import LoomError
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-KEYS = ["run", "data", "model", "train", "optim", "precision", "parallel", "n_layer", "lr", "steps", "dir",
-        "name", "dtype", "timeout_s", "resume", "x"]  # fmt: skip
+KEYS = [
+    "run",
+    "data",
+    "model",
+    "train",
+    "optim",
+    "precision",
+    "parallel",
+    "n_layer",
+    "lr",
+    "steps",
+    "dir",
+    "name",
+    "dtype",
+    "timeout_s",
+    "resume",
+    "x",
+]
 SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=20),
-)  # fmt: skip
-VALUES = st.recursive(SCALARS, lambda v: st.lists(v, max_size=3) | st.dictionaries(st.sampled_from(KEYS), v, max_size=3),
-                      max_leaves=8)  # fmt: skip
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda v: st.lists(v, max_size=3) | st.dictionaries(st.sampled_from(KEYS), v, max_size=3),
+    max_leaves=8,
+)
 
 
 def parses_or_loom_error(fn, *args):
@@ -83,7 +105,7 @@ TOML_ISH = st.lists(
             "resume = ",
             '"auto"',
         ]
-    ),  # fmt: skip
+    ),
     max_size=12,
 ).map("".join)
 
@@ -109,8 +131,11 @@ def test_config_tables(table):
 
 def _flat(cfg: Config) -> dict[str, object]:
     """section.key -> value, with NaN made comparable (NaN != NaN)."""
-    return {f"{s}.{k}": ("nan" if isinstance(v, float) and math.isnan(v) else v)
-            for s, kv in cfg.to_dict().items() for k, v in kv.items()}  # fmt: skip
+    return {
+        f"{s}.{k}": ("nan" if isinstance(v, float) and math.isnan(v) else v)
+        for s, kv in cfg.to_dict().items()
+        for k, v in kv.items()
+    }
 
 
 def _nest(flat: dict[str, object]) -> dict[str, dict[str, object]]:
@@ -128,8 +153,12 @@ def _assert_round_trips(cfg: Config) -> None:
 
 # Any value of the right type for any real key: what apply_dict accepts must round-trip through TOML.
 _DEFAULTS = _flat(Config())
-TYPED = {bool: st.booleans(), int: st.integers(-(2**63), 2**63 - 1), str: st.text(max_size=12),
-         float: st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(2**53), 2**53)}  # fmt: skip
+TYPED = {
+    bool: st.booleans(),
+    int: st.integers(-(2**63), 2**63 - 1),
+    str: st.text(max_size=12),
+    float: st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(2**53), 2**53),
+}
 
 
 @SETTINGS
@@ -156,20 +185,34 @@ def valid_tables(draw) -> dict[str, object]:
     micro = draw(st.integers(1, 8))
     lr = draw(st.floats(1e-6, 10.0))
     t |= {
-        "run.name": draw(st.text(max_size=12)), "run.dir": draw(st.text(min_size=1, max_size=12)),
-        "run.seed": draw(st.integers(0, 2**32)), "model.n_head": n_head,
-        "model.n_embd": n_head * 2 * draw(st.integers(1, 8)), "model.n_layer": draw(st.integers(1, 12)),
-        "model.block_size": draw(st.integers(1, 1024)), "model.dropout": draw(st.floats(0.0, 0.99)),
-        "model.bias": draw(st.booleans()), "model.vocab_size": draw(st.integers(0, 70000)),
-        "train.steps": draw(st.integers(1, 10**6)), "train.micro_batch_size": micro,
-        "train.batch_size": micro * draw(st.integers(1, 8)), "train.eval_every": draw(st.integers(0, 1000)),
-        "train.log_every": draw(st.integers(0, 1000)), "train.keep_last": draw(st.integers(1, 10)),
-        "train.spike_window": draw(st.integers(2, 1000)), "train.spike_zscore": draw(st.floats(0.0, 100.0)),
-        "optim.lr": lr, "optim.min_lr": draw(st.floats(0.0, lr)), "optim.warmup_steps": draw(st.integers(0, 10**4)),
-        "optim.beta1": draw(st.floats(0.0, 0.999)), "optim.beta2": draw(st.floats(0.0, 0.9999)),
-        "optim.weight_decay": draw(st.floats(0.0, 1.0)), "optim.grad_clip": draw(st.floats(0.0, 10.0)),
-        "precision.init_scale": draw(st.floats(1.0, 2.0**24)), "parallel.timeout_s": draw(st.floats(1.0, 1e5)),
-    }  # fmt: skip
+        "run.name": draw(st.text(max_size=12)),
+        "run.dir": draw(st.text(min_size=1, max_size=12)),
+        "run.seed": draw(st.integers(0, 2**32)),
+        "model.n_head": n_head,
+        "model.n_embd": n_head * 2 * draw(st.integers(1, 8)),
+        "model.n_layer": draw(st.integers(1, 12)),
+        "model.block_size": draw(st.integers(1, 1024)),
+        "model.dropout": draw(st.floats(0.0, 0.99)),
+        "model.bias": draw(st.booleans()),
+        "model.vocab_size": draw(st.integers(0, 70000)),
+        "train.steps": draw(st.integers(1, 10**6)),
+        "train.micro_batch_size": micro,
+        "train.batch_size": micro * draw(st.integers(1, 8)),
+        "train.eval_every": draw(st.integers(0, 1000)),
+        "train.log_every": draw(st.integers(0, 1000)),
+        "train.keep_last": draw(st.integers(1, 10)),
+        "train.spike_window": draw(st.integers(2, 1000)),
+        "train.spike_zscore": draw(st.floats(0.0, 100.0)),
+        "optim.lr": lr,
+        "optim.min_lr": draw(st.floats(0.0, lr)),
+        "optim.warmup_steps": draw(st.integers(0, 10**4)),
+        "optim.beta1": draw(st.floats(0.0, 0.999)),
+        "optim.beta2": draw(st.floats(0.0, 0.9999)),
+        "optim.weight_decay": draw(st.floats(0.0, 1.0)),
+        "optim.grad_clip": draw(st.floats(0.0, 10.0)),
+        "precision.init_scale": draw(st.floats(1.0, 2.0**24)),
+        "parallel.timeout_s": draw(st.floats(1.0, 1e5)),
+    }
     return dict(draw(st.permutations(sorted(t.items()))))  # any order of keys
 
 
@@ -180,8 +223,9 @@ def test_valid_tables_are_accepted_and_round_trip(flat):
     apply_dict(cfg, _nest(flat))  # no LoomError: every value is within its rule
     apply_family(cfg, set(flat))  # the preset of model.family for the model keys the table leaves out
     got = _flat(cfg)
-    assert {k: got[k] for k in flat} == {k: (float(v) if isinstance(_DEFAULTS[k], float) else v)
-                                         for k, v in flat.items()}  # fmt: skip
+    assert {k: got[k] for k in flat} == {
+        k: (float(v) if isinstance(_DEFAULTS[k], float) else v) for k, v in flat.items()
+    }
     as_text = [f"--{k}=" + (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in flat.items()]
     assert _flat(load_config(None, as_text)) == got  # the same values as command-line overrides
     derived = validate(cfg)[0]
@@ -191,8 +235,27 @@ def test_valid_tables_are_accepted_and_round_trip(flat):
 
 
 @SETTINGS
-@given(st.lists(st.one_of(st.text(max_size=30), st.sampled_from(["--model.n_layer=2", "--optim.lr=-1",
-       "--train.steps", "--x", "--a.b=c", "--train.resume=auto", "--optim.lr=nan", "=", "--"])), max_size=4))  # fmt: skip
+@given(
+    st.lists(
+        st.one_of(
+            st.text(max_size=30),
+            st.sampled_from(
+                [
+                    "--model.n_layer=2",
+                    "--optim.lr=-1",
+                    "--train.steps",
+                    "--x",
+                    "--a.b=c",
+                    "--train.resume=auto",
+                    "--optim.lr=nan",
+                    "=",
+                    "--",
+                ]
+            ),
+        ),
+        max_size=4,
+    )
+)
 def test_config_overrides(args):
     parses_or_loom_error(lambda: validate(load_config(None, args)))
 
@@ -210,7 +273,7 @@ SHARD_BYTES = st.one_of(
         st.sampled_from([0, 1, 2, 3, -1]),
         st.integers(-5, 600),
         st.binary(max_size=1200),
-    ),  # fmt: skip
+    ),
 )
 
 

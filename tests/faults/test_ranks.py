@@ -17,8 +17,11 @@ TIMEOUT_S = 5
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_killed_rank_ends_the_job_within_the_timeout(char_data, tmp_path, nproc):
     run = tmp_path / "kill"
-    args = [*train_args(char_data, tmp_path, "kill", 100_000, f"--parallel.timeout_s={TIMEOUT_S}"),
-            "--nproc", str(nproc)]  # fmt: skip
+    args = [
+        *train_args(char_data, tmp_path, "kill", 100_000, f"--parallel.timeout_s={TIMEOUT_S}"),
+        "--nproc",
+        str(nproc),
+    ]
     p = Proc(args, tmp_path / "out")
     wait_for(lambda: last_step(run) >= 3, p, what="step 3")
     tree = p.tree()
@@ -35,8 +38,10 @@ def test_killed_rank_ends_the_job_within_the_timeout(char_data, tmp_path, nproc)
     err = p.stderr()
     assert f"rank {nproc - 1} (pid {victim[0]}) failed first: SIGKILL" in err
     assert not alive(tree)
-    print(f"\n[fault] SIGKILL rank {nproc - 1} of {nproc}: job ended {took:.1f}s later, rank named, "
-          f"{len(tree)} processes gone; listening only on {sorted(set(a.split(':')[0] for a in listening))}")  # fmt: skip
+    print(
+        f"\n[fault] SIGKILL rank {nproc - 1} of {nproc}: job ended {took:.1f}s later, rank named, "
+        f"{len(tree)} processes gone; listening only on {sorted(set(a.split(':')[0] for a in listening))}"
+    )
 
 
 def test_hung_rank_times_out_naming_the_operation_and_the_rank(char_data, tmp_path):
@@ -65,5 +70,7 @@ def test_hung_rank_times_out_naming_the_operation_and_the_rank(char_data, tmp_pa
     assert "rank 1 (exit code 143)" in err  # it gave up parallel.timeout_s after the launcher's SIGTERM
     assert TIMEOUT_S - 1 < took < 2 * TIMEOUT_S + 8, took
     assert not alive(tree)
-    print(f"\n[fault] rank 1 of 2 hung at step 5 (timeout {TIMEOUT_S}s): collective error naming the "
-          f"operation and rank 1, job ended {took:.1f}s after the last good step")  # fmt: skip
+    print(
+        f"\n[fault] rank 1 of 2 hung at step 5 (timeout {TIMEOUT_S}s): collective error naming the "
+        f"operation and rank 1, job ended {took:.1f}s after the last good step"
+    )

@@ -69,8 +69,11 @@ def _stop_while_held(tmp_path, char_data, sig=signal.SIGINT) -> tuple[Proc, obje
     """A run with no periodic checkpoint whose saves wait (LOOM_FAULT_HOLD_SAVE) until the test lets them go
     on: stopped by `sig` after step 3, it is left in the middle of writing its stop checkpoint."""
     run = tmp_path / "r"
-    p = Proc(train_args(char_data, tmp_path, "r", STEPS, "--train.ckpt_every=0"), tmp_path / "out",
-             env={"LOOM_FAULT_HOLD_SAVE": "1"})  # fmt: skip
+    p = Proc(
+        train_args(char_data, tmp_path, "r", STEPS, "--train.ckpt_every=0"),
+        tmp_path / "out",
+        env={"LOOM_FAULT_HOLD_SAVE": "1"},
+    )
     wait_for(lambda: last_step(run) >= 3, p, what="step 3")
     os.kill(p.pid, sig)
     wait_for(lambda: _held(run), p, what="the stop checkpoint's write")
@@ -125,8 +128,11 @@ def test_stop_checkpoint_that_cannot_be_written_fails_the_run(char_data, tmp_pat
     """Issue 27 item 1: on a signal the stop checkpoint is the run's last save; when it cannot be written
     (tried twice) the exit is an error naming what is not saved, not EXIT_PREEMPTED and "run with --resume"."""
     run = tmp_path / "r"
-    p = Proc(train_args(char_data, tmp_path, "r", STEPS, "--train.ckpt_every=0"), tmp_path / "out",
-             env={"LOOM_FAULT_FREE_BYTES": "4096"})  # fmt: skip
+    p = Proc(
+        train_args(char_data, tmp_path, "r", STEPS, "--train.ckpt_every=0"),
+        tmp_path / "out",
+        env={"LOOM_FAULT_FREE_BYTES": "4096"},
+    )
     wait_for(lambda: last_step(run) >= 3, p, what="step 3")
     os.kill(p.pid, signal.SIGTERM)
     assert p.wait(timeout=60) == 2, p.stderr()[-3000:]

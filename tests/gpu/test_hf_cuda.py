@@ -12,17 +12,39 @@ from loom.eval.val_loss import load_run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-        "--train.batch_size=4", "--train.eval_batches=1", "--train.sample_every=0", "--train.eval_every=0",
-        "--optim.warmup_steps=1", "--train.log_every=1", "--train.device=cuda", "--precision.dtype=bf16"]  # fmt: skip
+TINY = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=32",
+    "--train.batch_size=4",
+    "--train.eval_batches=1",
+    "--train.sample_every=0",
+    "--train.eval_every=0",
+    "--optim.warmup_steps=1",
+    "--train.log_every=1",
+    "--train.device=cuda",
+    "--precision.dtype=bf16",
+]
 
 
 def test_export_of_a_cuda_trained_run(tmp_path, char_data):
     transformers = pytest.importorskip(
         "transformers", reason="needs transformers (the hf extra: pip install 'loom[hf]')"
     )
-    assert main(["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=r",
-                 "--train.steps=5", *TINY]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                f"--data.path={char_data}",
+                f"--run.dir={tmp_path}",
+                "--run.name=r",
+                "--train.steps=5",
+                *TINY,
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "hf"
     assert main(["export", str(tmp_path / "r"), "--format", "hf", "--out", str(out)]) == 0
     _, model, tok, _, _ = load_run(tmp_path / "r", torch.device("cpu"))

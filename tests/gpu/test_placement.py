@@ -21,9 +21,19 @@ from loom.train.trainer import Trainer
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 HOOKS = Path(__file__).parents[1] / "distributed" / "hooks"
-TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-        "--train.batch_size=8", "--train.eval_batches=2", "--train.sample_every=0", "--optim.warmup_steps=1",
-        "--train.log_every=1", "--train.device=cuda", "--precision.dtype=bf16"]  # fmt: skip
+TINY = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=32",
+    "--train.batch_size=8",
+    "--train.eval_batches=2",
+    "--train.sample_every=0",
+    "--optim.warmup_steps=1",
+    "--train.log_every=1",
+    "--train.device=cuda",
+    "--precision.dtype=bf16",
+]
 
 
 def test_model_optimizer_and_batches_are_on_the_gpu(tmp_path, char_data):
@@ -49,22 +59,40 @@ def test_every_collective_of_a_gpu_job_fits_its_backend(tmp_path, char_data, imp
     nproc = min(torch.cuda.device_count(), 2)
     out = tmp_path / "seen"
     out.mkdir()
-    env = {**os.environ, "LOOM_CHECK_DEVICES_AS": "cuda", "LOOM_CHECK_OUT": str(out),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
+    env = {
+        **os.environ,
+        "LOOM_CHECK_DEVICES_AS": "cuda",
+        "LOOM_CHECK_OUT": str(out),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p),
+    }
     # an eval and a checkpoint: config agreement, the run plan, stop/skip flags, the checkpoint outcome,
     # gradient and loss collectives, the validation sums
-    args = [f"--data.path={char_data}", f"--run.dir={tmp_path}", "--train.steps=3", "--train.eval_every=2",
-            "--train.ckpt_every=2", f"--parallel.dp_impl={impl}", *TINY]  # fmt: skip
+    args = [
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--train.steps=3",
+        "--train.eval_every=2",
+        "--train.ckpt_every=2",
+        f"--parallel.dp_impl={impl}",
+        *TINY,
+    ]
     if nproc > 1:
         args.append(f"--nproc={nproc}")
     else:  # one process as torchrun starts it, so that the hook knows its rank
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", "loom", "train", *args], env=env, capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
+        env.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+    r = subprocess.run(
+        [sys.executable, "-m", "loom", "train", *args], env=env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     seen = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     assert len(seen) == nproc

@@ -18,9 +18,20 @@ from loom.train.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-BABY = ["--model.n_layer=4", "--model.n_head=4", "--model.n_embd=128", "--model.block_size=64",
-        "--train.batch_size=8", "--train.eval_batches=1", "--optim.warmup_steps=5", "--train.sample_every=0",
-        "--train.eval_every=0", "--optim.lr=2e-3", "--train.log_every=1", "--train.device=cuda"]  # fmt: skip
+BABY = [
+    "--model.n_layer=4",
+    "--model.n_head=4",
+    "--model.n_embd=128",
+    "--model.block_size=64",
+    "--train.batch_size=8",
+    "--train.eval_batches=1",
+    "--optim.warmup_steps=5",
+    "--train.sample_every=0",
+    "--train.eval_every=0",
+    "--optim.lr=2e-3",
+    "--train.log_every=1",
+    "--train.device=cuda",
+]
 
 
 def records(run_dir):
@@ -39,16 +50,35 @@ def test_bf16_autocast_on_cuda(tmp_path, char_data):
         logits = trainer.model(x)
     assert logits.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters()), "master weights stay fp32"
-    assert main(["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=bf16", *BABY,
-                 "--train.steps=30", "--precision.dtype=bf16"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                f"--data.path={char_data}",
+                f"--run.dir={tmp_path}",
+                "--run.name=bf16",
+                *BABY,
+                "--train.steps=30",
+                "--precision.dtype=bf16",
+            ]
+        )
+        == 0
+    )
     recs, _ = records(tmp_path / "bf16")
     assert all(math.isfinite(r["loss"]) for r in recs) and recs[-1]["loss"] < recs[0]["loss"] - 0.3
 
 
 def test_fp16_loss_scaling_and_scaler_state_in_the_checkpoint(tmp_path, char_data):
     # 2**24 overflows fp16 gradients in the first steps: each is skipped and the scale halves
-    args = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=fp16", *BABY,
-            "--precision.dtype=fp16", f"--precision.init_scale={2.0**24}"]  # fmt: skip
+    args = [
+        "train",
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--run.name=fp16",
+        *BABY,
+        "--precision.dtype=fp16",
+        f"--precision.init_scale={2.0**24}",
+    ]
     assert main([*args, "--train.steps=30"]) == 0
     recs, summary = records(tmp_path / "fp16")
     overflowed = [r for r in recs if r["overflow"]]

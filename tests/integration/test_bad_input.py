@@ -62,8 +62,17 @@ def test_bad_train_input(case, char_data, tmp_path, capsys):
 
 
 def test_existing_run_is_refused_then_force(char_data, tmp_path, capsys):
-    common = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=r", "--train.steps=2",
-              "--model.n_layer=1", "--model.n_embd=32", "--model.block_size=16", "--train.sample_every=0"]  # fmt: skip
+    common = [
+        "train",
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--run.name=r",
+        "--train.steps=2",
+        "--model.n_layer=1",
+        "--model.n_embd=32",
+        "--model.block_size=16",
+        "--train.sample_every=0",
+    ]
     assert main(common) == 0
     before = (tmp_path / "r" / "metrics.jsonl").read_text()
     assert main([*common, "--train.steps=3"]) == 2
@@ -107,8 +116,17 @@ def test_bad_prepare_input(tmp_path, capsys, args, message):
 
 def test_resume_with_another_optimizer_names_the_optimizer(char_data, tmp_path, capsys):
     """An optimizer change on resume was called a change of "model settings"."""
-    common = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=r", "--model.n_layer=1",
-              "--model.n_embd=32", "--model.block_size=16", "--train.sample_every=0", "--train.eval_every=0"]  # fmt: skip
+    common = [
+        "train",
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--run.name=r",
+        "--model.n_layer=1",
+        "--model.n_embd=32",
+        "--model.block_size=16",
+        "--train.sample_every=0",
+        "--train.eval_every=0",
+    ]
     assert main([*common, "--train.steps=2"]) == 0
     capsys.readouterr()
     assert main([*common, "--train.steps=4", "--resume", "--optim.name=muon"]) == 2

@@ -27,8 +27,17 @@ NCCL_TESTS = {
     4: {"all_reduce": 1.5, "all_gather": 0.75, "reduce_scatter": 0.75, "broadcast": 1.0},
     8: {"all_reduce": 1.75, "all_gather": 0.875, "reduce_scatter": 0.875, "broadcast": 1.0},
 }
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "PMI_RANK", "PMIX_RANK", "PALS_RANKID", "OMPI_COMM_WORLD_RANK",
-               "SLURM_PROCID", "PBS_JOBID", "PBS_NODEFILE")  # fmt: skip
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "PMI_RANK",
+    "PMIX_RANK",
+    "PALS_RANKID",
+    "OMPI_COMM_WORLD_RANK",
+    "SLURM_PROCID",
+    "PBS_JOBID",
+    "PBS_NODEFILE",
+)
 
 
 @pytest.fixture
@@ -140,8 +149,19 @@ def test_under_mpiexec_all_backends(tmp_path):
     """The default backends under `mpiexec -n 2`: torch (gloo, port agreed through MPI), mpi and ring."""
     mpiexec = _mpiexec()
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "loom.bench.comm", *SMALL, "--json", str(out),
-           "--plot", str(png)]  # fmt: skip
+    cmd = [
+        mpiexec,
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "loom.bench.comm",
+        *SMALL,
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr

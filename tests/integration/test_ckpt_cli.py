@@ -18,17 +18,42 @@ import torch
 from loom import checkpoint
 from loom.cli import main
 
-TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-        "--train.batch_size=8", "--train.eval_batches=2", "--train.sample_every=0", "--optim.warmup_steps=3",
-        "--train.log_every=1", "--train.eval_every=0", "--train.device=cpu"]  # fmt: skip
+TINY = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=32",
+    "--train.batch_size=8",
+    "--train.eval_batches=2",
+    "--train.sample_every=0",
+    "--optim.warmup_steps=3",
+    "--train.log_every=1",
+    "--train.eval_every=0",
+    "--train.device=cpu",
+]
 
 
 @pytest.fixture(scope="module")
 def fsdp_run(char_data, tmp_path_factory):
     runs = tmp_path_factory.mktemp("ckpt_cli")
-    r = subprocess.run([sys.executable, "-m", "loom", "train", "--nproc=2", "--parallel.dp_impl=fsdp",
-                        f"--data.path={char_data}", f"--run.dir={runs}", "--run.name=f", "--train.steps=4", *TINY],
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loom",
+            "train",
+            "--nproc=2",
+            "--parallel.dp_impl=fsdp",
+            f"--data.path={char_data}",
+            f"--run.dir={runs}",
+            "--run.name=f",
+            "--train.steps=4",
+            *TINY,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return runs / "f"
 
@@ -127,7 +152,11 @@ def _as_format1(path: Path) -> None:
     tr = Trainer(cfg, validate(cfg)[0], run, Path(cfg.data.path), torch.device("cpu"))
     tr.load(path)
     whole, state = checkpoint.load_extra(path)
-    tensors = {"model": tr.parallel.model_state(), "optim": tr.optimizer.state_dict(), "extra": whole["extra"]}
+    tensors = {
+        "model": tr.parallel.model_state(),
+        "optim": tr.optimizer.state_dict(),
+        "extra": whole["extra"],
+    }
     _write_format1(path.parent, state["step"], tensors, state)
 
 
@@ -136,8 +165,16 @@ def test_format1_checkpoint_resumes_bit_exact(char_data, tmp_path):
     under the sharded code and continues the uninterrupted curve exactly."""
     from loom.metrics import read_jsonl
 
-    args = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--train.steps=6", "--train.ckpt_every=3",
-            "--train.keep_last=5", "--model.dropout=0.1", *TINY]  # fmt: skip
+    args = [
+        "train",
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--train.steps=6",
+        "--train.ckpt_every=3",
+        "--train.keep_last=5",
+        "--model.dropout=0.1",
+        *TINY,
+    ]
     assert main([*args, "--run.name=ref"]) == 0
     assert main([*args, "--run.name=old", "--train.steps=6"]) == 0
     step3 = tmp_path / "old" / "ckpt" / "step_000003"

@@ -16,9 +16,20 @@ import pytest
 from loom.metrics import read_jsonl
 
 PLUGINS = Path(__file__).parents[1] / "plugins"
-TINY = ["--model.family=parallel-gpt", "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32",
-        "--model.block_size=32", "--train.batch_size=8", "--train.eval_batches=2", "--train.sample_every=0",
-        "--optim.warmup_steps=2", "--train.log_every=1", "--train.eval_every=0", "--train.device=cpu"]  # fmt: skip
+TINY = [
+    "--model.family=parallel-gpt",
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=32",
+    "--train.batch_size=8",
+    "--train.eval_batches=2",
+    "--train.sample_every=0",
+    "--optim.warmup_steps=2",
+    "--train.log_every=1",
+    "--train.eval_every=0",
+    "--train.device=cpu",
+]
 
 
 def loom(*args, plugins=True, ok=True, timeout=600):
@@ -28,8 +39,9 @@ def loom(*args, plugins=True, ok=True, timeout=600):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGINS), env.get("PYTHONPATH")) if p)
     else:
         env.pop("LOOM_PLUGINS", None)
-    r = subprocess.run([sys.executable, "-m", "loom", *args], capture_output=True, text=True, env=env,
-                       timeout=timeout)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "loom", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
     if ok:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r
@@ -61,8 +73,22 @@ def test_plugin_family_trains_resumes_and_exports(tmp_path, char_data):
 @pytest.mark.slow
 def test_plugin_family_passes_verify(tmp_path, char_data):
     out = tmp_path / "v.json"
-    loom("verify", "--strategies", "ddp,fsdp,tp,pp-1f1b", "--nproc", "2", "--steps", "3", "--out",
-         str(tmp_path / "v"), "--data", str(char_data), "--json", str(out), *TINY[:5])  # fmt: skip
+    loom(
+        "verify",
+        "--strategies",
+        "ddp,fsdp,tp,pp-1f1b",
+        "--nproc",
+        "2",
+        "--steps",
+        "3",
+        "--out",
+        str(tmp_path / "v"),
+        "--data",
+        str(char_data),
+        "--json",
+        str(out),
+        *TINY[:5],
+    )
     recs = json.loads(out.read_text())
     assert [r["strategy"] for r in recs] == ["ddp", "fsdp", "tp", "pp-1f1b"]
     for r in recs:

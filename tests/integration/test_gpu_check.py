@@ -11,13 +11,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-CHECKS = ["tests-gpu", "prepare-data", "train-ddp", "train-zero1", "train-zero2", "train-fsdp", "train-tp-pp",
-          "verify", "bench-optim", "bench-train-eager", "bench-train-compile", "nanogpt"]  # fmt: skip
+CHECKS = [
+    "tests-gpu",
+    "prepare-data",
+    "train-ddp",
+    "train-zero1",
+    "train-zero2",
+    "train-fsdp",
+    "train-tp-pp",
+    "verify",
+    "bench-optim",
+    "bench-train-eager",
+    "bench-train-compile",
+    "nanogpt",
+]
 
 
 def kit(out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, str]:
-    r = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--out", str(out), *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--out", str(out), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     report = json.loads((out / "gpu-report.json").read_text())
     return r, report, (out / "gpu-report.md").read_text()
 
@@ -28,8 +45,17 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
     rows = {c["check"]: c for c in report["checks"]}
     assert list(rows) == CHECKS
     assert all(f"| {name} |" in md for name in CHECKS)
-    for name in ("tests-gpu", "prepare-data", "train-ddp", "train-zero1", "train-zero2", "train-fsdp",
-                 "train-tp-pp", "bench-optim", "bench-train-eager"):  # fmt: skip
+    for name in (
+        "tests-gpu",
+        "prepare-data",
+        "train-ddp",
+        "train-zero1",
+        "train-zero2",
+        "train-fsdp",
+        "train-tp-pp",
+        "bench-optim",
+        "bench-train-eager",
+    ):
         assert rows[name]["status"] == "pass", rows[name]
     assert rows["tests-gpu"]["figures"]["skipped"] >= 8  # on CPU every GPU test is skipped, with its reason
     assert rows["tests-gpu"]["figures"]["skip_reasons"] == ["needs a CUDA GPU"]
@@ -75,8 +101,14 @@ def test_bare_machine_runs_from_the_tree_without_pip(tmp_path):
         (fake / "bin" / name).chmod(0o755)
     # the dependencies through a plain path entry: site-packages' own .pth files (loom's editable install) are
     # not read from it, so loom is importable only from the tree; the fake pip comes first
-    site = Path(subprocess.run([str(bare / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
-                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    site = Path(
+        subprocess.run(
+            [str(bare / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     (site / "deps.pth").write_text(f"{fake}\n{sysconfig.get_paths()['purelib']}\n")
     py = str(bare / "bin" / "python")
     assert subprocess.run([py, "-c", "import loom"], capture_output=True, cwd=tmp_path).returncode != 0
@@ -89,9 +121,20 @@ def test_bare_machine_runs_from_the_tree_without_pip(tmp_path):
     env = {**os.environ, "PATH": f"{fake / 'bin'}{os.pathsep}{os.environ['PATH']}", "PIP_NO_INDEX": "1"}
     env.pop("PYTHONPATH", None)
     out = tmp_path / "kit"
-    r = subprocess.run(["make", "--no-print-directory", "gpu-check", f"PY={py}",
-                        f"ARGS=--cpu --only prepare-data --out {out}"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [
+            "make",
+            "--no-print-directory",
+            "gpu-check",
+            f"PY={py}",
+            f"ARGS=--cpu --only prepare-data --out {out}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "running from the working tree, no virtualenv, no pip" in r.stdout
     assert not called.exists(), called.read_text()

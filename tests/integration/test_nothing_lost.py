@@ -17,16 +17,27 @@ from pathlib import Path
 import pytest
 
 TINY = [
-    "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=16",
-    "--train.batch_size=4", "--train.eval_batches=1", "--train.sample_every=0", "--train.device=cpu",
-]  # fmt: skip
+    "--model.n_layer=1",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=16",
+    "--train.batch_size=4",
+    "--train.eval_batches=1",
+    "--train.sample_every=0",
+    "--train.device=cpu",
+]
 WORDS = "the of and to in is that it for as with was on be by at this from have or an they which one".split()
 
 
 def loom(*args, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "loom", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "loom", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def text(n_words: int, seed: int) -> str:
@@ -58,8 +69,15 @@ def made(tmp_path_factory):
         (corpus / f"doc{i}.txt").write_text(text(400, i))
     r = loom("data", "prepare", "--input", corpus, "--out", root / "data", "--val-fraction", "0.3")
     assert r.returncode == 0, r.stdout + r.stderr
-    r = loom("train", f"--data.path={root / 'data'}", f"--run.dir={root / 'runs'}", "--run.name=r",
-             "--train.steps=4", "--train.ckpt_every=4", *TINY)  # fmt: skip
+    r = loom(
+        "train",
+        f"--data.path={root / 'data'}",
+        f"--run.dir={root / 'runs'}",
+        "--run.name=r",
+        "--train.steps=4",
+        "--train.ckpt_every=4",
+        *TINY,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return root
 
@@ -105,8 +123,18 @@ def test_force_replaces_only_what_loom_wrote(made, tmp_path):
     corpus = made / "corpus"
     before = snapshot(tmp_path)
     refused(loom("data", "prepare", "--input", corpus, "--out", mine, "--force"), "not a folder loom wrote")
-    refused(loom("train", f"--data.path={data}", f"--run.dir={tmp_path}", "--run.name=mine", "--force",
-                 "--train.steps=1", *TINY), "not a folder loom wrote")  # fmt: skip
+    refused(
+        loom(
+            "train",
+            f"--data.path={data}",
+            f"--run.dir={tmp_path}",
+            "--run.name=mine",
+            "--force",
+            "--train.steps=1",
+            *TINY,
+        ),
+        "not a folder loom wrote",
+    )
     refused(loom("export", run, "--format", "hf", "--out", mine, "--force"), "not a folder loom wrote")
     refused(loom("export", run, "--format", "hf", "--out", data, "--force"), "prepared data set")
     refused(loom("data", "prepare", "--input", corpus, "--out", run, "--force"), "training run")
@@ -147,8 +175,13 @@ def test_consolidate_never_writes_over_a_run(made, tmp_path):
     (cons / ".loom-output").unlink()
     r = loom("ckpt", "consolidate", run, "--out", cons, "--force")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert sorted(p.name for p in cons.iterdir()) == [".loom-output", "config.toml", "model.safetensors",
-                                                      "run.json", "tokenizer"]  # fmt: skip
+    assert sorted(p.name for p in cons.iterdir()) == [
+        ".loom-output",
+        "config.toml",
+        "model.safetensors",
+        "run.json",
+        "tokenizer",
+    ]
 
 
 # --- 2. silent wrong results ------------------------------------------------------------------------------
@@ -161,8 +194,16 @@ def test_inputs_are_read_once_and_repeated_documents_are_counted(tmp_path):
     for i in range(4):
         (corpus / f"doc{i}.txt").write_text(text(300, i))
     (corpus / "copy_of_doc0.txt").write_text(text(300, 0))  # the same text under another name
-    r = loom("data", "prepare", "--input", corpus, corpus / "doc1.txt", corpus / "doc1.txt", "--out",
-             tmp_path / "out")  # fmt: skip
+    r = loom(
+        "data",
+        "prepare",
+        "--input",
+        corpus,
+        corpus / "doc1.txt",
+        corpus / "doc1.txt",
+        "--out",
+        tmp_path / "out",
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     splits = json.loads((tmp_path / "out" / "meta.json").read_text())["splits"]
@@ -202,8 +243,18 @@ def test_data_with_another_tokenizer_of_the_same_size_is_refused(made, tmp_path)
 
 def test_nproc_with_mpi_is_refused_before_anything_starts(made, tmp_path):
     """`--nproc 2 --parallel.dp_impl=mpi` ran two separate 1-process trainings into one run folder."""
-    r = loom("train", "--nproc", "2", "--parallel.dp_impl=mpi", f"--data.path={made / 'data'}",
-             f"--run.dir={tmp_path}", "--run.name=m", "--train.steps=2", *TINY, timeout=120)  # fmt: skip
+    r = loom(
+        "train",
+        "--nproc",
+        "2",
+        "--parallel.dp_impl=mpi",
+        f"--data.path={made / 'data'}",
+        f"--run.dir={tmp_path}",
+        "--run.name=m",
+        "--train.steps=2",
+        *TINY,
+        timeout=120,
+    )
     refused(r, "mpiexec -n 2")
     assert not (tmp_path / "m").exists()
 
@@ -234,16 +285,27 @@ def test_dropped_documents_are_counted_and_named(tmp_path):
     without a word; the summary now counts them and names the first few."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    lines = [{"text": text(200, 1)}, {"text": 5}, {"text": None}, {"text": ["a", "b"]}, {"text": text(200, 2)},
-             {"text": ""}, {"text": text(200, 3)}]  # fmt: skip
+    lines = [
+        {"text": text(200, 1)},
+        {"text": 5},
+        {"text": None},
+        {"text": ["a", "b"]},
+        {"text": text(200, 2)},
+        {"text": ""},
+        {"text": text(200, 3)},
+    ]
     (corpus / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     (corpus / "latin1.txt").write_bytes(text(100, 4).encode() + b"caf\xe9\n")
     r = loom("data", "prepare", "--input", corpus, "--out", tmp_path / "out")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "dropped 4 document(s)" in out
-    for where in ("records.jsonl:2 ('text' is a number)", "records.jsonl:3 ('text' is null)",
-                  "records.jsonl:4 ('text' is a list)", "records.jsonl:6 ('text' is empty)"):  # fmt: skip
+    for where in (
+        "records.jsonl:2 ('text' is a number)",
+        "records.jsonl:3 ('text' is null)",
+        "records.jsonl:4 ('text' is a list)",
+        "records.jsonl:6 ('text' is empty)",
+    ):
         assert where in out, (where, out)
     assert "latin1.txt" in out  # named where its bytes were replaced
     assert json.loads((tmp_path / "out" / "meta.json").read_text())["dropped_documents"] == 4

@@ -17,15 +17,30 @@ from loom.cli import main
 from loom.metrics import read_jsonl
 
 TINY = [
-    "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-    "--train.batch_size=8", "--train.eval_batches=2", "--optim.warmup_steps=3",
-    "--train.sample_every=0", "--train.eval_every=0",
-]  # fmt: skip
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=32",
+    "--train.batch_size=8",
+    "--train.eval_batches=2",
+    "--optim.warmup_steps=3",
+    "--train.sample_every=0",
+    "--train.eval_every=0",
+]
 # nanoGPT's CPU "baby GPT" shape (4 layers, 4 heads, 128 wide, 64 tokens); a smaller batch keeps fp16
 # (slow on CPUs without fp16 matmul units) within seconds per step.
-BABY = ["--model.n_layer=4", "--model.n_head=4", "--model.n_embd=128", "--model.block_size=64",
-        "--train.batch_size=4", "--train.eval_batches=1", "--optim.warmup_steps=5",
-        "--train.sample_every=0", "--train.eval_every=0", "--optim.lr=2e-3"]  # fmt: skip
+BABY = [
+    "--model.n_layer=4",
+    "--model.n_head=4",
+    "--model.n_embd=128",
+    "--model.block_size=64",
+    "--train.batch_size=4",
+    "--train.eval_batches=1",
+    "--optim.warmup_steps=5",
+    "--train.sample_every=0",
+    "--train.eval_every=0",
+    "--optim.lr=2e-3",
+]
 
 # bf16 keeps 8 bits of mantissa: over a short run from the same start the per-step loss differs from fp32 by
 # a few thousandths (measured 0.004 max on this config); 0.03 leaves room for other CPUs and torch versions.
@@ -46,8 +61,19 @@ def test_bf16_loss_curve_follows_fp32(char_data, tmp_path):
     for dtype in ("fp32", "bf16"):
         # lr 3e-3: the first loss is uniform over the data's own characters (padding ids take no probability),
         # so learning by 0.5 takes a faster rate than from the padded vocabulary
-        assert train(char_data, tmp_path, dtype, *TINY, "--train.steps=30", "--train.log_every=1",
-                     f"--precision.dtype={dtype}", "--optim.lr=3e-3") == 0  # fmt: skip
+        assert (
+            train(
+                char_data,
+                tmp_path,
+                dtype,
+                *TINY,
+                "--train.steps=30",
+                "--train.log_every=1",
+                f"--precision.dtype={dtype}",
+                "--optim.lr=3e-3",
+            )
+            == 0
+        )
         curves[dtype] = [r["loss"] for r in records(tmp_path / dtype)[0]]
     a, b = curves["fp32"], curves["bf16"]
     assert len(a) == len(b) == 30
@@ -58,8 +84,19 @@ def test_bf16_loss_curve_follows_fp32(char_data, tmp_path):
 def test_fp16_counts_overflow_steps_and_still_learns(char_data, tmp_path):
     # 2**24 overflows fp16 gradients in the first steps (2**17 fits this model): each is skipped and the
     # scale halves.
-    assert train(char_data, tmp_path, "fp16", *BABY, "--train.steps=30", "--train.log_every=1",
-                 "--precision.dtype=fp16", f"--precision.init_scale={2.0**24}") == 0  # fmt: skip
+    assert (
+        train(
+            char_data,
+            tmp_path,
+            "fp16",
+            *BABY,
+            "--train.steps=30",
+            "--train.log_every=1",
+            "--precision.dtype=fp16",
+            f"--precision.init_scale={2.0**24}",
+        )
+        == 0
+    )
     recs, summary = records(tmp_path / "fp16")
     overflowed = [r["step"] for r in recs if r["overflow"]]
     assert summary["overflow_steps"] == len(overflowed) > 0
@@ -77,16 +114,45 @@ def test_fp16_counts_overflow_steps_and_still_learns(char_data, tmp_path):
 def test_activation_checkpointing_in_training_is_exact(char_data, tmp_path):
     curves = {}
     for mode in ("none", "full", "selective"):
-        assert train(char_data, tmp_path, mode, *TINY, "--train.steps=4", "--train.log_every=1",
-                     "--model.dropout=0.1", f"--train.activation_checkpointing={mode}") == 0  # fmt: skip
+        assert (
+            train(
+                char_data,
+                tmp_path,
+                mode,
+                *TINY,
+                "--train.steps=4",
+                "--train.log_every=1",
+                "--model.dropout=0.1",
+                f"--train.activation_checkpointing={mode}",
+            )
+            == 0
+        )
         curves[mode] = [r["loss"] for r in records(tmp_path / mode)[0]]
     assert curves["full"] == curves["none"] and curves["selective"] == curves["none"]
 
 
 def test_bench_train_compares_ac_modes(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert main(["bench", "train", "--synthetic", "--model.vocab_size=64", *TINY, "--steps", "2",
-                 "--warmup", "1", "--ac", "none,full,selective", "--json", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "train",
+                "--synthetic",
+                "--model.vocab_size=64",
+                *TINY,
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--ac",
+                "none,full,selective",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     recs = json.loads(out.read_text())
     assert [r["ac"] for r in recs] == ["none", "full", "selective"]
     for r in recs:
@@ -98,8 +164,25 @@ def test_bench_train_compares_ac_modes(tmp_path, capsys):
 
 def test_bench_train_reads_real_data(char_data, tmp_path):
     out = tmp_path / "bench.json"
-    assert main(["bench", "train", f"--data.path={char_data}", *TINY, "--steps", "2", "--warmup", "1",
-                 "--rounds", "1", "--json", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "train",
+                f"--data.path={char_data}",
+                *TINY,
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--rounds",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     (rec,) = json.loads(out.read_text())
     assert rec["ac"] == "none" and not rec["synthetic"] and rec["tokens_per_step"] == 8 * 32
 
@@ -114,8 +197,19 @@ def test_bench_train_bad_input(tmp_path, capsys):
 @pytest.mark.slow
 def test_compiled_run_reports_compile_time(char_data, tmp_path):
     pytest.importorskip("torch._inductor")
-    assert train(char_data, tmp_path, "c", *TINY, "--train.steps=6", "--train.log_every=1",
-                 "--train.compile=true", "--train.warmup_log_steps=0") == 0  # fmt: skip
+    assert (
+        train(
+            char_data,
+            tmp_path,
+            "c",
+            *TINY,
+            "--train.steps=6",
+            "--train.log_every=1",
+            "--train.compile=true",
+            "--train.warmup_log_steps=0",
+        )
+        == 0
+    )
     recs, summary = records(tmp_path / "c")
     assert recs[0]["compile_s"] == summary["compile_s"] > 0
     assert all("compile_s" not in r for r in recs[1:])

@@ -36,27 +36,76 @@ def test_gpt2_recipe_from_parquet_tiny_shapes(tmp_path, capsys):
     src = tmp_path / "fineweb"
     src.mkdir()
     for i in range(2):  # two parquet files, several row groups each
-        pq.write_table(pa.table({"text": TEXTS[i::2], "id": list(range(150))}), src / f"00{i}.parquet",
-                       row_group_size=40)  # fmt: skip
+        pq.write_table(
+            pa.table({"text": TEXTS[i::2], "id": list(range(150))}), src / f"00{i}.parquet", row_group_size=40
+        )
     gpt2 = tmp_path / "gpt2"
     gpt2_files(gpt2, HFTokenizer.train(TEXTS, 400, "gpt2", "tokenizers"))
     given = load_given_tokenizer(gpt2)
     assert given.encode(TEXTS[3]) == HFTokenizer.train(TEXTS, 400, "gpt2", "tokenizers").encode(TEXTS[3])
     data = tmp_path / "fineweb10B"
-    assert main(["data", "prepare", "--input", str(src), "--glob", "*.parquet", "--out", str(data),
-                 "--tokenizer", str(gpt2), "--val-fraction", "0.05", "--workers", "1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--input",
+                str(src),
+                "--glob",
+                "*.parquet",
+                "--out",
+                str(data),
+                "--tokenizer",
+                str(gpt2),
+                "--val-fraction",
+                "0.05",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     meta = json.loads((data / "meta.json").read_text())
     assert meta["documents"] == 300 and meta["tokenizer"]["kind"] == "tokenizer.json"
     capsys.readouterr()
     # tiny shapes (the vocabulary from the data, fp32): the batch arithmetic of the recipe stays as it is
-    tiny = ["--model.vocab_size=0", "--precision.dtype=fp32", "--model.n_layer=1", "--model.n_head=1", "--model.n_embd=16", "--model.block_size=8",
-            "--train.compile=false", "--train.steps=2", "--train.eval_every=0", "--train.eval_batches=1",
-            "--train.sample_every=0", "--train.sample_tokens=2", "--train.log_every=1", "--train.device=cpu"]  # fmt: skip
+    tiny = [
+        "--model.vocab_size=0",
+        "--precision.dtype=fp32",
+        "--model.n_layer=1",
+        "--model.n_head=1",
+        "--model.n_embd=16",
+        "--model.block_size=8",
+        "--train.compile=false",
+        "--train.steps=2",
+        "--train.eval_every=0",
+        "--train.eval_batches=1",
+        "--train.sample_every=0",
+        "--train.sample_tokens=2",
+        "--train.log_every=1",
+        "--train.device=cpu",
+    ]
     hellaswag = tmp_path / "hellaswag_val.jsonl"  # the recipe scores HellaSwag in the loop (every 250 steps)
-    hellaswag.write_text("".join(json.dumps({"ctx": t[:40], "endings": [t[40:60], t[60:70], "x", t[:5]], "label": 0})
-                                 + "\n" for t in TEXTS[:5]))  # fmt: skip
-    assert main(["train", "configs/gpt2_124m.toml", f"--data.path={data}", f"--run.dir={tmp_path}",
-                 "--run.name=r", f"--train.hellaswag_data={hellaswag}", *tiny]) == 0  # fmt: skip
+    hellaswag.write_text(
+        "".join(
+            json.dumps({"ctx": t[:40], "endings": [t[40:60], t[60:70], "x", t[:5]], "label": 0}) + "\n"
+            for t in TEXTS[:5]
+        )
+    )
+    assert (
+        main(
+            [
+                "train",
+                "configs/gpt2_124m.toml",
+                f"--data.path={data}",
+                f"--run.dir={tmp_path}",
+                "--run.name=r",
+                f"--train.hellaswag_data={hellaswag}",
+                *tiny,
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     accum = 524_288 // (64 * 1024 * 1)
     assert f"grad accum {accum} |" in out.out + out.err

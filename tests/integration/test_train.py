@@ -13,10 +13,16 @@ from loom.cli import main
 from loom.metrics import read_jsonl
 
 TINY = [
-    "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-    "--train.batch_size=8", "--train.micro_batch_size=4", "--train.eval_batches=2",
-    "--train.sample_tokens=20", "--optim.warmup_steps=3",
-]  # fmt: skip
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=32",
+    "--train.batch_size=8",
+    "--train.micro_batch_size=4",
+    "--train.eval_batches=2",
+    "--train.sample_tokens=20",
+    "--optim.warmup_steps=3",
+]
 
 
 def train(data, runs, name, *extra):
@@ -30,16 +36,40 @@ def losses(run_dir, every_line=False):
 
 
 def test_train_writes_run_and_loss_falls(char_data, tmp_path):
-    assert train(char_data, tmp_path, "r", "--train.steps=40", "--train.log_every=5", "--train.eval_every=20",
-                 "--train.ckpt_every=20", "--train.sample_every=20", "--train.keep_last=1", "--optim.lr=3e-3") == 0  # fmt: skip
+    assert (
+        train(
+            char_data,
+            tmp_path,
+            "r",
+            "--train.steps=40",
+            "--train.log_every=5",
+            "--train.eval_every=20",
+            "--train.ckpt_every=20",
+            "--train.sample_every=20",
+            "--train.keep_last=1",
+            "--optim.lr=3e-3",
+        )
+        == 0
+    )
     run = tmp_path / "r"
     for name in ("config.toml", "metrics.jsonl", "samples.txt", "run.json", "tokenizer/meta.json"):
         assert (run / name).is_file(), name
     assert [p.name for p in (run / "ckpt").iterdir()] == ["step_000040"]  # keep_last=1 pruned step 20
     recs = read_jsonl(run / "metrics.jsonl")
     train_recs = [r for r in recs if "loss" in r]
-    for key in ("step", "loss", "lr", "grad_norm", "dt", "dtf", "dtb", "tokens_per_s",
-                "tokens_per_s_per_device", "mfu", "mem_bytes"):  # fmt: skip
+    for key in (
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "dt",
+        "dtf",
+        "dtb",
+        "tokens_per_s",
+        "tokens_per_s_per_device",
+        "mfu",
+        "mem_bytes",
+    ):
         assert key in train_recs[-1], key
     # from uniform over the data's own characters (padding ids take no probability), not over the padded 64
     assert train_recs[-1]["loss"] < train_recs[0]["loss"] - 0.5
@@ -50,8 +80,15 @@ def test_train_writes_run_and_loss_falls(char_data, tmp_path):
 
 def test_resume_is_bit_exact(char_data, tmp_path):
     """Dropout and grad accumulation on, so RNG, optimizer and loader state must all come back exactly."""
-    common = ["--train.steps=12", "--train.log_every=1", "--train.eval_every=0", "--train.sample_every=0",
-              "--train.ckpt_every=6", "--train.keep_last=5", "--model.dropout=0.1"]  # fmt: skip
+    common = [
+        "--train.steps=12",
+        "--train.log_every=1",
+        "--train.eval_every=0",
+        "--train.sample_every=0",
+        "--train.ckpt_every=6",
+        "--train.keep_last=5",
+        "--model.dropout=0.1",
+    ]
     assert train(char_data, tmp_path, "r", *common) == 0
     straight = losses(tmp_path / "r")
     assert [s for s, _ in straight] == list(range(1, 13))
@@ -94,15 +131,33 @@ def test_python_dash_m_and_help_config(tmp_path):
         [sys.executable, "-m", "loom", "train", "--help-config"], capture_output=True, text=True
     )
     assert r.returncode == 0
-    for key in ("run.dir", "data.path", "model.block_size", "train.micro_batch_size", "optim.grad_clip",
-                "precision.dtype", "parallel.dp_impl"):  # fmt: skip
+    for key in (
+        "run.dir",
+        "data.path",
+        "model.block_size",
+        "train.micro_batch_size",
+        "optim.grad_clip",
+        "precision.dtype",
+        "parallel.dp_impl",
+    ):
         assert key in r.stdout
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_mixed_precision_trains(char_data, tmp_path, dtype):
-    assert train(char_data, tmp_path, dtype, "--train.steps=20", f"--precision.dtype={dtype}",
-                 "--train.sample_every=0", "--train.eval_every=0", "--train.log_every=1") == 0  # fmt: skip
+    assert (
+        train(
+            char_data,
+            tmp_path,
+            dtype,
+            "--train.steps=20",
+            f"--precision.dtype={dtype}",
+            "--train.sample_every=0",
+            "--train.eval_every=0",
+            "--train.log_every=1",
+        )
+        == 0
+    )
     ls = [loss for _, loss in losses(tmp_path / dtype)]
     assert all(map(lambda v: v == v, ls)) and ls[-1] < ls[0]
     cfg_text = (tmp_path / dtype / "config.toml").read_text()
@@ -113,6 +168,16 @@ def test_mixed_precision_trains(char_data, tmp_path, dtype):
 
 
 def test_align_bos_reaches_the_training_loader(char_data, tmp_path, capsys):
-    assert train(char_data, tmp_path, "a", "--train.steps=2", "--data.align=bos", "--train.eval_every=0",
-                 "--train.sample_every=0") == 0  # fmt: skip
+    assert (
+        train(
+            char_data,
+            tmp_path,
+            "a",
+            "--train.steps=2",
+            "--data.align=bos",
+            "--train.eval_every=0",
+            "--train.sample_every=0",
+        )
+        == 0
+    )
     assert "data.align=bos:" in capsys.readouterr().out  # the loader's report of windows and dropped tokens

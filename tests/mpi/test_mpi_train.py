@@ -15,10 +15,28 @@ from loom import checkpoint
 def test_verify_mpi_strategies_match_one_process_and_each_other(tmp_path, char_data):
     out = tmp_path / "v"
     r = subprocess.run(
-        [sys.executable, "-m", "loom", "verify", "--strategies", "mpi-naive,mpi-bucketed,ddp", "--nproc", "2",
-         "--steps", "30", "--out", str(out), "--data", str(char_data), "--json", str(tmp_path / "v.json")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "loom",
+            "verify",
+            "--strategies",
+            "mpi-naive,mpi-bucketed,ddp",
+            "--nproc",
+            "2",
+            "--steps",
+            "30",
+            "--out",
+            str(out),
+            "--data",
+            str(char_data),
+            "--json",
+            str(tmp_path / "v.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     recs = {rec["strategy"]: rec for rec in json.loads((tmp_path / "v.json").read_text())}
     assert set(recs) == {"mpi-naive", "mpi-bucketed", "ddp"}
@@ -32,11 +50,26 @@ def test_verify_mpi_strategies_match_one_process_and_each_other(tmp_path, char_d
 
 def test_mpi_without_mpiexec_trains_alone(tmp_path, char_data):
     r = subprocess.run(
-        [sys.executable, "-m", "loom", "train", f"--data.path={char_data}", f"--run.dir={tmp_path}",
-         "--run.name=solo", "--parallel.dp_impl=mpi", "--train.steps=3", "--model.n_layer=1", "--model.n_embd=32",
-         "--model.n_head=2", "--model.block_size=16", "--train.sample_every=0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "loom",
+            "train",
+            f"--data.path={char_data}",
+            f"--run.dir={tmp_path}",
+            "--run.name=solo",
+            "--parallel.dp_impl=mpi",
+            "--train.steps=3",
+            "--model.n_layer=1",
+            "--model.n_embd=32",
+            "--model.n_head=2",
+            "--model.block_size=16",
+            "--train.sample_every=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "not started by mpiexec" in r.stdout + r.stderr
     assert (tmp_path / "solo" / "ckpt" / "step_000003").is_dir()
@@ -44,9 +77,19 @@ def test_mpi_without_mpiexec_trains_alone(tmp_path, char_data):
 
 def test_bad_bucket_size_is_refused(tmp_path, char_data):
     r = subprocess.run(
-        [sys.executable, "-m", "loom", "train", f"--data.path={char_data}", f"--run.dir={tmp_path}",
-         "--parallel.dp_impl=mpi", "--parallel.bucket_mb=0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "loom",
+            "train",
+            f"--data.path={char_data}",
+            f"--run.dir={tmp_path}",
+            "--parallel.dp_impl=mpi",
+            "--parallel.bucket_mb=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "bucket_mb must be > 0" in r.stderr
     assert not any(tmp_path.iterdir())  # nothing written

@@ -46,14 +46,14 @@ CASES = {
             "cannot reach it",
             2: "node2 (node 1) could not reach the rendezvous MASTER_ADDR=localhost port",
         },
-    ),  # fmt: skip
+    ),
     "master-addr-not-the-head": dict(
         env={1: {"MASTER_ADDR": "node2"}, 2: {"MASTER_ADDR": "node2"}},
         expect={
             1: "MASTER_ADDR=node2 (10.77.0.2) is not an address of node1, the head node",
             2: "the allocation's first host is node1",
         },
-    ),  # fmt: skip
+    ),
     "loom-versions-differ": dict(
         env={2: {"LOOM_REPORTED_VERSION": "0.0.9"}},
         timeout=ARRIVE,
@@ -87,9 +87,17 @@ def test_bad_multinode_input_is_named_on_every_node(hosts, tmp_path, case):
 
 def test_port_in_use_on_the_head(hosts, tmp_path):
     port = port_from_job_id("4242")
-    holder = hosts.popen(1, [PY, "-c", f"import socket,time; s=socket.socket(); s.bind(('0.0.0.0', {port})); "
-                                       "s.listen(); print('up', flush=True); time.sleep(60)"],
-                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = hosts.popen(
+        1,
+        [
+            PY,
+            "-c",
+            f"import socket,time; s=socket.socket(); s.bind(('0.0.0.0', {port})); "
+            "s.listen(); print('up', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline() == "up\n"
     out = launch(hosts, tmp_path, nodes=(1,))
     assert f"port {port} is already in use on the head node node1" in out[1]
@@ -102,8 +110,17 @@ def doctor_on_hosts(hosts, tmp_path, *args, env=None):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node1\nnode2\n")
     cmd = [PY, "-m", "loom", "doctor", "--nodes", str(hostfile), "--timeout", str(TIMEOUT), *args]
-    procs = [hosts.popen(i, cmd, env={**base_env(), **(env or {}).get(i, {})}, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True) for i in (1, 2)]  # fmt: skip
+    procs = [
+        hosts.popen(
+            i,
+            cmd,
+            env={**base_env(), **(env or {}).get(i, {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in (1, 2)
+    ]
     return [(p.wait(60), p.stdout.read()) for p in procs]
 
 

@@ -25,16 +25,37 @@ from loom.metrics import read_jsonl
 
 PY = sys.executable
 STEPS = 30
-TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=16",
-        "--train.batch_size=8", "--train.eval_batches=1", "--train.eval_every=0", "--train.sample_every=0",
-        "--train.log_every=1", "--train.device=cpu", "--optim.warmup_steps=2", "--train.sample_tokens=8"]  # fmt: skip
+TINY = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=16",
+    "--train.batch_size=8",
+    "--train.eval_batches=1",
+    "--train.eval_every=0",
+    "--train.sample_every=0",
+    "--train.log_every=1",
+    "--train.device=cpu",
+    "--optim.warmup_steps=2",
+    "--train.sample_tokens=8",
+]
 HSDP = ["--parallel.dp_impl=fsdp", "--parallel.dp_replicate=2"]  # replicate across hosts, shard within
 _SCHEDULER_VARS = ("SLURM_", "PBS_", "MASTER_", "OMPI_", "PMI_", "PALS_", "TORCHELASTIC_", "LOOM_REPORTED")
 
 
 def train_cmd(data: Path, runs: Path, name: str, steps: int, *extra: str) -> list[str]:
-    return [PY, "-m", "loom", "train", f"--data.path={data}", f"--run.dir={runs}", f"--run.name={name}",
-            f"--train.steps={steps}", *TINY, *extra]  # fmt: skip
+    return [
+        PY,
+        "-m",
+        "loom",
+        "train",
+        f"--data.path={data}",
+        f"--run.dir={runs}",
+        f"--run.name={name}",
+        f"--train.steps={steps}",
+        *TINY,
+        *extra,
+    ]
 
 
 def base_env() -> dict[str, str]:
@@ -49,9 +70,16 @@ def scheduler_env(
 ) -> dict[str, str]:
     """What the scheduler puts in the environment of the one task it starts on host `node` (0-based)."""
     if scheduler == "slurm":  # srun --ntasks-per-node=1 inside an allocation of node1..nodeN
-        return {"SLURM_JOB_ID": job, "SLURM_NODELIST": f"node[1-{nodes}]", "SLURM_NNODES": str(nodes),
-                "SLURM_NTASKS": str(nodes), "SLURM_STEP_ID": "0", "SLURM_NODEID": str(node),
-                "SLURM_PROCID": str(node), "SLURM_LOCALID": "0"}  # fmt: skip
+        return {
+            "SLURM_JOB_ID": job,
+            "SLURM_NODELIST": f"node[1-{nodes}]",
+            "SLURM_NNODES": str(nodes),
+            "SLURM_NTASKS": str(nodes),
+            "SLURM_STEP_ID": "0",
+            "SLURM_NODEID": str(node),
+            "SLURM_PROCID": str(node),
+            "SLURM_LOCALID": "0",
+        }
     nodefile = tmp_path / f"{job}.pbs01.nodes"  # PBS repeats each host once per slot
     nodefile.write_text("".join(f"node{i}\nnode{i}\n" for i in range(1, nodes + 1)))
     return {"PBS_JOBID": f"{job}.pbs01", "PBS_NODEFILE": str(nodefile), "PBS_NODENUM": str(node)}
@@ -63,8 +91,9 @@ class Launched:
     def __init__(self, hosts, host: int, args: list[str], env: dict[str, str], out: Path):
         self.out = out
         with open(out, "w") as f:
-            self.p = hosts.popen(host, [PY, "-m", "loom", "launch", *args], env=env, stdout=f,
-                                 stderr=subprocess.STDOUT)  # fmt: skip
+            self.p = hosts.popen(
+                host, [PY, "-m", "loom", "launch", *args], env=env, stdout=f, stderr=subprocess.STDOUT
+            )
 
     def wait(self, timeout: float) -> int:
         try:
@@ -158,8 +187,16 @@ def test_two_hosts_hsdp_match_one_process_and_resume_on_one_host(hosts, referenc
     shutil.rmtree(runs / "job" / "ckpt" / "step_000030")
     (runs / "job" / "metrics.jsonl").write_text("")
     step15 = runs / "job" / "ckpt" / "step_000015"
-    in_one_thread(["train", "--resume", str(step15), "--parallel.dp_impl=none", "--parallel.dp_replicate=1",
-                   "--train.device=cpu"])  # fmt: skip
+    in_one_thread(
+        [
+            "train",
+            "--resume",
+            str(step15),
+            "--parallel.dp_impl=none",
+            "--parallel.dp_replicate=1",
+            "--train.device=cpu",
+        ]
+    )
     continued = curve(runs / "job")
     assert sorted(continued) == list(range(16, STEPS + 1))
     worst = worst_difference(continued, reference)
@@ -198,14 +235,26 @@ def test_killed_host_ends_the_job_on_the_other_naming_its_ranks(hosts, char_data
 def test_pbs_job_script_runs_mpiexec_across_the_hosts(hosts, tmp_path):
     """The job script on the head node (no PBS_NODENUM): loom launch runs MPICH's mpiexec over the nodefile,
     whose proxies Hydra starts through its ssh launcher, here a stand-in that enters the host's namespace."""
-    env = {**base_env(), **scheduler_env("pbs", 0, tmp_path), "HYDRA_LAUNCHER": "ssh",
-           "HYDRA_LAUNCHER_EXEC": str(hosts.ssh)}  # fmt: skip
+    env = {
+        **base_env(),
+        **scheduler_env("pbs", 0, tmp_path),
+        "HYDRA_LAUNCHER": "ssh",
+        "HYDRA_LAUNCHER_EXEC": str(hosts.ssh),
+    }
     del env["PBS_NODENUM"]
     # one write per rank: mpiexec forwards each rank's output as it comes, so pieces of lines can interleave
-    show = ("import os, socket; e = os.environ; "
-            "os.write(1, f\"rank {e['PMI_RANK']} {socket.gethostname()} {e['MASTER_ADDR']}\\n\".encode())")  # fmt: skip
-    r = hosts.run(1, [PY, "-m", "loom", "launch", "--nproc-per-node", "2", "--", PY, "-c", show], env=env,
-                  capture_output=True, text=True, timeout=120)  # fmt: skip
+    show = (
+        "import os, socket; e = os.environ; "
+        "os.write(1, f\"rank {e['PMI_RANK']} {socket.gethostname()} {e['MASTER_ADDR']}\\n\".encode())"
+    )
+    r = hosts.run(
+        1,
+        [PY, "-m", "loom", "launch", "--nproc-per-node", "2", "--", PY, "-c", show],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "mpiexec -n 4 -ppn 2 --hostfile" in r.stdout + r.stderr
     ranks = sorted(line for line in r.stdout.splitlines() if line.startswith("rank "))

@@ -17,9 +17,16 @@ from loom.model.flops import param_count
 
 @pytest.mark.parametrize(
     "text, n",
-    [("124M", 124_000_000), ("1.5B", 1_500_000_000), ("1.5g", 1_500_000_000), ("350K", 350_000),
-     ("10m", 10_000_000), ("5000", 5000), (" 2.5M ", 2_500_000)],
-)  # fmt: skip
+    [
+        ("124M", 124_000_000),
+        ("1.5B", 1_500_000_000),
+        ("1.5g", 1_500_000_000),
+        ("350K", 350_000),
+        ("10m", 10_000_000),
+        ("5000", 5000),
+        (" 2.5M ", 2_500_000),
+    ],
+)
 def test_parse_count(text, n):
     assert parse_count(text) == n
 
@@ -55,8 +62,22 @@ def test_bandwidth_arithmetic():
 def test_bench_optim_json(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out = tmp_path / "optim.json"
-    argv = ["--params", "1M", "--iters", "3", "--warmup", "1", "--device", "cpu", "--copy-mb", "8",
-            "--impls", "torch-fused,torch-loop,triton", "--json", str(out)]  # fmt: skip
+    argv = [
+        "--params",
+        "1M",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--device",
+        "cpu",
+        "--copy-mb",
+        "8",
+        "--impls",
+        "torch-fused,torch-loop,triton",
+        "--json",
+        str(out),
+    ]
     assert optim_main(argv) == 0
     assert "torch-fused" in capsys.readouterr().out
     recs = {r["impl"]: r for r in json.loads(out.read_text())}
@@ -80,8 +101,23 @@ def test_bench_optim_triton_in_interpreter(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "optim.json"
-    argv = ["--params", "100K", "--iters", "1", "--warmup", "1", "--device", "cpu", "--copy-mb", "1",
-            "--impls", "triton", "--json", str(out), "--quiet"]  # fmt: skip
+    argv = [
+        "--params",
+        "100K",
+        "--iters",
+        "1",
+        "--warmup",
+        "1",
+        "--device",
+        "cpu",
+        "--copy-mb",
+        "1",
+        "--impls",
+        "triton",
+        "--json",
+        str(out),
+        "--quiet",
+    ]
     assert optim_main(argv) == 0
     (rec,) = json.loads(out.read_text())
     assert rec["launches_per_step"] == 1.0 and rec["speedup_vs_torch_fused"] is None
@@ -96,8 +132,20 @@ def test_bench_optim_errors():
 
 def test_bench_peak_json(tmp_path, capsys):
     out = tmp_path / "peak.json"
-    argv = ["--device", "cpu", "--dtypes", "fp32,bf16", "--sizes", "64,128", "--seconds", "0.05",
-            "--copy-mb", "8", "--json", str(out)]  # fmt: skip
+    argv = [
+        "--device",
+        "cpu",
+        "--dtypes",
+        "fp32,bf16",
+        "--sizes",
+        "64,128",
+        "--seconds",
+        "0.05",
+        "--copy-mb",
+        "8",
+        "--json",
+        str(out),
+    ]
     assert peak_main(argv) == 0
     assert "matmul" in capsys.readouterr().out
     recs = json.loads(out.read_text())

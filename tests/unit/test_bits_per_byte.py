@@ -35,8 +35,15 @@ def test_bpe_and_char_agree_on_bits_per_byte(tmp_path):
     (docs / "a.txt").write_text("the cat sat on the mat. é naïve café.\n" * 400, encoding="utf-8")
     ratios = {}
     for kind in ("char", "bpe"):
-        prepare([docs], tmp_path / kind, tokenizer=kind, vocab_size=300, val_fraction=0.5, split_mode="tail",
-                seed=0)  # fmt: skip
+        prepare(
+            [docs],
+            tmp_path / kind,
+            tokenizer=kind,
+            vocab_size=300,
+            val_fraction=0.5,
+            split_mode="tail",
+            seed=0,
+        )
         ratios[kind] = tokens_per_byte(*_valset(tmp_path / kind, block=32))
     assert ratios["bpe"] < ratios["char"] < 1.0  # é and ï: two bytes, one character
     for kind, tpb in ratios.items():  # 1.5 bits per byte, expressed per token and back
@@ -46,9 +53,21 @@ def test_bpe_and_char_agree_on_bits_per_byte(tmp_path):
 def test_run_records_bpb_and_eval_and_plot_show_it(char_data, tmp_path, capsys):
     from loom.cli import main
 
-    args = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=r", "--train.steps=2",
-            "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--model.block_size=16",
-            "--train.batch_size=4", "--train.eval_batches=2", "--train.sample_every=0", "--train.device=cpu"]  # fmt: skip
+    args = [
+        "train",
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--run.name=r",
+        "--train.steps=2",
+        "--model.n_layer=1",
+        "--model.n_head=2",
+        "--model.n_embd=16",
+        "--model.block_size=16",
+        "--train.batch_size=4",
+        "--train.eval_batches=2",
+        "--train.sample_every=0",
+        "--train.device=cpu",
+    ]
     assert main(args) == 0
     recs = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in recs if "val_loss" in r][-1]

@@ -19,8 +19,16 @@ def test_owner_of_each_file():
 @pytest.fixture
 def step(tmp_path):
     sd = {"w": torch.arange(64.0).reshape(8, 8)}
-    return checkpoint.save_sharded(tmp_path, 3, sd, {"state.w.exp_avg": torch.ones(8, 8)}, {"x": 1},
-                                   {"step": 3}, keep_last=2, control=Control())  # fmt: skip
+    return checkpoint.save_sharded(
+        tmp_path,
+        3,
+        sd,
+        {"state.w.exp_avg": torch.ones(8, 8)},
+        {"x": 1},
+        {"step": 3},
+        keep_last=2,
+        control=Control(),
+    )
 
 
 def test_only_the_owner_hashes_a_shard(step):
@@ -59,8 +67,12 @@ def test_ranks_agree_on_the_newest_intact(tmp_path):
     """newest_intact (resume of a job, eval/generate of a sharded model): the newest step every rank's share
     verifies; a damaged newer one is skipped with the rank's reason, on any rank that found it."""
     ckpt = tmp_path / "ckpt"
-    steps = [checkpoint.save_sharded(ckpt, s, {"w": torch.full((4,), float(s))}, {}, {}, {"step": s},
-                                     keep_last=3, control=Control()) for s in (1, 2)]  # fmt: skip
+    steps = [
+        checkpoint.save_sharded(
+            ckpt, s, {"w": torch.full((4,), float(s))}, {}, {}, {"step": s}, keep_last=3, control=Control()
+        )
+        for s in (1, 2)
+    ]
     assert checkpoint.share_errors(steps[1], Control()) is None
     assert checkpoint.newest_intact(steps, Control()) == steps[1]
     f = steps[1] / "model" / "__0_0.distcp"

@@ -43,8 +43,10 @@ def _save(tmp_path, whole: torch.Tensor, dim: int, parts: int, raw: bool = False
     return meta, storage
 
 
-@pytest.mark.parametrize("dim,parts,raw,view", [(0, 4, False, True), (1, 2, False, False), (1, 3, True, False),
-                                                (0, 1, False, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "dim,parts,raw,view",
+    [(0, 4, False, True), (1, 2, False, False), (1, 3, True, False), (0, 1, False, False)],
+)
 def test_written_bytes_are_the_whole_tensor(tmp_path, dim, parts, raw, view):
     whole = torch.randn(12, 6).to(torch.bfloat16)
     meta, storage = _save(tmp_path, whole, dim, parts, raw, view)

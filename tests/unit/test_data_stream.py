@@ -216,8 +216,11 @@ def test_full_disk_leaves_no_complete_looking_shard(tmp_path, monkeypatch):
         prepare([inp], tmp_path / "out", workers=1, shard_tokens=400, seed=0)
     assert "continues" in e.value.hint
     tmp = tmp_path / ".out.loom-tmp"
-    assert sorted(p.name for p in tmp.glob("train_*")) == ["train_000000.bin", "train_000001.bin",
-                                                           "train_000002.bin.tmp"]  # fmt: skip
+    assert sorted(p.name for p in tmp.glob("train_*")) == [
+        "train_000000.bin",
+        "train_000001.bin",
+        "train_000002.bin.tmp",
+    ]
     monkeypatch.setattr(shards.os, "fsync", real_fsync)
     prepare([inp], tmp_path / "out", workers=1, shard_tokens=400, seed=0)  # continues after space is freed
     prepare([inp], tmp_path / "ref", workers=1, shard_tokens=400, seed=0)

@@ -89,8 +89,22 @@ def test_compile_check_timeout_is_reported_not_raised():
 def test_json_report_on_this_machine(capsys):
     assert doctor_main(["--json", "--no-compile-check"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert set(r) >= {"loom", "python", "platform", "torch", "cuda", "devices", "cpu", "topology", "env", "mpi",
-                      "triton", "compile", "launchers", "problems"}  # fmt: skip
+    assert set(r) >= {
+        "loom",
+        "python",
+        "platform",
+        "torch",
+        "cuda",
+        "devices",
+        "cpu",
+        "topology",
+        "env",
+        "mpi",
+        "triton",
+        "compile",
+        "launchers",
+        "problems",
+    }
     assert set(r["torch"]) >= {"version", "cuda", "cudnn", "nccl", "backends", "cuda_available"}
     assert set(r["cuda"]) >= {"driver_version", "driver_cuda", "consistent", "note"}
     assert set(r["topology"]) == {"gpus", "matrix", "verdict"}
@@ -115,9 +129,12 @@ def test_human_report(capsys, monkeypatch):
 
 @pytest.mark.parametrize(
     "option,value,message",
-    [("--port", "0", "--port 0 is not a TCP port"), ("--port", "-5", "--port -5 is not a TCP port"),
-     ("--nproc-per-node", "0", "--nproc-per-node must be >= 1, got 0")],
-)  # fmt: skip
+    [
+        ("--port", "0", "--port 0 is not a TCP port"),
+        ("--port", "-5", "--port -5 is not a TCP port"),
+        ("--nproc-per-node", "0", "--nproc-per-node must be >= 1, got 0"),
+    ],
+)
 def test_nodes_check_refuses_nonsense_counts(tmp_path, option, value, message):
     """--port 0 was read as 'not given', a negative port was used as it was, 0 processes per node compared."""
     hosts = tmp_path / "hosts"

@@ -248,10 +248,17 @@ def test_str_is_readable():
         ({"RANK": "one", "WORLD_SIZE": "4"}, "RANK='one'"),
         ({"RANK": "0"}, "WORLD_SIZE"),
         ({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_PORT": "70000"}, "master port 70000"),
-        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
-          "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, "local rank 2"),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "1",
+                "OMPI_COMM_WORLD_SIZE": "4",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            },
+            "local rank 2",
+        ),
     ],
-)  # fmt: skip
+)
 def test_inconsistent_environment_is_a_user_error(env, fragment):
     with pytest.raises(LoomError) as info:
         detect_env(env)

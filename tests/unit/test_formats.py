@@ -460,8 +460,11 @@ def test_a_folder_of_two_token_formats_is_refused(tmp_path):
     d = write_reference("llmc", tmp_path / "mixed")
     np.save(d / "edufineweb_train_000001", np.arange(5, dtype=np.uint16))
     for call in (F.detect_dir, lambda x: F.open_split(x, "train"), inspect):
-        with pytest.raises(LoomError, match=r"holds token files of 2 formats \(\.npy: edufineweb_train_000001"
-                           r"\.npy; llm\.c/nanoGPT \.bin: fineweb_train_000001\.bin") as e:  # fmt: skip
+        with pytest.raises(
+            LoomError,
+            match=r"holds token files of 2 formats \(\.npy: edufineweb_train_000001"
+            r"\.npy; llm\.c/nanoGPT \.bin: fineweb_train_000001\.bin",
+        ) as e:
             call(d)
         assert "one format per directory" in e.value.hint
     with pytest.raises(LoomError, match="2 formats"):

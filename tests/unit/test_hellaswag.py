@@ -62,8 +62,10 @@ def test_hand_built_model_knows_the_answer():
     # "aaaaaaaaab" has the lowest mean loss; "b" (2 tokens: " b") the lowest total loss.
     endings = ["bbb", "aaaaaaaaab", "b", "bb"]
     rng = random.Random(0)
-    examples = [{"ctx": "".join(rng.choice("xyz ") for _ in range(rng.randint(0, 9))), "endings": endings,
-                 "label": 1} for _ in range(6)]  # fmt: skip
+    examples = [
+        {"ctx": "".join(rng.choice("xyz ") for _ in range(rng.randint(0, 9))), "endings": endings, "label": 1}
+        for _ in range(6)
+    ]
     assert hs.evaluate(m, TOK, examples, "cpu") == {"n": 6, "acc": 0.0, "acc_norm": 1.0}
     examples[0]["label"] = examples[1]["label"] = 2
     assert hs.evaluate(m, TOK, examples, "cpu") == {"n": 6, "acc": 2 / 6, "acc_norm": 4 / 6}
@@ -79,8 +81,14 @@ def test_losses_equal_a_direct_computation_through_the_models_own_loss(tmp_path)
     def words(n: int) -> str:
         return " ".join("".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 5))) for _ in range(n))
 
-    examples = [{"ctx": words(rng.randint(0, 6)), "endings": [words(rng.randint(1, 6)) for _ in range(4)],
-                 "label": rng.randrange(4)} for _ in range(12)]  # fmt: skip
+    examples = [
+        {
+            "ctx": words(rng.randint(0, 6)),
+            "endings": [words(rng.randint(1, 6)) for _ in range(4)],
+            "label": rng.randrange(4),
+        }
+        for _ in range(12)
+    ]
     path = write_jsonl(tmp_path / "hs.jsonl", examples)
     assert hs.read_examples(path) == examples
     correct, correct_norm = 0, 0
@@ -119,12 +127,15 @@ def test_long_endings_keep_their_start_and_one_context_token():
 
 @pytest.mark.parametrize(
     "line,match",
-    [('{"ctx": "x", "endings": ["a", "b", "c"], "label": 0}', "4 non-empty texts"),
-     ('{"endings": ["a", "b", "c", "d"], "label": 0}', "needs 'ctx'"),
-     ('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 4}', "label 4"),
-     ('{"ctx": "x", "endings": ["a", "b", "c", "d"]}', "label None"),
-     ("not json", "is not JSON"), ("[1, 2]", "needs 'ctx'")],
-)  # fmt: skip
+    [
+        ('{"ctx": "x", "endings": ["a", "b", "c"], "label": 0}', "4 non-empty texts"),
+        ('{"endings": ["a", "b", "c", "d"], "label": 0}', "needs 'ctx'"),
+        ('{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 4}', "label 4"),
+        ('{"ctx": "x", "endings": ["a", "b", "c", "d"]}', "label None"),
+        ("not json", "is not JSON"),
+        ("[1, 2]", "needs 'ctx'"),
+    ],
+)
 def test_bad_lines_are_named(tmp_path, line, match):
     good = '{"ctx": "x", "endings": ["a", "b", "c", "d"], "label": "2"}'  # the official file has "2"
     (tmp_path / "hs.jsonl").write_text(good + "\n" + line + "\n")
@@ -140,18 +151,40 @@ def test_cli_on_a_trained_run(tmp_path, char_data, capsys):
     from loom.data.tokenizers import load_tokenizer
     from loom.eval.val_loss import load_run
 
-    assert main(["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=r", "--train.steps=2",
-                 "--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--model.block_size=32",
-                 "--train.batch_size=4", "--train.eval_batches=1", "--train.sample_every=0",
-                 "--train.sample_tokens=4", "--train.device=cpu"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                f"--data.path={char_data}",
+                f"--run.dir={tmp_path}",
+                "--run.name=r",
+                "--train.steps=2",
+                "--model.n_layer=1",
+                "--model.n_head=2",
+                "--model.n_embd=16",
+                "--model.block_size=32",
+                "--train.batch_size=4",
+                "--train.eval_batches=1",
+                "--train.sample_every=0",
+                "--train.sample_tokens=4",
+                "--train.device=cpu",
+            ]
+        )
+        == 0
+    )
     tok = load_tokenizer(
         tmp_path / "r" / "tokenizer", json.loads((tmp_path / "r/tokenizer/meta.json").read_text())
     )
     words = "the of and to in is that it for as with was on be by at this from".split()
     rng = random.Random(2)
-    examples = [{"ctx": " ".join(rng.choices(words, k=8)).capitalize(),
-                 "endings": [" ".join(rng.choices(words, k=rng.randint(2, 6))) + "." for _ in range(4)],
-                 "label": rng.randrange(4)} for _ in range(10)]  # fmt: skip
+    examples = [
+        {
+            "ctx": " ".join(rng.choices(words, k=8)).capitalize(),
+            "endings": [" ".join(rng.choices(words, k=rng.randint(2, 6))) + "." for _ in range(4)],
+            "label": rng.randrange(4),
+        }
+        for _ in range(10)
+    ]
     path = write_jsonl(tmp_path / "hs.jsonl", examples)
     capsys.readouterr()
     assert (
@@ -179,9 +212,20 @@ def test_an_example_the_tokenizer_cannot_encode_is_refused_at_start_with_its_lin
     with pytest.raises(LoomError, match=r"hs.jsonl:3: the ending 2 cannot be encoded: character '\u00e9'"):
         hs.read_examples(path, tokenizer=tok)
     assert len(hs.read_examples(path, limit=2, tokenizer=tok)) == 2
-    run = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--model.n_layer=1", "--model.n_head=2",
-           "--model.n_embd=16", "--model.block_size=32", "--train.batch_size=4", "--train.eval_batches=1",
-           "--train.sample_every=0", "--train.device=cpu", "--train.steps=2"]  # fmt: skip
+    run = [
+        "train",
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--model.n_layer=1",
+        "--model.n_head=2",
+        "--model.n_embd=16",
+        "--model.block_size=32",
+        "--train.batch_size=4",
+        "--train.eval_batches=1",
+        "--train.sample_every=0",
+        "--train.device=cpu",
+        "--train.steps=2",
+    ]
     assert main([*run, "--run.name=bad", "--train.hellaswag_every=1", f"--train.hellaswag_data={path}"]) == 2
     err = capsys.readouterr().err
     assert f"{path}:3: the ending 2 cannot be encoded" in err and err.count("loom: error:") == 1, err

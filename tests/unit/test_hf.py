@@ -22,15 +22,28 @@ from loom.model.gpt import GPT, GPTConfig
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'loom[hf]'")
 
 TOL = 1e-5  # float32: both sides compute the same ops in a different grouping
-TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-        "--train.batch_size=4", "--train.eval_batches=1", "--train.sample_every=0", "--train.eval_every=0",
-        "--optim.warmup_steps=1", "--train.log_every=1", "--train.device=cpu"]  # fmt: skip
+TINY = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=32",
+    "--train.batch_size=4",
+    "--train.eval_batches=1",
+    "--train.sample_every=0",
+    "--train.eval_every=0",
+    "--optim.warmup_steps=1",
+    "--train.log_every=1",
+    "--train.device=cpu",
+]
 
 
 def tiny_gpt(bias: bool, vocab: int = 100, activation: str = "gelu_tanh") -> GPT:
     torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab_size=vocab, n_layer=2, n_head=2, n_embd=32, block_size=16, bias=bias,
-                      activation=activation)).eval()  # fmt: skip
+    m = GPT(
+        GPTConfig(
+            vocab_size=vocab, n_layer=2, n_head=2, n_embd=32, block_size=16, bias=bias, activation=activation
+        )
+    ).eval()
     with torch.no_grad():  # non-zero biases and LayerNorm affines, so a mix-up would show
         for name, p in m.named_parameters():
             if name.endswith("bias") or ".ln_" in name or name.startswith("ln_f"):
@@ -40,9 +53,16 @@ def tiny_gpt(bias: bool, vocab: int = 100, activation: str = "gelu_tanh") -> GPT
 
 def random_gpt2(tmp_path, vocab=64, n_positions=48, n_embd=48, n_head=3, activation_function="gelu_new"):
     torch.manual_seed(1)
-    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=n_positions, n_embd=n_embd, n_layer=2,
-                                  n_head=n_head, bos_token_id=0, eos_token_id=0,
-                                  activation_function=activation_function)  # fmt: skip
+    cfg = transformers.GPT2Config(
+        vocab_size=vocab,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=2,
+        n_head=n_head,
+        bos_token_id=0,
+        eos_token_id=0,
+        activation_function=activation_function,
+    )
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # the default init has zero biases; make them matter
         for name, p in model.named_parameters():
@@ -146,8 +166,19 @@ def test_init_from_trains_from_the_imported_weights(tmp_path, char_data):
 
 
 def test_export_cli_with_tokenizer(tmp_path, char_data, capsys):
-    assert main(["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=r",
-                 "--train.steps=2", *TINY]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                f"--data.path={char_data}",
+                f"--run.dir={tmp_path}",
+                "--run.name=r",
+                "--train.steps=2",
+                *TINY,
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "hf"
     assert main(["export", str(tmp_path / "r"), "--format", "hf", "--out", str(out)]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
@@ -213,9 +244,14 @@ def test_directory_without_config_json(tmp_path):
 
 @pytest.mark.parametrize(
     "key,value",
-    [("activation_function", "relu"), ("tie_word_embeddings", False), ("n_inner", 100),
-     ("scale_attn_by_inverse_layer_idx", True), ("model_type", "llama")],
-)  # fmt: skip
+    [
+        ("activation_function", "relu"),
+        ("tie_word_embeddings", False),
+        ("n_inner", 100),
+        ("scale_attn_by_inverse_layer_idx", True),
+        ("model_type", "llama"),
+    ],
+)
 def test_configs_loom_cannot_represent_are_named(tmp_path, key, value):
     _, d = random_gpt2(tmp_path)
     cfg = json.loads((d / "config.json").read_text())

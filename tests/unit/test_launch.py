@@ -119,9 +119,18 @@ def test_pbs_two_hosts_four_gpus_uses_mpiexec(pbs_env):
     cmd = plan_command(["--mpi-flavour", "mpich", "--nproc-per-node", "4", "--", *TRAIN], pbs_env)
     port = port_from_job_id("98765")
     assert cmd == [
-        "mpiexec", "-n", "8", "-ppn", "4", "--hostfile", pbs_env["PBS_NODEFILE"],
-        "env", "MASTER_ADDR=x3005c0s7b0n0", f"MASTER_PORT={port}", *TRAIN,
-    ]  # fmt: skip
+        "mpiexec",
+        "-n",
+        "8",
+        "-ppn",
+        "4",
+        "--hostfile",
+        pbs_env["PBS_NODEFILE"],
+        "env",
+        "MASTER_ADDR=x3005c0s7b0n0",
+        f"MASTER_PORT={port}",
+        *TRAIN,
+    ]
 
 
 def test_pbs_torchrun_runs_one_torchrun_per_host_through_mpiexec(pbs_env):
@@ -129,10 +138,27 @@ def test_pbs_torchrun_runs_one_torchrun_per_host_through_mpiexec(pbs_env):
     cmd = plan_command(argv, pbs_env)
     port = port_from_job_id("98765")
     assert cmd == [
-        "mpiexec", "-n", "2", "-ppn", "1", "--hostfile", pbs_env["PBS_NODEFILE"],
-        "torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"x3005c0s7b0n0:{port}", "--rdzv-id", "98765.pbs01", "--no-python", *TRAIN,
-    ]  # fmt: skip
+        "mpiexec",
+        "-n",
+        "2",
+        "-ppn",
+        "1",
+        "--hostfile",
+        pbs_env["PBS_NODEFILE"],
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "4",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"x3005c0s7b0n0:{port}",
+        "--rdzv-id",
+        "98765.pbs01",
+        "--no-python",
+        *TRAIN,
+    ]
 
 
 def test_openmpi_flavour_and_root_flags():
@@ -147,18 +173,43 @@ def test_slurm_two_nodes_uses_srun(slurm_env):
     cmd = plan_command(["--", *TRAIN], slurm_env)
     port = port_from_job_id("123456")
     assert cmd == [
-        "srun", "--nodes", "2", "--ntasks", "8", "--ntasks-per-node", "4",
-        "env", f"MASTER_PORT={port}", *TRAIN,
-    ]  # fmt: skip
+        "srun",
+        "--nodes",
+        "2",
+        "--ntasks",
+        "8",
+        "--ntasks-per-node",
+        "4",
+        "env",
+        f"MASTER_PORT={port}",
+        *TRAIN,
+    ]
 
 
 def test_slurm_torchrun_is_wrapped_in_one_srun_task_per_node(slurm_env):
     cmd = plan_command(["--launcher", "torchrun", "--port", "29600", "--", *TRAIN], slurm_env)
     assert cmd == [
-        "srun", "--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1",
-        "torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "nid001:29600", "--rdzv-id", "123456", "--no-python", *TRAIN,
-    ]  # fmt: skip
+        "srun",
+        "--nodes",
+        "2",
+        "--ntasks",
+        "2",
+        "--ntasks-per-node",
+        "1",
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "4",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "nid001:29600",
+        "--rdzv-id",
+        "123456",
+        "--no-python",
+        *TRAIN,
+    ]
 
 
 def test_slurm_part_of_the_allocation_pins_the_nodelist(slurm_env):
@@ -213,9 +264,17 @@ def test_no_scheduler_several_nodes_with_a_head_address():
     ]
     cmd = plan_command(argv, {})
     assert cmd[:10] == [
-        "torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "10.1.0.5:29500", "--rdzv-id",
-    ]  # fmt: skip
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "8",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "10.1.0.5:29500",
+        "--rdzv-id",
+    ]
 
 
 def test_hostfile_defaults_to_mpiexec_over_its_hosts(tmp_path):
@@ -231,8 +290,15 @@ def test_hostfile_defaults_to_mpiexec_over_its_hosts(tmp_path):
 
 def test_srun_builder_and_resolution_table():
     assert srun_command(["a"], nnodes=3, nproc_per_node=2) == [
-        "srun", "--nodes", "3", "--ntasks", "6", "--ntasks-per-node", "2", "a",
-    ]  # fmt: skip
+        "srun",
+        "--nodes",
+        "3",
+        "--ntasks",
+        "6",
+        "--ntasks-per-node",
+        "2",
+        "a",
+    ]
     table = {s: resolve_launcher("auto", s) for s in ("slurm", "pbs", "hostfile", "none")}
     assert table == {"slurm": "srun", "pbs": "mpiexec", "hostfile": "mpiexec", "none": "torchrun"}
     assert resolve_launcher("srun", "pbs") == "srun"
@@ -407,18 +473,43 @@ def test_inside_a_slurm_step_each_node_runs_its_own_torchrun(slurm_env):
         step = {**slurm_env, "SLURM_STEP_ID": "0", "SLURM_NODEID": str(node), "SLURM_LOCALID": "0"}
         cmd = plan_command(["--rdzv-timeout", "120", "--max-restarts", "2", "--", *TRAIN], step)
         assert cmd == [
-            "env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",  # or a node that comes back never rejoins
-            "torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"nid001:{port}", "--rdzv-id", "123456",
-            "--rdzv-conf", f"is_host={int(node == 0)},join_timeout=120", "--max-restarts", "2", "--no-python", *TRAIN,
-        ]  # fmt: skip
+            "env",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",  # or a node that comes back never rejoins
+            "torchrun",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "4",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"nid001:{port}",
+            "--rdzv-id",
+            "123456",
+            "--rdzv-conf",
+            f"is_host={int(node == 0)},join_timeout=120",
+            "--max-restarts",
+            "2",
+            "--no-python",
+            *TRAIN,
+        ]
 
 
 def test_under_pbsdsh_each_node_runs_its_own_torchrun(pbs_env):
     cmd = plan_command(["--nproc-per-node", "4", "--", *TRAIN], {**pbs_env, "PBS_NODENUM": "1"})
     port = port_from_job_id("98765")
-    assert cmd[:10] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d",
-                        "--rdzv-endpoint", f"x3005c0s7b0n0:{port}", "--rdzv-id"]  # fmt: skip
+    assert cmd[:10] == [
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "4",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"x3005c0s7b0n0:{port}",
+        "--rdzv-id",
+    ]
     assert cmd[cmd.index("--rdzv-conf") + 1] == "is_host=0,join_timeout=600"
 
 
@@ -442,8 +533,10 @@ def test_node_detection_and_its_refusals(slurm_env):
         plan_command(["--launcher", "srun", "--", *TRAIN], step)
     with pytest.raises(LoomError, match="node index 5 is outside the 2 node"):
         plan_command(["--node-rank", "5", "--", *TRAIN], slurm_env)
-    manual = plan_command(["--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--port", "29601", "--", *TRAIN],
-                          {"CUDA_VISIBLE_DEVICES": "0"})  # fmt: skip
+    manual = plan_command(
+        ["--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--port", "29601", "--", *TRAIN],
+        {"CUDA_VISIBLE_DEVICES": "0"},
+    )
     assert (
         manual[manual.index("--rdzv-endpoint") + 1] == "h0:29601" and "is_host=0,join_timeout=600" in manual
     )

@@ -7,14 +7,34 @@ import loom
 
 ROOT = Path(loom.__file__).parent
 LAYER = {
-    "config": 0, "env": 0, "log": 0, "errors": 0, "faults": 0, "outputs": 0, "paths": 0,
-    "data": 1, "model": 1, "metrics": 1, "launch": 1, "plot": 1,
+    "config": 0,
+    "env": 0,
+    "log": 0,
+    "errors": 0,
+    "faults": 0,
+    "outputs": 0,
+    "paths": 0,
+    "data": 1,
+    "model": 1,
+    "metrics": 1,
+    "launch": 1,
+    "plot": 1,
     "distributed": 2,
-    "parallel": 3, "optim": 3,
-    "checkpoint": 4, "checkpoint_tools": 4, "eval": 4, "generate": 4,
-    "train": 5, "plan": 5, "doctor": 5,
-    "cli": 6, "bench": 6, "verify": 6, "__main__": 6, "__init__": 0,
-}  # fmt: skip
+    "parallel": 3,
+    "optim": 3,
+    "checkpoint": 4,
+    "checkpoint_tools": 4,
+    "eval": 4,
+    "generate": 4,
+    "train": 5,
+    "plan": 5,
+    "doctor": 5,
+    "cli": 6,
+    "bench": 6,
+    "verify": 6,
+    "__main__": 6,
+    "__init__": 0,
+}
 
 
 def _top(module: str) -> str:
@@ -33,8 +53,12 @@ def test_every_import_points_down_the_layers():
                 mods = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module == "loom" and node.level == 0:
                 # from loom import checkpoint, log (a module each); __version__ is loom/__init__.py's
-                mods = [f"loom.{a.name}" if (ROOT / a.name).is_dir() or (ROOT / f"{a.name}.py").is_file()
-                        else "loom.__init__" for a in node.names]  # fmt: skip
+                mods = [
+                    f"loom.{a.name}"
+                    if (ROOT / a.name).is_dir() or (ROOT / f"{a.name}.py").is_file()
+                    else "loom.__init__"
+                    for a in node.names
+                ]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 mods = [node.module]
             for m in mods:
@@ -70,8 +94,10 @@ def test_no_import_cycle():
                 and node.level == 0
                 and (node.module or "").startswith("loom")
             ):
-                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                         for a in node.names}  # fmt: skip
+                deps |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names
+                }
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name.startswith("loom")}
         graph[name] = {d for d in deps if d in modules and d != name}

@@ -25,10 +25,24 @@ TOL = 1e-5  # float32
 def random_llama(tmp_path, heads=4, kv_heads=2, tie=False, bias=False, vocab=100, **extra):
     """A LlamaForCausalLM saved by transformers, with non-trivial norms and biases so a mix-up would show."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=96,
-                                   rms_norm_eps=1e-6, rope_theta=500.0, tie_word_embeddings=tie, attention_bias=bias,
-                                   mlp_bias=bias, initializer_range=0.1, bos_token_id=0, eos_token_id=0, **extra)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=96,
+        rms_norm_eps=1e-6,
+        rope_theta=500.0,
+        tie_word_embeddings=tie,
+        attention_bias=bias,
+        mlp_bias=bias,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+        **extra,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -65,8 +79,19 @@ def test_import_export_logits_and_greedy_generation(tmp_path, kv_heads, tie, bia
 
 def test_kv_cache_equals_full_forward_with_rope_gqa_qk_norm():
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_embd=32, block_size=24, pos="rope", norm="rmsnorm",
-                    mlp="swiglu", n_kv_head=2, qk_norm=True, tie_embeddings=False)  # fmt: skip
+    cfg = GPTConfig(
+        vocab_size=50,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        block_size=24,
+        pos="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        n_kv_head=2,
+        qk_norm=True,
+        tie_embeddings=False,
+    )
     m = GPT(cfg)
     with torch.no_grad():
         for p in m.parameters():
@@ -78,8 +103,18 @@ def test_kv_cache_equals_full_forward_with_rope_gqa_qk_norm():
 
 
 def test_meta_init_equals_direct_init_untied():
-    cfg = GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_embd=32, pos="rope", norm="rmsnorm", mlp="swiglu",
-                    n_kv_head=2, qk_norm=True, tie_embeddings=False)  # fmt: skip
+    cfg = GPTConfig(
+        vocab_size=50,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        pos="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        n_kv_head=2,
+        qk_norm=True,
+        tie_embeddings=False,
+    )
     a = GPT(cfg)
     a.reset_parameters(7)
     with torch.device("meta"):
@@ -111,8 +146,16 @@ def test_param_count_matches_the_model():
         {"qk_norm": True, "bias": True, "tie_embeddings": True},
         {"ffn_hidden": 80},
     ):
-        cfg = GPTConfig(vocab_size=100, n_layer=2, n_head=4, n_embd=48, pos="rope", norm="rmsnorm", mlp="swiglu",
-                        **{"tie_embeddings": False, **kw})  # fmt: skip
+        cfg = GPTConfig(
+            vocab_size=100,
+            n_layer=2,
+            n_head=4,
+            n_embd=48,
+            pos="rope",
+            norm="rmsnorm",
+            mlp="swiglu",
+            **{"tie_embeddings": False, **kw},
+        )
         with torch.device("meta"):
             assert GPT(cfg).num_params() == param_count(cfg)
     assert GPTConfig(vocab_size=1, n_embd=192, mlp="swiglu").ffn_width == 512  # 8/3 x 192, multiple of 64
@@ -143,10 +186,13 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
     assert "GPT2LMHeadModel" in e.value.hint and "LlamaForCausalLM" in e.value.hint
 
 
-@pytest.mark.parametrize("key,value", [
-    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}),
-    ("rope_scaling", {"type": "linear", "factor": 2.0}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}),
+        ("rope_scaling", {"type": "linear", "factor": 2.0}),
+    ],
+)
 def test_rope_scaling_loom_does_not_implement_is_refused(tmp_path, key, value):
     _, d = random_llama(tmp_path)
     _edit_config(d, **{key: value})
@@ -190,23 +236,46 @@ def test_init_from_sets_the_llama_options_and_refuses_conflicts(tmp_path):
 
 
 def test_export_refuses_what_llama_cannot_represent(tmp_path):
-    m = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=16, pos="rope", norm="rmsnorm", mlp="swiglu",
-                      qk_norm=True))  # fmt: skip
+    m = GPT(
+        GPTConfig(
+            vocab_size=50,
+            n_layer=1,
+            n_head=2,
+            n_embd=16,
+            pos="rope",
+            norm="rmsnorm",
+            mlp="swiglu",
+            qk_norm=True,
+        )
+    )
     with pytest.raises(LoomError, match="LlamaForCausalLM cannot represent this model: model.qk_norm=True"):
         hf.export_hf(m, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
-@pytest.mark.parametrize("name,released", [("llama2-7b", 6_738_415_616), ("llama3-8b", 8_030_261_248),
-                                           ("llama3-70b", 70_553_706_496)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,released",
+    [("llama2-7b", 6_738_415_616), ("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)],
+)
 def test_planner_llama_presets_have_the_released_counts(name, released):
     """Meta's counts (also torchtitan's); the planner's arithmetic equals GPT.num_params() of that config."""
     from loom.plan.shapes import PRESETS
 
     s = PRESETS[name]
     assert s.param_count() == released
-    cfg = GPTConfig(s.vocab_size, s.n_layer, s.n_head, s.n_embd, s.block_size, pos=s.pos, norm=s.norm,
-                    mlp=s.mlp, ffn_hidden=s.ffn_hidden, n_kv_head=s.n_kv_head, tie_embeddings=False)  # fmt: skip
+    cfg = GPTConfig(
+        s.vocab_size,
+        s.n_layer,
+        s.n_head,
+        s.n_embd,
+        s.block_size,
+        pos=s.pos,
+        norm=s.norm,
+        mlp=s.mlp,
+        ffn_hidden=s.ffn_hidden,
+        n_kv_head=s.n_kv_head,
+        tie_embeddings=False,
+    )
     assert param_count(cfg) == released
 
 
@@ -241,8 +310,19 @@ def test_activation_checkpointing_keeps_loss_and_gradients(mode):
     from loom.model.gpt_parallel import blocks
     from loom.parallel.ac import apply_ac
 
-    cfg = GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_embd=32, block_size=16, pos="rope", norm="rmsnorm",
-                    mlp="swiglu", n_kv_head=2, qk_norm=True, tie_embeddings=False)  # fmt: skip
+    cfg = GPTConfig(
+        vocab_size=50,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        block_size=16,
+        pos="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        n_kv_head=2,
+        qk_norm=True,
+        tie_embeddings=False,
+    )
     torch.manual_seed(0)
     a, b = GPT(cfg), GPT(cfg)
     b.load_state_dict(a.state_dict())

@@ -209,8 +209,12 @@ def test_batch_not_divisible_by_dp(data_dir):
 
 
 def _val_rows(vs, micro=3):
-    return [tuple(torch.cat([x, y[:, -1:]], 1)[i].tolist()) for x, y in vs.batches(micro) for i in range(len(x))
-            if y[i, 0] != -1]  # fmt: skip
+    return [
+        tuple(torch.cat([x, y[:, -1:]], 1)[i].tolist())
+        for x, y in vs.batches(micro)
+        for i in range(len(x))
+        if y[i, 0] != -1
+    ]
 
 
 def test_valset_covers_each_window_once(data_dir):

@@ -51,8 +51,9 @@ def test_hidden_matrices_go_to_muon_the_rest_to_adamw():
     muon, decay, no_decay = muon_param_groups(model, cfg)
     names = {id(p): n for n, p in model.named_parameters()}
     got = sorted(names[id(p)] for p in muon["params"])
-    want = sorted(n for n, p in model.named_parameters()
-                  if n.startswith("blocks.") and n.endswith("_proj.weight"))  # fmt: skip
+    want = sorted(
+        n for n, p in model.named_parameters() if n.startswith("blocks.") and n.endswith("_proj.weight")
+    )
     assert got == want and len(want) == 2 * 6
     rest = {names[id(p)] for p in decay["params"]}
     assert "wte.weight" in rest and "wpe.weight" in rest  # the tied head is the embedding: AdamW

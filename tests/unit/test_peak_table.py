@@ -33,7 +33,18 @@ def test_unknown_gpu_shows_mfu_as_na(monkeypatch):
     assert peak is None
     rec = Throughput(1000, peak, 1, skip=0).step(tokens=100, dt=0.1)
     assert rec["mfu"] is None
-    line = format_step({"step": 1, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "dt": 0.1, "dtf": 0.0, "dtb": 0.0, "mem_bytes": 0,
-                        **rec})  # fmt: skip
+    line = format_step(
+        {
+            "step": 1,
+            "loss": 1.0,
+            "lr": 1e-3,
+            "grad_norm": 1.0,
+            "dt": 0.1,
+            "dtf": 0.0,
+            "dtb": 0.0,
+            "mem_bytes": 0,
+            **rec,
+        }
+    )
     assert "n/a" in line
     assert "H100" in metrics.GPU_PEAK_TFLOPS and "H200" in metrics.GPU_PEAK_TFLOPS

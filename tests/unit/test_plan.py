@@ -51,8 +51,15 @@ def test_fp32_is_4_4_8():
     assert model_state_bytes(1e9, PRECISIONS["fp32"], 1, 8) == (4e9, 4e9, 1e9)
 
 
-@pytest.mark.parametrize("name, released", [("gpt2", 124_439_808), ("gpt2-medium", 354_823_168),
-                                            ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, released",
+    [
+        ("gpt2", 124_439_808),
+        ("gpt2-medium", 354_823_168),
+        ("gpt2-large", 774_030_080),
+        ("gpt2-xl", 1_557_611_200),
+    ],
+)
 def test_gpt2_preset_counts(name, released):
     """Released counts (vocabulary 50257, tied head); loom pads the vocabulary to 50304 (+47·n_embd)."""
     from loom.model import GPTConfig
@@ -149,11 +156,25 @@ def test_hsdp_shards_within_a_group_and_all_reduces_across_replicas():
     assert "--parallel.dp_replicate=2" in by[2].reason and "groups of 4 inside a node" in by[2].reason
     # a slow link between nodes and one micro-batch per rank: FSDP over all 64 ranks waits on it, HSDP with its
     # shard group inside a node does not (only the gradient shards' all-reduce crosses nodes)
-    _, _, _, big = _plan("--model", "7b", "--gpus", "64", "--gpus-per-node", "8", "--gpu-mem", "80",
-                         "--inter-bw", "5", "--global-batch-tokens", "262144")  # fmt: skip
+    _, _, _, big = _plan(
+        "--model",
+        "7b",
+        "--gpus",
+        "64",
+        "--gpus-per-node",
+        "8",
+        "--gpu-mem",
+        "80",
+        "--inter-bw",
+        "5",
+        "--global-batch-tokens",
+        "262144",
+    )
     assert big[0].zero == 3 and big[0].replicate > 1 and "HSDP" in big[0].reason
-    flat_fsdp = min((c for c in big if c.zero == 3 and c.replicate == 1 and c.tp == c.pp == 1),
-                    key=lambda c: c.step_time_s)  # fmt: skip
+    flat_fsdp = min(
+        (c for c in big if c.zero == 3 and c.replicate == 1 and c.tp == c.pp == 1),
+        key=lambda c: c.step_time_s,
+    )
     assert big[0].step_time_s < flat_fsdp.step_time_s
 
 
@@ -173,14 +194,23 @@ def test_fits_nowhere_names_the_smallest_memory(capsys):
     assert "GPUs of at least" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--model", "gtp2", "--gpus", "8", "--gpu-mem", "80"], "did you mean 'gpt2'"),
-    (["--model", "gpt2", "--gpus", "12", "--gpu-mem", "80"], "whole number of 8-GPU nodes"),
-    (["--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--seq-len", "4096"], "outside the model's context"),
-    (["--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--global-batch-tokens", "1000"], "whole number"),
-    (["--model", "gpt2", "--gpus", "0", "--gpu-mem", "80"], "must be positive"),
-    (["--gpus", "8", "--gpu-mem", "80"], "give a model"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--model", "gtp2", "--gpus", "8", "--gpu-mem", "80"], "did you mean 'gpt2'"),
+        (["--model", "gpt2", "--gpus", "12", "--gpu-mem", "80"], "whole number of 8-GPU nodes"),
+        (
+            ["--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--seq-len", "4096"],
+            "outside the model's context",
+        ),
+        (
+            ["--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--global-batch-tokens", "1000"],
+            "whole number",
+        ),
+        (["--model", "gpt2", "--gpus", "0", "--gpu-mem", "80"], "must be positive"),
+        (["--gpus", "8", "--gpu-mem", "80"], "give a model"),
+    ],
+)
 def test_bad_input(argv, match):
     with pytest.raises(LoomError, match=match):
         _plan(*argv)
@@ -191,8 +221,18 @@ def test_json_schema(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["candidates"]
     for c in out["candidates"]:
-        assert {"dp", "tp", "pp", "zero", "micro_batch", "activation_checkpointing", "memory_gb", "step_time_s",
-                "bubble", "fits"} <= set(c)  # fmt: skip
+        assert {
+            "dp",
+            "tp",
+            "pp",
+            "zero",
+            "micro_batch",
+            "activation_checkpointing",
+            "memory_gb",
+            "step_time_s",
+            "bubble",
+            "fits",
+        } <= set(c)
         assert set(c["memory_gb"]) == {"params", "grads", "optim", "activations", "total"}
         m = c["memory_gb"]
         assert m["total"] == pytest.approx(m["params"] + m["grads"] + m["optim"] + m["activations"])
@@ -212,9 +252,11 @@ def test_config_toml_and_params(tmp_path):
 
 
 def test_cli_subprocess_and_no_torch_import():
-    code = ("import sys; from loom.cli import main; rc = main(['plan', '--model', '7b', '--gpus', '64', "
-            "'--gpus-per-node', '8', '--gpu-mem', '80', '--top', '3']); assert 'torch' not in sys.modules; "
-            "sys.exit(rc)")  # fmt: skip
+    code = (
+        "import sys; from loom.cli import main; rc = main(['plan', '--model', '7b', '--gpus', '64', "
+        "'--gpus-per-node', '8', '--gpu-mem', '80', '--top', '3']); assert 'torch' not in sys.modules; "
+        "sys.exit(rc)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "valid layouts" in r.stdout and " 1  " in r.stdout and "ZeRO" in r.stdout
@@ -231,8 +273,16 @@ def _measured_saved_bytes(shape: ModelShape, b: int) -> int:
     from loom.model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(shape.vocab_size, shape.n_layer, shape.n_head, shape.n_embd, shape.block_size,
-                          dropout=shape.dropout)).train()  # fmt: skip
+    model = GPT(
+        GPTConfig(
+            shape.vocab_size,
+            shape.n_layer,
+            shape.n_head,
+            shape.n_embd,
+            shape.block_size,
+            dropout=shape.dropout,
+        )
+    ).train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, torch.UntypedStorage] = {}  # holding the storages keeps their addresses unique
 

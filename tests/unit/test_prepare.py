@@ -136,16 +136,24 @@ def test_bpe_vocab_too_small_fails_before_reading(tmp_path):
 @pytest.mark.parametrize(
     "option,value,message",
     [
-        ("--tokenizer-sample", "0", "--tokenizer-sample must be >= 1 (characters of train text the BPE is trained on), got 0"),
+        (
+            "--tokenizer-sample",
+            "0",
+            "--tokenizer-sample must be >= 1 (characters of train text the BPE is trained on), got 0",
+        ),
         ("--doc-cap", "0", "--doc-cap must be >= 1 (characters of one document in the BPE's sample), got 0"),
         ("--doc-cap", "-5", "--doc-cap must be >= 1"),
         ("--workers", "-1", "--workers must be >= 0 (encoding processes), got -1"),
-        ("--doc-chars", "-1", "--doc-chars must be >= 0 (characters per document cut from a text file), got -1"),
+        (
+            "--doc-chars",
+            "-1",
+            "--doc-chars must be >= 0 (characters per document cut from a text file), got -1",
+        ),
         ("--seed", "-1", "--seed must be >= 0"),
         ("--vocab-size", "-3", "--vocab-size must be >= 1"),
         ("--shard-tokens", "0", "--shard-tokens must be >= 1 (tokens per shard), got 0"),
     ],
-)  # fmt: skip
+)
 def test_counts_outside_their_domain_are_refused_before_reading(tmp_path, capsys, option, value, message):
     """A BPE trained on 0 characters, negative workers or document sizes: refused, one error naming the
     option, before the (missing) input is read."""
@@ -253,17 +261,27 @@ def _write_input(tmp_path, name: str):
 @pytest.mark.parametrize(
     "name,field,message,hint",
     [
-        ("nofield.jsonl", "text", r"none of the 2 JSON line\(s\) of .* has the field 'text' \(the first line's "
-         r"fields: body, id\)", "text under: body"),
+        (
+            "nofield.jsonl",
+            "text",
+            r"none of the 2 JSON line\(s\) of .* has the field 'text' \(the first line's "
+            r"fields: body, id\)",
+            "text under: body",
+        ),
         ("plain.jsonl.gz", "body", "is not gzip-compressed", "name a plain JSONL file .jsonl"),
         ("plain.jsonl.zst", "body", "is not zstandard-compressed", "name a plain JSONL file .jsonl"),
         ("ints.parquet", "text", "column 'text' of .* holds int64, not text", "--jsonl-field: body"),
         ("nested.parquet", "text", "has no column 'text'", "--jsonl-field: meta.text, body"),
         ("nested.jsonl", "meta", "has text under 'meta': it holds an object", "--jsonl-field: meta.text"),
-        ("empty.jsonl", "text", r"corpus is empty.*2 document\(s\) with no text: .*empty.jsonl:1 \('text' is "
-         r"empty\), .*empty.jsonl:2 \('text' is null\)", "--input"),
+        (
+            "empty.jsonl",
+            "text",
+            r"corpus is empty.*2 document\(s\) with no text: .*empty.jsonl:1 \('text' is "
+            r"empty\), .*empty.jsonl:2 \('text' is null\)",
+            "--input",
+        ),
     ],
-)  # fmt: skip
+)
 def test_an_empty_corpus_names_the_real_cause(tmp_path, name, field, message, hint):
     """The cause behind "the corpus is empty" is named, with the option that fixes it (a field missing from
     every line was an error before streaming; it had become an empty corpus)."""
@@ -501,8 +519,12 @@ def test_meta_fields(tmp_path):
     assert json.loads((out / "meta.json").read_text()) == meta
     assert meta["format"] == "llm.c"
     assert meta["loom_version"] == loom.__version__
-    assert meta["tokenizer"] == {"kind": "char", "file": "char_vocab.json", "eot_id": meta["vocab_size"] - 1,
-                                 "sha256": tokenizer_hash(out, meta)}  # fmt: skip
+    assert meta["tokenizer"] == {
+        "kind": "char",
+        "file": "char_vocab.json",
+        "eot_id": meta["vocab_size"] - 1,
+        "sha256": tokenizer_hash(out, meta),
+    }
     assert meta["vocab_size"] == len(set("".join(DOCS))) + 1
     assert meta["shard_version"] == 1
     assert meta["files"] == len(DOCS)
@@ -584,16 +606,29 @@ def test_the_built_in_corpus_needs_no_warning_and_users_data_keeps_them(tmp_path
     from loom.train.setup import resolve_data
 
     root = tmp_path / "stdlib"
-    for name, text in {"os.py": "import sys\n", "json/__init__.py": "from .decoder import x\n", "json/decoder.py":
-                       "x = 1\n" * 50, "email/mime/__init__.py": "", "urllib/__init__.py": "", "__phello__/spam.py":
-                       "print('hi')\n", "__phello__/__init__.py": "print('hi')\n", "xmlrpc/__init__.py": "# a package\n",
-                       "concurrent/__init__.py": "# a package\n", "test/test_os.py": "assert 1\n"}.items():  # fmt: skip
+    for name, text in {
+        "os.py": "import sys\n",
+        "json/__init__.py": "from .decoder import x\n",
+        "json/decoder.py": "x = 1\n" * 50,
+        "email/mime/__init__.py": "",
+        "urllib/__init__.py": "",
+        "__phello__/spam.py": "print('hi')\n",
+        "__phello__/__init__.py": "print('hi')\n",
+        "xmlrpc/__init__.py": "# a package\n",
+        "concurrent/__init__.py": "# a package\n",
+        "test/test_os.py": "assert 1\n",
+    }.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     monkeypatch.setattr(corpus.sysconfig, "get_paths", lambda: {"stdlib": str(root)})
     names = [f.relative_to(root).as_posix() for f in python_stdlib_files()]
-    assert names == ["__phello__/__init__.py", "concurrent/__init__.py", "json/__init__.py", "json/decoder.py",
-                     "os.py"]  # fmt: skip
+    assert names == [
+        "__phello__/__init__.py",
+        "concurrent/__init__.py",
+        "json/__init__.py",
+        "json/decoder.py",
+        "os.py",
+    ]
     cache = tmp_path / "cache"
     old = cache / "data" / "python-stdlib-char"  # what an older loom prepared: not used
     old.mkdir(parents=True)

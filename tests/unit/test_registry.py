@@ -35,9 +35,16 @@ def test_an_unknown_family_says_how_to_load_a_plugin():
 
 def test_a_registered_family_is_a_config_value_with_its_preset():
     spec = registry.get("gpt2")
-    registry.register(registry.ModelSpec(name="test-rope-gpt2", config=spec.config, build=spec.build,
-                                         parallel=spec.parallel, flops_per_token=spec.flops_per_token,
-                                         preset={"pos": "rope"}))  # fmt: skip
+    registry.register(
+        registry.ModelSpec(
+            name="test-rope-gpt2",
+            config=spec.config,
+            build=spec.build,
+            parallel=spec.parallel,
+            flops_per_token=spec.flops_per_token,
+            preset={"pos": "rope"},
+        )
+    )
     try:
         cfg = load_config(None, ["--model.family=test-rope-gpt2"])
         assert cfg.model.pos == "rope" and registry.spec_of(cfg).name == "test-rope-gpt2"
@@ -49,8 +56,18 @@ def test_a_registered_family_is_a_config_value_with_its_preset():
 def test_a_rope_model_generates_past_block_size_as_transformers_does(tmp_path):
     transformers = pytest.importorskip("transformers", reason="needs transformers (the hf extra)")
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=70, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=16, pos="rope",
-                    norm="rmsnorm", mlp="swiglu", tie_embeddings=False)  # fmt: skip
+    cfg = GPTConfig(
+        vocab_size=70,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=64,
+        block_size=16,
+        pos="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        tie_embeddings=False,
+    )
     ours = GPT(cfg).eval()
     hf.export_hf(ours, tmp_path / "llama")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama").eval()

@@ -31,9 +31,21 @@ def test_warmup_steps_skipped_without_compile():
 
 
 def test_console_line_shows_scale_and_compile():
-    rec = {"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": float("nan"), "dt": 1.0, "dtf": 0.3, "dtb": 0.6,
-           "tokens_per_s": 10.0, "mfu": None, "mem_bytes": 2**20, "loss_scale": 32768.0,
-           "overflow_steps": 3, "compile_s": 12.5}  # fmt: skip
+    rec = {
+        "step": 1,
+        "loss": 2.0,
+        "lr": 1e-3,
+        "grad_norm": float("nan"),
+        "dt": 1.0,
+        "dtf": 0.3,
+        "dtb": 0.6,
+        "tokens_per_s": 10.0,
+        "mfu": None,
+        "mem_bytes": 2**20,
+        "loss_scale": 32768.0,
+        "overflow_steps": 3,
+        "compile_s": 12.5,
+    }
     line = format_step(rec)
     assert "scale 32768 (3 overflow)" in line and "compile 12.5s" in line
 

@@ -16,10 +16,22 @@ from loom.config import Config
 from loom.errors import LoomError
 from loom.metrics import read_jsonl
 
-TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=16", "--model.block_size=16",
-        "--train.batch_size=4", "--train.eval_batches=1", "--train.sample_every=0", "--train.eval_every=2",
-        "--optim.warmup_steps=1", "--train.log_every=1", "--train.device=cpu", "--train.steps=3",
-        "--train.sample_tokens=8", "--train.warmup_log_steps=1"]  # fmt: skip
+TINY = [
+    "--model.n_layer=1",
+    "--model.n_head=2",
+    "--model.n_embd=16",
+    "--model.block_size=16",
+    "--train.batch_size=4",
+    "--train.eval_batches=1",
+    "--train.sample_every=0",
+    "--train.eval_every=2",
+    "--optim.warmup_steps=1",
+    "--train.log_every=1",
+    "--train.device=cpu",
+    "--train.steps=3",
+    "--train.sample_tokens=8",
+    "--train.warmup_log_steps=1",
+]
 
 
 def wandb_records(path):
@@ -69,8 +81,16 @@ def test_training_logs_to_tensorboard_and_wandb_offline(char_data, tmp_path, mon
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     (tmp_path / "wb").mkdir()
-    args = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=r",
-            "--metrics.tensorboard=true", "--metrics.wandb=true", "--metrics.wandb_project=loomtest", *TINY]  # fmt: skip
+    args = [
+        "train",
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--run.name=r",
+        "--metrics.tensorboard=true",
+        "--metrics.wandb=true",
+        "--metrics.wandb_project=loomtest",
+        *TINY,
+    ]
     assert main(args) == 0
     recs = read_jsonl(tmp_path / "r" / "metrics.jsonl")
     loss = {r["step"]: r["loss"] for r in recs if "loss" in r}
@@ -129,7 +149,9 @@ def test_read_jsonl_gives_one_timeline_after_resumes(tmp_path):
     p.write_text("".join(json.dumps(r) + "\n" for r in lines))
     recs = read_jsonl(p)
     assert [(r["step"], r["loss"]) for r in recs if "loss" in r] == [
-        *((s, 10.0 - s) for s in range(1, 5)), *((s, 20.0 - s) for s in range(5, 9)), (9, 0.5)
-    ]  # fmt: skip
+        *((s, 10.0 - s) for s in range(1, 5)),
+        *((s, 20.0 - s) for s in range(5, 9)),
+        (9, 0.5),
+    ]
     assert not any("summary" in r for r in recs) and [r for r in recs if "val_loss" in r] == [lines[-1]]
     assert read_jsonl(p, superseded=True) == lines  # nothing dropped from the file itself

@@ -22,13 +22,23 @@ VOCAB, TOL = 66, 1e-5
 def random_hf(tmp_path, kind: str):
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                       initializer_range=0.1, bos_token_id=0, eos_token_id=0)  # fmt: skip
+        cfg = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            initializer_range=0.1,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     else:
-        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=48, n_layer=2, n_head=3,
-                                      bos_token_id=0, eos_token_id=0)  # fmt: skip
+        cfg = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=64, n_embd=48, n_layer=2, n_head=3, bos_token_id=0, eos_token_id=0
+        )
         model = transformers.GPT2LMHeadModel(cfg)
     d = tmp_path / kind
     model.eval().save_pretrained(d)
@@ -67,10 +77,22 @@ def test_init_from_trains_from_transformers_loss_with_an_unpadded_vocabulary(tmp
     from loom.data.loader import ShardLoader
 
     theirs, d = random_hf(tmp_path, "gpt2")
-    args = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=ft", "--train.steps=1",
-            f"--model.init_from=hf:{d}", "--model.block_size=32", "--train.batch_size=4", "--train.eval_batches=1",
-            "--train.sample_every=0", "--train.eval_every=0", "--optim.warmup_steps=1", "--train.log_every=1",
-            "--train.device=cpu"]  # fmt: skip
+    args = [
+        "train",
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--run.name=ft",
+        "--train.steps=1",
+        f"--model.init_from=hf:{d}",
+        "--model.block_size=32",
+        "--train.batch_size=4",
+        "--train.eval_batches=1",
+        "--train.sample_every=0",
+        "--train.eval_every=0",
+        "--optim.warmup_steps=1",
+        "--train.log_every=1",
+        "--train.device=cpu",
+    ]
     assert main(args) == 0
     first = next(r for r in read_jsonl(tmp_path / "ft" / "metrics.jsonl") if "loss" in r)
     x, y = ShardLoader(char_data, 4, 32, seed=1337).next_batch()
@@ -100,10 +122,22 @@ def test_char_export_imports_again_on_its_own_data(tmp_path, char_data):
     the exported model (loss of the first step = the exported model's loss in transformers)."""
     from loom.data.loader import ShardLoader
 
-    common = [f"--data.path={char_data}", f"--run.dir={tmp_path}", "--train.steps=1", "--model.n_layer=1",
-              "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32", "--train.batch_size=4",
-              "--train.eval_batches=1", "--train.sample_every=0", "--train.eval_every=0",
-              "--optim.warmup_steps=1", "--train.log_every=1", "--train.device=cpu"]  # fmt: skip
+    common = [
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--train.steps=1",
+        "--model.n_layer=1",
+        "--model.n_head=2",
+        "--model.n_embd=32",
+        "--model.block_size=32",
+        "--train.batch_size=4",
+        "--train.eval_batches=1",
+        "--train.sample_every=0",
+        "--train.eval_every=0",
+        "--optim.warmup_steps=1",
+        "--train.log_every=1",
+        "--train.device=cpu",
+    ]
     assert main(["train", "--run.name=a", *common]) == 0
     assert main(["export", str(tmp_path / "a"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     rest = [a for a in common if not a.startswith("--model.n_")]

@@ -25,8 +25,18 @@ def vs():
 
 
 def test_regexes_match_both_formats(vs):
-    rec = {"step": 12, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "dt": 0.0375, "dtf": 0.01, "dtb": 0.02,
-           "tokens_per_s": 20000.0, "mfu": 0.5, "mem_bytes": 2**29}  # fmt: skip
+    rec = {
+        "step": 12,
+        "loss": 2.5,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "dt": 0.0375,
+        "dtf": 0.01,
+        "dtb": 0.02,
+        "tokens_per_s": 20000.0,
+        "mfu": 0.5,
+        "mem_bytes": 2**29,
+    }
     m = vs.LOOM_STEP.match(format_step(rec))
     assert m and int(m.group(1)) == 12 and float(m.group(3)) == 37.5
     m = vs.LOOM_EVAL.match("step    250 | val loss 1.9876")
@@ -53,15 +63,34 @@ def test_throughput_leaves_out_evals_pauses_and_warmup(vs):
 
 def test_report_names_every_run_and_the_seed_spread(vs, capsys):
     def rec(tps, val, t):
-        return {"steps_timed": 90, "tokens_per_s": tps, "tokens_per_s_median_step": tps, "ms_per_step": 1.0,
-                "ms_per_step_median": 1.0, "final_val_loss": val, "target": 2.0, "time_to_target_s": t,
-                "step_at_target": 1500}  # fmt: skip
+        return {
+            "steps_timed": 90,
+            "tokens_per_s": tps,
+            "tokens_per_s_median_step": tps,
+            "ms_per_step": 1.0,
+            "ms_per_step_median": 1.0,
+            "final_val_loss": val,
+            "target": 2.0,
+            "time_to_target_s": t,
+            "step_at_target": 1500,
+        }
 
-    res = {"shape": "baby", "steps": 2000, "tokens_per_step": 768, "slice_s": 3.0, "wall_s": 200.0,
-           "loom_args": ["--x"], "runners": ["nanoGPT", "loom", "loom seed=2"],
-           "nanoGPT": rec(1000.0, 1.90, 80.0), "loom": rec(1500.0, 1.91, 50.0), "loom seed=2": rec(1490.0, 1.89, 51.0),
-           "tokens_per_s_ratio": 1.5, "tokens_per_s_ratio_median_step": 1.5, "time_to_target_ratio": 1.6,
-           "same_evaluator": {"windows": 10, "tokens": 640, "nanoGPT": 1.90, "loom": 1.92, "loom seed=2": 1.88}}  # fmt: skip
+    res = {
+        "shape": "baby",
+        "steps": 2000,
+        "tokens_per_step": 768,
+        "slice_s": 3.0,
+        "wall_s": 200.0,
+        "loom_args": ["--x"],
+        "runners": ["nanoGPT", "loom", "loom seed=2"],
+        "nanoGPT": rec(1000.0, 1.90, 80.0),
+        "loom": rec(1500.0, 1.91, 50.0),
+        "loom seed=2": rec(1490.0, 1.89, 51.0),
+        "tokens_per_s_ratio": 1.5,
+        "tokens_per_s_ratio_median_step": 1.5,
+        "time_to_target_ratio": 1.6,
+        "same_evaluator": {"windows": 10, "tokens": 640, "nanoGPT": 1.90, "loom": 1.92, "loom seed=2": 1.88},
+    }
     vs.report(res)
     out = capsys.readouterr().out
     assert "loom seed=2" in out and "1.50x" in out and "1.60x" in out

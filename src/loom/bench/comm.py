@@ -105,8 +105,14 @@ def print_table(records: list[dict[str, Any]]) -> None:
     for name in ("backend", "op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
         table.add_column(name, justify="left" if name in ("backend", "op") else "right")
     for r in records:
-        table.add_row(r["backend"], r["op"], format_bytes(r["bytes"]), f"{r['time_us']:.1f}",
-                      f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}")  # fmt: skip
+        table.add_row(
+            r["backend"],
+            r["op"],
+            format_bytes(r["bytes"]),
+            f"{r['time_us']:.1f}",
+            f"{r['algbw_gbps']:.3f}",
+            f"{r['busbw_gbps']:.3f}",
+        )
     log.console().print(table)
 
 
@@ -132,8 +138,11 @@ def plot(records: list[dict[str, Any]], path: str | Path) -> None:
             ax.set_visible(False)
             continue
         for backend in backends:
-            pts = sorted((r["bytes"], r["busbw_gbps"]) for r in records
-                         if r["op"] == ops[i] and r["backend"] == backend and r["busbw_gbps"] > 0)  # fmt: skip
+            pts = sorted(
+                (r["bytes"], r["busbw_gbps"])
+                for r in records
+                if r["op"] == ops[i] and r["backend"] == backend and r["busbw_gbps"] > 0
+            )
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", markersize=3, label=backend)
         ax.set_xscale("log", base=2)
@@ -173,11 +182,15 @@ def _in_this_job(args: argparse.Namespace, backends: list[str], ops: list[str], 
     env = detect_env()
     log.setup(rank=env.rank)
     if env.source == "torchrun" and set(backends) - {"torch"}:
-        raise LoomError("--backend mpi / ring need MPI ranks, but this job was started by torchrun",
-                        hint="run it under mpiexec -n N, or with --nproc N")  # fmt: skip
+        raise LoomError(
+            "--backend mpi / ring need MPI ranks, but this job was started by torchrun",
+            hint="run it under mpiexec -n N, or with --nproc N",
+        )
     if "torch" in backends and env.source in ("none", "pbs"):  # no launcher started this process
-        raise LoomError("--backend torch needs a job of several processes, and this is one process",
-                        hint="add --nproc 2 (or run under torchrun --nproc-per-node 2 / mpiexec -n 2)")  # fmt: skip
+        raise LoomError(
+            "--backend torch needs a job of several processes, and this is one process",
+            hint="add --nproc 2 (or run under torchrun --nproc-per-node 2 / mpiexec -n 2)",
+        )
     records = []
     for backend in backends:
         comm = torch_comm(args.dtype, args.device) if backend == "torch" else mpi_comm(backend, args.dtype)
@@ -209,10 +222,16 @@ def _run_elastic(nproc: int, child: list[str]) -> str | None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"loom-bench-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"timeout": 120},
-        max_restarts=0, monitor_interval=0.2,
-    )  # fmt: skip
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"loom-bench-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"timeout": 120},
+        max_restarts=0,
+        monitor_interval=0.2,
+    )
     logging.getLogger("torch.distributed.elastic").setLevel(
         logging.CRITICAL
     )  # failures are reported below, once
@@ -233,8 +252,10 @@ def _launch_local(args: argparse.Namespace, backends: list[str], ops: list[str],
     if warning := oversubscription(args.nproc):
         log.warn(warning)
     if detect_env().world_size > 1:
-        raise LoomError("--nproc inside a job that is already distributed",
-                        hint="drop --nproc under mpiexec / torchrun / srun")  # fmt: skip
+        raise LoomError(
+            "--nproc inside a job that is already distributed",
+            hint="drop --nproc under mpiexec / torchrun / srun",
+        )
     if set(backends) - {"torch"} and importlib.util.find_spec("mpi4py") is None:
         require_mpi()  # raises the LoomError that names loom[mpi]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
@@ -243,10 +264,28 @@ def _launch_local(args: argparse.Namespace, backends: list[str], ops: list[str],
     with tempfile.TemporaryDirectory(prefix="loom-bench-comm-") as tmp:
         for backend in backends:
             out = Path(tmp) / f"{backend}.json"
-            child = [sys.executable, "-m", "loom.bench.comm", "--backend", backend, "--ops", ",".join(ops),
-                     "--sizes", ",".join(map(str, sizes)), "--iters", str(args.iters), "--warmup",
-                     str(args.warmup), "--dtype", args.dtype_name, "--device", args.device, "--json",
-                     str(out), "--quiet"]  # fmt: skip
+            child = [
+                sys.executable,
+                "-m",
+                "loom.bench.comm",
+                "--backend",
+                backend,
+                "--ops",
+                ",".join(ops),
+                "--sizes",
+                ",".join(map(str, sizes)),
+                "--iters",
+                str(args.iters),
+                "--warmup",
+                str(args.warmup),
+                "--dtype",
+                args.dtype_name,
+                "--device",
+                args.device,
+                "--json",
+                str(out),
+                "--quiet",
+            ]
             failed = (
                 _run_elastic(args.nproc, child) if backend == "torch" else _run_mpiexec(args.nproc, child)
             )
@@ -293,15 +332,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the records as a JSON list")
     p.add_argument("--plot", metavar="FILE.png", help="draw busbw against size (log-log)")
     p.add_argument("--quiet", action="store_true", help="print nothing (--json and --plot are still written)")
-    return p  # fmt: skip
+    return p
 
 
 def comm_main(argv: list[str]) -> int:
     """`loom bench comm`: parse, check everything once, then benchmark here or start local jobs."""
     args = _parser().parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
-        raise LoomError(f"--iters must be ≥ 1 and --warmup ≥ 0; got --iters {args.iters} --warmup {args.warmup}",
-                        hint="e.g. --iters 20 --warmup 5")  # fmt: skip
+        raise LoomError(
+            f"--iters must be ≥ 1 and --warmup ≥ 0; got --iters {args.iters} --warmup {args.warmup}",
+            hint="e.g. --iters 20 --warmup 5",
+        )
     from loom.paths import check_output_file
 
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -311,8 +352,10 @@ def comm_main(argv: list[str]) -> int:
     ops, sizes = parse_choices(args.ops, OPS, "op"), parse_sizes(args.sizes)
     if args.backend is not None:
         if args.backend.strip().lower() in ("nccl", "gloo"):
-            raise LoomError(f"{args.backend} is not a backend here: torch.distributed picks it",
-                            hint="use --backend torch (gloo on CPU, NCCL on CUDA; --device chooses)")  # fmt: skip
+            raise LoomError(
+                f"{args.backend} is not a backend here: torch.distributed picks it",
+                hint="use --backend torch (gloo on CPU, NCCL on CUDA; --device chooses)",
+            )
         backends = parse_choices(args.backend, BACKENDS, "backend")
     elif args.nproc is None and detect_env().source == "torchrun":
         backends = ["torch"]

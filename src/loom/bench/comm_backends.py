@@ -64,9 +64,15 @@ def record(backend: str, op: str, nbytes: int, world_size: int, seconds: float, 
     """One result as written to --json: time in microseconds, bandwidths in 10^9 bytes per second."""
     algbw = nbytes / seconds / 1e9
     return {
-        "backend": backend, "op": op, "bytes": nbytes, "world_size": world_size, "dtype": dtype,
-        "time_us": seconds * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(op, world_size),
-    }  # fmt: skip
+        "backend": backend,
+        "op": op,
+        "bytes": nbytes,
+        "world_size": world_size,
+        "dtype": dtype,
+        "time_us": seconds * 1e6,
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * bus_factor(op, world_size),
+    }
 
 
 # ------------------------------------------------------------------------------------------ backends
@@ -93,8 +99,9 @@ def require_mpi() -> Any:
     try:
         from mpi4py import MPI
     except ImportError as e:
-        raise LoomError("mpi4py is not installed (needed by --backend mpi and ring)",
-                        hint="pip install 'loom[mpi]'") from e  # fmt: skip
+        raise LoomError(
+            "mpi4py is not installed (needed by --backend mpi and ring)", hint="pip install 'loom[mpi]'"
+        ) from e
     return MPI
 
 
@@ -176,8 +183,9 @@ def torch_comm(dtype: str, device_arg: str) -> Comm:
     return Comm(dist.get_rank(), n, prepare, dist.barrier, slowest, sync, process_group.shutdown)
 
 
-def bench(comm: Comm, backend: str, ops: list[str], sizes: list[int], dtype: str, iters: int,
-          warmup: int) -> list[dict[str, Any]]:  # fmt: skip
+def bench(
+    comm: Comm, backend: str, ops: list[str], sizes: list[int], dtype: str, iters: int, warmup: int
+) -> list[dict[str, Any]]:
     """Time every op at every size on one backend; every rank returns the same records."""
     records = []
     for op in ops:

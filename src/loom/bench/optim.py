@@ -52,16 +52,18 @@ def parse_count(text: str) -> int:
 def gpt_config(n_params: int) -> GPTConfig:
     """A GPT config with about `n_params` parameters: GPT-2's own within 5%, else one by the rule above."""
     for n_layer, n_embd in GPT2:
-        cfg = GPTConfig(vocab_size=50257, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd,
-                        block_size=1024, bias=True)  # fmt: skip
+        cfg = GPTConfig(
+            vocab_size=50257, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd, block_size=1024, bias=True
+        )
         if abs(param_count(cfg) - n_params) <= 0.05 * n_params:
             return cfg
     best = None
     for n_embd in range(64, 16385, 64):
         n_layer = max(1, round(n_embd / 64))
         vocab = min(50257, max(64, n_params // (3 * n_embd)))
-        cfg = GPTConfig(vocab_size=vocab, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd,
-                        block_size=1024, bias=True)  # fmt: skip
+        cfg = GPTConfig(
+            vocab_size=vocab, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd, block_size=1024, bias=True
+        )
         err = abs(param_count(cfg) - n_params)
         if best is None or err < best[0]:
             best = (err, cfg)
@@ -122,8 +124,14 @@ def time_impl(
     return rec
 
 
-def run(n_params: int, impls: list[str], device: torch.device, iters: int, warmup: int,
-        copy_bytes: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def run(
+    n_params: int,
+    impls: list[str],
+    device: torch.device,
+    iters: int,
+    warmup: int,
+    copy_bytes: int | None = None,
+) -> list[dict[str, Any]]:
     """Benchmark `impls` on a GPT-shaped parameter set of about n_params; one record per implementation."""
     cfg = gpt_config(n_params)
     shapes = gpt_shapes(cfg)
@@ -136,12 +144,25 @@ def run(n_params: int, impls: list[str], device: torch.device, iters: int, warmu
     n = sum(p.numel() for p in params)
     copy = measure_copy_bandwidth(device, copy_bytes)
     common = {
-        "bench": "optim", "device": device.type, "device_name": device_name(device), "n_params": n,
-        "n_tensors": len(params), "model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
-        "vocab_size": cfg.vocab_size, "block_size": cfg.block_size}, "iters": iters, "warmup": warmup,
-        "bytes_per_step": BYTES_PER_PARAM * n, "copy_bandwidth_gbps": copy["bandwidth_gbps"],
-        "copy_bytes": copy["bytes"], "torch_version": torch.__version__, "threads": torch.get_num_threads(),
-    }  # fmt: skip
+        "bench": "optim",
+        "device": device.type,
+        "device_name": device_name(device),
+        "n_params": n,
+        "n_tensors": len(params),
+        "model": {
+            "n_layer": cfg.n_layer,
+            "n_embd": cfg.n_embd,
+            "vocab_size": cfg.vocab_size,
+            "block_size": cfg.block_size,
+        },
+        "iters": iters,
+        "warmup": warmup,
+        "bytes_per_step": BYTES_PER_PARAM * n,
+        "copy_bandwidth_gbps": copy["bandwidth_gbps"],
+        "copy_bytes": copy["bytes"],
+        "torch_version": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
     records = []
     for impl in impls:
         why = triton_skip_reason(device) if impl == "triton" else None
@@ -164,9 +185,12 @@ def print_table(records: list[dict[str, Any]]) -> None:
 
     first = records[0]
     m = first["model"]
-    table = Table(title=f"loom bench optim: {first['n_params'] / 1e6:.1f}M fp32 params in {first['n_tensors']} "
-                  f"tensors (GPT n_layer={m['n_layer']} n_embd={m['n_embd']} vocab={m['vocab_size']}), "
-                  f"{first['device_name']}", title_justify="left")  # fmt: skip
+    table = Table(
+        title=f"loom bench optim: {first['n_params'] / 1e6:.1f}M fp32 params in {first['n_tensors']} "
+        f"tensors (GPT n_layer={m['n_layer']} n_embd={m['n_embd']} vocab={m['vocab_size']}), "
+        f"{first['device_name']}",
+        title_justify="left",
+    )
     for name in ("impl", "median ms", "min ms", "GB/s", "% of copy", "vs fused"):
         table.add_column(name, justify="left" if name == "impl" else "right")
     for r in records:
@@ -174,12 +198,20 @@ def print_table(records: list[dict[str, Any]]) -> None:
             table.add_row(r["impl"], "skipped", "", "", "", "")
             continue
         ratio = r["speedup_vs_torch_fused"]
-        table.add_row(r["impl"], f"{r['time_ms']:.2f}", f"{r['time_ms_min']:.2f}", f"{r['bandwidth_gbps']:.1f}",
-                      f"{100 * r['fraction_of_copy']:.0f}%", "n/a" if ratio is None else f"{ratio:.2f}x")  # fmt: skip
+        table.add_row(
+            r["impl"],
+            f"{r['time_ms']:.2f}",
+            f"{r['time_ms_min']:.2f}",
+            f"{r['bandwidth_gbps']:.1f}",
+            f"{100 * r['fraction_of_copy']:.0f}%",
+            "n/a" if ratio is None else f"{ratio:.2f}x",
+        )
     log.console().print(table)
-    log.info(f"bytes per step: 28 x {first['n_params']:,} = {first['bytes_per_step'] / 1e9:.3f} GB; copy bandwidth "
-             f"{first['copy_bandwidth_gbps']:.1f} GB/s (2 x {first['copy_bytes'] / 2**20:.0f} MiB / median time); "
-             "'vs fused' = torch-fused time / this time (> 1 is faster)")  # fmt: skip
+    log.info(
+        f"bytes per step: 28 x {first['n_params']:,} = {first['bytes_per_step'] / 1e9:.3f} GB; copy bandwidth "
+        f"{first['copy_bandwidth_gbps']:.1f} GB/s (2 x {first['copy_bytes'] / 2**20:.0f} MiB / median time); "
+        "'vs fused' = torch-fused time / this time (> 1 is faster)"
+    )
     for r in records:
         if "skipped" in r:
             log.info(f"{r['impl']} skipped: {r['skipped']}")
@@ -206,8 +238,10 @@ def optim_main(argv: list[str]) -> int:
     """`loom bench optim`: parse, build the parameters once, time each implementation, report."""
     args = _parser().parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
-        raise LoomError(f"--iters must be ≥ 1 and --warmup ≥ 0; got --iters {args.iters} --warmup {args.warmup}",
-                        hint="e.g. --iters 20 --warmup 5")  # fmt: skip
+        raise LoomError(
+            f"--iters must be ≥ 1 and --warmup ≥ 0; got --iters {args.iters} --warmup {args.warmup}",
+            hint="e.g. --iters 20 --warmup 5",
+        )
     if args.json:
         from loom.paths import check_output_file
 

@@ -110,8 +110,13 @@ def bench_matmul(device: torch.device, dtype: str, sizes: list[int], seconds: fl
     by_size = {n: measure_matmul_flops(device, dtype, n=n, seconds=seconds) for n in affordable}
     best = max(by_size, key=by_size.get)
     peak = datasheet_flops(device, dtype)
-    rec.update(flops=by_size[best], size=best, by_size={str(n): f for n, f in by_size.items()},
-               datasheet_flops=peak, fraction_of_datasheet=by_size[best] / peak if peak else None)  # fmt: skip
+    rec.update(
+        flops=by_size[best],
+        size=best,
+        by_size={str(n): f for n, f in by_size.items()},
+        datasheet_flops=peak,
+        fraction_of_datasheet=by_size[best] / peak if peak else None,
+    )
     if len(affordable) < len(sizes):
         rec["note"] = (
             f"sizes {sorted(set(sizes) - set(affordable))} left out: too slow at {rate / 1e9:.1f} GFLOP/s"
@@ -141,9 +146,14 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
             table.add_row(r["what"], r.get("dtype", ""), "skipped", r["skipped"], "", "")
         elif r["what"] == "matmul":
             peak, frac = r["datasheet_flops"], r["fraction_of_datasheet"]
-            table.add_row("matmul", r["dtype"], f"{r['flops'] / 1e12:.3f} TFLOP/s", f"n={r['size']}",
-                          "n/a" if peak is None else f"{peak / 1e12:.0f} TFLOP/s",
-                          "n/a" if frac is None else f"{100 * frac:.1f}%")  # fmt: skip
+            table.add_row(
+                "matmul",
+                r["dtype"],
+                f"{r['flops'] / 1e12:.3f} TFLOP/s",
+                f"n={r['size']}",
+                "n/a" if peak is None else f"{peak / 1e12:.0f} TFLOP/s",
+                "n/a" if frac is None else f"{100 * frac:.1f}%",
+            )
         else:
             table.add_row(
                 "copy", "fp32", f"{r['bandwidth_gbps']:.1f} GB/s", f"{r['bytes'] / 2**20:.0f} MiB", "", ""
@@ -162,8 +172,12 @@ def _parser() -> argparse.ArgumentParser:
         "--device", default="auto", help="auto (cuda if available, else cpu) | cpu | cuda | cuda:N"
     )
     p.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma list of fp32, bf16, fp16")
-    p.add_argument("--sizes", default=None, help="matrix sizes n (n x n @ n x n), comma list; best kept "
-                   "(default 512,1024,2048 on CPU, 2048,4096,8192 on CUDA)")  # fmt: skip
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="matrix sizes n (n x n @ n x n), comma list; best kept "
+        "(default 512,1024,2048 on CPU, 2048,4096,8192 on CUDA)",
+    )
     p.add_argument("--seconds", type=float, default=0.5, help="time per dtype and size (default 0.5)")
     p.add_argument(
         "--copy-mb", type=int, default=None, help="copy buffer in MiB (default 256 CPU, 1024 CUDA)"

@@ -90,8 +90,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(cfg: config.Config, modes: list[str], steps: int, warmup: int, rounds: int, synthetic: bool,
-            work: Path) -> list[dict[str, Any]]:  # fmt: skip
+def measure(
+    cfg: config.Config, modes: list[str], steps: int, warmup: int, rounds: int, synthetic: bool, work: Path
+) -> list[dict[str, Any]]:
     """One record per activation-checkpointing mode; see the module docstring for what is measured."""
     from loom.env import cpu_memory_reuse
     from loom.train import Trainer
@@ -143,17 +144,31 @@ def measure(cfg: config.Config, modes: list[str], steps: int, warmup: int, round
         seconds = sum(r["dts"])
         tps = len(r["dts"]) * derived.tokens_per_step / seconds
         row = {
-            "bench": "train", "ac": mode, "steps": len(r["dts"]), "warmup": max(warmup, 1), "rounds": rounds,
-            "tokens_per_s": tps, "tokens_per_s_per_device": tps / tr.dims.world_size,
-            "mfu": tr.throughput.mfu(tps), "ms_per_step": 1e3 * seconds / len(r["dts"]),
+            "bench": "train",
+            "ac": mode,
+            "steps": len(r["dts"]),
+            "warmup": max(warmup, 1),
+            "rounds": rounds,
+            "tokens_per_s": tps,
+            "tokens_per_s_per_device": tps / tr.dims.world_size,
+            "mfu": tr.throughput.mfu(tps),
+            "ms_per_step": 1e3 * seconds / len(r["dts"]),
             "ms_per_step_median": 1e3 * statistics.median(r["dts"]),
-            "activation_bytes": r["activation_bytes"], "peak_mem_bytes": r["peak"],
+            "activation_bytes": r["activation_bytes"],
+            "peak_mem_bytes": r["peak"],
             "peak_mem_kind": "max allocated" if device.type == "cuda" else "process peak RSS (all modes)",
-            "compile_s": r["compile_s"], "device": str(device), "dtype": tr.precision,
-            "compile": cfg.train.compile, "params": tr.n_params, "tokens_per_step": derived.tokens_per_step,
-            "micro_batch_size": derived.micro_batch_size, "grad_accum": derived.grad_accum,
-            "synthetic": synthetic, "threads": torch.get_num_threads(), "torch_version": torch.__version__,
-        }  # fmt: skip
+            "compile_s": r["compile_s"],
+            "device": str(device),
+            "dtype": tr.precision,
+            "compile": cfg.train.compile,
+            "params": tr.n_params,
+            "tokens_per_step": derived.tokens_per_step,
+            "micro_batch_size": derived.micro_batch_size,
+            "grad_accum": derived.grad_accum,
+            "synthetic": synthetic,
+            "threads": torch.get_num_threads(),
+            "torch_version": torch.__version__,
+        }
         if base is not None:
             row["time_vs_none"] = (seconds / len(r["dts"])) / (sum(base["dts"]) / len(base["dts"]))
             row["activations_vs_none"] = r["activation_bytes"] / max(base["activation_bytes"], 1)
@@ -165,27 +180,44 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    cols = ("ac", "tokens/s", "tok/s/device", "MFU", "ms/step", "time vs none", "activations",
-            "vs none", "peak mem", "compile")  # fmt: skip
+    cols = (
+        "ac",
+        "tokens/s",
+        "tok/s/device",
+        "MFU",
+        "ms/step",
+        "time vs none",
+        "activations",
+        "vs none",
+        "peak mem",
+        "compile",
+    )
     for c in cols:
         table.add_column(c, justify="left" if c == "ac" else "right")
     for r in records:
         rel = r.get("time_vs_none")
         act = r.get("activations_vs_none")
         table.add_row(
-            r["ac"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_device']:,.0f}",
-            "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", f"{r['ms_per_step']:.1f}",
-            "" if rel is None else f"{rel:.2f}x", f"{r['activation_bytes'] / 2**20:.1f} MiB",
-            "" if act is None else f"{act:.2f}x", f"{r['peak_mem_bytes'] / 2**20:.0f} MiB",
+            r["ac"],
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['tokens_per_s_per_device']:,.0f}",
+            "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+            f"{r['ms_per_step']:.1f}",
+            "" if rel is None else f"{rel:.2f}x",
+            f"{r['activation_bytes'] / 2**20:.1f} MiB",
+            "" if act is None else f"{act:.2f}x",
+            f"{r['peak_mem_bytes'] / 2**20:.0f} MiB",
             "" if r["compile_s"] is None else f"{r['compile_s']:.1f}s",
-        )  # fmt: skip
+        )
     console = log.console()
     console.print(table, width=None if console.is_terminal else 132)  # files and pipes: no squeezed columns
     r0 = records[0]
-    log.info(f"{r0['params'] / 1e6:.2f}M params | {r0['tokens_per_step']:,} tokens/step | {r0['dtype']} | "
-             f"{r0['device']} ({r0['threads']} threads) | {'synthetic data' if r0['synthetic'] else 'real data'}"
-             f" | {r0['steps']} timed steps per mode in {r0['rounds']} interleaved rounds | peak mem: "
-             f"{r0['peak_mem_kind']}")  # fmt: skip
+    log.info(
+        f"{r0['params'] / 1e6:.2f}M params | {r0['tokens_per_step']:,} tokens/step | {r0['dtype']} | "
+        f"{r0['device']} ({r0['threads']} threads) | {'synthetic data' if r0['synthetic'] else 'real data'}"
+        f" | {r0['steps']} timed steps per mode in {r0['rounds']} interleaved rounds | peak mem: "
+        f"{r0['peak_mem_kind']}"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -199,9 +231,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, per mode (default 3)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds the timed steps are cut into")
     p.add_argument("--synthetic", action="store_true", help="one fixed random batch: no data I/O")
-    p.add_argument("--ac", default=None,
-                   help="activation checkpointing modes to compare, e.g. none,full,selective "
-                   "(default: the config's train.activation_checkpointing)")  # fmt: skip
+    p.add_argument(
+        "--ac",
+        default=None,
+        help="activation checkpointing modes to compare, e.g. none,full,selective "
+        "(default: the config's train.activation_checkpointing)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the records as a JSON list")
     return p
 
@@ -220,15 +255,18 @@ def train_main(argv: list[str]) -> int:
     if bad or not modes:
         raise LoomError(f"--ac: unknown mode(s) {', '.join(bad) or '(none)'}", hint=f"use {','.join(MODES)}")
     if args.steps < 1 or args.warmup < 0 or not 1 <= args.rounds <= args.steps:
-        raise LoomError("need --steps >= 1, --warmup >= 0 and 1 <= --rounds <= --steps; got "
-                        f"--steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}")  # fmt: skip
+        raise LoomError(
+            "need --steps >= 1, --warmup >= 0 and 1 <= --rounds <= --steps; got "
+            f"--steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}"
+        )
     if args.json:
         from loom.paths import check_output_file
 
         check_output_file(args.json, "--json")  # before the benchmark, not after it
     with tempfile.TemporaryDirectory(prefix="loom-bench-train-") as tmp:
-        records = measure(cfg, list(dict.fromkeys(modes)), args.steps, args.warmup, args.rounds,
-                          args.synthetic, Path(tmp))  # fmt: skip
+        records = measure(
+            cfg, list(dict.fromkeys(modes)), args.steps, args.warmup, args.rounds, args.synthetic, Path(tmp)
+        )
     for r in records:
         r["config"] = args.config
     print_table(records, f"loom bench train: {args.config or 'defaults'}")

@@ -177,8 +177,14 @@ def _convert_dir(src: Path, out: Path, source: Format, target: Format, dtype, eo
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"input": str(src), "output": str(out), "from": source.name, "to": target.name, "dtype": dt.name,
-            "splits": splits}  # fmt: skip
+    return {
+        "input": str(src),
+        "output": str(out),
+        "from": source.name,
+        "to": target.name,
+        "dtype": dt.name,
+        "splits": splits,
+    }
 
 
 def _convert_file(src: Path, out: Path, source: Format, target: Format, dtype, eot_id: int | None) -> dict:
@@ -193,8 +199,15 @@ def _convert_file(src: Path, out: Path, source: Format, target: Format, dtype, e
     dt = np.dtype(dtype) if dtype else np.dtype(target.default_dtype(r[1] if r else 0))
     written = target.write(out, t, dt)
     docs = None if t.doc_offsets is None else len(t.doc_offsets) - 1
-    return {"input": str(src), "output": [str(p) for p in written], "from": source.name, "to": target.name,
-            "dtype": dt.name, "tokens": len(t.ids), "documents": docs}  # fmt: skip
+    return {
+        "input": str(src),
+        "output": [str(p) for p in written],
+        "from": source.name,
+        "to": target.name,
+        "dtype": dt.name,
+        "tokens": len(t.ids),
+        "documents": docs,
+    }
 
 
 def _check_dtype(dtype: str | None) -> str | None:
@@ -206,15 +219,22 @@ def _check_dtype(dtype: str | None) -> str | None:
     except TypeError:
         dt = None
     if dt is None or dt.kind not in "iu":
-        raise LoomError(f"--dtype '{dtype}' is not an integer token dtype",
-                        hint="use uint16 or uint32 (int32, int64 where the format allows them)")  # fmt: skip
+        raise LoomError(
+            f"--dtype '{dtype}' is not an integer token dtype",
+            hint="use uint16 or uint32 (int32, int64 where the format allows them)",
+        )
     return dtype
 
 
 def convert(
-    src: str | Path, out: str | Path, to: str, source_format: str | None = None, dtype: str | None = None,
-    eot_id: int | None = None, force: bool = False,
-) -> dict:  # fmt: skip
+    src: str | Path,
+    out: str | Path,
+    to: str,
+    source_format: str | None = None,
+    dtype: str | None = None,
+    eot_id: int | None = None,
+    force: bool = False,
+) -> dict:
     """Convert a data directory (train/val splits) or one file from one token format to another."""
     src, out = Path(src), Path(out)
     if not src.exists() and not (src.with_name(src.name + ".idx")).is_file():
@@ -257,8 +277,11 @@ def _split_stats(source: Format, files: list[Path], eot: int | None, meta_split:
     elif meta_split and meta_split.get("documents") is not None:
         docs, how = meta_split["documents"], "meta.json"
     elif eot is not None:
-        docs = sum(int(np.count_nonzero(t.ids[i : i + SHARD_TOKENS] == eot))
-                   for t in parts for i in range(0, len(t.ids), SHARD_TOKENS))  # fmt: skip
+        docs = sum(
+            int(np.count_nonzero(t.ids[i : i + SHARD_TOKENS] == eot))
+            for t in parts
+            for i in range(0, len(t.ids), SHARD_TOKENS)
+        )
         how = f"end-of-text id {eot}"
     else:
         docs, how = None, None
@@ -301,8 +324,13 @@ def inspect(path: str | Path, fmt: str | None = None, sample_tokens: int = 64, c
         fmt = fmt or detect_file(p, "--format")
         if fmt == "parquet":
             texts = read_parquet_texts(p, column)
-            return {"path": str(p), "format": "parquet", "documents": len(texts),
-                    "characters": sum(map(len, texts)), "sample": texts[0][:200] if texts else None}  # fmt: skip
+            return {
+                "path": str(p),
+                "format": "parquet",
+                "documents": len(texts),
+                "characters": sum(map(len, texts)),
+                "sample": texts[0][:200] if texts else None,
+            }
         source, where = FORMATS[fmt], p.parent
         meta = known_meta(where)
         groups = {p.name: [p]}
@@ -336,10 +364,16 @@ def write_foreign_meta(d: Path, info: dict) -> dict:
     """meta.json for a foreign token directory (llm.c/FineWeb shards): the vocabulary as max id + 1 over
     every token (inspect scanned them all), token and document counts per split; no tokenizer."""
     top = max(s["max_id"] for s in info["splits"].values() if s["max_id"] is not None)
-    meta = {"format": info["format"], "vocab_size": int(top) + 1, "tokenizer": None,
-            "vocab_from": "max id + 1 (loom data inspect --write-meta)",
-            "splits": {k: {"tokens": v["tokens"], "documents": v["documents"], "shards": len(v["files"])}
-                       for k, v in info["splits"].items()}}  # fmt: skip
+    meta = {
+        "format": info["format"],
+        "vocab_size": int(top) + 1,
+        "tokenizer": None,
+        "vocab_from": "max id + 1 (loom data inspect --write-meta)",
+        "splits": {
+            k: {"tokens": v["tokens"], "documents": v["documents"], "shards": len(v["files"])}
+            for k, v in info["splits"].items()
+        },
+    }
     tmp = d / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
     os.replace(tmp, d / "meta.json")
@@ -392,11 +426,18 @@ def data_convert_main(argv: list[str]) -> int:
     p.add_argument("--to", dest="target", choices=TOKEN_FORMATS, required=True, help="output format")
     p.add_argument("input", help="a data directory, a file, or a Megatron PREFIX")
     p.add_argument("output", help="a directory (for a directory input), else a file or Megatron PREFIX")
-    p.add_argument("--dtype", default=None,
-                   help="token dtype of the output (default: the smallest the target allows for the vocab)")  # fmt: skip
-    p.add_argument("--eot-id", type=int, default=None,
-                   help="end-of-text id that starts each document, to write Megatron document boundaries "
-                        "from a format without them (default: the tokenizer's)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="token dtype of the output (default: the smallest the target allows for the vocab)",
+    )
+    p.add_argument(
+        "--eot-id",
+        type=int,
+        default=None,
+        help="end-of-text id that starts each document, to write Megatron document boundaries "
+        "from a format without them (default: the tokenizer's)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing output")
     args = p.parse_args(argv)
     s = convert(args.input, args.output, args.target, args.source, args.dtype, args.eot_id, args.force)
@@ -417,16 +458,20 @@ def data_convert_main(argv: list[str]) -> int:
 
 def data_inspect_main(argv: list[str]) -> int:
     """`loom data inspect PATH [--json]`."""
-    p = argparse.ArgumentParser(prog="loom data inspect",
-                                description="What a token data directory or file holds (format detected).")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="loom data inspect", description="What a token data directory or file holds (format detected)."
+    )
     p.add_argument("path", help="a data directory, a token file, a Megatron PREFIX or a .parquet file")
     p.add_argument("--format", choices=[*TOKEN_FORMATS, "parquet"], default=None, help="skip detection")
     p.add_argument("--sample-tokens", type=int, default=64, help="tokens to decode when a tokenizer is known")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--jsonl-field", default="text", help="a .parquet file's text column (as for prepare)")
-    p.add_argument("--write-meta", action="store_true",
-                   help="write meta.json into a directory that has none (one scan of the ids), so that "
-                   "training starts without scanning")  # fmt: skip
+    p.add_argument(
+        "--write-meta",
+        action="store_true",
+        help="write meta.json into a directory that has none (one scan of the ids), so that "
+        "training starts without scanning",
+    )
     args = p.parse_args(argv)
     if args.sample_tokens < 0:
         raise LoomError(f"--sample-tokens must be >= 0 (0: no decoded sample), got {args.sample_tokens}")

@@ -104,9 +104,11 @@ class Encoder:
 
             t = spec["tiktoken"]
             self.enc = tiktoken.Encoding(
-                "loom", pat_str=t["pattern"], special_tokens=t["special"],
+                "loom",
+                pat_str=t["pattern"],
+                special_tokens=t["special"],
                 mergeable_ranks={bytes.fromhex(k): v for k, v in t["ranks"].items()},
-            )  # fmt: skip
+            )
         else:
             from tokenizers import Tokenizer
 
@@ -200,15 +202,19 @@ def choose_backend(spec: dict, sample: list[str], want: str = "auto") -> dict:
     tk = tiktoken_spec(spec["json"])
     if tk is None:
         if want == "tiktoken":
-            raise LoomError("this tokenizer.json is not a plain byte-level BPE that tiktoken can encode",
-                            hint="use --encoder tokenizers")  # fmt: skip
+            raise LoomError(
+                "this tokenizer.json is not a plain byte-level BPE that tiktoken can encode",
+                hint="use --encoder tokenizers",
+            )
         return spec
     fast = {**spec, "backend": "tiktoken", "tiktoken": tk}
     a = Encoder(spec).ids(sample)
     b = Encoder(fast).ids(sample)
     if [list(x) for x in a] != [list(x) for x in b]:
         if want == "tiktoken":
-            raise LoomError("tiktoken gives other ids than the tokenizers library for this tokenizer",
-                            hint="use --encoder tokenizers")  # fmt: skip
+            raise LoomError(
+                "tiktoken gives other ids than the tokenizers library for this tokenizer",
+                hint="use --encoder tokenizers",
+            )
         return spec
     return fast

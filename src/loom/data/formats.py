@@ -358,8 +358,10 @@ def _check_one_format(d: Path) -> None:
     }
     present = {k: v for k, v in kinds.items() if v}
     if len(present) > 1:
-        what = "; ".join(f"{k}: {', '.join(p.name for p in v[:3])}{' ...' if len(v) > 3 else ''}"
-                         for k, v in present.items())  # fmt: skip
+        what = "; ".join(
+            f"{k}: {', '.join(p.name for p in v[:3])}{' ...' if len(v) > 3 else ''}"
+            for k, v in present.items()
+        )
         raise LoomError(
             f"data directory '{d}' holds token files of {len(present)} formats ({what}): loom would read one "
             "format and leave the others out",
@@ -429,8 +431,13 @@ def _nanogpt_vocab(raw: dict, source: Path) -> dict:
             # no eot_id: nanoGPT's data has no end-of-text token (loom's CharTokenizer adds one, unused)
             tokenizer = {"kind": "char", "chars": chars, "source": source.name}
     size = max(vocab, len(tokenizer["chars"]) + 1) if tokenizer else vocab
-    return {"format": "nanogpt", "vocab_size": size, "nanogpt_vocab_size": vocab, "tokenizer": tokenizer,
-            "vocab_from": source.name}  # fmt: skip
+    return {
+        "format": "nanogpt",
+        "vocab_size": size,
+        "nanogpt_vocab_size": vocab,
+        "tokenizer": tokenizer,
+        "vocab_from": source.name,
+    }
 
 
 def read_meta(data_dir: str | Path) -> dict:
@@ -447,8 +454,10 @@ def read_meta(data_dir: str | Path) -> dict:
             return _nanogpt_vocab(meta, path)
         vocab = meta.get("vocab_size") if isinstance(meta, dict) else None
         if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
-            raise LoomError(f"'{path}' is not a loom meta.json (no positive integer vocab_size)",
-                            hint="prepare the data again with `loom data prepare`")  # fmt: skip
+            raise LoomError(
+                f"'{path}' is not a loom meta.json (no positive integer vocab_size)",
+                hint="prepare the data again with `loom data prepare`",
+            )
         return meta
     if (d / "meta.pkl").is_file():
         return _nanogpt_vocab(read_meta_pkl(d / "meta.pkl"), d / "meta.pkl")
@@ -462,8 +471,12 @@ def read_meta(data_dir: str | Path) -> dict:
         open_split(d, "train")  # raises the reason there is nothing to read
         raise LoomError(f"data directory '{d}' holds no tokens")
     whole = all(len(a) <= per_shard for a in arrays)
-    return {"format": fmt, "vocab_size": r[1] + 1, "tokenizer": None,
-            "vocab_from": "max id + 1" if whole else "max id + 1 of each shard's start"}  # fmt: skip
+    return {
+        "format": fmt,
+        "vocab_size": r[1] + 1,
+        "tokenizer": None,
+        "vocab_from": "max id + 1" if whole else "max id + 1 of each shard's start",
+    }
 
 
 _ID_CHECK_TOKENS = 1 << 24  # ids checked against the vocabulary before training, over all shards

@@ -42,8 +42,18 @@ def cached_bos_starts(ids: np.ndarray, bos_id: int, block_size: int) -> np.ndarr
     from loom.paths import cache_dir
 
     st = os.stat(name)
-    key = repr((str(name), st.st_size, st.st_mtime_ns, getattr(ids, "offset", 0), len(ids), ids.dtype.str,
-                bos_id, block_size))  # fmt: skip
+    key = repr(
+        (
+            str(name),
+            st.st_size,
+            st.st_mtime_ns,
+            getattr(ids, "offset", 0),
+            len(ids),
+            ids.dtype.str,
+            bos_id,
+            block_size,
+        )
+    )
     path = cache_dir() / "align" / f"{hashlib.sha1(key.encode()).hexdigest()}.npy"
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
@@ -200,9 +210,11 @@ class ShardLoader:
             from loom import log
 
             total = self.windows.tokens
-            log.info(f"data.align=bos: {self.windows.n:,} windows start at a document start; "
-                     f"{self.windows.dropped:,} of {total:,} {split} tokens ({self.windows.dropped / max(1, total):.1%})"
-                     " are never trained on (between a window's end and the next document)")  # fmt: skip
+            log.info(
+                f"data.align=bos: {self.windows.n:,} windows start at a document start; "
+                f"{self.windows.dropped:,} of {total:,} {split} tokens ({self.windows.dropped / max(1, total):.1%})"
+                " are never trained on (between a window's end and the next document)"
+            )
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.cursor = 0  # global samples consumed (all ranks together)
@@ -278,8 +290,10 @@ def _bos_id(data_dir: str | Path, align: str) -> int | None:
     tok = read_meta(data_dir).get("tokenizer") or {}
     eot = tok.get("eot_id") if isinstance(tok, dict) else None
     if not isinstance(eot, int):
-        raise LoomError(f"data.align=bos needs the end-of-text id of '{data_dir}', which its meta does not give",
-                        hint="prepare the data with loom (meta.json records tokenizer.eot_id), or use data.align=none")  # fmt: skip
+        raise LoomError(
+            f"data.align=bos needs the end-of-text id of '{data_dir}', which its meta does not give",
+            hint="prepare the data with loom (meta.json records tokenizer.eot_id), or use data.align=none",
+        )
     return eot
 
 

@@ -65,8 +65,10 @@ def _check_not_empty(found: bool, inputs, stats: ReadStats, glob: str | None = N
         return
     where = ", ".join(str(p) for p in inputs)
     if glob is not None:  # no input file at all
-        raise LoomError(f"the corpus is empty: no file in {where} matches --glob '{glob}'",
-                        hint="check --input and --glob (folders are searched recursively; hidden entries skipped)")  # fmt: skip
+        raise LoomError(
+            f"the corpus is empty: no file in {where} matches --glob '{glob}'",
+            hint="check --input and --glob (folders are searched recursively; hidden entries skipped)",
+        )
     n = stats.skipped_binary_count
     reasons = [f"{n} binary files skipped ({_some(stats.skipped_binary, 3, n)})"] if n else []
     if stats.dropped_count:
@@ -85,8 +87,10 @@ def _check_not_empty(found: bool, inputs, stats: ReadStats, glob: str | None = N
         )
     elif stats.corrupt:
         hint = "replace the corrupt file(s)"
-    raise LoomError(f"the corpus is empty: no text found in {where}" + (f"; {'; '.join(reasons)}" if reasons else ""),
-                    hint=hint)  # fmt: skip
+    raise LoomError(
+        f"the corpus is empty: no text found in {where}" + (f"; {'; '.join(reasons)}" if reasons else ""),
+        hint=hint,
+    )
 
 
 def _some(items: list[str], n: int = 3, total: int | None = None) -> str:
@@ -99,21 +103,37 @@ def _some(items: list[str], n: int = 3, total: int | None = None) -> str:
 def report_stats(stats: ReadStats, repeats: int = 0) -> None:
     """Warn about everything reading noticed, naming the first few places."""
     notes = [  # (how many, the first places, how many to name, the message before them)
-        (len(stats.read_once), stats.read_once, 3,
-         "{} input file(s) were named more than once (directly or inside a folder) and are read once"),
-        (stats.replaced_files, stats.replaced, 3, "{} file(s) or line(s) had undecodable bytes, replaced with U+FFFD"),
+        (
+            len(stats.read_once),
+            stats.read_once,
+            3,
+            "{} input file(s) were named more than once (directly or inside a folder) and are read once",
+        ),
+        (
+            stats.replaced_files,
+            stats.replaced,
+            3,
+            "{} file(s) or line(s) had undecodable bytes, replaced with U+FFFD",
+        ),
         (stats.skipped_binary_count, stats.skipped_binary, 3, "skipped {} binary file(s)"),
         (stats.dropped_count, stats.dropped, 5, "dropped {} document(s) with no text"),
-        (stats.bad_lines_count, stats.bad_lines, 5, "skipped {} JSONL line(s) (--strict makes this an error)"),
-    ]  # fmt: skip
+        (
+            stats.bad_lines_count,
+            stats.bad_lines,
+            5,
+            "skipped {} JSONL line(s) (--strict makes this an error)",
+        ),
+    ]
     for count, places, n, message in notes:
         if count:
             log.warn(f"{message.format(count)}: {_some(places, n, count)}")
     for what in stats.corrupt:
         log.warn(f"{what}: the rest of that file is skipped (--strict makes this an error)")
     if repeats:
-        log.warn(f"{repeats} document(s) repeat the text of an earlier one: with the docs split a copy can land "
-                 "in val while its original trains, which makes the val loss too low")  # fmt: skip
+        log.warn(
+            f"{repeats} document(s) repeat the text of an earlier one: with the docs split a copy can land "
+            "in val while its original trains, which makes the val loss too low"
+        )
 
 
 def encoder_spec(tok, dtype=np.int64) -> dict:
@@ -168,8 +188,9 @@ def _version(vocab_size: int, dtype: str) -> int:
     if version is None:
         raise LoomError(f"unknown --dtype '{dtype}'", hint="use auto, uint16 or uint32")
     if vocab_size - 1 > np.iinfo(DTYPES[version]).max:
-        raise LoomError(f"a vocabulary of {vocab_size:,} ids does not fit in {dtype}",
-                        hint="use --dtype uint32 (or auto)")  # fmt: skip
+        raise LoomError(
+            f"a vocabulary of {vocab_size:,} ids does not fit in {dtype}", hint="use --dtype uint32 (or auto)"
+        )
     return version
 
 
@@ -186,8 +207,14 @@ def _bar(label: str, total: int | None):
     )
 
     t0 = time.perf_counter()
-    cols = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-            TextColumn("{task.fields[tps]}"), TimeRemainingColumn()]  # fmt: skip
+    cols = [
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TextColumn("{task.fields[tps]}"),
+        TimeRemainingColumn(),
+    ]
     console = log.console()
     with Progress(*cols, transient=True, console=console, disable=not console.is_terminal) as bar:
         task = bar.add_task(label, total=total, tps="")
@@ -258,14 +285,18 @@ def _train_tokenizer(plan: PrepareRequest, files, total_chars: int | None):
             if size >= plan.tokenizer_sample:
                 break
     if size == 0:  # a corpus far larger than the sample: the seeded draw took no document
-        raise LoomError(f"the BPE's training sample is empty: --tokenizer-sample {plan.tokenizer_sample:,} of "
-                        f"~{est:,} bytes of input took no document of the train split",
-                        hint="raise --tokenizer-sample (default 200,000,000 characters)")  # fmt: skip
+        raise LoomError(
+            f"the BPE's training sample is empty: --tokenizer-sample {plan.tokenizer_sample:,} of "
+            f"~{est:,} bytes of input took no document of the train split",
+            hint="raise --tokenizer-sample (default 200,000,000 characters)",
+        )
     t0 = time.perf_counter()
     tok = HFTokenizer.train(sample, plan.vocab_size, plan.pattern, plan.bpe_trainer)
     del sample
-    log.info(f"trained a byte-level BPE ({plan.pattern} split, vocab {tok.vocab_size:,}) on a sample of "
-             f"{size:,} characters in {time.perf_counter() - t0:.1f}s")  # fmt: skip
+    log.info(
+        f"trained a byte-level BPE ({plan.pattern} split, vocab {tok.vocab_size:,}) on a sample of "
+        f"{size:,} characters in {time.perf_counter() - t0:.1f}s"
+    )
     return tok, "bpe"
 
 
@@ -287,9 +318,11 @@ def _start(tmp: Path, fingerprint: str, force: bool) -> dict | None:
     if rec and rec.get("fingerprint") == fingerprint:
         return rec
     if rec and not force:
-        raise LoomError(f"'{tmp}' holds an unfinished preparation with other settings or inputs",
-                        hint="run that preparation's command again to finish it, or pass --force to start "
-                        "this one instead")  # fmt: skip
+        raise LoomError(
+            f"'{tmp}' holds an unfinished preparation with other settings or inputs",
+            hint="run that preparation's command again to finish it, or pass --force to start "
+            "this one instead",
+        )
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return None
@@ -314,8 +347,10 @@ def check_counts(**values: int) -> None:
         low, what, zero = COUNTS[key]
         if value < low:
             option = "--" + key.replace("_", "-")
-            raise LoomError(f"{option} must be >= {low} ({what}), got {value}",
-                            hint=f"{option} {zero}" if zero else f"leave {option} out for its default")  # fmt: skip
+            raise LoomError(
+                f"{option} must be >= {low} ({what}), got {value}",
+                hint=f"{option} {zero}" if zero else f"leave {option} out for its default",
+            )
 
 
 def prepare(
@@ -350,8 +385,15 @@ def prepare(
     out = Path(out)
     check_apart(out, inputs)
     check_replaceable(out, "data", force)  # before any reading; replaced only once the new one is ready
-    check_counts(vocab_size=vocab_size, seed=seed, shard_tokens=shard_tokens, workers=workers,
-                 tokenizer_sample=tokenizer_sample, doc_cap=doc_cap, doc_chars=doc_chars)  # fmt: skip
+    check_counts(
+        vocab_size=vocab_size,
+        seed=seed,
+        shard_tokens=shard_tokens,
+        workers=workers,
+        tokenizer_sample=tokenizer_sample,
+        doc_cap=doc_cap,
+        doc_chars=doc_chars,
+    )
     if tokenizer == "bpe":
         check_bpe_vocab(vocab_size)  # before any reading
         _version(vocab_size, dtype)
@@ -364,8 +406,13 @@ def prepare(
     # blocks of 1 MiB and more (text blocks, pieces, chunks) are memory maps given back when freed: from the
     # heap, their fragmentation made peak RSS grow with the length of a single large text file
     cpu_memory_release(trim_threshold=8 << 20)
-    read = ReadOptions(glob=glob, field=jsonl_field, text_separator=text_separator or None,
-                       doc_chars=doc_chars, strict=strict)  # fmt: skip
+    read = ReadOptions(
+        glob=glob,
+        field=jsonl_field,
+        text_separator=text_separator or None,
+        doc_chars=doc_chars,
+        strict=strict,
+    )
     found = ReadStats()
     files = input_files(inputs, glob, found)
     _check_not_empty(bool(files), inputs, ReadStats(), glob)
@@ -374,8 +421,22 @@ def prepare(
         if not read.text_separator and not read.doc_chars:
             log.info("one document only: splitting its characters (train first, val last)")
             mode = "tail"
-    plan = PrepareRequest([str(p) for p in inputs], tokenizer, vocab_size, val_fraction, mode, seed, shard_tokens, read,
-                tokenizer_sample, doc_cap, pattern, bpe_trainer, dtype, chunk_chars)  # fmt: skip
+    plan = PrepareRequest(
+        [str(p) for p in inputs],
+        tokenizer,
+        vocab_size,
+        val_fraction,
+        mode,
+        seed,
+        shard_tokens,
+        read,
+        tokenizer_sample,
+        doc_cap,
+        pattern,
+        bpe_trainer,
+        dtype,
+        chunk_chars,
+    )
     tmp = out.with_name(f".{out.name}.loom-tmp")
     fingerprint = plan.fingerprint(files)
     rec = _start(tmp, fingerprint, force)
@@ -402,9 +463,11 @@ def prepare(
         f"{meta['bytes_per_token_val']:.2f} bytes/token on val, in {dt:.1f}s ({n_tok / dt / 1e6:.2f}M tokens/s)"
     )
     if abs(share - val_fraction) > max(0.02, 0.25 * val_fraction):
-        log.warn(f"val holds {share:.1%} of the tokens, not the {val_fraction:.1%} asked by --val-fraction: the "
-                 f"{meta['documents']} documents are too few or too uneven to split closer by whole documents "
-                 "(--split-mode tail cuts at the exact share)")  # fmt: skip
+        log.warn(
+            f"val holds {share:.1%} of the tokens, not the {val_fraction:.1%} asked by --val-fraction: the "
+            f"{meta['documents']} documents are too few or too uneven to split closer by whole documents "
+            "(--split-mode tail cuts at the exact share)"
+        )
     return meta
 
 
@@ -424,16 +487,23 @@ def _run(
         tok, kind = _train_tokenizer(plan, files, total)
         info = {"kind": kind, "file": tok.save(tmp), "eot_id": tok.eot_id}
         info["sha256"] = tokenizer_hash(tmp, {"tokenizer": info})  # compares tokenizers by content
-        rec = {"fingerprint": fingerprint, "tokenizer": info, "total_chars": total, "vocab_size": tok.vocab_size,
-               "splits": {s: {"shards": 0, "chunk": 0, "offset": 0} for s in SPLITS}}  # fmt: skip
+        rec = {
+            "fingerprint": fingerprint,
+            "tokenizer": info,
+            "total_chars": total,
+            "vocab_size": tok.vocab_size,
+            "splits": {s: {"shards": 0, "chunk": 0, "offset": 0} for s in SPLITS},
+        }
         _write_json(tmp / PROGRESS, rec)
     else:
         from loom.data.tokenizers import load_tokenizer
 
         tok = load_tokenizer(tmp, {"tokenizer": rec["tokenizer"]})
         done = rec["splits"]
-        log.info(f"continuing the unfinished preparation in {tmp}: {done['train']['shards']} train and "
-                 f"{done['val']['shards']} val shard(s) already complete")  # fmt: skip
+        log.info(
+            f"continuing the unfinished preparation in {tmp}: {done['train']['shards']} train and "
+            f"{done['val']['shards']} val shard(s) already complete"
+        )
     version = _version(tok.vocab_size, plan.dtype)
     spec = encoder_spec(tok, DTYPES[version])
     start = {s: (v["chunk"], v["offset"]) for s, v in rec["splits"].items()}
@@ -447,8 +517,9 @@ def _run(
             rec["splits"][split] = {"shards": shards, "chunk": position[0], "offset": position[1]}
             _write_json(tmp / PROGRESS, rec)
 
-    writers = {s: ShardWriter(tmp, s, plan.shard_tokens, version, rec["splits"][s]["shards"], commit)
-               for s in SPLITS}  # fmt: skip
+    writers = {
+        s: ShardWriter(tmp, s, plan.shard_tokens, version, rec["splits"][s]["shards"], commit) for s in SPLITS
+    }
     stats = ReadStats(read_once=read_once)
     resume_chunk = min(c for c, _ in start.values())
     counts = {"documents": {s: 0 for s in SPLITS}, "val_bytes": 0, "repeats": 0}

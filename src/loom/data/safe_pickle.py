@@ -17,10 +17,19 @@ from loom.errors import LoomError
 _IGNORED = {"PROTO", "FRAME", "STOP"}
 _SCALARS = {
     # ints (INT in protocol 0 also spells booleans as 00/01, which genops returns as bool: refused below)
-    "INT", "LONG", "BININT", "BININT1", "BININT2", "LONG1", "LONG4",
+    "INT",
+    "LONG",
+    "BININT",
+    "BININT1",
+    "BININT2",
+    "LONG1",
+    "LONG4",
     # strs
-    "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8",
-}  # fmt: skip
+    "UNICODE",
+    "BINUNICODE",
+    "SHORT_BINUNICODE",
+    "BINUNICODE8",
+}
 _PUT = {"PUT", "BINPUT", "LONG_BINPUT"}
 _GET = {"GET", "BINGET", "LONG_BINGET"}
 MAX_BYTES = 64 << 20  # a character vocabulary is kilobytes; refuse to parse anything absurd

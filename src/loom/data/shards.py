@@ -163,6 +163,7 @@ def _disk_error(path: Path, e: OSError) -> LoomError:
 
     full = e.errno in (errno.ENOSPC, errno.EDQUOT)
     what = "the disk is full" if full else f"{type(e).__name__}: {e}"
-    return LoomError(f"cannot write shard '{path}': {what}",
-                     hint="free some space and run the same command again: it continues from the last "
-                     "complete shard")  # fmt: skip
+    return LoomError(
+        f"cannot write shard '{path}': {what}",
+        hint="free some space and run the same command again: it continues from the last complete shard",
+    )

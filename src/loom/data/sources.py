@@ -207,8 +207,10 @@ def _text_units(path: Path, explicit: bool, opts: ReadOptions, stats: ReadStats)
         head = f.read(READ_BYTES)
     if b"\x00" in head[:BINARY_PROBE]:
         if explicit:
-            raise LoomError(f"input '{path}' looks binary (it contains NUL bytes), not text",
-                            hint="give text files, folders of text files (with --glob), or JSONL")  # fmt: skip
+            raise LoomError(
+                f"input '{path}' looks binary (it contains NUL bytes), not text",
+                hint="give text files, folders of text files (with --glob), or JSONL",
+            )
         stats.note("skipped_binary", str(path))
         return
     stats.files += 1
@@ -382,8 +384,13 @@ def _jsonl_units(path: Path, kind: str, opts: ReadOptions, stats: ReadStats) -> 
             text = field_value(rec, opts.field)
             if text is _MISSING:
                 seen.missing += 1
-                _bad_line(stats, opts, f"{path}:{lineno}", f"has no field '{opts.field}'",
-                          hint="name the text field with --jsonl-field")  # fmt: skip
+                _bad_line(
+                    stats,
+                    opts,
+                    f"{path}:{lineno}",
+                    f"has no field '{opts.field}'",
+                    hint="name the text field with --jsonl-field",
+                )
                 continue
             if isinstance(text, str) and text:
                 seen.texts += 1
@@ -475,8 +482,11 @@ def parquet_text_column(schema, name: str, path: Path) -> tuple[str, str]:
     import pyarrow as pa
 
     texts = _string_columns(schema)
-    hint = (f"name a text column with --jsonl-field: {', '.join(texts[:6])}" if texts
-            else "this file has no text column")  # fmt: skip
+    hint = (
+        f"name a text column with --jsonl-field: {', '.join(texts[:6])}"
+        if texts
+        else "this file has no text column"
+    )
     if name in schema.names:
         top, inner = name, ""
     else:

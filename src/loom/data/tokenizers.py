@@ -103,10 +103,12 @@ class HFTokenizer:
                     ) from None
         tok = Tokenizer(models.BPE())
         if pattern == "gpt4":
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(GPT4_PATTERN), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])  # fmt: skip
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(GPT4_PATTERN), behavior="isolated", invert=False),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
         else:
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -171,9 +173,11 @@ def tokenizer_files(spec: str | Path) -> list[Path]:
                 return [path / f for f in pair]
     elif path.is_file():
         return [path]
-    raise LoomError(f"--tokenizer '{spec}' is neither char, bpe nor an existing tokenizer.json",
-                    hint="char, bpe, the path of a tokenizer.json, or a folder holding one (or GPT-2's "
-                    "encoder.json + vocab.bpe)")  # fmt: skip
+    raise LoomError(
+        f"--tokenizer '{spec}' is neither char, bpe nor an existing tokenizer.json",
+        hint="char, bpe, the path of a tokenizer.json, or a folder holding one (or GPT-2's "
+        "encoder.json + vocab.bpe)",
+    )
 
 
 def load_given_tokenizer(spec: str | Path) -> HFTokenizer:
@@ -187,8 +191,10 @@ def load_tokenizer(directory: str | Path, meta: dict) -> CharTokenizer | HFToken
     character table carried in the meta itself (`tokenizer.chars`: a nanoGPT meta.pkl vocabulary)."""
     info = _tokenizer_info(directory, meta)
     if not info:
-        raise LoomError(f"no tokenizer is known for the data in '{directory}' (token ids only)",
-                        hint="put the tokenizer's meta.json (or nanoGPT's meta.pkl) beside the data")  # fmt: skip
+        raise LoomError(
+            f"no tokenizer is known for the data in '{directory}' (token ids only)",
+            hint="put the tokenizer's meta.json (or nanoGPT's meta.pkl) beside the data",
+        )
     try:
         if info.get("kind") == "char" and "chars" in info:
             return CharTokenizer(list(info["chars"]))
@@ -201,8 +207,10 @@ def load_tokenizer(directory: str | Path, meta: dict) -> CharTokenizer | HFToken
     except LoomError:
         raise
     except Exception as e:  # a meta.json or tokenizer file that parses but describes no usable tokenizer
-        raise LoomError(f"cannot load the tokenizer of '{directory}': {type(e).__name__}: {e}",
-                        hint="prepare the data again") from None  # fmt: skip
+        raise LoomError(
+            f"cannot load the tokenizer of '{directory}': {type(e).__name__}: {e}",
+            hint="prepare the data again",
+        ) from None
 
 
 def _tokenizer_info(directory: str | Path, meta: dict) -> dict:
@@ -210,8 +218,10 @@ def _tokenizer_info(directory: str | Path, meta: dict) -> dict:
     info = meta.get("tokenizer") or {}
     file = info.get("file", "") if isinstance(info, dict) else None
     if not isinstance(file, str) or "/" in file or "\\" in file or file in (".", ".."):
-        raise LoomError(f"the tokenizer entry of '{directory}/meta.json' is malformed (file must be a plain name)",
-                        hint="prepare the data again")  # fmt: skip
+        raise LoomError(
+            f"the tokenizer entry of '{directory}/meta.json' is malformed (file must be a plain name)",
+            hint="prepare the data again",
+        )
     return info
 
 
@@ -255,8 +265,13 @@ def _tokenizer_content(directory: str | Path, meta: dict) -> dict | None:
     added = sorted(
         (t.get("id"), t.get("content"), bool(t.get("special"))) for t in raw.get("added_tokens") or []
     )
-    return {"kind": "bpe", "type": model.get("type"), "vocab": model.get("vocab") or {}, "merges": merges,
-            "added": [list(t) for t in added]}  # fmt: skip
+    return {
+        "kind": "bpe",
+        "type": model.get("type"),
+        "vocab": model.get("vocab") or {},
+        "merges": merges,
+        "added": [list(t) for t in added],
+    }
 
 
 def tokenizer_hash(directory: str | Path, meta: dict) -> str | None:
@@ -305,8 +320,11 @@ def check_same_tokenizer(
         return
     a, b = _tokenizer_content(run_tok_dir, run_meta), _tokenizer_content(data_dir, data_meta)
     if a is None or b is None:
-        what = "the run has a tokenizer and the data token ids only" if b is None else (
-            "the data has a tokenizer and the run token ids only")  # fmt: skip
+        what = (
+            "the run has a tokenizer and the data token ids only"
+            if b is None
+            else ("the data has a tokenizer and the run token ids only")
+        )
     else:
         what = _difference(a, b, ("the run's", "the data's"))
     raise LoomError(

@@ -42,8 +42,18 @@ def nccl_env(dump_prefix: str | None = None) -> dict[str, str]:
     return env
 
 
-COMM_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection closed", "connection reset", "broken pipe",
-              "peer", "socket", "watchdog")  # fmt: skip
+COMM_WORDS = (
+    "gloo",
+    "nccl",
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "peer",
+    "socket",
+    "watchdog",
+)
 
 
 def is_comm_error(e: BaseException) -> bool:
@@ -60,9 +70,12 @@ class Heartbeat:
         self.rank, self.world_size = rank, world_size
         attempt = restart_count()
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-        )  # fmt: skip
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
         self.store = dist.PrefixStore(f"loom/heartbeat/{attempt}", store)
         self.here = local_addresses(os.environ["MASTER_ADDR"])
         self.store.set(f"where/{rank}", " ".join(self.here))
@@ -143,8 +156,10 @@ def describe_failure(
             for where, ranks in peers.items():
                 msg += f"; the connection to {where} broke: rank(s) {', '.join(map(str, ranks))} run there"
             if late:
-                names = ", ".join(f"rank {r} (last began step {last})" if last else f"rank {r} (never began a step)"
-                                  for r, last in late)  # fmt: skip
+                names = ", ".join(
+                    f"rank {r} (last began step {last})" if last else f"rank {r} (never began a step)"
+                    for r, last in late
+                )
                 msg += f"; did not arrive at step {step}: {names}"
             elif step and not peers:
                 msg += f"; every rank began step {step}, so one is stuck or died inside it"

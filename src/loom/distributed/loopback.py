@@ -43,9 +43,14 @@ class LoopbackRendezvous(RendezvousHandler):
         sock.listen(128)
         port = sock.getsockname()[1]
         store = dist.TCPStore(
-            HOST, port, is_master=True, master_listen_fd=sock.fileno(), wait_for_workers=False,
-            multi_tenant=True, timeout=self._timeout,
-        )  # fmt: skip
+            HOST,
+            port,
+            is_master=True,
+            master_listen_fd=sock.fileno(),
+            wait_for_workers=False,
+            multi_tenant=True,
+            timeout=self._timeout,
+        )
         # Both kept for the store's lifetime: the TCPStore serves on the socket's file descriptor.
         old = self._sock
         self._sock, self._store = sock, store

@@ -51,15 +51,22 @@ def read_examples_and_lines(path: str | Path, limit: int | None = None) -> tuple
             ctx, endings, label = (
                 ex.get(k) if isinstance(ex, dict) else None for k in ("ctx", "endings", "label")
             )
-            if not isinstance(ctx, str) or not (isinstance(endings, list) and len(endings) == 4
-                                                and all(isinstance(e, str) and e for e in endings)):  # fmt: skip
-                raise LoomError(f"{p}:{n} needs 'ctx' (text) and 'endings' (4 non-empty texts)",
-                                hint="use the official HellaSwag JSONL (ctx, endings, label)")  # fmt: skip
+            if not isinstance(ctx, str) or not (
+                isinstance(endings, list)
+                and len(endings) == 4
+                and all(isinstance(e, str) and e for e in endings)
+            ):
+                raise LoomError(
+                    f"{p}:{n} needs 'ctx' (text) and 'endings' (4 non-empty texts)",
+                    hint="use the official HellaSwag JSONL (ctx, endings, label)",
+                )
             if isinstance(label, str) and label.isdigit():
                 label = int(label)
             if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < 4:
-                raise LoomError(f"{p}:{n} has label {label!r}; it must be 0, 1, 2 or 3",
-                                hint="the test split has no labels: evaluate on hellaswag_val.jsonl")  # fmt: skip
+                raise LoomError(
+                    f"{p}:{n} has label {label!r}; it must be 0, 1, 2 or 3",
+                    hint="the test split has no labels: evaluate on hellaswag_val.jsonl",
+                )
             out.append({"ctx": ctx, "endings": endings, "label": label})
             lines.append(n)
             if limit and len(out) >= limit:
@@ -145,8 +152,10 @@ class HellaSwagEval(Every):
         return {"hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"], "hellaswag_n": hs["n"]}
 
     def line(self, step: int, record: dict) -> str:
-        return (f"step {step:>6} | hellaswag acc {record['hellaswag_acc']:.4f} | acc_norm "
-                f"{record['hellaswag_acc_norm']:.4f} ({record['hellaswag_n']} examples)")  # fmt: skip
+        return (
+            f"step {step:>6} | hellaswag acc {record['hellaswag_acc']:.4f} | acc_norm "
+            f"{record['hellaswag_acc_norm']:.4f} ({record['hellaswag_n']} examples)"
+        )
 
 
 @torch.no_grad()

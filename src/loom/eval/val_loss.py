@@ -63,8 +63,14 @@ class ValLossEval(Every):
             loss = par.pipeline.val_loss(self.valset, self.micro_batch_size, ctx.autocast, par.all_reduce_sum)
         else:
             with par.loss_context():
-                loss = val_loss(par.eval_model(), self.valset, self.micro_batch_size, ctx.device, ctx.autocast,
-                                par.all_reduce_sum)  # fmt: skip
+                loss = val_loss(
+                    par.eval_model(),
+                    self.valset,
+                    self.micro_batch_size,
+                    ctx.device,
+                    ctx.autocast,
+                    par.all_reduce_sum,
+                )
         self.last = loss
         if ctx.tokenizer is None:
             return {"val_loss": loss}
@@ -178,8 +184,10 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
             checkpoint.list_steps(run_dir / "ckpt"), TorchControl(), model_only=True
         )
         if path is None:
-            raise LoomError(f"run '{run_dir}' has no valid checkpoint",
-                            hint="train it (checkpoints are written at the end)")  # fmt: skip
+            raise LoomError(
+                f"run '{run_dir}' has no valid checkpoint",
+                hint="train it (checkpoints are written at the end)",
+            )
     check_trained_model(path, cfg, run_dir)
     cfg.train.compile, cfg.train.activation_checkpointing = False, "none"
     spec = spec_of(cfg)
@@ -202,9 +210,11 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
 
 
 def _hint(run_dir: Path) -> str:
-    return (f"'{run_dir / 'config.toml'}' must hold the model settings the checkpoint was trained with: put "
-            "them back (the checkpoint records them in its state.json), or give a checkpoint of this run "
-            "(--ckpt RUN/ckpt/step_N)")  # fmt: skip
+    return (
+        f"'{run_dir / 'config.toml'}' must hold the model settings the checkpoint was trained with: put "
+        "them back (the checkpoint records them in its state.json), or give a checkpoint of this run "
+        "(--ckpt RUN/ckpt/step_N)"
+    )
 
 
 def check_trained_model(path: Path, cfg: Config, run_dir: Path) -> None:

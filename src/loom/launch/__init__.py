@@ -150,8 +150,10 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
     nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc_per_node(environ)
     for option, value in (("--nnodes", nnodes), ("--nproc-per-node", nproc)):  # one error per bad option
         if value < 1:
-            raise LoomError(f"{option} must be at least 1, got {value}",
-                            hint=f"leave {option} out to use the whole allocation and every visible GPU")  # fmt: skip
+            raise LoomError(
+                f"{option} must be at least 1, got {value}",
+                hint=f"leave {option} out to use the whole allocation and every visible GPU",
+            )
     port, port_from = args.port, "--port"
     if port is None and environ.get("MASTER_PORT", "").isdigit():
         port, port_from = int(environ["MASTER_PORT"]), "MASTER_PORT"
@@ -250,9 +252,11 @@ def _gate(job: _PerNode, timeout: float, rejoin: bool) -> None:
     hello = local_hello(job.node, job.nproc)
     if job.node == 0:
         hellos = head_gate(job.head_addr, job.port, job.nnodes, hello, timeout, job.hosts)
-        log.info(f"loom launch: {job.nnodes} nodes checked in at {job.head_addr}:{job.port}: "
-                 + ", ".join(f"{h.host} ({h.nproc} proc)" for h in hellos)
-                 + f"; loom {hello.loom}, torch {hello.torch}")  # fmt: skip
+        log.info(
+            f"loom launch: {job.nnodes} nodes checked in at {job.head_addr}:{job.port}: "
+            + ", ".join(f"{h.host} ({h.nproc} proc)" for h in hellos)
+            + f"; loom {hello.loom}, torch {hello.torch}"
+        )
     else:
         node_gate(job.head_addr, job.port, hello, timeout, job.hosts, rejoin=rejoin)
 

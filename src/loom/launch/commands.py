@@ -108,12 +108,17 @@ def torchrun_command(
                 "(the node of rank 0) and run the same loom launch on every node",
             )
         cmd += [
-            "--nnodes", str(nnodes),
-            "--nproc-per-node", str(nproc_per_node),
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{head_addr}:{port}",
-            "--rdzv-id", job_id or "loom",
-        ]  # fmt: skip
+            "--nnodes",
+            str(nnodes),
+            "--nproc-per-node",
+            str(nproc_per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{head_addr}:{port}",
+            "--rdzv-id",
+            job_id or "loom",
+        ]
         conf = ([f"is_host={int(is_host)}"] if is_host is not None else []) + (
             [f"join_timeout={rdzv_timeout:g}"] if rdzv_timeout else []
         )
@@ -175,10 +180,13 @@ def srun_command(
     _check_command(command)
     cmd = [
         "srun",
-        "--nodes", str(nnodes),
-        "--ntasks", str(nnodes * nproc_per_node),
-        "--ntasks-per-node", str(nproc_per_node),
-    ]  # fmt: skip
+        "--nodes",
+        str(nnodes),
+        "--ntasks",
+        str(nnodes * nproc_per_node),
+        "--ntasks-per-node",
+        str(nproc_per_node),
+    ]
     if nodelist:
         cmd += ["--nodelist", ",".join(nodelist)]
     return cmd + list(command)
@@ -242,9 +250,14 @@ def build_command(
         )
     # torchrun
     torchrun = torchrun_command(
-        command, nnodes=nnodes, nproc_per_node=nproc_per_node, head_addr=head_addr, port=port, job_id=job_id,
+        command,
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        head_addr=head_addr,
+        port=port,
+        job_id=job_id,
         max_restarts=max_restarts,
-    )  # fmt: skip
+    )
     if scheduler == "slurm":
         return srun_command(torchrun, nnodes=nnodes, nproc_per_node=1, nodelist=nodelist)
     if uses_mpiexec(launcher, scheduler, nnodes):

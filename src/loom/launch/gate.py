@@ -277,8 +277,10 @@ def node_gate(
             banner = None
         if banner != _BANNER:
             if rejoin:
-                log.warn(f"loom launch: {addr}:{port} is not the launch gate but a running job: this node "
-                         "joins it at its next restart (--max-restarts)")  # fmt: skip
+                log.warn(
+                    f"loom launch: {addr}:{port} is not the launch gate but a running job: this node "
+                    "joins it at its next restart (--max-restarts)"
+                )
                 return
             raise LoomError(
                 f"{hello.host} (node {hello.node}): {addr}:{port} answers, but not as {command} on the head "

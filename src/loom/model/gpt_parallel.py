@@ -52,8 +52,10 @@ def tp_plan(model: GPT, tp: int, sp: bool, loss_parallel: bool) -> dict:
     if cfg.padded_vocab % tp:
         raise LoomError(f"the padded vocabulary {cfg.padded_vocab} is not divisible by parallel.tp={tp}")
     if cfg.n_head % tp or cfg.kv_heads % tp:
-        raise LoomError(f"parallel.tp={tp} must divide model.n_head={cfg.n_head} and model.n_kv_head="
-                        f"{cfg.kv_heads}: each rank holds whole query heads and the key/value heads they read")  # fmt: skip
+        raise LoomError(
+            f"parallel.tp={tp} must divide model.n_head={cfg.n_head} and model.n_kv_head="
+            f"{cfg.kv_heads}: each rank holds whole query heads and the key/value heads they read"
+        )
     seq = Shard(1) if sp else Replicate()
     # Embedding rows (the vocabulary) are split; ids outside a rank's range give zeros and the all-reduce of
     # the partial sums restores the lookup. Its output stays replicated so the position embedding can be added.
@@ -61,32 +63,48 @@ def tp_plan(model: GPT, tp: int, sp: bool, loss_parallel: bool) -> dict:
     for i in range(cfg.n_layer):
         b = f"blocks.{i}"
         if sp and i == 0:  # the first block keeps only its own slice of the replicated embedding output
-            plan[b] = PrepareModuleInput(input_layouts=(Replicate(), None, None),
-                                         desired_input_layouts=(Shard(1), None, None), use_local_output=True)  # fmt: skip
-        plan.update({
-            f"{b}.attn.q_proj": ColwiseParallel(), f"{b}.attn.k_proj": ColwiseParallel(),
-            f"{b}.attn.v_proj": ColwiseParallel(), f"{b}.attn.o_proj": RowwiseParallel(output_layouts=seq),
-            f"{b}.mlp.up_proj": ColwiseParallel(), f"{b}.mlp.down_proj": RowwiseParallel(output_layouts=seq),
-        })  # fmt: skip
+            plan[b] = PrepareModuleInput(
+                input_layouts=(Replicate(), None, None),
+                desired_input_layouts=(Shard(1), None, None),
+                use_local_output=True,
+            )
+        plan.update(
+            {
+                f"{b}.attn.q_proj": ColwiseParallel(),
+                f"{b}.attn.k_proj": ColwiseParallel(),
+                f"{b}.attn.v_proj": ColwiseParallel(),
+                f"{b}.attn.o_proj": RowwiseParallel(output_layouts=seq),
+                f"{b}.mlp.up_proj": ColwiseParallel(),
+                f"{b}.mlp.down_proj": RowwiseParallel(output_layouts=seq),
+            }
+        )
         if cfg.mlp == "swiglu":
             plan[f"{b}.mlp.gate_proj"] = ColwiseParallel()
         if cfg.qk_norm:  # input (B, T, H_local, D): a DTensor sharded over heads (dim 2) around the norm
             for n in ("q_norm", "k_norm"):
                 plan[f"{b}.attn.{n}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sp:  # LayerNorm on sequence shards; attention and MLP gather the sequence first
-            plan.update({
-                f"{b}.ln_1": SequenceParallel(), f"{b}.ln_2": SequenceParallel(),
-                f"{b}.attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                desired_input_layouts=(Replicate(), None, None), use_local_output=True),
-                f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                               use_local_output=True),
-            })  # fmt: skip
+            plan.update(
+                {
+                    f"{b}.ln_1": SequenceParallel(),
+                    f"{b}.ln_2": SequenceParallel(),
+                    f"{b}.attn": PrepareModuleInput(
+                        input_layouts=(Shard(1), None, None),
+                        desired_input_layouts=(Replicate(), None, None),
+                        use_local_output=True,
+                    ),
+                    f"{b}.mlp": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                    ),
+                }
+            )
     if sp:
         plan["ln_f"] = SequenceParallel()
     plan["lm_head"] = _vocab_parallel_head()(
-        input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        input_layouts=seq,
+        output_layouts=Shard(-1) if loss_parallel else Replicate(),
         use_local_output=not loss_parallel,
-    )  # fmt: skip
+    )
     return plan
 
 

@@ -44,7 +44,7 @@ _GPT2_FIELDS = {
     "bias",
     "activation",
     "rope_theta",
-}  # fmt: skip (rope_theta: unused with learned positions)
+}  # rope_theta: unused with learned positions
 # The architectures loom imports: config.json's model_type -> its transformers class.
 SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": hf_llama.ARCHITECTURE}
 # transformers' activation_function names for each of loom's model.activation values.
@@ -66,8 +66,11 @@ def check_exportable(cfg: GPTConfig) -> None:
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
         if getattr(cfg, f.name) != default:
-            raise _refuse(f"model.{f.name}={getattr(cfg, f.name)!r}", "has no GPT-2 equivalent",
-                          hint=f"export a model trained with the default model.{f.name}={default!r}")  # fmt: skip
+            raise _refuse(
+                f"model.{f.name}={getattr(cfg, f.name)!r}",
+                "has no GPT-2 equivalent",
+                hint=f"export a model trained with the default model.{f.name}={default!r}",
+            )
     if cfg.n_embd % cfg.n_head:
         raise _refuse(f"model.n_embd={cfg.n_embd}", f"is not divisible by model.n_head={cfg.n_head}")
 
@@ -76,15 +79,30 @@ def gpt2_config(cfg: GPTConfig, eot_id: int | None = None) -> dict:
     """config.json of a GPT2LMHeadModel with loom's shape (vocabulary unpadded)."""
     check_exportable(cfg)
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
-        "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
-        "activation_function": HF_ACTIVATIONS[cfg.activation][0], "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
-        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
-        "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": "float32",
-    }  # fmt: skip
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size,
+        "n_ctx": cfg.block_size,
+        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": None,
+        "activation_function": HF_ACTIVATIONS[cfg.activation][0],
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "torch_dtype": "float32",
+    }
 
 
 def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
@@ -172,8 +190,11 @@ def export_safetensors(model: GPT, out: str | Path, force: bool = False) -> Path
     out = Path(out)
     _prepare_out(out, force)
     tied = model.cfg.tie_embeddings
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
-             if not (tied and k == "lm_head.weight")}  # fmt: skip
+    state = {
+        k: v.detach().cpu().contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
     meta = {"format": "pt", "loom_model": json.dumps(dataclasses.asdict(model.cfg))}
     if tied:
         meta["tied"] = "lm_head.weight=wte.weight"
@@ -230,8 +251,13 @@ def write_tokenizer(tokenizer, out: Path, block_size: int) -> list[str]:
     (out / "tokenizer.json").write_text(text, encoding="utf-8")
     eot = getattr(tokenizer, "eot", EOT)  # the tokenizer's own end-of-text token (Llama's, GPT-2's)
     special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
-    config = {"tokenizer_class": cls, "model_max_length": block_size, "add_prefix_space": False,
-              "clean_up_tokenization_spaces": False, **special}  # fmt: skip
+    config = {
+        "tokenizer_class": cls,
+        "model_max_length": block_size,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=1), encoding="utf-8")
     return notes
@@ -244,12 +270,17 @@ def read_hf_config(directory: str | Path) -> dict:
     """config.json of a local GPT-2 or Llama directory, checked for what loom's GPT can represent."""
     d = Path(directory)
     if not d.is_dir():
-        raise LoomError(f"'{d}' is not a directory", hint="give a local folder saved by save_pretrained "
-                        "(download a hub model first, e.g. with `hf download gpt2 --local-dir DIR`)")  # fmt: skip
+        raise LoomError(
+            f"'{d}' is not a directory",
+            hint="give a local folder saved by save_pretrained "
+            "(download a hub model first, e.g. with `hf download gpt2 --local-dir DIR`)",
+        )
     path = d / "config.json"
     if not path.is_file():
-        raise LoomError(f"'{d}' has no config.json, so its model shape is unknown",
-                        hint="give a directory written by transformers' save_pretrained (config.json + weights)")  # fmt: skip
+        raise LoomError(
+            f"'{d}' has no config.json, so its model shape is unknown",
+            hint="give a directory written by transformers' save_pretrained (config.json + weights)",
+        )
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
@@ -257,21 +288,39 @@ def read_hf_config(directory: str | Path) -> dict:
     kind = hf.get("model_type")
     if kind not in SUPPORTED:
         arch = ", ".join(hf.get("architectures") or []) or "an unnamed architecture"
-        raise LoomError(f"'{path}' holds {arch} (model_type '{kind}'), which loom cannot import",
-                        hint="supported: " + ", ".join(f"{a} (model_type {t})" for t, a in SUPPORTED.items()))  # fmt: skip
+        raise LoomError(
+            f"'{path}' holds {arch} (model_type '{kind}'), which loom cannot import",
+            hint="supported: " + ", ".join(f"{a} (model_type {t})" for t, a in SUPPORTED.items()),
+        )
     _check_tokenizer_vocab(d, hf.get("vocab_size"))
     if kind == "llama":
         hf_llama.check_config(hf, path)
         return hf
     checks = [
-        ("activation_function", _activation(hf) is not None, "loom's MLP has tanh-GELU (gelu_new) or exact GELU (gelu)"),
+        (
+            "activation_function",
+            _activation(hf) is not None,
+            "loom's MLP has tanh-GELU (gelu_new) or exact GELU (gelu)",
+        ),
         ("n_inner", hf.get("n_inner") in (None, 4 * hf.get("n_embd", 768)), "loom's MLP is 4 x n_embd wide"),
         ("tie_word_embeddings", hf.get("tie_word_embeddings", True), "loom ties lm_head to wte"),
-        ("scale_attn_weights", hf.get("scale_attn_weights", True), "loom scales attention by 1/sqrt(head_dim)"),
-        ("scale_attn_by_inverse_layer_idx", not hf.get("scale_attn_by_inverse_layer_idx", False), "loom does not scale by layer"),
-        ("layer_norm_epsilon", abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) < 1e-12, "loom's LayerNorms use eps 1e-5"),
+        (
+            "scale_attn_weights",
+            hf.get("scale_attn_weights", True),
+            "loom scales attention by 1/sqrt(head_dim)",
+        ),
+        (
+            "scale_attn_by_inverse_layer_idx",
+            not hf.get("scale_attn_by_inverse_layer_idx", False),
+            "loom does not scale by layer",
+        ),
+        (
+            "layer_norm_epsilon",
+            abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) < 1e-12,
+            "loom's LayerNorms use eps 1e-5",
+        ),
         ("add_cross_attention", not hf.get("add_cross_attention", False), "loom's GPT is decoder-only"),
-    ]  # fmt: skip
+    ]
     for key, ok, why in checks:
         if not ok:
             raise LoomError(f"'{path}': {key}={hf.get(key)!r} cannot be imported: {why}")
@@ -290,10 +339,12 @@ def _check_tokenizer_vocab(d: Path, vocab_size: int | None) -> None:
     except Exception as e:  # tokenizers raises its own exception types for damaged files
         raise LoomError(f"cannot read '{path}': {e}") from None
     if n > vocab_size:
-        raise LoomError(f"'{path}' has {n} tokens but the model's vocab_size is {vocab_size}: ids >= "
-                        f"{vocab_size} would have no embedding",
-                        hint="use the tokenizer the model was trained with, or resize the model's embeddings "
-                        "in transformers (resize_token_embeddings) and save it again")  # fmt: skip
+        raise LoomError(
+            f"'{path}' has {n} tokens but the model's vocab_size is {vocab_size}: ids >= "
+            f"{vocab_size} would have no embedding",
+            hint="use the tokenizer the model was trained with, or resize the model's embeddings "
+            "in transformers (resize_token_embeddings) and save it again",
+        )
 
 
 def check_data_tokenizer(
@@ -307,15 +358,19 @@ def check_data_tokenizer(
     remedy = f"prepare the data with the model's tokenizer: loom data prepare ... --tokenizer {d / 'tokenizer.json'}"
     eot = getattr(data_tokenizer, "eot_id", None)
     if data_vocab > vocab_size and eot is not None and eot >= vocab_size:  # loom's separator has no row
-        raise LoomError(f"the data '{data_dir}' separates documents with {EOT} (id {eot}), which loom's data "
-                        f"prepare added because the tokenizer has no such token, but the model imported from "
-                        f"'{d}' has only {vocab_size} embedding rows",
-                        hint=f"give the model a row for it in transformers (model.resize_token_embeddings({eot + 1}),"
-                        " then save_pretrained), or prepare data whose tokenizer already has that token")  # fmt: skip
+        raise LoomError(
+            f"the data '{data_dir}' separates documents with {EOT} (id {eot}), which loom's data "
+            f"prepare added because the tokenizer has no such token, but the model imported from "
+            f"'{d}' has only {vocab_size} embedding rows",
+            hint=f"give the model a row for it in transformers (model.resize_token_embeddings({eot + 1}),"
+            " then save_pretrained), or prepare data whose tokenizer already has that token",
+        )
     if data_vocab > vocab_size:
-        raise LoomError(f"the data '{data_dir}' has a vocabulary of {data_vocab} tokens but the model imported "
-                        f"from '{d}' has {vocab_size}: ids >= {vocab_size} have no embedding",
-                        hint=remedy if has_json else "use data prepared with the model's own tokenizer")  # fmt: skip
+        raise LoomError(
+            f"the data '{data_dir}' has a vocabulary of {data_vocab} tokens but the model imported "
+            f"from '{d}' has {vocab_size}: ids >= {vocab_size} have no embedding",
+            hint=remedy if has_json else "use data prepared with the model's own tokenizer",
+        )
     if not has_json or data_tokenizer is None:
         return
     from tokenizers import Tokenizer
@@ -328,9 +383,12 @@ def check_data_tokenizer(
         ours = {**getattr(data_tokenizer, "stoi", {}), EOT: eot}
     moved = [t for t, i in theirs.items() if ours.get(t) != i]
     if moved:
-        raise LoomError(f"the data '{data_dir}' was tokenized with another tokenizer than '{d / 'tokenizer.json'}' "
-                        f"({len(moved)} of its {len(theirs)} tokens have another id or none, e.g. {moved[0]!r}): "
-                        "the model would read other text than the data holds", hint=remedy)  # fmt: skip
+        raise LoomError(
+            f"the data '{data_dir}' was tokenized with another tokenizer than '{d / 'tokenizer.json'}' "
+            f"({len(moved)} of its {len(theirs)} tokens have another id or none, e.g. {moved[0]!r}): "
+            "the model would read other text than the data holds",
+            hint=remedy,
+        )
 
 
 def _activation(hf: dict) -> str | None:
@@ -345,12 +403,20 @@ def gpt_config_from_hf(hf: dict, block_size: int | None = None, dropout: float =
         return hf_llama.gpt_config(hf, block_size, dropout)
     n_pos = hf.get("n_positions", hf.get("n_ctx", 1024))
     if block_size is not None and block_size > n_pos:
-        raise LoomError(f"model.block_size={block_size} exceeds the imported model's n_positions={n_pos}",
-                        hint=f"use model.block_size <= {n_pos}")  # fmt: skip
-    return GPTConfig(vocab_size=hf.get("vocab_size", 50257), n_layer=hf.get("n_layer", 12),
-                     n_head=hf.get("n_head", 12), n_embd=hf.get("n_embd", 768),
-                     block_size=block_size or n_pos, dropout=dropout, bias=True,
-                     activation=_activation(hf))  # fmt: skip
+        raise LoomError(
+            f"model.block_size={block_size} exceeds the imported model's n_positions={n_pos}",
+            hint=f"use model.block_size <= {n_pos}",
+        )
+    return GPTConfig(
+        vocab_size=hf.get("vocab_size", 50257),
+        n_layer=hf.get("n_layer", 12),
+        n_head=hf.get("n_head", 12),
+        n_embd=hf.get("n_embd", 768),
+        block_size=block_size or n_pos,
+        dropout=dropout,
+        bias=True,
+        activation=_activation(hf),
+    )
 
 
 def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -367,8 +433,10 @@ def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     elif (d / "pytorch_model.bin").is_file():
         files = [d / "pytorch_model.bin"]
     else:
-        raise LoomError(f"'{d}' has no model.safetensors or pytorch_model.bin",
-                        hint="save the model with save_pretrained into that directory")  # fmt: skip
+        raise LoomError(
+            f"'{d}' has no model.safetensors or pytorch_model.bin",
+            hint="save the model with save_pretrained into that directory",
+        )
     sd = {}
     for f in files:
         try:
@@ -424,8 +492,10 @@ def loom_state_from_gpt2(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[st
 def parse_init_from(spec: str) -> Path:
     """`hf:DIR` -> DIR (the only source loom imports from)."""
     if not spec.startswith("hf:") or len(spec) == 3:
-        raise LoomError(f"model.init_from='{spec}' is not understood", hint="use model.init_from=hf:DIR "
-                        "with a local GPT-2 or Llama directory saved by transformers")  # fmt: skip
+        raise LoomError(
+            f"model.init_from='{spec}' is not understood",
+            hint="use model.init_from=hf:DIR with a local GPT-2 or Llama directory saved by transformers",
+        )
     return Path(spec[3:]).expanduser()
 
 
@@ -437,10 +507,15 @@ def load_hf_into(model: GPT, directory: str | Path) -> None:
     if hf["model_type"] == "gpt2":
         want = dataclasses.replace(want, rope_theta=model.cfg.rope_theta)  # unused by learned positions
     if want != model.cfg:
-        diff = [f"{f.name}={getattr(model.cfg, f.name)!r} (the directory: {getattr(want, f.name)!r})"
-                for f in dataclasses.fields(want) if getattr(want, f.name) != getattr(model.cfg, f.name)]  # fmt: skip
-        raise LoomError(f"the model differs from '{directory}' in " + ", ".join(diff),
-                        hint="leave the model's shape and options to the imported config")  # fmt: skip
+        diff = [
+            f"{f.name}={getattr(model.cfg, f.name)!r} (the directory: {getattr(want, f.name)!r})"
+            for f in dataclasses.fields(want)
+            if getattr(want, f.name) != getattr(model.cfg, f.name)
+        ]
+        raise LoomError(
+            f"the model differs from '{directory}' in " + ", ".join(diff),
+            hint="leave the model's shape and options to the imported config",
+        )
     weights = read_hf_weights(directory)
     if hf["model_type"] == "llama":
         state = hf_llama.loom_state(weights, model.cfg)
@@ -454,8 +529,22 @@ load_gpt2_into = load_hf_into  # the name the trainer imports
 
 
 # model.* keys that model.init_from sets from config.json (block_size and dropout stay the user's).
-_SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "activation", "pos", "norm", "norm_eps",
-               "mlp", "ffn_hidden", "n_kv_head", "qk_norm", "tie_embeddings")  # fmt: skip
+_SHAPE_KEYS = (
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "vocab_size",
+    "bias",
+    "activation",
+    "pos",
+    "norm",
+    "norm_eps",
+    "mlp",
+    "ffn_hidden",
+    "n_kv_head",
+    "qk_norm",
+    "tie_embeddings",
+)
 
 
 def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
@@ -476,8 +565,11 @@ def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
         value = getattr(g, key)
         if getattr(m, key) != value:
             if f"model.{key}" in explicit:
-                raise LoomError(f"model.{key}={getattr(m, key)!r} conflicts with model.init_from, which has "
-                                f"{key}={value!r}", hint=f"drop --model.{key}; the imported config sets it")  # fmt: skip
+                raise LoomError(
+                    f"model.{key}={getattr(m, key)!r} conflicts with model.init_from, which has "
+                    f"{key}={value!r}",
+                    hint=f"drop --model.{key}; the imported config sets it",
+                )
             setattr(m, key, value)
 
 
@@ -493,6 +585,8 @@ def load_gpt2(directory: str | Path, block_size: int | None = None, dropout: flo
     """A loom GPT holding the GPT-2 model saved in `directory` (another architecture is refused)."""
     kind = read_hf_config(directory).get("model_type")
     if kind != "gpt2":
-        raise LoomError(f"'{directory}' describes a '{kind}' model; load_gpt2 reads GPT-2 only",
-                        hint="use loom.model.hf.load_hf for every supported architecture")  # fmt: skip
+        raise LoomError(
+            f"'{directory}' describes a '{kind}' model; load_gpt2 reads GPT-2 only",
+            hint="use loom.model.hf.load_hf for every supported architecture",
+        )
     return load_hf(directory, block_size, dropout)

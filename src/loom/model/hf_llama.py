@@ -38,8 +38,11 @@ def check_exportable(cfg: GPTConfig) -> None:
     want = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "qk_norm": False}
     for key, value in want.items():
         if getattr(cfg, key) != value:
-            raise _refuse(f"model.{key}={getattr(cfg, key)!r}", f"is not Llama's ({value!r})",
-                          hint="export models of model.family=llama without qk_norm (or GPT-2-shaped models)")  # fmt: skip
+            raise _refuse(
+                f"model.{key}={getattr(cfg, key)!r}",
+                f"is not Llama's ({value!r})",
+                hint="export models of model.family=llama without qk_norm (or GPT-2-shaped models)",
+            )
 
 
 def llama_config(cfg: GPTConfig, eot_id: int | None = None) -> dict:
@@ -47,16 +50,31 @@ def llama_config(cfg: GPTConfig, eot_id: int | None = None) -> dict:
     check_exportable(cfg)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     return {
-        "architectures": [ARCHITECTURE], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_width,
-        "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": rope, "rope_theta": cfg.rope_theta,  # the second for transformers 4.x readers
-        "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": 0.0, "pretraining_tp": 1,
-        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": 0.02, "use_cache": True,
-        "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": "float32",
-    }  # fmt: skip
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.ffn_width,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.block_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": rope,
+        "rope_theta": cfg.rope_theta,  # the second for transformers 4.x readers
+        "attention_bias": cfg.bias,
+        "mlp_bias": cfg.bias,
+        "attention_dropout": 0.0,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "torch_dtype": "float32",
+    }
 
 
 def llama_state_dict(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
@@ -75,7 +93,10 @@ def llama_state_dict(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, t
 
 def _layer_names(i: int) -> list[tuple[str, str]]:
     p, h = f"blocks.{i}.", f"model.layers.{i}."
-    pairs = [(p + "ln_1.weight", h + "input_layernorm.weight"), (p + "ln_2.weight", h + "post_attention_layernorm.weight")]  # fmt: skip
+    pairs = [
+        (p + "ln_1.weight", h + "input_layernorm.weight"),
+        (p + "ln_2.weight", h + "post_attention_layernorm.weight"),
+    ]
     for n in "qkvo":
         pairs += [(p + f"attn.{n}_proj.{w}", h + f"self_attn.{n}_proj.{w}") for w in ("weight", "bias")]
     for n in ("gate", "up", "down"):
@@ -110,18 +131,27 @@ def check_config(hf: dict, path) -> None:
     K = hf.get("num_key_value_heads") or H
     rope = _rope_type(hf)
     if rope != "default":
-        raise LoomError(f"'{path}': rope type '{rope}' is not implemented in loom (only the default RoPE); "
-                        "importing it would silently train with other positions",
-                        hint="use a model whose config.json has rope_type 'default' (no rope_scaling)")  # fmt: skip
+        raise LoomError(
+            f"'{path}': rope type '{rope}' is not implemented in loom (only the default RoPE); "
+            "importing it would silently train with other positions",
+            hint="use a model whose config.json has rope_type 'default' (no rope_scaling)",
+        )
     head_dim = hf.get("head_dim") or C // H
     checks = [
         ("hidden_act", hf.get("hidden_act", "silu") == "silu", "loom's SwiGLU uses silu"),
-        ("head_dim", C % H == 0 and head_dim == C // H, "loom's head size is hidden_size / num_attention_heads"),
+        (
+            "head_dim",
+            C % H == 0 and head_dim == C // H,
+            "loom's head size is hidden_size / num_attention_heads",
+        ),
         ("num_key_value_heads", H % K == 0, "it must divide num_attention_heads"),
-        ("mlp_bias", bool(hf.get("mlp_bias", False)) == bool(hf.get("attention_bias", False)),
-         "loom has one model.bias for attention and MLP (attention_bias must equal mlp_bias)"),
+        (
+            "mlp_bias",
+            bool(hf.get("mlp_bias", False)) == bool(hf.get("attention_bias", False)),
+            "loom has one model.bias for attention and MLP (attention_bias must equal mlp_bias)",
+        ),
         ("pretraining_tp", hf.get("pretraining_tp", 1) in (None, 1), "loom computes each projection whole"),
-    ]  # fmt: skip
+    ]
     for key, ok, why in checks:
         if not ok:
             raise LoomError(f"'{path}': {key}={hf.get(key)!r} cannot be imported: {why}")
@@ -133,13 +163,23 @@ def gpt_config(hf: dict, block_size: int | None = None, dropout: float = 0.0) ->
     H = hf.get("num_attention_heads", 32)
     K = hf.get("num_key_value_heads") or H
     return GPTConfig(
-        vocab_size=hf.get("vocab_size", 32000), n_layer=hf.get("num_hidden_layers", 32), n_head=H,
-        n_embd=hf.get("hidden_size", 4096), block_size=block_size or hf.get("max_position_embeddings", 2048),
-        dropout=dropout, bias=bool(hf.get("attention_bias", False)), pos="rope", rope_theta=_rope_theta(hf),
-        norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)), mlp="swiglu",
-        ffn_hidden=hf.get("intermediate_size", 11008), n_kv_head=0 if K == H else K,
-        qk_norm=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )  # fmt: skip
+        vocab_size=hf.get("vocab_size", 32000),
+        n_layer=hf.get("num_hidden_layers", 32),
+        n_head=H,
+        n_embd=hf.get("hidden_size", 4096),
+        block_size=block_size or hf.get("max_position_embeddings", 2048),
+        dropout=dropout,
+        bias=bool(hf.get("attention_bias", False)),
+        pos="rope",
+        rope_theta=_rope_theta(hf),
+        norm="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        mlp="swiglu",
+        ffn_hidden=hf.get("intermediate_size", 11008),
+        n_kv_head=0 if K == H else K,
+        qk_norm=False,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
 
 
 def imported(sd: dict[str, torch.Tensor], name: str, shape: tuple, architecture: str) -> torch.Tensor:

@@ -63,8 +63,10 @@ class ModelSpec:
 
         mcfg = self.config(cfg, vocab_size)
         if mcfg.vocab_size < vocab_size:
-            raise LoomError(f"model.vocab_size={mcfg.vocab_size} is smaller than the data's vocabulary {vocab_size}",
-                            hint="leave model.vocab_size=0 to take the data's")  # fmt: skip
+            raise LoomError(
+                f"model.vocab_size={mcfg.vocab_size} is smaller than the data's vocabulary {vocab_size}",
+                hint="leave model.vocab_size=0 to take the data's",
+            )
         with torch.device(device):
             return self.build(mcfg)
 
@@ -91,8 +93,10 @@ def load_plugins() -> None:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            raise LoomError(f"LOOM_PLUGINS names '{name}', which cannot be imported: {e}",
-                            hint="put the plug-in's folder on PYTHONPATH, or remove it from LOOM_PLUGINS") from e  # fmt: skip
+            raise LoomError(
+                f"LOOM_PLUGINS names '{name}', which cannot be imported: {e}",
+                hint="put the plug-in's folder on PYTHONPATH, or remove it from LOOM_PLUGINS",
+            ) from e
     from importlib.metadata import entry_points
 
     for ep in entry_points(group="loom.plugins"):
@@ -103,8 +107,10 @@ def get(name: str) -> ModelSpec:
     """The family `name` (model.family), or an error listing the known ones."""
     load_plugins()
     if name not in _SPECS:
-        raise LoomError(f"model.family='{name}' is not a known model family ({', '.join(sorted(_SPECS))})",
-                        hint="a plug-in family is loaded by naming its module in LOOM_PLUGINS=module[,module]")  # fmt: skip
+        raise LoomError(
+            f"model.family='{name}' is not a known model family ({', '.join(sorted(_SPECS))})",
+            hint="a plug-in family is loaded by naming its module in LOOM_PLUGINS=module[,module]",
+        )
     return _SPECS[name]
 
 

@@ -53,8 +53,13 @@ def muon_param_groups(model: torch.nn.Module, ocfg) -> list[dict]:
 
 def muon_defaults(ocfg) -> dict:
     """Muon's constructor arguments from an OptimConfig (per-group values come from muon_param_groups)."""
-    return dict(lr=ocfg.lr, momentum=ocfg.muon_momentum, ns_steps=ocfg.muon_ns_steps,
-                betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps)  # fmt: skip
+    return dict(
+        lr=ocfg.lr,
+        momentum=ocfg.muon_momentum,
+        ns_steps=ocfg.muon_ns_steps,
+        betas=(ocfg.beta1, ocfg.beta2),
+        eps=ocfg.eps,
+    )
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:

@@ -77,11 +77,30 @@ class Muon(torch.optim.Optimizer):
     implementation) and decoupled weight decay multiplies the weights by 1 - lr * weight_decay.
     """
 
-    def __init__(self, params, lr: float = 1e-3, lr_scale: float = 1.0, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = 5, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, use_muon: bool = False):  # fmt: skip
-        defaults = dict(lr=lr, lr_scale=lr_scale, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                        betas=betas, eps=eps, weight_decay=weight_decay, use_muon=use_muon)  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        lr_scale: float = 1.0,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        use_muon: bool = False,
+    ):
+        defaults = dict(
+            lr=lr,
+            lr_scale=lr_scale,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            use_muon=use_muon,
+        )
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["use_muon"] and any(p.dim() != 2 for p in group["params"]):

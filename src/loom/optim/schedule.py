@@ -6,8 +6,15 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, lr: float, min_lr: float, warmup_steps: int, total_steps: int, kind: str = "cosine",
-          decay_frac: float = 0.3) -> float:  # fmt: skip
+def lr_at(
+    step: int,
+    lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    kind: str = "cosine",
+    decay_frac: float = 0.3,
+) -> float:
     """Learning rate for optimizer step `step` (0-based).
 
     Warm-up goes from lr/warmup to lr over `warmup_steps` (never 0, so step 0 already learns); the cosine

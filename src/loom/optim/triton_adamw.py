@@ -187,9 +187,19 @@ class TritonAdamW(torch.optim.Optimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         # torch's AdamW keys too, so a state_dict from here loads into torch.optim.AdamW unchanged
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
-                        maximize=maximize, foreach=None, capturable=False, differentiable=False,
-                        fused=None, decoupled_weight_decay=True)  # fmt: skip
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=False,
+            maximize=maximize,
+            foreach=None,
+            capturable=False,
+            differentiable=False,
+            fused=None,
+            decoupled_weight_decay=True,
+        )
         super().__init__(params, defaults)
         self.launches = 0
         # (row numels, program → row on the device, each row's first program), rebuilt when shapes change
@@ -276,8 +286,15 @@ class TritonAdamW(torch.optim.Optimizer):
         # Triton launches on the current device's current stream: make that the parameters' device
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with on_device:
-            _kernel()[(n_blocks,)](rows_t, block_row, BLOCK=BLOCK, ROW=ROW, ALIGNED=aligned,
-                                   num_warps=NUM_WARPS, enable_fp_fusion=False)  # fmt: skip
+            _kernel()[(n_blocks,)](
+                rows_t,
+                block_row,
+                BLOCK=BLOCK,
+                ROW=ROW,
+                ALIGNED=aligned,
+                num_warps=NUM_WARPS,
+                enable_fp_fusion=False,
+            )
         self.launches += 1
         return loss
 
@@ -289,14 +306,36 @@ class TritonAdamW(torch.optim.Optimizer):
         rows = np.zeros((n, ROW), dtype=np.int64)
         rows[:, 0:4] = np.asarray([t.data_ptr() for t in tensors], dtype=np.int64).reshape(n, 4)
         rows[:, 4] = [t.numel() for t in tensors[0::4]]
-        gh = np.asarray([[float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
-                          float(g["weight_decay"]), -1.0 if g["maximize"] else 1.0]
-                         for g in self.param_groups], dtype=np.float64)[group_of_row]  # fmt: skip
+        gh = np.asarray(
+            [
+                [
+                    float(g["lr"]),
+                    float(g["betas"][0]),
+                    float(g["betas"][1]),
+                    float(g["eps"]),
+                    float(g["weight_decay"]),
+                    -1.0 if g["maximize"] else 1.0,
+                ]
+                for g in self.param_groups
+            ],
+            dtype=np.float64,
+        )[group_of_row]
         lr, beta1, beta2, eps, wd, sign = gh.T
         step = torch.stack(steps).double().numpy()
         bias_correction1 = 1.0 - beta1**step
         bias_correction2 = 1.0 - beta2**step
         hyper = rows[:, 6:10].view(np.float32)  # (n, 8) float32 view into the int64 words
-        hyper[:] = np.stack([1.0 - lr * wd, 1.0 - beta1, beta2, 1.0 - beta2, bias_correction2**0.5, eps,
-                             -(lr / bias_correction1), sign], axis=1)  # fmt: skip
+        hyper[:] = np.stack(
+            [
+                1.0 - lr * wd,
+                1.0 - beta1,
+                beta2,
+                1.0 - beta2,
+                bias_correction2**0.5,
+                eps,
+                -(lr / bias_correction1),
+                sign,
+            ],
+            axis=1,
+        )
         return rows

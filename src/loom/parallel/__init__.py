@@ -163,8 +163,17 @@ class Parallelized:
             state.load_optim_state(self.model, opt, sd, self.order, self.tied)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device, spec: ModelSpec, *,
-                precision: str = "fp32", n_microbatches: int = 1, init=None) -> Parallelized:  # fmt: skip
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    cfg,
+    device: torch.device,
+    spec: ModelSpec,
+    *,
+    precision: str = "fp32",
+    n_microbatches: int = 1,
+    init=None,
+) -> Parallelized:
     """Apply the layout `dims` to `model` (built on the meta device, or already materialized) in the fixed
     order, asking the family's plan (spec.parallel) what to split, cut and wrap; `init(name, whole_tensor)` gives
     a meta-built parameter its initial values (loom.parallel.init)."""
@@ -220,8 +229,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, device: torch.device,
         from loom.parallel.mpi_dp import BucketedSync, NaiveSync, mpi_comm
 
         comm = mpi_comm()
-        par.grad_sync = (NaiveSync(model, comm) if p.mpi_sync == "naive"
-                         else BucketedSync(model, comm, p.bucket_mb, p.mpi_allreduce))  # fmt: skip
+        par.grad_sync = (
+            NaiveSync(model, comm)
+            if p.mpi_sync == "naive"
+            else BucketedSync(model, comm, p.bucket_mb, p.mpi_allreduce)
+        )
     return par
 
 

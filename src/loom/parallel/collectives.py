@@ -148,9 +148,13 @@ def _ring_reduce_scatter(comm: Any, flat: np.ndarray, op: str) -> tuple[list[int
         send_c, recv_c = (r - s - 1) % p, (r - s - 2) % p
         incoming = scratch[: counts[recv_c]]
         comm.Sendrecv(
-            [_chunk(flat, counts, offs, send_c), dt], dest=right, sendtag=TAG_REDUCE_SCATTER,
-            recvbuf=[incoming, dt], source=left, recvtag=TAG_REDUCE_SCATTER,
-        )  # fmt: skip
+            [_chunk(flat, counts, offs, send_c), dt],
+            dest=right,
+            sendtag=TAG_REDUCE_SCATTER,
+            recvbuf=[incoming, dt],
+            source=left,
+            recvtag=TAG_REDUCE_SCATTER,
+        )
         mine = _chunk(flat, counts, offs, recv_c)
         ufunc(mine, incoming, out=mine)
     return counts, offs
@@ -171,9 +175,13 @@ def _ring_allgather(comm: Any, flat: np.ndarray) -> None:
     for s in range(p - 1):
         send_c, recv_c = (r - s) % p, (r - s - 1) % p
         comm.Sendrecv(
-            [_chunk(flat, counts, offs, send_c), dt], dest=right, sendtag=TAG_ALLGATHER,
-            recvbuf=[_chunk(flat, counts, offs, recv_c), dt], source=left, recvtag=TAG_ALLGATHER,
-        )  # fmt: skip
+            [_chunk(flat, counts, offs, send_c), dt],
+            dest=right,
+            sendtag=TAG_ALLGATHER,
+            recvbuf=[_chunk(flat, counts, offs, recv_c), dt],
+            source=left,
+            recvtag=TAG_ALLGATHER,
+        )
 
 
 def ring_reduce_scatter(comm: Any, buf: Any, op: str = "sum") -> Any:

@@ -134,8 +134,10 @@ class SafeReader:
 def saved_keys(path: str | Path) -> dict[str, tuple[int, ...] | None]:
     """{key: global shape (None for a non-tensor)} of a DCP folder, from its metadata only."""
     md = SafeReader(path).read_metadata()
-    return {k: tuple(getattr(v, "size", ())) if hasattr(v, "size") else None
-            for k, v in md.state_dict_metadata.items()}  # fmt: skip
+    return {
+        k: tuple(getattr(v, "size", ())) if hasattr(v, "size") else None
+        for k, v in md.state_dict_metadata.items()
+    }
 
 
 def read_whole(path: str | Path) -> dict[str, torch.Tensor]:
@@ -149,14 +151,19 @@ def read_whole(path: str | Path) -> dict[str, torch.Tensor]:
 def _check_keys(path: Path, want: dict, what: str) -> None:
     have = saved_keys(path)
     missing = sorted(k for k in want if k not in have)
-    shapes = [f"{k}: {have[k]} saved, {tuple(v.shape)} here" for k, v in want.items()
-              if k in have and isinstance(v, torch.Tensor) and have[k] is not None and have[k] != tuple(v.shape)]  # fmt: skip
+    shapes = [
+        f"{k}: {have[k]} saved, {tuple(v.shape)} here"
+        for k, v in want.items()
+        if k in have and isinstance(v, torch.Tensor) and have[k] is not None and have[k] != tuple(v.shape)
+    ]
     if missing or shapes:
         detail = "; ".join(shapes[:4] or [f"missing {', '.join(missing[:4])}"])
         settings = "optimizer settings (optim.name, ...)" if what == "optimizer" else f"{what} settings"
-        raise LoomError(f"checkpoint '{path.parent}' does not fit this {what}: {detail}",
-                        hint=f"resume with the {settings} it was trained with (its state.json 'config'), or "
-                        "start a new run")  # fmt: skip
+        raise LoomError(
+            f"checkpoint '{path.parent}' does not fit this {what}: {detail}",
+            hint=f"resume with the {settings} it was trained with (its state.json 'config'), or "
+            "start a new run",
+        )
 
 
 def load_into(sd: dict, path: str | Path, what: str = "model") -> None:

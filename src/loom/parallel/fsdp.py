@@ -40,8 +40,15 @@ def mp_policy(param_dtype: str, reduce_dtype: str, device: torch.device, precisi
     return MixedPrecisionPolicy(param_dtype=DTYPES.get(param_dtype), reduce_dtype=DTYPES.get(reduce_dtype))
 
 
-def apply_fsdp(roots: list[nn.Module], units_of, mesh, reshard_after_forward: bool, mp, cpu_offload: bool,
-               device: torch.device) -> None:  # fmt: skip
+def apply_fsdp(
+    roots: list[nn.Module],
+    units_of,
+    mesh,
+    reshard_after_forward: bool,
+    mp,
+    cpu_offload: bool,
+    device: torch.device,
+) -> None:
     """fully_shard every unit (transformer block) of each root, then the root itself."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 

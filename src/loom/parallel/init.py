@@ -36,8 +36,12 @@ def canonical(name: str, aliases: dict[str, str]) -> str:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, init: Callable[[str, torch.Tensor], None] | None,
-                aliases: dict[str, str]) -> None:  # fmt: skip
+def materialize(
+    model: nn.Module,
+    device: torch.device,
+    init: Callable[[str, torch.Tensor], None] | None,
+    aliases: dict[str, str],
+) -> None:
     """Allocate the model's (local) parameters on device and give each its initial values:
     `init(name, whole)` fills the whole tensor of the single-device parameter `name` (None: left
     uninitialised, for a model whose every value is then loaded)."""

@@ -28,17 +28,28 @@ def stage_ids(schedule: str, pp: int, pp_rank: int) -> tuple[list[int], int]:
 class Pipeline:
     """This rank's stages under a schedule."""
 
-    def __init__(self, stages: list[nn.Module], ids: list[int], n_stages: int, pp_group, device,
-                 schedule: str, n_microbatches: int):  # fmt: skip
+    def __init__(
+        self,
+        stages: list[nn.Module],
+        ids: list[int],
+        n_stages: int,
+        pp_group,
+        device,
+        schedule: str,
+        n_microbatches: int,
+    ):
         from torch.distributed import pipelining
 
         self.stages, self.device, self.n_microbatches = stages, device, n_microbatches
         self.holds_first, self.holds_last = 0 in ids, n_stages - 1 in ids
-        pstages = [pipelining.PipelineStage(st, sid, n_stages, device, group=pp_group)
-                   for st, sid in zip(stages, ids, strict=True)]  # fmt: skip
+        pstages = [
+            pipelining.PipelineStage(st, sid, n_stages, device, group=pp_group)
+            for st, sid in zip(stages, ids, strict=True)
+        ]
         cls = getattr(pipelining, PP_SCHEDULES[schedule][0])
-        self.schedule = cls(pstages[0] if len(pstages) == 1 else pstages, n_microbatches=n_microbatches,
-                            loss_fn=lm_loss)  # fmt: skip
+        self.schedule = cls(
+            pstages[0] if len(pstages) == 1 else pstages, n_microbatches=n_microbatches, loss_fn=lm_loss
+        )
 
     def _run(self, fn, x, y, losses) -> None:
         # the first stage's input must be contiguous: torch 2.11's stage checks its strides against its meta

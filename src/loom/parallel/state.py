@@ -71,8 +71,10 @@ def load_optim_state(model: nn.Module, opt, sd: dict, order: list[list[str]], al
         if s is not None:
             state[i] = {k: like(v, p) if v.dim() else v for k, v in s.items()}
     local_ids = {id(p): i for i, p in enumerate(params)}
-    groups = [{**g, "params": [local_ids[id(p)] for p in mine["params"]]}
-              for g, mine in zip(sd["param_groups"], opt.param_groups, strict=True)]  # fmt: skip
+    groups = [
+        {**g, "params": [local_ids[id(p)] for p in mine["params"]]}
+        for g, mine in zip(sd["param_groups"], opt.param_groups, strict=True)
+    ]
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 

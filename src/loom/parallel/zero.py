@@ -19,8 +19,12 @@ def build_zero1_optimizer(model: torch.nn.Module, ocfg, device: torch.device) ->
         from loom.optim.muon import Muon
 
         first, *rest = muon_param_groups(model, ocfg)
-        opt = ZeroRedundancyOptimizer(first["params"], optimizer_class=Muon, **muon_defaults(ocfg),
-                                      **{k: v for k, v in first.items() if k != "params"})  # fmt: skip
+        opt = ZeroRedundancyOptimizer(
+            first["params"],
+            optimizer_class=Muon,
+            **muon_defaults(ocfg),
+            **{k: v for k, v in first.items() if k != "params"},
+        )
         for group in rest:
             opt.add_param_group(group)
         return opt
@@ -28,7 +32,8 @@ def build_zero1_optimizer(model: torch.nn.Module, ocfg, device: torch.device) ->
     groups = param_groups(model, ocfg.weight_decay)
     kw = dict(lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps)
     kw["fused" if impl == "torch-fused" else "foreach"] = impl in ("torch-fused", "torch-foreach")
-    opt = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                  weight_decay=groups[0]["weight_decay"], **kw)  # fmt: skip
+    opt = ZeroRedundancyOptimizer(
+        groups[0]["params"], optimizer_class=torch.optim.AdamW, weight_decay=groups[0]["weight_decay"], **kw
+    )
     opt.add_param_group(groups[1])
     return opt

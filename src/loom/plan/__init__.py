@@ -13,5 +13,15 @@ from loom.plan.memory import PRECISIONS, model_state_bytes
 from loom.plan.report import plan_main
 from loom.plan.shapes import PRESETS, ModelShape, resolve_model
 
-__all__ = ["PRESETS", "PRECISIONS", "Candidate", "Cluster", "ModelShape", "Workload", "model_state_bytes",
-           "plan", "plan_main", "resolve_model"]  # fmt: skip
+__all__ = [
+    "PRESETS",
+    "PRECISIONS",
+    "Candidate",
+    "Cluster",
+    "ModelShape",
+    "Workload",
+    "model_state_bytes",
+    "plan",
+    "plan_main",
+    "resolve_model",
+]

@@ -97,10 +97,28 @@ class Candidate:
     reason: str = ""
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("dp", "tp", "pp", "zero", "replicate", "micro_batch",
-                                          "activation_checkpointing", "n_micro", "memory_gb", "comm_gb",
-                                          "compute_s", "comm_s", "step_time_s", "bubble", "fits",
-                                          "tokens_per_s", "reason")}  # fmt: skip
+        d = {
+            k: getattr(self, k)
+            for k in (
+                "dp",
+                "tp",
+                "pp",
+                "zero",
+                "replicate",
+                "micro_batch",
+                "activation_checkpointing",
+                "n_micro",
+                "memory_gb",
+                "comm_gb",
+                "compute_s",
+                "comm_s",
+                "step_time_s",
+                "bubble",
+                "fits",
+                "tokens_per_s",
+                "reason",
+            )
+        }
         d["sequence_parallel"] = self.tp > 1
         return d
 
@@ -202,8 +220,11 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     # compute
     matmul = shape.n_layer * shape.layer_matrices + shape.padded_vocab * shape.n_embd
     attn = 12 * shape.n_layer * shape.n_embd * s
-    flops_tok = {"none": 6 * matmul + attn, "selective": 6 * matmul + attn * 4 / 3,
-                 "full": 8 * matmul + attn * 4 / 3}[ckpt]  # fmt: skip
+    flops_tok = {
+        "none": 6 * matmul + attn,
+        "selective": 6 * matmul + attn * 4 / 3,
+        "full": 8 * matmul + attn * 4 / 3,
+    }[ckpt]
     flops_rate = cluster.peak_tflops * 1e12 * cluster.mfu
     t_micro = flops_tok * b * s / (c.tp * c.pp) / flops_rate
     # tensor parallel: activations of b·s·h elements, 4 collectives per layer (6 with full recompute)
@@ -251,6 +272,13 @@ def plan(shape: ModelShape, cluster: Cluster, wl: Workload) -> list[Candidate]:
     ZeRO stage, tp, pp), then by memory."""
     modes = ("none", "full") if wl.attention == "flash" else ("none", "selective", "full")
     cands = [evaluate(c, cluster, wl) for c in enumerate_layouts(shape, cluster, wl, modes)]
-    cands.sort(key=lambda c: (not c.fits, float(f"{c.step_time_s:.3g}"), sum(c.comm_gb.values()),
-                              c.zero + c.tp + c.pp, c.memory_gb["total"]))  # fmt: skip
+    cands.sort(
+        key=lambda c: (
+            not c.fits,
+            float(f"{c.step_time_s:.3g}"),
+            sum(c.comm_gb.values()),
+            c.zero + c.tp + c.pp,
+            c.memory_gb["total"],
+        )
+    )
     return cands

@@ -53,8 +53,10 @@ def reason(c: Candidate, cands: list[Candidate], cluster: Cluster) -> str:
         where = (
             "inside a node" if shard * c.tp <= min(cluster.gpus_per_node, cluster.gpus) else "across nodes"
         )
-        parts[-1] = (f"HSDP: FSDP over groups of {shard} {where}, {c.replicate} replicas all-reduce gradient "
-                     f"shards (--parallel.dp_replicate={c.replicate})")  # fmt: skip
+        parts[-1] = (
+            f"HSDP: FSDP over groups of {shard} {where}, {c.replicate} replicas all-reduce gradient "
+            f"shards (--parallel.dp_replicate={c.replicate})"
+        )
     if c.zero == 0 and c.dp > 1 and (c.tp > 1 or c.pp > 1):
         parts.append("no ZeRO: TP/PP alone split the model states")
     if c.tp > 1:
@@ -87,8 +89,10 @@ def model_state(c: Candidate) -> float:
 
 
 def table(cands: list[Candidate]) -> str:
-    head = (" #  dp  tp  pp zero rep  mb  ckpt  |  params  grads  optim   act  total GB | comm GB   step s"
-            "  bubble   tok/s | fits | reason")  # fmt: skip
+    head = (
+        " #  dp  tp  pp zero rep  mb  ckpt  |  params  grads  optim   act  total GB | comm GB   step s"
+        "  bubble   tok/s | fits | reason"
+    )
     rows = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         m = c.memory_gb
@@ -105,17 +109,19 @@ def table(cands: list[Candidate]) -> str:
 def header(shape: ModelShape, cluster: Cluster, wl: Workload, n: int, n_fit: int) -> str:
     p = wl.precision
     nodes = max(1, cluster.gpus // cluster.gpus_per_node)
-    return "\n".join([
-        f"model     {shape.describe()}",
-        f"cluster   {cluster.gpus} GPUs, {cluster.gpus_per_node} per node ({nodes} node{'s' * (nodes > 1)}), "
-        f"{cluster.gpu_mem_gb:g} GB each ({cluster.usable_gb:.0f} GB usable, {cluster.headroom:.0%} headroom); "
-        f"busbw {cluster.intra_bw:g} GB/s intra-node, {cluster.inter_bw:g} GB/s inter-node",
-        f"training  {p.name}: {p.param}+{p.grad}+{p.optim} bytes/param ({p.doc}), {p.act}-byte activations; "
-        f"seq {wl.seq_len}, global batch {wl.global_batch_tokens:,} tokens ({wl.global_batch_tokens // wl.seq_len} "
-        f"sequences), {wl.attention} attention, 1F1B",
-        f"compute   {cluster.peak_tflops:g} TFLOP/s peak × {cluster.mfu:g} achieved per GPU",
-        f"{n} valid layouts, {n_fit} fit; memory in GB (1e9 bytes) per GPU on the fullest pipeline stage",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"model     {shape.describe()}",
+            f"cluster   {cluster.gpus} GPUs, {cluster.gpus_per_node} per node ({nodes} node{'s' * (nodes > 1)}), "
+            f"{cluster.gpu_mem_gb:g} GB each ({cluster.usable_gb:.0f} GB usable, {cluster.headroom:.0%} headroom); "
+            f"busbw {cluster.intra_bw:g} GB/s intra-node, {cluster.inter_bw:g} GB/s inter-node",
+            f"training  {p.name}: {p.param}+{p.grad}+{p.optim} bytes/param ({p.doc}), {p.act}-byte activations; "
+            f"seq {wl.seq_len}, global batch {wl.global_batch_tokens:,} tokens ({wl.global_batch_tokens // wl.seq_len} "
+            f"sequences), {wl.attention} attention, 1F1B",
+            f"compute   {cluster.peak_tflops:g} TFLOP/s peak × {cluster.mfu:g} achieved per GPU",
+            f"{n} valid layouts, {n_fit} fit; memory in GB (1e9 bytes) per GPU on the fullest pipeline stage",
+        ]
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,12 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--inter-bw", type=float, default=25.0, help="inter-node bus bandwidth per GPU, GB/s (default 25)"
     )
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's block_size)")
-    p.add_argument("--global-batch-tokens", type=int,
-                   help="tokens per optimizer step (default 2^22 from 1B parameters, else 2^19)")  # fmt: skip
+    p.add_argument(
+        "--global-batch-tokens",
+        type=int,
+        help="tokens per optimizer step (default 2^22 from 1B parameters, else 2^19)",
+    )
     p.add_argument("--precision", default="bf16-mixed", choices=list(PRECISIONS), help="default bf16-mixed")
-    p.add_argument("--attention", default="flash", choices=ATTENTION,
-                   help="flash: fused SDPA kernels, no s×s scores kept (loom's default); eager: Korthikanti's "
-                   "5·a·s²·b term")  # fmt: skip
+    p.add_argument(
+        "--attention",
+        default="flash",
+        choices=ATTENTION,
+        help="flash: fused SDPA kernels, no s×s scores kept (loom's default); eager: Korthikanti's "
+        "5·a·s²·b term",
+    )
     p.add_argument(
         "--peak-tflops", type=float, default=312.0, help="per-GPU dense peak (default 312, A100 bf16)"
     )
@@ -159,9 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    positive = {"--gpus": args.gpus, "--gpus-per-node": args.gpus_per_node, "--gpu-mem": args.gpu_mem,
-                "--intra-bw": args.intra_bw, "--inter-bw": args.inter_bw, "--peak-tflops": args.peak_tflops,
-                "--top": args.top}  # fmt: skip
+    positive = {
+        "--gpus": args.gpus,
+        "--gpus-per-node": args.gpus_per_node,
+        "--gpu-mem": args.gpu_mem,
+        "--intra-bw": args.intra_bw,
+        "--inter-bw": args.inter_bw,
+        "--peak-tflops": args.peak_tflops,
+        "--top": args.top,
+    }
     for flag, v in positive.items():
         if not v > 0:
             raise LoomError(f"{flag} must be positive, got {v}")
@@ -173,8 +192,10 @@ def _check(args: argparse.Namespace) -> None:
         if v is not None and v < 1:  # 0 must not silently mean "the default"
             raise LoomError(f"{flag} must be positive, got {v}", hint=f"leave {flag} out for the default")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
-        raise LoomError(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes",
-                        hint="give a multiple of --gpus-per-node (or fewer GPUs than one node)")  # fmt: skip
+        raise LoomError(
+            f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes",
+            hint="give a multiple of --gpus-per-node (or fewer GPUs than one node)",
+        )
 
 
 def run_plan(args: argparse.Namespace) -> tuple[ModelShape, Cluster, Workload, list[Candidate]]:
@@ -186,23 +207,37 @@ def run_plan(args: argparse.Namespace) -> tuple[ModelShape, Cluster, Workload, l
     assert_valid(shape)
     s = shape.block_size if args.seq_len is None else args.seq_len
     if s > shape.block_size or s < 1:
-        raise LoomError(f"--seq-len {s} is outside the model's context of {shape.block_size} tokens",
-                        hint="a config with a larger model.block_size, or a shorter --seq-len")  # fmt: skip
+        raise LoomError(
+            f"--seq-len {s} is outside the model's context of {shape.block_size} tokens",
+            hint="a config with a larger model.block_size, or a shorter --seq-len",
+        )
     tokens = args.global_batch_tokens
     if tokens is None:
         tokens = 2**22 if shape.param_count() >= 1e9 else 2**19
     if tokens % s or tokens < s:
-        raise LoomError(f"--global-batch-tokens {tokens} is not a whole number of {s}-token sequences",
-                        hint=f"a multiple of {s}, e.g. {max(1, tokens // s) * s}")  # fmt: skip
-    cluster = Cluster(args.gpus, args.gpus_per_node, args.gpu_mem, args.intra_bw, args.inter_bw,
-                      args.peak_tflops, args.mfu, args.headroom)  # fmt: skip
+        raise LoomError(
+            f"--global-batch-tokens {tokens} is not a whole number of {s}-token sequences",
+            hint=f"a multiple of {s}, e.g. {max(1, tokens // s) * s}",
+        )
+    cluster = Cluster(
+        args.gpus,
+        args.gpus_per_node,
+        args.gpu_mem,
+        args.intra_bw,
+        args.inter_bw,
+        args.peak_tflops,
+        args.mfu,
+        args.headroom,
+    )
     wl = Workload(shape, PRECISIONS[args.precision], s, tokens, args.attention)
     cands = plan(shape, cluster, wl)
     if not cands:
-        raise LoomError(f"no valid layout of {args.gpus} GPUs for {shape.name}: {tokens // s} sequences per step "
-                        f"do not split over any data-parallel degree with tp | {shape.n_head} heads, "
-                        f"pp <= {shape.n_layer} layers",
-                        hint="a global batch with more sequences (a multiple of the GPU count), or another GPU count")  # fmt: skip
+        raise LoomError(
+            f"no valid layout of {args.gpus} GPUs for {shape.name}: {tokens // s} sequences per step "
+            f"do not split over any data-parallel degree with tp | {shape.n_head} heads, "
+            f"pp <= {shape.n_layer} layers",
+            hint="a global batch with more sequences (a multiple of the GPU count), or another GPU count",
+        )
     for c in cands:
         c.reason = reason(c, cands, cluster)
     if not cands[0].fits:
@@ -223,14 +258,28 @@ def plan_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     shape, cluster, wl, cands = run_plan(args)
     if args.json:
-        print(json.dumps({
-            "model": {"name": shape.name, "params": shape.param_count(), "n_layer": shape.n_layer,
-                      "n_head": shape.n_head, "n_embd": shape.n_embd, "vocab_size": shape.vocab_size,
-                      "shape_assumed": shape.assumed},
-            "cluster": vars(cluster), "precision": wl.precision.name, "seq_len": wl.seq_len,
-            "global_batch_tokens": wl.global_batch_tokens, "attention": wl.attention,
-            "candidates": [c.as_dict() for c in cands],
-        }, indent=1))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "model": {
+                        "name": shape.name,
+                        "params": shape.param_count(),
+                        "n_layer": shape.n_layer,
+                        "n_head": shape.n_head,
+                        "n_embd": shape.n_embd,
+                        "vocab_size": shape.vocab_size,
+                        "shape_assumed": shape.assumed,
+                    },
+                    "cluster": vars(cluster),
+                    "precision": wl.precision.name,
+                    "seq_len": wl.seq_len,
+                    "global_batch_tokens": wl.global_batch_tokens,
+                    "attention": wl.attention,
+                    "candidates": [c.as_dict() for c in cands],
+                },
+                indent=1,
+            )
+        )
         return 0
     n_fit = sum(c.fits for c in cands)
     print(header(shape, cluster, wl, len(cands), n_fit))

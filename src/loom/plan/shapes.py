@@ -106,8 +106,10 @@ class ModelShape:
         return self.n_params if self.n_params is not None else self.counted_params()
 
     def describe(self) -> str:
-        s = (f"{self.name}: {fmt_count(self.param_count())} parameters, n_layer={self.n_layer} "
-             f"n_head={self.n_head} n_embd={self.n_embd} vocab={self.vocab_size} block_size={self.block_size}")  # fmt: skip
+        s = (
+            f"{self.name}: {fmt_count(self.param_count())} parameters, n_layer={self.n_layer} "
+            f"n_head={self.n_head} n_embd={self.n_embd} vocab={self.vocab_size} block_size={self.block_size}"
+        )
         if (self.mlp, self.norm, self.pos, self.tie_embeddings, self.n_kv_head) != (
             "gelu",
             "layernorm",
@@ -115,16 +117,20 @@ class ModelShape:
             True,
             0,
         ):
-            s += (f" n_kv_head={self.n_kv_head or self.n_head} {self.mlp} {self.ffn_width} {self.norm} {self.pos}"
-                  f"{'' if self.tie_embeddings else ' untied'}")  # fmt: skip
+            s += (
+                f" n_kv_head={self.n_kv_head or self.n_head} {self.mlp} {self.ffn_width} {self.norm} {self.pos}"
+                f"{'' if self.tie_embeddings else ' untied'}"
+            )
         if self.assumed:
             s += " (shape assumed for activations: only the parameter count was given)"
         return s + (f"; {self.note}" if self.note else "")
 
 
 _GPT2 = dict(vocab_size=50257, block_size=1024, bias=True)
-_LLAMA_NOTE = ("loom's GPT-2 block at LLaMA's depth and width (4·C GELU MLP, tied head, 32k vocabulary); "
-               "the llama-family presets (llama2-7b, llama3-8b, llama3-70b) have Llama's own block")  # fmt: skip
+_LLAMA_NOTE = (
+    "loom's GPT-2 block at LLaMA's depth and width (4·C GELU MLP, tied head, 32k vocabulary); "
+    "the llama-family presets (llama2-7b, llama3-8b, llama3-70b) have Llama's own block"
+)
 _LLAMA = dict(mlp="swiglu", norm="rmsnorm", pos="rope", tie_embeddings=False)
 # GPT-2 shapes from Radford et al. 2019 / the released checkpoints; 7B/13B/70B at LLaMA's (Touvron et al.
 # 2023) n_layer / n_embd / n_head with context 4096 (LLaMA 2). loom can build all of them; the large ones
@@ -145,9 +151,19 @@ PRESETS: dict[str, ModelShape] = {
         "llama3-70b", 80, 64, 8192, 128256, 8192, n_kv_head=8, ffn_hidden=28672, **_LLAMA
     ),
 }
-ALIASES = {"124m": "gpt2", "gpt2-124m": "gpt2", "350m": "gpt2-medium", "gpt2-350m": "gpt2-medium",
-           "774m": "gpt2-large", "gpt2-774m": "gpt2-large", "1.5b": "gpt2-xl", "gpt2-1.5b": "gpt2-xl",
-           "llama-7b": "7b", "llama-13b": "13b", "llama-70b": "70b"}  # fmt: skip
+ALIASES = {
+    "124m": "gpt2",
+    "gpt2-124m": "gpt2",
+    "350m": "gpt2-medium",
+    "gpt2-350m": "gpt2-medium",
+    "774m": "gpt2-large",
+    "gpt2-774m": "gpt2-large",
+    "1.5b": "gpt2-xl",
+    "gpt2-1.5b": "gpt2-xl",
+    "llama-7b": "7b",
+    "llama-13b": "13b",
+    "llama-70b": "70b",
+}
 
 _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
@@ -175,8 +191,9 @@ def shape_for_params(n: int, vocab_size: int = 50257, block_size: int = 2048) ->
     C = max(128, round((n * 128 / 12) ** (1 / 3) / 128) * 128)
     head = 128 if C >= 1024 else 64
     L = max(1, round((n - vocab_size * C) / (12 * C * C)))
-    return ModelShape(f"{fmt_count(n)} parameters", L, C // head, C, vocab_size, block_size,
-                      assumed=True, n_params=n)  # fmt: skip
+    return ModelShape(
+        f"{fmt_count(n)} parameters", L, C // head, C, vocab_size, block_size, assumed=True, n_params=n
+    )
 
 
 def shape_from_config(path: str) -> ModelShape:
@@ -188,9 +205,24 @@ def shape_from_config(path: str) -> ModelShape:
     vocab = m.vocab_size
     if not vocab:
         vocab, note = 50257, "model.vocab_size=0 (taken from the data): assumed GPT-2's 50257"
-    return ModelShape(path, m.n_layer, m.n_head, m.n_embd, vocab, m.block_size, m.bias, m.dropout, note=note,
-                      n_kv_head=m.n_kv_head, mlp=m.mlp, ffn_hidden=m.ffn_hidden, norm=m.norm, pos=m.pos,
-                      tie_embeddings=m.tie_embeddings, qk_norm=m.qk_norm)  # fmt: skip
+    return ModelShape(
+        path,
+        m.n_layer,
+        m.n_head,
+        m.n_embd,
+        vocab,
+        m.block_size,
+        m.bias,
+        m.dropout,
+        note=note,
+        n_kv_head=m.n_kv_head,
+        mlp=m.mlp,
+        ffn_hidden=m.ffn_hidden,
+        norm=m.norm,
+        pos=m.pos,
+        tie_embeddings=m.tie_embeddings,
+        qk_norm=m.qk_norm,
+    )
 
 
 def resolve_model(model: str | None, params: str | None) -> ModelShape:
@@ -208,19 +240,25 @@ def resolve_model(model: str | None, params: str | None) -> ModelShape:
         shape = shape_from_config(model)
     else:
         close = difflib.get_close_matches(key, list(PRESETS) + list(ALIASES), n=1)
-        raise LoomError(f"unknown model '{model}'" + (f"; did you mean '{close[0]}'?" if close else ""),
-                        hint=f"a preset ({', '.join(PRESETS)}), a CONFIG.toml, or --params N")  # fmt: skip
+        raise LoomError(
+            f"unknown model '{model}'" + (f"; did you mean '{close[0]}'?" if close else ""),
+            hint=f"a preset ({', '.join(PRESETS)}), a CONFIG.toml, or --params N",
+        )
     return replace(shape, n_params=parse_count(params)) if params else shape
 
 
 def assert_valid(shape: ModelShape) -> None:
     """The model's own rules (as GPTConfig / config.validate): heads divide the width."""
     if shape.n_embd % shape.n_head:
-        raise LoomError(f"n_embd={shape.n_embd} is not divisible by n_head={shape.n_head}",
-                        hint="pick n_head among the divisors of n_embd")  # fmt: skip
+        raise LoomError(
+            f"n_embd={shape.n_embd} is not divisible by n_head={shape.n_head}",
+            hint="pick n_head among the divisors of n_embd",
+        )
     if shape.n_kv_head and shape.n_head % shape.n_kv_head:
-        raise LoomError(f"n_head={shape.n_head} is not divisible by n_kv_head={shape.n_kv_head}",
-                        hint="pick n_kv_head among the divisors of n_head")  # fmt: skip
+        raise LoomError(
+            f"n_head={shape.n_head} is not divisible by n_kv_head={shape.n_kv_head}",
+            hint="pick n_kv_head among the divisors of n_head",
+        )
     if min(
         shape.n_layer, shape.n_head, shape.n_embd, shape.vocab_size, shape.block_size
     ) < 1 or not math.isfinite(shape.dropout):

@@ -116,8 +116,10 @@ def check_hashes(control: Control, plan: Plan) -> Plan:
 
     def refuse_named_step() -> None:
         if checkpoint.names_step(plan.resume):
-            raise LoomError(next(e for e in errors if e),
-                            hint="resume from the run directory to fall back to its newest valid step")  # fmt: skip
+            raise LoomError(
+                next(e for e in errors if e),
+                hint="resume from the run directory to fall back to its newest valid step",
+            )
         for e in errors:
             if e:
                 log.warn(f"skipping checkpoint: {e}")
@@ -130,8 +132,9 @@ def check_hashes(control: Control, plan: Plan) -> Plan:
 
     def check_found() -> Path:
         if found is None:
-            raise LoomError(f"--resume: no valid checkpoint under '{plan.ckpt.parent}'",
-                            hint="start without --resume")  # fmt: skip
+            raise LoomError(
+                f"--resume: no valid checkpoint under '{plan.ckpt.parent}'", hint="start without --resume"
+            )
         check_checkpoint_model(found, plan.cfg)
         return found
 
@@ -158,8 +161,10 @@ def auto_resume(req: RunRequest, share=(0, 1)) -> RunRequest:
         return req
     if not cfg.run.name:
         if cfg.train.resume == "auto":
-            raise LoomError("train.resume=auto needs a run.name to find the run again",
-                            hint="add --run.name=NAME (the same name on every launch)")  # fmt: skip
+            raise LoomError(
+                "train.resume=auto needs a run.name to find the run again",
+                hint="add --run.name=NAME (the same name on every launch)",
+            )
         return req
     run_dir = Path(cfg.run.dir) / cfg.run.name
     if checkpoint.latest_valid(run_dir / "ckpt", share=share) is not None:
@@ -180,8 +185,12 @@ def auto_resume(req: RunRequest, share=(0, 1)) -> RunRequest:
 
 def check_checkpoint_model(ckpt: Path, cfg: Config) -> None:
     """A checkpoint of another model shape is refused before anything is built (state.json only)."""
-    check_model_config(checkpoint.read_state(ckpt).get("config", {}).get("model", {}), cfg,
-                       f"checkpoint '{ckpt}'", "resume with the checkpoint's model settings, or start a new run")  # fmt: skip
+    check_model_config(
+        checkpoint.read_state(ckpt).get("config", {}).get("model", {}),
+        cfg,
+        f"checkpoint '{ckpt}'",
+        "resume with the checkpoint's model settings, or start a new run",
+    )
 
 
 def check_not_finished(ckpt: Path, cfg: Config, run_dir: Path) -> None:
@@ -192,8 +201,10 @@ def check_not_finished(ckpt: Path, cfg: Config, run_dir: Path) -> None:
     if step < cfg.train.steps:
         return
     more = step + max(cfg.train.steps, 1)
-    msg = (f"run '{run_dir}' already reached train.steps={cfg.train.steps} (checkpoint '{ckpt.name}' is at step "
-           f"{step}): there is nothing left to train")  # fmt: skip
+    msg = (
+        f"run '{run_dir}' already reached train.steps={cfg.train.steps} (checkpoint '{ckpt.name}' is at step "
+        f"{step}): there is nothing left to train"
+    )
     hint = f"to train further, resume with a larger train.steps, e.g. --resume --train.steps={more}"
     restarted = restart_count() > 0
     if cfg.train.resume == "auto" or restarted:
@@ -225,8 +236,10 @@ def check_node_layout(dims: ParallelDims, env: DistEnv) -> None:
     if env.num_nodes <= 1 or per_node <= 0:
         return
     if dims.tp > per_node:
-        log.warn(f"parallel.tp={dims.tp} is larger than the {per_node} processes per node: tensor-parallel "
-                 "all-reduces (two per layer, forward and backward) cross nodes")  # fmt: skip
+        log.warn(
+            f"parallel.tp={dims.tp} is larger than the {per_node} processes per node: tensor-parallel "
+            "all-reduces (two per layer, forward and backward) cross nodes"
+        )
     elif dims.fsdp_enabled and dims.dp_shard * dims.tp > per_node:
         log.warn(
             f"parallel.dp_shard={dims.dp_shard} x tp={dims.tp} spans more than the {per_node} processes per node: "
@@ -302,8 +315,10 @@ def check_same_config(control: Control, cfg: Config) -> None:
     diff = diff_configs(config_from_dict(control.broadcast_object(cfg.to_dict())), cfg)
     bad = int(control.all_reduce_sum([1.0 if diff else 0.0])[0])
     if diff:
-        raise LoomError(f"rank {control.rank}'s config differs from rank 0's: " + "; ".join(diff),
-                        hint="start every rank with the same command line and config file")  # fmt: skip
+        raise LoomError(
+            f"rank {control.rank}'s config differs from rank 0's: " + "; ".join(diff),
+            hint="start every rank with the same command line and config file",
+        )
     if bad:
         raise PeerError(f"{bad} rank(s) were started with a config that differs from rank 0's")
 

@@ -97,10 +97,18 @@ class Checkpointer:
         faults = self.job.faults
         try:
             path = checkpoint.save_sharded(
-                self.policy.folder, step, tensors["model"], tensors["optim"], tensors["extra"], state,
-                self.policy.keep_last, control, free_bytes=faults.free_bytes,
-                after_first_file=lambda tmp: faults.mid_save(step, tmp), group=group,
-            )  # fmt: skip
+                self.policy.folder,
+                step,
+                tensors["model"],
+                tensors["optim"],
+                tensors["extra"],
+                state,
+                self.policy.keep_last,
+                control,
+                free_bytes=faults.free_bytes,
+                after_first_file=lambda tmp: faults.mid_save(step, tmp),
+                group=group,
+            )
             log.info(f"saved checkpoint {path}")
         except LoomError as e:
             return e if self.job.is_main or "another rank" not in e.message else None
@@ -122,9 +130,11 @@ class Checkpointer:
         self.wait()  # at most one save in flight
         waited, step = time.perf_counter() - t0, self.step
         if busy and self.job.is_main:
-            log.warn(f"the background save of the previous checkpoint was still writing: the loop waited "
-                     f"{waited:.2f}s for it before step {step}'s save; saves come faster than they are "
-                     "written, so raise train.ckpt_every (or write to faster storage)")  # fmt: skip
+            log.warn(
+                f"the background save of the previous checkpoint was still writing: the loop waited "
+                f"{waited:.2f}s for it before step {step}'s save; saves come faster than they are "
+                "written, so raise train.ckpt_every (or write to faster storage)"
+            )
         self.job.name_op(f"the sharded checkpoint save at step {step}")
         tensors, state = self.state()
         if background and self.async_enabled():
@@ -153,8 +163,11 @@ class Checkpointer:
         if self.policy.on_save_error == "stop" and not last:
             raise self.last_error
         if error is not None:
-            then = ("it is the run's last save" if last else
-                    "training goes on (train.on_save_error=continue), the next save tries again")  # fmt: skip
+            then = (
+                "it is the run's last save"
+                if last
+                else "training goes on (train.on_save_error=continue), the next save tries again"
+            )
             log.warn(f"checkpoint of step {step} not saved ({error.message}); {then}")
             self.job.record({"step": step, "ckpt_error": error.message})
         return False
@@ -176,10 +189,15 @@ class Checkpointer:
         newest = checkpoint.latest_valid(ckpt_dir, share=None)  # sizes only: the message, not a resume
         since = checkpoint.read_state(newest)["step"] if newest is not None else 0
         reason = self.last_error.message if self.last_error else "unknown error"
-        then = (f"--resume continues from step {since} ('{newest}') and redoes steps {since + 1}-{step}"
-                if newest is not None else "the run has no checkpoint: start it again with --force")  # fmt: skip
-        msg = (f"the {what} checkpoint of step {step} could not be saved (tried twice: {reason}); "
-               f"steps {since + 1}-{step} of this run are in no checkpoint")  # fmt: skip
+        then = (
+            f"--resume continues from step {since} ('{newest}') and redoes steps {since + 1}-{step}"
+            if newest is not None
+            else "the run has no checkpoint: start it again with --force"
+        )
+        msg = (
+            f"the {what} checkpoint of step {step} could not be saved (tried twice: {reason}); "
+            f"steps {since + 1}-{step} of this run are in no checkpoint"
+        )
         hint = (
             f"free disk space or fix the permissions of '{ckpt_dir}' (or set run.dir elsewhere), then {then}"
         )
@@ -245,8 +263,12 @@ class Checkpointer:
             tensors.update(model=path / "model", optim=path / "optim")
         else:  # format 1: whole tensors, sliced onto the device per parameter
             tensors, state = checkpoint.load(path, map_location="cpu")
-        check_model_config(state["config"]["model"], self.job.config, f"checkpoint '{path}'",
-                           "resume with the checkpoint's model settings, or start a new run")  # fmt: skip
+        check_model_config(
+            state["config"]["model"],
+            self.job.config,
+            f"checkpoint '{path}'",
+            "resume with the checkpoint's model settings, or start a new run",
+        )
         p.model_optim.load_state_dict({"model": tensors["model"], "optim": tensors["optim"]})
         extra = tensors["extra"]
         p.scaler.load_state_dict(extra["scaler"])

@@ -78,8 +78,11 @@ class StopRequest:
         name = signal.Signals(signum).name
         if self.finishing_what is not None:  # the last checkpoint is being written: abandoning it loses it
             if self.rank == 0:
-                os.write(2, f"loom: {name} received while {self.finishing_what} is being written: finishing it "
-                         "first (it takes seconds; kill -9 abandons it)\n".encode())  # fmt: skip
+                os.write(
+                    2,
+                    f"loom: {name} received while {self.finishing_what} is being written: finishing it "
+                    "first (it takes seconds; kill -9 abandons it)\n".encode(),
+                )
             self.signal = self.signal or name
             return
         # Under a launcher (torchrun, loom --nproc) the agent forwards one signal; by hand, a second Ctrl-C
@@ -99,8 +102,11 @@ class StopRequest:
         self.signal = self.signal or name
 
     def _give_up(self, signum: int) -> None:
-        os.write(2, f"loom: rank {self.rank}: the step did not end within {self.grace_s:g}s of "
-                 f"{signal.Signals(signum).name}; exiting without a checkpoint\n".encode())  # fmt: skip
+        os.write(
+            2,
+            f"loom: rank {self.rank}: the step did not end within {self.grace_s:g}s of "
+            f"{signal.Signals(signum).name}; exiting without a checkpoint\n".encode(),
+        )
         os._exit(128 + signum)
 
 
@@ -150,8 +156,10 @@ class StepGuard:
         """The warning for a skipped step."""
         more = f" and {len(names) - 6} more" if len(names) > 6 else ""
         where = f"; non-finite gradients in {', '.join(names[:6])}{more}" if names else ""
-        return (f"step {step}: update skipped, {reason}{where} ({self.in_row} in a row, {self.skipped} skipped "
-                f"in all; limit train.max_bad_steps={self.max_bad_steps})")  # fmt: skip
+        return (
+            f"step {step}: update skipped, {reason}{where} ({self.in_row} in a row, {self.skipped} skipped "
+            f"in all; limit train.max_bad_steps={self.max_bad_steps})"
+        )
 
     def stop_error(self, step: int, reason: str, names: list[str], saved: bool) -> NonFiniteError:
         """The diagnostic once max_bad_steps bad steps came in a row; `saved`: the checkpoint was written."""
@@ -159,11 +167,14 @@ class StepGuard:
         return NonFiniteError(
             f"{self.in_row} bad steps in a row (steps {first}-{last}; last: {reason})"
             + (f"; non-finite gradients in: {', '.join(names)}" if names else "")
-            + (f". The last good state (the weights after step {first - 1}) is saved as checkpoint step {step}"
-               if saved else ". The last good state could not be saved"),
+            + (
+                f". The last good state (the weights after step {first - 1}) is saved as checkpoint step {step}"
+                if saved
+                else ". The last good state could not be saved"
+            ),
             hint="lower optim.lr or raise optim.warmup_steps (or look at the data of those steps), then continue "
             "with --resume; train.max_bad_steps sets how many bad steps in a row are tolerated",
-        )  # fmt: skip
+        )
 
 
 def grad_flags(model: torch.nn.Module) -> tuple[list[str], torch.Tensor | None]:

@@ -37,8 +37,9 @@ def resolve_device(spec: str, local_rank: int = 0, key: str = "train.device") ->
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise LoomError(f"{key} {spec} asks for cuda but no CUDA device is available", hint=f"use {fix}")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise LoomError(f"{key} {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)",
-                        hint=f"use {fix}")  # fmt: skip
+        raise LoomError(
+            f"{key} {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)", hint=f"use {fix}"
+        )
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise LoomError(f"{key} {spec} asks for mps but no MPS device is available", hint=f"use {fix}")
     if dev.type == "cuda" and dev.index is None:  # each rank its own GPU (LOCAL_RANK), as with auto
@@ -108,9 +109,14 @@ def _newest_run(parent: Path) -> Path | None:
 def check_run_name(name: str) -> str:
     """A run name is one plain folder name: nothing that could write outside run.dir."""
     bad = (
-        not name.strip() or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
-        or name.startswith("-") or any(ord(c) < 32 for c in name)
-    )  # fmt: skip
+        not name.strip()
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name.startswith("-")
+        or any(ord(c) < 32 for c in name)
+    )
     if bad:
         raise LoomError(
             f"run.name {name!r} must be a plain folder name (no '/', '\\', '..', control characters or leading '-')",

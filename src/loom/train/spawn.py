@@ -60,8 +60,10 @@ def launch_local(nproc: int, req: RunRequest, child_argv: list[str], max_restart
         elastic_launch(config, sys.executable)("-m", "loom", "train", *args)
     except SignalException as e:
         newest = checkpoint.latest_valid(plan.run_dir / "ckpt")
-        log.error(f"loom: {e.sigval.name}: the processes were asked to save and stop; "
-                  + (f"newest checkpoint {newest}" if newest else "no checkpoint was saved"))  # fmt: skip
+        log.error(
+            f"loom: {e.sigval.name}: the processes were asked to save and stop; "
+            + (f"newest checkpoint {newest}" if newest else "no checkpoint was saved")
+        )
         return EXIT_PREEMPTED
     except ChildFailedError as e:
         return _report_failure(e)

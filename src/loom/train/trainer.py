@@ -62,8 +62,10 @@ def pretrained_state(cfg: Config, model: nn.Module) -> dict | None:
         return None
     spec = spec_of(cfg)
     if spec.hf is None:
-        raise LoomError(f"model.init_from={cfg.model.init_from}: the family '{spec.name}' has no HF mapping",
-                        hint="leave model.init_from empty, or choose a family that imports from transformers")  # fmt: skip
+        raise LoomError(
+            f"model.init_from={cfg.model.init_from}: the family '{spec.name}' has no HF mapping",
+            hint="leave model.init_from empty, or choose a family that imports from transformers",
+        )
     host = spec.build(model.cfg)
     spec.hf.load_hf_into(host, spec.hf.parse_init_from(cfg.model.init_from))
     return host.state_dict()
@@ -91,25 +93,10 @@ class Trainer:
         self._data(data_dir)  # first: a block_size the data cannot provide fails here, not after the model
         self.tokenizer = load_tokenizer(data_dir, self.meta) if self.meta.get("tokenizer") else None
         hellaswag = self._hellaswag_examples()
-        dtype = self.precision = resolve_precision(
-            cfg.precision.dtype, device, loss_scaling=cfg.parallel.pp == 1
-        )
-        if cfg.precision.dtype == "auto":
-            log.info(f"precision.dtype=auto: {dtype} on {device}")
-        if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise LoomError("precision.dtype=bf16 but this GPU has no bf16", hint="use precision.dtype=fp16")
+        dtype = self.precision = self._precision()
         model = self._model(dtype)
         torch.manual_seed(cfg.run.seed)  # dropout's stream: the same on every rank and every run of this seed
         self.optimizer = self.parallel.build_optimizer(cfg.optim)
-        self.autocast_dtype = None if dtype == "fp32" else DTYPES[dtype]  # autocast for bf16 / fp16
-        if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanoGPT)
-            torch.backends.cuda.matmul.allow_tf32 = cfg.precision.tf32
-            torch.backends.cudnn.allow_tf32 = cfg.precision.tf32
-        p = cfg.precision
-        self.scaler = torch.amp.GradScaler(
-            device.type, init_scale=p.init_scale, growth_interval=p.growth_interval, enabled=dtype == "fp16"
-        )
-        self.overflow_steps = 0  # fp16: steps whose update the scaler skipped (inf/NaN gradients)
         self.train_state = TrainState()  # the step; `step` reads and sets it
         self._first_step = True
         # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
@@ -122,20 +109,49 @@ class Trainer:
         self.heartbeat = None  # set by run() in multi-process jobs: loom.distributed.health.Heartbeat
         self.op, self.op_step = "setup", 0  # op_step: the last step this rank began (its heartbeat)
         self.throughput = Throughput(
-            self.spec.flops_per_token(model.cfg, None), peak_flops(device, dtype), dims.world_size, t.warmup_log_steps,
+            self.spec.flops_per_token(model.cfg, None),
+            peak_flops(device, dtype),
+            dims.world_size,
+            t.warmup_log_steps,
             compiled=t.compile,
             remeasure=(lambda: cpu_peak_flops(dtype, again=True)) if device.type == "cpu" else None,
-        )  # fmt: skip
+        )
         self.metrics: Sinks | None = None  # opened with the run files, once nothing can fail cheaply
         self.val = ValLossEval(self.valset, self.derived.micro_batch_size, t.eval_every)
         self.evaluators = self._evaluators(hellaswag)
         self.checkpointer = self._checkpointer()
 
+    def _precision(self) -> str:
+        """The step's dtype (precision.dtype=auto resolved for this device), its autocast, TF32 on a GPU, and
+        the loss scaler (enabled for fp16)."""
+        cfg, device, p = self.cfg, self.device, self.cfg.precision
+        dtype = resolve_precision(p.dtype, device, loss_scaling=cfg.parallel.pp == 1)
+        if p.dtype == "auto":
+            log.info(f"precision.dtype=auto: {dtype} on {device}")
+        if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise LoomError("precision.dtype=bf16 but this GPU has no bf16", hint="use precision.dtype=fp16")
+        self.autocast_dtype = None if dtype == "fp32" else DTYPES[dtype]  # autocast for bf16 / fp16
+        if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanoGPT)
+            torch.backends.cuda.matmul.allow_tf32 = p.tf32
+            torch.backends.cudnn.allow_tf32 = p.tf32
+        self.scaler = torch.amp.GradScaler(
+            device.type, init_scale=p.init_scale, growth_interval=p.growth_interval, enabled=dtype == "fp16"
+        )
+        self.overflow_steps = 0  # fp16: steps whose update the scaler skipped (inf/NaN gradients)
+        return dtype
+
     def _data(self, data_dir: Path) -> None:
         """The training batches (a global cursor; this data-parallel rank's slice) and the validation windows."""
         cfg, t, dims = self.cfg, self.cfg.train, self.dims
-        loader = ShardLoader(data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, dims.dp_rank, dims.dp,
-                             align=cfg.data.align)  # fmt: skip
+        loader = ShardLoader(
+            data_dir,
+            t.batch_size,
+            cfg.model.block_size,
+            cfg.run.seed,
+            dims.dp_rank,
+            dims.dp,
+            align=cfg.data.align,
+        )
         self.batches = DeviceBatches(loader, self.device)
         self.valset = ValSet(
             data_dir, cfg.model.block_size, t.eval_batches * t.batch_size, dims.dp_rank, dims.dp
@@ -150,10 +166,15 @@ class Trainer:
         self.model_cfg = model.cfg  # the family's own config (the whole model's: pipeline stages keep theirs)
         self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
         self.parallel = parallelize(
-            model, self.dims, cfg, self.device, self.spec, precision=dtype,
+            model,
+            self.dims,
+            cfg,
+            self.device,
+            self.spec,
+            precision=dtype,
             n_microbatches=self.derived.pp_microbatches,
             init=lambda name, whole: model.init_param(name, whole, cfg.run.seed),
-        )  # fmt: skip
+        )
         pretrained = pretrained_state(cfg, model)
         if pretrained is not None:
             self.parallel.load_model_state(pretrained)
@@ -316,8 +337,10 @@ class Trainer:
         m = model_state_bytes(self.model, self.optimizer)
         if self._first_step:
             self._first_step = False
-            log.info(f"rank {self.dims.rank} model state: params {m['params'] / 2**20:.1f} MiB, grads "
-                     f"{m['grads'] / 2**20:.1f} MiB, optimizer {m['optim'] / 2**20:.1f} MiB (this rank's share)")  # fmt: skip
+            log.info(
+                f"rank {self.dims.rank} model state: params {m['params'] / 2**20:.1f} MiB, grads "
+                f"{m['grads'] / 2**20:.1f} MiB, optimizer {m['optim'] / 2**20:.1f} MiB (this rank's share)"
+            )
         return {f"mem_{k}": v for k, v in m.items()}
 
     def _evaluators(self, hellaswag: list[dict] | None) -> list[Evaluator]:
@@ -356,8 +379,10 @@ class Trainer:
         from loom.eval.hellaswag import read_examples
 
         if self.tokenizer is None:
-            raise LoomError(f"train.hellaswag_every needs the data's tokenizer, and '{self.data_dir}' has none",
-                            hint="prepare the data with loom (or use nanoGPT data with meta.pkl)")  # fmt: skip
+            raise LoomError(
+                f"train.hellaswag_every needs the data's tokenizer, and '{self.data_dir}' has none",
+                hint="prepare the data with loom (or use nanoGPT data with meta.pkl)",
+            )
         return read_examples(t.hellaswag_data, t.hellaswag_limit or None, self.tokenizer)  # encodable too
 
     def _cpu_memory(self):
@@ -422,8 +447,10 @@ class Trainer:
         if t.ckpt_every and not final:  # after this process's first step (then at once returns)
             self.checkpointer.warm()  # background saves: staging buffers and the writer's group, off the step time
         if "compile_s" in rec:
-            log.info(f"torch.compile: the first step (tracing and compiling forward and backward) took "
-                     f"{rec['compile_s']:.1f}s; left out of tokens/s")  # fmt: skip
+            log.info(
+                f"torch.compile: the first step (tracing and compiling forward and backward) took "
+                f"{rec['compile_s']:.1f}s; left out of tokens/s"
+            )
         if self._due(t.log_every) or final or "skipped" in rec or "stop" in rec:
             rec["mem_bytes"] = peak_memory_bytes(self.device)
             log.info(format_step(rec))
@@ -464,8 +491,14 @@ class Trainer:
             return
         saved = self.save()  # the weights and optimizer are still those of the last good step
         if self.metrics:
-            self.metrics.write({"step": self.step, "stopped": "max_bad_steps", "bad_steps": self.guard.bad_steps,
-                                "nonfinite_params": names})  # fmt: skip
+            self.metrics.write(
+                {
+                    "step": self.step,
+                    "stopped": "max_bad_steps",
+                    "bad_steps": self.guard.bad_steps,
+                    "nonfinite_params": names,
+                }
+            )
             self.metrics.close()
             self.metrics = None
         raise self.guard.stop_error(self.step, rec["skipped"], names, saved)

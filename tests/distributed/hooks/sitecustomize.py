@@ -65,10 +65,22 @@ if os.environ.get("LOOM_CHECK_DEVICES_AS"):
 
         setattr(dist, name, wrapped)
 
-    for _name, _idx in {"all_reduce": (0,), "broadcast": (0,), "reduce": (0,), "all_gather": (0, 1),
-                        "all_gather_into_tensor": (0, 1), "reduce_scatter_tensor": (0, 1), "reduce_scatter": (0, 1),
-                        "all_to_all_single": (0, 1), "gather": (0,), "scatter": (0,), "send": (0,), "recv": (0,),
-                        "isend": (0,), "irecv": (0,)}.items():  # fmt: skip
+    for _name, _idx in {
+        "all_reduce": (0,),
+        "broadcast": (0,),
+        "reduce": (0,),
+        "all_gather": (0, 1),
+        "all_gather_into_tensor": (0, 1),
+        "reduce_scatter_tensor": (0, 1),
+        "reduce_scatter": (0, 1),
+        "all_to_all_single": (0, 1),
+        "gather": (0,),
+        "scatter": (0,),
+        "send": (0,),
+        "recv": (0,),
+        "isend": (0,),
+        "irecv": (0,),
+    }.items():
         _wrap(_name, _idx)
 
     _new_group = dist.new_group
