@@ -1,3 +1,3 @@
-"""loom: train GPT-style language models from one CPU core to many GPU nodes."""
+"""loom: train decoder-only language models (gpt2, llama and plug-in families) from one CPU core to many GPU nodes."""
 
 __version__ = "0.1.0"

@@ -16,7 +16,7 @@ from loom.errors import LoomError
 def _train(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="loom train",
-        description="Train a GPT. With no arguments: the built-in corpus and the demo model.",
+        description="Train a language model. With no arguments: the built-in corpus and the demo model.",
         epilog="Any config key can be set as --section.key=value; see --help-config.",
     )
     p.add_argument("config", nargs="?", help="a TOML config file (configs/*.toml)")
@@ -134,7 +134,7 @@ def _data(argv: list[str]) -> int:
     pp.add_argument(
         "--tokenizer",
         default="char",
-        help="char | bpe | PATH/tokenizer.json | a folder with one or with GPT-2's encoder.json + "
+        help="char | bpe | PATH/tokenizer.json | a folder with one or with gpt2's encoder.json + "
         "vocab.bpe (default char)",
     )
     pp.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
@@ -143,7 +143,7 @@ def _data(argv: list[str]) -> int:
         "--split-mode",
         default="docs",
         choices=["docs", "tail"],
-        help="docs: whole documents by seeded shuffle; tail: last characters (nanoGPT)",
+        help="docs: whole documents by seeded shuffle; tail: last characters (nanogpt)",
     )
     pp.add_argument(
         "--jsonl-field",
@@ -193,7 +193,7 @@ def _data(argv: list[str]) -> int:
     if args.tokenizer not in ("char", "bpe"):
         from loom.data.tokenizers import tokenizer_files
 
-        tokenizer_files(args.tokenizer)  # a tokenizer.json, a folder with one, or GPT-2's vocabulary files
+        tokenizer_files(args.tokenizer)  # a tokenizer.json, a folder with one, or gpt2's vocabulary files
     from loom.data.corpus import corpus_files
     from loom.data.prepare import prepare
 
@@ -309,7 +309,7 @@ def _generate_samples(args, run: _Loaded) -> int:
     if tok is None:
         raise LoomError(
             f"run '{args.run_dir}' was trained on data without a tokenizer: cannot turn text into ids",
-            hint="prepare the data with loom (or give nanoGPT's meta.pkl) to get a tokenizer",
+            hint="prepare the data with loom (or give nanogpt's meta.pkl) to get a tokenizer",
         )
     ids = tok.encode(args.prompt) if args.prompt else [tok.eot_id]
     if len(ids) > model.cfg.block_size:
@@ -483,7 +483,7 @@ def _need_tokenizer(args, tok) -> None:
     if tok is None:
         raise LoomError(
             f"run '{args.run_dir}' has no tokenizer, so HellaSwag text cannot be encoded",
-            hint="train on data prepared by loom (or nanoGPT data with meta.pkl)",
+            hint="train on data prepared by loom (or nanogpt data with meta.pkl)",
         )
 
 
@@ -614,13 +614,13 @@ def _plan(argv: list[str]) -> int:
 
 
 VERBS = {
-    "train": (_train, "train a GPT (no arguments: the demo on the built-in corpus)"),
+    "train": (_train, "train a language model (no arguments: the demo on the built-in corpus)"),
     "data": (_data, "prepare data: loom data prepare --input ... --out DIR"),
     "generate": (_generate, "sample from a trained run"),
     "eval": (_eval, "validation loss and perplexity of a run"),
     "plot": (_plot, "plot loss curves of one or more runs"),
     "ckpt": (_ckpt, "checkpoints: loom ckpt inspect RUN | consolidate RUN --out DIR"),
-    "export": (_export, "write a run's model as a transformers (GPT-2, Llama) directory or safetensors"),
+    "export": (_export, "write a run's model as a transformers (gpt2, Llama) directory or safetensors"),
     "verify": (
         _verify,
         "prove N processes learn the same curve as one: loom verify --strategies ddp --nproc 2",

@@ -83,12 +83,12 @@ class ModelConfig:
     dropout: float = _f(
         0.0, "Dropout probability (0 for pretraining-sized data, ~0.2 for tiny data).", ge=0, lt=1
     )
-    bias: bool = _f(False, "Bias in Linear layers and LayerNorms (GPT-2 has them; without is a bit faster).")
+    bias: bool = _f(False, "Bias in Linear layers and LayerNorms (gpt2 has them; without is a bit faster).")
     vocab_size: int = _f(0, "Vocabulary size; 0 takes it from the data. Padded up to a multiple of 64.", ge=0)
     activation: str = _f(
         "gelu_tanh",
-        "MLP activation: gelu_tanh (GPT-2's tanh approximation; needed for GPT-2 weights and HF export) | "
-        "gelu (exact, erf; nanoGPT's nn.GELU, ~2.5x faster on CPUs).",
+        "MLP activation: gelu_tanh (gpt2's tanh approximation; needed for gpt2 weights and HF export) | "
+        "gelu (exact, erf; nanogpt's nn.GELU, ~2.5x faster on CPUs).",
     )
     init_from: str = _f(
         "",
@@ -101,14 +101,14 @@ class ModelConfig:
         "Preset of the options below: gpt2 (learned positions, LayerNorm, GELU, tied head) | llama (pos=rope, "
         "norm=rmsnorm, mlp=swiglu, tie_embeddings=false, bias=false). A key set explicitly overrides the preset.",
     )
-    pos: str = _f("learned", "Positions: learned (a table of block_size vectors, GPT-2) | rope (rotary).")
+    pos: str = _f("learned", "Positions: learned (a table of block_size vectors, gpt2) | rope (rotary).")
     rope_theta: float = _f(
         10000.0,
         "pos=rope: base period of the rotary frequencies (Llama 3: 500000).",
         gt=0,
         msg=_POSITIVE_SHAPE,
     )
-    norm: str = _f("layernorm", "Normalisation: layernorm (GPT-2) | rmsnorm (Llama: no mean, no bias).")
+    norm: str = _f("layernorm", "Normalisation: layernorm (gpt2) | rmsnorm (Llama: no mean, no bias).")
     norm_eps: float = _f(
         1e-5, "Epsilon of every LayerNorm/RMSNorm (Llama 2: 1e-6).", gt=0, msg=_POSITIVE_SHAPE
     )
@@ -131,7 +131,7 @@ class ModelConfig:
         msg=_DEFAULT_WIDTHS,
     )
     qk_norm: bool = _f(False, "RMSNorm of each query and key head before RoPE (OLMo 2, Qwen 3, nanochat).")
-    tie_embeddings: bool = _f(True, "The LM head shares the token embedding's weights (GPT-2); false: own.")
+    tie_embeddings: bool = _f(True, "The LM head shares the token embedding's weights (gpt2); false: own.")
 
 
 @dataclass

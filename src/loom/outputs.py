@@ -79,7 +79,7 @@ def _legacy_kind(d: Path) -> str | None:
 
 
 def _data_extras(d: Path) -> set[str]:
-    """The files a data folder holds besides its shards: meta.json, nanoGPT's meta.pkl, the tokenizer."""
+    """The files a data folder holds besides its shards: meta.json, nanogpt's meta.pkl, the tokenizer."""
     extras = {"meta.json", "meta.pkl"}
     try:
         tok = json.loads((d / "meta.json").read_text(encoding="utf-8")).get("tokenizer") or {}

@@ -1,11 +1,11 @@
-"""`loom bench optim`: time one AdamW step per implementation on a GPT-shaped set of parameters (layer 6).
+"""`loom bench optim`: time one AdamW step per implementation on the parameters of a gpt2-family model (layer 6).
 
     loom bench optim [--params 124M] [--impls torch-fused,torch-foreach,torch-loop,triton]
                      [--iters 20] [--warmup 5] [--device auto] [--copy-mb N] [--json FILE]
 
-The parameters are the tensors of loom's own GPT (built on the meta device, then allocated in fp32):
-GPT-2's configurations for 124M / 350M / 774M / 1.5B, otherwise n_embd a multiple of 64 with
-n_layer = n_embd / 64 (GPT-2 small's aspect) and a vocabulary of at most 50257 and about a third of
+The parameters are the tensors of loom's gpt2 family (built through the family registry on the meta device,
+then allocated in fp32): OpenAI's gpt2 configurations for 124M / 350M / 774M / 1.5B, otherwise n_embd a
+multiple of 64 with n_layer = n_embd / 64 (gpt2 small's aspect) and a vocabulary of at most 50257 and about a third of
 the count. Each implementation is built through `loom.optim.build.build_optimizer` with loom's
 decay / no-decay groups, so what is timed is what `optim.impl` trains with.
 
@@ -30,10 +30,10 @@ import torch
 
 from loom import log
 from loom.bench.peak import device_name, measure_copy_bandwidth, resolve_device, sync
-from loom.config import OptimConfig
+from loom.config import Config, OptimConfig
 from loom.errors import LoomError
 from loom.model.flops import param_count
-from loom.model.gpt import GPT, GPTConfig
+from loom.model.registry import get
 
 IMPLS = ("torch-fused", "torch-foreach", "torch-loop", "triton")
 BYTES_PER_PARAM = 7 * 4  # fp32: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
@@ -49,21 +49,34 @@ def parse_count(text: str) -> int:
     return round(float(m.group(1)) * _SCALE[m.group(2).upper()])
 
 
-def gpt_config(n_params: int) -> GPTConfig:
-    """A GPT config with about `n_params` parameters: GPT-2's own within 5%, else one by the rule above."""
+def _family_config(vocab_size: int, n_layer: int, n_embd: int):
+    """The gpt2 family's model config for this shape (heads of 64, biases, a 1024-token context)."""
+    cfg = Config()
+    for key, value in dict(
+        family="gpt2",
+        vocab_size=vocab_size,
+        n_layer=n_layer,
+        n_head=n_embd // 64,
+        n_embd=n_embd,
+        block_size=1024,
+        bias=True,
+    ).items():
+        setattr(cfg.model, key, value)
+    return get("gpt2").config(cfg, vocab_size)
+
+
+def gpt_config(n_params: int):
+    """A gpt2-family model config with about `n_params` parameters: OpenAI's own within 5%, else one by the
+    rule above."""
     for n_layer, n_embd in GPT2:
-        cfg = GPTConfig(
-            vocab_size=50257, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd, block_size=1024, bias=True
-        )
+        cfg = _family_config(50257, n_layer, n_embd)
         if abs(param_count(cfg) - n_params) <= 0.05 * n_params:
             return cfg
     best = None
     for n_embd in range(64, 16385, 64):
         n_layer = max(1, round(n_embd / 64))
         vocab = min(50257, max(64, n_params // (3 * n_embd)))
-        cfg = GPTConfig(
-            vocab_size=vocab, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd, block_size=1024, bias=True
-        )
+        cfg = _family_config(vocab, n_layer, n_embd)
         err = abs(param_count(cfg) - n_params)
         if best is None or err < best[0]:
             best = (err, cfg)
@@ -72,10 +85,10 @@ def gpt_config(n_params: int) -> GPTConfig:
     return best[1]
 
 
-def gpt_shapes(cfg: GPTConfig) -> list[tuple[int, ...]]:
-    """The shapes of loom's GPT's distinct parameters (tied head once), without allocating them."""
+def gpt_shapes(cfg) -> list[tuple[int, ...]]:
+    """The shapes of the gpt2 family's distinct parameters (tied head once), without allocating them."""
     with torch.device("meta"):
-        return [tuple(p.shape) for p in GPT(cfg).parameters()]
+        return [tuple(p.shape) for p in get("gpt2").build(cfg).parameters()]
 
 
 def bandwidth_gbps(n_params: int, seconds: float) -> float:
@@ -132,7 +145,7 @@ def run(
     warmup: int,
     copy_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Benchmark `impls` on a GPT-shaped parameter set of about n_params; one record per implementation."""
+    """Benchmark `impls` on a gpt2-family parameter set of about n_params; one record per implementation."""
     cfg = gpt_config(n_params)
     shapes = gpt_shapes(cfg)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -187,7 +200,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
     m = first["model"]
     table = Table(
         title=f"loom bench optim: {first['n_params'] / 1e6:.1f}M fp32 params in {first['n_tensors']} "
-        f"tensors (GPT n_layer={m['n_layer']} n_embd={m['n_embd']} vocab={m['vocab_size']}), "
+        f"tensors (gpt2 n_layer={m['n_layer']} n_embd={m['n_embd']} vocab={m['vocab_size']}), "
         f"{first['device_name']}",
         title_justify="left",
     )

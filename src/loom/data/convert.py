@@ -1,8 +1,8 @@
 """`loom data convert` and `loom data inspect`: token data between formats, and what a file or folder holds.
 
 A directory is converted split by split (train, val), every token kept in order; the tokenizer travels
-with it (loom's tokenizer file, or a nanoGPT character table) in a loom `meta.json`, plus a nanoGPT
-`meta.pkl` when the target is nanoGPT and the vocabulary is a character table. Everything is written into
+with it (loom's tokenizer file, or a nanogpt character table) in a loom `meta.json`, plus a nanogpt
+`meta.pkl` when the target is nanogpt and the vocabulary is a character table. Everything is written into
 a temporary folder that is renamed at the end, so a failure leaves nothing half-made.
 """
 
@@ -60,7 +60,7 @@ def _check_eot(eot_id: int | None, vocab: int, vocab_from: str, src: Path) -> No
         raise LoomError(
             f"--eot-id {eot_id} is outside the vocabulary of '{src}' (ids 0..{vocab - 1}, from {vocab_from}): "
             "no document would start with it",
-            hint="give the end-of-text id of the tokenizer the data was made with (GPT-2's is 50256), or leave "
+            hint="give the end-of-text id of the tokenizer the data was made with (gpt2's is 50256), or leave "
             "--eot-id out to use the one its meta.json names",
         )
 
@@ -88,7 +88,7 @@ def _write_split(target: Format, out: Path, split: str, parts: list[Tokens], dty
         path = out / target.out_name(split, 0)
         with open(path, "wb") as f:
             for t in parts:
-                check_ids_fit(t.ids, dtype, f"nanoGPT file '{path}'")
+                check_ids_fit(t.ids, dtype, f"nanogpt file '{path}'")
                 write_ids(f, t.ids, dtype)
         return 1
     if not target.keeps_documents:
@@ -99,11 +99,11 @@ def _write_split(target: Format, out: Path, split: str, parts: list[Tokens], dty
 
 
 def _nanogpt_table(src: Path, meta: dict) -> tuple[dict, dict, int] | None:
-    """(itos, stoi, vocab_size) for a nanoGPT meta.pkl when the source's tokenizer is a character table."""
+    """(itos, stoi, vocab_size) for a nanogpt meta.pkl when the source's tokenizer is a character table."""
     info = meta.get("tokenizer") or {}
     if info.get("kind") != "char":
         return None
-    if "chars" in info:  # came from nanoGPT: its table as it was
+    if "chars" in info:  # came from nanogpt: its table as it was
         chars = list(info["chars"])
         itos = dict(enumerate(chars))
         return itos, {c: i for i, c in itos.items()}, int(meta.get("nanogpt_vocab_size", len(chars)))
@@ -128,7 +128,7 @@ def _write_meta(src: Path, tmp: Path, meta: dict, source_fmt: str, target: Forma
     }
     (tmp / "meta.json").write_text(json.dumps(out, indent=1), encoding="utf-8")
     table = _nanogpt_table(src, meta) if target.name == "nanogpt" else None
-    if table:  # what nanoGPT's train.py / sample.py read (plain dicts of ints and strs)
+    if table:  # what nanogpt's train.py / sample.py read (plain dicts of ints and strs)
         itos, stoi, vocab = table
         with open(tmp / "meta.pkl", "wb") as f:
             pickle.dump({"vocab_size": vocab, "itos": itos, "stoi": stoi}, f)
@@ -310,7 +310,7 @@ def _sample(d: Path, meta: dict | None, arrays: list[np.ndarray], n: int) -> str
 
 def inspect(path: str | Path, fmt: str | None = None, sample_tokens: int = 64, column: str = "text") -> dict:
     """What a data directory or file holds: format, dtype, token and document counts, id range, vocab and,
-    when a tokenizer is known (loom meta.json, nanoGPT meta.pkl), the first tokens decoded."""
+    when a tokenizer is known (loom meta.json, nanogpt meta.pkl), the first tokens decoded."""
     p = Path(path)
     check_not_endless(p, "path")
     if p.is_dir():

@@ -42,7 +42,7 @@ def cpu_count() -> int:
 
 
 def byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable character standing for each byte, inverted."""
+    """gpt2's byte-level alphabet: the printable character standing for each byte, inverted."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     bs += list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0

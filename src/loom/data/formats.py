@@ -3,13 +3,13 @@
 | name     | files                                   | from                                         | documents |
 |----------|-----------------------------------------|----------------------------------------------|-----------|
 | llmc     | `*.bin`: 256 x int32 header + tokens    | llm.c, modded-nanogpt, loom's own shards     | no        |
-| nanogpt  | `train.bin` / `val.bin`: raw uint16     | nanoGPT's data/*/prepare.py (+ `meta.pkl`)   | no        |
+| nanogpt  | `train.bin` / `val.bin`: raw uint16     | nanogpt's data/*/prepare.py (+ `meta.pkl`)   | no        |
 | npy      | `*train*.npy` / `*val*.npy`: 1-D ints   | build-nanogpt's fineweb.py                   | no        |
 | megatron | `PREFIX.bin` + `PREFIX.idx`             | Megatron-LM's indexed dataset                | yes       |
 | parquet  | a text column (read only: prepare input)| Hugging Face datasets                        | -         |
 
 The common in-memory form is `Tokens`: one 1-D integer stream and, where the format keeps them, document
-offsets. Formats without document boundaries (llm.c, nanoGPT, npy) mark documents with an end-of-text token
+offsets. Formats without document boundaries (llm.c, nanogpt, npy) mark documents with an end-of-text token
 instead; `doc_offsets_from_eot` recovers them. Readers memory-map (`open`), so training reads a foreign
 directory in place through `open_split`, with no conversion.
 """
@@ -169,7 +169,7 @@ class LlmcFormat(Format):
 
 
 class NanoGPTFormat(Format):
-    """nanoGPT's raw `train.bin` / `val.bin`: uint16 tokens, no header (its train.py reads np.uint16)."""
+    """nanogpt's raw `train.bin` / `val.bin`: uint16 tokens, no header (its train.py reads np.uint16)."""
 
     name = "nanogpt"
     patterns = ("{split}.bin",)
@@ -189,8 +189,8 @@ class NanoGPTFormat(Format):
     def write(self, path, data, dtype=None):
         dt = self._dtype(data, dtype)
         if dt != np.uint16:
-            raise LoomError(f"nanoGPT's .bin files are uint16 (its train.py hard-codes it), not {dt.name}")
-        check_ids_fit(data.ids, dt, f"nanoGPT file '{path}'")
+            raise LoomError(f"nanogpt's .bin files are uint16 (its train.py hard-codes it), not {dt.name}")
+        check_ids_fit(data.ids, dt, f"nanogpt file '{path}'")
         _write_atomic(Path(path), data.ids, dt)
         return [Path(path)]
 
@@ -309,7 +309,7 @@ def _has_llmc_magic(path: Path) -> bool:
 
 
 def _nanogpt_evidence(p: Path) -> bool:
-    """A headerless .bin is taken for nanoGPT's raw uint16 tokens only with evidence: its names (train.bin,
+    """A headerless .bin is taken for nanogpt's raw uint16 tokens only with evidence: its names (train.bin,
     val.bin) or its vocabulary beside it (meta.pkl, or a meta.json of format nanogpt)."""
     if p.name in ("train.bin", "val.bin") or (p.parent / "meta.pkl").is_file():
         return True
@@ -337,7 +337,7 @@ def detect_file(path: str | Path, option: str = "--from") -> str:
         return "nanogpt"
     if p.suffix == ".bin":
         raise LoomError(
-            f"'{p}' is not a token file loom knows: it has no llm.c header, and a nanoGPT raw .bin is named "
+            f"'{p}' is not a token file loom knows: it has no llm.c header, and a nanogpt raw .bin is named "
             "train.bin / val.bin or has its meta.pkl beside it",
             hint=f"if it holds raw uint16 token ids, say so with {option} nanogpt",
         )
@@ -347,14 +347,14 @@ def detect_file(path: str | Path, option: str = "--from") -> str:
 
 
 def _check_one_format(d: Path) -> None:
-    """Refuse a directory holding token files of two formats (llm.c / nanoGPT .bin, .npy, Megatron .idx):
+    """Refuse a directory holding token files of two formats (llm.c / nanogpt .bin, .npy, Megatron .idx):
     training and conversion would read one of them and silently leave the other out."""
     idx = sorted(p for p in d.glob("*.idx") if p.is_file())
     partners = {megatron.bin_path(p) for p in idx}
     kinds = {
         "Megatron .bin/.idx": idx,
         ".npy": sorted(p for p in d.glob("*.npy") if p.is_file()),
-        "llm.c/nanoGPT .bin": sorted(p for p in d.glob("*.bin") if p.is_file() and p not in partners),
+        "llm.c/nanogpt .bin": sorted(p for p in d.glob("*.bin") if p.is_file() and p not in partners),
     }
     present = {k: v for k, v in kinds.items() if v}
     if len(present) > 1:
@@ -388,7 +388,7 @@ def detect_dir(data_dir: str | Path) -> str | None:
 
 def split_files(data_dir: str | Path, split: str, fmt: str | None = None) -> list[Path]:
     """The files of one split of a data directory, in order: loom's prepared layout (meta.json +
-    `train_*.bin`) or a foreign one (nanoGPT, npy, Megatron, llm.c names), used in place."""
+    `train_*.bin`) or a foreign one (nanogpt, npy, Megatron, llm.c names), used in place."""
     d = Path(data_dir)
     if not d.is_dir():
         raise LoomError(f"data.path '{d}' is not a directory", hint="prepare one with `loom data prepare`")
@@ -397,7 +397,7 @@ def split_files(data_dir: str | Path, split: str, fmt: str | None = None) -> lis
     if fmt is None or (fmt == "llmc" and not llmc_named and not (d / "meta.json").is_file()):
         raise LoomError(
             f"data.path '{d}' is not a prepared data directory (no meta.json)",
-            hint="run `loom data prepare --input ... --out DIR` and point data.path at DIR (or use a nanoGPT, "
+            hint="run `loom data prepare --input ... --out DIR` and point data.path at DIR (or use a nanogpt, "
             "build-nanogpt .npy, Megatron or llm.c directory: see `loom data inspect`)",
         )
     f = FORMATS[fmt]
@@ -415,7 +415,7 @@ def open_split(data_dir: str | Path, split: str) -> list[np.ndarray]:
 
 
 def _nanogpt_vocab(raw: dict, source: Path) -> dict:
-    """loom's meta for a nanoGPT vocabulary {'vocab_size', 'itos', 'stoi'} (a char tokenizer when itos is
+    """loom's meta for a nanogpt vocabulary {'vocab_size', 'itos', 'stoi'} (a char tokenizer when itos is
     a full table). The vocabulary gets one more id, loom's end-of-text, which samples start from."""
     vocab = raw.get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
@@ -428,7 +428,7 @@ def _nanogpt_vocab(raw: dict, source: Path) -> dict:
             table = {}
         if sorted(table) == list(range(len(table))) and all(isinstance(v, str) for v in table.values()):
             chars = [table[i] for i in range(len(table))]
-            # no eot_id: nanoGPT's data has no end-of-text token (loom's CharTokenizer adds one, unused)
+            # no eot_id: nanogpt's data has no end-of-text token (loom's CharTokenizer adds one, unused)
             tokenizer = {"kind": "char", "chars": chars, "source": source.name}
     size = max(vocab, len(tokenizer["chars"]) + 1) if tokenizer else vocab
     return {
@@ -441,7 +441,7 @@ def _nanogpt_vocab(raw: dict, source: Path) -> dict:
 
 
 def read_meta(data_dir: str | Path) -> dict:
-    """A data directory's meta: loom's meta.json; nanoGPT's meta.pkl (parsed, never unpickled) or the same
+    """A data directory's meta: loom's meta.json; nanogpt's meta.pkl (parsed, never unpickled) or the same
     vocabulary as meta.json; otherwise {vocab_size: max id + 1, tokenizer: None} from a scan of the ids."""
     d = Path(data_dir)
     path = d / "meta.json"

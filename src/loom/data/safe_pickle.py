@@ -1,6 +1,6 @@
-"""Read nanoGPT's `meta.pkl` without unpickling: a tiny interpreter for the opcodes of a dict of ints and strs.
+"""Read nanogpt's `meta.pkl` without unpickling: a tiny interpreter for the opcodes of a dict of ints and strs.
 
-nanoGPT's data/shakespeare_char/prepare.py writes `pickle.dump({'vocab_size': int, 'itos': {int: str},
+nanogpt's data/shakespeare_char/prepare.py writes `pickle.dump({'vocab_size': int, 'itos': {int: str},
 'stoi': {str: int}}, f)`. `pickle.load` on a file from elsewhere can run any code (a `__reduce__` that calls
 os.system), so loom never calls it. `pickletools.genops` only *parses* the opcode stream; the loop below
 builds dicts, ints and strs from it and refuses every other opcode (GLOBAL, STACK_GLOBAL, REDUCE, BUILD,
@@ -60,7 +60,7 @@ def load_restricted(data: bytes, path: str | Path = "meta.pkl") -> dict:
     """
     path = Path(path)
     if len(data) > MAX_BYTES:
-        raise LoomError(f"'{path}' is {len(data)} bytes: too large for a nanoGPT meta.pkl")
+        raise LoomError(f"'{path}' is {len(data)} bytes: too large for a nanogpt meta.pkl")
     stack: list = []
     marks: list[int] = []
     memo: dict[int, object] = {}
@@ -104,12 +104,12 @@ def load_restricted(data: bytes, path: str | Path = "meta.pkl") -> dict:
     except (ValueError, IndexError, KeyError) as e:  # genops' malformed-stream errors, bad memo refs
         raise LoomError(f"'{path}' is not a readable pickle: {e}") from None
     if len(stack) != 1 or not isinstance(stack[0], dict):
-        raise LoomError(f"'{path}' does not hold a single dict (nanoGPT's meta.pkl does)")
+        raise LoomError(f"'{path}' does not hold a single dict (nanogpt's meta.pkl does)")
     return stack[0]
 
 
 def read_meta_pkl(path: str | Path) -> dict:
-    """nanoGPT's meta.pkl as a dict, read with `load_restricted` (never `pickle.load`)."""
+    """nanogpt's meta.pkl as a dict, read with `load_restricted` (never `pickle.load`)."""
     path = Path(path)
     try:
         data = path.read_bytes()

@@ -5,7 +5,7 @@ WINDOW_CHARS characters or WINDOW_DOCS documents) and each window is split by `v
 holds close to `val_fraction` of the characters whatever the document sizes; a corpus that fits in one
 window is split exactly as a whole. A document longer than a window is placed on its own: in val when that
 keeps val's share of the characters seen so far closest to the target (with a seeded random threshold).
-`tail`: the last `val_fraction` of all characters (nanoGPT's 90/10 cut), which needs the total first.
+`tail`: the last `val_fraction` of all characters (nanogpt's 90/10 cut), which needs the total first.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class Splitter:
 
     def finish(self) -> Iterator[tuple[str, Unit]]:
         if self.mode == "docs" and self.windows == 0 and len(self.window) == 1 and self.big is None:
-            # one document in all: split its characters (nanoGPT's cut), train first
+            # one document in all: split its characters (nanogpt's cut), train first
             text = "".join(p.text for p in self.window[0])
             self.window = []
             self.mode, self.cut, self.seen = "tail", int(len(text) * (1.0 - self.f)), 0

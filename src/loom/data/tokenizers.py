@@ -12,7 +12,7 @@ from loom.errors import LoomError
 
 EOT = "<|endoftext|>"
 # End-of-text tokens of other families, used as the document separator when a tokenizer.json has one (Llama 3,
-# Llama 2 / Mistral, Gemma) instead of adding GPT-2's, which would make the vocabulary one larger than the model
+# Llama 2 / Mistral, Gemma) instead of adding gpt2's, which would make the vocabulary one larger than the model
 EOT_ALIASES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
 SPECIAL_TOKENS = (EOT,)  # declared once: a trained tokenizer gets these ids first, in this order
 
@@ -73,14 +73,14 @@ class HFTokenizer:
     def __init__(self, tok):
         self.tok = tok
         self.eot = next((t for t in EOT_ALIASES if tok.token_to_id(t) is not None), EOT)
-        if tok.token_to_id(self.eot) is None:  # a tokenizer.json without an end-of-text token: add GPT-2's
+        if tok.token_to_id(self.eot) is None:  # a tokenizer.json without an end-of-text token: add gpt2's
             tok.add_special_tokens([EOT])
         self.eot_id = tok.token_to_id(self.eot)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
     def train(cls, texts, vocab_size: int, pattern: str = "gpt2", trainer: str = "auto") -> HFTokenizer:
-        """Byte-level BPE trained on `texts` (a list of str). `pattern`: gpt2 (GPT-2's pre-tokenizer split)
+        """Byte-level BPE trained on `texts` (a list of str). `pattern`: gpt2 (gpt2's pre-tokenizer split)
         or gpt4 (cl100k's: digits in groups of at most 3, no leading space on punctuation runs). `trainer`:
         rustbpe (loom.data.bpe), tokenizers (the library's BpeTrainer) or auto (rustbpe when installed)."""
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -123,7 +123,7 @@ class HFTokenizer:
 
     @classmethod
     def from_vocab_files(cls, vocab: Path, merges: Path) -> HFTokenizer:
-        """GPT-2's tokenizer from OpenAI's encoder.json + vocab.bpe (or the same as vocab.json + merges.txt)."""
+        """gpt2's tokenizer from OpenAI's encoder.json + vocab.bpe (or the same as vocab.json + merges.txt)."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         try:
@@ -162,7 +162,7 @@ VOCAB_FILE_PAIRS = (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt"))
 
 
 def tokenizer_files(spec: str | Path) -> list[Path]:
-    """The files of a given tokenizer: a tokenizer.json, or a folder holding one, or GPT-2's vocabulary and
+    """The files of a given tokenizer: a tokenizer.json, or a folder holding one, or gpt2's vocabulary and
     merges (encoder.json + vocab.bpe, or vocab.json + merges.txt)."""
     path = Path(spec)
     if path.is_dir():
@@ -175,7 +175,7 @@ def tokenizer_files(spec: str | Path) -> list[Path]:
         return [path]
     raise LoomError(
         f"--tokenizer '{spec}' is neither char, bpe nor an existing tokenizer.json",
-        hint="char, bpe, the path of a tokenizer.json, or a folder holding one (or GPT-2's "
+        hint="char, bpe, the path of a tokenizer.json, or a folder holding one (or gpt2's "
         "encoder.json + vocab.bpe)",
     )
 
@@ -188,12 +188,12 @@ def load_given_tokenizer(spec: str | Path) -> HFTokenizer:
 
 def load_tokenizer(directory: str | Path, meta: dict) -> CharTokenizer | HFTokenizer:
     """The tokenizer described by a meta.json (`tokenizer.kind`, `tokenizer.file`) in `directory`, or a
-    character table carried in the meta itself (`tokenizer.chars`: a nanoGPT meta.pkl vocabulary)."""
+    character table carried in the meta itself (`tokenizer.chars`: a nanogpt meta.pkl vocabulary)."""
     info = _tokenizer_info(directory, meta)
     if not info:
         raise LoomError(
             f"no tokenizer is known for the data in '{directory}' (token ids only)",
-            hint="put the tokenizer's meta.json (or nanoGPT's meta.pkl) beside the data",
+            hint="put the tokenizer's meta.json (or nanogpt's meta.pkl) beside the data",
         )
     try:
         if info.get("kind") == "char" and "chars" in info:

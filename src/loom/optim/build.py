@@ -9,7 +9,7 @@ from loom.errors import LoomError
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Matrices and embeddings decay; biases and LayerNorm gains do not (nanoGPT, GPT-3 practice)."""
+    """Matrices and embeddings decay; biases and LayerNorm gains do not (nanogpt, gpt3 practice)."""
     decay, no_decay, seen = [], [], set()
     for p in model.parameters():
         if not p.requires_grad or id(p) in seen:  # tied weights appear once

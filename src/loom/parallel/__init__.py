@@ -4,8 +4,9 @@
     -> materialize (the model was built on the meta device) -> DDP or MPI gradient sync
 
 One module per parallelism with generic functions (tensor.py, pipeline.py, ac.py, compile.py, fsdp.py,
-ddp.py, zero.py, mpi_dp.py); what names a model's modules comes from the model side (`spec`, e.g.
-loom/model/gpt_parallel.py). The trainer holds a `Parallelized` and asks it only what a step needs.
+ddp.py, zero.py, mpi_dp.py); what names a model's modules comes from the model side: the family's
+ParallelPlan (`spec.parallel`, loom/model/registry.py). The trainer holds a `Parallelized` and asks it only
+what a step needs.
 Adding a parallelism: a module here, its step in `parallelize`, its strategy in loom/verify.py, a test.
 """
 

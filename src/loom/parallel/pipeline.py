@@ -1,7 +1,7 @@
 """Pipeline parallelism with `torch.distributed.pipelining`: this rank's stages, a schedule, a step, an eval.
 
-The model side cuts the stages (loom/model/gpt_parallel.py: balanced layer ranges, the embeddings on the
-first stage, the head on the last). One stage per rank (GPipe, 1F1B) or two in a loop (interleaved 1F1B,
+The model side cuts the stages (the family's ParallelPlan, loom/model/registry.py; gpt2's and llama's:
+balanced layer ranges, the embeddings on the first stage, the head on the last). One stage per rank (GPipe, 1F1B) or two in a loop (interleaved 1F1B,
 interleaved zero-bubble: stage s on pipeline rank s mod pp). The schedule runs its own micro-batches, forward
 and backward interleaved, so gradient accumulation is the schedule's.
 """

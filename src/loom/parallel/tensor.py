@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism with DTensor: a plan applied from outside, and what a step needs of it.
 
-The plan ({module path: ParallelStyle}) comes from the model side (loom/model/gpt_parallel.py); this module
-knows no model. With the head column-parallel over the vocabulary, the loss runs under `loss_parallel()`,
+The plan ({module path: ParallelStyle}) comes from the model side (the family's ParallelPlan,
+loom/model/registry.py); this module knows no model. With the head column-parallel over the vocabulary, the loss runs under `loss_parallel()`,
 which computes the cross-entropy from vocabulary shards without gathering the logits.
 """
 

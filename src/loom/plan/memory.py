@@ -85,7 +85,7 @@ def layer_activation_bytes(
     """Bytes one layer keeps for backward for one micro-batch (sequence parallel when tp > 1: all / tp).
 
     Korthikanti eq. 1 generalised: sbh·(16·e + 2·m·[dropout]) + attention core (16: shape.act_units for
-    GPT-2's block; grouped-query attention and SwiGLU change it), where the core is
+    gpt2's block; grouped-query attention and SwiGLU change it), where the core is
     a·s²·b·(e + [dropout]·(m + e)) for eager attention (= 5as²b at e = 2, m = 1 with dropout) and a
     fp32 log-sum-exp, 4·a·s·b, for fused attention. Full recomputation keeps the layer input, e·s·b·h.
     m is a dropout mask's bytes per element: 1 for CUDA's boolean masks; on CPU, dropout multiplies by a
@@ -96,7 +96,7 @@ def layer_activation_bytes(
     drop = shape.dropout > 0
     if recompute == "full":
         return act_bytes * sbh / tp
-    # 16 units for GPT-2's block (shape.act_units: grouped-query and SwiGLU widths), + two norms' statistics
+    # 16 units for gpt2's block (shape.act_units: grouped-query and SwiGLU widths), + two norms' statistics
     dense = sbh * (shape.act_units * act_bytes + (2 * mask_bytes if drop else 0)) + 2 * 8 * s * b
     if attention == "eager" and recompute == "none":
         core = a * s * s * b * (act_bytes + ((mask_bytes + act_bytes) if drop else 0))

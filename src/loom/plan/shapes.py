@@ -1,10 +1,10 @@
 """Model shapes for planning: presets, a config file's [model] section, or a bare parameter count.
 
-Pure arithmetic, no torch: `loom plan` answers in milliseconds on a laptop. The block is loom's GPT block
-(model/gpt.py) with its options: separate q/k/v/o projections (k and v n_kv_head heads wide: grouped-query
+Pure arithmetic, no torch: `loom plan` answers in milliseconds on a laptop. The block is loom's transformer
+block (model/gpt.py) with its options: separate q/k/v/o projections (k and v n_kv_head heads wide: grouped-query
 attention), a 4·C GELU MLP or a SwiGLU MLP of ffn_hidden (three matrices), LayerNorm or RMSNorm, learned or
 rotary positions, and an LM head tied to the token embedding or not. `param_count` equals
-`GPT.num_params()` (tested against loom.model.flops.param_count).
+the gpt2/llama model's `num_params()` (tested against loom.model.flops.param_count).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class ModelShape:
     assumed: bool = False  # shape derived from a bare parameter count (--params)
     n_params: int | None = None  # the count given with --params; None: counted from the shape
     note: str = ""
-    # the llama family's options (model/gpt.py; defaults: GPT-2's block)
+    # the llama family's options (model/gpt.py; defaults: gpt2's block)
     n_kv_head: int = 0  # 0: n_head
     mlp: str = "gelu"  # gelu | swiglu
     ffn_hidden: int = 0  # 0: 4·C (gelu), LLaMA's 8/3·C rounded up to 64 (swiglu)
@@ -65,7 +65,7 @@ class ModelShape:
     @property
     def act_units(self) -> float:
         """Activations a layer keeps for backward, in units of s·b·h elements (Korthikanti et al.'s 16 for
-        GPT-2's block: the inputs of q/k/v, o and the MLP, q, k, v, the MLP's hidden pair, two norms' inputs).
+        gpt2's block: the inputs of q/k/v, o and the MLP, q, k, v, the MLP's hidden pair, two norms' inputs).
         Grouped-query k and v are kv_dim wide; SwiGLU keeps four hidden tensors (gate, up, silu, product)."""
         h = self.n_embd
         hidden = (4 if self.mlp == "swiglu" else 2) * self.ffn_width / h
@@ -77,7 +77,7 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        """One block: its matrices (12·C² for GPT-2's) + two norms (+ QK-norm gains) (+ biases)."""
+        """One block: its matrices (12·C² for gpt2's) + two norms (+ QK-norm gains) (+ biases)."""
         C, F = self.n_embd, self.ffn_width
         biases = 2 * C + 2 * self.kv_dim + (2 if self.mlp == "swiglu" else 1) * F + C if self.bias else 0
         qk = 2 * (self.n_embd // self.n_head) if self.qk_norm else 0
@@ -97,7 +97,7 @@ class ModelShape:
         return self.padded_vocab * self.n_embd
 
     def counted_params(self) -> int:
-        """Distinct parameters of the shape (a tied head counted once) = GPT.num_params()."""
+        """Distinct parameters of the shape (a tied head counted once) = the model's num_params()."""
         head = 0 if self.tie_embeddings else self.head_params
         return self.embed_params + self.n_layer * self.layer_params + self.ln_params + head
 
@@ -128,11 +128,11 @@ class ModelShape:
 
 _GPT2 = dict(vocab_size=50257, block_size=1024, bias=True)
 _LLAMA_NOTE = (
-    "loom's GPT-2 block at LLaMA's depth and width (4·C GELU MLP, tied head, 32k vocabulary); "
+    "loom's gpt2 block at LLaMA's depth and width (4·C GELU MLP, tied head, 32k vocabulary); "
     "the llama-family presets (llama2-7b, llama3-8b, llama3-70b) have Llama's own block"
 )
 _LLAMA = dict(mlp="swiglu", norm="rmsnorm", pos="rope", tie_embeddings=False)
-# GPT-2 shapes from Radford et al. 2019 / the released checkpoints; 7B/13B/70B at LLaMA's (Touvron et al.
+# gpt2 shapes from Radford et al. 2019 / the released checkpoints; 7B/13B/70B at LLaMA's (Touvron et al.
 # 2023) n_layer / n_embd / n_head with context 4096 (LLaMA 2). loom can build all of them; the large ones
 # are for planning, not for a CPU.
 PRESETS: dict[str, ModelShape] = {
@@ -186,7 +186,7 @@ def fmt_count(n: float) -> str:
 
 
 def shape_for_params(n: int, vocab_size: int = 50257, block_size: int = 2048) -> ModelShape:
-    """An assumed shape for a bare count: Ψ ≈ 12·L·C² with C/L ≈ 128 (GPT-3's and LLaMA's aspect ratio:
+    """An assumed shape for a bare count: Ψ ≈ 12·L·C² with C/L ≈ 128 (gpt3's and LLaMA's aspect ratio:
     4096/32, 12288/96), C a multiple of 128 and head size 128 (64 below C = 1024)."""
     C = max(128, round((n * 128 / 12) ** (1 / 3) / 128) * 128)
     head = 128 if C >= 1024 else 64
@@ -204,7 +204,7 @@ def shape_from_config(path: str) -> ModelShape:
     note = ""
     vocab = m.vocab_size
     if not vocab:
-        vocab, note = 50257, "model.vocab_size=0 (taken from the data): assumed GPT-2's 50257"
+        vocab, note = 50257, "model.vocab_size=0 (taken from the data): assumed gpt2's 50257"
     return ModelShape(
         path,
         m.n_layer,

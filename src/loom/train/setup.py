@@ -58,7 +58,7 @@ def native_bf16_cpu() -> bool:
 
 def resolve_precision(dtype: str, device: torch.device, loss_scaling: bool = True) -> str:
     """precision.dtype, with auto resolved for this device: bf16 on GPUs that have it (fp16 with loss scaling on
-    older ones, as nanoGPT chooses, unless the layout cannot scale the loss: pipeline parallel), bf16 on CPUs
+    older ones, as nanogpt chooses, unless the layout cannot scale the loss: pipeline parallel), bf16 on CPUs
     with bf16 units, fp32 elsewhere (emulated bf16 is slower)."""
     if dtype != "auto":
         return dtype

@@ -131,7 +131,7 @@ class Trainer:
         if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise LoomError("precision.dtype=bf16 but this GPU has no bf16", hint="use precision.dtype=fp16")
         self.autocast_dtype = None if dtype == "fp32" else DTYPES[dtype]  # autocast for bf16 / fp16
-        if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanoGPT)
+        if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanogpt)
             torch.backends.cuda.matmul.allow_tf32 = p.tf32
             torch.backends.cudnn.allow_tf32 = p.tf32
         self.scaler = torch.amp.GradScaler(
@@ -381,7 +381,7 @@ class Trainer:
         if self.tokenizer is None:
             raise LoomError(
                 f"train.hellaswag_every needs the data's tokenizer, and '{self.data_dir}' has none",
-                hint="prepare the data with loom (or use nanoGPT data with meta.pkl)",
+                hint="prepare the data with loom (or use nanogpt data with meta.pkl)",
             )
         return read_examples(t.hellaswag_data, t.hellaswag_limit or None, self.tokenizer)  # encodable too
 
