@@ -388,7 +388,7 @@ def report(res: dict) -> None:
             f"  final val loss, each on the whole val split ({same['windows']} windows, fp32, one evaluator): "
             + ", ".join(f"{k} {v:.4f}" for k, v in same.items() if k == "nanoGPT" or k.startswith("loom"))
         )
-        seeds = [v for k, v in same.items() if k.startswith("loom")]
+        seeds = [v for k, v in same.items() if k.startswith("loom") and k != "loom before"]
         if len(seeds) > 1:
             print(
                 f"  loom seed-to-seed spread (max - min over {len(seeds)} seeds): {max(seeds) - min(seeds):.4f}; "
