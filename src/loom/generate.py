@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from loom.eval.evaluator import EvalContext, Every
+from loom.eval.evaluator import EvalContext, EvalSetup, Every, register_evaluator
 
 
 def sample_next(
@@ -129,3 +129,16 @@ class Sampler(Every):
 
     def line(self, step: int, record: dict) -> str:
         return f"--- sample at step {step} ---\n{record['sample']}\n---"
+
+
+def _in_training(setup: EvalSetup) -> Sampler | None:
+    """The sample of text every train.sample_every steps and at the end, when the data has a tokenizer."""
+    if setup.tokenizer is None:
+        return None
+    t = setup.cfg.train
+    samples = setup.run_dir / "samples.txt" if setup.main else None
+    extend = setup.spec.extends_context(setup.model_cfg)
+    return Sampler(t.sample_every, t.sample_tokens, setup.cfg.run.seed, extend, samples)
+
+
+register_evaluator("sample", _in_training)

@@ -101,3 +101,21 @@ def test_the_family_lives_only_in_its_folder():
     for f in src.rglob("*.py"):
         text = f.read_text(encoding="utf-8")
         assert "parallel-gpt" not in text and "ParallelGPT" not in text, f
+
+
+def test_plugin_evaluator_runs_on_its_own_cadence(char_data, tmp_path):
+    """An evaluator is one module plus one registration (tests/plugins/loom_eval_plugin): loaded with
+    LOOM_PLUGINS, the trainer runs it every 2 steps and at the end and records what it returns."""
+    env = {
+        **os.environ,
+        "LOOM_PLUGINS": "loom_eval_plugin",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(PLUGINS), os.environ.get("PYTHONPATH")) if p),
+    }
+    args = [f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=e", "--train.steps=5"]
+    r = subprocess.run(
+        [sys.executable, "-m", "loom", "train", *args, *TINY[1:]], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    top1 = [rec for rec in read_jsonl(tmp_path / "e" / "metrics.jsonl") if "top1" in rec]
+    assert [rec["step"] for rec in top1] == [2, 4, 5] and all(0 <= rec["top1"] <= 1 for rec in top1)
+    assert "step 4: top-1 next-token accuracy" in r.stdout + r.stderr

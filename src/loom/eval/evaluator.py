@@ -2,9 +2,12 @@
 
 An evaluator owns its cadence and its work; the trainer only asks, after each step, every evaluator whose
 `due(step, final)` is true to `run(ctx)`, then logs its `line` and writes its record to metrics.jsonl (rank 0).
-Validation loss (val_loss.ValLossEval), HellaSwag (hellaswag.HellaSwagEval) and the sample of text
-(loom.generate.Sampler) are evaluators; a new one (an lm-eval task, CORE) is a class with these three methods
-and one line in the trainer's list. (torchtitan's validator and nanochat's per-stage evals play this part.)
+Validation loss (val_loss.ValLossEval: the loop's own, its last value is the run's summary), HellaSwag
+(hellaswag.HellaSwagEval) and the sample of text (loom.generate.Sampler) are evaluators. Every evaluator but
+the validation loss is made by a factory registered here (`register_evaluator`): a new one (an lm-eval task,
+CORE) is a module with its class and one `register_evaluator` call, imported by the trainer or named in
+LOOM_PLUGINS like a model family; the trainer's code does not change. (torchtitan's validator and nanochat's
+per-stage evals play this part.)
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -49,3 +53,32 @@ class Every:
 
     def due(self, step: int, final: bool) -> bool:
         return final or (self.every > 0 and step % self.every == 0)
+
+
+@dataclass(frozen=True)
+class EvalSetup:
+    """What an evaluator's factory sees when the trainer starts, before the model is built, so that a bad input
+    (a missing task file, text the tokenizer cannot encode) fails before any expensive work."""
+
+    cfg: Any  # the run's loom.config.Config
+    tokenizer: Any  # the data's tokenizer, or None
+    data_dir: Path
+    run_dir: Path
+    main: bool  # rank 0: the rank that writes files
+    model_cfg: Any  # the family's own model config (ModelSpec.config)
+    spec: Any  # the family's loom.model.registry.ModelSpec
+
+
+EvaluatorFactory = Callable[[EvalSetup], "Evaluator | None"]  # None: not asked for by this run's config
+_FACTORIES: dict[str, EvaluatorFactory] = {}
+
+
+def register_evaluator(name: str, factory: EvaluatorFactory) -> EvaluatorFactory:
+    """Make `factory` build the evaluator `name` for every training run (they run in registration order)."""
+    _FACTORIES[name] = factory
+    return factory
+
+
+def build_evaluators(setup: EvalSetup) -> list[Evaluator]:
+    """The registered evaluators this run's config asks for, in registration order."""
+    return [ev for ev in (factory(setup) for factory in _FACTORIES.values()) if ev is not None]

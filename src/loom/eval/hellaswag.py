@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.errors import LoomError
-from loom.eval.evaluator import EvalContext, Every
+from loom.eval.evaluator import EvalContext, EvalSetup, Every, register_evaluator
 
 
 def read_examples(path: str | Path, limit: int | None = None, tokenizer=None) -> list[dict]:
@@ -187,3 +187,21 @@ def evaluate(
     n, correct, correct_norm = all_reduce_sum(counts).tolist()
     model.train(was_training)
     return {"n": n, "acc": correct / n, "acc_norm": correct_norm / n}
+
+
+def _in_training(setup: EvalSetup) -> HellaSwagEval | None:
+    """train.hellaswag_every: the examples read and checked at the trainer's start (a bad file fails before the
+    model is built)."""
+    t = setup.cfg.train
+    if not t.hellaswag_every:
+        return None
+    if setup.tokenizer is None:
+        raise LoomError(
+            f"train.hellaswag_every needs the data's tokenizer, and '{setup.data_dir}' has none",
+            hint="prepare the data with loom (or use nanogpt data with meta.pkl)",
+        )
+    examples = read_examples(t.hellaswag_data, t.hellaswag_limit or None, setup.tokenizer)  # encodable too
+    return HellaSwagEval(examples, t.hellaswag_every)
+
+
+register_evaluator("hellaswag", _in_training)

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+import loom.eval.hellaswag  # noqa: F401  (registers the evaluators it defines, as loom.generate does)
+import loom.generate  # noqa: F401
 from loom import faults, log
 from loom.config import Config, Derived
 from loom.data.loader import DeviceBatches, ShardLoader, ValSet, read_meta
@@ -24,10 +26,8 @@ from loom.data.tokenizers import load_tokenizer
 from loom.distributed.comm import Control
 from loom.env import cpu_memory_release, cpu_memory_reuse
 from loom.errors import LoomError
-from loom.eval.evaluator import EvalContext, Evaluator
-from loom.eval.hellaswag import HellaSwagEval
+from loom.eval.evaluator import EvalContext, EvalSetup, Evaluator, build_evaluators
 from loom.eval.val_loss import ValLossEval
-from loom.generate import Sampler
 from loom.metrics import (
     DTYPES,
     Sinks,
@@ -92,7 +92,7 @@ class Trainer:
             cpu_memory_release()
         self._data(data_dir)  # first: a block_size the data cannot provide fails here, not after the model
         self.tokenizer = load_tokenizer(data_dir, self.meta) if self.meta.get("tokenizer") else None
-        hellaswag = self._hellaswag_examples()
+        evaluators = self._evaluator_setup()  # registered ones: their inputs are checked before the model
         dtype = self.precision = self._precision()
         model = self._model(dtype)
         torch.manual_seed(cfg.run.seed)  # dropout's stream: the same on every rank and every run of this seed
@@ -118,7 +118,7 @@ class Trainer:
         )
         self.metrics: Sinks | None = None  # opened with the run files, once nothing can fail cheaply
         self.val = ValLossEval(self.valset, self.derived.micro_batch_size, t.eval_every)
-        self.evaluators = self._evaluators(hellaswag)
+        self.evaluators = [self.val, *evaluators]  # after each step, in this order, each when it is due
         self.checkpointer = self._checkpointer()
 
     def _precision(self) -> str:
@@ -343,16 +343,19 @@ class Trainer:
             )
         return {f"mem_{k}": v for k, v in m.items()}
 
-    def _evaluators(self, hellaswag: list[dict] | None) -> list[Evaluator]:
-        """What runs after a step when it is due, in this order; each evaluator owns its cadence."""
-        t, out = self.cfg.train, [self.val]
-        if hellaswag:
-            out.append(HellaSwagEval(hellaswag, t.hellaswag_every))
-        if self.tokenizer:
-            extend = self.spec.extends_context(self.model_cfg)
-            samples = self.run_dir / "samples.txt" if self.main else None
-            out.append(Sampler(t.sample_every, t.sample_tokens, self.cfg.run.seed, extend, samples))
-        return out
+    def _evaluator_setup(self) -> list[Evaluator]:
+        """Every registered evaluator this run's config asks for (loom.eval.evaluator.register_evaluator)."""
+        spec = spec_of(self.cfg)
+        setup = EvalSetup(
+            self.cfg,
+            self.tokenizer,
+            self.data_dir,
+            self.run_dir,
+            self.main,
+            spec.config(self.cfg, self.meta["vocab_size"]),
+            spec,
+        )
+        return build_evaluators(setup)
 
     def eval_context(self) -> EvalContext:
         return EvalContext(self.parallel, self.device, self.step, self._autocast, self.tokenizer)
@@ -370,20 +373,6 @@ class Trainer:
             n_params=self.n_params,
             flops_per_token=self.throughput.flops_per_token,
         )
-
-    def _hellaswag_examples(self) -> list[dict] | None:
-        """train.hellaswag_data read and checked at start (a bad file fails before the model is built)."""
-        t = self.cfg.train
-        if not t.hellaswag_every:
-            return None
-        from loom.eval.hellaswag import read_examples
-
-        if self.tokenizer is None:
-            raise LoomError(
-                f"train.hellaswag_every needs the data's tokenizer, and '{self.data_dir}' has none",
-                hint="prepare the data with loom (or use nanogpt data with meta.pkl)",
-            )
-        return read_examples(t.hellaswag_data, t.hellaswag_limit or None, self.tokenizer)  # encodable too
 
     def _cpu_memory(self):
         """glibc's malloc for this layout on a CPU. Unsharded: keep freed memory for reuse (train.reuse_cpu_memory:
