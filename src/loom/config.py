@@ -72,6 +72,16 @@ class DataConfig:
         "none: training windows cut the token stream anywhere | bos: each window starts at a document start "
         "(the tokens after a window's end up to the next document are dropped; the count is printed).",
     )
+    doc_mask: bool = _f(
+        False,
+        "Attention within each document only: a packed window's documents, opened by the data's end-of-text id "
+        "(its meta.json tokenizer.eot_id), do not see each other (FlexAttention's block mask on a GPU).",
+    )
+    doc_positions: str = _f(
+        "continue",
+        "doc_mask: continue (positions run on across a window's documents) | restart (learned or RoPE positions "
+        "count from 0 in each document, as if it ran alone).",
+    )
 
 
 @dataclass
@@ -385,6 +395,7 @@ CHOICES = {
     ("train", "activation_checkpointing"): ("none", "full", "selective"),
     ("precision", "dtype"): ("fp32", "bf16", "fp16", "auto"),
     ("data", "align"): ("none", "bos"),
+    ("data", "doc_positions"): ("continue", "restart"),
     ("parallel", "dp_impl"): ("auto", "none", "ddp", "zero1", "zero2", "fsdp", "mpi"),
     ("parallel", "param_dtype"): ("", "fp32", "bf16", "fp16"),
     ("parallel", "reduce_dtype"): ("", "fp32", "bf16", "fp16"),
@@ -792,6 +803,7 @@ def validate(
     Returns the derived values printed at start and the layout of `rank`."""
     _check_fields(cfg)
     _check_model_shape(cfg.model)
+    _check_doc_mask(cfg)
     dp = _check_mesh(cfg, world)
     impl = _resolve_dp_impl(cfg, world, dp, dp_impl)
     replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
@@ -864,6 +876,23 @@ def _check_model_shape(m: ModelConfig) -> None:
         raise LoomError(
             f"model.pos=rope needs an even head size; n_embd / n_head = {m.n_embd // m.n_head}",
             hint="change n_embd or n_head",
+        )
+
+
+def _check_doc_mask(cfg: Config) -> None:
+    """data.doc_mask's rules: the documents are found in the input ids, which only the first pipeline stage
+    sees; restarting positions need the documents."""
+    d = cfg.data
+    if d.doc_positions == "restart" and not d.doc_mask:
+        raise LoomError(
+            "data.doc_positions=restart needs data.doc_mask=true (positions restart at each document)",
+            hint="add --data.doc_mask=true, or leave data.doc_positions=continue",
+        )
+    if d.doc_mask and cfg.parallel.pp > 1:
+        raise LoomError(
+            f"data.doc_mask=true is not supported with parallel.pp={cfg.parallel.pp}: the documents are found "
+            "in the input ids, which later pipeline stages do not see",
+            hint="use data.doc_mask=false, or parallel.pp=1 (tensor and data parallel work with it)",
         )
 
 

@@ -297,6 +297,23 @@ def _bos_id(data_dir: str | Path, align: str) -> int | None:
     return eot
 
 
+def doc_eot_id(data_dir: str | Path, meta: dict, doc_mask: bool) -> int | None:
+    """The end-of-text id whose positions separate the documents of a window, for data.doc_mask=true (None
+    when it is off); data without one (no tokenizer.eot_id in its meta) is refused, naming the remedy."""
+    if not doc_mask:
+        return None
+    tok = meta.get("tokenizer") or {}
+    eot = tok.get("eot_id") if isinstance(tok, dict) else None
+    if not isinstance(eot, int) or isinstance(eot, bool) or eot < 0:
+        raise LoomError(
+            f"data.doc_mask=true needs the end-of-text id that separates the documents of '{data_dir}', which "
+            "its meta does not give",
+            hint="prepare the data with loom (meta.json records tokenizer.eot_id; `loom data convert --eot-id N` "
+            "for foreign data), or use data.doc_mask=false",
+        )
+    return eot
+
+
 class DeviceBatches:
     """Training batches on the device, one step ahead of the loop.
 

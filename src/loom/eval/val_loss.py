@@ -11,7 +11,7 @@ import torch
 
 from loom import checkpoint
 from loom.config import Config, check_model_config, config_from_dict, load_toml
-from loom.data.loader import ValSet, read_meta
+from loom.data.loader import ValSet, doc_eot_id, read_meta
 from loom.data.tokenizers import load_tokenizer
 from loom.errors import LoomError
 from loom.eval.evaluator import EvalContext, Every
@@ -122,6 +122,11 @@ def _open_run(run_dir: Path) -> tuple[Config, dict, object]:
     return cfg, meta, tokenizer
 
 
+def _eot(run_dir: Path, cfg: Config, meta: dict) -> int | None:
+    """The end-of-text id a data.doc_mask=true run's model finds its documents by (None when off)."""
+    return doc_eot_id(run_dir / "tokenizer", meta, cfg.data.doc_mask)
+
+
 def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None = None):
     """(config, model with the newest valid checkpoint's weights, tokenizer, data meta, checkpoint path)."""
     run_dir = Path(run_dir)
@@ -130,7 +135,7 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
         from loom.checkpoint_tools import load_consolidated
 
         check_trained_model(run_dir / "model.safetensors", cfg, run_dir)
-        model = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu")
+        model = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu", _eot(run_dir, cfg, meta))
         load_consolidated(run_dir, model)
         return cfg, model.to(device).eval(), tokenizer, meta, run_dir / "model.safetensors"
     path = Path(ckpt) if ckpt else checkpoint.latest_valid(run_dir / "ckpt", model_only=True)
@@ -139,7 +144,7 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
             f"run '{run_dir}' has no valid checkpoint", hint="train it (checkpoints are written at the end)"
         )
     check_trained_model(path, cfg, run_dir)  # before the weights are read
-    model = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu").to(device)
+    model = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu", _eot(run_dir, cfg, meta)).to(device)
     if checkpoint.is_sharded(path):  # model/ alone: the optimizer's files are never read
         checkpoint.load_model(path, model)
         model.eval()
@@ -191,14 +196,14 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
     check_trained_model(path, cfg, run_dir)
     cfg.train.compile, cfg.train.activation_checkpointing = False, "none"
     spec = spec_of(cfg)
-    model = spec.build_model(cfg, meta["vocab_size"])  # on the meta device
+    model = spec.build_model(cfg, meta["vocab_size"], "meta", _eot(run_dir, cfg, meta))
     dims = ParallelDims(1, env.world_size, 1, 1, env.world_size, env.rank, "fsdp")
     # no init: every value comes from the checkpoint
     par = parallelize(model, dims, cfg, device, spec)
     if path.suffix == ".safetensors":  # a consolidated file: read whole on the host, each rank its slices
         from loom.checkpoint_tools import load_consolidated
 
-        whole = spec.build_model(cfg, meta["vocab_size"], "cpu")
+        whole = spec.build_model(cfg, meta["vocab_size"], "cpu", _eot(run_dir, cfg, meta))
         load_consolidated(run_dir, whole)
         par.load_model_state(whole.state_dict())
     elif checkpoint.is_sharded(path):

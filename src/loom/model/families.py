@@ -31,6 +31,8 @@ def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         n_kv_head=m.n_kv_head,
         qk_norm=m.qk_norm,
         tie_embeddings=m.tie_embeddings,
+        doc_mask=cfg.data.doc_mask,  # its eot_id, the data's, is set by ModelSpec.build_model
+        doc_positions=cfg.data.doc_positions,
     )
 
 

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loom.model.cpu_paths import Dropout, causal_attention, cpu_bf16_autocast
+from loom.model.doc_mask import DocMask, build_doc_mask, doc_attention
 
 
 @dataclass
@@ -44,6 +45,9 @@ class GPTConfig:
     n_kv_head: int = 0  # key/value heads; 0: n_head (multi-head), 1: multi-query, between: grouped-query
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (OLMo 2, Qwen 3, modded-nanogpt)
     tie_embeddings: bool = True  # the head shares the token embedding (GPT-2); Llama unties them
+    doc_mask: bool = False  # attention within each document of a packed window only (model/doc_mask.py)
+    eot_id: int = -1  # doc_mask: the end-of-text id that opens each document (the data's tokenizer's)
+    doc_positions: str = "continue"  # doc_mask: "restart" counts positions from 0 in each document
 
     @property
     def kv_heads(self) -> int:
@@ -89,8 +93,16 @@ def rope_cos_sin(
     """cos and sin (T, D) for positions start .. start+T-1: channel i and i + D/2 of a head turn together by
     position * theta^(-2i/D). The half-split pairing is transformers' Llama layout (its weights load as they
     are; Meta's original checkpoints pair neighbours and are permuted by the HF conversion). fp32 throughout."""
+    return rope_cos_sin_at(torch.arange(start, start + T, dtype=torch.float, device=device), head_dim, theta)
+
+
+def rope_cos_sin_at(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (..., D) of the positions (...,) given: (T,) -> (T, D), (B, T) -> (B, T, D)."""
+    device = positions.device
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim)
-    freqs = torch.arange(start, start + T, dtype=torch.float, device=device)[:, None] * inv_freq  # (T, D/2)
+    freqs = positions.float()[..., None] * inv_freq  # (..., D/2)
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -125,7 +137,11 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_dropout = Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, doc: DocMask | None = None
+    ) -> torch.Tensor:
+        """doc: the window's documents (data.doc_mask): attention stays within each, and with restarting
+        positions RoPE turns q and k by each token's place in its document."""
         B, T, _ = x.shape
         if cpu_bf16_autocast(x):  # one cast for the three projections (autocast would cast x three times)
             x = x.to(torch.bfloat16)
@@ -137,7 +153,11 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
         start = cache.len if cache is not None else 0
-        if self.rope_theta is not None:
+        if self.rope_theta is not None and doc is not None and doc.positions is not None:
+            cos, sin = rope_cos_sin_at(doc.positions, self.head_dim, self.rope_theta)  # (B, T, D)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): the same for every head
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif self.rope_theta is not None:
             cos, sin = rope_cos_sin(start, T, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # the cache keeps the K key/value heads, rotated
@@ -147,7 +167,9 @@ class CausalSelfAttention(nn.Module):
         if k.size(1) != q.size(1):  # grouped-query: query head h reads key/value head h // (H / K)
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
-        if cache is None:
+        if doc is not None:
+            y = doc_attention(q, k, v, doc, self.dropout if self.training else 0.0)
+        elif cache is None:
             y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
         elif start == 0:  # prefill: ordinary causal attention
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -219,8 +241,11 @@ class Block(nn.Module):
         self.ln_2 = norm_layer(cfg, cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, doc: DocMask | None = None
+    ) -> torch.Tensor:
+        # doc as a keyword: tensor-parallel plans describe the positional inputs (x, cache, layer)
+        x = x + self.attn(self.ln_1(x), cache, layer, doc=doc)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -238,6 +263,8 @@ class GPT(nn.Module):
         self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, cfg.padded_vocab)  # padding ids masked
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # weight tying (GPT-2)
+        if cfg.doc_mask and cfg.eot_id < 0:
+            raise ValueError("doc_mask needs eot_id, the end-of-text id that opens each document")
         if self.wte.weight.device.type != "meta":  # built on the meta device: initialised after sharding
             self.reset_parameters(int(torch.randint(2**62, ())))  # the seed follows torch.manual_seed
 
@@ -286,12 +313,14 @@ class GPT(nn.Module):
         # model was trained on block_size tokens: what it does beyond is what transformers' Llama does too)
         if start + T > self.cfg.block_size and (self.wpe is not None or cache is None):
             raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.cfg.block_size}")
+        doc = self.documents(idx) if self.cfg.doc_mask and cache is None else None
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:  # learned absolute positions; RoPE turns q and k inside attention instead
-            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
+            restart = doc is not None and doc.positions is not None
+            x = x + self.wpe(doc.positions if restart else torch.arange(start, start + T, device=idx.device))
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, cache, i)
+            x = block(x, cache, i) if doc is None else block(x, cache, i, doc=doc)
         if cache is not None:
             cache.len += T
         x = self.ln_f(x)
@@ -299,6 +328,11 @@ class GPT(nn.Module):
             return self.lm_head(x)
         logits = self.lm_head(x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+    def documents(self, idx: torch.Tensor) -> DocMask:
+        """The documents of the windows idx (B, T), opened by each end-of-text id (doc_mask). Generation with a
+        cache attends across the whole context: a prompt is one document."""
+        return build_doc_mask(idx, self.cfg.eot_id, self.cfg.doc_positions == "restart")
 
     def kv_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for `batch` sequences of up to max_len tokens, on the parameters' device and dtype."""

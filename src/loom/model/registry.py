@@ -57,11 +57,27 @@ class ModelSpec:
     # the context to block_size and recomputes it every token (learned positions have block_size slots)
     extends_context: Callable[[Any], bool] = lambda model_cfg: False
 
-    def build_model(self, cfg: Config, vocab_size: int, device: Any = "meta") -> nn.Module:
-        """The model for cfg.model, on the meta device by default (shapes only: loom.parallel materializes)."""
+    def build_model(
+        self, cfg: Config, vocab_size: int, device: Any = "meta", eot_id: int | None = None
+    ) -> nn.Module:
+        """The model for cfg.model, on the meta device by default (shapes only: loom.parallel materializes).
+        eot_id: the data's end-of-text id, which data.doc_mask=true needs (loom.data.loader.doc_eot_id)."""
+        import dataclasses
+
         import torch
 
         mcfg = self.config(cfg, vocab_size)
+        if cfg.data.doc_mask:
+            if not (
+                dataclasses.is_dataclass(mcfg) and "eot_id" in {f.name for f in dataclasses.fields(mcfg)}
+            ):
+                raise LoomError(
+                    f"data.doc_mask=true: the family '{self.name}' has no document-masked attention",
+                    hint="use data.doc_mask=false, or a family built on loom's GPT (gpt2, llama)",
+                )
+            if eot_id is None:
+                raise LoomError("data.doc_mask=true needs the data's end-of-text id (none was given)")
+            mcfg = dataclasses.replace(mcfg, eot_id=eot_id)
         if mcfg.vocab_size < vocab_size:
             raise LoomError(
                 f"model.vocab_size={mcfg.vocab_size} is smaller than the data's vocabulary {vocab_size}",

@@ -21,7 +21,7 @@ import loom.eval.hellaswag  # noqa: F401  (registers the evaluators it defines, 
 import loom.generate  # noqa: F401
 from loom import faults, log
 from loom.config import Config, Derived
-from loom.data.loader import DeviceBatches, ShardLoader, ValSet, read_meta
+from loom.data.loader import DeviceBatches, ShardLoader, ValSet, doc_eot_id, read_meta
 from loom.data.tokenizers import load_tokenizer
 from loom.distributed.comm import Control
 from loom.env import cpu_memory_release, cpu_memory_reuse
@@ -143,6 +143,7 @@ class Trainer:
     def _data(self, data_dir: Path) -> None:
         """The training batches (a global cursor; this data-parallel rank's slice) and the validation windows."""
         cfg, t, dims = self.cfg, self.cfg.train, self.dims
+        self.eot_id = doc_eot_id(data_dir, self.meta, cfg.data.doc_mask)  # data.doc_mask: None when off
         loader = ShardLoader(
             data_dir,
             t.batch_size,
@@ -162,7 +163,7 @@ class Trainer:
         its pieces), imported weights loaded if model.init_from asks (a resumed checkpoint overrides them)."""
         cfg = self.cfg
         self.spec = spec_of(cfg)  # the model family: everything the trainer asks about the model
-        model = self.spec.build_model(cfg, self.meta["vocab_size"])
+        model = self.spec.build_model(cfg, self.meta["vocab_size"], eot_id=self.eot_id)
         self.model_cfg = model.cfg  # the family's own config (the whole model's: pipeline stages keep theirs)
         self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
         self.parallel = parallelize(

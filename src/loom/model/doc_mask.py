@@ -1,0 +1,73 @@
+"""Attention that stops at document boundaries (data.doc_mask): packed training windows hold several documents,
+and with this mask a token attends only to the earlier tokens of its own document, as if each document ran
+alone (torchtitan's FlexAttention document masks, Megatron's packed sequences, modded-nanogpt's varlen
+attention).
+
+The model derives everything from the input ids: loom's data puts the end-of-text id before each document
+(`loom data prepare`), so an end-of-text token opens a document and the tokens before the window's first one
+are the tail of an earlier document, a document of their own. Nothing travels beside the ids, so a loader,
+a pipeline of wrappers or a tensor-parallel plan needs no change. Shapes: B batch, T tokens, H heads, D head size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DocMask:
+    """The documents of a batch of windows: doc (B, T) the document index of each token within its window,
+    positions (B, T) each token's place in its document (None: positions run on across documents), and on a
+    GPU FlexAttention's block mask (None on a CPU, where flex_attention has no backward in torch 2.13)."""
+
+    doc: torch.Tensor
+    positions: torch.Tensor | None
+    block_mask: object | None = None
+
+
+def build_doc_mask(idx: torch.Tensor, eot_id: int, restart: bool, flex: bool | None = None) -> DocMask:
+    """The DocMask of input ids idx (B, T): documents open at each `eot_id`. restart: positions count from 0
+    at each document's first token. flex: build FlexAttention's block mask (default: off the CPU)."""
+    B, T = idx.shape
+    opens = idx == eot_id
+    doc = opens.cumsum(1)  # (B, T): 0 for the tail before the first end-of-text, then 1, 2, ...
+    positions = None
+    if restart:  # t minus the index of the last end-of-text at or before t (0 when there is none)
+        t = torch.arange(T, device=idx.device).expand(B, T)
+        positions = t - torch.where(opens, t, torch.zeros_like(t)).cummax(1).values
+    if flex is None:
+        flex = idx.device.type != "cpu"
+    block_mask = None
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_doc_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+        block_mask = create_block_mask(same_doc_causal, B, None, T, T, device=idx.device)
+    return DocMask(doc, positions, block_mask)
+
+
+def dense_doc_mask(doc: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool: key j visible to query i when j <= i and both are in the same document."""
+    T = doc.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    return (doc[:, :, None] == doc[:, None, :]).logical_and_(causal).unsqueeze(1)
+
+
+def doc_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocMask, dropout_p: float
+) -> torch.Tensor:
+    """softmax(q kᵀ / √D) v within each document: (B, H, T, D) -> (B, H, T, D).
+
+    FlexAttention with the block mask where there is one (it skips the blocks two documents never share);
+    otherwise, and with dropout (which flex_attention does not have), scaled_dot_product_attention with the
+    dense (B, 1, T, T) mask. Every query sees at least itself, so no row of the softmax is empty."""
+    if mask.block_mask is not None and dropout_p == 0:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=mask.block_mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_doc_mask(mask.doc), dropout_p=dropout_p)
