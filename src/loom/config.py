@@ -332,6 +332,18 @@ class ParallelConfig:
         ge=1,
         msg=_DEGREES,
     )
+    cp: int = _f(
+        1,
+        "Context-parallel degree: each rank of a cp group holds block_size / cp tokens of every sequence (long "
+        "contexts); divides block_size (and n_kv_head for ulysses). dp = world / (cp*tp*pp).",
+        ge=1,
+        msg="parallel.cp must be >= 1; got {parallel.cp}",
+    )
+    cp_impl: str = _f(
+        "ulysses",
+        "cp > 1: ulysses (DeepSpeed-Ulysses: all-to-all from sequence to head shards around attention) | ring "
+        "(not built yet).",
+    )
     pp_schedule: str = _f("1f1b", "Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zero-bubble.")
     pp_microbatches: int = _f(
         0, "Micro-batches per pipeline step; 0: the local batch / train.micro_batch_size."
@@ -401,6 +413,7 @@ CHOICES = {
     ("parallel", "reduce_dtype"): ("", "fp32", "bf16", "fp16"),
     ("parallel", "mpi_sync"): ("naive", "bucketed"),
     ("parallel", "mpi_allreduce"): ("mpi", "ring"),
+    ("parallel", "cp_impl"): ("ulysses", "ring"),
     ("parallel", "pp_schedule"): tuple(PP_SCHEDULES),
 }
 
@@ -703,12 +716,13 @@ class ParallelDims:
     rank: int = 0
     dp_impl: str = "none"  # none | ddp | zero1 | zero2 | fsdp | mpi
     degree1: bool = False  # parallel.degree1_meshes: tp and pp applied at degree 1 in a 1-process job
+    cp: int = 1  # context parallel: the ranks that split each sequence (between dp_shard and tp)
 
     def __post_init__(self):
-        if self.dp_replicate * self.dp_shard * self.tp * self.pp != self.world_size:
+        if self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp != self.world_size:
             raise LoomError(
-                f"dp_replicate x dp_shard x tp x pp = {self.dp_replicate} x {self.dp_shard} x {self.tp} x "
-                f"{self.pp} is not the world size {self.world_size}"
+                f"dp_replicate x dp_shard x cp x tp x pp = {self.dp_replicate} x {self.dp_shard} x {self.cp} x "
+                f"{self.tp} x {self.pp} is not the world size {self.world_size}"
             )
 
     # ----------------------------------------------------------------------------- derived degrees
@@ -740,6 +754,10 @@ class ParallelDims:
         return self.pp > 1 or self.degree1
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
     def model_parallel(self) -> bool:
         """Tensor or pipeline parallel: the model itself is split, not only the batch."""
         return self.tp_enabled or self.pp_enabled
@@ -750,12 +768,17 @@ class ParallelDims:
         return self.rank % self.tp
 
     @property
+    def cp_rank(self) -> int:
+        """Which chunk of each sequence this rank holds (tokens cp_rank * T/cp .. (cp_rank + 1) * T/cp - 1)."""
+        return (self.rank // self.tp) % self.cp
+
+    @property
     def dp_shard_rank(self) -> int:
-        return (self.rank // self.tp) % self.dp_shard
+        return (self.rank // (self.tp * self.cp)) % self.dp_shard
 
     @property
     def dp_replicate_rank(self) -> int:
-        return (self.rank // (self.tp * self.dp_shard)) % self.dp_replicate
+        return (self.rank // (self.tp * self.cp * self.dp_shard)) % self.dp_replicate
 
     @property
     def dp_rank(self) -> int:
@@ -764,7 +787,7 @@ class ParallelDims:
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp * self.dp)
+        return self.rank // (self.tp * self.cp * self.dp)
 
     @property
     def is_main(self) -> bool:
@@ -772,25 +795,27 @@ class ParallelDims:
         return self.rank == 0
 
     def build_mesh(self, device_type: str):
-        """The job's DeviceMesh (pp, dp_replicate, dp_shard, tp); every sub-group is created here, once."""
+        """The job's DeviceMesh (pp, dp_replicate, dp_shard, cp, tp); every sub-group is created here, once."""
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(
             device_type,
-            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
 
     def describe(self) -> str:
         dp = f"dp {self.dp} ({self.dp_impl}"
         if self.hsdp_enabled:
             dp += f": replicate {self.dp_replicate} x shard {self.dp_shard}"
-        return dp + f") | tp {self.tp} | pp {self.pp}"
+        cp = f" | cp {self.cp}" if self.cp > 1 else ""
+        return dp + f"){cp} | tp {self.tp} | pp {self.pp}"
 
     def __str__(self) -> str:
         return (
-            f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp} "
-            f"rank={self.rank}"
+            f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
+            + (f"cp={self.cp} " if self.cp > 1 else "")
+            + f"tp={self.tp} pp={self.pp} rank={self.rank}"
         )
 
 
@@ -804,13 +829,14 @@ def validate(
     _check_fields(cfg)
     _check_model_shape(cfg.model)
     _check_doc_mask(cfg)
+    _check_cp(cfg, dp_impl or cfg.parallel.dp_impl)
     dp = _check_mesh(cfg, world)
     impl = _resolve_dp_impl(cfg, world, dp, dp_impl)
     replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
     derived = _derive_batch(cfg, dp)
     p = cfg.parallel
     return derived, ParallelDims(
-        replicate, shard, p.tp, p.pp, world, rank, impl, p.degree1_meshes and world == 1
+        replicate, shard, p.tp, p.pp, world, rank, impl, p.degree1_meshes and world == 1, p.cp
     )
 
 
@@ -896,14 +922,64 @@ def _check_doc_mask(cfg: Config) -> None:
         )
 
 
+def _check_cp(cfg: Config, dp_impl: str) -> None:
+    """Context parallel's rules (parallel.cp > 1): the sequence splits evenly, Ulysses' all-to-all splits the
+    heads evenly, and the layouts and features not built with it yet are refused by name."""
+    p, m, cp = cfg.parallel, cfg.model, cfg.parallel.cp
+    if cp == 1:
+        return
+    if p.cp_impl == "ring":
+        raise LoomError(
+            "parallel.cp_impl=ring is not built yet",
+            hint="use parallel.cp_impl=ulysses (all-to-all over heads)",
+        )
+    if m.block_size % cp:
+        raise LoomError(
+            f"parallel.cp={cp} does not divide model.block_size={m.block_size} (each cp rank holds "
+            "block_size / cp tokens of every sequence)",
+            hint="pick cp among the divisors of block_size: " + _divisors(m.block_size),
+        )
+    kv = m.n_kv_head or m.n_head
+    if kv % cp:
+        raise LoomError(
+            f"parallel.cp={cp} with cp_impl=ulysses does not divide model.n_kv_head={kv} (Ulysses gives each cp "
+            "rank whole key/value heads of the whole sequence)",
+            hint="pick cp among the divisors of n_kv_head ("
+            + _divisors(kv)
+            + "), or use more key/value heads",
+        )
+    if dp_impl == "mpi":
+        raise LoomError(
+            "parallel.cp > 1 does not compose with parallel.dp_impl=mpi (the all-to-all runs on torch.distributed)",
+            hint="use parallel.dp_impl=ddp (or auto) with context parallel",
+        )
+    if dp_impl in ("zero1", "zero2", "fsdp") or p.tp > 1 or p.pp > 1:
+        raise LoomError(
+            f"parallel.cp={cp} is built with data parallel by ddp only (not yet with dp_impl={dp_impl}, "
+            f"tp={p.tp}, pp={p.pp})",
+            hint="use parallel.dp_impl=ddp (or auto) and tp = pp = 1 with context parallel",
+        )
+    if cfg.data.doc_mask:
+        raise LoomError(
+            "data.doc_mask=true is not supported with parallel.cp > 1 yet: each cp rank sees only its chunk of "
+            "the input ids the documents are found in",
+            hint="use data.doc_mask=false, or parallel.cp=1",
+        )
+    if cfg.train.hellaswag_every:
+        raise LoomError(
+            "train.hellaswag_every does not run with parallel.cp > 1 yet (its forward passes are whole sequences)",
+            hint="set train.hellaswag_every=0 and score the run afterwards with `loom eval`",
+        )
+
+
 def _check_mesh(cfg: Config, world: int) -> int:
     """The data-parallel degree of `world` processes (tp innermost), after every rule of tensor and pipeline
     parallel."""
     p, m = cfg.parallel, cfg.model
-    if world % (p.tp * p.pp):
+    if world % (p.cp * p.tp * p.pp):
         raise LoomError(
-            f"world size {world} is not divisible by parallel.tp x parallel.pp = {p.tp} x {p.pp}",
-            hint=f"start a multiple of {p.tp * p.pp} processes, or change tp/pp",
+            f"world size {world} is not divisible by parallel.cp x tp x pp = {p.cp} x {p.tp} x {p.pp}",
+            hint=f"start a multiple of {p.cp * p.tp * p.pp} processes, or change cp/tp/pp",
         )
     if m.n_head % p.tp:
         raise LoomError(
@@ -940,7 +1016,7 @@ def _check_mesh(cfg: Config, world: int) -> int:
             "precision.dtype=fp16 (loss scaling) is not supported with pp > 1",
             hint="use bf16 or fp32 with pipeline parallel",
         )
-    return world // (p.tp * p.pp)
+    return world // (p.cp * p.tp * p.pp)
 
 
 def _resolve_dp_impl(cfg: Config, world: int, dp: int, dp_impl: str | None) -> str:
@@ -962,7 +1038,8 @@ def _resolve_dp_impl(cfg: Config, world: int, dp: int, dp_impl: str | None) -> s
         )
     if impl == "auto":
         return "ddp" if world > 1 or split else "none"
-    return "ddp" if impl == "none" and split else impl
+    # a split model, or cp ranks (which average their gradients), run ddp's code even at dp = 1
+    return "ddp" if impl == "none" and (split or p.cp > 1) else impl
 
 
 def _dp_degrees(p: ParallelConfig, dp: int, dp_impl: str) -> tuple[int, int]:

@@ -66,9 +66,14 @@ class Strategy:
     pp: int = 1
     flags: tuple[str, ...] = ()
     dp_impl: str = "ddp"
+    cp: int = 1  # context parallel: cp-* strategies put the whole world on cp
+
+    def cp_at(self, n: int) -> int:
+        """The context-parallel degree at world size n."""
+        return n if self.name.startswith("cp-") else self.cp
 
     def degrees(self, n: int) -> tuple[int, int, int]:
-        """(dp, tp, pp) at world size n."""
+        """(dp, tp, pp) at world size n (dp x cp x tp x pp = n)."""
         tp, pp = self.tp, self.pp
         if self.name in ("tp", "tp-sp"):
             tp = n
@@ -76,7 +81,7 @@ class Strategy:
             pp = n
         elif self.name == "tp-pp":
             pp = n // tp
-        return max(1, n // (tp * pp)), tp, pp
+        return max(1, n // (tp * pp * self.cp_at(n))), tp, pp
 
     def argv(self, n: int, args: list[str]) -> list[str]:
         if self.command is not None:
@@ -88,6 +93,7 @@ class Strategy:
             f"--parallel.tp={tp}",
             f"--parallel.pp={pp}",
             f"--parallel.dp_impl={self.dp_impl}",
+            *([f"--parallel.cp={self.cp_at(n)}"] if self.cp_at(n) > 1 else []),
             *self.flags,
             *args,
         ]
@@ -115,6 +121,8 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("dp-pp", min_world=4, pp=2),
         Strategy("tp-pp", min_world=4, tp=2, pp=2, flags=("--parallel.sp=true",)),
         Strategy("dp-tp-pp", min_world=8, tp=2, pp=2, dp_impl="fsdp"),
+        Strategy("cp-ulysses", flags=("--parallel.cp_impl=ulysses",)),  # loom.parallel.context
+        Strategy("dp-cp", min_world=4, cp=2, flags=("--parallel.cp_impl=ulysses",)),
     ]
 }
 
@@ -318,7 +326,7 @@ def _world(s: Strategy, nproc: int | None, cfg: Config | None = None) -> int:
         f"({m.n_layer} layers, {m.n_head} heads, global batch {t.batch_size} in micro-batches of "
         f"{t.micro_batch_size})"
     )
-    if dp * tp * pp != n:
+    if dp * s.cp_at(n) * tp * pp != n:
         raise LoomError(what, hint=f"use --nproc {s.min_world}")
     layout = Config(**{f: getattr(cfg, f) for f in ("run", "data", "model", "train", "optim", "precision")})
     for k, v in parse_overrides([a for a in s.argv(n, []) if a.startswith("--parallel.")]):
@@ -417,8 +425,9 @@ def verify_main(argv: list[str]) -> int:
     for name in names:
         n = worlds[name]
         dp, tp, pp = STRATEGIES[name].degrees(n)
+        cp = f"cp {STRATEGIES[name].cp_at(n)} x " if STRATEGIES[name].cp_at(n) > 1 else ""
         log.info(
-            f"{name}: {n} processes (dp {dp} x tp {tp} x pp {pp}), micro-batch {micro}, "
+            f"{name}: {n} processes (dp {dp} x {cp}tp {tp} x pp {pp}), micro-batch {micro}, "
             f"{B // (micro * dp)} {'pipeline micro-batches' if pp > 1 else 'accumulation step(s)'}"
         )
         runs[name] = out / name
@@ -433,6 +442,7 @@ def verify_main(argv: list[str]) -> int:
                 "strategy": name,
                 "world_size": worlds[name],
                 "dp": dp,
+                "cp": STRATEGIES[name].cp_at(worlds[name]),
                 "tp": tp,
                 "pp": pp,
                 "grad_accum": B // (micro * dp),
@@ -453,15 +463,16 @@ def _table(records: list[dict], tol_loss: float, tol_param: float, steps: int, d
     from rich.table import Table
 
     t = Table(
-        title=f"loom verify: {steps} steps {dtype} vs 1 process (tolerance loss {tol_loss:g}, param {tol_param:g})"
+        title=f"loom verify: {steps} steps {dtype} vs 1 process (tolerance loss {tol_loss:g}, param {tol_param:g}); "
+        "layout dp·cp·tp·pp"
     )
-    for col in ("strategy", "world", "dp·tp·pp", "micro", "max |Δloss|", "max |Δparam|", "result"):
+    for col in ("strategy", "world", "layout", "micro", "max |Δloss|", "max |Δparam|", "result"):
         t.add_column(col, no_wrap=True)
     for r in records:
         t.add_row(
             r["strategy"],
             str(r["world_size"]),
-            f"{r['dp']}·{r['tp']}·{r['pp']}",
+            f"{r['dp']}·{r.get('cp', 1)}·{r['tp']}·{r['pp']}",
             str(r["grad_accum"]),
             f"{r['max_abs_dloss']:.3e}",
             f"{r['max_abs_dparam']:.3e}",

@@ -200,6 +200,8 @@ class ShardLoader:
         dp_size: int = 1,
         split: str = "train",
         align: str = "none",
+        cp_rank: int = 0,
+        cp_size: int = 1,
     ):
         if batch_size % dp_size:
             raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={dp_size}")
@@ -217,6 +219,7 @@ class ShardLoader:
             )
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size  # context parallel: this rank's chunk of each row
         self.cursor = 0  # global samples consumed (all ranks together)
         self.order = "feistel"  # "permutation": the materialized order of checkpoints from before WindowOrder
         self._epoch: tuple[int, np.ndarray | WindowOrder, int] | None = None
@@ -244,11 +247,13 @@ class ShardLoader:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's slice of the next global batch: inputs and targets of shape (B / dp, T)."""
+        """This rank's slice of the next global batch: inputs and targets of shape (B / dp, T / cp)."""
         local = self.batch_size // self.dp_size
         rows = self.global_rows(self.cursor + self.dp_rank * local, local)
         self.cursor += self.batch_size
-        return rows[:, :-1], rows[:, 1:]
+        return seq_chunk(rows[:, :-1], self.cp_rank, self.cp_size), seq_chunk(
+            rows[:, 1:], self.cp_rank, self.cp_size
+        )
 
     @property
     def epoch(self) -> float:
@@ -279,6 +284,15 @@ def _vocab(data_dir: str | Path) -> int | None:
     """The vocabulary size the meta gives (read_meta: meta.json, meta.pkl, or the start of each shard)."""
     v = read_meta(data_dir).get("vocab_size")
     return int(v) if isinstance(v, int) else None
+
+
+def seq_chunk(x: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Context parallel: the cp_rank-th of cp_size equal chunks of the sequence dimension of (B, T) tokens
+    (T / cp_size consecutive tokens; loom.parallel.context lets attention see the whole sequence)."""
+    if cp_size == 1:
+        return x
+    T = x.size(1) // cp_size
+    return x[:, cp_rank * T : (cp_rank + 1) * T]
 
 
 def _bos_id(data_dir: str | Path, align: str) -> int | None:
@@ -353,8 +367,16 @@ class ValSet:
     """A fixed validation set: up to n_rows windows evenly spaced over the val split (no repeats)."""
 
     def __init__(
-        self, data_dir: str | Path, block_size: int, n_rows: int, dp_rank: int = 0, dp_size: int = 1
+        self,
+        data_dir: str | Path,
+        block_size: int,
+        n_rows: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        cp_rank: int = 0,
+        cp_size: int = 1,
     ):
+        self.cp_rank, self.cp_size = cp_rank, cp_size  # context parallel: this rank's chunk of each row
         self.windows = TokenWindows(
             open_split(data_dir, "val"), block_size, "val", vocab_size=_vocab(data_dir)
         )
@@ -373,7 +395,8 @@ class ValSet:
             ids = self.ids[i : i + micro_batch_size]
             if len(ids):
                 rows = self.windows.rows(ids)
-                yield rows[:, :-1], rows[:, 1:]
+                x, y = rows[:, :-1], rows[:, 1:]
             else:
                 x = self.windows.rows(np.zeros(1, dtype=np.int64))[:, :-1]
-                yield x, torch.full_like(x, -1)
+                y = torch.full_like(x, -1)
+            yield seq_chunk(x, self.cp_rank, self.cp_size), seq_chunk(y, self.cp_rank, self.cp_size)

@@ -146,9 +146,11 @@ class CausalSelfAttention(nn.Module):
         if cpu_bf16_autocast(x):  # one cast for the three projections (autocast would cast x three times)
             x = x.to(torch.bfloat16)
         # (B, T, C) -> (B, T, H, D); -1 lets a tensor-parallel shard hold fewer heads.
-        q = self.q_proj(x).view(B, T, -1, self.head_dim)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        T = q.size(1)  # x's T, unless context parallel (loom.parallel) turned the projections head-sharded
+        q = q.view(B, T, -1, self.head_dim)
+        k = k.view(B, T, -1, self.head_dim)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
@@ -176,7 +178,7 @@ class CausalSelfAttention(nn.Module):
         else:  # new queries see every cached key and the causal part of their own block
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C_local)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C_local); context parallel: back to T/cp in o_proj
         return self.resid_dropout(self.o_proj(y))
 
 

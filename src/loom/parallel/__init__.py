@@ -93,7 +93,7 @@ class Parallelized:
         """The mean over data-parallel replicas of the loss (only the last pipeline stage has one)."""
         holds = not self.dims.pp_enabled or self.pipeline.holds_last
         total = self.all_reduce_sum(loss if holds else torch.zeros_like(loss))
-        return total / (self.dims.dp * self.dims.tp)
+        return total / (self.dims.dp * self.dims.cp * self.dims.tp)  # cp ranks: means of equal token counts
 
     def build_optimizer(self, ocfg) -> torch.optim.Optimizer:
         if self.dims.dp_impl == "zero1" and self.dims.dp_enabled:
@@ -124,7 +124,7 @@ class Parallelized:
         once into a whole single-device copy on rank 0 while the other ranks wait: a sharded forward per token
         would all-gather every block for every token on every rank (a 43M model's 200-token sample on 4 CPU
         ranks: 105 s that way, 15-19 s this way: benchmarks/fsdp_cpu_memory.py)."""
-        if not (self.dims.model_parallel or self.fsdp_roots):
+        if not (self.dims.model_parallel or self.fsdp_roots or self.dims.cp_enabled):
             return self.model if self.dims.is_main else None
         sd = self.model_state()
         if not self.dims.is_main:
@@ -184,12 +184,18 @@ def parallelize(
     p, t = cfg.parallel, cfg.train
     plan = spec.parallel
     par = Parallelized(model, dims, device, spec)
-    mesh = dims.build_mesh(device.type) if dims.model_parallel or dims.fsdp_enabled else None
+    mesh = (
+        dims.build_mesh(device.type) if dims.model_parallel or dims.fsdp_enabled or dims.cp_enabled else None
+    )
     if dims.tp_enabled:
         from loom.parallel.tensor import apply_tp
 
         apply_tp(model, mesh["tp"], plan.tp_plan(model, dims.tp, p.sp, loss_parallel=not dims.pp_enabled))
         plan.retie(model)
+    if dims.cp_enabled:
+        from loom.parallel.context import apply_ulysses
+
+        apply_ulysses(model, plan.blocks(model), mesh["cp"].get_group(), dims.cp_rank)
     roots = [model]
     if dims.pp_enabled:
         from loom.parallel.pipeline import stage_ids
@@ -222,7 +228,7 @@ def parallelize(
         par.tied_group = _first_last_group(dims) if dims.pp > 1 and par.tied else None  # 1 stage: whole pair
     elif dims.tp_enabled:
         par.forward = LocalLoss(model)
-    elif dims.dp_impl in ("ddp", "zero1") and dims.dp_enabled:
+    elif dims.dp_impl in ("ddp", "zero1") and (dims.dp_enabled or dims.cp_enabled):  # cp ranks average too
         from loom.parallel.ddp import apply_ddp
 
         par.forward = apply_ddp(model, device)
@@ -241,7 +247,7 @@ def parallelize(
 def _first_last_group(dims: ParallelDims):
     """The group of the first and last pipeline stage with this rank's dp and tp coordinates (every rank
     creates every group, in the same order, as torch.distributed requires)."""
-    mine, per_stage = None, dims.dp * dims.tp
+    mine, per_stage = None, dims.dp * dims.cp * dims.tp
     for k in range(per_stage):
         ranks = [s * per_stage + k for s in (0, dims.pp - 1)]
         group = dist.new_group(ranks)

@@ -152,10 +152,18 @@ class Trainer:
             dims.dp_rank,
             dims.dp,
             align=cfg.data.align,
+            cp_rank=dims.cp_rank,
+            cp_size=dims.cp,
         )
         self.batches = DeviceBatches(loader, self.device)
         self.valset = ValSet(
-            data_dir, cfg.model.block_size, t.eval_batches * t.batch_size, dims.dp_rank, dims.dp
+            data_dir,
+            cfg.model.block_size,
+            t.eval_batches * t.batch_size,
+            dims.dp_rank,
+            dims.dp,
+            dims.cp_rank,
+            dims.cp,
         )
 
     def _model(self, dtype: str) -> torch.nn.Module:

@@ -1,0 +1,82 @@
+"""Context parallel, DeepSpeed-Ulysses (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for
+Enabling Training of Extreme Long Sequence Transformer Models"): each of the cp ranks of a group holds T / cp
+consecutive tokens of every sequence (loom.data.loader.seq_chunk), and everything but attention runs on that
+chunk. Around attention two all-to-alls trade the split: the q/k/v projections' outputs go from sequence
+shards with every head, (B, T/cp, H*D), to the whole sequence with H/cp heads, (B, T, H/cp*D); attention runs
+causal over the whole sequence (RoPE then turns each token by its true position), and the output goes back
+to sequence shards before o_proj. Activation memory outside attention falls as 1/cp; each all-to-all moves
+(cp - 1)/cp of a (B, T/cp, C) tensor per rank.
+
+Applied from outside the single-device model with forward hooks, on the projections the model keeps separate
+(q_proj, k_proj, v_proj, o_proj: the ones tensor parallel shards); the model takes each head's sequence
+length from the projection's output, so it needs nothing else. Learned positions: this rank's chunk starts at
+cp_rank * T/cp, so the position table's input is offset. Needs cp | n_kv_head (config.validate).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, T/cp, W) with W = H*D, sequence-sharded -> (B, T, W/cp), head-sharded: rank j sends its tokens of
+    head group i to rank i and receives, in rank order, every rank's tokens of head group j."""
+    cp = dist.get_world_size(group)
+    B, Tl, W = x.shape
+    send = (
+        x.reshape(B, Tl, cp, W // cp).permute(2, 0, 1, 3).contiguous()
+    )  # (cp, B, T/cp, W/cp): by head group
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # (cp, B, T/cp, W/cp): by sequence chunk
+    return recv.permute(1, 0, 2, 3).reshape(B, cp * Tl, W // cp)
+
+
+def head_to_seq(y: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of seq_to_head: (B, T, W/cp) head-sharded -> (B, T/cp, W) sequence-sharded."""
+    cp = dist.get_world_size(group)
+    B, T, Wl = y.shape
+    send = y.reshape(B, cp, T // cp, Wl).permute(1, 0, 2, 3).contiguous()  # (cp, B, T/cp, W/cp): by chunk
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # (cp, B, T/cp, W/cp): by head group
+    return recv.permute(1, 2, 0, 3).reshape(B, T // cp, cp * Wl)
+
+
+class SeqToHead(torch.autograd.Function):
+    """seq_to_head whose backward is head_to_seq of the gradient (an all-to-all's adjoint is its inverse)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return seq_to_head(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return head_to_seq(grad.contiguous(), ctx.group), None
+
+
+class HeadToSeq(torch.autograd.Function):
+    """head_to_seq whose backward is seq_to_head of the gradient."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return head_to_seq(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return seq_to_head(grad.contiguous(), ctx.group), None
+
+
+def apply_ulysses(model: nn.Module, blocks: list[nn.Module], group, cp_rank: int) -> None:
+    """Hook Ulysses' all-to-alls around the attention of every block of `model` (the family's blocks, each
+    with attn.q_proj/k_proj/v_proj/o_proj), and offset learned positions (model.wpe) by this rank's chunk."""
+    for block in blocks:
+        attn = block.attn
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.register_forward_hook(lambda mod, args, out: SeqToHead.apply(out, group))
+        attn.o_proj.register_forward_pre_hook(lambda mod, args: (HeadToSeq.apply(args[0], group), *args[1:]))
+    wpe = getattr(model, "wpe", None)
+    if wpe is not None:  # positions 0 .. T/cp - 1 of the chunk -> its place in the whole sequence
+        wpe.register_forward_pre_hook(lambda mod, args: (args[0] + cp_rank * args[0].numel(),))
