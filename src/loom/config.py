@@ -314,14 +314,14 @@ class ParallelConfig:
     )
     dp_shard: int = _f(
         -1,
-        "zero2/fsdp: ranks each parameter is sharded over; -1: world / (dp_replicate * tp * pp).",
+        "zero2/fsdp: ranks each parameter is sharded over; -1: world / (dp_replicate * cp * tp * pp).",
         ge=1,
         also=-1,
         msg=_HSDP,
     )
     tp: int = _f(
         1,
-        "Tensor-parallel degree (Megatron column/row split); divides n_head. dp = world / (tp*pp).",
+        "Tensor-parallel degree (Megatron column/row split); divides n_head. dp = world / (cp*tp*pp).",
         ge=1,
         msg=_DEGREES,
     )
@@ -702,10 +702,11 @@ class ParallelDims:
     validate() (here, in layer 0, so that the degrees it checked are the ones returned); the parallel package
     imports it as loom.parallel.dims.ParallelDims.
 
-    Degrees, outermost first (torchtitan's order): pp, dp_replicate, dp_shard, tp. Tensor parallel is innermost
-    so its frequent collectives stay among neighbouring ranks (one node); dp_replicate is outside dp_shard so
-    HSDP shards within a node and replicates across nodes (Zhao et al. 2023, PyTorch FSDP). The data-parallel
-    degree is dp = dp_replicate * dp_shard: the number of different batch shards read at each step.
+    Degrees, outermost first (torchtitan's order): pp, dp_replicate, dp_shard, cp, tp. Tensor parallel is innermost
+    so its frequent collectives stay among neighbouring ranks (one node), and context parallel's all-to-alls
+    next to it; dp_replicate is outside dp_shard so HSDP shards within a node and replicates across nodes (Zhao
+    et al. 2023, PyTorch FSDP). The data-parallel degree is dp = dp_replicate * dp_shard: the number of
+    different batch shards read at each step (the cp ranks of one dp rank read the same rows, each a chunk).
     """
 
     dp_replicate: int = 1
@@ -823,7 +824,7 @@ def validate(
     cfg: Config, world: int = 1, rank: int = 0, dp_impl: str | None = None
 ) -> tuple[Derived, ParallelDims]:
     """Every rule that can be checked before data or devices are touched, each in one place, in this order:
-    each field's bounds (its metadata), the model's shape, the mesh of `world` processes (world = dp x tp x pp),
+    each field's bounds (its metadata), the model's shape, the mesh of `world` processes (world = dp x cp x tp x pp),
     the data-parallel implementation (`dp_impl`, default parallel.dp_impl; auto resolved here), the batch.
     Returns the derived values printed at start and the layout of `rank`."""
     _check_fields(cfg)
