@@ -960,12 +960,6 @@ def _check_cp(cfg: Config, dp_impl: str) -> None:
             f"tp={p.tp}, pp={p.pp})",
             hint="use parallel.dp_impl=ddp (or auto) and tp = pp = 1 with context parallel",
         )
-    if cfg.data.doc_mask:
-        raise LoomError(
-            "data.doc_mask=true is not supported with parallel.cp > 1 yet: each cp rank sees only its chunk of "
-            "the input ids the documents are found in",
-            hint="use data.doc_mask=false, or parallel.cp=1",
-        )
     if cfg.train.hellaswag_every:
         raise LoomError(
             "train.hellaswag_every does not run with parallel.cp > 1 yet (its forward passes are whole sequences)",

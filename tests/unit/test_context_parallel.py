@@ -33,11 +33,6 @@ def _validate(world: int, *overrides: str, dp_impl: str | None = None):
         (2, ["--parallel.cp=2", "--parallel.dp_impl=mpi"], "does not compose with parallel.dp_impl=mpi"),
         (4, ["--parallel.cp=2", "--parallel.tp=2"], "built with data parallel by ddp only"),
         (4, ["--parallel.cp=2", "--parallel.dp_impl=fsdp"], "built with data parallel by ddp only"),
-        (
-            2,
-            ["--parallel.cp=2", "--data.doc_mask=true"],
-            "data.doc_mask=true is not supported with parallel.cp",
-        ),
         (3, ["--parallel.cp=2"], "not divisible by parallel.cp x tp x pp = 2 x 1 x 1"),
     ],
 )

@@ -11,6 +11,9 @@ Applied from outside the single-device model with forward hooks, on the projecti
 (q_proj, k_proj, v_proj, o_proj: the ones tensor parallel shards); the model takes each head's sequence
 length from the projection's output, so it needs nothing else. Learned positions: this rank's chunk starts at
 cp_rank * T/cp, so the position table's input is offset. Needs cp | n_kv_head (config.validate).
+Document masks (data.doc_mask): attention runs over the whole sequence, so the model's documents are found in
+the whole sequence's ids (all-gathered over the cp group: B x T integers per step), and restarting learned
+positions are cut back to the chunk.
 """
 
 from __future__ import annotations
@@ -78,5 +81,25 @@ def apply_ulysses(model: nn.Module, blocks: list[nn.Module], group, cp_rank: int
             proj.register_forward_hook(lambda mod, args, out: SeqToHead.apply(out, group))
         attn.o_proj.register_forward_pre_hook(lambda mod, args: (HeadToSeq.apply(args[0], group), *args[1:]))
     wpe = getattr(model, "wpe", None)
-    if wpe is not None:  # positions 0 .. T/cp - 1 of the chunk -> its place in the whole sequence
-        wpe.register_forward_pre_hook(lambda mod, args: (args[0] + cp_rank * args[0].numel(),))
+    if wpe is not None:
+        wpe.register_forward_pre_hook(lambda mod, args: (chunk_positions(args[0], group, cp_rank),))
+    if getattr(getattr(model, "cfg", None), "doc_mask", False):  # data.doc_mask: documents of whole sequences
+        local_documents = model.documents
+        model.documents = lambda idx: local_documents(gather_sequence(idx, group))
+
+
+def chunk_positions(pos: torch.Tensor, group, cp_rank: int) -> torch.Tensor:
+    """The learned-position table's input for this rank's chunk: positions 0 .. T/cp - 1 (T,) shifted to the
+    chunk's place in the whole sequence, or the whole sequence's restarting positions (B, T) cut to the chunk
+    (data.doc_positions=restart: the documents were found in the whole sequence, see apply_ulysses)."""
+    if pos.dim() == 1:
+        return pos + cp_rank * pos.numel()
+    n = pos.size(1) // dist.get_world_size(group)
+    return pos[:, cp_rank * n : (cp_rank + 1) * n]
+
+
+def gather_sequence(idx: torch.Tensor, group) -> torch.Tensor:
+    """(B, T/cp) token ids of every cp rank -> (B, T), in rank order (ids: no gradient)."""
+    parts = [torch.empty_like(idx) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, idx.contiguous(), group=group)
+    return torch.cat(parts, dim=1)

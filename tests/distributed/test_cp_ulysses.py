@@ -62,3 +62,55 @@ def _round_trip(rank: int, world: int, path: str) -> None:
 
 def test_all_to_alls_are_inverses(tmp_path):
     mp.spawn(_round_trip, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+
+
+def _doc_model(pos: str):
+    from loom.model.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    kw = {"norm": "rmsnorm", "mlp": "swiglu", "n_kv_head": 2} if pos == "rope" else {}
+    cfg = GPTConfig(64, 2, 4, 32, 32, pos=pos, doc_mask=True, eot_id=0, doc_positions="restart", **kw)
+    return GPT(cfg)
+
+
+def _doc_batch():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 6, (3, 32), generator=g)  # id 0 (end-of-text) often: several documents a row
+    return x, torch.randint(0, 64, (3, 32), generator=g)
+
+
+def _doc_masked(rank: int, world: int, path: str, out: str) -> None:
+    from loom.parallel.context import apply_ulysses
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    results = []
+    for pos in ("learned", "rope"):
+        m = _doc_model(pos)
+        apply_ulysses(m, list(m.blocks), dist.group.WORLD, rank)
+        x, y = _doc_batch()
+        n = x.size(1) // world
+        loss = m(x[:, rank * n : (rank + 1) * n], y[:, rank * n : (rank + 1) * n])
+        loss.backward()
+        for p in m.parameters():  # what DDP does over the cp ranks: the mean gradient
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        dist.all_reduce(loss.detach())
+        results.append((loss.item() / world, {k: p.grad for k, p in m.named_parameters()}))
+    if rank == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_doc_mask_under_ulysses_equals_one_process(tmp_path):
+    """Documents found in the whole sequence (ids all-gathered over cp), positions restarting per document:
+    loss and gradients equal one process's (learned positions, and RoPE with grouped-query attention)."""
+    out = str(tmp_path / "out.pt")
+    mp.spawn(_doc_masked, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    for pos, (loss, grads) in zip(("learned", "rope"), torch.load(out), strict=True):
+        m = _doc_model(pos)
+        ref = m(*_doc_batch())
+        ref.backward()
+        assert abs(ref.item() - loss) <= 1e-6, pos
+        for k, p in m.named_parameters():
+            assert (p.grad - grads[k]).abs().max() <= 1e-6, (pos, k)
