@@ -29,6 +29,7 @@ LAYER = {
     "train": 5,
     "plan": 5,
     "doctor": 5,
+    "dryrun": 5,
     "cli": 6,
     "bench": 6,
     "verify": 6,

@@ -1,0 +1,120 @@
+"""The dry run (loom.dryrun) on a fake process group: a layout that cannot start fails with the real job's error
+before anything is built; one that does not fit exits 1 naming the rank, the term and a layout, which fits; the
+shortcuts that make large models fast (the repeated accumulation micro-steps left out, blocks and 1F1B
+micro-batches extended along a line) give the same bytes as stepping everything; and the GPU code path's
+RMSNorm keeps what CUDA's fused kernel keeps. Against real processes: tests/distributed/test_dryrun.py."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from loom.config import load_config, validate
+from loom.dryrun import blocks, dryrun_main, fake, step
+from loom.dryrun.layout import vocab_size
+from loom.errors import LoomError
+
+SMALL = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64", "--model.block_size=16"]
+
+
+def _terms(r: step.RankMemory) -> dict:
+    return {"params": r.params, "grads": r.grads, "optim": r.optim, "phases": r.phases, "ddp": r.ddp_buckets}
+
+
+def test_layout_that_cannot_start_fails_as_a_real_job_before_anything_is_built(monkeypatch, capsys):
+    argv = ["configs/llama3_70b.toml", "--world", "512", "--parallel.tp=128"]
+    with pytest.raises(LoomError) as real:
+        validate(load_config("configs/llama3_70b.toml", ["--parallel.tp=128"]), 512)
+    monkeypatch.setattr("loom.dryrun.report.measure_role", lambda *a, **k: pytest.fail("a rank was built"))
+    with pytest.raises(LoomError) as dry:
+        dryrun_main(argv)
+    assert str(dry.value) == str(real.value) and "parallel.tp=128 does not divide model.n_head=64" in str(
+        dry.value
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "loom.dryrun", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2 and r.stderr.startswith(f"loom: error: {real.value}"), r.stderr
+
+
+def test_layout_that_does_not_fit_names_rank_term_and_a_layout_that_fits(char_data, capsys):
+    job = ["--world", "4", "--gpu-mem", "0.0015", f"--data.path={char_data}", "--train.batch_size=8", *SMALL]
+    assert dryrun_main([*job, "--parallel.dp_impl=ddp"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(
+        r"DOES NOT FIT: rank 0 \(pipeline rank 0, tp rank 0\) peaks at [\d.]+ MiB > 1.4 MiB usable; "
+        r"its largest term is optimizer state",
+        out,
+    ), out
+    advice = re.search(r"a layout that fits \(one of the planner's, dry-run\): (.*)", out)
+    assert advice and "--parallel.dp_impl=" in advice.group(1), out
+    assert dryrun_main([*job, *advice.group(1).split()]) == 0, capsys.readouterr().out
+
+
+def test_accumulation_steps_between_the_second_and_the_last_are_left_out_exactly(char_data, monkeypatch):
+    cfg = load_config(
+        None,
+        [
+            f"--data.path={char_data}",
+            "--train.batch_size=12",
+            "--train.micro_batch_size=1",
+            "--parallel.dp_impl=fsdp",
+            *SMALL,
+        ],
+    )
+    assert validate(cfg, 2)[0].grad_accum == 6
+    vocab = vocab_size(cfg)
+    short = blocks.measure_rank_apart(cfg, 2, 0, vocab, "fp32")
+    monkeypatch.setattr(step, "micro_steps", lambda accum: list(range(accum)))
+    full = blocks.measure_rank_apart(cfg, 2, 0, vocab, "fp32")
+    assert _terms(short) == _terms(full)
+
+
+@pytest.mark.parametrize(
+    "layout, rank",
+    [
+        (["--parallel.dp_impl=fsdp"], 0),
+        (["--parallel.pp=2", "--parallel.dp_impl=fsdp"], 0),
+        (["--parallel.pp=2"], 2),
+    ],
+    ids=["fsdp-blocks", "pp-first-stage", "pp-last-stage"],
+)
+def test_blocks_and_microbatches_extended_along_the_line_give_every_byte(char_data, layout, rank):
+    """5 blocks per stage from 3 and 4 (full recomputation: FSDP holds more whole blocks at once); 6
+    micro-batches from 3 and 4 (the first stage: 2 in flight) or 2 and 3."""
+    args = [
+        f"--data.path={char_data}",
+        "--model.family=llama",
+        "--model.n_kv_head=1",
+        "--train.batch_size=12",
+        "--train.micro_batch_size=1",
+        *SMALL,
+        *layout,
+    ]
+    cfg = load_config(None, [*args, f"--model.n_layer={5 * (2 if '--parallel.pp=2' in layout else 1)}"])
+    extended = blocks.measure_role(cfg, 4, rank, vocab_size(cfg), "fp32")
+    assert extended.measured_blocks == [3, 4]
+    assert extended.measured_microbatches == (
+        [] if "--parallel.pp=2" not in layout else [3 - rank // 2, 4 - rank // 2]
+    )
+    assert _terms(extended) == _terms(blocks.measure_role(cfg, 4, rank, vocab_size(cfg), "fp32", exact=True))
+
+
+def test_rms_norm_keeps_what_cudas_fused_kernel_keeps():
+    """Under autocast a norm runs in fp32 (CUDA's policy) and RMSNorm saves its fp32 input and rstd only."""
+    norm = torch.nn.RMSNorm(8).to(torch.bfloat16)
+    x = torch.randn(2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with fake.fake_mode(), fake.gpu_paths(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = norm(x)
+    assert y.dtype == torch.float32
+    assert [(tuple(t.shape), t.dtype) for t in saved] == [
+        ((2, 4, 8), torch.float32),
+        ((8,), torch.float32),
+        ((2, 4, 1), torch.float32),
+    ]
