@@ -14,6 +14,10 @@ from loom.errors import LoomError
 
 
 def _train(argv: list[str]) -> int:
+    if "--dry-run" in argv:  # will the job fit at --world N: built and stepped on fake tensors (loom.dryrun)
+        from loom.dryrun import dryrun_main
+
+        return dryrun_main([a for a in argv if a != "--dry-run"])
     p = argparse.ArgumentParser(
         prog="loom train",
         description="Train a language model. With no arguments: the built-in corpus and the demo model.",
@@ -608,9 +612,28 @@ def _verify(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
+    """`loom plan ...`; with --check [--gpu NAME] the planner's top layouts are also dry-run (loom.dryrun.check)
+    and each measurement is printed beside the planner's estimate."""
     from loom.plan import plan_main
 
-    return plan_main(argv)
+    if "--check" not in argv:
+        return plan_main(argv)
+    from loom.dryrun.check import plan_check
+    from loom.plan.report import build_parser, run_plan
+
+    p = build_parser()
+    p.add_argument("--check", action="store_true", help="dry-run the top layouts (loom train --dry-run)")
+    p.add_argument("--gpu", default="H100", help="with --check: the GPU the dry run takes (default H100)")
+    args = p.parse_args(argv)
+    plain = [a for a in argv if a != "--check" and not a.startswith("--gpu=")]
+    if "--gpu" in plain:  # "--gpu NAME": both go
+        i = plain.index("--gpu")
+        del plain[i : i + 2]
+    plan_main(plain)
+    shape, cluster, wl, cands = run_plan(args)
+    return plan_check(
+        args.model, shape, cluster, wl, [c for c in cands if c.fits][: min(args.top, 3)], args.gpu
+    )
 
 
 VERBS = {
@@ -629,7 +652,8 @@ VERBS = {
     "doctor": (_doctor, "environment report: versions, devices, GPU links, MPI, compile (--json)"),
     "plan": (
         _plan,
-        "memory / time estimates of dp/tp/pp/ZeRO layouts: loom plan --model 7b --gpus 64 --gpu-mem 80",
+        "memory / time estimates of dp/tp/pp/ZeRO layouts: loom plan --model 7b --gpus 64 --gpu-mem 80 "
+        "(--check: dry-run the top layouts)",
     ),
     "launch": (
         _launch,

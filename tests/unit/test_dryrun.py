@@ -36,7 +36,10 @@ def test_layout_that_cannot_start_fails_as_a_real_job_before_anything_is_built(m
         dry.value
     )
     r = subprocess.run(
-        [sys.executable, "-m", "loom.dryrun", *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "loom", "train", "--dry-run", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 2 and r.stderr.startswith(f"loom: error: {real.value}"), r.stderr
 
@@ -118,3 +121,14 @@ def test_rms_norm_keeps_what_cudas_fused_kernel_keeps():
         ((8,), torch.float32),
         ((2, 4, 1), torch.float32),
     ]
+
+
+def test_plan_check_prints_the_dry_run_beside_the_planner(capsys):
+    from loom.cli import main
+
+    assert main(["plan", "--params", "20M", "--gpus", "2", "--gpu-mem", "80", "--check", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    row = re.search(r"^ 1 tp=\d+ .* ([\d.]+) +([\d.]+) +([\d.]+)  yes", out, re.M)
+    assert "planner GiB dry run GiB" in out and row, out
+    planned, measured, ratio = map(float, row.groups())
+    assert measured > 0 and ratio == pytest.approx(measured / planned, rel=0.02)  # printed to 2 decimals
