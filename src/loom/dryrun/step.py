@@ -259,7 +259,7 @@ def _sync_and_clip(par, loss_sum: torch.Tensor, max_norm: float) -> None:
 
 def _stage_examples(cfg: Config, mcfg, derived: Derived, par, ids: list[int], n_stages: int, precision: str):
     """Example input and output tensors of each of this rank's pipeline stages (loom's stage contract,
-    the built-in families. Stage: token ids into the first, hidden states between, logits out of the last).
+    as the built-in families' Stage keeps it: token ids into the first, hidden states between, logits out of the last).
     Hidden states are in the compute dtype (FSDP's param_dtype, which FSDP casts each stage's input to, else
     the parameters' fp32) and sequence-sharded with sequence parallel; logits in autocast's dtype."""
     mb, T = derived.micro_batch_size, cfg.model.block_size
