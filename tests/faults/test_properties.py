@@ -213,6 +213,8 @@ def valid_tables(draw) -> dict[str, object]:
         "precision.init_scale": draw(st.floats(1.0, 2.0**24)),
         "parallel.timeout_s": draw(st.floats(1.0, 1e5)),
     }
+    if t.get("data.doc_positions") == "restart":  # positions restart at document starts: only with doc_mask
+        t["data.doc_mask"] = True
     return dict(draw(st.permutations(sorted(t.items()))))  # any order of keys
 
 

@@ -2,7 +2,7 @@
 before anything is built; one that does not fit exits 1 naming the rank, the term and a layout, which fits; the
 shortcuts that make large models fast (the repeated accumulation micro-steps left out, blocks and 1F1B
 micro-batches extended along a line) give the same bytes as stepping everything; and the GPU code path's
-RMSNorm keeps what CUDA's fused kernel keeps. Against real processes: tests/distributed/test_dryrun.py."""
+RMSNorm keeps what CUDA's fused kernel keeps. Against real processes: tests/distributed/test_dryrun_vs_processes.py."""
 
 from __future__ import annotations
 

@@ -354,7 +354,7 @@ def _check_one_format(d: Path) -> None:
     kinds = {
         "Megatron .bin/.idx": idx,
         ".npy": sorted(p for p in d.glob("*.npy") if p.is_file()),
-        "llm.c/nanogpt .bin": sorted(p for p in d.glob("*.bin") if p.is_file() and p not in partners),
+        "llm.c/nanoGPT .bin": sorted(p for p in d.glob("*.bin") if p.is_file() and p not in partners),
     }
     present = {k: v for k, v in kinds.items() if v}
     if len(present) > 1:
