@@ -38,6 +38,14 @@ class Target:
         return self.gpu_mem_gib * GIB * (1 - self.headroom)
 
 
+def pipeline_supported() -> bool:
+    """Whether this torch's pipeline stages take static shapes the way the dry run sets them (a feature check:
+    torch.distributed.pipelining._utils.InferenceMode, in torch 2.13; 2.11 has no such switch)."""
+    from torch.distributed.pipelining import _utils
+
+    return hasattr(_utils, "InferenceMode")
+
+
 def check_layout(cfg: Config, target: Target) -> ParallelDims:
     """Every rule a real job runs on its layout before anything else (loom.train.job_dims: config.validate on
     the launcher's world, then the warning for collectives that cross nodes), as rank 0 of `target.world`."""
@@ -53,6 +61,15 @@ def check_layout(cfg: Config, target: Target) -> ParallelDims:
             "count (loom.optim.muon: state['step'].item() of a torch.zeros(()))",
             hint="dry-run with optim.name=adamw (Muon's state: one momentum buffer per matrix, AdamW's "
             "two for the rest)",
+        )
+    if dims.pp > 1 and not pipeline_supported():
+        import torch
+
+        raise LoomError(
+            f"parallel.pp={dims.pp}: the dry run gives each pipeline stage its shapes without the warm-up "
+            f"exchange through torch's pipelining internals of 2.13 (InferenceMode), which torch "
+            f"{torch.__version__} lacks",
+            hint="dry-run pipeline layouts with torch >= 2.13 (a layout with parallel.pp=1 runs here)",
         )
     if dims.dp_impl == "mpi":
         raise LoomError(
@@ -234,7 +251,7 @@ def next_layouts(
             validate(alt, target.world)
         except LoomError:
             continue
-        if flags != mine:
+        if flags != mine and (c.pp == 1 or pipeline_supported()):
             accepted.append((c, alt, flags))
     picks = [
         next((a for a in accepted if a[0].fits), None),
