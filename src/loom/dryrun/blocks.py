@@ -14,13 +14,12 @@ parameters and every block after that none).
 Pipeline micro-batches. Under 1F1B pipeline rank r keeps w = pp - r micro-batches in flight; once a step has
 w + 1 of them its steady phase (w in flight, the gradients allocated) is reached and then repeats, and what
 still grows with each micro-batch is allocated per
-micro-batch up front or kept to the end (the stage's receive buffers; the last stage's outputs, which torch's
-schedule keeps and concatenates when the step ends). So a 1F1B schedule of m micro-batches is stepped with m0
+micro-batch up front (the stage's receive buffers). So a 1F1B schedule of m micro-batches is stepped with m0
 and m0 + 1 (m0 = w + 1, at least pp) and extended along the line to m. Blocks and micro-batches do not interact
 once w saturates (w micro-batches in flight, whatever the blocks), so three steps span the plane.
 
-Which phase of the step peaks can change with size (the last stage's merge of m outputs overtakes its
-forward/backward as m grows), so each phase's peak is extended on its own and the largest taken.
+Which phase of the step peaks can change with size (forward/backward, the gradient sync and clip, the update),
+so each phase's peak is extended on its own and the largest taken.
 
 Checked against full steps at the same world and layout (Llama-3-8B widths: FSDP over 64 with 4 and 6 blocks;
 TP 8 x FSDP 8 with accumulation; TP 8 x PP 4 x FSDP 2, 1F1B with 16 micro-batches, pipeline ranks 0, 1 and 3;

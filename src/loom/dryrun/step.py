@@ -30,8 +30,8 @@ DEVICE = torch.device("cpu")  # the fake tensors' device: loom.dryrun's docstrin
 class RankMemory:
     """Bytes one rank holds and peaks at. `params`, `grads`, `optim`: held after the step (before zero_grad),
     counted as the trainer counts them for metrics.jsonl (loom.parallel.state.model_state_bytes: local shards,
-    optimizer tensors of dim >= 1). `phases`: for each phase of the step (forward/backward, the pipeline's
-    merge of outputs, sync/clip, update), the tracker's terms at its peak (loom.dryrun.fake.TERMS, 'total'),
+    optimizer tensors of dim >= 1). `phases`: for each phase of the step (forward/backward, sync/clip,
+    update), the tracker's terms at its peak (loom.dryrun.fake.TERMS, 'total'),
     as in a steady step (_steady). `tracked`: the tracker's terms after the step. `ddp_buckets`: DDP's
     gradient buckets, which no step allocates (they are made with the wrapper), added to every peak."""
 
@@ -124,8 +124,6 @@ def measure_rank(
             seq = cfg.model.block_size // dims.cp  # context parallel: each rank its chunk of each sequence
             x = torch.randint(0, vocab_size, (rows, seq), device=DEVICE)
             y = torch.randint(0, vocab_size, (rows, seq), device=DEVICE)
-            if par.pipeline is not None:  # the last stage merges its outputs at the end: a phase of its own
-                _mark_before_merge(par.pipeline.schedule, tracker)
             with tracker:
                 loss_sum = _forward_backward(par, x, y, derived, _autocast(precision), tracker)
                 _sync_and_clip(par, loss_sum, cfg.optim.grad_clip or math.inf)
@@ -205,22 +203,11 @@ def _local_param(p: torch.Tensor) -> torch.nn.Parameter:
     return local
 
 
-def _mark_before_merge(schedule, tracker) -> None:
-    """torch's schedule keeps the last stage's outputs and concatenates them when its step ends: the
-    forward/backward phase ends there, the merge is a phase of its own."""
-    merge = schedule._merge_outputs
-
-    def marked(chunks):
-        tracker.mark("forward/backward")
-        return merge(chunks)
-
-    schedule._merge_outputs = marked
-
-
 def micro_steps(accum: int) -> list[int]:
     """The micro-steps of gradient accumulation the dry run runs: the first, the second and the last. Those
     between repeat the second's allocations exactly (the same shapes, the accumulated gradients already
-    allocated: FSDP keeps its unsharded gradients without syncing), so the step's peak is the same."""
+    allocated: sharded ones under FSDP, which reduce-scatters every micro-step, whole local ones otherwise), so
+    the step's peak is the same."""
     return list(range(accum)) if accum <= 3 else [0, 1, accum - 1]
 
 
@@ -231,7 +218,7 @@ def _forward_backward(par, x, y, derived: Derived, autocast, tracker) -> torch.T
     accum = derived.grad_accum
     if par.pipeline is not None:
         loss_sum = par.pipeline.step(x, y, autocast)
-        tracker.mark("merge" if "forward/backward" in getattr(tracker, "phases", {}) else "forward/backward")
+        tracker.mark("forward/backward")
         return loss_sum
     loss_sum = torch.zeros((), device=DEVICE)
     chunks = list(zip(x.chunk(accum), y.chunk(accum), strict=True))

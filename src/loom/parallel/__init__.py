@@ -47,11 +47,12 @@ class Parallelized:
 
     # ----------------------------------------------------------------------------- a step
     def no_sync(self, skip: bool):
-        """Within it, backward accumulates gradients without communicating (all micro-steps but the last)."""
+        """Within it, backward accumulates gradients without communicating (all micro-steps but the last); FSDP
+        that shards still reduce-scatters every micro-step (loom.parallel.fsdp.set_gradient_sync says why)."""
         if self.fsdp_roots:
             from loom.parallel.fsdp import set_gradient_sync
 
-            set_gradient_sync(self.fsdp_roots, not skip)
+            set_gradient_sync(self.fsdp_roots, last=not skip, sharded=self.dims.dp_shard > 1)
         elif skip and self.grad_sync is not None:
             return self.grad_sync.no_sync()
         elif skip and hasattr(self.forward, "no_sync"):
