@@ -1,8 +1,9 @@
 """The dry run (loom.dryrun) on a fake process group: a layout that cannot start fails with the real job's error
 before anything is built; one that does not fit exits 1 naming the rank, the term and a layout, which fits; the
 shortcuts that make large models fast (the repeated accumulation micro-steps left out, blocks and 1F1B
-micro-batches extended along a line) give the same bytes as stepping everything; and the GPU code path's
-RMSNorm keeps what CUDA's fused kernel keeps. Against real processes: tests/distributed/test_dryrun_vs_processes.py."""
+micro-batches extended along a line) give the same bytes as stepping everything; the GPU code path's
+RMSNorm keeps what CUDA's fused kernel keeps; and two memory bugs it found stay fixed (FSDP holding unsharded
+gradients between accumulation micro-steps, the last pipeline stage keeping every micro-batch's logits). Against real processes: tests/distributed/test_dryrun_vs_processes.py."""
 
 from __future__ import annotations
 
@@ -63,23 +64,47 @@ def test_layout_that_does_not_fit_names_rank_term_and_a_layout_that_fits(char_da
     assert dryrun_main([*job, *advice.group(1).split()]) == 0, capsys.readouterr().out
 
 
-def test_accumulation_steps_between_the_second_and_the_last_are_left_out_exactly(char_data, monkeypatch):
+def _fsdp_accum(char_data, accum: int):
     cfg = load_config(
         None,
         [
             f"--data.path={char_data}",
-            "--train.batch_size=12",
+            f"--train.batch_size={2 * accum}",
             "--train.micro_batch_size=1",
             "--parallel.dp_impl=fsdp",
             *SMALL,
+            "--model.n_layer=4",
         ],
     )
-    assert validate(cfg, 2)[0].grad_accum == 6
+    assert validate(cfg, 2)[0].grad_accum == accum
+    return cfg
+
+
+def test_accumulation_steps_between_the_second_and_the_last_are_left_out_exactly(char_data, monkeypatch):
+    """And FSDP reduce-scatters every micro-step: with 4 of them a step holds no more unsharded blocks (gathered
+    parameters, gradients) at its peak than with one (skipping the reduce-scatter kept all 4 blocks' unsharded
+    gradients from the first micro-step to the last: loom.parallel.fsdp.set_gradient_sync)."""
+    cfg = _fsdp_accum(char_data, 4)
     vocab = vocab_size(cfg)
     short = blocks.measure_rank_apart(cfg, 2, 0, vocab, "fp32")
+    one = blocks.measure_rank_apart(_fsdp_accum(char_data, 1), 2, 0, vocab, "fp32")
+    assert short.at_peak["gathered"] == one.at_peak["gathered"] > 0
     monkeypatch.setattr(step, "micro_steps", lambda accum: list(range(accum)))
     full = blocks.measure_rank_apart(cfg, 2, 0, vocab, "fp32")
     assert _terms(short) == _terms(full)
+
+
+@NEEDS_PIPELINE
+def test_the_last_pipeline_stage_keeps_no_outputs_across_micro_batches():
+    """The schedule's step returns no outputs (loom.parallel.pipeline): the last stage's peak grows by its receive
+    buffers per micro-batch, not by a micro-batch's logits, which it kept to the end of the step before."""
+    peaks = []
+    for m in (2, 4):
+        job = [f"--train.batch_size={m}", "--train.micro_batch_size=1", "--parallel.pp=2"]
+        cfg = load_config(None, [*SMALL, "--model.vocab_size=4096", *job])
+        peaks.append(blocks.measure_rank_apart(cfg, 2, 1, 4096, "fp32").peak)
+    logits = 16 * 4096 * 4  # one micro-batch's: 1 x block_size x vocab, fp32
+    assert 0 < (peaks[1] - peaks[0]) / 2 < logits / 8, peaks
 
 
 @pytest.mark.parametrize(
