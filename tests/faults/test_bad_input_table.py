@@ -1,4 +1,4 @@
-"""Bad input, table-driven, through the real command line (`python -m loom` in a subprocess): config files
+"""Bad input, table-driven, through the real command line (`loom ...` in a process of its own): config files
 and keys, data directories and shards, parallel sizes, run directories and checkpoints, and for every
 command that writes, outputs it cannot write; endless inputs (/dev/zero, a FIFO); sampling options out of
 their domain; zero or negative counts; messages that must name the real cause. Each row must exit 2 with
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from faultkit import TINY
+from faultkit import TINY, ForkServer
 
 from loom.cli import main
 
@@ -552,30 +552,25 @@ class Result:
 
 
 @pytest.fixture(scope="module")
-def run_row(tree, char_data):
-    """Run a row once as `python -m loom ...` (its cwd and LOOM_CACHE_DIR inside the hashed tree);
-    later calls for the same row return the cached Result, so tests may run in any order or alone."""
+def run_row(tree, char_data, tmp_path_factory):
+    """Run a row once as `loom ...` in a process of its own (forked from one that imported loom and torch:
+    faultkit.ForkServer), its cwd and LOOM_CACHE_DIR inside the hashed tree; later calls for the same row
+    return the cached Result, so tests may run in any order or alone."""
     done: dict[str, Result] = {}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOOM_CACHE_DIR": str(tree / "cache")}
+    server = ForkServer(tmp_path_factory.mktemp("rows"))
 
     def run(case: str) -> Result:
         if case not in done:
             argv, _, _ = _row(case, tree)
             before = (_tree_hash(tree), _tree_hash(char_data))
-            p = subprocess.run(
-                [sys.executable, "-m", "loom", *argv],
-                cwd=tree / "cwd",
-                env=env,
-                text=True,
-                capture_output=True,
-                timeout=120,
-                stdin=subprocess.DEVNULL,
-            )
+            rc, out, err = server.run(argv, tree / "cwd", env, timeout=120)
             unchanged = (_tree_hash(tree), _tree_hash(char_data)) == before
-            done[case] = Result(argv, p.returncode, p.stdout, p.stderr, unchanged)
+            done[case] = Result(argv, rc, out, err, unchanged)
         return done[case]
 
-    return run
+    yield run
+    server.close()
 
 
 ALL = [*CASES, *COMMANDS]
