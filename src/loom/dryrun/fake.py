@@ -16,8 +16,8 @@ code, only what a few functions do inside a dry run):
   * DTensor's sharding propagation computes each op's output on global shapes in whatever fake mode is
     active; inside ours the tracker would count those whole-tensor shadows as allocations (torch 2.13's
     mem_tracker assumes propagation runs in a mode of its own), so here it gets one;
-  * the dry run measures the GPU's code path on the CPU device: the model's CPU fast paths (loom.model.cpu_paths:
-    bf16 attention written out, one cast for q/k/v) are switched off, the norms follow CUDA autocast's fp32
+  * the dry run measures the GPU's code path on the CPU device: the model's CPU fast path (loom.model.cpu_paths:
+    bf16 attention written out) is switched off, the norms follow CUDA autocast's fp32
     policy (CPU autocast leaves them in bf16), and RMSNorm saves what CUDA's fused kernel saves (the CPU's
     composite keeps two fp32 copies more);
   * torch's pipeline schedule votes over the process group on its first step and sends each stage's shapes
@@ -161,10 +161,8 @@ def gpu_paths() -> Iterator[None]:
     import torch.distributed.tensor._sharding_prop as sharding_prop
 
     import loom.model.cpu_paths as cpu_paths
-    import loom.model.gpt as gpt
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(swapped(gpt, "cpu_bf16_autocast", _never))
         stack.enter_context(swapped(cpu_paths, "cpu_bf16_autocast", _never))
         stack.enter_context(swapped(nn.RMSNorm, "forward", _fp32_policy(_rms_norm)))
         stack.enter_context(swapped(nn.LayerNorm, "forward", _fp32_policy(nn.LayerNorm.forward)))

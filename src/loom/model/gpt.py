@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom.model.cpu_paths import Dropout, causal_attention, cpu_bf16_autocast
+from loom.model.cpu_paths import Dropout, causal_attention
 from loom.model.doc_mask import DocMask, build_doc_mask, doc_attention
 
 
@@ -114,6 +114,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype, cast once for the projections that read it (q, k and v; SwiGLU's gate and up).
+
+    Autocast casts a matmul's fp32 input at every call, and each cast is a tensor of its own kept for backward:
+    three copies of the normed input in attention, two in the MLP (full-length ones under sequence parallel,
+    where they follow the all-gather). Cast here, before the sub-layer, there is one, and sequence parallel
+    all-gathers it in the compute dtype: half the bytes. The values are the ones autocast would compute."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return x
+    return x.to(torch.get_autocast_dtype(device))
+
+
 def norm_layer(cfg: GPTConfig, dim: int) -> nn.Module:
     """LayerNorm (GPT-2; bias with model.bias) or RMSNorm (Llama): a gain per channel, eps cfg.norm_eps."""
     if cfg.norm == "rmsnorm":
@@ -143,8 +156,6 @@ class CausalSelfAttention(nn.Module):
         """doc: the window's documents (data.doc_mask): attention stays within each, and with restarting
         positions RoPE turns q and k by each token's place in its document."""
         B, T, _ = x.shape
-        if cpu_bf16_autocast(x):  # one cast for the three projections (autocast would cast x three times)
-            x = x.to(torch.bfloat16)
         # (B, T, C) -> (B, T, H, D); -1 lets a tensor-parallel shard hold fewer heads.
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         T = q.size(1)  # x's T, unless context parallel (loom.parallel) turned the projections head-sharded
@@ -247,8 +258,8 @@ class Block(nn.Module):
         self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, doc: DocMask | None = None
     ) -> torch.Tensor:
         # doc as a keyword: tensor-parallel plans describe the positional inputs (x, cache, layer)
-        x = x + self.attn(self.ln_1(x), cache, layer, doc=doc)
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.attn(autocast_input(self.ln_1(x)), cache, layer, doc=doc)
+        return x + self.mlp(autocast_input(self.ln_2(x)))
 
 
 class GPT(nn.Module):
