@@ -335,14 +335,15 @@ class ParallelConfig:
     cp: int = _f(
         1,
         "Context-parallel degree: each rank of a cp group holds block_size / cp tokens of every sequence (long "
-        "contexts); divides block_size (and n_kv_head for ulysses). dp = world / (cp*tp*pp).",
+        "contexts); ulysses: divides block_size and n_kv_head, ring: 2*cp divides block_size. "
+        "dp = world / (cp*tp*pp).",
         ge=1,
         msg="parallel.cp must be >= 1; got {parallel.cp}",
     )
     cp_impl: str = _f(
         "ulysses",
         "cp > 1: ulysses (DeepSpeed-Ulysses: all-to-all from sequence to head shards around attention) | ring "
-        "(not built yet).",
+        "(ring attention: keys/values travel around the cp ranks, each rank holding two of 2*cp chunks).",
     )
     pp_schedule: str = _f("1f1b", "Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zero-bubble.")
     pp_microbatches: int = _f(
@@ -353,6 +354,12 @@ class ParallelConfig:
         "One process: apply tensor and pipeline parallel at degree 1 on 1-rank meshes, so one GPU runs every "
         "code path (the GPU check, benchmarks/gpu_check.py); ignored with more processes.",
     )
+
+    @property
+    def cp_layout(self) -> str:
+        """Which tokens of a sequence each cp rank holds (loom.data.loader.seq_chunk): ring attention's
+        load-balanced zigzag, else consecutive chunks."""
+        return "zigzag" if self.cp_impl == "ring" else "contiguous"
 
 
 @dataclass
@@ -924,34 +931,32 @@ def _check_doc_mask(cfg: Config) -> None:
 
 
 def _check_cp(cfg: Config, dp_impl: str) -> None:
-    """Context parallel's rules (parallel.cp > 1): the sequence splits evenly, Ulysses' all-to-all splits the
-    heads evenly, and the layouts and features not built with it yet are refused by name."""
+    """Context parallel's rules (parallel.cp > 1): the sequence splits evenly (into 2 * cp chunks for ring),
+    Ulysses' all-to-all splits the heads evenly, and the layouts and features not built with it yet are
+    refused by name."""
     p, m, cp = cfg.parallel, cfg.model, cfg.parallel.cp
     if cp == 1:
         return
     if p.cp_impl == "ring":
-        raise LoomError(
-            "parallel.cp_impl=ring is not built yet",
-            hint="use parallel.cp_impl=ulysses (all-to-all over heads)",
-        )
-    if m.block_size % cp:
+        _check_ring(cfg)
+    elif m.block_size % cp:
         raise LoomError(
             f"parallel.cp={cp} does not divide model.block_size={m.block_size} (each cp rank holds "
             "block_size / cp tokens of every sequence)",
             hint="pick cp among the divisors of block_size: " + _divisors(m.block_size),
         )
     kv = m.n_kv_head or m.n_head
-    if kv % cp:
+    if p.cp_impl == "ulysses" and kv % cp:
         raise LoomError(
             f"parallel.cp={cp} with cp_impl=ulysses does not divide model.n_kv_head={kv} (Ulysses gives each cp "
             "rank whole key/value heads of the whole sequence)",
             hint="pick cp among the divisors of n_kv_head ("
             + _divisors(kv)
-            + "), or use more key/value heads",
+            + "), or use more key/value heads, or parallel.cp_impl=ring",
         )
     if dp_impl == "mpi":
         raise LoomError(
-            "parallel.cp > 1 does not compose with parallel.dp_impl=mpi (the all-to-all runs on torch.distributed)",
+            "parallel.cp > 1 does not compose with parallel.dp_impl=mpi (its exchanges run on torch.distributed)",
             hint="use parallel.dp_impl=ddp (or auto) with context parallel",
         )
     if dp_impl in ("zero1", "zero2", "fsdp") or p.tp > 1 or p.pp > 1:
@@ -964,6 +969,33 @@ def _check_cp(cfg: Config, dp_impl: str) -> None:
         raise LoomError(
             "train.hellaswag_every does not run with parallel.cp > 1 yet (its forward passes are whole sequences)",
             hint="set train.hellaswag_every=0 and score the run afterwards with `loom eval`",
+        )
+
+
+def _check_ring(cfg: Config) -> None:
+    """Ring attention's own rules: its load-balanced layout cuts every sequence into 2 * cp chunks, and
+    what it does not build (document masks, dropout of the attention weights) is refused by name."""
+    m, cp = cfg.model, cfg.parallel.cp
+    if m.block_size % (2 * cp):
+        fits = [str(d) for d in range(2, m.block_size // 2 + 1) if m.block_size % (2 * d) == 0]
+        raise LoomError(
+            f"parallel.cp={cp} with cp_impl=ring needs 2*cp = {2 * cp} to divide model.block_size="
+            f"{m.block_size} (each cp rank holds two of 2*cp equal chunks of every sequence, one early and one "
+            "late, so that causal attention costs every rank the same)",
+            hint="pick cp among "
+            + (", ".join(fits) or "(none: block_size is odd)")
+            + ", or change block_size",
+        )
+    if cfg.data.doc_mask:
+        raise LoomError(
+            "data.doc_mask=true is not supported with parallel.cp_impl=ring (the ring's masks are causal only)",
+            hint="use parallel.cp_impl=ulysses with document masks, or data.doc_mask=false",
+        )
+    if m.dropout:
+        raise LoomError(
+            f"model.dropout={m.dropout} is not supported with parallel.cp_impl=ring (the ring does not drop "
+            "attention weights)",
+            hint="use model.dropout=0, or parallel.cp_impl=ulysses",
         )
 
 

@@ -122,6 +122,7 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("tp-pp", min_world=4, tp=2, pp=2, flags=("--parallel.sp=true",)),
         Strategy("dp-tp-pp", min_world=8, tp=2, pp=2, dp_impl="fsdp"),
         Strategy("cp-ulysses", flags=("--parallel.cp_impl=ulysses",)),  # loom.parallel.context
+        Strategy("cp-ring", flags=("--parallel.cp_impl=ring",)),  # loom.parallel.ring
         Strategy("dp-cp", min_world=4, cp=2, flags=("--parallel.cp_impl=ulysses",)),
     ]
 }

@@ -1,7 +1,9 @@
-"""Context parallel with real processes (gloo, loopback): `loom verify --strategies cp-ulysses` against one
-process (losses and parameters to 1e-5 in fp32), on a Llama-family model with grouped-query attention and
-RoPE (the all-to-all splits query and key/value heads; RoPE turns each token by its place in the whole
-sequence). Ulysses' all-to-alls are also checked as inverses of each other on 2 ranks."""
+"""Context parallel with real processes (gloo, loopback): one `loom verify --strategies cp-ulysses,cp-ring`
+(one reference run shared by both) against one process (losses and parameters to 1e-5 in fp32), on a
+Llama-family model with grouped-query attention and RoPE (Ulysses' all-to-all splits query and key/value
+heads; ring attention passes the key/value heads around and holds zigzag chunks; RoPE turns each token by
+its place in the whole sequence). Ulysses' all-to-alls are also checked as inverses of each other on 2
+ranks."""
 
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ import torch.multiprocessing as mp
 LOOM = [sys.executable, "-m", "loom"]
 
 
-def test_verify_cp_ulysses_llama(tmp_path, char_data):
+def test_verify_cp_ulysses_and_ring_llama(tmp_path, char_data):
     r = subprocess.run(
         [
             *LOOM,
             "verify",
             "--strategies",
-            "cp-ulysses",
+            "cp-ulysses,cp-ring",
             "--steps",
             "6",
             "--out",
@@ -39,8 +41,11 @@ def test_verify_cp_ulysses_llama(tmp_path, char_data):
         timeout=400,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (rec,) = json.loads((tmp_path / "v.json").read_text())
-    assert rec["passed"] and rec["cp"] == 2 and rec["max_abs_dloss"] <= 1e-5 and rec["max_abs_dparam"] <= 1e-5
+    recs = json.loads((tmp_path / "v.json").read_text())
+    assert [r["strategy"] for r in recs] == ["cp-ulysses", "cp-ring"]
+    for rec in recs:
+        assert rec["passed"] and rec["cp"] == 2 and rec["max_abs_dloss"] <= 1e-5
+        assert rec["max_abs_dparam"] <= 1e-5
 
 
 def _round_trip(rank: int, world: int, path: str) -> None:

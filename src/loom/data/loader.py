@@ -202,6 +202,7 @@ class ShardLoader:
         align: str = "none",
         cp_rank: int = 0,
         cp_size: int = 1,
+        cp_layout: str = "contiguous",
     ):
         if batch_size % dp_size:
             raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={dp_size}")
@@ -220,6 +221,7 @@ class ShardLoader:
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.cp_rank, self.cp_size = cp_rank, cp_size  # context parallel: this rank's chunk of each row
+        self.cp_layout = cp_layout  # which tokens of a row that chunk holds (seq_chunk)
         self.cursor = 0  # global samples consumed (all ranks together)
         self.order = "feistel"  # "permutation": the materialized order of checkpoints from before WindowOrder
         self._epoch: tuple[int, np.ndarray | WindowOrder, int] | None = None
@@ -251,9 +253,8 @@ class ShardLoader:
         local = self.batch_size // self.dp_size
         rows = self.global_rows(self.cursor + self.dp_rank * local, local)
         self.cursor += self.batch_size
-        return seq_chunk(rows[:, :-1], self.cp_rank, self.cp_size), seq_chunk(
-            rows[:, 1:], self.cp_rank, self.cp_size
-        )
+        cp = self.cp_rank, self.cp_size, self.cp_layout
+        return seq_chunk(rows[:, :-1], *cp), seq_chunk(rows[:, 1:], *cp)  # targets: the inputs' next tokens
 
     @property
     def epoch(self) -> float:
@@ -286,13 +287,41 @@ def _vocab(data_dir: str | Path) -> int | None:
     return int(v) if isinstance(v, int) else None
 
 
-def seq_chunk(x: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """Context parallel: the cp_rank-th of cp_size equal chunks of the sequence dimension of (B, T) tokens
-    (T / cp_size consecutive tokens; loom.parallel.context lets attention see the whole sequence)."""
+CP_LAYOUTS = ("contiguous", "zigzag")
+
+
+def seq_chunk(x: torch.Tensor, cp_rank: int, cp_size: int, layout: str = "contiguous") -> torch.Tensor:
+    """Context parallel: cp rank cp_rank's T / cp_size tokens of the sequence dimension of (B, T) tokens.
+
+    contiguous (Ulysses): the cp_rank-th of cp_size equal consecutive chunks. zigzag (ring attention's
+    load-balanced causal layout): the sequence cut into 2 * cp_size chunks, rank r holds chunks r and
+    2 * cp_size - 1 - r, concatenated, so every rank has as many early as late tokens and the causal work of
+    attention is the same on each (loom.parallel.ring). seq_positions gives the tokens' places."""
     if cp_size == 1:
         return x
-    T = x.size(1) // cp_size
-    return x[:, cp_rank * T : (cp_rank + 1) * T]
+    if layout == "contiguous":
+        T = x.size(1) // cp_size
+        return x[:, cp_rank * T : (cp_rank + 1) * T]
+    return x[:, seq_positions(x.size(1), cp_rank, cp_size, layout)]
+
+
+def seq_positions(
+    T: int, cp_rank: int, cp_size: int, layout: str = "contiguous", device=None
+) -> torch.Tensor:
+    """(T / cp_size,) the places in a sequence of T tokens of the tokens seq_chunk gives cp rank cp_rank, in
+    the order it gives them: what learned positions and RoPE must see on that rank."""
+    n = T // cp_size
+    if layout == "contiguous":
+        return torch.arange(cp_rank * n, (cp_rank + 1) * n, device=device)
+    if layout != "zigzag":
+        raise ValueError(f"unknown context-parallel layout {layout!r}; known: {', '.join(CP_LAYOUTS)}")
+    c, late = n // 2, 2 * cp_size - 1 - cp_rank  # chunk size, the rank's late chunk
+    return torch.cat(
+        (
+            torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device),
+            torch.arange(late * c, (late + 1) * c, device=device),
+        )
+    )
 
 
 def _bos_id(data_dir: str | Path, align: str) -> int | None:
@@ -375,8 +404,10 @@ class ValSet:
         dp_size: int = 1,
         cp_rank: int = 0,
         cp_size: int = 1,
+        cp_layout: str = "contiguous",
     ):
         self.cp_rank, self.cp_size = cp_rank, cp_size  # context parallel: this rank's chunk of each row
+        self.cp_layout = cp_layout  # which tokens of a row that chunk holds (seq_chunk)
         self.windows = TokenWindows(
             open_split(data_dir, "val"), block_size, "val", vocab_size=_vocab(data_dir)
         )
@@ -399,4 +430,5 @@ class ValSet:
             else:
                 x = self.windows.rows(np.zeros(1, dtype=np.int64))[:, :-1]
                 y = torch.full_like(x, -1)
-            yield seq_chunk(x, self.cp_rank, self.cp_size), seq_chunk(y, self.cp_rank, self.cp_size)
+            cp = self.cp_rank, self.cp_size, self.cp_layout
+            yield seq_chunk(x, *cp), seq_chunk(y, *cp)

@@ -149,6 +149,10 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = nn.RMSNorm(D, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
         self.resid_dropout = Dropout(cfg.dropout)
+        # Set from outside by ring context parallel (loom.parallel.ring), None on one device: x then holds
+        # some tokens of a longer sequence; context.positions(T, device) gives their places in it (T,), and
+        # context.attention(q, k, v) their causal attention over the keys and values of the whole sequence.
+        self.context = None
 
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, doc: DocMask | None = None
@@ -170,9 +174,15 @@ class CausalSelfAttention(nn.Module):
             cos, sin = rope_cos_sin_at(doc.positions, self.head_dim, self.rope_theta)  # (B, T, D)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): the same for every head
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif self.rope_theta is not None and self.context is not None:
+            cos, sin = rope_cos_sin_at(self.context.positions(T, x.device), self.head_dim, self.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         elif self.rope_theta is not None:
             cos, sin = rope_cos_sin(start, T, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.context is not None:  # the K key/value heads travel; grouped-query sharing happens there
+            y = self.context.attention(q, k, v)
+            return self.resid_dropout(self.o_proj(y.transpose(1, 2).reshape(B, T, -1)))
         if cache is not None:  # the cache keeps the K key/value heads, rotated
             cache.k[layer][:, :, start : start + T] = k
             cache.v[layer][:, :, start : start + T] = v

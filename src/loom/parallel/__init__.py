@@ -193,7 +193,11 @@ def parallelize(
 
         apply_tp(model, mesh["tp"], plan.tp_plan(model, dims.tp, p.sp, loss_parallel=not dims.pp_enabled))
         plan.retie(model)
-    if dims.cp_enabled:
+    if dims.cp_enabled and p.cp_impl == "ring":
+        from loom.parallel.ring import Ring, apply_ring
+
+        apply_ring(model, plan.blocks(model), Ring(mesh["cp"].get_group()))
+    elif dims.cp_enabled:
         from loom.parallel.context import apply_ulysses
 
         apply_ulysses(model, plan.blocks(model), mesh["cp"].get_group(), dims.cp_rank)

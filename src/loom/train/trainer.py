@@ -154,6 +154,7 @@ class Trainer:
             align=cfg.data.align,
             cp_rank=dims.cp_rank,
             cp_size=dims.cp,
+            cp_layout=cfg.parallel.cp_layout,
         )
         self.batches = DeviceBatches(loader, self.device)
         self.valset = ValSet(
@@ -164,6 +165,7 @@ class Trainer:
             dims.dp,
             dims.cp_rank,
             dims.cp,
+            cfg.parallel.cp_layout,
         )
 
     def _model(self, dtype: str) -> torch.nn.Module:
