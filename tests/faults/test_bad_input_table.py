@@ -155,6 +155,16 @@ CASES = {
         "with parallel.dp_impl=none",
         2,
     ),
+    "ring attention with document masks": (
+        ["--nproc=2", "--parallel.cp=2", "--parallel.cp_impl=ring", "--data.doc_mask=true"],
+        "data.doc_mask=true is not supported with parallel.cp_impl=ring",
+        2,
+    ),
+    "ring attention whose 2*cp chunks do not divide block_size": (
+        ["--nproc=2", "--parallel.cp=2", "--parallel.cp_impl=ring", "--model.block_size=30"],
+        "needs 2*cp = 4 to divide model.block_size=30",
+        2,
+    ),
     "negative --max-restarts": (["--nproc=2", "--max-restarts=-1"], "--max-restarts must be >= 0, got -1", 2),
     "collective timeout of 0 s": (
         ["--parallel.timeout_s=0"],
