@@ -747,7 +747,14 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_impl in SHARDED and self.dp_enabled
+        """FSDP shards the parameters (over dp_shard x cp: the cp ranks of a data-parallel rank hold the same
+        parameters, so they share the shards, as in torchtitan)."""
+        return self.dp_impl in SHARDED and (self.dp_enabled or self.cp_enabled)
+
+    @property
+    def fsdp_shard(self) -> int:
+        """The ranks each parameter is sharded over when FSDP is applied: dp_shard x cp."""
+        return self.dp_shard * self.cp
 
     @property
     def hsdp_enabled(self) -> bool:
@@ -806,11 +813,14 @@ class ParallelDims:
         """The job's DeviceMesh (pp, dp_replicate, dp_shard, cp, tp); every sub-group is created here, once."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(
+        mesh = init_device_mesh(
             device_type,
             (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
+        if self.cp > 1:  # FSDP's shard dimension with context parallel: mesh["dp_shard_cp"]
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return mesh
 
     def describe(self) -> str:
         dp = f"dp {self.dp} ({self.dp_impl}"
@@ -946,24 +956,31 @@ def _check_cp(cfg: Config, dp_impl: str) -> None:
             hint="pick cp among the divisors of block_size: " + _divisors(m.block_size),
         )
     kv = m.n_kv_head or m.n_head
-    if p.cp_impl == "ulysses" and kv % cp:
+    if p.cp_impl == "ulysses" and kv % (cp * p.tp):
+        tp = f" x parallel.tp={p.tp}" if p.tp > 1 else ""
+        per_tp = kv // p.tp if kv % p.tp == 0 else kv
         raise LoomError(
-            f"parallel.cp={cp} with cp_impl=ulysses does not divide model.n_kv_head={kv} (Ulysses gives each cp "
-            "rank whole key/value heads of the whole sequence)",
-            hint="pick cp among the divisors of n_kv_head ("
-            + _divisors(kv)
-            + "), or use more key/value heads, or parallel.cp_impl=ring",
+            f"parallel.cp={cp}{tp} with cp_impl=ulysses does not divide model.n_kv_head={kv} (Ulysses gives each "
+            "cp rank whole key/value heads of the whole sequence, out of its tensor-parallel rank's heads)",
+            hint=f"pick cp among the divisors of {per_tp} ({_divisors(per_tp)}), or use more key/value heads, "
+            "or parallel.cp_impl=ring",
+        )
+    if p.sp and m.block_size % (cp * p.tp):
+        raise LoomError(
+            f"parallel.sp with cp={cp}: model.block_size={m.block_size} is not divisible by cp x tp = "
+            f"{cp * p.tp} (sequence parallel splits each cp rank's chunk over the tp ranks)",
+            hint="pick block_size, cp and tp so that cp x tp divides block_size",
         )
     if dp_impl == "mpi":
         raise LoomError(
             "parallel.cp > 1 does not compose with parallel.dp_impl=mpi (its exchanges run on torch.distributed)",
             hint="use parallel.dp_impl=ddp (or auto) with context parallel",
         )
-    if dp_impl in ("zero1", "zero2", "fsdp") or p.tp > 1 or p.pp > 1:
+    if dp_impl == "zero1":
         raise LoomError(
-            f"parallel.cp={cp} is built with data parallel by ddp only (not yet with dp_impl={dp_impl}, "
-            f"tp={p.tp}, pp={p.pp})",
-            hint="use parallel.dp_impl=ddp (or auto) and tp = pp = 1 with context parallel",
+            "parallel.cp > 1 does not compose with parallel.dp_impl=zero1 (its optimizer shards over the "
+            "data-parallel group; FSDP shards over dp_shard x cp)",
+            hint="use parallel.dp_impl=fsdp (or zero2, or ddp) with context parallel",
         )
     if cfg.train.hellaswag_every:
         raise LoomError(

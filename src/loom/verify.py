@@ -66,11 +66,11 @@ class Strategy:
     pp: int = 1
     flags: tuple[str, ...] = ()
     dp_impl: str = "ddp"
-    cp: int = 1  # context parallel: cp-* strategies put the whole world on cp
+    cp: int = 1  # context-parallel degree; 0: the whole world
 
     def cp_at(self, n: int) -> int:
         """The context-parallel degree at world size n."""
-        return n if self.name.startswith("cp-") else self.cp
+        return n if self.cp == 0 else self.cp
 
     def degrees(self, n: int) -> tuple[int, int, int]:
         """(dp, tp, pp) at world size n (dp x cp x tp x pp = n)."""
@@ -121,9 +121,22 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("dp-pp", min_world=4, pp=2),
         Strategy("tp-pp", min_world=4, tp=2, pp=2, flags=("--parallel.sp=true",)),
         Strategy("dp-tp-pp", min_world=8, tp=2, pp=2, dp_impl="fsdp"),
-        Strategy("cp-ulysses", flags=("--parallel.cp_impl=ulysses",)),  # loom.parallel.context
-        Strategy("cp-ring", flags=("--parallel.cp_impl=ring",)),  # loom.parallel.ring
-        Strategy("dp-cp", min_world=4, cp=2, flags=("--parallel.cp_impl=ulysses",)),
+        Strategy("cp-ulysses", cp=0, flags=("--parallel.cp_impl=ulysses",)),  # loom.parallel.context
+        Strategy("cp-ring", cp=0, flags=("--parallel.cp_impl=ring",)),  # loom.parallel.ring
+        # FSDP shards over dp_shard x cp; with tp (and pp) the cp ranks share FSDP's shards too
+        Strategy("dp-cp", min_world=4, cp=2, dp_impl="fsdp", flags=("--parallel.cp_impl=ulysses",)),
+        Strategy(
+            "cp-tp", min_world=4, cp=2, tp=2, flags=("--parallel.cp_impl=ulysses", "--parallel.sp=true")
+        ),
+        Strategy(
+            "dp-cp-tp-pp",
+            min_world=16,
+            cp=2,
+            tp=2,
+            pp=2,
+            dp_impl="fsdp",
+            flags=("--parallel.cp_impl=ulysses",),
+        ),
     ]
 }
 

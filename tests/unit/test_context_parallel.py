@@ -48,8 +48,24 @@ def _validate(world: int, *overrides: str, dp_impl: str | None = None):
         (2, [*RING, "--model.dropout=0.1"], "model.dropout=0.1 is not supported with parallel.cp_impl=ring"),
         (4, [*RING, "--parallel.tp=2"], "built with data parallel by ddp only"),
         (2, ["--parallel.cp=2", "--parallel.dp_impl=mpi"], "does not compose with parallel.dp_impl=mpi"),
-        (4, ["--parallel.cp=2", "--parallel.tp=2"], "built with data parallel by ddp only"),
-        (4, ["--parallel.cp=2", "--parallel.dp_impl=fsdp"], "built with data parallel by ddp only"),
+        (4, ["--parallel.cp=2", "--parallel.dp_impl=zero1"], "does not compose with parallel.dp_impl=zero1"),
+        (
+            8,
+            ["--parallel.cp=4", "--parallel.tp=2"],
+            "cp=4 x parallel.tp=2 with cp_impl=ulysses does not divide",
+        ),
+        (
+            8,
+            [
+                "--parallel.cp=4",
+                "--parallel.tp=2",
+                "--model.n_kv_head=8",
+                "--model.n_head=8",
+                "--parallel.sp=true",
+                "--model.block_size=36",
+            ],
+            "not divisible by cp x tp = 8",
+        ),
         (3, ["--parallel.cp=2"], "not divisible by parallel.cp x tp x pp = 2 x 1 x 1"),
     ],
 )

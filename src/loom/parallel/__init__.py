@@ -13,6 +13,7 @@ Adding a parallelism: a module here, its step in `parallelize`, its strategy in 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import replace
 
 import torch
@@ -211,11 +212,16 @@ def parallelize(
     apply_ac(blocks, t.activation_checkpointing)
     if t.compile:
         apply_compile(blocks)
-    if dims.fsdp_enabled or (dims.model_parallel and dims.dp_enabled):
+    if dims.fsdp_enabled or (dims.model_parallel and (dims.dp_enabled or dims.cp_enabled)):
         from loom.parallel.fsdp import apply_fsdp, mp_policy
 
-        dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
-        reshard = dims.dp_impl == "fsdp" and dims.dp_shard > 1  # zero2 and replicas keep gathered parameters
+        # the cp ranks of a data-parallel rank hold the same parameters: FSDP shards over dp_shard x cp
+        shard = "dp_shard_cp" if dims.cp_enabled else "dp_shard"
+        with warnings.catch_warnings():  # torch 2.13 plans to stop slicing flattened dims; 2.11-2.13 need it
+            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+            dp_mesh = mesh[shard] if dims.dp_replicate == 1 else mesh["dp_replicate", shard]
+        # zero2 and replicas keep gathered parameters
+        reshard = dims.dp_impl == "fsdp" and dims.fsdp_shard > 1
         mp = mp_policy(p.param_dtype, p.reduce_dtype, device, precision)
         apply_fsdp(roots, plan.blocks, dp_mesh, reshard, mp, p.cpu_offload, device)
         par.fsdp_roots = roots

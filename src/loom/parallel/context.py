@@ -79,7 +79,10 @@ def apply_ulysses(model: nn.Module, blocks: list[nn.Module], group, cp_rank: int
         attn = block.attn
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
             proj.register_forward_hook(lambda mod, args, out: SeqToHead.apply(out, group))
-        attn.o_proj.register_forward_pre_hook(lambda mod, args: (HeadToSeq.apply(args[0], group), *args[1:]))
+        # before tensor parallel's own pre-hook (registered first), which wraps o_proj's input as a DTensor
+        attn.o_proj.register_forward_pre_hook(
+            lambda mod, args: (HeadToSeq.apply(args[0], group), *args[1:]), prepend=True
+        )
     wpe = getattr(model, "wpe", None)
     if wpe is not None:
         wpe.register_forward_pre_hook(lambda mod, args: (chunk_positions(args[0], group, cp_rank),))

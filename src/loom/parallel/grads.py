@@ -46,18 +46,15 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, shared
 
 
 def replicas(g: torch.Tensor, dims: ParallelDims) -> int:
-    """How many ranks of this pipeline stage hold exactly this (local) gradient."""
-    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
-    if not is_dtensor(g):
-        return dims.dp * dims.tp
-    from torch.distributed.tensor import Replicate
+    """How many ranks of this pipeline stage hold exactly this (local) gradient: the product of the stage's
+    mesh dimensions the gradient is not split over (a DTensor's placements other than Replicate: Shard, and
+    FSDP's _StridedShard over tensor parallel's shards; FSDP's flattened dp_shard_cp stands for dp_shard x cp)."""
+    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp}
+    split: set[str] = set()
+    if is_dtensor(g):
+        from torch.distributed.tensor import Replicate
 
-    names = g.device_mesh.mesh_dim_names or ()
-    n = 1
-    for dim, pl in zip(names, g.placements, strict=True):
-        if isinstance(pl, Replicate):
-            n *= sizes.get(dim, 1)
-    for dim, size in sizes.items():
-        if dim not in names:
-            n *= size
-    return n
+        for dim, pl in zip(g.device_mesh.mesh_dim_names or (), g.placements, strict=True):
+            if not isinstance(pl, Replicate):
+                split.update(("dp_shard", "cp") if dim == "dp_shard_cp" else (dim,))
+    return math.prod(size for dim, size in sizes.items() if dim not in split)
