@@ -351,7 +351,7 @@ class ParallelConfig:
     )
     degree1_meshes: bool = _f(
         False,
-        "One process: apply tensor and pipeline parallel at degree 1 on 1-rank meshes, so one GPU runs every "
+        "One process: apply tensor, pipeline and context parallel at degree 1 on 1-rank meshes, so one GPU runs every "
         "code path (the GPU check, benchmarks/gpu_check.py); ignored with more processes.",
     )
 
@@ -770,7 +770,9 @@ class ParallelDims:
 
     @property
     def cp_enabled(self) -> bool:
-        return self.cp > 1
+        """Context parallel is applied: cp > 1, or at degree 1 with parallel.degree1_meshes (one GPU runs
+        its code on a 1-rank group)."""
+        return self.cp > 1 or self.degree1
 
     @property
     def model_parallel(self) -> bool:
@@ -818,7 +820,7 @@ class ParallelDims:
             (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
-        if self.cp > 1:  # FSDP's shard dimension with context parallel: mesh["dp_shard_cp"]
+        if self.cp_enabled:  # FSDP's shard dimension with context parallel: mesh["dp_shard_cp"]
             mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return mesh
 

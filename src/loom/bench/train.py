@@ -35,12 +35,20 @@ from loom.metrics import peak_memory_bytes
 from loom.parallel.ac import MODES, activation_bytes
 
 
-class SyntheticLoader:
-    """The same random batch at every step: the loader's reads and gathers leave the measurement."""
+SYNTHETIC_DOC_LEN = 2048  # data.doc_mask=true: documents of this many tokens on average (random cuts)
+SYNTHETIC_EOT = 0  # the synthetic data's end-of-text id (data.doc_mask=true: the documents of a window)
 
-    def __init__(self, batch_size: int, block_size: int, vocab_size: int, seed: int):
+
+class SyntheticLoader:
+    """The same random batch at every step: the loader's reads and gathers leave the measurement. With
+    docs > 0 each row packs about that many documents (SYNTHETIC_EOT at random places opens each, the only
+    place the id occurs), for document-masked attention."""
+
+    def __init__(self, batch_size: int, block_size: int, vocab_size: int, seed: int, docs: int = 0):
         g = torch.Generator().manual_seed(seed)
-        rows = torch.randint(0, vocab_size, (batch_size, block_size + 1), generator=g)
+        rows = torch.randint(1 if docs else 0, vocab_size, (batch_size, block_size + 1), generator=g)
+        if docs:
+            rows.scatter_(1, torch.randint(0, block_size + 1, (batch_size, docs), generator=g), SYNTHETIC_EOT)
         self.x, self.y = rows[:, :-1], rows[:, 1:]
         self.batch_size, self.cursor = batch_size, 0
 
@@ -71,8 +79,9 @@ def synthetic_vocab(cfg: config.Config) -> int:
     raise LoomError("--synthetic needs a vocabulary size", hint="pass --model.vocab_size=N")
 
 
-def write_synthetic_data(out: Path, vocab_size: int, block_size: int, seed: int) -> Path:
-    """A minimal llm.c-format directory (random tokens) for the trainer's constructor to open."""
+def write_synthetic_data(out: Path, vocab_size: int, block_size: int, seed: int, docs: bool = False) -> Path:
+    """A minimal llm.c-format directory (random tokens) for the trainer's constructor to open; docs: its meta
+    names SYNTHETIC_EOT as the end-of-text id (what data.doc_mask=true asks of the data)."""
     from loom.data.shards import version_for_vocab, write_shard
 
     rng = np.random.default_rng(seed)
@@ -80,7 +89,8 @@ def write_synthetic_data(out: Path, vocab_size: int, block_size: int, seed: int)
     version = version_for_vocab(vocab_size)
     for split in ("train", "val"):
         write_shard(out / f"{split}_000000.bin", rng.integers(0, vocab_size, 4 * (block_size + 1)), version)
-    meta = {"format": "llm.c", "vocab_size": vocab_size, "tokenizer": None, "source": "loom bench train"}
+    tokenizer = {"eot_id": SYNTHETIC_EOT} if docs else None
+    meta = {"format": "llm.c", "vocab_size": vocab_size, "tokenizer": tokenizer, "source": "loom bench train"}
     (out / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
     return out
 
@@ -102,7 +112,10 @@ def measure(
     device = resolve_device(cfg.train.device)
     if synthetic:
         vocab = synthetic_vocab(cfg)
-        data_dir = write_synthetic_data(work / "data", vocab, cfg.model.block_size, cfg.run.seed)
+        data_dir = write_synthetic_data(
+            work / "data", vocab, cfg.model.block_size, cfg.run.seed, cfg.data.doc_mask
+        )
+        docs = max(1, cfg.model.block_size // SYNTHETIC_DOC_LEN) if cfg.data.doc_mask else 0
     else:
         data_dir = resolve_data(cfg)
     trainers = {}
@@ -113,7 +126,7 @@ def measure(
         tr = Trainer(c, derived, work / f"run-{mode}", data_dir, device)
         if synthetic:
             tr.batches = DeviceBatches(
-                SyntheticLoader(c.train.batch_size, c.model.block_size, vocab, c.run.seed), device
+                SyntheticLoader(c.train.batch_size, c.model.block_size, vocab, c.run.seed, docs), device
             )
         trainers[mode] = tr
     reuse = device.type == "cpu" and cfg.train.reuse_cpu_memory
