@@ -34,7 +34,6 @@ from loom.errors import LoomError
 from loom.metrics import peak_memory_bytes
 from loom.parallel.ac import MODES, activation_bytes
 
-
 SYNTHETIC_DOC_LEN = 2048  # data.doc_mask=true: documents of this many tokens on average (random cuts)
 SYNTHETIC_EOT = 0  # the synthetic data's end-of-text id (data.doc_mask=true: the documents of a window)
 
