@@ -46,7 +46,6 @@ def _validate(world: int, *overrides: str, dp_impl: str | None = None):
             "data.doc_mask=true is not supported with parallel.cp_impl=ring",
         ),
         (2, [*RING, "--model.dropout=0.1"], "model.dropout=0.1 is not supported with parallel.cp_impl=ring"),
-        (4, [*RING, "--parallel.tp=2"], "built with data parallel by ddp only"),
         (2, ["--parallel.cp=2", "--parallel.dp_impl=mpi"], "does not compose with parallel.dp_impl=mpi"),
         (4, ["--parallel.cp=2", "--parallel.dp_impl=zero1"], "does not compose with parallel.dp_impl=zero1"),
         (
