@@ -12,14 +12,19 @@ Checks, in order:
   prepare-data         a small char-level data set for the training checks (loom data prepare)
   train-<impl>         a few dozen steps with --parallel.dp_impl=ddp|zero1|zero2|fsdp in one process: the
                        wrapper is applied on a 1-rank NCCL group (gloo under --cpu), so its code path runs
-  train-tp-pp          tensor and pipeline parallel (1f1b) at degree 1 on 1-rank meshes with fsdp
-                       (parallel.degree1_meshes): every model-parallel code path on one GPU
+  train-tp-pp          tensor, pipeline (1f1b) and context parallel (Ulysses) at degree 1 on 1-rank meshes
+                       with fsdp (parallel.degree1_meshes): every model-parallel code path on one GPU
+  train-cp-ring        the same with ring attention for the context-parallel dimension
   verify               with 2+ GPUs: loom verify over them (ddp, zero1, zero2, fsdp, tp, pp-1f1b)
   bench-optim          loom bench optim --params 124M: torch-fused, torch-foreach, triton; ms/step and the
                        share of the datasheet memory bandwidth (and of the copy bandwidth measured there)
   bench-train-eager    GPT-2 124M (vocab 50304, T=1024, bf16) through loom bench train: tokens/s, MFU, peak
                        memory, at the largest micro-batch of --micro-batches that fits (tried largest first)
   bench-train-compile  the same with train.compile=true at that micro-batch
+  bench-long-flash     long context: one sequence of T = 32k a step (GPT-2 124M's width, bf16), causal flash
+                       attention (SDPA): tokens/s, ms/step, peak memory
+  bench-long-doc-mask  the same with data.doc_mask=true (FlexAttention's block mask, documents of ~2048
+                       tokens): the same figures and its speed over the flash run's
   nanogpt              nanoGPT's own train.py on the same shape (compile on), with --nanogpt PATH
 On a bare GPU machine (an interpreter that already has torch with CUDA and loom's dependencies, no package
 index) `make gpu-check` runs this file from the working tree with that interpreter: `--probe` says whether it
@@ -284,6 +289,26 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
             lambda o, ctx, run=run: train_figures(run),
         )
     )
+    run = out / "runs" / "train-cp-ring"
+    checks.append(
+        Check(
+            "train-cp-ring",
+            lambda ctx: [
+                [
+                    *LOOM,
+                    "train",
+                    *common,
+                    "--run.name=train-cp-ring",
+                    "--parallel.degree1_meshes=true",
+                    "--parallel.dp_impl=fsdp",
+                    "--parallel.cp_impl=ring",
+                    "--model.dropout=0.0",
+                ]
+            ],
+            120,
+            lambda o, ctx, run=run: train_figures(run),
+        )
+    )
     verify = [
         *LOOM,
         "verify",
@@ -353,6 +378,37 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         checks[-1].why_not = (
             "--cpu leaves torch.compile out (minutes of C++ compilation on a CPU): would run "
             + cmd(bench_argvs(True)({})[0])
+        )
+    # Long context: one sequence of T = 32k (256 on --cpu) a step, causal flash attention (SDPA) against
+    # document-masked attention (FlexAttention's block mask on the GPU; documents of ~2048 tokens)
+    long_t = 32768 if cuda else 256
+    for name, extra in (("flash", []), ("doc-mask", ["--data.doc_mask=true"])):
+        long_json = out / f"bench-long-{name}.json"
+        long_argv = [
+            *LOOM,
+            "bench",
+            "train",
+            "--synthetic",
+            f"--steps={5 if cuda else 2}",
+            "--warmup=1",
+            *[f"--model.{k}={v}" for k, v in {**shape, "block_size": long_t}.items()],
+            "--model.dropout=0.0",
+            "--model.bias=false",
+            "--train.batch_size=1",
+            "--train.micro_batch_size=1",
+            f"--train.device={device}",
+            f"--precision.dtype={'bf16' if cuda else 'fp32'}",
+            *extra,
+            "--json",
+            str(long_json),
+        ]
+        checks.append(
+            Check(
+                f"bench-long-{name}",
+                lambda ctx, argv=long_argv: [argv],
+                240,
+                lambda o, ctx, name=name: long_context_figures(o, ctx, name),
+            )
         )
     checks.append(
         Check(
@@ -488,6 +544,23 @@ def bench_train_figures(output: str, ctx: dict) -> dict:
         "compile_s": r["compile_s"],
         "ms_per_step": round(r["ms_per_step"], 1),
     }
+
+
+def long_context_figures(output: str, ctx: dict, name: str) -> dict:
+    """tokens/s, ms/step and peak memory at one long sequence a step; the doc-masked run adds its speed as a
+    share of the flash run's."""
+    path = Path(ctx["argv"][ctx["argv"].index("--json") + 1])
+    r = json.loads(path.read_text())[0]
+    figs = {
+        "block_size": int(next(a for a in ctx["argv"] if a.startswith("--model.block_size=")).split("=")[1]),
+        "tokens_per_s": round(r["tokens_per_s"]),
+        "ms_per_step": round(r["ms_per_step"], 1),
+        "peak_mem_gib": round(r["peak_mem_bytes"] / 2**30, 2),
+    }
+    flash = ctx.get("bench-long-flash", {}).get("figures", {}).get("tokens_per_s")
+    if name == "doc-mask" and flash:
+        figs["over_flash"] = round(r["tokens_per_s"] / flash, 3)
+    return figs
 
 
 def nanogpt_figures(output: str, ctx: dict) -> dict:

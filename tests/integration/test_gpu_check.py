@@ -19,10 +19,13 @@ CHECKS = [
     "train-zero2",
     "train-fsdp",
     "train-tp-pp",
+    "train-cp-ring",
     "verify",
     "bench-optim",
     "bench-train-eager",
     "bench-train-compile",
+    "bench-long-flash",
+    "bench-long-doc-mask",
     "nanogpt",
 ]
 
@@ -53,17 +56,27 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
         "train-zero2",
         "train-fsdp",
         "train-tp-pp",
+        "train-cp-ring",
         "bench-optim",
         "bench-train-eager",
+        "bench-long-flash",
+        "bench-long-doc-mask",
     ):
         assert rows[name]["status"] == "pass", rows[name]
     assert rows["tests-gpu"]["figures"]["skipped"] >= 8  # on CPU every GPU test is skipped, with its reason
     assert rows["tests-gpu"]["figures"]["skip_reasons"] == ["needs a CUDA GPU"]
     assert rows["verify"]["reason"].startswith("gpu only") and "loom verify" in rows["verify"]["reason"]
     assert "would run" in rows["bench-train-compile"]["reason"] and "--train.compile=true" in md
+    long = rows["bench-long-doc-mask"]["figures"]
+    assert long["block_size"] == 256 and long["tokens_per_s"] > 0 and long["over_flash"] > 0
     # the 1-process DP wrappers, and tp x pp at degree 1, apply the same update: the same loss whatever the layout
     assert (
-        len({rows[f"train-{i}"]["figures"]["last_loss"] for i in ("ddp", "zero1", "zero2", "fsdp", "tp-pp")})
+        len(
+            {
+                rows[f"train-{i}"]["figures"]["last_loss"]
+                for i in ("ddp", "zero1", "zero2", "fsdp", "tp-pp", "cp-ring")
+            }
+        )
         == 1
     )
 

@@ -132,6 +132,19 @@ def test_convert_every_pair_keeps_tokens_and_documents(tmp_path, src, dst):
     assert np.array_equal(np.concatenate(F.open_split(back, "train")), stream(TRAIN))
 
 
+def test_convert_records_the_eot_id_for_document_masks(tmp_path):
+    """--eot-id is recorded in the output's meta (tokenizer.eot_id): data.doc_mask and data.align=bos read
+    it there; an entry of just the id is not a tokenizer to load (has_tokenizer)."""
+    from loom.data.loader import doc_eot_id, read_meta
+    from loom.data.tokenizers import has_tokenizer
+
+    d = write_reference("llmc", tmp_path / "llmc")
+    out = tmp_path / "m"
+    assert data_convert_main(["--to", "megatron", "--eot-id", str(EOT), str(d), str(out)]) == 0
+    meta = read_meta(out)
+    assert doc_eot_id(out, meta, doc_mask=True) == EOT and not has_tokenizer(meta)
+
+
 def test_megatron_documents_of_several_sequences(tmp_path):
     """A document made of several sequences (sentence-split preprocessing) is still one document."""
     ref_megatron(tmp_path / "ds", [[[1, 2], [3]], [[4, 5, 6]], [[7], [8], [9, 10]]])

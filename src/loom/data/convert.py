@@ -113,8 +113,12 @@ def _nanogpt_table(src: Path, meta: dict) -> tuple[dict, dict, int] | None:
     return itos | {tok.eot_id: "<|endoftext|>"}, {c: i for i, c in itos.items()}, tok.vocab_size
 
 
-def _write_meta(src: Path, tmp: Path, meta: dict, source_fmt: str, target: Format, splits: dict) -> None:
+def _write_meta(
+    src: Path, tmp: Path, meta: dict, source_fmt: str, target: Format, splits: dict, eot: int | None
+) -> None:
     info = meta.get("tokenizer") or None
+    if eot is not None:  # what data.align=bos and data.doc_mask read (a tokenizer entry of just the id)
+        info = {**(info or {}), "eot_id": eot}
     if info and info.get("file"):
         shutil.copy2(src / info["file"], tmp / info["file"])
     out = {
@@ -167,7 +171,7 @@ def _convert_dir(src: Path, out: Path, source: Format, target: Format, dtype, eo
             }
         if not splits:
             split_files(src, "train", source.name)  # raises: no shards of either split
-        _write_meta(src, tmp, meta, source.name, target, splits)
+        _write_meta(src, tmp, meta, source.name, target, splits, eot)
         write_marker(tmp, "data")
         if out.is_dir():
             replace_output(out, "data", True, "output")

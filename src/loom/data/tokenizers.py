@@ -186,6 +186,13 @@ def load_given_tokenizer(spec: str | Path) -> HFTokenizer:
     return HFTokenizer.from_file(files[0]) if len(files) == 1 else HFTokenizer.from_vocab_files(*files)
 
 
+def has_tokenizer(meta: dict) -> bool:
+    """Whether meta.json describes a tokenizer that load_tokenizer can build (a file, or a character table),
+    not only ids (a tokenizer entry may hold just the end-of-text id: `loom data convert --eot-id`)."""
+    info = meta.get("tokenizer")
+    return isinstance(info, dict) and ("file" in info or "chars" in info)
+
+
 def load_tokenizer(directory: str | Path, meta: dict) -> CharTokenizer | HFTokenizer:
     """The tokenizer described by a meta.json (`tokenizer.kind`, `tokenizer.file`) in `directory`, or a
     character table carried in the meta itself (`tokenizer.chars`: a nanogpt meta.pkl vocabulary)."""

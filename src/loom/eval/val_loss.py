@@ -12,7 +12,7 @@ import torch
 from loom import checkpoint
 from loom.config import Config, check_model_config, config_from_dict, load_toml
 from loom.data.loader import ValSet, doc_eot_id, read_meta
-from loom.data.tokenizers import load_tokenizer
+from loom.data.tokenizers import has_tokenizer, load_tokenizer
 from loom.errors import LoomError
 from loom.eval.evaluator import EvalContext, Every
 from loom.model.registry import spec_of
@@ -118,7 +118,7 @@ def _open_run(run_dir: Path) -> tuple[Config, dict, object]:
         )
     cfg = config_from_dict(load_toml(run_dir / "config.toml"))
     meta = read_meta(run_dir / "tokenizer")
-    tokenizer = load_tokenizer(run_dir / "tokenizer", meta) if meta.get("tokenizer") else None
+    tokenizer = load_tokenizer(run_dir / "tokenizer", meta) if has_tokenizer(meta) else None
     return cfg, meta, tokenizer
 
 

@@ -79,11 +79,11 @@ def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
         )
     if cfg.model.init_from and ckpt is None:
         from loom.data.loader import read_meta
-        from loom.data.tokenizers import load_tokenizer
+        from loom.data.tokenizers import has_tokenizer, load_tokenizer
         from loom.model.hf import check_data_tokenizer
 
         meta = read_meta(data_dir)  # the data's ids must mean to the model what they meant to its tokenizer
-        tok = load_tokenizer(data_dir, meta) if meta.get("tokenizer") else None
+        tok = load_tokenizer(data_dir, meta) if has_tokenizer(meta) else None
         check_data_tokenizer(cfg.model.init_from, data_dir, meta["vocab_size"], tok, cfg.model.vocab_size)
     if run_dir is None:
         run_dir = resolve_run_dir(cfg, None, req.force, (data_dir,))

@@ -22,7 +22,7 @@ import loom.generate  # noqa: F401
 from loom import faults, log
 from loom.config import Config, Derived
 from loom.data.loader import DeviceBatches, ShardLoader, ValSet, doc_eot_id, read_meta
-from loom.data.tokenizers import load_tokenizer
+from loom.data.tokenizers import has_tokenizer, load_tokenizer
 from loom.distributed.comm import Control
 from loom.env import cpu_memory_release, cpu_memory_reuse
 from loom.errors import LoomError
@@ -91,7 +91,7 @@ class Trainer:
         if device.type == "cpu" and dims.fsdp_enabled:  # before any weight exists: see _cpu_memory
             cpu_memory_release()
         self._data(data_dir)  # first: a block_size the data cannot provide fails here, not after the model
-        self.tokenizer = load_tokenizer(data_dir, self.meta) if self.meta.get("tokenizer") else None
+        self.tokenizer = load_tokenizer(data_dir, self.meta) if has_tokenizer(self.meta) else None
         evaluators = self._evaluator_setup()  # registered ones: their inputs are checked before the model
         dtype = self.precision = self._precision()
         model = self._model(dtype)
