@@ -225,13 +225,18 @@ def _on_ring(cp: int, fn) -> list:
     return results
 
 
+@pytest.mark.parametrize("tile", [512, 3])  # one tile per block; tiles of 3 query rows (uneven, masked)
 @pytest.mark.parametrize("cp", [2, 3])
-def test_ring_attention_equals_causal_attention(cp):
+def test_ring_attention_equals_causal_attention(cp, tile, monkeypatch):
     """RingAttention on zigzag chunks (grouped-query: 4 query heads over 2 key/value heads) gives, chunk by
-    chunk, the output and the q/k/v gradients of causal attention over the whole sequence."""
+    chunk, the output and the q/k/v gradients of causal attention over the whole sequence, whatever the
+    number of query rows it computes at a time (ring.TILE)."""
     import torch.nn.functional as F
 
+    from loom.parallel import ring as ring_mod
     from loom.parallel.ring import RingAttention
+
+    monkeypatch.setattr(ring_mod, "TILE", tile)
 
     g = torch.Generator().manual_seed(cp)
     T = 8 * cp

@@ -28,7 +28,9 @@ less, (cp - 1)/cp of (B, T/cp, C) per all-to-all, but needs cp | n_kv_head and h
 Backward: an autograd.Function with its own backward (FlashAttention-2's, Dao 2023, block by block): the ring
 runs again, each block's softmax recomputed from the saved log-sum-exp, and the key/value gradients travel
 with their block, accumulating on every rank they pass, one more step bringing them home. What is saved per
-layer is q, k, v, the output and the log-sum-exp (B, H, T/cp): no (T x T) weights. The arithmetic is in fp32
+layer is q, k, v, the output and the log-sum-exp (B, H, T/cp): no (T x T) weights; a block's scores are
+computed TILE query rows at a time, so the transient memory is (TILE x T/cp) per head, linear in T/cp (a fused
+kernel returning the log-sum-exp, FlashAttention's, would hold less still: not used here). The arithmetic is in fp32
 (bf16 autocast too), plain torch matmuls; grouped-query attention groups the query heads over the K key/value
 heads that travel. Under torch.compile the ring runs eagerly (torch.compiler.disable: point-to-point sends are
 not traced), the rest of each block compiled. Applied from outside the model through the attention's
@@ -93,21 +95,38 @@ def block_span(step: int, rank: int, size: int, T: int) -> tuple[slice, slice, b
     return slice(half, None), slice(None), False
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """q (B, K, G, Tq, D) grouped query heads, k (B, K, Tk, D) -> scaled scores (B, K, G, Tq, Tk), -inf above
-    the diagonal when causal (Tq = Tk)."""
+TILE = 512  # query rows per tile: a block's scores are held (TILE x Tk) at a time, never (Tq x Tk)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, q0: int = 0) -> torch.Tensor:
+    """q (B, K, G, Tq, D) grouped query heads, k (B, K, Tk, D) -> scaled scores (B, K, G, Tq, Tk); causal: query
+    i sits at q0 + i of the block's keys and sees keys 0 .. q0 + i (-inf beyond)."""
     s = (q @ k.unsqueeze(2).transpose(-2, -1)) * scale
     if causal:
-        s = s.masked_fill(torch.ones_like(s[0, 0, 0], dtype=torch.bool).triu(1), float("-inf"))
+        rows = torch.arange(q0, q0 + s.size(-2), device=s.device)
+        s = s.masked_fill(torch.arange(s.size(-1), device=s.device) > rows[:, None], float("-inf"))
     return s
+
+
+def _tiles(q: torch.Tensor, k: torch.Tensor, causal: bool):
+    """(query rows, keys they may see) of each tile of TILE query rows: with a causal block (q and k the same
+    tokens) a tile's rows see only the keys up to its last row, so the keys past it are never multiplied."""
+    for q0 in range(0, q.size(-2), TILE):
+        rows = slice(q0, min(q0 + TILE, q.size(-2)))
+        yield q0, rows, slice(0, rows.stop if causal else k.size(-2))
 
 
 def attend_block(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, K, G, Tq, D) over one block of keys/values (B, K, Tk, D): the output
-    (B, K, G, Tq, D) normalised within the block, and the block's log-sum-exp of the scores (B, K, G, Tq)."""
-    s = _scores(q, k, causal, scale)
-    lse = s.logsumexp(-1)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v.unsqueeze(2), lse
+    (B, K, G, Tq, D) normalised within the block, and the block's log-sum-exp of the scores (B, K, G, Tq),
+    TILE query rows at a time."""
+    outs, lses = [], []
+    for q0, rows, keys in _tiles(q, k, causal):
+        s = _scores(q[..., rows, :], k[..., keys, :], causal, scale, q0)
+        lse = s.logsumexp(-1)
+        outs.append(torch.exp(s - lse.unsqueeze(-1)) @ v[..., keys, :].unsqueeze(2))
+        lses.append(lse)
+    return torch.cat(outs, -2), torch.cat(lses, -1)
 
 
 def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,12 +141,16 @@ def merge(out, lse, block_out, block_lse) -> tuple[torch.Tensor, torch.Tensor]:
 def attend_block_backward(q, k, v, causal, scale, lse, dout, delta):
     """Gradients of the whole attention's output with respect to q, and to this block's k and v, given the
     whole attention's log-sum-exp (B, K, G, Tq), the output's gradient dout and delta = rowsum(dout * out):
-    with P = exp(S - lse) this block's share of the weights, dS = P * (dout vᵀ - delta)."""
-    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))  # (B, K, G, Tq, Tk)
-    dv = (p.transpose(-2, -1) @ dout).sum(2)  # the G query heads sharing a key/value head add up
-    ds = p * (dout @ v.unsqueeze(2).transpose(-2, -1) - delta.unsqueeze(-1))
-    dq = (ds @ k.unsqueeze(2)) * scale
-    dk = (ds.transpose(-2, -1) @ q).sum(2) * scale
+    with P = exp(S - lse) this block's share of the weights, dS = P * (dout vᵀ - delta); TILE query rows at
+    a time."""
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for q0, rows, keys in _tiles(q, k, causal):
+        kt, vt, do = k[..., keys, :], v[..., keys, :], dout[..., rows, :]
+        p = torch.exp(_scores(q[..., rows, :], kt, causal, scale, q0) - lse[..., rows].unsqueeze(-1))
+        dv[..., keys, :] += (p.transpose(-2, -1) @ do).sum(2)  # the G query heads sharing a kv head add up
+        ds = p * (do @ vt.unsqueeze(2).transpose(-2, -1) - delta[..., rows].unsqueeze(-1))
+        dq[..., rows, :] = (ds @ kt.unsqueeze(2)) * scale
+        dk[..., keys, :] += (ds.transpose(-2, -1) @ q[..., rows, :]).sum(2) * scale
     return dq, dk, dv
 
 
