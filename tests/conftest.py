@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
+
+# One CPU thread per process, for this process (set before torch is imported) and every process a test starts
+# (they inherit it). `make test` runs two pytest workers on two cores, so a process with torch's default of one
+# thread per core shares its cores with the other worker and spins in OpenMP waiting for them: a 3-step
+# single-process `loom train` of the verify model took 16.6 s of wall and 16 s of CPU that way on this
+# 2-core machine with a second job running, 4.9 s and 4.4 s with one thread. Multi-process launches already
+# give each process cores / nproc threads (loom.train.spawn).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 WORDS = (
     "the of and to in is that it for as with was on be by at this from have or an they which one you were "

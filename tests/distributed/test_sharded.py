@@ -179,13 +179,15 @@ group.foreach_all_gather, generate.Sampler.run = _counted_gather, _counted_sampl
 
 
 def test_model_state_bytes_shrink_with_sharding(tmp_path, char_data):
-    """dp=4: zero1 holds 1/4 of the optimizer state, zero2 also 1/4 of the gradients, fsdp also 1/4 of the
-    parameters (a little more where a tensor's first dimension does not divide by 4)."""
+    """dp=2: zero1 holds half of the optimizer state, zero2 also half of the gradients, fsdp also half of the
+    parameters (a little more where a tensor's first dimension is odd), against one process's whole state
+    (what every ddp rank holds). The exact bytes at dp=4, fsdp4 included, are the dry run's test
+    (tests/distributed/test_dryrun_vs_processes.py)."""
     mem = {}
-    for impl in ("ddp", "zero1", "zero2", "fsdp"):
+    for impl, nproc in (("none", 1), ("zero1", 2), ("zero2", 2), ("fsdp", 2)):
         loom(
             "train",
-            "--nproc=4",
+            f"--nproc={nproc}",
             f"--parallel.dp_impl={impl}",
             f"--run.name={impl}",
             f"--data.path={char_data}",
@@ -195,17 +197,17 @@ def test_model_state_bytes_shrink_with_sharding(tmp_path, char_data):
         )
         rec = [r for r in read_jsonl(tmp_path / impl / "metrics.jsonl") if "mem_params" in r][-1]
         mem[impl] = {k: rec[f"mem_{k}"] for k in ("params", "grads", "optim")}
-    full = mem["ddp"]
+    full = mem["none"]
     assert min(full.values()) > 0
 
-    def quarter(x, total):
-        return 0.24 * total <= x <= 0.30 * total
+    def half(x, total):
+        return 0.49 * total <= x <= 0.55 * total
 
-    assert quarter(mem["zero1"]["optim"], full["optim"]) and mem["zero1"]["grads"] == full["grads"]
-    assert quarter(mem["zero2"]["optim"], full["optim"]) and quarter(mem["zero2"]["grads"], full["grads"])
+    assert half(mem["zero1"]["optim"], full["optim"]) and mem["zero1"]["grads"] == full["grads"]
+    assert half(mem["zero2"]["optim"], full["optim"]) and half(mem["zero2"]["grads"], full["grads"])
     for k in ("params", "grads", "optim"):
-        assert quarter(mem["fsdp"][k], full[k]), (k, mem["fsdp"][k], full[k])
-    shutil.rmtree(tmp_path / "ddp")
+        assert half(mem["fsdp"][k], full[k]), (k, mem["fsdp"][k], full[k])
+    shutil.rmtree(tmp_path / "none")
 
 
 def test_hsdp_matches_one_process(tmp_path, char_data):
