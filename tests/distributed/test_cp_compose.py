@@ -6,37 +6,14 @@ cp-trained run."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from loom.metrics import read_jsonl
+from loomrun import TINY, loom_ok, run_losses
 
-LOOM = [sys.executable, "-m", "loom"]
-TINY = [
-    "--model.family=llama",
-    "--model.n_layer=2",
-    "--model.n_head=4",
-    "--model.n_kv_head=4",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=8",
-    "--train.eval_batches=2",
-    "--train.sample_every=0",
-    "--optim.warmup_steps=3",
-    "--train.log_every=1",
-    "--train.eval_every=0",
-    "--train.device=cpu",
-]
-
-
-def loom(*args, timeout=400):
-    r = subprocess.run([*LOOM, *args], capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
+LLAMA = ["--model.family=llama", "--model.n_head=4", "--model.n_kv_head=4"]
 
 
 def test_verify_cp_with_fsdp_and_with_tensor_parallel(tmp_path, char_data):
-    loom(
+    loom_ok(
         "verify",
         "--strategies",
         "dp-cp,cp-tp",
@@ -60,11 +37,6 @@ def test_verify_cp_with_fsdp_and_with_tensor_parallel(tmp_path, char_data):
         assert r["passed"] and r["max_abs_dloss"] <= 1e-5 and r["max_abs_dparam"] <= 1e-5, r
 
 
-def _losses(run, start=0):
-    recs = read_jsonl(run / "metrics.jsonl", superseded=True)
-    return [(r["step"], r["loss"]) for r in recs if "loss" in r][start:]
-
-
 def test_cp_checkpoint_resumes_in_one_process_and_samples(tmp_path, char_data):
     """FSDP over the 2 cp ranks (dp 1) writes sharded state at step 4; one process resumes it and its steps
     5..8 equal the one-process run's; the cp-trained run then samples through `loom generate`."""
@@ -72,18 +44,21 @@ def test_cp_checkpoint_resumes_in_one_process_and_samples(tmp_path, char_data):
         f"--data.path={char_data}",
         f"--run.dir={tmp_path}",
         *TINY,
+        *LLAMA,
         "--train.steps=8",
         "--train.ckpt_every=4",
     ]
-    loom("train", "--run.name=ref", "--parallel.dp_impl=none", *base)
-    reference = dict(_losses(tmp_path / "ref"))
-    loom("train", "--nproc=2", "--parallel.cp=2", "--parallel.dp_impl=fsdp", "--run.name=cp", *base)
-    for step, loss in _losses(tmp_path / "cp"):
+    loom_ok("train", "--run.name=ref", "--parallel.dp_impl=none", *base)
+    reference = dict(run_losses(tmp_path / "ref"))
+    loom_ok("train", "--nproc=2", "--parallel.cp=2", "--parallel.dp_impl=fsdp", "--run.name=cp", *base)
+    for step, loss in run_losses(tmp_path / "cp"):
         assert abs(loss - reference[step]) <= 1e-5, (step, loss, reference[step])
-    loom("train", "--resume", str(tmp_path / "cp" / "ckpt" / "step_000004"), "--nproc=1", "--parallel.cp=1")
-    continued = _losses(tmp_path / "cp", start=8)
+    loom_ok(
+        "train", "--resume", str(tmp_path / "cp" / "ckpt" / "step_000004"), "--nproc=1", "--parallel.cp=1"
+    )
+    continued = run_losses(tmp_path / "cp", start=8)
     assert [s for s, _ in continued] == [5, 6, 7, 8]
     for step, loss in continued:
         assert abs(loss - reference[step]) <= 1e-5, (step, loss, reference[step])
-    out = loom("generate", str(tmp_path / "cp"), "--prompt", "The", "--max-new-tokens", "10").stdout
+    out = loom_ok("generate", str(tmp_path / "cp"), "--prompt", "The", "--max-new-tokens", "10").stdout
     assert out.startswith("The") and len(out) >= 10

@@ -11,23 +11,11 @@ import subprocess
 import sys
 
 import pytest
+from loomrun import TINY
 
 from loom.metrics import read_jsonl
 
 LOOM = [sys.executable, "-m", "loom"]
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=8",
-    "--train.eval_batches=2",
-    "--train.sample_every=0",
-    "--optim.warmup_steps=3",
-    "--train.log_every=1",
-    "--train.eval_every=0",
-    "--train.device=cpu",
-]
 
 
 def loom(*args, timeout=300):

@@ -14,23 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from loomrun import TINY
 
 from loom import checkpoint
 from loom.cli import main
-
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=8",
-    "--train.eval_batches=2",
-    "--train.sample_every=0",
-    "--optim.warmup_steps=3",
-    "--train.log_every=1",
-    "--train.eval_every=0",
-    "--train.device=cpu",
-]
 
 
 @pytest.fixture(scope="module")
