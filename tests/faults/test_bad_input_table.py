@@ -155,6 +155,21 @@ CASES = {
         "with parallel.dp_impl=none",
         2,
     ),
+    "context parallel not dividing block_size": (
+        ["--nproc=3", "--parallel.cp=3"],
+        "parallel.cp=3 does not divide model.block_size=16",
+        2,
+    ),
+    "Ulysses with more cp ranks than key/value heads": (
+        ["--nproc=4", "--parallel.cp=4"],
+        "parallel.cp=4 with cp_impl=ulysses does not divide model.n_kv_head=2",
+        2,
+    ),
+    "context parallel with dp_impl=mpi": (
+        ["--parallel.cp=2", "--parallel.dp_impl=mpi"],
+        "parallel.cp > 1 does not compose with parallel.dp_impl=mpi",
+        2,
+    ),
     "ring attention with document masks": (
         ["--nproc=2", "--parallel.cp=2", "--parallel.cp_impl=ring", "--data.doc_mask=true"],
         "data.doc_mask=true is not supported with parallel.cp_impl=ring",
