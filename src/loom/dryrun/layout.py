@@ -216,6 +216,7 @@ def planner_estimate(cfg: Config, dims: ParallelDims, target: Target, vocab: int
         cfg.train.activation_checkpointing,
         n_micro=derived.grad_accum * derived.pp_microbatches,
         replicate=dims.dp_replicate if zero == 3 else 1,
+        sp=cfg.parallel.sp,
     )
     return evaluate(c, cluster, wl)
 
@@ -224,6 +225,8 @@ def layout_flags(c) -> list[str]:
     """loom's overrides for a planner candidate."""
     impl = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}[c.zero]
     flags = [f"--parallel.tp={c.tp}", f"--parallel.pp={c.pp}", f"--parallel.dp_impl={impl}"]
+    if c.tp > 1:
+        flags.append(f"--parallel.sp={str(c.sp).lower()}")
     if c.replicate > 1:
         flags.append(f"--parallel.dp_replicate={c.replicate}")
     return flags + [
@@ -278,5 +281,6 @@ def layout_flags_of(cfg: Config, target: Target) -> list[str]:
         derived.micro_batch_size,
         cfg.train.activation_checkpointing,
         replicate=dims.dp_replicate if zero == 3 else 1,
+        sp=cfg.parallel.sp,
     )
     return layout_flags(c)

@@ -1,7 +1,8 @@
 """`loom plan`: per-GPU memory, communication and step-time estimates for parallel layouts (layer 5).
 
 shapes.py   presets, a config's [model] section, or a bare parameter count
-memory.py   model states (ZeRO paper) and activations (Korthikanti et al. 2022), cited formulas
+memory.py   model states (ZeRO paper) and activations tensor by tensor as loom's block keeps them
+peak.py     what a rank holds at each moment a step can peak (activations, FSDP's buffers), stage by stage
 estimate.py enumeration of (dp, tp, pp, ZeRO, micro-batch, recompute), communication and time model
 report.py   reasons, table, JSON and the command line
 

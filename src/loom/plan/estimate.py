@@ -28,7 +28,9 @@ Time model, per optimizer step, with m micro-batches per data-parallel rank:
     groups of dp/r neighbouring ranks, r replicas: torchtitan's dp_replicate × dp_shard, PyTorch FSDP's
     hybrid sharding) moves that traffic over the shard group only (inside a node when it fits one) and
     all-reduces each gradient shard (Ψ/shard) across the replicas once per step; the model states are
-    sharded shard ways, not dp ways. DP traffic overlaps
+    sharded shard ways, not dp ways. Bytes as loom moves them: gradients reduced in fp32 (DDP's buckets,
+    FSDP's reduce_dtype), FSDP's parameters gathered in its param_dtype (bf16 when training in bf16), so
+    ZeRO-3 at m = 1 moves as much as the all-reduce in bf16 training rather than the paper's 1.5×. DP traffic overlaps
     with backward (ZeRO-1: the last micro-batch's; ZeRO-2: every micro-batch's; ZeRO-3: all compute,
     prefetching); only what is left adds to the step.
   The optimizer update and kernel launch overheads are left out.
@@ -39,13 +41,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loom.plan.memory import (
-    Precision,
-    embed_activation_bytes,
-    head_activation_bytes,
-    layer_activation_bytes,
-    model_state_bytes,
-)
+from loom.plan.memory import Precision
+from loom.plan.peak import Layout, peak_memory, stages
 from loom.plan.shapes import ModelShape
 
 GB = 1e9  # decimal gigabytes, as the ZeRO paper and GPU datasheets
@@ -86,6 +83,7 @@ class Candidate:
     activation_checkpointing: str
     n_micro: int = 0  # micro-batches per data-parallel rank per step
     replicate: int = 1  # HSDP (zero 3): replicas of a model sharded over dp / replicate ranks
+    sp: bool = True  # sequence parallel with tp > 1 (the planner's layouts use it; loom's default is off)
     memory_gb: dict[str, float] = field(default_factory=dict)
     comm_gb: dict[str, float] = field(default_factory=dict)  # bytes sent per GPU per step, by kind
     compute_s: float = 0.0
@@ -119,7 +117,7 @@ class Candidate:
                 "reason",
             )
         }
-        d["sequence_parallel"] = self.tp > 1
+        d["sequence_parallel"] = self.tp > 1 and self.sp
         return d
 
 
@@ -166,24 +164,11 @@ def _group_bw(span: int, cluster: Cluster) -> float:
 
 
 def _stage_params(shape: ModelShape, tp: int, pp: int) -> tuple[float, float, float]:
-    """(params on the first stage, params on the last stage, params of one layer) per GPU.
-
-    Layers split as evenly as possible (the first stage gets the rounding); the embedding lives on the
-    first stage, the final norm and head on the last (with pp > 1 a tied head is a second copy; an untied
-    head is always its own). Matrices shard tp ways (vocabulary-parallel embedding); positions and norms
-    are replicated.
-    """
-    C = shape.n_embd
-    layer = (shape.layer_params - 2 * shape.ln_params) / tp + 2 * shape.ln_params
-    n_first = math.ceil(shape.n_layer / pp)
-    embed = shape.padded_vocab * C / tp + shape.embed_params - shape.padded_vocab * C  # + positions
-    first = n_first * layer + embed
-    head = shape.head_params / tp if pp > 1 or not shape.tie_embeddings else 0
-    last = (shape.n_layer // pp) * layer + shape.ln_params + head
-    if pp == 1:  # one stage holds it all
-        first = last = first + shape.ln_params + head
-    scale = shape.param_count() / shape.counted_params()  # --params N with an assumed shape
-    return first * scale, last * scale, layer * scale
+    """(params on the first stage, params on the last stage, params of one layer) per GPU (loom.plan.peak's
+    stages: TP shards, before data-parallel sharding)."""
+    first, *rest = stages(shape, tp, pp, 1)
+    last = next((st for st in rest if st.last), first)
+    return first.params, last.params, first.block_params
 
 
 def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
@@ -192,29 +177,8 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     e = prec.act
     first_p, last_p, layer_p = _stage_params(shape, c.tp, c.pp)
     ckpt = c.activation_checkpointing
-    layer_act = layer_activation_bytes(shape, s, b, c.tp, e, ckpt, wl.attention)
-    stages = []
-    for params, n_layers, in_flight, extra in (
-        (
-            first_p,
-            math.ceil(shape.n_layer / c.pp),
-            min(c.pp, c.n_micro),
-            embed_activation_bytes(shape, s, b, c.tp),
-        ),
-        (last_p, shape.n_layer // c.pp, 1, head_activation_bytes(shape, s, b, c.tp, e)),
-    ):
-        if c.pp == 1:  # one stage holds embedding, layers and head
-            extra = embed_activation_bytes(shape, s, b, c.tp) + head_activation_bytes(shape, s, b, c.tp, e)
-        p, g, o = model_state_bytes(params, prec, c.zero, c.dp // c.replicate)
-        if c.zero == 3:  # FSDP gathers one layer and prefetches the next
-            p += 2 * layer_p * prec.param
-        act = n_layers * layer_act * in_flight + extra * in_flight
-        if ckpt == "full":  # backward rematerialises one layer's activations at a time
-            act += layer_activation_bytes(shape, s, b, c.tp, e, "none", wl.attention)
-        stages.append({"params": p, "grads": g, "optim": o, "activations": act})
-    worst = max(stages, key=lambda d: sum(d.values()))
-    c.memory_gb = {k: v / GB for k, v in worst.items()}
-    c.memory_gb["total"] = sum(worst.values()) / GB
+    lay = Layout(c.dp, c.tp, c.pp, c.zero, c.replicate, b, c.n_micro, ckpt, c.sp)
+    c.memory_gb = {k: v / GB for k, v in peak_memory(shape, prec, s, wl.attention, lay).items()}
     c.fits = c.memory_gb["total"] <= cluster.usable_gb
 
     # compute
@@ -245,7 +209,7 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
         shard = (
             c.dp // c.replicate
         )  # FSDP's group: dp / replicate neighbouring ranks (all of dp without HSDP)
-        gather = first_p * c.n_micro * (shard - 1) / shard * (2 * prec.param + prec.grad)
+        gather = first_p * c.n_micro * (shard - 1) / shard * (2 * prec.gather + prec.grad)
         across = (
             2 * (c.replicate - 1) / c.replicate * first_p / shard * prec.grad
         )  # HSDP: the replicas' all-reduce
@@ -253,7 +217,7 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
         t_dp = gather / (_group_bw(shard * c.tp, cluster) * GB) + across / dp_bw
         hide = c.n_micro * t_micro
     elif c.zero == 2:
-        dp_bytes = first_p * ring * (c.n_micro * prec.grad + prec.param)
+        dp_bytes = first_p * ring * (c.n_micro * prec.grad + prec.gather)
         t_dp, hide = dp_bytes / dp_bw, c.n_micro * t_micro * 2 / 3
     else:
         dp_bytes = first_p * 2 * ring * prec.grad

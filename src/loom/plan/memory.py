@@ -1,29 +1,38 @@
-"""Per-GPU memory: model states (ZeRO paper) and activations (Korthikanti et al. 2022). Bytes throughout.
+"""Per-GPU memory of a loom training step: model states (the ZeRO paper's stages) and what a step holds at its
+peak (activations, FSDP's unsharded blocks), each term modelled on what loom's code keeps. Bytes throughout.
 
-Model states — Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models", section 3.1: mixed-precision Adam holds Ψ fp16 parameters (2Ψ), Ψ fp16 gradients (2Ψ) and
-K·Ψ of optimizer state, K = 12 (fp32 master weights, momentum, variance): (2 + 2 + K)·Ψ in all. Section 5:
-ZeRO stage 1 (P_os) divides the K·Ψ term by the data-parallel degree N_d, stage 2 (P_os+g) also the
-gradients, stage 3 (P_os+g+p) also the parameters: 2Ψ + 2Ψ + KΨ/N_d, 2Ψ + (2+K)Ψ/N_d, (2+2+K)Ψ/N_d.
+Model states, held between steps — Rajbhandari et al. 2020, "ZeRO", section 5: stage 1 shards the optimizer
+state over the data-parallel degree, stage 2 also the gradients, stage 3 also the parameters. loom keeps fp32
+parameters and fp32 gradients whatever the precision (autocast computes in 16 bits; FSDP gathers 16-bit
+copies for the compute, loom.parallel.fsdp.mp_policy) and AdamW's two fp32 moments: 4 + 4 + 8 bytes a
+parameter, not the paper's 2 + 2 + 12 (fp16 parameters and gradients, an fp32 master copy in the optimizer),
+which has the same total and another split.
 
-Activations — Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-section 4: one transformer layer with 16-bit activations, s sequence length, b micro-batch, h width,
-a heads stores s·b·h·(34 + 5·a·s/h) bytes (eq. 1), of which
-  * 32·s·b·h: sixteen s·b·h tensors of 2 bytes — LayerNorm inputs (2), q/k/v projection input, Q, K, V,
-    attention-output projection input, MLP input, GELU input (4·h wide) and GELU output (4·h wide);
-  * 2·s·b·h: two 1-byte dropout masks (after the attention projection and after the MLP);
-  * 5·a·s²·b: softmax output (2 bytes), its dropout mask (1 byte), the dropped-out scores (2 bytes).
-With tensor parallelism t and sequence parallelism everything is split t ways (eq. 6, s·b·h/t·(34 +
-5as/h)); selective recomputation drops the 5as²b term (34·s·b·h/t, eq. 7); full recomputation keeps
-only each layer's input, 2·s·b·h/t (section 5). The head adds 4·s·b·h/t·(1 + v/h) on the last stage
-(LayerNorm input and output, fp32 logits for the loss; section 4.3).
+Activations — in the spirit of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", eq. 1: what one layer saves for backward, s·b·h units), but tensor by tensor as loom's Block
+(model/gpt.py) saves them under autocast on a GPU, checked against the dry run (loom.dryrun, torch's memory
+tracker on the real code path; tests/unit/test_plan_vs_dryrun.py). s sequence length, b micro-batch, h width,
+F the MLP's hidden width, t tensor-parallel degree; e the compute dtype's bytes (2 under 16-bit autocast):
+  * the two norms' inputs, as fp32 copies under autocast (CUDA's autocast runs norms in fp32) and the norms'
+    statistics; on sequence shards (/t) with sequence parallel, whole on every TP rank without;
+  * each sub-layer's input, cast once to e bytes (model.gpt.autocast_input) and read by q/k/v (gate/up):
+    full-length on every TP rank (tensor parallel replicates it; sequence parallel all-gathers it and torch's
+    DTensor keeps the gathered copy);
+  * attention: q, k and v as the fused kernel gets them (k and v at the full head count: loom repeats grouped
+    key/value heads before it), the output (also o_proj's input) and a fp32 log-sum-exp per head, all /t; RoPE's
+    cos/sin tables, one copy per q and k (not per sample);
+  * the MLP's hidden tensors, /t: SwiGLU's gate and up outputs, silu's output and the product; GELU's two;
+  * dropout masks (m bytes an element) when dropout > 0; with eager attention the s×s scores (Korthikanti's
+    5as²b at m = 1, e = 2).
+Full recomputation keeps a block's input only (the residual stream's dtype: 16-bit when FSDP gathers 16-bit
+parameters, which casts every block's input, else fp32), and backward rebuilds one block at a time.
+Selective recomputation (loom.parallel.ac) keeps the outputs of the matmuls and of attention.
 
-loom's layer differs from eq. 1 in ways `layer_activation_bytes` models (checked against a measured run
-in tests/unit/test_plan.py): activations are e bytes (e = 4 in fp32 training, 2 with 16-bit autocast);
-dropout masks exist only when dropout > 0; and F.scaled_dot_product_attention's fused (flash) kernels
-store no s×s matrices — only the output, which is the projection input already counted, and a fp32
-log-sum-exp per head and token — so with attention="flash" the 5as²b term is 4·a·s·b, and selective
-recomputation is the same as none. LayerNorm keeps a fp32 mean and reciprocal std per token (8·s·b).
+The head (the last stage): the final norm's input, lm_head's input (full-length under tensor parallel), the fp32
+log-softmax the loss keeps (over the whole vocabulary on every TP rank when a pipeline stage returns its logits
+replicated, over its shard under loss_parallel otherwise), and, at the backward's first steps, the loss's
+temporaries: the gradient of the log-softmax's output and of its input (two fp32 vocabulary-sized tensors;
+loss_parallel's decomposed backward also keeps the exponentials: three).
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from loom.plan.shapes import ModelShape
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per parameter for parameters, gradients and optimizer state (K), and per activation element."""
+    """Bytes per parameter held for parameters, gradients and optimizer state; bytes per activation element
+    (the compute dtype); whether the compute runs under autocast; bytes of FSDP's gathered parameters."""
 
     name: str
     param: int
@@ -43,17 +53,34 @@ class Precision:
     optim: int
     act: int
     doc: str
+    autocast: bool = True
+    gather: int = 4  # FSDP's param_dtype (loom.parallel.fsdp.mp_policy): bf16 on GPUs when training in bf16
 
 
 PRECISIONS = {
     p.name: p
     for p in (
         Precision(
-            "bf16-mixed", 2, 2, 12, 2, "16-bit params and grads, fp32 master + Adam m, v (ZeRO's 2+2+12)"
+            "bf16-mixed",
+            4,
+            4,
+            8,
+            2,
+            "fp32 params and grads, AdamW m, v in fp32, bf16 autocast; FSDP gathers bf16 (loom's 4+4+8)",
+            gather=2,
         ),
-        Precision("fp16-mixed", 2, 2, 12, 2, "as bf16-mixed, with a loss scaler (a few bytes)"),
-        Precision("fp32", 4, 4, 8, 4, "fp32 params and grads, Adam m, v in fp32 (4+4+8)"),
-        Precision("bf16-pure", 2, 2, 4, 2, "bf16 params, grads and Adam m, v; no master copy (2+2+4)"),
+        Precision("fp16-mixed", 4, 4, 8, 2, "as bf16-mixed in fp16 with a loss scaler; FSDP gathers fp32"),
+        Precision("fp32", 4, 4, 8, 4, "fp32 params and grads, Adam m, v in fp32 (4+4+8)", autocast=False),
+        Precision(
+            "bf16-pure",
+            2,
+            2,
+            4,
+            2,
+            "bf16 params, grads and Adam m, v; no master copy (2+2+4)",
+            autocast=False,
+            gather=2,
+        ),
     )
 }
 RECOMPUTE = ("none", "selective", "full")
@@ -64,63 +91,110 @@ def model_state_bytes(n_params: float, prec: Precision, zero: int, dp: int) -> t
     """(params, grads, optimizer) bytes per GPU for Ψ = n_params held by each data-parallel rank.
 
     ZeRO paper section 5: stage >= 1 shards the optimizer state over dp, >= 2 the gradients, 3 the
-    parameters. The 7.5B / 64-GPU example: 120 GB, 31.4, 16.6, 1.88 GB for stages 0-3.
-    """
+    parameters. The 7.5B / 64-GPU example at the paper's 2+2+12: 120 GB, 31.4, 16.6, 1.88 GB for stages 0-3."""
     params = n_params * prec.param / (dp if zero >= 3 else 1)
     grads = n_params * prec.grad / (dp if zero >= 2 else 1)
     optim = n_params * prec.optim / (dp if zero >= 1 else 1)
     return params, grads, optim
 
 
-def layer_activation_bytes(
-    shape: ModelShape,
-    s: int,
-    b: int,
-    tp: int,
-    act_bytes: int,
-    recompute: str,
-    attention: str,
-    mask_bytes: int = 1,
-) -> float:
-    """Bytes one layer keeps for backward for one micro-batch (sequence parallel when tp > 1: all / tp).
+@dataclass(frozen=True)
+class Micro:
+    """One micro-batch on one rank: s, b, the TP degree, sequence parallel, the precision, recomputation,
+    attention kernel, dropout mask bytes, and the residual stream's bytes (`stream`)."""
 
-    Korthikanti eq. 1 generalised: sbh·(16·e + 2·m·[dropout]) + attention core (16: shape.act_units for
-    gpt2's block; grouped-query attention and SwiGLU change it), where the core is
-    a·s²·b·(e + [dropout]·(m + e)) for eager attention (= 5as²b at e = 2, m = 1 with dropout) and a
-    fp32 log-sum-exp, 4·a·s·b, for fused attention. Full recomputation keeps the layer input, e·s·b·h.
-    m is a dropout mask's bytes per element: 1 for CUDA's boolean masks; on CPU, dropout multiplies by a
-    mask of the activation dtype (m = e).
-    """
-    h, a = shape.n_embd, shape.n_head
-    sbh = s * b * h
-    drop = shape.dropout > 0
-    if recompute == "full":
-        return act_bytes * sbh / tp
-    # 16 units for gpt2's block (shape.act_units: grouped-query and SwiGLU widths), + two norms' statistics
-    dense = sbh * (shape.act_units * act_bytes + (2 * mask_bytes if drop else 0)) + 2 * 8 * s * b
-    if attention == "eager" and recompute == "none":
-        core = a * s * s * b * (act_bytes + ((mask_bytes + act_bytes) if drop else 0))
-    else:  # fused kernel, or selective recomputation of the attention core
-        core = 4 * a * s * b
-    return (dense + core) / tp
+    s: int
+    b: int
+    tp: int
+    sp: bool
+    prec: Precision
+    recompute: str = "none"
+    attention: str = "flash"
+    mask_bytes: int = 1
+    stream: int = 4
+
+    @property
+    def e(self) -> int:
+        return self.prec.act
+
+    @property
+    def norm_in(self) -> int:
+        """Bytes a norm keeps of its input: an fp32 copy under autocast (CUDA's fp32 policy for norms)."""
+        return 4 if self.prec.autocast else self.stream
+
+    @property
+    def seq_shards(self) -> int:
+        """What divides tensors on the sequence: t with sequence parallel, else 1."""
+        return self.tp if self.sp else 1
 
 
-def head_activation_bytes(shape: ModelShape, s: int, b: int, tp: int, act_bytes: int) -> float:
-    """Last stage: final LayerNorm input and output (2·e·sbh) and the fp32 log-softmax the loss keeps
-    (4·s·b·V; vocabulary-parallel under TP) — Korthikanti section 4.3's 4sbh(1 + v/h) at e = 2 — plus
-    the LayerNorm's mean and rstd and the int64 targets (16·s·b)."""
-    return (2 * act_bytes * s * b * shape.n_embd + 16 * s * b + 4 * s * b * shape.padded_vocab) / tp
+def _stats(shape: ModelShape, m: Micro) -> float:
+    """A norm's fp32 statistics per token: RMSNorm's rstd, LayerNorm's mean and rstd."""
+    return (4 if shape.norm == "rmsnorm" else 8) * m.s * m.b
 
 
-def embed_activation_bytes(shape: ModelShape, s: int, b: int, tp: int, mask_bytes: int = 1) -> float:
+def layer_activation_bytes(shape: ModelShape, m: Micro) -> float:
+    """Bytes one block keeps for backward for one micro-batch on one rank (the module's docstring)."""
+    h, t, sb = shape.n_embd, m.tp, m.s * m.b
+    sbh, e = sb * h, m.e
+    if m.recompute == "full":  # the block's input, sequence-sharded with sp
+        return m.stream * sbh / m.seq_shards
+    D = h // shape.n_head
+    rope = 8 * m.s * D if shape.pos == "rope" else 0  # cos, sin (T, D): 2 x fp32, or 4 x 16-bit casts
+    drop = 2 * m.mask_bytes * sbh / m.seq_shards if shape.dropout > 0 else 0
+    if m.recompute == "selective":  # matmul and attention outputs; the input for the recomputation
+        colwise = e * sb * (h + 2 * shape.kv_dim + (2 if shape.mlp == "swiglu" else 1) * shape.ffn_width) / t
+        rowwise = 2 * e * sbh  # o_proj's and down_proj's outputs: whole (partial sums under TP)
+        attn = e * sbh / t + 4 * shape.n_head * sb / t
+        return m.stream * sbh / m.seq_shards + colwise + rowwise + attn + rope
+    norms = 2 * (m.norm_in * sbh + _stats(shape, m)) / m.seq_shards
+    inputs = 2 * e * sbh  # attention's and the MLP's input, full-length on every TP rank
+    qk_norm = (m.norm_in * sb * (h + shape.kv_dim) + 8 * sb * shape.n_head) / t if shape.qk_norm else 0
+    attention = 4 * e * sbh / t  # q, k, v (all heads), output
+    if m.attention == "eager" and m.recompute == "none":  # scores, and with dropout their mask and result
+        attention += shape.n_head * m.s * sb * (e + ((m.mask_bytes + e) if shape.dropout > 0 else 0)) / t
+    else:  # the fused kernel's fp32 log-sum-exp per head and token
+        attention += 4 * shape.n_head * sb / t
+    hidden = (4 if shape.mlp == "swiglu" else 2) * e * sb * shape.ffn_width / t
+    return norms + inputs + qk_norm + attention + hidden + rope + drop
+
+
+def head_vocab(shape: ModelShape, tp: int, replicated: bool) -> int:
+    """The vocabulary one rank's loss runs over: its shard under loss_parallel, all of it when replicated."""
+    return shape.padded_vocab if replicated or tp == 1 else shape.padded_vocab // tp
+
+
+def head_activation_bytes(shape: ModelShape, m: Micro, replicated: bool = False) -> float:
+    """The last stage's head for one micro-batch: the final norm's input and statistics, lm_head's input
+    (full-length under TP), the targets and the fp32 log-softmax the loss keeps."""
+    sbh = m.s * m.b * shape.n_embd
+    norm = (m.norm_in * sbh + _stats(shape, m)) / m.seq_shards
+    targets = 8 * m.s * m.b  # int64, kept by the loss
+    return norm + m.e * sbh + targets + 4 * m.s * m.b * head_vocab(shape, m.tp, replicated)
+
+
+def loss_backward_bytes(shape: ModelShape, m: Micro, replicated: bool = False) -> float:
+    """The loss's backward temporaries, its peak: two fp32 vocabulary-sized gradients (three under
+    loss_parallel, whose decomposed log-softmax backward keeps the exponentials too)."""
+    parallel = m.tp > 1 and not replicated
+    return (3 if parallel else 2) * 4 * m.s * m.b * head_vocab(shape, m.tp, replicated)
+
+
+def embed_activation_bytes(shape: ModelShape, m: Micro) -> float:
     """First stage: token ids (int64) and, with dropout, the embedding dropout mask."""
-    return 8 * s * b + (mask_bytes * s * b * shape.n_embd / tp if shape.dropout > 0 else 0)
+    sb = m.s * m.b
+    return 8 * sb + (m.mask_bytes * sb * shape.n_embd / m.seq_shards if shape.dropout > 0 else 0)
 
 
 def model_activation_bytes(
     shape: ModelShape, s: int, b: int, act_bytes: int, attention: str = "flash", mask_bytes: int = 1
 ) -> float:
-    """A whole single-device model for one forward (tp = pp = 1, no recomputation): what the test measures."""
-    per_layer = layer_activation_bytes(shape, s, b, 1, act_bytes, "none", attention, mask_bytes)
-    head = head_activation_bytes(shape, s, b, 1, act_bytes)
-    return shape.n_layer * per_layer + head + embed_activation_bytes(shape, s, b, 1, mask_bytes)
+    """A whole single-device model for one forward without autocast (tp = pp = 1, no recomputation): the
+    tensors saved for backward, as tests/unit/test_plan.py measures them."""
+    prec = Precision("test", 4, 4, 8, act_bytes, "", autocast=False)
+    m = Micro(s, b, 1, False, prec, "none", attention, mask_bytes, stream=act_bytes)
+    return (
+        shape.n_layer * layer_activation_bytes(shape, m)
+        + head_activation_bytes(shape, m)
+        + embed_activation_bytes(shape, m)
+    )

@@ -90,7 +90,7 @@ def model_state(c: Candidate) -> float:
 
 def table(cands: list[Candidate]) -> str:
     head = (
-        " #  dp  tp  pp zero rep  mb  ckpt  |  params  grads  optim   act  total GB | comm GB   step s"
+        " #  dp  tp  pp zero rep  mb  ckpt  |  params  grads  optim   act  bufs  peak GB | comm GB   step s"
         "  bubble   tok/s | fits | reason"
     )
     rows = [head, "-" * len(head)]
@@ -99,8 +99,8 @@ def table(cands: list[Candidate]) -> str:
         comm = sum(c.comm_gb.values())
         rows.append(
             f"{i:>2} {c.dp:>3} {c.tp:>3} {c.pp:>3} {c.zero:>4} {c.replicate:>3} {c.micro_batch:>3}  {c.activation_checkpointing[:4]:<4}"
-            f"  | {m['params']:>7.1f} {m['grads']:>6.1f} {m['optim']:>6.1f} {m['activations']:>5.1f} {m['total']:>6.1f}"
-            f"    | {comm:>7.1f} {c.step_time_s:>8.2f} {c.bubble:>6.1%} {fmt_count(c.tokens_per_s):>7}"
+            f"  | {m['params']:>7.1f} {m['grads']:>6.1f} {m['optim']:>6.1f} {m['activations']:>5.1f}"
+            f" {m['buffers']:>5.1f} {m['total']:>6.1f}    | {comm:>7.1f} {c.step_time_s:>8.2f} {c.bubble:>6.1%} {fmt_count(c.tokens_per_s):>7}"
             f" | {'yes' if c.fits else 'NO':<4} | {c.reason}"
         )
     return "\n".join(rows)
@@ -119,7 +119,9 @@ def header(shape: ModelShape, cluster: Cluster, wl: Workload, n: int, n_fit: int
             f"seq {wl.seq_len}, global batch {wl.global_batch_tokens:,} tokens ({wl.global_batch_tokens // wl.seq_len} "
             f"sequences), {wl.attention} attention, 1F1B",
             f"compute   {cluster.peak_tflops:g} TFLOP/s peak × {cluster.mfu:g} achieved per GPU",
-            f"{n} valid layouts, {n_fit} fit; memory in GB (1e9 bytes) per GPU on the fullest pipeline stage",
+            f"{n} valid layouts, {n_fit} fit; memory in GB (1e9 bytes) per GPU on the fullest pipeline stage: "
+            "params, grads, optim held after a step; act, bufs (FSDP's gathered blocks, DDP's buckets) and "
+            "their sum with the states at the step's peak (loom/plan/peak.py)",
         ]
     )
 
@@ -129,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="loom plan",
         description="Rank (dp, tp, pp, ZeRO, micro-batch, activation checkpointing) layouts by per-GPU "
         "memory and estimated step time.",
-        epilog="Formulas: ZeRO (Rajbhandari et al. 2020) for model states, Korthikanti et al. 2022 for "
-        "activations; see loom/plan/*.py. Example: loom plan --model 7b --gpus 64 --gpus-per-node 8 --gpu-mem 80",
+        epilog="Formulas: ZeRO (Rajbhandari et al. 2020) for model states, activations tensor by tensor as "
+        "loom's block keeps them (after Korthikanti et al. 2022), checked against loom train --dry-run; see "
+        "loom/plan/*.py. Example: loom plan --model 7b --gpus 64 --gpus-per-node 8 --gpu-mem 80",
     )
     p.add_argument(
         "--model", help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, 7b, 13b, 70b) or CONFIG.toml"
