@@ -9,28 +9,41 @@ moment. A rank of more than 4 blocks is stepped with 3 and with 4 blocks per sta
 batch and schedule) and each term is extended along the line to its own count. Not fewer: FSDP holds a few
 whole blocks at once (the one in backward, the one it prefetches, and with full recomputation one more), so
 the line starts at 3 (with Llama-3-405B widths and full recomputation, 2 -> 3 blocks added 760 MiB of gathered
-parameters and every block after that none).
+parameters and every block after that none). A pipeline stage's line starts at 4: under torch's pipelining FSDP
+keeps gradients unsharded from a stage's first backward, and with 3 blocks its 1F1B part peaks at another moment
+(Llama-3-8B widths, tp 8 x pp 4 x fsdp 2, pipeline rank 0: 3 -> 4 blocks added 77 MB more than each block after).
 
 Pipeline micro-batches. Under 1F1B pipeline rank r keeps w = pp - r micro-batches in flight; once a step has
 w + 1 of them its steady phase (w in flight, the gradients allocated) is reached and then repeats, and what
 still grows with each micro-batch is allocated per
 micro-batch up front (the stage's receive buffers). So a 1F1B schedule of m micro-batches is stepped with m0
 and m0 + 1 (m0 = w + 1, at least pp) and extended along the line to m. Blocks and micro-batches do not interact
-once w saturates (w micro-batches in flight, whatever the blocks), so three steps span the plane.
+once w saturates (w micro-batches in flight, whatever the blocks: Llama-3-8B, tp 8 x pp 4 x fsdp 2, each phase's
+slope per micro-batch is the same with 1 and 4 blocks per stage), so the micro-batches' line is stepped on one
+block per stage, the cheapest, and four steps span the plane.
 
-Which phase of the step peaks can change with size (forward/backward, the gradient sync and clip, the update),
-so each phase's peak is extended on its own and the largest taken.
+Which moment of the step peaks can change with size: the head's backward (every block's activations held) grows
+with each block, the end of the blocks' backward (FSDP's root reducing its gradients) does not, and on a pipeline
+stage the warm-up's end and the 1F1B part that follows trade activations for FSDP's accumulated gradients. A line
+through the peaks of the whole step would bend where one overtakes the other (Llama-3-70B, tp 8 x fsdp 64 with
+full recomputation: at 3 and 4 blocks the end of backward peaks, at 80 the head's backward, 0.7 GiB higher). So
+the step is marked into phases, each peaking at the same moment at any size (loom.dryrun.step: forward with the
+head's backward, the blocks' backward, a pipeline's warm-up and its 1F1B part, the gradient sync and clip, the
+update); each phase's peak is extended on its own and the largest taken.
 
 Checked against full steps at the same world and layout (Llama-3-8B widths: FSDP over 64 with 4 and 6 blocks;
-TP 8 x FSDP 8 with accumulation; TP 8 x PP 4 x FSDP 2, 1F1B with 16 micro-batches, pipeline ranks 0, 1 and 3;
-Llama-3-405B widths, TP 8 x FSDP 128 with full recomputation, 3 to 7 blocks): every term to the byte; tests/unit/test_dryrun.py checks both axes on a small model. GPipe was not exact along
-its micro-batches (48 MiB in 5.7 GB on its last stage) and is stepped with all of them, as are the interleaved
-schedules (two stages a rank, at different depths) and everything with --exact.
+TP 8 x FSDP 8 with accumulation; TP 8 x PP 4 x FSDP 2, 1F1B with 16 micro-batches, pipeline rank 0 from 4 and
+5 blocks to 8, and 3, 4, 5, 6 blocks stepped in full; Llama-3-405B widths, TP 8 x FSDP 128 with full
+recomputation, 3 to 7 blocks): every term to the byte; tests/unit/test_dryrun.py checks both axes on a small
+model. GPipe was not exact along its micro-batches (48 MiB in 5.7 GB on its last stage) and is stepped with all
+of them, as are the interleaved schedules (two stages a rank, at different depths) and everything with --exact.
+
+The steps of every rank role are independent: measure_roles runs them side by side, a child process each.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 
 from loom.config import SCHEDULE_STAGES_PER_RANK, Config, validate
 from loom.dryrun.step import RankMemory, eot_id, measure_rank
@@ -38,6 +51,7 @@ from loom.errors import LoomError
 from loom.model.registry import spec_of
 
 SMALL = (3, 4)  # blocks per stage of the two small models
+SMALL_PIPELINE = (4, 5)  # the same for a pipeline stage (the module's docstring says why one more)
 TERMS = ("params", "grads", "optim", "phases", "tracked", "ddp_buckets")
 
 
@@ -64,92 +78,170 @@ def small_microbatches(cfg: Config, world: int, rank: int) -> int | None:
     return m0 if m > m0 + 1 else None
 
 
-def measure_role(
-    cfg: Config, world: int, rank: int, vocab_size: int, precision: str, exact: bool = False
-) -> RankMemory:
-    """Rank `rank`'s memory: stepped in full (exact, few blocks and micro-batches, interleaved schedules), or
-    stepped small and extended along the blocks and the micro-batches (see the module's docstring)."""
+@dataclass(frozen=True)
+class RolePlan:
+    """The steps that measure one rank role, each (blocks per stage or None for the job's, micro-batches or None
+    for the job's); the first is the base, and each axis (units, lo, hi) adds units x (steps[hi] - steps[lo])."""
+
+    cfg: Config
+    rank: int
+    blocks: int  # blocks the rank holds in the job
+    steps: list[tuple[int | None, int | None]]
+    axes: list[tuple[int, int, int]]
+    by_blocks: bool
+    m0: int | None
+
+    def step_cfg(self, k: int | None) -> Config:
+        if k is None:
+            return self.cfg
+        p = self.cfg.parallel
+        stages = p.pp * (SCHEDULE_STAGES_PER_RANK[p.pp_schedule] if p.pp > 1 else 1)
+        return replace(self.cfg, model=replace(self.cfg.model, n_layer=k * stages))
+
+
+def role_plan(cfg: Config, world: int, rank: int, vocab_size: int, exact: bool = False) -> RolePlan:
+    """How rank `rank` is measured: stepped in full (exact, few blocks and micro-batches, interleaved
+    schedules), or stepped small and extended along the blocks and the micro-batches (the module's docstring).
+    With both axes the micro-batches' slope is measured on one block per stage: it is the same there (what
+    grows with each micro-batch is the stage's receive buffers), at a fraction of the cost."""
     n = rank_blocks(cfg, world, rank, vocab_size)
     per_rank = SCHEDULE_STAGES_PER_RANK[cfg.parallel.pp_schedule] if cfg.parallel.pp > 1 else 1
-    stages = cfg.parallel.pp * per_rank
-    by_blocks = not exact and per_rank == 1 and n > SMALL[-1]
+    small = SMALL_PIPELINE if cfg.parallel.pp > 1 else SMALL
+    by_blocks = not exact and per_rank == 1 and n > small[-1]
     m0 = None if exact else small_microbatches(cfg, world, rank)
     m = validate(cfg, world, rank)[0].pp_microbatches
-
-    def step(k: int | None, mbs: int | None) -> RankMemory:
-        small = cfg if k is None else replace(cfg, model=replace(cfg.model, n_layer=k * stages))
-        return measure_rank_apart(small, world, rank, vocab_size, precision, mbs)
-
-    k0 = SMALL[0] if by_blocks else None
-    base = step(k0, m0)
-    steps, slopes = [base], []  # (steps along an axis, per unit)
+    steps: list[tuple[int | None, int | None]] = [(small[0] if by_blocks else None, m0)]
+    axes = []
     if by_blocks:
-        more = step(SMALL[1], m0)
-        steps.append(more)
-        slopes.append((n - SMALL[0], more))
+        steps.append((small[1], m0))
+        axes.append((n - small[0], 0, 1))
     if m0 is not None:
-        more = step(k0, m0 + 1)
-        steps.append(more)
-        slopes.append((m - m0, more))
-    out = extend(base, slopes)
+        lo = 0 if not by_blocks else len(steps)
+        if by_blocks:
+            steps.append((1, m0))
+        steps.append((1 if by_blocks else None, m0 + 1))
+        axes.append((m - m0, lo, len(steps) - 1))
+    return RolePlan(cfg, rank, n, steps, axes, by_blocks, m0)
+
+
+def combine(plan: RolePlan, measured: list[RankMemory]) -> RankMemory:
+    """The role's memory from its steps' (measured in plan.steps' order)."""
+    out = extend(measured[0], [(units, measured[lo], measured[hi]) for units, lo, hi in plan.axes])
     return replace(
         out,
-        blocks=n,
-        measured_blocks=list(SMALL) if by_blocks else [],
-        measured_microbatches=[m0, m0 + 1] if m0 is not None else [],
-        seconds=sum(r.seconds for r in steps),
+        blocks=plan.blocks,
+        measured_blocks=[k for k, _ in plan.steps[:2]] if plan.by_blocks else [],
+        measured_microbatches=[plan.m0, plan.m0 + 1] if plan.m0 is not None else [],
+        seconds=sum(r.seconds for r in measured),
     )
 
 
-def extend(base: RankMemory, slopes: list[tuple[int, RankMemory]]) -> RankMemory:
-    """base + sum of units * (more - base) over the axes, term by term (bytes: integers, exactly)."""
+def measure_roles(
+    cfg: Config,
+    world: int,
+    ranks: list[int],
+    vocab_size: int,
+    precision: str,
+    exact: bool = False,
+    workers: int | None = None,
+) -> list[RankMemory]:
+    """Each rank's memory (role_plan, combine), every step in a child process of its own, `workers` at a time
+    (default: the CPUs this process may use): the steps of all roles are independent."""
+    plans = [role_plan(cfg, world, r, vocab_size, exact) for r in ranks]
+    jobs = [
+        (plan.step_cfg(k), world, plan.rank, vocab_size, precision, mbs)
+        for plan in plans
+        for k, mbs in plan.steps
+    ]
+    results = iter(measure_apart(jobs, workers))
+    return [combine(plan, [next(results) for _ in plan.steps]) for plan in plans]
 
-    def at(u, *vs):
+
+def measure_role(
+    cfg: Config, world: int, rank: int, vocab_size: int, precision: str, exact: bool = False
+) -> RankMemory:
+    """Rank `rank`'s memory (measure_roles for one rank)."""
+    return measure_roles(cfg, world, [rank], vocab_size, precision, exact)[0]
+
+
+def extend(base: RankMemory, axes: list[tuple[int, RankMemory, RankMemory]]) -> RankMemory:
+    """base + sum of units * (hi - lo) over the axes, term by term (bytes: integers, exactly)."""
+
+    def at(u, *pairs):
         if isinstance(u, dict):
-            return {key: at(u[key], *(v[key] for v in vs)) for key in u}
-        return u + sum(units * (v - u) for (units, _), v in zip(slopes, vs, strict=True))
+            return {key: at(u[key], *((lo[key], hi[key]) for lo, hi in pairs)) for key in u}
+        return u + sum(units * (hi - lo) for (units, _, _), (lo, hi) in zip(axes, pairs, strict=True))
 
     out = {f.name: getattr(base, f.name) for f in fields(base)}
     for name in TERMS:
-        out[name] = at(getattr(base, name), *(getattr(more, name) for _, more in slopes))
+        out[name] = at(getattr(base, name), *((getattr(lo, name), getattr(hi, name)) for _, lo, hi in axes))
     return RankMemory(**out)
 
 
 def measure_rank_apart(
     cfg: Config, world: int, rank: int, vocab_size: int, precision: str, n_microbatches: int | None = None
 ) -> RankMemory:
-    """measure_rank in a child process of its own (forked where the platform can: torch is imported once):
-    a fake process group of another rank cannot follow a destroyed one in the same process (names of its
-    groups stay cached in torch), and what one rank's step leaves behind does not reach the next."""
+    """measure_rank in a child process of its own (measure_apart for one step)."""
+    return measure_apart([(cfg, world, rank, vocab_size, precision, n_microbatches)], 1)[0]
+
+
+def measure_apart(jobs: list[tuple], workers: int | None = None) -> list[RankMemory]:
+    """measure_rank(*job) for each job, each in a child process of its own (forked where the platform can:
+    torch is imported once), up to `workers` at once: a fake process group of another rank cannot follow a
+    destroyed one in the same process (names of its groups stay cached in torch), and what one rank's step
+    leaves behind does not reach the next."""
     import multiprocessing as mp
-    import traceback
+    import os
+    from multiprocessing.connection import wait
 
     import torch.distributed.pipelining  # noqa: F401
     import torch.distributed.tensor.parallel  # noqa: F401
 
     import loom.parallel  # noqa: F401  (imported once, before the fork, rather than in every child)
 
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    here, there = ctx.Pipe(duplex=False)
-
-    def child() -> None:
-        try:
-            there.send(("ok", measure_rank(cfg, world, rank, vocab_size, precision, n_microbatches)))
-        except LoomError as e:
-            there.send(("loom", (e.message, e.hint)))
-        except BaseException:
-            there.send(("error", traceback.format_exc()))
-
-    proc = ctx.Process(target=child, daemon=True)
-    proc.start()
-    there.close()
+    results: list = [None] * len(jobs)
+    running: dict = {}  # connection -> (job index, process)
+    todo = list(enumerate(jobs))
     try:
-        kind, value = here.recv()
+        while todo or running:
+            while todo and len(running) < max(1, workers):
+                i, job = todo.pop(0)
+                here, there = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_child, args=(there, job), daemon=True)
+                proc.start()
+                there.close()
+                running[here] = (i, proc)
+            for conn in wait(list(running)):
+                i, proc = running.pop(conn)
+                results[i] = _received(conn, proc, jobs[i][2])
+    finally:
+        for conn, (_, proc) in running.items():
+            proc.kill()
+            conn.close()
+    return results
+
+
+def _child(conn, job: tuple) -> None:
+    import traceback
+
+    try:
+        conn.send(("ok", measure_rank(*job)))
+    except LoomError as e:
+        conn.send(("loom", (e.message, e.hint)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def _received(conn, proc, rank: int) -> RankMemory:
+    try:
+        kind, value = conn.recv()
     except EOFError:
-        kind, value = (
-            "error",
-            f"the process measuring rank {rank} died (exit code {proc.join() or proc.exitcode})",
-        )
+        proc.join()
+        kind, value = "error", f"the process measuring rank {rank} died (exit code {proc.exitcode})"
+    conn.close()
     proc.join()
     if kind == "ok":
         return value

@@ -209,11 +209,22 @@ class _StepMixin:
         ):
             del self.memory_tracking[module]
 
+    def _update_peak_stats(self, peak_state) -> None:
+        """The device-wide peak only: torch's also updates every module's own peak, a loop over all modules on
+        every op, and nothing here reads them."""
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
+
     def mark(self, phase: str) -> None:
-        """Close the phase under way as `phase`: its peak's terms into self.phases."""
+        """Close the phase under way as `phase`: its peak's terms into self.phases (a phase that recurs, as in
+        each accumulation micro-step, keeps its highest peak)."""
         if not hasattr(self, "phases"):
             self.phases: dict[str, dict[str, int]] = {}
-        self.phases[phase] = terms(self._peak_mem_snap)
+        at = terms(self._peak_mem_snap)
+        if phase not in self.phases or at["total"] > self.phases[phase]["total"]:
+            self.phases[phase] = at
         self._peak_mem_snap = deepcopy(self._curr_mem_snap)  # the next phase's peak starts from here
         self._peak_mem = {dev: snap["Total"] for dev, snap in self._curr_mem_snap.items()}
 

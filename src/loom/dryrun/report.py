@@ -12,7 +12,7 @@ from pathlib import Path
 
 from loom.config import Config, config_argv, load_config
 from loom.dryrun import layout
-from loom.dryrun.blocks import measure_role
+from loom.dryrun.blocks import measure_roles
 from loom.dryrun.layout import GIB, Target
 from loom.dryrun.step import RankMemory
 
@@ -113,12 +113,11 @@ def dry_run(
 def measure_ranks(
     cfg: Config, dims, target: Target, vocab: int, precision: str, exact: bool
 ) -> list[RankMemory]:
-    """Every rank role of cfg's layout, measured (loom.dryrun.blocks.measure_role)."""
+    """Every rank role of cfg's layout, measured (loom.dryrun.blocks.measure_roles: their steps side by side)."""
     run_cfg = layout.gpu_config(cfg, precision)
-    return [
-        replace(measure_role(run_cfg, target.world, r, vocab, precision, exact), stands_for=stood)
-        for r, stood in layout.ranks_to_measure(run_cfg, dims, vocab)
-    ]
+    roles = layout.ranks_to_measure(run_cfg, dims, vocab)
+    measured = measure_roles(run_cfg, target.world, [r for r, _ in roles], vocab, precision, exact)
+    return [replace(m, stands_for=stood) for m, (_, stood) in zip(measured, roles, strict=True)]
 
 
 def _unit(result: DryRun) -> tuple[float, str]:
@@ -159,9 +158,10 @@ def render(result: DryRun) -> str:
             + f" | {fits:>5} {r.seconds:>6.1f}"
         )
     lines += _planner_rows(result, div)
-    if any(r.measured_blocks for r in result.ranks):
+    for small in sorted({tuple(r.measured_blocks) for r in result.ranks if r.measured_blocks}):
         lines.append(
-            "* stepped with 3 and 4 blocks per stage, each term extended along the line (loom.dryrun.blocks)"
+            f"* stepped with {small[0]} and {small[1]} blocks per stage, each term extended along the line "
+            "(loom.dryrun.blocks)"
         )
     for r in result.ranks:
         if r.measured_microbatches:
@@ -188,7 +188,7 @@ def _planner_rows(result: DryRun, div: float) -> list[str]:
         "grads": pl["grads"],
         "optim": pl["optim"],
         "act_peak": pl["activations"],
-        "buffers": 0.0,
+        "buffers": pl["buffers"],
         "peak": pl["total"],
     }
     fits = "yes" if pl["total"] <= result.target.usable else "NO"
@@ -196,7 +196,7 @@ def _planner_rows(result: DryRun, div: float) -> list[str]:
         f"{'planner (fullest stage)':>27} |"
         + "".join(f"{est[k] / div:>10.2f}" for k, _ in TERMS)
         + f" | {fits:>5}",
-        f"{'dry run / planner (max)':>27} |" + "".join(_ratio(result, k, est[k]) for k, _ in TERMS),
+        f"{'dry run / planner':>27} |" + "".join(_ratio(result, k, est[k]) for k, _ in TERMS),
     ]
 
 
@@ -205,7 +205,8 @@ def _span(ranks: list[int]) -> str:
 
 
 def _ratio(result: DryRun, key: str, planned: float) -> str:
-    measured = max(result.row(r)[key] for r in result.ranks)
+    """The rank that peaks highest (the one the planner's fullest stage stands for) over the planner, by term."""
+    measured = result.row(max(result.ranks, key=lambda r: r.peak))[key]
     return f"{'-':>10}" if planned <= 0 else f"{measured / planned:>10.2f}"
 
 

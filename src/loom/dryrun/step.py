@@ -30,9 +30,9 @@ DEVICE = torch.device("cpu")  # the fake tensors' device: loom.dryrun's docstrin
 class RankMemory:
     """Bytes one rank holds and peaks at. `params`, `grads`, `optim`: held after the step (before zero_grad),
     counted as the trainer counts them for metrics.jsonl (loom.parallel.state.model_state_bytes: local shards,
-    optimizer tensors of dim >= 1). `phases`: for each phase of the step (forward/backward, sync/clip,
-    update), the tracker's terms at its peak (loom.dryrun.fake.TERMS, 'total'),
-    as in a steady step (_steady). `tracked`: the tracker's terms after the step. `ddp_buckets`: DDP's
+    optimizer tensors of dim >= 1). `phases`: for each phase of the step (forward with the head's backward,
+    the blocks' backward, or a pipeline's warm-up and 1F1B part; sync/clip; update), the tracker's terms at
+    its peak (loom.dryrun.fake.TERMS, 'total'), as in a steady step (_steady). `tracked`: the tracker's terms after the step. `ddp_buckets`: DDP's
     gradient buckets, which no step allocates (they are made with the wrapper), added to every peak."""
 
     rank: int
@@ -217,20 +217,61 @@ def _forward_backward(par, x, y, derived: Derived, autocast, tracker) -> torch.T
     hold no values). fp16's loss scaling is left out (in place)."""
     accum = derived.grad_accum
     if par.pipeline is not None:
-        loss_sum = par.pipeline.step(x, y, autocast)
-        tracker.mark("forward/backward")
+        with _marked_first_backward(par.pipeline, tracker):
+            loss_sum = par.pipeline.step(x, y, autocast)
+        tracker.mark("1F1B and cool-down")
         return loss_sum
     loss_sum = torch.zeros((), device=DEVICE)
     chunks = list(zip(x.chunk(accum), y.chunk(accum), strict=True))
-    for i in micro_steps(accum):
-        xm, ym = chunks[i]
-        with par.no_sync(skip=i < accum - 1), par.loss_context():
-            with autocast():
-                loss = par.forward(xm, ym) / accum
-            loss.backward()
-        loss_sum += loss.detach()
-    tracker.mark("forward/backward")
+    blocks = par.plan.blocks(par.model)
+    # The backward pass peaks at one of two moments: the head's backward (every block's activations held, the
+    # loss's temporaries) or the end (the root's gradients reduced). Which one wins can change with the number
+    # of blocks (the first grows with each, the second does not), so each is a phase of its own: what
+    # loom.dryrun.blocks extends along its line is each moment's peak.
+    hook = blocks[-1].register_full_backward_pre_hook(lambda *_: tracker.mark("forward, head backward"))
+    try:
+        for i in micro_steps(accum):
+            xm, ym = chunks[i]
+            with par.no_sync(skip=i < accum - 1), par.loss_context():
+                with autocast():
+                    loss = par.forward(xm, ym) / accum
+                loss.backward()
+            tracker.mark("block backward")
+            loss_sum += loss.detach()
+    finally:
+        hook.remove()
     return loss_sum
+
+
+@contextlib.contextmanager
+def _marked_first_backward(pipeline, tracker):
+    """A pipeline step's warm-up (its forwards up to the first backward) is a phase of its own: the step peaks
+    either there (the in-flight micro-batches' activations) or in the backwards that follow (the same, with
+    FSDP's unsharded parameters and accumulated gradients held from the first backward on: torch's stage skips
+    the reshard and the reduce-scatter until the last), and which one wins can change with the number of blocks.
+    Each phase's peak is at the same moment for any number of blocks and micro-batches: each extends along its
+    line (loom.dryrun.blocks)."""
+    schedule = pipeline.schedule
+    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+    first = []
+
+    def wrap(backward):
+        def marked(*args, **kwargs):
+            if not first:
+                first.append(True)
+                tracker.mark("warm-up")
+            return backward(*args, **kwargs)
+
+        return marked
+
+    saved = [stage.backward_one_chunk for stage in stages]
+    for stage in stages:
+        stage.backward_one_chunk = wrap(stage.backward_one_chunk)
+    try:
+        yield
+    finally:
+        for stage, backward in zip(stages, saved, strict=True):
+            stage.backward_one_chunk = backward
 
 
 def _sync_and_clip(par, loss_sum: torch.Tensor, max_norm: float) -> None:
