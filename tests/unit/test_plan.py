@@ -94,17 +94,19 @@ def test_enumeration_is_valid_and_complete():
     seqs = wl.global_batch_tokens // wl.seq_len
     keys = set()
     for c in cands:
-        assert c.dp * c.tp * c.pp == 64
+        assert c.dp * c.cp * c.tp * c.pp == 64
         assert shape.n_head % c.tp == 0 and 8 % c.tp == 0  # tensor parallel inside a node
+        kv = shape.n_kv_head or shape.n_head
+        assert c.cp == 1 or (8 % (c.cp * c.tp) == 0 and (kv // c.tp) % c.cp == 0 and c.zero != 1)  # Ulysses
         assert 1 <= c.pp <= shape.n_layer
         assert seqs == c.dp * c.micro_batch * c.n_micro and c.n_micro >= c.pp  # 1F1B: m >= pp
-        assert c.zero in (0, 1, 2, 3) and (c.dp > 1 or c.zero == 0)
+        assert c.zero in (0, 1, 2, 3) and (c.dp * c.cp > 1 or c.zero == 0)
         assert c.activation_checkpointing in ("none", "full")  # flash attention: selective == none
         assert 0 <= c.bubble < 1 and c.step_time_s > 0
         assert c.replicate == 1 or (c.zero == 3 and 1 < c.replicate < c.dp and c.dp % c.replicate == 0)
-        keys.add((c.dp, c.tp, c.pp, c.zero, c.replicate, c.micro_batch, c.activation_checkpointing))
+        keys.add((c.dp, c.cp, c.tp, c.pp, c.zero, c.replicate, c.micro_batch, c.activation_checkpointing))
     assert len(keys) == len(cands)
-    degrees = {(c.dp, c.tp, c.pp) for c in cands}
+    degrees = {(c.dp, c.tp, c.pp) for c in cands if c.cp == 1}
     assert {(64, 1, 1), (8, 8, 1), (1, 8, 8), (2, 1, 32), (4, 2, 8)} <= degrees
     assert not {(4, 16, 1), (1, 1, 64)} & degrees  # tp=16 would cross nodes; 64 stages > 32 layers
     fits = [c.fits for c in cands]
@@ -130,7 +132,7 @@ def test_bubble_and_communication_formulas():
     flat = {
         c.zero: c
         for c in cands
-        if c.tp == c.pp == 1 and c.activation_checkpointing == "none" and c.replicate == 1
+        if c.tp == c.pp == c.cp == 1 and c.activation_checkpointing == "none" and c.replicate == 1
     }
     psi = wl.shape.param_count()
     assert flat[0].comm_gb["dp"] == pytest.approx(2 * 7 / 8 * psi * 4 / 1e9, rel=1e-3)
@@ -151,7 +153,7 @@ def test_hsdp_shards_within_a_group_and_all_reduces_across_replicas():
     by = {
         c.replicate: c
         for c in cands
-        if c.tp == c.pp == 1 and c.zero == 3 and c.activation_checkpointing == "none"
+        if c.tp == c.pp == c.cp == 1 and c.zero == 3 and c.activation_checkpointing == "none"
     }
     assert sorted(by) == [1, 2, 4]  # 8 ranks: groups of 8 (plain FSDP), 4 x 2, 2 x 4
     for r, c in by.items():
@@ -180,7 +182,7 @@ def test_hsdp_shards_within_a_group_and_all_reduces_across_replicas():
     )
     assert big[0].zero == 3 and big[0].replicate > 1 and "HSDP" in big[0].reason
     flat_fsdp = min(
-        (c for c in big if c.zero == 3 and c.replicate == 1 and c.tp == c.pp == 1),
+        (c for c in big if c.zero == 3 and c.replicate == 1 and c.tp == c.pp == c.cp == 1),
         key=lambda c: c.step_time_s,
     )
     assert big[0].step_time_s < flat_fsdp.step_time_s

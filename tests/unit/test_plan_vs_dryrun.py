@@ -9,6 +9,7 @@ asks 15 %; the planner is within 0.2 %, and a 2 % drift fails). A planner term t
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loom.config import load_config, validate
 from loom.dryrun.layout import Target, gpu_precision, pipeline_supported, planner_estimate
@@ -28,6 +29,9 @@ LLAMA = ["--model.family=llama", "--model.n_kv_head=2", "--model.ffn_hidden=2816
 NEEDS_PIPELINE = pytest.mark.skipif(
     not pipeline_supported(), reason="the dry run of pipeline layouts needs torch >= 2.13's pipelining"
 )
+# The planner models torch 2.13. Under tensor parallel torch 2.11 keeps more at the head's backward (+25 MiB in
+# these layouts, about 1.6 of the loss's fp32 vocabulary shards: its loss_parallel), within 10 % of the peak.
+TORCH_213 = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 TERMS = {
     "params": "params",
     "grads": "grads",
@@ -77,10 +81,11 @@ def test_planner_terms_equal_the_dry_run(layout, exact_terms):
     measured, planned = result.row(worst), result.planner
     for key in ("params", "grads", "optim"):
         assert planned[key] == pytest.approx(measured[key], rel=0.005), key
-    if exact_terms:
+    older = not TORCH_213 and any(flag.startswith("--parallel.tp=") for flag in layout)
+    if exact_terms and not older:
         for key in ("act_peak", "buffers"):
             assert planned[TERMS[key]] == pytest.approx(measured[key], rel=0.01, abs=2**20), key
-    assert planned["total"] == pytest.approx(measured["peak"], rel=0.05)
+    assert planned["total"] == pytest.approx(measured["peak"], rel=0.10 if older else 0.05)
 
 
 # `loom train --dry-run CONFIG --world N [flags]` on torch 2.13, after issue 29's fixes: the largest rank's peak
@@ -107,3 +112,24 @@ def test_planner_within_15_percent_of_the_dry_run_at_scale(path, world, flags, d
     dims = validate(cfg, world)[1]
     est = planner_estimate(cfg, dims, Target(world), cfg.model.vocab_size, gpu_precision(cfg, "H100"))
     assert est.memory_gb["total"] * 1e9 == pytest.approx(dry_peak, rel=0.02)  # the issue asks 15 %
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        LLAMA + ["--parallel.cp=2", "--parallel.dp_impl=fsdp"],
+        LLAMA + ["--model.n_kv_head=4", "--parallel.cp=2", "--parallel.tp=2", "--parallel.sp=true"],
+    ],
+    ids=["cp2-fsdp", "cp2-tp2"],
+)
+def test_planner_models_context_parallel_within_15_percent(layout):
+    """Context parallel (Ulysses): model states sharded over dp x cp as the dry run holds them; activations of
+    s / cp tokens a rank. The planner leaves out Ulysses' all-to-all copies (the dry run's activations are
+    ~15 % above its own at cp 2-4), so its peak is held to the issue's 15 %, not the 5 % of the rest."""
+    cfg = load_config(None, BASE + ["--model.block_size=2048"] + layout)
+    result = dry_run(cfg, Target(4), advise=False)
+    worst = max(result.ranks, key=lambda r: r.peak)
+    measured, planned = result.row(worst), result.planner
+    for key in ("params", "grads", "optim"):
+        assert planned[key] == pytest.approx(measured[key], rel=0.005), key
+    assert planned["total"] == pytest.approx(measured["peak"], rel=0.15)

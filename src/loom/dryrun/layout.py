@@ -192,18 +192,15 @@ def planner_inputs(cfg: Config, target: Target, vocab: int, precision: str):
 
 def zero_stage(dims: ParallelDims) -> int:
     """The ZeRO stage of loom's data-parallel implementation (tp/pp layouts' ddp is FSDP with one shard)."""
-    if dims.dp_impl in ("fsdp", "zero2") and dims.dp_shard > 1:
+    if dims.dp_impl in ("fsdp", "zero2") and dims.fsdp_shard > 1:
         return 3 if dims.dp_impl == "fsdp" else 2
     return 1 if dims.dp_impl == "zero1" else 0
 
 
 def planner_estimate(cfg: Config, dims: ParallelDims, target: Target, vocab: int, precision: str):
-    """loom.plan's estimate of exactly this layout (its fullest pipeline stage); None with context parallel,
-    which the planner does not model."""
+    """loom.plan's estimate of exactly this layout (its fullest pipeline stage)."""
     from loom.plan.estimate import Candidate, evaluate
 
-    if dims.cp > 1:
-        return None
     shape, cluster, wl = planner_inputs(cfg, target, vocab, precision)
     derived, _ = validate(cfg, target.world)
     zero = zero_stage(dims)
@@ -217,6 +214,7 @@ def planner_estimate(cfg: Config, dims: ParallelDims, target: Target, vocab: int
         n_micro=derived.grad_accum * derived.pp_microbatches,
         replicate=dims.dp_replicate if zero == 3 else 1,
         sp=cfg.parallel.sp,
+        cp=dims.cp,
     )
     return evaluate(c, cluster, wl)
 
@@ -229,6 +227,8 @@ def layout_flags(c) -> list[str]:
         flags.append(f"--parallel.sp={str(c.sp).lower()}")
     if c.replicate > 1:
         flags.append(f"--parallel.dp_replicate={c.replicate}")
+    if c.cp > 1:
+        flags.append(f"--parallel.cp={c.cp}")
     return flags + [
         f"--train.micro_batch_size={c.micro_batch}",
         f"--train.activation_checkpointing={c.activation_checkpointing}",

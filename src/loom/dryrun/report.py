@@ -182,7 +182,7 @@ def _planner_rows(result: DryRun, div: float) -> list[str]:
     """The planner's estimate of the layout (its fullest stage) and the dry run's largest over it, by term."""
     pl = result.planner
     if not pl:
-        return [f"{'planner':>27} | loom.plan does not model context parallelism"]
+        return [f"{'planner':>27} | loom.plan has no estimate of this layout"]
     est = {
         "params": pl["params"],
         "grads": pl["grads"],

@@ -83,6 +83,7 @@ class Candidate:
     activation_checkpointing: str
     n_micro: int = 0  # micro-batches per data-parallel rank per step
     replicate: int = 1  # HSDP (zero 3): replicas of a model sharded over dp / replicate ranks
+    cp: int = 1  # context parallel (Ulysses): ranks that split each sequence; FSDP shards over them too
     sp: bool = True  # sequence parallel with tp > 1 (the planner's layouts use it; loom's default is off)
     memory_gb: dict[str, float] = field(default_factory=dict)
     comm_gb: dict[str, float] = field(default_factory=dict)  # bytes sent per GPU per step, by kind
@@ -103,6 +104,7 @@ class Candidate:
                 "pp",
                 "zero",
                 "replicate",
+                "cp",
                 "micro_batch",
                 "activation_checkpointing",
                 "n_micro",
@@ -132,28 +134,32 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, wl: Workload, attenti
     HSDP (zero 3 with replicate r) needs 1 < r < dp."""
     node = min(cluster.gpus_per_node, cluster.gpus)
     seqs = wl.global_batch_tokens // wl.seq_len
+    kv = shape.n_kv_head or shape.n_head
     for tp in _divisors(node):
-        if (
-            shape.n_head % tp
-            or (shape.n_kv_head or shape.n_head) % tp
-            or shape.padded_vocab % tp
-            or wl.seq_len % tp
-        ):
+        if shape.n_head % tp or kv % tp or shape.padded_vocab % tp or wl.seq_len % tp:
             continue
         for pp in _divisors(cluster.gpus // tp) if cluster.gpus % tp == 0 else []:
             if pp > shape.n_layer:
                 continue
-            dp = cluster.gpus // (tp * pp)
-            if seqs % dp:
-                continue
-            per_rank = seqs // dp
-            for b in (1, 2, 4, 8, 16, 32, 64):
-                if per_rank % b or per_rank // b < pp:
+            for cp in _divisors(cluster.gpus // (tp * pp)):
+                # Ulysses (loom's default cp_impl): cp x tp | n_kv_head, the cp group inside a node
+                if cp > 1 and ((kv // tp) % cp or node % (cp * tp) or wl.seq_len % (cp * tp)):
                     continue
-                for zero in range(4) if dp > 1 else (0,):
-                    for rep in [1] + [r for r in _divisors(dp)[1:-1] if zero == 3]:
-                        for ckpt in attention_modes:
-                            yield Candidate(dp, tp, pp, zero, b, ckpt, n_micro=per_rank // b, replicate=rep)
+                dp = cluster.gpus // (tp * pp * cp)
+                if seqs % dp:
+                    continue
+                per_rank = seqs // dp
+                for b in (1, 2, 4, 8, 16, 32, 64):
+                    if per_rank % b or per_rank // b < pp:
+                        continue
+                    # ZeRO-1 does not compose with cp in loom; with cp the FSDP stages shard over dp x cp
+                    zeros = [z for z in range(4) if cp == 1 or z != 1] if dp * cp > 1 else [0]
+                    for zero in zeros:
+                        for rep in [1] + [r for r in _divisors(dp)[1:-1] if zero == 3]:
+                            for ckpt in attention_modes:
+                                yield Candidate(
+                                    dp, tp, pp, zero, b, ckpt, n_micro=per_rank // b, replicate=rep, cp=cp
+                                )
 
 
 def _group_bw(span: int, cluster: Cluster) -> float:
@@ -177,8 +183,11 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     e = prec.act
     first_p, last_p, layer_p = _stage_params(shape, c.tp, c.pp)
     ckpt = c.activation_checkpointing
-    lay = Layout(c.dp, c.tp, c.pp, c.zero, c.replicate, b, c.n_micro, ckpt, c.sp)
-    c.memory_gb = {k: v / GB for k, v in peak_memory(shape, prec, s, wl.attention, lay).items()}
+    lay = Layout(c.dp, c.tp, c.pp, c.zero, c.replicate, b, c.n_micro, ckpt, c.sp, c.cp)
+    # context parallel: a rank's activations are those of s / cp tokens (Ulysses' attention sees the whole
+    # sequence with n_head / cp heads: the same bytes as s / cp tokens with every head, for flash attention)
+    sl = s // c.cp
+    c.memory_gb = {k: v / GB for k, v in peak_memory(shape, prec, sl, wl.attention, lay).items()}
     c.fits = c.memory_gb["total"] <= cluster.usable_gb
 
     # compute
@@ -190,25 +199,34 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
         "full": 8 * matmul + attn * 4 / 3,
     }[ckpt]
     flops_rate = cluster.peak_tflops * 1e12 * cluster.mfu
-    t_micro = flops_tok * b * s / (c.tp * c.pp) / flops_rate
+    t_micro = flops_tok * b * s / (c.tp * c.pp * c.cp) / flops_rate
     # tensor parallel: activations of b·s·h elements, 4 collectives per layer (6 with full recompute)
     layers_stage = math.ceil(shape.n_layer / c.pp)
     n_coll = 6 if ckpt == "full" else 4
-    tp_bytes = layers_stage * n_coll * 2 * (c.tp - 1) / c.tp * b * s * shape.n_embd * e if c.tp > 1 else 0.0
+    tp_bytes = layers_stage * n_coll * 2 * (c.tp - 1) / c.tp * b * sl * shape.n_embd * e if c.tp > 1 else 0.0
     t_tp = tp_bytes / (_group_bw(c.tp, cluster) * GB)
+    # context parallel (Ulysses): per layer four all-to-alls forward (q, k, v to head shards, the output back)
+    # and four backward, each moving (cp - 1)/cp of this rank's (b, s/cp, width/tp); recompute repeats forward's
+    width = 2 * shape.n_embd + 2 * (shape.n_kv_head or shape.n_head) * (shape.n_embd // shape.n_head)
+    cp_bytes = (
+        layers_stage * (3 if ckpt == "full" else 2) * (c.cp - 1) / c.cp * b * sl * width / c.tp * e
+        if c.cp > 1
+        else 0.0
+    )
+    t_cp = cp_bytes / (_group_bw(c.cp * c.tp, cluster) * GB)
     # pipeline: forward activation + backward gradient per micro-batch across each stage boundary
-    pp_bytes = 2 * b * s * shape.n_embd * e / c.tp if c.pp > 1 else 0.0
+    pp_bytes = 2 * b * sl * shape.n_embd * e / c.tp if c.pp > 1 else 0.0
     t_pp = pp_bytes / (_group_bw(cluster.gpus, cluster) * GB)
     slots = c.n_micro + c.pp - 1
     c.bubble = (c.pp - 1) / slots
-    pipe_time = slots * (t_micro + t_tp + t_pp)
-    # data parallel
-    ring = (c.dp - 1) / c.dp
-    dp_bw = _group_bw(c.dp * c.tp, cluster) * GB
+    pipe_time = slots * (t_micro + t_tp + t_cp + t_pp)
+    # data parallel: with cp the gradients are reduced over dp x cp ranks (the cp ranks hold the same
+    # parameters), and FSDP shards over them
+    ring = (c.dp * c.cp - 1) / (c.dp * c.cp)
+    dp_bw = _group_bw(c.dp * c.cp * c.tp, cluster) * GB
     if c.zero == 3:
-        shard = (
-            c.dp // c.replicate
-        )  # FSDP's group: dp / replicate neighbouring ranks (all of dp without HSDP)
+        # FSDP's group: dp / replicate neighbouring ranks (all of dp without HSDP), times cp
+        shard = c.dp // c.replicate * c.cp
         gather = first_p * c.n_micro * (shard - 1) / shard * (2 * prec.gather + prec.grad)
         across = (
             2 * (c.replicate - 1) / c.replicate * first_p / shard * prec.grad
@@ -222,7 +240,12 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     else:
         dp_bytes = first_p * 2 * ring * prec.grad
         t_dp, hide = dp_bytes / dp_bw, t_micro * 2 / 3
-    c.comm_gb = {"dp": dp_bytes / GB, "tp": tp_bytes * c.n_micro / GB, "pp": pp_bytes * c.n_micro / GB}
+    c.comm_gb = {
+        "dp": dp_bytes / GB,
+        "tp": tp_bytes * c.n_micro / GB,
+        "cp": cp_bytes * c.n_micro / GB,
+        "pp": pp_bytes * c.n_micro / GB,
+    }
     c.compute_s = c.n_micro * t_micro
     c.step_time_s = pipe_time + max(0.0, t_dp - hide)
     c.comm_s = c.step_time_s - c.compute_s - c.bubble * pipe_time

@@ -98,15 +98,17 @@ class Layout:
     n_micro: int
     recompute: str
     sp: bool = True
+    cp: int = 1  # context parallel: each rank holds s / cp tokens of a sequence (the caller passes s / cp)
 
     @property
     def shard(self) -> int:
-        return self.dp // self.replicate
+        """The ranks FSDP shards over: a replica's data-parallel ranks and their cp ranks (dp_shard x cp)."""
+        return self.dp // self.replicate * self.cp
 
     @property
     def fsdp(self) -> bool:
-        """loom applies FSDP2: zero2/zero3, and the data-parallel replicas of tensor/pipeline layouts."""
-        return self.zero >= 2 or (self.dp > 1 and (self.tp > 1 or self.pp > 1))
+        """loom applies FSDP2: zero2/zero3, and the data-parallel (or cp) replicas of tensor/pipeline layouts."""
+        return self.zero >= 2 or (self.dp * self.cp > 1 and (self.tp > 1 or self.pp > 1))
 
 
 def stage_memory(
@@ -120,7 +122,10 @@ def stage_memory(
     # loom's zero2 is FSDP without the reshard after forward: its parameters rest sharded too, as stage 3's
     # (whole from a block's forward to its backward: buffers)
     zero = 3 if lay.zero == 2 else lay.zero
-    p, gr, o = model_state_bytes(st.params, prec, zero, lay.shard if zero >= 2 else lay.dp)
+    shard = lay.shard if zero >= 2 else lay.dp * lay.cp
+    if lay.zero == 0 and lay.fsdp and lay.cp > 1:  # ddp with tp/pp and cp: FSDP shards over the cp ranks
+        zero, shard = 3, lay.cp
+    p, gr, o = model_state_bytes(st.params, prec, zero, shard)
     moments = _moments(shape, m, lay, st, g)
     name, (act, buf) = max(moments.items(), key=lambda kv: sum(kv[1]))
     # Gradients exist at the peak only when an earlier micro-step made them: accumulation without a pipeline
@@ -208,7 +213,7 @@ def _buffers(lay: Layout, st: Stage, g: int, vocab_rows: float) -> dict[str, flo
     embedding's gradient on a rank (the whole vocabulary's under tensor parallel: DTensor's embedding backward
     builds it whole on every TP rank before reducing it to the rank's rows)."""
     if not lay.fsdp:
-        ddp = 4.0 * st.params if lay.dp > 1 else 0.0
+        ddp = 4.0 * st.params if lay.dp * lay.cp > 1 else 0.0
         return {"forward": ddp, "backward": ddp}
     if lay.zero != 3 or lay.shard == 1:  # zero2, or replicas: every block gathered from forward to backward
         held = g * st.params

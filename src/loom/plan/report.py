@@ -47,15 +47,20 @@ def reason(c: Candidate, cands: list[Candidate], cluster: Cluster) -> str:
         else:
             need = f" (replicated states {states:.0f} GB > {usable:.0f} usable)" if states > usable else ""
             name = {1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}[c.zero]
-            parts.append(f"{name} shards {_ZERO_WHAT[c.zero]} over dp={c.dp}{need}")
+            over = f"dp x cp = {c.dp * c.cp}" if c.cp > 1 else f"dp={c.dp}"
+            parts.append(f"{name} shards {_ZERO_WHAT[c.zero]} over {over}{need}")
     if c.replicate > 1:
-        shard = c.dp // c.replicate
+        shard = c.dp // c.replicate * c.cp
         where = (
             "inside a node" if shard * c.tp <= min(cluster.gpus_per_node, cluster.gpus) else "across nodes"
         )
         parts[-1] = (
             f"HSDP: FSDP over groups of {shard} {where}, {c.replicate} replicas all-reduce gradient "
             f"shards (--parallel.dp_replicate={c.replicate})"
+        )
+    if c.cp > 1:
+        parts.append(
+            f"CP={c.cp} (Ulysses) inside a node: each rank holds 1/{c.cp} of every sequence's activations"
         )
     if c.zero == 0 and c.dp > 1 and (c.tp > 1 or c.pp > 1):
         parts.append("no ZeRO: TP/PP alone split the model states")
@@ -90,7 +95,7 @@ def model_state(c: Candidate) -> float:
 
 def table(cands: list[Candidate]) -> str:
     head = (
-        " #  dp  tp  pp zero rep  mb  ckpt  |  params  grads  optim   act  bufs  peak GB | comm GB   step s"
+        " #  dp  cp  tp  pp zero rep  mb  ckpt  |  params  grads  optim   act  bufs  peak GB | comm GB   step s"
         "  bubble   tok/s | fits | reason"
     )
     rows = [head, "-" * len(head)]
@@ -98,7 +103,7 @@ def table(cands: list[Candidate]) -> str:
         m = c.memory_gb
         comm = sum(c.comm_gb.values())
         rows.append(
-            f"{i:>2} {c.dp:>3} {c.tp:>3} {c.pp:>3} {c.zero:>4} {c.replicate:>3} {c.micro_batch:>3}  {c.activation_checkpointing[:4]:<4}"
+            f"{i:>2} {c.dp:>3} {c.cp:>3} {c.tp:>3} {c.pp:>3} {c.zero:>4} {c.replicate:>3} {c.micro_batch:>3}  {c.activation_checkpointing[:4]:<4}"
             f"  | {m['params']:>7.1f} {m['grads']:>6.1f} {m['optim']:>6.1f} {m['activations']:>5.1f}"
             f" {m['buffers']:>5.1f} {m['total']:>6.1f}    | {comm:>7.1f} {c.step_time_s:>8.2f} {c.bubble:>6.1%} {fmt_count(c.tokens_per_s):>7}"
             f" | {'yes' if c.fits else 'NO':<4} | {c.reason}"
