@@ -88,7 +88,10 @@ def test_accumulation_steps_between_the_second_and_the_last_are_left_out_exactly
     vocab = vocab_size(cfg)
     short = blocks.measure_rank_apart(cfg, 2, 0, vocab, "fp32")
     one = blocks.measure_rank_apart(_fsdp_accum(char_data, 1), 2, 0, vocab, "fp32")
-    assert short.at_peak["gathered"] == one.at_peak["gathered"] > 0
+    def most_gathered(r: step.RankMemory) -> int:  # at the peak of whichever phase holds the most
+        return max(phase["gathered"] for phase in r.phases.values())
+
+    assert most_gathered(short) == most_gathered(one) > 0
     monkeypatch.setattr(step, "micro_steps", lambda accum: list(range(accum)))
     full = blocks.measure_rank_apart(cfg, 2, 0, vocab, "fp32")
     assert _terms(short) == _terms(full)
