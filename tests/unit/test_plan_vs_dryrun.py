@@ -112,3 +112,24 @@ def test_planner_within_15_percent_of_the_dry_run_at_scale(path, world, flags, d
     dims = validate(cfg, world)[1]
     est = planner_estimate(cfg, dims, Target(world), cfg.model.vocab_size, gpu_precision(cfg, "H100"))
     assert est.memory_gb["total"] * 1e9 == pytest.approx(dry_peak, rel=0.02)  # the issue asks 15 %
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        LLAMA + ["--parallel.cp=2", "--parallel.dp_impl=fsdp"],
+        LLAMA + ["--model.n_kv_head=4", "--parallel.cp=2", "--parallel.tp=2", "--parallel.sp=true"],
+    ],
+    ids=["cp2-fsdp", "cp2-tp2"],
+)
+def test_planner_models_context_parallel_within_15_percent(layout):
+    """Context parallel (Ulysses): model states sharded over dp x cp as the dry run holds them; activations of
+    s / cp tokens a rank. The planner leaves out Ulysses' all-to-all copies (the dry run's activations are
+    ~15 % above its own at cp 2-4), so its peak is held to the issue's 15 %, not the 5 % of the rest."""
+    cfg = load_config(None, BASE + ["--model.block_size=2048"] + layout)
+    result = dry_run(cfg, Target(4), advise=False)
+    worst = max(result.ranks, key=lambda r: r.peak)
+    measured, planned = result.row(worst), result.planner
+    for key in ("params", "grads", "optim"):
+        assert planned[key] == pytest.approx(measured[key], rel=0.005), key
+    assert planned["total"] == pytest.approx(measured["peak"], rel=0.15)
