@@ -88,6 +88,7 @@ def test_accumulation_steps_between_the_second_and_the_last_are_left_out_exactly
     vocab = vocab_size(cfg)
     short = blocks.measure_rank_apart(cfg, 2, 0, vocab, "fp32")
     one = blocks.measure_rank_apart(_fsdp_accum(char_data, 1), 2, 0, vocab, "fp32")
+
     def most_gathered(r: step.RankMemory) -> int:  # at the peak of whichever phase holds the most
         return max(phase["gathered"] for phase in r.phases.values())
 
