@@ -36,3 +36,30 @@ def run_losses(run: Path, start: int = 0) -> list[tuple[int, float]]:
     """(step, loss) of every record a run wrote (those a resume superseded too), from the start-th on."""
     recs = read_jsonl(Path(run) / "metrics.jsonl", superseded=True)
     return [(r["step"], r["loss"]) for r in recs if "loss" in r][start:]
+
+
+def verify_records(tmp_path: Path, data: Path, strategies: str, *flags: str, steps: int = 6) -> list[dict]:
+    """`loom verify --strategies STRATEGIES` against one process (exit 0), its records in strategy order, each
+    checked to have passed within 1e-5 of one process's loss and parameters (fp32)."""
+    import json
+
+    loom_ok(
+        "verify",
+        "--strategies",
+        strategies,
+        "--steps",
+        str(steps),
+        "--out",
+        str(tmp_path / "v"),
+        "--data",
+        str(data),
+        "--json",
+        str(tmp_path / "v.json"),
+        *flags,
+        timeout=600,
+    )
+    recs = json.loads((tmp_path / "v.json").read_text())
+    assert [r["strategy"] for r in recs] == strategies.split(",")
+    for r in recs:
+        assert r["passed"] and r["max_abs_dloss"] <= 1e-5 and r["max_abs_dparam"] <= 1e-5, r
+    return recs

@@ -6,25 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import loomrun
 import pytest
 
 from loom.cli import main
 from loom.metrics import read_jsonl
 
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=8",
-    "--train.eval_batches=2",
-    "--train.sample_every=0",
-    "--optim.warmup_steps=3",
-    "--train.log_every=1",
-    "--train.eval_every=0",
-    "--train.device=cpu",
-    "--train.steps=4",
-]
+TINY = [*loomrun.TINY, "--train.steps=4"]
 
 
 @pytest.mark.slow

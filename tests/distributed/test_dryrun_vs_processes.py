@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import loomrun
 import pytest
 
 from loom.config import load_config
@@ -21,20 +22,7 @@ from loom.dryrun.layout import Target, check_layout, pipeline_supported, ranks_t
 from loom.metrics import read_jsonl
 
 LOOM = [sys.executable, "-m", "loom"]
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=8",
-    "--train.micro_batch_size=2",
-    "--train.eval_batches=2",
-    "--train.sample_every=0",
-    "--train.sample_tokens=0",
-    "--train.log_every=1",
-    "--train.eval_every=0",
-    "--train.device=cpu",
-]
+TINY = [*loomrun.TINY, "--train.micro_batch_size=2", "--train.sample_tokens=0"]
 LAYOUTS = {
     "fsdp4": ["--parallel.dp_impl=fsdp"],
     "tp2-dp2": ["--parallel.tp=2"],
