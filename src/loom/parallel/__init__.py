@@ -53,7 +53,7 @@ class Parallelized:
         if self.fsdp_roots:
             from loom.parallel.fsdp import set_gradient_sync
 
-            set_gradient_sync(self.fsdp_roots, last=not skip, sharded=self.dims.dp_shard > 1)
+            set_gradient_sync(self.fsdp_roots, last=not skip, sharded=self.dims.fsdp_shard > 1)
         elif skip and self.grad_sync is not None:
             return self.grad_sync.no_sync()
         elif skip and hasattr(self.forward, "no_sync"):

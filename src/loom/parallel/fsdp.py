@@ -66,11 +66,11 @@ def apply_fsdp(
 def set_gradient_sync(roots: list[nn.Module], last: bool, sharded: bool) -> None:
     """Gradient accumulation: what a micro-step's backward communicates (`last`: the step's final one).
 
-    Sharded (dp_shard > 1): every micro-step reduce-scatters, as torchtitan does, and only HSDP's all-reduce
+    Sharded (dp_shard x cp > 1): every micro-step reduce-scatters, as torchtitan does, and only HSDP's all-reduce
     across replicas waits for the last. Skipping the reduce-scatter too would keep each block's gradients
     unsharded, in the reduce dtype, from the first micro-step to the last: the whole model's gradients on
     every rank (a Llama-3-70B rank of tp 8 x fsdp 64 held 37 GiB of them, 405B's 198 GiB), the memory FSDP
-    exists to save. The sharded gradients accumulate in `.grad` instead. Replicated only (dp_shard = 1, tensor
+    exists to save. The sharded gradients accumulate in `.grad` instead. Replicated only (dp_shard x cp = 1, tensor
     or pipeline layouts' data-parallel degree): a block's unsharded gradient is its whole local gradient
     either way, so all micro-steps but the last skip the sync."""
     for root in roots:
