@@ -110,6 +110,22 @@ class Layout:
         """loom applies FSDP2: zero2/zero3, and the data-parallel (or cp) replicas of tensor/pipeline layouts."""
         return self.zero >= 2 or (self.dp * self.cp > 1 and (self.tp > 1 or self.pp > 1))
 
+    @property
+    def cp_sharded(self) -> bool:
+        """ddp with tp/pp and cp: FSDP shards over the cp ranks (stage 3, the dp ranks its replicas) and, being
+        sharded, reduce-scatters every micro-step as zero3 does."""
+        return self.zero == 0 and self.fsdp and self.cp > 1
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage loom really runs (3 for cp_sharded)."""
+        return 3 if self.cp_sharded else self.zero
+
+    @property
+    def stage_shard(self) -> int:
+        """The ranks the stage shards over (the cp ranks for cp_sharded)."""
+        return self.cp if self.cp_sharded else self.shard
+
 
 def stage_memory(
     shape: ModelShape, prec: Precision, s: int, attention: str, lay: Layout, st: Stage
@@ -121,10 +137,8 @@ def stage_memory(
     m = Micro(s, lay.micro_batch, lay.tp, lay.sp and lay.tp > 1, prec, lay.recompute, attention, 1, stream)
     # loom's zero2 is FSDP without the reshard after forward: its parameters rest sharded too, as stage 3's
     # (whole from a block's forward to its backward: buffers)
-    zero = 3 if lay.zero == 2 else lay.zero
-    shard = lay.shard if zero >= 2 else lay.dp * lay.cp
-    if lay.zero == 0 and lay.fsdp and lay.cp > 1:  # ddp with tp/pp and cp: FSDP shards over the cp ranks
-        zero, shard = 3, lay.cp
+    zero = 3 if lay.stage == 2 else lay.stage
+    shard = lay.stage_shard if zero >= 2 else lay.dp * lay.cp
     p, gr, o = model_state_bytes(st.params, prec, zero, shard)
     moments = _moments(shape, m, lay, st, g)
     name, (act, buf) = max(moments.items(), key=lambda kv: sum(kv[1]))
@@ -203,7 +217,7 @@ def _pipeline_buffers(lay: Layout, st: Stage, g: int, vocab_rows: float) -> tupl
         return 0.0, 0.0
     acc = 4 * (st.blocks * st.block_params + (vocab_rows if st.first else 0.0))
     acc += 4 * st.head_params if st.last else 0.0
-    if lay.zero != 3 or lay.shard == 1:
+    if lay.stage != 3 or lay.stage_shard == 1:
         return g * st.params, acc
     return (0.0 if st.last else g * ((st.embed_params if st.first else 0.0) + 2 * st.block_params)), acc
 
@@ -215,7 +229,7 @@ def _buffers(lay: Layout, st: Stage, g: int, vocab_rows: float) -> dict[str, flo
     if not lay.fsdp:
         ddp = 4.0 * st.params if lay.dp * lay.cp > 1 else 0.0
         return {"forward": ddp, "backward": ddp}
-    if lay.zero != 3 or lay.shard == 1:  # zero2, or replicas: every block gathered from forward to backward
+    if lay.stage != 3 or lay.stage_shard == 1:  # zero2, or replicas: every block gathered from forward to backward
         held = g * st.params
         if lay.zero < 2 and lay.n_micro > 1:  # replicas skip the sync between micro-steps: fp32 gradients
             held += 4 * st.params
