@@ -229,7 +229,8 @@ def _buffers(lay: Layout, st: Stage, g: int, vocab_rows: float) -> dict[str, flo
     if not lay.fsdp:
         ddp = 4.0 * st.params if lay.dp * lay.cp > 1 else 0.0
         return {"forward": ddp, "backward": ddp}
-    if lay.stage != 3 or lay.stage_shard == 1:  # zero2, or replicas: every block gathered from forward to backward
+    # zero2, or replicas: every block gathered from forward to backward
+    if lay.stage != 3 or lay.stage_shard == 1:
         held = g * st.params
         if lay.zero < 2 and lay.n_micro > 1:  # replicas skip the sync between micro-steps: fp32 gradients
             held += 4 * st.params
