@@ -275,6 +275,18 @@ class PrecisionConfig:
     tf32: bool = _f(True, "CUDA: TF32 tensor cores for fp32 matmuls and convolutions (ignored on CPU).")
     init_scale: float = _f(65536.0, "fp16: initial loss scale (halved after each overflow step).", gt=0)
     growth_interval: int = _f(2000, "fp16: steps without overflow after which the loss scale doubles.", gt=0)
+    fp8: str = _f(
+        "off",
+        "off | tensorwise | rowwise: FP8 matmuls in the chosen linears through torchao (the loom[fp8] extra), "
+        "weights and optimizer in high precision; tensorwise also all-gathers FSDP weights in float8 "
+        "(loom/parallel/fp8.py).",
+    )
+    fp8_filter: str = _f(
+        "auto",
+        "fp8: which linears. auto: those large enough to gain on H100 (torchao's measured thresholds); all: "
+        "every linear whose dimensions are multiples of 16 (small models, CPU).",
+    )
+    fp8_head: bool = _f(False, "fp8: the LM head too (untied heads only); off, it stays high precision.")
 
 
 @dataclass
@@ -413,6 +425,8 @@ CHOICES = {
     ("train", "async_ckpt"): ("auto", "true", "false"),
     ("train", "activation_checkpointing"): ("none", "full", "selective"),
     ("precision", "dtype"): ("fp32", "bf16", "fp16", "auto"),
+    ("precision", "fp8"): ("off", "tensorwise", "rowwise"),
+    ("precision", "fp8_filter"): ("auto", "all"),
     ("data", "align"): ("none", "bos"),
     ("data", "doc_positions"): ("continue", "restart"),
     ("parallel", "dp_impl"): ("auto", "none", "ddp", "zero1", "zero2", "fsdp", "mpi"),
@@ -852,6 +866,10 @@ def validate(
     _check_cp(cfg, dp_impl or cfg.parallel.dp_impl)
     dp = _check_mesh(cfg, world)
     impl = _resolve_dp_impl(cfg, world, dp, dp_impl)
+    if cfg.precision.fp8 != "off":
+        from loom.parallel.fp8 import check
+
+        check(cfg.precision, dataclasses.replace(cfg.parallel, dp_impl=impl), cfg.model.tie_embeddings)
     replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
     derived = _derive_batch(cfg, dp)
     p = cfg.parallel

@@ -22,15 +22,17 @@ from loom.paths import cache_dir
 
 # Dense peak TFLOP/s by (device-name substring, dtype). fp32 here means fp32 matmul without TF32.
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    # dense tensor-core peaks; fp8 where the GPU has float8 tensor cores (compute capability >= 8.9). An fp8 run's
+    # MFU is still reported against the bf16 peak, as torchtitan and nanochat do: the fp8 peak is printed beside
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0, "fp8": 1513.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
     "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 31.2},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6, "fp8": 733.0},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3, "fp8": 242.0},
     "V100": {"fp16": 125.0, "fp32": 15.7},
-    "RTX 4090": {"bf16": 165.0, "fp16": 165.0, "fp32": 82.6},
+    "RTX 4090": {"bf16": 165.0, "fp16": 165.0, "fp32": 82.6, "fp8": 330.0},
     "RTX 3090": {"bf16": 71.0, "fp16": 71.0, "fp32": 35.6},
 }
 

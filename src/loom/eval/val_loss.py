@@ -195,6 +195,7 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
             )
     check_trained_model(path, cfg, run_dir)
     cfg.train.compile, cfg.train.activation_checkpointing = False, "none"
+    cfg.precision.fp8 = "off"  # evaluation computes in high precision (loom.parallel.fp8)
     spec = spec_of(cfg)
     model = spec.build_model(cfg, meta["vocab_size"], "meta", _eot(run_dir, cfg, meta))
     dims = ParallelDims(1, env.world_size, 1, 1, env.world_size, env.rank, "fsdp")

@@ -1,7 +1,7 @@
 """Parallelism applied to a single-device model from outside, in one fixed order (torchtitan's):
 
-    tensor parallel -> pipeline split -> activation checkpointing -> compile -> FSDP/HSDP
-    -> materialize (the model was built on the meta device) -> DDP or MPI gradient sync
+    float8 conversion -> tensor parallel -> pipeline split -> activation checkpointing -> compile
+    -> FSDP/HSDP -> materialize (the model was built on the meta device) -> DDP or MPI gradient sync
 
 One module per parallelism with generic functions (tensor.py, pipeline.py, ac.py, compile.py, fsdp.py,
 ddp.py, zero.py, mpi_dp.py); what names a model's modules comes from the model side: the family's
@@ -39,6 +39,8 @@ class Parallelized:
         self.pipeline = None  # loom.parallel.pipeline.Pipeline when pp > 1
         self.fsdp_roots: list[nn.Module] = []
         self.grad_sync = None  # MPI's gradient synchroniser (loom.parallel.mpi_dp)
+        self.fp8: list[str] = []  # the linears converted to float8 (loom.parallel.fp8)
+        self.fp8_gather = False  # FSDP all-gathers their weights in float8 (scales precomputed each step)
         self.tied_group = None  # pp: the first and last stage's group, for the tied embedding/head
         self.tied: dict[str, str] = plan.tied(model)  # alias -> canonical name of one tensor ({}: untied)
         # the single-device model's names, for checkpoints: state-dict keys and the optimizer's order
@@ -96,6 +98,23 @@ class Parallelized:
         holds = not self.dims.pp_enabled or self.pipeline.holds_last
         total = self.all_reduce_sum(loss if holds else torch.zeros_like(loss))
         return total / (self.dims.dp * self.dims.cp * self.dims.tp)  # cp ranks: means of equal token counts
+
+    def refresh_fp8_scales(self) -> None:
+        """FSDP's float8 all-gather: the weight scales of the next forward, from the weights as they are now
+        (one all-reduce). After each optimizer step, and once before the first step (a resumed run then
+        gathers with scales computed the same way as the run it continues)."""
+        if self.fp8_gather:
+            from loom.parallel.fp8 import precompute_scales
+
+            precompute_scales(self.model)
+
+    def high_precision(self):
+        """Evaluation, sampling: the float8 linears compute in high precision (loom.parallel.fp8)."""
+        if not self.fp8:
+            return contextlib.nullcontext()
+        from loom.parallel.fp8 import high_precision
+
+        return high_precision(self.model)
 
     def build_optimizer(self, ocfg) -> torch.optim.Optimizer:
         if self.dims.dp_impl == "zero1" and self.dims.dp_enabled:
@@ -189,10 +208,22 @@ def parallelize(
     mesh = (
         dims.build_mesh(device.type) if dims.model_parallel or dims.fsdp_enabled or dims.cp_enabled else None
     )
+    fsdp = dims.fsdp_enabled or (dims.model_parallel and (dims.dp_enabled or dims.cp_enabled))
+    fp8 = cfg.precision.fp8
+    if fp8 != "off":
+        from loom.parallel.fp8 import convert
+
+        par.fp8 = convert(model, cfg.precision, fsdp)
+        par.fp8_gather = fsdp and fp8 == "tensorwise"
     if dims.tp_enabled:
         from loom.parallel.tensor import apply_tp
 
-        apply_tp(model, mesh["tp"], plan.tp_plan(model, dims.tp, p.sp, loss_parallel=not dims.pp_enabled))
+        tp_plan = plan.tp_plan(model, dims.tp, p.sp, loss_parallel=not dims.pp_enabled)
+        if par.fp8:
+            from loom.parallel.fp8 import tp_styles
+
+            tp_plan = tp_styles(model, tp_plan, fp8)
+        apply_tp(model, mesh["tp"], tp_plan)
         plan.retie(model)
     if dims.cp_enabled and p.cp_impl == "ring":
         from loom.parallel.ring import Ring, apply_ring
@@ -212,7 +243,7 @@ def parallelize(
     apply_ac(blocks, t.activation_checkpointing)
     if t.compile:
         apply_compile(blocks)
-    if dims.fsdp_enabled or (dims.model_parallel and (dims.dp_enabled or dims.cp_enabled)):
+    if fsdp:
         from loom.parallel.fsdp import apply_fsdp, mp_policy
 
         # the cp ranks of a data-parallel rank hold the same parameters: FSDP shards over dp_shard x cp

@@ -40,7 +40,7 @@ from loom.metrics import (
 )
 from loom.model.registry import spec_of
 from loom.optim.schedule import lr_at
-from loom.parallel import parallelize
+from loom.parallel import fp8, parallelize
 from loom.parallel.dims import ParallelDims
 from loom.parallel.state import model_state_bytes
 from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointParts, CheckpointPolicy
@@ -130,6 +130,7 @@ class Trainer:
             log.info(f"precision.dtype=auto: {dtype} on {device}")
         if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise LoomError("precision.dtype=bf16 but this GPU has no bf16", hint="use precision.dtype=fp16")
+        fp8.check_device(p.fp8, device)
         self.autocast_dtype = None if dtype == "fp32" else DTYPES[dtype]  # autocast for bf16 / fp16
         if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanogpt)
             torch.backends.cuda.matmul.allow_tf32 = p.tf32
@@ -242,6 +243,12 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    @contextlib.contextmanager
+    def _eval_precision(self):
+        """Evaluation and sampling: autocast, with any float8 linears computing in high precision."""
+        with self.parallel.high_precision(), self._autocast():
+            yield
+
     def train_step(self) -> dict:
         """One optimizer step over the global batch: accumulate micro-batches, clip, step."""
         par, accum, timer = self.parallel, self.derived.grad_accum, StepTimer(self.device, self.timing)
@@ -276,6 +283,7 @@ class Trainer:
         )
         if skip is None:
             self.scaler.step(self.optimizer)
+            par.refresh_fp8_scales()
         overflow_scale = self._update_scaler()
         self.step += 1
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, **timer.read()}
@@ -369,7 +377,7 @@ class Trainer:
         return build_evaluators(setup)
 
     def eval_context(self) -> EvalContext:
-        return EvalContext(self.parallel, self.device, self.step, self._autocast, self.tokenizer)
+        return EvalContext(self.parallel, self.device, self.step, self._eval_precision, self.tokenizer)
 
     # ---------------------------------------------------------------- the run
     def _write_run_files(self) -> Sinks:
@@ -409,6 +417,15 @@ class Trainer:
             f" | grad accum {self.derived.grad_accum} | {self.derived.tokens_per_step:,} tokens/step"
             f" | {t.steps} steps | run {self.run_dir}"
         )
+        if self.parallel.fp8:
+            gather = ", FSDP all-gathers them in float8" if self.parallel.fp8_gather else ""
+            fp8_peak = peak_flops(self.device, "fp8") if self.device.type == "cuda" else None
+            vs = f" (the fp8 peak: {fp8_peak / 1e12:,.0f} TFLOP/s)" if fp8_peak else ""
+            log.info(
+                f"fp8 ({self.cfg.precision.fp8}): {len(self.parallel.fp8)} linears in float8{gather}; "
+                f"MFU is against the {self.precision} peak{vs}"
+            )
+        self.parallel.refresh_fp8_scales()  # after init or the resumed checkpoint's weights
         stopped = None
         self.stop.install()
         try:
