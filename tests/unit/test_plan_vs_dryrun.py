@@ -8,6 +8,8 @@ asks 15 %; the planner is within 0.2 %, and a 2 % drift fails). A planner term t
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 import pytest
 import torch
 
@@ -64,13 +66,21 @@ TERMS = {
             False,
         ),
         (LLAMA + ["--parallel.dp_impl=zero2"], False),
+        # fp8: FSDP all-gathers the blocks' weights in float8 (1 byte), the rest as bf16-mixed
+        pytest.param(
+            LLAMA + ["--parallel.dp_impl=fsdp", "--precision.fp8=tensorwise", "--precision.fp8_filter=all"],
+            True,
+            marks=pytest.mark.skipif(
+                find_spec("torchao") is None, reason="the loom[fp8] extra is not installed"
+            ),
+        ),
         pytest.param(
             LLAMA + ["--parallel.pp=2", "--parallel.dp_impl=fsdp", "--model.n_layer=4"],
             True,
             marks=NEEDS_PIPELINE,
         ),
     ],
-    ids=["fsdp", "tp-sp", "ddp", "gpt2", "full-recompute-accum", "zero2", "pp-fsdp"],
+    ids=["fsdp", "tp-sp", "ddp", "gpt2", "full-recompute-accum", "zero2", "fsdp-fp8", "pp-fsdp"],
 )
 def test_planner_terms_equal_the_dry_run(layout, exact_terms):
     """Model states within 0.5 %; activations and buffers within 1 % where the planner's moment is the dry

@@ -55,6 +55,7 @@ class Precision:
     doc: str
     autocast: bool = True
     gather: int = 4  # FSDP's param_dtype (loom.parallel.fsdp.mp_policy): bf16 on GPUs when training in bf16
+    gather_block: int = 0  # a block's gathered weights when other than `gather` (fp8's float8 all-gather)
 
 
 PRECISIONS = {
@@ -68,6 +69,18 @@ PRECISIONS = {
             2,
             "fp32 params and grads, AdamW m, v in fp32, bf16 autocast; FSDP gathers bf16 (loom's 4+4+8)",
             gather=2,
+        ),
+        Precision(
+            "fp8-mixed",
+            4,
+            4,
+            8,
+            2,
+            "bf16-mixed with float8 matmuls (precision.fp8=tensorwise): FSDP gathers the blocks' weights in float8 "
+            "(1 byte), the embeddings and the unsharded gradients in bf16; torchao keeps each matmul's high-"
+            "precision input for backward, so activations are bf16-mixed's",
+            gather=2,
+            gather_block=1,
         ),
         Precision("fp16-mixed", 4, 4, 8, 2, "as bf16-mixed in fp16 with a loss scaler; FSDP gathers fp32"),
         Precision("fp32", 4, 4, 8, 4, "fp32 params and grads, Adam m, v in fp32 (4+4+8)", autocast=False),

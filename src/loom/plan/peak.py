@@ -133,6 +133,7 @@ def stage_memory(
     """params, grads, optim (held), activations and buffers at the stage's peak, the moment it is at."""
     fsdp = lay.fsdp
     g = prec.gather if fsdp else 4
+    gb = (prec.gather_block or g) if fsdp else 4  # a block's gathered weights (float8 under fp8)
     stream = g if fsdp else (4 if prec.autocast else prec.act)
     m = Micro(s, lay.micro_batch, lay.tp, lay.sp and lay.tp > 1, prec, lay.recompute, attention, 1, stream)
     # loom's zero2 is FSDP without the reshard after forward: its parameters rest sharded too, as stage 3's
@@ -140,7 +141,7 @@ def stage_memory(
     zero = 3 if lay.stage == 2 else lay.stage
     shard = lay.stage_shard if zero >= 2 else lay.dp * lay.cp
     p, gr, o = model_state_bytes(st.params, prec, zero, shard)
-    moments = _moments(shape, m, lay, st, g)
+    moments = _moments(shape, m, lay, st, g, gb)
     name, (act, buf) = max(moments.items(), key=lambda kv: sum(kv[1]))
     # Gradients exist at the peak only when an earlier micro-step made them: accumulation without a pipeline
     # (a pipeline's FSDP stages reduce theirs at the end; the first micro-step's peak comes before any).
@@ -156,7 +157,9 @@ def stage_memory(
     }
 
 
-def _moments(shape: ModelShape, m: Micro, lay: Layout, st: Stage, g: int) -> dict[str, tuple[float, float]]:
+def _moments(
+    shape: ModelShape, m: Micro, lay: Layout, st: Stage, g: int, gb: int
+) -> dict[str, tuple[float, float]]:
     """{moment: (activations, buffers)} for the stage."""
     sbh = m.s * m.b * shape.n_embd
     replicated = lay.pp > 1  # a pipeline's last stage returns its logits whole on every TP rank
@@ -177,7 +180,7 @@ def _moments(shape: ModelShape, m: Micro, lay: Layout, st: Stage, g: int) -> dic
             head += m.e * m.s * m.b * shape.padded_vocab
     vocab_rows = shape.padded_vocab * shape.n_embd if lay.tp > 1 else st.embed_params
     if lay.pp > 1:
-        gathered, acc = _pipeline_buffers(lay, st, g, vocab_rows)
+        gathered, acc = _pipeline_buffers(lay, st, g, gb, vocab_rows)
         # 1F1B: its first backward with w micro-batches in flight and nothing accumulated yet; from its second
         # on, the gradients accumulated and again w in flight (when a forward came between: m > w)
         w = st.in_flight
@@ -186,7 +189,7 @@ def _moments(shape: ModelShape, m: Micro, lay: Layout, st: Stage, g: int) -> dic
             "warm-up's end": (w * per_micro + head + fixed, gathered),
             "1F1B": (again * per_micro + head + fixed, gathered + acc),
         }
-    buf = _buffers(lay, st, g, vocab_rows)
+    buf = _buffers(lay, st, g, gb, vocab_rows)
     moments = {"head backward": (per_micro + head + fixed, buf["forward"])}
     rebuilt = 0.0
     if lay.recompute == "full":  # a block rebuilt, and its backward's gradients of the MLP's hidden tensors
@@ -208,7 +211,7 @@ def _weight_casts(shape: ModelShape, m: Micro, st: Stage, g: int) -> float:
     return m.e * (st.params - (st.embed_params if st.first else 0.0) - norms)
 
 
-def _pipeline_buffers(lay: Layout, st: Stage, g: int, vocab_rows: float) -> tuple[float, float]:
+def _pipeline_buffers(lay: Layout, st: Stage, g: int, gb: int, vocab_rows: float) -> tuple[float, float]:
     """(gathered, accumulated) of a pipeline stage: torch's pipelining keeps FSDP from reducing before the last
     micro-batch, so each block's gradient accumulates unsharded in fp32 from the stage's first backward (the
     embedding's whole-vocabulary one under TP); a non-last stage holds the embedding, a block and the next
@@ -218,11 +221,11 @@ def _pipeline_buffers(lay: Layout, st: Stage, g: int, vocab_rows: float) -> tupl
     acc = 4 * (st.blocks * st.block_params + (vocab_rows if st.first else 0.0))
     acc += 4 * st.head_params if st.last else 0.0
     if lay.stage != 3 or lay.stage_shard == 1:
-        return g * st.params, acc
-    return (0.0 if st.last else g * ((st.embed_params if st.first else 0.0) + 2 * st.block_params)), acc
+        return g * (st.params - st.blocks * st.block_params) + gb * st.blocks * st.block_params, acc
+    return (0.0 if st.last else g * (st.embed_params if st.first else 0.0) + gb * 2 * st.block_params), acc
 
 
-def _buffers(lay: Layout, st: Stage, g: int, vocab_rows: float) -> dict[str, float]:
+def _buffers(lay: Layout, st: Stage, g: int, gb: int, vocab_rows: float) -> dict[str, float]:
     """FSDP's gathered parameters and unsharded gradients, or DDP's buckets, by moment. `vocab_rows`: the
     embedding's gradient on a rank (the whole vocabulary's under tensor parallel: DTensor's embedding backward
     builds it whole on every TP rank before reducing it to the rank's rows)."""
@@ -231,7 +234,7 @@ def _buffers(lay: Layout, st: Stage, g: int, vocab_rows: float) -> dict[str, flo
         return {"forward": ddp, "backward": ddp}
     # zero2, or replicas: every block gathered from forward to backward
     if lay.stage != 3 or lay.stage_shard == 1:
-        held = g * st.params
+        held = g * (st.params - st.blocks * st.block_params) + gb * st.blocks * st.block_params
         if lay.zero < 2 and lay.n_micro > 1:  # replicas skip the sync between micro-steps: fp32 gradients
             held += 4 * st.params
         return {"forward": held, "backward": held}
@@ -243,8 +246,8 @@ def _buffers(lay: Layout, st: Stage, g: int, vocab_rows: float) -> dict[str, flo
     reducing = g * root + 4 * root + 4 * block  # FSDP reshards the root before its reduce-scatter
     # the top block's reduce-scatter: the block gathered, its unsharded gradients and their fp32 reduce-scatter
     # input
-    backward = g * (root + block) + g * block + 4 * block
-    return {"forward": g * (root + block), "backward": backward, "end": max(grads_done, reducing)}
+    backward = g * root + gb * block + g * block + 4 * block
+    return {"forward": g * root + gb * block, "backward": backward, "end": max(grads_done, reducing)}
 
 
 def peak_memory(shape: ModelShape, prec: Precision, s: int, attention: str, lay: Layout) -> dict:
