@@ -191,6 +191,7 @@ def _devices() -> list[dict]:
                     "multiprocessors": p.multi_processor_count,
                     "bf16": cc >= (8, 0),
                     "tf32": cc >= (8, 0),
+                    "fp8": cc >= (8, 9),  # float8 tensor cores: Ada, Hopper, Blackwell (precision.fp8)
                 }
             )
     return out
@@ -284,6 +285,32 @@ def triton_info() -> dict:
     return {"available": True, "version": triton.__version__, "kernels": where}
 
 
+def fp8_info() -> dict:
+    """Whether precision.fp8 can run: torchao (the loom[fp8] extra) and where its float8 matmuls run."""
+    import torch
+
+    spec = importlib.util.find_spec("torchao")
+    if spec is None:
+        return {"available": False, "error": "torchao not installed (pip install 'loom[fp8]')"}
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("torchao")
+    except PackageNotFoundError:
+        v = "unknown"
+    caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    if caps:
+        fast = [i for i, c in enumerate(caps) if c >= (8, 9)]
+        where = (
+            f"float8 tensor cores on GPU {fast}"
+            if fast
+            else "no GPU here has float8 tensor cores (cc >= 8.9)"
+        )
+    else:
+        where = "CPU emulation (for tests; no speed-up)"
+    return {"available": True, "version": v, "matmuls": where}
+
+
 _COMPILE_PROBE = """
 import time, torch
 t = time.perf_counter()
@@ -352,6 +379,7 @@ def collect(check_compile: bool = True, compile_timeout: float = 120, check_mpi:
         "env": {k: os.environ[k] for k in sorted(os.environ) if k in ENV_EFFECTS or k.startswith("NCCL_")},
         "mpi": mpi_info(child=mpi_child) if check_mpi else {"checked": False},
         "triton": triton_info(),
+        "fp8": fp8_info(),
         "compile": compile_check(compile_timeout, compile_child) if check_compile else {"checked": False},
         "launchers": launchers(),
     }
@@ -414,6 +442,7 @@ def render(r: dict) -> None:
         )
     )
     tr = r["triton"]
+    f8 = r["fp8"]
     cp = r["compile"]
     rows += [
         ("mpi", mpi),
@@ -421,6 +450,7 @@ def render(r: dict) -> None:
             "triton",
             f"{tr['version']}, kernels: {tr['kernels']}" if tr["available"] else f"no ({tr['error']})",
         ),
+        ("fp8", f"torchao {f8['version']}, {f8['matmuls']}" if f8["available"] else f"no ({f8['error']})"),
         (
             "torch.compile",
             "not checked (--no-compile-check)"
@@ -436,7 +466,7 @@ def render(r: dict) -> None:
     con.print(kv)
     if r["devices"]:
         dev = Table(title="devices", title_justify="left")
-        for col in ("#", "name", "memory", "capability", "SMs", "bf16", "tf32"):
+        for col in ("#", "name", "memory", "capability", "SMs", "bf16", "tf32", "fp8"):
             dev.add_column(col)
         for d in r["devices"]:
             dev.add_row(
@@ -447,6 +477,7 @@ def render(r: dict) -> None:
                 str(d["multiprocessors"]),
                 _yes(d["bf16"]),
                 _yes(d["tf32"]),
+                _yes(d["fp8"]),
             )
         con.print(dev)
     else:

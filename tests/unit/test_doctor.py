@@ -8,6 +8,7 @@ checked for its keys and for what is known about this machine (CPU-only torch, n
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -101,6 +102,7 @@ def test_json_report_on_this_machine(capsys):
         "env",
         "mpi",
         "triton",
+        "fp8",
         "compile",
         "launchers",
         "problems",
@@ -115,6 +117,10 @@ def test_json_report_on_this_machine(capsys):
 
     if not torch.cuda.is_available():
         assert r["devices"] == [] and r["torch"]["backends"]["gloo"] is True
+        if r["fp8"]["available"]:  # torchao installed: float8 matmuls emulated on this CPU
+            assert r["fp8"]["matmuls"].startswith("CPU emulation")
+    if importlib.util.find_spec("torchao") is None:
+        assert "loom[fp8]" in r["fp8"]["error"]
     if r["mpi"]["mpi4py"] and "error" not in r["mpi"]:
         assert r["mpi"]["vendor"] and isinstance(r["mpi"]["cuda_aware"], bool)
 
