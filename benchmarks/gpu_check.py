@@ -26,6 +26,11 @@ Checks, in order:
   bench-long-doc-mask  the same with data.doc_mask=true (FlexAttention's block mask, documents of ~2048
                        tokens): the same figures and its speed over the flash run's
   nanogpt              nanoGPT's own train.py on the same shape (compile on), with --nanogpt PATH
+  bench-train-fp8-gpt2 GPT-2 124M at T=2048, compiled: bf16 against fp8 tensorwise and rowwise (loom bench train
+                       --fp8, interleaved rounds, one micro-batch): tokens/s, speed over bf16, peak memory
+  bench-train-fp8-1b   the same for a ~1B Llama (16 layers, 2048 wide, 32k vocabulary) at T=2048
+                       The two fp8 checks need torchao and take minutes of compilation each: past the kit's
+                       default budget, run them with --only bench-train-fp8-gpt2,bench-train-fp8-1b
 On a bare GPU machine (an interpreter that already has torch with CUDA and loom's dependencies, no package
 index) `make gpu-check` runs this file from the working tree with that interpreter: `--probe` says whether it
 can (exit 0) and lists what it misses. A missing optional package skips only the checks that need it: pytest
@@ -62,6 +67,7 @@ OPTIONAL = {
     "pytest": "tests-gpu",
     "triton": "bench-optim's triton kernel",
     "transformers": "the HF import/export tests in tests-gpu",
+    "torchao": "the fp8 benchmarks (bench-train-fp8-*)",
 }
 BUDGET_S = 480.0  # the whole kit on a GPU: 8 minutes, under the device machine's 10 minutes per command
 
@@ -79,6 +85,22 @@ GPU_BANDWIDTH_GBPS = {
 # GPT-2 124M as nanoGPT trains it: vocab padded to 50304, T=1024, no bias, no dropout.
 GPT2 = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50304}
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 50304}  # the same vocabulary
+# issue 31's fp8 shapes (T = 2048) and micro-batches; --cpu: TINY
+FP8_SHAPES = {
+    "gpt2": ({**GPT2, "block_size": 2048}, 8),
+    "1b": (
+        {
+            "family": "llama",
+            "n_layer": 16,
+            "n_head": 32,
+            "n_kv_head": 8,
+            "n_embd": 2048,
+            "block_size": 2048,
+            "vocab_size": 32768,
+        },
+        2,
+    ),
+}
 DP_IMPLS = ("ddp", "zero1", "zero2", "fsdp")
 VERIFY_STRATEGIES = "ddp,zero1,zero2,fsdp,tp,pp-1f1b"
 NANO_STEP = re.compile(r"^iter (\d+): loss ([-\d.naif]+), time ([\d.]+)ms")
@@ -423,6 +445,41 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         checks[
             -1
         ].why_not = "needs --nanogpt PATH (a nanoGPT checkout): would run PATH/train.py on the same shape"
+    for name, (fp8_shape, fp8_mb) in FP8_SHAPES.items():
+        fp8_json = out / f"bench-train-fp8-{name}.json"
+        fp8_argv = [
+            *LOOM,
+            "bench",
+            "train",
+            "--synthetic",
+            f"--steps={10 if cuda else 2}",
+            f"--warmup={3 if cuda else 1}",
+            *[f"--model.{k}={v}" for k, v in (fp8_shape if cuda else TINY).items()],
+            "--model.dropout=0.0",
+            "--model.bias=false",
+            f"--train.batch_size={fp8_mb if cuda else 2}",
+            f"--train.micro_batch_size={fp8_mb if cuda else 2}",
+            f"--train.device={device}",
+            "--precision.dtype=bf16",
+            f"--train.compile={'true' if cuda else 'false'}",
+            # on a GPU torchao's size rule picks the linears; the CPU's tiny model has none that big
+            *([] if cuda else ["--precision.fp8_filter=all"]),
+            "--fp8",
+            "off,tensorwise,rowwise" if cuda else "off,tensorwise",
+            "--json",
+            str(fp8_json),
+        ]
+        checks.append(
+            Check(
+                f"bench-train-fp8-{name}",
+                lambda ctx, argv=fp8_argv: [argv],
+                420,
+                lambda o, ctx, path=fp8_json: fp8_figures(path),
+                why_not="needs torchao (the loom[fp8] extra), which this interpreter lacks"
+                if "torchao" in lacking
+                else None,
+            )
+        )
     return checks
 
 
@@ -544,6 +601,16 @@ def bench_train_figures(output: str, ctx: dict) -> dict:
         "compile_s": r["compile_s"],
         "ms_per_step": round(r["ms_per_step"], 1),
     }
+
+
+def fp8_figures(path: Path) -> dict:
+    """Per recipe: tokens/s, speed over bf16 (the first mode, timed in the same rounds), peak memory."""
+    figs = {}
+    for r in json.loads(path.read_text()):
+        figs[f"{r['mode']}_tokens_per_s"] = round(r["tokens_per_s"])
+        figs[f"{r['mode']}_vs_bf16"] = round(r["speed_vs_first"], 3)
+        figs[f"{r['mode']}_peak_mem_gib"] = round(r["peak_mem_bytes"] / 2**30, 2)
+    return figs
 
 
 def long_context_figures(output: str, ctx: dict, name: str) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
@@ -27,6 +28,8 @@ CHECKS = [
     "bench-long-flash",
     "bench-long-doc-mask",
     "nanogpt",
+    "bench-train-fp8-gpt2",
+    "bench-train-fp8-1b",
 ]
 
 
@@ -67,6 +70,16 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
     assert rows["tests-gpu"]["figures"]["skip_reasons"] == ["needs a CUDA GPU"]
     assert rows["verify"]["reason"].startswith("gpu only") and "loom verify" in rows["verify"]["reason"]
     assert "would run" in rows["bench-train-compile"]["reason"] and "--train.compile=true" in md
+    if find_spec("torchao") is not None:  # the loom[fp8] extra: bf16 and fp8 timed in the same rounds
+        for name in ("bench-train-fp8-gpt2", "bench-train-fp8-1b"):
+            figs = rows[name]["figures"]
+            assert (
+                rows[name]["status"] == "pass"
+                and figs["off_vs_bf16"] == 1.0
+                and figs["tensorwise_vs_bf16"] > 0
+            )
+    else:
+        assert "needs torchao" in rows["bench-train-fp8-gpt2"]["reason"]
     long = rows["bench-long-doc-mask"]["figures"]
     assert long["block_size"] == 256 and long["tokens_per_s"] > 0 and long["over_flash"] > 0
     # the 1-process DP wrappers, and tp x pp at degree 1, apply the same update: the same loss whatever the layout

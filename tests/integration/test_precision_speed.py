@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -218,3 +219,21 @@ def test_compiled_run_reports_compile_time(char_data, tmp_path):
     assert summary["tokens_per_s"] == pytest.approx(5 * 8 * 32 / later, rel=1e-6)
     assert recs[-1]["loss"] < recs[0]["loss"]
     assert torch.compiler is not None
+
+
+@pytest.mark.skipif(find_spec("torchao") is None, reason="the loom[fp8] extra (torchao) is not installed")
+def test_bench_train_compares_fp8_recipes(tmp_path):
+    """`--fp8 off,tensorwise`: one trainer per recipe, timed in interleaved rounds, each against the first."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "train", "--synthetic", "--model.vocab_size=64", *TINY, "--steps", "2", "--warmup", "1"]
+    assert main([*args, "--precision.fp8_filter=all", "--fp8", "off,tensorwise", "--json", str(out)]) == 0
+    recs = json.loads(out.read_text())
+    assert [(r["mode"], r["fp8"]) for r in recs] == [("off", "off"), ("tensorwise", "tensorwise")]
+    assert recs[0]["speed_vs_first"] == 1.0 and recs[1]["speed_vs_first"] > 0
+
+
+def test_bench_train_fp8_bad_input(capsys):
+    assert main(["bench", "train", "--synthetic", "--model.vocab_size=64", *TINY, "--fp8", "e4m3"]) == 2
+    assert "--fp8: unknown mode(s) e4m3" in capsys.readouterr().err
+    assert main(["bench", "train", "--synthetic", *TINY, "--fp8", "off", "--ac", "full"]) == 2
+    assert "give one" in capsys.readouterr().err

@@ -1,13 +1,15 @@
 """`loom bench train`: training throughput of a config as given — tokens/s, tokens/s/device, MFU, memory.
 
     loom bench train [CONFIG] [--steps 20] [--warmup 3] [--rounds 2] [--synthetic]
-                     [--ac none,full,selective] [--json FILE] [--section.key=value ...]
+                     [--ac none,full,selective | --fp8 off,tensorwise,rowwise] [--json FILE] [--section.key=value ...]
 
 What is timed is `Trainer.train_step`, the step `loom train` runs (data, forward, backward, clipping,
 optimizer), in one process. `--synthetic` replaces the loader with one fixed random batch, so no reads or
 gathers are measured. `--ac` compares activation-checkpointing modes on the same config: one trainer per
 mode (same seed, same weights), warmed up, then timed in interleaved rounds (none, full, selective, none,
-...) so a machine that gets busier during the run slows every mode alike.
+...) so a machine that gets busier during the run slows every mode alike. `--fp8` compares precision.fp8
+recipes the same way (each mode's tokens/s over the first mode's is `speed_vs_first`); an fp8 mode's MFU is
+against the bf16 peak, as peers report it.
 
 Memory. "activations" is what one micro-batch's forward pass leaves allocated for the backward pass
 (`loom.parallel.ac.activation_bytes`, counted from the allocator's events): the figure activation
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -34,6 +37,7 @@ from loom.errors import LoomError
 from loom.metrics import peak_memory_bytes
 from loom.parallel.ac import MODES, activation_bytes
 
+FP8_MODES = ("off", "tensorwise", "rowwise")
 SYNTHETIC_DOC_LEN = 2048  # data.doc_mask=true: documents of this many tokens on average (random cuts)
 SYNTHETIC_EOT = 0  # the synthetic data's end-of-text id (data.doc_mask=true: the documents of a window)
 
@@ -100,9 +104,17 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(
-    cfg: config.Config, modes: list[str], steps: int, warmup: int, rounds: int, synthetic: bool, work: Path
+    cfg: config.Config,
+    modes: list[str],
+    steps: int,
+    warmup: int,
+    rounds: int,
+    synthetic: bool,
+    work: Path,
+    key: str = "ac",
 ) -> list[dict[str, Any]]:
-    """One record per activation-checkpointing mode; see the module docstring for what is measured."""
+    """One record per mode: activation-checkpointing modes (key 'ac') or fp8 recipes (key 'fp8'); see the
+    module docstring for what is measured."""
     from loom.env import cpu_memory_reuse
     from loom.train import Trainer
     from loom.train.setup import resolve_data, resolve_device
@@ -120,7 +132,10 @@ def measure(
     trainers = {}
     for mode in modes:
         c = copy.deepcopy(cfg)
-        c.train.activation_checkpointing = mode
+        if key == "fp8":
+            c.precision.fp8 = mode
+        else:
+            c.train.activation_checkpointing = mode
         c.train.steps = warmup + steps
         tr = Trainer(c, derived, work / f"run-{mode}", data_dir, device)
         if synthetic:
@@ -150,14 +165,18 @@ def measure(
                 _sync(device)
                 recs[mode]["peak"] = max(recs[mode]["peak"], peak_memory_bytes(device))
     out = []
-    base = recs.get("none")
+    base = recs.get("none") if key == "ac" else None
+    first = len(recs[modes[0]]["dts"]) / sum(recs[modes[0]]["dts"])
     for mode, tr in trainers.items():
         r = recs[mode]
         seconds = sum(r["dts"])
         tps = len(r["dts"]) * derived.tokens_per_step / seconds
         row = {
             "bench": "train",
-            "ac": mode,
+            "mode": mode,
+            "ac": tr.cfg.train.activation_checkpointing,
+            "fp8": tr.cfg.precision.fp8,
+            "speed_vs_first": (len(r["dts"]) / seconds) / first,
             "steps": len(r["dts"]),
             "warmup": max(warmup, 1),
             "rounds": rounds,
@@ -193,8 +212,9 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
 
     table = Table(title=title, title_justify="left")
     cols = (
-        "ac",
+        "mode",
         "tokens/s",
+        "vs first",
         "tok/s/device",
         "MFU",
         "ms/step",
@@ -205,13 +225,14 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
         "compile",
     )
     for c in cols:
-        table.add_column(c, justify="left" if c == "ac" else "right")
+        table.add_column(c, justify="left" if c == "mode" else "right")
     for r in records:
         rel = r.get("time_vs_none")
         act = r.get("activations_vs_none")
         table.add_row(
-            r["ac"],
+            r["mode"],
             f"{r['tokens_per_s']:,.0f}",
+            f"{r['speed_vs_first']:.2f}x",
             f"{r['tokens_per_s_per_device']:,.0f}",
             "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
             f"{r['ms_per_step']:.1f}",
@@ -249,6 +270,11 @@ def _parser() -> argparse.ArgumentParser:
         help="activation checkpointing modes to compare, e.g. none,full,selective "
         "(default: the config's train.activation_checkpointing)",
     )
+    p.add_argument(
+        "--fp8",
+        default=None,
+        help="precision.fp8 recipes to compare, e.g. off,tensorwise,rowwise (not with --ac)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the records as a JSON list")
     return p
 
@@ -258,14 +284,21 @@ def train_main(argv: list[str]) -> int:
     args, rest = _parser().parse_known_args(argv)
     args.config, rest = config.config_argv(argv, args.config, rest)
     cfg = config.load_config(args.config, rest)
+    if args.ac and args.fp8:
+        raise LoomError("--ac and --fp8 both compare modes: give one", hint="run the other comparison apart")
+    key, known = ("fp8", FP8_MODES) if args.fp8 else ("ac", MODES)
+    given = args.fp8 or args.ac
     modes = (
-        [m.strip() for m in args.ac.split(",") if m.strip()]
-        if args.ac
-        else [cfg.train.activation_checkpointing]
+        [m.strip() for m in given.split(",") if m.strip()] if given else [cfg.train.activation_checkpointing]
     )
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in known]
     if bad or not modes:
-        raise LoomError(f"--ac: unknown mode(s) {', '.join(bad) or '(none)'}", hint=f"use {','.join(MODES)}")
+        raise LoomError(
+            f"--{key}: unknown mode(s) {', '.join(bad) or '(none)'}", hint=f"use {','.join(known)}"
+        )
+    if key == "fp8":  # each recipe's bad input before any trainer is built
+        for m in modes:
+            config.validate(dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, fp8=m)))
     if args.steps < 1 or args.warmup < 0 or not 1 <= args.rounds <= args.steps:
         raise LoomError(
             "need --steps >= 1, --warmup >= 0 and 1 <= --rounds <= --steps; got "
@@ -277,7 +310,14 @@ def train_main(argv: list[str]) -> int:
         check_output_file(args.json, "--json")  # before the benchmark, not after it
     with tempfile.TemporaryDirectory(prefix="loom-bench-train-") as tmp:
         records = measure(
-            cfg, list(dict.fromkeys(modes)), args.steps, args.warmup, args.rounds, args.synthetic, Path(tmp)
+            cfg,
+            list(dict.fromkeys(modes)),
+            args.steps,
+            args.warmup,
+            args.rounds,
+            args.synthetic,
+            Path(tmp),
+            key,
         )
     for r in records:
         r["config"] = args.config
