@@ -144,6 +144,25 @@ def test_bubble_and_communication_formulas():
         assert c.bubble == pytest.approx((c.pp - 1) / (c.n_micro + c.pp - 1))
 
 
+def test_fp8_gathers_weights_at_one_byte():
+    # fp8-mixed (precision.fp8=tensorwise): FSDP's two all-gathers move 1 byte a parameter, the reduce-scatter
+    # fp32 as before; bf16-mixed gathers 2 bytes
+    args = ("--model", "gpt2", "--gpus", "8", "--gpu-mem", "80", "--global-batch-tokens", "8192")
+    got = {}
+    for prec in ("bf16-mixed", "fp8-mixed"):
+        _, _, wl, cands = _plan(*args, "--precision", prec)
+        got[prec] = next(
+            c
+            for c in cands
+            if (c.zero, c.replicate, c.tp, c.pp, c.cp) == (3, 1, 1, 1, 1)
+            and c.activation_checkpointing == "none"
+        )
+    psi = wl.shape.param_count()
+    assert got["fp8-mixed"].comm_gb["dp"] == pytest.approx(7 / 8 * psi * (1 + 1 + 4) / 1e9, rel=1e-3)
+    assert got["fp8-mixed"].memory_gb["buffers"] < got["bf16-mixed"].memory_gb["buffers"]
+    assert got["fp8-mixed"].memory_gb["activations"] == got["bf16-mixed"].memory_gb["activations"]
+
+
 def test_hsdp_shards_within_a_group_and_all_reduces_across_replicas():
     # HSDP r x s (dp = r * s): model states sharded s ways; FSDP's gathers within the s-rank group, plus one
     # all-reduce of each gradient shard (psi / s) across the r replicas per step

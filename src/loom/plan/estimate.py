@@ -224,10 +224,11 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     # parameters), and FSDP shards over them
     ring = (c.dp * c.cp - 1) / (c.dp * c.cp)
     dp_bw = _group_bw(c.dp * c.cp * c.tp, cluster) * GB
+    ag = prec.gather_block or prec.gather  # bytes a parameter all-gathers (fp8: the blocks' weights, 1 byte)
     if c.zero == 3:
         # FSDP's group: dp / replicate neighbouring ranks (all of dp without HSDP), times cp
         shard = c.dp // c.replicate * c.cp
-        gather = first_p * c.n_micro * (shard - 1) / shard * (2 * prec.gather + prec.grad)
+        gather = first_p * c.n_micro * (shard - 1) / shard * (2 * ag + prec.grad)
         across = (
             2 * (c.replicate - 1) / c.replicate * first_p / shard * prec.grad
         )  # HSDP: the replicas' all-reduce
@@ -235,7 +236,7 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
         t_dp = gather / (_group_bw(shard * c.tp, cluster) * GB) + across / dp_bw
         hide = c.n_micro * t_micro
     elif c.zero == 2:
-        dp_bytes = first_p * ring * (c.n_micro * prec.grad + prec.gather)
+        dp_bytes = first_p * ring * (c.n_micro * prec.grad + ag)
         t_dp, hide = dp_bytes / dp_bw, c.n_micro * t_micro * 2 / 3
     else:
         dp_bytes = first_p * 2 * ring * prec.grad
