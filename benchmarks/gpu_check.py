@@ -362,19 +362,24 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         )
     )
     mbs = args.micro_batches if cuda else [2]
-    bench = [
-        *LOOM,
-        "bench",
-        "train",
-        "--synthetic",
-        f"--steps={10 if cuda else 2}",
-        f"--warmup={3 if cuda else 1}",
-        *[f"--model.{k}={v}" for k, v in shape.items()],
-        "--model.dropout=0.0",
-        "--model.bias=false",
-        f"--train.device={device}",
-        f"--precision.dtype={'bf16' if cuda else 'fp32'}",
-    ]
+
+    def bench_base(model: dict, dtype: str) -> list[str]:
+        """loom bench train on synthetic data: a few timed steps of `model` (no dropout, no biases)."""
+        return [
+            *LOOM,
+            "bench",
+            "train",
+            "--synthetic",
+            f"--steps={10 if cuda else 2}",
+            f"--warmup={3 if cuda else 1}",
+            *[f"--model.{k}={v}" for k, v in model.items()],
+            "--model.dropout=0.0",
+            "--model.bias=false",
+            f"--train.device={device}",
+            f"--precision.dtype={dtype}",
+        ]
+
+    bench = bench_base(shape, "bf16" if cuda else "fp32")
 
     def bench_argvs(compile_: bool):
         def argvs(ctx: dict) -> list[list[str]]:
@@ -448,19 +453,9 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
     for name, (fp8_shape, fp8_mb) in FP8_SHAPES.items():
         fp8_json = out / f"bench-train-fp8-{name}.json"
         fp8_argv = [
-            *LOOM,
-            "bench",
-            "train",
-            "--synthetic",
-            f"--steps={10 if cuda else 2}",
-            f"--warmup={3 if cuda else 1}",
-            *[f"--model.{k}={v}" for k, v in (fp8_shape if cuda else TINY).items()],
-            "--model.dropout=0.0",
-            "--model.bias=false",
+            *bench_base(fp8_shape if cuda else TINY, "bf16"),
             f"--train.batch_size={fp8_mb if cuda else 2}",
             f"--train.micro_batch_size={fp8_mb if cuda else 2}",
-            f"--train.device={device}",
-            "--precision.dtype=bf16",
             f"--train.compile={'true' if cuda else 'false'}",
             # on a GPU torchao's size rule picks the linears; the CPU's tiny model has none that big
             *([] if cuda else ["--precision.fp8_filter=all"]),

@@ -40,8 +40,6 @@ import torch.nn.functional as F
 
 from loom.errors import LoomError
 
-RECIPES = ("tensorwise", "rowwise")
-FILTERS = ("auto", "all")
 MIN_CAPABILITY = (8, 9)  # Ada, Hopper and later have float8 tensor cores
 
 
