@@ -98,8 +98,10 @@ def _fsdp_rank(rank: int, world: int, path: str, out: str) -> None:
     par.model(x, y)  # one forward: each block's parameters all-gathered once, the root's
     fwd = sum(sent)
     results = _two_steps(par, _batches(), (rank, world))
+    with torch.no_grad(), par.high_precision():  # validation's path: the gathered float8 weights dequantized
+        logits = par.model(x)
     if rank == 0:
-        torch.save({"bytes": fwd, "results": results}, out)
+        torch.save({"bytes": fwd, "results": results, "logits": logits}, out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -120,6 +122,20 @@ def test_fsdp_gathers_float8_and_equals_one_process(tmp_path):
         assert loss == pytest.approx(ref_loss, abs=1e-6)
         for n, g in ref_grads.items():
             torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=n)
+    # evaluation under FSDP's float8 all-gather: a high-precision matmul of the weights as gathered, i.e. one
+    # process's weights rounded through float8 once (with the whole weight's scale)
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    with torch.no_grad():
+        for n in one.fp8:
+            w = one.model.get_submodule(n).weight
+            w.copy_(
+                hp_tensor_to_float8_dynamic(w, torch.float8_e4m3fn, LinearMMConfig()).to_original_precision()
+            )
+        with one.high_precision():
+            want = one.model(_batches()[0][0])
+    torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
 
 
 def test_verify_fp8_layouts(tmp_path, char_data):
