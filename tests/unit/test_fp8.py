@@ -123,7 +123,6 @@ def test_fp8_training_steps_learn(recipe):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--parallel.dp_impl=mpi"], "dp_impl=mpi is not supported"),
         (["--precision.dtype=fp16"], "precision.dtype=fp16"),
         (["--precision.fp8_head=true"], "model.tie_embeddings=true"),
         (["--precision.fp8=e5m2"], "precision.fp8"),

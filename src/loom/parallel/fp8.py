@@ -87,12 +87,6 @@ def check(pcfg, parallel, tie_embeddings: bool) -> None:
             "its shard of the logits in place, which the float8 matmul's output does not allow",
             hint="leave precision.fp8_head=false under tensor parallel",
         )
-    if parallel.dp_impl == "mpi":
-        raise LoomError(
-            "precision.fp8 with parallel.dp_impl=mpi is not supported: loom's MPI backend is the from-scratch "
-            "fp32 reference, tested without float8",
-            hint="use parallel.dp_impl=ddp or fsdp",
-        )
     require_torchao()
 
 
