@@ -42,7 +42,7 @@ def start(arm: str, flags: list[str], seed: int, args) -> subprocess.Popen:
         "--train.device=cpu",
         f"--train.steps={args.steps}",
         f"--train.eval_every={args.eval_every}",
-        f"--train.log_every={args.eval_every}",
+        "--train.log_every=10",
         "--train.ckpt_every=0",
         "--train.sample_every=0",
         f"--run.seed={seed}",
