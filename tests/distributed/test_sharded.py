@@ -24,13 +24,13 @@ def loom(*args, timeout=300):
     return r
 
 
-def test_verify_sharded_strategies(tmp_path, char_data):
+def test_verify_sharded_strategies_and_hsdp(tmp_path, char_data):
+    """ZeRO-1, ZeRO-2 and FSDP at 2 ranks, and HSDP (2 replicas x 2 shards, parallel.dp_replicate=2) at 4, in
+    one `loom verify` (one reference run shared by all four) against one process."""
     loom(
         "verify",
         "--strategies",
-        "zero1,zero2,fsdp",
-        "--nproc",
-        "2",
+        "zero1,zero2,fsdp,hsdp",
         "--steps",
         "30",
         "--out",
@@ -41,9 +41,13 @@ def test_verify_sharded_strategies(tmp_path, char_data):
         str(tmp_path / "v.json"),
     )
     recs = json.loads((tmp_path / "v.json").read_text())
-    assert [r["strategy"] for r in recs] == ["zero1", "zero2", "fsdp"]
+    assert [r["strategy"] for r in recs] == ["zero1", "zero2", "fsdp", "hsdp"]
     for r in recs:
         assert r["passed"] and r["max_abs_dloss"] <= 1e-5, r
+    assert [r["world_size"] for r in recs] == [2, 2, 2, 4]
+    assert recs[-1]["dp"] == 4
+    log = (tmp_path / "v" / "hsdp.log").read_text()
+    assert "replicate 2 x shard 2" in log  # the layout it ran, as the trainer describes it
 
 
 def _losses(run, start=0):
@@ -52,32 +56,43 @@ def _losses(run, start=0):
     return [(r["step"], r["loss"]) for r in recs if "loss" in r][start:]
 
 
-@pytest.mark.parametrize(
-    "saved,resumed",
-    [(("fsdp", 2), ("fsdp", 4)), (("fsdp", 2), ("none", 1)), (("zero1", 2), ("ddp", 2))],
-    ids=["fsdp2-to-fsdp4", "fsdp2-to-single", "zero1-to-ddp"],
-)
-def test_checkpoint_reshards(tmp_path, char_data, saved, resumed):
+@pytest.fixture(scope="module")
+def reshard_runs(tmp_path_factory, char_data):
+    """One process's 8 steps (the reference curve), and the 8 steps of fsdp and zero1 at 2 ranks, each saving at
+    step 4: made once, each resharding case continuing a copy of its saved run."""
+    root = tmp_path_factory.mktemp("reshard")
     base = [
         f"--data.path={char_data}",
-        f"--run.dir={tmp_path}",
+        f"--run.dir={root}",
         *TINY,
         "--train.steps=8",
         "--train.ckpt_every=4",
         "--train.keep_last=3",
     ]
     loom("train", "--run.name=ref", "--parallel.dp_impl=none", *base)
-    reference = dict(_losses(tmp_path / "ref"))
-    loom("train", f"--nproc={saved[1]}", f"--parallel.dp_impl={saved[0]}", "--run.name=saved", *base)
+    for impl in ("fsdp", "zero1"):
+        loom("train", "--nproc=2", f"--parallel.dp_impl={impl}", f"--run.name={impl}2", *base)
+    return root, dict(_losses(root / "ref"))
+
+
+@pytest.mark.parametrize(
+    "saved,resumed",
+    [(("fsdp", 2), ("fsdp", 4)), (("fsdp", 2), ("none", 1)), (("zero1", 2), ("ddp", 2))],
+    ids=["fsdp2-to-fsdp4", "fsdp2-to-single", "zero1-to-ddp"],
+)
+def test_checkpoint_reshards(tmp_path, reshard_runs, saved, resumed):
+    root, reference = reshard_runs
+    run = tmp_path / "saved"
+    shutil.copytree(root / f"{saved[0]}{saved[1]}", run)
     loom(
         "train",
         "--resume",
-        str(tmp_path / "saved" / "ckpt" / "step_000004"),
+        str(run / "ckpt" / "step_000004"),
         f"--nproc={resumed[1]}",
         f"--parallel.dp_impl={resumed[0]}",
         "--train.device=cpu",
     )
-    continued = _losses(tmp_path / "saved", start=8)
+    continued = _losses(run, start=8)
     assert [s for s, _ in continued] == [5, 6, 7, 8]
     for step, loss in continued:
         assert abs(loss - reference[step]) <= 1e-5, (step, loss, reference[step])
@@ -196,27 +211,3 @@ def test_model_state_bytes_shrink_with_sharding(tmp_path, char_data):
     for k in ("params", "grads", "optim"):
         assert half(mem["fsdp"][k], full[k]), (k, mem["fsdp"][k], full[k])
     shutil.rmtree(tmp_path / "none")
-
-
-def test_hsdp_matches_one_process(tmp_path, char_data):
-    """HSDP: 2 replicas x 2 shards (parallel.dp_replicate=2) learns the one-process curve."""
-    loom(
-        "verify",
-        "--strategies",
-        "hsdp",
-        "--nproc",
-        "4",
-        "--steps",
-        "10",
-        "--out",
-        str(tmp_path / "v"),
-        "--data",
-        str(char_data),
-        "--json",
-        str(tmp_path / "v.json"),
-    )
-    (rec,) = json.loads((tmp_path / "v.json").read_text())
-    assert rec["strategy"] == "hsdp" and rec["world_size"] == 4 and rec["dp"] == 4
-    assert rec["passed"] and rec["max_abs_dloss"] <= 1e-5, rec
-    log = (tmp_path / "v" / "hsdp.log").read_text()
-    assert "replicate 2 x shard 2" in log  # the layout it ran, as the trainer describes it
