@@ -63,3 +63,19 @@ def verify_records(tmp_path: Path, data: Path, strategies: str, *flags: str, ste
     for r in recs:
         assert r["passed"] and r["max_abs_dloss"] <= 1e-5 and r["max_abs_dparam"] <= 1e-5, r
     return recs
+
+
+def loom_here(*args: str) -> None:
+    """`loom ARGS` in this process, which must return 0: no interpreter and torch import of its own (~3.4 s of
+    CPU); `train --nproc N` starts its N workers from here. One thread, like the subprocesses (same
+    floating-point order)."""
+    import torch
+
+    from loom.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(list(args)) == 0, args
+    finally:
+        torch.set_num_threads(threads)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from loomrun import TINY
+from loomrun import TINY, loom_here
 
 from loom.metrics import read_jsonl
 
@@ -69,9 +69,9 @@ def reshard_runs(tmp_path_factory, char_data):
         "--train.ckpt_every=4",
         "--train.keep_last=3",
     ]
-    loom("train", "--run.name=ref", "--parallel.dp_impl=none", *base)
+    loom_here("train", "--run.name=ref", "--parallel.dp_impl=none", *base)
     for impl in ("fsdp", "zero1"):
-        loom("train", "--nproc=2", f"--parallel.dp_impl={impl}", f"--run.name={impl}2", *base)
+        loom_here("train", "--nproc=2", f"--parallel.dp_impl={impl}", f"--run.name={impl}2", *base)
     return root, dict(_losses(root / "ref"))
 
 
@@ -84,7 +84,7 @@ def test_checkpoint_reshards(tmp_path, reshard_runs, saved, resumed):
     root, reference = reshard_runs
     run = tmp_path / "saved"
     shutil.copytree(root / f"{saved[0]}{saved[1]}", run)
-    loom(
+    loom_here(
         "train",
         "--resume",
         str(run / "ckpt" / "step_000004"),
@@ -188,7 +188,7 @@ def test_model_state_bytes_shrink_with_sharding(tmp_path, char_data):
     (tests/distributed/test_dryrun_vs_processes.py)."""
     mem = {}
     for impl, nproc in (("none", 1), ("zero1", 2), ("zero2", 2), ("fsdp", 2)):
-        loom(
+        loom_here(
             "train",
             f"--nproc={nproc}",
             f"--parallel.dp_impl={impl}",
