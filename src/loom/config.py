@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import sys
 from dataclasses import dataclass, field, fields
@@ -866,16 +867,44 @@ def validate(
     _check_cp(cfg, dp_impl or cfg.parallel.dp_impl)
     dp = _check_mesh(cfg, world)
     impl = _resolve_dp_impl(cfg, world, dp, dp_impl)
-    if cfg.precision.fp8 != "off":
-        from loom.parallel.fp8 import check
-
-        check(cfg.precision, dataclasses.replace(cfg.parallel, dp_impl=impl), cfg.model.tie_embeddings)
+    _check_fp8(cfg)
     replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
     derived = _derive_batch(cfg, dp)
     p = cfg.parallel
     return derived, ParallelDims(
         replicate, shard, p.tp, p.pp, world, rank, impl, p.degree1_meshes and world == 1, p.cp
     )
+
+
+def _check_fp8(cfg: Config) -> None:
+    """What rules precision.fp8 out from the config alone: torchao missing (found, not imported: it is imported
+    only by the model's conversion, loom/parallel/fp8.py), a precision or head it does not compose with. A GPU
+    without float8 tensor cores: loom.parallel.fp8.check_device, once the device is known."""
+    p = cfg.precision
+    if p.fp8 == "off":
+        return
+    if p.dtype == "fp16":
+        raise LoomError(
+            "precision.fp8 with precision.dtype=fp16: float8 training runs beside bf16 or fp32 (no loss scaling)",
+            hint="use precision.dtype=bf16",
+        )
+    if p.fp8_head and cfg.model.tie_embeddings:
+        raise LoomError(
+            "precision.fp8_head=true but the head is the token embedding (model.tie_embeddings=true): the "
+            "embedding is a lookup torchao does not convert, and the shared weight cannot be both",
+            hint="leave precision.fp8_head=false, or untie the head (a Llama family)",
+        )
+    if p.fp8_head and cfg.parallel.tp > 1:
+        raise LoomError(
+            "precision.fp8_head=true with parallel.tp > 1 is not supported: the vocabulary-parallel head masks "
+            "its shard of the logits in place, which the float8 matmul's output does not allow",
+            hint="leave precision.fp8_head=false under tensor parallel",
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise LoomError(
+            f"precision.fp8={p.fp8} needs torchao, which is not installed",
+            hint="install loom's fp8 extra: pip install 'loom[fp8]' (torchao >= 0.18), or precision.fp8=off",
+        )
 
 
 def _within(v: Any, bounds: Any) -> bool:

@@ -65,31 +65,6 @@ def gpu_supports_fp8(device: torch.device) -> tuple[bool, str]:
     return (major, minor) >= MIN_CAPABILITY, f"compute capability {major}.{minor}"
 
 
-def check(pcfg, parallel, tie_embeddings: bool) -> None:
-    """What rules fp8 out from the config alone (config.validate): torchao missing, a layout or precision it
-    does not compose with. The device's part: check_device."""
-    if pcfg.fp8 == "off":
-        return
-    if pcfg.dtype == "fp16":
-        raise LoomError(
-            "precision.fp8 with precision.dtype=fp16: float8 training runs beside bf16 or fp32 (no loss scaling)",
-            hint="use precision.dtype=bf16",
-        )
-    if pcfg.fp8_head and tie_embeddings:
-        raise LoomError(
-            "precision.fp8_head=true but the head is the token embedding (model.tie_embeddings=true): the "
-            "embedding is a lookup torchao does not convert, and the shared weight cannot be both",
-            hint="leave precision.fp8_head=false, or untie the head (a Llama family)",
-        )
-    if pcfg.fp8_head and parallel.tp > 1:
-        raise LoomError(
-            "precision.fp8_head=true with parallel.tp > 1 is not supported: the vocabulary-parallel head masks "
-            "its shard of the logits in place, which the float8 matmul's output does not allow",
-            hint="leave precision.fp8_head=false under tensor parallel",
-        )
-    require_torchao()
-
-
 def check_device(fp8: str, device: torch.device) -> None:
     """A GPU without float8 tensor cores, before the model is built (a CPU emulates float8 matmuls: per-tensor
     scales from torch 2.11, per-row ones from 2.13)."""
