@@ -33,6 +33,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import types
 
 import torch
 import torch.nn as nn
@@ -200,11 +201,22 @@ def _dequantized(t):
     return t
 
 
-def _high_precision_forward(mod: nn.Module):
-    def forward(x):
-        return F.linear(_dequantized(x), _dequantized(mod.weight), mod.bias)
+def _high_precision_linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Float8Linear's plain linear (the head's with its padding mask, as the plain head does)."""
+    out = F.linear(_dequantized(x), _dequantized(mod.weight), mod.bias)
+    if getattr(mod, "mask_padding", False):
+        from loom.model.gpt import mask_padding_
 
-    return forward
+        mask_padding_(out, mod.vocab_size)
+    return out
+
+
+def _high_precision_forward(mod: nn.Module):
+    """`mod`'s high-precision forward, bound once and kept: under torch.compile a new function at every
+    evaluation would be a new guard and a recompilation each time (a bound method: a deep copy rebinds it)."""
+    if "_loom_high_precision" not in mod.__dict__:
+        mod.__dict__["_loom_high_precision"] = types.MethodType(_high_precision_linear, mod)
+    return mod.__dict__["_loom_high_precision"]
 
 
 @contextlib.contextmanager
@@ -217,15 +229,7 @@ def high_precision(model: nn.Module):
         return
     mods = [m for m in model.modules() if isinstance(m, Float8Linear)]
     for m in mods:
-        base = _high_precision_forward(m)
-        if hasattr(m, "mask_padding"):  # the head: its padding mask still applies
-            from loom.model.gpt import mask_padding_
-
-            m.forward = lambda x, m=m, base=base: (
-                mask_padding_(base(x), m.vocab_size) if m.mask_padding else base(x)
-            )
-        else:
-            m.forward = base
+        m.forward = _high_precision_forward(m)
     try:
         yield
     finally:
