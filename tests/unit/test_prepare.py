@@ -650,3 +650,33 @@ def test_the_built_in_corpus_needs_no_warning_and_users_data_keeps_them(tmp_path
         "dropped 2 document(s) with no text" in said
         and "2 document(s) repeat the text of an earlier one" in said
     )
+
+
+def test_jobs_started_together_prepare_the_built_in_corpus_once(tmp_path, monkeypatch):
+    """Two `loom train` with no data started at once: the first prepares the cache, the other waits for it and
+    reuses it (both writing one temporary folder made the second fail with 'cannot write shard')."""
+    import threading
+    import time
+
+    import loom.data.prepare as prep
+    from loom.config import load_config
+    from loom.train.setup import resolve_data
+
+    calls = []
+
+    def slow_prepare(name, out, *args, **kw):
+        calls.append(out)
+        time.sleep(0.5)  # the other job arrives meanwhile
+        out.mkdir(parents=True)
+        (out / "meta.json").write_text("{}")
+
+    monkeypatch.setattr(prep, "prepare_corpus", slow_prepare)
+    monkeypatch.setattr("loom.train.setup.check_data_dir", lambda p: {})
+    cfg = load_config(None, [f"--data.cache_dir={tmp_path}"])
+    got = []
+    jobs = [threading.Thread(target=lambda: got.append(resolve_data(cfg))) for _ in range(2)]
+    for j in jobs:
+        j.start()
+    for j in jobs:
+        j.join()
+    assert len(calls) == 1 and len(got) == 2 and got[0] == got[1] == calls[0]

@@ -5,6 +5,7 @@ All of it is checked before any expensive work, and nothing that exists is overw
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -93,12 +94,33 @@ def resolve_data(cfg: Config, main_process: bool = True) -> Path:
         check_output_dir(out, where, temp_beside=True)  # before the corpus is read and tokenized
         if not main_process:
             raise LoomError(f"the built-in corpus is not prepared at {out}", hint="run once with one process")
-        log.info(f"preparing the built-in corpus '{d.corpus}' into {out} (once; later runs reuse it)")
-        prepare_corpus(d.corpus, out, d.tokenizer, d.vocab_size, seed=cfg.run.seed)
+        # Two jobs started together (two `loom train` with no data) would both write the same temporary folder
+        # and one rename it under the other: the first prepares, the others wait for it, then reuse it.
+        with _exclusive(out.with_name(f".{out.name}.lock")):
+            if not (out / "meta.json").is_file():
+                log.info(f"preparing the built-in corpus '{d.corpus}' into {out} (once; later runs reuse it)")
+                prepare_corpus(d.corpus, out, d.tokenizer, d.vocab_size, seed=cfg.run.seed)
+            else:
+                log.info(f"using the built-in corpus another job prepared meanwhile at {out}")
     else:
         log.info(f"using the prepared built-in corpus at {out}")
     check_data_dir(out)
     return out
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path):
+    """An exclusive lock on the file `lock` (created if missing), held while the block runs; released when
+    the process ends, however it ends (flock)."""
+    import fcntl
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _newest_run(parent: Path) -> Path | None:
