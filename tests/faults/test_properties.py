@@ -215,6 +215,8 @@ def valid_tables(draw) -> dict[str, object]:
     }
     if t.get("data.doc_positions") == "restart":  # positions restart at document starts: only with doc_mask
         t["data.doc_mask"] = True
+    if t.get("precision.fp8", "off") != "off" and t.get("precision.dtype") == "fp16":  # fp8: bf16 or fp32
+        t["precision.dtype"] = "bf16"
     return dict(draw(st.permutations(sorted(t.items()))))  # any order of keys
 
 

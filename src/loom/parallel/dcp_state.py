@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from loom.errors import LoomError
 from loom.parallel.init import canonical
+from loom.parallel.tensor import plain
 
 _OPTIONS = None
 
@@ -48,9 +49,11 @@ def _optim_key(key: str, aliases: dict[str, str]) -> str:
 
 
 def _dedup(sd: dict, rename) -> dict:
+    """Renamed, a tied tensor once, and each tensor plain (loom.parallel.tensor.plain: no float8 wrapper in a
+    checkpoint; the same storage, so a load into it lands in the parameter)."""
     out: dict = {}
     for k, v in sd.items():
-        out.setdefault(rename(k), v)  # tied: one tensor under two names on one rank, saved once
+        out.setdefault(rename(k), plain(v) if isinstance(v, torch.Tensor) else v)
     return out
 
 

@@ -17,10 +17,11 @@ import torch.nn as nn
 
 from loom.parallel.dims import ParallelDims
 from loom.parallel.init import canonical, like, load_full
-from loom.parallel.tensor import is_dtensor
+from loom.parallel.tensor import is_dtensor, plain
 
 
 def _whole(t: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    t = plain(t)  # no float8 all-gather wrapper (precision.fp8 under FSDP) in a whole copy
     full = t.full_tensor() if is_dtensor(t) else t
     return full.detach().cpu() if keep else None
 

@@ -22,6 +22,24 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def plain(t):
+    """t without a wrapper subclass that only steers FSDP's all-gather (torchao's float8 weights under
+    precision.fp8: `fsdp_pre_all_gather` and the wrapped `_tensor`), a DTensor's local shard included; the
+    same storage. Checkpoints and gathered copies hold plain tensors, so they load anywhere without torchao."""
+    if is_dtensor(t):
+        inner = plain(t._local_tensor)
+        if inner is t._local_tensor:
+            return t
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            inner, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
+    if hasattr(t, "fsdp_pre_all_gather") and isinstance(getattr(t, "_tensor", None), torch.Tensor):
+        return t._tensor
+    return t
+
+
 def apply_tp(model: nn.Module, tp_mesh, plan: dict) -> None:
     """Parallelize each module of the plan over tp_mesh, in the plan's order."""
     from torch.distributed.tensor.parallel import parallelize_module
