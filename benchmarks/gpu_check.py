@@ -464,15 +464,20 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
             "--json",
             str(fp8_json),
         ]
+        why_not = (
+            "needs torchao (the loom[fp8] extra), which this interpreter lacks"
+            if "torchao" in lacking
+            else None
+        )
+        if not cuda and name != "gpt2":  # --cpu: both shapes are TINY; the first check runs it
+            why_not = f"gpu only (--cpu runs bench-train-fp8-gpt2's tiny shape): would run {cmd(fp8_argv)}"
         checks.append(
             Check(
                 f"bench-train-fp8-{name}",
                 lambda ctx, argv=fp8_argv: [argv],
                 420,
                 lambda o, ctx, path=fp8_json: fp8_figures(path),
-                why_not="needs torchao (the loom[fp8] extra), which this interpreter lacks"
-                if "torchao" in lacking
-                else None,
+                why_not=why_not,
             )
         )
     return checks

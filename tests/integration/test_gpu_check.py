@@ -71,13 +71,11 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
     assert rows["verify"]["reason"].startswith("gpu only") and "loom verify" in rows["verify"]["reason"]
     assert "would run" in rows["bench-train-compile"]["reason"] and "--train.compile=true" in md
     if find_spec("torchao") is not None:  # the loom[fp8] extra: bf16 and fp8 timed in the same rounds
-        for name in ("bench-train-fp8-gpt2", "bench-train-fp8-1b"):
-            figs = rows[name]["figures"]
-            assert (
-                rows[name]["status"] == "pass"
-                and figs["off_vs_bf16"] == 1.0
-                and figs["tensorwise_vs_bf16"] > 0
-            )
+        figs = rows["bench-train-fp8-gpt2"]["figures"]
+        assert rows["bench-train-fp8-gpt2"]["status"] == "pass", rows["bench-train-fp8-gpt2"]
+        assert figs["off_vs_bf16"] == 1.0 and figs["tensorwise_vs_bf16"] > 0
+        reason = rows["bench-train-fp8-1b"]["reason"]  # --cpu: the same tiny shape, run once
+        assert reason.startswith("gpu only") and "--fp8" in reason
     else:
         assert "needs torchao" in rows["bench-train-fp8-gpt2"]["reason"]
     long = rows["bench-long-doc-mask"]["figures"]
