@@ -28,7 +28,7 @@ Checks, in order:
   nanogpt              nanoGPT's own train.py on the same shape (compile on), with --nanogpt PATH
   bench-train-fp8-gpt2 GPT-2 124M at T=2048, compiled: bf16 against fp8 tensorwise and rowwise (loom bench train
                        --fp8, interleaved rounds, one micro-batch): tokens/s, speed over bf16, peak memory
-  bench-train-fp8-1b   the same for a ~1B Llama (16 layers, 2048 wide, 32k vocabulary) at T=2048
+  bench-train-fp8-1b   the same for a 1.0B Llama (20 layers, 2048 wide, 32k vocabulary) at T=2048
                        The two fp8 checks need torchao and take minutes of compilation each: past the kit's
                        default budget, run them with --only bench-train-fp8-gpt2,bench-train-fp8-1b
 On a bare GPU machine (an interpreter that already has torch with CUDA and loom's dependencies, no package
@@ -91,7 +91,7 @@ FP8_SHAPES = {
     "1b": (
         {
             "family": "llama",
-            "n_layer": 16,
+            "n_layer": 20,
             "n_head": 32,
             "n_kv_head": 8,
             "n_embd": 2048,
