@@ -177,6 +177,8 @@ def _cpu() -> dict:
 def _devices() -> list[dict]:
     import torch
 
+    from loom.metrics import FP8_MIN_CAPABILITY
+
     out = []
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -191,7 +193,7 @@ def _devices() -> list[dict]:
                     "multiprocessors": p.multi_processor_count,
                     "bf16": cc >= (8, 0),
                     "tf32": cc >= (8, 0),
-                    "fp8": cc >= (8, 9),  # float8 tensor cores: Ada, Hopper, Blackwell (precision.fp8)
+                    "fp8": cc >= FP8_MIN_CAPABILITY,  # float8 tensor cores (precision.fp8)
                 }
             )
     return out
@@ -289,6 +291,8 @@ def fp8_info() -> dict:
     """Whether precision.fp8 can run: torchao (the loom[fp8] extra) and where its float8 matmuls run."""
     import torch
 
+    from loom.metrics import FP8_MIN_CAPABILITY
+
     spec = importlib.util.find_spec("torchao")
     if spec is None:
         return {"available": False, "error": "torchao not installed (pip install 'loom[fp8]')"}
@@ -300,7 +304,7 @@ def fp8_info() -> dict:
         v = "unknown"
     caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
     if caps:
-        fast = [i for i, c in enumerate(caps) if c >= (8, 9)]
+        fast = [i for i, c in enumerate(caps) if c >= FP8_MIN_CAPABILITY]
         where = (
             f"float8 tensor cores on GPU {fast}"
             if fast

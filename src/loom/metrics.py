@@ -21,6 +21,7 @@ import torch
 from loom.paths import cache_dir
 
 # Dense peak TFLOP/s by (device-name substring, dtype). fp32 here means fp32 matmul without TF32.
+FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada, Hopper, Blackwell (precision.fp8, loom doctor)
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # dense tensor-core peaks; fp8 where the GPU has float8 tensor cores (compute capability >= 8.9). An fp8 run's
     # MFU is still reported against the bf16 peak, as torchtitan and nanochat do: the fp8 peak is printed beside

@@ -40,8 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loom.errors import LoomError
-
-MIN_CAPABILITY = (8, 9)  # Ada, Hopper and later have float8 tensor cores
+from loom.metrics import FP8_MIN_CAPABILITY
 
 
 def require_torchao():
@@ -60,12 +59,6 @@ def require_torchao():
     return float8
 
 
-def gpu_supports_fp8(device: torch.device) -> tuple[bool, str]:
-    """(whether this GPU has float8 tensor cores, its compute capability in words)."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return (major, minor) >= MIN_CAPABILITY, f"compute capability {major}.{minor}"
-
-
 def check_device(fp8: str, device: torch.device) -> None:
     """A GPU without float8 tensor cores, before the model is built (a CPU emulates float8 matmuls: per-tensor
     scales from torch 2.11, per-row ones from 2.13)."""
@@ -77,10 +70,11 @@ def check_device(fp8: str, device: torch.device) -> None:
         )
     if fp8 == "off" or device.type != "cuda":
         return
-    ok, cap = gpu_supports_fp8(device)
-    if not ok:
+    cap = torch.cuda.get_device_capability(device)
+    if cap < FP8_MIN_CAPABILITY:
         raise LoomError(
-            f"precision.fp8={fp8}: this GPU ({torch.cuda.get_device_name(device)}, {cap}) has no float8 "
+            f"precision.fp8={fp8}: this GPU ({torch.cuda.get_device_name(device)}, compute capability "
+            f"{cap[0]}.{cap[1]}) has no float8 "
             "tensor cores (compute capability 8.9 or higher: L4, L40S, H100, H200, B200)",
             hint="use precision.fp8=off (bf16)",
         )
@@ -235,12 +229,3 @@ def high_precision(model: nn.Module):
     finally:
         for m in mods:
             del m.forward
-
-
-def count(model: nn.Module) -> int:
-    """How many Float8Linear modules `model` has (0 without torchao)."""
-    try:
-        from torchao.float8.float8_linear import Float8Linear
-    except ImportError:
-        return 0
-    return sum(isinstance(m, Float8Linear) for m in model.modules())
