@@ -364,16 +364,28 @@ def _check_sampling(args: argparse.Namespace) -> None:
 def _eval(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="loom eval",
-        description="Validation loss and perplexity of a run, "
-        "or HellaSwag accuracy (--task hellaswag --data hellaswag_val.jsonl).",
+        description="Validation loss and perplexity of a run; HellaSwag accuracy (--task hellaswag --data "
+        "hellaswag_val.jsonl); lm-evaluation-harness tasks (--tasks arc_easy,piqa,...); the CORE score "
+        "(--suite core --bundle DIR).",
     )
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", nargs="?")
     p.add_argument("--task", default="val", choices=["val", "hellaswag"], help="val (default) | hellaswag")
     p.add_argument("--data", help="val: another prepared data directory (same tokenizer); hellaswag: JSONL")
     p.add_argument("--batches", type=int, default=None, help="validation size in global batches")
-    p.add_argument("--limit", type=int, default=None, help="hellaswag: only the first N examples")
+    p.add_argument(
+        "--limit", type=int, default=None, help="hellaswag, --tasks, CORE: only N examples per task"
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--shard", action="store_true", help=SHARD_HELP)
+    g = p.add_argument_group("capability evaluation (extra: eval)")
+    g.add_argument("--tasks", help="lm-evaluation-harness task, group or tag names, comma-separated")
+    g.add_argument("--suite", choices=["core"], help="core: the CORE score of the eval bundle at --bundle")
+    g.add_argument("--bundle", help="the CORE eval bundle folder (core.yaml, eval_meta_data.csv, eval_data/)")
+    g.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's)")
+    g.add_argument("--include-path", help="a folder of task YAMLs of your own (the harness's --include_path)")
+    g.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
+    g.add_argument("--json", help="also write the results to this JSON file")
+    g.add_argument("--runs", nargs="+", help="several runs (seeds): each scored, then mean ± spread")
     args = p.parse_args(argv)
     if args.batches is not None and args.batches < 1:
         raise LoomError(
@@ -382,10 +394,147 @@ def _eval(argv: list[str]) -> int:
         )
     if args.limit is not None and args.limit < 1:
         raise LoomError(f"--limit must be >= 1, got {args.limit}", hint="leave it out for every example")
+    if args.tasks is not None or args.suite or args.runs:
+        return _eval_capability(args)
+    if not args.run_dir:
+        raise LoomError(
+            "loom eval needs a run directory", hint="loom eval runs/NAME (or --runs A B C --tasks ...)"
+        )
     if args.task == "hellaswag":
         return _eval_hellaswag(args)
     with _run_model(args) as run:
         return _eval_val(args, run)
+
+
+def _eval_capability(args) -> int:
+    """lm-evaluation-harness tasks and/or CORE on one run or several (--runs): the tasks and the bundle are read
+    before any model. One process; a job whose ranks each hold the model (the harness splits the requests); or
+    --shard (FSDP over the job, forwards in lockstep)."""
+    from loom.eval import core, harness
+
+    runs = list(args.runs or []) + ([args.run_dir] if args.run_dir else [])
+    if not runs:
+        raise LoomError("loom eval needs a run directory", hint="loom eval RUN --tasks ... (or --runs A B C)")
+    if args.suite == "core" and not args.bundle:
+        raise LoomError("--suite core needs --bundle DIR", hint=f"the bundle: {core.WHERE}")
+    if args.bundle and args.suite != "core":
+        raise LoomError("--bundle is read by --suite core", hint="add --suite core")
+    if not (args.tasks or args.suite):
+        raise LoomError("--runs scores tasks: give --tasks and/or --suite core")
+    if args.batch_size < 1:
+        raise LoomError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise LoomError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+    for r in runs:
+        if not (Path(r) / "config.toml").is_file():
+            raise LoomError(
+                f"'{r}' is not a loom run (no config.toml)", hint="give run directories of loom train"
+            )
+    tasks = harness.load_tasks(args.tasks, args.include_path, args.num_fewshot) if args.tasks else None
+    core_tasks = core.read_bundle(args.bundle, args.limit) if args.suite == "core" else None
+    if args.json:
+        from loom.paths import check_output_file
+
+        check_output_file(args.json, "--json")
+    from loom.env import detect_env
+
+    env = detect_env()
+    if args.shard and len(runs) > 1:
+        raise LoomError("--shard scores one run per job", hint="start one job per run")
+    records = []
+    if args.shard or env.world_size == 1:  # --shard: the job is left when the (one) run's block ends
+        for r in runs:
+            with _run_model(argparse.Namespace(**{**vars(args), "run_dir": r})) as run:
+                records.append(_score_run(args, r, run, tasks, core_tasks, env))
+    else:  # every rank holds the whole model; the harness splits the requests
+        import torch.distributed as dist
+
+        from loom import log
+        from loom.distributed import process_group
+        from loom.eval.val_loss import load_run
+        from loom.train.setup import resolve_device
+
+        device = resolve_device(args.device, env.local_rank, key="--device")
+        log.setup(rank=env.rank)
+        process_group.init(env, device, 600.0)
+        try:
+            for r in runs:
+                cfg, model, tok, _, path = load_run(r, device)
+                run = _Loaded(model, tok, cfg, path, device, env.rank, env.world_size, None)
+                records.append(_score_run(args, r, run, tasks, core_tasks, env))
+            dist.barrier()
+        finally:
+            process_group.shutdown()
+    if env.rank == 0:
+        _print_spread(records)
+    return 0
+
+
+def _score_run(args, run_dir, run: _Loaded, tasks, core_tasks, env) -> dict:
+    """One run's scores: the harness's table and CORE printed, <run>/evals/step_N.json (and --json) written."""
+    import json
+    import re
+
+    import torch
+
+    from loom.eval import core, harness
+
+    device = run.device
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    lm = harness.make_lm(
+        run.model,
+        run.tok,
+        device,
+        batch_size=args.batch_size,
+        autocast=(lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else None,
+        rank=env.rank if env.world_size > 1 else 0,
+        world_size=env.world_size,
+        sharded=bool(args.shard),
+    )
+    if tasks is not None:
+        harness.check_encodable(tasks, run.tok, args.limit)
+    results = harness.evaluate(lm, tasks, args.limit, 1000) if tasks is not None else None
+    core_r = core.evaluate(lm, core_tasks) if core_tasks else None
+    if env.rank != 0:
+        return {}
+    m = re.search(r"step_(\d+)", str(run.path))
+    step = int(m.group(1)) if m else None
+    print(f"checkpoint {run.path} ({env.world_size} process(es){', sharded' if args.shard else ''})")
+    out = {"run": str(run_dir), "checkpoint": str(run.path), "step": step, "scores": {}}
+    if results is not None:
+        print(harness.table(results))
+        out["results"] = {k: results.get(k) for k in ("results", "groups", "n-shot", "versions", "n-samples")}
+        out["scores"] |= {f"lm_eval/{k}": v for k, v in harness.scores(results).items()}
+    if core_r is not None:
+        width = max(len(k) for k in core_r["accuracy"])
+        for label, acc in core_r["accuracy"].items():
+            print(
+                f"{label:<{width}}  accuracy {acc:.4f}  centered {core_r['centered'][label]:+.4f}  ({core_r['n'][label]} examples)"
+            )
+        print(f"CORE {core_r['core']:.4f} ({len(core_r['accuracy'])} tasks)")
+        out["core"] = core_r
+        out["scores"] |= {"core": core_r["core"]} | {f"core/{k}": v for k, v in core_r["accuracy"].items()}
+    text = json.dumps(out, indent=1, default=str)
+    evals = Path(run_dir) / "evals"
+    evals.mkdir(exist_ok=True)
+    name = f"step_{step}.json" if step is not None else "final.json"
+    (evals / name).write_text(text, encoding="utf-8")
+    if args.json:
+        Path(args.json).write_text(text, encoding="utf-8")
+    return out
+
+
+def _print_spread(records: list[dict]) -> None:
+    """Several runs: each score's mean ± standard deviation and range over the runs."""
+    import statistics
+
+    if len(records) < 2:
+        return
+    keys = [k for k in records[0]["scores"] if all(k in r["scores"] for r in records)]
+    print(f"\nover {len(records)} runs: mean ± std (min - max)")
+    for k in keys:
+        v = [r["scores"][k] for r in records]
+        print(f"  {k:<40} {statistics.mean(v):.4f} ± {statistics.stdev(v):.4f} ({min(v):.4f} - {max(v):.4f})")
 
 
 def _eval_val(args, run: _Loaded) -> int:

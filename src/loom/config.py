@@ -388,6 +388,28 @@ class MetricsConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Capability evaluation in the training loop (loom.eval.capability): lm-evaluation-harness tasks and the
+    CORE score, each record in metrics.jsonl (`loom eval RUN --tasks ...` scores a checkpoint the same way)."""
+
+    tasks: str = _f(
+        "",
+        "lm-evaluation-harness tasks to score every eval.every steps and at the end (comma list, or a TOML "
+        "list): its names (hellaswag, arc_easy, ...) or tasks of your own in eval.include_path (extra: eval).",
+    )
+    core_bundle: str = _f(
+        "", "A CORE eval bundle folder (core.yaml, eval_data/): the CORE score is logged too."
+    )
+    every: int = _f(0, "Score the tasks every N steps and at the end (0: only at the end).", ge=0)
+    limit: int = _f(
+        0, "Examples per task (0: all). The harness takes the first N; CORE a seeded shuffle's.", ge=0
+    )
+    num_fewshot: int = _f(-1, "Few-shot examples per prompt (-1: each task's own number).", ge=-1)
+    include_path: str = _f("", "A folder of task YAMLs of your own (the harness's --include_path).")
+    batch_size: int = _f(16, "Sequences per forward pass when scoring.", gt=0)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -397,6 +419,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -440,6 +463,9 @@ CHOICES = {
 }
 
 
+LIST_KEYS = {"eval.tasks"}  # str keys that also take a TOML list of strings
+
+
 def _sections() -> dict[str, type]:
     return {f.name: f.default_factory for f in fields(Config)}
 
@@ -477,6 +503,13 @@ def _coerce(key: str, value: Any, default: Any, from_text: bool) -> Any:
             ) from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if (
+        kind is str
+        and key in LIST_KEYS
+        and isinstance(value, list)
+        and all(isinstance(v, str) for v in value)
+    ):
+        return ",".join(value)  # a TOML list of names, kept as the comma list the command line gives
     if type(value) is not kind:
         raise LoomError(
             f"config key '{key}' expects {kind.__name__}, got {type(value).__name__} ({value!r})",
@@ -868,12 +901,33 @@ def validate(
     dp = _check_mesh(cfg, world)
     impl = _resolve_dp_impl(cfg, world, dp, dp_impl)
     _check_fp8(cfg)
+    _check_eval(cfg)
     replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
     derived = _derive_batch(cfg, dp)
     p = cfg.parallel
     return derived, ParallelDims(
         replicate, shard, p.tp, p.pp, world, rank, impl, p.degree1_meshes and world == 1, p.cp
     )
+
+
+def _check_eval(cfg: Config) -> None:
+    """eval.*: lm-evaluation-harness found (not imported: loom.eval.capability imports it when the trainer
+    starts, and checks the task names and data there, before the model is built)."""
+    e = cfg.eval
+    if not (e.tasks.strip(" ,") or e.core_bundle):
+        if e.every:
+            raise LoomError(
+                f"eval.every={e.every} has nothing to score: eval.tasks and eval.core_bundle are empty",
+                hint="name tasks (--eval.tasks=hellaswag,arc_easy) or a CORE bundle, or set eval.every=0",
+            )
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise LoomError(
+            "eval.tasks / eval.core_bundle need lm-evaluation-harness, which is not installed",
+            hint="install the eval extra: pip install 'loom[eval]'",
+        )
 
 
 def _check_fp8(cfg: Config) -> None:

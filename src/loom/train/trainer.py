@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-import loom.eval.hellaswag  # noqa: F401  (registers the evaluators it defines, as loom.generate does)
+import loom.eval.capability  # noqa: F401  (registers the evaluators it defines, as loom.generate does)
+import loom.eval.hellaswag  # noqa: F401
 import loom.generate  # noqa: F401
 from loom import faults, log
 from loom.config import Config, Derived

@@ -1,0 +1,205 @@
+"""Capability evaluation through lm-evaluation-harness: its tasks (any of its 14k, or the user's own YAMLs),
+its prompts, metrics and table; loom's model answers the requests (loom.eval.lm_adapter.LoomLM).
+
+    load_tasks(names, include_path, num_fewshot)   the tasks, their data read, before any model is loaded
+    make_lm(model, tokenizer, device, ...)         the adapter (a whole model, or an FSDP-sharded one)
+    evaluate(lm, tasks, limit)                     the harness's results (on rank 0; None elsewhere)
+    scores(results)                                {"task/metric": value}: what metrics.jsonl records
+
+Offline use: the harness reads task data through `datasets`. loom turns a task whose data cannot be had (no
+network, HF_DATASETS_OFFLINE=1, a missing local file) into one error that names the dataset and says how to
+fetch it or point a task YAML at a local copy. A task YAML with `dataset_path: json` and
+`dataset_kwargs: {data_files: ...}` needs no network at all (tests/unit/test_lm_eval.py makes such tasks).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+from loom.errors import LoomError
+
+EXTRA_HINT = "install the eval extra: pip install 'loom[eval]' (lm-evaluation-harness)"
+
+
+def require() -> None:
+    """lm-evaluation-harness importable, and quiet: its per-task notes and the datasets' progress bars would
+    drown loom's output (its warnings and errors still show)."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as e:
+        raise LoomError(f"capability evaluation needs lm-evaluation-harness ({e})", hint=EXTRA_HINT) from None
+    import logging
+
+    import datasets
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    datasets.disable_progress_bars()
+
+
+def split_names(tasks: str | list[str]) -> list[str]:
+    names = tasks if isinstance(tasks, list) else tasks.split(",")
+    return [n.strip() for n in names if n.strip()]
+
+
+def _manager(names: list[str], include_path: str | None):
+    """The harness's TaskManager. With --include-path holding every asked-for task, only that folder is
+    indexed (the harness's own 14k task files take ~15 s to index)."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path:
+        p = Path(include_path)
+        if not p.is_dir():
+            raise LoomError(f"--include-path '{p}' is not a folder", hint="a folder of task YAML files")
+        own = TaskManager(include_path=str(p), include_defaults=False)
+        if all(n in own.all_tasks for n in names):
+            return own
+    return TaskManager(include_path=include_path)
+
+
+def load_tasks(tasks: str | list[str], include_path: str | None = None, num_fewshot: int | None = None):
+    """The harness's TaskDict for `tasks` (names of tasks, groups or tags), each task's data read now.
+    An unknown name gets the nearest known ones; data that cannot be read gets what to fetch."""
+    require()
+    names = split_names(tasks)
+    if not names:
+        raise LoomError("no task names given", hint="e.g. --tasks hellaswag,arc_easy,piqa")
+    tm = _manager(names, include_path)
+    for n in names:
+        if n not in tm.all_tasks and not Path(n).is_file():
+            close = difflib.get_close_matches(n, tm.all_tasks, n=3, cutoff=0.6)
+            raise LoomError(
+                f"lm-evaluation-harness has no task '{n}'"
+                + (f": did you mean {', '.join(repr(c) for c in close)}?" if close else ""),
+                hint="`lm-eval ls tasks` lists them; a task of your own: its YAML in a folder given "
+                "with --include-path",
+            )
+    built = []
+    for n in names:
+        obj = _load_one(tm, n)
+        built.extend(obj if isinstance(obj, list) else [obj])  # a tag is a list of tasks
+    loaded = tm.load(built)
+    for task in loaded["tasks"].values():
+        if num_fewshot is not None and task.get_config("num_fewshot") != 0:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        elif task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=1234)  # the harness's default fewshot seed
+    return loaded
+
+
+def check_encodable(loaded, tokenizer, limit: int | None = None) -> None:
+    """A character-table tokenizer cannot encode characters its corpus never had: refuse, before any scoring
+    (and before training when the loop evaluates), a task whose prompts hold one (byte-level BPE encodes any
+    text, so only a character table is checked)."""
+    from loom.data.tokenizers import CharTokenizer
+
+    if not isinstance(tokenizer, CharTokenizer):
+        return
+    for name, task in loaded["tasks"].items():
+        task.build_all_requests(limit=limit, rank=0, world_size=1)
+        for inst in task.instances:
+            for text in inst.args:
+                if not isinstance(text, str):
+                    continue  # generation settings
+                try:
+                    tokenizer.encode(text)
+                except LoomError as e:
+                    raise LoomError(
+                        f"task '{name}', document {inst.doc_id}: {e.message}",
+                        hint="the run's tokenizer is a character table of its training text: score tasks in its "
+                        "characters, or train on data prepared with --tokenizer bpe",
+                    ) from None
+
+
+def _load_one(tm, name: str):
+    """Build one task or group (its data read now), or say what data it needs."""
+    try:
+        obj = tm._load_spec(name)
+    except LoomError:
+        raise
+    except Exception as e:  # datasets raises its own types (ConnectionError, DatasetNotFoundError, ...)
+        entry = tm.task_index.get(name)
+        where = f" ({entry.yaml_path})" if entry is not None and getattr(entry, "yaml_path", None) else ""
+        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+        raise LoomError(
+            f"the data of task '{name}'{where} cannot be read{' offline' if offline else ''}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+            hint='on a machine with network, load it once with the harness (python -c "import lm_eval.tasks as t; '
+            f"t.TaskManager().load('{name}')\") and copy the datasets cache (~/.cache/huggingface/datasets, "
+            "or HF_DATASETS_CACHE) here; or write the task's YAML with dataset_path: json and "
+            "dataset_kwargs: {data_files: <local JSONL>} and give its folder with --include-path",
+        ) from None
+    return obj
+
+
+def make_lm(
+    model,
+    tokenizer,
+    device,
+    *,
+    batch_size: int = 16,
+    autocast=None,
+    rank: int = 0,
+    world_size: int = 1,
+    sharded: bool = False,
+):
+    """The harness's LM over loom's model: `world_size` ranks split the requests; `sharded` (FSDP): their
+    forwards in lockstep."""
+    require()
+    import contextlib
+
+    from loom.eval.lm_adapter import LoomLM
+    from loom.eval.scoring import Scorer
+
+    if tokenizer is None:
+        raise LoomError(
+            "the run was trained on data without a tokenizer: the harness's text cannot be turned into ids",
+            hint="train on data prepared by loom (or nanogpt data with meta.pkl)",
+        )
+    if getattr(tokenizer, "eot_id", None) is None:
+        raise LoomError(
+            "the run's tokenizer has no end-of-text token, which the harness puts before an empty context and "
+            "CORE before every prompt",
+            hint="evaluate a run whose data was prepared by loom (its tokenizers always have one)",
+        )
+    scorer = Scorer(
+        model,
+        device,
+        tokenizer.eot_id,
+        tokenizer.vocab_size,
+        batch_size=batch_size,
+        autocast=autocast or contextlib.nullcontext,
+        lockstep=sharded and world_size > 1,
+    )
+    return LoomLM(scorer, tokenizer, rank=rank, world_size=world_size)
+
+
+def evaluate(lm, loaded, limit: int | float | None = None, bootstrap_iters: int = 1000) -> dict | None:
+    """The harness's evaluation of `loaded` (load_tasks) with `lm`: its results dict on rank 0, None elsewhere.
+    Each call builds the requests anew, so the same tasks can be evaluated at every step of a run."""
+    from lm_eval.evaluator import evaluate as run
+
+    return run(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters, log_samples=False)
+
+
+def scores(results: dict) -> dict[str, float]:
+    """{"task/metric": value} of every numeric metric (filter suffixes and stderrs dropped)."""
+    out = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            metric = key.split(",")[0]
+            if metric.endswith("_stderr") or metric == "alias" or not isinstance(value, int | float):
+                continue
+            out[f"{task}/{metric}"] = float(value)
+    return out
+
+
+def table(results: dict) -> str:
+    from lm_eval.utils import make_table
+
+    text = make_table(results)
+    if results.get("groups"):
+        text += "\n" + make_table(results, "groups")
+    return text
