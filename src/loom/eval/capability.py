@@ -27,8 +27,11 @@ class CapabilityEval(Every):
     def run(self, ctx: EvalContext) -> dict | None:
         from loom.eval import harness
 
+        import torch.distributed as dist
+
         par, dims = ctx.parallel, ctx.parallel.dims
-        if dims.model_parallel or dims.cp_enabled:
+        if dims.model_parallel or dims.cp_enabled or (dims.world_size > 1 and not dist.is_initialized()):
+            # a split model: a whole copy on rank 0; dp_impl=mpi (no torch.distributed): rank 0's own copy
             model, rank, world, sharded = par.sampling_model(), 0, 1, False
             if model is None:
                 return None
@@ -44,6 +47,7 @@ class CapabilityEval(Every):
             rank=rank,
             world_size=world,
             sharded=sharded,
+            all_reduce_sum=par.all_reduce_sum,
         )
         was_training = model.training
         try:

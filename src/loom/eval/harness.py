@@ -144,9 +144,10 @@ def make_lm(
     rank: int = 0,
     world_size: int = 1,
     sharded: bool = False,
+    all_reduce_sum=None,
 ):
     """The harness's LM over loom's model: `world_size` ranks split the requests; `sharded` (FSDP): their
-    forwards in lockstep."""
+    forwards in lockstep, agreeing through `all_reduce_sum` (default: torch.distributed's)."""
     require()
     import contextlib
 
@@ -171,9 +172,16 @@ def make_lm(
         tokenizer.vocab_size,
         batch_size=batch_size,
         autocast=autocast or contextlib.nullcontext,
-        lockstep=sharded and world_size > 1,
+        lockstep=(all_reduce_sum or _sum_over_ranks) if sharded and world_size > 1 else None,
     )
     return LoomLM(scorer, tokenizer, rank=rank, world_size=world_size)
+
+
+def _sum_over_ranks(t):
+    import torch.distributed as dist
+
+    dist.all_reduce(t)
+    return t
 
 
 def evaluate(lm, loaded, limit: int | float | None = None, bootstrap_iters: int = 1000) -> dict | None:

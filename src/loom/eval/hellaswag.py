@@ -167,20 +167,34 @@ def evaluate(
     rank: int = 0,
     world_size: int = 1,
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    batch_size: int = 16,
 ) -> dict:
-    """acc and acc_norm over all examples; this rank scores examples rank, rank + world, ... Every rank runs
-    the same number of forward passes (a rank with one example fewer scores one more without counting it), so
-    a sharded model, whose forward is a collective, stays in step."""
+    """acc and acc_norm over all examples; this rank scores examples rank, rank + world, ... Its endings are
+    scored as continuations of their contexts by loom.eval.scoring.Scorer (the path of the harness adapter and
+    CORE: batched by length), whose forwards run in lockstep across the ranks, so a sharded model, whose
+    forward is a collective, stays in step."""
+    from loom.eval.scoring import Scorer
+
     was_training = model.training
-    model.eval()
     block_size = model.cfg.block_size
-    counts = torch.zeros(3, dtype=torch.long, device=device)  # examples, correct (sum), correct (mean)
     mine = examples[rank::world_size]
-    for i in range(-(-len(examples) // world_size)):
-        ex = mine[i] if i < len(mine) else examples[0]
-        total, mean = ending_losses(model, *encode_example(ex, tokenizer, block_size), device)
-        if i >= len(mine):
-            continue
+    requests = []
+    for ex in mine:
+        rows, n_ctx = encode_example(ex, tokenizer, block_size)
+        requests += [(r[:c], r[c:]) for r, c in zip(rows, n_ctx, strict=True)]
+    scorer = Scorer(
+        model,
+        device,
+        tokenizer.eot_id,
+        tokenizer.vocab_size,
+        batch_size=batch_size,
+        lockstep=all_reduce_sum if world_size > 1 else None,
+    )
+    answers = scorer.continuations(requests)
+    counts = torch.zeros(3, dtype=torch.long, device=device)  # examples, correct (sum), correct (mean)
+    for k, ex in enumerate(mine):
+        total = torch.tensor([-lp for lp, _ in answers[4 * k : 4 * k + 4]])
+        mean = total / torch.tensor([len(cont) for _, cont in requests[4 * k : 4 * k + 4]])
         counts[0] += 1
         counts[1] += int(total.argmin().item() == ex["label"])
         counts[2] += int(mean.argmin().item() == ex["label"])

@@ -19,7 +19,6 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from loom.errors import LoomError
@@ -35,8 +34,10 @@ class Scorer:
         *,
         batch_size: int = 16,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-        lockstep: bool = False,
+        lockstep: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
+        """lockstep: a sum over the ranks (Parallelized.all_reduce_sum, or torch.distributed's): the ranks'
+        forwards are collectives and must pair up; None: each rank's forwards are its own."""
         self.model, self.device, self.eot_id, self.vocab = model, torch.device(device), eot_id, vocab_size
         self.batch_size, self.autocast, self.lockstep = batch_size, autocast, lockstep
         self.forwards = 0  # model calls made (real ones): what the tests and the timing report count
@@ -47,11 +48,9 @@ class Scorer:
 
     def _anyone(self, mine: bool) -> bool:
         """Lockstep: does any rank still have a forward to run? (Without lockstep: do I?)"""
-        if not self.lockstep:
+        if self.lockstep is None:
             return mine
-        t = torch.tensor([int(mine)], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return bool(self.lockstep(torch.tensor([int(mine)], device=self.device)).item())
 
     def _forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
         self.forwards += 1
