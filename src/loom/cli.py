@@ -279,7 +279,7 @@ def _run_model(args):
     env = detect_env()
     device = resolve_device(args.device, env.local_rank, key="--device")
     if not getattr(args, "shard", False):
-        cfg, model, tok, _, path = load_run(args.run_dir, device)
+        cfg, model, tok, _, path = load_run(args.run_dir, device, getattr(args, "ckpt", None))
         yield _Loaded(model, tok, cfg, path, device, 0, 1, lambda t: t)
         return
     if env.world_size == 1:
@@ -386,6 +386,7 @@ def _eval(argv: list[str]) -> int:
     g.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
     g.add_argument("--json", help="also write the results to this JSON file")
     g.add_argument("--runs", nargs="+", help="several runs (seeds): each scored, then mean ± spread")
+    g.add_argument("--ckpt", help="a checkpoint directory of the run (default: the newest valid one)")
     args = p.parse_args(argv)
     if args.batches is not None and args.batches < 1:
         raise LoomError(
@@ -441,6 +442,10 @@ def _eval_capability(args) -> int:
     env = detect_env()
     if args.shard and len(runs) > 1:
         raise LoomError("--shard scores one run per job", hint="start one job per run")
+    if args.ckpt and (len(runs) > 1 or args.shard):
+        raise LoomError(
+            "--ckpt names one checkpoint of one run, read whole", hint="leave out --runs / --shard"
+        )
     records = []
     if args.shard or env.world_size == 1:  # --shard: the job is left when the (one) run's block ends
         for r in runs:
@@ -459,7 +464,7 @@ def _eval_capability(args) -> int:
         process_group.init(env, device, 600.0)
         try:
             for r in runs:
-                cfg, model, tok, _, path = load_run(r, device)
+                cfg, model, tok, _, path = load_run(r, device, args.ckpt)
                 run = _Loaded(model, tok, cfg, path, device, env.rank, env.world_size, None)
                 records.append(_score_run(args, r, run, tasks, core_tasks, env))
             dist.barrier()

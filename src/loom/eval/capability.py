@@ -25,9 +25,9 @@ class CapabilityEval(Every):
         self.tasks, self.core_tasks, self.limit, self.batch_size = tasks, core_tasks, limit, batch_size
 
     def run(self, ctx: EvalContext) -> dict | None:
-        from loom.eval import harness
-
         import torch.distributed as dist
+
+        from loom.eval import harness
 
         par, dims = ctx.parallel, ctx.parallel.dims
         if dims.model_parallel or dims.cp_enabled or (dims.world_size > 1 and not dist.is_initialized()):

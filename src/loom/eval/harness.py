@@ -55,7 +55,13 @@ def _manager(names: list[str], include_path: str | None):
         own = TaskManager(include_path=str(p), include_defaults=False)
         if all(n in own.all_tasks for n in names):
             return own
-    return TaskManager(include_path=include_path)
+    key = str(include_path or "")
+    if key not in _MANAGERS:  # indexed once per process (an in-loop evaluation reads its tasks once anyway)
+        _MANAGERS[key] = TaskManager(include_path=include_path)
+    return _MANAGERS[key]
+
+
+_MANAGERS: dict[str, object] = {}
 
 
 def load_tasks(tasks: str | list[str], include_path: str | None = None, num_fewshot: int | None = None):
