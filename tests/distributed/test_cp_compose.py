@@ -5,7 +5,7 @@ cp-trained run."""
 
 from __future__ import annotations
 
-from loomrun import TINY, loom_ok, run_losses, verify_records
+from loomrun import TINY, loom_here, loom_ok, run_losses, verify_records
 
 LLAMA = ["--model.family=llama", "--model.n_head=4", "--model.n_kv_head=4"]
 
@@ -26,12 +26,12 @@ def test_cp_checkpoint_resumes_in_one_process_and_samples(tmp_path, char_data):
         "--train.steps=8",
         "--train.ckpt_every=4",
     ]
-    loom_ok("train", "--run.name=ref", "--parallel.dp_impl=none", *base)
+    loom_here("train", "--run.name=ref", "--parallel.dp_impl=none", *base)
     reference = dict(run_losses(tmp_path / "ref"))
-    loom_ok("train", "--nproc=2", "--parallel.cp=2", "--parallel.dp_impl=fsdp", "--run.name=cp", *base)
+    loom_here("train", "--nproc=2", "--parallel.cp=2", "--parallel.dp_impl=fsdp", "--run.name=cp", *base)
     for step, loss in run_losses(tmp_path / "cp"):
         assert abs(loss - reference[step]) <= 1e-5, (step, loss, reference[step])
-    loom_ok(
+    loom_here(
         "train", "--resume", str(tmp_path / "cp" / "ckpt" / "step_000004"), "--nproc=1", "--parallel.cp=1"
     )
     continued = run_losses(tmp_path / "cp", start=8)

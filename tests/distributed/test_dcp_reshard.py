@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
-from loomrun import TINY
+from loomrun import TINY, loom_here
 
 from loom.metrics import read_jsonl
 
-LOOM = [sys.executable, "-m", "loom"]
 LAYOUTS = {
     "fsdp2": ["--nproc=2", "--parallel.dp_impl=fsdp"],
     "ddp2": ["--nproc=2", "--parallel.dp_impl=ddp"],
@@ -23,12 +20,6 @@ LAYOUTS = {
     "hsdp2x2": ["--nproc=4", "--parallel.dp_impl=fsdp", "--parallel.dp_replicate=2"],
     "single": ["--parallel.dp_impl=none"],
 }
-
-
-def loom(*args, timeout=300):
-    r = subprocess.run([*LOOM, *args], capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return r
 
 
 def _losses(run):
@@ -40,8 +31,8 @@ def saved(tmp_path_factory, char_data):
     """(the single-process reference losses, an fsdp x 4 run with checkpoints at steps 4 and 8)."""
     root = tmp_path_factory.mktemp("dcp")
     base = [f"--data.path={char_data}", f"--run.dir={root}", *TINY, "--train.steps=8", "--train.ckpt_every=4"]
-    loom("train", "--run.name=ref", "--parallel.dp_impl=none", *base)
-    loom("train", "--run.name=fsdp4", "--nproc=4", "--parallel.dp_impl=fsdp", *base)
+    loom_here("train", "--run.name=ref", "--parallel.dp_impl=none", *base)
+    loom_here("train", "--run.name=fsdp4", "--nproc=4", "--parallel.dp_impl=fsdp", *base)
     return _losses(root / "ref"), root / "fsdp4"
 
 
@@ -61,7 +52,7 @@ def test_fsdp4_checkpoint_continues_on_another_layout(saved, tmp_path, layout):
     shutil.copytree(run, copy)
     shutil.rmtree(copy / "ckpt" / "step_000008")
     (copy / "metrics.jsonl").write_text("")  # only the continued steps
-    loom("train", "--resume", str(copy / "ckpt" / "step_000004"), *LAYOUTS[layout], "--train.device=cpu")
+    loom_here("train", "--resume", str(copy / "ckpt" / "step_000004"), *LAYOUTS[layout], "--train.device=cpu")
     continued = _losses(copy)
     assert sorted(continued) == [5, 6, 7, 8]
     worst = max(abs(loss - reference[step]) for step, loss in continued.items())

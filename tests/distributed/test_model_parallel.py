@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from loomrun import loom_here
 
 from loom.config import load_config, validate
 from loom.errors import LoomError
@@ -117,15 +118,13 @@ def test_resume_same_layout_is_exact_and_other_layout_continues(tmp_path, char_d
         "--model.dropout=0.0",
         *TINY,
     ]
-    r = loom("train", *layout, "--run.name=mp", *common)
-    assert r.returncode == 0, r.stderr[-3000:]
+    loom_here("train", *layout, "--run.name=mp", *common)
     straight = steps(tmp_path / "mp")
     assert [s for s, _ in straight] == [1, 2, 3, 4, 5, 6]
     shutil.copytree(tmp_path / "mp", tmp_path / "single")
-    r = loom("train", *layout, "--resume", str(tmp_path / "mp" / "ckpt" / "step_000003"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    loom_here("train", *layout, "--resume", str(tmp_path / "mp" / "ckpt" / "step_000003"))
     assert steps(tmp_path / "mp")[6:] == straight[3:]  # exact float equality
-    r = loom(
+    loom_here(
         "train",
         "--resume",
         str(tmp_path / "single" / "ckpt" / "step_000003"),
@@ -133,7 +132,6 @@ def test_resume_same_layout_is_exact_and_other_layout_continues(tmp_path, char_d
         "--parallel.pp=1",
         "--parallel.sp=false",
     )
-    assert r.returncode == 0, r.stderr[-3000:]
     single = steps(tmp_path / "single")[6:]
     assert [s for s, _ in single] == [4, 5, 6]
     assert max(abs(a - b) for (_, a), (_, b) in zip(single, straight[3:], strict=True)) < 1e-5
