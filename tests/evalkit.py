@@ -139,3 +139,25 @@ def write_bundle(root: Path, n: int = 24, seed: int = 1) -> Path:
         "kit_mc,toy,multiple choice,3,25.0\nkit_schema,toy,schema,2,50.0\nkit_lm,toy,language modeling,1,0.0\n"
     )
     return b
+
+
+def torchrun_loom(*args: str, nproc: int = 2, timeout: float = 300):
+    """`torchrun --nproc-per-node N -m loom ARGS` (gloo, one thread per process), which must exit 0."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from loom.env import free_port
+
+    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    cmd = [exe, "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "--no-python"]
+    r = subprocess.run(
+        [*cmd, sys.executable, "-m", "loom", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r

@@ -1,5 +1,6 @@
 """`loom plot`: train and val loss against tokens seen, several runs overlaid (reads metrics.jsonl); with a
-second panel of validation bits per byte when the runs recorded it (comparable across tokenizers)."""
+panel of validation bits per byte when the runs recorded it (comparable across tokenizers), and one of the
+capability scores when they recorded any (eval.tasks' accuracies, CORE: loom.eval.capability)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
             raise LoomError(f"'{rd}' has no metrics.jsonl", hint="give run directories written by loom train")
         runs.append((rd, read_jsonl(path)))
     with_bpb = any("val_bpb" in r for _, recs in runs for r in recs)
-    if with_bpb:
-        fig, (ax, ax_bpb) = plt.subplots(1, 2, figsize=(13, 5))
-    else:
-        fig, ax = plt.subplots(figsize=(8, 5))
+    scores = sorted({k for _, recs in runs for r in recs for k in r if is_score(k)})
+    n = 1 + with_bpb + bool(scores)
+    fig, axes = plt.subplots(1, n, figsize=(8 if n == 1 else 6.5 * n, 5), squeeze=False)
+    ax, ax_bpb, ax_score = axes[0][0], axes[0][1] if with_bpb else None, axes[0][-1] if scores else None
     for i, (rd, recs) in enumerate(runs):
         color = f"C{i % 10}"
         train = [(r["tokens"], r["loss"]) for r in recs if "loss" in r and "tokens" in r]
@@ -45,6 +46,17 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
         bpb = [(r["tokens"], r["val_bpb"]) for r in recs if "val_bpb" in r]
         if bpb:
             ax_bpb.plot(*zip(*bpb, strict=True), color=color, marker="o", linestyle="--", label=name)
+        for j, key in enumerate(scores):
+            pts = [(r["tokens"], r[key]) for r in recs if key in r and "tokens" in r]
+            if pts:
+                style = ["-", "--", ":", "-."][j % 4]
+                ax_score.plot(*zip(*pts, strict=True), color=color, marker="o", linestyle=style,
+                              label=f"{name} {key.removeprefix('lm_eval/')}")  # fmt: skip
+    if scores:
+        ax_score.set_xlabel("tokens")
+        ax_score.set_ylabel("accuracy (CORE: centred)")
+        ax_score.grid(alpha=0.3)
+        ax_score.legend(fontsize=7)
     if with_bpb:
         ax_bpb.set_xlabel("tokens")
         ax_bpb.set_ylabel("val bits per byte")
@@ -60,3 +72,10 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def is_score(key: str) -> bool:
+    """A capability score of metrics.jsonl: an accuracy of a harness task, or CORE."""
+    return key == "core" or (
+        key.startswith("lm_eval/") and key.rsplit("/", 1)[-1] in ("acc", "acc_norm", "exact_match")
+    )

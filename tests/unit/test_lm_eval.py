@@ -199,6 +199,16 @@ def test_in_loop_records_equal_loom_eval_of_the_checkpoint(kit, capsys):
     )
 
 
+def test_plot_draws_the_scores_against_tokens(kit, tmp_path):
+    import struct
+
+    from loom.plot import plot_runs
+
+    png = plot_runs([kit.run], tmp_path / "p.png").read_bytes()
+    width = struct.unpack(">I", png[16:20])[0]  # the PNG header's width: 6.5 in per panel at 110 dpi
+    assert width == int(3 * 6.5 * 110)  # loss, val bits per byte, capability scores
+
+
 def test_several_runs_give_mean_and_spread(kit, capsys):
     assert main(["eval", "--runs", str(kit.run), str(kit.run), "--suite", "core", "--bundle", str(kit.bundle),
                  "--device", "cpu"]) == 0  # fmt: skip

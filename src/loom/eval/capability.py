@@ -15,6 +15,7 @@ from __future__ import annotations
 from loom.errors import LoomError
 from loom.eval.evaluator import EvalContext, EvalSetup, Every, register_evaluator
 from loom.eval.harness import split_names
+from loom.plot import is_score  # the figures of the console line and of `loom plot` (all go to metrics.jsonl)
 
 
 class CapabilityEval(Every):
@@ -56,7 +57,8 @@ class CapabilityEval(Every):
             model.train(was_training)
 
     def line(self, step: int, record: dict) -> str:
-        parts = [f"{k.removeprefix('lm_eval/')} {v:.4f}" for k, v in record.items() if _headline(k)]
+        keys = [k for k in record if is_score(k)] or list(record)  # accuracies, else what there is
+        parts = [f"{k.removeprefix('lm_eval/')} {record[k]:.4f}" for k in keys]
         return f"step {step:>6} | " + " | ".join(parts)
 
 
@@ -75,11 +77,6 @@ def scores(lm, tasks, core_tasks, limit: int | None, bootstrap_iters: int = 0) -
             record["core"] = r["core"]
             record |= {f"core/{label}": acc for label, acc in r["accuracy"].items()}
     return record if lm.rank == 0 else None
-
-
-def _headline(key: str) -> bool:
-    """The figures of the console line (all of them go to metrics.jsonl)."""
-    return key == "core" or key.rsplit("/", 1)[-1] in ("acc", "acc_norm", "exact_match")
 
 
 def load(cfg_eval, tokenizer):

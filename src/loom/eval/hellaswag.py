@@ -186,7 +186,7 @@ def evaluate(
         model,
         device,
         tokenizer.eot_id,
-        tokenizer.vocab_size,
+        model.cfg.vocab_size,  # the logits past it are padding (the exported model has none)
         batch_size=batch_size,
         lockstep=all_reduce_sum if world_size > 1 else None,
     )

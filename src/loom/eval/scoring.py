@@ -16,6 +16,7 @@ others company. So ranks holding different numbers of requests (or generating di
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -40,6 +41,8 @@ class Scorer:
         forwards are collectives and must pair up; None: each rank's forwards are its own."""
         self.model, self.device, self.eot_id, self.vocab = model, torch.device(device), eot_id, vocab_size
         self.batch_size, self.autocast, self.lockstep = batch_size, autocast, lockstep
+        # a family whose forward takes `last` (loom's GPT) computes only the logits that are read
+        self.tail = "last" in inspect.signature(model.forward).parameters
         self.forwards = 0  # model calls made (real ones): what the tests and the timing report count
 
     @property
@@ -52,10 +55,12 @@ class Scorer:
             return mine
         return bool(self.lockstep(torch.tensor([int(mine)], device=self.device)).item())
 
-    def _forward(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
+    def _forward(self, idx: torch.Tensor, cache=None, last: int = 0) -> torch.Tensor:
         self.forwards += 1
         with self.autocast():
-            return self.model(idx, cache=cache) if cache is not None else self.model(idx)
+            if cache is not None:
+                return self.model(idx, cache=cache)
+            return self.model(idx, last=last) if last and self.tail else self.model(idx)
 
     def _idle(self) -> None:
         """Lockstep: the forward a rank without work runs so the sharded forwards of the others complete."""
@@ -89,10 +94,12 @@ class Scorer:
             inp = torch.full((len(batch), L), self.eot_id, dtype=torch.long)
             for j, (_, x, _) in enumerate(batch):
                 inp[j, : len(x)] = torch.tensor(x)
-            logits = self._forward(inp.to(self.device))
+            first = min(len(x) - len(cont) for _, x, cont in batch)  # the earliest position any row reads
+            logits = self._forward(inp.to(self.device), last=L - first)
+            off = L - logits.size(1)  # the positions before the first computed one
             for j, (i, x, cont) in enumerate(batch):
                 n = len(cont)
-                lp = F.log_softmax(logits[j, len(x) - n : len(x), : self.vocab].float(), dim=-1)
+                lp = F.log_softmax(logits[j, len(x) - n - off : len(x) - off, : self.vocab].float(), dim=-1)
                 target = torch.tensor(cont, device=lp.device)
                 greedy = bool((lp.argmax(-1) == target).all())
                 out[i] = (float(lp.gather(1, target[:, None]).sum()), greedy)
@@ -109,52 +116,72 @@ class Scorer:
         seed: int = 1234,
     ) -> list[list[str]]:
         """The texts that continue each batch's rows (each batch: rows of one length), cut before the first
-        stop text of the batch's `until`; greedy where its temperature is 0."""
+        stop text of the batch's `until`; greedy where its temperature is 0. One loop of forwards over all the
+        batches, so that in lockstep each forward is agreed on once, whatever batch (or none) a rank is in."""
         self.model.eval()
         g = torch.Generator(device=self.device).manual_seed(seed)
         out: list[list[str]] = []
-        b = 0
-        while self._anyone(b < len(batches)):
-            if b >= len(batches):
+        todo = iter(range(len(batches)))
+        run = None
+        while True:
+            while run is None or run.finished:
+                if run is not None:
+                    out.append(run.texts())
+                b = next(todo, None)
+                if b is None:
+                    run = None
+                    break
+                rows = torch.tensor(batches[b], dtype=torch.long, device=self.device)
+                run = _Generation(self, rows, decode, until[b], max_new[b], temperature[b], g)
+            if not self._anyone(run is not None):
+                return out
+            if run is None:
                 self._idle()
-                continue
-            idx = torch.tensor(batches[b], dtype=torch.long, device=self.device)
-            out.append(self._generate(idx, decode, until[b], max_new[b], temperature[b], g))
-            b += 1
-        return out
+            else:
+                run.step()
 
-    def _generate(self, idx, decode, until: list[str], max_new: int, temperature: float, g) -> list[str]:
+
+class _Generation:
+    """One batch being generated: equal-length rows, a KV cache, each row done at end-of-text or a stop text."""
+
+    def __init__(self, scorer: Scorer, idx, decode, until: list[str], max_new: int, temperature: float, g):
+        self.scorer, self.idx, self.decode, self.until = scorer, idx, decode, until
+        self.max_new, self.temperature, self.g = max_new, temperature, g
+        model, B = scorer.model, idx.size(0)
+        self.cache = model.kv_cache(B, idx.size(1) + max_new) if hasattr(model, "kv_cache") else None
+        self.new: list[list[int]] = [[] for _ in range(B)]
+        self.done = [False] * B
+        self.steps = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(self.done) or self.steps >= self.max_new
+
+    def step(self) -> None:
         from loom.generate import sample_next
 
-        B = idx.size(0)
-        cache = self.model.kv_cache(B, idx.size(1) + max_new) if hasattr(self.model, "kv_cache") else None
-        new: list[list[int]] = [[] for _ in range(B)]
-        done = [False] * B
-        step = 0
-        while self._anyone(not all(done) and step < max_new):
-            if all(done) or step >= max_new:
-                self._idle()
+        s = self.scorer
+        feed = self.idx[:, self.cache.len :] if self.cache is not None else self.idx
+        logits = s._forward(feed, self.cache)[:, -1, : s.vocab]
+        nxt = sample_next(logits, self.temperature, None, None, self.g if self.temperature > 0 else None)
+        self.idx = torch.cat([self.idx, nxt], dim=1)
+        self.steps += 1
+        for r, t in enumerate(nxt[:, 0].tolist()):
+            if self.done[r]:
                 continue
-            feed = idx[:, cache.len :] if cache is not None else idx
-            logits = self._forward(feed, cache)[:, -1, : self.vocab]
-            nxt = sample_next(logits, temperature, None, None, g if temperature > 0 else None)
-            idx = torch.cat([idx, nxt], dim=1)
-            step += 1
-            for r in range(B):
-                if done[r]:
-                    continue
-                t = int(nxt[r])
-                if t == self.eot_id:
-                    done[r] = True
-                    continue
-                new[r].append(t)
-                if until and any(s in decode(new[r]) for s in until):
-                    done[r] = True
-        texts = []
-        for toks in new:
-            s = decode(toks)
-            for term in until:
+            if t == s.eot_id:
+                self.done[r] = True
+                continue
+            self.new[r].append(t)
+            if self.until and any(u in self.decode(self.new[r]) for u in self.until):
+                self.done[r] = True
+
+    def texts(self) -> list[str]:
+        out = []
+        for toks in self.new:
+            text = self.decode(toks)
+            for term in self.until:
                 if term:
-                    s = s.split(term)[0]
-            texts.append(s)
-        return texts
+                    text = text.split(term)[0]
+            out.append(text)
+        return out

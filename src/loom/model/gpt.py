@@ -326,10 +326,15 @@ class GPT(nn.Module):
             t.normal_(0.0, std, generator=g)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        last: int = 0,
     ) -> torch.Tensor:
         """Logits (B, T, V) when targets is None (padding ids at the lowest value: LMHead), else the mean
-        cross-entropy over all target tokens."""
+        cross-entropy over all target tokens. last > 0: logits of the last `last` positions only, (B, last, V)
+        (scoring continuations: the LM head is a third of a GPT-2's FLOPs, and only the answer's rows are read)."""
         B, T = idx.shape
         start = cache.len if cache is not None else 0
         # learned positions have block_size slots; RoPE has none, and runs on past block_size with a cache (the
@@ -348,7 +353,7 @@ class GPT(nn.Module):
             cache.len += T
         x = self.ln_f(x)
         if targets is None:
-            return self.lm_head(x)
+            return self.lm_head(x[:, -last:] if last else x)
         logits = self.lm_head(x)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
