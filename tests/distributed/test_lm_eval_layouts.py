@@ -1,34 +1,20 @@
 """Capability scores do not depend on the layout: the harness tasks and CORE scored on one process, under
 torchrun with 2 processes each holding the model (the harness splits the requests), with --shard (FSDP over
 the 2 processes, forwards in lockstep: the ranks' generation batches differ in number and length), and on a
-run trained under tp=2; and a 2-process fsdp run's in-loop record equals `loom eval` of its checkpoint."""
+run trained under tp=2; and the in-loop records of 2-process fsdp and tp runs equal `loom eval` of their
+checkpoints."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from evalkit import TASKS, prepare_data, torchrun_loom, write_bundle, write_tasks
+from evalkit import TASKS, TINY, prepare_data, torchrun_loom, write_bundle, write_tasks
 from loomrun import loom_here
 
 from loom.metrics import read_jsonl
 
 pytest.importorskip("lm_eval", reason="the eval extra (make test installs it)")
-
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=48",
-    "--model.block_size=64",
-    "--train.batch_size=8",
-    "--train.eval_batches=1",
-    "--train.eval_every=0",
-    "--train.sample_every=0",
-    "--train.log_every=4",
-    "--optim.warmup_steps=2",
-    "--train.steps=8",
-    "--train.device=cpu",
-]
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +22,12 @@ def kit(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm_eval_layouts")
     data = prepare_data(root)
     tasks, bundle = write_tasks(root, n=23), write_bundle(root, n=23)  # odd: the ranks' shares differ
-    common = [f"--data.path={data}", f"--run.dir={root}", *TINY]
+    common = [f"--data.path={data}", f"--run.dir={root}", *TINY, "--train.log_every=4", "--train.steps=8"]
     loom_here("train", *common, "--run.name=one")
-    loom_here("train", "--nproc", "2", *common, "--run.name=tp2", "--parallel.tp=2")
+    scored = [f"--eval.tasks={TASKS}", f"--eval.include_path={tasks}", f"--eval.core_bundle={bundle}"]
+    loom_here("train", "--nproc", "2", *common, "--run.name=tp2", "--parallel.tp=2", *scored)  # at the end
     loom_here(
-        "train", "--nproc", "2", *common, "--run.name=fsdp2", "--parallel.dp_impl=fsdp",
-        f"--eval.tasks={TASKS}", f"--eval.include_path={tasks}", f"--eval.core_bundle={bundle}",
+        "train", "--nproc", "2", *common, "--run.name=fsdp2", "--parallel.dp_impl=fsdp", *scored,
         "--eval.every=4", "--train.ckpt_every=4", "--train.keep_last=2",
     )  # fmt: skip
     return root, tasks, bundle
@@ -73,13 +59,15 @@ def test_scores_equal_across_layouts(kit):
     _same(_scores(root, "tp2", str(root / "tp2"), *what), one, 1e-4)
 
 
-def test_in_loop_fsdp_record_equals_loom_eval_of_its_checkpoint(kit):
+@pytest.mark.parametrize("name, steps, step", [("fsdp2", [4, 8], 4), ("tp2", [8], 8)])
+def test_in_loop_record_equals_loom_eval_of_its_checkpoint(kit, name, steps, step):
+    """fsdp: every rank scores its share of the requests, forwards in lockstep; tp: rank 0 on a whole copy."""
     root, tasks, bundle = kit
-    run = root / "fsdp2"
+    run = root / name
     recs = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl") if "core" in r}
-    assert sorted(recs) == [4, 8]
+    assert sorted(recs) == steps
     got = _scores(
-        root, "fsdp2_step4", str(run), "--tasks", TASKS, "--include-path", str(tasks), "--suite", "core",
-        "--bundle", str(bundle), "--ckpt", str(run / "ckpt" / "step_000004"),
+        root, f"{name}_step{step}", str(run), "--tasks", TASKS, "--include-path", str(tasks), "--suite", "core",
+        "--bundle", str(bundle), "--ckpt", str(run / "ckpt" / f"step_{step:06d}"),
     )  # fmt: skip
-    _same({k: recs[4][k] for k in got}, got, 1e-5)
+    _same({k: recs[step][k] for k in got}, got, 1e-5)

@@ -13,7 +13,7 @@ import types
 
 import pytest
 import torch
-from evalkit import TASKS, prepare_data, write_bundle, write_tasks
+from evalkit import TASKS, TINY, prepare_data, write_bundle, write_tasks
 from loomrun import LOOM, loom_here
 
 from loom.cli import main
@@ -24,19 +24,6 @@ from loom.metrics import read_jsonl
 
 pytest.importorskip("lm_eval", reason="the eval extra (make test installs it)")
 
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=48",
-    "--model.block_size=64",
-    "--train.batch_size=8",
-    "--train.eval_batches=1",
-    "--train.sample_every=0",
-    "--train.log_every=10",
-    "--optim.warmup_steps=3",
-    "--train.device=cpu",
-]
-
 
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
@@ -45,7 +32,7 @@ def kit(tmp_path_factory):
     tasks, bundle = write_tasks(root), write_bundle(root)
     loom_here(
         "train", f"--data.path={data}", f"--run.dir={root}", "--run.name=r", "--train.steps=30", *TINY,
-        "--train.eval_every=0", f"--eval.tasks={TASKS}", f"--eval.include_path={tasks}",
+        "--train.log_every=10", f"--eval.tasks={TASKS}", f"--eval.include_path={tasks}",
         f"--eval.core_bundle={bundle}", "--eval.every=15", "--train.ckpt_every=15", "--train.keep_last=3",
     )  # fmt: skip
     run = root / "r"

@@ -20,12 +20,12 @@ task's examples are shuffled with random.Random(1337) first and the first N kept
 from __future__ import annotations
 
 import csv
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from loom.errors import LoomError
+from loom.eval.evaluator import json_lines
 
 KINDS = {
     "multiple_choice": ("query", "choices", "gold"),
@@ -112,24 +112,15 @@ def _read_examples(path: Path, kind: str) -> list[dict]:
         raise LoomError(f"the CORE bundle has no data file '{path}'", hint=f"use {WHERE}")
     fields = KINDS[kind]
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ex = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise LoomError(f"{path}:{n} is not JSON: {e}") from None
-            if not isinstance(ex, dict) or any(k not in ex for k in fields):
-                raise LoomError(
-                    f"{path}:{n}: a {kind} example needs {', '.join(fields)}", hint=f"use {WHERE}"
-                )
-            options = ex.get("choices", ex.get("context_options"))
-            if "gold" in fields and not (
-                isinstance(options, list) and isinstance(ex["gold"], int) and 0 <= ex["gold"] < len(options)
-            ):
-                raise LoomError(f"{path}:{n}: 'gold' must index the example's options")
-            out.append(ex)
+    for n, ex in json_lines(path):
+        if not isinstance(ex, dict) or any(k not in ex for k in fields):
+            raise LoomError(f"{path}:{n}: a {kind} example needs {', '.join(fields)}", hint=f"use {WHERE}")
+        options = ex.get("choices", ex.get("context_options"))
+        if "gold" in fields and not (
+            isinstance(options, list) and isinstance(ex["gold"], int) and 0 <= ex["gold"] < len(options)
+        ):
+            raise LoomError(f"{path}:{n}: 'gold' must index the example's options")
+        out.append(ex)
     if not out:
         raise LoomError(f"the CORE data file '{path}' holds no examples")
     return out

@@ -13,7 +13,8 @@ per-stage evals play this part.)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -82,3 +83,18 @@ def register_evaluator(name: str, factory: EvaluatorFactory) -> EvaluatorFactory
 def build_evaluators(setup: EvalSetup) -> list[Evaluator]:
     """The registered evaluators this run's config asks for, in registration order."""
     return [ev for ev in (factory(setup) for factory in _FACTORIES.values()) if ev is not None]
+
+
+def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of a JSON-lines file; a line that is not JSON is refused
+    with its file and line."""
+    from loom.errors import LoomError
+
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise LoomError(f"{path}:{n} is not JSON: {e}") from None

@@ -175,7 +175,6 @@ def make_lm(
         model,
         device,
         tokenizer.eot_id,
-        model.cfg.vocab_size,  # the logits past it are padding (the exported model has none)
         batch_size=batch_size,
         autocast=autocast or contextlib.nullcontext,
         lockstep=(all_reduce_sum or _sum_over_ranks) if sharded and world_size > 1 else None,

@@ -13,7 +13,6 @@ Input: the official JSONL layout, one example per line with `ctx` (str), `ending
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.errors import LoomError
-from loom.eval.evaluator import EvalContext, EvalSetup, Every, register_evaluator
+from loom.eval.evaluator import EvalContext, EvalSetup, Every, json_lines, register_evaluator
 
 
 def read_examples(path: str | Path, limit: int | None = None, tokenizer=None) -> list[dict]:
@@ -40,37 +39,28 @@ def read_examples_and_lines(path: str | Path, limit: int | None = None) -> tuple
         what = "is not a regular file" if p.exists() else "does not exist"  # a folder, /dev/zero, a FIFO
         raise LoomError(f"HellaSwag file '{p}' {what}", hint="give the path of hellaswag_val.jsonl")
     out, lines = [], []
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ex = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise LoomError(f"{p}:{n} is not JSON: {e}") from None
-            ctx, endings, label = (
-                ex.get(k) if isinstance(ex, dict) else None for k in ("ctx", "endings", "label")
+    for n, ex in json_lines(p):
+        ctx, endings, label = (
+            ex.get(k) if isinstance(ex, dict) else None for k in ("ctx", "endings", "label")
+        )
+        if not isinstance(ctx, str) or not (
+            isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) and e for e in endings)
+        ):
+            raise LoomError(
+                f"{p}:{n} needs 'ctx' (text) and 'endings' (4 non-empty texts)",
+                hint="use the official HellaSwag JSONL (ctx, endings, label)",
             )
-            if not isinstance(ctx, str) or not (
-                isinstance(endings, list)
-                and len(endings) == 4
-                and all(isinstance(e, str) and e for e in endings)
-            ):
-                raise LoomError(
-                    f"{p}:{n} needs 'ctx' (text) and 'endings' (4 non-empty texts)",
-                    hint="use the official HellaSwag JSONL (ctx, endings, label)",
-                )
-            if isinstance(label, str) and label.isdigit():
-                label = int(label)
-            if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < 4:
-                raise LoomError(
-                    f"{p}:{n} has label {label!r}; it must be 0, 1, 2 or 3",
-                    hint="the test split has no labels: evaluate on hellaswag_val.jsonl",
-                )
-            out.append({"ctx": ctx, "endings": endings, "label": label})
-            lines.append(n)
-            if limit and len(out) >= limit:
-                break
+        if isinstance(label, str) and label.isdigit():
+            label = int(label)
+        if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < 4:
+            raise LoomError(
+                f"{p}:{n} has label {label!r}; it must be 0, 1, 2 or 3",
+                hint="the test split has no labels: evaluate on hellaswag_val.jsonl",
+            )
+        out.append({"ctx": ctx, "endings": endings, "label": label})
+        lines.append(n)
+        if limit and len(out) >= limit:
+            break
     if not out:
         raise LoomError(f"HellaSwag file '{p}' holds no examples")
     return out, lines
@@ -186,7 +176,6 @@ def evaluate(
         model,
         device,
         tokenizer.eot_id,
-        model.cfg.vocab_size,  # the logits past it are padding (the exported model has none)
         batch_size=batch_size,
         lockstep=all_reduce_sum if world_size > 1 else None,
     )

@@ -31,7 +31,6 @@ class Scorer:
         model: torch.nn.Module,
         device: torch.device,
         eot_id: int,
-        vocab_size: int,
         *,
         batch_size: int = 16,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
@@ -39,7 +38,8 @@ class Scorer:
     ):
         """lockstep: a sum over the ranks (Parallelized.all_reduce_sum, or torch.distributed's): the ranks'
         forwards are collectives and must pair up; None: each rank's forwards are its own."""
-        self.model, self.device, self.eot_id, self.vocab = model, torch.device(device), eot_id, vocab_size
+        self.model, self.device, self.eot_id = model, torch.device(device), eot_id
+        self.vocab = model.cfg.vocab_size  # the logits past it are padding (an exported model has none)
         self.batch_size, self.autocast, self.lockstep = batch_size, autocast, lockstep
         # a family whose forward takes `last` (loom's GPT) computes only the logits that are read
         self.tail = "last" in inspect.signature(model.forward).parameters
