@@ -57,7 +57,7 @@ def make_run(root: Path) -> Path:
     for i in range(4):
         (docs / f"d{i}.txt").write_text(". ".join(sentence(rng, 12) for _ in range(3000)))
     loom = [sys.executable, "-m", "loom"]
-    subprocess.run([*loom, "data", "prepare", str(docs), "--out", str(root / "data"), "--tokenizer", "bpe",
+    subprocess.run([*loom, "data", "prepare", "--input", str(docs), "--out", str(root / "data"), "--tokenizer", "bpe",
                     "--vocab-size", "4096"], check=True)  # fmt: skip
     subprocess.run([*loom, "train", f"--data.path={root / 'data'}", f"--run.dir={root}", "--run.name=gpt2",
                     "--model.n_layer=12", "--model.n_head=12", "--model.n_embd=768", "--model.block_size=1024",
