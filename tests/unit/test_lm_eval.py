@@ -267,9 +267,13 @@ def test_broken_bundle_is_refused(tmp_path, breakage, message):
 def test_tokenizer_problems_are_refused(kit):
     from loom.data.tokenizers import CharTokenizer
 
-    model = types.SimpleNamespace(cfg=types.SimpleNamespace(block_size=8))
+    model = types.SimpleNamespace(cfg=types.SimpleNamespace(block_size=8, vocab_size=65))
     with pytest.raises(LoomError, match="no end-of-text"):
         harness.make_lm(model, types.SimpleNamespace(eot_id=None, vocab_size=5), "cpu")
+    with pytest.raises(LoomError, match="end-of-text id 65 is outside the model's vocabulary of 65"):
+        harness.make_lm(
+            model, CharTokenizer([chr(33 + i) for i in range(65)]), "cpu"
+        )  # nanogpt's 65 characters
     with pytest.raises(LoomError, match="without a tokenizer"):
         harness.make_lm(model, None, "cpu")
     with pytest.raises(LoomError, match="task 'evkit_mc', document 0: character 'o' is not in"):

@@ -171,6 +171,13 @@ def make_lm(
             "CORE before every prompt",
             hint="evaluate a run whose data was prepared by loom (its tokenizers always have one)",
         )
+    if tokenizer.eot_id >= model.cfg.vocab_size:
+        raise LoomError(
+            f"the tokenizer's end-of-text id {tokenizer.eot_id} is outside the model's vocabulary of "
+            f"{model.cfg.vocab_size}: the model never saw an end-of-text token (nanogpt's character data has none)",
+            hint="the harness puts it before an empty context and CORE before every prompt: score a model "
+            "trained on data prepared by loom (every document ends with it)",
+        )
     scorer = Scorer(
         model,
         device,
