@@ -441,7 +441,9 @@ def prepare(
     fingerprint = plan.fingerprint(files)
     rec = _start(tmp, fingerprint, force)
     try:
-        meta = _run(plan, files, tmp, rec, fingerprint, workers or cpu_count(), encoder, found.read_once)
+        meta = _run(
+            plan, files, tmp, rec, fingerprint, workers or _auto_workers(files), encoder, found.read_once
+        )
     except BaseException:
         if not any(tmp.glob("*_000000.bin")):  # nothing worth continuing from
             shutil.rmtree(tmp, ignore_errors=True)
@@ -469,6 +471,16 @@ def prepare(
             "(--split-mode tail cuts at the exact share)"
         )
     return meta
+
+
+SMALL_INPUT = 8 << 20  # bytes of text one process encodes in a couple of seconds
+
+
+def _auto_workers(files) -> int:
+    """workers=0: every usable core, unless the input is small. Then one process: a pool's start costs more
+    than it saves, and forking a process that already runs other threads (a test process, a notebook with
+    datasets or torch loaded) can leave a child waiting forever on a lock one of them held (seen in make test)."""
+    return 1 if estimated_bytes(files) < SMALL_INPUT else cpu_count()
 
 
 def _run(
