@@ -387,6 +387,13 @@ def _eval(argv: list[str]) -> int:
     g.add_argument("--json", help="also write the results to this JSON file")
     g.add_argument("--runs", nargs="+", help="several runs (seeds): each scored, then mean ± spread")
     g.add_argument("--ckpt", help="a checkpoint directory of the run (default: the newest valid one)")
+    g.add_argument(
+        "--bootstrap-iters",
+        type=int,
+        default=0,
+        help="N > 0: stderrs in the table (perplexities bootstrapped N times in a forked process pool); "
+        "default 0: none",
+    )
     args = p.parse_args(argv)
     if args.batches is not None and args.batches < 1:
         raise LoomError(
@@ -424,6 +431,8 @@ def _eval_capability(args) -> int:
         raise LoomError("--runs scores tasks: give --tasks and/or --suite core")
     if args.batch_size < 1:
         raise LoomError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.bootstrap_iters < 0:
+        raise LoomError(f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise LoomError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
     for r in runs:
@@ -498,7 +507,7 @@ def _score_run(args, run_dir, run: _Loaded, tasks, core_tasks, env) -> dict:
     )
     if tasks is not None:
         harness.check_encodable(tasks, run.tok, args.limit)
-    results = harness.evaluate(lm, tasks, args.limit, 1000) if tasks is not None else None
+    results = harness.evaluate(lm, tasks, args.limit, args.bootstrap_iters) if tasks is not None else None
     core_r = core.evaluate(lm, core_tasks) if core_tasks else None
     if env.rank != 0:
         return {}

@@ -62,13 +62,13 @@ class CapabilityEval(Every):
         return f"step {step:>6} | " + " | ".join(parts)
 
 
-def scores(lm, tasks, core_tasks, limit: int | None, bootstrap_iters: int = 0) -> dict | None:
+def scores(lm, tasks, core_tasks, limit: int | None) -> dict | None:
     """The record of one evaluation (rank 0; None elsewhere): every harness metric and the CORE figures."""
     from loom.eval import core, harness
 
     record: dict = {}
     if tasks is not None:
-        results = harness.evaluate(lm, tasks, limit, bootstrap_iters)
+        results = harness.evaluate(lm, tasks, limit)
         if results is not None:
             record |= {f"lm_eval/{k}": v for k, v in harness.scores(results).items()}
     if core_tasks:

@@ -196,9 +196,13 @@ def _sum_over_ranks(t):
     return t
 
 
-def evaluate(lm, loaded, limit: int | float | None = None, bootstrap_iters: int = 1000) -> dict | None:
+def evaluate(lm, loaded, limit: int | float | None = None, bootstrap_iters: int = 0) -> dict | None:
     """The harness's evaluation of `loaded` (load_tasks) with `lm`: its results dict on rank 0, None elsewhere.
-    Each call builds the requests anew, so the same tasks can be evaluated at every step of a run."""
+    Each call builds the requests anew, so the same tasks can be evaluated at every step of a run.
+    bootstrap_iters: 0 (default) computes no stderrs. With N > 0 the harness gives means (acc, exact_match)
+    their closed-form stderr and bootstraps the others (perplexities, bits per byte) in a multiprocessing.Pool
+    forked from this process; a fork of a process that runs other threads (torch, tokenizers, pyarrow) hung in
+    make test, so loom asks for it only when the user does (loom eval --bootstrap-iters)."""
     from lm_eval.evaluator import evaluate as run
 
     return run(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=bootstrap_iters, log_samples=False)
