@@ -491,7 +491,7 @@ def _score_run(args, run_dir, run: _Loaded, tasks, core_tasks, env) -> dict:
 
     import torch
 
-    from loom.eval import core, harness
+    from loom.eval import capability, core, harness
 
     device = run.device
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -514,11 +514,11 @@ def _score_run(args, run_dir, run: _Loaded, tasks, core_tasks, env) -> dict:
     m = re.search(r"step_(\d+)", str(run.path))
     step = int(m.group(1)) if m else None
     print(f"checkpoint {run.path} ({env.world_size} process(es){', sharded' if args.shard else ''})")
-    out = {"run": str(run_dir), "checkpoint": str(run.path), "step": step, "scores": {}}
+    out = {"run": str(run_dir), "checkpoint": str(run.path), "step": step}
+    out["scores"] = capability.record_of(results, core_r)  # the keys an in-loop record has
     if results is not None:
         print(harness.table(results))
         out["results"] = {k: results.get(k) for k in ("results", "groups", "n-shot", "versions", "n-samples")}
-        out["scores"] |= {f"lm_eval/{k}": v for k, v in harness.scores(results).items()}
     if core_r is not None:
         width = max(len(k) for k in core_r["accuracy"])
         for label, acc in core_r["accuracy"].items():
@@ -527,7 +527,6 @@ def _score_run(args, run_dir, run: _Loaded, tasks, core_tasks, env) -> dict:
             )
         print(f"CORE {core_r['core']:.4f} ({len(core_r['accuracy'])} tasks)")
         out["core"] = core_r
-        out["scores"] |= {"core": core_r["core"]} | {f"core/{k}": v for k, v in core_r["accuracy"].items()}
     text = json.dumps(out, indent=1, default=str)
     evals = Path(run_dir) / "evals"
     evals.mkdir(exist_ok=True)

@@ -66,17 +66,21 @@ def scores(lm, tasks, core_tasks, limit: int | None) -> dict | None:
     """The record of one evaluation (rank 0; None elsewhere): every harness metric and the CORE figures."""
     from loom.eval import core, harness
 
-    record: dict = {}
-    if tasks is not None:
-        results = harness.evaluate(lm, tasks, limit)
-        if results is not None:
-            record |= {f"lm_eval/{k}": v for k, v in harness.scores(results).items()}
-    if core_tasks:
-        r = core.evaluate(lm, core_tasks)
-        if r is not None:
-            record["core"] = r["core"]
-            record |= {f"core/{label}": acc for label, acc in r["accuracy"].items()}
-    return record if lm.rank == 0 else None
+    results = harness.evaluate(lm, tasks, limit) if tasks is not None else None
+    core_r = core.evaluate(lm, core_tasks) if core_tasks else None
+    return record_of(results, core_r) if lm.rank == 0 else None
+
+
+def record_of(results: dict | None, core_r: dict | None) -> dict:
+    """{"lm_eval/<task>/<metric>": value, "core": CORE, "core/<task>": accuracy}: what metrics.jsonl and
+    `loom eval`'s JSON record of the harness's results and of a CORE evaluation."""
+    from loom.eval import harness
+
+    record = {f"lm_eval/{k}": v for k, v in harness.scores(results).items()} if results is not None else {}
+    if core_r is not None:
+        record["core"] = core_r["core"]
+        record |= {f"core/{label}": acc for label, acc in core_r["accuracy"].items()}
+    return record
 
 
 def load(cfg_eval, tokenizer):
