@@ -110,7 +110,8 @@ class ModelConfig:
     family: str = _f(
         "gpt2",
         "Preset of the options below: gpt2 (learned positions, LayerNorm, GELU, tied head) | llama (pos=rope, "
-        "norm=rmsnorm, mlp=swiglu, tie_embeddings=false, bias=false). A key set explicitly overrides the preset.",
+        "norm=rmsnorm, mlp=swiglu, tie_embeddings=false, bias=false) | moe (llama's, with n_experts=8 routed "
+        "experts in the MLPs: the moe_* keys). A key set explicitly overrides the preset.",
     )
     pos: str = _f("learned", "Positions: learned (a table of block_size vectors, gpt2) | rope (rotary).")
     rope_theta: float = _f(
@@ -143,6 +144,35 @@ class ModelConfig:
     )
     qk_norm: bool = _f(False, "RMSNorm of each query and key head before RoPE (OLMo 2, Qwen 3, nanochat).")
     tie_embeddings: bool = _f(True, "The LM head shares the token embedding's weights (gpt2); false: own.")
+    n_experts: int = _f(
+        0,
+        "model.family=moe: routed SwiGLU experts per MoE layer (the family's preset: 8); 0: dense.",
+        ge=0,
+    )
+    moe_top_k: int = _f(2, "MoE: experts each token is routed to (at most n_experts).", ge=1)
+    moe_every: int = _f(1, "MoE: every k-th layer after the first dense ones is a MoE layer.", ge=1)
+    moe_first_dense: int = _f(0, "MoE: the first layers keep a dense MLP (DeepSeek-V3: 3).", ge=0)
+    n_shared_experts: int = _f(0, "MoE: shared experts every token passes through (DeepSeek: 1).", ge=0)
+    moe_ffn_hidden: int = _f(
+        0, "MoE: an expert's hidden width; 0: the dense MLP's (ffn_hidden's rule).", ge=0
+    )
+    moe_score: str = _f("softmax", "MoE router scores: softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3).")
+    moe_aux_loss_coef: float = _f(
+        0.0,
+        "MoE: weight of the sequence-wise load-balancing loss (Switch/GShard form; ~1e-3 to 1e-2); 0: none.",
+        ge=0,
+    )
+    moe_bias_update_rate: float = _f(
+        0.0,
+        "MoE: DeepSeek-V3's auxiliary-loss-free balancing: each step every expert's routing bias moves by this "
+        "towards the mean load (~1e-3); 0: none.",
+        ge=0,
+    )
+    moe_gemm: str = _f(
+        "auto",
+        "MoE experts' matmuls: auto (one grouped GEMM where torch._grouped_mm runs, else a loop) | grouped | "
+        "loop.",
+    )
 
 
 @dataclass
@@ -357,6 +387,13 @@ class ParallelConfig:
         "ulysses",
         "cp > 1: ulysses (DeepSpeed-Ulysses: all-to-all from sequence to head shards around attention) | ring "
         "(ring attention: keys/values travel around the cp ranks, each rank holding two of 2*cp chunks).",
+    )
+    ep: int = _f(
+        1,
+        "Expert-parallel degree (model.family=moe): the routed experts are split over ep of the data-parallel x "
+        "cp ranks, tokens travel to their experts by all-to-all; divides n_experts and dp x cp.",
+        ge=1,
+        msg="parallel.ep must be >= 1; got {parallel.ep}",
     )
     pp_schedule: str = _f("1f1b", "Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zero-bubble.")
     pp_microbatches: int = _f(
@@ -611,6 +648,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "tie_embeddings": True},
     "llama": {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False, "bias": False},
 }
+FAMILIES["moe"] = {**FAMILIES["llama"], "n_experts": 8}
 
 
 def apply_family(cfg: Config, explicit: set[str]) -> None:
@@ -773,6 +811,7 @@ class ParallelDims:
     dp_impl: str = "none"  # none | ddp | zero1 | zero2 | fsdp | mpi
     degree1: bool = False  # parallel.degree1_meshes: tp and pp applied at degree 1 in a 1-process job
     cp: int = 1  # context parallel: the ranks that split each sequence (between dp_shard and tp)
+    ep: int = 1  # expert parallel: the routed experts split over ep of the dp x cp ranks (innermost ones)
 
     def __post_init__(self):
         if self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp != self.world_size:
@@ -821,6 +860,10 @@ class ParallelDims:
         """Context parallel is applied: cp > 1, or at degree 1 with parallel.degree1_meshes (one GPU runs
         its code on a 1-rank group)."""
         return self.cp > 1 or self.degree1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def model_parallel(self) -> bool:
@@ -877,12 +920,14 @@ class ParallelDims:
         if self.hsdp_enabled:
             dp += f": replicate {self.dp_replicate} x shard {self.dp_shard}"
         cp = f" | cp {self.cp}" if self.cp > 1 else ""
-        return dp + f"){cp} | tp {self.tp} | pp {self.pp}"
+        ep = f" | ep {self.ep}" if self.ep > 1 else ""
+        return dp + f"){cp}{ep} | tp {self.tp} | pp {self.pp}"
 
     def __str__(self) -> str:
         return (
             f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
             + (f"cp={self.cp} " if self.cp > 1 else "")
+            + (f"ep={self.ep} " if self.ep > 1 else "")
             + f"tp={self.tp} pp={self.pp} rank={self.rank}"
         )
 
@@ -900,14 +945,73 @@ def validate(
     _check_cp(cfg, dp_impl or cfg.parallel.dp_impl)
     dp = _check_mesh(cfg, world)
     impl = _resolve_dp_impl(cfg, world, dp, dp_impl)
+    _check_moe(cfg, dp, impl)
     _check_fp8(cfg)
     _check_eval(cfg)
     replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
     derived = _derive_batch(cfg, dp)
     p = cfg.parallel
     return derived, ParallelDims(
-        replicate, shard, p.tp, p.pp, world, rank, impl, p.degree1_meshes and world == 1, p.cp
+        replicate, shard, p.tp, p.pp, world, rank, impl, p.degree1_meshes and world == 1, p.cp, p.ep
     )
+
+
+def _check_moe(cfg: Config, dp: int, dp_impl: str) -> None:
+    """Mixture-of-experts keys and expert parallelism: the family, k of E, ep over the data-parallel x cp ranks,
+    and what the balance loss and the expert split compose with."""
+    m, p = cfg.model, cfg.parallel
+    if m.family != "moe":
+        if m.n_experts or p.ep > 1:
+            raise LoomError(
+                f"model.n_experts / parallel.ep are for model.family=moe; the family is '{m.family}'",
+                hint="set model.family=moe (a Llama-shaped model with routed experts), or leave them unset",
+            )
+        return
+    if m.n_experts < 1:
+        raise LoomError("model.family=moe needs model.n_experts >= 1", hint="e.g. model.n_experts=8")
+    if m.moe_top_k > m.n_experts:
+        raise LoomError(
+            f"model.moe_top_k={m.moe_top_k} is more than model.n_experts={m.n_experts}",
+            hint=f"route each token to at most {m.n_experts} experts",
+        )
+    if m.moe_first_dense >= m.n_layer:
+        raise LoomError(
+            f"model.moe_first_dense={m.moe_first_dense} leaves no MoE layer among {m.n_layer}",
+            hint=f"use moe_first_dense < {m.n_layer}",
+        )
+    for key, choices in (("moe_score", ("softmax", "sigmoid")), ("moe_gemm", ("auto", "grouped", "loop"))):
+        if getattr(m, key) not in choices:
+            raise LoomError(f"model.{key} must be one of {', '.join(choices)}; got '{getattr(m, key)}'")
+    if m.moe_aux_loss_coef and p.pp > 1:
+        raise LoomError(
+            "model.moe_aux_loss_coef > 0 is not supported with pipeline parallel (the balance loss of earlier "
+            "stages cannot join the last stage's loss)",
+            hint="balance with model.moe_bias_update_rate (DeepSeek-V3's auxiliary-loss-free way) instead",
+        )
+    if m.moe_aux_loss_coef and p.cp > 1:
+        raise LoomError(
+            "model.moe_aux_loss_coef > 0 is not supported with context parallel (the loss is per sequence, and "
+            "each cp rank holds a part of each)",
+            hint="balance with model.moe_bias_update_rate instead",
+        )
+    if p.ep == 1:
+        return
+    if m.n_experts % p.ep:
+        raise LoomError(
+            f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts} (each rank holds whole experts)",
+            hint="pick ep among the divisors of n_experts: " + _divisors(m.n_experts),
+        )
+    if (dp * p.cp) % p.ep:
+        raise LoomError(
+            f"parallel.ep={p.ep} does not divide the data-parallel x cp ranks, {dp} x {p.cp} (expert parallelism "
+            "splits the experts over those ranks)",
+            hint="pick ep among the divisors of " + f"{dp * p.cp}: " + _divisors(dp * p.cp),
+        )
+    if dp_impl not in ("ddp", "fsdp", "zero2"):
+        raise LoomError(
+            f"parallel.ep > 1 does not compose with parallel.dp_impl={dp_impl}",
+            hint="use parallel.dp_impl=ddp or fsdp (or zero2) with expert parallelism",
+        )
 
 
 def _check_eval(cfg: Config) -> None:

@@ -54,3 +54,47 @@ def gpt_spec(name: str, **overrides) -> ModelSpec:
 
 for _name in ("gpt2", "llama"):
     register(gpt_spec(_name))
+
+
+def moe_config(cfg: Config, vocab_size: int):
+    """MoEConfig: the GPT's options plus the model.moe_* keys (loom.model.moe)."""
+    import dataclasses
+
+    from loom.model.moe import MoEConfig
+
+    m = cfg.model
+    return MoEConfig(
+        **dataclasses.asdict(gpt_config(cfg, vocab_size)),
+        n_experts=m.n_experts,
+        top_k=m.moe_top_k,
+        moe_every=m.moe_every,
+        first_dense=m.moe_first_dense,
+        n_shared=m.n_shared_experts,
+        expert_hidden=m.moe_ffn_hidden,
+        score=m.moe_score,
+        aux_loss_coef=m.moe_aux_loss_coef,
+        bias_update_rate=m.moe_bias_update_rate,
+        gemm=m.moe_gemm,
+    )
+
+
+def _moe_spec() -> ModelSpec:
+    from loom.model import moe_parallel
+    from loom.model.moe import MoEGPT
+
+    return gpt_spec(
+        "moe",
+        config=moe_config,
+        build=MoEGPT,
+        parallel=moe_parallel,
+        hf=None,
+        verify_model={
+            "n_experts": 4,
+            "moe_top_k": 2,
+            "moe_bias_update_rate": 1e-3,
+            "moe_aux_loss_coef": 1e-2,
+        },
+    )
+
+
+register(_moe_spec())

@@ -20,8 +20,23 @@ def _block_matrices(cfg: GPTConfig) -> int:
     return attn + mlp
 
 
+def _moe_extra(cfg, active: bool) -> int:
+    """A mixture of experts' matrices beyond a dense model's, summed over its MoE layers (loom.model.moe):
+    each MoE layer has a router (C x E) and E routed experts (k of them active per token) plus the shared
+    ones, in place of the dense MLP."""
+    if not getattr(cfg, "n_experts", 0):
+        return 0
+    C, H = cfg.n_embd, cfg.expert_width
+    experts = (cfg.top_k if active else cfg.n_experts) + cfg.n_shared
+    per_layer = (
+        C * cfg.n_experts + 3 * C * H * experts - (3 if cfg.mlp == "swiglu" else 2) * C * cfg.ffn_width
+    )
+    return per_layer * len(cfg.moe_layers)
+
+
 def matmul_params(cfg: GPTConfig) -> int:
-    return cfg.n_layer * _block_matrices(cfg) + cfg.padded_vocab * cfg.n_embd  # + LM head
+    """The matrices a token is multiplied by (a MoE's active experts only)."""
+    return cfg.n_layer * _block_matrices(cfg) + cfg.padded_vocab * cfg.n_embd + _moe_extra(cfg, True)
 
 
 def param_count(cfg: GPTConfig) -> int:
@@ -37,7 +52,12 @@ def param_count(cfg: GPTConfig) -> int:
     embeddings = cfg.padded_vocab * C * (1 if cfg.tie_embeddings else 2)
     if cfg.pos == "learned":
         embeddings += cfg.block_size * C
-    return embeddings + L * per_block + norm
+    return embeddings + L * per_block + norm + _moe_extra(cfg, False)
+
+
+def active_param_count(cfg: GPTConfig) -> int:
+    """Parameters one token passes through: a MoE's idle routed experts left out (dense: param_count)."""
+    return param_count(cfg) - _moe_extra(cfg, False) + _moe_extra(cfg, True)
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:

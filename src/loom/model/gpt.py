@@ -281,7 +281,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.padded_vocab, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None  # RoPE: none
         self.drop = Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(self.block_cls(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self.make_block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = norm_layer(cfg, cfg.n_embd)
         self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, cfg.padded_vocab)  # padding ids masked
         if cfg.tie_embeddings:
@@ -290,6 +290,10 @@ class GPT(nn.Module):
             raise ValueError("doc_mask needs eot_id, the end-of-text id that opens each document")
         if self.wte.weight.device.type != "meta":  # built on the meta device: initialised after sharding
             self.reset_parameters(int(torch.randint(2**62, ())))  # the seed follows torch.manual_seed
+
+    def make_block(self, cfg: GPTConfig, layer: int) -> nn.Module:
+        """Block `layer` (a family whose layers differ, e.g. MoE every k-th, chooses per layer)."""
+        return self.block_cls(cfg)
 
     def reset_parameters(self, seed: int) -> None:
         """Every parameter to its initial values for `seed` (see init_param)."""
@@ -319,11 +323,15 @@ class GPT(nn.Module):
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             t.fill_(1.0)
         else:
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_scale", False) else 0.02
+            std = self.init_std(name, module)
             g = torch.Generator(device=t.device).manual_seed(
                 (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
             )
             t.normal_(0.0, std, generator=g)
+
+    def init_std(self, name: str, module: nn.Module | None) -> float:
+        """The standard deviation of a weight's normal init: 0.02, a residual output's scaled by depth."""
+        return 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_scale", False) else 0.02
 
     def forward(
         self,

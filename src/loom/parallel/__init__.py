@@ -99,6 +99,12 @@ class Parallelized:
         total = self.all_reduce_sum(loss if holds else torch.zeros_like(loss))
         return total / (self.dims.dp * self.dims.cp * self.dims.tp)  # cp ranks: means of equal token counts
 
+    def after_step(self, update: bool) -> dict:
+        """The family's work after an optimizer step (its plan's `after_step`, if any: a MoE moves its balance
+        bias by the global batch's expert load), and the figures it reports for metrics.jsonl."""
+        hook = getattr(self.plan, "after_step", None)
+        return hook(self.model, self.all_reduce_sum, update) if hook is not None else {}
+
     def refresh_fp8_scales(self) -> None:
         """FSDP's float8 all-gather: the weight scales of the next forward, from the weights as they are now
         (one all-reduce). After each optimizer step, and once before the first step (a resumed run then

@@ -53,6 +53,8 @@ def materialize(
         init(canonical(name, aliases), whole)
         local(p).copy_(local(like(whole, p)))
         del whole
+    for name, b in model.named_buffers():  # a buffer the model keeps (a MoE's balance bias) starts defined
+        init(canonical(name, aliases), b)
 
 
 def load_full(

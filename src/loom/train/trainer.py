@@ -288,6 +288,7 @@ class Trainer:
         overflow_scale = self._update_scaler()
         self.step += 1
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, **timer.read()}
+        rec.update(par.after_step(update=skip is None))  # the family's (MoE: balance bias and expert load)
         rec.update(self._model_state_report())  # before zero_grad: gradients are part of what a step holds
         self.optimizer.zero_grad(set_to_none=True)
         return self._record(rec, time.perf_counter() - t0, skip, stop, flags, overflow_scale)
