@@ -67,10 +67,22 @@ class Strategy:
     flags: tuple[str, ...] = ()
     dp_impl: str = "ddp"
     cp: int = 1  # context-parallel degree; 0: the whole world
+    ep: int = 1  # expert-parallel degree (a MoE model); 0: every data-parallel x cp rank, -2: half of them
 
     def cp_at(self, n: int) -> int:
         """The context-parallel degree at world size n."""
         return n if self.cp == 0 else self.cp
+
+    def ep_at(self, n: int) -> int:
+        """The expert-parallel degree at world size n."""
+        dp, _, _ = self.degrees(n)
+        data = dp * self.cp_at(n)
+        return data if self.ep == 0 else data // 2 if self.ep == -2 else self.ep
+
+    @property
+    def moe(self) -> bool:
+        """Runs on a mixture-of-experts model (expert parallelism)."""
+        return self.ep != 1
 
     def degrees(self, n: int) -> tuple[int, int, int]:
         """(dp, tp, pp) at world size n (dp x cp x tp x pp = n)."""
@@ -94,6 +106,7 @@ class Strategy:
             f"--parallel.pp={pp}",
             f"--parallel.dp_impl={self.dp_impl}",
             *([f"--parallel.cp={self.cp_at(n)}"] if self.cp_at(n) > 1 else []),
+            *([f"--parallel.ep={self.ep_at(n)}"] if self.ep != 1 else []),
             *self.flags,
             *args,
         ]
@@ -128,6 +141,11 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy(
             "cp-tp", min_world=4, cp=2, tp=2, flags=("--parallel.cp_impl=ulysses", "--parallel.sp=true")
         ),
+        # expert parallelism (a MoE model): the experts split over the data-parallel ranks, tokens by all-to-all
+        Strategy("ep", ep=0),  # ddp for the rest; every data-parallel rank holds 1/ep of the experts
+        Strategy("dp-ep", min_world=4, ep=-2),  # two replicas of each expert (ddp, all-reduced over efsdp)
+        Strategy("ep-fsdp", ep=2, dp_impl="fsdp"),  # at 4 ranks the experts are FSDP-sharded over 2 as well
+        Strategy("ep-tp", min_world=4, tp=2, ep=0),  # the MoE layers whole on each tp rank, split over dp
         Strategy(
             "dp-cp-tp-pp",
             min_world=16,
@@ -151,6 +169,20 @@ VERIFY_MODEL = [
     "--optim.warmup_steps=5",
     "--optim.lr=1e-3",
 ]
+
+
+def _moe_verify_model(cfg: Config) -> str:
+    """Turn the built-in verify model into the MoE family's verify model (its spec's verify_model keys, over
+    the family preset); returns what was set."""
+    from loom.config import apply_family
+    from loom.model.registry import get
+
+    set_key(cfg, "model.family", "moe")
+    apply_family(cfg, set())
+    keys = get("moe").verify_model
+    for k, v in keys.items():
+        set_key(cfg, f"model.{k}", v)
+    return ", ".join(f"{k}={v}" for k, v in keys.items())
 
 
 def micro_batch(batch_size: int) -> int:
@@ -473,6 +505,16 @@ def verify_main(argv: list[str]) -> int:
             f"unknown strategy {', '.join(unknown) or '(none)'}", hint=f"known: {', '.join(STRATEGIES)}"
         )
     cfg, notes = run_config(args.config, overrides, args.steps)
+    if any(STRATEGIES[n].moe for n in names) and cfg.model.family != "moe":
+        if args.config or any(k.startswith("model.") for k, _ in parse_overrides(overrides)):
+            raise LoomError(
+                f"strategies {', '.join(n for n in names if STRATEGIES[n].moe)} need a mixture-of-experts "
+                f"model; this one is model.family={cfg.model.family}",
+                hint="set model.family=moe (and its model.n_experts, moe_* keys), or leave the model to verify",
+            )
+        notes.append(
+            f"the verify model is a mixture of experts ({_moe_verify_model(cfg)}): expert parallelism"
+        )
     built_in = not args.config and not any(k == "model.n_layer" for k, _ in parse_overrides(overrides))
     stages = {n: _schedule_stages(STRATEGIES[n], args.nproc or STRATEGIES[n].min_world) for n in names}
     if built_in and max(stages.values()) > cfg.model.n_layer:
@@ -504,8 +546,9 @@ def verify_main(argv: list[str]) -> int:
         n = worlds[name]
         dp, tp, pp = STRATEGIES[name].degrees(n)
         cp = f"cp {STRATEGIES[name].cp_at(n)} x " if STRATEGIES[name].cp_at(n) > 1 else ""
+        ep = f", experts over ep {STRATEGIES[name].ep_at(n)}" if STRATEGIES[name].moe else ""
         log.info(
-            f"{name}: {n} processes (dp {dp} x {cp}tp {tp} x pp {pp}), micro-batch {micro}, "
+            f"{name}: {n} processes (dp {dp} x {cp}tp {tp} x pp {pp}{ep}), micro-batch {micro}, "
             f"{B // (micro * dp)} {'pipeline micro-batches' if pp > 1 else 'accumulation step(s)'}"
         )
         runs[name] = out / name
@@ -521,6 +564,7 @@ def verify_main(argv: list[str]) -> int:
                 "world_size": worlds[name],
                 "dp": dp,
                 "cp": STRATEGIES[name].cp_at(worlds[name]),
+                "ep": STRATEGIES[name].ep_at(worlds[name]),
                 "tp": tp,
                 "pp": pp,
                 "grad_accum": B // (micro * dp),
@@ -550,7 +594,8 @@ def _table(records: list[dict], tol_loss: float, tol_param: float, steps: int, d
         t.add_row(
             r["strategy"],
             str(r["world_size"]),
-            f"{r['dp']}·{r.get('cp', 1)}·{r['tp']}·{r['pp']}",
+            f"{r['dp']}·{r.get('cp', 1)}·{r['tp']}·{r['pp']}"
+            + (f" ep {r['ep']}" if r.get("ep", 1) > 1 else ""),
             str(r["grad_accum"]),
             f"{r['max_abs_dloss']:.3e}",
             f"{r['max_abs_dparam']:.3e}",

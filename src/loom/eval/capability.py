@@ -31,7 +31,12 @@ class CapabilityEval(Every):
         from loom.eval import harness
 
         par, dims = ctx.parallel, ctx.parallel.dims
-        if dims.model_parallel or dims.cp_enabled or (dims.world_size > 1 and not dist.is_initialized()):
+        if (
+            dims.model_parallel
+            or dims.cp_enabled
+            or dims.ep_enabled
+            or (dims.world_size > 1 and not dist.is_initialized())
+        ):
             # a split model: a whole copy on rank 0; dp_impl=mpi (no torch.distributed): rank 0's own copy
             model, rank, world, sharded = par.sampling_model(), 0, 1, False
             if model is None:

@@ -131,7 +131,7 @@ class HellaSwagEval(Every):
 
     def run(self, ctx: EvalContext) -> dict | None:
         par, dims = ctx.parallel, ctx.parallel.dims
-        if dims.model_parallel:
+        if dims.model_parallel or dims.ep_enabled:
             model, rank, world, reduce = par.sampling_model(), 0, 1, (lambda x: x)
         else:
             model, rank, world, reduce = par.eval_model(), dims.rank, dims.world_size, par.all_reduce_sum

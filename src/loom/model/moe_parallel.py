@@ -50,6 +50,11 @@ def moe_layers(model: nn.Module) -> dict[int, MoE]:
     return {int(n.split(".")[1]): m for n, m in model.named_modules() if isinstance(m, MoE)}
 
 
+def expert_layers(model: nn.Module) -> list[MoE]:
+    """The MoE layers this model (or pipeline stage) holds: expert parallelism splits their experts."""
+    return list(moe_layers(model).values())
+
+
 def after_step(model: nn.Module, sum_all: Callable[[torch.Tensor], torch.Tensor], update: bool) -> dict:
     """After an optimizer step (update: it was taken, not skipped): each MoE layer's load over the global batch
     (one sum over every rank of the job: a layer's loads come from the ranks that hold it, each counted tp

@@ -42,6 +42,9 @@ class Parallelized:
         self.fp8: list[str] = []  # the linears converted to float8 (loom.parallel.fp8)
         self.fp8_gather = False  # FSDP all-gathers their weights in float8 (scales precomputed each step)
         self.tied_group = None  # pp: the first and last stage's group, for the tied embedding/head
+        self.expert_layers: list[nn.Module] = []  # ep: the MoE layers whose experts are split
+        self.ep_mesh = None  # ep: the (pp, efsdp, ep, tp) mesh
+        self.expert_sync = False  # ep: expert gradients made the mean over the data ranks (parallel.expert)
         self.tied: dict[str, str] = plan.tied(model)  # alias -> canonical name of one tensor ({}: untied)
         # the single-device model's names, for checkpoints: state-dict keys and the optimizer's order
         self.names = list(model.state_dict().keys())
@@ -69,6 +72,12 @@ class Parallelized:
         """After the last backward of a step: what the wrappers do not do during backward."""
         if self.grad_sync is not None:
             self.grad_sync.sync()
+        if self.expert_sync:
+            from loom.parallel.expert import sync_expert_grads
+
+            sync_expert_grads(
+                self.expert_params(), self.ep_mesh, self.dims.dp * self.dims.cp, bool(self.fsdp_roots)
+            )
         if self.dims.tp_enabled:
             align_grads(self.model.parameters())
         if self.dims.pp_enabled and self.tied_group is not None:
@@ -77,6 +86,10 @@ class Parallelized:
             for name, w in self.model.named_parameters():
                 if name in tied and w.grad is not None:
                     dist.all_reduce(local(w.grad), group=self.tied_group)
+
+    def expert_params(self) -> list[nn.Parameter]:
+        """The experts' weights now (FSDP and materialization replace parameter objects)."""
+        return [w for moe in self.expert_layers for w in moe.experts.parameters()]
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         # the tied pair counts twice only where two stages hold it (not with one stage: pp at degree 1)
@@ -130,10 +143,10 @@ class Parallelized:
         if ocfg.name == "muon":  # one code path for every layout (DTensors: loom.optim.muon.orthogonalize)
             return build_optimizer(self.model, ocfg, self.device)
         impl = ocfg.impl
-        if self.dims.tp_enabled and not self.fsdp_roots:
-            impl = (
-                "torch-loop"  # foreach/fused want one kind of tensor per list: TP mixes DTensors and tensors
-            )
+        if (self.dims.tp_enabled and not self.fsdp_roots) or self.dims.ep_enabled:
+            # foreach/fused want one kind of tensor per list: TP mixes DTensors and tensors, EP DTensors of
+            # two meshes (experts over (efsdp, ep), the rest over the data-parallel ranks)
+            impl = "torch-loop"
         elif self.fsdp_roots and impl in ("auto", "torch-fused"):
             impl = "torch-foreach"  # fused AdamW does not take DTensor parameters on every device
         if impl != ocfg.impl and ocfg.impl != "auto":
@@ -151,7 +164,7 @@ class Parallelized:
         once into a whole single-device copy on rank 0 while the other ranks wait: a sharded forward per token
         would all-gather every block for every token on every rank (a 43M model's 200-token sample on 4 CPU
         ranks: 105 s that way, 15-19 s this way: benchmarks/fsdp_cpu_memory.py)."""
-        if not (self.dims.model_parallel or self.fsdp_roots or self.dims.cp_enabled):
+        if not (self.dims.model_parallel or self.fsdp_roots or self.dims.cp_enabled or self.dims.ep_enabled):
             return self.model if self.dims.is_main else None
         sd = self.model_state()
         if not self.dims.is_main:
@@ -239,6 +252,12 @@ def parallelize(
         from loom.parallel.context import apply_ulysses
 
         apply_ulysses(model, plan.blocks(model), mesh["cp"].get_group(), dims.cp_rank)
+    if dims.ep_enabled:  # the experts split over ep of the data-parallel x cp ranks (the family names them)
+        from loom.parallel.expert import apply_ep, build_ep_mesh
+
+        par.ep_mesh = build_ep_mesh(dims, device.type)
+        par.expert_layers = plan.expert_layers(model)
+        apply_ep(par.expert_layers, par.ep_mesh)
     roots = [model]
     if dims.pp_enabled:
         from loom.parallel.pipeline import stage_ids
@@ -260,6 +279,12 @@ def parallelize(
         # zero2 and replicas keep gathered parameters
         reshard = dims.dp_impl == "fsdp" and dims.fsdp_shard > 1
         mp = mp_policy(p.param_dtype, p.reduce_dtype, device, precision)
+        if dims.ep_enabled:  # first: the blocks' and roots' FSDP then leave the experts' weights alone
+            from loom.parallel.expert import shard_experts
+
+            layers = [m for root in roots for m in plan.expert_layers(root)]  # this rank's stages
+            shard_experts(layers, par.ep_mesh, reshard_after_forward=reshard, mp_policy=mp)
+            par.expert_sync = True
         apply_fsdp(roots, plan.blocks, dp_mesh, reshard, mp, p.cpu_offload, device)
         par.fsdp_roots = roots
     if any(t.is_meta for t in model.parameters()):
@@ -279,7 +304,9 @@ def parallelize(
     elif dims.dp_impl in ("ddp", "zero1") and (dims.dp_enabled or dims.cp_enabled):  # cp ranks average too
         from loom.parallel.ddp import apply_ddp
 
-        par.forward = apply_ddp(model, device)
+        ignore = {id(q) for q in par.expert_params()}
+        par.forward = apply_ddp(model, device, [n for n, q in model.named_parameters() if id(q) in ignore])
+        par.expert_sync = bool(ignore)
     elif dims.dp_impl == "mpi":
         from loom.parallel.mpi_dp import BucketedSync, NaiveSync, mpi_comm
 

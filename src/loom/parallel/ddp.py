@@ -12,6 +12,10 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 
-def apply_ddp(model: nn.Module, device: torch.device) -> DistributedDataParallel:
+def apply_ddp(model: nn.Module, device: torch.device, ignore: list[str] = ()) -> DistributedDataParallel:
+    """ignore: parameter names DDP leaves alone (expert weights under expert parallelism: each rank holds
+    different ones, synchronised by loom.parallel.expert)."""
     ids = [device.index] if device.type == "cuda" else None
+    if ignore:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
     return DistributedDataParallel(model, device_ids=ids)

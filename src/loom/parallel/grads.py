@@ -23,7 +23,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, shared
     """The global gradient norm (before clipping); gradients scaled down to max_norm when above it.
 
     shared: names of parameters whose gradient two pipeline stages hold (the tied embedding and head)."""
-    if not dims.model_parallel:
+    if not (dims.model_parallel or dims.ep_enabled):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         return norm.full_tensor() if is_dtensor(norm) else norm
     device = next(local(p) for p in model.parameters()).device
@@ -46,15 +46,15 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, shared
 
 
 def replicas(g: torch.Tensor, dims: ParallelDims) -> int:
-    """How many ranks of this pipeline stage hold exactly this (local) gradient: the product of the stage's
-    mesh dimensions the gradient is not split over (a DTensor's placements other than Replicate: Shard, and
-    FSDP's _StridedShard over tensor parallel's shards; FSDP's flattened dp_shard_cp stands for dp_shard x cp)."""
-    sizes = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp}
-    split: set[str] = set()
+    """How many ranks of this pipeline stage hold exactly this (local) gradient: the stage's dp x cp x tp ranks
+    over the product of the mesh dimensions a DTensor gradient is split over (placements other than Replicate:
+    Shard, and FSDP's _StridedShard over tensor parallel's shards; flattened dimensions such as FSDP's
+    dp_shard_cp, and expert parallelism's efsdp and ep, count by their size)."""
+    split = 1
     if is_dtensor(g):
         from torch.distributed.tensor import Replicate
 
-        for dim, pl in zip(g.device_mesh.mesh_dim_names or (), g.placements, strict=True):
+        for i, pl in enumerate(g.placements):
             if not isinstance(pl, Replicate):
-                split.update(("dp_shard", "cp") if dim == "dp_shard_cp" else (dim,))
-    return math.prod(size for dim, size in sizes.items() if dim not in split)
+                split *= g.device_mesh.size(i)
+    return dims.dp * dims.cp * dims.tp // split
