@@ -83,9 +83,12 @@ class DdpBuckets:
     def __init__(self):
         self.bytes = 0
 
-    def apply(self, model: nn.Module, device) -> nn.Module:
-        # DDP (gradient_as_bucket_view=False, loom's) copies every gradient into buckets of the same dtype
-        self.bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    def apply(self, model: nn.Module, device, ignore: list[str] = ()) -> nn.Module:
+        # DDP (gradient_as_bucket_view=False, loom's) copies every gradient into buckets of the same dtype,
+        # but for the parameters it ignores (expert weights under expert parallelism)
+        skip = set(ignore)
+        params = [p for n, p in model.named_parameters() if p.requires_grad and n not in skip]
+        self.bytes = sum(p.numel() * p.element_size() for p in params)
         return model
 
 

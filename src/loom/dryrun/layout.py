@@ -62,6 +62,13 @@ def check_layout(cfg: Config, target: Target) -> ParallelDims:
             hint="dry-run with optim.name=adamw (Muon's state: one momentum buffer per matrix, AdamW's "
             "two for the rest)",
         )
+    if cfg.model.family == "moe":
+        raise LoomError(
+            "model.family=moe: the dry run's tensors hold no values, and a mixture of experts' routing decides "
+            "the experts' shapes from them (how many tokens each expert takes: loom.model.moe's bincount)",
+            hint="estimate a MoE layout with loom plan --model CONFIG.toml (its expert memory and all-to-all "
+            "assume a balanced router), or measure it on the devices",
+        )
     if dims.pp > 1 and not pipeline_supported():
         import torch
 
@@ -162,26 +169,11 @@ def ranks_to_measure(cfg: Config, dims: ParallelDims, vocab: int) -> list[tuple[
 # ----------------------------------------------------------------------------- the planner's view
 def planner_inputs(cfg: Config, target: Target, vocab: int, precision: str):
     """(shape, cluster, workload) of loom.plan for this job."""
-    from loom.plan import PRECISIONS, Cluster, ModelShape, Workload
+    from loom.plan import PRECISIONS, Cluster, Workload
+    from loom.plan.shapes import shape_of_model
 
     m = cfg.model
-    shape = ModelShape(
-        "config",
-        m.n_layer,
-        m.n_head,
-        m.n_embd,
-        vocab,
-        m.block_size,
-        m.bias,
-        m.dropout,
-        n_kv_head=m.n_kv_head,
-        mlp=m.mlp,
-        ffn_hidden=m.ffn_hidden,
-        norm=m.norm,
-        pos=m.pos,
-        tie_embeddings=m.tie_embeddings,
-        qk_norm=m.qk_norm,
-    )
+    shape = shape_of_model(m, vocab)
     cluster = Cluster(
         target.world, target.gpus_per_node, target.gpu_mem_gib * GIB / 1e9, headroom=target.headroom
     )
@@ -217,6 +209,7 @@ def planner_estimate(cfg: Config, dims: ParallelDims, target: Target, vocab: int
         replicate=dims.dp_replicate if zero == 3 else 1,
         sp=cfg.parallel.sp,
         cp=dims.cp,
+        ep=dims.ep,
     )
     return evaluate(c, cluster, wl)
 
@@ -231,6 +224,8 @@ def layout_flags(c) -> list[str]:
         flags.append(f"--parallel.dp_replicate={c.replicate}")
     if c.cp > 1:
         flags.append(f"--parallel.cp={c.cp}")
+    if c.ep > 1:
+        flags.append(f"--parallel.ep={c.ep}")
     return flags + [
         f"--train.micro_batch_size={c.micro_batch}",
         f"--train.activation_checkpointing={c.activation_checkpointing}",

@@ -79,7 +79,7 @@ def moe_config(cfg: Config, vocab_size: int):
 
 
 def _moe_spec() -> ModelSpec:
-    from loom.model import moe_parallel
+    from loom.model import hf_moe, moe_parallel
     from loom.model.moe import MoEGPT
 
     return gpt_spec(
@@ -87,7 +87,7 @@ def _moe_spec() -> ModelSpec:
         config=moe_config,
         build=MoEGPT,
         parallel=moe_parallel,
-        hf=None,
+        hf=hf_moe,
         verify_model={
             "n_experts": 4,
             "moe_top_k": 2,

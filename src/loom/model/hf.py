@@ -1,4 +1,5 @@
-"""Interoperability with Hugging Face transformers: GPT2LMHeadModel here, LlamaForCausalLM in hf_llama.py.
+"""Interoperability with Hugging Face transformers: GPT2LMHeadModel here, LlamaForCausalLM in hf_llama.py
+(Qwen3MoeForCausalLM, the moe family's, in hf_moe.py: its ModelSpec.hf).
 
 Export writes the architecture the model's family has (GPT-2 for the default options, Llama for
 model.family=llama); import reads either from a local directory (model.init_from=hf:DIR). The rest of this
@@ -46,7 +47,7 @@ _GPT2_FIELDS = {
     "rope_theta",
 }  # rope_theta: unused with learned positions
 # The architectures loom imports: config.json's model_type -> its transformers class.
-SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": hf_llama.ARCHITECTURE}
+SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": hf_llama.ARCHITECTURE, "qwen3_moe": "Qwen3MoeForCausalLM"}
 # transformers' activation_function names for each of loom's model.activation values.
 HF_ACTIVATIONS = {"gelu_tanh": ("gelu_new", "gelu_pytorch_tanh"), "gelu": ("gelu",)}
 EOT = "<|endoftext|>"
@@ -296,6 +297,11 @@ def read_hf_config(directory: str | Path) -> dict:
     if kind == "llama":
         hf_llama.check_config(hf, path)
         return hf
+    if kind == "qwen3_moe":  # the moe family's mapping (hf_moe imports this module: imported here)
+        from loom.model import hf_moe
+
+        hf_moe.check_config(hf, path)
+        return hf
     checks = [
         (
             "activation_function",
@@ -401,6 +407,10 @@ def gpt_config_from_hf(hf: dict, block_size: int | None = None, dropout: float =
     """loom's GPTConfig for a GPT-2 or Llama config.json; GPT-2's block_size may be cropped below n_positions."""
     if hf.get("model_type") == "llama":
         return hf_llama.gpt_config(hf, block_size, dropout)
+    if hf.get("model_type") == "qwen3_moe":
+        from loom.model import hf_moe
+
+        return hf_moe.moe_config(hf, block_size, dropout)
     n_pos = hf.get("n_positions", hf.get("n_ctx", 1024))
     if block_size is not None and block_size > n_pos:
         raise LoomError(
@@ -503,6 +513,10 @@ def parse_init_from(spec: str) -> Path:
 def load_hf_into(model: GPT, directory: str | Path) -> None:
     """Copy GPT-2 or Llama weights from a local transformers directory into `model` (shapes must agree)."""
     hf = read_hf_config(directory)
+    if hf["model_type"] == "qwen3_moe":
+        from loom.model import hf_moe
+
+        return hf_moe.load_hf_into(model, directory)
     want = gpt_config_from_hf(hf, model.cfg.block_size, model.cfg.dropout)
     if hf["model_type"] == "gpt2":
         want = dataclasses.replace(want, rope_theta=model.cfg.rope_theta)  # unused by learned positions
@@ -555,14 +569,19 @@ def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
         return
     m = cfg.model
     hf = read_hf_config(parse_init_from(m.init_from))
-    g = gpt_config_from_hf(hf, m.block_size, m.dropout)
-    keys = _SHAPE_KEYS + (("rope_theta",) if g.pos == "rope" else ())
-    if g.pos == "rope" and m.family != "llama" and "model.family" not in explicit:
-        m.family = "llama"  # what the imported model is; recorded in the run's config
-    elif g.pos == "learned" and m.family != "gpt2" and "model.family" not in explicit:
-        m.family = "gpt2"
-    for key in keys:
-        value = getattr(g, key)
+    if hf["model_type"] == "qwen3_moe":  # its keys include model.family=moe, which only it can hold
+        from loom.model import hf_moe
+
+        values = hf_moe.model_keys(hf, m.block_size, m.dropout)
+    else:
+        g = gpt_config_from_hf(hf, m.block_size, m.dropout)
+        keys = _SHAPE_KEYS + (("rope_theta",) if g.pos == "rope" else ())
+        if g.pos == "rope" and m.family != "llama" and "model.family" not in explicit:
+            m.family = "llama"  # what the imported model is; recorded in the run's config
+        elif g.pos == "learned" and m.family != "gpt2" and "model.family" not in explicit:
+            m.family = "gpt2"
+        values = {key: getattr(g, key) for key in keys}
+    for key, value in values.items():
         if getattr(m, key) != value:
             if f"model.{key}" in explicit:
                 raise LoomError(
@@ -574,8 +593,13 @@ def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
 
 
 def load_hf(directory: str | Path, block_size: int | None = None, dropout: float = 0.0) -> GPT:
-    """A loom GPT holding the GPT-2 or Llama model saved in `directory`."""
-    cfg = gpt_config_from_hf(read_hf_config(directory), block_size, dropout)
+    """A loom GPT holding the GPT-2, Llama or Qwen3-MoE model saved in `directory`."""
+    hf = read_hf_config(directory)
+    if hf["model_type"] == "qwen3_moe":
+        from loom.model import hf_moe
+
+        return hf_moe.load_hf(directory, block_size, dropout)
+    cfg = gpt_config_from_hf(hf, block_size, dropout)
     model = GPT(cfg)
     load_hf_into(model, directory)
     return model

@@ -24,6 +24,13 @@ F the MLP's hidden width, t tensor-parallel degree; e the compute dtype's bytes 
   * the MLP's hidden tensors, /t: SwiGLU's gate and up outputs, silu's output and the product; GELU's two;
   * dropout masks (m bytes an element) when dropout > 0; with eager attention the s×s scores (Korthikanti's
     5as²b at m = 1, e = 2).
+A MoE layer (the moe family, model/moe.py) keeps its attention's tensors as above and, in place of the MLP's,
+the routed tokens' (N = s·b tokens, k = top_k, H the expert width, E experts): the k copies of each token's
+hidden state the experts read and the k outputs the weighted sum reads (2·e·N·k·C), the experts' hidden tensors
+as SwiGLU's (4·e·N·k·H), the router's fp32 input (4·N·C under autocast) and scores (4·N·E), the top-k
+weights and the int64 indices of the regrouping, and the shared experts' SwiGLU hidden tensors. None of it is
+divided by t: each tensor-parallel rank runs the MoE layer whole on the gathered sequence (model/moe_parallel).
+Expert parallelism moves rows between ranks but keeps N·k of them on each on average (a balanced router).
 Full recomputation keeps a block's input only (the residual stream's dtype: 16-bit when FSDP gathers 16-bit
 parameters, which casts every block's input, else fp32), and backward rebuilds one block at a time.
 Selective recomputation (loom.parallel.ac) keeps the outputs of the matmuls and of attention.
@@ -146,20 +153,37 @@ def _stats(shape: ModelShape, m: Micro) -> float:
     return (4 if shape.norm == "rmsnorm" else 8) * m.s * m.b
 
 
-def layer_activation_bytes(shape: ModelShape, m: Micro) -> float:
-    """Bytes one block keeps for backward for one micro-batch on one rank (the module's docstring)."""
+def moe_mlp_bytes(shape: ModelShape, m: Micro) -> float:
+    """What a MoE layer's MLP (router, routed and shared experts) keeps for backward for one micro-batch on
+    one rank, whole on every TP rank (the module's docstring)."""
+    n, e, k, C = m.s * m.b, m.e, shape.top_k, shape.n_embd
+    routed = 2 * e * n * k * C + 4 * e * n * k * shape.expert_width
+    router = (4 * n * C if m.prec.autocast else 0) + 4 * n * shape.n_experts + (8 + e) * n * k
+    indices = 3 * 8 * n * k  # the expert order, its inverse and the top-k ids (int64)
+    shared = 4 * e * n * shape.n_shared * shape.expert_width
+    return routed + router + indices + shared
+
+
+def layer_activation_bytes(shape: ModelShape, m: Micro, moe: bool = False) -> float:
+    """Bytes one block (a MoE block: `moe`) keeps for backward for one micro-batch on one rank (the module's
+    docstring)."""
     h, t, sb = shape.n_embd, m.tp, m.s * m.b
     sbh, e = sb * h, m.e
     if m.recompute == "full":  # the block's input, sequence-sharded with sp
         return m.stream * sbh / m.seq_shards
+    mlp_width = 0 if moe else (2 if shape.mlp == "swiglu" else 1) * shape.ffn_width
+    moe_mlp = moe_mlp_bytes(shape, m) if moe else 0.0
     D = h // shape.n_head
     rope = 8 * m.s * D if shape.pos == "rope" else 0  # cos, sin (T, D): 2 x fp32, or 4 x 16-bit casts
     drop = 2 * m.mask_bytes * sbh / m.seq_shards if shape.dropout > 0 else 0
     if m.recompute == "selective":  # matmul and attention outputs; the input for the recomputation
-        colwise = e * sb * (h + 2 * shape.kv_dim + (2 if shape.mlp == "swiglu" else 1) * shape.ffn_width) / t
-        rowwise = 2 * e * sbh  # o_proj's and down_proj's outputs: whole (partial sums under TP)
+        colwise = e * sb * (h + 2 * shape.kv_dim + mlp_width) / t
+        rowwise = (
+            (1 if moe else 2) * e * sbh
+        )  # o_proj's and down_proj's outputs: whole (partial sums under TP)
         attn = e * sbh / t + 4 * shape.n_head * sb / t
-        return m.stream * sbh / m.seq_shards + colwise + rowwise + attn + rope
+        # a MoE layer's MLP counted as without recomputation: an upper bound (the policy saves matmuls)
+        return m.stream * sbh / m.seq_shards + colwise + rowwise + attn + rope + moe_mlp
     norms = 2 * (m.norm_in * sbh + _stats(shape, m)) / m.seq_shards
     inputs = 2 * e * sbh  # attention's and the MLP's input, full-length on every TP rank
     qk_norm = (m.norm_in * sb * (h + shape.kv_dim) + 8 * sb * shape.n_head) / t if shape.qk_norm else 0
@@ -168,7 +192,7 @@ def layer_activation_bytes(shape: ModelShape, m: Micro) -> float:
         attention += shape.n_head * m.s * sb * (e + ((m.mask_bytes + e) if shape.dropout > 0 else 0)) / t
     else:  # the fused kernel's fp32 log-sum-exp per head and token
         attention += 4 * shape.n_head * sb / t
-    hidden = (4 if shape.mlp == "swiglu" else 2) * e * sb * shape.ffn_width / t
+    hidden = moe_mlp if moe else (4 if shape.mlp == "swiglu" else 2) * e * sb * shape.ffn_width / t
     return norms + inputs + qk_norm + attention + hidden + rope + drop
 
 
@@ -207,7 +231,8 @@ def model_activation_bytes(
     prec = Precision("test", 4, 4, 8, act_bytes, "", autocast=False)
     m = Micro(s, b, 1, False, prec, "none", attention, mask_bytes, stream=act_bytes)
     return (
-        shape.n_layer * layer_activation_bytes(shape, m)
+        (shape.n_layer - shape.n_moe) * layer_activation_bytes(shape, m)
+        + shape.n_moe * layer_activation_bytes(shape, m, moe=True)
         + head_activation_bytes(shape, m)
         + embed_activation_bytes(shape, m)
     )

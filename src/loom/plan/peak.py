@@ -15,6 +15,12 @@ reduce-scatter input, the last block's (FSDP frees it at the next reduce), and t
 fp32 then cast (torch's embedding backward for 16-bit weights). Under torch's pipelining FSDP neither reshards
 after backward nor reduce-scatters before the last micro-batch: each block's gradient accumulates unsharded
 in fp32 from the stage's first backward. DDP (pure data parallel) keeps a bucket copy of every gradient.
+
+Mixtures of experts with expert parallelism (loom.parallel.expert): a MoE layer's routed experts are split over
+ep of the data-parallel x cp ranks (E / ep whole experts on each, not split by tensor parallelism) and their
+states sharded over the remaining dp·cp/ep ranks where the others shard over dp·cp (FSDP's `efsdp`); DDP
+leaves them out of its buckets (their gradients are all-reduced apart). Everything else is as a dense model's.
+The gathered expert weights are 16-bit under fp8 too (torchao converts nn.Linear, not the grouped experts).
 """
 
 from __future__ import annotations
@@ -43,9 +49,36 @@ class Stage:
     first: bool
     last: bool
     in_flight: int
-    block_params: float  # one block's
+    block_params: float  # one (dense) block's
     embed_params: float  # the token (and position) embedding's, when first
     head_params: float  # the final norm's and the head's, when last
+    moe_blocks: int = 0  # of `blocks`, the MoE ones
+    moe_block_params: float = 0.0  # a MoE block's without its routed experts
+    expert_block: float = 0.0  # a MoE block's routed experts on this rank: E / ep of them
+
+    @property
+    def expert_params(self) -> float:
+        """The stage's routed experts on this rank (sharded over dp·cp/ep, not dp·cp)."""
+        return self.moe_blocks * self.expert_block
+
+    @property
+    def blocks_params(self) -> float:
+        """Every block's, experts included."""
+        dense = (self.blocks - self.moe_blocks) * self.block_params
+        return dense + self.moe_blocks * self.moe_block_params + self.expert_params
+
+    @property
+    def largest_block(self) -> float:
+        """The largest block's parameters on this rank (a MoE block's with its experts)."""
+        dense = self.block_params if self.blocks > self.moe_blocks else 0.0
+        return max(dense, self.moe_block_params + self.expert_block if self.moe_blocks else 0.0)
+
+    def gathered(self, gb: float, g: float) -> tuple[float, float]:
+        """(every block, the largest block) as FSDP gathers them: gb bytes a weight, g for the experts."""
+        dense = gb * self.block_params if self.blocks > self.moe_blocks else 0.0
+        moe = gb * self.moe_block_params + g * self.expert_block if self.moe_blocks else 0.0
+        every = gb * (self.blocks_params - self.expert_params) + g * self.expert_params
+        return every, max(dense, moe)
 
     @property
     def root_params(self) -> float:
@@ -54,7 +87,7 @@ class Stage:
 
     @property
     def params(self) -> float:
-        return self.blocks * self.block_params + self.root_params
+        return self.blocks_params + self.root_params
 
 
 def stage_layers(n_layer: int, n_stages: int) -> list[int]:
@@ -68,20 +101,40 @@ def stage_layers(n_layer: int, n_stages: int) -> list[int]:
     return sizes
 
 
-def stages(shape: ModelShape, tp: int, pp: int, n_micro: int, gpipe: bool = False) -> list[Stage]:
+def stages(
+    shape: ModelShape, tp: int, pp: int, n_micro: int, gpipe: bool = False, ep: int = 1
+) -> list[Stage]:
     """The first, the last and the fullest middle pipeline rank (one stage when pp = 1). 1F1B keeps pp - r
     micro-batches in flight on pipeline rank r (GPipe all of them)."""
     sizes = stage_layers(shape.n_layer, pp)
+    starts = [sum(sizes[:r]) for r in range(pp)]
+    moe_ids = set(shape.moe_layers)
+    n_moe = [sum(i in moe_ids for i in range(a, a + n)) for a, n in zip(starts, sizes, strict=True)]
     layer = (shape.layer_params - 2 * shape.ln_params) / tp + 2 * shape.ln_params
+    whole = shape.moe_block_params - shape.attn_params() - shape.qk_params()  # norms, router, shared experts
+    moe_layer = (shape.attn_params() + shape.qk_params()) / tp + whole
     embed = shape.padded_vocab * shape.n_embd / tp + shape.embed_params - shape.padded_vocab * shape.n_embd
     head_matrix = shape.head_params / tp if pp > 1 or not shape.tie_embeddings else 0.0
     head = shape.ln_params + head_matrix
     scale = shape.param_count() / shape.counted_params()  # --params N with an assumed shape
-    picks = [0, pp - 1] + ([max(range(1, pp - 1), key=lambda r: sizes[r])] if pp > 2 else [])
+    picks = [0, pp - 1] + ([max(range(1, pp - 1), key=lambda r: (sizes[r], n_moe[r]))] if pp > 2 else [])
     out = []
     for r in dict.fromkeys(picks):
         flight = n_micro if gpipe else min(n_micro, pp - r)
-        out.append(Stage(sizes[r], r == 0, r == pp - 1, flight, layer * scale, embed * scale, head * scale))
+        out.append(
+            Stage(
+                sizes[r],
+                r == 0,
+                r == pp - 1,
+                flight,
+                layer * scale,
+                embed * scale,
+                head * scale,
+                n_moe[r],
+                moe_layer * scale,
+                shape.routed_params / ep * scale,
+            )
+        )
     return out
 
 
@@ -99,6 +152,7 @@ class Layout:
     recompute: str
     sp: bool = True
     cp: int = 1  # context parallel: each rank holds s / cp tokens of a sequence (the caller passes s / cp)
+    ep: int = 1  # expert parallel: a MoE layer's routed experts split over ep of the dp x cp ranks
 
     @property
     def shard(self) -> int:
@@ -140,7 +194,9 @@ def stage_memory(
     # (whole from a block's forward to its backward: buffers)
     zero = 3 if lay.stage == 2 else lay.stage
     shard = lay.stage_shard if zero >= 2 else lay.dp * lay.cp
-    p, gr, o = model_state_bytes(st.params, prec, zero, shard)
+    p, gr, o = model_state_bytes(st.params - st.expert_params, prec, zero, shard)
+    experts = model_state_bytes(st.expert_params, prec, zero, max(1, shard // lay.ep))
+    p, gr, o = p + experts[0], gr + experts[1], o + experts[2]
     moments = _moments(shape, m, lay, st, g, gb)
     name, (act, buf) = max(moments.items(), key=lambda kv: sum(kv[1]))
     # Gradients exist at the peak only when an earlier micro-step made them: accumulation without a pipeline
@@ -154,6 +210,7 @@ def stage_memory(
         "buffers": buf,
         "total": p + held + o + act + buf,
         "moment": name,
+        "expert_states": sum(experts),
     }
 
 
@@ -166,7 +223,8 @@ def _moments(
     batch = (
         8 * m.s * m.b * lay.n_micro * ((1 if st.first else 0) + (1 if st.last else 0))
     )  # int64 ids, targets
-    per_micro = st.blocks * layer_activation_bytes(shape, m)
+    per_micro = (st.blocks - st.moe_blocks) * layer_activation_bytes(shape, m)
+    per_micro += st.moe_blocks * layer_activation_bytes(shape, m, moe=True)
     per_micro += embed_activation_bytes(shape, m) if st.first else 0.0
     hidden = m.stream * sbh / m.seq_shards  # a pipeline stage's output or received input, per micro-batch
     fixed = batch + _weight_casts(shape, m, st, g)
@@ -193,8 +251,13 @@ def _moments(
     moments = {"head backward": (per_micro + head + fixed, buf["forward"])}
     rebuilt = 0.0
     if lay.recompute == "full":  # a block rebuilt, and its backward's gradients of the MLP's hidden tensors
-        rebuilt = layer_activation_bytes(shape, replace(m, recompute="none"))
-        rebuilt += 3 * m.e * m.s * m.b * shape.ffn_width / m.tp
+        whole = replace(m, recompute="none")
+        dense = layer_activation_bytes(shape, whole) + 3 * m.e * m.s * m.b * shape.ffn_width / m.tp
+        moe = (
+            layer_activation_bytes(shape, whole, moe=True)
+            + 3 * m.e * m.s * m.b * shape.top_k * shape.expert_width
+        )
+        rebuilt = max(dense if st.blocks > st.moe_blocks else 0.0, moe if st.moe_blocks else 0.0)
     moments["blocks' backward"] = (per_micro + rebuilt + fixed, buf["backward"])
     if "end" in buf:
         shard = g * st.embed_params if lay.tp > 1 and st.first else 0.0  # the embedding's rows, reduced
@@ -218,27 +281,29 @@ def _pipeline_buffers(lay: Layout, st: Stage, g: int, gb: int, vocab_rows: float
     gathered. Without FSDP (one data-parallel rank) nothing."""
     if not lay.fsdp:
         return 0.0, 0.0
-    acc = 4 * (st.blocks * st.block_params + (vocab_rows if st.first else 0.0))
+    acc = 4 * (st.blocks_params + (vocab_rows if st.first else 0.0))
     acc += 4 * st.head_params if st.last else 0.0
+    every, largest = st.gathered(gb, g)
     if lay.stage != 3 or lay.stage_shard == 1:
-        return g * (st.params - st.blocks * st.block_params) + gb * st.blocks * st.block_params, acc
-    return (0.0 if st.last else g * (st.embed_params if st.first else 0.0) + gb * 2 * st.block_params), acc
+        return g * st.root_params + every, acc
+    return (0.0 if st.last else g * (st.embed_params if st.first else 0.0) + 2 * largest), acc
 
 
 def _buffers(lay: Layout, st: Stage, g: int, gb: int, vocab_rows: float) -> dict[str, float]:
     """FSDP's gathered parameters and unsharded gradients, or DDP's buckets, by moment. `vocab_rows`: the
     embedding's gradient on a rank (the whole vocabulary's under tensor parallel: DTensor's embedding backward
     builds it whole on every TP rank before reducing it to the rank's rows)."""
-    if not lay.fsdp:
-        ddp = 4.0 * st.params if lay.dp * lay.cp > 1 else 0.0
+    every, largest = st.gathered(gb, g)
+    if not lay.fsdp:  # with expert parallelism DDP leaves the experts out of its buckets
+        ddp = 4.0 * (st.params - (st.expert_params if lay.ep > 1 else 0.0)) if lay.dp * lay.cp > 1 else 0.0
         return {"forward": ddp, "backward": ddp}
     # zero2, or replicas: every block gathered from forward to backward
     if lay.stage != 3 or lay.stage_shard == 1:
-        held = g * (st.params - st.blocks * st.block_params) + gb * st.blocks * st.block_params
+        held = g * st.root_params + every
         if lay.zero < 2 and lay.n_micro > 1:  # replicas skip the sync between micro-steps: fp32 gradients
             held += 4 * st.params
         return {"forward": held, "backward": held}
-    root, block = st.root_params, st.block_params
+    root, block = st.root_params, st.largest_block
     head = st.head_params if st.last else 0.0
     # the root's gradients complete (the embedding's whole-vocabulary one), then its fp32 reduce-scatter input;
     # the last block's reduce-scatter input is held until then
@@ -246,15 +311,17 @@ def _buffers(lay: Layout, st: Stage, g: int, gb: int, vocab_rows: float) -> dict
     reducing = g * root + 4 * root + 4 * block  # FSDP reshards the root before its reduce-scatter
     # the top block's reduce-scatter: the block gathered, its unsharded gradients and their fp32 reduce-scatter
     # input
-    backward = g * root + gb * block + g * block + 4 * block
-    return {"forward": g * root + gb * block, "backward": backward, "end": max(grads_done, reducing)}
+    backward = g * root + largest + g * block + 4 * block
+    return {"forward": g * root + largest, "backward": backward, "end": max(grads_done, reducing)}
 
 
 def peak_memory(shape: ModelShape, prec: Precision, s: int, attention: str, lay: Layout) -> dict:
     """The fullest stage's terms (stage_memory): params, grads, optim as held after the step, activations and
-    buffers at its peak, and the peak ('total': the gradients in it only when they exist by then)."""
+    buffers at its peak, and the peak ('total': the gradients in it only when they exist by then); and of its
+    states, those of the routed experts ('expert_states', 0 for a dense model)."""
     per = [
-        stage_memory(shape, prec, s, attention, lay, st) for st in stages(shape, lay.tp, lay.pp, lay.n_micro)
+        stage_memory(shape, prec, s, attention, lay, st)
+        for st in stages(shape, lay.tp, lay.pp, lay.n_micro, ep=lay.ep)
     ]
     worst = max(per, key=lambda d: d["total"])
     assert math.isfinite(worst["total"])

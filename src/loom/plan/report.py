@@ -15,7 +15,7 @@ from dataclasses import replace
 from loom.errors import LoomError
 from loom.plan.estimate import Candidate, Cluster, Workload, plan
 from loom.plan.memory import ATTENTION, PRECISIONS
-from loom.plan.shapes import ModelShape, assert_valid, fmt_count, resolve_model
+from loom.plan.shapes import PRESETS, ModelShape, assert_valid, fmt_count, resolve_model
 
 _ZERO_WHAT = {
     1: "optimizer state",
@@ -62,6 +62,12 @@ def reason(c: Candidate, cands: list[Candidate], cluster: Cluster) -> str:
         parts.append(
             f"CP={c.cp} (Ulysses) inside a node: each rank holds 1/{c.cp} of every sequence's activations"
         )
+    if c.ep > 1:
+        link = c.moe.get("a2a_link", "")
+        parts.append(
+            f"EP={c.ep}: {c.moe.get('experts_per_rank')} experts per rank, all-to-all {link} "
+            f"({c.moe.get('a2a_s', 0):.2f} s/step)"
+        )
     if c.zero == 0 and c.dp > 1 and (c.tp > 1 or c.pp > 1):
         parts.append("no ZeRO: TP/PP alone split the model states")
     if c.tp > 1:
@@ -93,22 +99,62 @@ def model_state(c: Candidate) -> float:
     return c.memory_gb["params"] + c.memory_gb["grads"] + c.memory_gb["optim"]
 
 
-def table(cands: list[Candidate]) -> str:
+def table(cands: list[Candidate], moe: bool = False) -> str:
+    """The layouts, one a row (an ep column for a mixture of experts)."""
     head = (
-        " #  dp  cp  tp  pp zero rep  mb  ckpt  |  params  grads  optim   act  bufs  peak GB | comm GB   step s"
-        "  bubble   tok/s | fits | reason"
+        f" #  dp  cp  tp  pp{'  ep' if moe else ''} zero rep  mb  ckpt  |  params  grads  optim   act  bufs  peak GB"
+        " | comm GB   step s  bubble   tok/s | fits | reason"
     )
     rows = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         m = c.memory_gb
         comm = sum(c.comm_gb.values())
+        ep = f" {c.ep:>3}" if moe else ""
         rows.append(
-            f"{i:>2} {c.dp:>3} {c.cp:>3} {c.tp:>3} {c.pp:>3} {c.zero:>4} {c.replicate:>3} {c.micro_batch:>3}  {c.activation_checkpointing[:4]:<4}"
+            f"{i:>2} {c.dp:>3} {c.cp:>3} {c.tp:>3} {c.pp:>3}{ep} {c.zero:>4} {c.replicate:>3} {c.micro_batch:>3}  {c.activation_checkpointing[:4]:<4}"
             f"  | {m['params']:>7.1f} {m['grads']:>6.1f} {m['optim']:>6.1f} {m['activations']:>5.1f}"
             f" {m['buffers']:>5.1f} {m['total']:>6.1f}    | {comm:>7.1f} {c.step_time_s:>8.2f} {c.bubble:>6.1%} {fmt_count(c.tokens_per_s):>7}"
             f" | {'yes' if c.fits else 'NO':<4} | {c.reason}"
         )
     return "\n".join(rows)
+
+
+def moe_table(cands: list[Candidate]) -> str:
+    """A mixture of experts' figures for the same rows: the experts' place and states, routed activations, the
+    all-to-all per step and the link it crosses, and the MFU on active parameters."""
+    head = (
+        " #  ep experts/rank efsdp | expert states  other states  routed act/layers | all-to-all GB  link"
+        "        busbw  s/step | MFU active"
+    )
+    rows = [head, "-" * len(head)]
+    for i, c in enumerate(cands, 1):
+        f = c.moe
+        link = f"{f['a2a_link']:<11} {f['a2a_busbw']:>5.0f}" if c.ep > 1 else f"{'(no ep)':<11} {'-':>5}"
+        rows.append(
+            f"{i:>2} {c.ep:>3} {f['experts_per_rank']:>12} {f['expert_shard']:>5} | {f['expert_states_gb']:>13.1f}"
+            f" {f['other_states_gb']:>13.1f} {f['routed_activations_gb']:>17.1f} | {f['a2a_gb']:>13.1f}  {link}"
+            f" {f['a2a_s']:>7.2f} | {f['mfu_active']:>9.1%}"
+        )
+    return "\n".join(rows)
+
+
+def moe_header(shape: ModelShape, wl: Workload) -> str:
+    """Total and active parameters, the experts, and the FLOPs a token costs on active parameters."""
+    flops = 6 * shape.matmul_params() + 12 * shape.n_layer * shape.n_embd * wl.seq_len
+    shared = f" + {shape.n_shared} shared" if shape.n_shared else ""
+    return (
+        f"moe       {fmt_count(shape.param_count())} parameters, {fmt_count(shape.active_params())} active per token; "
+        f"{shape.n_experts} routed experts (top-{shape.top_k}{shared}) of width {shape.expert_width} in "
+        f"{shape.n_moe} of {shape.n_layer} layers, {fmt_count(shape.routed_params)} routed parameters a layer; "
+        f"{flops / 1e9:.0f} GFLOP/token on active parameters (6 x {fmt_count(shape.matmul_params())} + "
+        "attention); experts not TP-sharded (each tp rank runs a MoE layer whole), split over ep of the "
+        "dp x cp ranks\n"
+        "          MoE table: expert states (params, grads, optim of the rank's E/ep experts, sharded over efsdp ="
+        " dp x cp / ep under zero 2/3) and the rest's; routed activations of a micro-batch's MoE layers"
+        " (one under full recompute); all-to-all bytes per GPU per step (dispatch + combine, forward +"
+        " backward: 4 x tokens x k x C x bytes x (ep-1)/ep a layer) and the link of the ep x tp ranks;"
+        " MFU on active parameters at the estimated step time"
+    )
 
 
 def header(shape: ModelShape, cluster: Cluster, wl: Workload, n: int, n_fit: int) -> str:
@@ -140,9 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         "loom's block keeps them (after Korthikanti et al. 2022), checked against loom train --dry-run; see "
         "loom/plan/*.py. Example: loom plan --model 7b --gpus 64 --gpus-per-node 8 --gpu-mem 80",
     )
-    p.add_argument(
-        "--model", help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, 7b, 13b, 70b) or CONFIG.toml"
-    )
+    p.add_argument("--model", help=f"a preset ({', '.join(PRESETS)}) or CONFIG.toml")
     p.add_argument("--params", help="a bare parameter count (7.5B, 124M); alone, a shape is assumed")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
@@ -174,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--headroom", type=float, default=0.10, help="share of GPU memory kept free (default 0.10)"
     )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=0,
+        help="a mixture of experts' expert-parallel degree (parallel.ep; divides n_experts and dp x cp); "
+        "default 0: every such degree",
+    )
     p.add_argument("--top", type=int, default=10, help="rows printed (default 10)")
     p.add_argument("--json", action="store_true", help="print every candidate as JSON")
     return p
@@ -192,6 +243,8 @@ def _check(args: argparse.Namespace) -> None:
     for flag, v in positive.items():
         if not v > 0:
             raise LoomError(f"{flag} must be positive, got {v}")
+    if args.ep < 0:
+        raise LoomError(f"--ep must be >= 0, got {args.ep}", hint="leave --ep out to try every degree")
     if not 0 < args.mfu <= 1:
         raise LoomError(f"--mfu must be in (0, 1], got {args.mfu}")
     if not 0 <= args.headroom < 1:
@@ -206,6 +259,26 @@ def _check(args: argparse.Namespace) -> None:
         )
 
 
+def _check_ep(shape: ModelShape, ep: int) -> None:
+    """--ep as config.validate checks parallel.ep: a MoE model's, dividing n_experts (the dp x cp rule is
+    the enumeration's)."""
+    if not ep:
+        return
+    if not shape.is_moe:
+        if ep > 1:
+            raise LoomError(
+                f"--ep {ep}: {shape.name} is not a mixture of experts",
+                hint="expert parallelism is for model.family=moe; leave --ep out",
+            )
+        return
+    if shape.n_experts % ep:
+        divisors = ", ".join(str(d) for d in range(1, shape.n_experts + 1) if shape.n_experts % d == 0)
+        raise LoomError(
+            f"--ep {ep} does not divide n_experts={shape.n_experts} (each rank holds whole experts)",
+            hint=f"pick ep among the divisors of n_experts: {divisors}",
+        )
+
+
 def run_plan(args: argparse.Namespace) -> tuple[ModelShape, Cluster, Workload, list[Candidate]]:
     """Resolve the inputs and rank every layout; raise LoomError when none is valid or none fits."""
     _check(args)
@@ -213,6 +286,7 @@ def run_plan(args: argparse.Namespace) -> tuple[ModelShape, Cluster, Workload, l
     if shape.assumed and args.seq_len is not None:
         shape = replace(shape, block_size=args.seq_len)
     assert_valid(shape)
+    _check_ep(shape, args.ep)
     s = shape.block_size if args.seq_len is None else args.seq_len
     if s > shape.block_size or s < 1:
         raise LoomError(
@@ -238,7 +312,13 @@ def run_plan(args: argparse.Namespace) -> tuple[ModelShape, Cluster, Workload, l
         args.headroom,
     )
     wl = Workload(shape, PRECISIONS[args.precision], s, tokens, args.attention)
-    cands = plan(shape, cluster, wl)
+    cands = plan(shape, cluster, wl, args.ep)
+    if not cands and args.ep > 1:
+        raise LoomError(
+            f"--ep {args.ep} divides the data-parallel x cp ranks (dp x cp) of no valid layout of {args.gpus} GPUs "
+            f"for {shape.name} (expert parallelism splits the experts over those ranks)",
+            hint="a smaller --ep, more GPUs, or leave --ep out to try every degree",
+        )
     if not cands:
         raise LoomError(
             f"no valid layout of {args.gpus} GPUs for {shape.name}: {tokens // s} sequences per step "
@@ -277,6 +357,7 @@ def plan_main(argv: list[str]) -> int:
                         "n_embd": shape.n_embd,
                         "vocab_size": shape.vocab_size,
                         "shape_assumed": shape.assumed,
+                        **(_moe_model(shape, wl.seq_len) if shape.is_moe else {}),
                     },
                     "cluster": vars(cluster),
                     "precision": wl.precision.name,
@@ -291,5 +372,21 @@ def plan_main(argv: list[str]) -> int:
         return 0
     n_fit = sum(c.fits for c in cands)
     print(header(shape, cluster, wl, len(cands), n_fit))
-    print(table(cands[: args.top]))
+    if shape.is_moe:
+        print(moe_header(shape, wl))
+    print(table(cands[: args.top], shape.is_moe))
+    if shape.is_moe:
+        print(moe_table(cands[: args.top]))
     return 0
+
+
+def _moe_model(shape: ModelShape, seq_len: int) -> dict:
+    return {
+        "active_params": shape.active_params(),
+        "n_experts": shape.n_experts,
+        "top_k": shape.top_k,
+        "n_shared": shape.n_shared,
+        "expert_width": shape.expert_width,
+        "moe_layers": shape.n_moe,
+        "flops_per_token_active": 6 * shape.matmul_params() + 12 * shape.n_layer * shape.n_embd * seq_len,
+    }

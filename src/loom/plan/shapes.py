@@ -5,6 +5,11 @@ block (model/gpt.py) with its options: separate q/k/v/o projections (k and v n_k
 attention), a 4·C GELU MLP or a SwiGLU MLP of ffn_hidden (three matrices), LayerNorm or RMSNorm, learned or
 rotary positions, and an LM head tied to the token embedding or not. `param_count` equals
 the gpt2/llama model's `num_params()` (tested against loom.model.flops.param_count).
+
+A mixture of experts (the moe family, model/moe.py): n_experts > 0 puts routed SwiGLU experts of width
+expert_width (top_k of them per token) and n_shared shared ones in place of the MLP of the MoE layers
+(from first_dense on, every moe_every-th); a MoE layer also has a router (C x E). `counted_params` counts
+every expert (MoEGPT.num_params()), `active_params` the top_k a token passes through (num_active_params()).
 """
 
 from __future__ import annotations
@@ -38,6 +43,56 @@ class ModelShape:
     pos: str = "learned"  # learned | rope (no position table)
     tie_embeddings: bool = True
     qk_norm: bool = False
+    # the moe family's options (model/moe.py; n_experts=0: dense)
+    n_experts: int = 0  # routed experts per MoE layer
+    top_k: int = 2  # experts per token
+    moe_every: int = 1  # every k-th layer from first_dense on is a MoE layer
+    first_dense: int = 0  # the first layers keep the dense MLP (DeepSeek-V3: 3)
+    n_shared: int = 0  # shared experts, one SwiGLU of n_shared x expert_width
+    expert_hidden: int = 0  # an expert's width; 0: ffn_width
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_width(self) -> int:
+        """As MoEConfig.expert_width."""
+        return self.expert_hidden or self.ffn_width
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """As MoEConfig.moe_layers: the layers whose MLP is a MoE (none for a dense shape)."""
+        if not self.is_moe:
+            return []
+        return [
+            i for i in range(self.first_dense, self.n_layer) if (i - self.first_dense) % self.moe_every == 0
+        ]
+
+    @property
+    def n_moe(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def routed_params(self) -> int:
+        """One MoE layer's routed experts: E x 3 matrices of C x H (gate, up, down; no biases)."""
+        return self.n_experts * 3 * self.n_embd * self.expert_width
+
+    @property
+    def expert_matrices(self) -> int:
+        """What a token is multiplied by in a MoE layer besides attention: the router, its k routed experts
+        and the shared ones. Not tensor-parallel: each TP rank runs the MoE layer whole (model/moe_parallel)."""
+        return self.n_embd * self.n_experts + 3 * self.n_embd * self.expert_width * (
+            self.top_k + self.n_shared
+        )
+
+    @property
+    def moe_block_params(self) -> int:
+        """A MoE block without its routed experts: attention, norms, the router and the shared experts."""
+        shared = self.mlp_params(3, self.n_shared * self.expert_width) if self.n_shared else 0
+        return (
+            self.attn_params() + 2 * self.ln_params + self.qk_params() + self.n_embd * self.n_experts + shared
+        )
 
     @property
     def kv_dim(self) -> int:
@@ -52,10 +107,22 @@ class ModelShape:
         return (8 * self.n_embd // 3 + 63) // 64 * 64 if self.mlp == "swiglu" else 4 * self.n_embd
 
     @property
+    def attn_matrices(self) -> int:
+        """q and o (C²), k and v (C·kv_dim)."""
+        return 2 * self.n_embd * self.n_embd + 2 * self.n_embd * self.kv_dim
+
+    @property
     def layer_matrices(self) -> int:
-        """One block's weight matrices: q and o (C²), k and v (C·kv_dim), the MLP's two or three."""
-        C = self.n_embd
-        return 2 * C * C + 2 * C * self.kv_dim + (3 if self.mlp == "swiglu" else 2) * C * self.ffn_width
+        """One (dense) block's weight matrices: attention's four, the MLP's two or three."""
+        return self.attn_matrices + (3 if self.mlp == "swiglu" else 2) * self.n_embd * self.ffn_width
+
+    def matmul_params(self) -> int:
+        """The matrices a token is multiplied by (loom.model.flops.matmul_params): a MoE layer's active
+        experts only, the LM head whether tied or not."""
+        dense = (self.n_layer - self.n_moe) * self.layer_matrices
+        return (
+            dense + self.n_moe * (self.attn_matrices + self.expert_matrices) + self.padded_vocab * self.n_embd
+        )
 
     @property
     def padded_vocab(self) -> int:
@@ -75,13 +142,23 @@ class ModelShape:
     def ln_params(self) -> int:
         return 2 * self.n_embd if self.bias and self.norm == "layernorm" else self.n_embd
 
+    def attn_params(self) -> int:
+        """Attention's matrices and biases (q, o: C; k, v: kv_dim)."""
+        return self.attn_matrices + (2 * self.n_embd + 2 * self.kv_dim if self.bias else 0)
+
+    def mlp_params(self, n_matrices: int, width: int) -> int:
+        """An MLP of two (GELU) or three (SwiGLU) matrices of C x width, and their biases."""
+        return n_matrices * self.n_embd * width + ((n_matrices - 1) * width + self.n_embd if self.bias else 0)
+
+    def qk_params(self) -> int:
+        """QK-norm's two gains of a head's size."""
+        return 2 * (self.n_embd // self.n_head) if self.qk_norm else 0
+
     @property
     def layer_params(self) -> int:
-        """One block: its matrices (12·C² for gpt2's) + two norms (+ QK-norm gains) (+ biases)."""
-        C, F = self.n_embd, self.ffn_width
-        biases = 2 * C + 2 * self.kv_dim + (2 if self.mlp == "swiglu" else 1) * F + C if self.bias else 0
-        qk = 2 * (self.n_embd // self.n_head) if self.qk_norm else 0
-        return self.layer_matrices + 2 * self.ln_params + qk + biases
+        """One (dense) block: its matrices (12·C² for gpt2's) + two norms (+ QK-norm gains) (+ biases)."""
+        mlp = self.mlp_params(3 if self.mlp == "swiglu" else 2, self.ffn_width)
+        return self.attn_params() + mlp + 2 * self.ln_params + self.qk_params()
 
     @property
     def embed_params(self) -> int:
@@ -99,7 +176,15 @@ class ModelShape:
     def counted_params(self) -> int:
         """Distinct parameters of the shape (a tied head counted once) = the model's num_params()."""
         head = 0 if self.tie_embeddings else self.head_params
-        return self.embed_params + self.n_layer * self.layer_params + self.ln_params + head
+        blocks = (self.n_layer - self.n_moe) * self.layer_params
+        blocks += self.n_moe * (self.moe_block_params + self.routed_params)
+        return self.embed_params + blocks + self.ln_params + head
+
+    def active_params(self) -> int:
+        """Parameters one token passes through (MoEGPT.num_active_params()): top_k of a MoE layer's routed
+        experts. Scaled as param_count when --params replaces the count."""
+        idle = self.n_moe * (self.n_experts - self.top_k) * 3 * self.n_embd * self.expert_width
+        return round((self.counted_params() - idle) * self.param_count() / self.counted_params())
 
     def param_count(self) -> int:
         """Ψ: the count given with --params, else the shape's own count."""
@@ -120,6 +205,12 @@ class ModelShape:
             s += (
                 f" n_kv_head={self.n_kv_head or self.n_head} {self.mlp} {self.ffn_width} {self.norm} {self.pos}"
                 f"{'' if self.tie_embeddings else ' untied'}"
+            )
+        if self.is_moe:
+            s += (
+                f"; MoE: {self.n_experts} routed experts (top-{self.top_k}"
+                f"{f' + {self.n_shared} shared' if self.n_shared else ''}) of width {self.expert_width} in "
+                f"{self.n_moe} of {self.n_layer} layers, {fmt_count(self.active_params())} active parameters"
             )
         if self.assumed:
             s += " (shape assumed for activations: only the parameter count was given)"
@@ -150,6 +241,40 @@ PRESETS: dict[str, ModelShape] = {
     "llama3-70b": ModelShape(
         "llama3-70b", 80, 64, 8192, 128256, 8192, n_kv_head=8, ffn_hidden=28672, **_LLAMA
     ),
+    # mixtures of experts, as configs/deepseek_v3_shaped.toml and configs/qwen3_30b_a3b.toml (whose comments
+    # say how loom's block differs from the originals: GQA attention for DeepSeek-V3's MLA, 16 heads of 128
+    # for Qwen3's 32 with q wider than the model)
+    "deepseek-v3-shaped": ModelShape(
+        "deepseek-v3-shaped",
+        61,
+        128,
+        7168,
+        129280,
+        4096,
+        n_kv_head=128,
+        ffn_hidden=18432,
+        **_LLAMA,
+        n_experts=256,
+        top_k=8,
+        first_dense=3,
+        n_shared=1,
+        expert_hidden=2048,
+    ),
+    "qwen3-30b-a3b": ModelShape(
+        "qwen3-30b-a3b",
+        48,
+        16,
+        2048,
+        151936,
+        4096,
+        n_kv_head=4,
+        ffn_hidden=6144,
+        qk_norm=True,
+        **_LLAMA,
+        n_experts=128,
+        top_k=8,
+        expert_hidden=768,
+    ),
 }
 ALIASES = {
     "124m": "gpt2",
@@ -163,6 +288,8 @@ ALIASES = {
     "llama-7b": "7b",
     "llama-13b": "13b",
     "llama-70b": "70b",
+    "deepseek-v3": "deepseek-v3-shaped",
+    "qwen3-30b": "qwen3-30b-a3b",
 }
 
 _SUFFIX = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -205,12 +332,18 @@ def shape_from_config(path: str) -> ModelShape:
     vocab = m.vocab_size
     if not vocab:
         vocab, note = 50257, "model.vocab_size=0 (taken from the data): assumed gpt2's 50257"
+    return shape_of_model(m, vocab, path, note)
+
+
+def shape_of_model(m, vocab_size: int, name: str = "config", note: str = "") -> ModelShape:
+    """The shape of a loom.config.ModelConfig (its family's preset applied) with this vocabulary."""
+    moe = m.family == "moe"
     return ModelShape(
-        path,
+        name,
         m.n_layer,
         m.n_head,
         m.n_embd,
-        vocab,
+        vocab_size,
         m.block_size,
         m.bias,
         m.dropout,
@@ -222,6 +355,12 @@ def shape_from_config(path: str) -> ModelShape:
         pos=m.pos,
         tie_embeddings=m.tie_embeddings,
         qk_norm=m.qk_norm,
+        n_experts=m.n_experts if moe else 0,
+        top_k=m.moe_top_k,
+        moe_every=m.moe_every,
+        first_dense=m.moe_first_dense,
+        n_shared=m.n_shared_experts,
+        expert_hidden=m.moe_ffn_hidden,
     )
 
 
@@ -258,6 +397,12 @@ def assert_valid(shape: ModelShape) -> None:
         raise LoomError(
             f"n_head={shape.n_head} is not divisible by n_kv_head={shape.n_kv_head}",
             hint="pick n_kv_head among the divisors of n_head",
+        )
+    if shape.is_moe and not (1 <= shape.top_k <= shape.n_experts and shape.n_moe):
+        raise LoomError(
+            f"a mixture of experts needs 1 <= top_k <= n_experts and a MoE layer; got top_k={shape.top_k}, "
+            f"n_experts={shape.n_experts}, first_dense={shape.first_dense} of {shape.n_layer} layers",
+            hint="check the model.moe_* keys",
         )
     if min(
         shape.n_layer, shape.n_head, shape.n_embd, shape.vocab_size, shape.block_size
