@@ -437,6 +437,22 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
                 lambda o, ctx, name=name: long_context_figures(o, ctx, name),
             )
         )
+    # Mixture of experts (issue 32): the same MoE (8 SwiGLU experts as wide as the dense MLP, top-2, in every
+    # layer) with its experts as one grouped GEMM (torch._grouped_mm) and as a loop of matmuls, one expert each
+    moe_json = out / "bench-train-moe.json"
+    moe_argv = [
+        *bench,
+        "--model.family=moe",
+        "--model.n_experts=8",
+        "--model.moe_top_k=2",
+        f"--train.batch_size={4 if cuda else 2}",
+        f"--train.micro_batch_size={4 if cuda else 2}",
+        "--moe-gemm",
+        "grouped,loop",
+        "--json",
+        str(moe_json),
+    ]
+    checks.append(Check("bench-train-moe", lambda ctx: [moe_argv], 300, lambda o, ctx: moe_figures(moe_json)))
     checks.append(
         Check(
             "nanogpt",
@@ -610,6 +626,18 @@ def fp8_figures(path: Path) -> dict:
         figs[f"{r['mode']}_tokens_per_s"] = round(r["tokens_per_s"])
         figs[f"{r['mode']}_vs_bf16"] = round(r["speed_vs_first"], 3)
         figs[f"{r['mode']}_peak_mem_gib"] = round(r["peak_mem_bytes"] / 2**30, 2)
+    return figs
+
+
+def moe_figures(path: Path) -> dict:
+    """The MoE's tokens/s, MFU (on active parameters) and peak memory with each expert GEMM (timed in the same
+    interleaved rounds), and the grouped GEMM's speed over the loop's."""
+    figs: dict[str, Any] = {}
+    for r in json.loads(path.read_text()):
+        figs[f"{r['mode']}_tokens_per_s"] = round(r["tokens_per_s"])
+        figs[f"{r['mode']}_mfu"] = round(r["mfu"], 4) if r["mfu"] is not None else "n/a"
+        figs[f"{r['mode']}_peak_mem_gib"] = round(r["peak_mem_bytes"] / 2**30, 2)
+    figs["grouped_vs_loop"] = round(figs["grouped_tokens_per_s"] / figs["loop_tokens_per_s"], 3)
     return figs
 
 

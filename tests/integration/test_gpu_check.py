@@ -27,6 +27,7 @@ CHECKS = [
     "bench-train-compile",
     "bench-long-flash",
     "bench-long-doc-mask",
+    "bench-train-moe",
     "nanogpt",
     "bench-train-fp8-gpt2",
     "bench-train-fp8-1b",
@@ -64,6 +65,7 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
         "bench-train-eager",
         "bench-long-flash",
         "bench-long-doc-mask",
+        "bench-train-moe",
     ):
         assert rows[name]["status"] == "pass", rows[name]
     assert rows["tests-gpu"]["figures"]["skipped"] >= 8  # on CPU every GPU test is skipped, with its reason
@@ -78,6 +80,8 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
         assert reason.startswith("gpu only") and "--fp8" in reason
     else:
         assert "needs torchao" in rows["bench-train-fp8-gpt2"]["reason"]
+    moe = rows["bench-train-moe"]["figures"]  # grouped GEMM and loop timed in the same rounds
+    assert moe["grouped_tokens_per_s"] > 0 and moe["loop_tokens_per_s"] > 0 and moe["grouped_vs_loop"] > 0
     long = rows["bench-long-doc-mask"]["figures"]
     assert long["block_size"] == 256 and long["tokens_per_s"] > 0 and long["over_flash"] > 0
     # the 1-process DP wrappers, and tp x pp at degree 1, apply the same update: the same loss whatever the layout

@@ -1,7 +1,8 @@
 """`loom bench train`: training throughput of a config as given — tokens/s, tokens/s/device, MFU, memory.
 
     loom bench train [CONFIG] [--steps 20] [--warmup 3] [--rounds 2] [--synthetic]
-                     [--ac none,full,selective | --fp8 off,tensorwise,rowwise] [--json FILE] [--section.key=value ...]
+                     [--ac none,full,selective | --fp8 off,tensorwise,rowwise | --moe-gemm grouped,loop]
+                     [--json FILE] [--section.key=value ...]
 
 What is timed is `Trainer.train_step`, the step `loom train` runs (data, forward, backward, clipping,
 optimizer), in one process. `--synthetic` replaces the loader with one fixed random batch, so no reads or
@@ -9,7 +10,8 @@ gathers are measured. `--ac` compares activation-checkpointing modes on the same
 mode (same seed, same weights), warmed up, then timed in interleaved rounds (none, full, selective, none,
 ...) so a machine that gets busier during the run slows every mode alike. `--fp8` compares precision.fp8
 recipes the same way (each mode's tokens/s over the first mode's is `speed_vs_first`); an fp8 mode's MFU is
-against the bf16 peak, as peers report it.
+against the bf16 peak, as peers report it. `--moe-gemm` compares a mixture of experts' expert GEMMs
+(model.moe_gemm: one torch._grouped_mm, or a matmul per expert) the same way.
 
 Memory. "activations" is what one micro-batch's forward pass leaves allocated for the backward pass
 (`loom.parallel.ac.activation_bytes`, counted from the allocator's events): the figure activation
@@ -38,6 +40,7 @@ from loom.metrics import peak_memory_bytes
 from loom.parallel.ac import MODES, activation_bytes
 
 FP8_MODES = ("off", "tensorwise", "rowwise")
+MOE_GEMMS = ("grouped", "loop", "auto")  # model.moe_gemm: a mixture of experts' expert GEMMs
 SYNTHETIC_DOC_LEN = 2048  # data.doc_mask=true: documents of this many tokens on average (random cuts)
 SYNTHETIC_EOT = 0  # the synthetic data's end-of-text id (data.doc_mask=true: the documents of a window)
 
@@ -134,6 +137,8 @@ def measure(
         c = copy.deepcopy(cfg)
         if key == "fp8":
             c.precision.fp8 = mode
+        elif key == "moe_gemm":
+            c.model.moe_gemm = mode
         else:
             c.train.activation_checkpointing = mode
         c.train.steps = warmup + steps
@@ -275,6 +280,11 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="precision.fp8 recipes to compare, e.g. off,tensorwise,rowwise (not with --ac)",
     )
+    p.add_argument(
+        "--moe-gemm",
+        default=None,
+        help="model.moe_gemm implementations to compare on a mixture of experts, e.g. grouped,loop",
+    )
     p.add_argument("--json", metavar="FILE", help="write the records as a JSON list")
     return p
 
@@ -284,17 +294,23 @@ def train_main(argv: list[str]) -> int:
     args, rest = _parser().parse_known_args(argv)
     args.config, rest = config.config_argv(argv, args.config, rest)
     cfg = config.load_config(args.config, rest)
-    if args.ac and args.fp8:
-        raise LoomError("--ac and --fp8 both compare modes: give one", hint="run the other comparison apart")
-    key, known = ("fp8", FP8_MODES) if args.fp8 else ("ac", MODES)
-    given = args.fp8 or args.ac
+    given = {"ac": args.ac, "fp8": args.fp8, "moe_gemm": args.moe_gemm}
+    if sum(bool(v) for v in given.values()) > 1:
+        raise LoomError(
+            "--ac, --fp8 and --moe-gemm each compare modes: give one", hint="run the other comparison apart"
+        )
+    key = next((k for k, v in given.items() if v), "ac")
+    known, given = {"ac": MODES, "fp8": FP8_MODES, "moe_gemm": MOE_GEMMS}[key], given[key]
+    if key == "moe_gemm" and cfg.model.family != "moe":
+        raise LoomError("--moe-gemm compares a mixture of experts' GEMMs", hint="set --model.family=moe")
     modes = (
         [m.strip() for m in given.split(",") if m.strip()] if given else [cfg.train.activation_checkpointing]
     )
     bad = [m for m in modes if m not in known]
     if bad or not modes:
         raise LoomError(
-            f"--{key}: unknown mode(s) {', '.join(bad) or '(none)'}", hint=f"use {','.join(known)}"
+            f"--{key.replace('_', '-')}: unknown mode(s) {', '.join(bad) or '(none)'}",
+            hint=f"use {','.join(known)}",
         )
     if key == "fp8":  # each recipe's bad input before any trainer is built
         for m in modes:

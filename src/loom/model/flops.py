@@ -34,6 +34,16 @@ def _moe_extra(cfg, active: bool) -> int:
     return per_layer * len(cfg.moe_layers)
 
 
+def _moe_biases(cfg) -> int:
+    """With bias=true, a MoE layer's biases beyond a dense model's: the dense MLP's are gone (routed experts and
+    router have none), the shared experts' SwiGLU (gate and up of n_shared x the expert width, down) has its own."""
+    if not getattr(cfg, "n_experts", 0) or not cfg.bias:
+        return 0
+    dense = (2 if cfg.mlp == "swiglu" else 1) * cfg.ffn_width + cfg.n_embd
+    shared = 2 * cfg.n_shared * cfg.expert_width + cfg.n_embd if cfg.n_shared else 0
+    return (shared - dense) * len(cfg.moe_layers)
+
+
 def matmul_params(cfg: GPTConfig) -> int:
     """The matrices a token is multiplied by (a MoE's active experts only)."""
     return cfg.n_layer * _block_matrices(cfg) + cfg.padded_vocab * cfg.n_embd + _moe_extra(cfg, True)
@@ -52,7 +62,7 @@ def param_count(cfg: GPTConfig) -> int:
     embeddings = cfg.padded_vocab * C * (1 if cfg.tie_embeddings else 2)
     if cfg.pos == "learned":
         embeddings += cfg.block_size * C
-    return embeddings + L * per_block + norm + _moe_extra(cfg, False)
+    return embeddings + L * per_block + norm + _moe_extra(cfg, False) + _moe_biases(cfg)
 
 
 def active_param_count(cfg: GPTConfig) -> int:

@@ -67,14 +67,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+# torch._grouped_mm has a CPU kernel from torch 2.13
+_CPU_GROUPED = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch._grouped_mm runs on these operands: on CPUs (torch >= 2.13, any float type), on GPUs in bf16
-    with 16-byte aligned rows (Hopper's grouped GEMM)."""
+    """torch._grouped_mm runs on these operands: on CPUs (torch >= 2.13, fp32/bf16/fp16), on GPUs in bf16
+    (Hopper's grouped GEMM); on both with 16-byte aligned rows of the input and the output (the CPU
+    kernel too refuses others: "strides should be multiple of 16 bytes", the output's in backward)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    aligned = x.size(-1) * x.element_size() % 16 == 0 and w.size(-2) * x.element_size() % 16 == 0
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and x.size(-1) % 8 == 0 and w.size(-2) % 8 == 0
-    return x.device.type == "cpu" and torch.__version__ >= "2.13"
+        return x.dtype == torch.bfloat16 and aligned
+    cpu_types = (torch.float32, torch.bfloat16, torch.float16)
+    return x.device.type == "cpu" and _CPU_GROUPED and x.dtype in cpu_types and aligned
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
@@ -102,6 +109,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, C): rows grouped by this rank's experts, counts (E_local,) rows each -> (M, C)."""
         g, u, d = _local(self.gate_proj), _local(self.up_proj), _local(self.down_proj)
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):  # as autocast runs nn.Linear (it does not cover _grouped_mm)
+            x = x.to(torch.get_autocast_dtype(kind))
         h = F.silu(grouped_mm(x, g, counts, self.impl)) * grouped_mm(x, u, counts, self.impl)
         return grouped_mm(h, d, counts, self.impl)
 

@@ -29,6 +29,7 @@ def write_run_files(
     world_size: int,
     n_params: int,
     flops_per_token: float,
+    active_params: int | None = None,
 ) -> Sinks:
     """Write the run folder's files and return its opened metrics sinks (the caller writes and closes them).
     `meta`: the data's meta (which tokenizer to copy); the keyword values are recorded in run.json."""
@@ -46,6 +47,7 @@ def write_run_files(
         "world_size": world_size,
         "data_dir": str(data_dir),
         "params": n_params,
+        "active_params": n_params if active_params is None else active_params,  # a MoE's: k of E experts
         "flops_per_token": flops_per_token,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

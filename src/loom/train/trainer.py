@@ -178,6 +178,8 @@ class Trainer:
         model = self.spec.build_model(cfg, self.meta["vocab_size"], eot_id=self.eot_id)
         self.model_cfg = model.cfg  # the family's own config (the whole model's: pipeline stages keep theirs)
         self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
+        # what a token passes through (a mixture of experts: k of its routed experts); MFU counts these
+        self.n_active = model.num_active_params() if hasattr(model, "num_active_params") else self.n_params
         self.parallel = parallelize(
             model,
             self.dims,
@@ -393,6 +395,7 @@ class Trainer:
             world_size=self.dims.world_size,
             n_params=self.n_params,
             flops_per_token=self.throughput.flops_per_token,
+            active_params=self.n_active,
         )
 
     def _cpu_memory(self):
@@ -414,8 +417,9 @@ class Trainer:
             self.metrics = self._write_run_files()
         if self.metrics and self.step > 0:  # resumed: the file's records of later steps are superseded
             self.metrics.mark_resumed(self.step)
+        active = f" ({self.n_active / 1e6:.2f}M active per token)" if self.n_active != self.n_params else ""
         log.info(
-            f"model {self.n_params / 1e6:.2f}M params | device {self.device} | {self.dims.describe()}"
+            f"model {self.n_params / 1e6:.2f}M params{active} | device {self.device} | {self.dims.describe()}"
             f" | grad accum {self.derived.grad_accum} | {self.derived.tokens_per_step:,} tokens/step"
             f" | {t.steps} steps | run {self.run_dir}"
         )
