@@ -93,3 +93,40 @@ def test_bad_bucket_size_is_refused(tmp_path, char_data):
     )
     assert r.returncode == 2 and "bucket_mb must be > 0" in r.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_mixture_of_experts_under_mpi_matches_one_process(tmp_path, char_data):
+    """The MoE family under parallel.dp_impl=mpi (expert parallelism off: every rank holds every expert): the
+    expert gradients are averaged with the rest, and the balance bias moves by the load summed over the ranks
+    through the synchroniser's all-reduce, as one process moves it."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loom",
+            "verify",
+            "--strategies",
+            "mpi-bucketed",
+            "--nproc",
+            "2",
+            "--steps",
+            "10",
+            "--out",
+            str(tmp_path / "v"),
+            "--data",
+            str(char_data),
+            "--json",
+            str(tmp_path / "v.json"),
+            "--model.family=moe",
+            "--model.n_experts=4",
+            "--model.moe_bias_update_rate=0.01",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (rec,) = json.loads((tmp_path / "v.json").read_text())
+    assert rec["passed"] and rec["max_abs_dloss"] <= 1e-5 and rec["max_abs_dparam"] <= 1e-5, rec
+    model = checkpoint.load(checkpoint.latest_valid(tmp_path / "v" / "mpi-bucketed" / "ckpt"))[0]["model"]
+    assert any(k.endswith("expert_bias") and v.abs().sum() > 0 for k, v in model.items())  # it moved
