@@ -40,12 +40,12 @@ import torch
 
 from loom import log
 from loom.errors import LoomError
-from loom.model import hf, hf_llama
+from loom.model import hf_io, hf_llama
 from loom.model.moe import MoEConfig, MoEGPT
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 MODEL_TYPE = "qwen3_moe"
-parse_init_from = hf.parse_init_from  # the trainer asks the family's mapping (ModelSpec.hf) for both
+parse_init_from = hf_io.parse_init_from  # the trainer asks the family's mapping (ModelSpec.hf) for both
 _EXPORT_HINT = "export it with --format safetensors (loom's own layout)"
 # loom's model.* config key of each MoEConfig field that a Qwen3-MoE config.json sets
 MOE_KEYS = {
@@ -181,13 +181,13 @@ def export_hf(model: MoEGPT, out: str | Path, tokenizer=None, force: bool = Fals
     config = qwen3_moe_config(model.cfg, eot)  # both refuse before anything is written
     state = qwen3_moe_state_dict(sd, model.cfg)
     out = Path(out)
-    hf._prepare_out(out, force)
+    hf_io._prepare_out(out, force)
     (out / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": eot, "eos_token_id": eot}, indent=1), encoding="utf-8"
     )
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return hf.write_tokenizer(tokenizer, out, model.cfg.block_size)
+    return hf_io.write_tokenizer(tokenizer, out, model.cfg.block_size)
 
 
 # ------------------------------------------------------------------------------------------- import
@@ -323,7 +323,7 @@ def moe_config(hf_cfg: dict, block_size: int | None = None, dropout: float = 0.0
 def model_keys(hf_cfg: dict, block_size: int | None = None, dropout: float = 0.0) -> dict:
     """The model.* keys model.init_from=hf:DIR sets for a Qwen3-MoE directory (the family included)."""
     g = moe_config(hf_cfg, block_size, dropout)
-    keys = {k: getattr(g, k) for k in (*hf._SHAPE_KEYS, "rope_theta")}
+    keys = {k: getattr(g, k) for k in (*hf_io._SHAPE_KEYS, "rope_theta")}
     return {"family": "moe", **keys, **{k: getattr(g, f) for k, f in MOE_KEYS.items()}}
 
 
@@ -378,13 +378,14 @@ def loom_state(sd: dict[str, torch.Tensor], cfg: MoEConfig) -> dict[str, torch.T
 
 
 def _read_config(directory: str | Path) -> dict:
-    hf_cfg = hf.read_hf_config(directory)  # a directory, its config.json, its tokenizer: checked there
+    hf_cfg = hf_io.read_config_json(directory)  # a directory, its config.json, its tokenizer: checked there
     if hf_cfg.get("model_type") != MODEL_TYPE:
         raise LoomError(
             f"'{directory}' holds a '{hf_cfg.get('model_type')}' model; model.family=moe imports "
             f"{ARCHITECTURE} (model_type {MODEL_TYPE}) only",
             hint="leave model.family unset with model.init_from: the imported config.json chooses it",
         )
+    check_config(hf_cfg, Path(directory) / "config.json")
     return hf_cfg
 
 
@@ -404,7 +405,7 @@ def load_hf_into(model: MoEGPT, directory: str | Path) -> None:
             f"the model differs from '{directory}' in " + ", ".join(diff),
             hint="leave the model's shape and options to the imported config",
         )
-    model.load_state_dict(loom_state(hf.read_hf_weights(directory), model.cfg))
+    model.load_state_dict(loom_state(hf_io.read_hf_weights(directory), model.cfg))
     log.info(f"initialised from {ARCHITECTURE} weights in {directory}")
 
 

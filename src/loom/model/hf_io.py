@@ -1,0 +1,201 @@
+"""What loom's transformers mappings share (hf.py: GPT-2 and Llama; hf_moe.py: Qwen3-MoE): reading a local
+directory's config.json and weights, writing an export folder and its tokenizer files, and model.init_from's
+`hf:DIR` syntax. Nothing here knows an architecture's layout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from loom.errors import LoomError
+from loom.model import hf_llama
+
+EOT = "<|endoftext|>"
+# The architectures loom imports: config.json's model_type -> its transformers class.
+SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": hf_llama.ARCHITECTURE, "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+# model.* keys that model.init_from sets from config.json (block_size and dropout stay the user's).
+_SHAPE_KEYS = (
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "vocab_size",
+    "bias",
+    "activation",
+    "pos",
+    "norm",
+    "norm_eps",
+    "mlp",
+    "ffn_hidden",
+    "n_kv_head",
+    "qk_norm",
+    "tie_embeddings",
+)
+
+
+def parse_init_from(spec: str) -> Path:
+    """`hf:DIR` -> DIR (the only source loom imports from)."""
+    if not spec.startswith("hf:") or len(spec) == 3:
+        raise LoomError(
+            f"model.init_from='{spec}' is not understood",
+            hint="use model.init_from=hf:DIR with a local GPT-2 or Llama directory saved by transformers",
+        )
+    return Path(spec[3:]).expanduser()
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    from loom.outputs import replace_output, write_marker
+
+    replace_output(out, "export", force)  # only an earlier export, never a run or a folder loom did not write
+    out.mkdir(parents=True, exist_ok=True)
+    write_marker(out, "export")
+
+
+# ------------------------------------------------------------------------------------------- tokenizer
+
+
+def _char_tokenizer_json(chars: list[str], eot_id: int) -> str:
+    """A `tokenizers` pipeline equal to loom's CharTokenizer: BPE without merges, no pre-tokenizer (every
+    character is a token), the end-of-text token as a special token, decoding by concatenation."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab[EOT] = eot_id
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(EOT, special=True)])
+    return tok.to_str()
+
+
+def _bpe_vocab_merges(spec: dict) -> tuple[dict, list[str]] | None:
+    """vocab.json / merges.txt contents for a byte-level BPE tokenizer.json (GPT2Tokenizer's files)."""
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    kinds = [pre.get("type")] + [p.get("type") for p in pre.get("pretokenizers", [])]
+    if model.get("type") != "BPE" or "ByteLevel" not in kinds:
+        return None
+    vocab = dict(model["vocab"])
+    for t in spec.get("added_tokens", []):
+        vocab.setdefault(t["content"], t["id"])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return vocab, merges
+
+
+def write_tokenizer(tokenizer, out: Path, block_size: int) -> list[str]:
+    """tokenizer.json (+ vocab.json/merges.txt for byte-level BPE) and tokenizer_config.json."""
+    if tokenizer is None:
+        return ["no tokenizer files: the run was trained on token ids without a known tokenizer"]
+    notes = []
+    cls = "PreTrainedTokenizerFast"
+    if tokenizer.kind == "char":
+        text = _char_tokenizer_json(tokenizer.chars, tokenizer.eot_id)
+    else:
+        text = tokenizer.tok.to_str()
+        files = _bpe_vocab_merges(json.loads(text))
+        if files is None:
+            notes.append("tokenizer.json only: it is not byte-level BPE, so no GPT-2 vocab.json/merges.txt")
+        else:
+            (out / "vocab.json").write_text(json.dumps(files[0], ensure_ascii=False), encoding="utf-8")
+            (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(files[1]) + "\n", encoding="utf-8")
+            cls = "GPT2TokenizerFast"
+    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    eot = getattr(tokenizer, "eot", EOT)  # the tokenizer's own end-of-text token (Llama's, GPT-2's)
+    special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
+    config = {
+        "tokenizer_class": cls,
+        "model_max_length": block_size,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=1), encoding="utf-8")
+    return notes
+
+
+# ------------------------------------------------------------------------------------------- import
+
+
+def read_config_json(directory: str | Path) -> dict:
+    """config.json of a local directory saved by transformers, of an architecture loom imports (SUPPORTED),
+    its tokenizer.json checked against its vocabulary; each architecture's own checks are its module's."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise LoomError(
+            f"'{d}' is not a directory",
+            hint="give a local folder saved by save_pretrained "
+            "(download a hub model first, e.g. with `hf download gpt2 --local-dir DIR`)",
+        )
+    path = d / "config.json"
+    if not path.is_file():
+        raise LoomError(
+            f"'{d}' has no config.json, so its model shape is unknown",
+            hint="give a directory written by transformers' save_pretrained (config.json + weights)",
+        )
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoomError(f"cannot read '{path}': {e}") from None
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        arch = ", ".join(hf.get("architectures") or []) or "an unnamed architecture"
+        raise LoomError(
+            f"'{path}' holds {arch} (model_type '{kind}'), which loom cannot import",
+            hint="supported: " + ", ".join(f"{a} (model_type {t})" for t, a in SUPPORTED.items()),
+        )
+    _check_tokenizer_vocab(d, hf.get("vocab_size"))
+    return hf
+
+
+def _check_tokenizer_vocab(d: Path, vocab_size: int | None) -> None:
+    """A tokenizer.json beside the weights whose ids reach past the model's vocabulary is refused."""
+    path = d / "tokenizer.json"
+    if vocab_size is None or not path.is_file():
+        return
+    from tokenizers import Tokenizer
+
+    try:
+        n = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # tokenizers raises its own exception types for damaged files
+        raise LoomError(f"cannot read '{path}': {e}") from None
+    if n > vocab_size:
+        raise LoomError(
+            f"'{path}' has {n} tokens but the model's vocab_size is {vocab_size}: ids >= "
+            f"{vocab_size} would have no embedding",
+            hint="use the tokenizer the model was trained with, or resize the model's embeddings "
+            "in transformers (resize_token_embeddings) and save it again",
+        )
+
+
+def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """GPT-2 tensors from model.safetensors (single or sharded) or pytorch_model.bin (weights only),
+    with the 'transformer.' prefix removed (original GPT-2 checkpoints have none)."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    if (d / "model.safetensors").is_file():
+        files = [d / "model.safetensors"]
+    elif (d / "model.safetensors.index.json").is_file():
+        index = json.loads((d / "model.safetensors.index.json").read_text(encoding="utf-8"))
+        files = [d / f for f in sorted(set(index["weight_map"].values()))]
+    elif (d / "pytorch_model.bin").is_file():
+        files = [d / "pytorch_model.bin"]
+    else:
+        raise LoomError(
+            f"'{d}' has no model.safetensors or pytorch_model.bin",
+            hint="save the model with save_pretrained into that directory",
+        )
+    sd = {}
+    for f in files:
+        try:
+            part = (
+                load_file(str(f))
+                if f.suffix == ".safetensors"
+                else torch.load(f, map_location="cpu", weights_only=True)
+            )
+        except Exception as e:  # safetensors and torch raise several types for damaged files
+            raise LoomError(f"cannot read weights '{f}': {e}") from None
+        sd.update(part)
+    return {k.removeprefix("transformer."): v.float() for k, v in sd.items()}
