@@ -185,7 +185,27 @@ def _data(argv: list[str]) -> int:
         choices=["auto", "tiktoken", "tokenizers"],
         help="BPE encoding library (auto: tiktoken when it gives the same ids)",
     )
+    chat = pp.add_argument_group("conversations for fine-tuning (--chat)")
+    chat.add_argument(
+        "--chat",
+        action="store_true",
+        help="--input is JSONL conversations ({messages: [...]} or {prompt, completion}): shards + loss masks "
+        "+ the tokenizer with chat tokens; --tokenizer may also be a run directory (the model to fine-tune)",
+    )
+    chat.add_argument("--block-size", type=int, default=None, help="with --chat: the model's context length")
+    chat.add_argument(
+        "--too-long",
+        default=None,
+        choices=["drop", "truncate"],
+        help="with --chat: a conversation longer than --block-size + 1 tokens is dropped (default) or cut",
+    )
     args = p.parse_args(argv)
+    if args.chat:
+        return _data_prepare_chat(args)
+    if args.block_size is not None or args.too_long is not None:
+        raise LoomError(
+            "--block-size and --too-long are options of --chat", hint="add --chat, or leave them out"
+        )
     from loom.paths import check_not_endless, check_output_dir
 
     for path in args.input or []:
@@ -229,6 +249,38 @@ def _data(argv: list[str]) -> int:
     return 0
 
 
+def _data_prepare_chat(args) -> int:
+    """loom data prepare --chat: conversations -> shards + loss masks (loom.data.chat)."""
+    from loom.paths import check_output_dir
+
+    if args.corpus:
+        raise LoomError(
+            "--chat reads JSONL conversations, not a built-in corpus", hint="use --input FILE.jsonl"
+        )
+    if args.block_size is None:
+        raise LoomError(
+            "--chat needs --block-size (the context length of the model to fine-tune)",
+            hint="e.g. --block-size 1024; conversations longer than it are dropped (or cut: --too-long truncate)",
+        )
+    from loom.data.chat import check_inputs, check_tokenizer_spec, prepare_chat
+
+    check_inputs(args.input)
+    check_output_dir(args.out, "--out", temp_beside=True)
+    check_tokenizer_spec(args.tokenizer, args.vocab_size)
+    prepare_chat(
+        args.input,
+        args.out,
+        args.tokenizer,
+        args.block_size,
+        args.too_long or "drop",
+        args.val_fraction,
+        args.seed,
+        args.force,
+        vocab_size=args.vocab_size,
+    )
+    return 0
+
+
 def _generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="loom generate", description="Sample text from a trained run.")
     p.add_argument("run_dir")
@@ -246,6 +298,50 @@ def _generate(argv: list[str]) -> int:
     _check_sampling(args)
     with _run_model(args) as run:
         return _generate_samples(args, run)
+
+
+def _chat(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="loom chat",
+        description="Talk to a fine-tuned run (chat data: loom data prepare --chat), turn by turn, with "
+        "streaming tokens; --prompt answers once and exits.",
+    )
+    p.add_argument("run_dir")
+    p.add_argument(
+        "--prompt", default=None, help="one user turn: print only the assistant's answer, then exit"
+    )
+    p.add_argument("--system", default=None, help="a system message that opens the conversation")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--ckpt", default=None, help="a checkpoint folder of the run (default: its newest)")
+    args = p.parse_args(argv)
+    args.num_samples = 1
+    _check_sampling(args)
+    from loom.chat import ChatSession, Sampling, chat_template, repl
+    from loom.data.loader import read_meta
+    from loom.model.registry import spec_of
+
+    meta = read_meta(Path(args.run_dir) / "tokenizer") if (Path(args.run_dir) / "tokenizer").is_dir() else {}
+    with _run_model(args) as run:
+        template = chat_template(run.tok, meta, args.run_dir)
+        session = ChatSession(
+            run.model,
+            template,
+            run.tok,
+            run.device,
+            Sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed),
+            args.system,
+            spec_of(run.cfg).extends_context(run.model.cfg),
+        )
+        if args.prompt is not None:
+            sys.stdout.write(session.reply(args.prompt) + "\n")
+            return 0
+        repl(session)
+    return 0
 
 
 SHARD_HELP = (
@@ -326,10 +422,10 @@ def _generate_samples(args, run: _Loaded) -> int:
             model,
             idx,
             args.max_new_tokens,
-            args.temperature,
-            args.top_k,
-            args.top_p,
-            g,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            generator=g,
             use_cache=not args.no_cache,
             vocab_size=tok.vocab_size,
             extends_context=extend,
@@ -678,7 +774,7 @@ def _export(argv: list[str]) -> int:
     from loom.outputs import check_apart
 
     check_apart(args.out, [args.run_dir, *([args.ckpt] if args.ckpt else [])], inside_ok=True)
-    cfg, model, tok, _, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
+    cfg, model, tok, meta, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
     if args.format == "hf":
         spec = spec_of(cfg)
         if spec.hf is None:
@@ -686,7 +782,15 @@ def _export(argv: list[str]) -> int:
                 f"the model family '{spec.name}' has no transformers mapping",
                 hint="export it with --format safetensors",
             )
-        notes = spec.hf.export_hf(model, args.out, tok, args.force)
+        doc_notes = _without_doc_mask(model)
+        notes = doc_notes + spec.hf.export_hf(model, args.out, tok, args.force)
+        if isinstance(meta.get("chat"), dict) and tok is not None:  # a chat model: its template goes along
+            from loom.data.chat import ChatTemplate
+            from loom.model.hf_io import add_chat_template
+
+            template = ChatTemplate(tok)
+            add_chat_template(Path(args.out), template.jinja(), list(template.ids), list(template.stop_ids))
+            notes.append("chat: the template is tokenizer_config.json's chat_template (apply_chat_template)")
         import json
 
         arch = json.loads((Path(args.out) / "config.json").read_text(encoding="utf-8"))["architectures"][0]
@@ -696,6 +800,20 @@ def _export(argv: list[str]) -> int:
     for n in notes:
         print(n)
     return 0
+
+
+def _without_doc_mask(model) -> list[str]:
+    """Document masking (data.doc_mask) shapes training on packed windows; a model exported for inference
+    reads one document at a time, where attention without the mask is the same: the exported config drops it."""
+    import dataclasses
+
+    if not getattr(model.cfg, "doc_mask", False):
+        return []
+    model.cfg = dataclasses.replace(model.cfg, doc_mask=False, eot_id=-1, doc_positions="continue")
+    return [
+        "data.doc_mask: transformers attends over the whole sequence, which equals loom's on one document "
+        "(a chat prompt, a single text); a sequence of several documents would attend across them"
+    ]
 
 
 def _ckpt(argv: list[str]) -> int:
@@ -802,6 +920,7 @@ VERBS = {
     "train": (_train, "train a language model (no arguments: the demo on the built-in corpus)"),
     "data": (_data, "prepare data: loom data prepare --input ... --out DIR"),
     "generate": (_generate, "sample from a trained run"),
+    "chat": (_chat, "talk to a fine-tuned run: loom chat RUN [--prompt TEXT] (/reset, /quit)"),
     "eval": (_eval, "validation loss and perplexity of a run"),
     "plot": (_plot, "plot loss curves of one or more runs"),
     "ckpt": (_ckpt, "checkpoints: loom ckpt inspect RUN | consolidate RUN --out DIR"),

@@ -105,7 +105,8 @@ class ModelConfig:
         "",
         "hf:DIR starts from the weights of a GPT2LMHeadModel or LlamaForCausalLM saved by transformers in a local "
         "DIR (sets the model shape, including model.family and the options below; a tokenizer.json there is "
-        "checked against the data's vocabulary).",
+        "checked against the data's vocabulary); run:DIR from the newest checkpoint of a loom run (its model "
+        "keys; data with the run's tokenizer plus chat tokens grows the embedding by their rows).",
     )
     family: str = _f(
         "gpt2",
@@ -447,6 +448,21 @@ class EvalConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """LoRA adapters for fine-tuning (loom.model.lora): the base model frozen, low-rank updates trained on the
+    chosen linears, merged into the weights on export."""
+
+    lora_rank: int = _f(0, "LoRA adapters' rank; 0: no LoRA (every parameter trains).", ge=0)
+    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B A.", gt=0)
+    lora_targets: str = _f(
+        "q_proj,v_proj",
+        "Linears given adapters: names, dotted suffixes, patterns (blocks.*.attn.q_proj) or attn | mlp | "
+        "all-linear; lm_head only by name.",
+    )
+    lora_dropout: float = _f(0.0, "Dropout on the adapters' input (training only).", ge=0, lt=1)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -457,6 +473,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -948,6 +965,7 @@ def validate(
     _check_moe(cfg, dp, impl)
     _check_fp8(cfg)
     _check_eval(cfg)
+    _check_lora(cfg)
     replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
     derived = _derive_batch(cfg, dp)
     p = cfg.parallel
@@ -1031,6 +1049,20 @@ def _check_eval(cfg: Config) -> None:
         raise LoomError(
             "eval.tasks / eval.core_bundle need lm-evaluation-harness, which is not installed",
             hint="install the eval extra: pip install 'loom[eval]'",
+        )
+
+
+def _check_lora(cfg: Config) -> None:
+    """finetune.lora_*: what adapters compose with (their targets are checked against the model when it is
+    built: loom.model.lora.apply_lora)."""
+    f = cfg.finetune
+    if not f.lora_rank:
+        return
+    if cfg.precision.fp8 != "off":
+        raise LoomError(
+            "finetune.lora_rank > 0 with precision.fp8: torchao's Float8Linear replaces the adapted linears "
+            "and would drop their adapters",
+            hint="fine-tune LoRA in bf16 (precision.fp8=off)",
         )
 
 

@@ -44,7 +44,7 @@ def sample_next(
 
 
 @torch.no_grad()
-def generate(
+def iter_tokens(
     model: nn.Module,
     idx: torch.Tensor,
     max_new_tokens: int,
@@ -55,10 +55,11 @@ def generate(
     use_cache: bool = True,
     vocab_size: int | None = None,
     extends_context: bool = False,
-) -> torch.Tensor:
-    """Extend `idx` (B, T) by max_new_tokens sampled tokens. Padding ids >= vocab_size are never sampled.
+):
+    """Sample up to max_new_tokens tokens after `idx` (B, T), yielding each step's (B, 1) ids as it is drawn (a
+    caller streams them, or stops early: at an end-of-turn token). Padding ids >= vocab_size are never sampled.
     extends_context (the family's ModelSpec.extends_context): past block_size, run on with the cache instead of
-    re-cropping the context."""
+    re-cropping the context. The model is in eval mode while this runs."""
     was_training = model.training
     model.eval()
     block = model.cfg.block_size
@@ -77,9 +78,38 @@ def generate(
             logits = logits[:, -1, :vocab]
             nxt = sample_next(logits, temperature, top_k, top_p, generator)
             idx = torch.cat([idx, nxt], dim=1)
+            yield nxt
     finally:
         model.train(was_training)
-    return idx
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+    vocab_size: int | None = None,
+    extends_context: bool = False,
+) -> torch.Tensor:
+    """Extend `idx` (B, T) by max_new_tokens sampled tokens (iter_tokens, all of them)."""
+    new = iter_tokens(
+        model,
+        idx,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        generator,
+        use_cache,
+        vocab_size,
+        extends_context,
+    )
+    return torch.cat([idx, *new], dim=1)
 
 
 class Sampler(Every):

@@ -205,6 +205,9 @@ class NpyFormat(Format):
     suffix = ".npy"
     patterns = ("*{split}*.npy",)
 
+    def split_files(self, d, split):
+        return [p for p in super().split_files(d, split) if not p.name.endswith(LOSS_MASK_SUFFIX)]
+
     def open(self, path):
         path = Path(path)
         try:  # allow_pickle=False: an object array is refused instead of unpickled
@@ -346,6 +349,14 @@ def detect_file(path: str | Path, option: str = "--from") -> str:
     )
 
 
+LOSS_MASK_SUFFIX = ".mask.npy"  # chat data's loss masks beside its shards (loom.data.chat): not token files
+
+
+def _npy_files(d: Path) -> list[Path]:
+    """The .npy token files of a directory (loss masks left out)."""
+    return sorted(p for p in d.glob("*.npy") if p.is_file() and not p.name.endswith(LOSS_MASK_SUFFIX))
+
+
 def _check_one_format(d: Path) -> None:
     """Refuse a directory holding token files of two formats (llm.c / nanogpt .bin, .npy, Megatron .idx):
     training and conversion would read one of them and silently leave the other out."""
@@ -353,7 +364,7 @@ def _check_one_format(d: Path) -> None:
     partners = {megatron.bin_path(p) for p in idx}
     kinds = {
         "Megatron .bin/.idx": idx,
-        ".npy": sorted(p for p in d.glob("*.npy") if p.is_file()),
+        ".npy": _npy_files(d),
         "llm.c/nanoGPT .bin": sorted(p for p in d.glob("*.bin") if p.is_file() and p not in partners),
     }
     present = {k: v for k, v in kinds.items() if v}
@@ -377,7 +388,7 @@ def detect_dir(data_dir: str | Path) -> str | None:
     _check_one_format(d)
     if any(d.glob("*.idx")):
         return "megatron"
-    if any(d.glob("*.npy")):
+    if _npy_files(d):
         return "npy"
     for name in ("train.bin", "val.bin"):
         if (d / name).is_file():

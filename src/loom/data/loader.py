@@ -373,6 +373,8 @@ class DeviceBatches:
     def _fetch(self) -> tuple:
         x, y = self.loader.next_batch()
         state = self.loader.state_dict()
+        # an SFT loader's count of trained targets in the global batch (loom.data.sft), else None
+        state["valid_targets"] = getattr(self.loader, "valid_targets", None)
         if self.device.type == "cuda":
             x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
         else:
@@ -384,8 +386,16 @@ class DeviceBatches:
         self._ahead = self._fetch() if self.device.type == "cuda" else None
         return batch
 
+    @property
+    def valid_targets(self) -> int | None:
+        """The trained targets of the global batch last handed out (SFT's loss divides by it), or None when
+        every target is trained on (pretraining)."""
+        return self._state.get("valid_targets") if self._state is not None else None
+
     def state_dict(self) -> dict:
-        return dict(self._state) if self._state is not None else self.loader.state_dict()
+        if self._state is None:
+            return self.loader.state_dict()
+        return {k: v for k, v in self._state.items() if k != "valid_targets"}
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state)

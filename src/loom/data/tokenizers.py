@@ -18,16 +18,24 @@ SPECIAL_TOKENS = (EOT,)  # declared once: a trained tokenizer gets these ids fir
 
 
 class CharTokenizer:
-    """One id per distinct character (sorted), plus the end-of-text id last. Saved as char_vocab.json."""
+    """One id per distinct character (sorted), then the end-of-text id, then any special tokens (the chat
+    tokens of loom.data.chat), in that order. Saved as char_vocab.json: {"chars": [...]} and, when there are
+    special tokens, "specials": [...].
+
+    `encode` of text never yields a special id (a special token's text inside a message is its characters);
+    `decode` writes end-of-text as a newline and a special token as its text (`<|user_start|>`)."""
 
     kind = "char"
     filename = "char_vocab.json"
+    eot = EOT  # the end-of-text token's text (the name HFTokenizer gives it: chat templates write it out)
 
-    def __init__(self, chars: list[str]):
-        self.chars = chars
-        self.stoi = {c: i for i, c in enumerate(chars)}
-        self.eot_id = len(chars)
-        self.vocab_size = len(chars) + 1
+    def __init__(self, chars: list[str], specials: list[str] | tuple[str, ...] = ()):
+        self.chars = list(chars)
+        self.specials = list(specials)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.eot_id = len(self.chars)
+        self.special_ids = {t: self.eot_id + 1 + i for i, t in enumerate(self.specials)}
+        self.vocab_size = len(self.chars) + 1 + len(self.specials)
 
     @classmethod
     def train(cls, texts) -> CharTokenizer:
@@ -35,6 +43,10 @@ class CharTokenizer:
         for t in texts:
             seen.update(t)
         return cls(sorted(seen))
+
+    def token_id(self, text: str) -> int | None:
+        """The id of a token by its text (end-of-text or a special token), else None."""
+        return self.eot_id if text == EOT else self.special_ids.get(text)
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -46,12 +58,17 @@ class CharTokenizer:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids) -> str:
+        n, specials = len(self.chars), self.specials
         return "".join(
-            self.chars[i] if i < len(self.chars) else ("\n" if i == self.eot_id else "") for i in ids
+            self.chars[i]
+            if i < n
+            else ("\n" if i == n else (specials[i - n - 1] if i - n - 1 < len(specials) else ""))
+            for i in ids
         )
 
     def save(self, out_dir: str | Path) -> str:
-        (Path(out_dir) / self.filename).write_text(json.dumps({"chars": self.chars}), encoding="utf-8")
+        content = {"chars": self.chars, **({"specials": self.specials} if self.specials else {})}
+        (Path(out_dir) / self.filename).write_text(json.dumps(content), encoding="utf-8")
         return self.filename
 
 
@@ -143,6 +160,10 @@ class HFTokenizer:
         except Exception as e:  # the library raises plain Exceptions for malformed files
             raise LoomError(f"'{path}' is not a valid tokenizer.json: {e}") from None
 
+    def token_id(self, text: str) -> int | None:
+        """The id of a token by its text (an added or special token, or one of the model's), else None."""
+        return self.tok.token_to_id(text)
+
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
@@ -209,7 +230,8 @@ def load_tokenizer(directory: str | Path, meta: dict) -> CharTokenizer | HFToken
         if not path.is_file():
             raise LoomError(f"tokenizer file '{path}' is missing", hint="prepare the data again")
         if info.get("kind") == "char":
-            return CharTokenizer(json.loads(path.read_text(encoding="utf-8"))["chars"])
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            return CharTokenizer(raw["chars"], raw.get("specials") or ())
         return HFTokenizer.from_file(path)
     except LoomError:
         raise
@@ -266,7 +288,8 @@ def _tokenizer_content(directory: str | Path, meta: dict) -> dict | None:
             f"cannot read the tokenizer file '{path}': {e}", hint="prepare the data again"
         ) from None
     if info.get("kind") == "char":
-        return {"kind": "char", "chars": list(raw["chars"])}
+        specials = list(raw.get("specials") or [])  # only when present: plain char tables hash as before
+        return {"kind": "char", "chars": list(raw["chars"]), **({"specials": specials} if specials else {})}
     model = raw.get("model") or {}
     merges = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges") or []]
     added = sorted(
@@ -299,13 +322,16 @@ def _difference(a: dict, b: dict, names: tuple[str, str]) -> str:
     if a["kind"] == "char":
         only_a = sorted(set(a["chars"]) - set(b["chars"]))
         only_b = sorted(set(b["chars"]) - set(a["chars"]))
-        parts = [f"{len(a['chars']) + 1} vs {len(b['chars']) + 1} ids"]
+        na, nb = (len(c["chars"]) + 1 + len(c.get("specials", [])) for c in (a, b))
+        parts = [f"{na} vs {nb} ids"]
         for name, only in zip(names, (only_a, only_b), strict=True):
             if only:
                 parts.append(
                     f"only {name} has " + ", ".join(map(repr, only[:5])) + (" ..." if len(only) > 5 else "")
                 )
-        if not only_a and not only_b:
+        if a.get("specials", []) != b.get("specials", []):
+            parts.append("special tokens differ")
+        elif not only_a and not only_b:
             parts.append("the same characters in another order")
         return "character vocabularies differ (" + "; ".join(parts) + ")"
     va, vb = a["vocab"], b["vocab"]

@@ -15,6 +15,7 @@ from loom.data.loader import ValSet, doc_eot_id, read_meta
 from loom.data.tokenizers import has_tokenizer, load_tokenizer
 from loom.errors import LoomError
 from loom.eval.evaluator import EvalContext, Every
+from loom.model.lora import apply_configured, merge_lora
 from loom.model.registry import spec_of
 
 
@@ -27,20 +28,21 @@ def val_loss(
     autocast=contextlib.nullcontext,
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> float:
-    """Mean token loss over the validation set; with several ranks each holds a share and sums are reduced (a
-    padding batch, whose targets are all -1, runs its forward and counts nothing: ValSet.batches)."""
+    """Mean token loss over the validation set's trained targets (every target of pretraining text; the
+    assistant's of chat data); with several ranks each holds a share and sums are reduced (a padding batch,
+    whose targets are all -1, runs its forward and counts nothing: ValSet.batches)."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in valset.batches(micro_batch_size):
-        padding = bool(y[0, 0] == -1)  # read on the host, before the copy
+        n = int((y != -1).sum())  # the targets that count (SFT: the assistant's), read on the host
         x, y = x.to(device), y.to(device)
         with autocast():
             loss = model(x, y)
-        if padding:
+        if not n:  # a padding batch: its loss is 0/0
             continue
-        total[0] += loss.double() * y.numel()
-        total[1] += y.numel()
+        total[0] += loss.double() * n
+        total[1] += n
     total = all_reduce_sum(total)
     model.train(was_training)
     return (total[0] / total[1]).item()
@@ -72,7 +74,7 @@ class ValLossEval(Every):
                     par.all_reduce_sum,
                 )
         self.last = loss
-        if ctx.tokenizer is None:
+        if ctx.tokenizer is None or getattr(self.valset, "tokens_per_byte", True) is False:
             return {"val_loss": loss}
         if self._tokens_per_byte is None:
             self._tokens_per_byte = tokens_per_byte(
@@ -135,8 +137,9 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
         from loom.checkpoint_tools import load_consolidated
 
         check_trained_model(run_dir / "model.safetensors", cfg, run_dir)
-        model = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu", _eot(run_dir, cfg, meta))
+        model = _build(cfg, meta, run_dir, "cpu")
         load_consolidated(run_dir, model)
+        merge_lora(model)
         return cfg, model.to(device).eval(), tokenizer, meta, run_dir / "model.safetensors"
     path = Path(ckpt) if ckpt else checkpoint.latest_valid(run_dir / "ckpt", model_only=True)
     if path is None:
@@ -144,9 +147,10 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
             f"run '{run_dir}' has no valid checkpoint", hint="train it (checkpoints are written at the end)"
         )
     check_trained_model(path, cfg, run_dir)  # before the weights are read
-    model = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu", _eot(run_dir, cfg, meta)).to(device)
+    model = _build(cfg, meta, run_dir, "cpu").to(device)
     if checkpoint.is_sharded(path):  # model/ alone: the optimizer's files are never read
         checkpoint.load_model(path, model)
+        merge_lora(model)
         model.eval()
         return cfg, model, tokenizer, meta, path
     from loom.checkpoint_tools import check_fits
@@ -154,8 +158,17 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
     tensors, _ = checkpoint.load(path, map_location=device)
     check_fits(tensors["model"], model, f"checkpoint '{path}'", _hint(run_dir))
     model.load_state_dict(tensors["model"])
+    merge_lora(model)
     model.eval()
     return cfg, model, tokenizer, meta, path
+
+
+def _build(cfg: Config, meta: dict, run_dir: Path, device) -> torch.nn.Module:
+    """The run's model, empty, with the LoRA adapters its checkpoints hold (finetune.lora_rank): loaded, then
+    merged into the weights (loom.model.lora.merge_lora), so what reads it sees the base model's names."""
+    model = spec_of(cfg).build_model(cfg, meta["vocab_size"], device, _eot(run_dir, cfg, meta))
+    apply_configured(model, cfg.finetune)
+    return model
 
 
 def _consolidated(run_dir: Path) -> bool:
@@ -198,6 +211,9 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
     cfg.precision.fp8 = "off"  # evaluation computes in high precision (loom.parallel.fp8)
     spec = spec_of(cfg)
     model = spec.build_model(cfg, meta["vocab_size"], "meta", _eot(run_dir, cfg, meta))
+    apply_configured(
+        model, cfg.finetune
+    )  # the checkpoint's adapters (kept apart: a sharded model is not merged)
     dims = ParallelDims(1, env.world_size, 1, 1, env.world_size, env.rank, "fsdp")
     # no init: every value comes from the checkpoint
     par = parallelize(model, dims, cfg, device, spec)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from loom.model.cpu_paths import Dropout, causal_attention
 from loom.model.doc_mask import DocMask, build_doc_mask, doc_attention
+from loom.model.lora import init_lora_param
 
 
 @dataclass
@@ -312,6 +313,10 @@ class GPT(nn.Module):
         or in which order they are made: a sharded or pipelined model initialises each of its pieces to the
         same weights as one process (loom.parallel builds models on the meta device and calls this per name).
         """
+        if name.endswith(
+            (".lora_A", ".lora_B")
+        ):  # LoRA adapters (model/lora.py): their rule, the same seeding
+            return init_lora_param(name, t, seed)
         if name == "lm_head.weight" and self.cfg.tie_embeddings:
             name = "wte.weight"  # tied: one tensor
         try:

@@ -370,6 +370,9 @@ def load_hf_into(model: GPT, directory: str | Path) -> None:
     want = gpt_config_from_hf(hf, model.cfg.block_size, model.cfg.dropout)
     if hf["model_type"] == "gpt2":
         want = dataclasses.replace(want, rope_theta=model.cfg.rope_theta)  # unused by learned positions
+    # document masking is how a run reads packed documents (data.doc_mask), not part of the weights
+    c = model.cfg
+    want = dataclasses.replace(want, doc_mask=c.doc_mask, eot_id=c.eot_id, doc_positions=c.doc_positions)
     if want != model.cfg:
         diff = [
             f"{f.name}={getattr(model.cfg, f.name)!r} (the directory: {getattr(want, f.name)!r})"

@@ -57,16 +57,18 @@ def _prepare_out(out: Path, force: bool) -> None:
 # ------------------------------------------------------------------------------------------- tokenizer
 
 
-def _char_tokenizer_json(chars: list[str], eot_id: int) -> str:
+def _char_tokenizer_json(chars: list[str], eot_id: int, specials: list[str] = ()) -> str:
     """A `tokenizers` pipeline equal to loom's CharTokenizer: BPE without merges, no pre-tokenizer (every
-    character is a token), the end-of-text token as a special token, decoding by concatenation."""
+    character is a token), the end-of-text token (and chat data's tokens after it) as special tokens, decoding
+    by concatenation."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     vocab = {c: i for i, c in enumerate(chars)}
     vocab[EOT] = eot_id
+    vocab.update({t: eot_id + 1 + i for i, t in enumerate(specials)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(EOT, special=True)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (EOT, *specials)])
     return tok.to_str()
 
 
@@ -90,7 +92,7 @@ def write_tokenizer(tokenizer, out: Path, block_size: int) -> list[str]:
     notes = []
     cls = "PreTrainedTokenizerFast"
     if tokenizer.kind == "char":
-        text = _char_tokenizer_json(tokenizer.chars, tokenizer.eot_id)
+        text = _char_tokenizer_json(tokenizer.chars, tokenizer.eot_id, getattr(tokenizer, "specials", ()))
     else:
         text = tokenizer.tok.to_str()
         files = _bpe_vocab_merges(json.loads(text))
@@ -113,6 +115,20 @@ def write_tokenizer(tokenizer, out: Path, block_size: int) -> list[str]:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=1), encoding="utf-8")
     return notes
+
+
+def add_chat_template(out: Path, template: str, tokens: list[str], stop_ids: list[int]) -> None:
+    """A chat model's export: its template in tokenizer_config.json (transformers' apply_chat_template renders
+    conversations as loom's chat data did), its chat tokens as additional special tokens, and generation
+    stopping at the end of the assistant's turn as at end-of-text."""
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config.update(chat_template=template, additional_special_tokens=list(tokens))
+    path.write_text(json.dumps(config, indent=1), encoding="utf-8")
+    gen = out / "generation_config.json"
+    config = json.loads(gen.read_text(encoding="utf-8")) if gen.is_file() else {}
+    config["eos_token_id"] = list(stop_ids)
+    gen.write_text(json.dumps(config, indent=1), encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------------------- import

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from loom import log
+from loom.model.lora import lora_scaling, merge_lora_state
 from loom.model.registry import ModelSpec
 from loom.optim.build import build_optimizer, param_groups
 from loom.parallel import state
@@ -171,6 +172,9 @@ class Parallelized:
             return None
         with torch.device("meta"):
             whole = self.spec.build(self.model.cfg)
+        scaling = lora_scaling(self.model)
+        if scaling is not None:  # LoRA: the copy samples with the adapters merged into its weights
+            sd = merge_lora_state(sd, scaling)
         whole.load_state_dict(sd, assign=True)
         self.plan.retie(whole)
         return whole.to(self.device)
@@ -242,6 +246,10 @@ def parallelize(
             from loom.parallel.fp8 import tp_styles
 
             tp_plan = tp_styles(model, tp_plan, fp8)
+        if lora_scaling(model) is not None:  # LoRA: the adapters split as their linears' weights (Megatron's)
+            from loom.parallel.lora import lora_tp_styles
+
+            tp_plan = lora_tp_styles(model, tp_plan)
         apply_tp(model, mesh["tp"], tp_plan)
         plan.retie(model)
     if dims.cp_enabled and p.cp_impl == "ring":

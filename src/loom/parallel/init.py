@@ -64,4 +64,7 @@ def load_full(
     parameter's local piece."""
     with torch.no_grad():
         for name, p in params.items():
-            local(p).copy_(local(like(full[canonical(name, aliases)], p)))
+            key = canonical(name, aliases)
+            if key not in full and key.endswith((".lora_A", ".lora_B")):
+                continue  # LoRA adapters on pretrained weights (model.init_from) keep their init
+            local(p).copy_(local(like(full[key], p)))

@@ -57,8 +57,12 @@ def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
         cfg = resumed_config(run_dir, cfg, req.explicit)
     from loom.metrics import check_trackers
     from loom.model.hf import apply_init_from
+    from loom.train import finetune
 
-    apply_init_from(cfg, req.explicit)  # model.init_from=hf:DIR sets the model shape from DIR/config.json
+    if finetune.is_run_init(cfg):  # model.init_from=run:DIR: the model shape of a loom run
+        finetune.apply_run_init(cfg, req.explicit)
+    else:
+        apply_init_from(cfg, req.explicit)  # model.init_from=hf:DIR sets the model shape from DIR/config.json
     derived = validate_on(cfg, dims)
     check_trackers(cfg.metrics)
     resolve_device(cfg.train.device)
@@ -77,7 +81,13 @@ def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
         check_same_tokenizer(
             run_dir / "tokenizer", read_meta(run_dir / "tokenizer"), data_dir, read_meta(data_dir)
         )
-    if cfg.model.init_from and ckpt is None:
+    finetune.check_chat_layout(cfg, data_dir)
+    finetune.check_lora_targets(cfg)
+    if finetune.is_run_init(cfg) and ckpt is None:
+        from loom.data.loader import read_meta
+
+        finetune.check_run_data(cfg, data_dir, read_meta(data_dir))
+    elif cfg.model.init_from and ckpt is None:
         from loom.data.loader import read_meta
         from loom.data.tokenizers import has_tokenizer, load_tokenizer
         from loom.model.hf import check_data_tokenizer

@@ -23,6 +23,7 @@ import loom.generate  # noqa: F401
 from loom import faults, log
 from loom.config import Config, Derived
 from loom.data.loader import DeviceBatches, ShardLoader, ValSet, doc_eot_id, read_meta
+from loom.data.sft import ChatLoader, ChatValSet, is_chat_data
 from loom.data.tokenizers import has_tokenizer, load_tokenizer
 from loom.distributed.comm import Control
 from loom.env import cpu_memory_release, cpu_memory_reuse
@@ -39,6 +40,7 @@ from loom.metrics import (
     peak_flops,
     peak_memory_bytes,
 )
+from loom.model.lora import apply_configured, trainable_summary
 from loom.model.registry import spec_of
 from loom.optim.schedule import lr_at
 from loom.parallel import fp8, parallelize
@@ -58,9 +60,16 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device | str = "meta
 
 
 def pretrained_state(cfg: Config, model: nn.Module) -> dict | None:
-    """model.init_from=hf:DIR: the whole imported weights by loom's names, on the host (to fine-tune)."""
+    """model.init_from=hf:DIR or run:DIR: the whole imported weights by loom's names, on the host (to
+    fine-tune)."""
     if not cfg.model.init_from:
         return None
+    from loom.train import finetune
+
+    if finetune.is_run_init(
+        cfg
+    ):  # run:DIR: a loom run's newest weights (its vocabulary grown for chat tokens)
+        return finetune.run_init_state(cfg, model)
     spec = spec_of(cfg)
     if spec.hf is None:
         raise LoomError(
@@ -110,7 +119,7 @@ class Trainer:
         self.heartbeat = None  # set by run() in multi-process jobs: loom.distributed.health.Heartbeat
         self.op, self.op_step = "setup", 0  # op_step: the last step this rank began (its heartbeat)
         self.throughput = Throughput(
-            self.spec.flops_per_token(model.cfg, None),
+            self._flops_per_token(model),
             peak_flops(device, dtype),
             dims.world_size,
             t.warmup_log_steps,
@@ -146,6 +155,9 @@ class Trainer:
         """The training batches (a global cursor; this data-parallel rank's slice) and the validation windows."""
         cfg, t, dims = self.cfg, self.cfg.train, self.dims
         self.eot_id = doc_eot_id(data_dir, self.meta, cfg.data.doc_mask)  # data.doc_mask: None when off
+        if is_chat_data(self.meta):  # supervised fine-tuning: packed conversations, the assistant's targets
+            self._chat_data(data_dir)
+            return
         loader = ShardLoader(
             data_dir,
             t.batch_size,
@@ -176,6 +188,11 @@ class Trainer:
         cfg = self.cfg
         self.spec = spec_of(cfg)  # the model family: everything the trainer asks about the model
         model = self.spec.build_model(cfg, self.meta["vocab_size"], eot_id=self.eot_id)
+        self.lora = apply_configured(model, cfg.finetune, cfg.run.seed)  # before the layout: TP/FSDP see them
+        if self.lora:
+            log.info(
+                f"LoRA rank {cfg.finetune.lora_rank} on {len(self.lora)} linears: {trainable_summary(model)}"
+            )
         self.model_cfg = model.cfg  # the family's own config (the whole model's: pipeline stages keep theirs)
         self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
         # what a token passes through (a mixture of experts: k of its routed experts); MFU counts these
@@ -240,6 +257,50 @@ class Trainer:
     def load(self, path: Path) -> None:
         self.checkpointer.load(path)
 
+    def _flops_per_token(self, model: torch.nn.Module) -> float:
+        """The family's training FLOPs per token; with LoRA the frozen weights get no weight gradient (their
+        matrices cost 4, not 6, FLOPs a parameter) and the adapters' matrices cost 6 each."""
+        flops = self.spec.flops_per_token(model.cfg, None)
+        if not self.lora:
+            return flops
+        from loom.model.flops import matmul_params
+        from loom.model.lora import lora_state_dict
+
+        adapters = sum(t.numel() for t in lora_state_dict(model).values())
+        return flops - 2 * matmul_params(model.cfg) + 6 * adapters
+
+    def _chat_data(self, data_dir: Path) -> None:
+        """SFT: conversations packed best-fit into rows, targets masked to the assistant's (loom.data.sft)."""
+        cfg, t, dims = self.cfg, self.cfg.train, self.dims
+        if not cfg.data.doc_mask and self.main:
+            log.warn(
+                "chat data packs several conversations into a row, and without data.doc_mask=true each attends "
+                "to the ones before it (add --data.doc_mask=true --data.doc_positions=restart)"
+            )
+        cp = (dims.cp_rank, dims.cp, cfg.parallel.cp_layout)
+        block, seed = cfg.model.block_size, cfg.run.seed
+        loader = ChatLoader(data_dir, t.batch_size, block, seed, dims.dp_rank, dims.dp, *cp)
+        self.batches = DeviceBatches(loader, self.device)
+        self.valset = ChatValSet(
+            data_dir, block, t.eval_batches * t.batch_size, seed, dims.dp_rank, dims.dp, *cp
+        )
+
+    def _loss_scale(self, y: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """What a micro-batch's mean loss is multiplied by so that the step's gradient is the global batch's:
+        1 / accumulation steps for pretraining (every micro-batch has as many targets); for SFT its trained
+        targets n over the global batch's N, times the dp x cp ranks the gradients are averaged over (each
+        micro-batch then adds its losses' sum / N). A micro-batch with no trained target still runs its forward
+        and backward (a sharded model's are collectives) on one target weighted 0: a mean over none is 0/0."""
+        total = self.batches.valid_targets
+        if total is None:
+            return 1.0 / self.derived.grad_accum, y
+        n = int((y != -1).sum())
+        if n == 0:
+            y = y.clone()
+            y.view(-1)[0] = 0
+            return 0.0, y
+        return n * self.dims.dp * self.dims.cp / max(total, 1), y
+
     # ---------------------------------------------------------------- steps
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -266,8 +327,11 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device)
             for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
                 with par.no_sync(skip=i < accum - 1), par.loss_context():
+                    scale, ym = self._loss_scale(ym)
                     with timer("f"), self._autocast():
-                        loss = par.forward(xm, ym) / accum  # mean over the global batch's tokens
+                        loss = (
+                            par.forward(xm, ym) * scale
+                        )  # the global batch's mean over its (trained) targets
                     with timer("b"):
                         self.scaler.scale(loss).backward()
                 loss_sum += loss.detach()

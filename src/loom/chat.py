@@ -1,0 +1,127 @@
+"""`loom chat RUN`: talk to a fine-tuned run, turn by turn, with the KV cache and streaming tokens.
+
+A session holds the conversation (an optional system message, then user and assistant turns) and renders it
+with the run's chat template (loom.data.chat: the tokens its chat data was prepared with, recorded in the run's
+tokenizer/meta.json). Each reply continues the rendered prompt (which ends with the assistant's start token)
+until the assistant's end-of-turn token or end-of-text, or max_new_tokens. A run trained on plain text (no chat
+tokens) has no turns to end: it is refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from loom.errors import LoomError
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    max_new_tokens: int = 256
+    seed: int = 1337
+
+
+def chat_template(tokenizer, meta: dict, run_dir) -> object:
+    """The run's ChatTemplate, or a LoomError (exit 2) for a base model."""
+    from loom.data.chat import ChatTemplate
+
+    if tokenizer is None or not isinstance(meta.get("chat"), dict):
+        raise LoomError(
+            f"run '{run_dir}' is a base model: its tokenizer has no chat tokens, so it has no turns to take",
+            hint="fine-tune it on conversations first: loom data prepare --chat ... --tokenizer RUN, then "
+            "loom train --data.path=CHAT_DATA --model.init_from=run:RUN",
+        )
+    return ChatTemplate(tokenizer)
+
+
+@dataclass
+class ChatSession:
+    """One conversation with a model: `reply(text)` adds the user's turn and the model's answer."""
+
+    model: torch.nn.Module
+    template: object
+    tokenizer: object
+    device: torch.device
+    sampling: Sampling = field(default_factory=Sampling)
+    system: str | None = None
+    extends_context: bool = False
+    messages: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.generator = torch.Generator(device=self.device).manual_seed(self.sampling.seed)
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def reply(self, text: str, on_text: Callable[[str], None] | None = None) -> str:
+        """The assistant's answer to `text` (streamed to on_text piece by piece as it is sampled)."""
+        from loom.generate import iter_tokens
+
+        turn = {"role": "user", "content": text}
+        ids = self.template.prompt([*self.messages, turn])  # a text the tokenizer cannot encode fails here
+        self.messages.append(turn)
+        block = self.model.cfg.block_size
+        if len(ids) >= block and not self.extends_context:
+            ids = ids[-(block - 1) :]  # learned positions: the newest block_size tokens of the conversation
+        s = self.sampling
+        stop = set(self.template.stop_ids)
+        out: list[int] = []
+        shown = ""
+        idx = torch.tensor([ids], dtype=torch.long, device=self.device)
+        for nxt in iter_tokens(
+            self.model,
+            idx,
+            s.max_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            generator=self.generator,
+            vocab_size=self.tokenizer.vocab_size,
+            extends_context=self.extends_context,
+        ):
+            token = int(nxt[0, 0])
+            if token in stop:
+                break
+            out.append(token)
+            text_so_far = self.tokenizer.decode(out)
+            if on_text is not None and not text_so_far.endswith("\ufffd"):  # a character not yet complete
+                on_text(text_so_far[len(shown) :])
+                shown = text_so_far
+        answer = self.tokenizer.decode(out)
+        if on_text is not None and len(answer) > len(shown):
+            on_text(answer[len(shown) :])
+        self.messages.append({"role": "assistant", "content": answer})
+        return answer
+
+
+def repl(session: ChatSession, read: Callable[[str], str] = input, write=sys.stdout) -> None:
+    """The interactive loop: a line is the user's turn; /reset starts over, /quit (or end of input) leaves."""
+    write.write("loom chat: /reset starts a new conversation, /quit leaves\n")
+    while True:
+        try:
+            line = read("you> ")
+        except EOFError:
+            write.write("\n")
+            return
+        cmd = line.strip()
+        if cmd in ("/quit", "/exit"):
+            return
+        if cmd == "/reset":
+            session.reset()
+            write.write("(new conversation)\n")
+            continue
+        if not cmd:
+            continue
+        write.write("assistant> ")
+        try:
+            session.reply(line, lambda piece: (write.write(piece), write.flush()))
+        except LoomError as e:  # a turn the tokenizer cannot encode: say so, the conversation goes on
+            write.write(f"(not sent: {e})")
+        write.write("\n")

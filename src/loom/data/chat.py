@@ -1,0 +1,646 @@
+"""Conversations for supervised fine-tuning (chat SFT): loom's chat template and `loom data prepare --chat`.
+
+The template is nanochat's: six special tokens delimit the messages, and every conversation starts with the
+tokenizer's end-of-text id, the document separator of pretraining, so that data.doc_mask keeps each
+conversation's attention to itself:
+
+    <|endoftext|> <|system_start|> ... <|system_end|> <|user_start|> ... <|user_end|>
+                  <|assistant_start|> ... <|assistant_end|> <|user_start|> ... (more turns)
+
+The loss mask (1 = trained on, as a target) covers the assistant's content tokens and its
+<|assistant_end|>, so the model learns what to say and when to stop; the end-of-text id, the system and user
+messages and the <|assistant_start|> tokens are context only (the prompt a generation continues is the
+history followed by <|assistant_start|>: ChatTemplate.prompt).
+
+On disk (`prepare_chat`) a chat data set is a prepared data directory as `loom data prepare` writes it
+(llm.c shards `{split}_000000.bin`, the tokenizer file, meta.json) plus, beside each shard, its loss mask
+`{split}_000000.mask.npy` (np.uint8, one entry per token) and a "chat" entry in meta.json.
+
+Special token text inside a message is never turned into the special id: message content is encoded with
+special tokens not parsed (a char tokenizer has no way to; a `tokenizers` tokenizer is told so with
+`encode_special_tokens`), so a user cannot inject `<|assistant_end|>` or an end-of-text by typing it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from loom import __version__, log
+from loom.data.shards import version_for_vocab, write_shard
+from loom.data.tokenizers import (
+    CharTokenizer,
+    HFTokenizer,
+    check_bpe_vocab,
+    load_given_tokenizer,
+    load_tokenizer,
+    tokenizer_files,
+    tokenizer_hash,
+)
+from loom.errors import LoomError
+from loom.outputs import check_apart, check_replaceable, replace_output, write_marker
+
+SYSTEM_START, SYSTEM_END = "<|system_start|>", "<|system_end|>"
+USER_START, USER_END = "<|user_start|>", "<|user_end|>"
+ASSISTANT_START, ASSISTANT_END = "<|assistant_start|>", "<|assistant_end|>"
+CHAT_TOKENS = (SYSTEM_START, SYSTEM_END, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END)
+ROLE_TOKENS = {
+    "system": (SYSTEM_START, SYSTEM_END),
+    "user": (USER_START, USER_END),
+    "assistant": (ASSISTANT_START, ASSISTANT_END),
+}
+MASK_SUFFIX = ".mask.npy"  # beside `{split}_NNNNNN.bin`: `{split}_NNNNNN.mask.npy`
+SHARD_TOKENS = 1 << 27  # a split longer than this is cut into more shards (at conversation boundaries)
+NAMED_PLACES = 5  # offending lines named per drop reason
+
+Messages = list[dict]
+
+
+# ---------------------------------------------------------------------------------------- the template
+
+
+def add_chat_tokens(tok: CharTokenizer | HFTokenizer) -> CharTokenizer | HFTokenizer:
+    """The tokenizer with the chat tokens added as special tokens after its existing ids, in CHAT_TOKENS'
+    order (those it already has are kept: idempotent). `tok` itself is not changed."""
+    missing = [t for t in CHAT_TOKENS if tok.token_id(t) is None]
+    if not missing:
+        return tok
+    if isinstance(tok, CharTokenizer):
+        return CharTokenizer(tok.chars, [*tok.specials, *missing])
+    from tokenizers import AddedToken, Tokenizer
+
+    inner = Tokenizer.from_str(tok.tok.to_str())
+    inner.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+    out = HFTokenizer(inner)
+    ids = [out.token_id(t) for t in missing]
+    if sorted(ids) != list(range(tok.vocab_size, tok.vocab_size + len(missing))):
+        raise LoomError(  # the library reused ids of the tokenizer's vocabulary: its ids would change meaning
+            f"adding the chat tokens gave them ids {ids}, not the next free ones from {tok.vocab_size}",
+            hint="use a tokenizer.json whose added tokens are numbered after its vocabulary",
+        )
+    return out
+
+
+def _content_encoder(tok: CharTokenizer | HFTokenizer):
+    """encode_batch(texts) -> ids of each with special tokens not parsed, or None when this `tokenizers`
+    version cannot (then content holding a special token's text is refused: ChatTemplate.check_content)."""
+    if isinstance(tok, CharTokenizer):
+        return tok.encode_batch  # characters only: a special token's text is its characters
+    from tokenizers import Tokenizer
+
+    inner = Tokenizer.from_str(tok.tok.to_str())
+    if not hasattr(inner, "encode_special_tokens"):  # tokenizers < 0.19
+        return None
+    inner.encode_special_tokens = True
+    # the Rust side encodes a batch on all cores
+    return lambda texts: [e.ids for e in inner.encode_batch(texts, add_special_tokens=False)]
+
+
+class ChatTemplate:
+    """loom's chat template over a tokenizer that has the chat tokens (add_chat_tokens).
+
+    ids: {token text: id} of the chat tokens; end_id: <|assistant_end|>'s id; stop_ids: the ids that end a
+    generated answer (end_id, then the end-of-text id)."""
+
+    def __init__(self, tok: CharTokenizer | HFTokenizer):
+        missing = [t for t in CHAT_TOKENS if tok.token_id(t) is None]
+        if missing:
+            raise LoomError(
+                f"the tokenizer has no chat tokens ({', '.join(missing)})",
+                hint="add them with loom.data.chat.add_chat_tokens, or prepare the data with --chat",
+            )
+        self.tok = tok
+        self.ids = {t: tok.token_id(t) for t in CHAT_TOKENS}
+        self.eot = tok.eot
+        self.eot_id = tok.eot_id
+        self.end_id = self.ids[ASSISTANT_END]
+        self.stop_ids = (self.end_id, self.eot_id)
+        self._encode_batch = _content_encoder(tok)
+        self._specials = (*CHAT_TOKENS, self.eot)
+
+    def check_content(self, text: str) -> str | None:
+        """Why `text` cannot be a message's content (a reason, as prepare_chat counts them), else None."""
+        if self._encode_batch is None and any(t in text for t in self._specials):
+            return "content contains a special token (this tokenizers version parses them)"
+        return None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Messages' contents as ids, special tokens never parsed (see the module docstring)."""
+        if self._encode_batch is not None:
+            return self._encode_batch(texts)
+        reason = next(filter(None, map(self.check_content, texts)), None)
+        if reason:
+            raise LoomError(f"cannot encode a message: {reason}", hint="pip install -U tokenizers")
+        return self.tok.encode_batch(texts)
+
+    def encode(self, text: str) -> list[int]:
+        """A message's content as ids, special tokens never parsed."""
+        return self.encode_batch([text])[0]
+
+    def render(self, messages: Messages) -> tuple[list[int], list[int]]:
+        """(ids, mask) of a conversation: the end-of-text id, then START + content + END per message; mask 1
+        on the assistant's content tokens and its <|assistant_end|> (the targets trained on), else 0."""
+        return self.render_many([messages])[0]
+
+    def render_many(self, conversations: list[Messages]) -> list[tuple[list[int], list[int]]]:
+        """render of each conversation, their contents encoded in one batch."""
+        for messages in conversations:
+            check_messages(messages)
+        contents = iter(self.encode_batch([m["content"] for c in conversations for m in c]))
+        out = []
+        for messages in conversations:
+            ids, mask = [self.eot_id], [0]
+            for m in messages:
+                start, end = ROLE_TOKENS[m["role"]]
+                content = next(contents)
+                trained = int(m["role"] == "assistant")
+                ids += [self.ids[start], *content, self.ids[end]]
+                mask += [0] + [trained] * (len(content) + 1)
+            out.append((ids, mask))
+        return out
+
+    def prompt(self, messages: Messages) -> list[int]:
+        """The ids a generation continues: the end-of-text id, the history as render writes it, then
+        <|assistant_start|> (transformers' add_generation_prompt). Messages may end with any role."""
+        check_messages(messages, need_assistant=False)
+        ids = [self.eot_id]
+        for m, content in zip(messages, self.encode_batch([m["content"] for m in messages]), strict=True):
+            start, end = ROLE_TOKENS[m["role"]]
+            ids += [self.ids[start], *content, self.ids[end]]
+        return ids + [self.ids[ASSISTANT_START]]
+
+    def jinja(self) -> str:
+        """A Jinja chat template (tokenizer_config.json's "chat_template") whose text, applied by transformers'
+        apply_chat_template(messages, tokenize=False, add_generation_prompt=True) and tokenized with the
+        special tokens parsed, is prompt(messages) (without add_generation_prompt: render's ids).
+
+        One line, every token text a quoted literal: transformers renders templates with trim_blocks and
+        lstrip_blocks, which must not change it."""
+
+        def lit(text: str) -> str:
+            return "{{ " + json.dumps(text) + " }}"
+
+        parts = [lit(self.eot), "{% for message in messages %}"]
+        for i, (role, (start, end)) in enumerate(ROLE_TOKENS.items()):
+            parts.append(("{% if" if i == 0 else "{% elif") + f" message['role'] == '{role}' %}}")
+            parts.append(lit(start) + "{{ message['content'] }}" + lit(end))
+        parts.append("{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}")
+        parts.append("{% endfor %}{% if add_generation_prompt %}" + lit(ASSISTANT_START) + "{% endif %}")
+        return "".join(parts)
+
+
+def message_problem(messages, need_assistant: bool = True) -> str | None:
+    """Why a list of messages is not a conversation (a short reason, counted by prepare_chat), else None."""
+    if not isinstance(messages, list) or not messages:
+        return "messages is not a non-empty list"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return "a message is not an object"
+        if m.get("role") not in ROLE_TOKENS:
+            return "unknown role"
+        content = m.get("content")
+        if not isinstance(content, str):
+            return "content is not a string"
+        if not content:
+            return "empty content"
+        if m["role"] == "system" and i > 0:
+            return "system message not first"
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        return "no assistant turn"
+    return None
+
+
+def check_messages(messages, need_assistant: bool = True) -> None:
+    """Refuse messages that are not a conversation (message_problem), with the remedy."""
+    problem = message_problem(messages, need_assistant)
+    if problem:
+        raise LoomError(
+            f"not a conversation: {problem}",
+            hint="messages are [{'role': 'system'|'user'|'assistant', 'content': 'non-empty text'}, ...], a "
+            "system message only first" + (", and at least one assistant turn" if need_assistant else ""),
+        )
+
+
+# ------------------------------------------------------------------------------------ reading records
+
+
+@dataclass
+class Drops:
+    """Records dropped, counted by reason, with the first few places (file:line) of each."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    places: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, reason: str, where: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        named = self.places.setdefault(reason, [])
+        if len(named) < NAMED_PLACES:
+            named.append(where)
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def lines(self) -> list[str]:
+        """One line per reason: how many, and where the first ones are."""
+        out = []
+        for reason, n in sorted(self.counts.items(), key=lambda kv: -kv[1]):
+            more = f" and {n - len(self.places[reason])} more" if n > len(self.places[reason]) else ""
+            out.append(f"{n} record(s): {reason} ({', '.join(self.places[reason])}{more})")
+        return out
+
+
+def record_messages(obj) -> tuple[Messages | None, str | None]:
+    """(messages, None) for a record {"messages": [...]} or {"prompt": str, "completion": str}, else
+    (None, the reason it is dropped)."""
+    if not isinstance(obj, dict):
+        return None, "not a JSON object"
+    if "messages" in obj:
+        messages = obj["messages"]
+    elif "prompt" in obj or "completion" in obj:
+        prompt, completion = obj.get("prompt"), obj.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            return None, "prompt or completion is not a string"
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    else:
+        return None, "no messages (nor prompt and completion)"
+    problem = message_problem(messages)
+    return (None, problem) if problem else (messages, None)
+
+
+def _open_lines(path: Path):
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115
+
+
+def read_conversations(inputs: list[Path], drops: Drops) -> list[tuple[str, Messages]]:
+    """(file:line, messages) of every valid record of the JSONL inputs, in order; the others counted in
+    `drops`. Blank lines are not records."""
+    found = []
+    for path in inputs:
+        with _open_lines(path) as f:
+            for n, raw in enumerate(f, 1):
+                where = f"{path.name}:{n}"
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw.decode("utf-8-sig" if n == 1 else "utf-8"))
+                except UnicodeDecodeError:
+                    drops.add("not UTF-8", where)
+                    continue
+                except ValueError:
+                    drops.add("not JSON", where)
+                    continue
+                messages, reason = record_messages(obj)
+                if reason:
+                    drops.add(reason, where)
+                else:
+                    found.append((where, messages))
+    return found
+
+
+def check_inputs(inputs: list[str | Path]) -> list[Path]:
+    """The JSONL files of --input, each an existing, non-empty regular file (refused before any work)."""
+    if not inputs:
+        raise LoomError(
+            "--chat needs --input FILE.jsonl", hint="loom data prepare --chat --input chats.jsonl"
+        )
+    paths = []
+    for p in map(Path, inputs):
+        if not p.exists():
+            raise LoomError(f"--input '{p}' does not exist", hint="give the path of a JSONL file")
+        if not p.is_file():
+            raise LoomError(
+                f"--input '{p}' is not a file: --chat reads JSONL files",
+                hint="name the .jsonl files themselves (one conversation per line)",
+            )
+        if p.stat().st_size == 0:
+            raise LoomError(
+                f"--input '{p}' is empty", hint="give a JSONL file with one conversation per line"
+            )
+        paths.append(p)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------- tokenizers
+
+
+def _run_tokenizer_dir(spec: str) -> Path | None:
+    """The folder of a tokenizer with its meta.json: a run's `<run>/tokenizer/`, or a prepared data folder."""
+    p = Path(spec)
+    if (p / "tokenizer" / "meta.json").is_file():
+        return p / "tokenizer"
+    if (p / "meta.json").is_file():
+        return p
+    return None
+
+
+def check_tokenizer_spec(spec: str, vocab_size: int) -> None:
+    """Refuse a --tokenizer that names nothing usable, before any reading."""
+    if spec == "bpe":
+        check_bpe_vocab(vocab_size)
+    elif spec != "char" and _run_tokenizer_dir(spec) is None:
+        tokenizer_files(spec)
+
+
+def base_tokenizer(
+    spec: str, texts: list[str], vocab_size: int
+) -> tuple[CharTokenizer | HFTokenizer, str, str]:
+    """(tokenizer, kind, sha256 of its content) before the chat tokens: char or bpe trained on `texts`, a
+    tokenizer.json (or gpt2's files), or the tokenizer of a run directory / prepared data folder."""
+    from loom.data.formats import read_meta
+
+    d = _run_tokenizer_dir(spec) if spec not in ("char", "bpe") else None
+    if d is not None:
+        meta = read_meta(d)
+        sha = tokenizer_hash(d, meta)
+        if sha is None:
+            raise LoomError(
+                f"'{spec}' has no tokenizer (its data had token ids only)",
+                hint="give --tokenizer char, bpe or a tokenizer.json",
+            )
+        tok = load_tokenizer(d, meta)
+        return tok, meta["tokenizer"].get("kind", "tokenizer.json"), sha
+    if spec == "char":
+        tok, kind = CharTokenizer.train(texts), "char"
+    elif spec == "bpe":
+        t0 = time.perf_counter()
+        tok, kind = HFTokenizer.train(texts, vocab_size), "bpe"
+        log.info(f"trained a byte-level BPE (vocab {tok.vocab_size:,}) in {time.perf_counter() - t0:.1f}s")
+    else:
+        tok, kind = load_given_tokenizer(spec), "tokenizer.json"
+    return tok, kind, _hash_of(tok, kind)
+
+
+def _hash_of(tok, kind: str) -> str:
+    """tokenizer_hash of a tokenizer as prepared data would record it (saved, then hashed by content)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        return tokenizer_hash(d, {"tokenizer": {"kind": kind, "file": tok.save(d)}})
+
+
+# ------------------------------------------------------------------------------------------- prepare
+
+
+@dataclass
+class Rendered:
+    """One conversation as it goes into a split."""
+
+    where: str
+    ids: np.ndarray  # int64 token ids
+    mask: np.ndarray  # uint8, 1 on the targets trained on
+    content_bytes: int  # UTF-8 bytes of the messages' contents (for bytes_per_token_val)
+    content_tokens: int  # tokens that are not the template's
+
+
+RENDER_BATCH = 4096  # conversations encoded per call of the tokenizer
+
+
+def _render_all(template: ChatTemplate, convs, block_size: int, too_long: str, drops: Drops):
+    """Render every conversation and apply the too-long policy. Returns (kept, number truncated)."""
+    ok = []
+    for where, messages in convs:
+        reason = next(filter(None, (template.check_content(m["content"]) for m in messages)), None)
+        if reason:
+            drops.add(reason, where)
+        else:
+            ok.append((where, messages))
+    # a char tokenizer given by the user may lack a character: one conversation at a time, to name it
+    step = 1 if isinstance(template.tok, CharTokenizer) else RENDER_BATCH
+    special = np.array(sorted({*template.ids.values(), template.eot_id}))
+    kept, truncated = [], 0
+    for i in range(0, len(ok), step):
+        part = ok[i : i + step]
+        try:
+            rendered = template.render_many([m for _, m in part])
+        except LoomError:  # a character the given char tokenizer does not have
+            drops.add("a character not in the tokenizer's vocabulary", part[0][0])
+            continue
+        for (where, messages), (ids, mask) in zip(part, rendered, strict=True):
+            if len(ids) > block_size + 1:
+                if too_long == "drop":
+                    drops.add(f"longer than --block-size + 1 = {block_size + 1} tokens", where)
+                    continue
+                ids, mask = ids[: block_size + 1], mask[: block_size + 1]
+                if not any(mask):
+                    drops.add(f"no trained token in the first {block_size + 1} tokens (truncated)", where)
+                    continue
+                truncated += 1
+            ids = np.array(ids, dtype=np.int64)
+            n_content = int(len(ids) - np.isin(ids, special).sum())
+            nbytes = sum(len(m["content"].encode("utf-8")) for m in messages)
+            kept.append(Rendered(where, ids, np.array(mask, dtype=np.uint8), nbytes, n_content))
+    return kept, truncated
+
+
+def _split(n: int, val_fraction: float, seed: int) -> np.ndarray:
+    """Indices of the val records (sorted): a seeded shuffle's first round(n * val_fraction), at least one
+    when there are two or more records, never all."""
+    if n < 2:
+        return np.zeros(0, dtype=np.int64)
+    n_val = min(n - 1, max(1, round(n * val_fraction)))
+    return np.sort(np.random.default_rng([seed, 34]).permutation(n)[:n_val])
+
+
+def _write_split(tmp: Path, split: str, convs: list[Rendered], version: int) -> dict:
+    """Shards and masks of one split (cut at conversation boundaries past SHARD_TOKENS)."""
+    groups, cur, n = [], [], 0
+    for c in convs:
+        if cur and n + len(c.ids) > SHARD_TOKENS:
+            groups.append(cur)
+            cur, n = [], 0
+        cur.append(c)
+        n += len(c.ids)
+    groups.append(cur)  # an empty split still gets one (empty) shard
+    tokens = 0
+    for i, group in enumerate(groups):
+        ids = np.concatenate([c.ids for c in group]) if group else np.zeros(0, np.int64)
+        mask = np.concatenate([c.mask for c in group]) if group else np.zeros(0, np.uint8)
+        shard = tmp / f"{split}_{i:06d}.bin"
+        write_shard(shard, ids, version)
+        with open(shard.with_name(shard.name.removesuffix(".bin") + MASK_SUFFIX), "wb") as f:
+            np.save(f, mask, allow_pickle=False)
+        tokens += len(ids)
+    return {"tokens": tokens, "documents": len(convs), "shards": len(groups)}
+
+
+@dataclass
+class ChatSettings:
+    """The options of one `loom data prepare --chat` (see prepare_chat)."""
+
+    tokenizer: str
+    block_size: int
+    too_long: str
+    val_fraction: float
+    seed: int
+    vocab_size: int
+
+    def check(self) -> None:
+        """Refuse settings outside their domain, before any reading."""
+        if self.too_long not in ("drop", "truncate"):
+            raise LoomError(f"unknown --too-long '{self.too_long}'", hint="use drop or truncate")
+        if self.block_size < 1:
+            raise LoomError(f"--block-size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise LoomError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
+        check_tokenizer_spec(self.tokenizer, self.vocab_size)
+
+
+def prepare_chat(
+    inputs: list[str | Path],
+    out: str | Path,
+    tokenizer_spec: str = "char",
+    block_size: int = 1024,
+    too_long: str = "drop",
+    val_fraction: float = 0.1,
+    seed: int = 1337,
+    force: bool = False,
+    vocab_size: int = 4096,
+) -> dict:
+    """Prepare conversations (JSONL: {"messages": [...]} or {"prompt", "completion"} per line) for SFT into
+    `out`: token shards, loss masks, the tokenizer with the chat tokens, meta.json. Returns the meta.
+
+    tokenizer_spec: char | bpe (trained on the conversations' text; vocab_size) | a tokenizer.json (or a
+    folder with one) | a run directory (its `tokenizer/`: the model to fine-tune) or a prepared data folder.
+    too_long: drop | truncate, for a conversation of more than block_size + 1 tokens. Every dropped record is
+    counted by reason and reported; all dropped is an error. Written into `.<out>.loom-tmp` beside `out`,
+    renamed once complete."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    paths = check_inputs(inputs)
+    cfg = ChatSettings(tokenizer_spec, block_size, too_long, val_fraction, seed, vocab_size)
+    cfg.check()
+    check_apart(out, paths)
+    check_replaceable(out, "data", force)
+
+    drops = Drops()
+    convs = read_conversations(paths, drops)
+    if not convs:
+        _all_dropped(paths, drops)
+    texts = ["\n".join(m["content"] for m in messages) for _, messages in convs]
+    base, kind, base_sha = base_tokenizer(tokenizer_spec, texts, vocab_size)
+    template = ChatTemplate(add_chat_tokens(base))
+    kept, truncated = _render_all(template, convs, block_size, too_long, drops)
+    for line in drops.lines():
+        log.warn(f"dropped {line}")
+    if truncated:
+        log.warn(f"truncated {truncated} conversation(s) to --block-size + 1 = {block_size + 1} tokens")
+    if not kept:
+        _all_dropped(paths, drops)
+    val_idx = set(_split(len(kept), val_fraction, seed).tolist())
+    parts = {
+        "train": [c for i, c in enumerate(kept) if i not in val_idx],
+        "val": [c for i, c in enumerate(kept) if i in val_idx],
+    }
+    if not parts["val"]:
+        log.warn("one conversation only: the val split is empty")
+    repeats = len(kept) - len({hashlib.blake2b(c.ids.tobytes()).digest() for c in kept})
+    if repeats:
+        log.warn(f"{repeats} conversation(s) repeat an earlier one: a copy in val makes the val loss too low")
+
+    tmp = out.with_name(f".{out.name}.loom-tmp")
+    _fresh_tmp(tmp, force)
+    try:
+        tok = template.tok
+        info = {"kind": kind, "file": tok.save(tmp), "eot_id": tok.eot_id}
+        info["sha256"] = tokenizer_hash(tmp, {"tokenizer": info})
+        version = version_for_vocab(tok.vocab_size)
+        splits = {s: _write_split(tmp, s, parts[s], version) for s in parts}
+        meta = {
+            "format": "llm.c",
+            "tokenizer": info,
+            "vocab_size": tok.vocab_size,
+            "shard_version": version,
+            "splits": splits,
+            "files": len(paths),
+            "documents": len(kept),
+            "bytes": sum(p.stat().st_size for p in paths),
+            "dropped_documents": drops.total(),
+            "bad_lines": sum(drops.counts.get(r, 0) for r in ("not JSON", "not UTF-8", "not a JSON object")),
+            "repeated_documents": repeats,
+            "val_fraction": val_fraction,
+            "split_mode": "docs",
+            "seed": seed,
+            "bytes_per_token_val": sum(c.content_bytes for c in parts["val"])
+            / max(1, sum(c.content_tokens for c in parts["val"])),
+            "encoder": "char" if kind == "char" else "tokenizers",
+            "source": ", ".join(str(p) for p in paths),
+            "loom_version": __version__,
+            "chat": _chat_entry(template, cfg, parts, drops, truncated, base.vocab_size, base_sha),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False), encoding="utf-8")
+        write_marker(tmp, "data")
+        replace_output(out, "data", force)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _report(out, meta, time.perf_counter() - t0)
+    return meta
+
+
+def _chat_entry(
+    template: ChatTemplate,
+    cfg: ChatSettings,
+    parts: dict,
+    drops: Drops,
+    truncated: int,
+    base_vocab: int,
+    base_sha: str,
+) -> dict:
+    """meta.json's "chat" entry: the template, what each split holds, what was dropped, the base tokenizer."""
+    return {
+        "template": "loom",
+        "tokens": dict(template.ids),
+        "end_id": template.end_id,
+        "conversations": {s: len(parts[s]) for s in parts},
+        "trained_tokens": {s: int(sum(int(c.mask.sum()) for c in parts[s])) for s in parts},
+        "dropped": dict(drops.counts),
+        "truncated": truncated,
+        "too_long": cfg.too_long,
+        "block_size": cfg.block_size,
+        "base_vocab_size": base_vocab,
+        "base_tokenizer": str(cfg.tokenizer),
+        "base_tokenizer_hash": base_sha,  # what the run to fine-tune records: loom.train.finetune checks it
+    }
+
+
+def _report(out: Path, meta: dict, seconds: float) -> None:
+    c, splits = meta["chat"], meta["splits"]
+    log.info(
+        f"prepared {out}: {meta['documents']} conversation(s) (train {c['conversations']['train']}, val "
+        f"{c['conversations']['val']}), {splits['train']['tokens']:,} + {splits['val']['tokens']:,} tokens, "
+        f"{c['trained_tokens']['train']:,} + {c['trained_tokens']['val']:,} trained on, vocab "
+        f"{meta['vocab_size']:,} ({c['base_vocab_size']:,} + {meta['vocab_size'] - c['base_vocab_size']} chat "
+        f"tokens), {sum(c['dropped'].values())} dropped, {c['truncated']} truncated, in {seconds:.1f}s"
+    )
+
+
+def _fresh_tmp(tmp: Path, force: bool) -> None:
+    """An empty temporary folder beside the output; an unfinished `loom data prepare` there is refused
+    unless --force (run its command again to finish it)."""
+    if (tmp / "progress.json").is_file() and not force:
+        raise LoomError(
+            f"'{tmp}' holds an unfinished preparation",
+            hint="run that preparation's command again to finish it, or pass --force to replace it",
+        )
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def _all_dropped(paths: list[Path], drops: Drops) -> None:
+    where = ", ".join(str(p) for p in paths)
+    why = "; ".join(drops.lines()) or "no records"
+    raise LoomError(
+        f"no conversation to prepare in {where}: {why}",
+        hint='each line: {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": '
+        '"..."}]} or {"prompt": "...", "completion": "..."}; raise --block-size or pass --too-long truncate '
+        "for long ones",
+    )

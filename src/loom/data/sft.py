@@ -1,0 +1,254 @@
+"""Supervised fine-tuning batches: whole conversations packed into rows, targets masked to the assistant's.
+
+Chat data (`loom data prepare --chat`, loom.data.chat) is loom's token shards plus, beside each shard
+`{split}_NNNNNN.bin`, a mask `{split}_NNNNNN.mask.npy` (uint8, one per token: 1 where the token is trained on
+as a target: the assistant's tokens and its end of turn). Every conversation starts with the end-of-text id,
+so the conversations are the spans between those, and data.doc_mask=true keeps each one's attention to itself.
+
+Packing (best fit, as nanochat's SFT and Megatron's packed sequences): each epoch visits the conversations in
+an order drawn from (seed, epoch); each goes into the open row of block_size + 1 tokens with the least room
+that still holds it whole, or opens a new row. No conversation crosses a row boundary; the rest of a row is
+end-of-text tokens whose targets are ignored. A row is (row of the epoch) -> conversations, decided by the seed
+alone, so the global batch at step s is rows [s*B, (s+1)*B) of the endless sequence of epochs whatever the
+world size (loom.data.loader's rule), and resume needs only the cursor.
+
+Targets are the next tokens with -1 (ignored) where the mask is 0. The loss of a step is the sum of the
+trained tokens' losses over the global batch divided by their count (`valid_targets`, counted by every rank
+from the global batch itself, no communication), so every layout computes the same number
+(loom.train.trainer's SFT normalisation).
+"""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loom.data.formats import detect_dir, split_files
+from loom.data.loader import read_meta, seq_chunk
+from loom.errors import LoomError
+
+
+def is_chat_data(meta: dict) -> bool:
+    """Whether a prepared directory holds conversations with loss masks (loom data prepare --chat)."""
+    return isinstance(meta.get("chat"), dict)
+
+
+def mask_path(shard: Path) -> Path:
+    return shard.with_name(shard.name.removesuffix(".bin") + ".mask.npy")
+
+
+class Conversations:
+    """The conversations of one split: tokens and masks in memory (SFT sets are small), and each one's span."""
+
+    def __init__(self, data_dir: str | Path, split: str, block_size: int):
+        data_dir = Path(data_dir)
+        meta = read_meta(data_dir)
+        if not is_chat_data(meta):
+            raise LoomError(
+                f"'{data_dir}' holds no conversations (its meta.json has no 'chat' entry)",
+                hint="prepare chat data with loom data prepare --chat --input conversations.jsonl ...",
+            )
+        from loom.data.formats import FORMATS
+
+        fmt = detect_dir(data_dir) or "llmc"
+        shards = split_files(data_dir, split, fmt)
+        if not shards:
+            raise LoomError(f"'{data_dir}' has no {split} conversations", hint="prepare the data again")
+        tokens, masks = [], []
+        for p in shards:
+            ids = np.asarray(FORMATS[fmt].open(p), dtype=np.int64)
+            try:
+                mask = np.load(mask_path(p), allow_pickle=False)
+            except (OSError, ValueError) as e:
+                raise LoomError(
+                    f"the loss mask of '{p}' cannot be read ({mask_path(p).name}: {e})",
+                    hint="prepare the chat data again (loom data prepare --chat)",
+                ) from None
+            if mask.shape != ids.shape:
+                raise LoomError(
+                    f"the loss mask of '{p}' has {mask.size} entries for {ids.size} tokens",
+                    hint="prepare the chat data again (loom data prepare --chat)",
+                )
+            tokens.append(ids)
+            masks.append(mask.astype(np.bool_))
+        self.tokens, self.mask = np.concatenate(tokens), np.concatenate(masks)
+        self.eot = int(meta["tokenizer"]["eot_id"])
+        starts = np.flatnonzero(self.tokens == self.eot)
+        if not len(starts) or starts[0] != 0:
+            raise LoomError(
+                f"the {split} conversations of '{data_dir}' do not start with the end-of-text id {self.eot}",
+                hint="prepare the chat data again (loom data prepare --chat)",
+            )
+        self.starts = starts
+        self.lengths = np.diff(np.append(starts, len(self.tokens)))
+        too_long = int((self.lengths > block_size + 1).sum())
+        if too_long:
+            raise LoomError(
+                f"{too_long} of {len(starts)} {split} conversations of '{data_dir}' are longer than "
+                f"model.block_size + 1 = {block_size + 1} tokens (the longest: {int(self.lengths.max())})",
+                hint=f"prepare the data with --block-size {block_size} (--too-long drop or truncate), or raise "
+                "model.block_size",
+            )
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def pack(self, order: np.ndarray) -> list[list[int]]:
+        """Best-fit packing of the conversations in `order` into rows of block_size + 1 tokens."""
+        cap = self.block_size + 1
+        rows: list[list[int]] = []
+        room: list[tuple[int, int]] = []  # (room left, row index), sorted: the open rows
+        for c in order.tolist():
+            n = int(self.lengths[c])
+            i = bisect.bisect_left(room, (n, -1))
+            if i < len(room):
+                left, r = room.pop(i)
+                rows[r].append(c)
+                left -= n
+            else:
+                rows.append([c])
+                r, left = len(rows) - 1, cap - n
+            if left > 0:
+                bisect.insort(room, (left, r))
+        return rows
+
+    def row(self, convs: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, mask) of one packed row of block_size + 1, padded with end-of-text tokens (mask 0)."""
+        cap = self.block_size + 1
+        ids = np.full(cap, self.eot, dtype=np.int64)
+        mask = np.zeros(cap, dtype=np.bool_)
+        at = 0
+        for c in convs:
+            s, n = int(self.starts[c]), int(self.lengths[c])
+            ids[at : at + n], mask[at : at + n] = self.tokens[s : s + n], self.mask[s : s + n]
+            at += n
+        return ids, mask
+
+
+def _inputs_targets(ids: np.ndarray, mask: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T + 1) tokens and masks -> inputs and targets (B, T), targets -1 where not trained on."""
+    x = torch.from_numpy(ids[:, :-1].copy())
+    y = torch.from_numpy(ids[:, 1:].copy())
+    y[~torch.from_numpy(mask[:, 1:].copy())] = -1
+    return x, y
+
+
+class ChatLoader:
+    """SFT training batches: the global batch at step s (packed rows), sliced for one data-parallel rank."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        batch_size: int,
+        block_size: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        cp_layout: str = "contiguous",
+    ):
+        if batch_size % dp_size:
+            raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={dp_size}")
+        self.convs = Conversations(data_dir, "train", block_size)
+        self.batch_size, self.seed = batch_size, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cp = (cp_rank, cp_size, cp_layout)
+        self.cursor = 0  # global rows consumed (all ranks together)
+        self._epochs: list[list[list[int]]] = []  # the packed rows of each epoch so far
+        self.valid_targets = 0  # trained targets in the last global batch handed out
+
+    def _epoch_rows(self, epoch: int) -> list[list[int]]:
+        while len(self._epochs) <= epoch:
+            e = len(self._epochs)
+            order = np.random.default_rng([self.seed, e]).permutation(len(self.convs))
+            self._epochs.append(self.convs.pack(order))
+        return self._epochs[epoch]
+
+    def global_rows(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [start, start + count) of the endless sequence of packed epochs: (tokens, masks)."""
+        ids, masks = [], []
+        epoch, g = 0, start
+        first = 0  # the global index of `epoch`'s first row
+        while len(ids) < count:
+            rows = self._epoch_rows(epoch)
+            if g >= first + len(rows):
+                first += len(rows)
+                epoch += 1
+                continue
+            i, m = self.convs.row(rows[g - first])
+            ids.append(i)
+            masks.append(m)
+            g += 1
+        return np.stack(ids), np.stack(masks)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the next global batch, inputs and masked targets of shape (B / dp, T / cp);
+        `valid_targets` is then the global batch's count of trained targets."""
+        ids, masks = self.global_rows(self.cursor, self.batch_size)
+        self.valid_targets = int(masks[:, 1:].sum())
+        local = self.batch_size // self.dp_size
+        sl = slice(self.dp_rank * local, (self.dp_rank + 1) * local)
+        x, y = _inputs_targets(ids[sl], masks[sl])
+        self.cursor += self.batch_size
+        return seq_chunk(x, *self.cp), seq_chunk(y, *self.cp)
+
+    @property
+    def epoch(self) -> float:
+        """Epochs of conversations seen (whole epochs plus the share of the current one's rows)."""
+        g, epoch, first = self.cursor, 0, 0
+        while g >= first + len(self._epoch_rows(epoch)):
+            first += len(self._epoch_rows(epoch))
+            epoch += 1
+        return epoch + (g - first) / len(self._epoch_rows(epoch))
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor, "seed": self.seed, "kind": "chat"}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise LoomError(
+                f"the checkpoint's data order was drawn with seed {state['seed']}, this run's is {self.seed}",
+                hint="resume with the run's own run.seed",
+            )
+        self.cursor = int(state["cursor"])
+
+
+class ChatValSet:
+    """The validation conversations, packed once (epoch 0's order of the val split), as ValSet's interface:
+    this rank's rows in micro-batches with masked targets (val_loss weighs each by its trained targets)."""
+
+    tokens_per_byte = False  # bits per byte are the pretraining text's measure, not an SFT set's
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        block_size: int,
+        n_rows: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        cp_layout: str = "contiguous",
+    ):
+        self.convs = Conversations(data_dir, "val", block_size)
+        rows = self.convs.pack(np.random.default_rng([seed, 0]).permutation(len(self.convs)))[:n_rows]
+        self.rows = rows[dp_rank::dp_size]
+        self.dp_size, self.total_rows = dp_size, len(rows)
+        self.cp = (cp_rank, cp_size, cp_layout)
+
+    def batches(self, micro_batch_size: int):
+        share = -(-self.total_rows // self.dp_size)
+        for i in range(0, share, micro_batch_size):
+            part = self.rows[i : i + micro_batch_size] or [[0]]  # a rank a row short: one row, all ignored
+            packed = [self.convs.row(r) for r in part]
+            ids, masks = np.stack([p[0] for p in packed]), np.stack([p[1] for p in packed])
+            if not self.rows[i : i + micro_batch_size]:
+                masks[:] = False
+            x, y = _inputs_targets(ids, masks)
+            yield seq_chunk(x, *self.cp), seq_chunk(y, *self.cp)

@@ -1,0 +1,392 @@
+"""Chat data for SFT (loom.data.chat, `loom data prepare --chat`).
+
+Compared against: ids written out by hand from the template's definition (nanochat's layout: end-of-text,
+then START + content + END per message; the mask on the assistant's content and <|assistant_end|> only);
+transformers' apply_chat_template with the template's Jinja text, tokenized by PreTrainedTokenizerFast (must
+equal prompt()); the `tokenizers` library's own ids for the base tokenizer (unchanged after the chat tokens
+are added); and the written shards and masks read back through loom.data.formats.open_split.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loom.cli import main
+from loom.data.chat import (
+    ASSISTANT_END,
+    ASSISTANT_START,
+    CHAT_TOKENS,
+    SYSTEM_END,
+    SYSTEM_START,
+    USER_END,
+    USER_START,
+    ChatTemplate,
+    Drops,
+    add_chat_tokens,
+    prepare_chat,
+    read_conversations,
+)
+from loom.data.tokenizers import (
+    EOT,
+    CharTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    tokenizer_hash,
+)
+from loom.errors import LoomError
+
+CONV = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hey"},
+    {"role": "user", "content": "bye?"},
+    {"role": "assistant", "content": "by"},
+]
+TEXTS = ["be brief hi hey bye? by", "hello there, how are you today? fine thanks"]
+
+
+def char_template() -> ChatTemplate:
+    return ChatTemplate(add_chat_tokens(CharTokenizer.train(TEXTS)))
+
+
+def bpe_tokenizer() -> HFTokenizer:
+    return HFTokenizer.train(TEXTS * 20, 300, trainer="tokenizers")  # the library's trainer: ~0.05 s
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def conv(user: str, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+
+# --- the template ----------------------------------------------------------------------------------------
+
+
+def test_render_exact_ids_and_mask_char():
+    t = char_template()
+    tok = t.tok
+    n = len(tok.chars)
+    assert tok.eot_id == n and [t.ids[s] for s in CHAT_TOKENS] == list(range(n + 1, n + 7))
+    assert tok.vocab_size == n + 7 and t.end_id == n + 6 and t.stop_ids == (n + 6, n)
+    ids, mask = t.render(CONV[:3])
+    e = tok.encode
+    s = t.ids
+    want = [n, s[SYSTEM_START], *e("be brief"), s[SYSTEM_END], s[USER_START], *e("hi"), s[USER_END]] + [
+        s[ASSISTANT_START],
+        *e("hey"),
+        s[ASSISTANT_END],
+    ]
+    assert ids == want
+    assert mask == [0] * (len(want) - 4) + [1, 1, 1, 1]  # "hey" and <|assistant_end|>
+    assert tok.decode(ids) == "\n" + "".join(
+        [
+            SYSTEM_START,
+            "be brief",
+            SYSTEM_END,
+            USER_START,
+            "hi",
+            USER_END,
+            ASSISTANT_START,
+            "hey",
+            ASSISTANT_END,
+        ]
+    )
+
+
+def test_multi_turn_mask_only_on_assistant_answers():
+    t = char_template()
+    ids, mask = t.render(CONV)
+    assert len(ids) == len(mask)
+    # the rendering is the concatenation of the turns, each START + content + END
+    pieces = [t.tok.eot_id]
+    for m in CONV:
+        start, end = {"system": (SYSTEM_START, SYSTEM_END), "user": (USER_START, USER_END)}.get(
+            m["role"], (ASSISTANT_START, ASSISTANT_END)
+        )
+        pieces += [t.ids[start], *t.tok.encode(m["content"]), t.ids[end]]
+    assert ids == pieces
+    trained = t.tok.decode([i for i, k in zip(ids, mask, strict=True) if k])
+    assert trained == "hey" + ASSISTANT_END + "by" + ASSISTANT_END
+    never = {t.tok.eot_id, *(t.ids[x] for x in CHAT_TOKENS if x != ASSISTANT_END)}
+    assert all(k == 0 for i, k in zip(ids, mask, strict=True) if i in never)
+    # every user / system content token is untrained: mask is 0 from each START to its END
+    inside = False
+    for i, k in zip(ids, mask, strict=True):
+        if i in (t.ids[USER_START], t.ids[SYSTEM_START]):
+            inside = True
+        if inside:
+            assert k == 0
+        if i in (t.ids[USER_END], t.ids[SYSTEM_END]):
+            inside = False
+
+
+def test_prompt_is_the_prefix_up_to_the_last_assistant_start():
+    t = char_template()
+    ids, _ = t.render(CONV)
+    cut = len(ids) - 1 - ids[::-1].index(t.ids[ASSISTANT_START])  # the last <|assistant_start|>
+    assert t.prompt(CONV[:-1]) == ids[: cut + 1]
+    assert t.prompt(CONV[:2]) == ids[: ids.index(t.ids[ASSISTANT_START]) + 1]
+    with pytest.raises(LoomError, match="unknown role"):
+        t.render([{"role": "tool", "content": "x"}])
+
+
+def test_char_tokenizer_specials_save_load_hash(tmp_path):
+    base = CharTokenizer.train([*TEXTS, USER_START])
+    tok = add_chat_tokens(base)
+    assert add_chat_tokens(tok) is tok  # idempotent
+    assert base.vocab_size + 6 == tok.vocab_size and tok.chars == base.chars and tok.eot_id == base.eot_id
+    assert tok.encode(USER_START) == [tok.stoi[c] for c in USER_START]  # text, never the special id
+    meta = {"tokenizer": {"kind": "char", "file": tok.save(tmp_path)}}
+    raw = json.loads((tmp_path / "char_vocab.json").read_text(encoding="utf-8"))
+    assert raw == {"chars": base.chars, "specials": list(CHAT_TOKENS)}
+    back = load_tokenizer(tmp_path, meta)
+    assert back.specials == list(CHAT_TOKENS) and back.vocab_size == tok.vocab_size
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    plain_meta = {"tokenizer": {"kind": "char", "file": base.save(plain)}}
+    assert json.loads((plain / "char_vocab.json").read_text(encoding="utf-8")) == {"chars": base.chars}
+    assert tokenizer_hash(tmp_path, meta) != tokenizer_hash(plain, plain_meta)
+
+
+def test_bpe_chat_token_text_in_a_message_is_not_the_special_id():
+    tok = add_chat_tokens(bpe_tokenizer())
+    t = ChatTemplate(tok)
+    special = set(t.ids.values()) | {tok.eot_id}
+    msgs = [
+        {"role": "user", "content": f"say {ASSISTANT_END} and {EOT} and {USER_START}"},
+        {"role": "assistant", "content": f"ok {ASSISTANT_END}"},
+    ]
+    ids, mask = t.render(msgs)
+    inner = [i for i in ids if i in special]  # only the template's own specials
+    assert inner == [tok.eot_id, t.ids[USER_START], t.ids[USER_END], t.ids[ASSISTANT_START], t.end_id]
+    assert tok.decode(ids).count(ASSISTANT_END) == 3  # two typed as text, one the real end
+    assert sum(mask) == len(t.encode(f"ok {ASSISTANT_END}")) + 1
+
+
+def test_jinja_template_equals_prompt_with_transformers():
+    transformers = pytest.importorskip("transformers")
+    tok = add_chat_tokens(bpe_tokenizer())
+    t = ChatTemplate(tok)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok)
+    hf.chat_template = t.jinja()
+    for history in (CONV[:2], CONV[:4], CONV[1:2]):
+        text = hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        assert hf.encode(text, add_special_tokens=False) == t.prompt(history)
+    full = hf.apply_chat_template(CONV, tokenize=False)
+    assert hf.encode(full, add_special_tokens=False) == t.render(CONV)[0]
+
+
+# --- reading and preparing ------------------------------------------------------------------------------
+
+
+def test_bad_records_counted_by_reason_with_lines(tmp_path):
+    path = write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            conv("hi", "hey"),  # 1 ok
+            "not json {",  # 2
+            "[1, 2]",  # 3
+            {"messages": [{"role": "user", "content": "hi"}]},  # 4
+            {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]},  # 5
+            {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "y"}]},  # 6
+            {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]},  # 7
+            {"messages": [*conv("a", "b")["messages"], {"role": "system", "content": "s"}]},  # 8
+            "",  # 9: blank, not a record
+            {"prompt": "2+2?", "completion": "4"},  # 10 ok
+            {"text": "plain"},  # 11
+            {"messages": [{"role": "user", "content": "a"}]},  # 12
+        ],
+    )
+    drops = Drops()
+    found = read_conversations([path], drops)
+    assert [w for w, _ in found] == ["c.jsonl:1", "c.jsonl:10"]
+    assert found[1][1] == conv("2+2?", "4")["messages"]
+    assert drops.counts == {
+        "not JSON": 1,
+        "not a JSON object": 1,
+        "no assistant turn": 2,
+        "unknown role": 1,
+        "empty content": 1,
+        "content is not a string": 1,
+        "system message not first": 1,
+        "no messages (nor prompt and completion)": 1,
+    }
+    assert drops.places["no assistant turn"] == ["c.jsonl:4", "c.jsonl:12"]
+    assert "2 record(s): no assistant turn (c.jsonl:4, c.jsonl:12)" in drops.lines()
+    meta = prepare_chat([path], tmp_path / "out", "char", block_size=64)
+    assert meta["chat"]["dropped"] == drops.counts and meta["dropped_documents"] == 9
+    assert meta["chat"]["conversations"] == {"train": 1, "val": 1}
+
+
+def test_too_long_drop_vs_truncate_and_all_dropped(tmp_path):
+    short, long_ = conv("hi", "ok"), conv("hi", "a long answer " * 5)  # 9 and 77 tokens (eot + 4 + content)
+    path = write_jsonl(tmp_path / "c.jsonl", [short, long_, short, {"prompt": "x" * 30, "completion": "y"}])
+    dropped = prepare_chat([path], tmp_path / "drop", "char", block_size=20)
+    c = dropped["chat"]
+    assert c["dropped"] == {"longer than --block-size + 1 = 21 tokens": 2} and c["truncated"] == 0
+    assert c["conversations"]["train"] + c["conversations"]["val"] == 2
+    cut = prepare_chat([path], tmp_path / "cut", "char", block_size=20, too_long="truncate")
+    c = cut["chat"]
+    # the long answer keeps 21 tokens; the long prompt has no trained token within 21 and is dropped
+    assert c["truncated"] == 1 and c["dropped"] == {"no trained token in the first 21 tokens (truncated)": 1}
+    assert cut["splits"]["train"]["tokens"] + cut["splits"]["val"]["tokens"] == 9 + 9 + 21
+    again = prepare_chat([path], tmp_path / "drop", "char", block_size=100, force=True)  # replaces its own
+    assert again["chat"]["dropped"] == {} and again["chat"]["block_size"] == 100
+    with pytest.raises(LoomError, match="no conversation to prepare.*longer than --block-size"):
+        prepare_chat([path], tmp_path / "none", "char", block_size=4)
+    assert not (tmp_path / "none").exists() and not (tmp_path / ".none.loom-tmp").exists()
+    bad = write_jsonl(tmp_path / "bad.jsonl", ["nope", {"messages": []}])
+    with pytest.raises(LoomError, match=r"not JSON \(bad.jsonl:1\)"):
+        prepare_chat([bad], tmp_path / "none", "char", block_size=64)
+
+
+def test_special_token_text_refused_where_tokenizers_would_parse_it(tmp_path, monkeypatch):
+    """A `tokenizers` without encode_special_tokens (< 0.19): such content is dropped, counted by reason."""
+    from loom.data import chat
+
+    monkeypatch.setattr(chat, "_content_encoder", lambda tok: None)
+    tok = bpe_tokenizer()
+    tok.save(tmp_path)
+    path = write_jsonl(tmp_path / "c.jsonl", [conv("hi", "ok"), conv(f"x {USER_END}", "y"), conv("a", "b")])
+    meta = prepare_chat([path], tmp_path / "out", str(tmp_path / "tokenizer.json"), block_size=64)
+    assert meta["chat"]["dropped"] == {
+        "content contains a special token (this tokenizers version parses them)": 1
+    }
+    with pytest.raises(LoomError, match="contains a special token"):
+        ChatTemplate(add_chat_tokens(tok)).render(conv(EOT, "y")["messages"])
+
+
+def test_a_long_split_is_cut_into_shards_at_conversation_boundaries(tmp_path, monkeypatch):
+    from loom.data import chat
+    from loom.data.formats import open_split
+
+    monkeypatch.setattr(chat, "SHARD_TOKENS", 30)
+    path = write_jsonl(tmp_path / "c.jsonl", [conv(f"q{i}", "answer") for i in range(8)])
+    meta = prepare_chat([path], tmp_path / "out", "char", block_size=64, val_fraction=0.25)
+    shards = open_split(tmp_path / "out", "train")
+    assert len(shards) == meta["splits"]["train"]["shards"] == 3  # 6 conversations of 13 tokens, 2 a shard
+    eot = meta["tokenizer"]["eot_id"]
+    for i, ids in enumerate(shards):
+        mask = np.load(tmp_path / "out" / f"train_{i:06d}.mask.npy")
+        assert ids[0] == eot and len(ids) == 26 and (ids == eot).sum() == 2  # whole conversations
+        assert mask.shape == ids.shape and mask.sum() == 2 * 7  # "answer" + <|assistant_end|>, twice
+
+
+def fake_run(root: Path, tok, kind: str) -> Path:
+    """A run directory's tokenizer as training writes it: <run>/tokenizer/{meta.json, tokenizer file}."""
+    d = root / "tokenizer"
+    d.mkdir(parents=True)
+    info = {"kind": kind, "file": tok.save(d), "eot_id": tok.eot_id}
+    meta = {"format": "llm.c", "vocab_size": tok.vocab_size, "tokenizer": info}
+    (d / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    (root / "config.toml").write_text("", encoding="utf-8")
+    return root
+
+
+def test_run_directory_tokenizer_gets_chat_tokens_after_its_ids(tmp_path):
+    base = bpe_tokenizer()
+    run = fake_run(tmp_path / "run", base, "bpe")
+    path = write_jsonl(
+        tmp_path / "c.jsonl", [conv("hello there", "fine thanks"), conv("how are you", "fine")]
+    )
+    meta = prepare_chat([path], tmp_path / "out", str(run), block_size=128)
+    tok = load_tokenizer(tmp_path / "out", meta)
+    assert tok.vocab_size == base.vocab_size + 6 == meta["vocab_size"]
+    assert meta["chat"]["tokens"] == {t: base.vocab_size + i for i, t in enumerate(CHAT_TOKENS)}
+    assert meta["chat"]["base_vocab_size"] == base.vocab_size and meta["chat"]["base_tokenizer"] == str(run)
+    run_meta = json.loads((run / "tokenizer" / "meta.json").read_text(encoding="utf-8"))
+    assert meta["chat"]["base_tokenizer_hash"] == tokenizer_hash(run / "tokenizer", run_meta)
+    old, new = base.tok.get_vocab(with_added_tokens=True), tok.tok.get_vocab(with_added_tokens=True)
+    assert all(new[k] == v for k, v in old.items())  # every id the run learned keeps its meaning
+    assert tok.encode(TEXTS[1]) == base.encode(TEXTS[1]) and tok.eot_id == base.eot_id
+    # a char run: characters and end-of-text keep their ids, the chat tokens follow
+    cbase = CharTokenizer.train(TEXTS)
+    crun = fake_run(tmp_path / "crun", cbase, "char")
+    cmeta = prepare_chat([path], tmp_path / "cout", str(crun), block_size=128)
+    ctok = load_tokenizer(tmp_path / "cout", cmeta)
+    assert ctok.chars == cbase.chars and ctok.eot_id == cbase.eot_id and ctok.specials == list(CHAT_TOKENS)
+
+
+def test_cli_end_to_end_shards_masks_meta(tmp_path, capsys):
+    from loom.data.formats import open_split
+
+    records = [conv(f"question {i}", f"answer {i} " * (i % 3 + 1)) for i in range(10)]
+    records.insert(3, {"prompt": "2+2?", "completion": "4"})
+    records.append("broken")
+    path = write_jsonl(tmp_path / "chats.jsonl", records)
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "--chat", "--input", str(path), "--out", str(out), "--tokenizer", "bpe"]
+    assert main([*argv, "--block-size", "256", "--vocab-size", "300", "--val-fraction", "0.2"]) == 0
+    assert "dropped 1 record(s): not JSON (chats.jsonl:12)" in capsys.readouterr().out
+    meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [
+        ".loom-output",
+        "meta.json",
+        "tokenizer.json",
+        "train_000000.bin",
+        "train_000000.mask.npy",
+        "val_000000.bin",
+        "val_000000.mask.npy",
+    ]
+    assert meta["chat"]["conversations"] == {"train": 9, "val": 2} and meta["tokenizer"]["kind"] == "bpe"
+    tok = load_tokenizer(out, meta)
+    t = ChatTemplate(tok)
+    assert meta["chat"]["tokens"] == t.ids and meta["chat"]["end_id"] == t.end_id
+    convs = [
+        r["messages"] if "messages" in r else conv(r["prompt"], r["completion"])["messages"]
+        for r in records[:-1]
+    ]
+    every = [t.render(m) for m in convs]
+    seen = {}
+    for split in ("train", "val"):
+        (ids,) = open_split(out, split)
+        mask = np.load(out / f"{split}_000000.mask.npy", allow_pickle=False)
+        assert mask.dtype == np.uint8 and mask.shape == ids.shape == (meta["splits"][split]["tokens"],)
+        assert int(mask.sum()) == meta["chat"]["trained_tokens"][split]
+        # whole conversations in input order, each exactly as render writes it (ids and mask)
+        starts = [*np.flatnonzero(np.asarray(ids) == tok.eot_id).tolist(), len(ids)]
+        assert starts[0] == 0 and len(starts) - 1 == meta["chat"]["conversations"][split]
+        got = [(ids[a:b].tolist(), mask[a:b].tolist()) for a, b in pairwise(starts)]
+        order = [every.index(g) for g in got]
+        assert order == sorted(order)
+        seen[split] = order
+    assert sorted(seen["train"] + seen["val"]) == list(range(len(every)))  # each once, train or val
+    # each split is the rendered ids of its conversations concatenated
+    for split, order in seen.items():
+        assert np.array_equal(open_split(out, split)[0], np.concatenate([every[i][0] for i in order]))
+
+
+def test_cli_refusals_before_any_work(tmp_path, capsys):
+    out = tmp_path / "out"
+    good = write_jsonl(tmp_path / "c.jsonl", [conv("hi", "ok")])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("", encoding="utf-8")
+    base = ["data", "prepare", "--chat", "--out", str(out)]
+    cases = [
+        ([*base, "--input", str(tmp_path / "missing.jsonl"), "--block-size", "8"], "does not exist"),
+        ([*base, "--input", str(empty), "--block-size", "8"], "is empty"),
+        ([*base, "--input", str(good)], "--chat needs --block-size"),
+        ([*base, "--input", str(good), "--block-size", "8", "--tokenizer", "nope.json"], "neither char"),
+        (
+            ["data", "prepare", "--input", str(good), "--out", str(out), "--block-size", "8"],
+            "options of --chat",
+        ),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+        assert not out.exists()
+    out.mkdir()
+    (out / "x").write_text("keep", encoding="utf-8")
+    assert main([*base, "--input", str(good), "--block-size", "8"]) == 2
+    assert "already exists" in capsys.readouterr().err

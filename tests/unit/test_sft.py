@@ -1,0 +1,246 @@
+"""Chat SFT (issue 34): packing, masked targets, the loss's normalisation, fine-tuning from a run, loom chat.
+
+Compared against: the conversations as prepared (each packed row holds whole ones, every one once an epoch);
+the chat template's masks (a target is trained on exactly when it is an assistant token or its end of turn);
+the loss computed by hand (the sum of the global batch's trained targets' cross-entropies over their count,
+with accumulation over micro-batches of unequal counts); each conversation run alone (a packed row with
+document masks gives the same per-token losses, 1e-6 in fp32); the base run's weights (kept, new chat-token
+rows their mean); and the model itself behind `loom chat --prompt` (its greedy answer).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loom.cli import main
+from loom.config import config_from_dict, load_toml
+from loom.data.chat import ASSISTANT_END, ASSISTANT_START, ChatTemplate
+from loom.data.loader import read_meta
+from loom.data.sft import ChatLoader, Conversations
+from loom.data.tokenizers import load_tokenizer
+
+WORDS = "apple river stone cloud green house music paper light table".split()
+MODEL = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=64"]
+QUIET = ["--train.eval_every=0", "--train.sample_every=0", "--train.eval_batches=1", "--train.device=cpu"]
+
+
+def _conversations(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        w = rng.sample(WORDS, rng.randint(2, 4))
+        msgs = [{"role": "user", "content": "reverse: " + " ".join(w)}]
+        if i % 3 == 0:
+            msgs.insert(0, {"role": "system", "content": "be brief"})
+        msgs.append({"role": "assistant", "content": " ".join(reversed(w))})
+        if i % 4 == 0:  # a second turn
+            msgs += [{"role": "user", "content": "again"}, {"role": "assistant", "content": w[0]}]
+        out.append({"messages": msgs})
+    return out
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """A tiny base run (char tokenizer) and chat data prepared with its tokenizer."""
+    root = tmp_path_factory.mktemp("sft")
+    rng = random.Random(0)
+    (root / "base.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(4000)) + " reverse: again\n")
+    assert main(["data", "prepare", "--input", str(root / "base.txt"), "--out", str(root / "text"),
+                 "--tokenizer", "char"]) == 0  # fmt: skip
+    base = [f"--data.path={root / 'text'}", f"--run.dir={root / 'runs'}", "--run.name=base", *MODEL, *QUIET]
+    assert main(["train", *base, "--train.steps=3"]) == 0
+    with open(root / "conv.jsonl", "w", encoding="utf-8") as f:
+        for c in _conversations(120, seed=1):
+            f.write(json.dumps(c) + "\n")
+    assert main(["data", "prepare", "--chat", "--input", str(root / "conv.jsonl"), "--out", str(root / "chat"),
+                 "--tokenizer", str(root / "runs" / "base"), "--block-size", "64"]) == 0  # fmt: skip
+    return root
+
+
+def _sft_args(root, name: str, *extra: str) -> list[str]:
+    return [
+        "train",
+        f"--data.path={root / 'chat'}",
+        f"--model.init_from=run:{root / 'runs' / 'base'}",
+        f"--run.dir={root / 'runs'}",
+        f"--run.name={name}",
+        "--data.doc_mask=true",
+        "--data.doc_positions=restart",
+        *QUIET,
+        *extra,
+    ]
+
+
+def test_packing_keeps_conversations_whole_and_visits_each_once(sft):
+    convs = Conversations(sft / "chat", "train", 128)  # rows of 129 tokens: two or three conversations each
+    order = np.random.default_rng(0).permutation(len(convs))
+    rows = convs.pack(order)
+    assert sorted(c for r in rows for c in r) == list(range(len(convs)))  # each once
+    room = []
+    for r in rows:
+        assert sum(int(convs.lengths[c]) for c in r) <= 129  # no conversation crosses the row's end
+        room.append(129 - sum(int(convs.lengths[c]) for c in r))
+        ids, mask = convs.row(r)
+        at = 0
+        for c in r:  # the row holds each conversation's tokens and mask as prepared, one after the other
+            s, n = int(convs.starts[c]), int(convs.lengths[c])
+            assert np.array_equal(ids[at : at + n], convs.tokens[s : s + n])
+            assert np.array_equal(mask[at : at + n], convs.mask[s : s + n])
+            at += n
+        assert (ids[at:] == convs.eot).all() and not mask[at:].any()  # padding: end-of-text, never trained
+    assert max(len(r) for r in rows) >= 2
+    # a new row is opened only for a conversation that fits in no open row: longer than any earlier row's room
+    for j, r in enumerate(rows):
+        assert all(int(convs.lengths[r[0]]) > room[i] for i in range(j)), j
+
+
+def test_targets_are_the_assistants_tokens_only(sft):
+    meta = read_meta(sft / "chat")
+    tok = load_tokenizer(sft / "chat", meta)
+    t = ChatTemplate(tok)
+    loader = ChatLoader(sft / "chat", 8, 64, seed=3)
+    x, y = loader.next_batch()
+    assert loader.valid_targets == int((y != -1).sum()) > 0
+    user_side = {t.eot_id, *(i for s, i in t.ids.items() if s not in (ASSISTANT_END,))}
+    assert not any(int(v) in user_side for v in y[y != -1])  # no user, system or start token is a target
+    # every target after an assistant's start is trained up to and including its end of turn, and nothing else
+    for row_x, row_y in zip(x.tolist(), y.tolist(), strict=True):
+        inside = False
+        for xi, yi in zip(row_x, row_y, strict=True):
+            if xi == t.ids[ASSISTANT_START]:
+                inside = True
+            assert (yi != -1) == inside, (xi, yi)
+            if yi == t.end_id:
+                inside = False
+
+
+def _batch_loss_by_hand(sft, run: str) -> float:
+    """Step 1's loss of `run` computed here: its initial weights (the base grown by the chat tokens), the same
+    global batch, the sum of the trained targets' cross-entropies over their count."""
+    from loom.model.registry import spec_of
+    from loom.train.finetune import run_init_state
+
+    cfg = config_from_dict(load_toml(sft / "runs" / run / "config.toml"))
+    meta = read_meta(sft / "chat")
+    model = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu", meta["tokenizer"]["eot_id"])
+    model.load_state_dict(run_init_state(cfg, model))
+    x, y = ChatLoader(sft / "chat", cfg.train.batch_size, cfg.model.block_size, cfg.run.seed).next_batch()
+    with torch.no_grad():
+        logits = model(x)
+    ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum")
+    return float(ce / (y != -1).sum())
+
+
+def test_sft_loss_is_the_global_batch_mean_over_trained_targets(sft):
+    """4 micro-batches of 2 rows (their trained targets differ): the step's loss is still the global mean."""
+    args = _sft_args(
+        sft, "normalised", "--train.steps=1", "--train.batch_size=8", "--train.micro_batch_size=2"
+    )
+    assert main(args) == 0
+    rec = next(
+        json.loads(line) for line in open(sft / "runs" / "normalised" / "metrics.jsonl") if '"loss"' in line
+    )
+    assert rec["loss"] == pytest.approx(_batch_loss_by_hand(sft, "normalised"), rel=1e-5)
+
+
+def test_a_packed_row_with_document_masks_equals_each_conversation_alone(sft):
+    from loom.model.gpt import GPT, GPTConfig
+
+    meta = read_meta(sft / "chat")
+    eot = meta["tokenizer"]["eot_id"]
+    convs = Conversations(sft / "chat", "train", 128)
+    row = next(r for r in convs.pack(np.arange(len(convs))) if len(r) >= 3)
+    ids, _ = convs.row(row)
+    torch.manual_seed(0)
+    cfg = GPTConfig(meta["vocab_size"], 2, 2, 32, 128, doc_mask=True, eot_id=eot, doc_positions="restart")
+    model = GPT(cfg).eval()
+    packed = torch.from_numpy(ids)[None]
+    with torch.no_grad():
+        whole = F.log_softmax(model(packed[:, :-1]).float(), -1)[0]
+        at = 0
+        for c in row:
+            n = int(convs.lengths[c])
+            alone = torch.from_numpy(ids[at : at + n])[None]
+            own = F.log_softmax(model(alone).float(), -1)[0]
+            torch.testing.assert_close(whole[at : at + n - 1], own[: n - 1], rtol=0, atol=1e-6)
+            at += n
+
+
+def test_init_from_run_grows_the_vocabulary_with_mean_rows(sft):
+    from loom.model.registry import spec_of
+    from loom.train.finetune import run_init_state
+
+    assert main(_sft_args(sft, "grown", "--train.steps=1")) == 0
+    cfg = config_from_dict(load_toml(sft / "runs" / "grown" / "config.toml"))
+    base_meta, meta = read_meta(sft / "runs" / "base" / "tokenizer"), read_meta(sft / "chat")
+    old, new = base_meta["vocab_size"], meta["vocab_size"]
+    assert new == old + 6 and meta["chat"]["base_vocab_size"] == old
+    model = spec_of(cfg).build_model(cfg, new, "cpu", meta["tokenizer"]["eot_id"])
+    state = run_init_state(cfg, model)
+    from loom.eval.val_loss import load_run
+
+    base_wte = load_run(sft / "runs" / "base", torch.device("cpu"))[1].state_dict()["wte.weight"]
+    wte = state["wte.weight"]
+    assert torch.equal(wte[:old], base_wte[:old])  # every id the base learned keeps its row
+    torch.testing.assert_close(wte[old:new], base_wte[:old].mean(0).expand(new - old, -1))
+
+
+def test_chat_answers_and_refuses_a_base_model(sft, capsys):
+    assert main(_sft_args(sft, "chat-run", "--train.steps=2")) == 0
+    capsys.readouterr()
+    assert main(["chat", str(sft / "runs" / "chat-run"), "--prompt", "reverse: apple stone",
+                 "--max-new-tokens", "5"]) == 0  # fmt: skip
+    answer = capsys.readouterr().out
+    assert answer.endswith("\n") and "<|" not in answer  # the answer only, no chat token
+    assert main(["chat", str(sft / "runs" / "base"), "--prompt", "hi"]) == 2
+    assert "base model" in capsys.readouterr().err
+
+
+def test_repl_resets_and_quits(sft):
+    import io
+
+    from loom.chat import ChatSession, chat_template, repl
+    from loom.eval.val_loss import load_run
+
+    run = sft / "runs" / "chat-run"
+    if not run.is_dir():
+        assert main(_sft_args(sft, "chat-run", "--train.steps=2")) == 0
+    cfg, model, tok, meta, _ = load_run(run, torch.device("cpu"))
+    session = ChatSession(model, chat_template(tok, meta, run), tok, torch.device("cpu"), system="be clear")
+    session.sampling.max_new_tokens = 3
+    lines = iter(["reverse: apple river", "/reset", "zzz?", "again", "/quit"])
+    out = io.StringIO()
+    repl(session, read=lambda _: next(lines), write=out)
+    assert "(new conversation)" in out.getvalue()
+    assert "(not sent: character 'z' is not in the character vocabulary)" in out.getvalue()
+    # after /reset the conversation holds the system message, the last turn and its answer only
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant"]
+    assert session.messages[1]["content"] == "again"
+
+
+def test_sft_refuses_pipeline_parallel_and_another_tokenizer(sft, tmp_path, capsys):
+    """Both before any process starts (the pipeline's rule is checked by the launcher on the data's meta)."""
+    args = [
+        a
+        for a in _sft_args(sft, "pp", "--train.steps=1", "--parallel.pp=2", "--train.micro_batch_size=1")
+        if "doc_" not in a
+    ]
+    assert main([*args, "--nproc", "2"]) == 2
+    assert "pipeline schedule" in capsys.readouterr().err
+    # chat data prepared with another tokenizer (its own characters) than the run's
+    other = tmp_path / "other.jsonl"
+    msgs = [{"role": "user", "content": "zzz"}, {"role": "assistant", "content": "qqq"}]
+    other.write_text(json.dumps({"messages": msgs}) + "\n" + json.dumps({"messages": msgs}) + "\n")
+    assert main(["data", "prepare", "--chat", "--input", str(other), "--out", str(tmp_path / "chat"),
+                 "--tokenizer", "char", "--block-size", "64"]) == 0  # fmt: skip
+    args = _sft_args(sft, "other", "--train.steps=1")
+    args[1] = f"--data.path={tmp_path / 'chat'}"
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "not tokenized with the tokenizer of the run" in capsys.readouterr().err

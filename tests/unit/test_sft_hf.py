@@ -1,0 +1,112 @@
+"""LoRA SFT of a transformers Llama (issue 34), against the model itself before and after export.
+
+A tiny LlamaForCausalLM made here (random weights, a byte-level BPE tokenizer trained here whose vocabulary
+leaves room for the chat tokens below the model's vocab_size) is fine-tuned with LoRA on chat data prepared with
+its tokenizer; the run's adapters unmerged (loom's model with lora_A/lora_B, as trained) and the export (merged
+into the weights, loaded by transformers) give the same logits (1e-5, fp32), and transformers' chat template
+renders a conversation as loom's chat data does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from loom.cli import main
+
+transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'loom[hf]'")
+
+
+def _tiny_llama(d):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=290, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(
+        ["reverse: apple river stone cloud green house music paper"] * 50, trainer=trainer
+    )
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=320,  # room for loom's 6 chat tokens after the tokenizer's ids (as Llama 3's reserved ones)
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save(str(d / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
+def test_lora_on_an_hf_llama_merged_export_equals_the_unmerged_model(tmp_path):
+    from loom import checkpoint
+    from loom.config import config_from_dict, load_toml
+    from loom.data.loader import read_meta
+    from loom.model.lora import apply_configured, is_lora_name
+    from loom.model.registry import spec_of
+
+    hf_dir = tmp_path / "llama"
+    n_tok = _tiny_llama(hf_dir)
+    with open(tmp_path / "conv.jsonl", "w", encoding="utf-8") as f:
+        for w in (
+            ["apple", "river"],
+            ["stone", "cloud", "green"],
+            ["house", "music"],
+            ["paper", "apple"],
+        ) * 10:
+            msgs = [{"role": "user", "content": "reverse: " + " ".join(w)}]
+            f.write(
+                json.dumps({"messages": [*msgs, {"role": "assistant", "content": " ".join(w[::-1])}]}) + "\n"
+            )
+    chat = tmp_path / "chat"
+    assert main(["data", "prepare", "--chat", "--input", str(tmp_path / "conv.jsonl"), "--out", str(chat),
+                 "--tokenizer", str(hf_dir / "tokenizer.json"), "--block-size", "64"]) == 0  # fmt: skip
+    assert read_meta(chat)["vocab_size"] == n_tok + 6
+    run = tmp_path / "runs" / "lora"
+    args = [
+        "train", f"--data.path={chat}", f"--model.init_from=hf:{hf_dir}", f"--run.dir={tmp_path / 'runs'}",
+        "--run.name=lora", "--model.block_size=64", "--finetune.lora_rank=4", "--finetune.lora_alpha=8",
+        "--finetune.lora_targets=all-linear", "--train.steps=4", "--optim.lr=2e-2", "--optim.warmup_steps=0",
+        "--train.eval_every=0", "--train.sample_every=0", "--train.eval_batches=1", "--train.batch_size=4",
+        "--train.device=cpu", "--data.doc_mask=true", "--data.doc_positions=restart",
+    ]  # fmt: skip
+    assert main(args) == 0
+
+    # the run's model as trained: the base (frozen) and its adapters, not merged
+    cfg = config_from_dict(load_toml(run / "config.toml"))
+    meta = read_meta(run / "tokenizer")
+    model = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu", meta["tokenizer"]["eot_id"])
+    apply_configured(model, cfg.finetune)
+    checkpoint.load_model(checkpoint.latest_valid(run / "ckpt", model_only=True), model)
+    adapters = {k: v for k, v in model.state_dict().items() if is_lora_name(k)}
+    assert adapters and all(v.abs().sum() > 0 for k, v in adapters.items() if k.endswith("lora_B"))  # trained
+
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, n_tok + 6, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model.eval()(ids)[..., : n_tok + 6]
+        exported = theirs(ids).logits[..., : n_tok + 6]
+    torch.testing.assert_close(exported, ours, rtol=0, atol=1e-5)
+
+    # transformers' chat template renders a conversation as loom's chat data did
+    from loom.data.chat import ChatTemplate
+    from loom.data.tokenizers import load_tokenizer
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    msgs = [{"role": "user", "content": "reverse: apple river"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    ours_ids = ChatTemplate(load_tokenizer(run / "tokenizer", meta)).prompt(msgs)
+    assert tok(text, add_special_tokens=False).input_ids == ours_ids
