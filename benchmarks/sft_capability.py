@@ -1,6 +1,6 @@
 """A capability a base model visibly learns by chat SFT, on this CPU (issue 34): reversing a list of words.
 
-    python benchmarks/sft_capability.py [--base-steps 800] [--sft-steps 300] [--out DIR] [--runs DIR]
+    python benchmarks/sft_capability.py [--base-steps 800] [--sft-steps 800] [--out DIR] [--runs DIR]
 
 1. base: `loom train` on the built-in corpus (the Python standard library, BPE 4096): loom's default GPT (4
    layers, 192 wide, 4 heads, block 128), --base-steps steps. It has never seen the task.
@@ -9,7 +9,8 @@
    word lists are in no training conversation. `loom data prepare --chat --tokenizer RUN` renders them with the
    base run's tokenizer plus loom's chat tokens.
 3. SFT, twice from the same base (model.init_from=run:base; conversations packed with document masks and
-   restarted positions): full fine-tuning, and LoRA (finetune.lora_rank) on every linear of the blocks.
+   restarted positions): full fine-tuning (lr 1e-3), and LoRA (finetune.lora_rank, lr 3e-3) on every linear of
+   the blocks, the embedding and head training too (finetune.lora_embeddings=auto: the chat tokens are new).
 4. score: exact-match accuracy of greedy answers on the 200 held-out prompts through `loom chat RUN --prompt`
    (loom's CLI, in this process), before SFT (the base with its embedding grown by the chat tokens, the
    starting point of both runs) and after each. The full fine-tune is exported (`loom export --format hf`) and
@@ -137,7 +138,7 @@ def hf_answers(export: Path, held: list[tuple[str, ...]]) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-steps", type=int, default=800)
-    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-steps", type=int, default=800)
     p.add_argument("--train-convs", type=int, default=4000)
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cpu-2core-2026-11-27")
@@ -178,15 +179,15 @@ def main() -> None:
     ]
     timings = {}
     for name, extra in (
-        ("sft-full", ["--optim.lr=3e-4", "--optim.min_lr=3e-5"]),
+        ("sft-full", ["--optim.lr=1e-3", "--optim.min_lr=1e-4"]),
         (
             "sft-lora",
             [
                 f"--finetune.lora_rank={args.lora_rank}",
                 f"--finetune.lora_alpha={2 * args.lora_rank}",
                 "--finetune.lora_targets=all-linear",
-                "--optim.lr=2e-3",
-                "--optim.min_lr=2e-4",
+                "--optim.lr=3e-3",
+                "--optim.min_lr=3e-4",
             ],
         ),
     ):

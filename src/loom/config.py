@@ -460,6 +460,12 @@ class FinetuneConfig:
         "all-linear; lm_head only by name.",
     )
     lora_dropout: float = _f(0.0, "Dropout on the adapters' input (training only).", ge=0, lt=1)
+    lora_embeddings: str = _f(
+        "auto",
+        "With LoRA, the token embedding and the head train too: auto (when the data adds tokens to the model's "
+        "vocabulary, as chat data's chat tokens: their rows start as the mean row, alike, and must learn) | "
+        "true | false.",
+    )
 
 
 @dataclass
@@ -1056,6 +1062,8 @@ def _check_lora(cfg: Config) -> None:
     """finetune.lora_*: what adapters compose with (their targets are checked against the model when it is
     built: loom.model.lora.apply_lora)."""
     f = cfg.finetune
+    if f.lora_embeddings not in ("auto", "true", "false"):
+        raise LoomError(f"finetune.lora_embeddings must be auto, true or false; got '{f.lora_embeddings}'")
     if not f.lora_rank:
         return
     if cfg.precision.fp8 != "off":

@@ -2,7 +2,8 @@
 
 Compared against: one process. `loom verify` runs the MoE verify model (4 experts top-2, DeepSeek-V3's bias
 update on) with its experts split over the ranks and checks losses and parameters to 1e-5 (fp32) of the
-one-process run: ep and ep-fsdp at 2 processes; ep, dp-ep, ep-fsdp and ep-tp at 4. The dispatch itself is
+one-process run: ep, dp-ep, ep-fsdp and ep-tp at 4 processes (2 processes run the same code: the closing note
+of issue 32 has both at 30 steps). The dispatch itself is
 checked row by row: every routed copy of a token must come back from the rank that holds its expert, computed
 by that expert (a dispatch that sends rows to the wrong rank, or combines them in the wrong order, fails
 here). The experts' memory per rank is measured on parallelized models: 1/ep of the whole at ep 4 (ddp),
@@ -16,11 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from loomrun import verify_records
-
-
-def test_verify_expert_parallel_2_processes(tmp_path, char_data):
-    recs = verify_records(tmp_path, char_data, "ep,ep-fsdp", "--nproc", "2")
-    assert [(r["world_size"], r["ep"]) for r in recs] == [(2, 2), (2, 2)]
 
 
 def test_verify_expert_parallel_4_processes(tmp_path, char_data):
@@ -46,55 +42,51 @@ class _Tagging(torch.nn.Module):
         return out
 
 
-def _dispatch_worker(rank: int, world: int, path: str, broken: str) -> None:
+def _check_dispatch(rank: int, world: int, broken: str) -> None:
     from loom.parallel.expert import Dispatch
 
+    E, per = 8, 8 // world
+    g = torch.Generator().manual_seed(rank)
+    experts = torch.randint(0, E, (37 + 5 * rank,), generator=g)  # each routed row's expert, uneven
+    experts[:3] = 0  # and some for rank 0's first expert from every rank
+    order = torch.argsort(experts, stable=True)
+    counts = torch.bincount(experts, minlength=E)
+    xs = torch.zeros(len(experts), 4)
+    xs[:, 0] = order.float() + 1000 * rank  # a row's identity: its source rank and place
+    real = Dispatch(dist.group.WORLD, world)
+    dispatch = real
+    if broken == "combine":  # the rows come back one place off (a combine that misorders them)
+
+        def dispatch(xs, counts, exp):
+            return torch.roll(real(xs, counts, exp), shifts=1, dims=0)
+
+    elif broken == "dispatch":  # the rows' chunks sent one rank over
+
+        def dispatch(xs, counts, exp):
+            return real(xs, torch.roll(counts.view(world, per), 1, 0).flatten(), exp)
+
+    out = dispatch(xs[order], counts, _Tagging(rank))
+    assert torch.equal(out[:, 0], (experts[order] // per).float()), "a row was computed on the wrong rank"
+    assert torch.equal(out[:, 1], (experts[order] % per).float()), "a row was computed by the wrong expert"
+    assert torch.equal(out[:, 2], xs[order][:, 0]), "a row came back in the wrong place"
+
+
+def _dispatch_worker(rank: int, world: int, path: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        E, per = 8, 8 // world
-        g = torch.Generator().manual_seed(rank)
-        experts = torch.randint(0, E, (37 + 5 * rank,), generator=g)  # each routed row's expert, uneven
-        experts[:3] = 0  # and some for rank 0's first expert from every rank
-        order = torch.argsort(experts, stable=True)
-        counts = torch.bincount(experts, minlength=E)
-        xs = torch.zeros(len(experts), 4)
-        xs[:, 0] = order.float() + 1000 * rank  # a row's identity: its source rank and place
-        dispatch = Dispatch(dist.group.WORLD, world)
-        if broken == "combine":  # the combine all-to-all's splits rotated: rows go back to the wrong rank
-            inner = dispatch.__call__
-
-            def rotated(xs, counts, exp):
-                out = inner(xs, counts, exp)
-                return torch.roll(out, shifts=1, dims=0)
-
-            dispatch = rotated
-        elif broken == "dispatch":  # the rows' chunks sent one rank over
-            real = Dispatch(dist.group.WORLD, world)
-
-            def shifted(xs, counts, exp):
-                return real(xs, torch.roll(counts.view(world, per), 1, 0).flatten(), exp)
-
-            dispatch = shifted
-        out = dispatch(xs[order], counts, _Tagging(rank))
-        want_rank = experts[order] // per
-        want_local = experts[order] % per
-        assert torch.equal(out[:, 0], want_rank.float()), "a row was computed on the wrong rank"
-        assert torch.equal(out[:, 1], want_local.float()), "a row was computed by the wrong expert"
-        assert torch.equal(out[:, 2], xs[order][:, 0]), "a row came back in the wrong place"
+        _check_dispatch(rank, world, "")
+        for broken in ("combine", "dispatch"):  # the check must catch a wrong dispatch or combine
+            with pytest.raises(AssertionError, match="wrong"):
+                _check_dispatch(rank, world, broken)
     finally:
         dist.barrier()
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_dispatch_sends_each_row_to_its_experts_rank_and_back(tmp_path, world):
-    mp.spawn(_dispatch_worker, args=(world, str(tmp_path / "store"), ""), nprocs=world, join=True)
-
-
-@pytest.mark.parametrize("broken", ["combine", "dispatch"])
-def test_a_wrong_dispatch_or_combine_fails(tmp_path, broken):
-    with pytest.raises(Exception, match="wrong"):
-        mp.spawn(_dispatch_worker, args=(2, str(tmp_path / "store"), broken), nprocs=2, join=True)
+def test_dispatch_sends_each_row_to_its_experts_rank_and_back(tmp_path):
+    """Every row computed on its expert's rank by that expert and returned in place; a dispatch sending rows
+    to the wrong rank, or a combine returning them in the wrong order, fails the same check."""
+    mp.spawn(_dispatch_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
 
 
 # ------------------------------------------------------------------------------ the experts' memory per rank

@@ -244,3 +244,22 @@ def test_sft_refuses_pipeline_parallel_and_another_tokenizer(sft, tmp_path, caps
     capsys.readouterr()
     assert main(args) == 2
     assert "not tokenized with the tokenizer of the run" in capsys.readouterr().err
+
+
+def test_lora_sft_trains_the_new_tokens_rows_and_freezes_the_blocks(sft):
+    """With chat tokens added (finetune.lora_embeddings=auto) the embedding and head train beside the
+    adapters: the new rows start alike (the mean) and must tell the chat tokens apart; the blocks stay frozen."""
+    from loom.eval.val_loss import load_run
+    from loom.model.lora import is_lora_name
+
+    assert main(_sft_args(sft, "lora", "--train.steps=2", "--finetune.lora_rank=2", "--optim.lr=1e-2")) == 0
+    base = load_run(sft / "runs" / "base", torch.device("cpu"))[1].state_dict()
+    cfg, model, *_ = load_run(sft / "runs" / "lora", torch.device("cpu"))  # adapters merged
+    tuned = model.state_dict()
+    assert not any(is_lora_name(k) for k in tuned)
+    assert tuned["wte.weight"].shape == base["wte.weight"].shape  # the padded rows had room for the chat tokens
+    assert not torch.equal(tuned["wte.weight"], base["wte.weight"])  # the embedding trained
+    assert torch.equal(tuned["blocks.0.mlp.up_proj.weight"], base["blocks.0.mlp.up_proj.weight"])  # frozen
+    assert not torch.equal(
+        tuned["blocks.0.attn.q_proj.weight"], base["blocks.0.attn.q_proj.weight"]
+    )  # merged

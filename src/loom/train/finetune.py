@@ -71,6 +71,17 @@ def check_chat_layout(cfg: Config, data_dir: Path) -> None:
         )
 
 
+def lora_embeddings(cfg: Config, meta: dict) -> bool:
+    """Whether a LoRA run trains the token embedding and the head too (finetune.lora_embeddings): auto when
+    the data's vocabulary is larger than the base model's (chat data's tokens: their new rows all start as the
+    mean row, so frozen they would be one token to the model)."""
+    choice = cfg.finetune.lora_embeddings
+    if choice != "auto":
+        return choice == "true"
+    base = (meta.get("chat") or {}).get("base_vocab_size")
+    return isinstance(base, int) and base < meta["vocab_size"]
+
+
 def check_lora_targets(cfg: Config) -> None:
     """finetune.lora_targets that match no linear of the model are refused before any process starts: the
     adapters are tried on the model built on the meta device (shapes only, no memory)."""

@@ -41,6 +41,7 @@ from loom.metrics import (
     peak_memory_bytes,
 )
 from loom.model.lora import apply_configured, trainable_summary
+from loom.train.finetune import lora_embeddings
 from loom.model.registry import spec_of
 from loom.optim.schedule import lr_at
 from loom.parallel import fp8, parallelize
@@ -189,6 +190,10 @@ class Trainer:
         self.spec = spec_of(cfg)  # the model family: everything the trainer asks about the model
         model = self.spec.build_model(cfg, self.meta["vocab_size"], eot_id=self.eot_id)
         self.lora = apply_configured(model, cfg.finetune, cfg.run.seed)  # before the layout: TP/FSDP see them
+        if self.lora and lora_embeddings(cfg, self.meta):  # new tokens' rows: alike at the start, they must learn
+            for name, p in model.named_parameters():
+                if name in ("wte.weight", "lm_head.weight"):
+                    p.requires_grad_(True)
         if self.lora:
             log.info(
                 f"LoRA rank {cfg.finetune.lora_rank} on {len(self.lora)} linears: {trainable_summary(model)}"
