@@ -257,7 +257,9 @@ def test_lora_sft_trains_the_new_tokens_rows_and_freezes_the_blocks(sft):
     cfg, model, *_ = load_run(sft / "runs" / "lora", torch.device("cpu"))  # adapters merged
     tuned = model.state_dict()
     assert not any(is_lora_name(k) for k in tuned)
-    assert tuned["wte.weight"].shape == base["wte.weight"].shape  # the padded rows had room for the chat tokens
+    assert (
+        tuned["wte.weight"].shape == base["wte.weight"].shape
+    )  # the padded rows had room for the chat tokens
     assert not torch.equal(tuned["wte.weight"], base["wte.weight"])  # the embedding trained
     assert torch.equal(tuned["blocks.0.mlp.up_proj.weight"], base["blocks.0.mlp.up_proj.weight"])  # frozen
     assert not torch.equal(

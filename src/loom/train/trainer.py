@@ -41,13 +41,13 @@ from loom.metrics import (
     peak_memory_bytes,
 )
 from loom.model.lora import apply_configured, trainable_summary
-from loom.train.finetune import lora_embeddings
 from loom.model.registry import spec_of
 from loom.optim.schedule import lr_at
 from loom.parallel import fp8, parallelize
 from loom.parallel.dims import ParallelDims
 from loom.parallel.state import model_state_bytes
 from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointParts, CheckpointPolicy
+from loom.train.finetune import lora_embeddings
 from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
 from loom.train.run_files import write_run_files
 from loom.train.setup import resolve_precision
@@ -190,7 +190,9 @@ class Trainer:
         self.spec = spec_of(cfg)  # the model family: everything the trainer asks about the model
         model = self.spec.build_model(cfg, self.meta["vocab_size"], eot_id=self.eot_id)
         self.lora = apply_configured(model, cfg.finetune, cfg.run.seed)  # before the layout: TP/FSDP see them
-        if self.lora and lora_embeddings(cfg, self.meta):  # new tokens' rows: alike at the start, they must learn
+        if self.lora and lora_embeddings(
+            cfg, self.meta
+        ):  # new tokens' rows: alike at the start, they must learn
             for name, p in model.named_parameters():
                 if name in ("wte.weight", "lm_head.weight"):
                     p.requires_grad_(True)
