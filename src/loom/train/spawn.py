@@ -104,9 +104,13 @@ def _report_failure(e) -> int:
         log.error(f"loom: stopped by a signal after saving a checkpoint (exit code {EXIT_PREEMPTED})")
         return EXIT_PREEMPTED
     first_rank, first = e.get_first_failure()
-    killed = sorted((f.timestamp, r) for r, f in e.failures.items() if f.exitcode < 0)
-    if killed and first.exitcode >= 0:
-        first_rank = killed[0][1]
+    # a rank killed by a signal, SIGTERM last: the launcher stops the surviving ranks with SIGTERM, and under
+    # load one of them can be recorded before the rank whose death started it all (seen: 4 ranks, 2 cores)
+    killed = sorted(
+        (f.signal_name() == "SIGTERM", f.timestamp, r) for r, f in e.failures.items() if f.exitcode < 0
+    )
+    if killed and (first.exitcode >= 0 or first.signal_name() == "SIGTERM"):
+        first_rank = killed[0][2]
         first = e.failures[first_rank]
 
     def how(f) -> str:
