@@ -73,7 +73,7 @@ def make_llama(d: Path, texts: list[str]) -> None:
 def _valset(run: Path):
     from loom.config import config_from_dict, load_toml
     from loom.data.loader import ValSet
-    from loom.eval.val_loss import run_data_dir
+    from loom.runs import run_data_dir
 
     cfg = config_from_dict(load_toml(run / "config.toml"))
     return cfg, ValSet(
@@ -83,7 +83,8 @@ def _valset(run: Path):
 
 def loom_eval(run: Path) -> float:
     """`loom eval RUN` (loom.cli's steps) at full precision."""
-    from loom.eval.val_loss import load_run, val_loss
+    from loom.eval.val_loss import val_loss
+    from loom.runs import load_run
 
     cfg, model, *_ = load_run(run, torch.device("cpu"))
     _, val = _valset(run)

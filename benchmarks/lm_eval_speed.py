@@ -80,7 +80,7 @@ def main() -> None:
     from lm_eval.models.huggingface import HFLM
 
     from loom.eval import harness
-    from loom.eval.val_loss import load_run
+    from loom.runs import load_run
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -96,7 +96,7 @@ def before_answers(sft_run: Path, held: list[tuple[str, ...]]) -> list[str]:
     from loom.data.loader import read_meta
     from loom.data.tokenizers import load_tokenizer
     from loom.model.registry import spec_of
-    from loom.train.finetune import run_init_state
+    from loom.runs import run_init_state
 
     cfg = config_from_dict(load_toml(sft_run / "config.toml"))
     meta = read_meta(sft_run / "tokenizer")

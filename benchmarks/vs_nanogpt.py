@@ -329,7 +329,8 @@ def same_evaluator(nanogpt: Path, work: Path, shape: str, steps: int, data: Path
     """Both final models on the whole val split, the same windows, fp32, loom's evaluator: each tool's own
     val loss uses its own sample of windows (nanoGPT: random batches; loom: a fixed set)."""
     from loom.data.loader import ValSet
-    from loom.eval.val_loss import load_run, val_loss
+    from loom.eval.val_loss import val_loss
+    from loom.runs import load_run
 
     cpu = torch.device("cpu")
     sys.path.insert(0, str(nanogpt))

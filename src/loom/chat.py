@@ -28,8 +28,9 @@ class Sampling:
 
 
 def chat_template(tokenizer, meta: dict, run_dir) -> object:
-    """The run's ChatTemplate, or a LoomError (exit 2) for a base model."""
-    from loom.data.chat import ChatTemplate
+    """The run's chat template (loom's, or the tokenizer's own: loom.data.chat.chat_template_of), or a
+    LoomError (exit 2) for a base model."""
+    from loom.data.chat import chat_template_of
 
     if tokenizer is None or not isinstance(meta.get("chat"), dict):
         raise LoomError(
@@ -37,7 +38,7 @@ def chat_template(tokenizer, meta: dict, run_dir) -> object:
             hint="fine-tune it on conversations first: loom data prepare --chat ... --tokenizer RUN, then "
             "loom train --data.path=CHAT_DATA --model.init_from=run:RUN",
         )
-    return ChatTemplate(tokenizer)
+    return chat_template_of(tokenizer, meta)
 
 
 @dataclass

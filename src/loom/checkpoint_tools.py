@@ -105,6 +105,13 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
             hint="use loom export RUN --format safetensors for it",
         )
     _check_run_config(run_dir, path)  # the folder's config.toml is the run's: it must describe these weights
+    lora = checkpoint.read_state(path).get("config", {}).get("finetune", {}).get("lora_rank", 0)
+    if lora:
+        raise LoomError(
+            f"'{path}' is a LoRA run's checkpoint (finetune.lora_rank={lora}): it holds what the run trains, "
+            "not the frozen base it was trained on",
+            hint=f"loom export {run_dir} --format safetensors writes the whole model, the adapters merged",
+        )
     _prepare_out(run_dir, out, force)
     from loom.parallel.dcp_state import SafeReader
 

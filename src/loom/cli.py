@@ -199,12 +199,20 @@ def _data(argv: list[str]) -> int:
         choices=["drop", "truncate"],
         help="with --chat: a conversation longer than --block-size + 1 tokens is dropped (default) or cut",
     )
+    chat.add_argument(
+        "--chat-template",
+        default=None,
+        choices=["loom", "tokenizer"],
+        help="with --chat: loom's template with its chat tokens added (default), or the Jinja chat_template of "
+        "the HF tokenizer folder --tokenizer DIR (Llama 3, Qwen; nothing added; needs loom[hf])",
+    )
     args = p.parse_args(argv)
     if args.chat:
         return _data_prepare_chat(args)
-    if args.block_size is not None or args.too_long is not None:
+    if args.block_size is not None or args.too_long is not None or args.chat_template is not None:
         raise LoomError(
-            "--block-size and --too-long are options of --chat", hint="add --chat, or leave them out"
+            "--block-size, --too-long and --chat-template are options of --chat",
+            hint="add --chat, or leave them out",
         )
     from loom.paths import check_not_endless, check_output_dir
 
@@ -266,7 +274,7 @@ def _data_prepare_chat(args) -> int:
 
     check_inputs(args.input)
     check_output_dir(args.out, "--out", temp_beside=True)
-    check_tokenizer_spec(args.tokenizer, args.vocab_size)
+    check_tokenizer_spec(args.tokenizer, args.vocab_size, args.chat_template or "loom")
     prepare_chat(
         args.input,
         args.out,
@@ -277,6 +285,7 @@ def _data_prepare_chat(args) -> int:
         args.seed,
         args.force,
         vocab_size=args.vocab_size,
+        chat_template=args.chat_template or "loom",
     )
     return 0
 
@@ -369,7 +378,7 @@ def _run_model(args):
     """args.run_dir's model (`_Loaded`) on args.device; with --shard, FSDP-sharded over the processes of a
     torchrun/srun/mpiexec job (each reading its part of the checkpoint), the process group left at the end."""
     from loom.env import detect_env
-    from loom.eval.val_loss import load_run, load_run_sharded
+    from loom.runs import load_run, load_run_sharded
     from loom.train.setup import resolve_device
 
     env = detect_env()
@@ -561,7 +570,7 @@ def _eval_capability(args) -> int:
 
         from loom import log
         from loom.distributed import process_group
-        from loom.eval.val_loss import load_run
+        from loom.runs import load_run
         from loom.train.setup import resolve_device
 
         device = resolve_device(args.device, env.local_rank, key="--device")
@@ -651,7 +660,8 @@ def _eval_val(args, run: _Loaded) -> int:
     import math
 
     from loom.data.loader import ValSet, read_meta
-    from loom.eval.val_loss import run_data_dir, val_loss
+    from loom.eval.val_loss import val_loss
+    from loom.runs import run_data_dir
     from loom.train.setup import check_data_dir
 
     cfg, tok, path = run.cfg, run.tok, run.path
@@ -709,7 +719,7 @@ def _eval_hellaswag(args) -> int:
 
         from loom import log
         from loom.distributed import process_group
-        from loom.eval.val_loss import load_run
+        from loom.runs import load_run
         from loom.train.setup import resolve_device
 
         device = resolve_device(args.device, env.local_rank, key="--device")
@@ -768,10 +778,10 @@ def _export(argv: list[str]) -> int:
     check_output_dir(args.out, "--out")  # before the checkpoint is read
     import torch
 
-    from loom.eval.val_loss import load_run
     from loom.model import hf
     from loom.model.registry import spec_of
     from loom.outputs import check_apart
+    from loom.runs import load_run
 
     check_apart(args.out, [args.run_dir, *([args.ckpt] if args.ckpt else [])], inside_ok=True)
     cfg, model, tok, meta, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
@@ -785,10 +795,10 @@ def _export(argv: list[str]) -> int:
         doc_notes = _without_doc_mask(model)
         notes = doc_notes + spec.hf.export_hf(model, args.out, tok, args.force)
         if isinstance(meta.get("chat"), dict) and tok is not None:  # a chat model: its template goes along
-            from loom.data.chat import ChatTemplate
+            from loom.data.chat import chat_template_of
             from loom.model.hf_io import add_chat_template
 
-            template = ChatTemplate(tok)
+            template = chat_template_of(tok, meta)
             add_chat_template(Path(args.out), template.jinja(), list(template.ids), list(template.stop_ids))
             notes.append("chat: the template is tokenizer_config.json's chat_template (apply_chat_template)")
         import json

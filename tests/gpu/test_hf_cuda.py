@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loom.cli import main
-from loom.eval.val_loss import load_run
+from loom.runs import load_run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -79,7 +79,7 @@ def test_consolidate_generates_and_exports_the_same_model(fsdp_run, tmp_path, ca
     transformers = pytest.importorskip("transformers")
     assert main(["export", str(out), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-    from loom.eval.val_loss import load_run
+    from loom.runs import load_run
 
     _, model, _, meta, _ = load_run(fsdp_run, torch.device("cpu"))
     x = torch.randint(0, meta["vocab_size"], (1, 16))

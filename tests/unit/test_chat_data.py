@@ -390,3 +390,231 @@ def test_cli_refusals_before_any_work(tmp_path, capsys):
     (out / "x").write_text("keep", encoding="utf-8")
     assert main([*base, "--input", str(good), "--block-size", "8"]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+# --- the tokenizer's own chat template (--chat-template tokenizer, loom.data.hf_chat) --------------------
+
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+# Llama 3's template, small: bos, then per message a header, the trimmed content and <|eot_id|>
+LLAMA3_JINJA = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim }}"
+    "{{ '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen's (ChatML): no bos, the same token starts every turn, a newline after <|im_end|>
+CHATML_JINJA = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{ raise_exception('no system messages') }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+NO_END_JINJA = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def hf_tokenizer_folder(path: Path, specials: list[str], jinja: str | None, **tokens) -> Path:
+    """A tiny HF tokenizer folder as save_pretrained writes one: a byte-level BPE trained here with `specials`
+    first, and a tokenizer_config.json with the chat template and the named special tokens (bos/eos)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TEXTS * 20, trainer=trainer)
+    path.mkdir(parents=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokens}
+    if jinja is not None:
+        config["chat_template"] = jinja
+    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return path
+
+
+def hf_ids(hf, messages: list[dict], generation: bool = False) -> list[int]:
+    """transformers' apply_chat_template ids (a list in 4.x, a BatchEncoding in 5.x)."""
+    out = hf.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True)
+    return list(out["input_ids"] if not isinstance(out, list) else out)
+
+
+def test_tokenizer_template_masks_answers_and_eot_llama3(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from loom.data.chat import chat_template_of
+    from loom.data.formats import open_split
+    from loom.data.hf_chat import HFChatTemplate
+
+    folder = hf_tokenizer_folder(
+        tmp_path / "tok",
+        LLAMA3_SPECIALS,
+        LLAMA3_JINJA,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+    )
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    vocab = hf.convert_tokens_to_ids
+    records = [{"messages": CONV}, conv("hello there", "fine thanks"), conv("how are you", "fine today")]
+    records.append(conv("say <|eot_id|>", "no"))  # would be the special token once rendered: dropped
+    path = write_jsonl(tmp_path / "c.jsonl", records)
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "--chat", "--input", str(path), "--out", str(out), "--tokenizer", str(folder)]
+    assert main([*argv, "--chat-template", "tokenizer", "--block-size", "128", "--val-fraction", "0.3"]) == 0
+    assert "end-of-turn <|eot_id|>" in capsys.readouterr().out
+    meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+    c = meta["chat"]
+    assert c["template"] == "tokenizer" and c["jinja"] == LLAMA3_JINJA and c["prepended"] is False
+    assert c["end_id"] == vocab("<|eot_id|>") and c["end_token"] == "<|eot_id|>"
+    assert c["special_tokens"] == {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    assert c["stop_ids"] == [vocab("<|eot_id|>"), vocab("<|end_of_text|>")]
+    assert c["dropped"] == {"content contains the text of a special token of the tokenizer": 1}
+    assert meta["tokenizer"]["eot_id"] == vocab("<|begin_of_text|>")  # conversations start with bos
+    assert meta["vocab_size"] == c["base_vocab_size"] == len(hf)  # nothing added
+    assert c["base_tokenizer_hash"] == meta["tokenizer"]["sha256"]
+
+    bos, special = vocab("<|begin_of_text|>"), {vocab(t) for t in LLAMA3_SPECIALS}
+    convs = [r["messages"] for r in records[:3]]
+    want = {tuple(hf_ids(hf, m)): m for m in convs}  # transformers' own rendering of each conversation
+    seen = 0
+    for split in ("train", "val"):
+        (ids,) = open_split(out, split)
+        mask = np.load(out / f"{split}_000000.mask.npy")
+        starts = [*np.flatnonzero(np.asarray(ids) == bos).tolist(), len(ids)]
+        for a, b in pairwise(starts):
+            one, m = ids[a:b].tolist(), mask[a:b].tolist()
+            messages = want[tuple(one)]
+            seen += 1
+            # trained: each answer as the template writes it, then <|eot_id|>; nothing else
+            runs, cur = [], []
+            for i, k in zip(one, m, strict=True):
+                if k:
+                    cur.append(i)
+                elif cur:
+                    runs.append(cur)
+                    cur = []
+            runs += [cur] if cur else []
+            answers = [x["content"] for x in messages if x["role"] == "assistant"]
+            assert [hf.decode(r) for r in runs] == [a + "<|eot_id|>" for a in answers]
+            assert all(k == 0 for i, k in zip(one, m, strict=True) if i in special - {c["end_id"]})
+            header = vocab("<|start_header_id|>"), vocab("<|end_header_id|>")
+            inside = False
+            for i, k in zip(one, m, strict=True):  # every header (<|start_header_id|>role<|end_header_id|>)
+                inside = (inside or i == header[0]) and i != header[1]
+                assert not (inside and k)
+    assert seen == 3
+
+    tok = load_tokenizer(out, meta)
+    t = chat_template_of(tok, meta)
+    assert isinstance(t, HFChatTemplate) and t.end_id == c["end_id"] and t.eot_id == bos
+    for history in (CONV[:2], CONV[:4], CONV[1:2]):
+        assert t.prompt(history) == hf_ids(hf, history, generation=True)
+    assert t.render(CONV)[0] == hf_ids(hf, CONV)
+    # the export's template (tokenizer_config.json of `loom export`, whose bos is another token) gives the same
+    bare = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok.tok, chat_template=t.jinja(), bos_token="<|end_of_text|>"
+    )
+    text = bare.apply_chat_template(CONV[:4], tokenize=False, add_generation_prompt=True)
+    assert bare.encode(text, add_special_tokens=False) == t.prompt(CONV[:4])
+    assert list(t.ids) == ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    with pytest.raises(LoomError, match="special token"):
+        t.prompt([{"role": "user", "content": "hi <|eot_id|>"}])
+
+
+def test_tokenizer_template_without_bos_gets_a_separator_chatml(tmp_path):
+    pytest.importorskip("transformers")
+    from loom.data.formats import open_split
+
+    folder = hf_tokenizer_folder(tmp_path / "tok", CHATML_SPECIALS, CHATML_JINJA, eos_token="<|im_end|>")
+    records = [conv("hello there", "fine thanks"), conv("how are you", "fine")]
+    records.append({"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]})
+    records.append({"messages": CONV})  # the template refuses system messages
+    path = write_jsonl(tmp_path / "c.jsonl", records)
+    meta = prepare_chat([path], tmp_path / "out", str(folder), block_size=128, chat_template="tokenizer")
+    tok = load_tokenizer(tmp_path / "out", meta)
+    c = meta["chat"]
+    sep, end = tok.token_id("<|endoftext|>"), tok.token_id("<|im_end|>")
+    assert c["prepended"] is True and meta["tokenizer"]["eot_id"] == sep  # <|im_start|> begins every turn
+    assert c["end_id"] == end and c["stop_ids"] == [end]
+    assert c["dropped"] == {
+        "the assistant speaks first (the template cannot render the empty history before it)": 1,
+        "the chat template raised an error: no system messages": 1,
+    }
+    ids = np.concatenate([open_split(tmp_path / "out", s)[0] for s in ("train", "val")])
+    mask = np.concatenate([np.load(tmp_path / "out" / f"{s}_000000.mask.npy") for s in ("train", "val")])
+    assert ids[0] == sep and (ids == sep).sum() == 2
+    text = tok.decode([i for i, k in zip(ids.tolist(), mask.tolist(), strict=True) if k])
+    assert sorted(text.split("<|im_end|>")) == ["", "fine", "fine thanks"]  # not the "\n" after <|im_end|>
+    from loom.data.chat import chat_template_of
+
+    t = chat_template_of(tok, meta)
+    assert t.prompt(CONV[1:2])[0] == sep and tok.decode(t.prompt(CONV[1:2])[1:]) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_tokenizer_template_refusals(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    path = write_jsonl(tmp_path / "c.jsonl", [conv("hi", "hello"), conv("a", "b")])
+    out = tmp_path / "out"
+    # a template that loses the end-of-turn token: refused before anything is written
+    folder = hf_tokenizer_folder(
+        tmp_path / "noend", LLAMA3_SPECIALS, NO_END_JINJA, bos_token="<|begin_of_text|>"
+    )
+    with pytest.raises(LoomError, match="loses the end-of-turn token"):
+        prepare_chat([path], out, str(folder), block_size=64, chat_template="tokenizer")
+    assert not out.exists() and not (tmp_path / ".out.loom-tmp").exists()
+    none = hf_tokenizer_folder(tmp_path / "none", LLAMA3_SPECIALS, None)
+    base = ["data", "prepare", "--chat", "--input", str(path), "--out", str(out), "--block-size", "64"]
+    cases = [
+        (["--tokenizer", "char"], "has none"),
+        (["--tokenizer", "bpe"], "has none"),
+        (["--tokenizer", str(none)], 'no "chat_template"'),
+        (["--tokenizer", str(tmp_path / "missing")], "not a folder holding an HF tokenizer"),
+        (["--tokenizer", str(tmp_path / "c.jsonl")], "not a folder holding an HF tokenizer"),
+    ]
+    for extra, message in cases:
+        assert main([*base, *extra, "--chat-template", "tokenizer"]) == 2
+        assert message in capsys.readouterr().err
+        assert not out.exists()
+    no_config = tmp_path / "only_json"
+    no_config.mkdir()
+    (folder / "tokenizer.json").rename(no_config / "tokenizer.json")
+    assert main([*base, "--tokenizer", str(no_config), "--chat-template", "tokenizer"]) == 2
+    assert "has no tokenizer_config.json" in capsys.readouterr().err
+    # a template whose generation prompt is not how it writes the assistant's turn: every record dropped
+    odd = CHATML_JINJA.replace("'<|im_start|>assistant\\n'", "'<|im_start|>model\\n'")
+    assert odd != CHATML_JINJA
+    folder = hf_tokenizer_folder(tmp_path / "odd", CHATML_SPECIALS, odd, eos_token="<|im_end|>")
+    with pytest.raises(LoomError, match="no conversation to prepare.*generation prompt is not the start"):
+        prepare_chat([path], out, str(folder), block_size=64, chat_template="tokenizer")
+    assert not out.exists()
+    plain = ["data", "prepare", "--input", str(path), "--out", str(out), "--chat-template", "tokenizer"]
+    assert main(plain) == 2 and "options of --chat" in capsys.readouterr().err
+
+
+def test_missing_transformers_names_the_extra(monkeypatch):
+    import builtins
+
+    from loom.data.hf_chat import import_transformers
+
+    real = builtins.__import__
+
+    def no_transformers(name, *args, **kwargs):
+        if name == "transformers":
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    with pytest.raises(LoomError, match="not installed") as e:
+        import_transformers()
+    assert "loom[hf]" in e.value.hint

@@ -149,7 +149,7 @@ def test_bad_lines_are_named(tmp_path, line, match):
 
 def test_cli_on_a_trained_run(tmp_path, char_data, capsys):
     from loom.data.tokenizers import load_tokenizer
-    from loom.eval.val_loss import load_run
+    from loom.runs import load_run
 
     assert (
         main(

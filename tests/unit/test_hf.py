@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from loom.cli import main
 from loom.config import Config
 from loom.errors import LoomError
-from loom.eval.val_loss import load_run
 from loom.metrics import read_jsonl
 from loom.model import hf
 from loom.model.gpt import GPT, GPTConfig
+from loom.runs import load_run
 
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'loom[hf]'")
 

@@ -17,11 +17,11 @@ from safetensors.torch import save_file
 from loom.cli import main
 from loom.config import Config
 from loom.errors import LoomError
-from loom.eval.val_loss import load_run
 from loom.metrics import read_jsonl
 from loom.model import hf, hf_moe
 from loom.model.moe import MoEConfig, MoEGPT
 from loom.model.registry import spec_of
+from loom.runs import load_run
 
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'loom[hf]'")
 

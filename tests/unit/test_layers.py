@@ -26,6 +26,7 @@ LAYER = {
     "checkpoint_tools": 4,
     "eval": 4,
     "generate": 4,
+    "runs": 4,
     "chat": 4,
     "train": 5,
     "plan": 5,

@@ -19,8 +19,8 @@ from loomrun import LOOM, loom_here
 from loom.cli import main
 from loom.errors import LoomError
 from loom.eval import core, harness
-from loom.eval.val_loss import load_run
 from loom.metrics import read_jsonl
+from loom.runs import load_run
 
 pytest.importorskip("lm_eval", reason="the eval extra (make test installs it)")
 

@@ -124,7 +124,7 @@ def _batch_loss_by_hand(sft, run: str) -> float:
     """Step 1's loss of `run` computed here: its initial weights (the base grown by the chat tokens), the same
     global batch, the sum of the trained targets' cross-entropies over their count."""
     from loom.model.registry import spec_of
-    from loom.train.finetune import run_init_state
+    from loom.runs import run_init_state
 
     cfg = config_from_dict(load_toml(sft / "runs" / run / "config.toml"))
     meta = read_meta(sft / "chat")
@@ -174,7 +174,7 @@ def test_a_packed_row_with_document_masks_equals_each_conversation_alone(sft):
 
 def test_init_from_run_grows_the_vocabulary_with_mean_rows(sft):
     from loom.model.registry import spec_of
-    from loom.train.finetune import run_init_state
+    from loom.runs import run_init_state
 
     assert main(_sft_args(sft, "grown", "--train.steps=1")) == 0
     cfg = config_from_dict(load_toml(sft / "runs" / "grown" / "config.toml"))
@@ -183,7 +183,7 @@ def test_init_from_run_grows_the_vocabulary_with_mean_rows(sft):
     assert new == old + 6 and meta["chat"]["base_vocab_size"] == old
     model = spec_of(cfg).build_model(cfg, new, "cpu", meta["tokenizer"]["eot_id"])
     state = run_init_state(cfg, model)
-    from loom.eval.val_loss import load_run
+    from loom.runs import load_run
 
     base_wte = load_run(sft / "runs" / "base", torch.device("cpu"))[1].state_dict()["wte.weight"]
     wte = state["wte.weight"]
@@ -206,7 +206,7 @@ def test_repl_resets_and_quits(sft):
     import io
 
     from loom.chat import ChatSession, chat_template, repl
-    from loom.eval.val_loss import load_run
+    from loom.runs import load_run
 
     run = sft / "runs" / "chat-run"
     if not run.is_dir():
@@ -249,8 +249,8 @@ def test_sft_refuses_pipeline_parallel_and_another_tokenizer(sft, tmp_path, caps
 def test_lora_sft_trains_the_new_tokens_rows_and_freezes_the_blocks(sft):
     """With chat tokens added (finetune.lora_embeddings=auto) the embedding and head train beside the
     adapters: the new rows start alike (the mean) and must tell the chat tokens apart; the blocks stay frozen."""
-    from loom.eval.val_loss import load_run
     from loom.model.lora import is_lora_name
+    from loom.runs import load_run
 
     assert main(_sft_args(sft, "lora", "--train.steps=2", "--finetune.lora_rank=2", "--optim.lr=1e-2")) == 0
     base = load_run(sft / "runs" / "base", torch.device("cpu"))[1].state_dict()
@@ -265,3 +265,26 @@ def test_lora_sft_trains_the_new_tokens_rows_and_freezes_the_blocks(sft):
     assert not torch.equal(
         tuned["blocks.0.attn.q_proj.weight"], base["blocks.0.attn.q_proj.weight"]
     )  # merged
+
+
+def test_a_lora_runs_checkpoint_holds_what_it_trains_and_resumes(sft, capsys):
+    """Adapter-only checkpoints: the frozen base is left out (it is model.init_from's), so they are small;
+    resuming, loading (eval, chat, export) and the refusal to consolidate all rebuild or name the base."""
+    from loom import checkpoint
+    from loom.model.lora import is_lora_name
+    from loom.parallel.dcp_state import saved_keys
+
+    args = _sft_args(sft, "lora-ckpt", "--finetune.lora_rank=2", "--finetune.lora_embeddings=false")
+    assert main([*args, "--train.steps=2"]) == 0
+    run = sft / "runs" / "lora-ckpt"
+    path = checkpoint.latest_valid(run / "ckpt")
+    keys = set(saved_keys(path / "model"))
+    assert keys and all(is_lora_name(k) for k in keys), sorted(keys)[:5]  # the adapters only
+    base = checkpoint.latest_valid(sft / "runs" / "base" / "ckpt")
+    size = sum(f.stat().st_size for f in (path / "model").iterdir())
+    assert size < sum(f.stat().st_size for f in (base / "model").iterdir()) / 5
+    assert main([*args, "--train.steps=3", "--train.resume=auto"]) == 0  # the base from init_from, then this
+    assert checkpoint.latest_valid(run / "ckpt").name == "step_000003"
+    capsys.readouterr()
+    assert main(["ckpt", "consolidate", str(run), "--out", str(sft / "consolidated")]) == 2
+    assert "LoRA run's checkpoint" in capsys.readouterr().err

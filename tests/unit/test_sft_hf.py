@@ -55,6 +55,7 @@ def test_lora_on_an_hf_llama_merged_export_equals_the_unmerged_model(tmp_path):
     from loom.data.loader import read_meta
     from loom.model.lora import apply_configured, is_lora_name
     from loom.model.registry import spec_of
+    from loom.runs import frozen_base
 
     hf_dir = tmp_path / "llama"
     n_tok = _tiny_llama(hf_dir)
@@ -88,7 +89,9 @@ def test_lora_on_an_hf_llama_merged_export_equals_the_unmerged_model(tmp_path):
     meta = read_meta(run / "tokenizer")
     model = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu", meta["tokenizer"]["eot_id"])
     apply_configured(model, cfg.finetune)
-    checkpoint.load_model(checkpoint.latest_valid(run / "ckpt", model_only=True), model)
+    path = checkpoint.latest_valid(run / "ckpt", model_only=True)
+    model.load_state_dict(frozen_base(cfg, model, path), strict=False)  # the checkpoint holds what trained
+    checkpoint.load_model(path, model)
     adapters = {k: v for k, v in model.state_dict().items() if is_lora_name(k)}
     assert adapters and all(v.abs().sum() > 0 for k, v in adapters.items() if k.endswith("lora_B"))  # trained
 
@@ -110,3 +113,58 @@ def test_lora_on_an_hf_llama_merged_export_equals_the_unmerged_model(tmp_path):
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     ours_ids = ChatTemplate(load_tokenizer(run / "tokenizer", meta)).prompt(msgs)
     assert tok(text, add_special_tokens=False).input_ids == ours_ids
+
+
+def test_the_tokenizers_own_chat_template_trains_chats_and_exports(tmp_path, capsys):
+    """--chat-template tokenizer (a Llama-3-style Jinja template of the HF tokenizer folder, nothing added to
+    the vocabulary): LoRA SFT of the HF Llama, `loom chat` answers through that template, and the export's
+    apply_chat_template gives the ids loom prompts with."""
+    from test_chat_data import LLAMA3_JINJA, LLAMA3_SPECIALS, hf_tokenizer_folder
+
+    from loom.data.chat import chat_template_of
+    from loom.data.loader import read_meta
+    from loom.data.tokenizers import load_tokenizer
+
+    hf_dir = hf_tokenizer_folder(
+        tmp_path / "llama",
+        LLAMA3_SPECIALS,
+        LLAMA3_JINJA,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+    )
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(hf_dir)
+    with open(tmp_path / "conv.jsonl", "w", encoding="utf-8") as f:
+        for w in (["hi", "hey"], ["how", "are", "you"], ["fine", "thanks"]) * 8:
+            msgs = [
+                {"role": "user", "content": " ".join(w)},
+                {"role": "assistant", "content": " ".join(w[::-1])},
+            ]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    chat = tmp_path / "chat"
+    assert main(["data", "prepare", "--chat", "--input", str(tmp_path / "conv.jsonl"), "--out", str(chat),
+                 "--tokenizer", str(hf_dir), "--chat-template", "tokenizer", "--block-size", "64"]) == 0  # fmt: skip
+    assert read_meta(chat)["chat"]["template"] == "tokenizer"
+    args = [
+        "train", f"--data.path={chat}", f"--model.init_from=hf:{hf_dir}", f"--run.dir={tmp_path / 'runs'}",
+        "--run.name=own", "--model.block_size=64", "--finetune.lora_rank=2", "--train.steps=2",
+        "--train.eval_every=0", "--train.sample_every=0", "--train.eval_batches=1", "--train.batch_size=4",
+        "--train.device=cpu", "--data.doc_mask=true",
+    ]  # fmt: skip
+    assert main(args) == 0
+    run = tmp_path / "runs" / "own"
+    capsys.readouterr()
+    assert main(["chat", str(run), "--prompt", "how are you", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.endswith("\n")
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    msgs = [{"role": "user", "content": "how are you"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    meta = read_meta(run / "tokenizer")
+    ours = chat_template_of(load_tokenizer(run / "tokenizer", meta), meta).prompt(msgs)
+    assert tok(text, add_special_tokens=False).input_ids == ours

@@ -19,6 +19,10 @@ On disk (`prepare_chat`) a chat data set is a prepared data directory as `loom d
 Special token text inside a message is never turned into the special id: message content is encoded with
 special tokens not parsed (a char tokenizer has no way to; a `tokenizers` tokenizer is told so with
 `encode_special_tokens`), so a user cannot inject `<|assistant_end|>` or an end-of-text by typing it.
+
+`--chat-template tokenizer` renders with an HF tokenizer's own Jinja chat template instead (Llama 3, Qwen):
+loom.data.hf_chat, its HFChatTemplate has ChatTemplate's interface; chat_template_of picks the one a prepared
+data set (or a run trained on it) was written with.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from loom import __version__, log
+from loom.data.messages import check_messages, message_problem  # noqa: F401 (chat's names for them)
 from loom.data.shards import version_for_vocab, write_shard
 from loom.data.tokenizers import (
     CharTokenizer,
@@ -197,36 +202,26 @@ class ChatTemplate:
         return "".join(parts)
 
 
-def message_problem(messages, need_assistant: bool = True) -> str | None:
-    """Why a list of messages is not a conversation (a short reason, counted by prepare_chat), else None."""
-    if not isinstance(messages, list) or not messages:
-        return "messages is not a non-empty list"
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            return "a message is not an object"
-        if m.get("role") not in ROLE_TOKENS:
-            return "unknown role"
-        content = m.get("content")
-        if not isinstance(content, str):
-            return "content is not a string"
-        if not content:
-            return "empty content"
-        if m["role"] == "system" and i > 0:
-            return "system message not first"
-    if need_assistant and not any(m["role"] == "assistant" for m in messages):
-        return "no assistant turn"
-    return None
-
-
-def check_messages(messages, need_assistant: bool = True) -> None:
-    """Refuse messages that are not a conversation (message_problem), with the remedy."""
-    problem = message_problem(messages, need_assistant)
-    if problem:
+def chat_template_of(tokenizer, meta: dict):
+    """The chat template a prepared chat data set was written with (meta.json's "chat" entry; a run's
+    tokenizer/meta.json is its data's): loom's ChatTemplate over `tokenizer`, or, for data prepared with
+    --chat-template tokenizer, the tokenizer's own (loom.data.hf_chat.HFChatTemplate)."""
+    chat = meta.get("chat")
+    if tokenizer is None or not isinstance(chat, dict):
         raise LoomError(
-            f"not a conversation: {problem}",
-            hint="messages are [{'role': 'system'|'user'|'assistant', 'content': 'non-empty text'}, ...], a "
-            "system message only first" + (", and at least one assistant turn" if need_assistant else ""),
+            'not chat data: meta.json has no "chat" entry (or no tokenizer), so there is no chat template',
+            hint="prepare conversations with loom data prepare --chat, and fine-tune on them",
         )
+    template = chat.get("template", "loom")
+    if template == "tokenizer":
+        from loom.data.hf_chat import HFChatTemplate
+
+        return HFChatTemplate.from_meta(tokenizer, meta)
+    if template != "loom":
+        raise LoomError(
+            f"unknown chat template '{template}' in meta.json", hint="prepare the chat data again"
+        )
+    return ChatTemplate(tokenizer)
 
 
 # ------------------------------------------------------------------------------------ reading records
@@ -341,9 +336,15 @@ def _run_tokenizer_dir(spec: str) -> Path | None:
     return None
 
 
-def check_tokenizer_spec(spec: str, vocab_size: int) -> None:
-    """Refuse a --tokenizer that names nothing usable, before any reading."""
-    if spec == "bpe":
+def check_tokenizer_spec(spec: str, vocab_size: int, chat_template: str = "loom") -> None:
+    """Refuse a --tokenizer (and --chat-template) that names nothing usable, before any reading."""
+    if chat_template == "tokenizer":
+        from loom.data.hf_chat import check_tokenizer_template_spec
+
+        check_tokenizer_template_spec(spec)
+    elif chat_template != "loom":
+        raise LoomError(f"unknown --chat-template '{chat_template}'", hint="use loom or tokenizer")
+    elif spec == "bpe":
         check_bpe_vocab(vocab_size)
     elif spec != "char" and _run_tokenizer_dir(spec) is None:
         tokenizer_files(spec)
@@ -403,8 +404,10 @@ class Rendered:
 RENDER_BATCH = 4096  # conversations encoded per call of the tokenizer
 
 
-def _render_all(template: ChatTemplate, convs, block_size: int, too_long: str, drops: Drops):
+def _render_all(template, convs, block_size: int, too_long: str, drops: Drops):
     """Render every conversation and apply the too-long policy. Returns (kept, number truncated)."""
+    if not isinstance(template, ChatTemplate):  # the tokenizer's own template (loom.data.hf_chat)
+        return _render_hf(template, convs, block_size, too_long, drops)
     ok = []
     for where, messages in convs:
         reason = next(filter(None, (template.check_content(m["content"]) for m in messages)), None)
@@ -424,19 +427,53 @@ def _render_all(template: ChatTemplate, convs, block_size: int, too_long: str, d
             drops.add("a character not in the tokenizer's vocabulary", part[0][0])
             continue
         for (where, messages), (ids, mask) in zip(part, rendered, strict=True):
-            if len(ids) > block_size + 1:
-                if too_long == "drop":
-                    drops.add(f"longer than --block-size + 1 = {block_size + 1} tokens", where)
-                    continue
-                ids, mask = ids[: block_size + 1], mask[: block_size + 1]
-                if not any(mask):
-                    drops.add(f"no trained token in the first {block_size + 1} tokens (truncated)", where)
-                    continue
-                truncated += 1
-            ids = np.array(ids, dtype=np.int64)
+            fitted = _fit(ids, mask, block_size, too_long, drops, where)
+            if fitted is None:
+                continue
+            truncated += len(fitted[0]) < len(ids)
+            ids = np.array(fitted[0], dtype=np.int64)
             n_content = int(len(ids) - np.isin(ids, special).sum())
             nbytes = sum(len(m["content"].encode("utf-8")) for m in messages)
-            kept.append(Rendered(where, ids, np.array(mask, dtype=np.uint8), nbytes, n_content))
+            kept.append(Rendered(where, ids, np.array(fitted[1], dtype=np.uint8), nbytes, n_content))
+    return kept, truncated
+
+
+def _fit(ids: list[int], mask: list[int], block_size: int, too_long: str, drops: Drops, where: str):
+    """(ids, mask) within block_size + 1 tokens by the too-long policy, or None when dropped (counted)."""
+    if len(ids) <= block_size + 1:
+        return ids, mask
+    if too_long == "drop":
+        drops.add(f"longer than --block-size + 1 = {block_size + 1} tokens", where)
+        return None
+    ids, mask = ids[: block_size + 1], mask[: block_size + 1]
+    if not any(mask):
+        drops.add(f"no trained token in the first {block_size + 1} tokens (truncated)", where)
+        return None
+    return ids, mask
+
+
+def _render_hf(template, convs, block_size: int, too_long: str, drops: Drops):
+    """_render_all with the tokenizer's template: a conversation it cannot split into turns is dropped with
+    its reason. Content tokens (bytes_per_token_val) are the messages' contents encoded alone."""
+    kept, truncated = [], 0
+    for i in range(0, len(convs), RENDER_BATCH):
+        part = convs[i : i + RENDER_BATCH]
+        results = template.render_results([m for _, m in part])
+        lengths = iter(map(len, template.encode_batch([m["content"] for _, c in part for m in c])))
+        for (where, messages), result in zip(part, results, strict=True):
+            n_content = sum(next(lengths) for _ in messages)
+            if isinstance(result, str):
+                drops.add(result, where)
+                continue
+            fitted = _fit(*result, block_size, too_long, drops, where)
+            if fitted is None:
+                continue
+            truncated += len(fitted[0]) < len(result[0])
+            ids, mask = np.array(fitted[0], dtype=np.int64), np.array(fitted[1], dtype=np.uint8)
+            if len(ids) < len(result[0]):  # the share of the contents that is left
+                n_content = min(n_content, len(ids))
+            nbytes = sum(len(m["content"].encode("utf-8")) for m in messages)
+            kept.append(Rendered(where, ids, mask, nbytes, n_content))
     return kept, truncated
 
 
@@ -481,6 +518,7 @@ class ChatSettings:
     val_fraction: float
     seed: int
     vocab_size: int
+    chat_template: str = "loom"  # loom | tokenizer (the HF tokenizer's own: loom.data.hf_chat)
 
     def check(self) -> None:
         """Refuse settings outside their domain, before any reading."""
@@ -490,7 +528,7 @@ class ChatSettings:
             raise LoomError(f"--block-size must be >= 1, got {self.block_size}")
         if not 0.0 < self.val_fraction < 1.0:
             raise LoomError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
-        check_tokenizer_spec(self.tokenizer, self.vocab_size)
+        check_tokenizer_spec(self.tokenizer, self.vocab_size, self.chat_template)
 
 
 def prepare_chat(
@@ -503,19 +541,22 @@ def prepare_chat(
     seed: int = 1337,
     force: bool = False,
     vocab_size: int = 4096,
+    chat_template: str = "loom",
 ) -> dict:
     """Prepare conversations (JSONL: {"messages": [...]} or {"prompt", "completion"} per line) for SFT into
     `out`: token shards, loss masks, the tokenizer with the chat tokens, meta.json. Returns the meta.
 
     tokenizer_spec: char | bpe (trained on the conversations' text; vocab_size) | a tokenizer.json (or a
     folder with one) | a run directory (its `tokenizer/`: the model to fine-tune) or a prepared data folder.
+    chat_template: loom (loom's template, its chat tokens added to the tokenizer) | tokenizer (the Jinja
+    "chat_template" of the HF tokenizer folder tokenizer_spec, nothing added: loom.data.hf_chat).
     too_long: drop | truncate, for a conversation of more than block_size + 1 tokens. Every dropped record is
     counted by reason and reported; all dropped is an error. Written into `.<out>.loom-tmp` beside `out`,
     renamed once complete."""
     t0 = time.perf_counter()
     out = Path(out)
     paths = check_inputs(inputs)
-    cfg = ChatSettings(tokenizer_spec, block_size, too_long, val_fraction, seed, vocab_size)
+    cfg = ChatSettings(tokenizer_spec, block_size, too_long, val_fraction, seed, vocab_size, chat_template)
     cfg.check()
     check_apart(out, paths)
     check_replaceable(out, "data", force)
@@ -524,9 +565,20 @@ def prepare_chat(
     convs = read_conversations(paths, drops)
     if not convs:
         _all_dropped(paths, drops)
-    texts = ["\n".join(m["content"] for m in messages) for _, messages in convs]
-    base, kind, base_sha = base_tokenizer(tokenizer_spec, texts, vocab_size)
-    template = ChatTemplate(add_chat_tokens(base))
+    if chat_template == "tokenizer":
+        from loom.data.hf_chat import HFChatTemplate
+
+        template = HFChatTemplate.from_folder(tokenizer_spec, convs)  # refuses a template without end-of-turn
+        kind, base_vocab, base_sha = (
+            "tokenizer.json",
+            template.vocab_size,
+            None,
+        )  # the data's own: nothing added
+    else:
+        texts = ["\n".join(m["content"] for m in messages) for _, messages in convs]
+        base, kind, base_sha = base_tokenizer(tokenizer_spec, texts, vocab_size)
+        template = ChatTemplate(add_chat_tokens(base))
+        base_vocab = base.vocab_size
     kept, truncated = _render_all(template, convs, block_size, too_long, drops)
     for line in drops.lines():
         log.warn(f"dropped {line}")
@@ -548,15 +600,16 @@ def prepare_chat(
     tmp = out.with_name(f".{out.name}.loom-tmp")
     _fresh_tmp(tmp, force)
     try:
-        tok = template.tok
-        info = {"kind": kind, "file": tok.save(tmp), "eot_id": tok.eot_id}
+        file = template.tok.save(tmp) if isinstance(template, ChatTemplate) else template.save(tmp)
+        info = {"kind": kind, "file": file, "eot_id": template.eot_id}
         info["sha256"] = tokenizer_hash(tmp, {"tokenizer": info})
-        version = version_for_vocab(tok.vocab_size)
+        vocab = template.vocab_size if chat_template == "tokenizer" else template.tok.vocab_size
+        version = version_for_vocab(vocab)
         splits = {s: _write_split(tmp, s, parts[s], version) for s in parts}
         meta = {
             "format": "llm.c",
             "tokenizer": info,
-            "vocab_size": tok.vocab_size,
+            "vocab_size": vocab,
             "shard_version": version,
             "splits": splits,
             "files": len(paths),
@@ -573,7 +626,9 @@ def prepare_chat(
             "encoder": "char" if kind == "char" else "tokenizers",
             "source": ", ".join(str(p) for p in paths),
             "loom_version": __version__,
-            "chat": _chat_entry(template, cfg, parts, drops, truncated, base.vocab_size, base_sha),
+            "chat": _chat_entry(
+                template, cfg, parts, drops, truncated, base_vocab, base_sha or info["sha256"]
+            ),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False), encoding="utf-8")
         write_marker(tmp, "data")
@@ -587,7 +642,7 @@ def prepare_chat(
 
 
 def _chat_entry(
-    template: ChatTemplate,
+    template,
     cfg: ChatSettings,
     parts: dict,
     drops: Drops,
@@ -596,10 +651,12 @@ def _chat_entry(
     base_sha: str,
 ) -> dict:
     """meta.json's "chat" entry: the template, what each split holds, what was dropped, the base tokenizer."""
+    if isinstance(template, ChatTemplate):
+        head = {"template": "loom", "tokens": dict(template.ids), "end_id": template.end_id}
+    else:  # the tokenizer's: its Jinja text, special tokens, end-of-turn and separator (HFChatTemplate.from_meta)
+        head = template.meta_entry()
     return {
-        "template": "loom",
-        "tokens": dict(template.ids),
-        "end_id": template.end_id,
+        **head,
         "conversations": {s: len(parts[s]) for s in parts},
         "trained_tokens": {s: int(sum(int(c.mask.sum()) for c in parts[s])) for s in parts},
         "dropped": dict(drops.counts),
@@ -614,12 +671,18 @@ def _chat_entry(
 
 def _report(out: Path, meta: dict, seconds: float) -> None:
     c, splits = meta["chat"], meta["splits"]
+    if c["template"] == "tokenizer":
+        added = f"the tokenizer's own chat template, end-of-turn {c['end_token']}"
+        if c["prepended"]:
+            sep = meta["tokenizer"]["eot_id"]
+            added += f", each conversation after the separator id {sep} (prepended: the template writes none)"
+    else:
+        added = f"{c['base_vocab_size']:,} + {meta['vocab_size'] - c['base_vocab_size']} chat tokens"
     log.info(
         f"prepared {out}: {meta['documents']} conversation(s) (train {c['conversations']['train']}, val "
         f"{c['conversations']['val']}), {splits['train']['tokens']:,} + {splits['val']['tokens']:,} tokens, "
         f"{c['trained_tokens']['train']:,} + {c['trained_tokens']['val']:,} trained on, vocab "
-        f"{meta['vocab_size']:,} ({c['base_vocab_size']:,} + {meta['vocab_size'] - c['base_vocab_size']} chat "
-        f"tokens), {sum(c['dropped'].values())} dropped, {c['truncated']} truncated, in {seconds:.1f}s"
+        f"{meta['vocab_size']:,} ({added}), {sum(c['dropped'].values())} dropped, {c['truncated']} truncated, in {seconds:.1f}s"
     )
 
 

@@ -16,10 +16,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             continue
         seen.add(id(p))
         (decay if p.dim() >= 2 else no_decay).append(p)
-    return [
+    groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    # an empty group (a LoRA run trains no norm gain) has no parameter to name its options by in a flattened
+    # optimizer state dict (torch.distributed.checkpoint): left out
+    return [g for g in groups if g["params"]]
 
 
 def is_hidden_matrix(module: torch.nn.Module, name: str, p: torch.nn.Parameter) -> bool:

@@ -34,6 +34,15 @@ def _options():
     return _OPTIONS
 
 
+def _partial(partial: bool):
+    """The load options: strict, unless the checkpoint leaves the frozen parameters out."""
+    if not partial:
+        return _options()
+    import dataclasses
+
+    return dataclasses.replace(_options(), strict=False)
+
+
 def _inner(opt):
     """The torch optimizer that holds this rank's state (ZeRO-1 keeps its local shard in .optim)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -57,11 +66,20 @@ def _dedup(sd: dict, rename) -> dict:
     return out
 
 
+def frozen_names(model: nn.Module, aliases: dict[str, str]) -> set[str]:
+    """Single-device names of the parameters that do not train (a LoRA run's base): its checkpoints leave them
+    out (they are what model.init_from, or the seeded init, gave the run: loom.runs)."""
+    return {canonical(n, aliases) for n, p in model.named_parameters() if not p.requires_grad}
+
+
 def model_shards(model: nn.Module, aliases: dict[str, str]) -> dict:
-    """{single-device name: this rank's piece}: DTensors stay sharded, nothing is gathered."""
+    """{single-device name: this rank's piece} of every trained parameter and buffer: DTensors stay sharded,
+    nothing is gathered; frozen parameters are left out (an adapter-only checkpoint of a LoRA run)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return _dedup(get_model_state_dict(model, options=_options()), lambda k: canonical(k, aliases))
+    sd = _dedup(get_model_state_dict(model, options=_options()), lambda k: canonical(k, aliases))
+    frozen = frozen_names(model, aliases)
+    return {k: v for k, v in sd.items() if k not in frozen}
 
 
 def optim_shards(model: nn.Module, opt, aliases: dict[str, str]) -> dict:
@@ -193,8 +211,13 @@ def load_model_shards(model: nn.Module, path: str | Path, aliases: dict[str, str
 
     local = get_model_state_dict(model, options=_options())
     target = _dedup(local, lambda k: canonical(k, aliases))
+    saved = saved_keys(path)
+    # a LoRA run's checkpoint holds what it trains: its frozen base stays as the model holds it already
+    kept = {k for k in frozen_names(model, aliases) if k not in saved}
+    target = {k: v for k, v in target.items() if k not in kept}
     load_into(target, path, "model")
-    set_model_state_dict(model, {k: target[canonical(k, aliases)] for k in local}, options=_options())
+    update = {k: target[canonical(k, aliases)] for k in local if canonical(k, aliases) in target}
+    set_model_state_dict(model, update, options=_partial(bool(kept)))
 
 
 def load_optim_shards(model: nn.Module, opt, path: str | Path, aliases: dict[str, str]) -> None:

@@ -57,9 +57,10 @@ def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
         cfg = resumed_config(run_dir, cfg, req.explicit)
     from loom.metrics import check_trackers
     from loom.model.hf import apply_init_from
+    from loom.runs import is_run_init
     from loom.train import finetune
 
-    if finetune.is_run_init(cfg):  # model.init_from=run:DIR: the model shape of a loom run
+    if is_run_init(cfg):  # model.init_from=run:DIR: the model shape of a loom run
         finetune.apply_run_init(cfg, req.explicit)
     else:
         apply_init_from(cfg, req.explicit)  # model.init_from=hf:DIR sets the model shape from DIR/config.json
@@ -83,7 +84,7 @@ def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
         )
     finetune.check_chat_layout(cfg, data_dir)
     finetune.check_lora_targets(cfg)
-    if finetune.is_run_init(cfg) and ckpt is None:
+    if is_run_init(cfg) and ckpt is None:
         from loom.data.loader import read_meta
 
         finetune.check_run_data(cfg, data_dir, read_meta(data_dir))

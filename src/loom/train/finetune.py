@@ -11,28 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from loom.config import Config, config_from_dict, load_toml
 from loom.errors import LoomError
-
-PREFIX = "run:"
-# names of the vocabulary-sized weights of loom's families (rows = token ids)
-_VOCAB_WEIGHTS = ("wte.weight", "lm_head.weight")
-
-
-def is_run_init(cfg: Config) -> bool:
-    return cfg.model.init_from.startswith(PREFIX)
-
-
-def run_dir_of(cfg: Config) -> Path:
-    d = Path(cfg.model.init_from[len(PREFIX) :]).expanduser()
-    if not (d / "config.toml").is_file():
-        raise LoomError(
-            f"model.init_from={cfg.model.init_from}: '{d}' is not a loom run directory (no config.toml)",
-            hint="give run:runs/<name>, a folder loom train wrote",
-        )
-    return d
+from loom.runs import run_dir_of
 
 
 def apply_run_init(cfg: Config, explicit: set[str]) -> None:
@@ -112,43 +93,3 @@ def check_run_data(cfg: Config, data_dir: Path, meta: dict) -> None:
         )
     if meta["vocab_size"] < run_meta["vocab_size"]:
         raise LoomError(f"the data's vocabulary ({meta['vocab_size']}) is smaller than the run's")
-
-
-def grow_rows(old: torch.Tensor, new_shape: torch.Size, old_vocab: int, new_vocab: int) -> torch.Tensor:
-    """A vocabulary-sized weight (rows = ids) of `new_shape`: the old rows for the old ids, the mean of those
-    for ids old_vocab .. new_vocab - 1, and the old padding rows (or zeros) above: the head masks those ids."""
-    out = torch.zeros(new_shape, dtype=old.dtype)
-    out[:old_vocab] = old[:old_vocab]
-    out[old_vocab:new_vocab] = old[:old_vocab].mean(dim=0)
-    keep = min(len(old), len(out))
-    if keep > new_vocab:
-        out[new_vocab:keep] = old[new_vocab:keep]
-    return out
-
-
-def run_init_state(cfg: Config, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The run's newest weights by loom's names for `model` (built for this run's vocabulary), on the host."""
-    from loom.eval.val_loss import load_run
-
-    d = run_dir_of(cfg)
-    run_cfg, old, _, run_meta, path = load_run(d, torch.device("cpu"))
-    state = {k: v.detach() for k, v in old.state_dict().items()}
-    want = model.state_dict()
-    old_vocab, new_vocab = run_meta["vocab_size"], model.cfg.vocab_size
-    for name in _VOCAB_WEIGHTS:  # the chat tokens' new rows (the same rows when the vocabulary is the run's)
-        if name in state and name in want:
-            state[name] = grow_rows(state[name], want[name].shape, old_vocab, new_vocab)
-    if getattr(model.cfg, "tie_embeddings", False) and "lm_head.weight" in state:
-        state["lm_head.weight"] = state["wte.weight"]
-    want = {
-        k: v for k, v in want.items() if not k.endswith((".lora_A", ".lora_B"))
-    }  # adapters keep their init
-    mismatched = [k for k in want if k in state and state[k].shape != want[k].shape]
-    if mismatched or set(state) != set(want):
-        raise LoomError(
-            f"the weights of '{path}' do not fit this model: "
-            + ", ".join(f"{k} {tuple(state[k].shape)} vs {tuple(want[k].shape)}" for k in mismatched[:3])
-            + (f" (keys differ: {sorted(set(state) ^ set(want))[:4]})" if set(state) != set(want) else ""),
-            hint="keep the run's model.* keys (block_size with learned positions cannot grow)",
-        )
-    return state

@@ -46,6 +46,7 @@ from loom.optim.schedule import lr_at
 from loom.parallel import fp8, parallelize
 from loom.parallel.dims import ParallelDims
 from loom.parallel.state import model_state_bytes
+from loom.runs import pretrained_state
 from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointParts, CheckpointPolicy
 from loom.train.finetune import lora_embeddings
 from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
@@ -58,28 +59,6 @@ def build_model(cfg: Config, vocab_size: int, device: torch.device | str = "meta
     """The single-device model of cfg.model's family, on the meta device by default: shapes only, no storage
     (loom.parallel materializes each rank's pieces and initialises them from run.seed)."""
     return spec_of(cfg).build_model(cfg, vocab_size, device)
-
-
-def pretrained_state(cfg: Config, model: nn.Module) -> dict | None:
-    """model.init_from=hf:DIR or run:DIR: the whole imported weights by loom's names, on the host (to
-    fine-tune)."""
-    if not cfg.model.init_from:
-        return None
-    from loom.train import finetune
-
-    if finetune.is_run_init(
-        cfg
-    ):  # run:DIR: a loom run's newest weights (its vocabulary grown for chat tokens)
-        return finetune.run_init_state(cfg, model)
-    spec = spec_of(cfg)
-    if spec.hf is None:
-        raise LoomError(
-            f"model.init_from={cfg.model.init_from}: the family '{spec.name}' has no HF mapping",
-            hint="leave model.init_from empty, or choose a family that imports from transformers",
-        )
-    host = spec.build(model.cfg)
-    spec.hf.load_hf_into(host, spec.hf.parse_init_from(cfg.model.init_from))
-    return host.state_dict()
 
 
 class Trainer:

@@ -1,0 +1,285 @@
+"""Reading a run: its model with the newest checkpoint's weights (eval, generate, chat, export), and the weights a
+run starts from when model.init_from names them: `hf:DIR` (a transformers directory, through the family's
+mapping) or `run:DIR` (a loom run's newest checkpoint, itself read here: the two need each other). A LoRA run's
+checkpoints hold only what it trains; its frozen base is what model.init_from gave it.
+
+The data may extend a run's tokenizer (chat data adds its chat tokens after the run's ids: loom.data.chat): the
+embedding (and an untied head) then grow by those rows, each new row the mean of the run's trained rows (a new
+token starts as the average token, as nanochat and HF's resize_token_embeddings(mean_resizing) do), and every
+existing id keeps its row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from loom import checkpoint
+from loom.config import Config, check_model_config, config_from_dict, load_toml
+from loom.data.loader import doc_eot_id, read_meta
+from loom.data.tokenizers import has_tokenizer, load_tokenizer
+from loom.errors import LoomError
+from loom.model.lora import apply_configured, merge_lora
+from loom.model.registry import spec_of
+
+PREFIX = "run:"
+# names of the vocabulary-sized weights of loom's families (rows = token ids)
+_VOCAB_WEIGHTS = ("wte.weight", "lm_head.weight")
+_ADAPTERS = (".lora_A", ".lora_B")
+
+
+def _open_run(run_dir: Path) -> tuple[Config, dict, object]:
+    """(config, data meta, tokenizer or None) of a run directory."""
+    if not (run_dir / "config.toml").is_file():
+        raise LoomError(
+            f"'{run_dir}' is not a loom run directory (no config.toml)", hint="give a runs/<name> folder"
+        )
+    cfg = config_from_dict(load_toml(run_dir / "config.toml"))
+    meta = read_meta(run_dir / "tokenizer")
+    tokenizer = load_tokenizer(run_dir / "tokenizer", meta) if has_tokenizer(meta) else None
+    return cfg, meta, tokenizer
+
+
+def _eot(run_dir: Path, cfg: Config, meta: dict) -> int | None:
+    """The end-of-text id a data.doc_mask=true run's model finds its documents by (None when off)."""
+    return doc_eot_id(run_dir / "tokenizer", meta, cfg.data.doc_mask)
+
+
+def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None = None):
+    """(config, model with the newest valid checkpoint's weights, tokenizer, data meta, checkpoint path)."""
+    run_dir = Path(run_dir)
+    cfg, meta, tokenizer = _open_run(run_dir)
+    if not ckpt and _consolidated(run_dir):
+        from loom.checkpoint_tools import load_consolidated
+
+        check_trained_model(run_dir / "model.safetensors", cfg, run_dir)
+        model = _build(cfg, meta, run_dir, "cpu")
+        load_consolidated(run_dir, model)
+        merge_lora(model)
+        return cfg, model.to(device).eval(), tokenizer, meta, run_dir / "model.safetensors"
+    path = Path(ckpt) if ckpt else checkpoint.latest_valid(run_dir / "ckpt", model_only=True)
+    if path is None:
+        raise LoomError(
+            f"run '{run_dir}' has no valid checkpoint", hint="train it (checkpoints are written at the end)"
+        )
+    check_trained_model(path, cfg, run_dir)  # before the weights are read
+    model = _build(cfg, meta, run_dir, "cpu").to(device)
+    if checkpoint.is_sharded(path):  # model/ alone: the optimizer's files are never read
+        base = frozen_base(cfg, model, path)
+        if base is not None:
+            model.load_state_dict(base, strict=False)
+        checkpoint.load_model(path, model)
+        merge_lora(model)
+        model.eval()
+        return cfg, model, tokenizer, meta, path
+    from loom.checkpoint_tools import check_fits
+
+    tensors, _ = checkpoint.load(path, map_location=device)
+    check_fits(tensors["model"], model, f"checkpoint '{path}'", _hint(run_dir))
+    model.load_state_dict(tensors["model"])
+    merge_lora(model)
+    model.eval()
+    return cfg, model, tokenizer, meta, path
+
+
+def frozen_base(cfg: Config, model: nn.Module, path: Path) -> dict | None:
+    """The weights a LoRA run's checkpoint leaves out (loom.parallel.dcp_state.model_shards keeps what trains):
+    its frozen base, whole, by loom's names, as the run started with it: model.init_from's weights, or the
+    seeded init of a run that had none. None when the checkpoint holds every parameter."""
+    from loom.parallel.dcp_state import saved_keys
+
+    saved = set(saved_keys(path / "model"))
+    missing = [n for n, p in model.named_parameters() if not p.requires_grad and n not in saved]
+    if not missing:
+        return None
+    state = pretrained_state(cfg, model)
+    if state is None:  # no init_from: the values materialize gave each tensor (seeded by its name)
+        state = {}
+        for name, t in model.state_dict().items():
+            if not name.endswith(_ADAPTERS):
+                state[name] = torch.empty(t.shape, dtype=t.dtype)
+                model.init_param(name, state[name], cfg.run.seed)
+    return state
+
+
+def _build(cfg: Config, meta: dict, run_dir: Path, device) -> torch.nn.Module:
+    """The run's model, empty, with the LoRA adapters its checkpoints hold (finetune.lora_rank): loaded, then
+    merged into the weights (loom.model.lora.merge_lora), so what reads it sees the base model's names."""
+    model = spec_of(cfg).build_model(cfg, meta["vocab_size"], device, _eot(run_dir, cfg, meta))
+    apply_configured(model, cfg.finetune)
+    return model
+
+
+def _consolidated(run_dir: Path) -> bool:
+    """A `loom ckpt consolidate` folder: one model.safetensors, no checkpoints."""
+    return not (run_dir / "ckpt").is_dir() and (run_dir / "model.safetensors").is_file()
+
+
+def load_run_sharded(run_dir: str | Path, device: torch.device, env):
+    """load_run for a model that need not fit one device: in a job of several processes (torchrun, srun,
+    mpiexec), the model is built on the meta device and FSDP-sharded over every process; each rank reads only
+    its pieces of the newest checkpoint's model/ (the optimizer's files are never read) and hashes only its
+    share of them, the ranks agreeing on the newest checkpoint that verifies. Joins the job's process group.
+    Returns (config, Parallelized, tokenizer, data meta, checkpoint path): every rank must run the same forward
+    passes (`Parallelized.all_reduce_sum` sums over the ranks)."""
+    from loom.distributed import process_group
+    from loom.distributed.comm import TorchControl
+    from loom.parallel import parallelize
+    from loom.parallel.dims import ParallelDims
+
+    run_dir = Path(run_dir)
+    cfg, meta, tokenizer = _open_run(run_dir)
+    if device.type == "cpu":
+        from loom.env import cpu_memory_release
+
+        cpu_memory_release()  # the all-gathered block buffers go back to the system, not into the heap
+    process_group.init(env, device, cfg.parallel.timeout_s)
+    if _consolidated(run_dir):
+        path = run_dir / "model.safetensors"
+    else:
+        path = checkpoint.newest_intact(
+            checkpoint.list_steps(run_dir / "ckpt"), TorchControl(), model_only=True
+        )
+        if path is None:
+            raise LoomError(
+                f"run '{run_dir}' has no valid checkpoint",
+                hint="train it (checkpoints are written at the end)",
+            )
+    check_trained_model(path, cfg, run_dir)
+    cfg.train.compile, cfg.train.activation_checkpointing = False, "none"
+    cfg.precision.fp8 = "off"  # evaluation computes in high precision (loom.parallel.fp8)
+    spec = spec_of(cfg)
+    model = spec.build_model(cfg, meta["vocab_size"], "meta", _eot(run_dir, cfg, meta))
+    apply_configured(
+        model, cfg.finetune
+    )  # the checkpoint's adapters (kept apart: a sharded model is not merged)
+    dims = ParallelDims(1, env.world_size, 1, 1, env.world_size, env.rank, "fsdp")
+    # no init: every value comes from the checkpoint
+    par = parallelize(model, dims, cfg, device, spec)
+    if path.suffix == ".safetensors":  # a consolidated file: read whole on the host, each rank its slices
+        from loom.checkpoint_tools import load_consolidated
+
+        whole = spec.build_model(cfg, meta["vocab_size"], "cpu", _eot(run_dir, cfg, meta))
+        load_consolidated(run_dir, whole)
+        par.load_model_state(whole.state_dict())
+    elif checkpoint.is_sharded(path):
+        base = frozen_base(cfg, model, path)
+        if base is not None:  # a LoRA run's checkpoint holds its adapters: the frozen base first
+            par.load_model_state(base)
+        checkpoint.load_model(path, par.model, verified=True)
+    else:  # format 1: whole tensors on the host, each rank keeping its slices
+        par.load_model_state(checkpoint.load(path, map_location="cpu")[0]["model"])
+    par.model.eval()
+    return cfg, par, tokenizer, meta, path
+
+
+def _hint(run_dir: Path) -> str:
+    return (
+        f"'{run_dir / 'config.toml'}' must hold the model settings the checkpoint was trained with: put "
+        "them back (the checkpoint records them in its state.json), or give a checkpoint of this run "
+        "(--ckpt RUN/ckpt/step_N)"
+    )
+
+
+def check_trained_model(path: Path, cfg: Config, run_dir: Path) -> None:
+    """eval, generate and export build the model from the run's config.toml: the checkpoint's own record of
+    the model it trained (state.json; a consolidated file's metadata) must agree on every key that changes
+    shapes or numerics (config.check_model_config), or a truncated or otherwise different model would be
+    evaluated or exported without a word. A file with no record is left to the tensors' shape check."""
+    if path.suffix == ".safetensors":
+        from loom.checkpoint_tools import consolidated_model
+
+        saved = consolidated_model(path)
+    else:
+        saved = (
+            checkpoint.read_state(path).get("config", {}).get("model")
+            if (path / "state.json").is_file()
+            else None
+        )
+    if saved is not None:
+        check_model_config(saved, cfg, f"checkpoint '{path}'", _hint(run_dir), inference=True)
+
+
+def run_data_dir(run_dir: str | Path, cfg: Config) -> Path:
+    """The data directory a run was trained on (recorded in run.json)."""
+    import json
+
+    info = Path(run_dir) / "run.json"
+    if info.is_file():
+        return Path(json.loads(info.read_text(encoding="utf-8"))["data_dir"])
+    if cfg.data.path:
+        return Path(cfg.data.path)
+    raise LoomError(f"cannot tell which data '{run_dir}' was trained on", hint="pass --data DIR")
+
+
+# ----------------------------------------------------------------------------- model.init_from
+
+
+def is_run_init(cfg: Config) -> bool:
+    return cfg.model.init_from.startswith(PREFIX)
+
+
+def run_dir_of(cfg: Config) -> Path:
+    d = Path(cfg.model.init_from[len(PREFIX) :]).expanduser()
+    if not (d / "config.toml").is_file():
+        raise LoomError(
+            f"model.init_from={cfg.model.init_from}: '{d}' is not a loom run directory (no config.toml)",
+            hint="give run:runs/<name>, a folder loom train wrote",
+        )
+    return d
+
+
+def pretrained_state(cfg: Config, model: nn.Module) -> dict | None:
+    """model.init_from=hf:DIR or run:DIR: the whole imported weights by loom's names, on the host (to
+    fine-tune)."""
+    if not cfg.model.init_from:
+        return None
+    if is_run_init(cfg):  # run:DIR: a loom run's newest weights (its vocabulary grown for chat tokens)
+        return run_init_state(cfg, model)
+    spec = spec_of(cfg)
+    if spec.hf is None:
+        raise LoomError(
+            f"model.init_from={cfg.model.init_from}: the family '{spec.name}' has no HF mapping",
+            hint="leave model.init_from empty, or choose a family that imports from transformers",
+        )
+    host = spec.build(model.cfg)
+    spec.hf.load_hf_into(host, spec.hf.parse_init_from(cfg.model.init_from))
+    return host.state_dict()
+
+
+def grow_rows(old: torch.Tensor, new_shape: torch.Size, old_vocab: int, new_vocab: int) -> torch.Tensor:
+    """A vocabulary-sized weight (rows = ids) of `new_shape`: the old rows for the old ids, the mean of those
+    for ids old_vocab .. new_vocab - 1, and the old padding rows (or zeros) above: the head masks those ids."""
+    out = torch.zeros(new_shape, dtype=old.dtype)
+    out[:old_vocab] = old[:old_vocab]
+    out[old_vocab:new_vocab] = old[:old_vocab].mean(dim=0)
+    keep = min(len(old), len(out))
+    if keep > new_vocab:
+        out[new_vocab:keep] = old[new_vocab:keep]
+    return out
+
+
+def run_init_state(cfg: Config, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The run's newest weights by loom's names for `model` (built for this run's vocabulary), on the host."""
+    d = run_dir_of(cfg)
+    run_cfg, old, _, run_meta, path = load_run(d, torch.device("cpu"))
+    state = {k: v.detach() for k, v in old.state_dict().items()}
+    want = model.state_dict()
+    old_vocab, new_vocab = run_meta["vocab_size"], model.cfg.vocab_size
+    for name in _VOCAB_WEIGHTS:  # the chat tokens' new rows (the same rows when the vocabulary is the run's)
+        if name in state and name in want:
+            state[name] = grow_rows(state[name], want[name].shape, old_vocab, new_vocab)
+    if getattr(model.cfg, "tie_embeddings", False) and "lm_head.weight" in state:
+        state["lm_head.weight"] = state["wte.weight"]
+    want = {k: v for k, v in want.items() if not k.endswith(_ADAPTERS)}  # adapters keep their init
+    mismatched = [k for k in want if k in state and state[k].shape != want[k].shape]
+    if mismatched or set(state) != set(want):
+        raise LoomError(
+            f"the weights of '{path}' do not fit this model: "
+            + ", ".join(f"{k} {tuple(state[k].shape)} vs {tuple(want[k].shape)}" for k in mismatched[:3])
+            + (f" (keys differ: {sorted(set(state) ^ set(want))[:4]})" if set(state) != set(want) else ""),
+            hint="keep the run's model.* keys (block_size with learned positions cannot grow)",
+        )
+    return state
