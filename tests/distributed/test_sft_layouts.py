@@ -3,7 +3,8 @@
 The loss is the global batch's mean over the assistant's targets (loom.train.trainer's SFT scale): packed rows
 hold different numbers of trained targets, so each micro-batch's share depends on the global count, and a
 layout that normalised per rank or per micro-batch would drift from one process. ddp, fsdp and tp at 2
-processes must match one process's losses and parameters to 1e-5 (fp32), with document masks on.
+processes must match one process's losses and parameters to 1e-5 (fp32), with document masks on; and a 1F1B
+pipeline of 2 stages, one conversation a row (document masks do not compose with pipeline parallel).
 """
 
 from __future__ import annotations
@@ -33,3 +34,8 @@ def test_verify_sft_loss_on_every_data_parallel_and_tensor_layout(tmp_path):
         "--data.doc_positions=restart",
     )  # fmt: skip
     assert [r["world_size"] for r in recs] == [2, 2, 2]
+    # pipeline parallel (no document masks there: one conversation a row, padded): the schedule's micro-batch
+    # loss is the sum over its trained targets, weighted by the global count (loom.parallel.pipeline)
+    (tmp_path / "v").rename(tmp_path / "v-dp")
+    recs = verify_records(tmp_path, chat, "pp-1f1b", "--nproc", "2", "--model.block_size=128")
+    assert recs[0]["pp"] == 2

@@ -224,15 +224,8 @@ def test_repl_resets_and_quits(sft):
     assert session.messages[1]["content"] == "again"
 
 
-def test_sft_refuses_pipeline_parallel_and_another_tokenizer(sft, tmp_path, capsys):
-    """Both before any process starts (the pipeline's rule is checked by the launcher on the data's meta)."""
-    args = [
-        a
-        for a in _sft_args(sft, "pp", "--train.steps=1", "--parallel.pp=2", "--train.micro_batch_size=1")
-        if "doc_" not in a
-    ]
-    assert main([*args, "--nproc", "2"]) == 2
-    assert "pipeline schedule" in capsys.readouterr().err
+def test_sft_refuses_data_of_another_tokenizer(sft, tmp_path, capsys):
+    """Before any process starts: the data's ids must mean to the model what they meant to its tokenizer."""
     # chat data prepared with another tokenizer (its own characters) than the run's
     other = tmp_path / "other.jsonl"
     msgs = [{"role": "user", "content": "zzz"}, {"role": "assistant", "content": "qqq"}]

@@ -5,7 +5,8 @@ Chat data (`loom data prepare --chat`, loom.data.chat) is loom's token shards pl
 as a target: the assistant's tokens and its end of turn). Every conversation starts with the end-of-text id,
 so the conversations are the spans between those, and data.doc_mask=true keeps each one's attention to itself.
 
-Packing (best fit, as nanochat's SFT and Megatron's packed sequences): each epoch visits the conversations in
+Packing (best fit, as nanochat's SFT and Megatron's packed sequences; with data.doc_mask=true, else one
+conversation a row, padded): each epoch visits the conversations in
 an order drawn from (seed, epoch); each goes into the open row of block_size + 1 tokens with the least room
 that still holds it whole, or opens a new row. No conversation crosses a row boundary; the rest of a row is
 end-of-text tokens whose targets are ignored. A row is (row of the epoch) -> conversations, decided by the seed
@@ -97,8 +98,11 @@ class Conversations:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def pack(self, order: np.ndarray) -> list[list[int]]:
-        """Best-fit packing of the conversations in `order` into rows of block_size + 1 tokens."""
+    def pack(self, order: np.ndarray, pack: bool = True) -> list[list[int]]:
+        """Best-fit packing of the conversations in `order` into rows of block_size + 1 tokens (pack=False: one
+        conversation a row, padded)."""
+        if not pack:
+            return [[c] for c in order.tolist()]
         cap = self.block_size + 1
         rows: list[list[int]] = []
         room: list[tuple[int, int]] = []  # (room left, row index), sorted: the open rows
@@ -151,10 +155,12 @@ class ChatLoader:
         cp_rank: int = 0,
         cp_size: int = 1,
         cp_layout: str = "contiguous",
+        pack: bool = True,
     ):
         if batch_size % dp_size:
             raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={dp_size}")
         self.convs = Conversations(data_dir, "train", block_size)
+        self.pack = pack  # several conversations a row (with document masks), or one
         self.batch_size, self.seed = batch_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.cp = (cp_rank, cp_size, cp_layout)
@@ -166,7 +172,7 @@ class ChatLoader:
         while len(self._epochs) <= epoch:
             e = len(self._epochs)
             order = np.random.default_rng([self.seed, e]).permutation(len(self.convs))
-            self._epochs.append(self.convs.pack(order))
+            self._epochs.append(self.convs.pack(order, self.pack))
         return self._epochs[epoch]
 
     def global_rows(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -235,9 +241,11 @@ class ChatValSet:
         cp_rank: int = 0,
         cp_size: int = 1,
         cp_layout: str = "contiguous",
+        pack: bool = True,
     ):
         self.convs = Conversations(data_dir, "val", block_size)
-        rows = self.convs.pack(np.random.default_rng([seed, 0]).permutation(len(self.convs)))[:n_rows]
+        order = np.random.default_rng([seed, 0]).permutation(len(self.convs))
+        rows = self.convs.pack(order, pack)[:n_rows]
         self.rows = rows[dp_rank::dp_size]
         self.dp_size, self.total_rows = dp_size, len(rows)
         self.cp = (cp_rank, cp_size, cp_layout)

@@ -19,6 +19,22 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1), ignore_index=-1)
 
 
+class MicroBatchLoss:
+    """The schedule's loss of one micro-batch: the mean over its targets; with `scale` set (SFT: the loss is the
+    global batch's sum over its trained targets divided by their count, loom.train.trainer) the sum over its
+    targets times `scale`, which the trainer sets each step (the schedule divides the gradients by the number
+    of micro-batches: scale_grads)."""
+
+    def __init__(self):
+        self.scale: float | None = None
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return lm_loss(logits, targets)
+        flat = logits.float().flatten(0, 1)
+        return F.cross_entropy(flat, targets.flatten(0, 1), ignore_index=-1, reduction="sum") * self.scale
+
+
 def stage_ids(schedule: str, pp: int, pp_rank: int) -> tuple[list[int], int]:
     """(this rank's stage indices in the looped placement, the number of stages)."""
     per_rank = SCHEDULE_STAGES_PER_RANK[schedule]
@@ -47,8 +63,9 @@ class Pipeline:
             for st, sid in zip(stages, ids, strict=True)
         ]
         cls = getattr(pipelining, PP_SCHEDULES[schedule][0])
+        self.loss = MicroBatchLoss()
         self.schedule = cls(
-            pstages[0] if len(pstages) == 1 else pstages, n_microbatches=n_microbatches, loss_fn=lm_loss
+            pstages[0] if len(pstages) == 1 else pstages, n_microbatches=n_microbatches, loss_fn=self.loss
         )
 
     def _run(self, fn, x, y, losses) -> None:
@@ -59,9 +76,14 @@ class Pipeline:
         # micro-batch's logits to the end of the step and then a merged copy (Llama-3-8B, pp 4: 125 GiB a rank).
         fn(*args, return_outputs=False, **kwargs)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, autocast) -> torch.Tensor:
-        """Forward and backward of the local batch; the mean micro-batch loss on the last stage, else 0."""
+    def step(
+        self, x: torch.Tensor, y: torch.Tensor, autocast, per_target: float | None = None
+    ) -> torch.Tensor:
+        """Forward and backward of the local batch; the mean micro-batch loss on the last stage, else 0.
+        per_target (SFT): each trained target's weight in the step's loss (data-parallel ranks over the global
+        batch's trained targets); None: every micro-batch's mean counts alike."""
         losses: list[torch.Tensor] = []
+        self.loss.scale = None if per_target is None else per_target * self.n_microbatches
         with autocast():
             self._run(self.schedule.step, x, y, losses)
         if self.holds_last:
@@ -73,6 +95,7 @@ class Pipeline:
         """Mean token loss over the validation set, forward-only through the schedule."""
         for st in self.stages:
             st.eval()
+        self.loss.scale = None  # each micro-batch's mean, weighted by its targets below
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         full = micro_batch_size * self.n_microbatches
         for x, y in valset.batches(full):

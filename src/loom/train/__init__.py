@@ -82,7 +82,6 @@ def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
         check_same_tokenizer(
             run_dir / "tokenizer", read_meta(run_dir / "tokenizer"), data_dir, read_meta(data_dir)
         )
-    finetune.check_chat_layout(cfg, data_dir)
     finetune.check_lora_targets(cfg)
     if is_run_init(cfg) and ckpt is None:
         from loom.data.loader import read_meta

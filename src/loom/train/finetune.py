@@ -36,22 +36,6 @@ def apply_run_init(cfg: Config, explicit: set[str]) -> None:
             setattr(cfg.model, key, value)
 
 
-def check_chat_layout(cfg: Config, data_dir: Path) -> None:
-    """SFT on chat data (loom.data.sft) runs on every layout but a pipeline's: the schedule computes each
-    micro-batch's loss as the mean over its own targets, and SFT's is a sum over the global batch's trained
-    ones divided by their count (loom.train.trainer's SFT scale)."""
-    from loom.data.loader import read_meta
-    from loom.data.sft import is_chat_data
-
-    if cfg.parallel.pp > 1 and is_chat_data(read_meta(data_dir)):
-        raise LoomError(
-            f"SFT on chat data with parallel.pp={cfg.parallel.pp}: the pipeline schedule computes each "
-            "micro-batch's loss as a mean over its own targets, and SFT's is a sum over the global batch's "
-            "trained ones",
-            hint="fine-tune with fsdp, ddp, tp or cp (parallel.pp=1)",
-        )
-
-
 def lora_embeddings(cfg: Config, meta: dict) -> bool:
     """Whether a LoRA run trains the token embedding and the head too (finetune.lora_embeddings): auto when
     the data's vocabulary is larger than the base model's (chat data's tokens: their new rows all start as the

@@ -256,20 +256,21 @@ class Trainer:
         return flops - 2 * matmul_params(model.cfg) + 6 * adapters
 
     def _chat_data(self, data_dir: Path) -> None:
-        """SFT: conversations packed best-fit into rows, targets masked to the assistant's (loom.data.sft)."""
+        """SFT: conversations packed best-fit into rows (with document masks; else one a row), targets masked
+        to the assistant's (loom.data.sft)."""
         cfg, t, dims = self.cfg, self.cfg.train, self.dims
-        if not cfg.data.doc_mask and self.main:
-            log.warn(
-                "chat data packs several conversations into a row, and without data.doc_mask=true each attends "
-                "to the ones before it (add --data.doc_mask=true --data.doc_positions=restart)"
+        pack = cfg.data.doc_mask  # without document masks a packed conversation would see the ones before it
+        if not pack and self.main:
+            log.info(
+                "chat data: one conversation a row, padded (data.doc_mask=true packs several, each attending "
+                "to itself only)"
             )
         cp = (dims.cp_rank, dims.cp, cfg.parallel.cp_layout)
         block, seed = cfg.model.block_size, cfg.run.seed
-        loader = ChatLoader(data_dir, t.batch_size, block, seed, dims.dp_rank, dims.dp, *cp)
+        loader = ChatLoader(data_dir, t.batch_size, block, seed, dims.dp_rank, dims.dp, *cp, pack=pack)
         self.batches = DeviceBatches(loader, self.device)
-        self.valset = ChatValSet(
-            data_dir, block, t.eval_batches * t.batch_size, seed, dims.dp_rank, dims.dp, *cp
-        )
+        n_val = t.eval_batches * t.batch_size
+        self.valset = ChatValSet(data_dir, block, n_val, seed, dims.dp_rank, dims.dp, *cp, pack=pack)
 
     def _loss_scale(self, y: torch.Tensor) -> tuple[float, torch.Tensor]:
         """What a micro-batch's mean loss is multiplied by so that the step's gradient is the global batch's:
@@ -307,8 +308,10 @@ class Trainer:
         x, y = self.batches.next_batch()
         self._begin_step()
         if par.pipeline is not None:  # the schedule runs its micro-batches, forward and backward interleaved
+            total = self.batches.valid_targets  # SFT: each trained target weighs dp x cp / N
+            per_target = None if total is None else self.dims.dp * self.dims.cp / max(total, 1)
             with timer("f"):
-                loss_sum = par.pipeline.step(x, y, self._autocast)
+                loss_sum = par.pipeline.step(x, y, self._autocast, per_target)
         else:
             loss_sum = torch.zeros((), device=self.device)
             for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
