@@ -460,6 +460,11 @@ class FinetuneConfig:
         "all-linear; lm_head only by name.",
     )
     lora_dropout: float = _f(0.0, "Dropout on the adapters' input (training only).", ge=0, lt=1)
+    init_optimizer: bool = _f(
+        False,
+        "With model.init_from=run:DIR, start from that run's optimizer state too (AdamW's moments and step "
+        "count), as continued pretraining does; not with LoRA (other parameters train).",
+    )
     lora_embeddings: str = _f(
         "auto",
         "With LoRA, the token embedding and the head train too: auto (when the data adds tokens to the model's "
@@ -1064,6 +1069,13 @@ def _check_lora(cfg: Config) -> None:
     f = cfg.finetune
     if f.lora_embeddings not in ("auto", "true", "false"):
         raise LoomError(f"finetune.lora_embeddings must be auto, true or false; got '{f.lora_embeddings}'")
+    if f.init_optimizer and (not cfg.model.init_from.startswith("run:") or f.lora_rank):
+        raise LoomError(
+            "finetune.init_optimizer=true takes the optimizer state of the run model.init_from=run:DIR names, "
+            f"for the same parameters; here model.init_from='{cfg.model.init_from}', finetune.lora_rank="
+            f"{f.lora_rank}",
+            hint="use it with model.init_from=run:DIR and full fine-tuning (finetune.lora_rank=0)",
+        )
     if not f.lora_rank:
         return
     if cfg.precision.fp8 != "off":

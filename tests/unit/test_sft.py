@@ -281,3 +281,19 @@ def test_a_lora_runs_checkpoint_holds_what_it_trains_and_resumes(sft, capsys):
     capsys.readouterr()
     assert main(["ckpt", "consolidate", str(run), "--out", str(sft / "consolidated")]) == 2
     assert "LoRA run's checkpoint" in capsys.readouterr().err
+
+
+def test_init_optimizer_continues_the_base_runs_optimizer_state(sft, capsys):
+    """finetune.init_optimizer: AdamW's moments and step count come from the base run (3 steps), so one SFT
+    step later a matrix's state has taken 4 steps; refused without run:DIR or with LoRA."""
+    from loom import checkpoint
+    from loom.parallel.dcp_state import read_whole
+
+    assert main(_sft_args(sft, "opt", "--train.steps=1", "--finetune.init_optimizer=true")) == 0
+    state = read_whole(checkpoint.latest_valid(sft / "runs" / "opt" / "ckpt") / "optim")
+    key = "state.blocks.0.attn.q_proj.weight.step"
+    assert float(state[key]) == 4.0, {k: v for k, v in state.items() if k.endswith(".step")}
+    capsys.readouterr()
+    assert main(_sft_args(sft, "opt-lora", "--train.steps=1", "--finetune.init_optimizer=true",
+                          "--finetune.lora_rank=2")) == 2  # fmt: skip
+    assert "finetune.init_optimizer=true takes the optimizer state" in capsys.readouterr().err

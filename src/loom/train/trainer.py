@@ -87,6 +87,8 @@ class Trainer:
         model = self._model(dtype)
         torch.manual_seed(cfg.run.seed)  # dropout's stream: the same on every rank and every run of this seed
         self.optimizer = self.parallel.build_optimizer(cfg.optim)
+        if cfg.finetune.init_optimizer:  # a resumed checkpoint's state overrides it
+            self._base_optimizer()
         self.train_state = TrainState()  # the step; `step` reads and sets it
         self._first_step = True
         # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
@@ -242,6 +244,23 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         self.checkpointer.load(path)
+
+    def _base_optimizer(self) -> None:
+        """finetune.init_optimizer: the optimizer state of the run model.init_from=run:DIR names (its newest
+        checkpoint's optim/, read by each rank for its own pieces, whatever layout wrote it)."""
+        from loom import checkpoint
+        from loom.parallel import dcp_state
+        from loom.runs import run_dir_of
+
+        path = checkpoint.latest_valid(run_dir_of(self.cfg) / "ckpt")
+        if path is None or not checkpoint.is_sharded(path):
+            raise LoomError(
+                f"finetune.init_optimizer: '{run_dir_of(self.cfg)}' has no sharded checkpoint with an optimizer "
+                "state (a consolidated or format-1 run has none to give)",
+                hint="drop finetune.init_optimizer, or start from a run that saved checkpoints",
+            )
+        dcp_state.load_optim_shards(self.parallel.model, self.optimizer, path / "optim", self.parallel.tied)
+        log.info(f"optimizer state from {path}")
 
     def _flops_per_token(self, model: torch.nn.Module) -> float:
         """The family's training FLOPs per token; with LoRA the frozen weights get no weight gradient (their
