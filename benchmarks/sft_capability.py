@@ -15,7 +15,8 @@
    (loom's CLI, in this process), before SFT (the base with its embedding grown by the chat tokens, the
    starting point of both runs) and after each. The full fine-tune is exported (`loom export --format hf`) and
    transformers (apply_chat_template, then greedy generate) answers the same prompts: its answers are compared
-   with loom's one by one.
+   with loom's one by one; so is the LoRA run's export (adapters merged). Checkpoint sizes on disk are reported
+   (a LoRA run's holds what it trains: the adapters, and here the embedding and head).
 Writes sft_capability.json into --out.
 """
 
@@ -198,10 +199,16 @@ def main() -> None:
     results = {"before": before_answers(runs / "sft-full", held)}
     for name in ("sft-full", "sft-lora"):
         results[name] = [loom_chat(runs / name, prompt(w)) for w in held]
-    export = runs / "hf-full"
-    loom("export", str(runs / "sft-full"), "--format", "hf", "--out", str(export), "--force")
-    theirs = hf_answers(export, held)
-    same = sum(a == b for a, b in zip(theirs, results["sft-full"], strict=True))
+    theirs, same = {}, {}
+    for name in ("sft-full", "sft-lora"):  # the LoRA run's export has its adapters merged into the weights
+        export = runs / f"hf-{name}"
+        loom("export", str(runs / name), "--format", "hf", "--out", str(export), "--force")
+        theirs[name] = hf_answers(export, held)
+        same[name] = sum(a == b for a, b in zip(theirs[name], results[name], strict=True))
+    sizes = {
+        name: sum(f.stat().st_size for f in (runs / name / "ckpt").rglob("*") if f.is_file())
+        for name in ("base", "sft-full", "sft-lora")
+    }
     report = {
         "task": "reverse 3-6 words from a list of 75",
         "train_conversations": len(train),
@@ -211,11 +218,16 @@ def main() -> None:
         "lora_rank": args.lora_rank,
         "accuracy": {k: score(v, held) for k, v in results.items()},
         "transformers_same_answers": same,
-        "transformers_accuracy": score(theirs, held),
+        "transformers_accuracy": {k: score(v, held) for k, v in theirs.items()},
+        "checkpoint_bytes": sizes,
         "sft_seconds": timings,
         "seconds": round(time.time() - t0, 1),
         "examples": [
-            {"prompt": prompt(w), **{k: v[i] for k, v in results.items()}, "transformers": theirs[i]}
+            {
+                "prompt": prompt(w),
+                **{k: v[i] for k, v in results.items()},
+                "transformers": theirs["sft-full"][i],
+            }
             for i, w in enumerate(held[:5])
         ],
     }

@@ -67,10 +67,11 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
     check_trained_model(path, cfg, run_dir)  # before the weights are read
     model = _build(cfg, meta, run_dir, "cpu").to(device)
     if checkpoint.is_sharded(path):  # model/ alone: the optimizer's files are never read
+        checkpoint.verify(path, model_only=True)
         base = frozen_base(cfg, model, path)
-        if base is not None:
+        if base is not None:  # a LoRA run's checkpoint holds what it trained: the frozen base first
             model.load_state_dict(base, strict=False)
-        checkpoint.load_model(path, model)
+        checkpoint.load_model(path, model, verified=True)
         merge_lora(model)
         model.eval()
         return cfg, model, tokenizer, meta, path
@@ -90,6 +91,8 @@ def frozen_base(cfg: Config, model: nn.Module, path: Path) -> dict | None:
     seeded init of a run that had none. None when the checkpoint holds every parameter."""
     from loom.parallel.dcp_state import saved_keys
 
+    if all(p.requires_grad for p in model.parameters()):  # nothing frozen (no LoRA): the checkpoint has it all
+        return None
     saved = set(saved_keys(path / "model"))
     missing = [n for n, p in model.named_parameters() if not p.requires_grad and n not in saved]
     if not missing:
