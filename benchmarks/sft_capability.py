@@ -233,9 +233,8 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sft_capability.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    print(
-        json.dumps({k: report[k] for k in ("accuracy", "transformers_same_answers", "sft_seconds")}, indent=1)
-    )
+    keys = ("accuracy", "transformers_same_answers", "sft_seconds", "checkpoint_bytes")
+    print(json.dumps({k: report[k] for k in keys}, indent=1))
 
 
 if __name__ == "__main__":
