@@ -84,32 +84,10 @@ def iter_tokens(
 
 
 @torch.no_grad()
-def generate(
-    model: nn.Module,
-    idx: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-    use_cache: bool = True,
-    vocab_size: int | None = None,
-    extends_context: bool = False,
-) -> torch.Tensor:
-    """Extend `idx` (B, T) by max_new_tokens sampled tokens (iter_tokens, all of them)."""
-    new = iter_tokens(
-        model,
-        idx,
-        max_new_tokens,
-        temperature,
-        top_k,
-        top_p,
-        generator,
-        use_cache,
-        vocab_size,
-        extends_context,
-    )
-    return torch.cat([idx, *new], dim=1)
+def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *args, **kwargs) -> torch.Tensor:
+    """Extend `idx` (B, T) by max_new_tokens sampled tokens: every one iter_tokens draws (its options, in its
+    order)."""
+    return torch.cat([idx, *iter_tokens(model, idx, max_new_tokens, *args, **kwargs)], dim=1)
 
 
 class Sampler(Every):

@@ -91,7 +91,9 @@ def frozen_base(cfg: Config, model: nn.Module, path: Path) -> dict | None:
     seeded init of a run that had none. None when the checkpoint holds every parameter."""
     from loom.parallel.dcp_state import saved_keys
 
-    if all(p.requires_grad for p in model.parameters()):  # nothing frozen (no LoRA): the checkpoint has it all
+    if all(
+        p.requires_grad for p in model.parameters()
+    ):  # nothing frozen (no LoRA): the checkpoint has it all
         return None
     saved = set(saved_keys(path / "model"))
     missing = [n for n, p in model.named_parameters() if not p.requires_grad and n not in saved]

@@ -38,6 +38,7 @@ from loom.model.hf_io import (  # noqa: F401 (the names other modules read from 
     EOT,
     SUPPORTED,
     _prepare_out,
+    check_same_config,
     parse_init_from,
     read_config_json,
     read_hf_weights,
@@ -373,16 +374,7 @@ def load_hf_into(model: GPT, directory: str | Path) -> None:
     # document masking is how a run reads packed documents (data.doc_mask), not part of the weights
     c = model.cfg
     want = dataclasses.replace(want, doc_mask=c.doc_mask, eot_id=c.eot_id, doc_positions=c.doc_positions)
-    if want != model.cfg:
-        diff = [
-            f"{f.name}={getattr(model.cfg, f.name)!r} (the directory: {getattr(want, f.name)!r})"
-            for f in dataclasses.fields(want)
-            if getattr(want, f.name) != getattr(model.cfg, f.name)
-        ]
-        raise LoomError(
-            f"the model differs from '{directory}' in " + ", ".join(diff),
-            hint="leave the model's shape and options to the imported config",
-        )
+    check_same_config(model.cfg, want, directory)
     weights = read_hf_weights(directory)
     if hf["model_type"] == "llama":
         state = hf_llama.loom_state(weights, model.cfg)

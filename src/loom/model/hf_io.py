@@ -117,6 +117,24 @@ def write_tokenizer(tokenizer, out: Path, block_size: int) -> list[str]:
     return notes
 
 
+def check_same_config(have, want, directory) -> None:
+    """A model to load a directory's weights into must have the directory's shape and options (dataclass
+    configs, the run's own fields already copied into `want`): the fields that differ are named."""
+    import dataclasses
+
+    if want == have:
+        return
+    diff = [
+        f"{f.name}={getattr(have, f.name)!r} (the directory: {getattr(want, f.name)!r})"
+        for f in dataclasses.fields(want)
+        if getattr(want, f.name) != getattr(have, f.name)
+    ]
+    raise LoomError(
+        f"the model differs from '{directory}' in " + ", ".join(diff),
+        hint="leave the model's shape and options to the imported config",
+    )
+
+
 def add_chat_template(out: Path, template: str, tokens: list[str], stop_ids: list[int]) -> None:
     """A chat model's export: its template in tokenizer_config.json (transformers' apply_chat_template renders
     conversations as loom's chat data did), its chat tokens as additional special tokens, and generation

@@ -395,16 +395,7 @@ def load_hf_into(model: MoEGPT, directory: str | Path) -> None:
     hf_cfg = _read_config(directory)
     want = moe_config(hf_cfg)
     want = dataclasses.replace(want, **{f: getattr(model.cfg, f) for f in _RUN_FIELDS})
-    if want != model.cfg:
-        diff = [
-            f"{f.name}={getattr(model.cfg, f.name)!r} (the directory: {getattr(want, f.name)!r})"
-            for f in dataclasses.fields(want)
-            if getattr(want, f.name) != getattr(model.cfg, f.name)
-        ]
-        raise LoomError(
-            f"the model differs from '{directory}' in " + ", ".join(diff),
-            hint="leave the model's shape and options to the imported config",
-        )
+    hf_io.check_same_config(model.cfg, want, directory)
     model.load_state_dict(loom_state(hf_io.read_hf_weights(directory), model.cfg))
     log.info(f"initialised from {ARCHITECTURE} weights in {directory}")
 
