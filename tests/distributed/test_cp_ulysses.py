@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import spawn_gloo
 from loomrun import verify_records
 
 
@@ -20,10 +20,9 @@ def test_verify_cp_ulysses_and_ring_llama(tmp_path, char_data):
     assert all(r["cp"] == 2 for r in recs)
 
 
-def _round_trip(rank: int, world: int, path: str) -> None:
+def _round_trip(rank: int, world: int) -> None:
     from loom.parallel.context import HeadToSeq, SeqToHead
 
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     g = torch.Generator().manual_seed(0)
     whole = torch.randn(2, 8, 12, generator=g)  # (B, T, H*D): 4 heads of 3
     x = whole[:, rank * 4 : (rank + 1) * 4].clone().requires_grad_()  # this rank's 4 tokens
@@ -33,12 +32,10 @@ def _round_trip(rank: int, world: int, path: str) -> None:
     assert torch.equal(back, x * 2)
     back.sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 2.0))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def test_all_to_alls_are_inverses(tmp_path):
-    mp.spawn(_round_trip, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+    spawn_gloo(_round_trip, 2, tmp_path)
 
 
 def _doc_model(pos: str):
@@ -56,10 +53,9 @@ def _doc_batch():
     return x, torch.randint(0, 64, (3, 32), generator=g)
 
 
-def _doc_masked(rank: int, world: int, path: str, out: str) -> None:
+def _doc_masked(rank: int, world: int, out: str) -> None:
     from loom.parallel.context import apply_ulysses
 
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     results = []
     for pos in ("learned", "rope"):
         m = _doc_model(pos)
@@ -75,15 +71,13 @@ def _doc_masked(rank: int, world: int, path: str, out: str) -> None:
         results.append((loss.item() / world, {k: p.grad for k, p in m.named_parameters()}))
     if rank == 0:
         torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def test_doc_mask_under_ulysses_equals_one_process(tmp_path):
     """Documents found in the whole sequence (ids all-gathered over cp), positions restarting per document:
     loss and gradients equal one process's (learned positions, and RoPE with grouped-query attention)."""
     out = str(tmp_path / "out.pt")
-    mp.spawn(_doc_masked, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    spawn_gloo(_doc_masked, 2, tmp_path, out)
     for pos, (loss, grads) in zip(("learned", "rope"), torch.load(out), strict=True):
         m = _doc_model(pos)
         ref = m(*_doc_batch())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import spawn_gloo
 from loomrun import verify_records
 
 
@@ -71,69 +71,59 @@ def _check_dispatch(rank: int, world: int, broken: str) -> None:
     assert torch.equal(out[:, 2], xs[order][:, 0]), "a row came back in the wrong place"
 
 
-def _dispatch_worker(rank: int, world: int, path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
-    try:
-        _check_dispatch(rank, world, "")
-        for broken in ("combine", "dispatch"):  # the check must catch a wrong dispatch or combine
-            with pytest.raises(AssertionError, match="wrong"):
-                _check_dispatch(rank, world, broken)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+def _dispatch_worker(rank: int, world: int) -> None:
+    _check_dispatch(rank, world, "")
+    for broken in ("combine", "dispatch"):  # the check must catch a wrong dispatch or combine
+        with pytest.raises(AssertionError, match="wrong"):
+            _check_dispatch(rank, world, broken)
 
 
 def test_dispatch_sends_each_row_to_its_experts_rank_and_back(tmp_path):
     """Every row computed on its expert's rank by that expert and returned in place; a dispatch sending rows
     to the wrong rank, or a combine returning them in the wrong order, fails the same check."""
-    mp.spawn(_dispatch_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+    spawn_gloo(_dispatch_worker, 2, tmp_path)
 
 
 # ------------------------------------------------------------------------------ the experts' memory per rank
 
 
-def _memory_worker(rank: int, world: int, path: str, out: str) -> None:
+def _memory_worker(rank: int, world: int, out: str) -> None:
     from loom.config import load_config, validate
     from loom.model.registry import spec_of
     from loom.parallel import parallelize
     from loom.parallel.tensor import local
 
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
-    try:
-        base = [
-            "--model.family=moe",
-            "--model.n_layer=2",
-            "--model.n_head=2",
-            "--model.n_embd=32",
-            "--model.block_size=16",
-            "--model.vocab_size=64",
-            "--train.batch_size=4",
-            "--train.micro_batch_size=1",
-        ]
-        sizes = {}
-        for name, flags in {
-            "ep1": ["--parallel.dp_impl=ddp"],
-            "ep4": ["--parallel.dp_impl=ddp", "--parallel.ep=4"],
-            "ep2-fsdp": ["--parallel.dp_impl=fsdp", "--parallel.ep=2"],
-        }.items():
-            cfg = load_config(None, base + flags)
-            _, dims = validate(cfg, world, rank)
-            spec = spec_of(cfg)
-            model = spec.build_model(cfg, 64)
-            par = parallelize(
-                model, dims, cfg, torch.device("cpu"), spec, init=lambda n, t, m=model: m.init_param(n, t, 0)
-            )
-            experts = [p for n, p in par.model.named_parameters() if ".experts." in n]
-            assert experts, name
-            sizes[name] = sum(local(p).numel() * local(p).element_size() for p in experts)
-        torch.save(sizes, f"{out}.{rank}")
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    base = [
+        "--model.family=moe",
+        "--model.n_layer=2",
+        "--model.n_head=2",
+        "--model.n_embd=32",
+        "--model.block_size=16",
+        "--model.vocab_size=64",
+        "--train.batch_size=4",
+        "--train.micro_batch_size=1",
+    ]
+    sizes = {}
+    for name, flags in {
+        "ep1": ["--parallel.dp_impl=ddp"],
+        "ep4": ["--parallel.dp_impl=ddp", "--parallel.ep=4"],
+        "ep2-fsdp": ["--parallel.dp_impl=fsdp", "--parallel.ep=2"],
+    }.items():
+        cfg = load_config(None, base + flags)
+        _, dims = validate(cfg, world, rank)
+        spec = spec_of(cfg)
+        model = spec.build_model(cfg, 64)
+        par = parallelize(
+            model, dims, cfg, torch.device("cpu"), spec, init=lambda n, t, m=model: m.init_param(n, t, 0)
+        )
+        experts = [p for n, p in par.model.named_parameters() if ".experts." in n]
+        assert experts, name
+        sizes[name] = sum(local(p).numel() * local(p).element_size() for p in experts)
+    torch.save(sizes, f"{out}.{rank}")
 
 
 def test_expert_memory_per_rank_is_one_over_ep(tmp_path):
-    mp.spawn(_memory_worker, args=(4, str(tmp_path / "store"), str(tmp_path / "sizes")), nprocs=4, join=True)
+    spawn_gloo(_memory_worker, 4, tmp_path, str(tmp_path / "sizes"))
     for rank in range(4):
         sizes = torch.load(tmp_path / f"sizes.{rank}")
         whole = 2 * 8 * 3 * 32 * 128 * 4  # 2 MoE layers x 8 experts x 3 matrices of 32 x 128 (fp32)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import spawn_gloo
 from loomrun import loom_ok
 
 pytest.importorskip("torchao.float8", reason="the loom[fp8] extra (torchao) is not installed")
@@ -79,8 +79,7 @@ def _two_steps(par, halves, rank_world=None):
     return out
 
 
-def _fsdp_rank(rank: int, world: int, path: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+def _fsdp_rank(rank: int, world: int, out: str) -> None:
     sent = []
     for name in ("all_gather_single", "all_gather_into_tensor"):  # what FSDP2 calls (torch 2.13, 2.11)
         real = getattr(dist, name, None)
@@ -102,13 +101,11 @@ def _fsdp_rank(rank: int, world: int, path: str, out: str) -> None:
         logits = par.model(x)
     if rank == 0:
         torch.save({"bytes": fwd, "results": results, "logits": logits}, out)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def test_fsdp_gathers_float8_and_equals_one_process(tmp_path):
     out = tmp_path / "fsdp.pt"
-    mp.spawn(_fsdp_rank, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    spawn_gloo(_fsdp_rank, 2, tmp_path, str(out))
     got = torch.load(out)
     one = _job(1, 0)
     float8 = {f"{n}.weight" for n in one.fp8}

@@ -12,8 +12,7 @@ the head tied to the embedding, both frozen in the root's FSDP group)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import spawn_gloo
 
 ARGS = [
     "--model.n_layer=2",
@@ -94,8 +93,7 @@ def _run(layout: str, world: int, rank: int, family: str = "llama") -> dict:
     return {"init": init_state, "end": end, "placements": placements, "frozen": frozen}
 
 
-def _worker(rank: int, world: int, path: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+def _worker(rank: int, world: int, out: str) -> None:
     results = {
         "ddp": _run("ddp", world, rank),
         "fsdp": _run("fsdp", world, rank),
@@ -104,13 +102,11 @@ def _worker(rank: int, world: int, path: str, out: str) -> None:
     }
     if rank == 0:
         torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def test_lora_ddp_fsdp_tp_equal_one_process(tmp_path):
     out = tmp_path / "out.pt"
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    spawn_gloo(_worker, 2, tmp_path, str(out))
     got = torch.load(out)
     refs = {family: _run("none", 1, 0, family) for family in MODELS}
     from loom.model.lora import is_lora_name

@@ -9,8 +9,7 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import spawn_gloo
 
 from loom.config import Config, validate
 from loom.model import gpt_parallel
@@ -31,39 +30,32 @@ def _cfg(**parallel) -> Config:
     return cfg
 
 
-def _worker(rank: int, world: int, store: str, parallel: dict, out: str, compile: bool = False) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        cfg = _cfg(**parallel)
-        cfg.train.compile = compile
-        derived, dims = validate(cfg, world, rank)
-        model = build_model(cfg, VOCAB)  # meta
-        assert all(p.is_meta for p in model.parameters())
-        par = parallelize(
-            model,
-            dims,
-            cfg,
-            torch.device("cpu"),
-            spec_of(cfg),
-            n_microbatches=derived.pp_microbatches,
-            init=lambda name, whole: model.init_param(name, whole, SEED),
-        )
-        local = sum(
-            p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in par.model.parameters()
-        )
-        if compile:  # the blocks the schedule runs are the compiled ones, and a step through them works
-            stages = par.pipeline.stages
-            assert all(b._compiled_call_impl is not None for st in stages for b in gpt_parallel.blocks(st))
-            x = torch.randint(0, VOCAB, (8, 16))
-            assert torch.isfinite(par.pipeline.step(x, x, contextlib.nullcontext))
-        sd = par.model_state()
-        if rank == 0:
-            torch.save({"state": sd, "local": local}, out)
-        else:
-            torch.save({"local": local}, f"{out}.{rank}")
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, parallel: dict, out: str, compile: bool = False) -> None:
+    cfg = _cfg(**parallel)
+    cfg.train.compile = compile
+    derived, dims = validate(cfg, world, rank)
+    model = build_model(cfg, VOCAB)  # meta
+    assert all(p.is_meta for p in model.parameters())
+    par = parallelize(
+        model,
+        dims,
+        cfg,
+        torch.device("cpu"),
+        spec_of(cfg),
+        n_microbatches=derived.pp_microbatches,
+        init=lambda name, whole: model.init_param(name, whole, SEED),
+    )
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in par.model.parameters())
+    if compile:  # the blocks the schedule runs are the compiled ones, and a step through them works
+        stages = par.pipeline.stages
+        assert all(b._compiled_call_impl is not None for st in stages for b in gpt_parallel.blocks(st))
+        x = torch.randint(0, VOCAB, (8, 16))
+        assert torch.isfinite(par.pipeline.step(x, x, contextlib.nullcontext))
+    sd = par.model_state()
+    if rank == 0:
+        torch.save({"state": sd, "local": local}, out)
+    else:
+        torch.save({"local": local}, f"{out}.{rank}")
 
 
 LAYOUTS = {
@@ -81,7 +73,7 @@ def test_every_layout_starts_from_one_process_weights(tmp_path, layout):
     world, parallel = LAYOUTS[layout]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = str(tmp_path / "state.pt")
-    mp.spawn(_worker, args=(world, str(tmp_path / "store"), parallel, out), nprocs=world, join=True)
+    spawn_gloo(_worker, world, tmp_path, parallel, out)
     got = torch.load(out, weights_only=True)
     torch.manual_seed(0)  # the reference's init must not depend on the global RNG: reset_parameters(SEED)
     ref = build_model(_cfg(), VOCAB, "cpu")
@@ -101,5 +93,5 @@ def test_pipeline_compiles_the_blocks_its_stages_run(tmp_path):
     calls), and a pipeline step runs through them."""
     out = str(tmp_path / "state.pt")
     parallel = {"pp": 2, "pp_microbatches": 2}
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), parallel, out, True), nprocs=2, join=True)
+    spawn_gloo(_worker, 2, tmp_path, parallel, out, True)
     assert torch.load(out, weights_only=True)["local"] > 0

@@ -11,9 +11,8 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_ranks import spawn_gloo
 
 from loom.config import Config, validate
 from loom.model.registry import spec_of
@@ -39,37 +38,32 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return xy[:, :-1], xy[:, 1:]
 
 
-def _worker(rank: int, world: int, store: str, parallel: dict, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        cfg = _cfg(**parallel)
-        derived, dims = validate(cfg, world, rank)
-        model = build_model(cfg, VOCAB)  # meta
-        par = parallelize(
-            model,
-            dims,
-            cfg,
-            torch.device("cpu"),
-            spec_of(cfg),
-            n_microbatches=derived.pp_microbatches,
-            init=lambda name, whole: model.init_param(name, whole, SEED),
-        )
-        x, y = _batch()
-        record = {}
-        if par.pipeline is not None:
-            loss = par.pipeline.step(x, y, contextlib.nullcontext)
-            if par.pipeline.holds_last:
-                record["loss"] = float(loss)
-        else:
-            with par.loss_context(), torch.no_grad():
-                record["loss"] = float(par.forward(x, y))
-                logits = par.model(x)
-                record["pad"] = logits.full_tensor()[..., VOCAB:] if hasattr(logits, "full_tensor") else None
-        if record:
-            torch.save(record, f"{out}.{rank}")
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, parallel: dict, out: str) -> None:
+    cfg = _cfg(**parallel)
+    derived, dims = validate(cfg, world, rank)
+    model = build_model(cfg, VOCAB)  # meta
+    par = parallelize(
+        model,
+        dims,
+        cfg,
+        torch.device("cpu"),
+        spec_of(cfg),
+        n_microbatches=derived.pp_microbatches,
+        init=lambda name, whole: model.init_param(name, whole, SEED),
+    )
+    x, y = _batch()
+    record = {}
+    if par.pipeline is not None:
+        loss = par.pipeline.step(x, y, contextlib.nullcontext)
+        if par.pipeline.holds_last:
+            record["loss"] = float(loss)
+    else:
+        with par.loss_context(), torch.no_grad():
+            record["loss"] = float(par.forward(x, y))
+            logits = par.model(x)
+            record["pad"] = logits.full_tensor()[..., VOCAB:] if hasattr(logits, "full_tensor") else None
+    if record:
+        torch.save(record, f"{out}.{rank}")
 
 
 LAYOUTS = {
@@ -84,7 +78,7 @@ def test_padding_ids_take_no_probability_in_any_layout(tmp_path, layout):
     world, parallel = LAYOUTS[layout]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = str(tmp_path / "rec")
-    mp.spawn(_worker, args=(world, str(tmp_path / "store"), parallel, out), nprocs=world, join=True)
+    spawn_gloo(_worker, world, tmp_path, parallel, out)
     records = [
         torch.load(f"{out}.{r}", weights_only=True) for r in range(world) if os.path.exists(f"{out}.{r}")
     ]
