@@ -146,6 +146,8 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("dp-ep", min_world=4, ep=-2),  # two replicas of each expert (ddp, all-reduced over efsdp)
         Strategy("ep-fsdp", ep=2, dp_impl="fsdp"),  # at 4 ranks the experts are FSDP-sharded over 2 as well
         Strategy("ep-tp", min_world=4, tp=2, ep=0),  # the MoE layers whole on each tp rank, split over dp
+        # each stage's experts split over its data-parallel ranks; balanced by the bias only (no aux loss under pp)
+        Strategy("ep-pp", min_world=4, pp=2, ep=0),
         Strategy(
             "dp-cp-tp-pp",
             min_world=16,
@@ -515,6 +517,10 @@ def verify_main(argv: list[str]) -> int:
         notes.append(
             f"the verify model is a mixture of experts ({_moe_verify_model(cfg)}): expert parallelism"
         )
+        piped = [n for n in names if STRATEGIES[n].moe and STRATEGIES[n].degrees(args.nproc or 4)[2] > 1]
+        if piped and cfg.model.moe_aux_loss_coef:  # the reference too: every run trains the same model
+            cfg.model.moe_aux_loss_coef = 0.0
+            notes.append(f"moe_aux_loss_coef=0 ({', '.join(piped)}: no balance loss under pipeline parallel)")
     built_in = not args.config and not any(k == "model.n_layer" for k, _ in parse_overrides(overrides))
     stages = {n: _schedule_stages(STRATEGIES[n], args.nproc or STRATEGIES[n].min_world) for n in names}
     if built_in and max(stages.values()) > cfg.model.n_layer:

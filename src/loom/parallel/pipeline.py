@@ -12,7 +12,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loom import log
 from loom.config import PP_SCHEDULES, SCHEDULE_STAGES_PER_RANK
+
+# The method by which torch's PipelineStage learns its activations' shapes from a first run of the stage
+# (torch 2.13: `_forward_metadata_inference`, torch 2.11: `_shape_inference`).
+_SHAPE_RUNS = ("_forward_metadata_inference", "_shape_inference")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -41,6 +46,36 @@ def stage_ids(schedule: str, pp: int, pp_rank: int) -> tuple[list[int], int]:
     return [pp_rank + k * pp for k in range(per_rank)], pp * per_rank
 
 
+def _shape_run_in_eval(pstage) -> None:
+    """Run the stage's shape-learning forward in eval mode.
+
+    Before the first step torch runs each stage once to learn its activations' shapes: torch 2.13 on real
+    tensors with autograd (the first micro-batch on the first stage, uninitialised tensors after it), torch 2.11
+    on meta tensors. In training mode that extra forward counts: a MoE layer adds its load to the step's
+    balance statistics, so its bias moved differently from one process (`loom verify --strategies pp-gpipe`
+    on a MoE: max |dparam| 4.7e-3 after 10 steps), and dropout draws from the generator. In eval mode a
+    forward counts nothing; the shapes are the same."""
+    name = next((n for n in _SHAPE_RUNS if hasattr(pstage, n)), None)
+    if name is None:
+        log.warn(
+            "this torch's PipelineStage has none of "
+            + ", ".join(_SHAPE_RUNS)
+            + ": its shape-learning forward runs in training mode (a MoE's first step counts one more forward)"
+        )
+        return
+    run = getattr(pstage, name)
+
+    def in_eval(*args, **kwargs):
+        mode = pstage.submod.training
+        pstage.submod.eval()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            pstage.submod.train(mode)
+
+    setattr(pstage, name, in_eval)
+
+
 class Pipeline:
     """This rank's stages under a schedule."""
 
@@ -62,6 +97,8 @@ class Pipeline:
             pipelining.PipelineStage(st, sid, n_stages, device, group=pp_group)
             for st, sid in zip(stages, ids, strict=True)
         ]
+        for ps in pstages:
+            _shape_run_in_eval(ps)
         cls = getattr(pipelining, PP_SCHEDULES[schedule][0])
         self.loss = MicroBatchLoss()
         self.schedule = cls(
