@@ -148,6 +148,7 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("ep-tp", min_world=4, tp=2, ep=0),  # the MoE layers whole on each tp rank, split over dp
         # each stage's experts split over its data-parallel ranks; balanced by the bias only (no aux loss under pp)
         Strategy("ep-pp", min_world=4, pp=2, ep=0),
+        Strategy("ep-cp", cp=0, ep=0, flags=("--parallel.cp_impl=ulysses",)),  # experts over the cp ranks
         Strategy(
             "dp-cp-tp-pp",
             min_world=16,
@@ -185,6 +186,12 @@ def _moe_verify_model(cfg: Config) -> str:
     for k, v in keys.items():
         set_key(cfg, f"model.{k}", v)
     return ", ".join(f"{k}={v}" for k, v in keys.items())
+
+
+def _splits_sequences_or_stages(s: Strategy, nproc: int | None) -> bool:
+    """Strategy s cuts the model into pipeline stages or each sequence over cp ranks."""
+    n = nproc or s.min_world
+    return s.degrees(n)[2] > 1 or s.cp_at(n) > 1
 
 
 def micro_batch(batch_size: int) -> int:
@@ -517,10 +524,15 @@ def verify_main(argv: list[str]) -> int:
         notes.append(
             f"the verify model is a mixture of experts ({_moe_verify_model(cfg)}): expert parallelism"
         )
-        piped = [n for n in names if STRATEGIES[n].moe and STRATEGIES[n].degrees(args.nproc or 4)[2] > 1]
-        if piped and cfg.model.moe_aux_loss_coef:  # the reference too: every run trains the same model
+        # the aux loss is per sequence on the last stage: refused under pp and cp (the reference drops it too)
+        split = [
+            n for n in names if STRATEGIES[n].moe and _splits_sequences_or_stages(STRATEGIES[n], args.nproc)
+        ]
+        if split and cfg.model.moe_aux_loss_coef:
             cfg.model.moe_aux_loss_coef = 0.0
-            notes.append(f"moe_aux_loss_coef=0 ({', '.join(piped)}: no balance loss under pipeline parallel)")
+            notes.append(
+                f"moe_aux_loss_coef=0 ({', '.join(split)}: no balance loss under pipeline or context parallel)"
+            )
     built_in = not args.config and not any(k == "model.n_layer" for k, _ in parse_overrides(overrides))
     stages = {n: _schedule_stages(STRATEGIES[n], args.nproc or STRATEGIES[n].min_world) for n in names}
     if built_in and max(stages.values()) > cfg.model.n_layer:

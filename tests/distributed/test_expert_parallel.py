@@ -3,7 +3,8 @@
 Compared against: one process. `loom verify` runs the MoE verify model (4 experts top-2, DeepSeek-V3's bias
 update on) with its experts split over the ranks and checks losses and parameters to 1e-5 (fp32) of the
 one-process run: ep, dp-ep, ep-fsdp and ep-tp at 4 processes (2 processes run the same code: the closing note
-of issue 32 has both at 30 steps), and ep-pp (pipeline stages; the aux loss off) at 4. The dispatch itself is
+of issue 32 has both at 30 steps), ep-pp (pipeline stages) at 4
+and ep-cp (the experts over the cp ranks) at 2, both with the aux loss off. The dispatch itself is
 checked row by row: every routed copy of a token must come back from the rank that holds its expert, computed
 by that expert (a dispatch that sends rows to the wrong rank, or combines them in the wrong order, fails
 here). The experts' memory per rank is measured on parallelized models: 1/ep of the whole at ep 4 (ddp),
@@ -30,6 +31,13 @@ def test_verify_expert_parallel_with_pipeline_stages(tmp_path, char_data):
     its shapes: that forward must not count in the balance (it did: max |dparam| 5e-3 after 10 steps)."""
     recs = verify_records(tmp_path, char_data, "ep-pp", "--nproc", "4")
     assert [(r["world_size"], r["ep"], r["pp"]) for r in recs] == [(4, 2, 2)]
+
+
+def test_verify_expert_parallel_over_context_parallel_ranks(tmp_path, char_data):
+    """ep over the cp ranks (2 processes, Ulysses): each rank routes its part of every sequence and holds half
+    the experts; the aux loss off (cp refuses it)."""
+    recs = verify_records(tmp_path, char_data, "ep-cp", "--nproc", "2")
+    assert [(r["world_size"], r["ep"], r["cp"]) for r in recs] == [(2, 2, 2)]
 
 
 # ------------------------------------------------------------------------------ the dispatch, row by row
