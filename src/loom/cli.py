@@ -13,14 +13,46 @@ from pathlib import Path
 from loom.errors import LoomError
 
 
-def _train(argv: list[str]) -> int:
+def _sft(argv: list[str]) -> int:
+    """`loom sft`: `loom train` that first insists on what supervised fine-tuning needs (check_sft)."""
+    return _train(argv, sft=True)
+
+
+def check_sft(cfg) -> None:
+    """Conversation data (loom data prepare --chat) and a model to start from, or one error before any work:
+    `loom train` itself decides the stage from the data, so a plain-text directory there would pretrain."""
+    from loom.data.loader import read_meta
+    from loom.data.sft import is_chat_data
+
+    prepare = "loom data prepare --chat --input CONVERSATIONS.jsonl --tokenizer runs/BASE --out data/chat"
+    if not cfg.data.path:
+        raise LoomError(
+            "loom sft needs conversation data: data.path is not set",
+            hint=f"{prepare}, then --data.path=data/chat",
+        )
+    if not is_chat_data(read_meta(cfg.data.path)):
+        raise LoomError(
+            f"loom sft needs conversation data; {cfg.data.path} holds plain token shards (no loss masks)",
+            hint=f"{prepare} (or loom train to pretrain on it)",
+        )
+    if not cfg.model.init_from:
+        raise LoomError(
+            "loom sft starts from a trained model: model.init_from is not set",
+            hint="--model.init_from=run:DIR (a loom run) or hf:DIR (a transformers directory)",
+        )
+
+
+def _train(argv: list[str], sft: bool = False) -> int:
     if "--dry-run" in argv:  # will the job fit at --world N: built and stepped on fake tensors (loom.dryrun)
         from loom.dryrun import dryrun_main
 
         return dryrun_main([a for a in argv if a != "--dry-run"])
     p = argparse.ArgumentParser(
-        prog="loom train",
-        description="Train a language model. With no arguments: the built-in corpus and the demo model.",
+        prog="loom sft" if sft else "loom train",
+        description="Fine-tune a model on conversations (loom train, insisting on chat data and "
+        "model.init_from)."
+        if sft
+        else "Train a language model. With no arguments: the built-in corpus and the demo model.",
         epilog="Any config key can be set as --section.key=value; see --help-config.",
     )
     p.add_argument("config", nargs="?", help="a TOML config file (configs/*.toml)")
@@ -52,6 +84,8 @@ def _train(argv: list[str]) -> int:
         return 0
     args.config, rest = config.config_argv(argv, args.config, rest)
     cfg = config.load_config(args.config, rest)
+    if sft:
+        check_sft(cfg)
     explicit = {k for k, _ in config.parse_overrides(rest)}
     if args.config:
         explicit |= {f"{s}.{k}" for s, kv in config.load_toml(args.config).items() for k in kv}
@@ -928,6 +962,7 @@ def _plan(argv: list[str]) -> int:
 
 VERBS = {
     "train": (_train, "train a language model (no arguments: the demo on the built-in corpus)"),
+    "sft": (_sft, "fine-tune on conversations: loom sft --data.path=CHAT --model.init_from=run:BASE"),
     "data": (_data, "prepare data: loom data prepare --input ... --out DIR"),
     "generate": (_generate, "sample from a trained run"),
     "chat": (_chat, "talk to a fine-tuned run: loom chat RUN [--prompt TEXT] (/reset, /quit)"),

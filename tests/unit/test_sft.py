@@ -192,7 +192,9 @@ def test_init_from_run_grows_the_vocabulary_with_mean_rows(sft):
 
 
 def test_chat_answers_and_refuses_a_base_model(sft, capsys):
-    assert main(_sft_args(sft, "chat-run", "--train.steps=2")) == 0
+    assert (
+        main(["sft", *_sft_args(sft, "chat-run", "--train.steps=2")[1:]]) == 0
+    )  # loom sft: loom train, checked
     capsys.readouterr()
     assert main(["chat", str(sft / "runs" / "chat-run"), "--prompt", "reverse: apple stone",
                  "--max-new-tokens", "5"]) == 0  # fmt: skip
@@ -222,6 +224,21 @@ def test_repl_resets_and_quits(sft):
     # after /reset the conversation holds the system message, the last turn and its answer only
     assert [m["role"] for m in session.messages] == ["system", "user", "assistant"]
     assert session.messages[1]["content"] == "again"
+
+
+def test_loom_sft_refuses_plain_data_and_a_missing_base(sft, capsys):
+    """`loom sft` is `loom train` that insists on conversations and a model to start from (loom train would
+    pretrain on plain shards, or fine-tune from random weights), one error each before any work."""
+    args = _sft_args(sft, "refused", "--train.steps=1")[1:]
+    capsys.readouterr()
+    plain = [a if not a.startswith("--data.path=") else f"--data.path={sft / 'text'}" for a in args]
+    assert main(["sft", *plain]) == 2
+    assert "holds plain token shards" in capsys.readouterr().err
+    assert main(["sft", *[a for a in args if not a.startswith("--model.init_from=")]]) == 2
+    assert "model.init_from is not set" in capsys.readouterr().err
+    assert main(["sft", *[a for a in args if not a.startswith("--data.path=")]]) == 2
+    assert "data.path is not set" in capsys.readouterr().err
+    assert not (sft / "runs" / "refused").exists()
 
 
 def test_sft_refuses_data_of_another_tokenizer(sft, tmp_path, capsys):
