@@ -300,6 +300,18 @@ def test_a_lora_runs_checkpoint_holds_what_it_trains_and_resumes(sft, capsys):
     assert "LoRA run's checkpoint" in capsys.readouterr().err
 
 
+def test_a_lora_run_under_muon_resumes(sft):
+    """Under optim.name=muon a LoRA run has no hidden matrix to train (the adapters are AdamW's): the empty
+    Muon group is left out, else its checkpoint could not be loaded (an IndexError in torch's DCP)."""
+    from loom import checkpoint
+
+    args = _sft_args(sft, "muon-lora", "--finetune.lora_rank=2", "--finetune.lora_embeddings=false",
+                     "--optim.name=muon")  # fmt: skip
+    assert main([*args, "--train.steps=2"]) == 0
+    assert main([*args, "--train.steps=3", "--train.resume=auto"]) == 0
+    assert checkpoint.latest_valid(sft / "runs" / "muon-lora" / "ckpt").name == "step_000003"
+
+
 def test_init_optimizer_continues_the_base_runs_optimizer_state(sft, capsys):
     """finetune.init_optimizer: AdamW's moments and step count come from the base run (3 steps), so one SFT
     step later a matrix's state has taken 4 steps; refused without run:DIR or with LoRA."""

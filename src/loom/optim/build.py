@@ -16,13 +16,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             continue
         seen.add(id(p))
         (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    # an empty group (a LoRA run trains no norm gain) has no parameter to name its options by in a flattened
-    # optimizer state dict (torch.distributed.checkpoint): left out
-    return [g for g in groups if g["params"]]
+    return _nonempty(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    )
 
 
 def is_hidden_matrix(module: torch.nn.Module, name: str, p: torch.nn.Parameter) -> bool:
@@ -33,7 +29,7 @@ def is_hidden_matrix(module: torch.nn.Module, name: str, p: torch.nn.Parameter) 
 
 
 def muon_param_groups(model: torch.nn.Module, ocfg) -> list[dict]:
-    """[Muon group, AdamW decay group, AdamW no-decay group]; tied weights appear once (in the first group
+    """[Muon group, AdamW decay group, AdamW no-decay group], the empty ones left out; tied weights appear once (in the first group
     that meets them in module order; a tied embedding/head is an Embedding first, so AdamW)."""
     seen, muon, decay, no_decay = set(), [], [], []
     for mod_name, module in model.named_modules():
@@ -47,11 +43,20 @@ def muon_param_groups(model: torch.nn.Module, ocfg) -> list[dict]:
             else:
                 (decay if p.dim() >= 2 else no_decay).append(p)
     scale = ocfg.muon_lr / ocfg.lr  # Muon's step follows the same schedule as AdamW's lr
-    return [
-        {"params": muon, "use_muon": True, "lr_scale": scale, "weight_decay": ocfg.muon_weight_decay},
-        {"params": decay, "use_muon": False, "lr_scale": 1.0, "weight_decay": ocfg.weight_decay},
-        {"params": no_decay, "use_muon": False, "lr_scale": 1.0, "weight_decay": 0.0},
-    ]
+    return _nonempty(
+        [
+            {"params": muon, "use_muon": True, "lr_scale": scale, "weight_decay": ocfg.muon_weight_decay},
+            {"params": decay, "use_muon": False, "lr_scale": 1.0, "weight_decay": ocfg.weight_decay},
+            {"params": no_decay, "use_muon": False, "lr_scale": 1.0, "weight_decay": 0.0},
+        ]
+    )
+
+
+def _nonempty(groups: list[dict]) -> list[dict]:
+    """The groups that hold parameters. An empty one (a LoRA run trains no norm gain, and under Muon no
+    hidden matrix: the adapters are AdamW's) has no parameter to name its options by in a flattened optimizer
+    state dict (torch.distributed.checkpoint), so a checkpoint of it could not be loaded: left out."""
+    return [g for g in groups if g["params"]]
 
 
 def muon_defaults(ocfg) -> dict:
