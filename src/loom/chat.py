@@ -36,7 +36,7 @@ def chat_template(tokenizer, meta: dict, run_dir) -> object:
         raise LoomError(
             f"run '{run_dir}' is a base model: its tokenizer has no chat tokens, so it has no turns to take",
             hint="fine-tune it on conversations first: loom data prepare --chat ... --tokenizer RUN, then "
-            "loom train --data.path=CHAT_DATA --model.init_from=run:RUN",
+            "loom sft --data.path=CHAT_DATA --model.init_from=run:RUN",
         )
     return chat_template_of(tokenizer, meta)
 

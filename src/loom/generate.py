@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -139,14 +140,67 @@ class Sampler(Every):
         return f"--- sample at step {step} ---\n{record['sample']}\n---"
 
 
+class ChatSampler(Sampler):
+    """On chat data (an SFT run) the sample is the model's greedy reply to the first validation
+    conversation's first prompt, up to its end of turn, shown beside the answer the data holds: what
+    `loom chat RUN --prompt` would answer, not text continued from end-of-text."""
+
+    def __init__(self, prompt: list[int], expected: list[int], stop_ids, *args):
+        super().__init__(*args)
+        self.prompt, self.expected, self.stop_ids = prompt, expected, set(stop_ids)
+
+    def text(self, model: nn.Module, ctx: EvalContext, prompt: str = "") -> str:
+        tok = ctx.tokenizer
+        idx = torch.tensor([self.prompt], dtype=torch.long, device=ctx.device)
+        out: list[int] = []
+        with ctx.autocast():
+            for nxt in iter_tokens(
+                model,
+                idx,
+                self.max_new_tokens,
+                temperature=0.0,
+                vocab_size=tok.vocab_size,
+                extends_context=self.extends_context,
+            ):
+                if int(nxt[0, 0]) in self.stop_ids:
+                    break
+                out.append(int(nxt[0, 0]))
+        return (
+            f"prompt:   {tok.decode(self.prompt[1:])}\n"  # [0] is the end-of-text that opens a conversation
+            f"reply:    {tok.decode(out)}\nexpected: {tok.decode(self.expected)}"
+        )
+
+
+def _chat_sampler(setup: EvalSetup, *args) -> ChatSampler | None:
+    """The chat sample's prompt and expected answer from the validation conversations, or None (plain data)."""
+    from loom.data.chat import chat_template_of
+    from loom.data.loader import read_meta
+    from loom.data.sft import Conversations, is_chat_data
+
+    meta = read_meta(setup.data_dir)
+    if not is_chat_data(meta):
+        return None
+    val = Conversations(setup.data_dir, "val", setup.cfg.model.block_size)
+    start, n = int(val.starts[0]), int(val.lengths[0])
+    tokens, mask = val.tokens[start : start + n], val.mask[start : start + n]
+    # the mask is 1 on the tokens the model is trained to produce: the first answer is the first run of 1s
+    first = int(np.argmax(mask))
+    end = first + (int(np.argmin(mask[first:])) or n - first)
+    template = chat_template_of(setup.tokenizer, meta)
+    expected = [t for t in tokens[first:end].tolist() if t not in template.stop_ids]
+    return ChatSampler(tokens[:first].tolist(), expected, template.stop_ids, *args)
+
+
 def _in_training(setup: EvalSetup) -> Sampler | None:
-    """The sample of text every train.sample_every steps and at the end, when the data has a tokenizer."""
+    """The sample every train.sample_every steps and at the end, when the data has a tokenizer: text from
+    end-of-text, or on chat data a reply (ChatSampler)."""
     if setup.tokenizer is None:
         return None
     t = setup.cfg.train
     samples = setup.run_dir / "samples.txt" if setup.main else None
     extend = setup.spec.extends_context(setup.model_cfg)
-    return Sampler(t.sample_every, t.sample_tokens, setup.cfg.run.seed, extend, samples)
+    args = (t.sample_every, t.sample_tokens, setup.cfg.run.seed, extend, samples)
+    return _chat_sampler(setup, *args) or Sampler(*args)
 
 
 register_evaluator("sample", _in_training)

@@ -200,6 +200,14 @@ def test_chat_answers_and_refuses_a_base_model(sft, capsys):
                  "--max-new-tokens", "5"]) == 0  # fmt: skip
     answer = capsys.readouterr().out
     assert answer.endswith("\n") and "<|" not in answer  # the answer only, no chat token
+    # the run's end-of-run sample was a reply to the first validation prompt, beside the data's answer
+    sample = (sft / "runs" / "chat-run" / "samples.txt").read_text()
+    prompt, reply, expected = sample.splitlines()[1:4]
+    assert prompt.startswith("prompt:   <|") and prompt.endswith("<|user_end|><|assistant_start|>")
+    assert reply.startswith("reply:    ") and "<|assistant_end|>" not in reply
+    assert expected.startswith("expected: ") and "<|" not in expected
+    words = prompt.split("reverse: ")[1].split("<|")[0].split()
+    assert expected.split()[1:] == words[::-1]  # the conversations ask for the words reversed
     assert main(["chat", str(sft / "runs" / "base"), "--prompt", "hi"]) == 2
     assert "base model" in capsys.readouterr().err
 
