@@ -167,6 +167,26 @@ def test_counts_and_adapter_only_state(capsys):
         load_lora_state_dict(other, {k: v for k, v in sd.items() if "mlp" not in k})
 
 
+def test_flops_per_token_count_a_trained_head_at_six():
+    """MFU's FLOPs under LoRA: 6 a parameter for the adapters and for a head that trains
+    (finetune.lora_embeddings), 4 for every frozen matrix (no weight gradient)."""
+    from loom.model.flops import flops_per_token, matmul_params
+    from loom.train.finetune import lora_flops_per_token
+
+    cfg = llama_cfg()
+    model = build(cfg)
+    apply_lora(model, rank=4, alpha=8.0, targets=LLAMA_TARGETS, seed=0)
+    full = flops_per_token(cfg)
+    adapters = sum(v.numel() for v in lora_state_dict(model).values())
+    attention = full - 6 * matmul_params(cfg)  # what no parameter counts
+    head = cfg.padded_vocab * cfg.n_embd
+    assert lora_flops_per_token(model, full) == attention + 4 * matmul_params(cfg) + 6 * adapters
+    model.lm_head.weight.requires_grad_(True)
+    assert lora_flops_per_token(model, full) == attention + 4 * (matmul_params(cfg) - head) + 6 * (
+        adapters + head
+    )
+
+
 def test_target_forms():
     cfg = llama_cfg()
     names = lambda t: apply_lora(build(cfg), 2, 2.0, t, seed=0)  # noqa: E731

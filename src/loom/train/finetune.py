@@ -47,6 +47,31 @@ def lora_embeddings(cfg: Config, meta: dict) -> bool:
     return isinstance(base, int) and base < meta["vocab_size"]
 
 
+def apply_finetune(model, cfg: Config, meta: dict) -> list[str]:
+    """finetune.* on a model just built, before the layout (tensor parallel and FSDP see the adapters): LoRA
+    on the chosen linears, the base frozen, and the embedding and head trainable again when
+    finetune.lora_embeddings says so. The names of the adapted linears ([] without LoRA)."""
+    from loom.model.lora import apply_configured
+
+    lora = apply_configured(model, cfg.finetune, cfg.run.seed)
+    if lora and lora_embeddings(cfg, meta):
+        for name, p in model.named_parameters():
+            if name in ("wte.weight", "lm_head.weight"):
+                p.requires_grad_(True)
+    return lora
+
+
+def lora_flops_per_token(model, full: float) -> float:
+    """Training FLOPs per token of a LoRA model whose full fine-tuning costs `full`: a frozen matrix gets no
+    weight gradient (4 FLOPs a parameter, not 6), a trained one (the adapters; the head when it trains) 6."""
+    from loom.model.flops import matmul_params
+    from loom.model.lora import lora_state_dict
+
+    head = model.cfg.padded_vocab * model.cfg.n_embd if model.lm_head.weight.requires_grad else 0
+    adapters = sum(t.numel() for t in lora_state_dict(model).values())
+    return full - 2 * (matmul_params(model.cfg) - head) + 6 * adapters
+
+
 def check_lora_targets(cfg: Config) -> None:
     """finetune.lora_targets that match no linear of the model are refused before any process starts: the
     adapters are tried on the model built on the meta device (shapes only, no memory)."""

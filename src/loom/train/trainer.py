@@ -40,7 +40,7 @@ from loom.metrics import (
     peak_flops,
     peak_memory_bytes,
 )
-from loom.model.lora import apply_configured, trainable_summary
+from loom.model.lora import trainable_summary
 from loom.model.registry import spec_of
 from loom.optim.schedule import lr_at
 from loom.parallel import fp8, parallelize
@@ -48,7 +48,7 @@ from loom.parallel.dims import ParallelDims
 from loom.parallel.state import model_state_bytes
 from loom.runs import pretrained_state
 from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointParts, CheckpointPolicy
-from loom.train.finetune import lora_embeddings
+from loom.train.finetune import apply_finetune, lora_flops_per_token
 from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
 from loom.train.run_files import write_run_files
 from loom.train.setup import resolve_precision
@@ -170,13 +170,7 @@ class Trainer:
         cfg = self.cfg
         self.spec = spec_of(cfg)  # the model family: everything the trainer asks about the model
         model = self.spec.build_model(cfg, self.meta["vocab_size"], eot_id=self.eot_id)
-        self.lora = apply_configured(model, cfg.finetune, cfg.run.seed)  # before the layout: TP/FSDP see them
-        if self.lora and lora_embeddings(
-            cfg, self.meta
-        ):  # new tokens' rows: alike at the start, they must learn
-            for name, p in model.named_parameters():
-                if name in ("wte.weight", "lm_head.weight"):
-                    p.requires_grad_(True)
+        self.lora = apply_finetune(model, cfg, self.meta)
         if self.lora:
             log.info(
                 f"LoRA rank {cfg.finetune.lora_rank} on {len(self.lora)} linears: {trainable_summary(model)}"
@@ -263,16 +257,9 @@ class Trainer:
         log.info(f"optimizer state from {path}")
 
     def _flops_per_token(self, model: torch.nn.Module) -> float:
-        """The family's training FLOPs per token; with LoRA the frozen weights get no weight gradient (their
-        matrices cost 4, not 6, FLOPs a parameter) and the adapters' matrices cost 6 each."""
+        """The family's training FLOPs per token (LoRA: the frozen matrices get no weight gradient)."""
         flops = self.spec.flops_per_token(model.cfg, None)
-        if not self.lora:
-            return flops
-        from loom.model.flops import matmul_params
-        from loom.model.lora import lora_state_dict
-
-        adapters = sum(t.numel() for t in lora_state_dict(model).values())
-        return flops - 2 * matmul_params(model.cfg) + 6 * adapters
+        return lora_flops_per_token(model, flops) if self.lora else flops
 
     def _chat_data(self, data_dir: Path) -> None:
         """SFT: conversations packed best-fit into rows (with document masks; else one a row), targets masked
