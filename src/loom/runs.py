@@ -267,11 +267,13 @@ def grow_rows(old: torch.Tensor, new_shape: torch.Size, old_vocab: int, new_voca
 
 
 def run_init_state(cfg: Config, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The run's newest weights by loom's names for `model` (built for this run's vocabulary), on the host."""
+    """The run's newest weights by loom's names for `model` (built for this run's vocabulary; whole, or this
+    rank's pipeline stages), on the host: the whole model's."""
     d = run_dir_of(cfg)
     run_cfg, old, _, run_meta, path = load_run(d, torch.device("cpu"))
     state = {k: v.detach() for k, v in old.state_dict().items()}
-    want = model.state_dict()
+    with torch.device("meta"):  # the whole model's names and shapes (a pipeline stage holds only its blocks)
+        want = spec_of(cfg).build(model.cfg).state_dict()
     old_vocab, new_vocab = run_meta["vocab_size"], model.cfg.vocab_size
     for name in _VOCAB_WEIGHTS:  # the chat tokens' new rows (the same rows when the vocabulary is the run's)
         if name in state and name in want:

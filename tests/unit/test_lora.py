@@ -169,21 +169,25 @@ def test_counts_and_adapter_only_state(capsys):
 
 def test_flops_per_token_count_a_trained_head_at_six():
     """MFU's FLOPs under LoRA: 6 a parameter for the adapters and for a head that trains
-    (finetune.lora_embeddings), 4 for every frozen matrix (no weight gradient)."""
+    (finetune.lora_embeddings: auto trains it when the data added tokens), 4 for every frozen matrix."""
+    from loom.config import load_config
     from loom.model.flops import flops_per_token, matmul_params
+    from loom.model.registry import spec_of
     from loom.train.finetune import lora_flops_per_token
 
-    cfg = llama_cfg()
-    model = build(cfg)
-    apply_lora(model, rank=4, alpha=8.0, targets=LLAMA_TARGETS, seed=0)
-    full = flops_per_token(cfg)
+    flags = ["--model.family=llama", "--model.n_layer=2", "--model.n_head=4", "--model.n_embd=32"]
+    cfg = load_config(None, [*flags, "--finetune.lora_rank=4", "--finetune.lora_targets=all-linear"])
+    plain, chat = {"vocab_size": 60}, {"vocab_size": 60, "chat": {"base_vocab_size": 54}}
+    model = spec_of(cfg).build_model(cfg, 60)  # meta
+    mcfg = model.cfg
+    apply_lora(model, rank=4, alpha=8.0, targets="all-linear")
     adapters = sum(v.numel() for v in lora_state_dict(model).values())
-    attention = full - 6 * matmul_params(cfg)  # what no parameter counts
-    head = cfg.padded_vocab * cfg.n_embd
-    assert lora_flops_per_token(model, full) == attention + 4 * matmul_params(cfg) + 6 * adapters
-    model.lm_head.weight.requires_grad_(True)
-    assert lora_flops_per_token(model, full) == attention + 4 * (matmul_params(cfg) - head) + 6 * (
-        adapters + head
+    full = flops_per_token(mcfg)
+    attention = full - 6 * matmul_params(mcfg)  # what no parameter counts
+    head = mcfg.padded_vocab * mcfg.n_embd
+    assert lora_flops_per_token(cfg, plain, mcfg, full) == attention + 4 * matmul_params(mcfg) + 6 * adapters
+    assert lora_flops_per_token(cfg, chat, mcfg, full) == (
+        attention + 4 * (matmul_params(mcfg) - head) + 6 * (adapters + head)
     )
 
 

@@ -308,6 +308,18 @@ def test_a_lora_runs_checkpoint_holds_what_it_trains_and_resumes(sft, capsys):
     assert "LoRA run's checkpoint" in capsys.readouterr().err
 
 
+def test_lora_from_a_run_under_pipeline_and_context_parallel_equals_one_process(sft, tmp_path):
+    """model.init_from=run:DIR checked its weights against this rank's pipeline stage, which holds only its
+    blocks, and LoRA's FLOPs read the head a first stage does not hold: both refused to start under pp.
+    `loom verify` (2 processes each) against one process."""
+    from loomrun import verify_records
+
+    base = f"--model.init_from=run:{sft / 'runs' / 'base'}"
+    recs = verify_records(tmp_path, sft / "chat", "pp-1f1b,cp-ulysses", "--nproc", "2", base,
+                          "--finetune.lora_rank=2", *MODEL)  # fmt: skip
+    assert [(r["pp"], r["cp"]) for r in recs] == [(2, 1), (1, 2)]
+
+
 def test_a_lora_run_under_muon_resumes(sft):
     """Under optim.name=muon a LoRA run has no hidden matrix to train (the adapters are AdamW's): the empty
     Muon group is left out, else its checkpoint could not be loaded (an IndexError in torch's DCP)."""

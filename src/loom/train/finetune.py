@@ -61,15 +61,22 @@ def apply_finetune(model, cfg: Config, meta: dict) -> list[str]:
     return lora
 
 
-def lora_flops_per_token(model, full: float) -> float:
-    """Training FLOPs per token of a LoRA model whose full fine-tuning costs `full`: a frozen matrix gets no
-    weight gradient (4 FLOPs a parameter, not 6), a trained one (the adapters; the head when it trains) 6."""
+def lora_flops_per_token(cfg: Config, meta: dict, model_cfg, full: float) -> float:
+    """Training FLOPs per token of the LoRA model whose full fine-tuning costs `full`: a frozen matrix gets no
+    weight gradient (4 FLOPs a parameter, not 6), a trained one (the adapters; the head when it trains) 6.
+    Counted on the whole model, built on the meta device (a pipeline stage holds only its blocks)."""
+    import torch
+
     from loom.model.flops import matmul_params
     from loom.model.lora import lora_state_dict
+    from loom.model.registry import spec_of
 
-    head = model.cfg.padded_vocab * model.cfg.n_embd if model.lm_head.weight.requires_grad else 0
-    adapters = sum(t.numel() for t in lora_state_dict(model).values())
-    return full - 2 * (matmul_params(model.cfg) - head) + 6 * adapters
+    with torch.device("meta"):
+        whole = spec_of(cfg).build(model_cfg)
+    apply_finetune(whole, cfg, meta)
+    head = model_cfg.padded_vocab * model_cfg.n_embd if whole.lm_head.weight.requires_grad else 0
+    adapters = sum(t.numel() for t in lora_state_dict(whole).values())
+    return full - 2 * (matmul_params(model_cfg) - head) + 6 * adapters
 
 
 def check_lora_targets(cfg: Config) -> None:

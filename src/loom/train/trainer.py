@@ -259,7 +259,7 @@ class Trainer:
     def _flops_per_token(self, model: torch.nn.Module) -> float:
         """The family's training FLOPs per token (LoRA: the frozen matrices get no weight gradient)."""
         flops = self.spec.flops_per_token(model.cfg, None)
-        return lora_flops_per_token(model, flops) if self.lora else flops
+        return lora_flops_per_token(self.cfg, self.meta, model.cfg, flops) if self.lora else flops
 
     def _chat_data(self, data_dir: Path) -> None:
         """SFT: conversations packed best-fit into rows (with document masks; else one a row), targets masked
