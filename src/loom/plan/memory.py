@@ -14,7 +14,9 @@ Models", eq. 1: what one layer saves for backward, s·b·h units), but tensor by
 tracker on the real code path; tests/unit/test_plan_vs_dryrun.py). s sequence length, b micro-batch, h width,
 F the MLP's hidden width, t tensor-parallel degree; e the compute dtype's bytes (2 under 16-bit autocast):
   * the two norms' inputs, as fp32 copies under autocast (CUDA's autocast runs norms in fp32) and the norms'
-    statistics; on sequence shards (/t) with sequence parallel, whole on every TP rank without;
+    statistics; on sequence shards (/t) with sequence parallel, whole on every TP rank without (RMSNorm as
+    CUDA's fused kernel, torch's _fused_rms_norm, keeps it: on a CPU torch's composite RMSNorm also keeps the
+    normalised tensor, one more s·b·h a norm, which is why a Llama measured on a CPU holds ~10 % more);
   * each sub-layer's input, cast once to e bytes (model.gpt.autocast_input) and read by q/k/v (gate/up):
     full-length on every TP rank (tensor parallel replicates it; sequence parallel all-gathers it and torch's
     DTensor keeps the gathered copy);
