@@ -292,7 +292,7 @@ def _data(argv: list[str]) -> int:
 
 
 def _data_prepare_chat(args) -> int:
-    """loom data prepare --chat: conversations -> shards + loss masks (loom.data.chat)."""
+    """loom data prepare --chat: conversations -> shards + loss masks (loom.data.chat_prepare)."""
     from loom.paths import check_output_dir
 
     if args.corpus:
@@ -304,7 +304,8 @@ def _data_prepare_chat(args) -> int:
             "--chat needs --block-size (the context length of the model to fine-tune)",
             hint="e.g. --block-size 1024; conversations longer than it are dropped (or cut: --too-long truncate)",
         )
-    from loom.data.chat import check_inputs, check_tokenizer_spec, prepare_chat
+    from loom.data.chat_prepare import check_tokenizer_spec, prepare_chat
+    from loom.data.messages import check_inputs
 
     check_inputs(args.input)
     check_output_dir(args.out, "--out", temp_beside=True)

@@ -1,4 +1,4 @@
-"""Chat data for SFT (loom.data.chat, `loom data prepare --chat`).
+"""Chat data for SFT (loom.data.chat, loom.data.chat_prepare: `loom data prepare --chat`).
 
 Compared against: ids written out by hand from the template's definition (nanochat's layout: end-of-text,
 then START + content + END per message; the mask on the assistant's content and <|assistant_end|> only);
@@ -26,11 +26,10 @@ from loom.data.chat import (
     USER_END,
     USER_START,
     ChatTemplate,
-    Drops,
     add_chat_tokens,
-    prepare_chat,
-    read_conversations,
 )
+from loom.data.chat_prepare import prepare_chat
+from loom.data.messages import Drops, read_conversations
 from loom.data.tokenizers import (
     EOT,
     CharTokenizer,
@@ -266,10 +265,10 @@ def test_special_token_text_refused_where_tokenizers_would_parse_it(tmp_path, mo
 
 
 def test_a_long_split_is_cut_into_shards_at_conversation_boundaries(tmp_path, monkeypatch):
-    from loom.data import chat
+    from loom.data import chat_prepare
     from loom.data.formats import open_split
 
-    monkeypatch.setattr(chat, "SHARD_TOKENS", 30)
+    monkeypatch.setattr(chat_prepare, "SHARD_TOKENS", 30)
     path = write_jsonl(tmp_path / "c.jsonl", [conv(f"q{i}", "answer") for i in range(8)])
     meta = prepare_chat([path], tmp_path / "out", "char", block_size=64, val_fraction=0.25)
     shards = open_split(tmp_path / "out", "train")

@@ -349,7 +349,9 @@ def detect_file(path: str | Path, option: str = "--from") -> str:
     )
 
 
-LOSS_MASK_SUFFIX = ".mask.npy"  # chat data's loss masks beside its shards (loom.data.chat): not token files
+LOSS_MASK_SUFFIX = (
+    ".mask.npy"  # chat data's loss masks beside its shards (loom.data.chat_prepare): not token files
+)
 
 
 def _npy_files(d: Path) -> list[Path]:

@@ -1,12 +1,21 @@
 """What a conversation is, for loom's chat template (loom.data.chat) and a tokenizer's own (loom.data.hf_chat):
 OpenAI-style messages, each {"role": "system" | "user" | "assistant", "content": non-empty text}, a system
-message only first, and (for training) at least one assistant turn."""
+message only first, and (for training) at least one assistant turn; and reading them from JSONL records
+({"messages": [...]} or {"prompt", "completion"}), every dropped record counted by reason and place."""
 
 from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from loom.errors import LoomError
 
 ROLES = ("system", "user", "assistant")
+NAMED_PLACES = 5  # offending lines named per drop reason
+
+Messages = list[dict]
 
 
 def message_problem(messages, need_assistant: bool = True) -> str | None:
@@ -39,3 +48,102 @@ def check_messages(messages, need_assistant: bool = True) -> None:
             hint="messages are [{'role': 'system'|'user'|'assistant', 'content': 'non-empty text'}, ...], a "
             "system message only first" + (", and at least one assistant turn" if need_assistant else ""),
         )
+
+
+# ------------------------------------------------------------------------------------ reading records
+
+
+@dataclass
+class Drops:
+    """Records dropped, counted by reason, with the first few places (file:line) of each."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    places: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, reason: str, where: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        named = self.places.setdefault(reason, [])
+        if len(named) < NAMED_PLACES:
+            named.append(where)
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def lines(self) -> list[str]:
+        """One line per reason: how many, and where the first ones are."""
+        out = []
+        for reason, n in sorted(self.counts.items(), key=lambda kv: -kv[1]):
+            more = f" and {n - len(self.places[reason])} more" if n > len(self.places[reason]) else ""
+            out.append(f"{n} record(s): {reason} ({', '.join(self.places[reason])}{more})")
+        return out
+
+
+def record_messages(obj) -> tuple[Messages | None, str | None]:
+    """(messages, None) for a record {"messages": [...]} or {"prompt": str, "completion": str}, else
+    (None, the reason it is dropped)."""
+    if not isinstance(obj, dict):
+        return None, "not a JSON object"
+    if "messages" in obj:
+        messages = obj["messages"]
+    elif "prompt" in obj or "completion" in obj:
+        prompt, completion = obj.get("prompt"), obj.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            return None, "prompt or completion is not a string"
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    else:
+        return None, "no messages (nor prompt and completion)"
+    problem = message_problem(messages)
+    return (None, problem) if problem else (messages, None)
+
+
+def _open_lines(path: Path):
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115
+
+
+def read_conversations(inputs: list[Path], drops: Drops) -> list[tuple[str, Messages]]:
+    """(file:line, messages) of every valid record of the JSONL inputs, in order; the others counted in
+    `drops`. Blank lines are not records."""
+    found = []
+    for path in inputs:
+        with _open_lines(path) as f:
+            for n, raw in enumerate(f, 1):
+                where = f"{path.name}:{n}"
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw.decode("utf-8-sig" if n == 1 else "utf-8"))
+                except UnicodeDecodeError:
+                    drops.add("not UTF-8", where)
+                    continue
+                except ValueError:
+                    drops.add("not JSON", where)
+                    continue
+                messages, reason = record_messages(obj)
+                if reason:
+                    drops.add(reason, where)
+                else:
+                    found.append((where, messages))
+    return found
+
+
+def check_inputs(inputs: list[str | Path]) -> list[Path]:
+    """The JSONL files of --input, each an existing, non-empty regular file (refused before any work)."""
+    if not inputs:
+        raise LoomError(
+            "--chat needs --input FILE.jsonl", hint="loom data prepare --chat --input chats.jsonl"
+        )
+    paths = []
+    for p in map(Path, inputs):
+        if not p.exists():
+            raise LoomError(f"--input '{p}' does not exist", hint="give the path of a JSONL file")
+        if not p.is_file():
+            raise LoomError(
+                f"--input '{p}' is not a file: --chat reads JSONL files",
+                hint="name the .jsonl files themselves (one conversation per line)",
+            )
+        if p.stat().st_size == 0:
+            raise LoomError(
+                f"--input '{p}' is empty", hint="give a JSONL file with one conversation per line"
+            )
+        paths.append(p)
+    return paths

@@ -1,6 +1,6 @@
 """Supervised fine-tuning batches: whole conversations packed into rows, targets masked to the assistant's.
 
-Chat data (`loom data prepare --chat`, loom.data.chat) is loom's token shards plus, beside each shard
+Chat data (`loom data prepare --chat`, loom.data.chat_prepare) is loom's token shards plus, beside each shard
 `{split}_NNNNNN.bin`, a mask `{split}_NNNNNN.mask.npy` (uint8, one per token: 1 where the token is trained on
 as a target: the assistant's tokens and its end of turn). Every conversation starts with the end-of-text id,
 so the conversations are the spans between those, and data.doc_mask=true keeps each one's attention to itself.
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loom.data.formats import detect_dir, split_files
+from loom.data.formats import LOSS_MASK_SUFFIX, detect_dir, split_files
 from loom.data.loader import read_meta, seq_chunk
 from loom.errors import LoomError
 
@@ -38,7 +38,7 @@ def is_chat_data(meta: dict) -> bool:
 
 
 def mask_path(shard: Path) -> Path:
-    return shard.with_name(shard.name.removesuffix(".bin") + ".mask.npy")
+    return shard.with_name(shard.name.removesuffix(".bin") + LOSS_MASK_SUFFIX)
 
 
 class Conversations:
