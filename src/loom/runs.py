@@ -243,15 +243,21 @@ def pretrained_state(cfg: Config, model: nn.Module) -> dict | None:
         return None
     if is_run_init(cfg):  # run:DIR: a loom run's newest weights (its vocabulary grown for chat tokens)
         return run_init_state(cfg, model)
+    import dataclasses
+
+    from loom.model.hf_io import read_config_json
+
     spec = spec_of(cfg)
     if spec.hf is None:
         raise LoomError(
             f"model.init_from={cfg.model.init_from}: the family '{spec.name}' has no HF mapping",
             hint="leave model.init_from empty, or choose a family that imports from transformers",
         )
-    host = spec.build(model.cfg)
-    spec.hf.load_hf_into(host, spec.hf.parse_init_from(cfg.model.init_from))
-    return host.state_dict()
+    d = spec.hf.parse_init_from(cfg.model.init_from)
+    hf_vocab = read_config_json(d).get("vocab_size", model.cfg.vocab_size)  # fewer rows: chat tokens grow it
+    host = spec.build(dataclasses.replace(model.cfg, vocab_size=min(hf_vocab, model.cfg.vocab_size)))
+    spec.hf.load_hf_into(host, d)
+    return _vocab_grown(host.state_dict(), cfg, model, hf_vocab)[0]
 
 
 def grow_rows(old: torch.Tensor, new_shape: torch.Size, old_vocab: int, new_vocab: int) -> torch.Tensor:
@@ -266,20 +272,27 @@ def grow_rows(old: torch.Tensor, new_shape: torch.Size, old_vocab: int, new_voca
     return out
 
 
+def _vocab_grown(state: dict, cfg: Config, model: nn.Module, old_vocab: int) -> tuple[dict, dict]:
+    """(state with its embedding and head grown from old_vocab ids to the model's, the whole model's state on
+    the meta device): the chat tokens' new rows start as the mean row (the same rows when nothing was added)."""
+    with torch.device("meta"):  # the whole model's names and shapes (a pipeline stage holds only its blocks)
+        want = spec_of(cfg).build(model.cfg).state_dict()
+    for name in _VOCAB_WEIGHTS:
+        if name in state and name in want:
+            state[name] = grow_rows(state[name], want[name].shape, old_vocab, model.cfg.vocab_size)
+    if getattr(model.cfg, "tie_embeddings", False) and "lm_head.weight" in state:
+        state["lm_head.weight"] = state["wte.weight"]
+    return state, want
+
+
 def run_init_state(cfg: Config, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The run's newest weights by loom's names for `model` (built for this run's vocabulary; whole, or this
     rank's pipeline stages), on the host: the whole model's."""
     d = run_dir_of(cfg)
     run_cfg, old, _, run_meta, path = load_run(d, torch.device("cpu"))
-    state = {k: v.detach() for k, v in old.state_dict().items()}
-    with torch.device("meta"):  # the whole model's names and shapes (a pipeline stage holds only its blocks)
-        want = spec_of(cfg).build(model.cfg).state_dict()
-    old_vocab, new_vocab = run_meta["vocab_size"], model.cfg.vocab_size
-    for name in _VOCAB_WEIGHTS:  # the chat tokens' new rows (the same rows when the vocabulary is the run's)
-        if name in state and name in want:
-            state[name] = grow_rows(state[name], want[name].shape, old_vocab, new_vocab)
-    if getattr(model.cfg, "tie_embeddings", False) and "lm_head.weight" in state:
-        state["lm_head.weight"] = state["wte.weight"]
+    state, want = _vocab_grown(
+        {k: v.detach() for k, v in old.state_dict().items()}, cfg, model, run_meta["vocab_size"]
+    )
     want = {k: v for k, v in want.items() if not k.endswith(_ADAPTERS)}  # adapters keep their init
     mismatched = [k for k in want if k in state and state[k].shape != want[k].shape]
     if mismatched or set(state) != set(want):

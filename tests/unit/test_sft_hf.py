@@ -168,3 +168,61 @@ def test_the_tokenizers_own_chat_template_trains_chats_and_exports(tmp_path, cap
     meta = read_meta(run / "tokenizer")
     ours = chat_template_of(load_tokenizer(run / "tokenizer", meta), meta).prompt(msgs)
     assert tok(text, add_special_tokens=False).input_ids == ours
+
+
+def test_an_hf_gpt2_without_room_grows_its_vocabulary_for_the_chat_tokens(tmp_path, capsys):
+    """GPT-2's vocab_size is its tokenizer's (no reserved rows): loom's 6 chat tokens get new rows, each the
+    mean of the imported rows, every imported id keeping its own; the run trains, and its export (vocab_size
+    + 6) gives loom's logits in transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from loom.config import load_config
+    from loom.model.hf import apply_init_from
+    from loom.model.registry import spec_of
+    from loom.runs import load_run, pretrained_state
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=290, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["reverse: apple river stone cloud"] * 50, trainer=trainer)
+    n = tok.get_vocab_size()
+    hf_dir = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=n, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(hf_dir)
+    tok.save(str(hf_dir / "tokenizer.json"))
+    with open(tmp_path / "conv.jsonl", "w", encoding="utf-8") as f:
+        for w in (["apple", "river"], ["stone", "cloud"]) * 8:
+            msgs = [{"role": "user", "content": "reverse: " + " ".join(w)}]
+            f.write(
+                json.dumps({"messages": [*msgs, {"role": "assistant", "content": " ".join(w[::-1])}]}) + "\n"
+            )
+    chat = tmp_path / "chat"
+    assert main(["data", "prepare", "--chat", "--input", str(tmp_path / "conv.jsonl"), "--out", str(chat),
+                 "--tokenizer", str(hf_dir / "tokenizer.json"), "--block-size", "64"]) == 0  # fmt: skip
+
+    flags = [f"--data.path={chat}", f"--model.init_from=hf:{hf_dir}", "--model.block_size=64"]
+    loom_cfg = load_config(None, flags)
+    apply_init_from(loom_cfg)
+    assert loom_cfg.model.vocab_size == n + 6
+    model = spec_of(loom_cfg).build_model(loom_cfg, n + 6, "cpu")
+    wte = pretrained_state(loom_cfg, model)["wte.weight"]
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).transformer.wte.weight.detach()
+    assert torch.equal(wte[:n], theirs)
+    torch.testing.assert_close(wte[n : n + 6], theirs.mean(0).expand(6, -1))
+
+    args = [*flags, f"--run.dir={tmp_path / 'runs'}", "--run.name=sft", "--train.steps=2", "--train.batch_size=4",
+            "--train.eval_every=0", "--train.eval_batches=1", "--train.device=cpu"]  # fmt: skip
+    assert main(["sft", *args]) == 0
+    assert main(["sft", *args, "--train.steps=3", "--train.resume=auto"]) == 0  # the same growth again
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "runs" / "sft"), "--format", "hf", "--out", str(out)]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert exported.config.vocab_size == n + 6
+    _, ours, *_ = load_run(tmp_path / "runs" / "sft", torch.device("cpu"))
+    ids = torch.randint(0, n + 6, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, ours.eval()(ids)[..., : n + 6], rtol=0, atol=1e-5)

@@ -405,6 +405,13 @@ def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
         elif g.pos == "learned" and m.family != "gpt2" and "model.family" not in explicit:
             m.family = "gpt2"
         values = {key: getattr(g, key) for key in keys}
+    grown = chat_vocab(cfg.data.path, values.get("vocab_size"))
+    if grown:
+        log.info(
+            f"model.init_from: the embedding grows from {values['vocab_size']:,} to {grown:,} ids for the chat "
+            "tokens (each new row the mean row)"
+        )
+        values["vocab_size"] = grown
     for key, value in values.items():
         if getattr(m, key) != value:
             if f"model.{key}" in explicit:
@@ -414,6 +421,24 @@ def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
                     hint=f"drop --model.{key}; the imported config sets it",
                 )
             setattr(m, key, value)
+
+
+def chat_vocab(data_path: str, hf_vocab: int | None) -> int | None:
+    """The vocabulary an imported model grows to for chat data prepared with its tokenizer plus loom's chat
+    tokens, when those ids reach past its vocab_size (GPT-2's 50,257 rows leave no room): the data's, else
+    None. loom.runs.pretrained_state grows the rows (each new one the mean row, loom.runs.grow_rows);
+    check_data_tokenizer still checks that every token of the model's tokenizer keeps its id."""
+    meta_path = Path(data_path) / "meta.json" if data_path else None
+    if hf_vocab is None or meta_path is None or not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # the data's own checks name what is wrong with it
+    base, vocab = (meta.get("chat") or {}).get("base_vocab_size"), meta.get("vocab_size")
+    if isinstance(base, int) and isinstance(vocab, int) and base <= hf_vocab < vocab:
+        return vocab
+    return None
 
 
 def load_hf(directory: str | Path, block_size: int | None = None, dropout: float = 0.0) -> GPT:
