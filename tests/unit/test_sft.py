@@ -249,6 +249,23 @@ def test_loom_sft_refuses_plain_data_and_a_missing_base(sft, capsys):
     assert not (sft / "runs" / "refused").exists()
 
 
+def test_chat_data_of_one_conversation_is_refused_by_name(sft, tmp_path, capsys):
+    """One conversation is all train (prepare keeps val empty): the run names the empty split, not a
+    damaged file."""
+    msgs = [
+        {"role": "user", "content": "reverse: apple river"},
+        {"role": "assistant", "content": "river apple"},
+    ]
+    (tmp_path / "one.jsonl").write_text(json.dumps({"messages": msgs}) + "\n")
+    assert main(["data", "prepare", "--chat", "--input", str(tmp_path / "one.jsonl"), "--out", str(tmp_path / "one"),
+                 "--tokenizer", str(sft / "runs" / "base"), "--block-size", "64"]) == 0  # fmt: skip
+    args = _sft_args(sft, "one", "--train.steps=1")
+    args[1] = f"--data.path={tmp_path / 'one'}"
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "has no val conversations (1 in all)" in capsys.readouterr().err
+
+
 def test_sft_refuses_data_of_another_tokenizer(sft, tmp_path, capsys):
     """Before any process starts: the data's ids must mean to the model what they meant to its tokenizer."""
     # chat data prepared with another tokenizer (its own characters) than the run's

@@ -77,6 +77,11 @@ class Conversations:
             masks.append(mask.astype(np.bool_))
         self.tokens, self.mask = np.concatenate(tokens), np.concatenate(masks)
         self.eot = int(meta["tokenizer"]["eot_id"])
+        if not len(self.tokens):  # prepare_chat keeps every conversation in train when it has one only
+            raise LoomError(
+                f"'{data_dir}' has no {split} conversations ({meta.get('documents', 0)} in all)",
+                hint="prepare at least two conversations: --val-fraction puts a share of them in val",
+            )
         starts = np.flatnonzero(self.tokens == self.eot)
         if not len(starts) or starts[0] != 0:
             raise LoomError(
