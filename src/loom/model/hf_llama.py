@@ -194,22 +194,34 @@ def imported(sd: dict[str, torch.Tensor], name: str, shape: tuple, architecture:
     return t
 
 
-def loom_state(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """LlamaForCausalLM tensors -> loom's state dict for `cfg`, vocabulary padded with the mean row (as the
-    GPT-2 import; the head masks the padding ids' logits, so they take no probability)."""
+def ends_and_shapes(
+    sd: dict[str, torch.Tensor], cfg: GPTConfig, model_class: type, architecture: str
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """(loom's embedding, final norm and head from a Llama-shaped checkpoint's model.embed_tokens, model.norm
+    and lm_head, the vocabulary padded with the mean row: the head masks the padding ids' logits, so they take
+    no probability; the shapes of every tensor of model_class(cfg), built on the meta device)."""
     C, V = cfg.n_embd, cfg.vocab_size
-
-    def get(name: str, shape: tuple) -> torch.Tensor:
-        return imported(sd, name, shape, ARCHITECTURE)
 
     def padded(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.mean(dim=0, keepdim=True).expand(cfg.padded_vocab - V, C)])
 
-    wte = padded(get("model.embed_tokens.weight", (V, C)))
-    out = {"wte.weight": wte, "ln_f.weight": get("model.norm.weight", (C,))}
-    out["lm_head.weight"] = wte if cfg.tie_embeddings else padded(get("lm_head.weight", (V, C)))
-    with torch.device("meta"):  # the shapes of a loom model of this config, no memory
-        shapes = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items()}
+    wte = padded(imported(sd, "model.embed_tokens.weight", (V, C), architecture))
+    out = {"wte.weight": wte, "ln_f.weight": imported(sd, "model.norm.weight", (C,), architecture)}
+    head = wte if cfg.tie_embeddings else padded(imported(sd, "lm_head.weight", (V, C), architecture))
+    out["lm_head.weight"] = head
+    with torch.device("meta"):  # no memory
+        shapes = {k: tuple(v.shape) for k, v in model_class(cfg).state_dict().items()}
+    return out, shapes
+
+
+def loom_state(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM tensors -> loom's state dict for `cfg`, vocabulary padded with the mean row (as the
+    GPT-2 import)."""
+
+    def get(name: str, shape: tuple) -> torch.Tensor:
+        return imported(sd, name, shape, ARCHITECTURE)
+
+    out, shapes = ends_and_shapes(sd, cfg, GPT, ARCHITECTURE)
     for i in range(cfg.n_layer):
         for ours, theirs in _layer_names(i):
             if ours in shapes:

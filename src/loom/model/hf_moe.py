@@ -350,19 +350,12 @@ def _experts(sd: dict[str, torch.Tensor], h: str, E: int, H: int, C: int) -> dic
 def loom_state(sd: dict[str, torch.Tensor], cfg: MoEConfig) -> dict[str, torch.Tensor]:
     """Qwen3MoeForCausalLM tensors -> loom's state dict for `cfg`, vocabulary padded with the mean row (the
     head masks the padding ids' logits, as hf_llama's import)."""
-    C, V = cfg.n_embd, cfg.vocab_size
+    C = cfg.n_embd
 
     def get(name: str, shape: tuple) -> torch.Tensor:
         return hf_llama.imported(sd, name, shape, ARCHITECTURE)
 
-    def padded(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, t.mean(dim=0, keepdim=True).expand(cfg.padded_vocab - V, C)])
-
-    wte = padded(get("model.embed_tokens.weight", (V, C)))
-    out = {"wte.weight": wte, "ln_f.weight": get("model.norm.weight", (C,))}
-    out["lm_head.weight"] = wte if cfg.tie_embeddings else padded(get("lm_head.weight", (V, C)))
-    with torch.device("meta"):  # the shapes of a loom model of this config, no memory
-        shapes = {k: tuple(v.shape) for k, v in MoEGPT(cfg).state_dict().items()}
+    out, shapes = hf_llama.ends_and_shapes(sd, cfg, MoEGPT, ARCHITECTURE)
     for i in range(cfg.n_layer):
         for ours, theirs in _attention_names(i):
             if ours in shapes:
