@@ -228,6 +228,27 @@ def test_a_tied_head_is_refused():
         apply_lora(build(gpt2_cfg()), 2, 4.0, "lm_head")
 
 
+def test_a_moe_router_is_never_adapted_and_every_adapter_trains():
+    """Routing reads the router's weight in fp32, not through its forward: adapters there would get no
+    gradient (one process: silently dead; DDP: stops). all-linear and mlp skip it, naming it is refused."""
+    from loom.model.moe import MoEConfig, MoEGPT
+
+    cfg = MoEConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=16, pos="rope", norm="rmsnorm",
+                    mlp="swiglu", tie_embeddings=False, n_experts=4, top_k=2, expert_hidden=8, n_shared=1,
+                    gemm="loop")  # fmt: skip
+    torch.manual_seed(0)
+    model = MoEGPT(cfg)
+    names = apply_lora(model, rank=2, alpha=4.0, targets="all-linear", seed=0)
+    assert names and not any(n.endswith(".router") for n in names)
+    x, y = batch(cfg)
+    model(x, y).backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if is_lora_name(n))
+    for target in ("router", "mlp.router", "blocks.*.mlp.router"):
+        with pytest.raises(LoomError, match="is a MoE router"):
+            apply_lora(MoEGPT(cfg), 2, 4.0, target)
+    assert not any(n.endswith(".router") for n in apply_lora(MoEGPT(cfg), 2, 4.0, "mlp"))
+
+
 def test_meta_build_initialises_as_the_eager_one():
     """The hook GPT.init_param is to get: names ending in lora_A / lora_B go to init_lora_param."""
     from loom.parallel.init import materialize

@@ -50,6 +50,9 @@ LORA_SUFFIXES = (".lora_A", ".lora_B")
 # moving it moves tokens between experts the adapters do not touch; name it to adapt it), or every linear.
 SHORTHANDS = ("attn", "mlp", "all-linear")
 HEAD = "lm_head"  # the output head: adapted only when named (by its name or its full path, no wildcard)
+# A MoE router (loom.model.moe) is never adapted: routing reads its weight in fp32 (MoE.route), not through its
+# forward, so adapters there would never train (and DDP would stop on their missing gradients).
+ROUTER = "router"
 
 
 class LoRALinear(nn.Linear):
@@ -128,7 +131,7 @@ def _matches(name: str, target: str) -> bool:
     if target == "all-linear":
         return True
     if target in ("attn", "mlp"):
-        return target in parts[:-1] and parts[-1] != "router"
+        return target in parts[:-1]
     return fnmatchcase(name, target) or fnmatchcase(name, "*." + target)
 
 
@@ -160,7 +163,7 @@ def apply_lora(
 
     targets: a comma-separated string or a list; each one a last name component ("q_proj,v_proj"), a dotted
     suffix ("mlp.up_proj"), an fnmatch pattern over the whole name ("blocks.*.attn.q_proj"), or a shorthand:
-    "attn" and "mlp" (every linear under those sub-modules but a MoE router) or "all-linear". The output head
+    "attn", "mlp" (every linear under those sub-modules) or "all-linear"; never a MoE router (ROUTER). The head
     (lm_head) is adapted only when named, and not when tied to the embedding. Every target must match.
     Every parameter that is not an adapter gets requires_grad False: embeddings, norms, the head included.
     seed: the adapters' init seed (init_lora_param); None follows torch.manual_seed. A meta model's adapters
@@ -176,6 +179,15 @@ def apply_lora(
             "no LoRA targets given", hint="e.g. finetune.lora_targets=q_proj,v_proj or all-linear"
         )
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    routers = [n for n in linears if n.split(".")[-1] == ROUTER]
+    linears = {n: m for n, m in linears.items() if n not in routers}
+    for t in wanted:  # a target naming only routers is refused; one that also names other linears skips them
+        if not any(_matches(n, t) for n in linears) and any(_matches(n, t) for n in routers):
+            raise LoomError(
+                f"LoRA target '{t}' is a MoE router: routing reads its weight in fp32, not through its "
+                "forward, so adapters there would never train",
+                hint="leave the router out of finetune.lora_targets (all-linear, attn and mlp skip it)",
+            )
     hint = "the model's linears: " + ", ".join(_patterns(list(linears))) + "; or attn, mlp, all-linear"
     for t in wanted:
         if not any(_matches(n, t) for n in linears):
