@@ -74,8 +74,11 @@ _CPU_GROUPED = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[
 def grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """torch._grouped_mm runs on these operands: on CPUs (torch >= 2.13, fp32/bf16/fp16), on GPUs in bf16
     (Hopper's grouped GEMM); on both with 16-byte aligned rows of the input and the output (the CPU
-    kernel too refuses others: "strides should be multiple of 16 bytes", the output's in backward)."""
+    kernel too refuses others: "strides should be multiple of 16 bytes", the output's in backward). Under
+    torch.compile in bf16 only: the kernel's meta function, which compile traces, refuses other types."""
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:  # its compiled (meta) kernel: bf16 only
         return False
     aligned = x.size(-1) * x.element_size() % 16 == 0 and w.size(-2) * x.element_size() % 16 == 0
     if x.device.type == "cuda":
