@@ -14,26 +14,22 @@ from loom.optim.build import param_groups, resolve_impl
 
 
 def build_zero1_optimizer(model: torch.nn.Module, ocfg, device: torch.device) -> ZeroRedundancyOptimizer:
+    """ZeroRedundancyOptimizer over the run's parameter groups (the first passed to the constructor, the rest
+    added; empty groups, a LoRA run's, were left out by the builders)."""
     if ocfg.name == "muon":  # ZeRO partitions whole parameters: each rank orthogonalises the matrices it owns
         from loom.optim.build import muon_defaults, muon_param_groups
         from loom.optim.muon import Muon
 
-        first, *rest = muon_param_groups(model, ocfg)
-        opt = ZeroRedundancyOptimizer(
-            first["params"],
-            optimizer_class=Muon,
-            **muon_defaults(ocfg),
-            **{k: v for k, v in first.items() if k != "params"},
-        )
-        for group in rest:
-            opt.add_param_group(group)
-        return opt
-    impl = resolve_impl(ocfg.impl, device)
-    groups = param_groups(model, ocfg.weight_decay)
-    kw = dict(lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps)
-    kw["fused" if impl == "torch-fused" else "foreach"] = impl in ("torch-fused", "torch-foreach")
+        groups, cls, kw = muon_param_groups(model, ocfg), Muon, muon_defaults(ocfg)
+    else:
+        impl = resolve_impl(ocfg.impl, device)
+        groups, cls = param_groups(model, ocfg.weight_decay), torch.optim.AdamW
+        kw = dict(lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps)
+        kw["fused" if impl == "torch-fused" else "foreach"] = impl in ("torch-fused", "torch-foreach")
+    first, *rest = groups
     opt = ZeroRedundancyOptimizer(
-        groups[0]["params"], optimizer_class=torch.optim.AdamW, weight_decay=groups[0]["weight_decay"], **kw
+        first["params"], optimizer_class=cls, **kw, **{k: v for k, v in first.items() if k != "params"}
     )
-    opt.add_param_group(groups[1])
+    for group in rest:
+        opt.add_param_group(group)
     return opt
