@@ -325,17 +325,18 @@ def test_a_lora_runs_checkpoint_holds_what_it_trains_and_resumes(sft, capsys):
     assert "LoRA run's checkpoint" in capsys.readouterr().err
 
 
-def test_lora_from_a_run_under_pipeline_context_parallel_and_zero1_equals_one_process(sft, tmp_path):
+def test_lora_from_a_run_under_pp_cp_zero1_and_sequence_parallel_equals_one_process(sft, tmp_path):
     """model.init_from=run:DIR checked its weights against this rank's pipeline stage, which holds only its
     blocks, and LoRA's FLOPs read the head a first stage does not hold: both refused to start under pp; ZeRO-1
-    took its optimizer's second parameter group for granted (a LoRA run has one). `loom verify` (2 processes
-    each) against one process."""
+    took its optimizer's second parameter group for granted (a LoRA run has one); torch's SequenceParallel
+    made the frozen norms' gains trainable again (tp-sp: grad norm 15x one process's). `loom verify` (2
+    processes each) against one process."""
     from loomrun import verify_records
 
     base = f"--model.init_from=run:{sft / 'runs' / 'base'}"
-    recs = verify_records(tmp_path, sft / "chat", "pp-1f1b,cp-ulysses,zero1", "--nproc", "2", base,
+    recs = verify_records(tmp_path, sft / "chat", "pp-1f1b,cp-ulysses,zero1,tp-sp", "--nproc", "2", base,
                           "--finetune.lora_rank=2", *MODEL)  # fmt: skip
-    assert [(r["pp"], r["cp"]) for r in recs] == [(2, 1), (1, 2), (1, 1)]
+    assert [(r["pp"], r["cp"], r["tp"]) for r in recs] == [(2, 1, 1), (1, 2, 1), (1, 1, 1), (1, 1, 2)]
 
 
 def test_a_lora_run_under_muon_resumes(sft):

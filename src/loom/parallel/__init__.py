@@ -250,8 +250,12 @@ def parallelize(
             from loom.parallel.lora import lora_tp_styles
 
             tp_plan = lora_tp_styles(model, tp_plan)
+        frozen = {n for n, q in model.named_parameters() if not q.requires_grad}
         apply_tp(model, mesh["tp"], tp_plan)
         plan.retie(model)
+        for n, q in model.named_parameters():  # torch's SequenceParallel makes its norms' gains trainable again
+            if n in frozen:
+                q.requires_grad_(False)
     if dims.cp_enabled and p.cp_impl == "ring":
         from loom.parallel.ring import Ring, apply_ring
 
