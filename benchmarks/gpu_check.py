@@ -15,6 +15,9 @@ Checks, in order:
   train-tp-pp          tensor, pipeline (1f1b) and context parallel (Ulysses) at degree 1 on 1-rank meshes
                        with fsdp (parallel.degree1_meshes): every model-parallel code path on one GPU
   train-cp-ring        the same with ring attention for the context-parallel dimension
+  prepare-chat         conversations asking to reverse words, in train-ddp's tokenizer plus the chat tokens
+  sft-lora             `loom sft` with LoRA on every block linear from the train-ddp run: losses, tokens/s
+  chat                 `loom chat RUN --prompt` on that run: its greedy answer
   verify               with 2+ GPUs: loom verify over them (ddp, zero1, zero2, fsdp, tp, pp-1f1b)
   bench-optim          loom bench optim --params 124M: torch-fused, torch-foreach, triton; ms/step and the
                        share of the datasheet memory bandwidth (and of the copy bandwidth measured there)
@@ -331,6 +334,31 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
             lambda o, ctx, run=run: train_figures(run),
         )
     )
+    # chat SFT with LoRA (issue 34) from the train-ddp run: conversations in that run's tokenizer (its chat
+    # tokens added, the embedding grown), adapters on every block linear, then loom chat's greedy answer
+    base, sft_run = out / "runs" / f"train-{DP_IMPLS[0]}", out / "runs" / "sft-lora"
+    chat, block = out / "chat", next(a for a in small if a.startswith("--model.block_size=")).split("=")[1]
+    prepare_chat = [*LOOM, "data", "prepare", "--chat", "--input", str(out / "conversations.jsonl"), "--out",
+                    str(chat), "--tokenizer", str(base), "--block-size", block, "--force"]  # fmt: skip
+    sft = [*LOOM, "sft", *common, f"--data.path={chat}", "--run.name=sft-lora", f"--model.init_from=run:{base}",
+           "--finetune.lora_rank=8", "--finetune.lora_targets=all-linear", "--data.doc_mask=true",
+           "--data.doc_positions=restart"]  # fmt: skip
+    ask = [
+        *LOOM,
+        "chat",
+        str(sft_run),
+        "--prompt",
+        "reverse. of the",
+        "--max-new-tokens",
+        "16",
+        "--device",
+        device,
+    ]
+    checks += [
+        Check("prepare-chat", lambda ctx: [write_conversations(out, 5 if cuda else 2, prepare_chat)], 120),
+        Check("sft-lora", lambda ctx: [sft], 240, lambda o, ctx: train_figures(sft_run)),
+        Check("chat", lambda ctx: [ask], 60, lambda o, ctx: {"answer": (o.strip().splitlines() or [""])[-1]}),
+    ]
     verify = [
         *LOOM,
         "verify",
@@ -514,6 +542,21 @@ def write_text(out: Path) -> Path:
     path = out / "text.txt"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+def write_conversations(out: Path, most_words: int, argv: list[str]) -> list[str]:
+    """Write OUT/conversations.jsonl, 800 conversations asking to reverse 2 to most_words of write_text's
+    words (its characters only); returns argv, the command that prepares them."""
+    import random
+
+    words = "the of and to in is that it for as with was on be by at this from have or".split()
+    rng, lines = random.Random(1), []
+    for _ in range(800):
+        w = rng.sample(words, rng.randint(2, most_words))
+        msgs = [{"role": "user", "content": "reverse. " + " ".join(w)}]
+        lines.append(json.dumps({"messages": [*msgs, {"role": "assistant", "content": " ".join(w[::-1])}]}))
+    (out / "conversations.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return argv
 
 
 def nanogpt_argv(nanogpt: Path, out: Path, shape: dict, ctx: dict, mbs: list[int], cuda: bool) -> list[str]:

@@ -21,6 +21,9 @@ CHECKS = [
     "train-fsdp",
     "train-tp-pp",
     "train-cp-ring",
+    "prepare-chat",
+    "sft-lora",
+    "chat",
     "verify",
     "bench-optim",
     "bench-train-eager",
@@ -61,6 +64,9 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
         "train-fsdp",
         "train-tp-pp",
         "train-cp-ring",
+        "prepare-chat",
+        "sft-lora",
+        "chat",
         "bench-optim",
         "bench-train-eager",
         "bench-long-flash",
@@ -80,6 +86,7 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
         assert reason.startswith("gpu only") and "--fp8" in reason
     else:
         assert "needs torchao" in rows["bench-train-fp8-gpt2"]["reason"]
+    assert rows["sft-lora"]["figures"]["steps"] == 5 and rows["chat"]["figures"]["answer"]  # chat: its answer
     moe = rows["bench-train-moe"]["figures"]  # grouped GEMM and loop timed in the same rounds
     assert moe["grouped_tokens_per_s"] > 0 and moe["loop_tokens_per_s"] > 0 and moe["grouped_vs_loop"] > 0
     long = rows["bench-long-doc-mask"]["figures"]
