@@ -800,9 +800,10 @@ def _export(argv: list[str]) -> int:
     p.add_argument(
         "--format",
         required=True,
-        choices=["hf", "safetensors"],
-        help="hf: a transformers directory (GPT2LMHeadModel, or LlamaForCausalLM for the llama family); "
-        "safetensors: loom's raw state",
+        choices=["hf", "peft", "safetensors"],
+        help="hf: a transformers directory (GPT2LMHeadModel, or LlamaForCausalLM for the llama family; a "
+        "LoRA run's adapters merged); peft: a LoRA run as OUT/base (transformers) and OUT/adapter (peft's "
+        "adapter format); safetensors: loom's raw state",
     )
     p.add_argument("--out", required=True, help="output directory (must be empty unless --force)")
     p.add_argument("--ckpt", default=None, help="a checkpoint directory (default: the newest valid one)")
@@ -814,37 +815,50 @@ def _export(argv: list[str]) -> int:
     import torch
 
     from loom.model import hf
-    from loom.model.registry import spec_of
     from loom.outputs import check_apart
     from loom.runs import load_run
 
     check_apart(args.out, [args.run_dir, *([args.ckpt] if args.ckpt else [])], inside_ok=True)
-    cfg, model, tok, meta, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
-    if args.format == "hf":
-        spec = spec_of(cfg)
-        if spec.hf is None:
-            raise LoomError(
-                f"the model family '{spec.name}' has no transformers mapping",
-                hint="export it with --format safetensors",
-            )
-        doc_notes = _without_doc_mask(model)
-        notes = doc_notes + spec.hf.export_hf(model, args.out, tok, args.force)
-        if isinstance(meta.get("chat"), dict) and tok is not None:  # a chat model: its template goes along
-            from loom.data.chat import chat_template_of
-            from loom.model.hf_io import add_chat_template
+    if args.format == "peft":
+        from loom.model.peft_export import export_peft
 
-            template = chat_template_of(tok, meta)
-            add_chat_template(Path(args.out), template.jinja(), list(template.ids), list(template.stop_ids))
-            notes.append("chat: the template is tokenizer_config.json's chat_template (apply_chat_template)")
-        import json
-
-        arch = json.loads((Path(args.out) / "config.json").read_text(encoding="utf-8"))["architectures"][0]
-        print(f"wrote {args.out} from {path}: a {arch} directory for AutoModelForCausalLM.from_pretrained")
+        notes = export_peft(args.run_dir, Path(args.out), args.ckpt, args.force)
     else:
-        notes = [f"wrote {hf.export_safetensors(model, args.out, args.force)} from {path}"]
+        cfg, model, tok, meta, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
+        if args.format == "hf":
+            notes = export_hf_dir(cfg, model, tok, meta, Path(args.out), args.force)
+            import json
+
+            config = json.loads((Path(args.out) / "config.json").read_text(encoding="utf-8"))
+            arch = config["architectures"][0]
+            print(f"wrote {args.out} from {path}: a {arch} directory for AutoModelForCausalLM.from_pretrained")
+        else:
+            notes = [f"wrote {hf.export_safetensors(model, args.out, args.force)} from {path}"]
     for n in notes:
         print(n)
     return 0
+
+
+def export_hf_dir(cfg, model, tok, meta: dict, out: Path, force: bool) -> list[str]:
+    """The model as a transformers directory (its family's mapping) with its tokenizer and, for a chat model,
+    its chat template in tokenizer_config.json; returns the notes for the user."""
+    from loom.model.registry import spec_of
+
+    spec = spec_of(cfg)
+    if spec.hf is None:
+        raise LoomError(
+            f"the model family '{spec.name}' has no transformers mapping",
+            hint="export it with --format safetensors",
+        )
+    notes = _without_doc_mask(model) + spec.hf.export_hf(model, out, tok, force)
+    if isinstance(meta.get("chat"), dict) and tok is not None:  # a chat model: its template goes along
+        from loom.data.chat import chat_template_of
+        from loom.model.hf_io import add_chat_template
+
+        template = chat_template_of(tok, meta)
+        add_chat_template(out, template.jinja(), list(template.ids), list(template.stop_ids))
+        notes.append("chat: the template is tokenizer_config.json's chat_template (apply_chat_template)")
+    return notes
 
 
 def _without_doc_mask(model) -> list[str]:

@@ -47,8 +47,10 @@ def _eot(run_dir: Path, cfg: Config, meta: dict) -> int | None:
     return doc_eot_id(run_dir / "tokenizer", meta, cfg.data.doc_mask)
 
 
-def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None = None):
-    """(config, model with the newest valid checkpoint's weights, tokenizer, data meta, checkpoint path)."""
+def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None = None, merge: bool = True):
+    """(config, model with the newest valid checkpoint's weights, tokenizer, data meta, checkpoint path).
+    A LoRA run's adapters are merged into the weights unless merge=False (the model keeps lora_A/lora_B)."""
+    done = merge_lora if merge else (lambda model: model)
     run_dir = Path(run_dir)
     cfg, meta, tokenizer = _open_run(run_dir)
     if not ckpt and _consolidated(run_dir):
@@ -57,7 +59,7 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
         check_trained_model(run_dir / "model.safetensors", cfg, run_dir)
         model = _build(cfg, meta, run_dir, "cpu")
         load_consolidated(run_dir, model)
-        merge_lora(model)
+        done(model)
         return cfg, model.to(device).eval(), tokenizer, meta, run_dir / "model.safetensors"
     path = Path(ckpt) if ckpt else checkpoint.latest_valid(run_dir / "ckpt", model_only=True)
     if path is None:
@@ -72,7 +74,7 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
         if base is not None:  # a LoRA run's checkpoint holds what it trained: the frozen base first
             model.load_state_dict(base, strict=False)
         checkpoint.load_model(path, model, verified=True)
-        merge_lora(model)
+        done(model)
         model.eval()
         return cfg, model, tokenizer, meta, path
     from loom.checkpoint_tools import check_fits
@@ -80,7 +82,7 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
     tensors, _ = checkpoint.load(path, map_location=device)
     check_fits(tensors["model"], model, f"checkpoint '{path}'", _hint(run_dir))
     model.load_state_dict(tensors["model"])
-    merge_lora(model)
+    done(model)
     model.eval()
     return cfg, model, tokenizer, meta, path
 

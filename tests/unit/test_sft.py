@@ -351,6 +351,20 @@ def test_a_lora_run_under_muon_resumes(sft):
     assert checkpoint.latest_valid(sft / "runs" / "muon-lora" / "ckpt").name == "step_000003"
 
 
+def test_peft_export_refuses_what_it_cannot_write(sft, tmp_path, capsys):
+    """--format peft: a run without adapters, and GPT-2's adapters (its q, k, v are one Conv1D in
+    transformers), are refused before anything is written; both export merged (--format hf)."""
+    assert main(_sft_args(sft, "gpt2-lora", "--train.steps=1", "--finetune.lora_rank=2")) == 0
+    capsys.readouterr()
+    for run, why in (("base", "has no LoRA adapters"), ("gpt2-lora", "model.family=gpt2")):
+        assert (
+            main(["export", str(sft / "runs" / run), "--format", "peft", "--out", str(tmp_path / run)]) == 2
+        )
+        err = capsys.readouterr().err
+        assert why in err and "--format hf" in err
+        assert not (tmp_path / run / "base").exists()
+
+
 def test_init_optimizer_continues_the_base_runs_optimizer_state(sft, capsys):
     """finetune.init_optimizer: AdamW's moments and step count come from the base run (3 steps), so one SFT
     step later a matrix's state has taken 4 steps; refused without run:DIR or with LoRA."""

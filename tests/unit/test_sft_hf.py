@@ -104,6 +104,19 @@ def test_lora_on_an_hf_llama_merged_export_equals_the_unmerged_model(tmp_path):
         exported = theirs(ids).logits[..., : n_tok + 6]
     torch.testing.assert_close(exported, ours, rtol=0, atol=1e-5)
 
+    # the same run as peft's adapter format over its frozen base (the embedding and head trained: the chat
+    # tokens were added, finetune.lora_embeddings=auto): PeftModel gives the unmerged model's logits
+    peft = pytest.importorskip("peft", reason="peft (the hf extra) reads --format peft")
+    assert main(["export", str(run), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    adapter_cfg = json.loads((tmp_path / "peft" / "adapter" / "adapter_config.json").read_text())
+    assert adapter_cfg["r"] == 4 and adapter_cfg["modules_to_save"] == ["embed_tokens", "lm_head"]
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "peft" / "base")
+    with torch.no_grad():
+        plain = base_model(ids).logits[..., : n_tok + 6]
+        served = peft.PeftModel.from_pretrained(base_model, tmp_path / "peft" / "adapter").eval()(ids).logits
+    torch.testing.assert_close(served[..., : n_tok + 6], ours, rtol=0, atol=1e-5)
+    assert (plain - ours).abs().max() > 1e-3  # the base alone is another model: the adapters carry the tuning
+
     # transformers' chat template renders a conversation as loom's chat data did
     from loom.data.chat import ChatTemplate
     from loom.data.tokenizers import load_tokenizer

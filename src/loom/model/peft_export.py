@@ -1,0 +1,117 @@
+"""`loom export RUN --format peft`: a LoRA run as peft's adapter format beside its base model.
+
+OUT/base is the frozen base as a transformers directory: what the run started from (model.init_from's weights,
+the embedding grown by the chat tokens, each new row the mean row), with the run's tokenizer and chat
+template. OUT/adapter holds peft's adapter_config.json and adapter_model.safetensors: every adapter by
+transformers' module names (lora_A (r, in), lora_B (out, r), scaling lora_alpha / r as loom's), and the
+embedding and head when the run trained them (finetune.lora_embeddings: peft's modules_to_save).
+`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(OUT/base), OUT/adapter)` is the run's model,
+and so is any server that loads LoRA adapters over one base (many adapters, one base in memory);
+`loom export --format hf` writes the same model with the adapters merged.
+
+The llama family only: GPT-2's transformers layout fuses q, k and v into one Conv1D (c_attn) that loom's
+three adapters do not map onto by name, and a MoE's experts take no adapters. A tied embedding the run
+trained would have to be saved twice by peft (embed_tokens and lm_head): refused too; both export merged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from loom.errors import LoomError
+
+_MERGED = "export it merged instead: loom export RUN --format hf"
+
+
+def _hf_modules(n_layer: int) -> dict[str, str]:
+    """{loom's linear: transformers' module} for a Llama (hf_llama's weight names, without `.weight`)."""
+    from loom.model.hf_llama import _layer_names
+
+    pairs = [p for i in range(n_layer) for p in _layer_names(i) if p[0].endswith(".weight")]
+    return {ours.removesuffix(".weight"): theirs.removesuffix(".weight") for ours, theirs in pairs} | {
+        "lm_head": "lm_head"
+    }
+
+
+def export_peft(
+    run_dir: str | Path, out: Path, ckpt: str | Path | None = None, force: bool = False
+) -> list[str]:
+    """Write OUT/base and OUT/adapter for the LoRA run `run_dir` (module docstring); returns notes."""
+    from safetensors.torch import save_file
+
+    from loom.cli import export_hf_dir
+    from loom.model.hf_io import _prepare_out
+    from loom.model.lora import is_lora_name, lora_state_dict
+    from loom.model.registry import spec_of
+    from loom.runs import frozen_base, load_run
+    from loom.train.finetune import lora_embeddings
+
+    cfg, model, tok, meta, path = load_run(run_dir, torch.device("cpu"), ckpt, merge=False)
+    f = cfg.finetune
+    if not f.lora_rank:
+        raise LoomError(f"run '{run_dir}' has no LoRA adapters (finetune.lora_rank=0)", hint=_MERGED)
+    if cfg.model.family != "llama":
+        raise LoomError(
+            f"--format peft writes the llama family's adapters; this run is model.family={cfg.model.family}",
+            hint=_MERGED,
+        )
+    trained_ends = lora_embeddings(cfg, meta)
+    if trained_ends and model.cfg.tie_embeddings:
+        raise LoomError(
+            "this LoRA run trained a tied embedding and head, which peft would save apart", hint=_MERGED
+        )
+
+    eot = model.cfg.eot_id if model.cfg.doc_mask else None
+    base = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu", eot)
+    start = frozen_base(
+        cfg, model, path
+    )  # the weights the run started from (LoRA checkpoints leave them out)
+    if start is None:  # a checkpoint that holds every weight: the frozen ones are the base's
+        start = {k: v for k, v in model.state_dict().items() if not is_lora_name(k)}
+    base.load_state_dict(start)
+    notes = export_hf_dir(cfg, base, tok, meta, out / "base", force)
+
+    V, names = model.cfg.vocab_size, _hf_modules(model.cfg.n_layer)
+    tensors: dict[str, torch.Tensor] = {}
+    targets = []
+    for key, t in lora_state_dict(model).items():  # blocks.0.attn.q_proj.lora_A -> ...q_proj.lora_A.weight
+        linear, which = key.rsplit(".", 1)
+        theirs = names[linear]
+        targets.append(theirs)
+        t = t.detach().float()
+        tensors[f"base_model.model.{theirs}.{which}.weight"] = (
+            t[:V] if linear == "lm_head" and which == "lora_B" else t
+        )
+    saved = None
+    if trained_ends:
+        saved = ["embed_tokens", "lm_head"]
+        tensors["base_model.model.model.embed_tokens.weight"] = model.wte.weight.detach().float()[:V]
+        tensors["base_model.model.lm_head.weight"] = model.lm_head.weight.detach().float()[:V]
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str((out / "base").resolve()),
+        "r": f.lora_rank,
+        "lora_alpha": f.lora_alpha,
+        "lora_dropout": f.lora_dropout,
+        "target_modules": sorted(set(targets)),
+        "modules_to_save": saved,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+    adapter = out / "adapter"
+    _prepare_out(adapter, force)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    what = f"{len(set(targets))} adapted linears" + (", the embedding and head" if saved else "")
+    return notes + [
+        f"wrote {out / 'base'} (the frozen base) and {adapter} (peft: {what}) from {path}: "
+        "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)"
+    ]
