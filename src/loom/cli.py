@@ -831,7 +831,9 @@ def _export(argv: list[str]) -> int:
 
             config = json.loads((Path(args.out) / "config.json").read_text(encoding="utf-8"))
             arch = config["architectures"][0]
-            print(f"wrote {args.out} from {path}: a {arch} directory for AutoModelForCausalLM.from_pretrained")
+            print(
+                f"wrote {args.out} from {path}: a {arch} directory for AutoModelForCausalLM.from_pretrained"
+            )
         else:
             notes = [f"wrote {hf.export_safetensors(model, args.out, args.force)} from {path}"]
     for n in notes:

@@ -253,7 +253,10 @@ def parallelize(
         frozen = {n for n, q in model.named_parameters() if not q.requires_grad}
         apply_tp(model, mesh["tp"], tp_plan)
         plan.retie(model)
-        for n, q in model.named_parameters():  # torch's SequenceParallel makes its norms' gains trainable again
+        for (
+            n,
+            q,
+        ) in model.named_parameters():  # torch's SequenceParallel makes its norms' gains trainable again
             if n in frozen:
                 q.requires_grad_(False)
     if dims.cp_enabled and p.cp_impl == "ring":
