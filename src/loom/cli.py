@@ -820,12 +820,14 @@ def _export(argv: list[str]) -> int:
 
     check_apart(args.out, [args.run_dir, *([args.ckpt] if args.ckpt else [])], inside_ok=True)
     if args.format == "peft":
-        from loom.model.peft_export import export_peft
+        from loom.export import export_peft
 
         notes = export_peft(args.run_dir, Path(args.out), args.ckpt, args.force)
     else:
         cfg, model, tok, meta, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
         if args.format == "hf":
+            from loom.export import export_hf_dir
+
             notes = export_hf_dir(cfg, model, tok, meta, Path(args.out), args.force)
             import json
 
@@ -839,42 +841,6 @@ def _export(argv: list[str]) -> int:
     for n in notes:
         print(n)
     return 0
-
-
-def export_hf_dir(cfg, model, tok, meta: dict, out: Path, force: bool) -> list[str]:
-    """The model as a transformers directory (its family's mapping) with its tokenizer and, for a chat model,
-    its chat template in tokenizer_config.json; returns the notes for the user."""
-    from loom.model.registry import spec_of
-
-    spec = spec_of(cfg)
-    if spec.hf is None:
-        raise LoomError(
-            f"the model family '{spec.name}' has no transformers mapping",
-            hint="export it with --format safetensors",
-        )
-    notes = _without_doc_mask(model) + spec.hf.export_hf(model, out, tok, force)
-    if isinstance(meta.get("chat"), dict) and tok is not None:  # a chat model: its template goes along
-        from loom.data.chat import chat_template_of
-        from loom.model.hf_io import add_chat_template
-
-        template = chat_template_of(tok, meta)
-        add_chat_template(out, template.jinja(), list(template.ids), list(template.stop_ids))
-        notes.append("chat: the template is tokenizer_config.json's chat_template (apply_chat_template)")
-    return notes
-
-
-def _without_doc_mask(model) -> list[str]:
-    """Document masking (data.doc_mask) shapes training on packed windows; a model exported for inference
-    reads one document at a time, where attention without the mask is the same: the exported config drops it."""
-    import dataclasses
-
-    if not getattr(model.cfg, "doc_mask", False):
-        return []
-    model.cfg = dataclasses.replace(model.cfg, doc_mask=False, eot_id=-1, doc_positions="continue")
-    return [
-        "data.doc_mask: transformers attends over the whole sequence, which equals loom's on one document "
-        "(a chat prompt, a single text); a sequence of several documents would attend across them"
-    ]
 
 
 def _ckpt(argv: list[str]) -> int:

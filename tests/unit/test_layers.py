@@ -27,6 +27,7 @@ LAYER = {
     "eval": 4,
     "generate": 4,
     "runs": 4,
+    "export": 5,
     "chat": 4,
     "train": 5,
     "plan": 5,

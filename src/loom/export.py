@@ -1,6 +1,7 @@
-"""`loom export RUN --format peft`: a LoRA run as peft's adapter format beside its base model.
+"""`loom export`'s writers for other tools: a transformers directory (export_hf_dir) and, for a LoRA run,
+peft's adapter format beside its base model (export_peft).
 
-OUT/base is the frozen base as a transformers directory: what the run started from (model.init_from's weights,
+`--format peft`: OUT/base is the frozen base as a transformers directory: what the run started from (model.init_from's weights,
 the embedding grown by the chat tokens, each new row the mean row), with the run's tokenizer and chat
 template. OUT/adapter holds peft's adapter_config.json and adapter_model.safetensors: every adapter by
 transformers' module names (lora_A (r, in), lora_B (out, r), scaling lora_alpha / r as loom's), and the
@@ -26,6 +27,42 @@ from loom.errors import LoomError
 _MERGED = "export it merged instead: loom export RUN --format hf"
 
 
+def export_hf_dir(cfg, model, tok, meta: dict, out: Path, force: bool) -> list[str]:
+    """The model as a transformers directory (its family's mapping) with its tokenizer and, for a chat model,
+    its chat template in tokenizer_config.json; returns the notes for the user."""
+    from loom.model.registry import spec_of
+
+    spec = spec_of(cfg)
+    if spec.hf is None:
+        raise LoomError(
+            f"the model family '{spec.name}' has no transformers mapping",
+            hint="export it with --format safetensors",
+        )
+    notes = _without_doc_mask(model) + spec.hf.export_hf(model, out, tok, force)
+    if isinstance(meta.get("chat"), dict) and tok is not None:  # a chat model: its template goes along
+        from loom.data.chat import chat_template_of
+        from loom.model.hf_io import add_chat_template
+
+        template = chat_template_of(tok, meta)
+        add_chat_template(out, template.jinja(), list(template.ids), list(template.stop_ids))
+        notes.append("chat: the template is tokenizer_config.json's chat_template (apply_chat_template)")
+    return notes
+
+
+def _without_doc_mask(model) -> list[str]:
+    """Document masking (data.doc_mask) shapes training on packed windows; a model exported for inference
+    reads one document at a time, where attention without the mask is the same: the exported config drops it."""
+    import dataclasses
+
+    if not getattr(model.cfg, "doc_mask", False):
+        return []
+    model.cfg = dataclasses.replace(model.cfg, doc_mask=False, eot_id=-1, doc_positions="continue")
+    return [
+        "data.doc_mask: transformers attends over the whole sequence, which equals loom's on one document "
+        "(a chat prompt, a single text); a sequence of several documents would attend across them"
+    ]
+
+
 def _hf_modules(n_layer: int) -> dict[str, str]:
     """{loom's linear: transformers' module} for a Llama (hf_llama's weight names, without `.weight`)."""
     from loom.model.hf_llama import _layer_names
@@ -42,7 +79,6 @@ def export_peft(
     """Write OUT/base and OUT/adapter for the LoRA run `run_dir` (module docstring); returns notes."""
     from safetensors.torch import save_file
 
-    from loom.cli import export_hf_dir
     from loom.model.hf_io import _prepare_out
     from loom.model.lora import is_lora_name, lora_state_dict
     from loom.model.registry import spec_of
