@@ -19,7 +19,8 @@ from loom.cli import main
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'loom[hf]'")
 
 
-def _tiny_llama(d):
+def _byte_bpe(text: str):
+    """A byte-level BPE (about 290 ids, <|endoftext|> among them) trained on `text`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -28,9 +29,22 @@ def _tiny_llama(d):
     trainer = trainers.BpeTrainer(
         vocab_size=290, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(
-        ["reverse: apple river stone cloud green house music paper"] * 50, trainer=trainer
-    )
+    tok.train_from_iterator([text] * 50, trainer=trainer)
+    return tok
+
+
+def _write_reversals(path, word_lists) -> None:
+    """Conversations asking to reverse each word list, as JSONL."""
+    with open(path, "w", encoding="utf-8") as f:
+        for w in word_lists:
+            msgs = [{"role": "user", "content": "reverse: " + " ".join(w)}]
+            f.write(
+                json.dumps({"messages": [*msgs, {"role": "assistant", "content": " ".join(w[::-1])}]}) + "\n"
+            )
+
+
+def _tiny_llama(d):
+    tok = _byte_bpe("reverse: apple river stone cloud green house music paper")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=320,  # room for loom's 6 chat tokens after the tokenizer's ids (as Llama 3's reserved ones)
@@ -59,17 +73,8 @@ def test_lora_on_an_hf_llama_merged_export_equals_the_unmerged_model(tmp_path):
 
     hf_dir = tmp_path / "llama"
     n_tok = _tiny_llama(hf_dir)
-    with open(tmp_path / "conv.jsonl", "w", encoding="utf-8") as f:
-        for w in (
-            ["apple", "river"],
-            ["stone", "cloud", "green"],
-            ["house", "music"],
-            ["paper", "apple"],
-        ) * 10:
-            msgs = [{"role": "user", "content": "reverse: " + " ".join(w)}]
-            f.write(
-                json.dumps({"messages": [*msgs, {"role": "assistant", "content": " ".join(w[::-1])}]}) + "\n"
-            )
+    words = (["apple", "river"], ["stone", "cloud", "green"], ["house", "music"], ["paper", "apple"])
+    _write_reversals(tmp_path / "conv.jsonl", words * 10)
     chat = tmp_path / "chat"
     assert main(["data", "prepare", "--chat", "--input", str(tmp_path / "conv.jsonl"), "--out", str(chat),
                  "--tokenizer", str(hf_dir / "tokenizer.json"), "--block-size", "64"]) == 0  # fmt: skip
@@ -187,32 +192,19 @@ def test_an_hf_gpt2_without_room_grows_its_vocabulary_for_the_chat_tokens(tmp_pa
     """GPT-2's vocab_size is its tokenizer's (no reserved rows): loom's 6 chat tokens get new rows, each the
     mean of the imported rows, every imported id keeping its own; the run trains, and its export (vocab_size
     + 6) gives loom's logits in transformers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from loom.config import load_config
     from loom.model.hf import apply_init_from
     from loom.model.registry import spec_of
     from loom.runs import load_run, pretrained_state
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=290, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(["reverse: apple river stone cloud"] * 50, trainer=trainer)
+    tok = _byte_bpe("reverse: apple river stone cloud")
     n = tok.get_vocab_size()
     hf_dir = tmp_path / "gpt2"
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=n, n_positions=64, n_embd=32, n_layer=2, n_head=2)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(hf_dir)
     tok.save(str(hf_dir / "tokenizer.json"))
-    with open(tmp_path / "conv.jsonl", "w", encoding="utf-8") as f:
-        for w in (["apple", "river"], ["stone", "cloud"]) * 8:
-            msgs = [{"role": "user", "content": "reverse: " + " ".join(w)}]
-            f.write(
-                json.dumps({"messages": [*msgs, {"role": "assistant", "content": " ".join(w[::-1])}]}) + "\n"
-            )
+    _write_reversals(tmp_path / "conv.jsonl", (["apple", "river"], ["stone", "cloud"]) * 8)
     chat = tmp_path / "chat"
     assert main(["data", "prepare", "--chat", "--input", str(tmp_path / "conv.jsonl"), "--out", str(chat),
                  "--tokenizer", str(hf_dir / "tokenizer.json"), "--block-size", "64"]) == 0  # fmt: skip
