@@ -1011,6 +1011,12 @@ def _check_moe(cfg: Config, dp: int, dp_impl: str) -> None:
     for key, choices in (("moe_score", ("softmax", "sigmoid")), ("moe_gemm", ("auto", "grouped", "loop"))):
         if getattr(m, key) not in choices:
             raise LoomError(f"model.{key} must be one of {', '.join(choices)}; got '{getattr(m, key)}'")
+    if m.moe_gemm == "grouped" and cfg.train.compile and cfg.precision.dtype in ("fp32", "fp16"):
+        raise LoomError(
+            f"model.moe_gemm=grouped with train.compile in {cfg.precision.dtype}: the grouped GEMM compiles in "
+            "bf16 only (its meta function refuses other types)",
+            hint="use model.moe_gemm=auto (the loop where grouped cannot run), or precision.dtype=bf16",
+        )
     if m.moe_aux_loss_coef and p.pp > 1:
         raise LoomError(
             "model.moe_aux_loss_coef > 0 is not supported with pipeline parallel (the balance loss of earlier "

@@ -444,6 +444,11 @@ def moe_args(*args: str) -> list[str]:
         (["--parallel.ep=2", "--parallel.dp_impl=ddp"], 2, "are for model.family=moe; the family is 'gpt2'"),
         (moe_args("--model.moe_first_dense=2"), 1, "model.moe_first_dense=2 leaves no MoE layer among 2"),
         (
+            moe_args("--model.moe_gemm=grouped", "--train.compile=true"),
+            1,
+            "model.moe_gemm=grouped with train.compile in fp32: the grouped GEMM compiles in bf16 only",
+        ),
+        (
             moe_args("--model.moe_score=relu"),
             1,
             "model.moe_score must be one of softmax, sigmoid; got 'relu'",
