@@ -1,6 +1,7 @@
 """Real gloo processes for the tests that call loom's parallel code directly instead of through `loom` (a
 module beside conftest.py, on the tests' path).
 
+`parallelized(cfg, world, rank, vocab, seed)` is a rank's model laid out as the trainer lays it out.
 `spawn_gloo(fn, world, tmp_path, *args)` starts `world` processes; each joins one gloo group (a file store in
 tmp_path), runs `fn(rank, world, *args)`, passes a barrier, destroys the group and leaves with `os._exit(0)`.
 A rank that returns normally instead has been seen to abort in the interpreter's teardown, after its atexit
@@ -24,6 +25,31 @@ import torch.multiprocessing as mp
 def spawn_gloo(fn: Callable[..., None], world: int, tmp_path: Path, *args) -> None:
     """Run `fn(rank, world, *args)` on `world` gloo ranks (fn: a module-level function, for pickling)."""
     mp.spawn(_rank, args=(fn, world, str(tmp_path / "store"), args), nprocs=world, join=True)
+
+
+def parallelized(cfg, world: int, rank: int, vocab: int, seed: int):
+    """(the model, loom.parallel.Parallelized) of `cfg` on this rank: built on the meta device, each rank then
+    materializing and initialising only its pieces (seeded by name, as the trainer does)."""
+    import torch
+
+    from loom.config import validate
+    from loom.model.registry import spec_of
+    from loom.parallel import parallelize
+    from loom.train.trainer import build_model
+
+    derived, dims = validate(cfg, world, rank)
+    model = build_model(cfg, vocab)  # meta
+    assert all(p.is_meta for p in model.parameters())
+    par = parallelize(
+        model,
+        dims,
+        cfg,
+        torch.device("cpu"),
+        spec_of(cfg),
+        n_microbatches=derived.pp_microbatches,
+        init=lambda name, whole: model.init_param(name, whole, seed),
+    )
+    return model, par
 
 
 def _rank(rank: int, fn: Callable[..., None], world: int, store: str, args: tuple) -> None:

@@ -9,12 +9,10 @@ import os
 
 import pytest
 import torch
-from gloo_ranks import spawn_gloo
+from gloo_ranks import parallelized, spawn_gloo
 
-from loom.config import Config, validate
+from loom.config import Config
 from loom.model import gpt_parallel
-from loom.model.registry import spec_of
-from loom.parallel import parallelize
 from loom.train.trainer import build_model
 
 SEED, VOCAB = 1234, 70
@@ -33,18 +31,7 @@ def _cfg(**parallel) -> Config:
 def _worker(rank: int, world: int, parallel: dict, out: str, compile: bool = False) -> None:
     cfg = _cfg(**parallel)
     cfg.train.compile = compile
-    derived, dims = validate(cfg, world, rank)
-    model = build_model(cfg, VOCAB)  # meta
-    assert all(p.is_meta for p in model.parameters())
-    par = parallelize(
-        model,
-        dims,
-        cfg,
-        torch.device("cpu"),
-        spec_of(cfg),
-        n_microbatches=derived.pp_microbatches,
-        init=lambda name, whole: model.init_param(name, whole, SEED),
-    )
+    _, par = parallelized(cfg, world, rank, VOCAB, SEED)  # built on meta, each rank its pieces
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in par.model.parameters())
     if compile:  # the blocks the schedule runs are the compiled ones, and a step through them works
         stages = par.pipeline.stages

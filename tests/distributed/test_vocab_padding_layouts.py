@@ -12,11 +12,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from gloo_ranks import spawn_gloo
+from gloo_ranks import parallelized, spawn_gloo
 
-from loom.config import Config, validate
-from loom.model.registry import spec_of
-from loom.parallel import parallelize
+from loom.config import Config
 from loom.train.trainer import build_model
 
 SEED, VOCAB = 99, 70
@@ -40,17 +38,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _worker(rank: int, world: int, parallel: dict, out: str) -> None:
     cfg = _cfg(**parallel)
-    derived, dims = validate(cfg, world, rank)
-    model = build_model(cfg, VOCAB)  # meta
-    par = parallelize(
-        model,
-        dims,
-        cfg,
-        torch.device("cpu"),
-        spec_of(cfg),
-        n_microbatches=derived.pp_microbatches,
-        init=lambda name, whole: model.init_param(name, whole, SEED),
-    )
+    _, par = parallelized(cfg, world, rank, VOCAB, SEED)
     x, y = _batch()
     record = {}
     if par.pipeline is not None:
