@@ -52,6 +52,25 @@ def test_head_only_when_asked():
     assert not fp8.select("tensorwise", True, "all")(nn.Embedding(64, 32), "wte")
 
 
+@pytest.mark.parametrize(
+    "flags, hint",
+    [
+        ([], "precision.fp8_filter=all"),  # the auto filter skips every linear this narrow
+        (["--precision.fp8_filter=all", "--model.n_embd=40", "--model.n_head=2"], "multiples of 16"),
+    ],
+)
+def test_fp8_that_converts_no_linear_is_refused_with_the_remedy(flags, hint):
+    """fp8 asked and not given: before, nothing was converted and nothing said (the demo's model included)."""
+    with pytest.raises(LoomError, match="converts none of this model's") as e:
+        _par("--precision.fp8=tensorwise", *flags)
+    assert hint in e.value.hint
+
+
+def test_fp8_says_how_many_linears_it_converted(capsys):
+    _par("--precision.fp8=tensorwise", "--precision.fp8_filter=all")
+    assert "fp8: 12 of 13 linear layers in float8" in capsys.readouterr().out
+
+
 def test_conversion_keeps_checkpoint_names_and_plain_tensors():
     _, plain = _par()
     _, par = _par("--precision.fp8=tensorwise", "--precision.fp8_filter=all")

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loom import log
 from loom.errors import LoomError
 from loom.metrics import FP8_MIN_CAPABILITY
 
@@ -114,6 +115,7 @@ def convert(model: nn.Module, pcfg, fsdp: bool) -> list[str]:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     keep = select(pcfg.fp8, pcfg.fp8_head, pcfg.fp8_filter)
     names = [n for n, m in model.named_modules() if keep(m, n)]
+    report(names, model, pcfg)
     # the model's own marks on its linears (GPT's residual_scale for init, the head's vocab_size), which the
     # swap would drop: a meta-built model is initialised after this, by name and by these marks
     marks = {n: _marks(model.get_submodule(n)) for n in names}
@@ -128,6 +130,26 @@ def convert(model: nn.Module, pcfg, fsdp: bool) -> list[str]:
         for k, v in extra.items():
             setattr(mod, k, v)
     return names
+
+
+def report(names: list[str], model: nn.Module, pcfg) -> None:
+    """Say how many linears run in float8, every time; refuse, with the remedy, when none would (fp8 asked
+    and not given, silently, is the fault this prevents)."""
+    total = sum(isinstance(m, nn.Linear) for m in model.modules())
+    what = f"precision.fp8={pcfg.fp8} (fp8_filter={pcfg.fp8_filter})"
+    if not names:
+        if pcfg.fp8_filter == "auto":
+            hint = (
+                "the auto filter skips linears below torchao's H100 size thresholds (module docstring of "
+                "loom.parallel.fp8): set precision.fp8_filter=all to convert them anyway, or precision.fp8=off"
+            )
+        else:
+            hint = (
+                "a float8 matmul needs both dimensions of a weight to be multiples of 16: choose widths that "
+                "are (model.n_embd, the MLP's hidden size), or precision.fp8=off"
+            )
+        raise LoomError(f"{what} converts none of this model's {total} linear layers to float8", hint=hint)
+    log.info(f"fp8: {len(names)} of {total} linear layers in float8 ({what})")
 
 
 def _marks(mod: nn.Module) -> dict:
