@@ -59,3 +59,11 @@ def char_data(tmp_path_factory):
     out = root / "prepared"
     prepare([docs], out, tokenizer="char", val_fraction=0.25, seed=0)
     return out
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """A tiny base run (char tokenizer) and chat data prepared with its tokenizer (tests/sftkit.py)."""
+    from sftkit import make_sft_root
+
+    return make_sft_root(tmp_path_factory.mktemp("sft"))

@@ -382,6 +382,24 @@ def newest_intact(candidates: list[Path], control, model_only: bool = False) -> 
     return None
 
 
+def model_identity(path: str | Path) -> str:
+    """SHA-256 that identifies a checkpoint's model weights: its manifest's records (name, size, SHA-256) of the
+    model's files (a consolidated model.safetensors: the file's own hash). The same weights saved give the
+    same files; a folder re-saved with other weights under the same name gives another value. verify()
+    checks the files themselves against the manifest when they are read."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        return _sha256(path)
+    try:
+        files = json.loads((path / "manifest.json").read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError):
+        raise LoomError(
+            f"checkpoint '{path}' has no readable manifest.json (incomplete or not a checkpoint)"
+        ) from None
+    model = {k: v for k, v in files.items() if k == "model.pt" or k.startswith("model/")}
+    return hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()
+
+
 def read_state(path: str | Path) -> dict:
     """state.json of a checkpoint (step, loader position, config), without loading any tensor."""
     f = Path(path) / "state.json"

@@ -150,11 +150,11 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
 
 def _check_run_config(run_dir: Path, path: Path) -> None:
     """The run's config.toml, which the consolidated folder takes, describes the model `path` trained."""
-    from loom.config import check_model_config, config_from_dict, load_toml
+    from loom.config import check_saved_config, config_from_dict, load_toml
 
     if (run_dir / "config.toml").is_file():
-        check_model_config(
-            checkpoint.read_state(path).get("config", {}).get("model", {}),
+        check_saved_config(
+            checkpoint.read_state(path).get("config", {}),
             config_from_dict(load_toml(run_dir / "config.toml")),
             f"checkpoint '{path}'",
             f"'{run_dir / 'config.toml'}' must hold the model settings the checkpoint was trained "

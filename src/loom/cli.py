@@ -86,9 +86,7 @@ def _train(argv: list[str], sft: bool = False) -> int:
     cfg = config.load_config(args.config, rest)
     if sft:
         check_sft(cfg)
-    explicit = {k for k, _ in config.parse_overrides(rest)}
-    if args.config:
-        explicit |= {f"{s}.{k}" for s, kv in config.load_toml(args.config).items() for k in kv}
+    explicit = config.explicit_keys(args.config, rest)
     if args.max_restarts < 0:
         raise LoomError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.nproc is not None and args.nproc > 1:
@@ -694,7 +692,7 @@ def _eval_val(args, run: _Loaded) -> int:
     """Validation loss of a run's model; a sharded model's ranks each score a share of the windows."""
     import math
 
-    from loom.data.loader import ValSet, read_meta
+    from loom.data.loader import read_meta
     from loom.eval.val_loss import val_loss
     from loom.runs import run_data_dir
     from loom.train.setup import check_data_dir
@@ -713,22 +711,43 @@ def _eval_val(args, run: _Loaded) -> int:
 
     check_same_tokenizer(Path(args.run_dir) / "tokenizer", meta, data_dir, data_meta)  # by content, not size
     n_rows = (cfg.train.eval_batches if args.batches is None else args.batches) * cfg.train.batch_size
-    vs = ValSet(data_dir, cfg.model.block_size, n_rows, run.rank, run.world)
+    vs, what = _val_set(cfg, data_dir, data_meta, n_rows, run)
     micro = cfg.train.micro_batch_size or cfg.train.batch_size
     loss = val_loss(run.model, vs, micro, run.device, all_reduce_sum=run.all_reduce_sum)
     line = f"val loss {loss:.4f} | perplexity {math.exp(loss):.2f}"
-    if tok is not None:  # bits per byte: comparable across tokenizers
+    if (
+        tok is not None and getattr(vs, "tokens_per_byte", True) is not False
+    ):  # bits per byte: comparable across tokenizers
         from loom.eval.val_loss import bits_per_byte, tokens_per_byte
 
         tpb = tokens_per_byte(vs, tok, run.device, run.all_reduce_sum)
         line += f" | bits per byte {bits_per_byte(loss, tpb):.4f}"
     if run.rank == 0:
         print(
-            f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} windows of {cfg.model.block_size} tokens)"
+            f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} {what})"
             + (f", {_sharding(run.model, run.world)}" if run.world > 1 else "")
         )
         print(line)
     return 0
+
+
+def _val_set(cfg, data_dir: Path, data_meta: dict, n_rows: int, run: _Loaded):
+    """The validation set the run itself measured, and what its rows are: for chat data (SFT) the val
+    conversations packed as training packed them, only the assistant's tokens scored (loom.data.sft), as the
+    run's own val loss; for text, windows of the token stream, every token scored."""
+    from loom.data.sft import ChatValSet, is_chat_data
+
+    block = cfg.model.block_size
+    if is_chat_data(data_meta):
+        vs = ChatValSet(data_dir, block, n_rows, cfg.run.seed, run.rank, run.world, pack=cfg.data.doc_mask)
+        packing = "several a row, each to itself" if cfg.data.doc_mask else "one a row"
+        return (
+            vs,
+            f"rows of {block} tokens: conversations {packing}, the assistant's tokens scored (as the run)",
+        )
+    from loom.data.loader import ValSet
+
+    return ValSet(data_dir, block, n_rows, run.rank, run.world), f"windows of {block} tokens"
 
 
 def _sharding(model, world: int) -> str:

@@ -179,6 +179,13 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     steps: int = _f(1000, "Optimizer steps.", gt=0)
+    time_budget_s: float = _f(
+        0.0,
+        "Choose train.steps from the speed measured here so that the steps take about this many seconds "
+        "(0: off; never more than train.steps; decided after 10 steps, inside the LR warm-up; evaluations "
+        "come on top). A fresh run only: config.toml then records the steps chosen (loom.train.budget).",
+        ge=0,
+    )
     batch_size: int = _f(
         16, "Global batch in sequences per optimizer step (all ranks, all micro-steps).", gt=0
     )
@@ -630,6 +637,15 @@ def apply_dict(cfg: Config, data: dict[str, Any]) -> None:
             set_key(cfg, f"{section}.{name}", value)
 
 
+def explicit_keys(config_path: str | None, overrides: list[str]) -> set[str]:
+    """The keys a user set ("section.key"), in the config file or as --section.key=value overrides: they win
+    over what a resumed run or model.init_from would set, and a conflict with those is an error."""
+    keys = {k for k, _ in parse_overrides(overrides)}
+    if config_path:
+        keys |= {f"{s}.{k}" for s, kv in load_toml(config_path).items() for k in kv}
+    return keys
+
+
 def config_argv(argv: list[str], config_arg: str | None, rest: list[str]) -> tuple[str | None, list[str]]:
     """(config file, overrides) of a command with an optional config-file positional and --section.key=value
     overrides (`rest`: what argparse left): an override argparse took for the file goes back to the
@@ -766,29 +782,54 @@ def diff_configs(a: Config, b: Config, sections: tuple[str, ...] | None = None) 
 _NOT_THE_MODEL = ("init_from", "dropout")
 
 
-def check_model_config(saved: dict, cfg: Config, source: str, hint: str, *, inference: bool = False) -> None:
+# finetune.* keys that change what a checkpoint holds or what its model computes (LoRA's adapters, their scale,
+# which linears carry them, whether the embedding and head train); lora_dropout changes training only, and
+# init_optimizer acts at a run's start only
+_FINETUNE_MODEL = ("lora_rank", "lora_alpha", "lora_targets", "lora_embeddings")
+_FINETUNE_TRAINING = ("lora_dropout",)
+
+
+def check_model_config(
+    saved: dict, cfg: Config, source: str, hint: str, *, inference: bool = False, finetune: dict | None = None
+) -> None:
     """The one check of a saved model against a config: `saved` is the "model" section a checkpoint recorded
     (state.json, or a consolidated file's metadata; a key it lacks, newer than the save, counts as its
-    default). Every model key that differs is named (saved -> config; inference: the run's and the
-    checkpoint's values) in a LoomError ("`source` was trained
-    with another model shape: ...", with `hint`). inference: only the keys that change the shapes or the numerics
-    of a forward pass (not _NOT_THE_MODEL); training (resume) compares every model key."""
-    defaults = Config().to_dict()["model"]
-    saved = {**defaults, **{k: v for k, v in saved.items() if k in defaults}}
+    default), `finetune` its "finetune" section when it recorded one. Every key that differs is named
+    (saved -> config; inference: the run's and the checkpoint's values) in a LoomError ("`source` was trained
+    with another model shape: ...", with `hint`). inference: only the keys that change the shapes or the
+    numerics of a forward pass (not _NOT_THE_MODEL; finetune's _FINETUNE_MODEL); training (resume) compares
+    every model key and finetune's _FINETUNE_TRAINING too."""
     # a resume changes the config from the saved one (saved -> config); a finished run's config.toml should
     # say what its checkpoint holds (run vs checkpoint)
     say = (
-        (lambda k, a, b: f"model.{k}: {b!r} in the run, {a!r} in the checkpoint")
+        (lambda k, a, b: f"{k}: {b!r} in the run, {a!r} in the checkpoint")
         if inference
-        else (lambda k, a, b: f"model.{k}: {a!r} -> {b!r}")
+        else (lambda k, a, b: f"{k}: {a!r} -> {b!r}")
     )
-    diff = [
-        say(k, saved[k], v)
-        for k, v in cfg.to_dict()["model"].items()
-        if saved[k] != v and not (inference and k in _NOT_THE_MODEL)
-    ]
+    mine = cfg.to_dict()
+    diff = _differing("model", saved, mine["model"], lambda k: not (inference and k in _NOT_THE_MODEL))
+    if finetune is not None:
+        keys = _FINETUNE_MODEL + (() if inference else _FINETUNE_TRAINING)
+        diff += _differing("finetune", finetune, mine["finetune"], lambda k: k in keys)
     if diff:
-        raise LoomError(f"{source} was trained with another model shape: " + "; ".join(diff), hint=hint)
+        what = "another model shape" if diff[0][0].startswith("model.") else "other fine-tuning settings"
+        raise LoomError(f"{source} was trained with {what}: " + "; ".join(say(*d) for d in diff), hint=hint)
+
+
+def check_saved_config(saved: dict, cfg: Config, source: str, hint: str, *, inference: bool = False) -> None:
+    """check_model_config of a checkpoint's whole recorded config (state.json's "config"): model.* and
+    finetune.*."""
+    check_model_config(
+        saved.get("model", {}), cfg, source, hint, inference=inference, finetune=saved.get("finetune")
+    )
+
+
+def _differing(section: str, saved: dict, mine: dict, compared) -> list[tuple[str, object, object]]:
+    """(section.key, saved value, config value) of each compared key that differs; a key the save lacks (newer
+    than it) counts as its default."""
+    defaults = Config().to_dict()[section]
+    saved = {**defaults, **{k: v for k, v in saved.items() if k in defaults}}
+    return [(f"{section}.{k}", saved[k], v) for k, v in mine.items() if compared(k) and saved[k] != v]
 
 
 def help_text() -> str:

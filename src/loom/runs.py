@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from loom import checkpoint
-from loom.config import Config, check_model_config, config_from_dict, load_toml
+from loom import checkpoint, log
+from loom.config import Config, check_saved_config, config_from_dict, load_toml
 from loom.data.loader import doc_eot_id, read_meta
 from loom.data.tokenizers import has_tokenizer, load_tokenizer
 from loom.errors import LoomError
@@ -61,6 +61,8 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
         load_consolidated(run_dir, model)
         done(model)
         return cfg, model.to(device).eval(), tokenizer, meta, run_dir / "model.safetensors"
+    if ckpt:
+        check_same_run(Path(ckpt), run_dir)
     path = Path(ckpt) if ckpt else checkpoint.latest_valid(run_dir / "ckpt", model_only=True)
     if path is None:
         raise LoomError(
@@ -101,6 +103,7 @@ def frozen_base(cfg: Config, model: nn.Module, path: Path) -> dict | None:
     missing = [n for n, p in model.named_parameters() if not p.requires_grad and n not in saved]
     if not missing:
         return None
+    check_base(checkpoint.read_state(path).get("base"), cfg, f"checkpoint '{path}'")
     state = pretrained_state(cfg, model)
     if state is None:  # no init_from: the values materialize gave each tensor (seeded by its name)
         state = {}
@@ -198,15 +201,11 @@ def check_trained_model(path: Path, cfg: Config, run_dir: Path) -> None:
     if path.suffix == ".safetensors":
         from loom.checkpoint_tools import consolidated_model
 
-        saved = consolidated_model(path)
+        saved = {"model": consolidated_model(path)}
     else:
-        saved = (
-            checkpoint.read_state(path).get("config", {}).get("model")
-            if (path / "state.json").is_file()
-            else None
-        )
-    if saved is not None:
-        check_model_config(saved, cfg, f"checkpoint '{path}'", _hint(run_dir), inference=True)
+        saved = checkpoint.read_state(path).get("config") if (path / "state.json").is_file() else None
+    if saved and saved.get("model") is not None:
+        check_saved_config(saved, cfg, f"checkpoint '{path}'", _hint(run_dir), inference=True)
 
 
 def run_data_dir(run_dir: str | Path, cfg: Config) -> Path:
@@ -228,14 +227,143 @@ def is_run_init(cfg: Config) -> bool:
     return cfg.model.init_from.startswith(PREFIX)
 
 
+def init_source(cfg: Config) -> tuple[Path, Path | None]:
+    """model.init_from=run:DIR or run:DIR/ckpt/step_N: (the run directory, the checkpoint named; None: the
+    run's newest, which a run starting pins: pin_init_from)."""
+    p = Path(cfg.model.init_from[len(PREFIX) :]).expanduser()
+    if (p / "config.toml").is_file():
+        return p, None
+    if p.parent.name == "ckpt" and (p.parent.parent / "config.toml").is_file():
+        return p.parent.parent, p
+    raise LoomError(
+        f"model.init_from={cfg.model.init_from}: '{p}' is neither a loom run directory (no config.toml) nor a "
+        "checkpoint of one",
+        hint="give run:runs/<name> (its newest checkpoint) or run:runs/<name>/ckpt/step_N",
+    )
+
+
 def run_dir_of(cfg: Config) -> Path:
-    d = Path(cfg.model.init_from[len(PREFIX) :]).expanduser()
-    if not (d / "config.toml").is_file():
+    return init_source(cfg)[0]
+
+
+# ----------------------------------------------------------------------------- what a fine-tuned run came from
+
+
+def base_checkpoint(cfg: Config) -> Path | None:
+    """The checkpoint model.init_from=run:... names, which must still be there (None: the run's newest)."""
+    _, ckpt = init_source(cfg)
+    if ckpt is not None and not ckpt.is_dir():
         raise LoomError(
-            f"model.init_from={cfg.model.init_from}: '{d}' is not a loom run directory (no config.toml)",
-            hint="give run:runs/<name>, a folder loom train wrote",
+            f"model.init_from={cfg.model.init_from}: the checkpoint this run was fine-tuned from is gone (a run "
+            "that trains on deletes its older checkpoints: train.keep_last)",
+            hint="restore that checkpoint folder: a LoRA run's adapters were trained on those weights and hold "
+            "no base of their own",
         )
-    return d
+    return ckpt
+
+
+def pin_init_from(cfg: Config) -> None:
+    """A run starting from run:DIR is pinned to DIR's newest valid checkpoint: model.init_from names that
+    checkpoint from then on (config.toml, every checkpoint's config), so the base run training on, or saving
+    newer checkpoints, changes nothing in this run, its evaluation, chat, export or resume."""
+    if not is_run_init(cfg):
+        return
+    d, ckpt = init_source(cfg)
+    if ckpt is not None or _consolidated(d):  # named already, or one model.safetensors that never moves on
+        return
+    path = checkpoint.latest_valid(d / "ckpt", model_only=True)
+    if path is None:
+        raise LoomError(
+            f"model.init_from={cfg.model.init_from}: run '{d}' has no valid checkpoint", hint="train it"
+        )
+    cfg.model.init_from = f"{PREFIX}{path}"
+    log.info(f"model.init_from: {d}'s newest checkpoint, {path.name} (pinned: the run's config names it)")
+
+
+def base_record(cfg: Config) -> dict | None:
+    """What a fine-tuned run records of the weights it started from (run.json and every checkpoint's
+    state.json, "base"): model.init_from and the identity of its weights (checkpoint.model_identity,
+    hf_io.fingerprint). None without model.init_from."""
+    if not cfg.model.init_from:
+        return None
+    if is_run_init(cfg):
+        d, _ = init_source(cfg)
+        ident = checkpoint.model_identity(base_checkpoint(cfg) or d / "model.safetensors")
+    else:
+        from loom.model.hf_io import fingerprint, parse_init_from
+
+        ident = fingerprint(parse_init_from(cfg.model.init_from))
+    return {"init_from": cfg.model.init_from, "sha256": ident}
+
+
+def check_base(saved: dict | None, cfg: Config, source: str) -> None:
+    """A checkpoint that holds no base of its own (LoRA) was trained on the base it recorded (`saved`): the
+    weights model.init_from gives now must be those, or its adapters would be applied to others. A checkpoint
+    older than the record (None) is not checked."""
+    if not saved:
+        return
+    now = base_record(cfg)
+    if now == saved:
+        return
+    given = f"{now['init_from']} (sha256 {now['sha256'][:12]})" if now else "no model.init_from"
+    raise LoomError(
+        f"{source} was trained on the base {saved['init_from']} (sha256 {saved['sha256'][:12]}), but the run "
+        f"now gives {given}: its adapters would be applied to other weights",
+        hint="restore the base it was trained on (that checkpoint or transformers folder, unchanged) and the "
+        "run's model.init_from, or fine-tune again from the new base",
+    )
+
+
+def origin(cfg: Config, ckpt: Path | None, run_dir: Path) -> dict:
+    """What a run records of itself in run.json and every checkpoint's state.json: its run_id and the base it
+    was fine-tuned from (base_record). New when it starts; a resumed run keeps its checkpoint's, once a LoRA
+    run's base is checked to be the one its adapters were trained on."""
+    import uuid
+
+    if ckpt is None:
+        return {"run_id": uuid.uuid4().hex, "base": base_record(cfg)}
+    state = checkpoint.read_state(ckpt)
+    if cfg.finetune.lora_rank:
+        check_base(state.get("base"), cfg, f"checkpoint '{ckpt}'")
+    return {"run_id": state.get("run_id") or run_id(run_dir) or uuid.uuid4().hex, "base": state.get("base")}
+
+
+def same_base(saved: str, given: str) -> bool:
+    """model.init_from given again on a resume (the command that started the run, run:DIR) for the pinned value
+    the run saved (run:DIR/ckpt/step_N): the same base."""
+    if saved == given or not (saved.startswith(PREFIX) and given.startswith(PREFIX)):
+        return saved == given
+    s, g = (Path(v[len(PREFIX) :]).expanduser() for v in (saved, given))
+    return (
+        s.parent.name == "ckpt" and (g / "config.toml").is_file() and s.parent.parent.resolve() == g.resolve()
+    )
+
+
+def run_id(run_dir: Path) -> str | None:
+    """The identity of a run (run.json's run_id, kept by its resumes and copies), None for a run older than it."""
+    import json
+
+    info = Path(run_dir) / "run.json"
+    if not info.is_file():
+        return None
+    return json.loads(info.read_text(encoding="utf-8")).get("run_id")
+
+
+def check_same_run(path: Path, run_dir: Path) -> None:
+    """--ckpt must name a checkpoint of this run: another run's, of the same shapes, would be evaluated, chatted
+    with or exported under this run's name, tokenizer and template. Told by the run_id both record; a run or a
+    checkpoint older than it, by the checkpoint lying in the run's ckpt/ folder."""
+    if not (path / "state.json").is_file():  # not a checkpoint folder: the loaders say what it is
+        return
+    theirs, ours = checkpoint.read_state(path).get("run_id"), run_id(run_dir)
+    inside = path.resolve().parent == (run_dir / "ckpt").resolve()
+    if (theirs and ours and theirs == ours) or (not (theirs and ours) and inside):
+        return
+    raise LoomError(
+        f"checkpoint '{path}' is not a checkpoint of the run '{run_dir}'"
+        + (" (another run_id)" if theirs and ours else ""),
+        hint=f"give one of '{run_dir / 'ckpt'}', or name its own run instead of '{run_dir}'",
+    )
 
 
 def pretrained_state(cfg: Config, model: nn.Module) -> dict | None:
@@ -291,7 +419,7 @@ def run_init_state(cfg: Config, model: torch.nn.Module) -> dict[str, torch.Tenso
     """The run's newest weights by loom's names for `model` (built for this run's vocabulary; whole, or this
     rank's pipeline stages), on the host: the whole model's."""
     d = run_dir_of(cfg)
-    run_cfg, old, _, run_meta, path = load_run(d, torch.device("cpu"))
+    run_cfg, old, _, run_meta, path = load_run(d, torch.device("cpu"), base_checkpoint(cfg))
     state, want = _vocab_grown(
         {k: v.detach() for k, v in old.state_dict().items()}, cfg, model, run_meta["vocab_size"]
     )

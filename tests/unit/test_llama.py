@@ -369,3 +369,28 @@ def test_a_tokenizers_own_end_of_text_separates_documents(tmp_path, eos):
     write_tokenizer(ours, tmp_path, block_size=16)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["eos_token"] == config["bos_token"] == ours.eot
+
+
+def test_an_explicit_family_of_the_other_kind_conflicts_with_the_import(tmp_path):
+    """--model.family=gpt2 beside an imported Llama was overridden without a word (the run's config.toml then
+    said gpt2 while it trained a llama, or the other way)."""
+    _, d = random_llama(tmp_path)
+    cfg = Config()
+    cfg.model.init_from, cfg.model.family = f"hf:{d}", "gpt2"
+    with pytest.raises(LoomError, match="model.family='gpt2' conflicts with model.init_from") as e:
+        hf.apply_init_from(cfg, {"model.family"})
+    assert "drop --model.family" in e.value.hint
+    cfg.model.family = "llama"  # the import's own family, named: fine
+    hf.apply_init_from(cfg, {"model.family"})
+    assert cfg.model.family == "llama"
+
+
+def test_the_dry_run_builds_the_imported_model(tmp_path, capsys):
+    """`loom train --dry-run --model.init_from=hf:DIR` measured the default 4-layer gpt2, not the import."""
+    from loom.cli import main
+
+    _, d = random_llama(tmp_path)
+    args = ["train", "--dry-run", "--world", "2", f"--model.init_from=hf:{d}", "--model.block_size=64"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"model     llama n_layer=2 n_embd=64 n_head=4 n_kv_head=2 block_size=64 from hf:{d}" in out

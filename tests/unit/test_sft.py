@@ -11,12 +11,12 @@ rows their mean); and the model itself behind `loom chat --prompt` (its greedy a
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from sftkit import MODEL, _sft_args
 
 from loom.cli import main
 from loom.config import config_from_dict, load_toml
@@ -24,57 +24,6 @@ from loom.data.chat import ASSISTANT_END, ASSISTANT_START, ChatTemplate
 from loom.data.loader import read_meta
 from loom.data.sft import ChatLoader, Conversations
 from loom.data.tokenizers import load_tokenizer
-
-WORDS = "apple river stone cloud green house music paper light table".split()
-MODEL = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=64"]
-QUIET = ["--train.eval_every=0", "--train.sample_every=0", "--train.eval_batches=1", "--train.device=cpu"]
-
-
-def _conversations(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        w = rng.sample(WORDS, rng.randint(2, 4))
-        msgs = [{"role": "user", "content": "reverse: " + " ".join(w)}]
-        if i % 3 == 0:
-            msgs.insert(0, {"role": "system", "content": "be brief"})
-        msgs.append({"role": "assistant", "content": " ".join(reversed(w))})
-        if i % 4 == 0:  # a second turn
-            msgs += [{"role": "user", "content": "again"}, {"role": "assistant", "content": w[0]}]
-        out.append({"messages": msgs})
-    return out
-
-
-@pytest.fixture(scope="module")
-def sft(tmp_path_factory):
-    """A tiny base run (char tokenizer) and chat data prepared with its tokenizer."""
-    root = tmp_path_factory.mktemp("sft")
-    rng = random.Random(0)
-    (root / "base.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(4000)) + " reverse: again\n")
-    assert main(["data", "prepare", "--input", str(root / "base.txt"), "--out", str(root / "text"),
-                 "--tokenizer", "char"]) == 0  # fmt: skip
-    base = [f"--data.path={root / 'text'}", f"--run.dir={root / 'runs'}", "--run.name=base", *MODEL, *QUIET]
-    assert main(["train", *base, "--train.steps=3"]) == 0
-    with open(root / "conv.jsonl", "w", encoding="utf-8") as f:
-        for c in _conversations(120, seed=1):
-            f.write(json.dumps(c) + "\n")
-    assert main(["data", "prepare", "--chat", "--input", str(root / "conv.jsonl"), "--out", str(root / "chat"),
-                 "--tokenizer", str(root / "runs" / "base"), "--block-size", "64"]) == 0  # fmt: skip
-    return root
-
-
-def _sft_args(root, name: str, *extra: str) -> list[str]:
-    return [
-        "train",
-        f"--data.path={root / 'chat'}",
-        f"--model.init_from=run:{root / 'runs' / 'base'}",
-        f"--run.dir={root / 'runs'}",
-        f"--run.name={name}",
-        "--data.doc_mask=true",
-        "--data.doc_positions=restart",
-        *QUIET,
-        *extra,
-    ]
 
 
 def test_packing_keeps_conversations_whole_and_visits_each_once(sft):

@@ -192,6 +192,16 @@ def static_pipeline(pipeline, inputs: list[torch.Tensor], outputs: list[torch.Te
     schedule._warmup_p2p = no_vote
 
 
+class _NoHook:
+    """A hook handle for a hook never registered (a frozen parameter's gradient hook)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 class _StepMixin:
     """What both trackers need for one training step.
 
@@ -202,6 +212,15 @@ class _StepMixin:
     Phases: `mark(name)` closes the phase under way and keeps its peak's terms, so that each phase of the step can
     be followed on its own (loom.dryrun.blocks extends them one by one: which phase peaks can change with the
     model's size)."""
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+        """As torch's, for a model with frozen parameters too (LoRA's base): torch hooks every parameter's
+        gradient and refuses a hook on one that takes none, so each frozen one is entered with handles that
+        remove nothing (checked on torch 2.11 and 2.13)."""
+        for p in module.parameters():
+            if not p.requires_grad:
+                self._param_to_grad_hook_handles.setdefault(p, (_NO_HOOK, _NO_HOOK))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _forget_if_again(self, module: nn.Module) -> None:
         name = self._mod_tracker.get_known_fqn(module)

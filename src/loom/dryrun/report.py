@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from loom.config import Config, config_argv, load_config
+from loom.config import Config, config_argv, explicit_keys, load_config
 from loom.dryrun import layout
 from loom.dryrun.blocks import measure_roles
 from loom.dryrun.layout import GIB, Target
@@ -125,6 +125,13 @@ def _unit(result: DryRun) -> tuple[float, str]:
     return (GIB, "GiB") if top >= GIB else (2**20, "MiB")
 
 
+def _origin(cfg: Config) -> str:
+    """Where the model's weights come from and what trains of it (model.init_from, LoRA)."""
+    f = cfg.finetune
+    lora = f", LoRA rank {f.lora_rank} on {f.lora_targets} (the base frozen)" if f.lora_rank else ""
+    return (f" from {cfg.model.init_from}" if cfg.model.init_from else "") + lora
+
+
 def render(result: DryRun) -> str:
     """The table: one row per rank role, the planner's fullest stage below, and the verdict."""
     div, unit = _unit(result)
@@ -132,7 +139,7 @@ def render(result: DryRun) -> str:
     dp = t.world // (p.tp * p.pp * p.cp)
     lines = [
         f"model     {m.family} n_layer={m.n_layer} n_embd={m.n_embd} n_head={m.n_head} "
-        f"n_kv_head={m.n_kv_head or m.n_head} block_size={m.block_size}",
+        f"n_kv_head={m.n_kv_head or m.n_head} block_size={m.block_size}{_origin(result.cfg)}",
         f"job       {t.world} GPUs ({t.gpus_per_node} per node), tp {p.tp}{' (sp)' if p.sp else ''} x pp {p.pp} "
         f"({p.pp_schedule}) x cp {p.cp} x dp {dp} ({p.dp_impl}), {result.precision}, activation checkpointing "
         f"{result.cfg.train.activation_checkpointing}, global batch {result.cfg.train.batch_size} x {m.block_size}",
@@ -284,11 +291,28 @@ def target_of(args: argparse.Namespace) -> Target:
     return Target(args.world, args.gpus_per_node, args.gpu, mem, args.headroom)
 
 
+def init_from(cfg: Config, explicit: set[str]) -> None:
+    """model.init_from's model, as training builds it (loom.train.finetune.resolve_init_from): its shape from
+    the run or the transformers folder, and, with no data.path, the vocabulary of run:DIR's tokenizer (the
+    data a fine-tuning run trains on may add chat tokens to it: give --data.path to count them)."""
+    if not cfg.model.init_from:
+        return
+    from loom.runs import is_run_init, run_dir_of
+    from loom.train.finetune import resolve_init_from
+
+    resolve_init_from(cfg, explicit)
+    if is_run_init(cfg) and not cfg.model.vocab_size and not cfg.data.path:
+        from loom.data.loader import read_meta
+
+        cfg.model.vocab_size = int(read_meta(run_dir_of(cfg) / "tokenizer")["vocab_size"])
+
+
 def dryrun_main(argv: list[str]) -> int:
     """`loom train --dry-run --world N [--gpus-per-node G --gpu-mem GiB --gpu NAME] [config] [--k=v ...]`."""
     args, rest = build_parser().parse_known_args(argv)
     args.config, rest = config_argv(argv, args.config, rest)
     cfg = load_config(args.config, rest)
+    init_from(cfg, explicit_keys(args.config, rest))
     result = dry_run(cfg, target_of(args), args.config, rest, exact=args.exact)
     print(render(result))
     if args.json:

@@ -98,6 +98,7 @@ def measure_rank(
     mode, ddp = fake.fake_mode(), fake.DdpBuckets()
     with fake.fake_world(world, rank):
         model = spec.build_model(cfg, vocab_size, "meta", eot_id=eot_id(cfg, vocab_size))
+        finetune(model, cfg, vocab_size)
         with fake.parallelize_fake(mode, ddp):
             par = parallelize(
                 model,
@@ -147,6 +148,21 @@ def measure_rank(
         ddp_buckets=ddp.bytes,
         seconds=time.perf_counter() - t0,
     )
+
+
+def finetune(model, cfg: Config, vocab_size: int) -> None:
+    """finetune.* as the trainer applies it (LoRA adapters, the base frozen: no gradient or optimizer state
+    for it), with the data's meta when data.path names it (whether chat tokens make the embedding train)."""
+    if not cfg.finetune.lora_rank:
+        return
+    from loom.train.finetune import apply_finetune
+
+    meta = {"vocab_size": vocab_size}
+    if cfg.data.path:
+        from loom.data.loader import read_meta
+
+        meta = read_meta(cfg.data.path)
+    apply_finetune(model, cfg, meta)
 
 
 def _autocast(precision: str):

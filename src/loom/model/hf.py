@@ -400,11 +400,12 @@ def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
     else:
         g = gpt_config_from_hf(hf, m.block_size, m.dropout)
         keys = _SHAPE_KEYS + (("rope_theta",) if g.pos == "rope" else ())
-        if g.pos == "rope" and m.family != "llama" and "model.family" not in explicit:
-            m.family = "llama"  # what the imported model is; recorded in the run's config
-        elif g.pos == "learned" and m.family != "gpt2" and "model.family" not in explicit:
-            m.family = "gpt2"
         values = {key: getattr(g, key) for key in keys}
+        # what the imported model is, recorded in the run's config; an explicit built-in family of the other
+        # kind conflicts (a plug-in family on GPT's keys may take either)
+        imported, other = ("llama", "gpt2") if g.pos == "rope" else ("gpt2", "llama")
+        if "model.family" not in explicit or m.family == other:
+            values = {"family": imported, **values}
     grown = chat_vocab(cfg.data.path, values.get("vocab_size"))
     if grown:
         log.info(

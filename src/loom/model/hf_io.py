@@ -203,26 +203,55 @@ def _check_tokenizer_vocab(d: Path, vocab_size: int | None) -> None:
         )
 
 
+def weight_files(directory: str | Path) -> list[Path]:
+    """The weight files of a transformers directory: model.safetensors (single or sharded), else
+    pytorch_model.bin."""
+    d = Path(directory)
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
+    if (d / "model.safetensors.index.json").is_file():
+        index = json.loads((d / "model.safetensors.index.json").read_text(encoding="utf-8"))
+        return [d / f for f in sorted(set(index["weight_map"].values()))]
+    if (d / "pytorch_model.bin").is_file():
+        return [d / "pytorch_model.bin"]
+    raise LoomError(
+        f"'{d}' has no model.safetensors or pytorch_model.bin",
+        hint="save the model with save_pretrained into that directory",
+    )
+
+
+FINGERPRINT_SPAN = 16 << 20  # bytes read from each end of a weight file larger than twice this
+
+
+def fingerprint(directory: str | Path) -> str:
+    """SHA-256 that identifies a transformers directory's weights: config.json, and each weight file's name,
+    size and content (a file over 32 MiB: its first and last 16 MiB, which hold the safetensors header with
+    every tensor's name, dtype, shape and offsets; a 70B model's 140 GB are not read at every use). Another
+    model, or these weights re-saved after training, gives another value."""
+    import hashlib
+
+    d = Path(directory)
+    h = hashlib.sha256((d / "config.json").read_bytes() if (d / "config.json").is_file() else b"")
+    for f in weight_files(d):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            if size <= 2 * FINGERPRINT_SPAN:
+                h.update(fh.read())
+            else:
+                h.update(fh.read(FINGERPRINT_SPAN))
+                fh.seek(size - FINGERPRINT_SPAN)
+                h.update(fh.read())
+    return h.hexdigest()
+
+
 def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """GPT-2 tensors from model.safetensors (single or sharded) or pytorch_model.bin (weights only),
     with the 'transformer.' prefix removed (original GPT-2 checkpoints have none)."""
     from safetensors.torch import load_file
 
-    d = Path(directory)
-    if (d / "model.safetensors").is_file():
-        files = [d / "model.safetensors"]
-    elif (d / "model.safetensors.index.json").is_file():
-        index = json.loads((d / "model.safetensors.index.json").read_text(encoding="utf-8"))
-        files = [d / f for f in sorted(set(index["weight_map"].values()))]
-    elif (d / "pytorch_model.bin").is_file():
-        files = [d / "pytorch_model.bin"]
-    else:
-        raise LoomError(
-            f"'{d}' has no model.safetensors or pytorch_model.bin",
-            hint="save the model with save_pretrained into that directory",
-        )
     sd = {}
-    for f in files:
+    for f in weight_files(directory):
         try:
             part = (
                 load_file(str(f))

@@ -9,7 +9,7 @@ from loom import checkpoint, log
 from loom.config import (
     Config,
     Derived,
-    check_model_config,
+    check_saved_config,
     config_from_dict,
     diff_configs,
     load_toml,
@@ -43,6 +43,7 @@ class Plan:
     data_dir: Path
     ckpt: Path | None
     resume: str | bool | None = None  # as given (or chosen by train.resume=auto)
+    origin: dict | None = None  # the run's identity and its base (loom.runs.origin): run.json, state.json
 
 
 def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
@@ -56,14 +57,10 @@ def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
     if run_dir is not None:
         cfg = resumed_config(run_dir, cfg, req.explicit)
     from loom.metrics import check_trackers
-    from loom.model.hf import apply_init_from
-    from loom.runs import is_run_init
+    from loom.runs import is_run_init, origin, pin_init_from
     from loom.train import finetune
 
-    if is_run_init(cfg):  # model.init_from=run:DIR: the model shape of a loom run
-        finetune.apply_run_init(cfg, req.explicit)
-    else:
-        apply_init_from(cfg, req.explicit)  # model.init_from=hf:DIR sets the model shape from DIR/config.json
+    finetune.resolve_init_from(cfg, req.explicit)
     derived = validate_on(cfg, dims)
     check_trackers(cfg.metrics)
     resolve_device(cfg.train.device)
@@ -83,6 +80,8 @@ def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
             run_dir / "tokenizer", read_meta(run_dir / "tokenizer"), data_dir, read_meta(data_dir)
         )
     finetune.check_lora_targets(cfg)
+    if ckpt is None:
+        pin_init_from(cfg)  # run:DIR -> its newest checkpoint, named from now on
     if is_run_init(cfg) and ckpt is None:
         from loom.data.loader import read_meta
 
@@ -97,7 +96,7 @@ def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
         check_data_tokenizer(cfg.model.init_from, data_dir, meta["vocab_size"], tok, cfg.model.vocab_size)
     if run_dir is None:
         run_dir = resolve_run_dir(cfg, None, req.force, (data_dir,))
-    return Plan(cfg, derived, run_dir, data_dir, ckpt, resume)
+    return Plan(cfg, derived, run_dir, data_dir, ckpt, resume, origin(cfg, ckpt, run_dir))
 
 
 def validate_on(cfg: Config, dims: ParallelDims) -> Derived:
@@ -195,8 +194,8 @@ def auto_resume(req: RunRequest, share=(0, 1)) -> RunRequest:
 
 def check_checkpoint_model(ckpt: Path, cfg: Config) -> None:
     """A checkpoint of another model shape is refused before anything is built (state.json only)."""
-    check_model_config(
-        checkpoint.read_state(ckpt).get("config", {}).get("model", {}),
+    check_saved_config(
+        checkpoint.read_state(ckpt).get("config", {}),
         cfg,
         f"checkpoint '{ckpt}'",
         "resume with the checkpoint's model settings, or start a new run",
@@ -361,7 +360,9 @@ def run(req: RunRequest | Config, log_all_ranks: bool = False) -> dict:
             f"{plan.derived.tokens_per_step:,} tokens/step | micro-batch {plan.derived.micro_batch_size}"
             f" | grad accum {plan.derived.grad_accum} | {dims.describe()}"
         )
-        trainer = Trainer(plan.cfg, plan.derived, plan.run_dir, plan.data_dir, device, dims, control)
+        trainer = Trainer(
+            plan.cfg, plan.derived, plan.run_dir, plan.data_dir, device, dims, control, plan.origin, plan.ckpt
+        )
         if plan.ckpt is not None:
             trainer.load(plan.ckpt)
         if env.world_size > 1 and dims.dp_impl != "mpi":

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loom import __version__, checkpoint, log
-from loom.config import Config, check_model_config
+from loom.config import Config, check_saved_config
 from loom.distributed.comm import Control
 from loom.errors import LoomError, PeerError
 from loom.faults import Faults
@@ -59,6 +59,8 @@ class CheckpointJob:
     record: Callable[[dict], None]
     # names the operation under way: the error a failed or timed-out collective raises says which
     name_op: Callable[[str], None]
+    # what the run records of itself in every state.json: run_id, base (loom.runs.origin)
+    origin: dict = field(default_factory=dict)
 
 
 class Checkpointer:
@@ -84,6 +86,7 @@ class Checkpointer:
             "config": job.config.to_dict(),
             "world_size": job.world_size,
             "loom_version": __version__,
+            **job.origin,
         }
         return tensors, state
 
@@ -263,8 +266,8 @@ class Checkpointer:
             tensors.update(model=path / "model", optim=path / "optim")
         else:  # format 1: whole tensors, sliced onto the device per parameter
             tensors, state = checkpoint.load(path, map_location="cpu")
-        check_model_config(
-            state["config"]["model"],
+        check_saved_config(
+            state["config"],
             self.job.config,
             f"checkpoint '{path}'",
             "resume with the checkpoint's model settings, or start a new run",

@@ -13,7 +13,19 @@ from pathlib import Path
 
 from loom.config import Config, config_from_dict, load_toml
 from loom.errors import LoomError
-from loom.runs import run_dir_of
+from loom.runs import is_run_init, run_dir_of
+
+
+def resolve_init_from(cfg: Config, explicit: set[str]) -> None:
+    """The model shape model.init_from names, set on cfg.model (before validate()): run:DIR's config.toml, or
+    hf:DIR's config.json through the family's mapping. A key the user set to another value is an error.
+    Training and its dry run both resolve it here, so both build the same model."""
+    if is_run_init(cfg):
+        apply_run_init(cfg, explicit)
+    else:
+        from loom.model.hf import apply_init_from
+
+        apply_init_from(cfg, explicit)
 
 
 def apply_run_init(cfg: Config, explicit: set[str]) -> None:

@@ -30,6 +30,7 @@ def write_run_files(
     n_params: int,
     flops_per_token: float,
     active_params: int | None = None,
+    origin: dict | None = None,
 ) -> Sinks:
     """Write the run folder's files and return its opened metrics sinks (the caller writes and closes them).
     `meta`: the data's meta (which tokenizer to copy); the keyword values are recorded in run.json."""
@@ -50,6 +51,7 @@ def write_run_files(
         "active_params": n_params if active_params is None else active_params,  # a MoE's: k of E experts
         "flops_per_token": flops_per_token,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **(origin or {}),  # run_id, and the base a fine-tuned run started from
     }
     (run_dir / "run.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
     return metrics

@@ -210,8 +210,12 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool, inputs:
 
 def resumed_config(run_dir: Path, cfg: Config, explicit: set[str]) -> Config:
     """On resume the saved config is the base; keys the user set on this command line win."""
+    from loom.runs import same_base
+
     saved = config_from_dict(load_toml(run_dir / "config.toml"))
     for key in explicit:
         section, name = key.split(".", 1)
+        if key == "model.init_from" and same_base(saved.model.init_from, cfg.model.init_from):
+            continue  # the run was pinned to that run's checkpoint when it started: keep it
         setattr(getattr(saved, section), name, getattr(getattr(cfg, section), name))
     return saved

@@ -21,7 +21,7 @@ import loom.eval.capability  # noqa: F401  (registers the evaluators it defines,
 import loom.eval.hellaswag  # noqa: F401
 import loom.generate  # noqa: F401
 from loom import faults, log
-from loom.config import Config, Derived
+from loom.config import Config, Derived, to_toml
 from loom.data.loader import DeviceBatches, ShardLoader, ValSet, doc_eot_id, read_meta
 from loom.data.sft import ChatLoader, ChatValSet, is_chat_data
 from loom.data.tokenizers import has_tokenizer, load_tokenizer
@@ -47,6 +47,7 @@ from loom.parallel import fp8, parallelize
 from loom.parallel.dims import ParallelDims
 from loom.parallel.state import model_state_bytes
 from loom.runs import pretrained_state
+from loom.train.budget import TimeBudget
 from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointParts, CheckpointPolicy
 from loom.train.finetune import apply_finetune, lora_flops_per_token
 from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
@@ -71,8 +72,13 @@ class Trainer:
         device: torch.device,
         dims: ParallelDims | None = None,
         control: Control | None = None,
+        origin: dict | None = None,
+        resume: Path | None = None,
     ):
+        """`origin`: what the run records of itself (loom.runs.origin); `resume`: the checkpoint it will be
+        loaded from (trainer.load), so that the base a full fine-tuning resumes over is not read for nothing."""
         self.cfg, self.derived, self.run_dir, self.device = cfg, derived, run_dir, device
+        self.origin, self.resuming = origin or {}, resume is not None
         self.dims, self.control = dims or ParallelDims(), control or Control()
         self.main = self.dims.is_main
         self.meta = read_meta(data_dir)
@@ -189,7 +195,8 @@ class Trainer:
             n_microbatches=self.derived.pp_microbatches,
             init=lambda name, whole: model.init_param(name, whole, cfg.run.seed),
         )
-        pretrained = pretrained_state(cfg, model)
+        # a resumed checkpoint holds every weight but a LoRA run's frozen base: only that is read from the base
+        pretrained = None if self.resuming and not self.lora else pretrained_state(cfg, model)
         if pretrained is not None:
             self.parallel.load_model_state(pretrained)
         self.model = self.parallel.model
@@ -222,6 +229,7 @@ class Trainer:
             faults=self.faults,
             record=self._write_metrics,
             name_op=self._name_op,
+            origin=self.origin,
         )
         return Checkpointer(parts, CheckpointPolicy.of(self.cfg, self.run_dir), job)
 
@@ -244,9 +252,9 @@ class Trainer:
         checkpoint's optim/, read by each rank for its own pieces, whatever layout wrote it)."""
         from loom import checkpoint
         from loom.parallel import dcp_state
-        from loom.runs import run_dir_of
+        from loom.runs import base_checkpoint, run_dir_of
 
-        path = checkpoint.latest_valid(run_dir_of(self.cfg) / "ckpt")
+        path = base_checkpoint(self.cfg) or checkpoint.latest_valid(run_dir_of(self.cfg) / "ckpt")
         if path is None or not checkpoint.is_sharded(path):
             raise LoomError(
                 f"finetune.init_optimizer: '{run_dir_of(self.cfg)}' has no sharded checkpoint with an optimizer "
@@ -455,7 +463,13 @@ class Trainer:
             n_params=self.n_params,
             flops_per_token=self.throughput.flops_per_token,
             active_params=self.n_active,
+            origin=self.origin,
         )
+
+    def _save_config(self) -> None:
+        """config.toml again, after a component changed the config (train.time_budget_s chose train.steps)."""
+        if self.main:
+            (self.run_dir / "config.toml").write_text(to_toml(self.cfg), encoding="utf-8")
 
     def _cpu_memory(self):
         """glibc's malloc for this layout on a CPU. Unsharded: keep freed memory for reuse (train.reuse_cpu_memory:
@@ -491,6 +505,7 @@ class Trainer:
                 f"MFU is against the {self.precision} peak{vs}"
             )
         self.parallel.refresh_fp8_scales()  # after init or the resumed checkpoint's weights
+        self.budget = TimeBudget(self.cfg, self.step, self.control.broadcast_object, self._save_config)
         stopped = None
         self.stop.install()
         try:
@@ -525,6 +540,7 @@ class Trainer:
         """A step, then what is due after it: log, skip bookkeeping, stop on a signal, each evaluator, save."""
         t = self.cfg.train
         rec = self.train_step()
+        self.budget.after_step(self.step, rec["dt"])  # train.time_budget_s may set train.steps here
         final = self.step == t.steps
         if t.ckpt_every and not final:  # after this process's first step (then at once returns)
             self.checkpointer.warm()  # background saves: staging buffers and the writer's group, off the step time
