@@ -68,7 +68,10 @@ def test_a_lora_run_keeps_the_base_it_was_trained_on(sft, tmp_path, capsys):
     shutil.copytree(base / "ckpt" / "step_000006", pinned)  # other weights under the pinned name
     err = _refused(capsys, ["eval", str(run)])
     assert f"was trained on the base run:{pinned}" in err and "other weights" in err
-    for argv in (["chat", str(run), "--prompt", "x"], ["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]):
+    for argv in (
+        ["chat", str(run), "--prompt", "x"],
+        ["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")],
+    ):
         assert "was trained on the base" in _refused(capsys, argv)
     resume = [*args, f"--run.dir={tmp_path / 'runs'}", "--train.steps=3", "--train.resume=auto"]
     assert "was trained on the base" in _refused(capsys, resume)
