@@ -1,7 +1,8 @@
 """Reading a run: its model with the newest checkpoint's weights (eval, generate, chat, export), and the weights a
 run starts from when model.init_from names them: `hf:DIR` (a transformers directory, through the family's
-mapping) or `run:DIR` (a loom run's newest checkpoint, itself read here: the two need each other). A LoRA run's
-checkpoints hold only what it trains; its frozen base is what model.init_from gave it.
+mapping) or `run:DIR` (a loom run's checkpoint, itself read here: the two need each other). A LoRA run's
+checkpoints hold only what it trains; its frozen base is what model.init_from gave it, which the run records
+(pinned by name and identity: base_record) and every reader checks (check_base, check_same_run).
 
 The data may extend a run's tokenizer (chat data adds its chat tokens after the run's ids: loom.data.chat): the
 embedding (and an untied head) then grow by those rows, each new row the mean of the run's trained rows (a new
@@ -416,8 +417,9 @@ def _vocab_grown(state: dict, cfg: Config, model: nn.Module, old_vocab: int) -> 
 
 
 def run_init_state(cfg: Config, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The run's newest weights by loom's names for `model` (built for this run's vocabulary; whole, or this
-    rank's pipeline stages), on the host: the whole model's."""
+    """The weights of the checkpoint model.init_from names (pinned when the run started: pin_init_from) by
+    loom's names for `model` (built for this run's vocabulary; whole, or this rank's pipeline stages), on the
+    host: the whole model's."""
     d = run_dir_of(cfg)
     run_cfg, old, _, run_meta, path = load_run(d, torch.device("cpu"), base_checkpoint(cfg))
     state, want = _vocab_grown(

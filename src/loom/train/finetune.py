@@ -1,4 +1,5 @@
-"""Fine-tuning from a loom run: model.init_from=run:DIR takes DIR's model (its shape and newest weights).
+"""Fine-tuning from a loom run: model.init_from=run:DIR takes DIR's model (its shape, and the weights of its newest
+checkpoint, to which the run is pinned when it starts: loom.runs.pin_init_from).
 
 The data may extend the run's tokenizer (chat data adds its chat tokens after the run's ids: loom.data.chat):
 the embedding (and an untied head) then grow by those rows, each new row the mean of the run's trained rows
