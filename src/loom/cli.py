@@ -226,7 +226,12 @@ def _data(argv: list[str]) -> int:
         help="--input is JSONL conversations ({messages: [...]} or {prompt, completion}): shards + loss masks "
         "+ the tokenizer with chat tokens; --tokenizer may also be a run directory (the model to fine-tune)",
     )
-    chat.add_argument("--block-size", type=int, default=None, help="with --chat: the model's context length")
+    chat.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="with --chat: the model's context length (default: the run's, when --tokenizer is a run directory)",
+    )
     chat.add_argument(
         "--too-long",
         default=None,
@@ -299,14 +304,23 @@ def _data_prepare_chat(args) -> int:
         raise LoomError(
             "--chat reads JSONL conversations, not a built-in corpus", hint="use --input FILE.jsonl"
         )
-    if args.block_size is None:
-        raise LoomError(
-            "--chat needs --block-size (the context length of the model to fine-tune)",
-            hint="e.g. --block-size 1024; conversations longer than it are dropped (or cut: --too-long truncate)",
-        )
-    from loom.data.chat_prepare import check_tokenizer_spec, prepare_chat
+    from loom.data.chat_prepare import check_tokenizer_spec, prepare_chat, run_block_size
     from loom.data.messages import check_inputs
 
+    block_size = args.block_size
+    if block_size is None:  # a run to fine-tune knows its context length
+        block_size = run_block_size(args.tokenizer)
+        if block_size is None:
+            raise LoomError(
+                "--chat needs --block-size (the context length of the model to fine-tune)",
+                hint="e.g. --block-size 1024, or --tokenizer RUN_DIR to take the run's; conversations longer "
+                "than it are dropped (or cut: --too-long truncate)",
+            )
+        from loom import log
+
+        log.info(
+            f"--block-size {block_size}: the model.block_size of run '{args.tokenizer}' (its config.toml)"
+        )
     check_inputs(args.input)
     check_output_dir(args.out, "--out", temp_beside=True)
     check_tokenizer_spec(args.tokenizer, args.vocab_size, args.chat_template or "loom")
@@ -314,7 +328,7 @@ def _data_prepare_chat(args) -> int:
         args.input,
         args.out,
         args.tokenizer,
-        args.block_size,
+        block_size,
         args.too_long or "drop",
         args.val_fraction,
         args.seed,

@@ -315,6 +315,22 @@ def test_run_directory_tokenizer_gets_chat_tokens_after_its_ids(tmp_path):
     assert ctok.chars == cbase.chars and ctok.eot_id == cbase.eot_id and ctok.specials == list(CHAT_TOKENS)
 
 
+def test_block_size_is_taken_from_the_run_to_fine_tune(tmp_path, capsys):
+    """--tokenizer RUN: the run's config.toml has the context length, so --block-size may be left out."""
+    run = fake_run(tmp_path / "run", CharTokenizer.train(TEXTS), "char")
+    (run / "config.toml").write_text("[model]\nblock_size = 24\n", encoding="utf-8")
+    path = write_jsonl(
+        tmp_path / "c.jsonl", [conv("hello there", "fine thanks"), conv("how are you", "fine")]
+    )
+    out = tmp_path / "out"
+    assert (
+        main(["data", "prepare", "--chat", "--input", str(path), "--out", str(out), "--tokenizer", str(run)])
+        == 0
+    )
+    assert f"--block-size 24: the model.block_size of run '{run}'" in capsys.readouterr().out
+    assert json.loads((out / "meta.json").read_text(encoding="utf-8"))["chat"]["block_size"] == 24
+
+
 def test_cli_end_to_end_shards_masks_meta(tmp_path, capsys):
     from loom.data.formats import open_split
 

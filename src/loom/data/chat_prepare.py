@@ -52,6 +52,17 @@ def _run_tokenizer_dir(spec: str) -> Path | None:
     return None
 
 
+def run_block_size(spec: str) -> int | None:
+    """model.block_size of the run directory `spec` (its config.toml), or None when `spec` is not a run: the
+    context length of the model the chat data will fine-tune."""
+    path = Path(spec) / "config.toml"
+    if spec in ("char", "bpe") or not path.is_file():
+        return None
+    from loom.config import config_from_dict, load_toml
+
+    return config_from_dict(load_toml(path)).model.block_size
+
+
 def check_tokenizer_spec(spec: str, vocab_size: int, chat_template: str = "loom") -> None:
     """Refuse a --tokenizer (and --chat-template) that names nothing usable, before any reading."""
     if chat_template == "tokenizer":
