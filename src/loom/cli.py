@@ -223,7 +223,8 @@ def _data(argv: list[str]) -> int:
     chat.add_argument(
         "--chat",
         action="store_true",
-        help="--input is JSONL conversations ({messages: [...]} or {prompt, completion}): shards + loss masks "
+        help="--input is conversations ({messages: [...]} or {prompt, completion}) in JSONL (.gz, .zst) or "
+        "Parquet: shards + loss masks "
         "+ the tokenizer with chat tokens; --tokenizer may also be a run directory (the model to fine-tune)",
     )
     chat.add_argument(

@@ -226,6 +226,63 @@ def test_bad_records_counted_by_reason_with_lines(tmp_path):
     assert meta["chat"]["conversations"] == {"train": 1, "val": 1}
 
 
+def test_compressed_and_parquet_conversations_read_as_jsonl(tmp_path):
+    """.jsonl.gz, .jsonl.zst and Parquet hold the same records as the plain file (they were read as raw bytes,
+    every line "not UTF-8")."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    records = [{"messages": CONV}, conv("hi", "hey"), {"messages": [{"role": "user", "content": "a"}]}]
+    plain = write_jsonl(tmp_path / "c.jsonl", records)
+    gz = tmp_path / "c.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    zst = tmp_path / "c.jsonl.zst"
+    zst.write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
+    parquet = tmp_path / "c.parquet"
+    messages = [r["messages"] for r in records]
+    pq.write_table(pa.table({"messages": messages, "id": [1, 2, 3]}), parquet, row_group_size=2)
+    want = [CONV, conv("hi", "hey")["messages"]]
+    for path in (plain, gz, zst):
+        drops = Drops()
+        found = read_conversations([path], drops)
+        assert [m for _, m in found] == want and [w for w, _ in found] == [f"{path.name}:1", f"{path.name}:2"]
+        assert drops.places == {"no assistant turn": [f"{path.name}:3"]}
+    drops = Drops()
+    found = read_conversations([parquet], drops)
+    assert [m for _, m in found] == want and [w for w, _ in found] == ["c.parquet row 0", "c.parquet row 1"]
+    assert drops.places == {"no assistant turn": ["c.parquet row 2"]}
+    pairs = tmp_path / "pairs.parquet"  # prompt and completion columns
+    pq.write_table(pa.table({"prompt": ["hi"], "completion": ["hey"]}), pairs)
+    assert read_conversations([pairs], Drops()) == [("pairs.parquet row 0", conv("hi", "hey")["messages"])]
+    other = tmp_path / "text.parquet"
+    pq.write_table(pa.table({"text": ["plain"]}), other)
+    with pytest.raises(LoomError, match="'.*text.parquet' has no column messages .*columns are text"):
+        read_conversations([other], Drops())
+
+
+def test_a_plain_or_broken_compressed_file_is_refused_by_name(tmp_path, capsys):
+    """A .jsonl.gz that is plain JSONL, and one cut short: one error naming the file (it was a traceback)."""
+    import gzip
+
+    body = "\n".join(json.dumps(conv(f"q{i}", f"a{i}")) for i in range(400)) + "\n"
+    plain = tmp_path / "plain.jsonl.gz"
+    plain.write_text(body, encoding="utf-8")
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "--chat", "--out", str(out), "--block-size", "64", "--input"]
+    assert main([*argv, str(plain)]) == 2
+    err = capsys.readouterr().err
+    assert f"'{plain}' is not gzip-compressed" in err and "Traceback" not in err
+    cut = tmp_path / "cut.jsonl.gz"
+    whole = gzip.compress(body.encode())
+    cut.write_bytes(whole[: len(whole) // 2])
+    assert main([*argv, str(cut)]) == 2
+    assert f"'{cut}' is corrupt after line" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_too_long_drop_vs_truncate_and_all_dropped(tmp_path):
     short, long_ = conv("hi", "ok"), conv("hi", "a long answer " * 5)  # 9 and 77 tokens (eot + 4 + content)
     path = write_jsonl(tmp_path / "c.jsonl", [short, long_, short, {"prompt": "x" * 30, "completion": "y"}])
