@@ -674,6 +674,35 @@ def test_tokenizer_template_refusals(tmp_path, capsys):
     assert main(plain) == 2 and "options of --chat" in capsys.readouterr().err
 
 
+def test_a_broken_tokenizer_template_is_one_error_naming_it(tmp_path, capsys):
+    """A Jinja error of the template itself (it was every record dropped, with a hint about the JSON layout):
+    one error naming the template, said once."""
+    pytest.importorskip("transformers")
+    path = write_jsonl(tmp_path / "c.jsonl", [conv(f"q{i}", f"a{i}") for i in range(40)])
+    out = tmp_path / "out"
+    base = ["data", "prepare", "--chat", "--input", str(path), "--out", str(out), "--block-size", "64"]
+    cases = {
+        "syntax": (LLAMA3_JINJA.replace("{% endfor %}", "{% endfo %}"), "is not a valid Jinja template: "),
+        "filter": (LLAMA3_JINJA.replace("| trim", "| trimx"), "No filter named 'trimx'"),
+        "undefined": (
+            LLAMA3_JINJA.replace("message['content']", "message.meta.text"),
+            "failed on every conversation it was given (40, none rendered): 'dict object' has no attribute "
+            "'meta' (first at c.jsonl:1)",
+        ),
+    }
+    for name, (jinja, message) in cases.items():
+        folder = hf_tokenizer_folder(tmp_path / name, LLAMA3_SPECIALS, jinja, bos_token="<|begin_of_text|>")
+        assert main([*base, "--tokenizer", str(folder), "--chat-template", "tokenizer"]) == 2
+        out_text, err = capsys.readouterr()
+        assert f"the \"chat_template\" of '{folder / 'tokenizer_config.json'}'" in err and message in err, err
+        assert "dropped" not in out_text + err and '"messages"' not in err  # once, without the layout hint
+        assert not out.exists()
+    # a chat_template.jinja beside the config is the one transformers reads: the one named
+    (folder / "chat_template.jinja").write_text(cases["syntax"][0], encoding="utf-8")
+    assert main([*base, "--tokenizer", str(folder), "--chat-template", "tokenizer"]) == 2
+    assert f"'{folder / 'chat_template.jinja'}' is not a valid Jinja template" in capsys.readouterr().err
+
+
 def test_missing_transformers_names_the_extra(monkeypatch):
     import builtins
 

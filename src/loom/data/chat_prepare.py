@@ -307,6 +307,8 @@ def prepare_chat(
         template = ChatTemplate(add_chat_tokens(base))
         base_vocab = base.vocab_size
     kept, truncated = _render_all(template, convs, block_size, too_long, drops)
+    if not kept:
+        _check_template_failed(template, drops)
     for line in drops.lines():
         log.warn(f"dropped {line}")
     if truncated:
@@ -423,6 +425,24 @@ def _fresh_tmp(tmp: Path, force: bool) -> None:
         )
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+
+
+def _check_template_failed(template, drops: Drops) -> None:
+    """No conversation rendered and the tokenizer's template raised errors: the template's fault (an
+    undefined name, a failing filter) more likely than the records', so it is the one error, named once."""
+    from loom.data.hf_chat import TEMPLATE_ERROR
+
+    failed = {r: n for r, n in drops.counts.items() if r.startswith(TEMPLATE_ERROR)}
+    if isinstance(template, ChatTemplate) or not failed:
+        return
+    reason = max(failed, key=failed.__getitem__)
+    others = [line for line in drops.lines() if TEMPLATE_ERROR not in line]
+    raise LoomError(
+        f"{template.origin} failed on every conversation it was given ({sum(failed.values())}, none "
+        f"rendered): {reason.removeprefix(TEMPLATE_ERROR)} (first at {drops.places[reason][0]})"
+        + (f"; dropped besides: {'; '.join(others)}" if others else ""),
+        hint="fix the template (it reads each message's role and content), or use --chat-template loom",
+    )
 
 
 def _all_dropped(paths: list[Path], drops: Drops) -> None:
