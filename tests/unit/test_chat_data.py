@@ -388,6 +388,18 @@ def test_block_size_is_taken_from_the_run_to_fine_tune(tmp_path, capsys):
     assert json.loads((out / "meta.json").read_text(encoding="utf-8"))["chat"]["block_size"] == 24
 
 
+def test_a_character_outside_a_char_vocabulary_is_named_with_its_line(tmp_path, capsys):
+    run = fake_run(tmp_path / "run", CharTokenizer.train(TEXTS), "char")
+    records = [conv("hello there", "fine"), conv("héllo", "fine"), conv("how are you", "fi\u200bne")]
+    path = write_jsonl(tmp_path / "c.jsonl", [*records, conv("how are you", "fine thanks")])
+    argv = ["data", "prepare", "--chat", "--input", str(path), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--tokenizer", str(run), "--block-size", "64"]) == 0
+    assert (
+        "dropped 2 record(s): a character not in the tokenizer's vocabulary (c.jsonl:2 'é' U+00E9, "
+        "c.jsonl:3 '\\u200b' U+200B)" in capsys.readouterr().out
+    )
+
+
 def test_cli_end_to_end_shards_masks_meta(tmp_path, capsys):
     from loom.data.formats import open_split
 

@@ -140,19 +140,15 @@ def _render_all(template, convs, block_size: int, too_long: str, drops: Drops):
         reason = next(filter(None, (template.check_content(m["content"]) for m in messages)), None)
         if reason:
             drops.add(reason, where)
+        elif (c := _missing_char(template.tok, messages)) is not None:
+            drops.add("a character not in the tokenizer's vocabulary", f"{where} {c!r} U+{ord(c):04X}")
         else:
             ok.append((where, messages))
-    # a char tokenizer given by the user may lack a character: one conversation at a time, to name it
-    step = 1 if isinstance(template.tok, CharTokenizer) else RENDER_BATCH
     special = np.array(sorted({*template.ids.values(), template.eot_id}))
     kept, truncated = [], 0
-    for i in range(0, len(ok), step):
-        part = ok[i : i + step]
-        try:
-            rendered = template.render_many([m for _, m in part])
-        except LoomError:  # a character the given char tokenizer does not have
-            drops.add("a character not in the tokenizer's vocabulary", part[0][0])
-            continue
+    for i in range(0, len(ok), RENDER_BATCH):
+        part = ok[i : i + RENDER_BATCH]
+        rendered = template.render_many([m for _, m in part])
         for (where, messages), (ids, mask) in zip(part, rendered, strict=True):
             fitted = _fit(ids, mask, block_size, too_long, drops, where)
             if fitted is None:
@@ -163,6 +159,14 @@ def _render_all(template, convs, block_size: int, too_long: str, drops: Drops):
             nbytes = sum(len(m["content"].encode("utf-8")) for m in messages)
             kept.append(Rendered(where, ids, np.array(fitted[1], dtype=np.uint8), nbytes, n_content))
     return kept, truncated
+
+
+def _missing_char(tok, messages) -> str | None:
+    """The first character of the messages that a char tokenizer (given by the user: a run's, a prepared data
+    folder's) does not have, named in the drop; None for a byte-level tokenizer, which encodes any text."""
+    if not isinstance(tok, CharTokenizer):
+        return None
+    return next((c for m in messages for c in m["content"] if c not in tok.stoi), None)
 
 
 def _fit(ids: list[int], mask: list[int], block_size: int, too_long: str, drops: Drops, where: str):
