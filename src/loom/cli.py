@@ -248,6 +248,14 @@ def _data(argv: list[str]) -> int:
     )
     args = p.parse_args(argv)
     if args.chat:
+        _refuse_options(
+            pp,
+            argv[1:],
+            _TEXT_ONLY,
+            "of plain-text preparation, which --chat does not read",
+            ": --chat reads each --input file as conversations (JSONL lines, or Parquet rows, of messages or of "
+            "prompt and completion)",
+        )
         return _data_prepare_chat(args)
     if args.block_size is not None or args.too_long is not None or args.chat_template is not None:
         raise LoomError(
@@ -295,6 +303,36 @@ def _data(argv: list[str]) -> int:
         encoder=args.encoder,
     )
     return 0
+
+
+# `loom data prepare` options that conversations (--chat) have no use for: refused beside it, not ignored
+_TEXT_ONLY = (
+    "split_mode",
+    "jsonl_field",
+    "glob",
+    "workers",
+    "shard_tokens",
+    "tokenizer_sample",
+    "doc_cap",
+    "split_pattern",
+    "bpe_trainer",
+    "text_separator",
+    "doc_chars",
+    "strict",
+    "dtype",
+    "encoder",
+)
+
+
+def _refuse_options(parser, argv: list[str], dests: tuple[str, ...], why: str, remedy: str = "") -> None:
+    """Refuse the options among `dests` that argv gives (even at their default value: argparse sets a default
+    only on a namespace that lacks the attribute, so a pre-filled one tells what the command line set)."""
+    unset = object()
+    ns = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(dests, unset)))
+    given = ["--" + d.replace("_", "-") for d in dests if getattr(ns, d) is not unset]
+    if given:
+        are = "is an option" if len(given) == 1 else "are options"
+        raise LoomError(f"{', '.join(given)} {are} {why}", hint=f"leave out {', '.join(given)}{remedy}")
 
 
 def _data_prepare_chat(args) -> int:

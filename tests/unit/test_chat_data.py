@@ -465,6 +465,13 @@ def test_cli_refusals_before_any_work(tmp_path, capsys):
             ["data", "prepare", "--input", str(good), "--out", str(out), "--block-size", "8"],
             "options of --chat",
         ),
+        # options of plain-text preparation (they were ignored without a word), even at their default value
+        (
+            [*base, "--input", str(good), "--block-size", "8", "--split-mode", "tail", "--jsonl-field=text"],
+            "--split-mode, --jsonl-field are options of plain-text preparation, which --chat does not read",
+        ),
+        ([*base, "--input", str(good), "--glob", "*.jsonl"], "--glob is an option of plain-text preparation"),
+        ([*base, "--input", str(good), "--strict", "--block-size", "8"], "--strict is an option of"),
     ]
     for argv, message in cases:
         assert main(argv) == 2
