@@ -1001,7 +1001,7 @@ VERBS = {
     "sft": (_sft, "fine-tune on conversations: loom sft --data.path=CHAT --model.init_from=run:BASE"),
     "data": (_data, "prepare data: loom data prepare --input ... --out DIR"),
     "generate": (_generate, "sample from a trained run"),
-    "chat": (_chat, "talk to a fine-tuned run: loom chat RUN [--prompt TEXT] (/reset, /quit)"),
+    "chat": (_chat, "talk to a fine-tuned run: loom chat RUN [--prompt TEXT] (/help, /reset, /quit)"),
     "eval": (_eval, "validation loss and perplexity of a run"),
     "plot": (_plot, "plot loss curves of one or more runs"),
     "ckpt": (_ckpt, "checkpoints: loom ckpt inspect RUN | consolidate RUN --out DIR"),
