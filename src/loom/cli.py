@@ -577,7 +577,7 @@ def _eval(argv: list[str]) -> int:
     g.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's)")
     g.add_argument("--include-path", help="a folder of task YAMLs of your own (the harness's --include_path)")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
-    g.add_argument("--json", help="also write the results to this JSON file")
+    g.add_argument("--json", help="also write the results to this JSON file (its folder is made if missing)")
     g.add_argument("--runs", nargs="+", help="several runs (seeds): each scored, then mean ± spread")
     g.add_argument("--ckpt", help="a checkpoint directory of the run (default: the newest valid one)")
     g.add_argument(
@@ -595,8 +595,26 @@ def _eval(argv: list[str]) -> int:
         )
     if args.limit is not None and args.limit < 1:
         raise LoomError(f"--limit must be >= 1, got {args.limit}", hint="leave it out for every example")
+    if args.bundle and args.suite != "core":  # alone it was ignored: the validation loss was computed instead
+        raise LoomError(
+            "--bundle is read by --suite core", hint="add --suite core (the CORE score of the bundle)"
+        )
     if args.tasks is not None or args.suite or args.runs:
+        _refuse_options(
+            p,
+            argv,
+            ("task", "data", "batches"),
+            "of the validation loss and HellaSwag evaluation, which --tasks / --suite / --runs do not run",
+            ": HellaSwag through the harness is --tasks hellaswag; the validation loss is loom eval RUN alone",
+        )
         return _eval_capability(args)
+    _refuse_options(
+        p,
+        argv,
+        ("num_fewshot", "include_path", "batch_size", "json", "bootstrap_iters"),
+        "of capability evaluation, which runs with --tasks or --suite core only",
+        ": or add --tasks NAMES / --suite core --bundle DIR",
+    )
     if not args.run_dir:
         raise LoomError(
             "loom eval needs a run directory", hint="loom eval runs/NAME (or --runs A B C --tasks ...)"
@@ -618,8 +636,6 @@ def _eval_capability(args) -> int:
         raise LoomError("loom eval needs a run directory", hint="loom eval RUN --tasks ... (or --runs A B C)")
     if args.suite == "core" and not args.bundle:
         raise LoomError("--suite core needs --bundle DIR", hint=f"the bundle: {core.WHERE}")
-    if args.bundle and args.suite != "core":
-        raise LoomError("--bundle is read by --suite core", hint="add --suite core")
     if not (args.tasks or args.suite):
         raise LoomError("--runs scores tasks: give --tasks and/or --suite core")
     if args.batch_size < 1:
@@ -633,21 +649,22 @@ def _eval_capability(args) -> int:
             raise LoomError(
                 f"'{r}' is not a loom run (no config.toml)", hint="give run directories of loom train"
             )
-    tasks = harness.load_tasks(args.tasks, args.include_path, args.num_fewshot) if args.tasks else None
-    core_tasks = core.read_bundle(args.bundle, args.limit) if args.suite == "core" else None
-    if args.json:
-        from loom.paths import check_output_file
-
-        check_output_file(args.json, "--json")
-    from loom.env import detect_env
-
-    env = detect_env()
     if args.shard and len(runs) > 1:
         raise LoomError("--shard scores one run per job", hint="start one job per run")
     if args.ckpt and (len(runs) > 1 or args.shard):
         raise LoomError(
             "--ckpt names one checkpoint of one run, read whole", hint="leave out --runs / --shard"
         )
+    if args.json:  # checked, and its folder made, before the tasks are read and the runs scored
+        from loom.paths import check_output_file
+
+        check_output_file(args.json, "--json")
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    tasks = harness.load_tasks(args.tasks, args.include_path, args.num_fewshot) if args.tasks else None
+    core_tasks = core.read_bundle(args.bundle, args.limit) if args.suite == "core" else None
+    from loom.env import detect_env
+
+    env = detect_env()
     records = []
     if args.shard or env.world_size == 1:  # --shard: the job is left when the (one) run's block ends
         for r in runs:
