@@ -621,6 +621,10 @@ def _eval(argv: list[str]) -> int:
         )
     if args.task == "hellaswag":
         return _eval_hellaswag(args)
+    if args.limit is not None:  # the validation loss is sized by --batches
+        raise LoomError(
+            "--limit counts examples of hellaswag or --tasks", hint="size the val loss with --batches"
+        )
     with _run_model(args) as run:
         return _eval_val(args, run)
 

@@ -341,6 +341,7 @@ def test_cli_refuses_ignored_options_and_makes_the_json_folder_first(tmp_path, c
             ["--task", "hellaswag", "--num-fewshot", "2"],
             "--num-fewshot is an option of capability evaluation",
         ),
+        (["--limit", "5"], "--limit counts examples of hellaswag or --tasks"),  # not of the val loss
     ]
     for extra, message in cases:
         assert main(["eval", str(run), *extra]) == 2
