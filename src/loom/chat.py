@@ -104,7 +104,10 @@ class ChatSession:
         except KeyboardInterrupt:  # Ctrl-C stops this answer only: the conversation keeps what was shown
             self._stopped(shown)
             raise
-        self.messages.append({"role": "assistant", "content": answer})
+        if answer:
+            self.messages.append({"role": "assistant", "content": answer})
+        else:  # an empty message would make every later prompt of the conversation invalid: the turn is undone
+            self.messages.pop()
         return answer
 
     def _stopped(self, shown: str) -> None:
@@ -162,7 +165,8 @@ def repl(session: ChatSession, read: Callable[[str], str] = input, write=sys.std
 def _answer(session: ChatSession, line: str, write) -> None:
     write.write("assistant> ")
     try:
-        session.reply(line, lambda piece: (write.write(piece), write.flush()))
+        if not session.reply(line, lambda piece: (write.write(piece), write.flush())):
+            write.write("(no answer)")
     except LoomError as e:  # a turn the tokenizer cannot encode: say so, the conversation goes on
         write.write(f"(not sent: {e})")
     except KeyboardInterrupt:  # the answer is stopped, the conversation goes on

@@ -84,3 +84,14 @@ def test_help_and_unknown_commands_are_not_sent_to_the_model(chat):
     # text that only starts with a slash is a turn; // sends a line that starts with one
     assert [m["content"] for m in chat.session.messages if m["role"] == "user"] == ["/etc/hosts?", "/help"]
     assert len(stream.prompts) == 2
+
+
+def test_an_empty_answer_leaves_the_conversation_usable(chat):
+    """The model ending its answer at once gave an empty assistant message, which made every later turn
+    '(not sent: not a conversation: empty content)' until /reset."""
+    text, stream = chat.run(["hi", "hi again", "/quit"], [("", None), ("ok", None)])
+    assert "assistant> (no answer)\n" in text and "assistant> ok\n" in text and "not sent" not in text
+    assert chat.session.messages == [
+        {"role": "user", "content": "hi again"},
+        {"role": "assistant", "content": "ok"},
+    ]
