@@ -613,7 +613,7 @@ def _eval(argv: list[str]) -> int:
         argv,
         ("num_fewshot", "include_path", "batch_size", "json", "bootstrap_iters"),
         "of capability evaluation, which runs with --tasks or --suite core only",
-        ": or add --tasks NAMES / --suite core --bundle DIR",
+        ", or add --tasks NAMES (or --suite core --bundle DIR)",
     )
     if not args.run_dir:
         raise LoomError(
