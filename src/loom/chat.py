@@ -9,6 +9,7 @@ tokens) has no turns to end: it is refused.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,7 +68,6 @@ class ChatSession:
 
         turn = {"role": "user", "content": text}
         ids = self.template.prompt([*self.messages, turn])  # a text the tokenizer cannot encode fails here
-        self.messages.append(turn)
         block = self.model.cfg.block_size
         if len(ids) >= block and not self.extends_context:
             ids = ids[-(block - 1) :]  # learned positions: the newest block_size tokens of the conversation
@@ -76,7 +76,7 @@ class ChatSession:
         out: list[int] = []
         shown = ""
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
-        for nxt in iter_tokens(
+        tokens = iter_tokens(
             self.model,
             idx,
             s.max_new_tokens,
@@ -86,43 +86,89 @@ class ChatSession:
             generator=self.generator,
             vocab_size=self.tokenizer.vocab_size,
             extends_context=self.extends_context,
-        ):
-            token = int(nxt[0, 0])
-            if token in stop:
-                break
-            out.append(token)
-            text_so_far = self.tokenizer.decode(out)
-            if on_text is not None and not text_so_far.endswith("\ufffd"):  # a character not yet complete
-                on_text(text_so_far[len(shown) :])
-                shown = text_so_far
-        answer = self.tokenizer.decode(out)
-        if on_text is not None and len(answer) > len(shown):
-            on_text(answer[len(shown) :])
-        self.messages.append({"role": "assistant", "content": answer})
+        )
+        self.messages.append(turn)
+        try:
+            for nxt in tokens:
+                token = int(nxt[0, 0])
+                if token in stop:
+                    break
+                out.append(token)
+                text_so_far = self.tokenizer.decode(out)
+                if on_text is not None and not text_so_far.endswith("\ufffd"):  # a character not yet complete
+                    on_text(text_so_far[len(shown) :])
+                    shown = text_so_far
+            answer = self.tokenizer.decode(out)
+            if on_text is not None and len(answer) > len(shown):
+                on_text(answer[len(shown) :])
+        except KeyboardInterrupt:  # Ctrl-C stops this answer only: the conversation keeps what was shown
+            self._stopped(shown)
+            raise
+        if answer:
+            self.messages.append({"role": "assistant", "content": answer})
+        else:  # an empty message would make every later prompt of the conversation invalid: the turn is undone
+            self.messages.pop()
         return answer
+
+    def _stopped(self, shown: str) -> None:
+        """An answer stopped by the user: the part shown is the assistant's turn; none shown, the user's turn
+        is taken back (a message may not be empty), so the conversation is as it was."""
+        if shown:
+            self.messages.append({"role": "assistant", "content": shown})
+        else:
+            self.messages.pop()
+
+
+COMMANDS = (
+    ("/help", "lists these commands"),
+    ("/reset", "starts a new conversation"),
+    ("/quit", "leaves (so do /exit and Ctrl-D)"),
+)
+HELP = (
+    "commands: "
+    + ", ".join(f"{name} {what}" for name, what in COMMANDS)
+    + "; Ctrl-C stops an answer; a line that starts with // is sent as text, with one /\n"
+)
+
+
+def _command(line: str) -> str | None:
+    """The /command a line is (its first word: a slash and a name, '/reset'), else None: '/etc/hosts?' and
+    '/ x' are text."""
+    first = line.split(maxsplit=1)[0] if line.strip() else ""
+    return first if re.fullmatch(r"/[A-Za-z][\w-]*", first) else None
 
 
 def repl(session: ChatSession, read: Callable[[str], str] = input, write=sys.stdout) -> None:
-    """The interactive loop: a line is the user's turn; /reset starts over, /quit (or end of input) leaves."""
-    write.write("loom chat: /reset starts a new conversation, /quit leaves\n")
+    """The interactive loop: a line is the user's turn, a /command is not (COMMANDS; an unknown one is said so,
+    never sent to the model); Ctrl-C during an answer stops it, at the prompt leaves, as end of input does."""
+    write.write("loom chat: /help lists the commands, /reset starts a new conversation, /quit leaves\n")
     while True:
         try:
             line = read("you> ")
         except EOFError:
             write.write("\n")
             return
-        cmd = line.strip()
+        cmd = _command(line)
         if cmd in ("/quit", "/exit"):
             return
         if cmd == "/reset":
             session.reset()
             write.write("(new conversation)\n")
-            continue
-        if not cmd:
-            continue
-        write.write("assistant> ")
-        try:
-            session.reply(line, lambda piece: (write.write(piece), write.flush()))
-        except LoomError as e:  # a turn the tokenizer cannot encode: say so, the conversation goes on
-            write.write(f"(not sent: {e})")
-        write.write("\n")
+        elif cmd == "/help":
+            write.write(HELP)
+        elif cmd is not None:
+            write.write(f"unknown command {cmd} (nothing was sent); " + HELP)
+        elif line.strip():
+            _answer(session, line[1:] if line.startswith("//") else line, write)
+
+
+def _answer(session: ChatSession, line: str, write) -> None:
+    write.write("assistant> ")
+    try:
+        if not session.reply(line, lambda piece: (write.write(piece), write.flush())):
+            write.write("(no answer)")
+    except LoomError as e:  # a turn the tokenizer cannot encode: say so, the conversation goes on
+        write.write(f"(not sent: {e})")
+    except KeyboardInterrupt:  # the answer is stopped, the conversation goes on
+        write.write(" [stopped]")
+    write.write("\n")

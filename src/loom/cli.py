@@ -221,10 +221,16 @@ def _data(argv: list[str]) -> int:
     chat.add_argument(
         "--chat",
         action="store_true",
-        help="--input is JSONL conversations ({messages: [...]} or {prompt, completion}): shards + loss masks "
+        help="--input is conversations ({messages: [...]} or {prompt, completion}) in JSONL (.gz, .zst) or "
+        "Parquet: shards + loss masks "
         "+ the tokenizer with chat tokens; --tokenizer may also be a run directory (the model to fine-tune)",
     )
-    chat.add_argument("--block-size", type=int, default=None, help="with --chat: the model's context length")
+    chat.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="with --chat: the model's context length (default: the run's, when --tokenizer is a run directory)",
+    )
     chat.add_argument(
         "--too-long",
         default=None,
@@ -240,6 +246,14 @@ def _data(argv: list[str]) -> int:
     )
     args = p.parse_args(argv)
     if args.chat:
+        _refuse_options(
+            pp,
+            argv[1:],
+            _TEXT_ONLY,
+            "of plain-text preparation, which --chat does not read",
+            ": --chat reads each --input file as conversations (JSONL lines, or Parquet rows, of messages or of "
+            "prompt and completion)",
+        )
         return _data_prepare_chat(args)
     if args.block_size is not None or args.too_long is not None or args.chat_template is not None:
         raise LoomError(
@@ -289,6 +303,36 @@ def _data(argv: list[str]) -> int:
     return 0
 
 
+# `loom data prepare` options that conversations (--chat) have no use for: refused beside it, not ignored
+_TEXT_ONLY = (
+    "split_mode",
+    "jsonl_field",
+    "glob",
+    "workers",
+    "shard_tokens",
+    "tokenizer_sample",
+    "doc_cap",
+    "split_pattern",
+    "bpe_trainer",
+    "text_separator",
+    "doc_chars",
+    "strict",
+    "dtype",
+    "encoder",
+)
+
+
+def _refuse_options(parser, argv: list[str], dests: tuple[str, ...], why: str, remedy: str = "") -> None:
+    """Refuse the options among `dests` that argv gives (even at their default value: argparse sets a default
+    only on a namespace that lacks the attribute, so a pre-filled one tells what the command line set)."""
+    unset = object()
+    ns = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(dests, unset)))
+    given = ["--" + d.replace("_", "-") for d in dests if getattr(ns, d) is not unset]
+    if given:
+        are = "is an option" if len(given) == 1 else "are options"
+        raise LoomError(f"{', '.join(given)} {are} {why}", hint=f"leave out {', '.join(given)}{remedy}")
+
+
 def _data_prepare_chat(args) -> int:
     """loom data prepare --chat: conversations -> shards + loss masks (loom.data.chat_prepare)."""
     from loom.paths import check_output_dir
@@ -297,14 +341,23 @@ def _data_prepare_chat(args) -> int:
         raise LoomError(
             "--chat reads JSONL conversations, not a built-in corpus", hint="use --input FILE.jsonl"
         )
-    if args.block_size is None:
-        raise LoomError(
-            "--chat needs --block-size (the context length of the model to fine-tune)",
-            hint="e.g. --block-size 1024; conversations longer than it are dropped (or cut: --too-long truncate)",
-        )
-    from loom.data.chat_prepare import check_tokenizer_spec, prepare_chat
+    from loom.data.chat_prepare import check_tokenizer_spec, prepare_chat, run_block_size
     from loom.data.messages import check_inputs
 
+    block_size = args.block_size
+    if block_size is None:  # a run to fine-tune knows its context length
+        block_size = run_block_size(args.tokenizer)
+        if block_size is None:
+            raise LoomError(
+                "--chat needs --block-size (the context length of the model to fine-tune)",
+                hint="e.g. --block-size 1024, or --tokenizer RUN_DIR to take the run's; conversations longer "
+                "than it are dropped (or cut: --too-long truncate)",
+            )
+        from loom import log
+
+        log.info(
+            f"--block-size {block_size}: the model.block_size of run '{args.tokenizer}' (its config.toml)"
+        )
     check_inputs(args.input)
     check_output_dir(args.out, "--out", temp_beside=True)
     check_tokenizer_spec(args.tokenizer, args.vocab_size, args.chat_template or "loom")
@@ -312,7 +365,7 @@ def _data_prepare_chat(args) -> int:
         args.input,
         args.out,
         args.tokenizer,
-        args.block_size,
+        block_size,
         args.too_long or "drop",
         args.val_fraction,
         args.seed,
@@ -522,7 +575,7 @@ def _eval(argv: list[str]) -> int:
     g.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's)")
     g.add_argument("--include-path", help="a folder of task YAMLs of your own (the harness's --include_path)")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
-    g.add_argument("--json", help="also write the results to this JSON file")
+    g.add_argument("--json", help="also write the results to this JSON file (its folder is made if missing)")
     g.add_argument("--runs", nargs="+", help="several runs (seeds): each scored, then mean ± spread")
     g.add_argument("--ckpt", help="a checkpoint directory of the run (default: the newest valid one)")
     g.add_argument(
@@ -540,14 +593,36 @@ def _eval(argv: list[str]) -> int:
         )
     if args.limit is not None and args.limit < 1:
         raise LoomError(f"--limit must be >= 1, got {args.limit}", hint="leave it out for every example")
+    if args.bundle and args.suite != "core":  # alone it was ignored: the validation loss was computed instead
+        raise LoomError(
+            "--bundle is read by --suite core", hint="add --suite core (the CORE score of the bundle)"
+        )
     if args.tasks is not None or args.suite or args.runs:
+        _refuse_options(
+            p,
+            argv,
+            ("task", "data", "batches"),
+            "of the validation loss and HellaSwag evaluation, which --tasks / --suite / --runs do not run",
+            ": HellaSwag through the harness is --tasks hellaswag; the validation loss is loom eval RUN alone",
+        )
         return _eval_capability(args)
+    _refuse_options(
+        p,
+        argv,
+        ("num_fewshot", "include_path", "batch_size", "json", "bootstrap_iters"),
+        "of capability evaluation, which runs with --tasks or --suite core only",
+        ", or add --tasks NAMES (or --suite core --bundle DIR)",
+    )
     if not args.run_dir:
         raise LoomError(
             "loom eval needs a run directory", hint="loom eval runs/NAME (or --runs A B C --tasks ...)"
         )
     if args.task == "hellaswag":
         return _eval_hellaswag(args)
+    if args.limit is not None:  # the validation loss is sized by --batches
+        raise LoomError(
+            "--limit counts examples of hellaswag or --tasks", hint="size the val loss with --batches"
+        )
     with _run_model(args) as run:
         return _eval_val(args, run)
 
@@ -563,8 +638,6 @@ def _eval_capability(args) -> int:
         raise LoomError("loom eval needs a run directory", hint="loom eval RUN --tasks ... (or --runs A B C)")
     if args.suite == "core" and not args.bundle:
         raise LoomError("--suite core needs --bundle DIR", hint=f"the bundle: {core.WHERE}")
-    if args.bundle and args.suite != "core":
-        raise LoomError("--bundle is read by --suite core", hint="add --suite core")
     if not (args.tasks or args.suite):
         raise LoomError("--runs scores tasks: give --tasks and/or --suite core")
     if args.batch_size < 1:
@@ -578,21 +651,22 @@ def _eval_capability(args) -> int:
             raise LoomError(
                 f"'{r}' is not a loom run (no config.toml)", hint="give run directories of loom train"
             )
-    tasks = harness.load_tasks(args.tasks, args.include_path, args.num_fewshot) if args.tasks else None
-    core_tasks = core.read_bundle(args.bundle, args.limit) if args.suite == "core" else None
-    if args.json:
-        from loom.paths import check_output_file
-
-        check_output_file(args.json, "--json")
-    from loom.env import detect_env
-
-    env = detect_env()
     if args.shard and len(runs) > 1:
         raise LoomError("--shard scores one run per job", hint="start one job per run")
     if args.ckpt and (len(runs) > 1 or args.shard):
         raise LoomError(
             "--ckpt names one checkpoint of one run, read whole", hint="leave out --runs / --shard"
         )
+    if args.json:  # checked, and its folder made, before the tasks are read and the runs scored
+        from loom.paths import check_output_file
+
+        check_output_file(args.json, "--json")
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    tasks = harness.load_tasks(args.tasks, args.include_path, args.num_fewshot) if args.tasks else None
+    core_tasks = core.read_bundle(args.bundle, args.limit) if args.suite == "core" else None
+    from loom.env import detect_env
+
+    env = detect_env()
     records = []
     if args.shard or env.world_size == 1:  # --shard: the job is left when the (one) run's block ends
         for r in runs:
@@ -967,7 +1041,7 @@ VERBS = {
     "sft": (_sft, "fine-tune on conversations: loom sft --data.path=CHAT --model.init_from=run:BASE"),
     "data": (_data, "prepare data: loom data prepare --input ... --out DIR"),
     "generate": (_generate, "sample from a trained run"),
-    "chat": (_chat, "talk to a fine-tuned run: loom chat RUN [--prompt TEXT] (/reset, /quit)"),
+    "chat": (_chat, "talk to a fine-tuned run: loom chat RUN [--prompt TEXT] (/help, /reset, /quit)"),
     "eval": (_eval, "validation loss and perplexity of a run"),
     "plot": (_plot, "plot loss curves of one or more runs"),
     "ckpt": (_ckpt, "checkpoints: loom ckpt inspect RUN | consolidate RUN --out DIR"),

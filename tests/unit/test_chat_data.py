@@ -226,6 +226,63 @@ def test_bad_records_counted_by_reason_with_lines(tmp_path):
     assert meta["chat"]["conversations"] == {"train": 1, "val": 1}
 
 
+def test_compressed_and_parquet_conversations_read_as_jsonl(tmp_path):
+    """.jsonl.gz, .jsonl.zst and Parquet hold the same records as the plain file (they were read as raw bytes,
+    every line "not UTF-8")."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    records = [{"messages": CONV}, conv("hi", "hey"), {"messages": [{"role": "user", "content": "a"}]}]
+    plain = write_jsonl(tmp_path / "c.jsonl", records)
+    gz = tmp_path / "c.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    zst = tmp_path / "c.jsonl.zst"
+    zst.write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
+    parquet = tmp_path / "c.parquet"
+    messages = [r["messages"] for r in records]
+    pq.write_table(pa.table({"messages": messages, "id": [1, 2, 3]}), parquet, row_group_size=2)
+    want = [CONV, conv("hi", "hey")["messages"]]
+    for path in (plain, gz, zst):
+        drops = Drops()
+        found = read_conversations([path], drops)
+        assert [m for _, m in found] == want and [w for w, _ in found] == [f"{path.name}:1", f"{path.name}:2"]
+        assert drops.places == {"no assistant turn": [f"{path.name}:3"]}
+    drops = Drops()
+    found = read_conversations([parquet], drops)
+    assert [m for _, m in found] == want and [w for w, _ in found] == ["c.parquet row 0", "c.parquet row 1"]
+    assert drops.places == {"no assistant turn": ["c.parquet row 2"]}
+    pairs = tmp_path / "pairs.parquet"  # prompt and completion columns
+    pq.write_table(pa.table({"prompt": ["hi"], "completion": ["hey"]}), pairs)
+    assert read_conversations([pairs], Drops()) == [("pairs.parquet row 0", conv("hi", "hey")["messages"])]
+    other = tmp_path / "text.parquet"
+    pq.write_table(pa.table({"text": ["plain"]}), other)
+    with pytest.raises(LoomError, match="'.*text.parquet' has no column messages .*columns are text"):
+        read_conversations([other], Drops())
+
+
+def test_a_plain_or_broken_compressed_file_is_refused_by_name(tmp_path, capsys):
+    """A .jsonl.gz that is plain JSONL, and one cut short: one error naming the file (it was a traceback)."""
+    import gzip
+
+    body = "\n".join(json.dumps(conv(f"q{i}", f"a{i}")) for i in range(400)) + "\n"
+    plain = tmp_path / "plain.jsonl.gz"
+    plain.write_text(body, encoding="utf-8")
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "--chat", "--out", str(out), "--block-size", "64", "--input"]
+    assert main([*argv, str(plain)]) == 2
+    err = capsys.readouterr().err
+    assert f"'{plain}' is not gzip-compressed" in err and "Traceback" not in err
+    cut = tmp_path / "cut.jsonl.gz"
+    whole = gzip.compress(body.encode())
+    cut.write_bytes(whole[: len(whole) // 2])
+    assert main([*argv, str(cut)]) == 2
+    assert f"'{cut}' is corrupt after line" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_too_long_drop_vs_truncate_and_all_dropped(tmp_path):
     short, long_ = conv("hi", "ok"), conv("hi", "a long answer " * 5)  # 9 and 77 tokens (eot + 4 + content)
     path = write_jsonl(tmp_path / "c.jsonl", [short, long_, short, {"prompt": "x" * 30, "completion": "y"}])
@@ -315,6 +372,34 @@ def test_run_directory_tokenizer_gets_chat_tokens_after_its_ids(tmp_path):
     assert ctok.chars == cbase.chars and ctok.eot_id == cbase.eot_id and ctok.specials == list(CHAT_TOKENS)
 
 
+def test_block_size_is_taken_from_the_run_to_fine_tune(tmp_path, capsys):
+    """--tokenizer RUN: the run's config.toml has the context length, so --block-size may be left out."""
+    run = fake_run(tmp_path / "run", CharTokenizer.train(TEXTS), "char")
+    (run / "config.toml").write_text("[model]\nblock_size = 24\n", encoding="utf-8")
+    path = write_jsonl(
+        tmp_path / "c.jsonl", [conv("hello there", "fine thanks"), conv("how are you", "fine")]
+    )
+    out = tmp_path / "out"
+    assert (
+        main(["data", "prepare", "--chat", "--input", str(path), "--out", str(out), "--tokenizer", str(run)])
+        == 0
+    )
+    assert f"--block-size 24: the model.block_size of run '{run}'" in capsys.readouterr().out
+    assert json.loads((out / "meta.json").read_text(encoding="utf-8"))["chat"]["block_size"] == 24
+
+
+def test_a_character_outside_a_char_vocabulary_is_named_with_its_line(tmp_path, capsys):
+    run = fake_run(tmp_path / "run", CharTokenizer.train(TEXTS), "char")
+    records = [conv("hello there", "fine"), conv("héllo", "fine"), conv("how are you", "fi\u200bne")]
+    path = write_jsonl(tmp_path / "c.jsonl", [*records, conv("how are you", "fine thanks")])
+    argv = ["data", "prepare", "--chat", "--input", str(path), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--tokenizer", str(run), "--block-size", "64"]) == 0
+    assert (
+        "dropped 2 record(s): a character not in the tokenizer's vocabulary (c.jsonl:2 'é' U+00E9, "
+        "c.jsonl:3 '\\u200b' U+200B)" in capsys.readouterr().out
+    )
+
+
 def test_cli_end_to_end_shards_masks_meta(tmp_path, capsys):
     from loom.data.formats import open_split
 
@@ -380,6 +465,13 @@ def test_cli_refusals_before_any_work(tmp_path, capsys):
             ["data", "prepare", "--input", str(good), "--out", str(out), "--block-size", "8"],
             "options of --chat",
         ),
+        # options of plain-text preparation (they were ignored without a word), even at their default value
+        (
+            [*base, "--input", str(good), "--block-size", "8", "--split-mode", "tail", "--jsonl-field=text"],
+            "--split-mode, --jsonl-field are options of plain-text preparation, which --chat does not read",
+        ),
+        ([*base, "--input", str(good), "--glob", "*.jsonl"], "--glob is an option of plain-text preparation"),
+        ([*base, "--input", str(good), "--strict", "--block-size", "8"], "--strict is an option of"),
     ]
     for argv, message in cases:
         assert main(argv) == 2
@@ -599,6 +691,35 @@ def test_tokenizer_template_refusals(tmp_path, capsys):
     assert not out.exists()
     plain = ["data", "prepare", "--input", str(path), "--out", str(out), "--chat-template", "tokenizer"]
     assert main(plain) == 2 and "options of --chat" in capsys.readouterr().err
+
+
+def test_a_broken_tokenizer_template_is_one_error_naming_it(tmp_path, capsys):
+    """A Jinja error of the template itself (it was every record dropped, with a hint about the JSON layout):
+    one error naming the template, said once."""
+    pytest.importorskip("transformers")
+    path = write_jsonl(tmp_path / "c.jsonl", [conv(f"q{i}", f"a{i}") for i in range(40)])
+    out = tmp_path / "out"
+    base = ["data", "prepare", "--chat", "--input", str(path), "--out", str(out), "--block-size", "64"]
+    cases = {
+        "syntax": (LLAMA3_JINJA.replace("{% endfor %}", "{% endfo %}"), "is not a valid Jinja template: "),
+        "filter": (LLAMA3_JINJA.replace("| trim", "| trimx"), "No filter named 'trimx'"),
+        "undefined": (
+            LLAMA3_JINJA.replace("message['content']", "message.meta.text"),
+            "failed on every conversation it was given (40, none rendered): 'dict object' has no attribute "
+            "'meta' (first at c.jsonl:1)",
+        ),
+    }
+    for name, (jinja, message) in cases.items():
+        folder = hf_tokenizer_folder(tmp_path / name, LLAMA3_SPECIALS, jinja, bos_token="<|begin_of_text|>")
+        assert main([*base, "--tokenizer", str(folder), "--chat-template", "tokenizer"]) == 2
+        out_text, err = capsys.readouterr()
+        assert f"the \"chat_template\" of '{folder / 'tokenizer_config.json'}'" in err and message in err, err
+        assert "dropped" not in out_text + err and '"messages"' not in err  # once, without the layout hint
+        assert not out.exists()
+    # a chat_template.jinja beside the config is the one transformers reads: the one named
+    (folder / "chat_template.jinja").write_text(cases["syntax"][0], encoding="utf-8")
+    assert main([*base, "--tokenizer", str(folder), "--chat-template", "tokenizer"]) == 2
+    assert f"'{folder / 'chat_template.jinja'}' is not a valid Jinja template" in capsys.readouterr().err
 
 
 def test_missing_transformers_names_the_extra(monkeypatch):

@@ -168,7 +168,7 @@ def test_in_loop_records_equal_loom_eval_of_the_checkpoint(kit, capsys):
     recs = [r for r in read_jsonl(kit.run / "metrics.jsonl") if "core" in r]
     assert [r["step"] for r in recs] == [15, 30]
     step15 = kit.run / "ckpt" / "step_000015"
-    out = kit.root / "e.json"
+    out = kit.root / "new" / "e.json"  # a folder --json makes (it was a traceback after the whole evaluation)
     assert main([
         "eval", str(kit.run), "--tasks", TASKS, "--include-path", str(kit.tasks), "--suite", "core",
         "--bundle", str(kit.bundle), "--json", str(out), "--device", "cpu", "--batch-size", "3",
@@ -211,20 +211,59 @@ def test_unknown_task_names_the_nearest(kit):
         harness.load_tasks("evkit_mcc", str(kit.tasks))  # not in the folder: the whole index is searched
 
 
+def _task_yaml(d, task: str, data_file, text: str = "{{question}}", more: str = "") -> None:
+    (d / f"{task}.yaml").write_text(
+        f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data_file}\n"
+        f"test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{text}'\ndoc_to_target: '{{{{label}}}}'\n{more}"
+    )
+
+
+def test_task_yaml_faults_are_named_before_any_model(tmp_path):
+    """What is wrong in a task YAML, named: it was 'no task named ...' for a YAML that does not parse, 'cannot
+    be read offline' with a network hint for a missing local file or a template field the documents lack, and
+    a traceback mid-evaluation for more few-shot examples than the task has."""
+    d = write_tasks(tmp_path, n=6)
+    mc = d / "mc.jsonl"
+    (d / "broken.yaml").write_text("task: evkit_broken\ndataset_path: json\n  test_split: [\n")
+    unparsed = (
+        "no task 'evkit_broken': the task YAML '.*broken.yaml' under --include-path does not parse: mapping "
+        "values are not allowed here at line 3, column 13"
+    )
+    with pytest.raises(LoomError, match=unparsed):
+        harness.load_tasks("evkit_broken", str(d))
+    with pytest.raises(LoomError, match="the task YAML '.*broken.yaml' does not parse"):
+        harness.load_tasks(str(d / "broken.yaml"))  # a YAML named by path
+    (d / "broken.yaml").unlink()
+    _task_yaml(d, "evkit_gone", tmp_path / "none.jsonl")
+    _task_yaml(d, "evkit_field", mc, text="{{nope}}")
+    missing = r"task 'evkit_gone' \(.*evkit_gone.yaml\): its data file '.*none.jsonl' does not exist"
+    with pytest.raises(LoomError, match=missing) as e:
+        harness.load_tasks("evkit_gone", str(d))
+    assert "dataset_kwargs.data_files" in e.value.hint and "offline" not in str(e.value)
+    field = "task 'evkit_field' .*: a template of the task fails on its documents: UndefinedError: 'nope' is"
+    with pytest.raises(LoomError, match=field) as e:
+        harness.load_tasks("evkit_field", str(d))
+    assert "doc_to_text" in e.value.hint and "offline" not in str(e.value)
+    # few-shot examples: 6 documents (the test split, drawn from as it is not named the fewshot split)
+    with pytest.raises(LoomError, match="--num-fewshot 7: task 'evkit_mc' has 6 document"):
+        harness.load_tasks("evkit_mc", str(d), num_fewshot=7)
+    assert harness.load_tasks("evkit_mc", str(d), num_fewshot=6)
+    _task_yaml(d, "evkit_own", mc, more="fewshot_split: test\nnum_fewshot: 6\n")
+    own = (
+        r"num_fewshot 6 \(the task's own\): task 'evkit_own' has 5 document\(s\) to draw few-shot examples from "
+        r"\(its split less the document evaluated\)"
+    )
+    with pytest.raises(LoomError, match=own):
+        harness.load_tasks("evkit_own", str(d))
+
+
 def test_missing_task_data_says_what_to_fetch(kit, tmp_path):
     d = tmp_path / "t"
     d.mkdir()
-    (d / "gone.yaml").write_text(
-        f"task: gone_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path}/none.jsonl\n"
-        "test_split: test\noutput_type: loglikelihood\ndoc_to_text: '{{a}}'\ndoc_to_target: '{{b}}'\n"
-    )
     (d / "hub.yaml").write_text(
         "task: gone_hub\ndataset_path: loom-tests/no-such-dataset\ntest_split: test\noutput_type: loglikelihood\n"
         "doc_to_text: '{{a}}'\ndoc_to_target: '{{b}}'\n"
     )
-    with pytest.raises(LoomError, match="data of task 'gone_local'.*cannot be read") as e:
-        harness.load_tasks("gone_local", str(d))
-    assert "data_files" in e.value.hint and "--include-path" in e.value.hint
     # a hub dataset offline (the variables are read when datasets is imported: a process of its own)
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     r = subprocess.run(
@@ -278,6 +317,40 @@ def test_tokenizer_problems_are_refused(kit):
         harness.make_lm(model, None, "cpu")
     with pytest.raises(LoomError, match="task 'evkit_mc', document 0: character 'o' is not in"):
         harness.check_encodable(harness.load_tasks("evkit_mc", str(kit.tasks)), CharTokenizer(list("xyz")))
+
+
+def test_cli_refuses_ignored_options_and_makes_the_json_folder_first(tmp_path, capsys):
+    """Options one evaluation would ignore beside another are refused (--bundle without --suite computed the
+    validation loss; --task beside --tasks was dropped); --json's folder is made before the tasks are read."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("", encoding="utf-8")  # refused before any model: none is read
+    tasks = write_tasks(tmp_path, n=6)
+    cases = [
+        (["--bundle", str(tmp_path)], "--bundle is read by --suite core"),
+        (
+            ["--tasks", "evkit_mc", "--task", "hellaswag", "--data", "x.jsonl"],
+            "--task, --data are options of the validation loss and HellaSwag evaluation, which --tasks",
+        ),
+        (
+            ["--suite", "core", "--bundle", str(tmp_path), "--task=val"],
+            "--task is an option of the validation",
+        ),
+        (["--json", str(tmp_path / "e.json")], "--json is an option of capability evaluation"),
+        (
+            ["--task", "hellaswag", "--num-fewshot", "2"],
+            "--num-fewshot is an option of capability evaluation",
+        ),
+        (["--limit", "5"], "--limit counts examples of hellaswag or --tasks"),  # not of the val loss
+    ]
+    for extra, message in cases:
+        assert main(["eval", str(run), *extra]) == 2
+        assert message in capsys.readouterr().err
+    out = tmp_path / "new" / "deeper" / "e.json"
+    argv = ["eval", str(run), "--tasks", "evkit_mc", "--include-path", str(tasks), "--json", str(out)]
+    assert main([*argv, "--num-fewshot", "9"]) == 2  # refused once the tasks are read: no model was
+    assert "--num-fewshot 9: task 'evkit_mc' has 6 document(s)" in capsys.readouterr().err
+    assert out.parent.is_dir() and not out.exists()
 
 
 def test_cli_refuses_bad_combinations_before_any_model(kit, tmp_path, capsys):

@@ -52,6 +52,17 @@ def _run_tokenizer_dir(spec: str) -> Path | None:
     return None
 
 
+def run_block_size(spec: str) -> int | None:
+    """model.block_size of the run directory `spec` (its config.toml), or None when `spec` is not a run: the
+    context length of the model the chat data will fine-tune."""
+    path = Path(spec) / "config.toml"
+    if spec in ("char", "bpe") or not path.is_file():
+        return None
+    from loom.config import config_from_dict, load_toml
+
+    return config_from_dict(load_toml(path)).model.block_size
+
+
 def check_tokenizer_spec(spec: str, vocab_size: int, chat_template: str = "loom") -> None:
     """Refuse a --tokenizer (and --chat-template) that names nothing usable, before any reading."""
     if chat_template == "tokenizer":
@@ -129,19 +140,15 @@ def _render_all(template, convs, block_size: int, too_long: str, drops: Drops):
         reason = next(filter(None, (template.check_content(m["content"]) for m in messages)), None)
         if reason:
             drops.add(reason, where)
+        elif (c := _missing_char(template.tok, messages)) is not None:
+            drops.add("a character not in the tokenizer's vocabulary", f"{where} {c!r} U+{ord(c):04X}")
         else:
             ok.append((where, messages))
-    # a char tokenizer given by the user may lack a character: one conversation at a time, to name it
-    step = 1 if isinstance(template.tok, CharTokenizer) else RENDER_BATCH
     special = np.array(sorted({*template.ids.values(), template.eot_id}))
     kept, truncated = [], 0
-    for i in range(0, len(ok), step):
-        part = ok[i : i + step]
-        try:
-            rendered = template.render_many([m for _, m in part])
-        except LoomError:  # a character the given char tokenizer does not have
-            drops.add("a character not in the tokenizer's vocabulary", part[0][0])
-            continue
+    for i in range(0, len(ok), RENDER_BATCH):
+        part = ok[i : i + RENDER_BATCH]
+        rendered = template.render_many([m for _, m in part])
         for (where, messages), (ids, mask) in zip(part, rendered, strict=True):
             fitted = _fit(ids, mask, block_size, too_long, drops, where)
             if fitted is None:
@@ -152,6 +159,14 @@ def _render_all(template, convs, block_size: int, too_long: str, drops: Drops):
             nbytes = sum(len(m["content"].encode("utf-8")) for m in messages)
             kept.append(Rendered(where, ids, np.array(fitted[1], dtype=np.uint8), nbytes, n_content))
     return kept, truncated
+
+
+def _missing_char(tok, messages) -> str | None:
+    """The first character of the messages that a char tokenizer (given by the user: a run's, a prepared data
+    folder's) does not have, named in the drop; None for a byte-level tokenizer, which encodes any text."""
+    if not isinstance(tok, CharTokenizer):
+        return None
+    return next((c for m in messages for c in m["content"] if c not in tok.stoi), None)
 
 
 def _fit(ids: list[int], mask: list[int], block_size: int, too_long: str, drops: Drops, where: str):
@@ -296,6 +311,8 @@ def prepare_chat(
         template = ChatTemplate(add_chat_tokens(base))
         base_vocab = base.vocab_size
     kept, truncated = _render_all(template, convs, block_size, too_long, drops)
+    if not kept:
+        _check_template_failed(template, drops)
     for line in drops.lines():
         log.warn(f"dropped {line}")
     if truncated:
@@ -412,6 +429,24 @@ def _fresh_tmp(tmp: Path, force: bool) -> None:
         )
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+
+
+def _check_template_failed(template, drops: Drops) -> None:
+    """No conversation rendered and the tokenizer's template raised errors: the template's fault (an
+    undefined name, a failing filter) more likely than the records', so it is the one error, named once."""
+    from loom.data.hf_chat import TEMPLATE_ERROR
+
+    failed = {r: n for r, n in drops.counts.items() if r.startswith(TEMPLATE_ERROR)}
+    if isinstance(template, ChatTemplate) or not failed:
+        return
+    reason = max(failed, key=failed.__getitem__)
+    others = [line for line in drops.lines() if TEMPLATE_ERROR not in line]
+    raise LoomError(
+        f"{template.origin} failed on every conversation it was given ({sum(failed.values())}, none "
+        f"rendered): {reason.removeprefix(TEMPLATE_ERROR)} (first at {drops.places[reason][0]})"
+        + (f"; dropped besides: {'; '.join(others)}" if others else ""),
+        hint="fix the template (it reads each message's role and content), or use --chat-template loom",
+    )
 
 
 def _all_dropped(paths: list[Path], drops: Drops) -> None:

@@ -28,6 +28,7 @@ from loom.errors import LoomError
 
 CONFIG = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"  # where newer transformers save the template, beside the config
+TEMPLATE_ERROR = "the chat template raised an error: "  # the drop reason of a conversation it fails on
 HINT = (
     "--tokenizer DIR: a folder holding an HF tokenizer (tokenizer.json + tokenizer_config.json with a "
     '"chat_template"), e.g. one saved by save_pretrained; or --chat-template loom for loom\'s own template'
@@ -159,6 +160,7 @@ class HFChatTemplate:
         self.prepended = False
         self.ids: dict[str, int] = {}
         self.stop_ids: tuple[int, ...] = ()
+        self.origin = "the chat template"  # where it was read, for its errors (from_folder names the file)
 
     # ---- building
 
@@ -176,6 +178,11 @@ class HFChatTemplate:
         except Exception as e:  # the libraries raise many kinds for a malformed folder
             raise LoomError(f"cannot load the HF tokenizer of '{folder}': {_short(e)}", hint=HINT) from None
         t = cls(HFTokenizer(Tokenizer.from_str(inner.to_str())), hf, _special_strings(hf), inner)
+        # a chat_template.jinja beside the config takes priority over its "chat_template" in transformers
+        jinja_file = folder / TEMPLATE_FILE
+        t.origin = (
+            f"'{jinja_file}'" if jinja_file.is_file() else f"the \"chat_template\" of '{folder / CONFIG}'"
+        )
         t._settle(conversations)
         return t
 
@@ -281,13 +288,25 @@ class HFChatTemplate:
                 if m["role"] == "assistant"
             ]
         except Exception as e:  # a template's raise_exception, or any error of its code
-            return f"the chat template raised an error: {_short(e)}"
+            self._check_syntax(e)
+            return TEMPLATE_ERROR + _short(e)
         for before, through in pairs:
             if not through.startswith(before):
                 return "the template's generation prompt is not the start of the assistant's turn"
             if not full.startswith(through):
                 return "the template writes a turn differently once later turns follow"
         return full, pairs
+
+    def _check_syntax(self, e: Exception) -> None:
+        """A template that does not compile (a syntax error, an unknown filter or test) fails on every
+        conversation alike: one error naming the template, not a dropped record each."""
+        import jinja2
+
+        if isinstance(e, jinja2.TemplateSyntaxError):
+            raise LoomError(
+                f"{self.origin} is not a valid Jinja template: {e.message} (line {e.lineno} of the template)",
+                hint="fix the template, or use --chat-template loom (loom's template, its chat tokens added)",
+            ) from None
 
     def check_content(self, text: str) -> str | None:
         """Why `text` cannot be a message's content (a reason, as prepare_chat counts them), else None: the

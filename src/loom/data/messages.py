@@ -1,15 +1,16 @@
 """What a conversation is, for loom's chat template (loom.data.chat) and a tokenizer's own (loom.data.hf_chat):
 OpenAI-style messages, each {"role": "system" | "user" | "assistant", "content": non-empty text}, a system
-message only first, and (for training) at least one assistant turn; and reading them from JSONL records
-({"messages": [...]} or {"prompt", "completion"}), every dropped record counted by reason and place."""
+message only first, and (for training) at least one assistant turn; and reading them from records ({"messages":
+[...]} or {"prompt", "completion"}) of JSONL files (.jsonl, .jsonl.gz, .jsonl.zst, read as loom.data.sources
+reads pretraining text) or Parquet files (those columns), every dropped record counted by reason and place."""
 
 from __future__ import annotations
 
-import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loom.data.sources import corrupt_errors, kind_of_file, open_jsonl
 from loom.errors import LoomError
 
 ROLES = ("system", "user", "assistant")
@@ -96,38 +97,92 @@ def record_messages(obj) -> tuple[Messages | None, str | None]:
     return (None, problem) if problem else (messages, None)
 
 
-def _open_lines(path: Path):
-    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115
+def input_kind(path: Path) -> str:
+    """How a --chat input is read, from its name: parquet, or JSONL plain (jsonl), gzip- (jsonl.gz) or
+    zstandard-compressed (jsonl.zst), whatever precedes the .gz / .zst (chats.json.gz)."""
+    kind = kind_of_file(path)
+    if kind != "text":
+        return kind
+    name = path.name.lower()
+    return "jsonl.gz" if name.endswith(".gz") else "jsonl.zst" if name.endswith(".zst") else "jsonl"
+
+
+def _jsonl_records(path: Path, kind: str):
+    """(file:line, record, None) per line of a JSONL file, or (file:line, None, why it is no record); blank
+    lines are none. A .gz / .zst that is not compressed, or whose stream breaks, is an error naming it."""
+    f = open_jsonl(path, kind)  # refuses a file named .gz / .zst that is not compressed
+    corrupt = corrupt_errors(kind)
+    n = 0
+    with f:
+        lines = iter(f)
+        while True:
+            try:
+                raw = next(lines)
+            except StopIteration:
+                return
+            except corrupt as e:
+                raise LoomError(
+                    f"'{path}' is corrupt after line {n} ({type(e).__name__}: {e})",
+                    hint="replace the file, or keep its readable lines in a plain .jsonl",
+                ) from None
+            n += 1
+            if not raw.strip():
+                continue
+            try:
+                yield f"{path.name}:{n}", json.loads(raw.decode("utf-8-sig" if n == 1 else "utf-8")), None
+            except UnicodeDecodeError:
+                yield f"{path.name}:{n}", None, "not UTF-8"
+            except ValueError:
+                yield f"{path.name}:{n}", None, "not JSON"
+
+
+PARQUET_COLUMNS = ("messages", "prompt", "completion")
+
+
+def _parquet_records(path: Path):
+    """(file row N, record, None) per row of a Parquet file's messages (or prompt and completion) columns,
+    read one row group at a time; rows are numbered from 0, as pandas and pyarrow do."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise LoomError(f"reading '{path}' needs pyarrow", hint="pip install 'loom[parquet]'") from None
+    try:
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+    except Exception as e:  # pyarrow raises its own ArrowInvalid / OSError for a file that is not Parquet
+        raise LoomError(f"'{path}' is not a readable Parquet file: {e}") from None
+    columns = [c for c in PARQUET_COLUMNS if c in names]
+    if not columns:
+        raise LoomError(
+            f"'{path}' has no column messages (nor prompt and completion): its columns are {', '.join(names)}",
+            hint="a row per conversation: a messages column of [{role, content}, ...], or prompt and completion",
+        )
+    row = 0
+    for g in range(pf.num_row_groups):
+        for rec in pf.read_row_group(g, columns=columns).to_pylist():
+            yield f"{path.name} row {row}", rec, None
+            row += 1
 
 
 def read_conversations(inputs: list[Path], drops: Drops) -> list[tuple[str, Messages]]:
-    """(file:line, messages) of every valid record of the JSONL inputs, in order; the others counted in
-    `drops`. Blank lines are not records."""
+    """(place, messages) of every valid record of the inputs (JSONL, .jsonl.gz, .jsonl.zst or Parquet), in
+    order; the others counted in `drops`."""
     found = []
     for path in inputs:
-        with _open_lines(path) as f:
-            for n, raw in enumerate(f, 1):
-                where = f"{path.name}:{n}"
-                if not raw.strip():
-                    continue
-                try:
-                    obj = json.loads(raw.decode("utf-8-sig" if n == 1 else "utf-8"))
-                except UnicodeDecodeError:
-                    drops.add("not UTF-8", where)
-                    continue
-                except ValueError:
-                    drops.add("not JSON", where)
-                    continue
-                messages, reason = record_messages(obj)
-                if reason:
-                    drops.add(reason, where)
-                else:
-                    found.append((where, messages))
+        kind = input_kind(path)
+        records = _parquet_records(path) if kind == "parquet" else _jsonl_records(path, kind)
+        for where, obj, reason in records:
+            messages, reason = (None, reason) if reason else record_messages(obj)
+            if reason:
+                drops.add(reason, where)
+            else:
+                found.append((where, messages))
     return found
 
 
 def check_inputs(inputs: list[str | Path]) -> list[Path]:
-    """The JSONL files of --input, each an existing, non-empty regular file (refused before any work)."""
+    """The files of --input (JSONL or Parquet), each an existing, non-empty regular file (refused before any
+    work)."""
     if not inputs:
         raise LoomError(
             "--chat needs --input FILE.jsonl", hint="loom data prepare --chat --input chats.jsonl"
@@ -138,7 +193,7 @@ def check_inputs(inputs: list[str | Path]) -> list[Path]:
             raise LoomError(f"--input '{p}' does not exist", hint="give the path of a JSONL file")
         if not p.is_file():
             raise LoomError(
-                f"--input '{p}' is not a file: --chat reads JSONL files",
+                f"--input '{p}' is not a file: --chat reads JSONL (or Parquet) files",
                 hint="name the .jsonl files themselves (one conversation per line)",
             )
         if p.stat().st_size == 0:

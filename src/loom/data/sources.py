@@ -252,7 +252,9 @@ def _check_compressed(path: Path, kind: str) -> None:
         )
 
 
-def _open_jsonl(path: Path, kind: str):
+def open_jsonl(path: Path, kind: str):
+    """A JSONL file (kind: jsonl, jsonl.gz or jsonl.zst) opened to be read as lines of bytes, decompressed;
+    one named .gz / .zst that is not compressed is refused by name."""
     if kind in _MAGIC:
         _check_compressed(path, kind)
     if kind == "jsonl.gz":
@@ -270,7 +272,7 @@ def _open_jsonl(path: Path, kind: str):
 _CORRUPT = (OSError, EOFError, zlib.error, ValueError)
 
 
-def _corrupt_errors(kind: str) -> tuple[type[BaseException], ...]:
+def corrupt_errors(kind: str) -> tuple[type[BaseException], ...]:
     """What reading a broken stream of this kind raises (zstandard's own ZstdError is none of _CORRUPT)."""
     if kind == "jsonl.zst":
         import zstandard
@@ -352,8 +354,8 @@ def _jsonl_units(path: Path, kind: str, opts: ReadOptions, stats: ReadStats) -> 
     stats.files += 1
     lineno = 0
     seen = _FieldSeen()
-    f = _open_jsonl(path, kind)
-    corrupt = _corrupt_errors(kind)
+    f = open_jsonl(path, kind)
+    corrupt = corrupt_errors(kind)
     try:
         it = iter(f)
         while True:

@@ -7,8 +7,10 @@ its prompts, metrics and table; loom's model answers the requests (loom.eval.lm_
     scores(results)                                {"task/metric": value}: what metrics.jsonl records
 
 Offline use: the harness reads task data through `datasets`. loom turns a task whose data cannot be had (no
-network, HF_DATASETS_OFFLINE=1, a missing local file) into one error that names the dataset and says how to
-fetch it or point a task YAML at a local copy. A task YAML with `dataset_path: json` and
+network, HF_DATASETS_OFFLINE=1) into one error that names the dataset and says how to fetch it or point a task
+YAML at a local copy. The faults of a task YAML are named as such before any model is read: a YAML that does
+not parse (the harness's index skips it), a local data file that does not exist, a template naming a field the
+documents lack, more few-shot examples than the task has documents to draw them from. A task YAML with `dataset_path: json` and
 `dataset_kwargs: {data_files: ...}` needs no network at all (tests/unit/test_lm_eval.py makes such tasks).
 """
 
@@ -73,14 +75,10 @@ def load_tasks(tasks: str | list[str], include_path: str | None = None, num_fews
         raise LoomError("no task names given", hint="e.g. --tasks hellaswag,arc_easy,piqa")
     tm = _manager(names, include_path)
     for n in names:
-        if n not in tm.all_tasks and not Path(n).is_file():
-            close = difflib.get_close_matches(n, tm.all_tasks, n=3, cutoff=0.6)
-            raise LoomError(
-                f"lm-evaluation-harness has no task '{n}'"
-                + (f": did you mean {', '.join(repr(c) for c in close)}?" if close else ""),
-                hint="`lm-eval ls tasks` lists them; a task of your own: its YAML in a folder given "
-                "with --include-path",
-            )
+        if Path(n).is_file():
+            check_yaml(Path(n))
+        elif n not in tm.all_tasks:
+            _no_task(n, tm, include_path)
     built = []
     for n in names:
         obj = _load_one(tm, n)
@@ -92,7 +90,83 @@ def load_tasks(tasks: str | list[str], include_path: str | None = None, num_fews
         elif task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=1234)  # the harness's default fewshot seed
+    check_fewshot(loaded, num_fewshot)
     return loaded
+
+
+def _yaml_problem(path: Path) -> str | None:
+    """Why a task YAML does not parse (its line and column), else None. The harness's `!function` tags are
+    accepted unresolved, as its index reads them."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    try:
+        with open(path, "rb") as f:
+            data = yaml.load(f, Loader=Loader)  # noqa: S506 - a SafeLoader whose tags build nothing
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        return f"{getattr(e, 'problem', None) or e}{at}"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"it cannot be read ({e})"
+    return None if isinstance(data, dict) else f"it holds {type(data).__name__}, not keys and values"
+
+
+def check_yaml(path: Path) -> None:
+    """Refuse a task YAML that does not parse, naming the file and the place."""
+    problem = _yaml_problem(path)
+    if problem:
+        raise LoomError(f"the task YAML '{path}' does not parse: {problem}", hint="fix the YAML")
+
+
+def _no_task(name: str, tm, include_path: str | None) -> None:
+    """The error for a task name nobody knows: a YAML under --include-path that does not parse is the likely
+    cause (the harness's index skips it without a word), else the nearest known names."""
+    broken = []
+    if include_path:
+        for path in sorted(Path(include_path).rglob("*.yaml")):
+            problem = _yaml_problem(path)
+            if problem:
+                broken.append((name in path.read_text(encoding="utf-8", errors="replace"), path, problem))
+    broken.sort(key=lambda b: not b[0])  # the file that mentions the name first
+    if broken:
+        _, path, problem = broken[0]
+        more = f" (and {len(broken) - 1} other YAML(s) there)" if len(broken) > 1 else ""
+        raise LoomError(
+            f"lm-evaluation-harness has no task '{name}': the task YAML '{path}' under --include-path does not "
+            f"parse{more}: {problem}",
+            hint="fix the YAML (the harness leaves out a file it cannot parse)",
+        )
+    close = difflib.get_close_matches(name, tm.all_tasks, n=3, cutoff=0.6)
+    raise LoomError(
+        f"lm-evaluation-harness has no task '{name}'"
+        + (f": did you mean {', '.join(repr(c) for c in close)}?" if close else ""),
+        hint="`lm-eval ls tasks` lists them; a task of your own: its YAML in a folder given with --include-path",
+    )
+
+
+def check_fewshot(loaded, num_fewshot: int | None = None) -> None:
+    """Refuse, before any scoring, a few-shot count larger than the documents a task draws its examples from
+    (the harness's sampler failed mid-evaluation with 'Sample larger than population')."""
+    for name, task in loaded["tasks"].items():
+        n = task.get_config("num_fewshot") or 0
+        if n <= 0:
+            continue
+        sampler = getattr(task, "sampler", None)
+        pool = len(sampler.fewshot_docs()) if sampler is not None else 0
+        # examples drawn from the evaluated split leave out the document being evaluated
+        split = getattr(getattr(task, "fewshot_cfg", None), "split", None)
+        own = int(split is not None and split == task.get_config("test_split"))
+        if n > pool - own:
+            asked = f"--num-fewshot {n}" if num_fewshot is not None else f"num_fewshot {n} (the task's own)"
+            raise LoomError(
+                f"{asked}: task '{name}' has {pool - own} document(s) to draw few-shot examples from"
+                + (" (its split less the document evaluated)" if own else ""),
+                hint=f"give --num-fewshot {max(0, pool - own)} or less",
+            )
 
 
 def check_encodable(loaded, tokenizer, limit: int | None = None) -> None:
@@ -128,6 +202,7 @@ def _load_one(tm, name: str):
     except Exception as e:  # datasets raises its own types (ConnectionError, DatasetNotFoundError, ...)
         entry = tm.task_index.get(name)
         where = f" ({entry.yaml_path})" if entry is not None and getattr(entry, "yaml_path", None) else ""
+        _check_task_spec(name, where, getattr(entry, "cfg", None) or {}, e)
         offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
         raise LoomError(
             f"the data of task '{name}'{where} cannot be read{' offline' if offline else ''}: "
@@ -138,6 +213,40 @@ def _load_one(tm, name: str):
             "dataset_kwargs: {data_files: <local JSONL>} and give its folder with --include-path",
         ) from None
     return obj
+
+
+def _local_files(value) -> list[str]:
+    """The paths named by a task's dataset_kwargs.data_files (a path, a list, or {split: path or list})."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [p for v in value for p in _local_files(v)]
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _local_files(v)]
+    return []
+
+
+def _check_task_spec(name: str, where: str, cfg: dict, e: Exception) -> None:
+    """A task that failed to load for a fault of its YAML, not for data out of reach: a local data file that
+    does not exist, or a template naming a field the documents lack. Each named, instead of 'cannot be read'."""
+    kwargs = cfg.get("dataset_kwargs") if isinstance(cfg.get("dataset_kwargs"), dict) else {}
+    for f in _local_files(kwargs.get("data_files")):
+        if "://" not in f and not any(c in f for c in "*?[") and not Path(f).expanduser().exists():
+            here = "" if Path(f).expanduser().is_absolute() else f" (from the current folder '{Path.cwd()}')"
+            raise LoomError(
+                f"task '{name}'{where}: its data file '{f}' does not exist{here}",
+                hint="fix dataset_kwargs.data_files in the task's YAML (a relative path is read from the "
+                "current folder)",
+            )
+    import jinja2
+
+    if isinstance(e, jinja2.TemplateError):
+        fields = [k for k, v in cfg.items() if k.startswith("doc_to_") and isinstance(v, str) and "{" in v]
+        raise LoomError(
+            f"task '{name}'{where}: a template of the task fails on its documents: {type(e).__name__}: {e}",
+            hint=f"its templates ({', '.join(fields) or 'doc_to_text, doc_to_target, doc_to_choice'}) may name "
+            "only the fields of the task's documents",
+        )
 
 
 def make_lm(
