@@ -12,6 +12,7 @@ a pipeline of wrappers or a tensor-parallel plan needs no change. Shapes: B batc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,18 @@ def doc_attention(
     otherwise, and with dropout (which flex_attention does not have), scaled_dot_product_attention with the
     dense (B, 1, T, T) mask. Every query sees at least itself, so no row of the softmax is empty."""
     if mask.block_mask is not None and dropout_p == 0:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        return flex_attention(q, k, v, block_mask=mask.block_mask)
+        return flex_attention_fn(compiled=q.is_cuda)(q, k, v, block_mask=mask.block_mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_doc_mask(mask.doc), dropout_p=dropout_p)
+
+
+@cache
+def flex_attention_fn(compiled: bool):
+    """flex_attention, compiled or as torch runs it eagerly. Eager FlexAttention builds the whole fp32 (B, H, T, T)
+    score matrix (about 51 GB at T = 32k and 12 heads, plus a masked copy): only the compiled kernel skips the
+    masked blocks and keeps memory linear in T, so a GPU always takes it, inside a compiled model or not (a
+    compiled model inlines it). The CPU keeps the eager one: its compiled kernel has no backward there (torch
+    2.13) and costs tens of seconds of C++ compilation. Cached: one compiled function per process, whose
+    shapes torch.compile guards itself."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if compiled else flex_attention
