@@ -333,39 +333,23 @@ def nvidia_driver() -> str | None:
 
 # ------------------------------------------------------------------------------------------- the checks
 def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
-    """Every check of the kit, in order; those that cannot run here carry the reason and the command."""
-    data, shape = out / "data", (GPT2 if cuda else TINY)
-    device = "cuda" if cuda else "cpu"
+    """Every line of the kit (PLANS orders them); those that cannot run here carry the reason and the command."""
     lacking = set(missing(OPTIONAL))
-    checks = [
-        Check(
-            "tests-gpu",
-            lambda ctx: [[PY, "-m", "pytest", "tests/gpu", "-rs", "-q", "-p", "no:cacheprovider"]],
-            240,
-            pytest_figures,
-            strict_skips=cuda,
-            why_not="needs pytest, which this interpreter lacks" if "pytest" in lacking else None,
-        ),
-        Check(
-            "prepare-data",
-            lambda ctx: [
-                [
-                    *LOOM,
-                    "data",
-                    "prepare",
-                    "--input",
-                    str(write_text(out)),
-                    "--out",
-                    str(data),
-                    "--tokenizer",
-                    "char",
-                    "--val-fraction",
-                    "0.1",
-                ]
-            ],
-            120,
-        ),
+    small, common = train_args(cuda, out)
+    return [
+        *training_checks(cuda, out, lacking, common),
+        *chat_checks(cuda, out, small, common),
+        verify_check(n_gpus, out),
+        *bench_checks(args, cuda, out, lacking),
+        *long_context_checks(cuda, out),
+        *moe_and_nanogpt_checks(args, cuda, out),
+        *fp8_checks(cuda, out, lacking),
     ]
+
+
+def train_args(cuda: bool, out: Path) -> tuple[list[str], list[str]]:
+    """The training lines' small model, and every option they share (the small model's among them)."""
+    data, device = out / "data", "cuda" if cuda else "cpu"
     steps = 30 if cuda else 5
     small = (
         [
@@ -395,6 +379,30 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         "--train.eval_batches=1",
         f"--precision.dtype={'bf16' if cuda else 'fp32'}",
         *small,
+    ]
+    return small, common
+
+
+def training_checks(cuda: bool, out: Path, lacking: set[str], common: list[str]) -> list[Check]:
+    """tests/gpu, the data set, and a few dozen steps with each data-parallel wrapper and model-parallel layout."""
+    data = out / "data"
+    checks = [
+        Check(
+            "tests-gpu",
+            lambda ctx: [[PY, "-m", "pytest", "tests/gpu", "-rs", "-q", "-p", "no:cacheprovider"]],
+            240,
+            pytest_figures,
+            strict_skips=cuda,
+            why_not="needs pytest, which this interpreter lacks" if "pytest" in lacking else None,
+        ),
+        Check(
+            "prepare-data",
+            lambda ctx: [
+                [*LOOM, "data", "prepare", "--input", str(write_text(out)), "--out", str(data)]
+                + ["--tokenizer", "char", "--val-fraction", "0.1"]
+            ],
+            120,
+        ),
     ]
     for impl in DP_IMPLS:
         run = out / "runs" / f"train-{impl}"
@@ -446,6 +454,11 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
             lambda o, ctx, run=run: train_figures(run),
         )
     )
+    return checks
+
+
+def chat_checks(cuda: bool, out: Path, small: list[str], common: list[str]) -> list[Check]:
+    device = "cuda" if cuda else "cpu"
     # chat SFT with LoRA (issue 34) from the train-ddp run: conversations in that run's tokenizer (its chat
     # tokens added, the embedding grown), adapters on every block linear, then loom chat's greedy answer
     base, sft_run = out / "runs" / f"train-{DP_IMPLS[0]}", out / "runs" / "sft-lora"
@@ -488,11 +501,14 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         "--device",
         device,
     ]
-    checks += [
+    return [
         Check("prepare-chat", lambda ctx: [write_conversations(out, 5 if cuda else 2, prepare_chat)], 120),
         Check("sft-lora", lambda ctx: [sft], 240, lambda o, ctx: train_figures(sft_run)),
         Check("chat", lambda ctx: [ask], 60, lambda o, ctx: {"answer": (o.strip().splitlines() or [""])[-1]}),
     ]
+
+
+def verify_check(n_gpus: int, out: Path) -> Check:
     verify = [
         *LOOM,
         "verify",
@@ -505,9 +521,14 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         "--train.device=cuda",
     ]
     no_verify = f"gpu only (needs 2+ GPUs, {n_gpus} here): would run {cmd(verify)}"
-    checks.append(
-        Check("verify", lambda ctx: [verify], 300, gpu_only=True, why_not=None if n_gpus >= 2 else no_verify)
+    return Check(
+        "verify", lambda ctx: [verify], 300, gpu_only=True, why_not=None if n_gpus >= 2 else no_verify
     )
+
+
+def bench_checks(args, cuda: bool, out: Path, lacking: set[str]) -> list[Check]:
+    """loom bench optim, and GPT-2 124M through loom bench train eager and compiled."""
+    checks = []
     optim = out / "bench-optim.json"
     sizes = (
         ["--params", "124M", "--device", "cuda"]
@@ -525,23 +546,7 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
     )
     mbs = args.micro_batches if cuda else [2]
 
-    def bench_base(model: dict, dtype: str) -> list[str]:
-        """loom bench train on synthetic data: a few timed steps of `model` (no dropout, no biases)."""
-        return [
-            *LOOM,
-            "bench",
-            "train",
-            "--synthetic",
-            f"--steps={10 if cuda else 2}",
-            f"--warmup={3 if cuda else 1}",
-            *[f"--model.{k}={v}" for k, v in model.items()],
-            "--model.dropout=0.0",
-            "--model.bias=false",
-            f"--train.device={device}",
-            f"--precision.dtype={dtype}",
-        ]
-
-    bench = bench_base(shape, "bf16" if cuda else "fp32")
+    bench = bench_base(GPT2 if cuda else TINY, "bf16" if cuda else "fp32", cuda)
 
     def bench_argvs(compile_: bool):
         def argvs(ctx: dict) -> list[list[str]]:
@@ -568,6 +573,11 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
             "--cpu leaves torch.compile out (minutes of C++ compilation on a CPU): would run "
             + cmd(bench_argvs(True)({})[0])
         )
+    return checks
+
+
+def long_context_checks(cuda: bool, out: Path) -> list[Check]:
+    shape, device, checks = (GPT2 if cuda else TINY), "cuda" if cuda else "cpu", []
     # Long context: one sequence of T = 32k (256 on --cpu) a step, causal flash attention (SDPA) against
     # document-masked attention (FlexAttention's block mask on the GPU; documents of ~2048 tokens)
     long_t = 32768 if cuda else 256
@@ -599,8 +609,14 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
                 lambda o, ctx, name=name: long_context_figures(o, ctx, name),
             )
         )
+    return checks
+
+
+def moe_and_nanogpt_checks(args, cuda: bool, out: Path) -> list[Check]:
+    shape, mbs, checks = (GPT2 if cuda else TINY), (args.micro_batches if cuda else [2]), []
     # Mixture of experts (issue 32): the same MoE (8 SwiGLU experts as wide as the dense MLP, top-2, in every
     # layer) with its experts as one grouped GEMM (torch._grouped_mm) and as a loop of matmuls, one expert each
+    bench = bench_base(GPT2 if cuda else TINY, "bf16" if cuda else "fp32", cuda)
     moe_json = out / "bench-train-moe.json"
     moe_argv = [
         *bench,
@@ -628,10 +644,15 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         checks[
             -1
         ].why_not = "needs --nanogpt PATH (a nanoGPT checkout): would run PATH/train.py on the same shape"
+    return checks
+
+
+def fp8_checks(cuda: bool, out: Path, lacking: set[str]) -> list[Check]:
+    checks = []
     for name, (fp8_shape, fp8_mb) in FP8_SHAPES.items():
         fp8_json = out / f"bench-train-fp8-{name}.json"
         fp8_argv = [
-            *bench_base(fp8_shape if cuda else TINY, "bf16"),
+            *bench_base(fp8_shape if cuda else TINY, "bf16", cuda),
             f"--train.batch_size={fp8_mb if cuda else 2}",
             f"--train.micro_batch_size={fp8_mb if cuda else 2}",
             f"--train.compile={'true' if cuda else 'false'}",
@@ -661,6 +682,23 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
             )
         )
     return checks
+
+
+def bench_base(model: dict, dtype: str, cuda: bool) -> list[str]:
+    """loom bench train on synthetic data: a few timed steps of `model` (no dropout, no biases)."""
+    return [
+        *LOOM,
+        "bench",
+        "train",
+        "--synthetic",
+        f"--steps={10 if cuda else 2}",
+        f"--warmup={3 if cuda else 1}",
+        *[f"--model.{k}={v}" for k, v in model.items()],
+        "--model.dropout=0.0",
+        "--model.bias=false",
+        f"--train.device={'cuda' if cuda else 'cpu'}",
+        f"--precision.dtype={dtype}",
+    ]
 
 
 def write_text(out: Path) -> Path:
