@@ -43,12 +43,12 @@ def build_doc_mask(idx: torch.Tensor, eot_id: int, restart: bool, flex: bool | N
         flex = idx.device.type != "cpu"
     block_mask = None
     if flex:
-        from torch.nn.attention.flex_attention import create_block_mask
 
         def same_doc_causal(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
 
-        block_mask = create_block_mask(same_doc_causal, B, None, T, T, device=idx.device)
+        make = create_block_mask_fn(compiled=idx.is_cuda)
+        block_mask = make(same_doc_causal, B, None, T, T, device=idx.device)
     return DocMask(doc, positions, block_mask)
 
 
@@ -70,6 +70,17 @@ def doc_attention(
     if mask.block_mask is not None and dropout_p == 0:
         return flex_attention_fn(compiled=q.is_cuda)(q, k, v, block_mask=mask.block_mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_doc_mask(mask.doc), dropout_p=dropout_p)
+
+
+@cache
+def create_block_mask_fn(compiled: bool):
+    """create_block_mask, compiled or eager. Eager, it evaluates the mask at every (query, key) pair into (T, T)
+    tensors, gigabytes at T = 32k at every step; compiled (torchtitan's choice), it fuses that into the block
+    reduction. One compiled function per process: the mask's closure (the documents) is an input to it, so a
+    new batch does not recompile it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask) if compiled else create_block_mask
 
 
 @cache
