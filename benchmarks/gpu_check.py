@@ -3,7 +3,8 @@
     make gpu-check ARGS="--plan first --export DIR"   # on a CUDA machine: the open questions, ~5 minutes
     make gpu-check ARGS="--cpu"                       # every line with tiny shapes on the CPU (CI tests the kit)
     python benchmarks/gpu_check.py [--cpu] [--plan first|second|rest|all | --only a,b] [--out DIR]
-                                   [--export DIR] [--budget-s S] [--nanogpt PATH] [--fail-check NAME]
+                                   [--export DIR] [--budget-s S] [--times TOML] [--nanogpt PATH]
+                                   [--fail-check NAME]
 
 Each line is a subprocess with a time limit, its output streamed to OUT/<line>.log. Lines run by priority, not
 in a fixed order: `--plan first` (<= 5 minutes on one H100) answers the open questions: GPT-2 124M bf16
@@ -11,7 +12,7 @@ tokens/s and MFU eager and compiled, the Triton fused AdamW against torch's fuse
 long-context flash attention; `second` the fp8 1B comparison and the benchmarks the first leaves; `rest` the
 correctness lines; `all` (the default) all of them in that order. `--only a,b` runs those lines in the order
 given. A line runs after the lines it needs (prepare-data before a training), added to the plan if missing.
-Each line's estimated seconds are in benchmarks/gpu_check_times.toml, beside this file.
+Each line's estimated seconds are in benchmarks/gpu_check_times.toml, beside this file (--times: another).
 
 The report, OUT/gpu-report.json and OUT/gpu-report.md (line, status, seconds, key figures), is rewritten after
 every line, and each line's figures are on its console status line, so a kit stopped by a time limit (SIGTERM,
@@ -1154,20 +1155,19 @@ def run_plan(kit: Kit, checks: dict[str, Check], plan: list[str], args, cuda: bo
     """Run the plan's lines in order, the report rewritten around each; the number of the signal that stopped
     the kit, or None when every line was reached."""
     ctx: dict[str, Any] = {"_cuda": cuda}
-    times = line_times(cuda, args.times)
+    times, started = line_times(cuda, args.times), time.perf_counter()
     try:
         for i, name in enumerate(plan, 1):
             c, row, tag = checks[name], kit.rows[name], f"[{i}/{len(plan)}] {name}"
             left = kit.deadline - time.monotonic()
             result = before_run(c, ctx, cuda, left, times.get(name))
             if result is None:
-                row.update(status="running", started=time.perf_counter())
+                row["status"], started = "running", time.perf_counter()
                 kit.say(
                     f"{tag} ... (~{times.get(name, 60):.0f} s estimated, {left:.0f} s of the budget left)"
                 )
                 kit.write(archive=False)
                 result = run_check(c, ctx, kit.out, kit.deadline, args.fail_check)
-                row.pop("started")
             row.update(result)
             ctx[name] = row
             kit.say(status_line(tag, row))
@@ -1178,7 +1178,7 @@ def run_plan(kit: Kit, checks: dict[str, Check], plan: list[str], args, cuda: bo
         for name in plan:
             row = kit.rows[name]
             if row["status"] == "running":
-                took = time.perf_counter() - row.pop("started")
+                took = time.perf_counter() - started
                 row.update(status="cut", reason=f"stopped by {e} after {took:.0f} s", seconds=round(took, 1))
             elif row["status"] == "pending":
                 row.update(status="cut", reason=f"not started: the kit was stopped by {e}")
@@ -1238,7 +1238,6 @@ def start(args, checks: dict[str, Check], cuda: bool, n_gpus: int, plan: list[st
 
     out = args.out
     skipped = frozenset(n for n, c in checks.items() if c.why_not or (c.gpu_only and not cuda))
-
     env = versions(cuda)
     reason = "not selected (--only)" if args.only else f"not in plan {args.plan}"
     rows = {n: {"check": n, "status": "pending"} for n in plan}
