@@ -40,7 +40,8 @@ test: $(STAMP)
 test-oldest: $(STAMP_OLDEST)
 	$(VENV_OLDEST)/bin/python -m pytest -q -n 2 --dist loadfile --durations=10 tests/unit tests/distributed
 
-# The GPU acceptance kit (benchmarks/gpu_check.py): make gpu-check on a CUDA machine, ARGS=--cpu anywhere.
+# The GPU acceptance kit (benchmarks/gpu_check.py): make gpu-check on a CUDA machine, ARGS=--cpu anywhere;
+# ARGS="--plan first --export DIR" for the figures that matter first and the report in 4 flat files.
 # Where $(PY) already has torch (with CUDA, unless ARGS=--cpu) and loom's dependencies, as on a GPU machine
 # without a package index, the kit runs from the working tree with it: no virtualenv, no pip.
 gpu-check:

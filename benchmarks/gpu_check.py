@@ -1,17 +1,54 @@
-"""The GPU acceptance kit: one command that says what works on this GPU, in a few minutes.
+"""The GPU acceptance kit: one command that says what works on this GPU, the figures that matter first.
 
-    make gpu-check                        # on a CUDA machine (whole kit <= 8 minutes on one H100/H200)
-    make gpu-check ARGS=--cpu             # the same checks with tiny shapes on the CPU (CI tests the kit)
-    python benchmarks/gpu_check.py [--cpu] [--out DIR] [--nanogpt PATH] [--only a,b] [--fail-check NAME]
+    make gpu-check ARGS="--plan first --export DIR"   # on a CUDA machine: the open questions, ~5 minutes
+    make gpu-check ARGS="--cpu"                       # every line with tiny shapes on the CPU (CI tests the kit)
+    python benchmarks/gpu_check.py [--cpu] [--plan first|second|rest|all | --only a,b] [--out DIR]
+                                   [--export DIR] [--budget-s S] [--times TOML] [--nanogpt PATH]
+                                   [--fail-check NAME]
 
-Each check is a subprocess with a time limit; its output is kept in OUT/<check>.log. The kit writes
-OUT/gpu-report.json and OUT/gpu-report.md (check, status, seconds, key figures) and exits 1 if any check
-failed. Statuses: pass, fail, skipped (with the reason; "gpu only: would run <command>" under --cpu).
-Checks, in order:
+Each line is a subprocess with a time limit, its output streamed to OUT/<line>.log. Lines run by priority, not
+in a fixed order: `--plan first` (<= 5 minutes on one H100) answers the open questions: GPT-2 124M bf16
+tokens/s and MFU eager and compiled, the Triton fused AdamW against torch's fused, DDP over NCCL at one GPU,
+long-context flash attention; `second` the fp8 1B comparison and the benchmarks the first leaves; `rest` the
+correctness lines; `all` (the default) all of them in that order. `--only a,b` runs those lines in the order
+given. A line runs after the lines it needs (prepare-data before a training), added to the plan if missing.
+Each line's estimated seconds are in benchmarks/gpu_check_times.toml, beside this file (--times: another).
+
+The report, OUT/gpu-report.json and OUT/gpu-report.md (line, status, seconds, key figures), is rewritten after
+every line, and each line's figures are on its console status line, so a kit stopped by a time limit (SIGTERM,
+SIGINT: the running line is stopped and reported) or killed leaves what it did. Statuses: pass, fail, skipped
+(with the reason; "gpu only: would run <command>" under --cpu), cut (the kit's time budget, --budget-s, ran
+out before or during the line, or the kit was stopped: not a failure), pending (not reached yet). Exit code:
+1 if a line failed, 128 + the signal's number if the kit was stopped, else 0.
+`--export DIR` (a device command's $OUT) writes at most 4 flat files there, refreshed after every line:
+gpu-report.md, gpu-report.json, gpu-check-console.log and gpu-check-files.tar.gz (every line's log, the
+benchmarks' JSON, the runs' metrics.jsonl and run.json).
+
+The lines, by priority (plan first, then second, then rest):
+  bench-train-eager    GPT-2 124M (vocab 50304, T=1024, bf16) through loom bench train: tokens/s, MFU, peak
+                       memory, at the largest micro-batch of --micro-batches that fits (tried largest first)
+  bench-optim          loom bench optim --params 124M: torch-fused, torch-foreach, triton; ms/step and the
+                       share of the datasheet memory bandwidth (and of the copy bandwidth measured there)
+  bench-long-flash     long context: one sequence of T = 32k a step (GPT-2 124M's width, bf16), causal flash
+                       attention (SDPA): tokens/s, ms/step, peak memory
+  prepare-data         a small char-level data set for the training lines (loom data prepare)
+  train-ddp            a few dozen steps with --parallel.dp_impl=ddp in one process: the wrapper is applied on
+                       a 1-rank NCCL group (gloo under --cpu), so its code path runs; losses, tokens/s
+  bench-train-compile  bench-train-eager with train.compile=true at the micro-batch it found; compile_s counts
+                       the forward's and the backward's compilation (the first step, timed whole)
+  bench-train-fp8-1b   a 1.0B Llama (20 layers, 2048 wide, 32k vocabulary) at T=2048, compiled: bf16 against
+                       fp8 tensorwise and rowwise (loom bench train --fp8, interleaved rounds, one micro-batch):
+                       tokens/s, speed over bf16, peak memory, and per mode how many linears train in float8
+                       (torchao's size rule: the projections too small to gain stay bf16)
+  bench-long-doc-mask  bench-long-flash with data.doc_mask=true (FlexAttention's block mask, compiled on CUDA,
+                       documents of ~2048 tokens): the same figures and its speed over the flash run's
+  bench-train-fp8-gpt2 the same fp8 comparison for GPT-2 124M at T=2048 with precision.fp8_filter=all (the size
+                       rule would leave its linears, all 768 wide, in bf16)
+                       The fp8 lines need torchao (a wheel with no dependencies: README, "GPU check")
+  bench-train-moe      a mixture of experts (8 experts, top-2) with its expert GEMMs grouped and looped
+  nanogpt              nanoGPT's own train.py on GPT-2 124M (compile on), with --nanogpt PATH
   tests-gpu            pytest tests/gpu -rs; on CUDA a skipped test is a failure (they exist to run there)
-  prepare-data         a small char-level data set for the training checks (loom data prepare)
-  train-<impl>         a few dozen steps with --parallel.dp_impl=ddp|zero1|zero2|fsdp in one process: the
-                       wrapper is applied on a 1-rank NCCL group (gloo under --cpu), so its code path runs
+  train-<impl>         train-ddp's run with dp_impl=zero1, zero2, fsdp
   train-tp-pp          tensor, pipeline (1f1b) and context parallel (Ulysses) at degree 1 on 1-rank meshes
                        with fsdp (parallel.degree1_meshes): every model-parallel code path on one GPU
   train-cp-ring        the same with ring attention for the context-parallel dimension
@@ -19,26 +56,11 @@ Checks, in order:
   sft-lora             `loom sft` with LoRA on every block linear from the train-ddp run: losses, tokens/s
   chat                 `loom chat RUN --prompt` on that run: its greedy answer
   verify               with 2+ GPUs: loom verify over them (ddp, zero1, zero2, fsdp, tp, pp-1f1b)
-  bench-optim          loom bench optim --params 124M: torch-fused, torch-foreach, triton; ms/step and the
-                       share of the datasheet memory bandwidth (and of the copy bandwidth measured there)
-  bench-train-eager    GPT-2 124M (vocab 50304, T=1024, bf16) through loom bench train: tokens/s, MFU, peak
-                       memory, at the largest micro-batch of --micro-batches that fits (tried largest first)
-  bench-train-compile  the same with train.compile=true at that micro-batch
-  bench-long-flash     long context: one sequence of T = 32k a step (GPT-2 124M's width, bf16), causal flash
-                       attention (SDPA): tokens/s, ms/step, peak memory
-  bench-long-doc-mask  the same with data.doc_mask=true (FlexAttention's block mask, documents of ~2048
-                       tokens): the same figures and its speed over the flash run's
-  nanogpt              nanoGPT's own train.py on the same shape (compile on), with --nanogpt PATH
-  bench-train-fp8-gpt2 GPT-2 124M at T=2048, compiled: bf16 against fp8 tensorwise and rowwise (loom bench train
-                       --fp8, interleaved rounds, one micro-batch): tokens/s, speed over bf16, peak memory
-  bench-train-fp8-1b   the same for a 1.0B Llama (20 layers, 2048 wide, 32k vocabulary) at T=2048
-                       The two fp8 checks need torchao and take minutes of compilation each: past the kit's
-                       default budget, run them with --only bench-train-fp8-gpt2,bench-train-fp8-1b
 On a bare GPU machine (an interpreter that already has torch with CUDA and loom's dependencies, no package
 index) `make gpu-check` runs this file from the working tree with that interpreter: `--probe` says whether it
-can (exit 0) and lists what it misses. A missing optional package skips only the checks that need it: pytest
-(tests-gpu), triton (bench-optim's triton kernel), transformers (the HF tests inside tests-gpu).
---fail-check NAME makes that check fail on purpose (its command is replaced by one that exits 1): how the
+can (exit 0) and lists what it misses. A missing optional package skips only the lines that need it: pytest
+(tests-gpu), triton (bench-optim's triton kernel), transformers (the HF tests inside tests-gpu), torchao (fp8).
+--fail-check NAME makes that line fail on purpose (its command is replaced by one that exits 1): how the
 kit's own test proves that a failure reaches the exit code.
 """
 
@@ -53,6 +75,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +96,59 @@ OPTIONAL = {
     "torchao": "the fp8 benchmarks (bench-train-fp8-*)",
 }
 BUDGET_S = 480.0  # the whole kit on a GPU: 8 minutes, under the device machine's 10 minutes per command
+# --cpu: the tiny shapes on a shared CI machine; the budget is there to stop a hang, not to plan the time
+CPU_BUDGET_S = 1800.0
+TIMES = Path(__file__).with_name("gpu_check_times.toml")
+
+# Each line's priority is its place here: plans run in this order, `all` runs first, second, rest.
+PLANS = {
+    # the open questions, cheapest first and the compile (the longest, the likeliest to hang) last
+    "first": (
+        "bench-train-eager",
+        "bench-optim",
+        "bench-long-flash",
+        "prepare-data",
+        "train-ddp",
+        "bench-train-compile",
+    ),
+    # the fp8 1B comparison, then the benchmarks the first plan leaves
+    "second": (
+        "bench-train-fp8-1b",
+        "bench-long-doc-mask",
+        "bench-train-fp8-gpt2",
+        "bench-train-moe",
+        "nanogpt",
+    ),
+    # the correctness lines (train-ddp's run is their base: it is added where it has not run)
+    "rest": (
+        "tests-gpu",
+        "train-zero1",
+        "train-zero2",
+        "train-fsdp",
+        "train-tp-pp",
+        "train-cp-ring",
+        "prepare-chat",
+        "sft-lora",
+        "chat",
+        "verify",
+    ),
+}
+PLANS["all"] = tuple(n for plan in ("first", "second", "rest") for n in PLANS[plan])
+# what a line reads from another: it runs after it, and a plan without it gets it added
+NEEDS = {
+    **{f"train-{x}": ("prepare-data",) for x in ("ddp", "zero1", "zero2", "fsdp", "tp-pp", "cp-ring")},
+    "prepare-chat": ("train-ddp",),
+    "sft-lora": ("prepare-chat",),
+    "chat": ("sft-lora",),
+}
+EXPORT_FILES = ("gpu-report.md", "gpu-report.json", "gpu-check-console.log", "gpu-check-files.tar.gz")
+ARCHIVED = {
+    ".log",
+    ".json",
+    ".jsonl",
+    ".md",
+}  # what the export's archive keeps of OUT (not data, not weights)
+ARCHIVE_MAX_FILE = 4 * 2**20
 
 # Datasheet memory bandwidth in GB/s, matched as substrings of torch.cuda.get_device_name (first match wins).
 GPU_BANDWIDTH_GBPS = {
@@ -112,6 +188,43 @@ NANO_STEP = re.compile(r"^iter (\d+): loss ([-\d.naif]+), time ([\d.]+)ms")
 def datasheet_bandwidth(name: str) -> float | None:
     """The GPU's memory bandwidth in GB/s from its name, or None for an unknown device."""
     return next((bw for key, bw in GPU_BANDWIDTH_GBPS.items() if key in name), None)
+
+
+def line_times(cuda: bool, path: Path = TIMES) -> dict[str, float]:
+    """Each line's estimated seconds on this kind of machine (gpu_check_times.toml's [cuda] or [cpu] table),
+    and "overhead", the kit's own (its interpreter, the versions, the report and the export)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: loom's dependency tomli
+        import tomli as tomllib
+
+    table = tomllib.loads(path.read_text(encoding="utf-8"))["cuda" if cuda else "cpu"]
+    return {k: float(v) for k, v in table.items() if isinstance(v, (int, float))}
+
+
+def resolve_plan(names: list[str] | tuple[str, ...]) -> list[str]:
+    """The lines in the order given, each preceded by the lines it needs (NEEDS) unless they come earlier."""
+    plan: list[str] = []
+
+    def add(name: str) -> None:
+        if name not in plan:
+            for need in NEEDS.get(name, ()):
+                add(need)
+            plan.append(name)
+
+    for name in names:
+        add(name)
+    return plan
+
+
+def plan_estimate(
+    names: list[str], cuda: bool = True, skipped: frozenset[str] = frozenset(), path: Path = TIMES
+) -> float:
+    """The estimated seconds of a plan's lines but those `skipped` here, the kit's overhead included (a line
+    without an estimate counts as a minute)."""
+    times = line_times(cuda, path)
+    lines = [n for n in resolve_plan(names) if n not in skipped]
+    return times.get("overhead", 0.0) + sum(times.get(n, 60.0) for n in lines)
 
 
 @dataclass
@@ -221,39 +334,23 @@ def nvidia_driver() -> str | None:
 
 # ------------------------------------------------------------------------------------------- the checks
 def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
-    """Every check of the kit, in order; those that cannot run here carry the reason and the command."""
-    data, shape = out / "data", (GPT2 if cuda else TINY)
-    device = "cuda" if cuda else "cpu"
+    """Every line of the kit (PLANS orders them); those that cannot run here carry the reason and the command."""
     lacking = set(missing(OPTIONAL))
-    checks = [
-        Check(
-            "tests-gpu",
-            lambda ctx: [[PY, "-m", "pytest", "tests/gpu", "-rs", "-q", "-p", "no:cacheprovider"]],
-            240,
-            pytest_figures,
-            strict_skips=cuda,
-            why_not="needs pytest, which this interpreter lacks" if "pytest" in lacking else None,
-        ),
-        Check(
-            "prepare-data",
-            lambda ctx: [
-                [
-                    *LOOM,
-                    "data",
-                    "prepare",
-                    "--input",
-                    str(write_text(out)),
-                    "--out",
-                    str(data),
-                    "--tokenizer",
-                    "char",
-                    "--val-fraction",
-                    "0.1",
-                ]
-            ],
-            120,
-        ),
+    small, common = train_args(cuda, out)
+    return [
+        *training_checks(cuda, out, lacking, common),
+        *chat_checks(cuda, out, small, common),
+        verify_check(n_gpus, out),
+        *bench_checks(args, cuda, out, lacking),
+        *long_context_checks(cuda, out),
+        *moe_and_nanogpt_checks(args, cuda, out),
+        *fp8_checks(cuda, out, lacking),
     ]
+
+
+def train_args(cuda: bool, out: Path) -> tuple[list[str], list[str]]:
+    """The training lines' small model, and every option they share (the small model's among them)."""
+    data, device = out / "data", "cuda" if cuda else "cpu"
     steps = 30 if cuda else 5
     small = (
         [
@@ -283,6 +380,30 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         "--train.eval_batches=1",
         f"--precision.dtype={'bf16' if cuda else 'fp32'}",
         *small,
+    ]
+    return small, common
+
+
+def training_checks(cuda: bool, out: Path, lacking: set[str], common: list[str]) -> list[Check]:
+    """tests/gpu, the data set, and a few dozen steps with each data-parallel wrapper and model-parallel layout."""
+    data = out / "data"
+    checks = [
+        Check(
+            "tests-gpu",
+            lambda ctx: [[PY, "-m", "pytest", "tests/gpu", "-rs", "-q", "-p", "no:cacheprovider"]],
+            240,
+            pytest_figures,
+            strict_skips=cuda,
+            why_not="needs pytest, which this interpreter lacks" if "pytest" in lacking else None,
+        ),
+        Check(
+            "prepare-data",
+            lambda ctx: [
+                [*LOOM, "data", "prepare", "--input", str(write_text(out)), "--out", str(data)]
+                + ["--tokenizer", "char", "--val-fraction", "0.1"]
+            ],
+            120,
+        ),
     ]
     for impl in DP_IMPLS:
         run = out / "runs" / f"train-{impl}"
@@ -334,15 +455,42 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
             lambda o, ctx, run=run: train_figures(run),
         )
     )
+    return checks
+
+
+def chat_checks(cuda: bool, out: Path, small: list[str], common: list[str]) -> list[Check]:
+    device = "cuda" if cuda else "cpu"
     # chat SFT with LoRA (issue 34) from the train-ddp run: conversations in that run's tokenizer (its chat
     # tokens added, the embedding grown), adapters on every block linear, then loom chat's greedy answer
     base, sft_run = out / "runs" / f"train-{DP_IMPLS[0]}", out / "runs" / "sft-lora"
     chat, block = out / "chat", next(a for a in small if a.startswith("--model.block_size=")).split("=")[1]
-    prepare_chat = [*LOOM, "data", "prepare", "--chat", "--input", str(out / "conversations.jsonl"), "--out",
-                    str(chat), "--tokenizer", str(base), "--block-size", block, "--force"]  # fmt: skip
-    sft = [*LOOM, "sft", *common, f"--data.path={chat}", "--run.name=sft-lora", f"--model.init_from=run:{base}",
-           "--finetune.lora_rank=8", "--finetune.lora_targets=all-linear", "--data.doc_mask=true",
-           "--data.doc_positions=restart"]  # fmt: skip
+    prepare_chat = [
+        *LOOM,
+        "data",
+        "prepare",
+        "--chat",
+        "--input",
+        str(out / "conversations.jsonl"),
+        "--out",
+        str(chat),
+        "--tokenizer",
+        str(base),
+        "--block-size",
+        block,
+        "--force",
+    ]
+    sft = [
+        *LOOM,
+        "sft",
+        *common,
+        f"--data.path={chat}",
+        "--run.name=sft-lora",
+        f"--model.init_from=run:{base}",
+        "--finetune.lora_rank=8",
+        "--finetune.lora_targets=all-linear",
+        "--data.doc_mask=true",
+        "--data.doc_positions=restart",
+    ]
     ask = [
         *LOOM,
         "chat",
@@ -354,11 +502,14 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         "--device",
         device,
     ]
-    checks += [
+    return [
         Check("prepare-chat", lambda ctx: [write_conversations(out, 5 if cuda else 2, prepare_chat)], 120),
         Check("sft-lora", lambda ctx: [sft], 240, lambda o, ctx: train_figures(sft_run)),
         Check("chat", lambda ctx: [ask], 60, lambda o, ctx: {"answer": (o.strip().splitlines() or [""])[-1]}),
     ]
+
+
+def verify_check(n_gpus: int, out: Path) -> Check:
     verify = [
         *LOOM,
         "verify",
@@ -371,9 +522,14 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         "--train.device=cuda",
     ]
     no_verify = f"gpu only (needs 2+ GPUs, {n_gpus} here): would run {cmd(verify)}"
-    checks.append(
-        Check("verify", lambda ctx: [verify], 300, gpu_only=True, why_not=None if n_gpus >= 2 else no_verify)
+    return Check(
+        "verify", lambda ctx: [verify], 300, gpu_only=True, why_not=None if n_gpus >= 2 else no_verify
     )
+
+
+def bench_checks(args, cuda: bool, out: Path, lacking: set[str]) -> list[Check]:
+    """loom bench optim, and GPT-2 124M through loom bench train eager and compiled."""
+    checks = []
     optim = out / "bench-optim.json"
     sizes = (
         ["--params", "124M", "--device", "cuda"]
@@ -391,23 +547,7 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
     )
     mbs = args.micro_batches if cuda else [2]
 
-    def bench_base(model: dict, dtype: str) -> list[str]:
-        """loom bench train on synthetic data: a few timed steps of `model` (no dropout, no biases)."""
-        return [
-            *LOOM,
-            "bench",
-            "train",
-            "--synthetic",
-            f"--steps={10 if cuda else 2}",
-            f"--warmup={3 if cuda else 1}",
-            *[f"--model.{k}={v}" for k, v in model.items()],
-            "--model.dropout=0.0",
-            "--model.bias=false",
-            f"--train.device={device}",
-            f"--precision.dtype={dtype}",
-        ]
-
-    bench = bench_base(shape, "bf16" if cuda else "fp32")
+    bench = bench_base(GPT2 if cuda else TINY, "bf16" if cuda else "fp32", cuda)
 
     def bench_argvs(compile_: bool):
         def argvs(ctx: dict) -> list[list[str]]:
@@ -434,6 +574,11 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
             "--cpu leaves torch.compile out (minutes of C++ compilation on a CPU): would run "
             + cmd(bench_argvs(True)({})[0])
         )
+    return checks
+
+
+def long_context_checks(cuda: bool, out: Path) -> list[Check]:
+    shape, device, checks = (GPT2 if cuda else TINY), "cuda" if cuda else "cpu", []
     # Long context: one sequence of T = 32k (256 on --cpu) a step, causal flash attention (SDPA) against
     # document-masked attention (FlexAttention's block mask on the GPU; documents of ~2048 tokens)
     long_t = 32768 if cuda else 256
@@ -465,8 +610,14 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
                 lambda o, ctx, name=name: long_context_figures(o, ctx, name),
             )
         )
+    return checks
+
+
+def moe_and_nanogpt_checks(args, cuda: bool, out: Path) -> list[Check]:
+    shape, mbs, checks = (GPT2 if cuda else TINY), (args.micro_batches if cuda else [2]), []
     # Mixture of experts (issue 32): the same MoE (8 SwiGLU experts as wide as the dense MLP, top-2, in every
     # layer) with its experts as one grouped GEMM (torch._grouped_mm) and as a loop of matmuls, one expert each
+    bench = bench_base(GPT2 if cuda else TINY, "bf16" if cuda else "fp32", cuda)
     moe_json = out / "bench-train-moe.json"
     moe_argv = [
         *bench,
@@ -494,15 +645,22 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         checks[
             -1
         ].why_not = "needs --nanogpt PATH (a nanoGPT checkout): would run PATH/train.py on the same shape"
+    return checks
+
+
+def fp8_checks(cuda: bool, out: Path, lacking: set[str]) -> list[Check]:
+    checks = []
     for name, (fp8_shape, fp8_mb) in FP8_SHAPES.items():
         fp8_json = out / f"bench-train-fp8-{name}.json"
         fp8_argv = [
-            *bench_base(fp8_shape if cuda else TINY, "bf16"),
+            *bench_base(fp8_shape if cuda else TINY, "bf16", cuda),
             f"--train.batch_size={fp8_mb if cuda else 2}",
             f"--train.micro_batch_size={fp8_mb if cuda else 2}",
             f"--train.compile={'true' if cuda else 'false'}",
-            # on a GPU torchao's size rule picks the linears; the CPU's tiny model has none that big
-            *([] if cuda else ["--precision.fp8_filter=all"]),
+            # the 1B: torchao's size rule picks the linears big enough to gain; GPT-2 124M has none that big
+            # (768 wide: the rule leaves every one in bf16 with rowwise, all but the MLP's up-projections with
+            # tensorwise), nor has the CPU's tiny model, so there every linear is converted
+            *([] if cuda and name == "1b" else ["--precision.fp8_filter=all"]),
             "--fp8",
             "off,tensorwise,rowwise" if cuda else "off,tensorwise",
             "--json",
@@ -520,11 +678,28 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
                 f"bench-train-fp8-{name}",
                 lambda ctx, argv=fp8_argv: [argv],
                 420,
-                lambda o, ctx, path=fp8_json: fp8_figures(path),
+                lambda o, ctx, path=fp8_json: fp8_figures(path, o),
                 why_not=why_not,
             )
         )
     return checks
+
+
+def bench_base(model: dict, dtype: str, cuda: bool) -> list[str]:
+    """loom bench train on synthetic data: a few timed steps of `model` (no dropout, no biases)."""
+    return [
+        *LOOM,
+        "bench",
+        "train",
+        "--synthetic",
+        f"--steps={10 if cuda else 2}",
+        f"--warmup={3 if cuda else 1}",
+        *[f"--model.{k}={v}" for k, v in model.items()],
+        "--model.dropout=0.0",
+        "--model.bias=false",
+        f"--train.device={'cuda' if cuda else 'cpu'}",
+        f"--precision.dtype={dtype}",
+    ]
 
 
 def write_text(out: Path) -> Path:
@@ -662,13 +837,23 @@ def bench_train_figures(output: str, ctx: dict) -> dict:
     }
 
 
-def fp8_figures(path: Path) -> dict:
-    """Per recipe: tokens/s, speed over bf16 (the first mode, timed in the same rounds), peak memory."""
+FP8_LOG = re.compile(r"fp8: (\d+) of (\d+) linear layers in float8 \(precision\.fp8=(\w+)")
+
+
+def fp8_figures(path: Path, output: str = "") -> dict:
+    """Per recipe: tokens/s, speed over bf16 (the first mode, timed in the same rounds), peak memory, and how
+    many linears trained in float8 ("N/M"): from the record, else from the line fp8.convert logs, else absent."""
+    logged = {m.group(3): f"{m.group(1)}/{m.group(2)}" for m in FP8_LOG.finditer(output)}
     figs = {}
     for r in json.loads(path.read_text()):
-        figs[f"{r['mode']}_tokens_per_s"] = round(r["tokens_per_s"])
-        figs[f"{r['mode']}_vs_bf16"] = round(r["speed_vs_first"], 3)
-        figs[f"{r['mode']}_peak_mem_gib"] = round(r["peak_mem_bytes"] / 2**30, 2)
+        mode = r["mode"]
+        figs[f"{mode}_tokens_per_s"] = round(r["tokens_per_s"])
+        figs[f"{mode}_vs_bf16"] = round(r["speed_vs_first"], 3)
+        figs[f"{mode}_peak_mem_gib"] = round(r["peak_mem_bytes"] / 2**30, 2)
+        if mode != "off":
+            counted = f"{r['fp8_linears']}/{r['linears']}" if "fp8_linears" in r else logged.get(mode)
+            if counted:
+                figs[f"{mode}_fp8_linears"] = counted
     return figs
 
 
@@ -727,78 +912,125 @@ def out_of_memory(output: str) -> bool:
     return "out of memory" in output.lower() or "OutOfMemoryError" in output
 
 
+class Stopped(Exception):
+    """A signal asked the kit to stop (SIGTERM from `timeout` or a device's time limit, SIGINT): the running
+    line is ended and cut, the report written."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_stopped(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+def run_argv(argv: list[str], cwd: Path, log_path: Path, limit: float) -> tuple[int | None, str]:
+    """Run one command with its output appended to log_path as it comes (a killed kit leaves it there): its
+    exit code (None: still running after `limit` seconds, then ended) and its output."""
+    with log_path.open("ab") as log:
+        log.write(f"$ {cmd(argv)}\n".encode())
+        log.flush()
+        start = log.tell()
+        # a session of its own, so that a timeout or a stopped kit ends the line's whole process tree
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env(),
+            start_new_session=True,
+        )
+        try:
+            rc: int | None = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:  # past its limit, or the kit stopped by a signal while it ran
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    output = log_path.read_bytes()[start:].decode("utf-8", "replace")
+    with log_path.open("a", encoding="utf-8") as log:
+        log.write(f"\n[exit {'killed at the time limit' if rc is None else rc}]\n")
+    return rc, output
+
+
 def run_check(c: Check, ctx: dict, out: Path, deadline: float, fail: str | None) -> dict:
-    """Run one check (each candidate command until one fits in memory); its result as a report row."""
+    """Run one line (each candidate command until one fits in memory); its result as a report row."""
     t0 = time.perf_counter()
     argvs = c.argvs(ctx)
     if c.name == fail:
         argvs = [[PY, "-c", f"raise SystemExit('deliberate failure of {c.name} (--fail-check)')"]]
     log_path, tried, output, rc = out / f"{c.name}.log", [], "", 0
-    with log_path.open("w", encoding="utf-8") as log:
-        for argv in argvs:
-            limit = min(c.timeout_s, deadline - time.monotonic())
-            if limit <= 0:
-                return {
-                    "status": "fail",
-                    "reason": "the kit's time budget (--budget-s) was spent before it ran",
-                    "seconds": 0.0,
-                    "command": cmd(argv),
-                }
-            log.write(f"$ {cmd(argv)}\n")
-            log.flush()
-            # a session of its own, so that a timeout ends the check's whole process tree (loom's workers too)
-            proc = subprocess.Popen(
-                argv,
-                cwd=c.cwd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=child_env(),
-                start_new_session=True,
-            )
-            try:
-                output, _ = proc.communicate(timeout=limit)
-                rc = proc.returncode
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                output, _ = proc.communicate()
-                log.write(output)
-                return {
-                    "status": "fail",
-                    "reason": f"timed out after {limit:.0f} s",
-                    "command": cmd(argv),
-                    "seconds": round(time.perf_counter() - t0, 1),
-                }
-            log.write(output + f"\n[exit {rc}]\n")
-            tried.append(argv)
-            if rc == 0 or not out_of_memory(output) or argv is argvs[-1]:
-                break
+    log_path.write_bytes(b"")
+    for argv in argvs:
+        left = deadline - time.monotonic()
+        limit = min(c.timeout_s, left)
+        if limit <= 0:
+            return {
+                "status": "cut",
+                "reason": "the kit's time budget ran out before it started",
+                "seconds": 0.0,
+            }
+        rc, output = run_argv(argv, c.cwd, log_path, limit)
+        seconds = round(time.perf_counter() - t0, 1)
+        if rc is None and left < c.timeout_s:  # the budget, not the line's own limit, ended it
+            why = f"stopped after {seconds:.0f} s: the kit's time budget (--budget-s) ran out"
+            return {"status": "cut", "reason": why, "command": cmd(argv), "seconds": seconds}
+        if rc is None:
+            why = f"timed out after {limit:.0f} s"
+            return {"status": "fail", "reason": why, "command": cmd(argv), "seconds": seconds}
+        tried.append(argv)
+        if rc == 0 or not out_of_memory(output) or argv is argvs[-1]:
+            break
     row: dict[str, Any] = {"command": cmd(argv), "seconds": round(time.perf_counter() - t0, 1), "rc": rc}
     sizes = [a.split("=")[1] for v in argvs for a in v if a.startswith("--train.micro_batch_size=")]
     note = f"largest of {'/'.join(sizes)} that fits ({len(tried) - 1} ran out of memory)"
-    ctx_one = {**ctx, "argv": argv, "mb_note": note}
+    return judge(c, row, output, {**ctx, "argv": argv, "mb_note": note})
+
+
+def judge(c: Check, row: dict, output: str, ctx: dict) -> dict:
+    """A line that ran: its figures, and pass or fail (a non-zero exit, no figures, a skipped GPU test, a
+    bench-optim implementation skipped on CUDA)."""
+    rc = row["rc"]
     if rc != 0:
         tail = [ln for ln in output.strip().splitlines() if ln.strip()][-3:]
         row.update(status="fail", reason=f"exit {rc}: " + " | ".join(tail)[-300:])
         return row
     try:
-        row["figures"] = c.figures(output, ctx_one)
-    except Exception as e:  # a check that ran but whose output lacks its figures has failed
+        row["figures"] = c.figures(output, ctx)
+    except Exception as e:  # a line that ran but whose output lacks its figures has failed
         row.update(status="fail", reason=f"no figures in its output: {type(e).__name__}: {e}")
         return row
-    skipped = row["figures"].get("skipped", 0) if isinstance(row["figures"], dict) else 0
-    skipped -= row["figures"].get("skipped_missing_package", 0) if isinstance(row["figures"], dict) else 0
+    figs = row["figures"] if isinstance(row["figures"], dict) else {}
+    skipped = figs.get("skipped", 0) - figs.get("skipped_missing_package", 0)
     if c.strict_skips and skipped > 0:
         row.update(status="fail", reason=f"{skipped} test(s) skipped on a CUDA machine")
     elif (
-        ctx["_cuda"]
-        and c.name == "bench-optim"
-        and any(str(v).startswith("skipped") for v in row["figures"].values())
+        ctx["_cuda"] and c.name == "bench-optim" and any(str(v).startswith("skipped") for v in figs.values())
     ):
         row.update(status="fail", reason="an implementation was skipped on CUDA (triton missing?)")
     else:
         row["status"] = "pass"
     return row
+
+
+def before_run(c: Check, ctx: dict, cuda: bool, left: float, estimate: float | None) -> dict | None:
+    """The row of a line that is not to run (GPU only, a missing package, a needed line that did not pass, an
+    estimate over the budget left), or None: run it."""
+    if c.gpu_only and not cuda:
+        return {"status": "skipped", "reason": c.why_not or f"gpu only: would run {cmd(c.argvs({})[0])}"}
+    if c.why_not:
+        return {"status": "skipped", "reason": c.why_not}
+    for need in NEEDS.get(c.name, ()):
+        got = ctx.get(need, {}).get("status", "not run")
+        if got != "pass":  # a cut need cuts its line too; a failed one has failed the kit already
+            return {"status": "cut" if got == "cut" else "skipped", "reason": f"needs {need}, which is {got}"}
+    if estimate is not None and estimate > left:  # its time goes to the shorter lines after it
+        why = f"not started: ~{estimate:.0f} s estimated, {max(left, 0):.0f} s of the time budget left"
+        return {"status": "cut", "reason": why}
+    return None
 
 
 def fmt_figures(figs: dict) -> str:
@@ -814,13 +1046,29 @@ def fmt_figures(figs: dict) -> str:
     return "; ".join(parts).replace("|", "/")
 
 
-def write_report(out: Path, header: dict, rows: list[dict]) -> None:
-    (out / "gpu-report.json").write_text(json.dumps({**header, "checks": rows}, indent=1) + "\n")
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write path through a temporary beside it: a kit killed mid-write leaves the previous version whole."""
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+def verdict(header: dict, rows: list[dict]) -> str:
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "fail", "cut", "pending", "running")}
+    if header["state"] == "running":
+        done = len(rows) - counts["pending"] - counts["running"]
+        return f"RUNNING ({done} of {len(rows)} lines reported)"
+    word = "FAILED" if counts["fail"] else header["state"] if header["state"] != "done" else "all passed"
+    return word + (f", {counts['cut']} cut" if counts["cut"] else "")
+
+
+def report_md(header: dict, rows: list[dict]) -> str:
     lines = [
         f"# loom GPU check: {header['device_name']}",
         "",
-        f"{header['mode']} | torch {header['torch']} | {header['n_gpus']} GPU(s) | {header['date']} | "
-        f"{header['seconds']:.0f} s | {'all passed' if header['ok'] else 'FAILED'}",
+        f"{header['mode']} | plan {header['plan']} | torch {header['torch']} | {header['n_gpus']} GPU(s) | "
+        f"{header['date']} | {header['seconds']:.0f} s of ~{header['estimate_s']:.0f} s estimated, budget "
+        f"{header['budget_s']:.0f} s | {verdict(header, rows)}",
         "",
         "versions: " + ", ".join(f"{k} {v}" for k, v in header["versions"].items() if k != "gpus"),
         "",
@@ -838,30 +1086,199 @@ def write_report(out: Path, header: dict, rows: list[dict]) -> None:
             f"| {r['check']} | {status.replace('|', '/')} | {r.get('seconds', 0):.1f} | "
             f"{fmt_figures(r.get('figures', {}))} |"
         )
-    (out / "gpu-report.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+class Kit:
+    """A run's report and console, kept on disk as the run goes: gpu-report.{md,json} in OUT (and the export
+    folder) rewritten at the start and end of every line, the console appended line by line, the export's
+    archive refreshed after every line; whatever stops the kit, they hold what it did."""
+
+    def __init__(self, out: Path, export: Path | None, header: dict, rows: dict[str, dict], budget_s: float):
+        self.out, self.export, self.header, self.rows = out, export, header, rows
+        self.deadline = time.monotonic() + budget_s
+        self.t0 = time.perf_counter()
+        self.consoles = [out / "gpu-check-console.log"] + (
+            [export / "gpu-check-console.log"] if export else []
+        )
+        for path in self.consoles:
+            path.write_text("", encoding="utf-8")
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+        for path in self.consoles:
+            with path.open("a", encoding="utf-8") as f:
+                f.write(text + "\n")
+
+    def write(self, archive: bool = True) -> None:
+        self.header["seconds"] = time.perf_counter() - self.t0
+        self.header["ok"] = all(r["status"] != "fail" for r in self.rows.values())
+        rows = list(self.rows.values())
+        doc = json.dumps({**self.header, "checks": rows}, indent=1) + "\n"
+        md = report_md(self.header, rows)
+        for folder in (self.out, self.export):
+            if folder is not None:
+                write_atomic(folder / "gpu-report.json", doc)
+                write_atomic(folder / "gpu-report.md", md)
+        if archive and self.export is not None:
+            write_archive(self.out, self.export / "gpu-check-files.tar.gz")
+
+
+def write_archive(out: Path, dest: Path) -> None:
+    """OUT's logs and JSON (every line's log, the benchmarks' records, the runs' metrics.jsonl and run.json)
+    in one gzipped tar: one file to bring back from a device, whatever the lines wrote and however deep."""
+    files = sorted(
+        p
+        for p in out.rglob("*")
+        if p.is_file()
+        and p.suffix in ARCHIVED
+        and not p.name.endswith(".part")
+        and p.name != "conversations.jsonl"  # the chat line's input, written by the kit itself
+        and p.stat().st_size <= ARCHIVE_MAX_FILE
+    )
+    tmp = dest.with_name(dest.name + ".part")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for p in files:
+            tar.add(p, arcname=str(p.relative_to(out)))
+    os.replace(tmp, dest)
+
+
+def status_line(tag: str, row: dict) -> str:
+    """A line's status on the console, with its figures: what a truncated run still shows."""
+    extra = f" ({row['reason']})" if row.get("reason") else ""
+    took = f" {row['seconds']:.1f} s" if "seconds" in row else ""
+    figs = fmt_figures(row.get("figures", {}))
+    return f"{tag}: {row['status']}{extra}{took}" + (f" | {figs}" if figs else "")
+
+
+def run_plan(kit: Kit, checks: dict[str, Check], plan: list[str], args, cuda: bool) -> int | None:
+    """Run the plan's lines in order, the report rewritten around each; the number of the signal that stopped
+    the kit, or None when every line was reached."""
+    ctx: dict[str, Any] = {"_cuda": cuda}
+    times, started = line_times(cuda, args.times), time.perf_counter()
+    try:
+        for i, name in enumerate(plan, 1):
+            c, row, tag = checks[name], kit.rows[name], f"[{i}/{len(plan)}] {name}"
+            left = kit.deadline - time.monotonic()
+            result = before_run(c, ctx, cuda, left, times.get(name))
+            if result is None:
+                row["status"], started = "running", time.perf_counter()
+                kit.say(
+                    f"{tag} ... (~{times.get(name, 60):.0f} s estimated, {left:.0f} s of the budget left)"
+                )
+                kit.write(archive=False)
+                result = run_check(c, ctx, kit.out, kit.deadline, args.fail_check)
+            row.update(result)
+            ctx[name] = row
+            kit.say(status_line(tag, row))
+            kit.write()
+    except Stopped as e:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # one stop is enough: the report is written next
+            signal.signal(sig, signal.SIG_IGN)
+        for name in plan:
+            row = kit.rows[name]
+            if row["status"] == "running":
+                took = time.perf_counter() - started
+                row.update(status="cut", reason=f"stopped by {e} after {took:.0f} s", seconds=round(took, 1))
+            elif row["status"] == "pending":
+                row.update(status="cut", reason=f"not started: the kit was stopped by {e}")
+        kit.header["state"] = f"stopped by {e}"
+        kit.say(f"gpu_check: stopped by {e}; the report holds the lines done")
+        return e.signum
+    return None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--cpu", action="store_true", help="tiny shapes on the CPU (GPU-only checks listed, not run)"
+        "--cpu", action="store_true", help="tiny shapes on the CPU (GPU-only lines listed, not run)"
     )
     p.add_argument("--out", type=Path, help="report folder (default runs/gpu-check-<time>)")
+    p.add_argument(
+        "--export",
+        type=Path,
+        metavar="DIR",
+        help="also write the report, the console and one archive of OUT's logs and JSON to DIR: 4 flat files",
+    )
     p.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout: also run its train.py on the same shape")
     p.add_argument(
         "--micro-batches",
         default="32,16,8",
         help="GPT-2 124M micro-batches to try, largest first (default 32,16,8)",
     )
-    p.add_argument("--only", help="comma list of checks to run (the others are reported as not selected)")
-    p.add_argument("--fail-check", metavar="NAME", help="make this check fail on purpose (tests the kit)")
-    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="time for the whole kit (default 480)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--plan", choices=list(PLANS), default="all", help="which lines, by priority (default all)"
+    )
+    which.add_argument("--only", help="comma list of lines to run, in that order (and the lines they need)")
+    p.add_argument("--fail-check", metavar="NAME", help="make this line fail on purpose (tests the kit)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        help=f"time for the whole kit (default {BUDGET_S:.0f}; {CPU_BUDGET_S:.0f} with --cpu): the lines it "
+        "leaves are cut, which fails nothing",
+    )
+    p.add_argument(
+        "--times",
+        type=Path,
+        default=TIMES,
+        help="each line's estimated seconds (default benchmarks/gpu_check_times.toml, its format)",
+    )
     p.add_argument(
         "--probe",
         action="store_true",
         help="only say whether this interpreter runs the kit as it is (exit 0) or needs a virtualenv",
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def start(args, checks: dict[str, Check], cuda: bool, n_gpus: int, plan: list[str], selected: str) -> Kit:
+    """The kit's report before its first line: every line, those of the plan pending, the others skipped."""
+    import torch
+
+    out = args.out
+    skipped = frozenset(n for n, c in checks.items() if c.why_not or (c.gpu_only and not cuda))
+    env = versions(cuda)
+    reason = "not selected (--only)" if args.only else f"not in plan {args.plan}"
+    rows = {n: {"check": n, "status": "pending"} for n in plan}
+    rows.update(
+        {n: {"check": n, "status": "skipped", "reason": reason} for n in PLANS["all"] if n not in rows}
+    )
+    header = {
+        "mode": "cuda" if cuda else "cpu (--cpu: tiny shapes)",
+        "state": "running",
+        "plan": selected,
+        "estimate_s": round(plan_estimate(plan, cuda, skipped, args.times)),
+        "budget_s": args.budget_s,
+        "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "n_gpus": n_gpus,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "versions": env,
+        "missing_optional": missing(OPTIONAL),
+    }
+    if args.export:
+        args.export.mkdir(parents=True, exist_ok=True)
+    kit = Kit(out, args.export.resolve() if args.export else None, header, rows, args.budget_s)
+    kit.say(
+        "gpu_check: "
+        + ", ".join(f"{k} {v}" for k, v in env.items() if k != "gpus" and v is not None)
+        + "".join(
+            f"\n  GPU {i}: {g['name']} (sm {g['capability']}, {g['memory_gib']} GiB)"
+            for i, g in enumerate(env.get("gpus", []))
+        )
+    )
+    for n in missing(OPTIONAL):
+        kit.say(f"gpu_check: optional package {n} is missing here: skips {OPTIONAL[n]}")
+    kit.say(
+        f"gpu_check: plan {selected}: {', '.join(plan)} (~{header['estimate_s']} s estimated, budget "
+        f"{args.budget_s:.0f} s)"
+    )
+    return kit
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.probe:
         return probe(args.cpu)
     args.micro_batches = [int(x) for x in args.micro_batches.split(",")]
@@ -872,69 +1289,41 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available() and not args.cpu
     if not cuda and not args.cpu:
         print(
-            "gpu_check: no CUDA device here; run with --cpu (tiny shapes, GPU-only checks listed)",
+            "gpu_check: no CUDA device here; run with --cpu (tiny shapes, GPU-only lines listed)",
             file=sys.stderr,
         )
         return 2
+    if args.budget_s is None:
+        args.budget_s = BUDGET_S if cuda else CPU_BUDGET_S
     n_gpus = torch.cuda.device_count() if cuda else 0
-    out = args.out or ROOT / "runs" / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
-    out = out.resolve()
+    out = args.out = (args.out or ROOT / "runs" / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    checks = build_checks(args, cuda, n_gpus, out)
-    names = [c.name for c in checks]
-    only = set(args.only.split(",")) if args.only else None
+    checks = {c.name: c for c in build_checks(args, cuda, n_gpus, out)}
+    assert sorted(checks) == sorted(PLANS["all"]), "every line has its place in PLANS"
+    only = args.only.split(",") if args.only else None
     for n in [*(only or []), *([args.fail_check] if args.fail_check else [])]:
-        if n not in names:
-            print(f"gpu_check: unknown check '{n}'; the checks are {', '.join(names)}", file=sys.stderr)
+        if n not in checks:
+            print(f"gpu_check: unknown line '{n}'; the lines are {', '.join(PLANS['all'])}", file=sys.stderr)
             return 2
-    t0, deadline = time.perf_counter(), time.monotonic() + args.budget_s
-    ctx: dict[str, Any] = {"_cuda": cuda}
-    env = versions(cuda)
-    print(
-        "gpu_check: "
-        + ", ".join(f"{k} {v}" for k, v in env.items() if k != "gpus" and v is not None)
-        + "".join(
-            f"\n  GPU {i}: {g['name']} (sm {g['capability']}, {g['memory_gib']} GiB)"
-            for i, g in enumerate(env.get("gpus", []))
-        ),
-        flush=True,
+    plan = resolve_plan(only or PLANS[args.plan])
+    kit = start(args, checks, cuda, n_gpus, plan, "--only " + args.only if only else args.plan)
+    kit.write()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, raise_stopped)
+    stopped = run_plan(kit, checks, plan, args, cuda)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the last report is written whole, whatever comes now
+        signal.signal(sig, signal.SIG_IGN)
+    if stopped is None:
+        kit.header["state"] = "done"
+    kit.write()
+    kit.say(report_md(kit.header, list(kit.rows.values())))
+    kit.say(
+        f"report: {out / 'gpu-report.md'} and gpu-report.json"
+        + (f"; exported to {kit.export}" if kit.export else "")
     )
-    for n in missing(OPTIONAL):
-        print(f"gpu_check: optional package {n} is missing here: skips {OPTIONAL[n]}", flush=True)
-    rows = []
-    for i, c in enumerate(checks, 1):
-        row: dict[str, Any] = {"check": c.name}
-        if only is not None and c.name not in only:
-            row.update(status="skipped", reason="not selected (--only)")
-        elif c.gpu_only and not cuda:
-            row.update(status="skipped", reason=c.why_not or f"gpu only: would run {cmd(c.argvs({})[0])}")
-        elif c.why_not:
-            row.update(status="skipped", reason=c.why_not)
-        elif c.name.startswith("train-") and ctx.get("prepare-data", {}).get("status") != "pass":
-            row.update(status="fail", reason="prepare-data failed")
-        else:
-            print(f"[{i}/{len(checks)}] {c.name} ...", flush=True)
-            row.update(run_check(c, ctx, out, deadline, args.fail_check))
-        ctx[c.name] = row
-        rows.append(row)
-        extra = f" ({row['reason']})" if row.get("reason") else ""
-        print(f"[{i}/{len(checks)}] {c.name}: {row['status']}{extra}", flush=True)
-    ok = all(r["status"] != "fail" for r in rows)
-    header = {
-        "mode": "cuda" if cuda else "cpu (--cpu: tiny shapes)",
-        "ok": ok,
-        "torch": torch.__version__,
-        "device_name": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "n_gpus": n_gpus,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "seconds": time.perf_counter() - t0,
-        "versions": env,
-        "missing_optional": missing(OPTIONAL),
-    }
-    write_report(out, header, rows)
-    print((out / "gpu-report.md").read_text())
-    print(f"report: {out / 'gpu-report.md'} and gpu-report.json")
-    return 0 if ok else 1
+    if stopped is not None:
+        return 128 + stopped
+    return 0 if kit.header["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -1,21 +1,37 @@
 """The GPU acceptance kit's own logic on CPU (`benchmarks/gpu_check.py --cpu`, tiny shapes): it exits 0, its
-report lists every check it would run on a GPU (the GPU-only ones with the command they would run), and a
-check made to fail on purpose (--fail-check) makes the kit exit non-zero and is reported as failed."""
+report lists every line it would run on a GPU (the GPU-only ones with the command they would run), in the
+order of their priority; a line made to fail on purpose (--fail-check) makes the kit exit non-zero; a line the
+time budget leaves is cut and fails nothing; a kit stopped by SIGTERM in the middle leaves a report with the
+lines done; --export writes at most 8 flat files (what a device command brings back: 8 files, 2 folders deep);
+and the `first` plan's estimate (benchmarks/gpu_check_times.toml) stays under 6 minutes."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
-from importlib.util import find_spec
+import tarfile
+import time
+from importlib.util import find_spec, module_from_spec, spec_from_file_location
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+# every line, in the order the default plan (`all`) runs them: first, second, rest
 CHECKS = [
-    "tests-gpu",
+    "bench-train-eager",
+    "bench-optim",
+    "bench-long-flash",
     "prepare-data",
     "train-ddp",
+    "bench-train-compile",
+    "bench-train-fp8-1b",
+    "bench-long-doc-mask",
+    "bench-train-fp8-gpt2",
+    "bench-train-moe",
+    "nanogpt",
+    "tests-gpu",
     "train-zero1",
     "train-zero2",
     "train-fsdp",
@@ -25,16 +41,16 @@ CHECKS = [
     "sft-lora",
     "chat",
     "verify",
-    "bench-optim",
-    "bench-train-eager",
-    "bench-train-compile",
-    "bench-long-flash",
-    "bench-long-doc-mask",
-    "bench-train-moe",
-    "nanogpt",
-    "bench-train-fp8-gpt2",
-    "bench-train-fp8-1b",
 ]
+EXPORTED = {"gpu-report.md", "gpu-report.json", "gpu-check-console.log", "gpu-check-files.tar.gz"}
+
+
+def load_kit():
+    spec = spec_from_file_location("gpu_check", SCRIPT)
+    module = module_from_spec(spec)
+    sys.modules.setdefault("gpu_check", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def kit(out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, str]:
@@ -49,11 +65,27 @@ def kit(out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, str]:
     return r, report, (out / "gpu-report.md").read_text()
 
 
+def assert_exported(folder: Path) -> None:
+    """What a device command brings back: at most 8 files, at most 2 folders deep (the kit's are flat)."""
+    found = [p for p in folder.rglob("*") if p.is_file()]
+    assert {p.name for p in found} == EXPORTED, found
+    assert len(found) <= 8 and all(len(p.relative_to(folder).parts) <= 3 for p in found)
+    assert not [p for p in folder.rglob("*") if p.is_dir()]  # flat: no folder at all
+
+
 def test_cpu_run_passes_and_lists_every_check(tmp_path):
-    r, report, md = kit(tmp_path / "all")
+    r, report, md = kit(tmp_path / "all", "--export", str(tmp_path / "export"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     rows = {c["check"]: c for c in report["checks"]}
-    assert list(rows) == CHECKS
+    assert list(rows) == CHECKS and report["plan"] == "all" and report["state"] == "done"
+    assert_exported(tmp_path / "export")
+    with tarfile.open(tmp_path / "export" / "gpu-check-files.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {f"{n}.log" for n, row in rows.items() if "command" in row} <= names
+    assert "runs/sft-lora/metrics.jsonl" in names and "bench-optim.json" in names
+    assert json.loads((tmp_path / "export" / "gpu-report.json").read_text()) == report
+    console = (tmp_path / "export" / "gpu-check-console.log").read_text()
+    assert "train-ddp: pass" in console and "last_loss" in console  # each line's figures on its status line
     assert all(f"| {name} |" in md for name in CHECKS)
     for name in (
         "tests-gpu",
@@ -82,6 +114,7 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
         figs = rows["bench-train-fp8-gpt2"]["figures"]
         assert rows["bench-train-fp8-gpt2"]["status"] == "pass", rows["bench-train-fp8-gpt2"]
         assert figs["off_vs_bf16"] == 1.0 and figs["tensorwise_vs_bf16"] > 0
+        assert figs["tensorwise_fp8_linears"] == "12/13"  # fp8_filter=all: every block linear, not the head
         reason = rows["bench-train-fp8-1b"]["reason"]  # --cpu: the same tiny shape, run once
         assert reason.startswith("gpu only") and "--fp8" in reason
     else:
@@ -109,11 +142,94 @@ def test_a_failing_check_fails_the_kit(tmp_path):
     )
     assert r.returncode == 1
     rows = {c["check"]: c for c in report["checks"]}
-    assert list(rows) == CHECKS and not report["ok"]
+    assert sorted(rows) == sorted(CHECKS) and not report["ok"]
+    assert list(rows)[:2] == ["prepare-data", "bench-optim"]  # the lines selected, in the order given
     assert rows["prepare-data"]["status"] == "pass"
     assert rows["bench-optim"]["status"] == "fail" and "deliberate failure" in rows["bench-optim"]["reason"]
     assert rows["train-ddp"]["reason"] == "not selected (--only)"
     assert "FAILED" in md
+
+
+def test_plans_put_the_open_questions_first_and_first_fits_in_6_minutes():
+    """Every line has one place in the priorities; plan `first` holds the open questions (GPT-2 124M eager and
+    compiled, the optimizers, DDP, long-context flash) and its estimate from the time table stays under 6
+    minutes on one GPU; a line comes after the lines it needs."""
+    g = load_kit()
+    assert g.PLANS["all"] == tuple(CHECKS) and len(set(CHECKS)) == len(CHECKS)
+    first = g.resolve_plan(g.PLANS["first"])
+    assert {
+        "bench-train-eager",
+        "bench-train-compile",
+        "bench-optim",
+        "train-ddp",
+        "bench-long-flash",
+    } <= set(first)
+    assert g.plan_estimate(g.PLANS["first"], cuda=True) < 6 * 60
+    assert "bench-train-fp8-1b" == g.PLANS["second"][0]
+    times = g.line_times(cuda=True)
+    assert set(CHECKS) <= set(times), "every line has an estimate"
+    assert g.resolve_plan(["chat"]) == ["prepare-data", "train-ddp", "prepare-chat", "sft-lora", "chat"]
+    rest = g.resolve_plan(g.PLANS["rest"])
+    assert rest.index("prepare-data") < rest.index("train-zero1") and rest.index("train-ddp") < rest.index(
+        "prepare-chat"
+    )
+
+
+def test_a_line_the_budget_leaves_is_cut_not_failed(tmp_path):
+    """A line whose estimate exceeds the budget left is cut before it starts, one that runs past the budget is
+    stopped and cut; neither fails the kit."""
+    times = tmp_path / "times.toml"
+    times.write_text("[cpu]\noverhead = 0\nprepare-data = 1\nbench-optim = 1\ntrain-ddp = 1000\n")
+    r, report, md = kit(
+        tmp_path / "cut",
+        "--only",
+        "bench-optim,train-ddp",
+        "--budget-s",
+        "2",
+        "--times",
+        str(times),
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    rows = {c["check"]: c for c in report["checks"]}
+    assert rows["bench-optim"]["status"] == "cut" and "budget" in rows["bench-optim"]["reason"]
+    assert rows["bench-optim"]["seconds"] < 10  # stopped at the budget, not left to finish
+    assert rows["train-ddp"]["status"] == "cut"  # prepare-data (needed) took the last of it, or ~1000 s left
+    assert report["ok"] and "cut" in md and "FAILED" not in md
+
+
+def test_a_stopped_kit_leaves_the_report_of_the_lines_done(tmp_path):
+    """SIGTERM (what `timeout` sends) in the middle of the kit: the running line is stopped and cut, those
+    after it are cut, the lines done keep their figures, in the report and in the export."""
+    out, export = tmp_path / "stopped", tmp_path / "export"
+    only = "prepare-data,bench-optim,bench-long-flash"
+    argv = [sys.executable, str(SCRIPT), "--cpu", "--out", str(out), "--export", str(export), "--only", only]
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    report, t0 = {}, time.monotonic()
+    while time.monotonic() - t0 < 300:  # until prepare-data is reported done: bench-optim starts then
+        if (export / "gpu-report.json").exists():
+            report = json.loads((export / "gpu-report.json").read_text())
+            if any(c["check"] == "prepare-data" and c["status"] == "pass" for c in report["checks"]):
+                break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    console, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, console
+    report = json.loads((export / "gpu-report.json").read_text())
+    rows = {c["check"]: c for c in report["checks"]}
+    assert report["state"] == "stopped by SIGTERM" and report["ok"]
+    assert rows["prepare-data"]["status"] == "pass"
+    assert rows["bench-optim"]["status"] == "cut" and "SIGTERM" in rows["bench-optim"]["reason"]
+    assert rows["bench-long-flash"]["status"] == "cut"
+    assert "stopped by SIGTERM" in (export / "gpu-report.md").read_text()
+    assert_exported(export)
+    with tarfile.open(export / "gpu-check-files.tar.gz") as tar:
+        assert "prepare-data.log" in tar.getnames()
 
 
 def test_bare_machine_runs_from_the_tree_without_pip(tmp_path):

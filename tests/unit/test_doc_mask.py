@@ -4,7 +4,8 @@ Compared against: each document run alone through the same model (the per-token 
 documents A, B and C equal those of A, B and C run one by one, to 1e-6 in fp32), and the plain causal model
 (a window holding one document is unchanged by the mask; a window of several is changed without it, so the
 comparison can fail). FlexAttention's block mask (the GPU path; forward only on a CPU) is checked against the
-dense mask the CPU trains with.
+dense mask the CPU trains with, and the compiled flex_attention a GPU runs against the eager one, on a CPU where
+both run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import torch.nn.functional as F
 from loom.config import Config, load_config, validate
 from loom.data.shards import write_shard
 from loom.errors import LoomError
-from loom.model.doc_mask import DocMask, build_doc_mask, dense_doc_mask, doc_attention
+from loom.model.doc_mask import (
+    DocMask,
+    build_doc_mask,
+    create_block_mask_fn,
+    dense_doc_mask,
+    doc_attention,
+    flex_attention_fn,
+)
 from loom.model.gpt import GPT, GPTConfig
 
 EOT = 0
@@ -127,6 +135,31 @@ def test_flex_block_mask_equals_the_dense_mask():
     dense = DocMask(flex.doc, None)
     with torch.no_grad():
         assert (doc_attention(q, k, v, flex, 0.0) - doc_attention(q, k, v, dense, 0.0)).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_compiled_flex_equals_eager_flex():
+    """The compiled flex_attention and create_block_mask (what a GPU runs: eager FlexAttention would build the
+    whole T x T score matrix there) give the eager ones' numbers, and the dense mask's, on a CPU where both run
+    forward (about a minute of C++ compilation)."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 4, (2, 200), generator=g)  # two 128-token blocks, the second one partial
+    q, k, v = (torch.randn(2, 4, 200, 8, generator=g) for _ in range(3))
+    mask = build_doc_mask(ids, EOT, restart=False, flex=True)
+    assert flex_attention_fn(compiled=True) is flex_attention_fn(compiled=True)  # one compiled function
+    doc = mask.doc
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+    compiled_mask = create_block_mask_fn(compiled=True)(same_doc_causal, 2, None, 200, 200, device="cpu")
+    assert torch.equal(compiled_mask.to_dense(), mask.block_mask.to_dense())  # the GPU's block mask too
+    with torch.no_grad():
+        compiled = flex_attention_fn(compiled=True)(q, k, v, block_mask=mask.block_mask)
+        eager = flex_attention_fn(compiled=False)(q, k, v, block_mask=mask.block_mask)
+        dense = doc_attention(q, k, v, DocMask(mask.doc, None), 0.0)
+    assert (compiled - eager).abs().max() < 1e-5
+    assert (compiled - dense).abs().max() < 1e-5
 
 
 def test_config_rules():

@@ -152,13 +152,15 @@ def measure(
     with cpu_memory_reuse(reuse):  # as loom train does
         recs: dict[str, dict[str, Any]] = {}
         for mode, tr in trainers.items():
+            compile_s = None
+            # a compiled model compiles its forward and backward in its first step, which metrics times whole:
+            # the warmup runs before the profiled forward below, so that no compile happens outside it
+            for _ in range(max(warmup, 1)):
+                rec = tr.train_step()
+                compile_s = rec.get("compile_s", compile_s)
             x, y = tr.batches.loader.next_batch()
             mb = derived.micro_batch_size
             act = activation_bytes(tr.parallel.forward, x[:mb].to(device), y[:mb].to(device), tr._autocast)
-            compile_s = None
-            for _ in range(max(warmup, 1)):  # a compiled model compiles in its first step
-                rec = tr.train_step()
-                compile_s = rec.get("compile_s", compile_s)
             recs[mode] = {"activation_bytes": act, "compile_s": compile_s, "dts": [], "peak": 0}
         per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
         for n in per_round:
@@ -194,6 +196,7 @@ def measure(
             "peak_mem_bytes": r["peak"],
             "peak_mem_kind": "max allocated" if device.type == "cuda" else "process peak RSS (all modes)",
             "compile_s": r["compile_s"],
+            **fp8_linears(tr.model),
             "device": str(device),
             "dtype": tr.precision,
             "compile": cfg.train.compile,
@@ -210,6 +213,13 @@ def measure(
             row["activations_vs_none"] = r["activation_bytes"] / max(base["activation_bytes"], 1)
         out.append(row)
     return out
+
+
+def fp8_linears(model: torch.nn.Module) -> dict[str, int]:
+    """How many of the model's linears train in float8 (torchao's Float8Linear, a subclass of nn.Linear) out
+    of all of them: what an fp8 mode's speed can be credited to."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return {"fp8_linears": sum(type(m).__name__ == "Float8Linear" for m in linears), "linears": len(linears)}
 
 
 def print_table(records: list[dict[str, Any]], title: str) -> None:

@@ -12,6 +12,7 @@ a pipeline of wrappers or a tensor-parallel plan needs no change. Shapes: B batc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -42,12 +43,12 @@ def build_doc_mask(idx: torch.Tensor, eot_id: int, restart: bool, flex: bool | N
         flex = idx.device.type != "cpu"
     block_mask = None
     if flex:
-        from torch.nn.attention.flex_attention import create_block_mask
 
         def same_doc_causal(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
 
-        block_mask = create_block_mask(same_doc_causal, B, None, T, T, device=idx.device)
+        make = create_block_mask_fn(compiled=idx.is_cuda)
+        block_mask = make(same_doc_causal, B, None, T, T, device=idx.device)
     return DocMask(doc, positions, block_mask)
 
 
@@ -67,7 +68,29 @@ def doc_attention(
     otherwise, and with dropout (which flex_attention does not have), scaled_dot_product_attention with the
     dense (B, 1, T, T) mask. Every query sees at least itself, so no row of the softmax is empty."""
     if mask.block_mask is not None and dropout_p == 0:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        return flex_attention(q, k, v, block_mask=mask.block_mask)
+        return flex_attention_fn(compiled=q.is_cuda)(q, k, v, block_mask=mask.block_mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_doc_mask(mask.doc), dropout_p=dropout_p)
+
+
+@cache
+def create_block_mask_fn(compiled: bool):
+    """create_block_mask, compiled or eager. Eager, it evaluates the mask at every (query, key) pair into (T, T)
+    tensors, gigabytes at T = 32k at every step; compiled (torchtitan's choice), it fuses that into the block
+    reduction. One compiled function per process: the mask's closure (the documents) is an input to it, so a
+    new batch does not recompile it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask) if compiled else create_block_mask
+
+
+@cache
+def flex_attention_fn(compiled: bool):
+    """flex_attention, compiled or as torch runs it eagerly. Eager FlexAttention builds the whole fp32 (B, H, T, T)
+    score matrix (about 51 GB at T = 32k and 12 heads, plus a masked copy): only the compiled kernel skips the
+    masked blocks and keeps memory linear in T, so a GPU always takes it, inside a compiled model or not (a
+    compiled model inlines it). The CPU keeps the eager one: its compiled kernel has no backward there (torch
+    2.13) and costs tens of seconds of C++ compilation. Cached: one compiled function per process, whose
+    shapes torch.compile guards itself."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if compiled else flex_attention
