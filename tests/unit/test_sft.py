@@ -302,6 +302,22 @@ def test_lora_sft_trains_the_new_tokens_rows_and_freezes_the_blocks(sft):
     )  # merged
 
 
+def test_frozen_new_token_rows_are_warned_about(sft, capsys):
+    """Issue 42 item 2: finetune.lora_embeddings=false on chat data left every chat token one identical frozen
+    row, in silence. It is warned about (not refused: adapter-only checkpoints and shared-base serving want
+    it), naming how many tokens are new and the remedy; auto says nothing (it trains them)."""
+    meta = read_meta(sft / "chat")
+    new = meta["vocab_size"] - meta["chat"]["base_vocab_size"]
+    assert new > 0
+    frozen = _sft_args(sft, "frozen-rows", "--train.steps=1", "--finetune.lora_rank=2")
+    assert main([*frozen, "--finetune.lora_embeddings=false"]) == 0
+    out = capsys.readouterr().out
+    assert f"finetune.lora_embeddings=false, but the data adds {new} token(s)" in out
+    assert "Set finetune.lora_embeddings=auto (or true)" in out
+    assert main([*frozen, "--finetune.lora_embeddings=auto", "--force"]) == 0
+    assert "lora_embeddings=false" not in capsys.readouterr().out
+
+
 def test_a_lora_runs_checkpoint_holds_what_it_trains_and_resumes(sft, capsys):
     """Adapter-only checkpoints: the frozen base is left out (it is model.init_from's), so they are small;
     resuming, loading (eval, chat, export) and the refusal to consolidate all rebuild or name the base."""

@@ -83,6 +83,10 @@ def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
             run_dir / "tokenizer", read_meta(run_dir / "tokenizer"), data_dir, read_meta(data_dir)
         )
     finetune.check_lora_targets(cfg)
+    if cfg.finetune.lora_rank:
+        from loom.data.loader import read_meta
+
+        finetune.warn_frozen_new_tokens(cfg, read_meta(data_dir))
     if is_run_init(cfg) and ckpt is None:
         from loom.data.loader import read_meta
 

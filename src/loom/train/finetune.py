@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loom import log
 from loom.config import Config, config_from_dict, load_toml
 from loom.errors import LoomError
 from loom.runs import run_dir_of
@@ -45,6 +46,25 @@ def lora_embeddings(cfg: Config, meta: dict) -> bool:
         return choice == "true"
     base = (meta.get("chat") or {}).get("base_vocab_size")
     return isinstance(base, int) and base < meta["vocab_size"]
+
+
+def warn_frozen_new_tokens(cfg: Config, meta: dict) -> None:
+    """An explicit finetune.lora_embeddings=false on data that adds tokens is warned about, not refused: it
+    has its uses (adapter-only checkpoints, a peft adapter that many-adapter servers load over one shared
+    base), but every new row starts as the same mean row and stays frozen, so the model cannot tell the new
+    tokens apart (LoRA SFT stalled that way at val 2.29 before lora_embeddings=auto existed)."""
+    if not cfg.finetune.lora_rank or cfg.finetune.lora_embeddings != "false":
+        return
+    base = (meta.get("chat") or {}).get("base_vocab_size")
+    if not isinstance(base, int) or base >= meta["vocab_size"]:
+        return
+    new = meta["vocab_size"] - base
+    log.warn(
+        f"finetune.lora_embeddings=false, but the data adds {new} token(s) to the base model's vocabulary of "
+        f"{base:,} (chat tokens): their embedding and head rows all start as the same mean row and stay "
+        "frozen, so the model sees them as one token and cannot learn to tell them apart. Set "
+        "finetune.lora_embeddings=auto (or true) to train the embedding and head with the adapters"
+    )
 
 
 def apply_finetune(model, cfg: Config, meta: dict) -> list[str]:
