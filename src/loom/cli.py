@@ -700,7 +700,9 @@ def _eval_val(args, run: _Loaded) -> int:
     from loom.train.setup import check_data_dir
 
     cfg, tok, path = run.cfg, run.tok, run.path
-    meta = read_meta(Path(args.run_dir) / "tokenizer")
+    from loom.data.tokenizers import run_tokenizer_dir
+
+    meta = read_meta(run_tokenizer_dir(args.run_dir))
     data_dir = Path(args.data) if args.data else run_data_dir(args.run_dir, cfg)
     data_meta = check_data_dir(data_dir)
     if data_meta["vocab_size"] != meta["vocab_size"]:

@@ -395,3 +395,37 @@ def test_init_optimizer_continues_the_base_runs_optimizer_state(sft, capsys):
     assert main(_sft_args(sft, "opt-lora", "--train.steps=1", "--finetune.init_optimizer=true",
                           "--finetune.lora_rank=2")) == 2  # fmt: skip
     assert "finetune.init_optimizer=true takes the optimizer state" in capsys.readouterr().err
+
+
+def test_a_run_without_its_tokenizer_is_named_as_such(sft, tmp_path, capsys):
+    """Issue 42 item 10: a run directory without tokenizer/ was reported as "data.path '<run>/tokenizer' is not
+    a directory" (eval, chat, export, fine-tuning from it). Now the run's tokenizer folder is named, with where
+    its copy comes from (run.json's data set)."""
+    import shutil
+
+    run = tmp_path / "no-tok"
+    shutil.copytree(sft / "runs" / "base", run, ignore=shutil.ignore_patterns("tokenizer"))
+    data = json.loads((run / "run.json").read_text())["data_dir"]
+    commands = [
+        ["eval", str(run), "--device", "cpu"],
+        ["chat", str(run), "--prompt", "hi", "--device", "cpu"],
+        [*_sft_args(sft, "from-no-tok", "--train.steps=1"), f"--model.init_from=run:{run}"],
+        [
+            "data",
+            "prepare",
+            "--chat",
+            "--input",
+            str(sft / "conv.jsonl"),
+            "--out",
+            str(tmp_path / "c"),
+            "--tokenizer",
+            str(run),
+            "--block-size",
+            "64",
+        ],  # fmt: skip
+    ]
+    for argv in commands:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"run '{run}' has no tokenizer: '{run / 'tokenizer'}' is missing" in err, err
+        assert f"copy the tokenizer of its data set '{data}' back" in err and "data.path" not in err

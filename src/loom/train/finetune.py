@@ -115,10 +115,10 @@ def check_run_data(cfg: Config, data_dir: Path, meta: dict) -> None:
     """The data's tokenizer must be the run's, or the run's with tokens appended (chat data): every id the run
     learned keeps its meaning."""
     from loom.data.loader import read_meta
-    from loom.data.tokenizers import tokenizer_hash
+    from loom.data.tokenizers import run_tokenizer_dir, tokenizer_hash
 
     d = run_dir_of(cfg)
-    run_meta = read_meta(d / "tokenizer")
+    run_meta = read_meta(run_tokenizer_dir(d))
     base = (meta.get("chat") or {}).get("base_tokenizer_hash")
     same = tokenizer_hash(d / "tokenizer", run_meta) in (tokenizer_hash(data_dir, meta), base)
     if not same:
