@@ -422,7 +422,7 @@ def test_a_run_without_its_tokenizer_is_named_as_such(sft, tmp_path, capsys):
             str(run),
             "--block-size",
             "64",
-        ],  # fmt: skip
+        ],
     ]
     for argv in commands:
         assert main(argv) == 2, argv
