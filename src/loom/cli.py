@@ -934,12 +934,20 @@ def _plan(argv: list[str]) -> int:
     p.add_argument("--check", action="store_true", help="dry-run the top layouts (loom train --dry-run)")
     p.add_argument("--gpu", default="H100", help="with --check: the GPU the dry run takes (default H100)")
     args = p.parse_args(argv)
+    shape, cluster, wl, cands = run_plan(args)
+    if shape.is_moe:  # before the plan is printed: the check it asked for cannot follow
+        raise LoomError(
+            f"loom plan --check dry-runs the planner's layouts, and the dry run cannot step a mixture of experts "
+            f"({shape.name}): its fake tensors hold no values, and the routing decides from them how many tokens "
+            "each expert takes",
+            hint="leave out --check for the planner's estimate (its expert memory and all-to-all assume a "
+            "balanced router), or measure the layout on the devices",
+        )
     plain = [a for a in argv if a != "--check" and not a.startswith("--gpu=")]
     if "--gpu" in plain:  # "--gpu NAME": both go
         i = plain.index("--gpu")
         del plain[i : i + 2]
     plan_main(plain)
-    shape, cluster, wl, cands = run_plan(args)
     return plan_check(
         args.model, shape, cluster, wl, [c for c in cands if c.fits][: min(args.top, 3)], args.gpu
     )
