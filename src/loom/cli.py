@@ -813,33 +813,39 @@ def _export(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from loom.paths import check_output_dir
 
-    check_output_dir(args.out, "--out")  # before the checkpoint is read
+    check_output_dir(args.out, "--out", temp_beside=True)  # before the checkpoint is read
     import torch
 
     from loom.model import hf
-    from loom.outputs import check_apart
+    from loom.outputs import check_apart, check_replaceable, staged_output
     from loom.runs import load_run
 
-    check_apart(args.out, [args.run_dir, *([args.ckpt] if args.ckpt else [])], inside_ok=True)
+    out = Path(args.out)
+    check_apart(out, [args.run_dir, *([args.ckpt] if args.ckpt else [])], inside_ok=True)
+    check_replaceable(out, "export", args.force)  # again when written; here before the checkpoint is read
     if args.format == "peft":
         from loom.export import export_peft
 
-        notes = export_peft(args.run_dir, Path(args.out), args.ckpt, args.force)
+        notes = export_peft(args.run_dir, out, args.ckpt, args.force)
     else:
         cfg, model, tok, meta, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
-        if args.format == "hf":
-            from loom.export import export_hf_dir
+        # written beside --out and renamed when whole: a full disk leaves no export that looks complete
+        with staged_output(out, "export", args.force) as tmp:
+            if args.format == "hf":
+                from loom.export import export_hf_dir
 
-            notes = export_hf_dir(cfg, model, tok, meta, Path(args.out), args.force)
+                notes = export_hf_dir(cfg, model, tok, meta, tmp, False)
+            else:
+                hf.export_safetensors(model, tmp, False)
+                notes = [f"wrote {out / 'model.safetensors'} from {path}"]
+        if args.format == "hf":
             import json
 
-            config = json.loads((Path(args.out) / "config.json").read_text(encoding="utf-8"))
+            config = json.loads((out / "config.json").read_text(encoding="utf-8"))
             arch = config["architectures"][0]
             print(
                 f"wrote {args.out} from {path}: a {arch} directory for AutoModelForCausalLM.from_pretrained"
             )
-        else:
-            notes = [f"wrote {hf.export_safetensors(model, args.out, args.force)} from {path}"]
     for n in notes:
         print(n)
     return 0
