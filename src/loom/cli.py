@@ -7,7 +7,7 @@ import contextlib
 import errno
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loom.errors import LoomError
@@ -409,9 +409,11 @@ class _Loaded:
 
 
 @contextlib.contextmanager
-def _run_model(args):
+def _run_model(args, split: bool = False):
     """args.run_dir's model (`_Loaded`) on args.device; with --shard, FSDP-sharded over the processes of a
-    torchrun/srun/mpiexec job (each reading its part of the checkpoint), the process group left at the end."""
+    torchrun/srun/mpiexec job (each reading its part of the checkpoint), the process group left at the end.
+    `split`: in a job of several processes without --shard, each holds the whole model and the caller splits
+    the work by the ranks (they sum through a process group); else every process does it all alone."""
     from loom.env import detect_env
     from loom.runs import load_run, load_run_sharded
     from loom.train.setup import resolve_device
@@ -420,7 +422,12 @@ def _run_model(args):
     device = resolve_device(args.device, env.local_rank, key="--device")
     if not getattr(args, "shard", False):
         cfg, model, tok, _, path = load_run(args.run_dir, device, getattr(args, "ckpt", None))
-        yield _Loaded(model, tok, cfg, path, device, 0, 1, lambda t: t)
+        if not split or env.world_size == 1:
+            yield _Loaded(model, tok, cfg, path, device, 0, 1, lambda t: t)
+            return
+        yield from _whole_on_every_rank(
+            _Loaded(model, tok, cfg, path, device, env.rank, env.world_size, None), env
+        )
         return
     if env.world_size == 1:
         raise LoomError(
@@ -439,6 +446,25 @@ def _run_model(args):
     finally:
         process_group.shutdown(clean)
     _leave_job(0)  # the command has printed its result
+
+
+def _whole_on_every_rank(run: _Loaded, env):
+    """`run` (the whole model) on each rank of the job, with a gloo/NCCL group to sum the ranks' shares: a
+    torchrun `loom eval RUN` without --shard did the whole evaluation on every rank and printed it as often."""
+    import torch.distributed as dist
+
+    from loom import log
+    from loom.distributed import process_group
+
+    log.setup(rank=env.rank)
+    process_group.init(env, run.device, 600.0)
+    clean = False
+    try:
+        yield replace(run, all_reduce_sum=lambda t: (dist.all_reduce(t), t)[1])
+        clean = True  # shutdown's barrier: every rank has its sums before any leaves
+    finally:
+        process_group.shutdown(clean)
+    _leave_job(0)  # rank 0 has printed the result
 
 
 def _generate_samples(args, run: _Loaded) -> int:
@@ -550,7 +576,7 @@ def _eval(argv: list[str]) -> int:
         )
     if args.task == "hellaswag":
         return _eval_hellaswag(args)
-    with _run_model(args) as run:
+    with _run_model(args, split=True) as run:  # a job's ranks each score a share of the windows
         return _eval_val(args, run)
 
 
@@ -691,7 +717,8 @@ def _print_spread(records: list[dict]) -> None:
 
 
 def _eval_val(args, run: _Loaded) -> int:
-    """Validation loss of a run's model; a sharded model's ranks each score a share of the windows."""
+    """Validation loss of a run's model; in a job of several processes (the model sharded with --shard, or
+    whole on each) the ranks each score a share of the windows."""
     import math
 
     from loom.data.loader import ValSet, read_meta
@@ -727,10 +754,16 @@ def _eval_val(args, run: _Loaded) -> int:
     if run.rank == 0:
         print(
             f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} windows of {cfg.model.block_size} tokens)"
-            + (f", {_sharding(run.model, run.world)}" if run.world > 1 else "")
+            + (_split(args, run) if run.world > 1 else "")
         )
         print(line)
     return 0
+
+
+def _split(args, run: _Loaded) -> str:
+    if args.shard:
+        return f", {_sharding(run.model, run.world)}"
+    return f", split over {run.world} processes (each with the whole model; --shard splits the model too)"
 
 
 def _sharding(model, world: int) -> str:
