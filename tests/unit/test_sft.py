@@ -429,3 +429,25 @@ def test_a_run_without_its_tokenizer_is_named_as_such(sft, tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"run '{run}' has no tokenizer: '{run / 'tokenizer'}' is missing" in err, err
         assert f"copy the tokenizer of its data set '{data}' back" in err and "data.path" not in err
+
+
+def test_a_lora_run_that_died_before_its_first_checkpoint_starts_again(sft, capsys):
+    """Issue 42 item 8: train.resume=auto (and an elastic restart, which behaves as it) starts a pretraining run
+    that died before its first checkpoint again, its folder and metrics.jsonl replaced; a LoRA/SFT run was
+    compared with its config.toml before model.init_from=run:DIR's model keys were applied, never matched, and
+    was refused ("a different config"), so the only ways on appended to or kept the dead attempt's records. Now
+    it starts again like any run, and metrics.jsonl holds each step once."""
+    import shutil
+
+    from loom.metrics import read_jsonl
+
+    args = _sft_args(sft, "lora-auto", "--train.steps=2", "--train.log_every=1", "--finetune.lora_rank=2")
+    args.append("--train.resume=auto")
+    assert main(args) == 0
+    run = sft / "runs" / "lora-auto"
+    shutil.rmtree(run / "ckpt")  # as a run killed before its first checkpoint leaves it
+    capsys.readouterr()
+    assert main(args) == 0
+    assert f"{run} has no valid checkpoint: starting it again" in capsys.readouterr().out
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl", superseded=True) if "loss" in r]
+    assert steps == [1, 2]
