@@ -903,7 +903,12 @@ def _ckpt(argv: list[str]) -> int:
     if args.verb == "inspect":
         return checkpoint_tools.inspect_main(args.target, args.json)
     target = checkpoint_tools.consolidate(args.run_dir, args.out, args.step, args.force)
-    print(f"wrote {target} ({target.stat().st_size / 2**20:.1f} MiB), config.toml and tokenizer/")
+    rest = (
+        "config.toml and tokenizer/"
+        if (target.parent / "tokenizer").is_dir()
+        else "config.toml (the run has no tokenizer/)"
+    )
+    print(f"wrote {target} ({target.stat().st_size / 2**20:.1f} MiB), {rest}")
     return 0
 
 

@@ -429,6 +429,8 @@ def test_a_run_without_its_tokenizer_is_named_as_such(sft, tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"run '{run}' has no tokenizer: '{run / 'tokenizer'}' is missing" in err, err
         assert f"copy the tokenizer of its data set '{data}' back" in err and "data.path" not in err
+    assert main(["ckpt", "consolidate", str(run), "--out", str(tmp_path / "whole")]) == 0
+    assert "config.toml (the run has no tokenizer/)" in capsys.readouterr().out  # it claimed tokenizer/
 
 
 def test_a_lora_run_that_died_before_its_first_checkpoint_starts_again(sft, capsys):
