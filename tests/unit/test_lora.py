@@ -307,13 +307,20 @@ def test_bad_arguments():
 
 def test_a_rank_above_the_smallest_adapted_width_is_refused():
     """Issue 42 item 1: rank 100,000 on a 32-wide model was accepted (25.6M trainable parameters for a 47k
-    model). A rank up to min(in, out) of every adapted linear is taken; above it, refused naming the linear."""
+    model). A rank up to min(in, out) of every adapted linear is taken; above it, refused naming the linear
+    (before training: a run trained before the rule still loads)."""
+    from loom.model.lora import check_rank
+
     cfg = llama_cfg()  # k_proj: 32 in, 2 kv heads x 8 = 16 out
-    apply_lora(build(cfg), 16, 1.0, "k_proj")
+    model = build(cfg)
+    apply_lora(model, 16, 1.0, "k_proj")
+    check_rank(model)
+    model = build(cfg)
+    apply_lora(model, 17, 1.0, "q_proj,k_proj")
     with pytest.raises(
         LoomError, match=r"lora_rank=17 is above 16.*blocks\.0\.attn\.k_proj: 32 in, 16 out"
     ) as e:
-        apply_lora(build(cfg), 17, 1.0, "q_proj,k_proj")
+        check_rank(model)
     assert "at most 16" in e.value.hint
 
 

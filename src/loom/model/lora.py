@@ -203,7 +203,6 @@ def apply_lora(
                 "adapter into it would change both",
                 hint="leave lm_head out of the LoRA targets",
             )
-    _check_rank(rank, {n: linears[n] for n in chosen})
     for p in model.parameters():
         p.requires_grad_(False)
     if seed is None and chosen and not linears[chosen[0]].weight.is_meta:
@@ -213,12 +212,15 @@ def apply_lora(
     return chosen
 
 
-def _check_rank(rank: int, chosen: dict[str, nn.Linear]) -> None:
-    """A rank above min(in, out) of an adapted linear is no low-rank update: B A (out, in) cannot have a rank
+def check_rank(model: nn.Module) -> None:
+    """Refuse adapters whose rank is above min(in, out) of an adapted linear: B A (out, in) cannot have a rank
     above that, so the extra rank only adds parameters (rank 100,000 on a 32-wide model trained 25.6M
-    parameters for a 47k model) and memory, never expressiveness."""
+    parameters for a 47k model) and memory, never expressiveness. Checked before training (loom.train's
+    check_lora_targets), not when a trained run is loaded: a run made before the rule still loads."""
+    chosen = lora_modules(model)
     if not chosen:
         return
+    rank = next(iter(chosen.values())).lora_A.shape[0]
     name = min(chosen, key=lambda n: min(chosen[n].in_features, chosen[n].out_features))
     m = chosen[name]
     most = min(m.in_features, m.out_features)

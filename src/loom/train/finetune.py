@@ -100,15 +100,17 @@ def lora_flops_per_token(cfg: Config, meta: dict, model_cfg, full: float) -> flo
 
 
 def check_lora_targets(cfg: Config) -> None:
-    """finetune.lora_targets that match no linear of the model are refused before any process starts: the
-    adapters are tried on the model built on the meta device (shapes only, no memory)."""
+    """finetune.lora_targets that match no linear of the model, and a rank above an adapted linear's width,
+    are refused before any process starts: the adapters are tried on the model built on the meta device
+    (shapes only, no memory)."""
     if not cfg.finetune.lora_rank:
         return
-    from loom.model.lora import apply_configured
+    from loom.model.lora import apply_configured, check_rank
     from loom.model.registry import spec_of
 
     model = spec_of(cfg).build_model(cfg, max(cfg.model.vocab_size, 1), "meta", eot_id=0)
     apply_configured(model, cfg.finetune)
+    check_rank(model)  # a rank above an adapted linear's width is no low-rank adapter
 
 
 def check_run_data(cfg: Config, data_dir: Path, meta: dict) -> None:
