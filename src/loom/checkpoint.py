@@ -245,11 +245,15 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` checkpoints. Only checkpoints count and only they are deleted: a
     folder named like one that is not (no manifest, files missing or of the wrong size: a copy, a stray
     folder, a damaged save) neither takes a place among the kept ones nor is removed; it is named once.
-    The check reads the manifest and file sizes only (no hashing), so it costs little at every save."""
+    The check reads the manifest and file sizes only (no hashing), so it costs little at every save; a
+    checkpoint this process hashed and found corrupt (a resume that fell back past it) counts as damaged too,
+    else it took a place and the valid older one it fell back to was deleted."""
     valid = []
     for p in list_steps(ckpt_dir):
         try:
             verify(p, share=None)
+            if _corrupt.get(p.resolve()) == _signature(p):  # sizes right, but hashed and found corrupt
+                raise LoomError(f"checkpoint '{p}' failed its SHA-256 check (corrupt)")
             valid.append(p)
         except LoomError as e:
             log.warn_once(f"{e.message}: train.keep_last does not count it, and it is left in place")
@@ -263,6 +267,9 @@ _SHARD_RE = re.compile(r"^(model|optim)/(\.metadata|__\d+_\d+\.distcp)$")
 # Checkpoints verified in this process, by their files' (name, size, mtime): a resume that first looks for
 # the newest valid checkpoint and then loads it hashes the files once, not twice.
 _verified: dict[Path, tuple] = {}
+# Checkpoints found corrupt in this process (a file that does not match the manifest), by the same signature:
+# prune, which hashes nothing, must not keep one in place of a valid checkpoint.
+_corrupt: dict[Path, tuple] = {}
 
 
 def _signature(path: Path) -> tuple:
@@ -337,6 +344,7 @@ def verify(path: str | Path, model_only: bool = False, share: tuple[int, int] | 
                 f"checkpoint file '{f}' has {f.stat().st_size} bytes, manifest says {size} (truncated or corrupt)"
             )
         if share is not None and hash_owner(name, share[1]) == share[0] and _sha256(f) != digest:
+            _corrupt[path.resolve()] = signature
             raise LoomError(f"checkpoint file '{f}' does not match its SHA-256 in the manifest (corrupt)")
     if share == (0, 1):  # every file hashed
         _verified[(path.resolve(), True) if model_only else path.resolve()] = signature
@@ -366,6 +374,7 @@ def share_errors(path: Path, control, model_only: bool = False) -> list[str | No
         error = e.message
     if control.all_reduce_sum([float(error is not None)])[0] == 0:
         return None
+    _corrupt[path.resolve()] = _signature(path)  # every rank: rank 0 prunes, whichever rank found it
     return control.gather_object(error) or []
 
 

@@ -112,7 +112,19 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
             "not the frozen base it was trained on",
             hint=f"loom export {run_dir} --format safetensors writes the whole model, the adapters merged",
         )
-    _prepare_out(run_dir, out, force)
+    _check_out(run_dir, out, force)
+    from loom.outputs import staged_output, write_marker
+
+    with staged_output(out, "consolidated", force) as tmp:  # renamed into place when whole (a full disk)
+        tmp.mkdir()
+        write_marker(tmp, "consolidated")
+        _write_consolidated(run_dir, path, tmp)
+    return out / "model.safetensors"
+
+
+def _write_consolidated(run_dir: Path, path: Path, out: Path) -> None:
+    """model.safetensors streamed from checkpoint `path`'s model/, and the run's config.toml, tokenizer/ and
+    run.json, into the folder `out`."""
     from loom.parallel.dcp_state import SafeReader
 
     md = SafeReader(path / "model").read_metadata()
@@ -145,7 +157,6 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
         shutil.copytree(run_dir / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
     if (run_dir / "run.json").is_file():
         shutil.copyfile(run_dir / "run.json", out / "run.json")
-    return target
 
 
 def _check_run_config(run_dir: Path, path: Path) -> None:
@@ -195,10 +206,10 @@ def check_fits(sd: dict, model: torch.nn.Module, source: str, hint: str | None =
         raise LoomError(f"{source} does not fit the model of its config.toml: " + "; ".join(what), hint=hint)
 
 
-def _prepare_out(run_dir: Path, out: Path, force: bool) -> None:
-    """The output folder, made and marked: never the run read nor any other run (it would lose its config.toml,
-    run.json and tokenizer/), and with --force replacing only a folder consolidate wrote (loom.outputs' rule)."""
-    from loom.outputs import check_apart, output_kind, replace_output, write_marker
+def _check_out(run_dir: Path, out: Path, force: bool) -> None:
+    """The output folder: never the run read nor any other run (it would lose its config.toml, run.json and
+    tokenizer/), and with --force replacing only a folder consolidate wrote (loom.outputs' rule)."""
+    from loom.outputs import check_apart, check_replaceable, output_kind
 
     check_apart(out, [run_dir], inside_ok=True)
     if output_kind(out) == "run":
@@ -207,9 +218,7 @@ def _prepare_out(run_dir: Path, out: Path, force: bool) -> None:
             "(it would replace that run's config.toml, run.json and tokenizer/)",
             hint=f"give a new folder for the consolidated model, e.g. --out {out}-consolidated",
         )
-    replace_output(out, "consolidated", force)
-    out.mkdir(parents=True, exist_ok=True)
-    write_marker(out, "consolidated")  # first: a write that fails half way leaves one --force may replace
+    check_replaceable(out, "consolidated", force)
 
 
 def load_consolidated(folder: Path, model: torch.nn.Module) -> None:

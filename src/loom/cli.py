@@ -7,7 +7,7 @@ import contextlib
 import errno
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loom.errors import LoomError
@@ -460,9 +460,11 @@ class _Loaded:
 
 
 @contextlib.contextmanager
-def _run_model(args):
+def _run_model(args, split: bool = False):
     """args.run_dir's model (`_Loaded`) on args.device; with --shard, FSDP-sharded over the processes of a
-    torchrun/srun/mpiexec job (each reading its part of the checkpoint), the process group left at the end."""
+    torchrun/srun/mpiexec job (each reading its part of the checkpoint), the process group left at the end.
+    `split`: in a job of several processes without --shard, each holds the whole model and the caller splits
+    the work by the ranks (they sum through a process group); else every process does it all alone."""
     from loom.env import detect_env
     from loom.runs import load_run, load_run_sharded
     from loom.train.setup import resolve_device
@@ -471,7 +473,12 @@ def _run_model(args):
     device = resolve_device(args.device, env.local_rank, key="--device")
     if not getattr(args, "shard", False):
         cfg, model, tok, _, path = load_run(args.run_dir, device, getattr(args, "ckpt", None))
-        yield _Loaded(model, tok, cfg, path, device, 0, 1, lambda t: t)
+        if not split or env.world_size == 1:
+            yield _Loaded(model, tok, cfg, path, device, 0, 1, lambda t: t)
+            return
+        yield from _whole_on_every_rank(
+            _Loaded(model, tok, cfg, path, device, env.rank, env.world_size, None), env
+        )
         return
     if env.world_size == 1:
         raise LoomError(
@@ -490,6 +497,25 @@ def _run_model(args):
     finally:
         process_group.shutdown(clean)
     _leave_job(0)  # the command has printed its result
+
+
+def _whole_on_every_rank(run: _Loaded, env):
+    """`run` (the whole model) on each rank of the job, with a gloo/NCCL group to sum the ranks' shares: a
+    torchrun `loom eval RUN` without --shard did the whole evaluation on every rank and printed it as often."""
+    import torch.distributed as dist
+
+    from loom import log
+    from loom.distributed import process_group
+
+    log.setup(rank=env.rank)
+    process_group.init(env, run.device, 600.0)
+    clean = False
+    try:
+        yield replace(run, all_reduce_sum=lambda t: (dist.all_reduce(t), t)[1])
+        clean = True  # shutdown's barrier: every rank has its sums before any leaves
+    finally:
+        process_group.shutdown(clean)
+    _leave_job(0)  # rank 0 has printed the result
 
 
 def _generate_samples(args, run: _Loaded) -> int:
@@ -623,7 +649,7 @@ def _eval(argv: list[str]) -> int:
         raise LoomError(
             "--limit counts examples of hellaswag or --tasks", hint="size the val loss with --batches"
         )
-    with _run_model(args) as run:
+    with _run_model(args, split=True) as run:  # a job's ranks each score a share of the windows
         return _eval_val(args, run)
 
 
@@ -763,7 +789,8 @@ def _print_spread(records: list[dict]) -> None:
 
 
 def _eval_val(args, run: _Loaded) -> int:
-    """Validation loss of a run's model; a sharded model's ranks each score a share of the windows."""
+    """Validation loss of a run's model; in a job of several processes (the model sharded with --shard, or
+    whole on each) the ranks each score a share of the windows."""
     import math
 
     from loom.data.loader import read_meta
@@ -772,7 +799,9 @@ def _eval_val(args, run: _Loaded) -> int:
     from loom.train.setup import check_data_dir
 
     cfg, tok, path = run.cfg, run.tok, run.path
-    meta = read_meta(Path(args.run_dir) / "tokenizer")
+    from loom.data.tokenizers import run_tokenizer_dir
+
+    meta = read_meta(run_tokenizer_dir(args.run_dir))
     data_dir = Path(args.data) if args.data else run_data_dir(args.run_dir, cfg)
     data_meta = check_data_dir(data_dir)
     if data_meta["vocab_size"] != meta["vocab_size"]:
@@ -799,7 +828,7 @@ def _eval_val(args, run: _Loaded) -> int:
     if run.rank == 0:
         print(
             f"checkpoint {path}\ndata {data_dir} ({vs.total_rows} {what})"
-            + (f", {_sharding(run.model, run.world)}" if run.world > 1 else "")
+            + (_split(args, run) if run.world > 1 else "")
         )
         print(line)
     return 0
@@ -822,6 +851,12 @@ def _val_set(cfg, data_dir: Path, data_meta: dict, n_rows: int, run: _Loaded):
     from loom.data.loader import ValSet
 
     return ValSet(data_dir, block, n_rows, run.rank, run.world), f"windows of {block} tokens"
+
+
+def _split(args, run: _Loaded) -> str:
+    if args.shard:
+        return f", {_sharding(run.model, run.world)}"
+    return f", split over {run.world} processes (each with the whole model; --shard splits the model too)"
 
 
 def _sharding(model, world: int) -> str:
@@ -904,33 +939,39 @@ def _export(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from loom.paths import check_output_dir
 
-    check_output_dir(args.out, "--out")  # before the checkpoint is read
+    check_output_dir(args.out, "--out", temp_beside=True)  # before the checkpoint is read
     import torch
 
     from loom.model import hf
-    from loom.outputs import check_apart
+    from loom.outputs import check_apart, check_replaceable, staged_output
     from loom.runs import load_run
 
-    check_apart(args.out, [args.run_dir, *([args.ckpt] if args.ckpt else [])], inside_ok=True)
+    out = Path(args.out)
+    check_apart(out, [args.run_dir, *([args.ckpt] if args.ckpt else [])], inside_ok=True)
+    check_replaceable(out, "export", args.force)  # again when written; here before the checkpoint is read
     if args.format == "peft":
         from loom.export import export_peft
 
-        notes = export_peft(args.run_dir, Path(args.out), args.ckpt, args.force)
+        notes = export_peft(args.run_dir, out, args.ckpt, args.force)
     else:
         cfg, model, tok, meta, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
-        if args.format == "hf":
-            from loom.export import export_hf_dir
+        # written beside --out and renamed when whole: a full disk leaves no export that looks complete
+        with staged_output(out, "export", args.force) as tmp:
+            if args.format == "hf":
+                from loom.export import export_hf_dir
 
-            notes = export_hf_dir(cfg, model, tok, meta, Path(args.out), args.force)
+                notes = export_hf_dir(cfg, model, tok, meta, tmp, False)
+            else:
+                hf.export_safetensors(model, tmp, False)
+                notes = [f"wrote {out / 'model.safetensors'} from {path}"]
+        if args.format == "hf":
             import json
 
-            config = json.loads((Path(args.out) / "config.json").read_text(encoding="utf-8"))
+            config = json.loads((out / "config.json").read_text(encoding="utf-8"))
             arch = config["architectures"][0]
             print(
                 f"wrote {args.out} from {path}: a {arch} directory for AutoModelForCausalLM.from_pretrained"
             )
-        else:
-            notes = [f"wrote {hf.export_safetensors(model, args.out, args.force)} from {path}"]
     for n in notes:
         print(n)
     return 0
@@ -955,7 +996,12 @@ def _ckpt(argv: list[str]) -> int:
     if args.verb == "inspect":
         return checkpoint_tools.inspect_main(args.target, args.json)
     target = checkpoint_tools.consolidate(args.run_dir, args.out, args.step, args.force)
-    print(f"wrote {target} ({target.stat().st_size / 2**20:.1f} MiB), config.toml and tokenizer/")
+    rest = (
+        "config.toml and tokenizer/"
+        if (target.parent / "tokenizer").is_dir()
+        else "config.toml (the run has no tokenizer/)"
+    )
+    print(f"wrote {target} ({target.stat().st_size / 2**20:.1f} MiB), {rest}")
     return 0
 
 
@@ -1025,12 +1071,20 @@ def _plan(argv: list[str]) -> int:
     p.add_argument("--check", action="store_true", help="dry-run the top layouts (loom train --dry-run)")
     p.add_argument("--gpu", default="H100", help="with --check: the GPU the dry run takes (default H100)")
     args = p.parse_args(argv)
+    shape, cluster, wl, cands = run_plan(args)
+    if shape.is_moe:  # before the plan is printed: the check it asked for cannot follow
+        raise LoomError(
+            f"loom plan --check dry-runs the planner's layouts, and the dry run cannot step a mixture of experts "
+            f"({shape.name}): its fake tensors hold no values, and the routing decides from them how many tokens "
+            "each expert takes",
+            hint="leave out --check for the planner's estimate (its expert memory and all-to-all assume a "
+            "balanced router), or measure the layout on the devices",
+        )
     plain = [a for a in argv if a != "--check" and not a.startswith("--gpu=")]
     if "--gpu" in plain:  # "--gpu NAME": both go
         i = plain.index("--gpu")
         del plain[i : i + 2]
     plan_main(plain)
-    shape, cluster, wl, cands = run_plan(args)
     return plan_check(
         args.model, shape, cluster, wl, [c for c in cands if c.fits][: min(args.top, 3)], args.gpu
     )

@@ -362,6 +362,12 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
         _int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), "task count", ("SLURM_NTASKS",)
     )
     num_nodes = _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1)
+    if num_nodes < 1:  # "0" divided the tasks by zero below
+        name, value = _first(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+        raise LoomError(
+            f"environment variable {name}={value!r} is not a node count (a whole number >= 1)",
+            hint=f"unset {name} or fix the launcher that sets it",
+        )
     node_rank = _int(environ, "SLURM_NODEID", default=0)
     local_rank = _int(environ, "SLURM_LOCALID", default=0)
     per_node = _first(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")

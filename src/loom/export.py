@@ -76,12 +76,11 @@ def _hf_modules(n_layer: int) -> dict[str, str]:
 def export_peft(
     run_dir: str | Path, out: Path, ckpt: str | Path | None = None, force: bool = False
 ) -> list[str]:
-    """Write OUT/base and OUT/adapter for the LoRA run `run_dir` (module docstring); returns notes."""
-    from safetensors.torch import save_file
-
-    from loom.model.hf_io import _prepare_out
-    from loom.model.lora import is_lora_name, lora_state_dict
+    """Write OUT/base and OUT/adapter for the LoRA run `run_dir` (module docstring); returns notes. Both are
+    written beside OUT and renamed into place when whole: a full disk leaves no export that looks complete."""
+    from loom.model.lora import is_lora_name, lora_modules
     from loom.model.registry import spec_of
+    from loom.outputs import staged_output, write_marker
     from loom.runs import frozen_base, load_run
     from loom.train.finetune import lora_embeddings
 
@@ -108,8 +107,29 @@ def export_peft(
     if start is None:  # a checkpoint that holds every weight: the frozen ones are the base's
         start = {k: v for k, v in model.state_dict().items() if not is_lora_name(k)}
     base.load_state_dict(start)
-    notes = export_hf_dir(cfg, base, tok, meta, out / "base", force)
+    with staged_output(out, "export", force) as tmp:
+        tmp.mkdir()
+        write_marker(tmp, "export")  # OUT as a whole is loom's export, which --force may replace
+        notes = export_hf_dir(cfg, base, tok, meta, tmp / "base", False)
+        _write_adapter(model, cfg, tmp / "adapter", out / "base", trained_ends)
+    what = f"{len(lora_modules(model))} adapted linears" + (
+        ", the embedding and head" if trained_ends else ""
+    )
+    return notes + [
+        f"wrote {out / 'base'} (the frozen base) and {out / 'adapter'} (peft: {what}) from {path}: "
+        "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)"
+    ]
 
+
+def _write_adapter(model, cfg, adapter: Path, base_dir: Path, trained_ends: bool) -> None:
+    """peft's adapter_config.json and adapter_model.safetensors for the LoRA model `model` into `adapter`;
+    `base_dir`: where the base will be once written (adapter_config's base_model_name_or_path)."""
+    from safetensors.torch import save_file
+
+    from loom.model.hf_io import _prepare_out
+    from loom.model.lora import lora_state_dict
+
+    f = cfg.finetune
     V, names = model.cfg.vocab_size, _hf_modules(model.cfg.n_layer)
     tensors: dict[str, torch.Tensor] = {}
     targets = []
@@ -129,7 +149,7 @@ def export_peft(
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str((out / "base").resolve()),
+        "base_model_name_or_path": str(base_dir.resolve()),
         "r": f.lora_rank,
         "lora_alpha": f.lora_alpha,
         "lora_dropout": f.lora_dropout,
@@ -142,12 +162,6 @@ def export_peft(
         "init_lora_weights": True,
         "inference_mode": True,
     }
-    adapter = out / "adapter"
-    _prepare_out(adapter, force)
+    _prepare_out(adapter, False)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(adapter / "adapter_model.safetensors"))
     (adapter / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    what = f"{len(set(targets))} adapted linears" + (", the embedding and head" if saved else "")
-    return notes + [
-        f"wrote {out / 'base'} (the frozen base) and {adapter} (peft: {what}) from {path}: "
-        "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)"
-    ]

@@ -10,10 +10,12 @@ that is, contains or lies inside one of the command's inputs: `loom export RUN -
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from loom.errors import LoomError
@@ -75,6 +77,8 @@ def _legacy_kind(d: Path) -> str | None:
         return "export"
     if {"model.safetensors", "config.toml"} <= names <= _CONSOLIDATED_ENTRIES:
         return "consolidated"
+    if names and names <= {"base", "adapter"} and all(output_kind(d / n) == "export" for n in names):
+        return "export"  # a peft export written before its folder was marked as a whole
     return None
 
 
@@ -162,3 +166,43 @@ def replace_output(out: str | Path, kind: str, force: bool, option: str = "--out
     """Delete `out` when check_replaceable allows it (loom's own output of `kind`, with --force)."""
     if check_replaceable(out, kind, force, option):
         shutil.rmtree(out)
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether `e` is the filesystem out of space: an OSError ENOSPC / EDQUOT (write() gives it without a file
+    name), or a writer outside Python reporting it in its message (safetensors' Rust error: "I/O error: No
+    space left on device (os error 28)", a SafetensorError, not an OSError)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+    text = str(e)
+    return "No space left on device" in text or "Disk quota exceeded" in text
+
+
+@contextlib.contextmanager
+def staged_output(out: str | Path, kind: str, force: bool, option: str = "--out") -> Iterator[Path]:
+    """A folder that appears whole or not at all: the caller writes into the temporary folder yielded
+    (`.<name>.loom-tmp` beside `out`, so the rename stays on one filesystem), which replaces `out` only once
+    the block ends. check_replaceable's rule is applied before anything is written, and an earlier output that
+    --force replaces is kept until then. When the block fails, the temporary folder is removed (nothing half
+    written is left looking complete); a full disk becomes one LoomError naming `out` and what to do."""
+    out = Path(out)
+    had = check_replaceable(out, kind, force, option)
+    tmp = out.with_name(f".{out.name}.loom-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield tmp
+        replace_output(out, kind, force, option)
+        if out.is_dir():  # empty (check_replaceable allowed it): a rename replaces only an empty folder
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and disk_full(e):
+            kept = f"; what it held before ({KINDS[kind]}) is untouched" if had else ""
+            raise LoomError(
+                f"could not write {option} '{out}': the disk is full (No space left on device); the partly "
+                f"written output was removed{kept}",
+                hint=f"free some space, or give another {option} on a disk with room, and run it again",
+            ) from None
+        raise

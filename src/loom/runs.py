@@ -20,7 +20,7 @@ import torch.nn as nn
 from loom import checkpoint, log
 from loom.config import Config, check_saved_config, config_from_dict, load_toml
 from loom.data.loader import doc_eot_id, read_meta
-from loom.data.tokenizers import has_tokenizer, load_tokenizer
+from loom.data.tokenizers import has_tokenizer, load_tokenizer, run_tokenizer_dir
 from loom.errors import LoomError
 from loom.model.lora import apply_configured, merge_lora
 from loom.model.registry import spec_of
@@ -38,7 +38,7 @@ def _open_run(run_dir: Path) -> tuple[Config, dict, object]:
             f"'{run_dir}' is not a loom run directory (no config.toml)", hint="give a runs/<name> folder"
         )
     cfg = config_from_dict(load_toml(run_dir / "config.toml"))
-    meta = read_meta(run_dir / "tokenizer")
+    meta = read_meta(run_tokenizer_dir(run_dir))  # a missing tokenizer/ is named, not a bad data.path
     tokenizer = load_tokenizer(run_dir / "tokenizer", meta) if has_tokenizer(meta) else None
     return cfg, meta, tokenizer
 

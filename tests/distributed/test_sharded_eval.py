@@ -92,6 +92,19 @@ def test_val_loss_of_the_sharded_model_equals_the_whole_one(run, capsys):
     assert _value(two, "bits per byte") == pytest.approx(_value(one, "bits per byte"), abs=2e-4)
 
 
+def test_val_loss_without_shard_is_split_over_the_ranks_and_printed_once(run, capsys):
+    """Issue 42 item 7: `torchrun ... -m loom eval RUN` without --shard did the whole evaluation on every rank
+    and printed it once per rank. Each rank now holds the whole model and scores its share of the windows; the
+    sum over the ranks gives one process's loss, printed once by rank 0."""
+    assert main(["eval", str(run), "--device", "cpu", "--batches", "1"]) == 0
+    one = capsys.readouterr().out
+    two = torchrun("eval", str(run), "--device", "cpu", "--batches", "1")
+    assert two.count("val loss") == 1, two
+    assert "(3 windows of 32 tokens), split over 2 processes (each with the whole model" in two
+    assert _value(two, "val loss") == pytest.approx(_value(one, "val loss"), abs=2e-4)
+    assert _value(two, "bits per byte") == pytest.approx(_value(one, "bits per byte"), abs=2e-4)
+
+
 def test_greedy_generation_and_hellaswag_of_the_sharded_model(run, capsys, tmp_path):
     gen = [
         "generate",

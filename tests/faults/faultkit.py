@@ -244,3 +244,16 @@ def _ip(hexaddr: str, v6: bool) -> str:
     import ipaddress
 
     return str(ipaddress.IPv6Address(b"".join(words)))
+
+
+def fill_disk_in_save_file(monkeypatch) -> None:
+    """safetensors' save_file as on a disk that fills half way: half the file written, then the error its
+    Rust writer raises for ENOSPC (a SafetensorError, not an OSError), as seen on a full tmpfs."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 64)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)

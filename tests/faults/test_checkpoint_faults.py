@@ -274,3 +274,28 @@ def test_free_space_is_judged_by_the_real_size(char_data, tmp_path, monkeypatch)
     monkeypatch.setenv("LOOM_FAULT_FREE_BYTES", str(written - 1))
     assert run_inprocess(train_args(char_data, tmp_path, "c", 2)) == 2
     assert not any((tmp_path / "c" / "ckpt").glob("step_*"))
+
+
+def test_keep_last_never_keeps_a_corrupt_checkpoint_in_place_of_a_valid_one(char_data, tmp_path, capsys):
+    """Issue 42 item 3: step 4's bits flipped (its sizes intact). The resume finds it corrupt and falls back to
+    step 2; keep_last=2 still counted step 4 (pruning checks sizes only) and deleted step 2, then step 3: the
+    run kept one valid checkpoint and a corrupt one. Now what a resume hashed and found corrupt does not count
+    (it is named and left in place), so the two newest valid checkpoints are kept."""
+    args = train_args(char_data, tmp_path, "r", 4, "--train.ckpt_every=2", "--train.keep_last=2")
+    assert run_inprocess(args) == 0
+    ckpt = tmp_path / "r" / "ckpt"
+    shard = ckpt / "step_000004" / MODEL
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    resumed = train_args(
+        char_data, tmp_path, "r", 6, "--train.ckpt_every=3", "--train.keep_last=2", "--resume"
+    )
+    assert run_inprocess(resumed) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "step_000002" in out
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000003", "step_000004", "step_000006"]
+    assert "step_000004' failed its SHA-256 check (corrupt): train.keep_last does not count it" in out
+    for step in ("step_000003", "step_000006"):
+        checkpoint.verify(ckpt / step)

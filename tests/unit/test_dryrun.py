@@ -178,3 +178,18 @@ def test_a_pipeline_layout_says_what_this_torch_lacks_or_runs(char_data, monkeyp
     job += ["--parallel.pp=2", *SMALL]
     with pytest.raises(LoomError, match=r"(?s)parallel.pp=2: the dry run .*InferenceMode.*torch >= 2.13"):
         dryrun_main(job)
+
+
+def test_nproc_beside_dry_run_is_the_jobs_world_size(capsys):
+    """Issue 42 item 6: `loom train --dry-run --nproc 2` said "config file '2' does not exist". --nproc N is
+    the job's N ranks, the dry run's --world N: taken as it (adding --dry-run to the command line that would
+    start the job dry-runs that job); a --world that disagrees, or neither, is refused naming both."""
+    from loom.cli import main
+
+    tiny = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--model.vocab_size=64"]
+    assert main(["train", "--dry-run", "--nproc", "2", *tiny]) == 0
+    assert "job       2 GPUs" in capsys.readouterr().out
+    assert main(["train", "--nproc=2", "--dry-run", "--world", "4", *tiny]) == 2
+    assert "--world 4 and --nproc 2 disagree" in capsys.readouterr().err
+    assert main(["train", "--dry-run", *tiny]) == 2
+    assert "add --world N (or --nproc N, as for loom train)" in capsys.readouterr().err

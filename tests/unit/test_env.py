@@ -176,6 +176,19 @@ def test_slurm_srun_step():
     assert 20000 <= got.master_port < 40000
 
 
+def test_slurm_zero_nodes_is_refused():
+    """Issue 42 item 9: SLURM_NNODES=0 divided the tasks by zero (a ZeroDivisionError traceback)."""
+    env = {
+        "SLURM_JOB_ID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_NNODES": "0",
+    }
+    with pytest.raises(LoomError, match="SLURM_NNODES='0' is not a node count"):
+        detect_env(env)
+
+
 def test_slurm_uneven_tasks_per_node():
     env = {
         "SLURM_STEP_ID": "1",

@@ -649,3 +649,18 @@ def test_max_restarts_goes_to_torchrun_and_is_refused_elsewhere(slurm_env):
     assert "srun --ntasks-per-node=1 loom launch" in info.value.hint
     with pytest.raises(LoomError, match="--rdzv-timeout must be > 0"):
         plan_command(["--rdzv-timeout", "0", "--", *TRAIN], slurm_env)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
+def test_a_garbage_node_count_is_refused(slurm_env, value):
+    """Issue 42 item 9: SLURM_NNODES "abc" or "0" was taken as unset (the node list's count used instead), in
+    the batch script and in a step on every node alike. Refused, naming the variable and its value."""
+    from loom.launch.detect import node_task
+
+    bad = {**slurm_env, "SLURM_NNODES": value}
+    with pytest.raises(LoomError, match=f"SLURM_NNODES='{value}' is not a node count") as info:
+        plan_command(["--", *TRAIN], bad)
+    assert "unset SLURM_NNODES" in info.value.hint
+    step = {**slurm_env, "SLURM_STEP_ID": "3", "SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": value}
+    with pytest.raises(LoomError, match=f"SLURM_STEP_NUM_NODES='{value}' is not a node count"):
+        node_task(step)

@@ -303,3 +303,42 @@ def test_bad_arguments():
     apply_lora(model, 2, 1.0, "q_proj")
     with pytest.raises(LoomError, match="already has LoRA"):
         apply_lora(model, 2, 1.0, "q_proj")
+
+
+def test_a_rank_above_the_smallest_adapted_width_is_refused():
+    """Issue 42 item 1: rank 100,000 on a 32-wide model was accepted (25.6M trainable parameters for a 47k
+    model). A rank up to min(in, out) of every adapted linear is taken; above it, refused naming the linear
+    (before training: a run trained before the rule still loads)."""
+    from loom.model.lora import check_rank
+
+    cfg = llama_cfg()  # k_proj: 32 in, 2 kv heads x 8 = 16 out
+    model = build(cfg)
+    apply_lora(model, 16, 1.0, "k_proj")
+    check_rank(model)
+    model = build(cfg)
+    apply_lora(model, 17, 1.0, "q_proj,k_proj")
+    with pytest.raises(
+        LoomError, match=r"lora_rank=17 is above 16.*blocks\.0\.attn\.k_proj: 32 in, 16 out"
+    ) as e:
+        check_rank(model)
+    assert "at most 16" in e.value.hint
+
+
+def test_train_refuses_a_huge_rank_before_anything_is_written(char_data, tmp_path, capsys):
+    from loom.cli import main
+
+    args = [
+        "train",
+        f"--data.path={char_data}",
+        f"--run.dir={tmp_path}",
+        "--run.name=r",
+        "--model.n_layer=1",
+        "--model.n_head=2",
+        "--model.n_embd=32",
+        "--model.block_size=16",
+        "--train.device=cpu",
+        "--finetune.lora_rank=100000",
+    ]
+    assert main(args) == 2
+    assert "finetune.lora_rank=100000 is above 32" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -176,3 +176,29 @@ def test_dry_run_refuses_moe():
     cfg = load_config(None, MOE + ["--model.vocab_size=300"])
     with pytest.raises(LoomError, match="routing decides"):
         dry_run(cfg, Target(4), advise=False)
+
+
+def test_plan_check_of_a_moe_preset_says_why_it_cannot_dry_run(capsys):
+    """Issue 42 item 5: `loom plan --check` on a MoE preset dry-ran the layouts without model.family=moe (the
+    gpt2 family then refused parallel.ep, or a dense stand-in crashed). The dry run cannot step a MoE (its
+    routing needs tensor values), so --check is refused before anything is printed, naming that; the dry run's
+    overrides of a MoE shape carry the moe family and its experts."""
+    from loom.dryrun.check import shape_overrides
+
+    argv = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--gpu-mem", "80", "--check"]
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert (
+        "loom plan --check dry-runs the planner's layouts, and the dry run cannot step a mixture of experts"
+        in (out.err)
+    )
+    assert "leave out --check" in out.err and "gpt2" not in out.err and out.out == ""
+
+    class Workload:
+        seq_len, global_batch_tokens = 4096, 4096 * 8
+        precision = type("P", (), {"name": "bf16-mixed"})
+
+    flags = shape_overrides(PRESETS["qwen3-30b-a3b"], Workload)
+    assert (
+        "--model.family=moe" in flags and "--model.n_experts=128" in flags and "--model.moe_top_k=8" in flags
+    )

@@ -71,3 +71,20 @@ def test_keep_last_counts_and_deletes_only_checkpoints(tmp_path):
     assert names == ["step_000003", "step_000004", "step_000050", "step_000099"]
     assert (stray / "notes.txt").read_text() == "a copy someone is still looking at"
     assert checkpoint.latest_valid(tmp_path).name == "step_000004"
+
+
+def test_keep_last_does_not_count_a_checkpoint_found_corrupt(tmp_path):
+    """Issue 42 item 3: a checkpoint whose bits were flipped (sizes intact) passed pruning's size check, so it
+    took a place among the kept ones and the valid older one was deleted, though this process had hashed it and
+    fallen back past it. Now it counts as damaged: not kept in place of a valid one, not deleted."""
+    _save(tmp_path, 1, keep=2)
+    p2 = _save(tmp_path, 2, keep=2)
+    data = bytearray((p2 / "model" / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (p2 / "model" / "__0_0.distcp").write_bytes(bytes(data))
+    assert checkpoint.latest_valid(tmp_path).name == "step_000001"  # hashed: step 2 is corrupt
+    _save(tmp_path, 3, keep=2)
+    names = [p.name for p in checkpoint.list_steps(tmp_path)]
+    assert names == ["step_000001", "step_000002", "step_000003"]  # the two valid ones, and the damaged one
+    _save(tmp_path, 2, keep=2)  # the same step written again is a new, intact checkpoint
+    assert [p.name for p in checkpoint.list_steps(tmp_path)] == ["step_000002", "step_000003"]

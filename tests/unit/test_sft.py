@@ -251,6 +251,22 @@ def test_lora_sft_trains_the_new_tokens_rows_and_freezes_the_blocks(sft):
     )  # merged
 
 
+def test_frozen_new_token_rows_are_warned_about(sft, capsys):
+    """Issue 42 item 2: finetune.lora_embeddings=false on chat data left every chat token one identical frozen
+    row, in silence. It is warned about (not refused: adapter-only checkpoints and shared-base serving want
+    it), naming how many tokens are new and the remedy; auto says nothing (it trains them)."""
+    meta = read_meta(sft / "chat")
+    new = meta["vocab_size"] - meta["chat"]["base_vocab_size"]
+    assert new > 0
+    frozen = _sft_args(sft, "frozen-rows", "--train.steps=1", "--finetune.lora_rank=2")
+    assert main([*frozen, "--finetune.lora_embeddings=false"]) == 0
+    out = capsys.readouterr().out
+    assert f"finetune.lora_embeddings=false, but the data adds {new} token(s)" in out
+    assert "Set finetune.lora_embeddings=auto (or true)" in out
+    assert main([*frozen, "--finetune.lora_embeddings=auto", "--force"]) == 0
+    assert "lora_embeddings=false" not in capsys.readouterr().out
+
+
 def test_a_lora_runs_checkpoint_holds_what_it_trains_and_resumes(sft, capsys):
     """Adapter-only checkpoints: the frozen base is left out (it is model.init_from's), so they are small;
     resuming, loading (eval, chat, export) and the refusal to consolidate all rebuild or name the base."""
@@ -328,3 +344,61 @@ def test_init_optimizer_continues_the_base_runs_optimizer_state(sft, capsys):
     assert main(_sft_args(sft, "opt-lora", "--train.steps=1", "--finetune.init_optimizer=true",
                           "--finetune.lora_rank=2")) == 2  # fmt: skip
     assert "finetune.init_optimizer=true takes the optimizer state" in capsys.readouterr().err
+
+
+def test_a_run_without_its_tokenizer_is_named_as_such(sft, tmp_path, capsys):
+    """Issue 42 item 10: a run directory without tokenizer/ was reported as "data.path '<run>/tokenizer' is not
+    a directory" (eval, chat, export, fine-tuning from it). Now the run's tokenizer folder is named, with where
+    its copy comes from (run.json's data set)."""
+    import shutil
+
+    run = tmp_path / "no-tok"
+    shutil.copytree(sft / "runs" / "base", run, ignore=shutil.ignore_patterns("tokenizer"))
+    data = json.loads((run / "run.json").read_text())["data_dir"]
+    commands = [
+        ["eval", str(run), "--device", "cpu"],
+        ["chat", str(run), "--prompt", "hi", "--device", "cpu"],
+        [*_sft_args(sft, "from-no-tok", "--train.steps=1"), f"--model.init_from=run:{run}"],
+        [
+            "data",
+            "prepare",
+            "--chat",
+            "--input",
+            str(sft / "conv.jsonl"),
+            "--out",
+            str(tmp_path / "c"),
+            "--tokenizer",
+            str(run),
+            "--block-size",
+            "64",
+        ],
+    ]
+    for argv in commands:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"run '{run}' has no tokenizer: '{run / 'tokenizer'}' is missing" in err, err
+        assert f"copy the tokenizer of its data set '{data}' back" in err and "data.path" not in err
+    assert main(["ckpt", "consolidate", str(run), "--out", str(tmp_path / "whole")]) == 0
+    assert "config.toml (the run has no tokenizer/)" in capsys.readouterr().out  # it claimed tokenizer/
+
+
+def test_a_lora_run_that_died_before_its_first_checkpoint_starts_again(sft, capsys):
+    """Issue 42 item 8: train.resume=auto (and an elastic restart, which behaves as it) starts a pretraining run
+    that died before its first checkpoint again, its folder and metrics.jsonl replaced; a LoRA/SFT run was
+    compared with its config.toml before model.init_from=run:DIR's model keys were applied, never matched, and
+    was refused ("a different config"), so the only ways on appended to or kept the dead attempt's records. Now
+    it starts again like any run, and metrics.jsonl holds each step once."""
+    import shutil
+
+    from loom.metrics import read_jsonl
+
+    args = _sft_args(sft, "lora-auto", "--train.steps=2", "--train.log_every=1", "--finetune.lora_rank=2")
+    args.append("--train.resume=auto")
+    assert main(args) == 0
+    run = sft / "runs" / "lora-auto"
+    shutil.rmtree(run / "ckpt")  # as a run killed before its first checkpoint leaves it
+    capsys.readouterr()
+    assert main(args) == 0
+    assert f"{run} has no valid checkpoint: starting it again" in capsys.readouterr().out
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl", superseded=True) if "loss" in r]
+    assert steps == [1, 2]

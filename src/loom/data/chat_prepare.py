@@ -30,6 +30,7 @@ from loom.data.tokenizers import (
     check_bpe_vocab,
     load_given_tokenizer,
     load_tokenizer,
+    run_tokenizer_dir,
     tokenizer_files,
     tokenizer_hash,
 )
@@ -49,6 +50,8 @@ def _run_tokenizer_dir(spec: str) -> Path | None:
         return p / "tokenizer"
     if (p / "meta.json").is_file():
         return p
+    if (p / "config.toml").is_file():  # a run without its tokenizer/: named as such
+        return run_tokenizer_dir(p)
     return None
 
 

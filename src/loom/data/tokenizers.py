@@ -254,6 +254,26 @@ def _tokenizer_info(directory: str | Path, meta: dict) -> dict:
     return info
 
 
+def run_tokenizer_dir(run_dir: str | Path) -> Path:
+    """`RUN/tokenizer/`, the copy of its data's tokenizer a run was trained with (copy_tokenizer), with its
+    meta.json. A run without it is refused naming that folder, not as a bad data.path (which it is not)."""
+    d = Path(run_dir) / "tokenizer"
+    if (d / "meta.json").is_file():
+        return d
+    where = "its data set"
+    try:  # run.json records the data the run read, whose tokenizer this folder copies
+        data_dir = json.loads((Path(run_dir) / "run.json").read_text(encoding="utf-8")).get("data_dir")
+        where = f"its data set '{data_dir}'" if isinstance(data_dir, str) else where
+    except (OSError, ValueError, AttributeError):
+        pass
+    what = "has no meta.json" if d.is_dir() else "is missing"
+    raise LoomError(
+        f"run '{run_dir}' has no tokenizer: '{d}' {what} (a run keeps a copy of its data's tokenizer there, to "
+        "read and write text with its ids)",
+        hint=f"copy the tokenizer of {where} back: its meta.json and tokenizer file into '{d}/'",
+    )
+
+
 def copy_tokenizer(src_dir: str | Path, meta: dict, dst_dir: str | Path) -> None:
     """Copy the tokenizer file (and meta.json) so a run directory is self-contained for generate/eval.
 

@@ -26,6 +26,19 @@ def shape_overrides(shape, wl) -> list[str]:
         "tie_embeddings": str(shape.tie_embeddings).lower(),
         "qk_norm": str(shape.qk_norm).lower(),
     }
+    if (
+        shape.is_moe
+    ):  # the moe family with the shape's experts (without it, the gpt2 family refused parallel.ep)
+        m = {
+            "family": "moe",
+            **m,
+            "n_experts": shape.n_experts,
+            "moe_top_k": shape.top_k,
+            "moe_every": shape.moe_every,
+            "moe_first_dense": shape.first_dense,
+            "n_shared_experts": shape.n_shared,
+            "moe_ffn_hidden": shape.expert_hidden,
+        }
     dtype = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "bf16"}[
         wl.precision.name
     ]

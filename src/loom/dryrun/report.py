@@ -255,7 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
         "rank does not fit, 2 the layout cannot start (the real job's error).",
     )
     p.add_argument("config", nargs="?", help="a TOML config file (configs/*.toml)")
-    p.add_argument("--world", type=int, required=True, help="the job's number of GPUs (ranks)")
+    p.add_argument("--world", type=int, default=None, help="the job's number of GPUs (ranks)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="as --world: `loom train --nproc N ... --dry-run` dry-runs that job of N ranks",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument(
         "--gpu", default="H100", help="GPU name: its bf16 support and default memory (default H100)"
@@ -307,9 +313,29 @@ def init_from(cfg: Config, explicit: set[str]) -> None:
         cfg.model.vocab_size = int(read_meta(run_dir_of(cfg) / "tokenizer")["vocab_size"])
 
 
+def _world(args: argparse.Namespace) -> int:
+    """--world N, or --nproc N (the option of the `loom train` command line the dry run was added to: the
+    same job's ranks, so it is taken rather than read as the config file, as it was)."""
+    from loom.errors import LoomError
+
+    if args.world is not None and args.nproc is not None and args.world != args.nproc:
+        raise LoomError(
+            f"--world {args.world} and --nproc {args.nproc} disagree: both are the dry-run job's number of ranks",
+            hint="give one of them",
+        )
+    world = args.world if args.world is not None else args.nproc
+    if world is None:
+        raise LoomError(
+            "loom train --dry-run needs the job's number of ranks (GPUs)",
+            hint="add --world N (or --nproc N, as for loom train), e.g. --world 8",
+        )
+    return world
+
+
 def dryrun_main(argv: list[str]) -> int:
     """`loom train --dry-run --world N [--gpus-per-node G --gpu-mem GiB --gpu NAME] [config] [--k=v ...]`."""
     args, rest = build_parser().parse_known_args(argv)
+    args.world = _world(args)
     args.config, rest = config_argv(argv, args.config, rest)
     cfg = load_config(args.config, rest)
     init_from(cfg, explicit_keys(args.config, rest))

@@ -52,12 +52,28 @@ def detect_allocation(environ: Mapping[str, str] | None = None, hostfile: str | 
     job_id = environ.get("SLURM_JOB_ID", "").strip()
     nodelist = environ.get("SLURM_JOB_NODELIST", "").strip() or environ.get("SLURM_NODELIST", "").strip()
     if job_id and nodelist:
+        node_count(environ, "SLURM_NNODES")  # never read here (the node list is), but garbage is refused
         return Allocation("slurm", tuple(expand_hostlist(nodelist)), job_id)
     nodefile = environ.get("PBS_NODEFILE", "").strip()
     if nodefile:
         hosts = read_hostfile(nodefile, "PBS_NODEFILE")  # set by PBS, not by an option
         return Allocation("pbs", tuple(hosts), environ.get("PBS_JOBID", "").strip() or None, nodefile)
     return Allocation("none")
+
+
+def node_count(environ: Mapping[str, str], name: str) -> int | None:
+    """The node count in environment variable `name`, None when unset. A value that is not a whole number of
+    at least 1 ("abc", "0") is refused: taken as unset, the launch silently used another count."""
+    value = environ.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise LoomError(
+            f"environment variable {name}={value!r} is not a node count (a whole number >= 1)",
+            hint=f"unset {name} or fix what sets it (Slurm sets it to the job's number of nodes); "
+            "--nnodes N gives the count by hand",
+        )
+    return int(value)
 
 
 def node_task(environ: Mapping[str, str] | None = None) -> tuple[int, int | None] | None:
@@ -85,7 +101,7 @@ def node_task(environ: Mapping[str, str] | None = None) -> tuple[int, int | None
                     "srun started several tasks on this node, and each would start its own loom launch",
                     hint="start one task per node: srun --ntasks-per-node=1 loom launch ...",
                 )
-            return node, number("SLURM_STEP_NUM_NODES") or number("SLURM_NNODES")
+            return node, node_count(environ, "SLURM_STEP_NUM_NODES") or node_count(environ, "SLURM_NNODES")
     if environ.get("PBS_NODEFILE") and number("PBS_NODENUM") is not None:
         return number("PBS_NODENUM"), None  # type: ignore[return-value]
     return None

@@ -82,6 +82,10 @@ def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
     finetune.check_lora_targets(cfg)
     if ckpt is None:
         pin_init_from(cfg)  # run:DIR -> its newest checkpoint, named from now on
+    if cfg.finetune.lora_rank:
+        from loom.data.loader import read_meta
+
+        finetune.warn_frozen_new_tokens(cfg, read_meta(data_dir))
     if is_run_init(cfg) and ckpt is None:
         from loom.data.loader import read_meta
 
@@ -185,11 +189,32 @@ def auto_resume(req: RunRequest, share=(0, 1)) -> RunRequest:
     # the start mode is not part of what the run is: a run started plainly (or with --resume) that died before
     # its first complete checkpoint (a save killed half way leaves only step_N.tmp) is started again by auto
     if saved.is_file() and not [
-        d for d in diff_configs(config_from_dict(load_toml(saved)), cfg) if not d.startswith("train.resume:")
+        d
+        for d in diff_configs(config_from_dict(load_toml(saved)), _as_saved(cfg, req.explicit))
+        if not d.startswith("train.resume:")
     ]:
         log.warn(f"{run_dir} has no valid checkpoint: starting it again")
         return replace(req, force=True)
     return req
+
+
+def _as_saved(cfg: Config, explicit: frozenset[str]) -> Config:
+    """The config as the run saved it: with model.init_from=run:DIR, DIR's model keys applied (to a copy), as
+    plan_run applies them before the run starts. Compared without them, a fine-tuning run never equalled its
+    own config.toml: train.resume=auto (and an elastic restart) refused to start again a LoRA/SFT run that died
+    before its first checkpoint, where a pretraining run is started again (its folder, metrics.jsonl too,
+    replaced)."""
+    from loom.runs import is_run_init
+
+    if not is_run_init(cfg):
+        return cfg
+    import copy
+
+    from loom.train import finetune
+
+    mine = copy.deepcopy(cfg)
+    finetune.apply_run_init(mine, set(explicit))
+    return mine
 
 
 def check_checkpoint_model(ckpt: Path, cfg: Config) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loom import log
 from loom.config import Config, config_from_dict, load_toml
 from loom.errors import LoomError
 from loom.runs import is_run_init, run_dir_of
@@ -60,6 +61,25 @@ def lora_embeddings(cfg: Config, meta: dict) -> bool:
     return isinstance(base, int) and base < meta["vocab_size"]
 
 
+def warn_frozen_new_tokens(cfg: Config, meta: dict) -> None:
+    """An explicit finetune.lora_embeddings=false on data that adds tokens is warned about, not refused: it
+    has its uses (adapter-only checkpoints, a peft adapter that many-adapter servers load over one shared
+    base), but every new row starts as the same mean row and stays frozen, so the model cannot tell the new
+    tokens apart (LoRA SFT stalled that way at val 2.29 before lora_embeddings=auto existed)."""
+    if not cfg.finetune.lora_rank or cfg.finetune.lora_embeddings != "false":
+        return
+    base = (meta.get("chat") or {}).get("base_vocab_size")
+    if not isinstance(base, int) or base >= meta["vocab_size"]:
+        return
+    new = meta["vocab_size"] - base
+    log.warn(
+        f"finetune.lora_embeddings=false, but the data adds {new} token(s) to the base model's vocabulary of "
+        f"{base:,} (chat tokens): their embedding and head rows all start as the same mean row and stay "
+        "frozen, so the model sees them as one token and cannot learn to tell them apart. Set "
+        "finetune.lora_embeddings=auto (or true) to train the embedding and head with the adapters"
+    )
+
+
 def apply_finetune(model, cfg: Config, meta: dict) -> list[str]:
     """finetune.* on a model just built, before the layout (tensor parallel and FSDP see the adapters): LoRA
     on the chosen linears, the base frozen, and the embedding and head trainable again when
@@ -93,25 +113,27 @@ def lora_flops_per_token(cfg: Config, meta: dict, model_cfg, full: float) -> flo
 
 
 def check_lora_targets(cfg: Config) -> None:
-    """finetune.lora_targets that match no linear of the model are refused before any process starts: the
-    adapters are tried on the model built on the meta device (shapes only, no memory)."""
+    """finetune.lora_targets that match no linear of the model, and a rank above an adapted linear's width,
+    are refused before any process starts: the adapters are tried on the model built on the meta device
+    (shapes only, no memory)."""
     if not cfg.finetune.lora_rank:
         return
-    from loom.model.lora import apply_configured
+    from loom.model.lora import apply_configured, check_rank
     from loom.model.registry import spec_of
 
     model = spec_of(cfg).build_model(cfg, max(cfg.model.vocab_size, 1), "meta", eot_id=0)
     apply_configured(model, cfg.finetune)
+    check_rank(model)  # a rank above an adapted linear's width is no low-rank adapter
 
 
 def check_run_data(cfg: Config, data_dir: Path, meta: dict) -> None:
     """The data's tokenizer must be the run's, or the run's with tokens appended (chat data): every id the run
     learned keeps its meaning."""
     from loom.data.loader import read_meta
-    from loom.data.tokenizers import tokenizer_hash
+    from loom.data.tokenizers import run_tokenizer_dir, tokenizer_hash
 
     d = run_dir_of(cfg)
-    run_meta = read_meta(d / "tokenizer")
+    run_meta = read_meta(run_tokenizer_dir(d))
     base = (meta.get("chat") or {}).get("base_tokenizer_hash")
     same = tokenizer_hash(d / "tokenizer", run_meta) in (tokenizer_hash(data_dir, meta), base)
     if not same:
