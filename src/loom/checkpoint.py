@@ -258,7 +258,32 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> None:
         except LoomError as e:
             log.warn_once(f"{e.message}: train.keep_last does not count it, and it is left in place")
     for p in valid[:-keep_last] if keep_last > 0 else []:
+        if pins(p):  # the base of a LoRA run, which holds no copy of it
+            users = ", ".join(f.read_text(encoding="utf-8").strip() or f.name for f in pins(p))
+            log.warn_once(
+                f"checkpoint '{p}' is kept beyond train.keep_last: the LoRA run(s) {users} were trained on it "
+                f"(delete {p.name}{PIN_SUFFIX}* beside it to let it go)"
+            )
+            continue
         shutil.rmtree(p, ignore_errors=True)
+
+
+PIN_SUFFIX = ".pin."  # step_N.pin.<run_id>: a file beside a checkpoint that a fine-tuned run depends on
+
+
+def pin(path: Path, run_id: str, user: Path) -> None:
+    """Mark checkpoint `path` as the base of the run `user` (its run_id names the mark): its own run's
+    train.keep_last then keeps it (prune). A file beside the checkpoint, not in it (the manifest lists
+    exactly its files); the base run's folder not writable is a warning, not an error."""
+    try:
+        (path.parent / f"{path.name}{PIN_SUFFIX}{run_id}").write_text(f"{user}\n", encoding="utf-8")
+    except OSError as e:
+        log.warn(f"could not mark '{path}' as this run's base ({e}): its run's train.keep_last may delete it")
+
+
+def pins(path: Path) -> list[Path]:
+    """The marks of the runs that depend on checkpoint `path` (pin)."""
+    return sorted(path.parent.glob(f"{path.name}{PIN_SUFFIX}*"))
 
 
 REQUIRED_FILES = (*TENSOR_FILES, "state.json")

@@ -255,8 +255,8 @@ def base_checkpoint(cfg: Config) -> Path | None:
     _, ckpt = init_source(cfg)
     if ckpt is not None and not ckpt.is_dir():
         raise LoomError(
-            f"model.init_from={cfg.model.init_from}: the checkpoint this run was fine-tuned from is gone (a run "
-            "that trains on deletes its older checkpoints: train.keep_last)",
+            f"model.init_from={cfg.model.init_from}: the checkpoint this run was fine-tuned from is gone (its run "
+            "keeps the checkpoint a LoRA run marked, step_N.pin.*: deleted by hand, or before the mark existed)",
             hint="restore that checkpoint folder: a LoRA run's adapters were trained on those weights and hold "
             "no base of their own",
         )
@@ -279,6 +279,13 @@ def pin_init_from(cfg: Config) -> None:
         )
     cfg.model.init_from = f"{PREFIX}{path}"
     log.info(f"model.init_from: {d}'s newest checkpoint, {path.name} (pinned: the run's config names it)")
+
+
+def pin_base(cfg: Config, run_dir: Path, run_id: str) -> None:
+    """A LoRA run keeps no copy of its base: the base checkpoint is marked so that its run, training on, keeps
+    it past train.keep_last (checkpoint.pin). A full fine-tuning holds every weight and needs no mark."""
+    if is_run_init(cfg) and cfg.finetune.lora_rank and (ckpt := init_source(cfg)[1]) is not None:
+        checkpoint.pin(ckpt, run_id, run_dir.resolve())
 
 
 def base_record(cfg: Config) -> dict | None:

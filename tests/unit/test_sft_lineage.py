@@ -49,7 +49,8 @@ def test_eval_of_a_chat_run_is_the_loss_the_run_reported(sft, capsys):
 def test_a_lora_run_keeps_the_base_it_was_trained_on(sft, tmp_path, capsys):
     """Fault 2: the frozen base was read from model.init_from's newest checkpoint at every use, so the LoRA run
     changed (4.1368 -> 4.0929) when its base run trained on. Now the run pins the checkpoint it started from,
-    by name and hash: the base training on changes nothing; a base gone or re-saved is refused by name."""
+    by name and hash, and marks it so that the base run's train.keep_last keeps it: the base training on
+    changes nothing; a base deleted by hand or re-saved is refused by name."""
     base = tmp_path / "runs" / "pbase"
     shutil.copytree(sft / "runs" / "base", base)
     args = _sft_args(sft, "pinned", "--finetune.lora_rank=2", f"--model.init_from=run:{base}")
@@ -61,7 +62,13 @@ def test_a_lora_run_keeps_the_base_it_was_trained_on(sft, tmp_path, capsys):
     assert record["init_from"] == f"run:{pinned}" and len(record["sha256"]) == 64
     before = _val_loss(capsys, run)
 
-    assert main(["train", "--resume", str(base), "--train.steps=6", "--train.keep_last=5"]) == 0
+    capsys.readouterr()
+    again = ["train", "--resume", str(base), "--train.steps=6", "--train.keep_last=1", "--train.ckpt_every=1"]
+    assert main(again) == 0
+    # keep_last=1 keeps step 6 and the checkpoint the LoRA run depends on, which it names
+    assert sorted(p.name for p in (base / "ckpt").iterdir() if p.is_dir()) == ["step_000003", "step_000006"]
+    out = capsys.readouterr().out
+    assert "is kept beyond train.keep_last: the LoRA run(s) " in out and str(run.resolve()) in out, out
     assert _val_loss(capsys, run) == before  # the base run's newer checkpoint is not this run's base
 
     shutil.rmtree(pinned)

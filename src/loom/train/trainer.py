@@ -46,7 +46,7 @@ from loom.optim.schedule import lr_at
 from loom.parallel import fp8, parallelize
 from loom.parallel.dims import ParallelDims
 from loom.parallel.state import model_state_bytes
-from loom.runs import pretrained_state
+from loom.runs import pin_base, pretrained_state
 from loom.train.budget import TimeBudget
 from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointParts, CheckpointPolicy
 from loom.train.finetune import apply_finetune, lora_flops_per_token
@@ -452,7 +452,10 @@ class Trainer:
 
     # ---------------------------------------------------------------- the run
     def _write_run_files(self) -> Sinks:
-        """Rank 0's run folder (loom.train.run_files), written once nothing can fail cheaply: its sinks."""
+        """Rank 0's run folder (loom.train.run_files), written once nothing can fail cheaply: its sinks; and a
+        LoRA run's mark on its base checkpoint (loom.runs.pin_base)."""
+        if "run_id" in self.origin:
+            pin_base(self.cfg, self.run_dir, self.origin["run_id"])
         return write_run_files(
             self.run_dir,
             self.cfg,
