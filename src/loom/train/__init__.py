@@ -188,9 +188,10 @@ def auto_resume(req: RunRequest, share=(0, 1)) -> RunRequest:
     saved = run_dir / "config.toml"
     # the start mode is not part of what the run is: a run started plainly (or with --resume) that died before
     # its first complete checkpoint (a save killed half way leaves only step_N.tmp) is started again by auto
-    if saved.is_file() and not [
+    before = config_from_dict(load_toml(saved)) if saved.is_file() else None
+    if before is not None and not [
         d
-        for d in diff_configs(config_from_dict(load_toml(saved)), _as_saved(cfg, req.explicit))
+        for d in diff_configs(before, _as_saved(cfg, req.explicit, before))
         if not d.startswith("train.resume:")
     ]:
         log.warn(f"{run_dir} has no valid checkpoint: starting it again")
@@ -198,13 +199,13 @@ def auto_resume(req: RunRequest, share=(0, 1)) -> RunRequest:
     return req
 
 
-def _as_saved(cfg: Config, explicit: frozenset[str]) -> Config:
+def _as_saved(cfg: Config, explicit: frozenset[str], saved: Config) -> Config:
     """The config as the run saved it: with model.init_from=run:DIR, DIR's model keys applied (to a copy), as
-    plan_run applies them before the run starts. Compared without them, a fine-tuning run never equalled its
-    own config.toml: train.resume=auto (and an elastic restart) refused to start again a LoRA/SFT run that died
-    before its first checkpoint, where a pretraining run is started again (its folder, metrics.jsonl too,
-    replaced)."""
-    from loom.runs import is_run_init
+    plan_run applies them before the run starts, and run:DIR read as the checkpoint of DIR the run was pinned
+    to (`saved`'s). Compared without them, a fine-tuning run never equalled its own config.toml:
+    train.resume=auto (and an elastic restart) refused to start again a LoRA/SFT run that died before its first
+    checkpoint, where a pretraining run is started again (its folder, metrics.jsonl too, replaced)."""
+    from loom.runs import is_run_init, same_base
 
     if not is_run_init(cfg):
         return cfg
@@ -214,6 +215,8 @@ def _as_saved(cfg: Config, explicit: frozenset[str]) -> Config:
 
     mine = copy.deepcopy(cfg)
     finetune.apply_run_init(mine, set(explicit))
+    if same_base(saved.model.init_from, mine.model.init_from):
+        mine.model.init_from = saved.model.init_from
     return mine
 
 
