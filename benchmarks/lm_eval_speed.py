@@ -57,12 +57,42 @@ def make_run(root: Path) -> Path:
     for i in range(4):
         (docs / f"d{i}.txt").write_text(". ".join(sentence(rng, 12) for _ in range(3000)))
     loom = [sys.executable, "-m", "loom"]
-    subprocess.run([*loom, "data", "prepare", "--input", str(docs), "--out", str(root / "data"), "--tokenizer", "bpe",
-                    "--vocab-size", "4096"], check=True)  # fmt: skip
-    subprocess.run([*loom, "train", f"--data.path={root / 'data'}", f"--run.dir={root}", "--run.name=gpt2",
-                    "--model.n_layer=12", "--model.n_head=12", "--model.n_embd=768", "--model.block_size=1024",
-                    "--model.vocab_size=50257", "--train.steps=1", "--train.batch_size=1",
-                    "--train.eval_batches=1", "--train.sample_every=0", "--train.device=cpu"], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            *loom,
+            "data",
+            "prepare",
+            "--input",
+            str(docs),
+            "--out",
+            str(root / "data"),
+            "--tokenizer",
+            "bpe",
+            "--vocab-size",
+            "4096",
+        ],
+        check=True,
+    )
+    subprocess.run(
+        [
+            *loom,
+            "train",
+            f"--data.path={root / 'data'}",
+            f"--run.dir={root}",
+            "--run.name=gpt2",
+            "--model.n_layer=12",
+            "--model.n_head=12",
+            "--model.n_embd=768",
+            "--model.block_size=1024",
+            "--model.vocab_size=50257",
+            "--train.steps=1",
+            "--train.batch_size=1",
+            "--train.eval_batches=1",
+            "--train.sample_every=0",
+            "--train.device=cpu",
+        ],
+        check=True,
+    )
     subprocess.run(
         [*loom, "export", str(root / "gpt2"), "--format", "hf", "--out", str(root / "hf")], check=True
     )

@@ -164,9 +164,21 @@ def main() -> None:
             f.write(json.dumps({"messages": msgs}) + "\n")
     chat = runs / "chat"
     loom(
-        "data", "prepare", "--chat", "--input", str(data / "train.jsonl"), "--out", str(chat),
-        "--tokenizer", str(base), "--block-size", "128", "--val-fraction", "0.05", "--force",
-    )  # fmt: skip
+        "data",
+        "prepare",
+        "--chat",
+        "--input",
+        str(data / "train.jsonl"),
+        "--out",
+        str(chat),
+        "--tokenizer",
+        str(base),
+        "--block-size",
+        "128",
+        "--val-fraction",
+        "0.05",
+        "--force",
+    )
     sft = [
         f"--data.path={chat}",
         f"--model.init_from=run:{base}",

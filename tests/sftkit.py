@@ -32,15 +32,44 @@ def make_sft_root(root):
     """A tiny base run (char tokenizer) and chat data prepared with its tokenizer, under `root`."""
     rng = random.Random(0)
     (root / "base.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(4000)) + " reverse: again\n")
-    assert main(["data", "prepare", "--input", str(root / "base.txt"), "--out", str(root / "text"),
-                 "--tokenizer", "char"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--input",
+                str(root / "base.txt"),
+                "--out",
+                str(root / "text"),
+                "--tokenizer",
+                "char",
+            ]
+        )
+        == 0
+    )
     base = [f"--data.path={root / 'text'}", f"--run.dir={root / 'runs'}", "--run.name=base", *MODEL, *QUIET]
     assert main(["train", *base, "--train.steps=3"]) == 0
     with open(root / "conv.jsonl", "w", encoding="utf-8") as f:
         for c in _conversations(120, seed=1):
             f.write(json.dumps(c) + "\n")
-    assert main(["data", "prepare", "--chat", "--input", str(root / "conv.jsonl"), "--out", str(root / "chat"),
-                 "--tokenizer", str(root / "runs" / "base"), "--block-size", "64"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--chat",
+                "--input",
+                str(root / "conv.jsonl"),
+                "--out",
+                str(root / "chat"),
+                "--tokenizer",
+                str(root / "runs" / "base"),
+                "--block-size",
+                "64",
+            ]
+        )
+        == 0
+    )
     return root
 
 

@@ -50,8 +50,13 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
             pts = [(r["tokens"], r[key]) for r in recs if key in r and "tokens" in r]
             if pts:
                 style = ["-", "--", ":", "-."][j % 4]
-                ax_score.plot(*zip(*pts, strict=True), color=color, marker="o", linestyle=style,
-                              label=f"{name} {key.removeprefix('lm_eval/')}")  # fmt: skip
+                ax_score.plot(
+                    *zip(*pts, strict=True),
+                    color=color,
+                    marker="o",
+                    linestyle=style,
+                    label=f"{name} {key.removeprefix('lm_eval/')}",
+                )
     if scores:
         ax_score.set_xlabel("tokens")
         ax_score.set_ylabel("accuracy (CORE: centred)")

@@ -27,9 +27,17 @@ def kit(tmp_path_factory):
     scored = [f"--eval.tasks={TASKS}", f"--eval.include_path={tasks}", f"--eval.core_bundle={bundle}"]
     loom_here("train", "--nproc", "2", *common, "--run.name=tp2", "--parallel.tp=2", *scored)  # at the end
     loom_here(
-        "train", "--nproc", "2", *common, "--run.name=fsdp2", "--parallel.dp_impl=fsdp", *scored,
-        "--eval.every=4", "--train.ckpt_every=4", "--train.keep_last=2",
-    )  # fmt: skip
+        "train",
+        "--nproc",
+        "2",
+        *common,
+        "--run.name=fsdp2",
+        "--parallel.dp_impl=fsdp",
+        *scored,
+        "--eval.every=4",
+        "--train.ckpt_every=4",
+        "--train.keep_last=2",
+    )
     return root, tasks, bundle
 
 
@@ -67,7 +75,18 @@ def test_in_loop_record_equals_loom_eval_of_its_checkpoint(kit, name, steps, ste
     recs = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl") if "core" in r}
     assert sorted(recs) == steps
     got = _scores(
-        root, f"{name}_step{step}", str(run), "--tasks", TASKS, "--include-path", str(tasks), "--suite", "core",
-        "--bundle", str(bundle), "--ckpt", str(run / "ckpt" / f"step_{step:06d}"),
-    )  # fmt: skip
+        root,
+        f"{name}_step{step}",
+        str(run),
+        "--tasks",
+        TASKS,
+        "--include-path",
+        str(tasks),
+        "--suite",
+        "core",
+        "--bundle",
+        str(bundle),
+        "--ckpt",
+        str(run / "ckpt" / f"step_{step:06d}"),
+    )
     _same({k: recs[step][k] for k in got}, got, 1e-5)

@@ -27,12 +27,34 @@ def test_verify_sft_loss_on_every_data_parallel_and_tensor_layout(tmp_path):
             msgs.append({"role": "assistant", "content": " ".join(reversed(w)) * (1 + i % 3)})
             f.write(json.dumps({"messages": msgs}) + "\n")
     chat = tmp_path / "chat"
-    assert main(["data", "prepare", "--chat", "--input", str(tmp_path / "conv.jsonl"), "--out", str(chat),
-                 "--tokenizer", "char", "--block-size", "128"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--chat",
+                "--input",
+                str(tmp_path / "conv.jsonl"),
+                "--out",
+                str(chat),
+                "--tokenizer",
+                "char",
+                "--block-size",
+                "128",
+            ]
+        )
+        == 0
+    )
     recs = verify_records(
-        tmp_path, chat, "ddp,fsdp,tp", "--nproc", "2", "--model.block_size=128", "--data.doc_mask=true",
+        tmp_path,
+        chat,
+        "ddp,fsdp,tp",
+        "--nproc",
+        "2",
+        "--model.block_size=128",
+        "--data.doc_mask=true",
         "--data.doc_positions=restart",
-    )  # fmt: skip
+    )
     assert [r["world_size"] for r in recs] == [2, 2, 2]
     # pipeline parallel (no document masks there: one conversation a row, padded): the schedule's micro-batch
     # loss is the sum over its trained targets, weighted by the global count (loom.parallel.pipeline)

@@ -31,10 +31,20 @@ def kit(tmp_path_factory):
     data = prepare_data(root)
     tasks, bundle = write_tasks(root), write_bundle(root)
     loom_here(
-        "train", f"--data.path={data}", f"--run.dir={root}", "--run.name=r", "--train.steps=30", *TINY,
-        "--train.log_every=10", f"--eval.tasks={TASKS}", f"--eval.include_path={tasks}",
-        f"--eval.core_bundle={bundle}", "--eval.every=15", "--train.ckpt_every=15", "--train.keep_last=3",
-    )  # fmt: skip
+        "train",
+        f"--data.path={data}",
+        f"--run.dir={root}",
+        "--run.name=r",
+        "--train.steps=30",
+        *TINY,
+        "--train.log_every=10",
+        f"--eval.tasks={TASKS}",
+        f"--eval.include_path={tasks}",
+        f"--eval.core_bundle={bundle}",
+        "--eval.every=15",
+        "--train.ckpt_every=15",
+        "--train.keep_last=3",
+    )
     run = root / "r"
     loom_here("export", str(run), "--format", "hf", "--out", str(root / "hf"))
     return types.SimpleNamespace(root=root, data=data, tasks=tasks, bundle=bundle, run=run, hf=root / "hf")
@@ -138,24 +148,41 @@ class _FakeLM:
 def test_core_scores_as_nanochat_does(tmp_path):
     """Multiple choice: the common prefix is context, the lowest MEAN loss wins; schema: the common suffix is
     scored; language modelling: right when greedy; each accuracy centred on its random baseline."""
-    mc = core.CoreTask("mc", "multiple_choice", 1, ": ", 0.25, [
-        {"query": "q0", "choices": ["aa", "b"], "gold": 0},
-        {"query": "q1", "choices": ["cc", "d"], "gold": 1},
-    ])  # fmt: skip
+    mc = core.CoreTask(
+        "mc",
+        "multiple_choice",
+        1,
+        ": ",
+        0.25,
+        [
+            {"query": "q0", "choices": ["aa", "b"], "gold": 0},
+            {"query": "q1", "choices": ["cc", "d"], "gold": 1},
+        ],
+    )
     assert core.prompts(mc, 0) == ["q1: d\n\nq0: aa", "q1: d\n\nq0: b"]  # the other example, its gold choice
     fake = _FakeLM({"aa": 1.0, "b": 1.5, "cc": 1.0, "d": 1.2})  # means: aa wins (right), cc wins (wrong)
     r = core.evaluate(fake, [mc])
     assert r["accuracy"] == {"mc": 0.5} and r["centered"]["mc"] == pytest.approx((0.5 - 0.25) / 0.75)
     assert ("q1: d\n\nq0: ", "aa") in fake.seen
-    schema = core.CoreTask("s", "schema", 0, " ", 0.5, [
-        {"context_options": ["he ran", "she sat"], "continuation": "home", "gold": 1}
-    ])  # fmt: skip
+    schema = core.CoreTask(
+        "s",
+        "schema",
+        0,
+        " ",
+        0.5,
+        [{"context_options": ["he ran", "she sat"], "continuation": "home", "gold": 1}],
+    )
     fake = _FakeLM({" home": 2.0})
     assert core.evaluate(fake, [schema])["accuracy"] == {"s": 0.0}  # equal losses: the first option
     assert [s for s in fake.seen] == [("he ran", " home"), ("she sat", " home")]
-    lm = core.CoreTask("l", "language_modeling", 0, " ", 0.0, [
-        {"context": "one two ", "continuation": "three"}, {"context": "a b", "continuation": "c"}
-    ])  # fmt: skip
+    lm = core.CoreTask(
+        "l",
+        "language_modeling",
+        0,
+        " ",
+        0.0,
+        [{"context": "one two ", "continuation": "three"}, {"context": "a b", "continuation": "c"}],
+    )
     fake = _FakeLM({}, greedy={" three"})
     r = core.evaluate(fake, [lm])
     assert r["accuracy"] == {"l": 0.5} and r["core"] == pytest.approx(0.5)
@@ -169,11 +196,31 @@ def test_in_loop_records_equal_loom_eval_of_the_checkpoint(kit, capsys):
     assert [r["step"] for r in recs] == [15, 30]
     step15 = kit.run / "ckpt" / "step_000015"
     out = kit.root / "new" / "e.json"  # a folder --json makes (it was a traceback after the whole evaluation)
-    assert main([
-        "eval", str(kit.run), "--tasks", TASKS, "--include-path", str(kit.tasks), "--suite", "core",
-        "--bundle", str(kit.bundle), "--json", str(out), "--device", "cpu", "--batch-size", "3",
-        "--ckpt", str(step15),
-    ]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(kit.run),
+                "--tasks",
+                TASKS,
+                "--include-path",
+                str(kit.tasks),
+                "--suite",
+                "core",
+                "--bundle",
+                str(kit.bundle),
+                "--json",
+                str(out),
+                "--device",
+                "cpu",
+                "--batch-size",
+                "3",
+                "--ckpt",
+                str(step15),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "evkit_mc" in text and "CORE" in text and "acc_norm" in text
     written = json.loads(out.read_text())
@@ -197,8 +244,23 @@ def test_plot_draws_the_scores_against_tokens(kit, tmp_path):
 
 
 def test_several_runs_give_mean_and_spread(kit, capsys):
-    assert main(["eval", "--runs", str(kit.run), str(kit.run), "--suite", "core", "--bundle", str(kit.bundle),
-                 "--device", "cpu"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--runs",
+                str(kit.run),
+                str(kit.run),
+                "--suite",
+                "core",
+                "--bundle",
+                str(kit.bundle),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.strip().startswith("core "))
     assert "± 0.0000" in line and "over 2 runs" in out
@@ -268,8 +330,11 @@ def test_missing_task_data_says_what_to_fetch(kit, tmp_path):
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     r = subprocess.run(
         [*LOOM, "eval", str(kit.run), "--tasks", "gone_hub", "--include-path", str(d)],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "data of task 'gone_hub'" in r.stderr and "cannot be read offline" in r.stderr
     assert "datasets cache" in r.stderr and "checkpoint" not in r.stdout  # before any model was read

@@ -233,9 +233,22 @@ def test_a_moe_router_is_never_adapted_and_every_adapter_trains():
     gradient (one process: silently dead; DDP: stops). all-linear and mlp skip it, naming it is refused."""
     from loom.model.moe import MoEConfig, MoEGPT
 
-    cfg = MoEConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=16, pos="rope", norm="rmsnorm",
-                    mlp="swiglu", tie_embeddings=False, n_experts=4, top_k=2, expert_hidden=8, n_shared=1,
-                    gemm="loop")  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=64,
+        n_layer=2,
+        n_head=2,
+        n_embd=16,
+        block_size=16,
+        pos="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        tie_embeddings=False,
+        n_experts=4,
+        top_k=2,
+        expert_hidden=8,
+        n_shared=1,
+        gemm="loop",
+    )
     torch.manual_seed(0)
     model = MoEGPT(cfg)
     names = apply_lora(model, rank=2, alpha=4.0, targets="all-linear", seed=0)

@@ -145,8 +145,19 @@ def test_chat_answers_and_refuses_a_base_model(sft, capsys):
         main(["sft", *_sft_args(sft, "chat-run", "--train.steps=2")[1:]]) == 0
     )  # loom sft: loom train, checked
     capsys.readouterr()
-    assert main(["chat", str(sft / "runs" / "chat-run"), "--prompt", "reverse: apple stone",
-                 "--max-new-tokens", "5"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "chat",
+                str(sft / "runs" / "chat-run"),
+                "--prompt",
+                "reverse: apple stone",
+                "--max-new-tokens",
+                "5",
+            ]
+        )
+        == 0
+    )
     answer = capsys.readouterr().out
     assert answer.endswith("\n") and "<|" not in answer  # the answer only, no chat token
     # the run's end-of-run sample was a reply to the first validation prompt, beside the data's answer
@@ -206,8 +217,24 @@ def test_chat_data_of_one_conversation_is_refused_by_name(sft, tmp_path, capsys)
         {"role": "assistant", "content": "river apple"},
     ]
     (tmp_path / "one.jsonl").write_text(json.dumps({"messages": msgs}) + "\n")
-    assert main(["data", "prepare", "--chat", "--input", str(tmp_path / "one.jsonl"), "--out", str(tmp_path / "one"),
-                 "--tokenizer", str(sft / "runs" / "base"), "--block-size", "64"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--chat",
+                "--input",
+                str(tmp_path / "one.jsonl"),
+                "--out",
+                str(tmp_path / "one"),
+                "--tokenizer",
+                str(sft / "runs" / "base"),
+                "--block-size",
+                "64",
+            ]
+        )
+        == 0
+    )
     args = _sft_args(sft, "one", "--train.steps=1")
     args[1] = f"--data.path={tmp_path / 'one'}"
     capsys.readouterr()
@@ -221,8 +248,24 @@ def test_sft_refuses_data_of_another_tokenizer(sft, tmp_path, capsys):
     other = tmp_path / "other.jsonl"
     msgs = [{"role": "user", "content": "zzz"}, {"role": "assistant", "content": "qqq"}]
     other.write_text(json.dumps({"messages": msgs}) + "\n" + json.dumps({"messages": msgs}) + "\n")
-    assert main(["data", "prepare", "--chat", "--input", str(other), "--out", str(tmp_path / "chat"),
-                 "--tokenizer", "char", "--block-size", "64"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--chat",
+                "--input",
+                str(other),
+                "--out",
+                str(tmp_path / "chat"),
+                "--tokenizer",
+                "char",
+                "--block-size",
+                "64",
+            ]
+        )
+        == 0
+    )
     args = _sft_args(sft, "other", "--train.steps=1")
     args[1] = f"--data.path={tmp_path / 'chat'}"
     capsys.readouterr()
@@ -299,8 +342,16 @@ def test_lora_from_a_run_under_pp_cp_zero1_and_sequence_parallel_equals_one_proc
     from loomrun import verify_records
 
     base = f"--model.init_from=run:{sft / 'runs' / 'base'}"
-    recs = verify_records(tmp_path, sft / "chat", "pp-1f1b,cp-ulysses,zero1,tp-sp", "--nproc", "2", base,
-                          "--finetune.lora_rank=2", *MODEL)  # fmt: skip
+    recs = verify_records(
+        tmp_path,
+        sft / "chat",
+        "pp-1f1b,cp-ulysses,zero1,tp-sp",
+        "--nproc",
+        "2",
+        base,
+        "--finetune.lora_rank=2",
+        *MODEL,
+    )
     assert [(r["pp"], r["cp"], r["tp"]) for r in recs] == [(2, 1, 1), (1, 2, 1), (1, 1, 1), (1, 1, 2)]
 
 
@@ -309,8 +360,9 @@ def test_a_lora_run_under_muon_resumes(sft):
     Muon group is left out, else its checkpoint could not be loaded (an IndexError in torch's DCP)."""
     from loom import checkpoint
 
-    args = _sft_args(sft, "muon-lora", "--finetune.lora_rank=2", "--finetune.lora_embeddings=false",
-                     "--optim.name=muon")  # fmt: skip
+    args = _sft_args(
+        sft, "muon-lora", "--finetune.lora_rank=2", "--finetune.lora_embeddings=false", "--optim.name=muon"
+    )
     assert main([*args, "--train.steps=2"]) == 0
     assert main([*args, "--train.steps=3", "--train.resume=auto"]) == 0
     assert checkpoint.latest_valid(sft / "runs" / "muon-lora" / "ckpt").name == "step_000003"
@@ -341,8 +393,14 @@ def test_init_optimizer_continues_the_base_runs_optimizer_state(sft, capsys):
     key = "state.blocks.0.attn.q_proj.weight.step"
     assert float(state[key]) == 4.0, {k: v for k, v in state.items() if k.endswith(".step")}
     capsys.readouterr()
-    assert main(_sft_args(sft, "opt-lora", "--train.steps=1", "--finetune.init_optimizer=true",
-                          "--finetune.lora_rank=2")) == 2  # fmt: skip
+    assert (
+        main(
+            _sft_args(
+                sft, "opt-lora", "--train.steps=1", "--finetune.init_optimizer=true", "--finetune.lora_rank=2"
+            )
+        )
+        == 2
+    )
     assert "finetune.init_optimizer=true takes the optimizer state" in capsys.readouterr().err
 
 

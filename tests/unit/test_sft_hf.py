@@ -76,17 +76,47 @@ def test_lora_on_an_hf_llama_merged_export_equals_the_unmerged_model(tmp_path):
     words = (["apple", "river"], ["stone", "cloud", "green"], ["house", "music"], ["paper", "apple"])
     _write_reversals(tmp_path / "conv.jsonl", words * 10)
     chat = tmp_path / "chat"
-    assert main(["data", "prepare", "--chat", "--input", str(tmp_path / "conv.jsonl"), "--out", str(chat),
-                 "--tokenizer", str(hf_dir / "tokenizer.json"), "--block-size", "64"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--chat",
+                "--input",
+                str(tmp_path / "conv.jsonl"),
+                "--out",
+                str(chat),
+                "--tokenizer",
+                str(hf_dir / "tokenizer.json"),
+                "--block-size",
+                "64",
+            ]
+        )
+        == 0
+    )
     assert read_meta(chat)["vocab_size"] == n_tok + 6
     run = tmp_path / "runs" / "lora"
     args = [
-        "train", f"--data.path={chat}", f"--model.init_from=hf:{hf_dir}", f"--run.dir={tmp_path / 'runs'}",
-        "--run.name=lora", "--model.block_size=64", "--finetune.lora_rank=4", "--finetune.lora_alpha=8",
-        "--finetune.lora_targets=all-linear", "--train.steps=4", "--optim.lr=2e-2", "--optim.warmup_steps=0",
-        "--train.eval_every=0", "--train.sample_every=0", "--train.eval_batches=1", "--train.batch_size=4",
-        "--train.device=cpu", "--data.doc_mask=true", "--data.doc_positions=restart",
-    ]  # fmt: skip
+        "train",
+        f"--data.path={chat}",
+        f"--model.init_from=hf:{hf_dir}",
+        f"--run.dir={tmp_path / 'runs'}",
+        "--run.name=lora",
+        "--model.block_size=64",
+        "--finetune.lora_rank=4",
+        "--finetune.lora_alpha=8",
+        "--finetune.lora_targets=all-linear",
+        "--train.steps=4",
+        "--optim.lr=2e-2",
+        "--optim.warmup_steps=0",
+        "--train.eval_every=0",
+        "--train.sample_every=0",
+        "--train.eval_batches=1",
+        "--train.batch_size=4",
+        "--train.device=cpu",
+        "--data.doc_mask=true",
+        "--data.doc_positions=restart",
+    ]
     assert main(args) == 0
 
     # the run's model as trained: the base (frozen) and its adapters, not merged
@@ -152,9 +182,15 @@ def test_the_tokenizers_own_chat_template_trains_chats_and_exports(tmp_path, cap
     )
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(hf_dir)
     with open(tmp_path / "conv.jsonl", "w", encoding="utf-8") as f:
         for w in (["hi", "hey"], ["how", "are", "you"], ["fine", "thanks"]) * 8:
@@ -164,15 +200,43 @@ def test_the_tokenizers_own_chat_template_trains_chats_and_exports(tmp_path, cap
             ]
             f.write(json.dumps({"messages": msgs}) + "\n")
     chat = tmp_path / "chat"
-    assert main(["data", "prepare", "--chat", "--input", str(tmp_path / "conv.jsonl"), "--out", str(chat),
-                 "--tokenizer", str(hf_dir), "--chat-template", "tokenizer", "--block-size", "64"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--chat",
+                "--input",
+                str(tmp_path / "conv.jsonl"),
+                "--out",
+                str(chat),
+                "--tokenizer",
+                str(hf_dir),
+                "--chat-template",
+                "tokenizer",
+                "--block-size",
+                "64",
+            ]
+        )
+        == 0
+    )
     assert read_meta(chat)["chat"]["template"] == "tokenizer"
     args = [
-        "train", f"--data.path={chat}", f"--model.init_from=hf:{hf_dir}", f"--run.dir={tmp_path / 'runs'}",
-        "--run.name=own", "--model.block_size=64", "--finetune.lora_rank=2", "--train.steps=2",
-        "--train.eval_every=0", "--train.sample_every=0", "--train.eval_batches=1", "--train.batch_size=4",
-        "--train.device=cpu", "--data.doc_mask=true",
-    ]  # fmt: skip
+        "train",
+        f"--data.path={chat}",
+        f"--model.init_from=hf:{hf_dir}",
+        f"--run.dir={tmp_path / 'runs'}",
+        "--run.name=own",
+        "--model.block_size=64",
+        "--finetune.lora_rank=2",
+        "--train.steps=2",
+        "--train.eval_every=0",
+        "--train.sample_every=0",
+        "--train.eval_batches=1",
+        "--train.batch_size=4",
+        "--train.device=cpu",
+        "--data.doc_mask=true",
+    ]
     assert main(args) == 0
     run = tmp_path / "runs" / "own"
     capsys.readouterr()
@@ -206,8 +270,24 @@ def test_an_hf_gpt2_without_room_grows_its_vocabulary_for_the_chat_tokens(tmp_pa
     tok.save(str(hf_dir / "tokenizer.json"))
     _write_reversals(tmp_path / "conv.jsonl", (["apple", "river"], ["stone", "cloud"]) * 8)
     chat = tmp_path / "chat"
-    assert main(["data", "prepare", "--chat", "--input", str(tmp_path / "conv.jsonl"), "--out", str(chat),
-                 "--tokenizer", str(hf_dir / "tokenizer.json"), "--block-size", "64"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--chat",
+                "--input",
+                str(tmp_path / "conv.jsonl"),
+                "--out",
+                str(chat),
+                "--tokenizer",
+                str(hf_dir / "tokenizer.json"),
+                "--block-size",
+                "64",
+            ]
+        )
+        == 0
+    )
 
     flags = [f"--data.path={chat}", f"--model.init_from=hf:{hf_dir}", "--model.block_size=64"]
     loom_cfg = load_config(None, flags)
@@ -219,8 +299,16 @@ def test_an_hf_gpt2_without_room_grows_its_vocabulary_for_the_chat_tokens(tmp_pa
     assert torch.equal(wte[:n], theirs)
     torch.testing.assert_close(wte[n : n + 6], theirs.mean(0).expand(6, -1))
 
-    args = [*flags, f"--run.dir={tmp_path / 'runs'}", "--run.name=sft", "--train.steps=2", "--train.batch_size=4",
-            "--train.eval_every=0", "--train.eval_batches=1", "--train.device=cpu"]  # fmt: skip
+    args = [
+        *flags,
+        f"--run.dir={tmp_path / 'runs'}",
+        "--run.name=sft",
+        "--train.steps=2",
+        "--train.batch_size=4",
+        "--train.eval_every=0",
+        "--train.eval_batches=1",
+        "--train.device=cpu",
+    ]
     assert main(["sft", *args]) == 0
     assert main(["sft", *args, "--train.steps=3", "--train.resume=auto"]) == 0  # the same growth again
     out = tmp_path / "hf"
