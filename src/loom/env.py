@@ -79,6 +79,21 @@ def _first(environ: Mapping[str, str], *names: str) -> tuple[str, str] | None:
     return None
 
 
+def node_count(environ: Mapping[str, str], name: str) -> int | None:
+    """The node count in environment variable `name`, None when unset. A value that is not a whole number of
+    at least 1 ("abc", "0") is refused: taken as unset, a launch silently used another count."""
+    value = environ.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise LoomError(
+            f"environment variable {name}={value!r} is not a node count (a whole number >= 1)",
+            hint=f"unset {name} or fix what sets it (Slurm sets it to the job's number of nodes); "
+            "--nnodes N gives the count by hand",
+        )
+    return int(value)
+
+
 def _int(environ: Mapping[str, str], *names: str, default: int | None = None) -> int | None:
     """The first of `names` that is set, as an int; `default` when none is."""
     found = _first(environ, *names)
@@ -361,13 +376,8 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
     world = _require(
         _int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), "task count", ("SLURM_NTASKS",)
     )
-    num_nodes = _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=1)
-    if num_nodes < 1:  # "0" divided the tasks by zero below
-        name, value = _first(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
-        raise LoomError(
-            f"environment variable {name}={value!r} is not a node count (a whole number >= 1)",
-            hint=f"unset {name} or fix the launcher that sets it",
-        )
+    found = _first(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    num_nodes = node_count(environ, found[0]) if found else 1  # "0" divided the tasks by zero below
     node_rank = _int(environ, "SLURM_NODEID", default=0)
     local_rank = _int(environ, "SLURM_LOCALID", default=0)
     per_node = _first(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from loom.env import expand_hostlist, read_hostfile
+from loom.env import expand_hostlist, node_count, read_hostfile
 from loom.errors import LoomError
 
 SCHEDULERS = ("slurm", "pbs", "hostfile", "none")
@@ -59,21 +59,6 @@ def detect_allocation(environ: Mapping[str, str] | None = None, hostfile: str | 
         hosts = read_hostfile(nodefile, "PBS_NODEFILE")  # set by PBS, not by an option
         return Allocation("pbs", tuple(hosts), environ.get("PBS_JOBID", "").strip() or None, nodefile)
     return Allocation("none")
-
-
-def node_count(environ: Mapping[str, str], name: str) -> int | None:
-    """The node count in environment variable `name`, None when unset. A value that is not a whole number of
-    at least 1 ("abc", "0") is refused: taken as unset, the launch silently used another count."""
-    value = environ.get(name, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise LoomError(
-            f"environment variable {name}={value!r} is not a node count (a whole number >= 1)",
-            hint=f"unset {name} or fix what sets it (Slurm sets it to the job's number of nodes); "
-            "--nnodes N gives the count by hand",
-        )
-    return int(value)
 
 
 def node_task(environ: Mapping[str, str] | None = None) -> tuple[int, int | None] | None:
