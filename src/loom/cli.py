@@ -818,9 +818,8 @@ def _eval_val(args, run: _Loaded) -> int:
     micro = cfg.train.micro_batch_size or cfg.train.batch_size
     loss = val_loss(run.model, vs, micro, run.device, all_reduce_sum=run.all_reduce_sum)
     line = f"val loss {loss:.4f} | perplexity {math.exp(loss):.2f}"
-    if (
-        tok is not None and getattr(vs, "tokens_per_byte", True) is not False
-    ):  # bits per byte: comparable across tokenizers
+    # bits per byte: comparable across tokenizers (not an SFT set's measure: ChatValSet says so)
+    if tok is not None and getattr(vs, "tokens_per_byte", True) is not False:
         from loom.eval.val_loss import bits_per_byte, tokens_per_byte
 
         tpb = tokens_per_byte(vs, tok, run.device, run.all_reduce_sum)
@@ -1064,7 +1063,7 @@ def _plan(argv: list[str]) -> int:
 
     if "--check" not in argv:
         return plan_main(argv)
-    from loom.dryrun.check import plan_check
+    from loom.dryrun.check import check_checkable, plan_check
     from loom.plan.report import build_parser, run_plan
 
     p = build_parser()
@@ -1072,14 +1071,7 @@ def _plan(argv: list[str]) -> int:
     p.add_argument("--gpu", default="H100", help="with --check: the GPU the dry run takes (default H100)")
     args = p.parse_args(argv)
     shape, cluster, wl, cands = run_plan(args)
-    if shape.is_moe:  # before the plan is printed: the check it asked for cannot follow
-        raise LoomError(
-            f"loom plan --check dry-runs the planner's layouts, and the dry run cannot step a mixture of experts "
-            f"({shape.name}): its fake tensors hold no values, and the routing decides from them how many tokens "
-            "each expert takes",
-            hint="leave out --check for the planner's estimate (its expert memory and all-to-all assume a "
-            "balanced router), or measure the layout on the devices",
-        )
+    check_checkable(shape)
     plain = [a for a in argv if a != "--check" and not a.startswith("--gpu=")]
     if "--gpu" in plain:  # "--gpu NAME": both go
         i = plain.index("--gpu")

@@ -26,9 +26,8 @@ def shape_overrides(shape, wl) -> list[str]:
         "tie_embeddings": str(shape.tie_embeddings).lower(),
         "qk_norm": str(shape.qk_norm).lower(),
     }
-    if (
-        shape.is_moe
-    ):  # the moe family with the shape's experts (without it, the gpt2 family refused parallel.ep)
+    # the moe family with the shape's experts (without it, the gpt2 family refused parallel.ep)
+    if shape.is_moe:
         m = {
             "family": "moe",
             **m,
@@ -71,3 +70,18 @@ def plan_check(model: str | None, shape, cluster, wl, cands, gpu: str = "H100") 
             f"{peak / planned:>6.2f}  {fits:<4} {r.seconds:.0f}"
         )
     return 0 if first_fits else 1
+
+
+def check_checkable(shape) -> None:
+    """`loom plan --check` of a shape the dry run cannot step (a mixture of experts: layout.NO_MOE) is refused
+    before the plan is printed: the check it asked for could not follow."""
+    if shape.is_moe:
+        from loom.dryrun.layout import NO_MOE
+        from loom.errors import LoomError
+
+        raise LoomError(
+            f"loom plan --check dry-runs the planner's layouts, and the dry run cannot step a mixture of experts "
+            f"({shape.name}): {NO_MOE}",
+            hint="leave out --check for the planner's estimate (its expert memory and all-to-all assume a "
+            "balanced router), or measure the layout on the devices",
+        )

@@ -46,6 +46,13 @@ def pipeline_supported() -> bool:
     return hasattr(_utils, "InferenceMode")
 
 
+# why a mixture of experts cannot be dry-run (check_layout; loom plan --check, loom.dryrun.check)
+NO_MOE = (
+    "the dry run's tensors hold no values, and a mixture of experts' routing decides the experts' shapes from "
+    "them (how many tokens each expert takes: loom.model.moe's bincount)"
+)
+
+
 def check_layout(cfg: Config, target: Target) -> ParallelDims:
     """Every rule a real job runs on its layout before anything else (loom.train.job_dims: config.validate on
     the launcher's world, then the warning for collectives that cross nodes), as rank 0 of `target.world`."""
@@ -64,8 +71,7 @@ def check_layout(cfg: Config, target: Target) -> ParallelDims:
         )
     if cfg.model.family == "moe":
         raise LoomError(
-            "model.family=moe: the dry run's tensors hold no values, and a mixture of experts' routing decides "
-            "the experts' shapes from them (how many tokens each expert takes: loom.model.moe's bincount)",
+            f"model.family=moe: {NO_MOE}",
             hint="estimate a MoE layout with loom plan --model CONFIG.toml (its expert memory and all-to-all "
             "assume a balanced router), or measure it on the devices",
         )
