@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loom.data.sources import corrupt_errors, kind_of_file, open_jsonl
+from loom.data.sources import corrupt_errors, kind_of_file, open_jsonl, open_parquet
 from loom.errors import LoomError
 
 ROLES = ("system", "user", "assistant")
@@ -142,15 +142,8 @@ PARQUET_COLUMNS = ("messages", "prompt", "completion")
 def _parquet_records(path: Path):
     """(file row N, record, None) per row of a Parquet file's messages (or prompt and completion) columns,
     read one row group at a time; rows are numbered from 0, as pandas and pyarrow do."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise LoomError(f"reading '{path}' needs pyarrow", hint="pip install 'loom[parquet]'") from None
-    try:
-        pf = pq.ParquetFile(path)
-        names = pf.schema_arrow.names
-    except Exception as e:  # pyarrow raises its own ArrowInvalid / OSError for a file that is not Parquet
-        raise LoomError(f"'{path}' is not a readable Parquet file: {e}") from None
+    pf = open_parquet(path)
+    names = pf.schema_arrow.names
     columns = [c for c in PARQUET_COLUMNS if c in names]
     if not columns:
         raise LoomError(

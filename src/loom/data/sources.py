@@ -418,18 +418,25 @@ def _split_text(text: str, opts: ReadOptions) -> Iterator[Unit]:
     yield from _pieces(iter([text]), ReadOptions(piece_chars=opts.piece_chars))
 
 
-def _parquet_units(path: Path, opts: ReadOptions, stats: ReadStats) -> Iterator[Unit]:
-    """One document per non-empty string of the text column, read one row group at a time."""
+def open_parquet(path: Path):
+    """pyarrow's ParquetFile of `path` (nothing read yet but its footer), or one error: pyarrow missing (the
+    extra to install), or a file that is not Parquet."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise LoomError(f"reading '{path}' needs pyarrow", hint="pip install 'loom[parquet]'") from None
     try:
         pf = pq.ParquetFile(path)
-        schema = pf.schema_arrow
+        pf.schema_arrow  # noqa: B018 (read here: a damaged footer fails now, as one error)
     except Exception as e:  # pyarrow raises its own ArrowInvalid / OSError for a file that is not Parquet
         raise LoomError(f"'{path}' is not a readable Parquet file: {e}") from None
-    top, inner = parquet_text_column(schema, opts.field, path)
+    return pf
+
+
+def _parquet_units(path: Path, opts: ReadOptions, stats: ReadStats) -> Iterator[Unit]:
+    """One document per non-empty string of the text column, read one row group at a time."""
+    pf = open_parquet(path)
+    top, inner = parquet_text_column(pf.schema_arrow, opts.field, path)
     stats.files += 1
     row = 0
     for g in range(pf.num_row_groups):  # one row group at a time (iter_batches held more: 448 vs 394 MB)
