@@ -837,19 +837,17 @@ def _val_set(cfg, data_dir: Path, data_meta: dict, n_rows: int, run: _Loaded):
     """The validation set the run itself measured, and what its rows are: for chat data (SFT) the val
     conversations packed as training packed them, only the assistant's tokens scored (loom.data.sft), as the
     run's own val loss; for text, windows of the token stream, every token scored."""
-    from loom.data.sft import ChatValSet, is_chat_data
+    from loom.data.sft import is_chat_data, validation_set
 
     block = cfg.model.block_size
+    vs = validation_set(cfg, data_dir, data_meta, n_rows, (run.rank, run.world))
     if is_chat_data(data_meta):
-        vs = ChatValSet(data_dir, block, n_rows, cfg.run.seed, run.rank, run.world, pack=cfg.data.doc_mask)
         packing = "several a row, each to itself" if cfg.data.doc_mask else "one a row"
         return (
             vs,
             f"rows of {block} tokens: conversations {packing}, the assistant's tokens scored (as the run)",
         )
-    from loom.data.loader import ValSet
-
-    return ValSet(data_dir, block, n_rows, run.rank, run.world), f"windows of {block} tokens"
+    return vs, f"windows of {block} tokens"
 
 
 def _split(args, run: _Loaded) -> str:

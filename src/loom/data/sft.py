@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from loom.data.formats import LOSS_MASK_SUFFIX, detect_dir, split_files
-from loom.data.loader import read_meta, seq_chunk
+from loom.data.loader import ValSet, read_meta, seq_chunk
 from loom.errors import LoomError
 
 
@@ -265,3 +265,14 @@ class ChatValSet:
                 masks[:] = False
             x, y = _inputs_targets(ids, masks)
             yield seq_chunk(x, *self.cp), seq_chunk(y, *self.cp)
+
+
+def validation_set(cfg, data_dir: Path, meta: dict, n_rows: int, dp: tuple = (0, 1), cp: tuple = (0, 1)):
+    """The validation rows a run measures, for the trainer and for `loom eval` of the run alike (one function,
+    so the two cannot disagree): chat data's val conversations packed as training packs them (ChatValSet, the
+    assistant's tokens scored), else windows of the token stream (ValSet). `cfg`: the run's loom Config;
+    dp, cp: (this rank, ranks) of the data- and context-parallel dimensions."""
+    block, cp_all = cfg.model.block_size, (*cp, cfg.parallel.cp_layout)
+    if is_chat_data(meta):
+        return ChatValSet(data_dir, block, n_rows, cfg.run.seed, *dp, *cp_all, pack=cfg.data.doc_mask)
+    return ValSet(data_dir, block, n_rows, *dp, *cp_all)

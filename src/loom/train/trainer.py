@@ -22,8 +22,8 @@ import loom.eval.hellaswag  # noqa: F401
 import loom.generate  # noqa: F401
 from loom import faults, log
 from loom.config import Config, Derived, to_toml
-from loom.data.loader import DeviceBatches, ShardLoader, ValSet, doc_eot_id, read_meta
-from loom.data.sft import ChatLoader, ChatValSet, is_chat_data
+from loom.data.loader import DeviceBatches, ShardLoader, doc_eot_id, read_meta
+from loom.data.sft import ChatLoader, is_chat_data, validation_set
 from loom.data.tokenizers import has_tokenizer, load_tokenizer
 from loom.distributed.comm import Control
 from loom.env import cpu_memory_release, cpu_memory_reuse
@@ -159,16 +159,7 @@ class Trainer:
             cp_layout=cfg.parallel.cp_layout,
         )
         self.batches = DeviceBatches(loader, self.device)
-        self.valset = ValSet(
-            data_dir,
-            cfg.model.block_size,
-            t.eval_batches * t.batch_size,
-            dims.dp_rank,
-            dims.dp,
-            dims.cp_rank,
-            dims.cp,
-            cfg.parallel.cp_layout,
-        )
+        self._valset(data_dir)
 
     def _model(self, dtype: str) -> torch.nn.Module:
         """The family's model, built on the meta device and parallelized (each rank materializes and initialises
@@ -283,8 +274,14 @@ class Trainer:
         block, seed = cfg.model.block_size, cfg.run.seed
         loader = ChatLoader(data_dir, t.batch_size, block, seed, dims.dp_rank, dims.dp, *cp, pack=pack)
         self.batches = DeviceBatches(loader, self.device)
+        self._valset(data_dir)
+
+    def _valset(self, data_dir: Path) -> None:
+        """The validation rows (loom.data.sft.validation_set: what `loom eval` of this run measures too)."""
+        t, dims = self.cfg.train, self.dims
         n_val = t.eval_batches * t.batch_size
-        self.valset = ChatValSet(data_dir, block, n_val, seed, dims.dp_rank, dims.dp, *cp, pack=pack)
+        dp, cp = (dims.dp_rank, dims.dp), (dims.cp_rank, dims.cp)
+        self.valset = validation_set(self.cfg, data_dir, self.meta, n_val, dp, cp)
 
     def _loss_scale(self, y: torch.Tensor) -> tuple[float, torch.Tensor]:
         """What a micro-batch's mean loss is multiplied by so that the step's gradient is the global batch's:
