@@ -14,7 +14,7 @@ import re
 import sys
 
 import pytest
-from docs_commands import TOP, all_commands, inner_command, loom_argv, runs_here, why_not_run
+from docs_commands import TOP, all_commands, inner_command, loom_argv, pages, runs_here, why_not_run
 
 from loom import cli, config
 from loom.model import registry
@@ -144,3 +144,25 @@ def test_make_lines_name_real_targets(cmd):
 def test_benchmark_scripts_exist(cmd):
     scripts = [w for w in cmd.words if w.startswith("benchmarks/") and w.endswith(".py")]
     assert all((TOP / s).is_file() for s in scripts), f"{cmd.id}: {scripts}"
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    heads = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(TOP)))
+def test_links_between_pages_resolve(page):
+    """Every relative link of README.md and docs/*.md names a file that exists, and a heading it has."""
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text(encoding="utf-8")):
+            bad.append(target)
+    assert not bad, f"{page.name}: links to nothing: {bad}"
