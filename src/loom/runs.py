@@ -135,10 +135,10 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
     share of them, the ranks agreeing on the newest checkpoint that verifies. Joins the job's process group.
     Returns (config, Parallelized, tokenizer, data meta, checkpoint path): every rank must run the same forward
     passes (`Parallelized.all_reduce_sum` sums over the ranks)."""
+    from loom.config.layout import ParallelDims
     from loom.distributed import process_group
     from loom.distributed.comm import TorchControl
     from loom.parallel import parallelize
-    from loom.parallel.dims import ParallelDims
 
     run_dir = Path(run_dir)
     cfg, meta, tokenizer = _open_run(run_dir)
