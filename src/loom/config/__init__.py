@@ -13,6 +13,7 @@ from loom.config.io import (
     FAMILIES,
     apply_dict,
     apply_family,
+    check_choice,
     config_argv,
     config_from_dict,
     diff_configs,
@@ -43,7 +44,7 @@ from loom.config.schema import (
     TrainConfig,
     all_keys,
 )
-from loom.config.validate import check_model_config, check_saved_config, validate
+from loom.config.validate import check_model_config, check_saved_config, check_tp_heads, validate
 
 __all__ = [
     "CHOICES",
@@ -69,8 +70,10 @@ __all__ = [
     "all_keys",
     "apply_dict",
     "apply_family",
+    "check_choice",
     "check_model_config",
     "check_saved_config",
+    "check_tp_heads",
     "config_argv",
     "config_from_dict",
     "diff_configs",

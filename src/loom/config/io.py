@@ -78,13 +78,19 @@ def set_key(cfg: Config, key: str, value: Any, from_text: bool = False) -> None:
             f"unknown config key '{key}'", hint=_suggest(key, [f"{section}.{n}" for n in names] + all_keys())
         )
     value = _coerce(key, value, getattr(sub, name), from_text)
-    choices = CHOICES.get((section, name))
-    if (section, name) == ("model", "family"):  # the registered families (loom.model.registry, plug-ins too)
-        choices = tuple(FAMILIES)
+    check_choice(key, value)
+    setattr(sub, name, value)
+
+
+def check_choice(key: str, value: Any) -> None:
+    """A key with a fixed set of values (CHOICES; model.family: the registered families, plug-ins too) holds
+    one of them: the one check, made by set_key and by code handed such a value directly (FSDP's mp_policy)."""
+    section, name = key.split(".", 1)
+    choices = tuple(FAMILIES) if key == "model.family" else CHOICES.get((section, name))
     if choices and value not in choices:
         hint = "a plug-in family is loaded by naming its module in LOOM_PLUGINS" if name == "family" else None
-        raise LoomError(f"config key '{key}' must be one of {', '.join(choices)}; got '{value}'", hint=hint)
-    setattr(sub, name, value)
+        shown = ", ".join(c or '""' for c in choices)  # '""': the empty value (param_dtype's default)
+        raise LoomError(f"config key '{key}' must be one of {shown}; got '{value}'", hint=hint)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

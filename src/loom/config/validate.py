@@ -354,17 +354,7 @@ def _check_mesh(cfg: Config, world: int) -> int:
             f"world size {world} is not divisible by parallel.cp x tp x pp = {p.cp} x {p.tp} x {p.pp}",
             hint=f"start a multiple of {p.cp * p.tp * p.pp} processes, or change cp/tp/pp",
         )
-    if m.n_head % p.tp:
-        raise LoomError(
-            f"parallel.tp={p.tp} does not divide model.n_head={m.n_head} (each rank holds whole heads)",
-            hint="pick tp among the divisors of n_head: " + _divisors(m.n_head),
-        )
-    kv = m.n_kv_head or m.n_head
-    if kv % p.tp:
-        raise LoomError(
-            f"parallel.tp={p.tp} does not divide model.n_kv_head={kv} (each rank holds whole key/value heads)",
-            hint="pick tp among the divisors of n_kv_head: " + _divisors(kv),
-        )
+    check_tp_heads(m.n_head, m.n_kv_head or m.n_head, p.tp)
     if p.sp and p.tp == 1:
         raise LoomError(
             "parallel.sp=true needs parallel.tp > 1 (sequence parallel shards what TP replicates)"
@@ -390,6 +380,22 @@ def _check_mesh(cfg: Config, world: int) -> int:
             hint="use bf16 or fp32 with pipeline parallel",
         )
     return world // (p.cp * p.tp * p.pp)
+
+
+def check_tp_heads(n_head: int, n_kv_head: int, tp: int) -> None:
+    """Tensor parallel splits whole heads: tp divides the query heads and the key/value heads. The one check,
+    made by validate() and by a family's parallel plan (handed tp directly)."""
+    if n_head % tp:
+        raise LoomError(
+            f"parallel.tp={tp} does not divide model.n_head={n_head} (each rank holds whole heads)",
+            hint="pick tp among the divisors of n_head: " + _divisors(n_head),
+        )
+    if n_kv_head % tp:
+        raise LoomError(
+            f"parallel.tp={tp} does not divide model.n_kv_head={n_kv_head} (each rank holds whole key/value "
+            "heads)",
+            hint="pick tp among the divisors of n_kv_head: " + _divisors(n_kv_head),
+        )
 
 
 def _resolve_dp_impl(cfg: Config, world: int, dp: int, dp_impl: str | None) -> str:
