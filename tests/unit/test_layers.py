@@ -7,6 +7,7 @@ import loom
 
 ROOT = Path(loom.__file__).parent
 LAYER = {
+    "compat": 0,
     "config": 0,
     "env": 0,
     "log": 0,

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loom import compat
 from loom.model.gpt import GPT, MLP, Block, GPTConfig
 
 
@@ -93,7 +94,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str
     w = w.to(x.dtype)  # autocast does not cover _grouped_mm: compute in the activations' dtype
     if impl == "grouped" or (impl == "auto" and grouped_ok(x, w)):
         offs = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return compat.grouped_mm(x, w.transpose(-2, -1), offs)
     parts = x.split(counts.tolist())
     return torch.cat([p @ w[g].t() for g, p in enumerate(parts)]) if parts else x.new_zeros(0, w.size(-2))
 
