@@ -32,6 +32,13 @@ def foreach_add_(tensors: list, value: float) -> None:
     torch._foreach_add_(tensors, value)
 
 
+def has_grouped_mm() -> bool:
+    """Whether this torch has `torch._grouped_mm` (a CPU kernel from 2.13 on). Checked on torch 2.11, 2.13."""
+    import torch
+
+    return hasattr(torch, "_grouped_mm")
+
+
 def grouped_mm(a, b, offs):
     """One grouped GEMM (`torch._grouped_mm`: rows of `a` grouped by the offsets `offs`, group g times b[g]).
     Checked on torch 2.11 (CUDA) and 2.13 (CUDA and CPU)."""

@@ -77,7 +77,7 @@ def grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     (Hopper's grouped GEMM); on both with 16-byte aligned rows of the input and the output (the CPU
     kernel too refuses others: "strides should be multiple of 16 bytes", the output's in backward). Under
     torch.compile in bf16 only: the kernel's meta function, which compile traces, refuses other types."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not compat.has_grouped_mm():
         return False
     if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:  # its compiled (meta) kernel: bf16 only
         return False
