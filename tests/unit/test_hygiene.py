@@ -23,7 +23,6 @@ LONG_FUNCTIONS = {
     "loom.launch._plan": "to split",
     "loom.launch.gate.head_gate": "to split",
     "loom.plan.estimate.evaluate": "to split",
-    "loom.verify.verify_main": "to split",
 }
 
 
