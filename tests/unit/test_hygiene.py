@@ -19,7 +19,6 @@ LONG_FUNCTIONS = {
     "loom.parallel.parallelize": OWNED.format("trainer cadence"),
     "loom.bench.train.measure": "to split",
     "loom.checkpoint.save_sharded": "to split",
-    "loom.doctor.render": "to split",
     "loom.launch._plan": "to split",
     "loom.launch.gate.head_gate": "to split",
     "loom.plan.estimate.evaluate": "to split",
