@@ -19,7 +19,6 @@ LONG_FUNCTIONS = {
     "loom.parallel.parallelize": OWNED.format("trainer cadence"),
     "loom.launch._plan": "to split",
     "loom.launch.gate.head_gate": "to split",
-    "loom.plan.estimate.evaluate": "to split",
 }
 
 
