@@ -17,8 +17,6 @@ OWNED = "owned by the {} refactor (issue 44), which splits it"
 LONG_FUNCTIONS = {
     "loom.cli._data": OWNED.format("config/cli package"),
     "loom.parallel.parallelize": OWNED.format("trainer cadence"),
-    "loom.launch._plan": "to split",
-    "loom.launch.gate.head_gate": "to split",
 }
 
 
