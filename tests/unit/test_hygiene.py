@@ -3,6 +3,7 @@ of the code under test, no process): no formatter escape, no long function in sr
 outside loom.compat. Compared against: the rules in STYLE.md and issue 44 ("hygiene, kept by tests")."""
 
 import ast
+import re
 from pathlib import Path
 
 import loom
@@ -177,3 +178,82 @@ def test_private_torch_names_only_in_compat():
         for use in private_torch_uses(path, known)
     ]
     assert not found, f"move each into loom/compat.py (with the torch versions it was checked on): {found}"
+
+
+# qualified name -> why it stays although nothing in src/, benchmarks/ or scripts/ names it
+CALLED_FROM_OUTSIDE = {
+    "loom.checkpoint_tools._Window.readable": "io's protocol (io.BufferedReader asks it)",
+    "loom.checkpoint_tools._Window.seekable": "io's protocol (io.BufferedReader asks it)",
+    "loom.checkpoint_tools._Rebuild.persistent_load": "pickle's protocol (torch.load's persistent ids)",
+    **{
+        f"loom.distributed.loopback.LoopbackRendezvous.{m}": "torch elastic's RendezvousHandler interface"
+        for m in (
+            "get_backend",
+            "use_agent_store",
+            "next_rendezvous",
+            "is_closed",
+            "set_closed",
+            "num_nodes_waiting",
+            "get_run_id",
+        )
+    },
+    **{
+        f"loom.eval.lm_adapter.LoomLM.{m}": "lm-eval's LM interface"
+        for m in ("tokenizer_name", "loglikelihood_rolling", "generate_until")
+    },
+    "loom.compat._StepMixin._update_peak_stats": "an override torch's MemTracker calls",
+    "loom.compat.flatten_mesh": "for ParallelDims.build_mesh, whose private _flatten moves here with the "
+    + OWNED.format("config/cli package"),
+}
+
+
+# a string that is a name (getattr's, a registry's) or an entry point's 'module:function'
+NAME = re.compile(r"[A-Za-z_][\w.]*(:\w+)?")
+ENTRY_POINT = re.compile(r"[\w.]+:(\w+)")
+
+
+def _named_anywhere() -> set[str]:
+    """Every name the code uses: variables, attributes, imported names, and strings that are a name; prose
+    (docstrings, messages) does not count."""
+    used = set()
+    for path in _sources(SRC, TOP / "benchmarks", TOP / "scripts"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Name):
+                used.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                used.add(node.attr)
+            elif isinstance(node, ast.alias):
+                used.add(node.name.split(".")[-1])
+            elif (
+                isinstance(node, ast.Constant) and isinstance(node.value, str) and NAME.fullmatch(node.value)
+            ):
+                used.add(node.value.rsplit(":", 1)[-1].rsplit(".", 1)[-1])
+    used.update(ENTRY_POINT.findall((TOP / "pyproject.toml").read_text(encoding="utf-8")))
+    return used
+
+
+def test_no_code_only_tests_call():
+    """Every top-level function and class of src/loom, and every method of a top-level class, is named
+    somewhere in src/, benchmarks/, scripts/ or pyproject.toml (its own definition aside): code that only tests
+    call is deleted, or moved into tests/ when it is a test's oracle. Methods another library calls by
+    protocol are listed in CALLED_FROM_OUTSIDE with the reason."""
+    used = _named_anywhere()
+    unused = []
+    for path in _sources(SRC):
+        module = _module(path)
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            defs = [(f"{module}.{node.name}", node.name)]
+            if isinstance(node, ast.ClassDef):
+                defs += [
+                    (f"{module}.{node.name}.{m.name}", m.name)
+                    for m in node.body
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and not m.name.startswith("__")
+                ]
+            unused += [q for q, name in defs if name not in used and q not in CALLED_FROM_OUTSIDE]
+    assert not unused, (
+        f"nothing but tests (if anything) calls these: delete them or move them to tests/: {unused}"
+    )
+    stale = [q for q in CALLED_FROM_OUTSIDE if q.rsplit(".", 1)[-1] in used]
+    assert not stale, f"now named in the code: delete from CALLED_FROM_OUTSIDE: {stale}"

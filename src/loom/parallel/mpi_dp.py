@@ -321,9 +321,3 @@ class BucketedSync(_GradSync):
         self._next = 0
 
     sync = wait
-
-    def remove_hooks(self) -> None:
-        """Detach the gradient hooks from the model (the synchroniser is unusable afterwards)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

@@ -244,7 +244,6 @@ def check_misc(comm):
     else:
         raise AssertionError("double backward before wait() accepted")
     sync.wait()  # completes the requests started by the first backward
-    sync.remove_hooks()
 
     # The ring all-reduce works in place on CPU torch tensors through their numpy view.
     t = torch.arange(10, dtype=torch.float32) * (comm.Get_rank() + 1)
