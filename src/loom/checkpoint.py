@@ -195,17 +195,17 @@ def save_sharded(
         err, files = _write_error(step, final, e), {}
     stop_unless_every_rank_wrote(err)
     parts = control.gather_object(files)
-    try:
-        if main:
-            _publish_step(tmp, final, step, parts)
-    except OSError as e:
-        err = _write_error(step, final, e)
-    stop_unless_every_rank_wrote(err)
+    stop_unless_every_rank_wrote(_publish_step(tmp, final, step, parts) if main else None)
     if main:
-        for stale in Path(ckpt_dir).glob("step_*.tmp"):  # left by a process killed while writing
-            shutil.rmtree(stale, ignore_errors=True)
-        prune(ckpt_dir, keep_last)
+        _tidy(ckpt_dir, keep_last)
     return final
+
+
+def _tidy(ckpt_dir, keep_last: int) -> None:
+    """Step folders left by a process killed while writing removed; old steps pruned to keep_last."""
+    for stale in Path(ckpt_dir).glob("step_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    prune(ckpt_dir, keep_last)
 
 
 def _make_room(ckpt_dir, step: int, tmp: Path, final: Path, need: int, free_bytes, main: bool):
@@ -231,8 +231,17 @@ def _own_parts(tmp: Path, extra: dict, state: dict, rank: int, main: bool) -> di
     return _own_files(tmp, rank, main)
 
 
-def _publish_step(tmp: Path, final: Path, step: int, parts: list[dict]) -> None:
-    """Rank 0: the manifest of every rank's files, everything synced, then step_N.tmp renamed into place."""
+def _publish_step(tmp: Path, final: Path, step: int, parts: list[dict]) -> LoomError | None:
+    """Rank 0: the manifest of every rank's files, everything synced, then step_N.tmp renamed into place;
+    the error when the disk refused."""
+    try:
+        _manifest_then_rename(tmp, final, step, parts)
+    except OSError as e:
+        return _write_error(step, final, e)
+    return None
+
+
+def _manifest_then_rename(tmp: Path, final: Path, step: int, parts: list[dict]) -> None:
     merged = {k: v for part in parts for k, v in part.items()}
     (tmp / "manifest.json").write_text(
         json.dumps({"step": step, "format": 2, "files": dict(sorted(merged.items()))}, indent=1),
