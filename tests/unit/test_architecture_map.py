@@ -20,4 +20,3 @@ def test_every_folder_and_module_of_src_loom_is_on_the_map():
 def test_the_readme_points_to_the_map_in_the_repository():
     readme = (MAP.parents[1] / "README.md").read_text(encoding="utf-8")
     assert "docs/ARCHITECTURE.md" in readme and "../shared/design" not in readme
-
