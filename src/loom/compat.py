@@ -41,7 +41,7 @@ def has_grouped_mm() -> bool:
 
 def grouped_mm(a, b, offs):
     """One grouped GEMM (`torch._grouped_mm`: rows of `a` grouped by the offsets `offs`, group g times b[g]).
-    Checked on torch 2.11 (CUDA) and 2.13 (CUDA and CPU)."""
+    Resolves on torch 2.11 and 2.13; runs on CPUs from 2.13 (loom.model.moe.grouped_ok says where)."""
     import torch
 
     return torch._grouped_mm(a, b, offs=offs)
