@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from plankit import model_activation_bytes
 
 from loom.cli import main
 from loom.config import load_config
@@ -19,7 +20,6 @@ from loom.errors import LoomError
 from loom.model.families import moe_config
 from loom.model.moe import MoEGPT
 from loom.plan import PRESETS
-from loom.plan.memory import model_activation_bytes
 from loom.plan.report import build_parser, run_plan
 from loom.plan.shapes import resolve_model, shape_of_model
 
