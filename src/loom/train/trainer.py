@@ -24,6 +24,7 @@ from loom import faults, log
 from loom.config import Config, Derived, to_toml
 from loom.data.loader import DeviceBatches, ShardLoader, doc_eot_id, read_meta
 from loom.data.sft import ChatLoader, is_chat_data, validation_set
+from loom.data.slice import data_slice
 from loom.data.tokenizers import has_tokenizer, load_tokenizer
 from loom.distributed.comm import Control
 from loom.env import cpu_memory_release, cpu_memory_reuse
@@ -141,22 +142,14 @@ class Trainer:
 
     def _data(self, data_dir: Path) -> None:
         """The training batches (a global cursor; this data-parallel rank's slice) and the validation windows."""
-        cfg, t, dims = self.cfg, self.cfg.train, self.dims
+        cfg, t = self.cfg, self.cfg.train
+        self.part = data_slice(self.dims, cfg.parallel.cp_layout)  # what every loader of this rank reads
         self.eot_id = doc_eot_id(data_dir, self.meta, cfg.data.doc_mask)  # data.doc_mask: None when off
         if is_chat_data(self.meta):  # supervised fine-tuning: packed conversations, the assistant's targets
             self._chat_data(data_dir)
             return
         loader = ShardLoader(
-            data_dir,
-            t.batch_size,
-            cfg.model.block_size,
-            cfg.run.seed,
-            dims.dp_rank,
-            dims.dp,
-            align=cfg.data.align,
-            cp_rank=dims.cp_rank,
-            cp_size=dims.cp,
-            cp_layout=cfg.parallel.cp_layout,
+            data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, self.part, align=cfg.data.align
         )
         self.batches = DeviceBatches(loader, self.device)
         self._valset(data_dir)
@@ -263,25 +256,22 @@ class Trainer:
     def _chat_data(self, data_dir: Path) -> None:
         """SFT: conversations packed best-fit into rows (with document masks; else one a row), targets masked
         to the assistant's (loom.data.sft)."""
-        cfg, t, dims = self.cfg, self.cfg.train, self.dims
+        cfg, t = self.cfg, self.cfg.train
         pack = cfg.data.doc_mask  # without document masks a packed conversation would see the ones before it
         if not pack and self.main:
             log.info(
                 "chat data: one conversation a row, padded (data.doc_mask=true packs several, each attending "
                 "to itself only)"
             )
-        cp = (dims.cp_rank, dims.cp, cfg.parallel.cp_layout)
         block, seed = cfg.model.block_size, cfg.run.seed
-        loader = ChatLoader(data_dir, t.batch_size, block, seed, dims.dp_rank, dims.dp, *cp, pack=pack)
+        loader = ChatLoader(data_dir, t.batch_size, block, seed, self.part, pack=pack)
         self.batches = DeviceBatches(loader, self.device)
         self._valset(data_dir)
 
     def _valset(self, data_dir: Path) -> None:
         """The validation rows (loom.data.sft.validation_set: what `loom eval` of this run measures too)."""
-        t, dims = self.cfg.train, self.dims
-        n_val = t.eval_batches * t.batch_size
-        dp, cp = (dims.dp_rank, dims.dp), (dims.cp_rank, dims.cp)
-        self.valset = validation_set(self.cfg, data_dir, self.meta, n_val, dp, cp)
+        t = self.cfg.train
+        self.valset = validation_set(self.cfg, data_dir, self.meta, t.eval_batches * t.batch_size, self.part)
 
     def _loss_scale(self, y: torch.Tensor) -> tuple[float, torch.Tensor]:
         """What a micro-batch's mean loss is multiplied by so that the step's gradient is the global batch's:
