@@ -94,6 +94,23 @@ def apply_finetune(model, cfg: Config, meta: dict) -> list[str]:
     return lora
 
 
+def finetune_model(model, cfg: Config, meta: dict) -> list[str]:
+    """apply_finetune on the trainer's model, and the line that says what LoRA trains (its adapted linears;
+    [] without LoRA)."""
+    lora = apply_finetune(model, cfg, meta)
+    if lora:
+        from loom.model.lora import trainable_summary
+
+        log.info(f"LoRA rank {cfg.finetune.lora_rank} on {len(lora)} linears: {trainable_summary(model)}")
+    return lora
+
+
+def training_flops_per_token(cfg: Config, meta: dict, model_cfg, full: float, lora: list[str]) -> float:
+    """The training FLOPs per token of a model whose full training costs `full` (LoRA: fewer, see
+    lora_flops_per_token)."""
+    return lora_flops_per_token(cfg, meta, model_cfg, full) if lora else full
+
+
 def lora_flops_per_token(cfg: Config, meta: dict, model_cfg, full: float) -> float:
     """Training FLOPs per token of the LoRA model whose full fine-tuning costs `full`: a frozen matrix gets no
     weight gradient (4 FLOPs a parameter, not 6), a trained one (the adapters; the head when it trains) 6.
