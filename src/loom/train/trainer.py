@@ -2,9 +2,11 @@
 
 The model is built on the meta device and handed to `loom.parallel.parallelize` with the job's layout; the
 trainer then holds the model parts and asks the `Parallelized` value only what a step needs (no_sync for
-accumulation, the loss context, the gradient sync and norm). Checkpoints are a component (checkpointing.py)
-handed the Stateful parts it saves, the run folder's files another (run_files.py); the control plane (stop
-and skip agreement) is `loom.distributed.comm`.
+accumulation, the loss context, the gradient sync and norm). What a step trains on is the training stage
+(stage.py: pretraining, SFT, chosen by the data). After each step the loop asks each component what is due
+(torchtitan's loop): the time budget (budget.py), the metrics logger (logger.py), the evaluators
+(loom.eval.evaluator), the checkpointer (checkpointing.py, handed the Stateful parts it saves); the run folder's
+files are run_files.py's; the control plane (stop and skip agreement) is `loom.distributed.comm`.
 """
 
 from __future__ import annotations
@@ -77,28 +79,25 @@ class Trainer:
         """`origin`: what the run records of itself (loom.runs.origin); `resume`: the checkpoint it will be
         loaded from (trainer.load), so that the base a full fine-tuning resumes over is not read for nothing."""
         self.cfg, self.derived, self.run_dir, self.device = cfg, derived, run_dir, device
-        self.origin, self.resuming = origin or {}, resume is not None
+        self.origin = origin or {}
         self.dims, self.control = dims or ParallelDims(), control or Control()
-        self.main = self.dims.is_main
         self.meta = read_meta(data_dir)
         self.data_dir = data_dir
         t, dims = cfg.train, self.dims
         if device.type == "cpu" and dims.fsdp_enabled:  # before any weight exists: see _cpu_memory
             cpu_memory_release()
         # first: a block_size the data cannot provide fails here, not after the model
-        self.eot_id = doc_eot_id(data_dir, self.meta, cfg.data.doc_mask)  # data.doc_mask: None when off
+        eot_id = doc_eot_id(data_dir, self.meta, cfg.data.doc_mask)  # data.doc_mask: None when off
         self.stage = build_stage(cfg, data_dir, self.meta, data_slice(dims, cfg.parallel.cp_layout), device)
         self.tokenizer = load_tokenizer(data_dir, self.meta) if has_tokenizer(self.meta) else None
         evaluators = self._evaluator_setup()  # registered ones: their inputs are checked before the model
         dtype = self.precision = self._precision()
-        model = self._model(dtype)
+        model = self._model(dtype, eot_id, resuming=resume is not None)
         torch.manual_seed(cfg.run.seed)  # dropout's stream: the same on every rank and every run of this seed
         self.optimizer = self.parallel.build_optimizer(cfg.optim)
         if cfg.finetune.init_optimizer:  # a resumed checkpoint's state overrides it
             self._base_optimizer()
         self.train_state = TrainState()  # the step; `step` reads and sets it
-        # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
-        self.timing = device.type != "cuda" or cfg.metrics.detail
         # Fault tolerance: skipped bad steps, a stop flag set by SIGTERM/SIGINT, the test hooks (loom.faults),
         # and `op`, the collective under way, named when one fails or times out.
         self.guard = StepGuard(t.max_bad_steps, t.spike_zscore, t.spike_window)
@@ -129,7 +128,6 @@ class Trainer:
         if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise LoomError("precision.dtype=bf16 but this GPU has no bf16", hint="use precision.dtype=fp16")
         fp8.check_device(p.fp8, device)
-        self.autocast_dtype = None if dtype == "fp32" else DTYPES[dtype]  # autocast for bf16 / fp16
         if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanogpt)
             torch.backends.cuda.matmul.allow_tf32 = p.tf32
             torch.backends.cudnn.allow_tf32 = p.tf32
@@ -144,14 +142,14 @@ class Trainer:
         """This rank's training batches on the device (the stage's)."""
         return self.stage.batches
 
-    def _model(self, dtype: str) -> torch.nn.Module:
+    def _model(self, dtype: str, eot_id: int | None, resuming: bool) -> torch.nn.Module:
         """The family's model, built on the meta device and parallelized (each rank materializes and initialises
-        its pieces), imported weights loaded if model.init_from asks (a resumed checkpoint overrides them)."""
+        its pieces), imported weights loaded if model.init_from asks (a resumed checkpoint overrides them).
+        `eot_id`: the documents' separator with data.doc_mask; `resuming`: a checkpoint will be loaded."""
         cfg = self.cfg
         self.spec = spec_of(cfg)  # the model family: everything the trainer asks about the model
-        model = self.spec.build_model(cfg, self.meta["vocab_size"], eot_id=self.eot_id)
+        model = self.spec.build_model(cfg, self.meta["vocab_size"], eot_id=eot_id)
         self.lora = finetune_model(model, cfg, self.meta)  # LoRA's adapted linears ([]: every weight trains)
-        self.model_cfg = model.cfg  # the family's own config (the whole model's: pipeline stages keep theirs)
         self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
         # what a token passes through (a mixture of experts: k of its routed experts); MFU counts these
         self.n_active = model.num_active_params() if hasattr(model, "num_active_params") else self.n_params
@@ -166,11 +164,16 @@ class Trainer:
             init=lambda name, whole: model.init_param(name, whole, cfg.run.seed),
         )
         # a resumed checkpoint holds every weight but a LoRA run's frozen base: only that is read from the base
-        pretrained = None if self.resuming and not self.lora else pretrained_state(cfg, model)
+        pretrained = None if resuming and not self.lora else pretrained_state(cfg, model)
         if pretrained is not None:
             self.parallel.load_model_state(pretrained)
         self.model = self.parallel.model
         return model
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the rank that writes the run's files and logs."""
+        return self.dims.is_main
 
     @property
     def step(self) -> int:
@@ -234,9 +237,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- steps
     def _autocast(self):
-        if self.autocast_dtype is None:
+        if self.precision == "fp32":  # autocast for bf16 / fp16
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
 
     @contextlib.contextmanager
     def _eval_precision(self):
@@ -246,7 +249,9 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step over the global batch: accumulate micro-batches, clip, step."""
-        par, accum, timer = self.parallel, self.derived.grad_accum, StepTimer(self.device, self.timing)
+        # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
+        timing = self.device.type != "cuda" or self.cfg.metrics.detail
+        par, accum, timer = self.parallel, self.derived.grad_accum, StepTimer(self.device, timing)
         lr = self._set_lr()
         t0 = time.perf_counter()
         x, y = self.batches.next_batch()
