@@ -4,7 +4,7 @@ climbs back up a layer to be sent down again (issue 44's measure of "one owner p
     python benchmarks/run_walk.py [--work DIR]
 
 A tiny char-level run trains 2 steps with a checkpoint, then `loom.train.run` is traced (sys.setprofile)
-while it resumes that run with train.steps=4, from its entry until the Trainer is constructed: everything the
+while it resumes that run with train.steps=4 (--fresh: while it starts the first run instead), from its entry until the Trainer is constructed: everything the
 run request asks before any model exists. Every Python call and return between loom modules is a move of
 the walk; a move into a module of a higher layer (tests/unit/test_layers.py's table: a callee returning to
 its caller in train/ from config/, data/, checkpoint.py, ...) is a climb, any other a stay. Printed: calls,
@@ -41,7 +41,7 @@ def _data(root: Path) -> Path:
     return root / "prepared"
 
 
-def walk(work: Path) -> dict:
+def walk(work: Path, fresh: bool = False) -> dict:
     from loom import train
     from loom.config import load_config
     from loom.train.trainer import Trainer
@@ -61,35 +61,44 @@ def walk(work: Path) -> dict:
         "--train.device=cpu",
         "--train.ckpt_every=2",
     ]
-    train.run(load_config(None, [*args, "--train.steps=2"]))
     cfg = load_config(None, [*args, "--train.steps=4"])
     req = train.RunRequest(cfg, resume=True, explicit=frozenset({"train.steps"}))
+    if fresh:  # the walk of a new run instead
+        req = train.RunRequest(load_config(None, [*args, "--train.steps=2"]))
+    else:
+        train.run(load_config(None, [*args, "--train.steps=2"]))
 
     stack: list[str] = []  # the loom frames on the path (their module), innermost last
-    moves: list[tuple[str, str, str]] = []  # (kind, from module, to function)
+    names: list[str] = []  # their functions
+    moves: list[tuple[str, str, str, bool]] = []  # (kind, from module, to function, within plan_run)
     calls, modules = 0, set()
 
     class Done(Exception):
         pass
+
+    def move(into: str, out: str, fn: str) -> None:
+        kind = "climb" if _layer(into) > _layer(out) else "stay"
+        moves.append((kind, out, fn, "plan_run" in names))
 
     def prof(frame, event, arg):
         nonlocal calls
         mod = frame.f_globals.get("__name__", "")
         if event == "call" and frame.f_code is Trainer.__init__.__code__:
             raise Done
-        if not mod.startswith("loom"):
+        if not mod.startswith("loom") or frame.f_code.co_name == "<module>":  # a module's import: no move
             return
         if event == "call":
             calls += 1
             modules.add(mod)
             if stack and stack[-1] != mod:
-                moves.append(("climb" if _layer(mod) > _layer(stack[-1]) else "stay", stack[-1], frame.f_code.co_name))
+                move(mod, stack[-1], frame.f_code.co_name)
             stack.append(mod)
+            names.append(frame.f_code.co_name)
         elif event == "return" and stack:
             done = stack.pop()
+            names.pop()
             if stack and stack[-1] != done:
-                caller = frame.f_back.f_code.co_name if frame.f_back else "?"
-                moves.append(("climb" if _layer(stack[-1]) > _layer(done) else "stay", done, caller))
+                move(stack[-1], done, names[-1])
 
     sys.setprofile(prof)
     try:
@@ -104,6 +113,7 @@ def walk(work: Path) -> dict:
         "modules": len(modules),
         "stays": len(moves) - len(climbs),
         "climbs": len(climbs),
+        "climbs_in_plan_run": sum(m[3] for m in climbs),
         "climbs_into": dict(collections.Counter(m[2] for m in climbs).most_common()),
         "climb_list": [f"{m[1]} -> {m[2]}" for m in climbs],
     }
@@ -113,12 +123,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--detail", action="store_true", help="list every climb (from module -> into function)")
+    ap.add_argument("--fresh", action="store_true", help="walk a new run's request instead of a resume's")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        r = walk(work)
+        r = walk(work, a.fresh)
     print(f"{r['calls']} loom calls in {r['modules']} modules; {r['stays']} stays, {r['climbs']} climbs")
+    print(f"  {r['climbs_in_plan_run']} of them while plan_run resolves the run (in it or below it)")
     for fn, n in r["climbs_into"].items():
         print(f"  {n:3d} climbs into {fn}")
     if a.detail:

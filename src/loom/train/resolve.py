@@ -19,7 +19,13 @@ from loom.env import restart_count
 from loom.errors import LoomError
 from loom.parallel.dims import ParallelDims
 from loom.train import finetune
-from loom.train.setup import check_writable, resolve_data, resolve_device, resolve_run_dir, resumed_config
+from loom.train.setup import (
+    check_writable,
+    resolve_data_meta,
+    resolve_device,
+    resolve_run_dir,
+    resumed_config,
+)
 
 
 def resolve_config(
@@ -102,12 +108,9 @@ def resolve_run_data(cfg: Config, run_dir: Path | None, ckpt: Path | None) -> Pa
     """The data directory (a new run's output folder checked first: the data may be the built-in corpus,
     prepared now); refused when a continued run was trained with another tokenizer; then what fine-tuning
     asks of the data (finetune.check_data)."""
-    from loom.data.loader import read_meta
-
     if run_dir is None:
         check_writable(Path(cfg.run.dir))
-    data_dir = resolve_data(cfg)
-    meta = read_meta(data_dir)
+    data_dir, meta = resolve_data_meta(cfg)
     if run_dir is not None and (run_dir / "tokenizer" / "meta.json").is_file():
         from loom.data.tokenizers import check_run_tokenizer
 
