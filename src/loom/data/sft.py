@@ -258,12 +258,11 @@ class ChatValSet:
             yield seq_chunk(x, *self.part.cp), seq_chunk(y, *self.part.cp)
 
 
-def validation_set(cfg, data_dir: Path, meta: dict, n_rows: int, part: DataSlice | tuple = WHOLE):
+def validation_set(cfg, data_dir: Path, meta: dict, n_rows: int, part: DataSlice = WHOLE):
     """The validation rows a run measures, for the trainer and for `loom eval` of the run alike (one function,
     so the two cannot disagree): chat data's val conversations packed as training packs them (ChatValSet, the
     assistant's tokens scored), else windows of the token stream (ValSet). `cfg`: the run's loom Config;
-    `part`: this rank's DataSlice, or (rank, ranks) of the data-parallel dimension alone (`loom eval`)."""
-    part = part if isinstance(part, DataSlice) else DataSlice(*part)
+    `part`: this rank's slice of the rows (loom eval of a run: its data-parallel ranks')."""
     block = cfg.model.block_size
     if is_chat_data(meta):
         return ChatValSet(data_dir, block, n_rows, cfg.run.seed, part, pack=cfg.data.doc_mask)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from loom.config import ParallelDims
+    from loom.config.layout import ParallelDims
 
 
 @dataclass(frozen=True)

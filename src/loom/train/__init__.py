@@ -14,10 +14,10 @@ from loom.config import (
     load_toml,
     validate,
 )
+from loom.config.layout import ParallelDims
 from loom.distributed.comm import Control
 from loom.env import DistEnv, detect_env, restart_count
 from loom.errors import LoomError, PeerError
-from loom.parallel.dims import ParallelDims
 from loom.train.resolve import (
     check_checkpoint_model,
     resolve_config,

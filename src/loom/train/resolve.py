@@ -15,9 +15,9 @@ from pathlib import Path
 
 from loom import checkpoint, log
 from loom.config import Config, Derived, check_saved_config, validate
+from loom.config.layout import ParallelDims
 from loom.env import restart_count
 from loom.errors import LoomError
-from loom.parallel.dims import ParallelDims
 from loom.train import finetune
 from loom.train.setup import (
     check_writable,

@@ -24,6 +24,7 @@ import loom.eval.hellaswag  # noqa: F401
 import loom.generate  # noqa: F401
 from loom import faults, log
 from loom.config import Config, Derived, to_toml
+from loom.config.layout import ParallelDims
 from loom.data.loader import DeviceBatches, doc_eot_id, read_meta
 from loom.data.slice import data_slice
 from loom.data.tokenizers import has_tokenizer, load_tokenizer
@@ -43,7 +44,6 @@ from loom.metrics import (
 from loom.model.registry import spec_of
 from loom.optim.schedule import lr_at
 from loom.parallel import fp8, parallelize
-from loom.parallel.dims import ParallelDims
 from loom.parallel.state import model_state_bytes
 from loom.runs import pin_base, pretrained_state
 from loom.train.budget import TimeBudget
