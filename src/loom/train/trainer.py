@@ -38,6 +38,7 @@ from loom.metrics import (
     Sinks,
     StepTimer,
     Throughput,
+    check_bf16,
     cpu_peak_flops,
     peak_flops,
 )
@@ -125,8 +126,8 @@ class Trainer:
         dtype = resolve_precision(p.dtype, device, loss_scaling=cfg.parallel.pp == 1)
         if p.dtype == "auto":
             log.info(f"precision.dtype=auto: {dtype} on {device}")
-        if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise LoomError("precision.dtype=bf16 but this GPU has no bf16", hint="use precision.dtype=fp16")
+        if dtype == "bf16":
+            check_bf16(device, "precision.dtype")
         fp8.check_device(p.fp8, device)
         if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanogpt)
             torch.backends.cuda.matmul.allow_tf32 = p.tf32
