@@ -266,6 +266,7 @@ def test_several_runs_give_mean_and_spread(kit, capsys):
     assert "± 0.0000" in line and "over 2 runs" in out
 
 
+@pytest.mark.slow  # lm_eval indexes every task YAML it ships to find the nearest name: ~1 min of CPU
 def test_unknown_task_names_the_nearest(kit):
     with pytest.raises(LoomError, match="no task 'helaswag'.*'hellaswag'"):
         harness.load_tasks("helaswag")
