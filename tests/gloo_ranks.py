@@ -33,7 +33,8 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distribu
 def spawn_gloo(fn: Callable[..., None], world: int, tmp_path: Path, *args) -> None:
     """Run `fn(rank, world, *args)` on `world` gloo ranks (fn: a module-level function, for pickling)."""
     multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call)
-    state = (dict(os.environ), os.getcwd(), list(sys.path))  # this process's now, not the server's at its start
+    # this process's environment, folder and path now, not the server's when it started
+    state = (dict(os.environ), os.getcwd(), list(sys.path))
     mp.start_processes(
         _rank,
         args=(fn, world, str(tmp_path / "store"), args, state),
