@@ -16,6 +16,7 @@ import ast
 import functools
 import inspect
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -62,6 +63,7 @@ def _names(node: ast.AST) -> set[str]:
             out.add(n.attr)
         elif isinstance(n, ast.Constant) and isinstance(n.value, str) and len(n.value) < 40:
             out.add(n.value)
+            out.add(n.value.split("=")[0])  # f"--nproc={n}" holds the constant "--nproc="
         elif isinstance(n, ast.alias):
             out.add(n.asname or n.name.split(".")[-1])
     return out
@@ -122,13 +124,16 @@ def starts_processes(item: pytest.Item) -> bool:
     infos = getattr(item, "_fixtureinfo", None)
     for defs in infos.name2fixturedefs.values() if infos else ():
         objs += [d.func for d in defs]
-    helpers = _helper_paths()
-    for obj in objs:
-        module = inspect.getmodule(obj)
-        own = [module.__file__] if module is not None and getattr(module, "__file__", None) else []
-        if _starts(_source_names(obj), tuple(dict.fromkeys(own + helpers)), set()):
-            return True
-    return False
+    helpers = tuple(_helper_paths())
+    return any(_function_starts(obj, helpers) for obj in objs)
+
+
+@functools.cache
+def _function_starts(obj, helpers: tuple[str, ...]) -> bool:
+    """Whether one function (a test or a fixture: many tests ask about each fixture) starts a process."""
+    module = inspect.getmodule(obj)
+    own = (module.__file__,) if module is not None and getattr(module, "__file__", None) else ()
+    return _starts(_source_names(obj), tuple(dict.fromkeys(own + helpers)), set())
 
 
 def mark(items: list[pytest.Item]) -> None:
@@ -157,3 +162,5 @@ def guard(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "posix_spawn", refuse)
     monkeypatch.setattr(os, "posix_spawnp", refuse)
     monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)
+    if hasattr(subprocess, "_fork_exec"):  # subprocess binds its own name for it (Python 3.11 on)
+        monkeypatch.setattr(subprocess, "_fork_exec", refuse)
