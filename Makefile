@@ -37,9 +37,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 # The edit loop: the tests that start no process (tests/tiers.py marks the others 'processes' from what they use,
-# and skips here one that starts a process through loom's code) and are not 'slow'; one pytest process.
+# and skips here one that starts a process through loom's code) and are not 'slow'; two pytest workers as above.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not processes and not slow" --durations=10 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not processes and not slow" --durations=10 tests
 
 # The unit and distributed tests on the oldest supported torch, in a virtualenv of its own (.ci/run runs both).
 test-oldest: $(STAMP_OLDEST)

@@ -281,6 +281,7 @@ def _task_yaml(d, task: str, data_file, text: str = "{{question}}", more: str = 
     )
 
 
+@pytest.mark.slow  # each fault is looked up in lm_eval's index of every task it ships
 def test_task_yaml_faults_are_named_before_any_model(tmp_path):
     """What is wrong in a task YAML, named: it was 'no task named ...' for a YAML that does not parse, 'cannot
     be read offline' with a network hint for a missing local file or a template field the documents lack, and
