@@ -1,5 +1,5 @@
 """The two tiers of the suite: a test that starts a process (a subprocess, gloo or elastic ranks, mpiexec, a
-process group) is marked `processes` at collection; `make test-fast` runs the others, in this process only.
+process group) is marked `processes` at collection; `make test-fast` runs the others.
 
 The mark comes from what a test uses, read from its source, so it is never a list to keep up: the test
 function, the fixtures it requests and every function or class of the tests' own modules they name (followed
