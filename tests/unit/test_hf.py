@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import tiny_args
 
 from loom.cli import main
 from loom.config import Config
@@ -23,19 +24,7 @@ from loom.runs import load_run
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'loom[hf]'")
 
 TOL = 1e-5  # float32: both sides compute the same ops in a different grouping
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=4",
-    "--train.eval_batches=1",
-    "--train.sample_every=0",
-    "--train.eval_every=0",
-    "--optim.warmup_steps=1",
-    "--train.log_every=1",
-    "--train.device=cpu",
-]
+TINY = tiny_args({"train.batch_size": 4, "train.eval_batches": 1, "optim.warmup_steps": 1})
 
 
 def load_gpt2(directory: str | Path, block_size: int | None = None, dropout: float = 0.0) -> GPT:

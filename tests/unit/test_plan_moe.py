@@ -129,6 +129,7 @@ def test_expert_states_divide_by_ep_and_all_to_all_appears():
     assert sixteen.moe["a2a_link"] == "inter-node" and sixteen.moe["a2a_s"] > four.moe["a2a_s"]
 
 
+@pytest.mark.slow  # plans a 512-GPU DeepSeek-V3 layout: minutes of CPU
 def test_active_flops_and_presets(capsys):
     """MFU on active parameters; the presets' configs/*.toml are the presets' shapes; the MoE table prints."""
     for name, path in (
