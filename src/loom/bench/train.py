@@ -176,7 +176,7 @@ def _trainers(
         c.train.steps = steps
         tr = Trainer(c, derived, work / f"run-{mode}", data_dir, device)
         if synthetic:
-            tr.batches = DeviceBatches(
+            tr.stage.batches = DeviceBatches(  # the stage gives the trainer its batches
                 SyntheticLoader(c.train.batch_size, c.model.block_size, vocab, c.run.seed, docs), device
             )
         trainers[mode] = tr
