@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from loom import log
+from loom.errors import LoomError
 from loom.model.lora import lora_scaling, merge_lora_state
 from loom.model.registry import ModelSpec
 from loom.optim.build import build_optimizer, param_groups
@@ -114,10 +115,9 @@ class Parallelized:
         return total / (self.dims.dp * self.dims.cp * self.dims.tp)  # cp ranks: means of equal token counts
 
     def after_step(self, update: bool) -> dict:
-        """The family's work after an optimizer step (its plan's `after_step`, if any: a MoE moves its balance
-        bias by the global batch's expert load), and the figures it reports for metrics.jsonl."""
-        hook = getattr(self.plan, "after_step", None)
-        return hook(self.model, self.all_reduce_sum, update) if hook is not None else {}
+        """The family's work after an optimizer step (its spec's `after_step`: a MoE moves its balance bias by
+        the global batch's expert load), and the figures it reports for metrics.jsonl."""
+        return self.spec.after_step(self.model, self.all_reduce_sum, update)
 
     def refresh_fp8_scales(self) -> None:
         """FSDP's float8 all-gather: the weight scales of the next forward, from the weights as they are now
@@ -262,16 +262,24 @@ def parallelize(
     if dims.cp_enabled and p.cp_impl == "ring":
         from loom.parallel.ring import Ring, apply_ring
 
-        apply_ring(model, plan.blocks(model), Ring(mesh["cp"].get_group()))
+        if not spec.ring_attention:
+            raise LoomError(
+                f"parallel.cp_impl=ring needs an attention with a `context` slot; model.family={spec.name} has none",
+                hint="use parallel.cp_impl=ulysses (it hooks only q/k/v/o_proj)",
+            )
+        apply_ring(model, plan.blocks(model), Ring(mesh["cp"].get_group()), spec.position_table(model))
     elif dims.cp_enabled:
         from loom.parallel.context import apply_ulysses
 
-        apply_ulysses(model, plan.blocks(model), mesh["cp"].get_group(), dims.cp_rank)
+        cp = mesh["cp"].get_group()
+        apply_ulysses(
+            model, plan.blocks(model), cp, dims.cp_rank, spec.position_table(model), cfg.data.doc_mask
+        )
     if dims.ep_enabled:  # the experts split over ep of the data-parallel x cp ranks (the family names them)
         from loom.parallel.expert import apply_ep, build_ep_mesh
 
         par.ep_mesh = build_ep_mesh(dims, device.type)
-        par.expert_layers = plan.expert_layers(model)
+        par.expert_layers = spec.expert_layers(model)
         apply_ep(par.expert_layers, par.ep_mesh)
     roots = [model]
     if dims.pp_enabled:
@@ -297,7 +305,7 @@ def parallelize(
         if dims.ep_enabled:  # first: the blocks' and roots' FSDP then leave the experts' weights alone
             from loom.parallel.expert import shard_experts
 
-            layers = [m for root in roots for m in plan.expert_layers(root)]  # this rank's stages
+            layers = [m for root in roots for m in spec.expert_layers(root)]  # this rank's stages
             shard_experts(layers, par.ep_mesh, reshard_after_forward=reshard, mp_policy=mp)
             par.expert_sync = True
         apply_fsdp(roots, plan.blocks, dp_mesh, reshard, mp, p.cpu_offload, device)

@@ -45,7 +45,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from loom.data.loader import seq_positions
-from loom.errors import LoomError
 
 
 class Pending:
@@ -239,19 +238,12 @@ class RingContext:
         return RingAttention.apply(q, k, v, self.ring)
 
 
-def apply_ring(model: nn.Module, blocks: list[nn.Module], ring) -> None:
-    """Give the attention of every block of `model` ring attention around `ring` (Ring(cp group); each attn
-    must have a `context` attribute, as loom's GPT has), and the position table (model.wpe) the zigzag
-    positions of this rank's tokens."""
+def apply_ring(model: nn.Module, blocks: list[nn.Module], ring, wpe: nn.Module | None = None) -> None:
+    """Give the attention of every block of `model` ring attention around `ring` (Ring(cp group); each attn has
+    a `context` slot, ModelSpec.ring_attention: loom's GPT's), and the position table `wpe` (the family's
+    ModelSpec.position_table; None: RoPE) the zigzag positions of this rank's tokens."""
     ctx = RingContext(ring)
     for block in blocks:
-        if not hasattr(block.attn, "context"):
-            raise LoomError(
-                "parallel.cp_impl=ring needs an attention with a `context` hook; "
-                f"{type(block.attn).__name__} has none",
-                hint="use parallel.cp_impl=ulysses (it hooks only q/k/v/o_proj)",
-            )
         block.attn.context = ctx
-    wpe = getattr(model, "wpe", None)
     if wpe is not None:  # training starts at 0: positions 0 .. T-1 become the chunk's
         wpe.register_forward_pre_hook(lambda mod, args: (ctx.positions(args[0].numel(), args[0].device),))

@@ -175,7 +175,7 @@ class Trainer:
         self.model_cfg = model.cfg  # the family's own config (the whole model's: pipeline stages keep theirs)
         self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
         # what a token passes through (a mixture of experts: k of its routed experts); MFU counts these
-        self.n_active = model.num_active_params() if hasattr(model, "num_active_params") else self.n_params
+        self.n_active = self.spec.active_params(model)
         self.parallel = parallelize(
             model,
             self.dims,

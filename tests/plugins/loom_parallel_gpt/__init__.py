@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 
 from loom.config import FAMILIES
-from loom.model import gpt_parallel
-from loom.model.families import gpt_config
+from loom.model.gpt import gpt_parallel
+from loom.model.gpt.family import gpt_config
 from loom.model.flops import flops_per_token
-from loom.model.gpt import GPT, MLP, CausalSelfAttention, norm_layer
+from loom.model.gpt.gpt import GPT, MLP, CausalSelfAttention, norm_layer
 from loom.model.registry import ModelSpec, register
 
 

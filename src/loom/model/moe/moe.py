@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom.model.gpt import GPT, MLP, Block, GPTConfig
+from loom.model.gpt.gpt import GPT, MLP, Block, GPTConfig
 
 
 @dataclass
