@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from loom.errors import LoomError
 from loom.paths import cache_dir
 
 # Dense peak TFLOP/s by (device-name substring, dtype). fp32 here means fp32 matmul without TF32.
@@ -39,6 +40,17 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
 
 # precision names (precision.dtype, parallel.param_dtype, the peak table) -> torch dtypes: the one map
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def has_bf16(device: torch.device) -> bool:
+    """This GPU computes in bf16 (the one test of it: eval's autocast, precision.dtype=auto, and check_bf16)."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def check_bf16(device: torch.device, key: str) -> None:
+    """A config key that asks for bf16 (precision.dtype, parallel.param_dtype) on a GPU without it: refused."""
+    if device.type == "cuda" and not has_bf16(device):
+        raise LoomError(f"{key}=bf16 but this GPU has no bf16", hint=f"use {key}=fp16 (or fp32)")
 
 
 def _cpu_name() -> str:

@@ -12,6 +12,8 @@ existing id keeps its row.
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -135,10 +137,10 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
     share of them, the ranks agreeing on the newest checkpoint that verifies. Joins the job's process group.
     Returns (config, Parallelized, tokenizer, data meta, checkpoint path): every rank must run the same forward
     passes (`Parallelized.all_reduce_sum` sums over the ranks)."""
+    from loom.config.layout import ParallelDims
     from loom.distributed import process_group
     from loom.distributed.comm import TorchControl
     from loom.parallel import parallelize
-    from loom.parallel.dims import ParallelDims
 
     run_dir = Path(run_dir)
     cfg, meta, tokenizer = _open_run(run_dir)
@@ -184,6 +186,71 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
         par.load_model_state(checkpoint.load(path, map_location="cpu")[0]["model"])
     par.model.eval()
     return cfg, par, tokenizer, meta, path
+
+
+@dataclass
+class LoadedRun:
+    """A trained run's model for eval, generate and chat: whole on one device, whole on every rank of a job
+    (`split`), or FSDP-sharded over the job's processes (`shard`)."""
+
+    model: object
+    tok: object
+    cfg: Config
+    path: Path
+    device: torch.device
+    rank: int
+    world: int
+    all_reduce_sum: object  # a sum over the ranks (sharded, or split over a job: a collective)
+
+
+@contextlib.contextmanager
+def open_run(run_dir, device, env, *, ckpt=None, shard: bool = False, split: bool = False):
+    """run_dir's model (`LoadedRun`) on `device`; with `shard`, FSDP-sharded over the processes of a
+    torchrun/srun/mpiexec job (each reading its part of the checkpoint). `split`: in a job of several
+    processes without `shard`, each holds the whole model and the caller splits the work by the ranks (they sum
+    through a process group); else every process does it all alone. A process group made here is left at the
+    end; the job itself is the caller's to leave (world > 1)."""
+    if not shard:
+        cfg, model, tok, _, path = load_run(run_dir, device, ckpt)
+        if not split or env.world_size == 1:
+            yield LoadedRun(model, tok, cfg, path, device, 0, 1, lambda t: t)
+            return
+        yield from _whole_on_every_rank(
+            LoadedRun(model, tok, cfg, path, device, env.rank, env.world_size, None), env
+        )
+        return
+    if env.world_size == 1:
+        raise LoomError(
+            "--shard splits the model over the processes of a job, and this is one process",
+            hint="start it with torchrun --nproc-per-node N -m loom ... --shard (or srun / mpiexec)",
+        )
+    from loom.distributed import process_group
+
+    log.setup(rank=env.rank, stderr=True)  # rank 0 tells; stdout keeps only the result
+    clean = False
+    try:
+        cfg, par, tok, _, path = load_run_sharded(run_dir, device, env)
+        yield LoadedRun(par.model, tok, cfg, path, device, env.rank, env.world_size, par.all_reduce_sum)
+        clean = True
+    finally:
+        process_group.shutdown(clean)
+
+
+def _whole_on_every_rank(run: LoadedRun, env):
+    """`run` (the whole model) on each rank of the job, with a gloo/NCCL group to sum the ranks' shares: a
+    torchrun `loom eval RUN` without --shard did the whole evaluation on every rank and printed it as often."""
+    import torch.distributed as dist
+
+    from loom.distributed import process_group
+
+    log.setup(rank=env.rank)
+    process_group.init(env, run.device, 600.0)
+    clean = False
+    try:
+        yield replace(run, all_reduce_sum=lambda t: (dist.all_reduce(t), t)[1])
+        clean = True  # shutdown's barrier: every rank has its sums before any leaves
+    finally:
+        process_group.shutdown(clean)
 
 
 def _hint(run_dir: Path) -> str:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from loom.config import Config, ParallelConfig, validate
+from loom.config.layout import ParallelDims
 from loom.env import DistEnv
 from loom.errors import LoomError
-from loom.parallel.dims import ParallelDims
 from loom.parallel.fsdp import mp_policy
 
 

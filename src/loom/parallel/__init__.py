@@ -21,12 +21,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from loom import log
+from loom.config.layout import ParallelDims
 from loom.errors import LoomError
 from loom.model.lora import lora_scaling, merge_lora_state
 from loom.model.registry import ModelSpec
 from loom.optim.build import build_optimizer, param_groups
 from loom.parallel import state
-from loom.parallel.dims import ParallelDims
 from loom.parallel.grads import clip_grad_norm
 from loom.parallel.tensor import LocalLoss, align_grads, local, loss_context
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from loom.parallel.dims import ParallelDims
+from loom.config.layout import ParallelDims
 from loom.parallel.tensor import local
 
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from loom import log
-from loom.errors import LoomError
-from loom.metrics import DTYPES
+from loom.config import check_choice
+from loom.metrics import DTYPES, check_bf16
 
 
 def mp_policy(param_dtype: str, reduce_dtype: str, device: torch.device, precision: str):
@@ -28,11 +28,10 @@ def mp_policy(param_dtype: str, reduce_dtype: str, device: torch.device, precisi
     gradients are summed at full precision (torchtitan's default). On CPUs both stay fp32 unless asked."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    for name, d in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        if d and d not in DTYPES:
-            raise LoomError(f"parallel.{name} must be one of fp32, bf16, fp16 or empty; got '{d}'")
-    if param_dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise LoomError("parallel.param_dtype=bf16 but this GPU cannot run bf16", hint="use fp16 or fp32")
+    check_choice("parallel.param_dtype", param_dtype)
+    check_choice("parallel.reduce_dtype", reduce_dtype)
+    if param_dtype == "bf16":
+        check_bf16(device, "parallel.param_dtype")
     if not param_dtype and device.type == "cuda" and precision == "bf16":
         param_dtype = "bf16"
     if not reduce_dtype and param_dtype and param_dtype != "fp32":

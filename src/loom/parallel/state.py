@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from loom.parallel.dims import ParallelDims
+from loom.config.layout import ParallelDims
 from loom.parallel.init import canonical, like, load_full
 from loom.parallel.tensor import is_dtensor, plain
 

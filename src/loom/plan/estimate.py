@@ -1,6 +1,6 @@
 """Enumerate (dp, tp, pp, ZeRO stage, micro-batch, activation checkpointing) and estimate each layout.
 
-Mesh order is loom's (parallel/dims.py, torchtitan's): pp × dp × tp with tp innermost, so a tensor-parallel
+Mesh order is loom's (config/layout.py, torchtitan's): pp × dp × tp with tp innermost, so a tensor-parallel
 group is tp neighbouring ranks (kept inside a node: tp divides gpus_per_node), a data-parallel group spans
 dp·tp neighbouring ranks (inside a node while dp·tp <= gpus_per_node, else its all-reduces or FSDP's
 gathers cross nodes) and a pipeline group strides over everything (its small stage-to-stage sends are what

@@ -15,10 +15,10 @@ from loom.config import (
     load_toml,
     validate,
 )
+from loom.config.layout import ParallelDims
 from loom.distributed.comm import Control
 from loom.env import DistEnv, detect_env, restart_count
 from loom.errors import LoomError, PeerError
-from loom.parallel.dims import ParallelDims
 from loom.train.setup import check_writable, resolve_data, resolve_device, resolve_run_dir, resumed_config
 from loom.train.trainer import Trainer
 

@@ -15,6 +15,7 @@ import torch
 from loom import checkpoint, log
 from loom.config import Config, config_from_dict, diff_configs, load_toml
 from loom.errors import LoomError
+from loom.metrics import has_bf16
 from loom.outputs import check_apart, replace_output
 from loom.paths import cache_dir
 
@@ -64,7 +65,7 @@ def resolve_precision(dtype: str, device: torch.device, loss_scaling: bool = Tru
     if dtype != "auto":
         return dtype
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else ("fp16" if loss_scaling else "fp32")
+        return "bf16" if has_bf16(device) else ("fp16" if loss_scaling else "fp32")
     return "bf16" if device.type == "cpu" and native_bf16_cpu() else "fp32"
 
 

@@ -22,6 +22,7 @@ import loom.eval.hellaswag  # noqa: F401
 import loom.generate  # noqa: F401
 from loom import faults, log
 from loom.config import Config, Derived, to_toml
+from loom.config.layout import ParallelDims
 from loom.data.loader import DeviceBatches, ShardLoader, doc_eot_id, read_meta
 from loom.data.sft import ChatLoader, is_chat_data, validation_set
 from loom.data.tokenizers import has_tokenizer, load_tokenizer
@@ -44,7 +45,6 @@ from loom.model.lora import trainable_summary
 from loom.model.registry import spec_of
 from loom.optim.schedule import lr_at
 from loom.parallel import fp8, parallelize
-from loom.parallel.dims import ParallelDims
 from loom.parallel.state import model_state_bytes
 from loom.runs import pin_base, pretrained_state
 from loom.train.budget import TimeBudget

@@ -1,0 +1,143 @@
+"""`loom train` and `loom sft`: a config file and --section.key=value overrides, then loom.train.run (or
+--nproc local processes, or --dry-run: loom.dryrun)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from loom.cli.args import leave_job
+from loom.errors import LoomError
+
+
+def sft(argv: list[str]) -> int:
+    """`loom sft`: `loom train` that first insists on what supervised fine-tuning needs (check_sft)."""
+    return train(argv, sft=True)
+
+
+def check_sft(cfg) -> None:
+    """Conversation data (loom data prepare --chat) and a model to start from, or one error before any work:
+    `loom train` itself decides the stage from the data, so a plain-text directory there would pretrain."""
+    from loom.data.loader import read_meta
+    from loom.data.sft import is_chat_data
+
+    prepare = "loom data prepare --chat --input CONVERSATIONS.jsonl --tokenizer runs/BASE --out data/chat"
+    if not cfg.data.path:
+        raise LoomError(
+            "loom sft needs conversation data: data.path is not set",
+            hint=f"{prepare}, then --data.path=data/chat",
+        )
+    if not is_chat_data(read_meta(cfg.data.path)):
+        raise LoomError(
+            f"loom sft needs conversation data; {cfg.data.path} holds plain token shards (no loss masks)",
+            hint=f"{prepare} (or loom train to pretrain on it)",
+        )
+    if not cfg.model.init_from:
+        raise LoomError(
+            "loom sft starts from a trained model: model.init_from is not set",
+            hint="--model.init_from=run:DIR (a loom run) or hf:DIR (a transformers directory)",
+        )
+
+
+def _parser(sft: bool) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loom sft" if sft else "loom train",
+        description="Fine-tune a model on conversations (loom train, insisting on chat data and "
+        "model.init_from)."
+        if sft
+        else "Train a language model. With no arguments: the built-in corpus and the demo model.",
+        epilog="Any config key can be set as --section.key=value; see --help-config.",
+    )
+    p.add_argument("config", nargs="?", help="a TOML config file (configs/*.toml)")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="PATH",
+        help="continue from the newest valid checkpoint (of this run, or of PATH)",
+    )
+    p.add_argument("--force", action="store_true", help="replace a run directory that holds another run")
+    p.add_argument("--help-config", action="store_true", help="list every config key with default and doc")
+    p.add_argument("--nproc", type=int, default=None, help="start N local processes (data parallel)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="restart the local processes up to R times after a failure; each restart continues "
+        "from the newest valid checkpoint",
+    )
+    p.add_argument("--log-all-ranks", action="store_true", help="every rank prints, prefixed with its rank")
+    return p
+
+
+def train(argv: list[str], sft: bool = False) -> int:
+    if "--dry-run" in argv:  # will the job fit at --world N: built and stepped on fake tensors (loom.dryrun)
+        from loom.dryrun import dryrun_main
+
+        return dryrun_main([a for a in argv if a != "--dry-run"])
+    args, rest = _parser(sft).parse_known_args(argv)
+    from loom import config
+
+    if args.help_config:
+        print(config.help_text())
+        return 0
+    args.config, rest = config.config_argv(argv, args.config, rest)
+    cfg = config.load_config(args.config, rest)
+    if sft:
+        check_sft(cfg)
+    explicit = config.explicit_keys(args.config, rest)
+    if args.max_restarts < 0:
+        raise LoomError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.nproc is not None and args.nproc > 1:
+        from loom import log
+        from loom.env import oversubscription
+
+        if warning := oversubscription(args.nproc):
+            log.warn(warning)
+    from loom.train import RunRequest
+
+    req = RunRequest(cfg, args.resume, args.force, frozenset(explicit))
+    if (args.nproc is not None and args.nproc != 1) or args.max_restarts:
+        from loom.train.spawn import launch_local
+
+        child = _without_options(argv, ("--nproc", "--max-restarts"))
+        nproc = 1 if args.nproc is None else args.nproc
+        return launch_local(nproc, req, child, args.max_restarts)
+    return _run(req, args.log_all_ranks)
+
+
+def _run(req, log_all_ranks: bool) -> int:
+    """This process's part of the run; a rank of a job of several prints its error and leaves the job."""
+    from loom.env import detect_env
+    from loom.errors import EXIT_ERROR, EXIT_PREEMPTED, PeerError
+    from loom.train import run
+
+    world_size = detect_env().world_size
+    try:
+        summary = run(req, log_all_ranks=log_all_ranks)
+        code = EXIT_PREEMPTED if summary.get("stopped_by") else 0  # stopped by a signal, checkpoint saved
+    except PeerError:
+        code = EXIT_ERROR  # rank 0 printed the message
+    except LoomError as e:
+        if world_size == 1:
+            raise
+        print(f"loom: error: {e}", file=sys.stderr)
+        code = EXIT_ERROR
+    if world_size > 1:
+        leave_job(code)
+    return code
+
+
+def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """argv without the launcher's own options, in both the '--x=V' and the '--x V' forms."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in names:
+            skip = True
+        elif not a.startswith(tuple(n + "=" for n in names)):
+            out.append(a)
+    return out

@@ -1,0 +1,531 @@
+"""The configuration's dataclass tree (layer 0): one dataclass per section, a docstring, default and bounds per
+field (`_f`), and the tables of allowed values (CHOICES, PP_SCHEDULES). Parsing and writing: loom.config.io;
+the checks: loom.config.validate; the layout a config resolves to: loom.config.layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def _f(default: Any, doc: str, **bounds: Any):
+    """A dataclass field with its documentation (shown by `loom train --help-config`) and the bounds validate()
+    checks it against: gt / ge (lower), lt / le (upper); `why` (a note after the bound in the message), `also`
+    (one more value allowed outside them), `msg` (the message of a rule that several fields share, formatted
+    with the config's sections: '{optim.lr}'), `hint` (the remedy)."""
+    return field(default=default, metadata={"doc": doc, **bounds})
+
+
+# The messages of the bounds that several fields share (one rule, one message).
+_POSITIVE_SHAPE = "model.rope_theta and model.norm_eps must be > 0; got {model.rope_theta}, {model.norm_eps}"
+_DEFAULT_WIDTHS = (
+    "model.n_kv_head and model.ffn_hidden must be >= 0 (0: the default); got {model.n_kv_head} and "
+    "{model.ffn_hidden}"
+)
+_LR = "need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={optim.lr}, min_lr={optim.min_lr}"
+_BETAS = "optim.beta1/beta2 must be in [0, 1); got {optim.beta1}, {optim.beta2}"
+_MUON = (
+    "optim.muon_*: need muon_lr > 0, 0 <= muon_momentum < 1, muon_ns_steps >= 1, muon_weight_decay >= 0; "
+    "got {optim.muon_lr}, {optim.muon_momentum}, {optim.muon_ns_steps}, {optim.muon_weight_decay}"
+)
+_DEGREES = "parallel.tp and parallel.pp must be >= 1; got tp={parallel.tp}, pp={parallel.pp}"
+_HSDP = (
+    "parallel.dp_replicate must be >= 1 and parallel.dp_shard >= 1 (or -1: the rest); got "
+    "{parallel.dp_replicate} and {parallel.dp_shard}"
+)
+
+
+@dataclass
+class RunConfig:
+    dir: str = _f("runs", "Parent folder of run directories; a run lives in <run.dir>/<run.name>.")
+    name: str = _f("", "Run name; empty picks a timestamp (YYYYmmdd-HHMMSS).")
+    seed: int = _f(1337, "Seed for model initialisation, data order, dropout and sampling.")
+    rank_logs: bool = _f(False, "Every rank also writes its own log file, <run>/logs/rank<N>.log.")
+
+
+@dataclass
+class DataConfig:
+    path: str = _f("", "A prepared data directory (from `loom data prepare`). Empty: use data.corpus.")
+    corpus: str = _f("python-stdlib", "Built-in corpus prepared (and cached) when data.path is empty.")
+    tokenizer: str = _f("bpe", "Tokenizer for the built-in corpus: char | bpe.")
+    vocab_size: int = _f(4096, "BPE vocabulary size for the built-in corpus.")
+    cache_dir: str = _f("", "Where built-in corpora are prepared; empty: $LOOM_CACHE_DIR or ~/.cache/loom.")
+    align: str = _f(
+        "none",
+        "none: training windows cut the token stream anywhere | bos: each window starts at a document start "
+        "(the tokens after a window's end up to the next document are dropped; the count is printed).",
+    )
+    doc_mask: bool = _f(
+        False,
+        "Attention within each document only: a packed window's documents, opened by the data's end-of-text id "
+        "(its meta.json tokenizer.eot_id), do not see each other (FlexAttention's block mask on a GPU).",
+    )
+    doc_positions: str = _f(
+        "continue",
+        "doc_mask: continue (positions run on across a window's documents) | restart (learned or RoPE positions "
+        "count from 0 in each document, as if it ran alone).",
+    )
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = _f(4, "Transformer blocks.", gt=0)
+    n_head: int = _f(4, "Attention heads per block; must divide n_embd.", gt=0)
+    n_embd: int = _f(192, "Residual stream width.", gt=0)
+    block_size: int = _f(128, "Context length in tokens.", gt=0)
+    dropout: float = _f(
+        0.0, "Dropout probability (0 for pretraining-sized data, ~0.2 for tiny data).", ge=0, lt=1
+    )
+    bias: bool = _f(False, "Bias in Linear layers and LayerNorms (gpt2 has them; without is a bit faster).")
+    vocab_size: int = _f(0, "Vocabulary size; 0 takes it from the data. Padded up to a multiple of 64.", ge=0)
+    activation: str = _f(
+        "gelu_tanh",
+        "MLP activation: gelu_tanh (gpt2's tanh approximation; needed for gpt2 weights and HF export) | "
+        "gelu (exact, erf; nanogpt's nn.GELU, ~2.5x faster on CPUs).",
+    )
+    init_from: str = _f(
+        "",
+        "hf:DIR starts from the weights of a GPT2LMHeadModel or LlamaForCausalLM saved by transformers in a local "
+        "DIR (sets the model shape, including model.family and the options below; a tokenizer.json there is "
+        "checked against the data's vocabulary); run:DIR from the newest checkpoint of a loom run (its model "
+        "keys; data with the run's tokenizer plus chat tokens grows the embedding by their rows).",
+    )
+    family: str = _f(
+        "gpt2",
+        "Preset of the options below: gpt2 (learned positions, LayerNorm, GELU, tied head) | llama (pos=rope, "
+        "norm=rmsnorm, mlp=swiglu, tie_embeddings=false, bias=false) | moe (llama's, with n_experts=8 routed "
+        "experts in the MLPs: the moe_* keys). A key set explicitly overrides the preset.",
+    )
+    pos: str = _f("learned", "Positions: learned (a table of block_size vectors, gpt2) | rope (rotary).")
+    rope_theta: float = _f(
+        10000.0,
+        "pos=rope: base period of the rotary frequencies (Llama 3: 500000).",
+        gt=0,
+        msg=_POSITIVE_SHAPE,
+    )
+    norm: str = _f("layernorm", "Normalisation: layernorm (gpt2) | rmsnorm (Llama: no mean, no bias).")
+    norm_eps: float = _f(
+        1e-5, "Epsilon of every LayerNorm/RMSNorm (Llama 2: 1e-6).", gt=0, msg=_POSITIVE_SHAPE
+    )
+    mlp: str = _f(
+        "gelu",
+        "MLP: gelu (up, GELU, down) | swiglu (down(silu(gate x) * up x), Llama; three matrices).",
+    )
+    ffn_hidden: int = _f(
+        0,
+        "MLP hidden width; 0: 4 x n_embd for gelu, and for swiglu 8/3 x n_embd rounded up to a multiple of 64 "
+        "(LLaMA's rule: the parameters of a 4x GELU MLP in three matrices).",
+        ge=0,
+        msg=_DEFAULT_WIDTHS,
+    )
+    n_kv_head: int = _f(
+        0,
+        "Key/value heads; 0: n_head (multi-head). Fewer share each among n_head / n_kv_head query heads "
+        "(grouped-query attention; 1: multi-query); must divide n_head. The KV cache holds only these.",
+        ge=0,
+        msg=_DEFAULT_WIDTHS,
+    )
+    qk_norm: bool = _f(False, "RMSNorm of each query and key head before RoPE (OLMo 2, Qwen 3, nanochat).")
+    tie_embeddings: bool = _f(True, "The LM head shares the token embedding's weights (gpt2); false: own.")
+    n_experts: int = _f(
+        0,
+        "model.family=moe: routed SwiGLU experts per MoE layer (the family's preset: 8); 0: dense.",
+        ge=0,
+    )
+    moe_top_k: int = _f(2, "MoE: experts each token is routed to (at most n_experts).", ge=1)
+    moe_every: int = _f(1, "MoE: every k-th layer after the first dense ones is a MoE layer.", ge=1)
+    moe_first_dense: int = _f(0, "MoE: the first layers keep a dense MLP (DeepSeek-V3: 3).", ge=0)
+    n_shared_experts: int = _f(0, "MoE: shared experts every token passes through (DeepSeek: 1).", ge=0)
+    moe_ffn_hidden: int = _f(
+        0, "MoE: an expert's hidden width; 0: the dense MLP's (ffn_hidden's rule).", ge=0
+    )
+    moe_score: str = _f("softmax", "MoE router scores: softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3).")
+    moe_aux_loss_coef: float = _f(
+        0.0,
+        "MoE: weight of the sequence-wise load-balancing loss (Switch/GShard form; ~1e-3 to 1e-2); 0: none.",
+        ge=0,
+    )
+    moe_bias_update_rate: float = _f(
+        0.0,
+        "MoE: DeepSeek-V3's auxiliary-loss-free balancing: each step every expert's routing bias moves by this "
+        "towards the mean load (~1e-3); 0: none.",
+        ge=0,
+    )
+    moe_gemm: str = _f(
+        "auto",
+        "MoE experts' matmuls: auto (one grouped GEMM where torch._grouped_mm runs, else a loop) | grouped | "
+        "loop.",
+    )
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(1000, "Optimizer steps.", gt=0)
+    time_budget_s: float = _f(
+        0.0,
+        "Choose train.steps from the speed measured here so that the steps take about this many seconds "
+        "(0: off; never more than train.steps; decided after 10 steps, inside the LR warm-up; evaluations "
+        "come on top). A fresh run only: config.toml then records the steps chosen (loom.train.budget).",
+        ge=0,
+    )
+    batch_size: int = _f(
+        16, "Global batch in sequences per optimizer step (all ranks, all micro-steps).", gt=0
+    )
+    micro_batch_size: int = _f(
+        0,
+        "Sequences per device per forward pass; 0: batch_size / dp (no accumulation).",
+        ge=0,
+        why="0: batch_size / dp",
+    )
+    eval_every: int = _f(200, "Evaluate validation loss every N steps (0: never; always at the end).", ge=0)
+    eval_batches: int = _f(20, "Validation set size in global batches (a fixed set of sequences).", gt=0)
+    ckpt_every: int = _f(500, "Write a checkpoint every N steps (0: only at the end).", ge=0)
+    keep_last: int = _f(2, "Checkpoints kept on disk (older ones are deleted).", gt=0)
+    log_every: int = _f(50, "Console line and metrics.jsonl record every N steps (0: never).", ge=0)
+    sample_every: int = _f(500, "Print and save a sample every N steps (0: never; always at the end).", ge=0)
+    sample_tokens: int = _f(200, "Tokens generated per sample.", ge=0)
+    hellaswag_every: int = _f(
+        0,
+        "HellaSwag accuracy every N steps and at the end (0: never), from train.hellaswag_data; examples "
+        "are split across the data-parallel ranks (as `loom eval --task hellaswag`).",
+        ge=0,
+    )
+    hellaswag_data: str = _f("", "The HellaSwag JSONL (ctx, endings, label), e.g. hellaswag_val.jsonl.")
+    hellaswag_limit: int = _f(0, "Score only the first N HellaSwag examples (0: all).", ge=0)
+    compile: bool = _f(False, "torch.compile the model (compile time is excluded from throughput).")
+    device: str = _f("auto", "auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps.")
+    warmup_log_steps: int = _f(3, "First steps left out of the throughput summary (warm-up, compile).", ge=0)
+    reuse_cpu_memory: bool = _f(
+        True,
+        "CPU on Linux: keep freed memory in the process while training (glibc malloc without mmap/trim), "
+        "so large activations are not page-faulted in again every step (~20% faster steps on 10M params). "
+        "Sharded layouts (fsdp, zero2, HSDP) give large blocks back instead: their gathered weights fragment the heap.",
+    )
+    activation_checkpointing: str = _f(
+        "none",
+        "Recompute activations in the backward pass, per block: none | full (keep only block inputs) | "
+        "selective (keep matmul and attention outputs, recompute LayerNorm/GELU/adds).",
+    )
+    resume: str = _f(
+        "no",
+        "auto: continue run.dir/run.name from its newest valid checkpoint if it has one, else start it "
+        "(needs run.name) | no: start a new run (--resume continues one).",
+    )
+    async_ckpt: str = _f(
+        "auto",
+        "Checkpoint in the background: auto (on for CUDA, off on CPU) | true | false. The step that starts a "
+        "save only copies this rank's shards to host memory; writing, hashing and the rename go on in a "
+        "thread at a low CPU priority (nice 10: little is taken from a loop that keeps every core busy), at "
+        "most one save in flight (the next save, the last step and a stop signal wait for it).",
+    )
+    on_save_error: str = _f(
+        "continue",
+        "A checkpoint that cannot be written (too little free disk, I/O error): continue (warn, retry at the "
+        "next save) | stop (exit with an error; earlier checkpoints are kept).",
+    )
+    max_bad_steps: int = _f(
+        5,
+        "A step with a NaN/Inf loss or gradient norm (or a loss spike) is skipped; after this many in a row "
+        "the run saves its last good state and stops, naming the parameters with non-finite gradients.",
+        gt=0,
+    )
+    spike_zscore: float = _f(
+        0.0,
+        "Loss-spike guard: skip a step whose loss is this many std devs above the recent mean (0: off).",
+        ge=0,
+    )
+    spike_window: int = _f(
+        100,
+        "Loss-spike guard: the number of recent good steps it compares against.",
+        ge=2,
+        why="a mean and a spread",
+    )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-3, "Peak learning rate, reached after warmup_steps.", gt=0, msg=_LR)
+    min_lr: float = _f(1e-4, "Learning rate at the end of the cosine decay.", ge=0, msg=_LR)
+    warmup_steps: int = _f(100, "Linear warm-up steps.", ge=0)
+    weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D parameters only.", ge=0)
+    beta1: float = _f(0.9, "AdamW beta1.", ge=0, lt=1, msg=_BETAS)
+    beta2: float = _f(0.99, "AdamW beta2.", ge=0, lt=1, msg=_BETAS)
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0: no clipping).", ge=0)
+    impl: str = _f("auto", "auto | torch-fused | torch-foreach | torch-loop | triton (one kernel launch).")
+    name: str = _f(
+        "adamw",
+        "adamw | muon: Newton-Schulz-orthogonalised momentum for the 2-D hidden matrices (attention and MLP "
+        "weights), AdamW (lr, betas, weight_decay) for embeddings, head, norms and biases (optim.impl ignored).",
+    )
+    muon_lr: float = _f(
+        0.02,
+        "optim.name=muon: peak learning rate of the hidden matrices (same schedule as lr).",
+        gt=0,
+        msg=_MUON,
+    )
+    muon_momentum: float = _f(
+        0.95, "optim.name=muon: Nesterov momentum of the hidden matrices.", ge=0, lt=1, msg=_MUON
+    )
+    muon_ns_steps: int = _f(
+        5,
+        "optim.name=muon: Newton-Schulz iterations per step (5: singular values ~0.7-1.2).",
+        ge=1,
+        msg=_MUON,
+    )
+    muon_weight_decay: float = _f(
+        0.0, "optim.name=muon: decoupled weight decay of the hidden matrices.", ge=0, msg=_MUON
+    )
+    schedule: str = _f(
+        "cosine",
+        "Learning-rate shape after warm-up: cosine (to min_lr at the last step) | wsd (warmup-stable-decay: "
+        "hold lr, then fall linearly to min_lr over the last decay_frac of the steps).",
+    )
+    decay_frac: float = _f(
+        0.3, "optim.schedule=wsd: fraction of train.steps spent in the final linear decay.", ge=0, le=1
+    )
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: str = _f(
+        "fp32",
+        "fp32 | bf16 (autocast) | fp16 (autocast with dynamic loss scaling) | auto (bf16 where the device "
+        "has bf16 units: GPUs since Ampere, CPUs with AVX512-BF16/AMX; fp16 on older GPUs; else fp32).",
+    )
+    tf32: bool = _f(True, "CUDA: TF32 tensor cores for fp32 matmuls and convolutions (ignored on CPU).")
+    init_scale: float = _f(65536.0, "fp16: initial loss scale (halved after each overflow step).", gt=0)
+    growth_interval: int = _f(2000, "fp16: steps without overflow after which the loss scale doubles.", gt=0)
+    fp8: str = _f(
+        "off",
+        "off | tensorwise | rowwise: FP8 matmuls in the chosen linears through torchao (the loom[fp8] extra), "
+        "weights and optimizer in high precision; tensorwise also all-gathers FSDP weights in float8 "
+        "(loom/parallel/fp8.py).",
+    )
+    fp8_filter: str = _f(
+        "auto",
+        "fp8: which linears. auto: those large enough to gain on H100 (torchao's measured thresholds); all: "
+        "every linear whose dimensions are multiples of 16 (small models, CPU).",
+    )
+    fp8_head: bool = _f(False, "fp8: the LM head too (untied heads only); off, it stays high precision.")
+
+
+@dataclass
+class ParallelConfig:
+    dp_impl: str = _f(
+        "auto",
+        "Data parallel: auto (ddp when world size > 1, else none) | none | ddp | zero1 | zero2 | fsdp | mpi.",
+    )
+    param_dtype: str = _f(
+        "",
+        "zero2/fsdp: dtype of gathered parameters for compute (fp32 | bf16 | fp16); empty: bf16 on GPUs when "
+        "precision is bf16, else as stored.",
+    )
+    reduce_dtype: str = _f(
+        "", "zero2/fsdp: dtype of the gradient reduce-scatter; empty: fp32 (the stored dtype)."
+    )
+    cpu_offload: bool = _f(
+        False, "zero2/fsdp: keep sharded parameters, gradients and optimizer state in host memory."
+    )
+    mpi_sync: str = _f("bucketed", "dp_impl=mpi gradient sync: naive (Allreduce per parameter) | bucketed.")
+    bucket_mb: float = _f(
+        25.0,
+        "dp_impl=mpi bucketed sync: bucket size in MiB (DDP's default is 25).",
+        gt=0,
+        msg="parallel.bucket_mb must be > 0, got {parallel.bucket_mb}",
+        hint="e.g. 25 (DDP's default)",
+    )
+    mpi_allreduce: str = _f("mpi", "dp_impl=mpi bucketed sync: mpi (Iallreduce) | ring (loom's own ring).")
+    timeout_s: float = _f(
+        600.0, "A collective that does not complete in this many seconds is an error.", gt=0
+    )
+    dp_replicate: int = _f(
+        1,
+        "zero2/fsdp: replica groups of HSDP (replicate across nodes, shard within); 1: plain FSDP.",
+        ge=1,
+        msg=_HSDP,
+    )
+    dp_shard: int = _f(
+        -1,
+        "zero2/fsdp: ranks each parameter is sharded over; -1: world / (dp_replicate * cp * tp * pp).",
+        ge=1,
+        also=-1,
+        msg=_HSDP,
+    )
+    tp: int = _f(
+        1,
+        "Tensor-parallel degree (Megatron column/row split); divides n_head. dp = world / (cp*tp*pp).",
+        ge=1,
+        msg=_DEGREES,
+    )
+    sp: bool = _f(False, "Sequence parallel (with tp > 1): LayerNorms and dropout run on sequence shards.")
+    pp: int = _f(
+        1,
+        "Pipeline-parallel degree: the layers are cut into pp (or pp * stages per rank) stages.",
+        ge=1,
+        msg=_DEGREES,
+    )
+    cp: int = _f(
+        1,
+        "Context-parallel degree: each rank of a cp group holds block_size / cp tokens of every sequence (long "
+        "contexts); ulysses: divides block_size and n_kv_head, ring: 2*cp divides block_size. "
+        "dp = world / (cp*tp*pp).",
+        ge=1,
+        msg="parallel.cp must be >= 1; got {parallel.cp}",
+    )
+    cp_impl: str = _f(
+        "ulysses",
+        "cp > 1: ulysses (DeepSpeed-Ulysses: all-to-all from sequence to head shards around attention) | ring "
+        "(ring attention: keys/values travel around the cp ranks, each rank holding two of 2*cp chunks).",
+    )
+    ep: int = _f(
+        1,
+        "Expert-parallel degree (model.family=moe): the routed experts are split over ep of the data-parallel x "
+        "cp ranks, tokens travel to their experts by all-to-all; divides n_experts and dp x cp.",
+        ge=1,
+        msg="parallel.ep must be >= 1; got {parallel.ep}",
+    )
+    pp_schedule: str = _f("1f1b", "Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zero-bubble.")
+    pp_microbatches: int = _f(
+        0, "Micro-batches per pipeline step; 0: the local batch / train.micro_batch_size."
+    )
+    degree1_meshes: bool = _f(
+        False,
+        "One process: apply tensor, pipeline and context parallel at degree 1 on 1-rank meshes, so one GPU runs every "
+        "code path (the GPU check, benchmarks/gpu_check.py); ignored with more processes.",
+    )
+
+    @property
+    def cp_layout(self) -> str:
+        """Which tokens of a sequence each cp rank holds (loom.data.loader.seq_chunk): ring attention's
+        load-balanced zigzag, else consecutive chunks."""
+        return "zigzag" if self.cp_impl == "ring" else "contiguous"
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = _f(False, "Also write TensorBoard event files to <run>/tensorboard (extra: track).")
+    wandb: bool = _f(False, "Also log to Weights & Biases (extra: track); WANDB_MODE=offline logs locally.")
+    wandb_project: str = _f("loom", "W&B project name.")
+    detail: bool = _f(
+        False,
+        "GPUs: time each micro-batch's forward and backward (dtf, dtb) with CUDA events. Off, a GPU step "
+        "records no dtf/dtb and never waits for the device inside a step (CPUs always record them: free).",
+    )
+
+
+@dataclass
+class EvalConfig:
+    """Capability evaluation in the training loop (loom.eval.capability): lm-evaluation-harness tasks and the
+    CORE score, each record in metrics.jsonl (`loom eval RUN --tasks ...` scores a checkpoint the same way)."""
+
+    tasks: str = _f(
+        "",
+        "lm-evaluation-harness tasks to score every eval.every steps and at the end (comma list, or a TOML "
+        "list): its names (hellaswag, arc_easy, ...) or tasks of your own in eval.include_path (extra: eval).",
+    )
+    core_bundle: str = _f(
+        "", "A CORE eval bundle folder (core.yaml, eval_data/): the CORE score is logged too."
+    )
+    every: int = _f(0, "Score the tasks every N steps and at the end (0: only at the end).", ge=0)
+    limit: int = _f(
+        0, "Examples per task (0: all). The harness takes the first N; CORE a seeded shuffle's.", ge=0
+    )
+    num_fewshot: int = _f(-1, "Few-shot examples per prompt (-1: each task's own number).", ge=-1)
+    include_path: str = _f("", "A folder of task YAMLs of your own (the harness's --include_path).")
+    batch_size: int = _f(16, "Sequences per forward pass when scoring.", gt=0)
+
+
+@dataclass
+class FinetuneConfig:
+    """LoRA adapters for fine-tuning (loom.model.lora): the base model frozen, low-rank updates trained on the
+    chosen linears, merged into the weights on export."""
+
+    lora_rank: int = _f(0, "LoRA adapters' rank; 0: no LoRA (every parameter trains).", ge=0)
+    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) * B A.", gt=0)
+    lora_targets: str = _f(
+        "q_proj,v_proj",
+        "Linears given adapters: names, dotted suffixes, patterns (blocks.*.attn.q_proj) or attn | mlp | "
+        "all-linear; lm_head only by name.",
+    )
+    lora_dropout: float = _f(0.0, "Dropout on the adapters' input (training only).", ge=0, lt=1)
+    init_optimizer: bool = _f(
+        False,
+        "With model.init_from=run:DIR, start from that run's optimizer state too (AdamW's moments and step "
+        "count), as continued pretraining does; not with LoRA (other parameters train).",
+    )
+    lora_embeddings: str = _f(
+        "auto",
+        "With LoRA, the token embedding and the head train too: auto (when the data adds tokens to the model's "
+        "vocabulary, as chat data's chat tokens: their rows start as the mean row, alike, and must learn) | "
+        "true | false.",
+    )
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# Pipeline schedules, the one table: parallel.pp_schedule -> (its class in torch.distributed.pipelining, stages
+# per pipeline rank: 2 for the looped placement, stage s on pipeline rank s mod pp)
+PP_SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2),
+    "zero-bubble": ("ScheduleInterleavedZeroBubble", 2),
+}
+SCHEDULE_STAGES_PER_RANK = {name: per_rank for name, (_, per_rank) in PP_SCHEDULES.items()}
+
+CHOICES = {
+    ("data", "tokenizer"): ("char", "bpe"),
+    ("model", "activation"): ("gelu_tanh", "gelu"),
+    ("model", "pos"): ("learned", "rope"),
+    ("model", "norm"): ("layernorm", "rmsnorm"),
+    ("model", "mlp"): ("gelu", "swiglu"),
+    ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop", "triton"),
+    ("optim", "name"): ("adamw", "muon"),
+    ("optim", "schedule"): ("cosine", "wsd"),
+    ("train", "resume"): ("no", "auto"),
+    ("train", "on_save_error"): ("continue", "stop"),
+    ("train", "async_ckpt"): ("auto", "true", "false"),
+    ("train", "activation_checkpointing"): ("none", "full", "selective"),
+    ("precision", "dtype"): ("fp32", "bf16", "fp16", "auto"),
+    ("precision", "fp8"): ("off", "tensorwise", "rowwise"),
+    ("precision", "fp8_filter"): ("auto", "all"),
+    ("data", "align"): ("none", "bos"),
+    ("data", "doc_positions"): ("continue", "restart"),
+    ("parallel", "dp_impl"): ("auto", "none", "ddp", "zero1", "zero2", "fsdp", "mpi"),
+    ("parallel", "param_dtype"): ("", "fp32", "bf16", "fp16"),
+    ("parallel", "reduce_dtype"): ("", "fp32", "bf16", "fp16"),
+    ("parallel", "mpi_sync"): ("naive", "bucketed"),
+    ("parallel", "mpi_allreduce"): ("mpi", "ring"),
+    ("parallel", "cp_impl"): ("ulysses", "ring"),
+    ("parallel", "pp_schedule"): tuple(PP_SCHEDULES),
+}
+
+
+LIST_KEYS = {"eval.tasks"}  # str keys that also take a TOML list of strings
+
+
+def section_types() -> dict[str, type]:
+    return {f.name: f.default_factory for f in fields(Config)}
+
+
+def all_keys() -> list[str]:
+    cfg = Config()
+    return [f"{s}.{f.name}" for s in section_types() for f in fields(getattr(cfg, s))]

@@ -1,0 +1,533 @@
+"""Checking a config (layer 0). `validate(cfg, world)` is the one check of a config against a world size: each
+field's bounds (declared on the field), the model's shape, the parallel layout and the batch, each rule in one
+place; it returns the values printed at start (gradient accumulation, tokens per step) and the layout
+(ParallelDims). `check_model_config` / `check_saved_config` compare the model a checkpoint recorded with a
+run's config.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import fields
+from typing import Any
+
+from loom.config.layout import SHARDED, Derived, ParallelDims
+from loom.config.schema import (
+    _LR,
+    SCHEDULE_STAGES_PER_RANK,
+    Config,
+    ModelConfig,
+    ParallelConfig,
+    section_types,
+)
+from loom.errors import LoomError
+
+
+def validate(
+    cfg: Config, world: int = 1, rank: int = 0, dp_impl: str | None = None
+) -> tuple[Derived, ParallelDims]:
+    """Every rule that can be checked before data or devices are touched, each in one place, in this order:
+    each field's bounds (its metadata), the model's shape, the mesh of `world` processes (world = dp x cp x tp x pp),
+    the data-parallel implementation (`dp_impl`, default parallel.dp_impl; auto resolved here), the batch.
+    Returns the derived values printed at start and the layout of `rank`."""
+    _check_fields(cfg)
+    _check_model_shape(cfg.model)
+    _check_doc_mask(cfg)
+    _check_cp(cfg, dp_impl or cfg.parallel.dp_impl)
+    dp = _check_mesh(cfg, world)
+    impl = _resolve_dp_impl(cfg, world, dp, dp_impl)
+    _check_moe(cfg, dp, impl)
+    _check_fp8(cfg)
+    _check_eval(cfg)
+    _check_lora(cfg)
+    replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
+    derived = _derive_batch(cfg, dp)
+    p = cfg.parallel
+    return derived, ParallelDims(
+        replicate, shard, p.tp, p.pp, world, rank, impl, p.degree1_meshes and world == 1, p.cp, p.ep
+    )
+
+
+def _check_moe(cfg: Config, dp: int, dp_impl: str) -> None:
+    """Mixture-of-experts keys and expert parallelism: the family, k of E, ep over the data-parallel x cp ranks,
+    and what the balance loss and the expert split compose with."""
+    m, p = cfg.model, cfg.parallel
+    if m.family != "moe":
+        if m.n_experts or p.ep > 1:
+            raise LoomError(
+                f"model.n_experts / parallel.ep are for model.family=moe; the family is '{m.family}'",
+                hint="set model.family=moe (a Llama-shaped model with routed experts), or leave them unset",
+            )
+        return
+    if m.n_experts < 1:
+        raise LoomError("model.family=moe needs model.n_experts >= 1", hint="e.g. model.n_experts=8")
+    if m.moe_top_k > m.n_experts:
+        raise LoomError(
+            f"model.moe_top_k={m.moe_top_k} is more than model.n_experts={m.n_experts}",
+            hint=f"route each token to at most {m.n_experts} experts",
+        )
+    if m.moe_first_dense >= m.n_layer:
+        raise LoomError(
+            f"model.moe_first_dense={m.moe_first_dense} leaves no MoE layer among {m.n_layer}",
+            hint=f"use moe_first_dense < {m.n_layer}",
+        )
+    for key, choices in (("moe_score", ("softmax", "sigmoid")), ("moe_gemm", ("auto", "grouped", "loop"))):
+        if getattr(m, key) not in choices:
+            raise LoomError(f"model.{key} must be one of {', '.join(choices)}; got '{getattr(m, key)}'")
+    if m.moe_gemm == "grouped" and cfg.train.compile and cfg.precision.dtype in ("fp32", "fp16"):
+        raise LoomError(
+            f"model.moe_gemm=grouped with train.compile in {cfg.precision.dtype}: the grouped GEMM compiles in "
+            "bf16 only (its meta function refuses other types)",
+            hint="use model.moe_gemm=auto (the loop where grouped cannot run), or precision.dtype=bf16",
+        )
+    if m.moe_aux_loss_coef and p.pp > 1:
+        raise LoomError(
+            "model.moe_aux_loss_coef > 0 is not supported with pipeline parallel (the balance loss of earlier "
+            "stages cannot join the last stage's loss)",
+            hint="balance with model.moe_bias_update_rate (DeepSeek-V3's auxiliary-loss-free way) instead",
+        )
+    if m.moe_aux_loss_coef and p.cp > 1:
+        raise LoomError(
+            "model.moe_aux_loss_coef > 0 is not supported with context parallel (the loss is per sequence, and "
+            "each cp rank holds a part of each)",
+            hint="balance with model.moe_bias_update_rate instead",
+        )
+    if p.ep == 1:
+        return
+    if m.n_experts % p.ep:
+        raise LoomError(
+            f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts} (each rank holds whole experts)",
+            hint="pick ep among the divisors of n_experts: " + _divisors(m.n_experts),
+        )
+    if (dp * p.cp) % p.ep:
+        raise LoomError(
+            f"parallel.ep={p.ep} does not divide the data-parallel x cp ranks, {dp} x {p.cp} (expert parallelism "
+            "splits the experts over those ranks)",
+            hint="pick ep among the divisors of " + f"{dp * p.cp}: " + _divisors(dp * p.cp),
+        )
+    if dp_impl not in ("ddp", "fsdp", "zero2"):
+        raise LoomError(
+            f"parallel.ep > 1 does not compose with parallel.dp_impl={dp_impl}",
+            hint="use parallel.dp_impl=ddp or fsdp (or zero2) with expert parallelism",
+        )
+
+
+def _check_eval(cfg: Config) -> None:
+    """eval.*: lm-evaluation-harness found (not imported: loom.eval.capability imports it when the trainer
+    starts, and checks the task names and data there, before the model is built)."""
+    e = cfg.eval
+    if not (e.tasks.strip(" ,") or e.core_bundle):
+        if e.every:
+            raise LoomError(
+                f"eval.every={e.every} has nothing to score: eval.tasks and eval.core_bundle are empty",
+                hint="name tasks (--eval.tasks=hellaswag,arc_easy) or a CORE bundle, or set eval.every=0",
+            )
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise LoomError(
+            "eval.tasks / eval.core_bundle need lm-evaluation-harness, which is not installed",
+            hint="install the eval extra: pip install 'loom[eval]'",
+        )
+
+
+def _check_lora(cfg: Config) -> None:
+    """finetune.lora_*: what adapters compose with (their targets are checked against the model when it is
+    built: loom.model.lora.apply_lora)."""
+    f = cfg.finetune
+    if f.lora_embeddings not in ("auto", "true", "false"):
+        raise LoomError(f"finetune.lora_embeddings must be auto, true or false; got '{f.lora_embeddings}'")
+    if f.init_optimizer and (not cfg.model.init_from.startswith("run:") or f.lora_rank):
+        raise LoomError(
+            "finetune.init_optimizer=true takes the optimizer state of the run model.init_from=run:DIR names, "
+            f"for the same parameters; here model.init_from='{cfg.model.init_from}', finetune.lora_rank="
+            f"{f.lora_rank}",
+            hint="use it with model.init_from=run:DIR and full fine-tuning (finetune.lora_rank=0)",
+        )
+    if not f.lora_rank:
+        return
+    if cfg.precision.fp8 != "off":
+        raise LoomError(
+            "finetune.lora_rank > 0 with precision.fp8: torchao's Float8Linear replaces the adapted linears "
+            "and would drop their adapters",
+            hint="fine-tune LoRA in bf16 (precision.fp8=off)",
+        )
+
+
+def _check_fp8(cfg: Config) -> None:
+    """What rules precision.fp8 out from the config alone: torchao missing (found, not imported: it is imported
+    only by the model's conversion, loom/parallel/fp8.py), a precision or head it does not compose with. A GPU
+    without float8 tensor cores: loom.parallel.fp8.check_device, once the device is known."""
+    p = cfg.precision
+    if p.fp8 == "off":
+        return
+    if p.dtype == "fp16":
+        raise LoomError(
+            "precision.fp8 with precision.dtype=fp16: float8 training runs beside bf16 or fp32 (no loss scaling)",
+            hint="use precision.dtype=bf16",
+        )
+    if p.fp8_head and cfg.model.tie_embeddings:
+        raise LoomError(
+            "precision.fp8_head=true but the head is the token embedding (model.tie_embeddings=true): the "
+            "embedding is a lookup torchao does not convert, and the shared weight cannot be both",
+            hint="leave precision.fp8_head=false, or untie the head (a Llama family)",
+        )
+    if p.fp8_head and cfg.parallel.tp > 1:
+        raise LoomError(
+            "precision.fp8_head=true with parallel.tp > 1 is not supported: the vocabulary-parallel head masks "
+            "its shard of the logits in place, which the float8 matmul's output does not allow",
+            hint="leave precision.fp8_head=false under tensor parallel",
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise LoomError(
+            f"precision.fp8={p.fp8} needs torchao, which is not installed",
+            hint="install loom's fp8 extra: pip install 'loom[fp8]' (torchao >= 0.18), or precision.fp8=off",
+        )
+
+
+def _within(v: Any, bounds: Any) -> bool:
+    if "also" in bounds and v == bounds["also"]:
+        return True
+    low = v > bounds["gt"] if "gt" in bounds else v >= bounds.get("ge", v)
+    high = v < bounds["lt"] if "lt" in bounds else v <= bounds.get("le", v)
+    return low and high
+
+
+def _bound_message(key: str, v: Any, bounds: Any) -> str:
+    if "lt" in bounds or "le" in bounds:  # an interval
+        low = f"({bounds['gt']}" if "gt" in bounds else f"[{bounds['ge']}"
+        high = f"{bounds['lt']})" if "lt" in bounds else f"{bounds['le']}]"
+        return f"{key} must be in {low}, {high}, got {v}"
+    if "gt" in bounds:
+        return f"{key} must be " + ("positive" if bounds["gt"] == 0 else f"> {bounds['gt']}") + f", got {v}"
+    why = f" ({bounds['why']})" if "why" in bounds else ""
+    return f"{key} must be >= {bounds['ge']}{why}, got {v}"
+
+
+def _check_fields(cfg: Config) -> None:
+    """Every field against its bounds (read from its metadata; floats also against nan and inf, which TOML and
+    float() accept), then the rules between two fields."""
+    sections = {s: getattr(cfg, s) for s in section_types()}
+    for s, sub in sections.items():
+        for f in fields(sub):
+            key, v = f"{s}.{f.name}", getattr(sub, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise LoomError(f"{key} must be a finite number, got {v}")
+            if not _within(v, f.metadata):
+                msg = f.metadata["msg"].format(**sections) if "msg" in f.metadata else None
+                raise LoomError(msg or _bound_message(key, v, f.metadata), hint=f.metadata.get("hint"))
+    t = cfg.train
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise LoomError(_LR.format(**sections))
+    if t.hellaswag_every and not t.hellaswag_data:
+        raise LoomError(
+            f"train.hellaswag_every={t.hellaswag_every} needs train.hellaswag_data (a HellaSwag JSONL)",
+            hint="give --train.hellaswag_data=hellaswag_val.jsonl, or set train.hellaswag_every=0",
+        )
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _check_model_shape(m: ModelConfig) -> None:
+    """Heads divide the width; the rules of the Llama-family options (grouped-query heads, RoPE's pairs)."""
+    if m.n_embd % m.n_head:
+        raise LoomError(
+            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}",
+            hint=f"pick n_embd as a multiple of n_head, e.g. {m.n_head * max(1, m.n_embd // m.n_head)}",
+        )
+    if m.n_kv_head and m.n_head % m.n_kv_head:
+        raise LoomError(
+            f"model.n_head={m.n_head} is not divisible by model.n_kv_head={m.n_kv_head} (each key/value head "
+            "serves the same number of query heads)",
+            hint="pick n_kv_head among the divisors of n_head: " + _divisors(m.n_head),
+        )
+    if m.pos == "rope" and (m.n_embd // m.n_head) % 2:
+        raise LoomError(
+            f"model.pos=rope needs an even head size; n_embd / n_head = {m.n_embd // m.n_head}",
+            hint="change n_embd or n_head",
+        )
+
+
+def _check_doc_mask(cfg: Config) -> None:
+    """data.doc_mask's rules: the documents are found in the input ids, which only the first pipeline stage
+    sees; restarting positions need the documents."""
+    d = cfg.data
+    if d.doc_positions == "restart" and not d.doc_mask:
+        raise LoomError(
+            "data.doc_positions=restart needs data.doc_mask=true (positions restart at each document)",
+            hint="add --data.doc_mask=true, or leave data.doc_positions=continue",
+        )
+    if d.doc_mask and cfg.parallel.pp > 1:
+        raise LoomError(
+            f"data.doc_mask=true is not supported with parallel.pp={cfg.parallel.pp}: the documents are found "
+            "in the input ids, which later pipeline stages do not see",
+            hint="use data.doc_mask=false, or parallel.pp=1 (tensor and data parallel work with it)",
+        )
+
+
+def _check_cp(cfg: Config, dp_impl: str) -> None:
+    """Context parallel's rules (parallel.cp > 1): the sequence splits evenly (into 2 * cp chunks for ring),
+    Ulysses' all-to-all splits the heads evenly, and the layouts and features not built with it yet are
+    refused by name."""
+    p, m, cp = cfg.parallel, cfg.model, cfg.parallel.cp
+    if cp == 1:
+        return
+    if p.cp_impl == "ring":
+        _check_ring(cfg)
+    elif m.block_size % cp:
+        raise LoomError(
+            f"parallel.cp={cp} does not divide model.block_size={m.block_size} (each cp rank holds "
+            "block_size / cp tokens of every sequence)",
+            hint="pick cp among the divisors of block_size: " + _divisors(m.block_size),
+        )
+    kv = m.n_kv_head or m.n_head
+    if p.cp_impl == "ulysses" and kv % (cp * p.tp):
+        tp = f" x parallel.tp={p.tp}" if p.tp > 1 else ""
+        per_tp = kv // p.tp if kv % p.tp == 0 else kv
+        raise LoomError(
+            f"parallel.cp={cp}{tp} with cp_impl=ulysses does not divide model.n_kv_head={kv} (Ulysses gives each "
+            "cp rank whole key/value heads of the whole sequence, out of its tensor-parallel rank's heads)",
+            hint=f"pick cp among the divisors of {per_tp} ({_divisors(per_tp)}), or use more key/value heads, "
+            "or parallel.cp_impl=ring",
+        )
+    if p.sp and m.block_size % (cp * p.tp):
+        raise LoomError(
+            f"parallel.sp with cp={cp}: model.block_size={m.block_size} is not divisible by cp x tp = "
+            f"{cp * p.tp} (sequence parallel splits each cp rank's chunk over the tp ranks)",
+            hint="pick block_size, cp and tp so that cp x tp divides block_size",
+        )
+    if dp_impl == "mpi":
+        raise LoomError(
+            "parallel.cp > 1 does not compose with parallel.dp_impl=mpi (its exchanges run on torch.distributed)",
+            hint="use parallel.dp_impl=ddp (or auto) with context parallel",
+        )
+    if dp_impl == "zero1":
+        raise LoomError(
+            "parallel.cp > 1 does not compose with parallel.dp_impl=zero1 (its optimizer shards over the "
+            "data-parallel group; FSDP shards over dp_shard x cp)",
+            hint="use parallel.dp_impl=fsdp (or zero2, or ddp) with context parallel",
+        )
+    if cfg.train.hellaswag_every:
+        raise LoomError(
+            "train.hellaswag_every does not run with parallel.cp > 1 yet (its forward passes are whole sequences)",
+            hint="set train.hellaswag_every=0 and score the run afterwards with `loom eval`",
+        )
+
+
+def _check_ring(cfg: Config) -> None:
+    """Ring attention's own rules: its load-balanced layout cuts every sequence into 2 * cp chunks, and
+    what it does not build (document masks, dropout of the attention weights) is refused by name."""
+    m, cp = cfg.model, cfg.parallel.cp
+    if m.block_size % (2 * cp):
+        fits = [str(d) for d in range(2, m.block_size // 2 + 1) if m.block_size % (2 * d) == 0]
+        raise LoomError(
+            f"parallel.cp={cp} with cp_impl=ring needs 2*cp = {2 * cp} to divide model.block_size="
+            f"{m.block_size} (each cp rank holds two of 2*cp equal chunks of every sequence, one early and one "
+            "late, so that causal attention costs every rank the same)",
+            hint="pick cp among "
+            + (", ".join(fits) or "(none: block_size is odd)")
+            + ", or change block_size",
+        )
+    if cfg.data.doc_mask:
+        raise LoomError(
+            "data.doc_mask=true is not supported with parallel.cp_impl=ring (the ring's masks are causal only)",
+            hint="use parallel.cp_impl=ulysses with document masks, or data.doc_mask=false",
+        )
+    if m.dropout:
+        raise LoomError(
+            f"model.dropout={m.dropout} is not supported with parallel.cp_impl=ring (the ring does not drop "
+            "attention weights)",
+            hint="use model.dropout=0, or parallel.cp_impl=ulysses",
+        )
+
+
+def _check_mesh(cfg: Config, world: int) -> int:
+    """The data-parallel degree of `world` processes (tp innermost), after every rule of tensor and pipeline
+    parallel."""
+    p, m = cfg.parallel, cfg.model
+    if world % (p.cp * p.tp * p.pp):
+        raise LoomError(
+            f"world size {world} is not divisible by parallel.cp x tp x pp = {p.cp} x {p.tp} x {p.pp}",
+            hint=f"start a multiple of {p.cp * p.tp * p.pp} processes, or change cp/tp/pp",
+        )
+    check_tp_heads(m.n_head, m.n_kv_head or m.n_head, p.tp)
+    if p.sp and p.tp == 1:
+        raise LoomError(
+            "parallel.sp=true needs parallel.tp > 1 (sequence parallel shards what TP replicates)"
+        )
+    if p.sp and m.block_size % p.tp:
+        raise LoomError(f"parallel.sp: model.block_size={m.block_size} is not divisible by tp={p.tp}")
+    stages = p.pp * (SCHEDULE_STAGES_PER_RANK[p.pp_schedule] if p.pp > 1 else 1)
+    if m.n_layer < stages:
+        raise LoomError(
+            f"{stages} pipeline stages (pp={p.pp}, schedule {p.pp_schedule}) but only model.n_layer="
+            f"{m.n_layer} layers: every stage needs at least one",
+            hint="lower parallel.pp, use the gpipe or 1f1b schedule, or add layers",
+        )
+    if p.degree1_meshes and world == 1 and SCHEDULE_STAGES_PER_RANK[p.pp_schedule] > 1:
+        raise LoomError(  # two local stages: torch's schedule cannot evaluate them
+            f"parallel.degree1_meshes takes a 1-stage schedule; pp_schedule={p.pp_schedule} puts two "
+            "stages on the one rank, which torch's schedule cannot evaluate",
+            hint="use parallel.pp_schedule=1f1b or gpipe",
+        )
+    if cfg.precision.dtype == "fp16" and p.pp > 1:
+        raise LoomError(
+            "precision.dtype=fp16 (loss scaling) is not supported with pp > 1",
+            hint="use bf16 or fp32 with pipeline parallel",
+        )
+    return world // (p.cp * p.tp * p.pp)
+
+
+def check_tp_heads(n_head: int, n_kv_head: int, tp: int) -> None:
+    """Tensor parallel splits whole heads: tp divides the query heads and the key/value heads. The one check,
+    made by validate() and by a family's parallel plan (handed tp directly)."""
+    if n_head % tp:
+        raise LoomError(
+            f"parallel.tp={tp} does not divide model.n_head={n_head} (each rank holds whole heads)",
+            hint="pick tp among the divisors of n_head: " + _divisors(n_head),
+        )
+    if n_kv_head % tp:
+        raise LoomError(
+            f"parallel.tp={tp} does not divide model.n_kv_head={n_kv_head} (each rank holds whole key/value "
+            "heads)",
+            hint="pick tp among the divisors of n_kv_head: " + _divisors(n_kv_head),
+        )
+
+
+def _resolve_dp_impl(cfg: Config, world: int, dp: int, dp_impl: str | None) -> str:
+    """The data-parallel implementation `world` processes run: auto is ddp with more than one process (or a
+    split model), else none; none with a split model and no data parallelism runs ddp's code on 1-rank groups."""
+    p = cfg.parallel
+    impl = dp_impl or p.dp_impl
+    split = p.tp * p.pp > 1 or (p.degree1_meshes and world == 1)  # the model is split (or at degree 1)
+    if impl == "none" and dp > 1:
+        raise LoomError(
+            f"{world} processes with parallel.dp_impl=none leave a data-parallel degree of {dp}",
+            hint="use parallel.dp_impl=ddp (or auto), or start "
+            + ("one process" if p.tp * p.pp == 1 else f"tp x pp = {p.tp * p.pp} processes"),
+        )
+    if p.tp * p.pp > 1 and impl in ("zero1", "mpi"):
+        raise LoomError(
+            f"parallel.dp_impl={impl} does not compose with tp/pp",
+            hint="use parallel.dp_impl=ddp or fsdp (or zero2) with tensor/pipeline parallel",
+        )
+    if impl == "auto":
+        return "ddp" if world > 1 or split else "none"
+    # a split model, or cp ranks (which average their gradients), run ddp's code even at dp = 1
+    return "ddp" if impl == "none" and (split or p.cp > 1) else impl
+
+
+def _dp_degrees(p: ParallelConfig, dp: int, dp_impl: str) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) for a data-parallel degree dp: HSDP's split for fsdp/zero2 (dp_shard=-1 takes
+    what dp_replicate leaves); every other implementation replicates over all of dp."""
+    if dp_impl not in SHARDED:
+        if p.dp_shard not in (-1, 1) or p.dp_replicate != 1:
+            raise LoomError(
+                f"parallel.dp_replicate/dp_shard split FSDP's data-parallel ranks (HSDP); dp_impl={dp_impl} "
+                "replicates the model on every data-parallel rank",
+                hint="use parallel.dp_impl=fsdp (or zero2) for HSDP, or leave dp_replicate/dp_shard unset",
+            )
+        return dp, 1
+    shard = dp // p.dp_replicate if p.dp_shard == -1 else p.dp_shard
+    if p.dp_replicate * shard != dp:
+        raise LoomError(
+            f"parallel.dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} must equal the data-parallel degree "
+            f"{dp} (world / (tp x pp))",
+            hint="pick dp_replicate among the divisors of " + f"{dp} and leave dp_shard=-1",
+        )
+    return p.dp_replicate, shard
+
+
+def _derive_batch(cfg: Config, dp_size: int) -> Derived:
+    """Gradient accumulation, or with pp > 1 the schedule's micro-batches, from the global batch over dp_size
+    data-parallel ranks."""
+    t, p = cfg.train, cfg.parallel
+    if t.batch_size % dp_size:
+        raise LoomError(
+            f"train.batch_size={t.batch_size} is not divisible by the data-parallel size {dp_size}",
+            hint=f"use a batch_size that is a multiple of {dp_size}, or fewer processes",
+        )
+    micro = t.micro_batch_size or t.batch_size // dp_size
+    per_step = micro * dp_size
+    if t.batch_size % per_step:
+        raise LoomError(
+            f"train.batch_size={t.batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size}"
+            f" x data-parallel size {dp_size} = {per_step}",
+            hint="make batch_size a multiple of micro_batch_size * dp (gradient accumulation fills the rest)",
+        )
+    tokens = t.batch_size * cfg.model.block_size
+    if p.pp == 1:
+        return Derived(dp_size, t.batch_size // per_step, tokens, micro)
+    # Pipeline: the schedule's micro-batches replace gradient accumulation.
+    local = t.batch_size // dp_size
+    n_mb = p.pp_microbatches or local // micro
+    if n_mb < 1 or local % n_mb:
+        raise LoomError(f"parallel.pp_microbatches={n_mb} does not divide the local batch {local}")
+    if p.pp_schedule != "gpipe" and n_mb < p.pp:
+        raise LoomError(
+            f"{n_mb} pipeline micro-batches for {p.pp} stages: schedule {p.pp_schedule} needs at least one per "
+            "stage",
+            hint=f"set parallel.pp_microbatches >= {p.pp} (or a smaller train.micro_batch_size)",
+        )
+    if SCHEDULE_STAGES_PER_RANK[p.pp_schedule] > 1 and n_mb % p.pp:  # the looped schedules
+        raise LoomError(f"schedule {p.pp_schedule} needs pp_microbatches ({n_mb}) divisible by pp={p.pp}")
+    return Derived(dp_size, 1, tokens, local // n_mb, n_mb)
+
+
+# model.* keys that do not change what a trained model computes: where its first weights came from, and
+# dropout, which evaluation, sampling and export switch off.
+_NOT_THE_MODEL = ("init_from", "dropout")
+
+
+# finetune.* keys that change what a checkpoint holds or what its model computes (LoRA's adapters, their scale,
+# which linears carry them, whether the embedding and head train); lora_dropout changes training only, and
+# init_optimizer acts at a run's start only
+_FINETUNE_MODEL = ("lora_rank", "lora_alpha", "lora_targets", "lora_embeddings")
+_FINETUNE_TRAINING = ("lora_dropout",)
+
+
+def check_model_config(
+    saved: dict, cfg: Config, source: str, hint: str, *, inference: bool = False, finetune: dict | None = None
+) -> None:
+    """The one check of a saved model against a config: `saved` is the "model" section a checkpoint recorded
+    (state.json, or a consolidated file's metadata; a key it lacks, newer than the save, counts as its
+    default), `finetune` its "finetune" section when it recorded one. Every key that differs is named
+    (saved -> config; inference: the run's and the checkpoint's values) in a LoomError ("`source` was trained
+    with another model shape: ...", with `hint`). inference: only the keys that change the shapes or the
+    numerics of a forward pass (not _NOT_THE_MODEL; finetune's _FINETUNE_MODEL); training (resume) compares
+    every model key and finetune's _FINETUNE_TRAINING too."""
+    # a resume changes the config from the saved one (saved -> config); a finished run's config.toml should
+    # say what its checkpoint holds (run vs checkpoint)
+    say = (
+        (lambda k, a, b: f"{k}: {b!r} in the run, {a!r} in the checkpoint")
+        if inference
+        else (lambda k, a, b: f"{k}: {a!r} -> {b!r}")
+    )
+    mine = cfg.to_dict()
+    diff = _differing("model", saved, mine["model"], lambda k: not (inference and k in _NOT_THE_MODEL))
+    if finetune is not None:
+        keys = _FINETUNE_MODEL + (() if inference else _FINETUNE_TRAINING)
+        diff += _differing("finetune", finetune, mine["finetune"], lambda k: k in keys)
+    if diff:
+        what = "another model shape" if diff[0][0].startswith("model.") else "other fine-tuning settings"
+        raise LoomError(f"{source} was trained with {what}: " + "; ".join(say(*d) for d in diff), hint=hint)
+
+
+def check_saved_config(saved: dict, cfg: Config, source: str, hint: str, *, inference: bool = False) -> None:
+    """check_model_config of a checkpoint's whole recorded config (state.json's "config"): model.* and
+    finetune.*."""
+    check_model_config(
+        saved.get("model", {}), cfg, source, hint, inference=inference, finetune=saved.get("finetune")
+    )
+
+
+def _differing(section: str, saved: dict, mine: dict, compared) -> list[tuple[str, object, object]]:
+    """(section.key, saved value, config value) of each compared key that differs; a key the save lacks (newer
+    than it) counts as its default."""
+    defaults = Config().to_dict()[section]
+    saved = {**defaults, **{k: v for k, v in saved.items() if k in defaults}}
+    return [(f"{section}.{k}", saved[k], v) for k, v in mine.items() if compared(k) and saved[k] != v]

@@ -1,0 +1,168 @@
+"""Every command README.md and docs/*.md show still works, by the rule in tests/docs_commands.py: each `loom`
+command parses (its verb exists, its options and config overrides are accepted), the quick ones run here and
+exit 0, each `make` target is a rule of the Makefile and each benchmark script exists.
+
+Parsing goes through loom's public entry, `loom.cli.main(argv)`, with argparse stopped just after the verb's
+parser has read the command (`ArgumentParser.parse_args`), or, for the verbs that pass `--section.key=value`
+on (`parse_known_args`: train, sft, verify, bench train, the dry run), after those overrides have been read
+into a config by `loom.config.load_config`: nothing trains, nothing is read from a run. Compared against: the
+command as the page prints it."""
+
+import argparse
+import os
+import re
+import sys
+
+import pytest
+from docs_commands import TOP, all_commands, inner_command, loom_argv, pages, runs_here, why_not_run
+
+from loom import cli, config
+from loom.model import registry
+
+COMMANDS = all_commands()
+LOOM = [c for c in COMMANDS if loom_argv(c.words) is not None]
+
+
+class Parsed(Exception):
+    """The command got past its parser (and its config overrides): it parses."""
+
+
+@pytest.fixture
+def parse_only(monkeypatch):
+    """argparse stops right after a verb's own parser has read its arguments."""
+    plain_known = argparse.ArgumentParser.parse_known_args
+    inside = []
+
+    def parse_args(self, args=None, namespace=None):
+        inside.append(True)
+        try:
+            ns = argparse.ArgumentParser.__dict__["_loom_plain_parse_args"](self, args, namespace)
+        finally:
+            inside.pop()
+        raise Parsed(ns)
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = plain_known(self, args, namespace)
+        if inside:
+            return ns, rest
+        # The verb hands the rest on as config overrides: read them into a config as it would.
+        cfg_file, rest = config.config_argv(list(args), getattr(ns, "config", None), rest)
+        config.load_config(cfg_file, rest)
+        raise Parsed(ns)
+
+    monkeypatch.setattr(
+        argparse.ArgumentParser, "_loom_plain_parse_args", argparse.ArgumentParser.parse_args, raising=False
+    )
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_args)
+
+
+def _with_env(words, monkeypatch):
+    """`VAR=value loom ...`: the variables for this command (PYTHONPATH's folders on sys.path, plug-ins reloaded)."""
+    for w in words:
+        m = re.fullmatch(r"([A-Z_][A-Z0-9_]*)=(.*)", w)
+        if not m:
+            break
+        monkeypatch.setenv(m[1], m[2])
+        if m[1] == "PYTHONPATH":
+            for folder in m[2].split(os.pathsep):
+                monkeypatch.syspath_prepend(str(TOP / folder))
+        if m[1] == "LOOM_PLUGINS":  # registered into a copy of the table, gone after the test
+            monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
+            monkeypatch.setattr(registry, "_loaded", False)
+            for name in m[2].split(","):
+                monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def _parses(argv, capsys):
+    try:
+        code = cli.main(argv)
+    except Parsed:
+        return
+    except SystemExit as e:  # argparse: 0 after a help text, 2 after a usage error
+        code = e.code
+    if code not in (0, None):
+        pytest.fail(f"loom {' '.join(argv)} does not parse (exit {code}):\n{capsys.readouterr().err}")
+
+
+def test_the_pages_show_commands():
+    assert len(LOOM) >= 80, "the extraction found too few loom commands in README.md and docs/*.md"
+
+
+@pytest.mark.parametrize("cmd", LOOM, ids=lambda c: c.id)
+def test_every_loom_command_parses(cmd, parse_only, monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(TOP)  # configs/... as the pages give them
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    _with_env(cmd.words, monkeypatch)
+    argv = loom_argv(cmd.words)
+    _parses(argv, capsys)
+    if (inner := inner_command(argv)) is not None:
+        _parses(inner, capsys)
+
+
+def _quick(cmd):
+    """A plan over more than 256 GPUs searches longer (20 s here): it runs, marked slow."""
+    argv = loom_argv(cmd.words)
+    gpus = int(argv[argv.index("--gpus") + 1]) if "--gpus" in argv else 0
+    return pytest.param(cmd, marks=pytest.mark.slow) if gpus > 256 else cmd
+
+
+@pytest.mark.parametrize("cmd", [_quick(c) for c in LOOM if runs_here(c)], ids=lambda c: c.id)
+def test_quick_commands_run_and_exit_0(cmd, monkeypatch, capsys):
+    monkeypatch.chdir(TOP)
+    argv = loom_argv(cmd.words)
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    assert code in (0, None), f"loom {' '.join(argv)} exited {code}:\n{out.err}"
+    assert out.out.strip(), f"loom {' '.join(argv)} printed nothing"
+
+
+def test_every_other_loom_command_says_why_it_is_not_run():
+    reasons = {c.id: why_not_run(c) for c in LOOM if not runs_here(c)}
+    assert all(reasons.values()), reasons
+
+
+def _make_targets() -> set[str]:
+    text = (TOP / "Makefile").read_text(encoding="utf-8")
+    return set(re.findall(r"^([A-Za-z][\w.-]*):", text, flags=re.M))
+
+
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if c.words[0] == "make"], ids=lambda c: c.id)
+def test_make_lines_name_real_targets(cmd):
+    targets = [w for w in cmd.words[1:] if not w.startswith("-") and "=" not in w]
+    assert targets, f"{cmd.id}: no target"
+    missing = [t for t in targets if t not in _make_targets()]
+    assert not missing, f"{cmd.id}: no Makefile rule for {missing}"
+
+
+@pytest.mark.parametrize(
+    "cmd", [c for c in COMMANDS if any(w.startswith("benchmarks/") for w in c.words)], ids=lambda c: c.id
+)
+def test_benchmark_scripts_exist(cmd):
+    scripts = [w for w in cmd.words if w.startswith("benchmarks/") and w.endswith(".py")]
+    assert all((TOP / s).is_file() for s in scripts), f"{cmd.id}: {scripts}"
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    heads = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(TOP)))
+def test_links_between_pages_resolve(page):
+    """Every relative link of README.md and docs/*.md names a file that exists, and a heading it has."""
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text(encoding="utf-8")):
+            bad.append(target)
+    assert not bad, f"{page.name}: links to nothing: {bad}"
