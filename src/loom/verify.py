@@ -258,7 +258,7 @@ def config_args(cfg: Config) -> list[str]:
     default["model"].update(FAMILIES[cfg.model.family])  # (family itself differs from the default: passed)
     for section, values in cfg.to_dict().items():
         for k, v in values.items():
-            if v != default[section][k] and not (section == "parallel" and k != "timeout_s"):
+            if v != default[section].get(k) and not (section == "parallel" and k != "timeout_s"):
                 out.append(f"--{section}.{k}=" + (str(v).lower() if isinstance(v, bool) else str(v)))
     return out
 

@@ -440,9 +440,13 @@ def moe_args(*args: str) -> list[str]:
         (
             ["--model.family=llama", "--model.n_experts=4"],
             1,
-            "are for model.family=moe; the family is 'llama'",
+            "model.n_experts is for model.family=moe; the family is 'llama'",
         ),
-        (["--parallel.ep=2", "--parallel.dp_impl=ddp"], 2, "are for model.family=moe; the family is 'gpt2'"),
+        (
+            ["--parallel.ep=2", "--parallel.dp_impl=ddp"],
+            2,
+            "parallel.ep=2 is for a family with expert layers (moe); the family is 'gpt2'",
+        ),
         (moe_args("--model.moe_first_dense=2"), 1, "model.moe_first_dense=2 leaves no MoE layer among 2"),
         (
             moe_args("--model.moe_gemm=grouped", "--train.compile=true"),

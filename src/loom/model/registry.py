@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch.nn as nn
 
-from loom.config import FAMILIES, Config
+from loom.config import FAMILIES, FAMILY_SECTIONS, Config, FamilySection
 from loom.errors import LoomError
 
 
@@ -95,7 +95,7 @@ class ModelSpec:
     # the family's own config keys: a dataclass whose fields are accepted as model.<field> when model.family
     # is this family, with defaults, bounds and help text (loom.config's `_f`); None: none of its own
     keys: type | None = None
-    # the family's own rules on a config, run by config.validate (raise LoomError)
+    # the family's own rules on a config, run by config.validate after every key's bounds (raise LoomError)
     check: Callable[[Config], None] = no_checks
     hf: Any = None  # HF mapping (export_hf, load_hf_into) or None: no transformers export/import
     # export --format peft: {loom's linear: transformers' module} for n_layer blocks (None: no peft export)
@@ -164,9 +164,11 @@ _loaded = False
 
 
 def register(spec: ModelSpec) -> ModelSpec:
-    """Make `spec` the family `spec.name` (its preset becomes what model.family=NAME sets)."""
+    """Make `spec` the family `spec.name`: its preset becomes what model.family=NAME sets, its own keys and
+    checks the config's (loom.config's tables: the config layer never imports this package)."""
     _SPECS[spec.name] = spec
     FAMILIES[spec.name] = dict(spec.preset)
+    FAMILY_SECTIONS[spec.name] = FamilySection(spec.preset, spec.keys, spec.check, spec.expert_parallel)
     return spec
 
 

@@ -331,7 +331,9 @@ def shape_for_params(n: int, vocab_size: int = 50257, block_size: int = 2048) ->
 def shape_from_config(path: str) -> ModelShape:
     """The [model] section of a loom TOML config (defaults filled in by loom.config)."""
     from loom.config import load_config
+    from loom.model.registry import load_plugins
 
+    load_plugins()  # its family's preset and own keys (a plug-in's too)
     m = load_config(path).model
     note = ""
     vocab = m.vocab_size

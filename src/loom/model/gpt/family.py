@@ -1,10 +1,10 @@
-"""The built-in families gpt2 and llama: one GPT class (gpt.py) whose options the two presets set
-(config.FAMILIES), its parallel plan (gpt_parallel.py), FLOPs (model/flops.py) and HF mappings (model/hf.py,
-hf_llama.py). `gpt_config` and `gpt_spec` are what a family built on loom's GPT starts from (moe, plug-ins)."""
+"""The built-in families gpt2 and llama: one GPT class (gpt.py) whose options the two presets set (PRESETS,
+registered into config.FAMILIES), its parallel plan (gpt_parallel.py), FLOPs (model/flops.py) and HF mappings
+(model/hf.py, hf_llama.py). `gpt_config` and `gpt_spec` are what a family built on loom's GPT starts from (moe, plug-ins)."""
 
 from __future__ import annotations
 
-from loom.config import FAMILIES, Config
+from loom.config import Config
 from loom.model import hf
 from loom.model.flops import flops_per_token
 from loom.model.gpt import gpt_parallel, hf_llama
@@ -38,6 +38,14 @@ def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
     )
 
 
+# the presets: the model keys model.family=NAME sets unless the TOML or the command line sets them (gpt2's are
+# the defaults: a config of the default family parses before any family is registered)
+PRESETS = {
+    "gpt2": {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "tie_embeddings": True},
+    "llama": {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False, "bias": False},
+}
+
+
 def gpt_spec(name: str, **overrides) -> ModelSpec:
     """A family on loom's GPT class: only the preset differs between gpt2 and llama."""
     base = {
@@ -45,7 +53,7 @@ def gpt_spec(name: str, **overrides) -> ModelSpec:
         "build": GPT,
         "parallel": gpt_parallel,
         "flops_per_token": flops_per_token,
-        "preset": FAMILIES[name],
+        "preset": PRESETS.get(name, {}),
         "hf": hf,
         # RoPE turns q and k by their position: generation runs on past block_size with its cache, as
         # transformers' does; learned positions have block_size slots, so the context is cropped instead
