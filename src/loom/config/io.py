@@ -223,11 +223,7 @@ def apply_family(cfg: Config, explicit: set[str]) -> None:
             hint="import loom.model first (loom's commands do: it registers the built-in families); a plug-in "
             "family is loaded by naming its module in LOOM_PLUGINS",
         )
-    own = section.keys if section else None
-    if own is None:
-        m.__dict__.pop("family_keys", None)
-    elif not isinstance(m.__dict__.get("family_keys"), own):
-        m.__dict__["family_keys"] = own()
+    m.family = m.family  # its own keys (ModelConfig.__setattr__), had the family registered after it was set
     for k, v in FAMILIES.get(m.family, {}).items():
         if f"model.{k}" not in explicit:
             setattr(m, k, v)

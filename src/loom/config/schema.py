@@ -173,8 +173,15 @@ class ModelConfig:
         own = self.__dict__.get("family_keys")
         if own is not None and name in _field_names(own):
             setattr(own, name, value)
-        else:
-            object.__setattr__(self, name, value)
+            return
+        object.__setattr__(self, name, value)
+        if name == "family":  # another family: its own keys at their defaults (apply_family sets the rest)
+            section = FAMILY_SECTIONS.get(value)
+            keys = section.keys if section is not None else None
+            if keys is None:
+                self.__dict__.pop("family_keys", None)
+            elif not isinstance(own, keys):
+                self.__dict__["family_keys"] = keys()
 
 
 @dataclass
