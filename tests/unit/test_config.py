@@ -124,5 +124,7 @@ def test_a_family_owns_its_keys(tmp_path):
     assert load_config(f).model.family == "llama" and "n_experts" not in to_toml(load_config(f))
     with pytest.raises(LoomError, match="model.n_experts is for model.family=moe; the family is 'gpt2'"):
         load_config(None, ["--model.n_experts=4"])
+    with pytest.raises(LoomError, match="model.n_experts is for model.family=moe; the family is 'llama'"):
+        load_config(None, ["--model.family=moe", "--model.n_experts=4", "--model.family=llama"])
     with pytest.raises(LoomError, match="model.moe_gemm must be one of auto, grouped, loop; got 'x'"):
         validate(load_config(None, ["--model.family=moe", "--model.moe_gemm=x"]))

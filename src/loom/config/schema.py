@@ -178,6 +178,12 @@ class ModelConfig:
         if name == "family":  # another family: its own keys at their defaults (apply_family sets the rest)
             section = FAMILY_SECTIONS.get(value)
             keys = section.keys if section is not None else None
+            if own is not None and not (keys and isinstance(own, keys)):
+                # the other family's keys set away from their defaults wait for apply_family, which refuses them
+                pending = self.__dict__.setdefault("pending", {})
+                for f in dataclasses.fields(own):
+                    if getattr(own, f.name) != f.default:
+                        pending.setdefault(f.name, (getattr(own, f.name), False))
             if keys is None:
                 self.__dict__.pop("family_keys", None)
             elif not isinstance(own, keys):
