@@ -255,7 +255,7 @@ def config_args(cfg: Config) -> list[str]:
     """cfg as `--section.key=value` overrides of the defaults (the parallel section is the strategies'); the
     defaults of cfg's model.family, whose preset applies to every key not given."""
     out, default = [], Config().to_dict()
-    default["model"].update(FAMILIES[cfg.model.family])  # (family itself differs from the default: passed)
+    default["model"].update(FAMILIES.get(cfg.model.family, {}))  # (the family itself differs: passed)
     for section, values in cfg.to_dict().items():
         for k, v in values.items():
             if v != default[section].get(k) and not (section == "parallel" and k != "timeout_s"):
