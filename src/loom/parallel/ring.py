@@ -34,7 +34,7 @@ kernel returning the log-sum-exp, FlashAttention's, would hold less still: not u
 (bf16 autocast too), plain torch matmuls; grouped-query attention groups the query heads over the K key/value
 heads that travel. Under torch.compile the ring runs eagerly (torch.compiler.disable: point-to-point sends are
 not traced), the rest of each block compiled. Applied from outside the model through the attention's
-`context` (model/gpt.py): the positions RoPE turns each token by, and the attention itself; learned positions
+`context` (model/gpt/gpt.py): the positions RoPE turns each token by, and the attention itself; learned positions
 through the position table's input, as Ulysses does (loom.parallel.context).
 """
 
@@ -223,7 +223,7 @@ class RingAttention(torch.autograd.Function):
 
 
 class RingContext:
-    """What the model's attention asks of context parallel (CausalSelfAttention.context, model/gpt.py): the
+    """What the model's attention asks of context parallel (CausalSelfAttention.context, model/gpt/gpt.py): the
     places of this rank's tokens in the whole sequence, and ring attention around `ring` (a Ring)."""
 
     def __init__(self, ring):

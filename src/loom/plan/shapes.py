@@ -1,7 +1,7 @@
 """Model shapes for planning: presets, a config file's [model] section, or a bare parameter count.
 
 Pure arithmetic, no torch: `loom plan` answers in milliseconds on a laptop. The block is loom's transformer
-block (model/gpt.py) with its options: separate q/k/v/o projections (k and v n_kv_head heads wide: grouped-query
+block (model/gpt/gpt.py) with its options: separate q/k/v/o projections (k and v n_kv_head heads wide: grouped-query
 attention), a 4·C GELU MLP or a SwiGLU MLP of ffn_hidden (three matrices), LayerNorm or RMSNorm, learned or
 rotary positions, and an LM head tied to the token embedding or not. `param_count` equals
 the gpt2/llama model's `num_params()` (tested against loom.model.flops.param_count).
