@@ -10,7 +10,7 @@ TORCH_OLDEST ?= 2.11.0
 VENV_OLDEST := .venv-torch$(TORCH_OLDEST)
 STAMP_OLDEST := $(VENV_OLDEST)/.installed
 
-.PHONY: demo test test-oldest lint bench setup clean gpu-check
+.PHONY: demo test test-fast test-oldest lint bench setup clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,11 @@ demo: $(STAMP)
 # most tests wait on subprocesses, sockets or one core, so two at a time use the machine's cores better.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
+
+# The edit loop: the tests that start no process (tests/tiers.py marks the others 'processes' from what they use,
+# and skips here one that starts a process through loom's code) and are not 'slow'; two pytest workers as above.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not processes and not slow" --durations=10 tests
 
 # The unit and distributed tests on the oldest supported torch, in a virtualenv of its own (.ci/run runs both).
 test-oldest: $(STAMP_OLDEST)

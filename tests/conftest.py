@@ -6,6 +6,7 @@ import os
 import random
 
 import pytest
+import tiers
 
 # One CPU thread per process, for this process (set before torch is imported) and every process a test starts
 # (they inherit it). `make test` runs two pytest workers on two cores, so a process with torch's default of one
@@ -38,6 +39,26 @@ def make_text(n_chars: int, seed: int = 0) -> str:
 def text_maker():
     """make_text for tests outside this folder's import path (a bare `conftest` may resolve to another one)."""
     return make_text
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests that start processes (tests/tiers.py): `make test-fast` runs the others."""
+    tiers.mark(items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop multiprocessing's fork server if a test started it (tests/gloo_ranks.py), waiting for it: it ends
+    with this process anyway, and waited for, its CPU time (its ranks') counts in this process's children's."""
+    import multiprocessing.forkserver
+
+    multiprocessing.forkserver._forkserver._stop()
+
+
+@pytest.fixture(autouse=True)
+def _in_process_only(request, monkeypatch):
+    """Under `make test-fast`, a test that starts a process anyway is skipped there (make test runs it)."""
+    if tiers.fast_only(request.config):
+        tiers.guard(monkeypatch)
 
 
 @pytest.fixture(autouse=True)

@@ -8,20 +8,20 @@ import json
 import random
 from pathlib import Path
 
+from tiny import tiny_args
+
 WORDS = "the of and to in is that it for as with was on be by at this from have or an they which one you were".split()
 TASKS = "evkit_mc,evkit_schema,evkit_lm,evkit_gen,evkit_roll"
-TINY = [  # the model the capability-evaluation tests train (64 positions: room for the tasks' prompts)
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=48",
-    "--model.block_size=64",
-    "--train.batch_size=8",
-    "--train.eval_batches=1",
-    "--train.eval_every=0",
-    "--train.sample_every=0",
-    "--optim.warmup_steps=2",
-    "--train.device=cpu",
-]
+# the model the capability-evaluation tests train (64 positions: room for the tasks' prompts)
+TINY = tiny_args(
+    {
+        "model.n_embd": 48,
+        "model.block_size": 64,
+        "train.eval_batches": 1,
+        "optim.warmup_steps": 2,
+        "train.log_every": None,
+    }
+)
 
 
 def _sent(rng: random.Random, n: int) -> str:

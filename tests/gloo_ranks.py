@@ -2,7 +2,8 @@
 module beside conftest.py, on the tests' path).
 
 `parallelized(cfg, world, rank, vocab, seed)` is a rank's model laid out as the trainer lays it out.
-`spawn_gloo(fn, world, tmp_path, *args)` starts `world` processes; each joins one gloo group (a file store in
+`spawn_gloo(fn, world, tmp_path, *args)` starts `world` processes (forks of a server that imported torch once,
+with this process's environment, folder and path); each joins one gloo group (a file store in
 tmp_path), runs `fn(rank, world, *args)`, passes a barrier, destroys the group and leaves with `os._exit(0)`.
 A rank that returns normally instead has been seen to abort in the interpreter's teardown, after its atexit
 handlers ("terminate called without an active exception", SIGABRT, about 1 run in 5 of a 2-rank Ulysses
@@ -13,6 +14,7 @@ that exception.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable
@@ -21,10 +23,25 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# What every rank imports, imported once by multiprocessing's fork server: each rank is then a fork of it,
+# without an interpreter start and torch's and dynamo's imports of its own (~4 s of CPU a rank). The server
+# has only imported, never run an op (no OpenMP or other threads to lose in a fork); it lives as long as this
+# process (conftest's session end stops it).
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp", "loom.parallel"]
+
 
 def spawn_gloo(fn: Callable[..., None], world: int, tmp_path: Path, *args) -> None:
     """Run `fn(rank, world, *args)` on `world` gloo ranks (fn: a module-level function, for pickling)."""
-    mp.spawn(_rank, args=(fn, world, str(tmp_path / "store"), args), nprocs=world, join=True)
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call)
+    # this process's environment, folder and path now, not the server's when it started
+    state = (dict(os.environ), os.getcwd(), list(sys.path))
+    mp.start_processes(
+        _rank,
+        args=(fn, world, str(tmp_path / "store"), args, state),
+        nprocs=world,
+        join=True,
+        start_method="forkserver",
+    )
 
 
 def parallelized(cfg, world: int, rank: int, vocab: int, seed: int):
@@ -52,7 +69,12 @@ def parallelized(cfg, world: int, rank: int, vocab: int, seed: int):
     return model, par
 
 
-def _rank(rank: int, fn: Callable[..., None], world: int, store: str, args: tuple) -> None:
+def _rank(rank: int, fn: Callable[..., None], world: int, store: str, args: tuple, state: tuple) -> None:
+    env, cwd, path = state
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     fn(rank, world, *args)
     dist.barrier()

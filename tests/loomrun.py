@@ -1,5 +1,6 @@
 """What the tests that start `loom` as a command share (a module beside conftest.py, on the tests' path): the
-command, the tiny CPU model most of them train, running it with the exit code checked, and a run's losses."""
+command, the tiny CPU model most of them train (tests/tiny.py), running it with the exit code checked,
+and a run's losses."""
 
 from __future__ import annotations
 
@@ -7,22 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tiny import TINY  # noqa: F401 (the tests import it from here too)
+
 from loom.metrics import read_jsonl
 
 LOOM = [sys.executable, "-m", "loom"]
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=8",
-    "--train.eval_batches=2",
-    "--train.sample_every=0",
-    "--optim.warmup_steps=3",
-    "--train.log_every=1",
-    "--train.eval_every=0",
-    "--train.device=cpu",
-]
 
 
 def loom_ok(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

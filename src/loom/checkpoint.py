@@ -172,64 +172,88 @@ def save_sharded(
 
     def stop_unless_every_rank_wrote(err: LoomError | None) -> None:
         failed = control.all_reduce_sum([float(err is not None)])[0] > 0
+        if (err is not None or failed) and main:
+            shutil.rmtree(tmp, ignore_errors=True)
         if err is not None:
-            if main:
-                shutil.rmtree(tmp, ignore_errors=True)
             raise err
         if failed:
-            if main:
-                shutil.rmtree(tmp, ignore_errors=True)
             raise LoomError(f"another rank could not write its part of checkpoint step {step}; not saved")
 
+    need = estimate_bytes({"model": model_sd, "optim": optim_sd}, {}) if writes else 0
+    need += estimate_bytes(extra, state) if main else 0
+    stop_unless_every_rank_wrote(_make_room(ckpt_dir, step, tmp, final, need, free_bytes, main))
     err = None
     try:
-        need = estimate_bytes({"model": model_sd, "optim": optim_sd}, {}) if writes else 0
-        check_free_space(ckpt_dir, step, need + (estimate_bytes(extra, state) if main else 0), free_bytes)
-        if main:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-    except LoomError as e:
-        err = e
-    except OSError as e:
-        err = _write_error(step, final, e)
-    stop_unless_every_rank_wrote(err)
-    try:
+        files = {}
         if writes:
             _dcp_save(model_sd, tmp / "model", no_dist, group)
             if main and after_first_file is not None:
                 after_first_file(tmp)
             _dcp_save(optim_sd, tmp / "optim", no_dist, group)
-        if main:
-            torch.save(extra, tmp / "extra.pt")
-            (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
-        files = _own_files(tmp, 0 if no_dist else control.rank, main) if writes else {}
+            files = _own_parts(tmp, extra, state, 0 if no_dist else control.rank, main)
     except Exception as e:  # OSError, or what DCP met on a rank (_dcp_save unwraps its CheckpointException)
         err, files = _write_error(step, final, e), {}
     stop_unless_every_rank_wrote(err)
     parts = control.gather_object(files)
-    try:
-        if main:
-            merged = {k: v for part in parts for k, v in part.items()}
-            (tmp / "manifest.json").write_text(
-                json.dumps({"step": step, "format": 2, "files": dict(sorted(merged.items()))}, indent=1),
-                encoding="utf-8",
-            )
-            _sha256(tmp / "manifest.json", sync=True)
-            for sub in ("model", "optim", "."):
-                _fsync_dir(tmp / sub)
-            if final.exists():  # the same step saved again (e.g. the final step after a resume): replace it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(final.parent)
-    except OSError as e:
-        err = _write_error(step, final, e)
-    stop_unless_every_rank_wrote(err)
+    stop_unless_every_rank_wrote(_publish_step(tmp, final, step, parts) if main else None)
     if main:
-        for stale in Path(ckpt_dir).glob("step_*.tmp"):  # left by a process killed while writing
-            shutil.rmtree(stale, ignore_errors=True)
-        prune(ckpt_dir, keep_last)
+        _tidy(ckpt_dir, keep_last)
     return final
+
+
+def _tidy(ckpt_dir, keep_last: int) -> None:
+    """Step folders left by a process killed while writing removed; old steps pruned to keep_last."""
+    for stale in Path(ckpt_dir).glob("step_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    prune(ckpt_dir, keep_last)
+
+
+def _make_room(ckpt_dir, step: int, tmp: Path, final: Path, need: int, free_bytes, main: bool):
+    """None when this rank's `need` bytes fit and (rank 0) an empty step_N.tmp is ready, else the error."""
+    try:
+        check_free_space(ckpt_dir, step, need, free_bytes)
+        if main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+    except LoomError as e:
+        return e
+    except OSError as e:
+        return _write_error(step, final, e)
+    return None
+
+
+def _own_parts(tmp: Path, extra: dict, state: dict, rank: int, main: bool) -> dict:
+    """Rank 0's extra.pt and state.json written; this rank's files hashed for the manifest."""
+    if main:
+        torch.save(extra, tmp / "extra.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
+    return _own_files(tmp, rank, main)
+
+
+def _publish_step(tmp: Path, final: Path, step: int, parts: list[dict]) -> LoomError | None:
+    """Rank 0: the manifest of every rank's files, everything synced, then step_N.tmp renamed into place;
+    the error when the disk refused."""
+    try:
+        _manifest_then_rename(tmp, final, step, parts)
+    except OSError as e:
+        return _write_error(step, final, e)
+    return None
+
+
+def _manifest_then_rename(tmp: Path, final: Path, step: int, parts: list[dict]) -> None:
+    merged = {k: v for part in parts for k, v in part.items()}
+    (tmp / "manifest.json").write_text(
+        json.dumps({"step": step, "format": 2, "files": dict(sorted(merged.items()))}, indent=1),
+        encoding="utf-8",
+    )
+    _sha256(tmp / "manifest.json", sync=True)
+    for sub in ("model", "optim", "."):
+        _fsync_dir(tmp / sub)
+    if final.exists():  # the same step saved again (e.g. the final step after a resume): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
 
 
 def list_steps(ckpt_dir: str | Path) -> list[Path]:

@@ -403,11 +403,28 @@ def render(r: dict) -> None:
     from rich.table import Table
 
     con = log.console()
-    t, c = r["torch"], r["cuda"]
     kv = Table(box=None, show_header=False, pad_edge=False)
     kv.add_column(style="bold")
     kv.add_column()
-    rows = [
+    for k, v in _system_rows(r) + _tool_rows(r):
+        kv.add_row(k, str(v))
+    con.print(kv)
+    _print_devices(con, r)
+    _print_links(con, r["topology"])
+    if r["env"]:
+        con.print("environment:", style="bold")
+        for k, v in r["env"].items():
+            con.print(f"  {k}={v}  ({ENV_EFFECTS.get(k, 'NCCL setting')})", markup=False)
+    for p in r["problems"]:
+        con.print(f"problem: {p}", style="red", markup=False)
+    if not r["problems"]:
+        con.print("no problems found", style="green")
+
+
+def _system_rows(r: dict) -> list[tuple[str, str]]:
+    """(name, value) of loom, python, torch, the driver, the CPU, precision and the interconnect."""
+    t, c = r["torch"], r["cuda"]
+    return [
         ("loom", r["loom"]),
         ("python", f"{r['python']['version']} ({r['python']['executable']})"),
         ("platform", r["platform"]),
@@ -434,6 +451,10 @@ def render(r: dict) -> None:
         ),
         ("interconnect", r["topology"]["verdict"]),
     ]
+
+
+def _tool_rows(r: dict) -> list[tuple[str, str]]:
+    """(name, value) of MPI, triton, fp8, torch.compile and the launchers."""
     m = r["mpi"]
     mpi = (
         "not checked (--no-mpi-check)"
@@ -448,7 +469,7 @@ def render(r: dict) -> None:
     tr = r["triton"]
     f8 = r["fp8"]
     cp = r["compile"]
-    rows += [
+    return [
         ("mpi", mpi),
         (
             "triton",
@@ -465,9 +486,11 @@ def render(r: dict) -> None:
         ),
         ("launchers", ", ".join(n for n, p in r["launchers"].items() if p) or "none"),
     ]
-    for k, v in rows:
-        kv.add_row(k, str(v))
-    con.print(kv)
+
+
+def _print_devices(con, r: dict) -> None:
+    from rich.table import Table
+
     if r["devices"]:
         dev = Table(title="devices", title_justify="left")
         for col in ("#", "name", "memory", "capability", "SMs", "bf16", "tf32", "fp8"):
@@ -486,9 +509,17 @@ def render(r: dict) -> None:
         con.print(dev)
     else:
         con.print(
-            "devices: no CUDA device" + (" (MPS available)" if t["mps_available"] else "") + "; CPU only"
+            "devices: no CUDA device"
+            + (" (MPS available)" if r["torch"]["mps_available"] else "")
+            + "; CPU only"
         )
-    gpus, matrix = r["topology"]["gpus"], r["topology"]["matrix"]
+
+
+def _print_links(con, topology: dict) -> None:
+    """nvidia-smi's matrix of links between the GPUs, when there are several."""
+    from rich.table import Table
+
+    gpus, matrix = topology["gpus"], topology["matrix"]
     if len(gpus) > 1:
         topo = Table(title="GPU links (nvidia-smi topo -m)", title_justify="left")
         topo.add_column("")
@@ -497,14 +528,6 @@ def render(r: dict) -> None:
         for g, row in zip(gpus, matrix, strict=True):
             topo.add_row(g, *row)
         con.print(topo)
-    if r["env"]:
-        con.print("environment:", style="bold")
-        for k, v in r["env"].items():
-            con.print(f"  {k}={v}  ({ENV_EFFECTS.get(k, 'NCCL setting')})", markup=False)
-    for p in r["problems"]:
-        con.print(f"problem: {p}", style="red", markup=False)
-    if not r["problems"]:
-        con.print("no problems found", style="green")
 
 
 # ------------------------------------------------------------------------- several nodes (--nodes)

@@ -55,10 +55,6 @@ class DistEnv:
     master_port: int
     source: str  # one of SOURCES
 
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
     def __str__(self) -> str:
         return (
             f"rank={self.rank}/{self.world_size} local={self.local_rank}/{self.local_world_size} "

@@ -504,6 +504,45 @@ def _expert_model(cfg: Config, names: list[str], args, overrides: list[str], not
 
 
 def verify_main(argv: list[str]) -> int:
+    args, overrides = _parser().parse_known_args(argv)
+    args.config, overrides = config_argv(argv, args.config, overrides)  # `--train.steps 5`: 5 is no file
+    if args.steps < 1:
+        raise LoomError(f"--steps must be >= 1, got {args.steps}")
+    _check_args(args)
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown or not names:
+        raise LoomError(
+            f"unknown strategy {', '.join(unknown) or '(none)'}", hint=f"known: {', '.join(STRATEGIES)}"
+        )
+    cfg, notes = run_config(args.config, overrides, args.steps)
+    _expert_model(cfg, names, args, overrides, notes)
+    _fit_pipeline(cfg, names, args, overrides, notes)
+    worlds = {n: _world(STRATEGIES[n], args.nproc, cfg) for n in names}  # every check before any run
+    data_path = args.data or cfg.data.path
+    data = check_data(data_path, None if args.data else args.config) if data_path else None
+    out = Path(args.out or f"runs/verify-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    data = data or prepare_data(out)
+    common = common_args(data, out, args.steps, cfg)
+    m = cfg.model
+    log.info(
+        f"model: {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {m.block_size}; "
+        f"batch {cfg.train.batch_size}; {cfg.precision.dtype} on {cfg.train.device}; data {data}"
+    )
+    for note in notes:
+        log.info(f"verify: {note}")
+    runs = _run_all(cfg, names, worlds, out, common)
+    records = _records(cfg, names, worlds, runs, args)
+    _table(records, args.tol_loss, args.tol_param, args.steps, cfg.precision.dtype)
+    plot(out / "verify.png", runs)
+    log.info(f"loss curves: {out / 'verify.png'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    return 0 if all(r["passed"] for r in records) else 1
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loom verify",
         description=__doc__.split("\n\n")[0],
@@ -529,19 +568,11 @@ def verify_main(argv: list[str]) -> int:
     p.add_argument("--tol-loss", type=float, default=1e-6, help="max |loss - reference| to pass")
     p.add_argument("--tol-param", type=float, default=1e-5, help="max |param - reference| to pass")
     p.add_argument("--json", default=None, help="write the table as JSON records")
-    args, overrides = p.parse_known_args(argv)
-    args.config, overrides = config_argv(argv, args.config, overrides)  # `--train.steps 5`: 5 is no file
-    if args.steps < 1:
-        raise LoomError(f"--steps must be >= 1, got {args.steps}")
-    _check_args(args)
-    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [n for n in names if n not in STRATEGIES]
-    if unknown or not names:
-        raise LoomError(
-            f"unknown strategy {', '.join(unknown) or '(none)'}", hint=f"known: {', '.join(STRATEGIES)}"
-        )
-    cfg, notes = run_config(args.config, overrides, args.steps)
-    _expert_model(cfg, names, args, overrides, notes)
+    return p
+
+
+def _fit_pipeline(cfg: Config, names: list[str], args, overrides: list[str], notes: list[str]) -> None:
+    """The built-in verify model grows to as many layers as the deepest pipeline has stages."""
     built_in = not args.config and not any(k == "model.n_layer" for k, _ in parse_overrides(overrides))
     stages = {n: _schedule_stages(STRATEGIES[n], args.nproc or STRATEGIES[n].min_world) for n in names}
     if built_in and max(stages.values()) > cfg.model.n_layer:
@@ -551,21 +582,11 @@ def verify_main(argv: list[str]) -> int:
             f"({deepest} cuts it into {stages[deepest]} pipeline stages)"
         )
         cfg.model.n_layer = stages[deepest]
-    worlds = {n: _world(STRATEGIES[n], args.nproc, cfg) for n in names}  # every check before any run
-    data_path = args.data or cfg.data.path
-    data = check_data(data_path, None if args.data else args.config) if data_path else None
-    out = Path(args.out or f"runs/verify-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    data = data or prepare_data(out)
-    common = common_args(data, out, args.steps, cfg)
+
+
+def _run_all(cfg: Config, names: list[str], worlds: dict, out: Path, common: list[str]) -> dict[str, Path]:
+    """The reference (one process), then each strategy: {name: its run folder}."""
     B, micro = cfg.train.batch_size, cfg.train.micro_batch_size
-    m = cfg.model
-    log.info(
-        f"model: {m.n_layer} layers, {m.n_head} heads, n_embd {m.n_embd}, block {m.block_size}; "
-        f"batch {B}; {cfg.precision.dtype} on {cfg.train.device}; data {data}"
-    )
-    for note in notes:
-        log.info(f"verify: {note}")
     runs = {"reference": out / "reference"}
     log.info(f"reference: 1 process, micro-batch {micro}, {B // micro} accumulation steps")
     _run([*PY, "--run.name=reference", "--parallel.dp_impl=none", *common], out / "reference.log")
@@ -580,6 +601,12 @@ def verify_main(argv: list[str]) -> int:
         )
         runs[name] = out / name
         _run(STRATEGIES[name].argv(n, [f"--run.name={name}", *common]), out / f"{name}.log")
+    return runs
+
+
+def _records(cfg: Config, names: list[str], worlds: dict, runs: dict, args) -> list[dict]:
+    """Each strategy's largest differences from the reference and whether they pass."""
+    B, micro = cfg.train.batch_size, cfg.train.micro_batch_size
     records = []
     for name in names:
         dloss, dparam = compare(runs["reference"], runs[name])
@@ -600,12 +627,7 @@ def verify_main(argv: list[str]) -> int:
                 "passed": ok,
             }
         )
-    _table(records, args.tol_loss, args.tol_param, args.steps, cfg.precision.dtype)
-    plot(out / "verify.png", runs)
-    log.info(f"loss curves: {out / 'verify.png'}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1))
-    return 0 if all(r["passed"] for r in records) else 1
+    return records
 
 
 def _table(records: list[dict], tol_loss: float, tol_param: float, steps: int, dtype: str = "fp32") -> None:

@@ -15,20 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny import tiny_args
 
 HOOKS = Path(__file__).parent / "hooks"
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=8",
-    "--train.eval_batches=2",
-    "--train.sample_every=0",
-    "--optim.warmup_steps=1",
-    "--train.log_every=1",
-    "--train.device=cpu",
-]
+TINY = tiny_args({"optim.warmup_steps": 1, "train.eval_every": None})
 
 
 def checked_run(tmp_path, data, impl: str, backend_override: str | None = None) -> list[dict]:

@@ -17,7 +17,7 @@ import loomrun
 import pytest
 
 from loom.config import load_config
-from loom.dryrun.blocks import measure_role
+from loom.dryrun import blocks
 from loom.dryrun.layout import Target, check_layout, pipeline_supported, ranks_to_measure, vocab_size
 from loom.metrics import read_jsonl
 
@@ -68,6 +68,13 @@ def _tracked(self):
 
 trainer.Trainer._model_state_report, trainer.Trainer.train_step = _reported, _tracked
 """
+
+
+def measure_role(
+    cfg, world: int, rank: int, vocab_size: int, precision: str, exact: bool = False
+) -> blocks.RankMemory:
+    """Rank `rank`'s memory (measure_roles for one rank)."""
+    return blocks.measure_roles(cfg, world, [rank], vocab_size, precision, exact)[0]
 
 
 @pytest.mark.parametrize(

@@ -10,25 +10,24 @@ import random
 import subprocess
 import sys
 
+from tiny import tiny_args
+
 from loom.cli import main
 from loom.metrics import read_jsonl
 
 LOOM = [sys.executable, "-m", "loom"]
-TINY = [
-    "--model.n_layer=1",
-    "--model.n_head=2",
-    "--model.n_embd=16",
-    "--model.block_size=32",
-    "--train.batch_size=4",
-    "--train.eval_batches=1",
-    "--train.sample_every=0",
-    "--train.steps=4",
-    "--train.eval_every=0",
-    "--train.log_every=1",
-    "--train.hellaswag_every=2",
-    "--train.device=cpu",
-    "--precision.dtype=fp32",
-]
+TINY = tiny_args(
+    {
+        "model.n_layer": 1,
+        "model.n_embd": 16,
+        "train.batch_size": 4,
+        "train.eval_batches": 1,
+        "train.steps": 4,
+        "train.hellaswag_every": 2,
+        "precision.dtype": "fp32",
+        "optim.warmup_steps": None,
+    }
+)
 
 
 def hellaswag_file(path, n=7):

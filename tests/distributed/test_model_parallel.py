@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from loomrun import loom_here
+from tiny import tiny_args
 
 from loom.config import load_config, validate
 from loom.errors import LoomError
@@ -20,20 +21,14 @@ from loom.model.gpt.gpt_parallel import stage_layers
 from loom.verify import STRATEGIES
 
 LOOM = [sys.executable, "-m", "loom"]
-TINY = [
-    "--model.n_layer=4",
-    "--model.n_head=4",
-    "--model.n_embd=32",
-    "--model.block_size=16",
-    "--train.batch_size=8",
-    "--train.micro_batch_size=2",
-    "--train.eval_batches=2",
-    "--train.sample_every=0",
-    "--optim.warmup_steps=3",
-    "--train.log_every=1",
-    "--train.eval_every=0",
-    "--train.device=cpu",
-]
+TINY = tiny_args(
+    {
+        "model.n_layer": 4,
+        "model.n_head": 4,
+        "model.block_size": 16,
+        "train.micro_batch_size": 2,
+    }
+)
 
 
 def loom(*args, timeout=400):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from proctree import alive, descendants, rank_of  # noqa: F401 (re-exported for the fault tests)
+from tiny import tiny_args
 
 from loom.cli import main
 from loom.metrics import read_jsonl
@@ -24,20 +25,9 @@ CKPT = ["--train.ckpt_every=6", "--train.keep_last=10"]
 
 LOOM = [sys.executable, "-m", "loom"]
 # Tiny and CPU-only; dropout on, so the RNG state must come back exactly on resume.
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=16",
-    "--model.dropout=0.1",
-    "--train.batch_size=8",
-    "--train.eval_batches=1",
-    "--train.eval_every=0",
-    "--train.sample_every=0",
-    "--train.log_every=1",
-    "--train.device=cpu",
-    "--optim.warmup_steps=2",
-]
+TINY = tiny_args(
+    {"model.block_size": 16, "model.dropout": 0.1, "train.eval_batches": 1, "optim.warmup_steps": 2}
+)
 ENV = {"OMP_NUM_THREADS": "1"}  # the same matmul blocking in every process: bit-exact comparisons
 
 

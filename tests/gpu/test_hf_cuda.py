@@ -6,26 +6,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_args
 
 from loom.cli import main
 from loom.runs import load_run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=4",
-    "--train.eval_batches=1",
-    "--train.sample_every=0",
-    "--train.eval_every=0",
-    "--optim.warmup_steps=1",
-    "--train.log_every=1",
-    "--train.device=cuda",
-    "--precision.dtype=bf16",
-]
+TINY = tiny_args(
+    {
+        "train.batch_size": 4,
+        "train.eval_batches": 1,
+        "optim.warmup_steps": 1,
+        "train.device": "cuda",
+        "precision.dtype": "bf16",
+    }
+)
 
 
 def test_export_of_a_cuda_trained_run(tmp_path, char_data):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_args
 
 from loom.config import Config, validate
 from loom.train.trainer import Trainer
@@ -21,19 +22,14 @@ from loom.train.trainer import Trainer
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 HOOKS = Path(__file__).parents[1] / "distributed" / "hooks"
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=8",
-    "--train.eval_batches=2",
-    "--train.sample_every=0",
-    "--optim.warmup_steps=1",
-    "--train.log_every=1",
-    "--train.device=cuda",
-    "--precision.dtype=bf16",
-]
+TINY = tiny_args(
+    {
+        "optim.warmup_steps": 1,
+        "train.eval_every": None,
+        "train.device": "cuda",
+        "precision.dtype": "bf16",
+    }
+)
 
 
 def test_model_optimizer_and_batches_are_on_the_gpu(tmp_path, char_data):

@@ -9,23 +9,19 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from tiny import tiny_args
 
 from loom.cli import main
 
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=16",
-    "--train.batch_size=4",
-    "--train.eval_batches=1",
-    "--train.sample_every=0",
-    "--train.eval_every=0",
-    "--optim.warmup_steps=1",
-    "--train.log_every=1",
-    "--train.device=cpu",
-    "--train.steps=1",
-]
+TINY = tiny_args(
+    {
+        "model.block_size": 16,
+        "train.batch_size": 4,
+        "train.eval_batches": 1,
+        "optim.warmup_steps": 1,
+        "train.steps": 1,
+    }
+)
 
 
 def edit(run, old: str, new: str) -> None:

@@ -13,24 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny import tiny_args
 
 from loom.metrics import read_jsonl
 
 PLUGINS = Path(__file__).parents[1] / "plugins"
-TINY = [
-    "--model.family=parallel-gpt",
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=8",
-    "--train.eval_batches=2",
-    "--train.sample_every=0",
-    "--optim.warmup_steps=2",
-    "--train.log_every=1",
-    "--train.eval_every=0",
-    "--train.device=cpu",
-]
+TINY = ["--model.family=parallel-gpt", *tiny_args({"optim.warmup_steps": 2})]
 
 
 def loom(*args, plugins=True, ok=True, timeout=600):

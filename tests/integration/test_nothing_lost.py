@@ -15,17 +15,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny import tiny_args
 
-TINY = [
-    "--model.n_layer=1",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=16",
-    "--train.batch_size=4",
-    "--train.eval_batches=1",
-    "--train.sample_every=0",
-    "--train.device=cpu",
-]
+TINY = tiny_args(
+    {
+        "model.n_layer": 1,
+        "model.block_size": 16,
+        "train.batch_size": 4,
+        "train.eval_batches": 1,
+        "optim.warmup_steps": None,
+        "train.log_every": None,
+        "train.eval_every": None,
+    }
+)
 WORDS = "the of and to in is that it for as with was on be by at this from have or an they which one".split()
 
 

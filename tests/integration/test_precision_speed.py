@@ -12,22 +12,13 @@ from importlib.util import find_spec
 
 import pytest
 import torch
+from tiny import tiny_args
 
 from loom import checkpoint
 from loom.cli import main
 from loom.metrics import read_jsonl
 
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=8",
-    "--train.eval_batches=2",
-    "--optim.warmup_steps=3",
-    "--train.sample_every=0",
-    "--train.eval_every=0",
-]
+TINY = tiny_args({"train.log_every": None, "train.device": None})
 # nanoGPT's CPU "baby GPT" shape (4 layers, 4 heads, 128 wide, 64 tokens); a smaller batch keeps fp16
 # (slow on CPUs without fp16 matmul units) within seconds per step.
 BABY = [

@@ -8,21 +8,21 @@ import subprocess
 import sys
 
 import pytest
+from tiny import tiny_args
 
 from loom.cli import main
 from loom.metrics import read_jsonl
 
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=8",
-    "--train.micro_batch_size=4",
-    "--train.eval_batches=2",
-    "--train.sample_tokens=20",
-    "--optim.warmup_steps=3",
-]
+TINY = tiny_args(
+    {
+        "train.micro_batch_size": 4,
+        "train.sample_tokens": 20,
+        "train.sample_every": None,
+        "train.log_every": None,
+        "train.eval_every": None,
+        "train.device": None,
+    }
+)
 
 
 def train(data, runs, name, *extra):

@@ -19,26 +19,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_args
 
 from loom.cli import main
 from loom.metrics import read_jsonl
 
 PY = sys.executable
 STEPS = 30
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=16",
-    "--train.batch_size=8",
-    "--train.eval_batches=1",
-    "--train.eval_every=0",
-    "--train.sample_every=0",
-    "--train.log_every=1",
-    "--train.device=cpu",
-    "--optim.warmup_steps=2",
-    "--train.sample_tokens=8",
-]
+TINY = tiny_args(
+    {
+        "model.block_size": 16,
+        "train.eval_batches": 1,
+        "optim.warmup_steps": 2,
+        "train.sample_tokens": 8,
+    }
+)
 HSDP = ["--parallel.dp_impl=fsdp", "--parallel.dp_replicate=2"]  # replicate across hosts, shard within
 _SCHEDULER_VARS = ("SLURM_", "PBS_", "MASTER_", "OMPI_", "PMI_", "PALS_", "TORCHELASTIC_", "LOOM_REPORTED")
 

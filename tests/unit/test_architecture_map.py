@@ -20,17 +20,3 @@ def test_every_folder_and_module_of_src_loom_is_on_the_map():
 def test_the_readme_points_to_the_map_in_the_repository():
     readme = (MAP.parents[1] / "README.md").read_text(encoding="utf-8")
     assert "docs/ARCHITECTURE.md" in readme and "../shared/design" not in readme
-
-
-def test_no_formatter_escapes():
-    """The house style has no formatter escape: the whole tree is as `ruff format` writes it."""
-    marker = "# fmt: " + "skip"
-    top = MAP.parents[1]
-    found = [
-        f"{p.relative_to(top)}:{i}"
-        for folder in ("src", "tests", "benchmarks")
-        for p in (top / folder).rglob("*.py")
-        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
-        if marker in line
-    ]
-    assert not found, found

@@ -11,12 +11,13 @@ import json
 from importlib.util import find_spec
 
 import pytest
+from tiny import tiny_args
 
 import loom.bench.train as bench_train
 from loom.cli import main
 from loom.train import Trainer
 
-TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32"]
+TINY = [a for a in tiny_args() if a.startswith("--model.")]  # the model only: bench sets the rest
 ARGS = ["bench", "train", "--synthetic", "--model.vocab_size=64", *TINY, "--train.batch_size=4"]
 
 

@@ -24,6 +24,7 @@ import torch
 from loom.config import ParallelDims, load_config, validate
 from loom.data.loader import ShardLoader, ValSet, seq_chunk, seq_positions
 from loom.data.shards import write_shard
+from loom.data.slice import DataSlice
 from loom.errors import LoomError
 from loom.verify import STRATEGIES
 
@@ -94,12 +95,12 @@ def test_loader_chunks_concatenate_to_the_rows(tmp_path):
     for split in ("train", "val"):
         write_shard(tmp_path / f"{split}_000000.bin", ids, 1)
     (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 50}))
-    whole = ShardLoader(tmp_path, 8, 16, seed=0, dp_rank=1, dp_size=2).next_batch()
-    parts = [ShardLoader(tmp_path, 8, 16, 0, 1, 2, cp_rank=r, cp_size=4).next_batch() for r in range(4)]
+    whole = ShardLoader(tmp_path, 8, 16, seed=0, part=DataSlice(1, 2)).next_batch()
+    parts = [ShardLoader(tmp_path, 8, 16, 0, DataSlice(1, 2, r, 4)).next_batch() for r in range(4)]
     for i in range(2):
         assert torch.equal(torch.cat([p[i] for p in parts], 1), whole[i]) and parts[0][i].shape == (4, 4)
     val = next(ValSet(tmp_path, 16, 4).batches(2))
-    val_parts = [next(ValSet(tmp_path, 16, 4, cp_rank=r, cp_size=2).batches(2)) for r in range(2)]
+    val_parts = [next(ValSet(tmp_path, 16, 4, DataSlice(cp_rank=r, cp_size=2)).batches(2)) for r in range(2)]
     assert torch.equal(torch.cat([p[0] for p in val_parts], 1), val[0])
     assert seq_chunk(whole[0], 0, 1) is whole[0]
 
@@ -140,10 +141,10 @@ def test_loader_zigzag_chunks_are_the_rows_at_their_positions(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 50}))
     x, y = ShardLoader(tmp_path, 8, 16, seed=0).next_batch()
     for r in range(2):
-        xr, yr = ShardLoader(tmp_path, 8, 16, 0, cp_rank=r, cp_size=2, cp_layout="zigzag").next_batch()
+        xr, yr = ShardLoader(tmp_path, 8, 16, 0, DataSlice(0, 1, r, 2, "zigzag")).next_batch()
         pos = seq_positions(16, r, 2, "zigzag")
         assert torch.equal(xr, x[:, pos]) and torch.equal(yr, y[:, pos])  # targets follow their inputs
-        val = next(ValSet(tmp_path, 16, 4, cp_rank=r, cp_size=2, cp_layout="zigzag").batches(2))
+        val = next(ValSet(tmp_path, 16, 4, DataSlice(0, 1, r, 2, "zigzag")).batches(2))
         whole = next(ValSet(tmp_path, 16, 4).batches(2))
         assert torch.equal(val[0], whole[0][:, pos]) and torch.equal(val[1], whole[1][:, pos])
 

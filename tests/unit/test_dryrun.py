@@ -27,6 +27,20 @@ NEEDS_PIPELINE = pytest.mark.skipif(
 SMALL = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64", "--model.block_size=16"]
 
 
+def measure_role(
+    cfg, world: int, rank: int, vocab_size: int, precision: str, exact: bool = False
+) -> blocks.RankMemory:
+    """Rank `rank`'s memory (measure_roles for one rank)."""
+    return blocks.measure_roles(cfg, world, [rank], vocab_size, precision, exact)[0]
+
+
+def measure_rank_apart(
+    cfg, world: int, rank: int, vocab_size: int, precision: str, n_microbatches: int | None = None
+) -> blocks.RankMemory:
+    """measure_rank in a child process of its own (measure_apart for one step)."""
+    return blocks.measure_apart([(cfg, world, rank, vocab_size, precision, n_microbatches)], 1)[0]
+
+
 def _terms(r: step.RankMemory) -> dict:
     return {"params": r.params, "grads": r.grads, "optim": r.optim, "phases": r.phases, "ddp": r.ddp_buckets}
 
@@ -86,15 +100,15 @@ def test_accumulation_steps_between_the_second_and_the_last_are_left_out_exactly
     gradients from the first micro-step to the last: loom.parallel.fsdp.set_gradient_sync)."""
     cfg = _fsdp_accum(char_data, 4)
     vocab = vocab_size(cfg)
-    short = blocks.measure_rank_apart(cfg, 2, 0, vocab, "fp32")
-    one = blocks.measure_rank_apart(_fsdp_accum(char_data, 1), 2, 0, vocab, "fp32")
+    short = measure_rank_apart(cfg, 2, 0, vocab, "fp32")
+    one = measure_rank_apart(_fsdp_accum(char_data, 1), 2, 0, vocab, "fp32")
 
     def most_gathered(r: step.RankMemory) -> int:  # at the peak of whichever phase holds the most
         return max(phase["gathered"] for phase in r.phases.values())
 
     assert most_gathered(short) == most_gathered(one) > 0
     monkeypatch.setattr(step, "micro_steps", lambda accum: list(range(accum)))
-    full = blocks.measure_rank_apart(cfg, 2, 0, vocab, "fp32")
+    full = measure_rank_apart(cfg, 2, 0, vocab, "fp32")
     assert _terms(short) == _terms(full)
 
 
@@ -106,7 +120,7 @@ def test_the_last_pipeline_stage_keeps_no_outputs_across_micro_batches():
     for m in (2, 4):
         job = [f"--train.batch_size={m}", "--train.micro_batch_size=1", "--parallel.pp=2"]
         cfg = load_config(None, [*SMALL, "--model.vocab_size=4096", *job])
-        peaks.append(blocks.measure_rank_apart(cfg, 2, 1, 4096, "fp32").peak)
+        peaks.append(measure_rank_apart(cfg, 2, 1, 4096, "fp32").peak)
     logits = 16 * 4096 * 4  # one micro-batch's: 1 x block_size x vocab, fp32
     assert 0 < (peaks[1] - peaks[0]) / 2 < logits / 8, peaks
 
@@ -134,12 +148,12 @@ def test_blocks_and_microbatches_extended_along_the_line_give_every_byte(char_da
     ]
     pp = "--parallel.pp=2" in layout
     cfg = load_config(None, [*args, f"--model.n_layer={12 if pp else 5}"])
-    extended = blocks.measure_role(cfg, 4, rank, vocab_size(cfg), "fp32")
+    extended = measure_role(cfg, 4, rank, vocab_size(cfg), "fp32")
     assert extended.measured_blocks == ([4, 5] if pp else [3, 4])
     assert extended.measured_microbatches == (
         [] if "--parallel.pp=2" not in layout else [3 - rank // 2, 4 - rank // 2]
     )
-    assert _terms(extended) == _terms(blocks.measure_role(cfg, 4, rank, vocab_size(cfg), "fp32", exact=True))
+    assert _terms(extended) == _terms(measure_role(cfg, 4, rank, vocab_size(cfg), "fp32", exact=True))
 
 
 def test_rms_norm_keeps_what_cudas_fused_kernel_keeps():

@@ -230,7 +230,6 @@ def test_pbs_nodefile_unreadable_on_this_node_falls_back(tmp_path):
 
 def test_nothing_set_is_a_single_process():
     assert detect_env({}) == DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", DEFAULT_MASTER_PORT, "none")
-    assert not detect_env({}).is_distributed
 
 
 def test_master_variables_override_every_source():

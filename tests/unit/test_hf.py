@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import tiny_args
 
 from loom.cli import main
 from loom.config import Config
@@ -22,19 +24,18 @@ from loom.runs import load_run
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'loom[hf]'")
 
 TOL = 1e-5  # float32: both sides compute the same ops in a different grouping
-TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=32",
-    "--train.batch_size=4",
-    "--train.eval_batches=1",
-    "--train.sample_every=0",
-    "--train.eval_every=0",
-    "--optim.warmup_steps=1",
-    "--train.log_every=1",
-    "--train.device=cpu",
-]
+TINY = tiny_args({"train.batch_size": 4, "train.eval_batches": 1, "optim.warmup_steps": 1})
+
+
+def load_gpt2(directory: str | Path, block_size: int | None = None, dropout: float = 0.0) -> GPT:
+    """A loom GPT holding the GPT-2 model saved in `directory` (another architecture is refused)."""
+    kind = hf.read_hf_config(directory).get("model_type")
+    if kind != "gpt2":
+        raise LoomError(
+            f"'{directory}' describes a '{kind}' model; load_gpt2 reads GPT-2 only",
+            hint="use loom.model.hf.load_hf for every supported architecture",
+        )
+    return hf.load_hf(directory, block_size, dropout)
 
 
 def tiny_gpt(bias: bool, vocab: int = 100, activation: str = "gelu_tanh") -> GPT:
@@ -93,7 +94,7 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, bias, activati
 
 def test_import_matches_transformers_logits(tmp_path):
     ref, d = random_gpt2(tmp_path, vocab=90)
-    ours = hf.load_gpt2(d).eval()
+    ours = load_gpt2(d).eval()
     assert ours.cfg == GPTConfig(vocab_size=90, n_layer=2, n_head=3, n_embd=48, block_size=48, bias=True)
     x = torch.randint(0, 90, (2, 48))
     with torch.no_grad():
@@ -113,7 +114,7 @@ def test_import_matches_transformers_logits(tmp_path):
 
 def test_import_exact_gelu_model(tmp_path):
     ref, d = random_gpt2(tmp_path, activation_function="gelu")
-    ours = hf.load_gpt2(d).eval()
+    ours = load_gpt2(d).eval()
     assert ours.cfg.activation == "gelu"
     x = torch.randint(0, 64, (2, 48))
     with torch.no_grad():
@@ -122,13 +123,13 @@ def test_import_exact_gelu_model(tmp_path):
 
 def test_import_crops_positions_to_block_size(tmp_path):
     ref, d = random_gpt2(tmp_path)
-    ours = hf.load_gpt2(d, block_size=16).eval()
+    ours = load_gpt2(d, block_size=16).eval()
     assert ours.wpe.weight.shape == (16, 48)
     x = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         assert (ours(x) - ref(x).logits).abs().max().item() < TOL
     with pytest.raises(LoomError, match="model.block_size=64 exceeds .* n_positions=48"):
-        hf.load_gpt2(d, block_size=64)
+        load_gpt2(d, block_size=64)
 
 
 def test_safetensors_checkpoint_is_read_the_same_way_as_a_bin(tmp_path):
@@ -230,7 +231,7 @@ def test_byte_level_bpe_exports_gpt2_vocab_and_merges(tmp_path, text_maker):
 def test_directory_without_config_json(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(LoomError, match="has no config.json"):
-        hf.load_gpt2(tmp_path)
+        load_gpt2(tmp_path)
     cfg = Config()
     cfg.model.init_from = f"hf:{tmp_path}"
     with pytest.raises(LoomError, match="has no config.json"):
@@ -258,7 +259,7 @@ def test_configs_loom_cannot_represent_are_named(tmp_path, key, value):
     cfg[key] = value
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(LoomError, match=key if key != "model_type" else "GPT-2 only"):
-        hf.load_gpt2(d)
+        load_gpt2(d)
 
 
 def test_export_refuses_a_field_gpt2_has_no_setting_for():

@@ -7,6 +7,7 @@ import loom
 
 ROOT = Path(loom.__file__).parent
 LAYER = {
+    "compat": 0,
     "config": 0,
     "env": 0,
     "log": 0,
@@ -135,3 +136,35 @@ def test_train_functions_fit_a_screen():
                     f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
                 )
     assert not long, long
+
+
+def test_no_two_parts_import_each_other():
+    """Each folder or top-level module of loom (a part, as in the layer table) is one node: no part reaches itself
+    through another, at any depth. Two parts of one layer may use each other in one direction only (generate ->
+    eval: eval/sampling.py is what both use), so within a layer too every arrow points one way."""
+    graph: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        name = path.relative_to(ROOT).parts[0].removesuffix(".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module == "loom" and node.level == 0:
+                mods = [f"loom.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                mods = [node.module]
+            else:
+                continue
+            targets = {_top(m) for m in mods if m.startswith("loom.")}
+            graph.setdefault(name, set()).update(t for t in targets if t in LAYER and t != name)
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            cycles.append(" -> ".join(path[path.index(node) :] + [node]))
+            return
+        for dep in sorted(graph.get(node, ())):
+            visit(dep, [*path, node])
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert not cycles, sorted(set(cycles))

@@ -266,6 +266,7 @@ def test_several_runs_give_mean_and_spread(kit, capsys):
     assert "± 0.0000" in line and "over 2 runs" in out
 
 
+@pytest.mark.slow  # lm_eval indexes every task YAML it ships to find the nearest name: ~1 min of CPU
 def test_unknown_task_names_the_nearest(kit):
     with pytest.raises(LoomError, match="no task 'helaswag'.*'hellaswag'"):
         harness.load_tasks("helaswag")
@@ -280,6 +281,7 @@ def _task_yaml(d, task: str, data_file, text: str = "{{question}}", more: str = 
     )
 
 
+@pytest.mark.slow  # each fault is looked up in lm_eval's index of every task it ships
 def test_task_yaml_faults_are_named_before_any_model(tmp_path):
     """What is wrong in a task YAML, named: it was 'no task named ...' for a YAML that does not parse, 'cannot
     be read offline' with a network hint for a missing local file or a template field the documents lack, and

@@ -19,6 +19,7 @@ import torch
 from loom.data.formats import split_files
 from loom.data.loader import ShardLoader, ValSet, WindowOrder
 from loom.data.shards import write_shard
+from loom.data.slice import DataSlice
 from loom.errors import LoomError
 
 T = 4  # block_size
@@ -53,7 +54,7 @@ def batches(loader, steps):
 def test_rank_slices_are_the_global_batch(data_dir, dp):
     steps = 6  # 72 samples: more than two epochs of 30 windows
     ref = batches(ShardLoader(data_dir, B, T, seed=7), steps)
-    ranks = [ShardLoader(data_dir, B, T, seed=7, dp_rank=r, dp_size=dp) for r in range(dp)]
+    ranks = [ShardLoader(data_dir, B, T, seed=7, part=DataSlice(r, dp)) for r in range(dp)]
     per_rank = [batches(ld, steps) for ld in ranks]
     for s in range(steps):
         xs = [per_rank[r][s][0] for r in range(dp)]
@@ -113,7 +114,7 @@ def test_resume_reproduces_next_batches(data_dir):
 
 
 def test_state_from_dp2_loads_into_dp1(data_dir):
-    ranks = [ShardLoader(data_dir, B, T, seed=4, dp_rank=r, dp_size=2) for r in range(2)]
+    ranks = [ShardLoader(data_dir, B, T, seed=4, part=DataSlice(r, 2)) for r in range(2)]
     for ld in ranks:
         batches(ld, 2)
     state = ranks[0].state_dict()
@@ -205,7 +206,7 @@ def test_largest_block_size_that_fits(data_dir):
 
 def test_batch_not_divisible_by_dp(data_dir):
     with pytest.raises(LoomError, match="divisible"):
-        ShardLoader(data_dir, 10, T, seed=0, dp_rank=0, dp_size=4)
+        ShardLoader(data_dir, 10, T, seed=0, part=DataSlice(0, 4))
 
 
 def _val_rows(vs, micro=3):
@@ -240,7 +241,7 @@ def test_valset_every_rank_yields_as_many_batches(data_dir, dp, micro):
     # on every rank, so a rank a row short ends with a padding batch whose targets are all -1 (ignored)
     n_batches = math.ceil(math.ceil(7 / dp) / micro)
     for r in range(dp):
-        vs = ValSet(data_dir, T, 7, dp_rank=r, dp_size=dp)
+        vs = ValSet(data_dir, T, 7, DataSlice(r, dp))
         batches = list(vs.batches(micro))
         assert len(batches) == n_batches
         real = [y[i] for _, y in batches for i in range(len(y)) if y[i, 0] != -1]
@@ -254,9 +255,7 @@ def test_a_padding_batch_changes_no_val_loss(data_dir):
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=128, n_layer=1, n_head=1, n_embd=8, block_size=T))
-    short = ValSet(
-        data_dir, T, 7, dp_rank=1, dp_size=2
-    )  # 3 rows where rank 0 has 4: one padding batch at micro 1
+    short = ValSet(data_dir, T, 7, DataSlice(1, 2))  # 3 rows where rank 0 has 4: one padding batch at micro 1
     assert len(list(short.batches(1))) == 4
     assert val_loss(model, short, 1, "cpu") == pytest.approx(val_loss(model, short, 4, "cpu"), rel=1e-6)
 
@@ -265,7 +264,7 @@ def test_a_padding_batch_changes_no_val_loss(data_dir):
 @pytest.mark.parametrize("n_rows", [7, 1000])
 def test_valset_rank_shares(data_dir, dp, n_rows):
     full = _val_rows(ValSet(data_dir, T, n_rows))
-    shares = [_val_rows(ValSet(data_dir, T, n_rows, dp_rank=r, dp_size=dp)) for r in range(dp)]
+    shares = [_val_rows(ValSet(data_dir, T, n_rows, DataSlice(r, dp))) for r in range(dp)]
     assert sum(len(s) for s in shares) == len(full)
     assert set().union(*map(set, shares)) == set(full)
     for i in range(dp):

@@ -20,8 +20,6 @@ from loom.model.lora import (
     count_trainable,
     init_lora_param,
     is_lora_name,
-    linear_names,
-    load_lora_state_dict,
     lora_scaling,
     lora_state_dict,
     merge_lora,
@@ -30,6 +28,24 @@ from loom.model.lora import (
 )
 
 LLAMA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The qualified names of the model's linears (adapted or not)."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def load_lora_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Load adapter tensors (lora_state_dict's) into a model with the same adapters; every adapter must be
+    given and nothing else."""
+    have = set(lora_state_dict(model))
+    missing, extra = sorted(have - set(sd)), sorted(set(sd) - have)
+    if missing or extra:
+        raise LoomError(
+            f"the adapters do not fit the model: missing {missing[:4]}, unexpected {extra[:4]}",
+            hint="apply_lora with the rank and targets the adapters were trained with",
+        )
+    model.load_state_dict(sd, strict=False)
 
 
 def gpt2_cfg() -> GPTConfig:

@@ -13,11 +13,12 @@ import subprocess
 import sys
 
 import pytest
+from plankit import model_activation_bytes
 
 from loom.cli import main
 from loom.errors import LoomError
 from loom.plan import PRECISIONS, PRESETS, model_state_bytes
-from loom.plan.memory import Precision, model_activation_bytes
+from loom.plan.memory import Precision
 from loom.plan.report import build_parser, run_plan
 from loom.plan.shapes import ModelShape, parse_count, resolve_model
 

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from plankit import model_activation_bytes
 
 from loom.cli import main
 from loom.config import load_config
@@ -19,7 +20,6 @@ from loom.errors import LoomError
 from loom.model.moe.family import moe_config
 from loom.model.moe.moe import MoEGPT
 from loom.plan import PRESETS
-from loom.plan.memory import model_activation_bytes
 from loom.plan.report import build_parser, run_plan
 from loom.plan.shapes import resolve_model, shape_of_model
 
@@ -129,6 +129,7 @@ def test_expert_states_divide_by_ep_and_all_to_all_appears():
     assert sixteen.moe["a2a_link"] == "inter-node" and sixteen.moe["a2a_s"] > four.moe["a2a_s"]
 
 
+@pytest.mark.slow  # plans a 512-GPU DeepSeek-V3 layout: minutes of CPU
 def test_active_flops_and_presets(capsys):
     """MFU on active parameters; the presets' configs/*.toml are the presets' shapes; the MoE table prints."""
     for name, path in (

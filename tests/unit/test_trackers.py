@@ -9,6 +9,7 @@ import struct
 import time
 
 import pytest
+from tiny import tiny_args
 
 from loom import metrics
 from loom.cli import main
@@ -16,22 +17,20 @@ from loom.config import Config
 from loom.errors import LoomError
 from loom.metrics import read_jsonl
 
-TINY = [
-    "--model.n_layer=1",
-    "--model.n_head=2",
-    "--model.n_embd=16",
-    "--model.block_size=16",
-    "--train.batch_size=4",
-    "--train.eval_batches=1",
-    "--train.sample_every=0",
-    "--train.eval_every=2",
-    "--optim.warmup_steps=1",
-    "--train.log_every=1",
-    "--train.device=cpu",
-    "--train.steps=3",
-    "--train.sample_tokens=8",
-    "--train.warmup_log_steps=1",
-]
+TINY = tiny_args(
+    {
+        "model.n_layer": 1,
+        "model.n_embd": 16,
+        "model.block_size": 16,
+        "train.batch_size": 4,
+        "train.eval_batches": 1,
+        "train.eval_every": 2,
+        "optim.warmup_steps": 1,
+        "train.steps": 3,
+        "train.sample_tokens": 8,
+        "train.warmup_log_steps": 1,
+    }
+)
 
 
 def wandb_records(path):

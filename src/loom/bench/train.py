@@ -120,11 +120,43 @@ def measure(
     """One record per mode: activation-checkpointing modes (key 'ac') or fp8 recipes (key 'fp8'); see the
     module docstring for what is measured."""
     from loom.env import cpu_memory_reuse
-    from loom.train import Trainer
-    from loom.train.setup import resolve_data, resolve_device
+    from loom.train.setup import resolve_device
 
     derived = config.validate(cfg)[0]
     device = resolve_device(cfg.train.device)
+    trainers = _trainers(cfg, derived, modes, key, warmup + steps, synthetic, work, device)
+    reuse = device.type == "cpu" and cfg.train.reuse_cpu_memory
+    with cpu_memory_reuse(reuse):  # as loom train does
+        recs = {mode: _warm_up(tr, warmup, derived, device) for mode, tr in trainers.items()}
+        per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
+        for n in per_round:
+            for mode, tr in trainers.items():
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                for _ in range(n):
+                    recs[mode]["dts"].append(tr.train_step()["dt"])
+                _sync(device)
+                recs[mode]["peak"] = max(recs[mode]["peak"], peak_memory_bytes(device))
+    out = []
+    base = recs.get("none") if key == "ac" else None
+    first = len(recs[modes[0]]["dts"]) / sum(recs[modes[0]]["dts"])
+    for mode, tr in trainers.items():
+        r = recs[mode]
+        row = _row(cfg, derived, device, tr, mode, r, first, warmup, rounds, synthetic)
+        if base is not None:
+            row["time_vs_none"] = (sum(r["dts"]) / len(r["dts"])) / (sum(base["dts"]) / len(base["dts"]))
+            row["activations_vs_none"] = r["activation_bytes"] / max(base["activation_bytes"], 1)
+        out.append(row)
+    return out
+
+
+def _trainers(
+    cfg, derived, modes: list[str], key: str, steps: int, synthetic: bool, work: Path, device
+) -> dict:
+    """{mode: a Trainer of cfg with `key` set to mode, for `steps` steps}, on synthetic data or cfg's."""
+    from loom.train import Trainer
+    from loom.train.setup import resolve_data
+
     if synthetic:
         vocab = synthetic_vocab(cfg)
         data_dir = write_synthetic_data(
@@ -142,78 +174,66 @@ def measure(
             c.model.moe_gemm = mode
         else:
             c.train.activation_checkpointing = mode
-        c.train.steps = warmup + steps
+        c.train.steps = steps
         tr = Trainer(c, derived, work / f"run-{mode}", data_dir, device)
         if synthetic:
             tr.batches = DeviceBatches(
                 SyntheticLoader(c.train.batch_size, c.model.block_size, vocab, c.run.seed, docs), device
             )
         trainers[mode] = tr
-    reuse = device.type == "cpu" and cfg.train.reuse_cpu_memory
-    with cpu_memory_reuse(reuse):  # as loom train does
-        recs: dict[str, dict[str, Any]] = {}
-        for mode, tr in trainers.items():
-            compile_s = None
-            # a compiled model compiles its forward and backward in its first step, which metrics times whole:
-            # the warmup runs before the profiled forward below, so that no compile happens outside it
-            for _ in range(max(warmup, 1)):
-                rec = tr.train_step()
-                compile_s = rec.get("compile_s", compile_s)
-            x, y = tr.batches.loader.next_batch()
-            mb = derived.micro_batch_size
-            act = activation_bytes(tr.parallel.forward, x[:mb].to(device), y[:mb].to(device), tr._autocast)
-            recs[mode] = {"activation_bytes": act, "compile_s": compile_s, "dts": [], "peak": 0}
-        per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
-        for n in per_round:
-            for mode, tr in trainers.items():
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                for _ in range(n):
-                    recs[mode]["dts"].append(tr.train_step()["dt"])
-                _sync(device)
-                recs[mode]["peak"] = max(recs[mode]["peak"], peak_memory_bytes(device))
-    out = []
-    base = recs.get("none") if key == "ac" else None
-    first = len(recs[modes[0]]["dts"]) / sum(recs[modes[0]]["dts"])
-    for mode, tr in trainers.items():
-        r = recs[mode]
-        seconds = sum(r["dts"])
-        tps = len(r["dts"]) * derived.tokens_per_step / seconds
-        row = {
-            "bench": "train",
-            "mode": mode,
-            "ac": tr.cfg.train.activation_checkpointing,
-            "fp8": tr.cfg.precision.fp8,
-            "speed_vs_first": (len(r["dts"]) / seconds) / first,
-            "steps": len(r["dts"]),
-            "warmup": max(warmup, 1),
-            "rounds": rounds,
-            "tokens_per_s": tps,
-            "tokens_per_s_per_device": tps / tr.dims.world_size,
-            "mfu": tr.throughput.mfu(tps),
-            "ms_per_step": 1e3 * seconds / len(r["dts"]),
-            "ms_per_step_median": 1e3 * statistics.median(r["dts"]),
-            "activation_bytes": r["activation_bytes"],
-            "peak_mem_bytes": r["peak"],
-            "peak_mem_kind": "max allocated" if device.type == "cuda" else "process peak RSS (all modes)",
-            "compile_s": r["compile_s"],
-            **fp8_linears(tr.model),
-            "device": str(device),
-            "dtype": tr.precision,
-            "compile": cfg.train.compile,
-            "params": tr.n_params,
-            "tokens_per_step": derived.tokens_per_step,
-            "micro_batch_size": derived.micro_batch_size,
-            "grad_accum": derived.grad_accum,
-            "synthetic": synthetic,
-            "threads": torch.get_num_threads(),
-            "torch_version": torch.__version__,
-        }
-        if base is not None:
-            row["time_vs_none"] = (seconds / len(r["dts"])) / (sum(base["dts"]) / len(base["dts"]))
-            row["activations_vs_none"] = r["activation_bytes"] / max(base["activation_bytes"], 1)
-        out.append(row)
-    return out
+    return trainers
+
+
+def _warm_up(tr, warmup: int, derived, device) -> dict[str, Any]:
+    """The mode's warm-up steps, then its activations measured on one micro-batch: its record, to be timed."""
+    compile_s = None
+    # a compiled model compiles its forward and backward in its first step, which metrics times whole:
+    # the warmup runs before the profiled forward below, so that no compile happens outside it
+    for _ in range(max(warmup, 1)):
+        rec = tr.train_step()
+        compile_s = rec.get("compile_s", compile_s)
+    x, y = tr.batches.loader.next_batch()
+    mb = derived.micro_batch_size
+    act = activation_bytes(tr.parallel.forward, x[:mb].to(device), y[:mb].to(device), tr._autocast)
+    return {"activation_bytes": act, "compile_s": compile_s, "dts": [], "peak": 0}
+
+
+def _row(
+    cfg, derived, device, tr, mode: str, r: dict, first: float, warmup: int, rounds: int, synthetic: bool
+):
+    """The record of one mode from its timings r (speed_vs_first: against the first mode's `first` steps/s)."""
+    seconds = sum(r["dts"])
+    tps = len(r["dts"]) * derived.tokens_per_step / seconds
+    return {
+        "bench": "train",
+        "mode": mode,
+        "ac": tr.cfg.train.activation_checkpointing,
+        "fp8": tr.cfg.precision.fp8,
+        "speed_vs_first": (len(r["dts"]) / seconds) / first,
+        "steps": len(r["dts"]),
+        "warmup": max(warmup, 1),
+        "rounds": rounds,
+        "tokens_per_s": tps,
+        "tokens_per_s_per_device": tps / tr.dims.world_size,
+        "mfu": tr.throughput.mfu(tps),
+        "ms_per_step": 1e3 * seconds / len(r["dts"]),
+        "ms_per_step_median": 1e3 * statistics.median(r["dts"]),
+        "activation_bytes": r["activation_bytes"],
+        "peak_mem_bytes": r["peak"],
+        "peak_mem_kind": "max allocated" if device.type == "cuda" else "process peak RSS (all modes)",
+        "compile_s": r["compile_s"],
+        **fp8_linears(tr.model),
+        "device": str(device),
+        "dtype": tr.precision,
+        "compile": cfg.train.compile,
+        "params": tr.n_params,
+        "tokens_per_step": derived.tokens_per_step,
+        "micro_batch_size": derived.micro_batch_size,
+        "grad_accum": derived.grad_accum,
+        "synthetic": synthetic,
+        "threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+    }
 
 
 def fp8_linears(model: torch.nn.Module) -> dict[str, int]:

@@ -142,13 +142,15 @@ class ParallelDims:
         """The job's DeviceMesh (pp, dp_replicate, dp_shard, cp, tp); every sub-group is created here, once."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        from loom.compat import flatten_mesh
+
         mesh = init_device_mesh(
             device_type,
             (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
         if self.cp_enabled:  # FSDP's shard dimension with context parallel: mesh["dp_shard_cp"]
-            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
         return mesh
 
     def describe(self) -> str:

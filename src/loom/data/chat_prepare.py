@@ -299,21 +299,49 @@ def prepare_chat(
     convs = read_conversations(paths, drops)
     if not convs:
         _all_dropped(paths, drops)
+    template, kind, base_vocab, base_sha = _template(tokenizer_spec, chat_template, convs, vocab_size)
+    kept, truncated = _render_all(template, convs, block_size, too_long, drops)
+    _warn_dropped(template, drops, kept, truncated, block_size, paths)
+    parts, repeats = _split_kept(kept, val_fraction, seed)
+    tmp = out.with_name(f".{out.name}.loom-tmp")
+    _fresh_tmp(tmp, force)
+    try:
+        file = template.tok.save(tmp) if isinstance(template, ChatTemplate) else template.save(tmp)
+        info = {"kind": kind, "file": file, "eot_id": template.eot_id}
+        info["sha256"] = tokenizer_hash(tmp, {"tokenizer": info})
+        vocab = template.vocab_size if chat_template == "tokenizer" else template.tok.vocab_size
+        version = version_for_vocab(vocab)
+        splits = {s: _write_split(tmp, s, parts[s], version) for s in parts}
+        meta = _meta(info, vocab, version, splits, paths, kept, parts, drops, repeats, cfg)
+        meta["chat"] = _chat_entry(
+            template, cfg, parts, drops, truncated, base_vocab, base_sha or info["sha256"]
+        )
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False), encoding="utf-8")
+        write_marker(tmp, "data")
+        replace_output(out, "data", force)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _report(out, meta, time.perf_counter() - t0)
+    return meta
+
+
+def _template(tokenizer_spec: str, chat_template: str, convs, vocab_size: int):
+    """(template, tokenizer kind, the base tokenizer's vocabulary, its sha256 or None): the HF tokenizer's own
+    template (nothing added), or loom's with its chat tokens added to the base tokenizer."""
     if chat_template == "tokenizer":
         from loom.data.hf_chat import HFChatTemplate
 
         template = HFChatTemplate.from_folder(tokenizer_spec, convs)  # refuses a template without end-of-turn
-        kind, base_vocab, base_sha = (
-            "tokenizer.json",
-            template.vocab_size,
-            None,
-        )  # the data's own: nothing added
-    else:
-        texts = ["\n".join(m["content"] for m in messages) for _, messages in convs]
-        base, kind, base_sha = base_tokenizer(tokenizer_spec, texts, vocab_size)
-        template = ChatTemplate(add_chat_tokens(base))
-        base_vocab = base.vocab_size
-    kept, truncated = _render_all(template, convs, block_size, too_long, drops)
+        return template, "tokenizer.json", template.vocab_size, None  # the data's own: nothing added
+    texts = ["\n".join(m["content"] for m in messages) for _, messages in convs]
+    base, kind, base_sha = base_tokenizer(tokenizer_spec, texts, vocab_size)
+    return ChatTemplate(add_chat_tokens(base)), kind, base.vocab_size, base_sha
+
+
+def _warn_dropped(template, drops: Drops, kept: list, truncated: int, block_size: int, paths) -> None:
+    """Every dropped record counted by reason, the truncated ones; an error when none is left."""
     if not kept:
         _check_template_failed(template, drops)
     for line in drops.lines():
@@ -322,6 +350,10 @@ def prepare_chat(
         log.warn(f"truncated {truncated} conversation(s) to --block-size + 1 = {block_size + 1} tokens")
     if not kept:
         _all_dropped(paths, drops)
+
+
+def _split_kept(kept: list, val_fraction: float, seed: int) -> tuple[dict, int]:
+    """({train, val}: conversations, the number that repeat an earlier one)."""
     val_idx = set(_split(len(kept), val_fraction, seed).tolist())
     parts = {
         "train": [c for i, c in enumerate(kept) if i not in val_idx],
@@ -332,49 +364,32 @@ def prepare_chat(
     repeats = len(kept) - len({hashlib.blake2b(c.ids.tobytes()).digest() for c in kept})
     if repeats:
         log.warn(f"{repeats} conversation(s) repeat an earlier one: a copy in val makes the val loss too low")
+    return parts, repeats
 
-    tmp = out.with_name(f".{out.name}.loom-tmp")
-    _fresh_tmp(tmp, force)
-    try:
-        file = template.tok.save(tmp) if isinstance(template, ChatTemplate) else template.save(tmp)
-        info = {"kind": kind, "file": file, "eot_id": template.eot_id}
-        info["sha256"] = tokenizer_hash(tmp, {"tokenizer": info})
-        vocab = template.vocab_size if chat_template == "tokenizer" else template.tok.vocab_size
-        version = version_for_vocab(vocab)
-        splits = {s: _write_split(tmp, s, parts[s], version) for s in parts}
-        meta = {
-            "format": "llm.c",
-            "tokenizer": info,
-            "vocab_size": vocab,
-            "shard_version": version,
-            "splits": splits,
-            "files": len(paths),
-            "documents": len(kept),
-            "bytes": sum(p.stat().st_size for p in paths),
-            "dropped_documents": drops.total(),
-            "bad_lines": sum(drops.counts.get(r, 0) for r in ("not JSON", "not UTF-8", "not a JSON object")),
-            "repeated_documents": repeats,
-            "val_fraction": val_fraction,
-            "split_mode": "docs",
-            "seed": seed,
-            "bytes_per_token_val": sum(c.content_bytes for c in parts["val"])
-            / max(1, sum(c.content_tokens for c in parts["val"])),
-            "encoder": "char" if kind == "char" else "tokenizers",
-            "source": ", ".join(str(p) for p in paths),
-            "loom_version": __version__,
-            "chat": _chat_entry(
-                template, cfg, parts, drops, truncated, base_vocab, base_sha or info["sha256"]
-            ),
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False), encoding="utf-8")
-        write_marker(tmp, "data")
-        replace_output(out, "data", force)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _report(out, meta, time.perf_counter() - t0)
-    return meta
+
+def _meta(info, vocab, version, splits, paths, kept, parts, drops: Drops, repeats: int, cfg) -> dict:
+    """meta.json but its chat entry."""
+    return {
+        "format": "llm.c",
+        "tokenizer": info,
+        "vocab_size": vocab,
+        "shard_version": version,
+        "splits": splits,
+        "files": len(paths),
+        "documents": len(kept),
+        "bytes": sum(p.stat().st_size for p in paths),
+        "dropped_documents": drops.total(),
+        "bad_lines": sum(drops.counts.get(r, 0) for r in ("not JSON", "not UTF-8", "not a JSON object")),
+        "repeated_documents": repeats,
+        "val_fraction": cfg.val_fraction,
+        "split_mode": "docs",
+        "seed": cfg.seed,
+        "bytes_per_token_val": sum(c.content_bytes for c in parts["val"])
+        / max(1, sum(c.content_tokens for c in parts["val"])),
+        "encoder": "char" if info["kind"] == "char" else "tokenizers",
+        "source": ", ".join(str(p) for p in paths),
+        "loom_version": __version__,
+    }
 
 
 def _chat_entry(

@@ -41,12 +41,6 @@ class Tokens:
     ids: np.ndarray
     doc_offsets: np.ndarray | None = None
 
-    @classmethod
-    def from_documents(cls, docs: list) -> Tokens:
-        arrays = [np.asarray(d).reshape(-1) for d in docs]
-        ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
-        return cls(ids, np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).astype(np.int64))
-
     def documents(self) -> list[np.ndarray]:
         """The documents as views (one document: the whole stream, when boundaries are unknown)."""
         off = self.doc_offsets if self.doc_offsets is not None else np.array([0, len(self.ids)])

@@ -19,6 +19,7 @@ import torch
 from loom.data.formats import open_split
 from loom.data.formats import read_meta as formats_read_meta
 from loom.data.shards import read_shard
+from loom.data.slice import WHOLE, DataSlice
 from loom.errors import LoomError
 
 
@@ -196,20 +197,16 @@ class ShardLoader:
         batch_size: int,
         block_size: int,
         seed: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
+        part: DataSlice = WHOLE,
         split: str = "train",
         align: str = "none",
-        cp_rank: int = 0,
-        cp_size: int = 1,
-        cp_layout: str = "contiguous",
     ):
-        if batch_size % dp_size:
-            raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={dp_size}")
+        if batch_size % part.dp_size:
+            raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={part.dp_size}")
         self.windows = TokenWindows(
             open_split(data_dir, split), block_size, split, _bos_id(data_dir, align), _vocab(data_dir)
         )
-        if align == "bos" and dp_rank == 0:
+        if align == "bos" and part.dp_rank == 0:
             from loom import log
 
             total = self.windows.tokens
@@ -219,9 +216,7 @@ class ShardLoader:
                 " are never trained on (between a window's end and the next document)"
             )
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.cp_rank, self.cp_size = cp_rank, cp_size  # context parallel: this rank's chunk of each row
-        self.cp_layout = cp_layout  # which tokens of a row that chunk holds (seq_chunk)
+        self.part = part  # this rank's rows of each global batch and its chunk of each row
         self.cursor = 0  # global samples consumed (all ranks together)
         self.order = "feistel"  # "permutation": the materialized order of checkpoints from before WindowOrder
         self._epoch: tuple[int, np.ndarray | WindowOrder, int] | None = None
@@ -250,10 +245,10 @@ class ShardLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's slice of the next global batch: inputs and targets of shape (B / dp, T / cp)."""
-        local = self.batch_size // self.dp_size
-        rows = self.global_rows(self.cursor + self.dp_rank * local, local)
+        local = self.batch_size // self.part.dp_size
+        rows = self.global_rows(self.cursor + self.part.dp_rank * local, local)
         self.cursor += self.batch_size
-        cp = self.cp_rank, self.cp_size, self.cp_layout
+        cp = self.part.cp
         return seq_chunk(rows[:, :-1], *cp), seq_chunk(rows[:, 1:], *cp)  # targets: the inputs' next tokens
 
     @property
@@ -410,28 +405,24 @@ class ValSet:
         data_dir: str | Path,
         block_size: int,
         n_rows: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        cp_rank: int = 0,
-        cp_size: int = 1,
-        cp_layout: str = "contiguous",
+        part: DataSlice = WHOLE,
     ):
-        self.cp_rank, self.cp_size = cp_rank, cp_size  # context parallel: this rank's chunk of each row
-        self.cp_layout = cp_layout  # which tokens of a row that chunk holds (seq_chunk)
+        self.part = part  # this rank's share of the rows and its chunk of each row
         self.windows = TokenWindows(
             open_split(data_dir, "val"), block_size, "val", vocab_size=_vocab(data_dir)
         )
         n = min(n_rows, self.windows.n)
         ids = np.unique(np.linspace(0, self.windows.n - 1, n).round().astype(np.int64))
-        self.ids = ids[dp_rank::dp_size]  # ranks take interleaved rows; sums are reduced across ranks
-        self.dp_size = dp_size
+        self.ids = ids[
+            part.dp_rank :: part.dp_size
+        ]  # ranks take interleaved rows; sums are reduced across ranks
         self.total_rows = len(ids)
 
     def batches(self, micro_batch_size: int):
         """This rank's rows in micro-batches (inputs, targets). Every rank yields as many batches as the rank with
         the largest share, since a sharded model's forward is a collective: a rank a row short ends with a batch
         whose targets are all -1 (ignored; val_loss counts no tokens for it)."""
-        share = -(-self.total_rows // self.dp_size)
+        share = -(-self.total_rows // self.part.dp_size)
         for i in range(0, share, micro_batch_size):
             ids = self.ids[i : i + micro_batch_size]
             if len(ids):
@@ -440,5 +431,4 @@ class ValSet:
             else:
                 x = self.windows.rows(np.zeros(1, dtype=np.int64))[:, :-1]
                 y = torch.full_like(x, -1)
-            cp = self.cp_rank, self.cp_size, self.cp_layout
-            yield seq_chunk(x, *cp), seq_chunk(y, *cp)
+            yield seq_chunk(x, *self.part.cp), seq_chunk(y, *self.part.cp)

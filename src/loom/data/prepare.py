@@ -394,14 +394,7 @@ def prepare(
         doc_cap=doc_cap,
         doc_chars=doc_chars,
     )
-    if tokenizer == "bpe":
-        check_bpe_vocab(vocab_size)  # before any reading
-        _version(vocab_size, dtype)
-    elif tokenizer != "char":
-        tokenizer_files(tokenizer)
-    check_split(val_fraction, split_mode)
-    if chunk_chars < 1:
-        raise LoomError(f"chunk_chars must be at least 1, got {chunk_chars}")
+    _check_options(tokenizer, vocab_size, dtype, val_fraction, split_mode, chunk_chars)
     t0 = time.perf_counter()
     # blocks of 1 MiB and more (text blocks, pieces, chunks) are memory maps given back when freed: from the
     # heap, their fragmentation made peak RSS grow with the length of a single large text file
@@ -416,17 +409,12 @@ def prepare(
     found = ReadStats()
     files = input_files(inputs, glob, found)
     _check_not_empty(bool(files), inputs, ReadStats(), glob)
-    mode = split_mode
-    if mode == "docs" and len(files) == 1 and kind_of_file(files[0][0]) == "text":
-        if not read.text_separator and not read.doc_chars:
-            log.info("one document only: splitting its characters (train first, val last)")
-            mode = "tail"
     plan = PrepareRequest(
         [str(p) for p in inputs],
         tokenizer,
         vocab_size,
         val_fraction,
-        mode,
+        _split_mode_of(split_mode, files, read),
         seed,
         shard_tokens,
         read,
@@ -438,26 +426,66 @@ def prepare(
         chunk_chars,
     )
     tmp = out.with_name(f".{out.name}.loom-tmp")
+    meta = _run_in(tmp, plan, files, force, workers or _auto_workers(files), encoder, found.read_once)
+    meta.update(source=source or ", ".join(str(p) for p in inputs), loom_version=__version__)
+    _publish(tmp, out, meta, force)
+    _report(out, meta, val_fraction, time.perf_counter() - t0)
+    return meta
+
+
+def _run_in(
+    tmp: Path, plan: PrepareRequest, files, force: bool, workers: int, encoder: str, read_once
+) -> dict:
+    """_run in tmp, continuing an unfinished preparation of the same settings there; on failure tmp is kept
+    only when it holds a shard worth continuing from."""
     fingerprint = plan.fingerprint(files)
     rec = _start(tmp, fingerprint, force)
     try:
-        meta = _run(
-            plan, files, tmp, rec, fingerprint, workers or _auto_workers(files), encoder, found.read_once
-        )
+        return _run(plan, files, tmp, rec, fingerprint, workers, encoder, read_once)
     except BaseException:
         if not any(tmp.glob("*_000000.bin")):  # nothing worth continuing from
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    meta.update(source=source or ", ".join(str(p) for p in inputs), loom_version=__version__)
+
+
+def _check_options(
+    tokenizer: str, vocab_size: int, dtype: str, val_fraction: float, split_mode: str, chunk_chars: int
+) -> None:
+    """The options refused before any reading (a BPE vocabulary too large for the dtype, a missing
+    tokenizer.json, a split that leaves nothing)."""
+    if tokenizer == "bpe":
+        check_bpe_vocab(vocab_size)
+        _version(vocab_size, dtype)
+    elif tokenizer != "char":
+        tokenizer_files(tokenizer)
+    check_split(val_fraction, split_mode)
+    if chunk_chars < 1:
+        raise LoomError(f"chunk_chars must be at least 1, got {chunk_chars}")
+
+
+def _split_mode_of(split_mode: str, files, read: ReadOptions) -> str:
+    """--split-mode docs over one text file that is one document splits its characters instead."""
+    if split_mode == "docs" and len(files) == 1 and kind_of_file(files[0][0]) == "text":
+        if not read.text_separator and not read.doc_chars:
+            log.info("one document only: splitting its characters (train first, val last)")
+            return "tail"
+    return split_mode
+
+
+def _publish(tmp: Path, out: Path, meta: dict, force: bool) -> None:
+    """The finished preparation in tmp becomes `out` (replacing what loom wrote there before, with --force)."""
     _write_json(tmp / "meta.json", meta)
     (tmp / PROGRESS).unlink()
     write_marker(tmp, "data")
     replace_output(out, "data", force)
     os.replace(tmp, out)
+
+
+def _report(out: Path, meta: dict, val_fraction: float, dt: float) -> None:
+    """One line of what was prepared; a warning when val's share is far from the one asked."""
     splits = meta["splits"]
     n_tok = splits["train"]["tokens"] + splits["val"]["tokens"]
     share = splits["val"]["tokens"] / max(1, n_tok)
-    dt = time.perf_counter() - t0
     log.info(
         f"prepared {out}: {meta['tokenizer']['kind']} tokenizer, vocab {meta['vocab_size']:,}, train "
         f"{splits['train']['tokens']:,} tokens ({splits['train']['documents']} docs), val "
@@ -470,7 +498,6 @@ def prepare(
             f"{meta['documents']} documents are too few or too uneven to split closer by whole documents "
             "(--split-mode tail cuts at the exact share)"
         )
-    return meta
 
 
 SMALL_INPUT = 8 << 20  # bytes of text one process encodes in a couple of seconds
@@ -494,35 +521,11 @@ def _run(
     read_once: list,
 ) -> dict:
     """Tokenizer, then every chunk encoded into shards under tmp; the core of meta.json."""
-    if rec is None:
-        total = _count_chars(plan, files, "counting characters") if plan.split_mode == "tail" else None
-        tok, kind = _train_tokenizer(plan, files, total)
-        info = {"kind": kind, "file": tok.save(tmp), "eot_id": tok.eot_id}
-        info["sha256"] = tokenizer_hash(tmp, {"tokenizer": info})  # compares tokenizers by content
-        rec = {
-            "fingerprint": fingerprint,
-            "tokenizer": info,
-            "total_chars": total,
-            "vocab_size": tok.vocab_size,
-            "splits": {s: {"shards": 0, "chunk": 0, "offset": 0} for s in SPLITS},
-        }
-        _write_json(tmp / PROGRESS, rec)
-    else:
-        from loom.data.tokenizers import load_tokenizer
-
-        tok = load_tokenizer(tmp, {"tokenizer": rec["tokenizer"]})
-        done = rec["splits"]
-        log.info(
-            f"continuing the unfinished preparation in {tmp}: {done['train']['shards']} train and "
-            f"{done['val']['shards']} val shard(s) already complete"
-        )
+    tok, rec = _tokenizer_and_progress(plan, files, tmp, rec, fingerprint)
     version = _version(tok.vocab_size, plan.dtype)
     spec = encoder_spec(tok, DTYPES[version])
     start = {s: (v["chunk"], v["offset"]) for s, v in rec["splits"].items()}
-    for s, v in rec["splits"].items():  # anything after the last committed shard is written again
-        for p in tmp.glob(f"{s}_*.bin*"):
-            if p.name.endswith(".tmp") or int(p.name[len(s) + 1 : len(s) + 7]) >= v["shards"]:
-                p.unlink()
+    _drop_uncommitted(tmp, rec)
 
     def commit(split: str, shards: int, position) -> None:
         if position is not None:
@@ -533,57 +536,105 @@ def _run(
         s: ShardWriter(tmp, s, plan.shard_tokens, version, rec["splits"][s]["shards"], commit) for s in SPLITS
     }
     stats = ReadStats(read_once=read_once)
-    resume_chunk = min(c for c, _ in start.values())
     counts = {"documents": {s: 0 for s in SPLITS}, "val_bytes": 0, "repeats": 0}
-    seen: set[bytes] = set()
-
-    def chunks():
-        chunk: list = []
-        size = 0
-        for split, u in _units(plan, files, stats, rec["total_chars"]):
-            si = SPLITS.index(split)
-            if u.new_doc:
-                counts["documents"][split] += 1
-                if len(seen) < REPEAT_CHECK_DOCS:
-                    h = hashlib.blake2b(
-                        u.text.encode("utf-8", errors="surrogatepass"), digest_size=16
-                    ).digest()
-                    counts["repeats"] += h in seen
-                    seen.add(h)
-            if si == 1:
-                counts["val_bytes"] += len(u.text.encode("utf-8", errors="surrogatepass"))
-            chunk.append((si, u.text, u.new_doc))
-            size += len(u.text)
-            if size >= plan.chunk_chars:
-                yield chunk
-                chunk, size = [], 0
-        if chunk:
-            yield chunk
-
-    def numbered():
-        for i, c in enumerate(chunks()):
-            yield c if i >= resume_chunk else None
-
-    gen = numbered()
+    resume_chunk = min(c for c, _ in start.values())
+    gen = (
+        c if i >= resume_chunk else None
+        for i, c in enumerate(_chunks(plan, _units(plan, files, stats, rec["total_chars"]), counts))
+    )
     first = next(gen)
-    if "backend" in rec:  # continuing: the encoder chosen at the start (the same ids either way)
+    spec = _encoder_of(spec, rec, first, encoder, tmp)
+    t0 = time.perf_counter()
+    _encode_into(writers, start, encode_chunks(spec, _prepend(first, gen), workers), stats, files)
+    enc_s = time.perf_counter() - t0
+    report_stats(stats, counts["repeats"])
+    return _meta(plan, rec, tok, version, _split_counts(tmp, counts), stats, counts, spec, enc_s)
+
+
+def _tokenizer_and_progress(plan: PrepareRequest, files, tmp: Path, rec: dict | None, fingerprint: str):
+    """(tokenizer, progress record): trained and recorded when starting (rec None), else read back from tmp."""
+    if rec is not None:
+        from loom.data.tokenizers import load_tokenizer
+
+        done = rec["splits"]
+        log.info(
+            f"continuing the unfinished preparation in {tmp}: {done['train']['shards']} train and "
+            f"{done['val']['shards']} val shard(s) already complete"
+        )
+        return load_tokenizer(tmp, {"tokenizer": rec["tokenizer"]}), rec
+    total = _count_chars(plan, files, "counting characters") if plan.split_mode == "tail" else None
+    tok, kind = _train_tokenizer(plan, files, total)
+    info = {"kind": kind, "file": tok.save(tmp), "eot_id": tok.eot_id}
+    info["sha256"] = tokenizer_hash(tmp, {"tokenizer": info})  # compares tokenizers by content
+    rec = {
+        "fingerprint": fingerprint,
+        "tokenizer": info,
+        "total_chars": total,
+        "vocab_size": tok.vocab_size,
+        "splits": {s: {"shards": 0, "chunk": 0, "offset": 0} for s in SPLITS},
+    }
+    _write_json(tmp / PROGRESS, rec)
+    return tok, rec
+
+
+def _drop_uncommitted(tmp: Path, rec: dict) -> None:
+    """Anything after the last committed shard of each split is written again: delete it."""
+    for s, v in rec["splits"].items():
+        for p in tmp.glob(f"{s}_*.bin*"):
+            if p.name.endswith(".tmp") or int(p.name[len(s) + 1 : len(s) + 7]) >= v["shards"]:
+                p.unlink()
+
+
+def _chunks(plan: PrepareRequest, units, counts: dict):
+    """The (split, text, new document) units in chunks of about plan.chunk_chars characters; counts the
+    documents of each split, the val bytes and the repeated documents (among the first REPEAT_CHECK_DOCS)."""
+    chunk: list = []
+    size = 0
+    seen: set[bytes] = set()
+    for split, u in units:
+        si = SPLITS.index(split)
+        if u.new_doc:
+            counts["documents"][split] += 1
+            if len(seen) < REPEAT_CHECK_DOCS:
+                h = hashlib.blake2b(u.text.encode("utf-8", errors="surrogatepass"), digest_size=16).digest()
+                counts["repeats"] += h in seen
+                seen.add(h)
+        if si == 1:
+            counts["val_bytes"] += len(u.text.encode("utf-8", errors="surrogatepass"))
+        chunk.append((si, u.text, u.new_doc))
+        size += len(u.text)
+        if size >= plan.chunk_chars:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _encoder_of(spec: dict, rec: dict, first, encoder: str, tmp: Path) -> dict:
+    """The encoder spec with its backend: the one chosen at the start when continuing (the same ids either
+    way), else chosen now on a sample of the first chunk and recorded."""
+    if "backend" in rec:
         if rec["backend"] == "tiktoken":
             spec = {**spec, "backend": "tiktoken", "tiktoken": tiktoken_spec(spec["json"])}
-    else:
-        probe, n = [], 0
-        for _, t, _ in first:  # ~100k characters of the corpus: the check costs a fraction of a second
-            probe.append(t[:20_000])
-            n += len(probe[-1])
-            if n >= 100_000:
-                break
-        spec = choose_backend(spec, probe, encoder)
-        rec["backend"] = spec.get("backend", "tokenizers")
-        _write_json(tmp / PROGRESS, rec)
+        return spec
+    probe, n = [], 0
+    for _, t, _ in first:  # ~100k characters of the corpus: the check costs a fraction of a second
+        probe.append(t[:20_000])
+        n += len(probe[-1])
+        if n >= 100_000:
+            break
+    spec = choose_backend(spec, probe, encoder)
+    rec["backend"] = spec.get("backend", "tokenizers")
+    _write_json(tmp / PROGRESS, rec)
+    return spec
+
+
+def _encode_into(writers: dict, start: dict, results, stats: ReadStats, files) -> None:
+    """Each encoded chunk's ids into its split's shards, from where each split stopped (chunk, offset)."""
     tokens = 0
-    t0 = time.perf_counter()
     try:
         with _bar("encoding", estimated_bytes(files)) as update:
-            for i, res in enumerate(encode_chunks(spec, _prepend(first, gen), workers)):
+            for i, res in enumerate(results):
                 if res is not None:
                     for si, s in enumerate(SPLITS):
                         c, off = start[s]
@@ -599,12 +650,18 @@ def _run(
     finally:
         for w in writers.values():
             w.close()
-    enc_s = time.perf_counter() - t0
-    report_stats(stats, counts["repeats"])
+
+
+def _split_counts(tmp: Path, counts: dict) -> dict:
     splits = {}
     for s in SPLITS:
         n = [read_header(p)[1] for p in sorted(tmp.glob(f"{s}_*.bin"))]
         splits[s] = {"tokens": int(sum(n)), "documents": counts["documents"][s], "shards": len(n)}
+    return splits
+
+
+def _meta(plan, rec, tok, version, splits, stats: ReadStats, counts, spec, enc_s) -> dict:
+    """The core of meta.json."""
     return {
         "format": "llm.c",
         "tokenizer": rec["tokenizer"],

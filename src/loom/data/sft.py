@@ -29,6 +29,7 @@ import torch
 
 from loom.data.formats import LOSS_MASK_SUFFIX, detect_dir, split_files
 from loom.data.loader import ValSet, read_meta, seq_chunk
+from loom.data.slice import WHOLE, DataSlice
 from loom.errors import LoomError
 
 
@@ -155,20 +156,15 @@ class ChatLoader:
         batch_size: int,
         block_size: int,
         seed: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        cp_rank: int = 0,
-        cp_size: int = 1,
-        cp_layout: str = "contiguous",
+        part: DataSlice = WHOLE,
         pack: bool = True,
     ):
-        if batch_size % dp_size:
-            raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={dp_size}")
+        if batch_size % part.dp_size:
+            raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={part.dp_size}")
         self.convs = Conversations(data_dir, "train", block_size)
         self.pack = pack  # several conversations a row (with document masks), or one
         self.batch_size, self.seed = batch_size, seed
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.cp = (cp_rank, cp_size, cp_layout)
+        self.part = part  # this rank's rows of each global batch and its chunk of each row
         self.cursor = 0  # global rows consumed (all ranks together)
         self._epochs: list[list[list[int]]] = []  # the packed rows of each epoch so far
         self.valid_targets = 0  # trained targets in the last global batch handed out
@@ -202,11 +198,11 @@ class ChatLoader:
         `valid_targets` is then the global batch's count of trained targets."""
         ids, masks = self.global_rows(self.cursor, self.batch_size)
         self.valid_targets = int(masks[:, 1:].sum())
-        local = self.batch_size // self.dp_size
-        sl = slice(self.dp_rank * local, (self.dp_rank + 1) * local)
+        local = self.batch_size // self.part.dp_size
+        sl = slice(self.part.dp_rank * local, (self.part.dp_rank + 1) * local)
         x, y = _inputs_targets(ids[sl], masks[sl])
         self.cursor += self.batch_size
-        return seq_chunk(x, *self.cp), seq_chunk(y, *self.cp)
+        return seq_chunk(x, *self.part.cp), seq_chunk(y, *self.part.cp)
 
     @property
     def epoch(self) -> float:
@@ -241,22 +237,17 @@ class ChatValSet:
         block_size: int,
         n_rows: int,
         seed: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        cp_rank: int = 0,
-        cp_size: int = 1,
-        cp_layout: str = "contiguous",
+        part: DataSlice = WHOLE,
         pack: bool = True,
     ):
         self.convs = Conversations(data_dir, "val", block_size)
         order = np.random.default_rng([seed, 0]).permutation(len(self.convs))
         rows = self.convs.pack(order, pack)[:n_rows]
-        self.rows = rows[dp_rank::dp_size]
-        self.dp_size, self.total_rows = dp_size, len(rows)
-        self.cp = (cp_rank, cp_size, cp_layout)
+        self.rows = rows[part.dp_rank :: part.dp_size]
+        self.part, self.total_rows = part, len(rows)
 
     def batches(self, micro_batch_size: int):
-        share = -(-self.total_rows // self.dp_size)
+        share = -(-self.total_rows // self.part.dp_size)
         for i in range(0, share, micro_batch_size):
             part = self.rows[i : i + micro_batch_size] or [[0]]  # a rank a row short: one row, all ignored
             packed = [self.convs.row(r) for r in part]
@@ -264,15 +255,15 @@ class ChatValSet:
             if not self.rows[i : i + micro_batch_size]:
                 masks[:] = False
             x, y = _inputs_targets(ids, masks)
-            yield seq_chunk(x, *self.cp), seq_chunk(y, *self.cp)
+            yield seq_chunk(x, *self.part.cp), seq_chunk(y, *self.part.cp)
 
 
-def validation_set(cfg, data_dir: Path, meta: dict, n_rows: int, dp: tuple = (0, 1), cp: tuple = (0, 1)):
+def validation_set(cfg, data_dir: Path, meta: dict, n_rows: int, part: DataSlice = WHOLE):
     """The validation rows a run measures, for the trainer and for `loom eval` of the run alike (one function,
     so the two cannot disagree): chat data's val conversations packed as training packs them (ChatValSet, the
     assistant's tokens scored), else windows of the token stream (ValSet). `cfg`: the run's loom Config;
-    dp, cp: (this rank, ranks) of the data- and context-parallel dimensions."""
-    block, cp_all = cfg.model.block_size, (*cp, cfg.parallel.cp_layout)
+    `part`: this rank's slice of the rows (loom eval of a run: its data-parallel ranks')."""
+    block = cfg.model.block_size
     if is_chat_data(meta):
-        return ChatValSet(data_dir, block, n_rows, cfg.run.seed, *dp, *cp_all, pack=cfg.data.doc_mask)
-    return ValSet(data_dir, block, n_rows, *dp, *cp_all)
+        return ChatValSet(data_dir, block, n_rows, cfg.run.seed, part, pack=cfg.data.doc_mask)
+    return ValSet(data_dir, block, n_rows, part)

@@ -364,6 +364,13 @@ def _difference(a: dict, b: dict, names: tuple[str, str]) -> str:
     return "BPE vocabularies differ (" + "; ".join(parts) + ")"
 
 
+def check_run_tokenizer(run_tok_dir: str | Path, data_dir: str | Path, data_meta: dict) -> None:
+    """check_same_tokenizer of a run's saved tokenizer folder (its meta read here) and the data."""
+    from loom.data.formats import read_meta
+
+    check_same_tokenizer(run_tok_dir, read_meta(run_tok_dir), data_dir, data_meta)
+
+
 def check_same_tokenizer(
     run_tok_dir: str | Path, run_meta: dict, data_dir: str | Path, data_meta: dict
 ) -> None:

@@ -27,13 +27,6 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def served_device_types(backend: str) -> set[str]:
-    """The device types a backend string can run collectives on ("cpu:gloo,cuda:nccl" -> {cpu, cuda})."""
-    if ":" in backend:
-        return {part.split(":")[0].strip() for part in backend.split(",")}
-    return {"nccl": {"cuda"}, "gloo": {"cpu", "cuda"}, "mpi": {"cpu", "cuda"}}.get(backend, {"cpu"})
-
-
 def init(env: DistEnv, device: torch.device, timeout_s: float) -> None:
     """Join the job's process group (env:// rendezvous at MASTER_ADDR:MASTER_PORT)."""
     if dist.is_initialized():

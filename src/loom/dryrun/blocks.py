@@ -157,13 +157,6 @@ def measure_roles(
     return [combine(plan, [next(results) for _ in plan.steps]) for plan in plans]
 
 
-def measure_role(
-    cfg: Config, world: int, rank: int, vocab_size: int, precision: str, exact: bool = False
-) -> RankMemory:
-    """Rank `rank`'s memory (measure_roles for one rank)."""
-    return measure_roles(cfg, world, [rank], vocab_size, precision, exact)[0]
-
-
 def extend(base: RankMemory, axes: list[tuple[int, RankMemory, RankMemory]]) -> RankMemory:
     """base + sum of units * (hi - lo) over the axes, term by term (bytes: integers, exactly)."""
 
@@ -176,13 +169,6 @@ def extend(base: RankMemory, axes: list[tuple[int, RankMemory, RankMemory]]) -> 
     for name in TERMS:
         out[name] = at(getattr(base, name), *((getattr(lo, name), getattr(hi, name)) for _, lo, hi in axes))
     return RankMemory(**out)
-
-
-def measure_rank_apart(
-    cfg: Config, world: int, rank: int, vocab_size: int, precision: str, n_microbatches: int | None = None
-) -> RankMemory:
-    """measure_rank in a child process of its own (measure_apart for one step)."""
-    return measure_apart([(cfg, world, rank, vocab_size, precision, n_microbatches)], 1)[0]
 
 
 def measure_apart(jobs: list[tuple], workers: int | None = None) -> list[RankMemory]:

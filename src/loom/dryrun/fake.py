@@ -29,23 +29,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from copy import deepcopy
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# the trackers, and torch's fake implementations of the c10d ops they import
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
+from loom import compat
 
 
 @contextlib.contextmanager
 def fake_world(world: int, rank: int) -> Iterator[None]:
     """A fake default process group in which this process is `rank` of `world` (destroyed after)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world)
     try:
         yield
     finally:
@@ -53,9 +48,7 @@ def fake_world(world: int, rank: int) -> Iterator[None]:
 
 
 def fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return compat.fake_tensor_mode(allow_non_fake_inputs=True)
 
 
 @contextlib.contextmanager
@@ -146,30 +139,28 @@ def _fp32_policy(forward):
 @contextlib.contextmanager
 def swapped_params(module: nn.Module, weight, bias) -> Iterator[None]:
     """The module's weight and bias as fp32 copies (autocast's casts) for one call."""
-    saved = {}
+    saved, params = {}, compat.module_parameters(module)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != torch.float32:
-            saved[name] = module._parameters[name]
-            module._parameters[name] = t.float()
+            saved[name] = params[name]
+            params[name] = t.float()
     try:
         yield
     finally:
-        module._parameters.update(saved)
+        params.update(saved)
 
 
 @contextlib.contextmanager
 def gpu_paths() -> Iterator[None]:
     """The GPU's code path on the CPU device: the model's CPU fast paths off, CUDA's fused RMSNorm and autocast's
     fp32 policy for the norms; and DTensor's propagation in a fake mode of its own."""
-    import torch.distributed.tensor._sharding_prop as sharding_prop
-
     import loom.model.cpu_paths as cpu_paths
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(swapped(cpu_paths, "cpu_bf16_autocast", _never))
         stack.enter_context(swapped(nn.RMSNorm, "forward", _fp32_policy(_rms_norm)))
         stack.enter_context(swapped(nn.LayerNorm, "forward", _fp32_policy(nn.LayerNorm.forward)))
-        stack.enter_context(swapped(sharding_prop, "detect_fake_mode", lambda *a, **k: None))
+        stack.enter_context(compat.sharding_prop_without_fake_mode())
         yield
 
 
@@ -177,123 +168,36 @@ def static_pipeline(pipeline, inputs: list[torch.Tensor], outputs: list[torch.Te
     """Give each of this rank's pipeline stages its input and output shapes (`inputs[i]`, `outputs[i]`: example
     tensors of stage i of the rank) and skip the schedule's warm-up vote, which reads values sent over the
     process group."""
-    from torch.distributed.pipelining._utils import InferenceMode, extract_tensor_metas
-
-    schedule = pipeline.schedule
-    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
-    for stage, x, out in zip(stages, inputs, outputs, strict=True):
-        stage._user_meta.inputs = extract_tensor_metas((x,))
-        stage._user_meta.outputs = extract_tensor_metas((out,))
-
-    def no_vote(stages, has_backward, p2p_done):
-        for stage in stages:
-            stage._inference_mode = InferenceMode.STATIC
-
-    schedule._warmup_p2p = no_vote
+    compat.static_pipeline_shapes(pipeline.schedule, inputs, outputs)
 
 
-class _NoHook:
-    """A hook handle for a hook never registered (a frozen parameter's gradient hook)."""
-
-    def remove(self) -> None:
-        pass
+# torch's trackers, extended for one step of several micro-batches (loom.compat: their internals)
+_MemTracker, _FSDPMemTracker = compat.memory_trackers()
 
 
-_NO_HOOK = _NoHook()
-
-
-class _StepMixin:
-    """What both trackers need for one training step.
-
-    torch's trackers refuse a root module called a second time in forward (they take it for a second iteration);
-    gradient accumulation and pipeline schedules call it once per micro-batch, so a root entered again in
-    forward starts fresh per-module statistics (the device-wide counts, which are what is reported, go on).
-
-    Phases: `mark(name)` closes the phase under way and keeps its peak's terms, so that each phase of the step can
-    be followed on its own (loom.dryrun.blocks extends them one by one: which phase peaks can change with the
+class _Phases:
+    """Phases: `mark(name)` closes the phase under way and keeps its peak's terms, so that each phase of the step
+    can be followed on its own (loom.dryrun.blocks extends them one by one: which phase peaks can change with the
     model's size)."""
-
-    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
-        """As torch's, for a model with frozen parameters too (LoRA's base): torch hooks every parameter's
-        gradient and refuses a hook on one that takes none, so each frozen one is entered with handles that
-        remove nothing (checked on torch 2.11 and 2.13)."""
-        for p in module.parameters():
-            if not p.requires_grad:
-                self._param_to_grad_hook_handles.setdefault(p, (_NO_HOOK, _NO_HOOK))
-        return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-    def _forget_if_again(self, module: nn.Module) -> None:
-        name = self._mod_tracker.get_known_fqn(module)
-        if (
-            module in self.memory_tracking
-            and not self._mod_tracker.is_bw
-            and self._mod_tracker.parents - {name} <= {"Global"}
-        ):
-            del self.memory_tracking[module]
-
-    def _update_peak_stats(self, peak_state) -> None:
-        """The device-wide peak only: torch's also updates every module's own peak, a loop over all modules on
-        every op, and nothing here reads them."""
-        for dev, snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < snap["Total"]:
-                self._peak_mem[dev] = snap["Total"]
-                self._peak_mem_snap[dev] = dict(snap)
 
     def mark(self, phase: str) -> None:
         """Close the phase under way as `phase`: its peak's terms into self.phases (a phase that recurs, as in
         each accumulation micro-step, keeps its highest peak)."""
         if not hasattr(self, "phases"):
             self.phases: dict[str, dict[str, int]] = {}
-        at = terms(self._peak_mem_snap)
+        at = terms(self.peak_snapshot())
         if phase not in self.phases or at["total"] > self.phases[phase]["total"]:
             self.phases[phase] = at
-        self._peak_mem_snap = deepcopy(self._curr_mem_snap)  # the next phase's peak starts from here
-        self._peak_mem = {dev: snap["Total"] for dev, snap in self._curr_mem_snap.items()}
+        self.restart_peak()  # the next phase's peak starts from here
 
 
-class StepTracker(_StepMixin, MemTracker):
+class StepTracker(_Phases, _MemTracker):
     """MemTracker (no FSDP), for a step with several micro-batches."""
 
-    def _pre_fw_hook(self, module, inputs):
-        self._forget_if_again(module)
-        return super()._pre_fw_hook(module, inputs)
 
-
-class FSDPStepTracker(_StepMixin, FSDPMemTracker):
+class FSDPStepTracker(_Phases, _FSDPMemTracker):
     """FSDPMemTracker over every FSDP root of this rank (an interleaved pipeline holds two stages), for a step
     with several micro-batches."""
-
-    def __init__(self, roots: list[nn.Module], optimizer):
-        super().__init__(roots[0], optimizer)
-        self._root_mod = nn.ModuleList(roots)
-
-    def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
-        """As torch's, and the gradients FSDP accumulates unsharded between syncs (in the reduce dtype, while
-        no_sync skips the reduce-scatter) counted as unsharded gradients, not as backward temporaries."""
-        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
-
-        inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
-
-        def counted(*args, **kwargs):
-            out = inner(*args, **kwargs)
-            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
-            for fsdp_param in group.fsdp_params if group else []:
-                if fsdp_param.unsharded_accumulated_grad is not None:
-                    self._update_and_maybe_create_winfos(
-                        fsdp_param.unsharded_accumulated_grad, _FSDPRefType.UNSHARDED_GRAD
-                    )
-            return out
-
-        return counted
-
-    def _fsdp_state_pre_forward(self, fsdp_mod, orig):
-        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
-
-        def again(*args, **kwargs):
-            self._forget_if_again(fsdp_mod)
-            return inner(*args, **kwargs)
-
-        return again
 
 
 # the trackers' kinds of memory -> the terms the dry run reports

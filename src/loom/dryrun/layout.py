@@ -40,10 +40,10 @@ class Target:
 
 def pipeline_supported() -> bool:
     """Whether this torch's pipeline stages take static shapes the way the dry run sets them (a feature check:
-    torch.distributed.pipelining._utils.InferenceMode, in torch 2.13; 2.11 has no such switch)."""
-    from torch.distributed.pipelining import _utils
+    loom.compat.pipeline_static_shapes_supported: torch 2.13; 2.11 has no such switch)."""
+    from loom import compat
 
-    return hasattr(_utils, "InferenceMode")
+    return compat.pipeline_static_shapes_supported()
 
 
 def check_layout(cfg: Config, target: Target) -> ParallelDims:

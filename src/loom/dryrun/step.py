@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loom import compat
 from loom.config import Config, Derived, validate
 from loom.dryrun import fake
 from loom.metrics import DTYPES
@@ -268,7 +269,7 @@ def _marked_first_backward(pipeline, tracker):
     Each phase's peak is at the same moment for any number of blocks and micro-batches: each extends along its
     line (loom.dryrun.blocks)."""
     schedule = pipeline.schedule
-    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+    stages = compat.pipeline_stages(schedule)
     first = []
 
     def wrap(backward):

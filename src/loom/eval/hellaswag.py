@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from loom.errors import LoomError
 from loom.eval.evaluator import EvalContext, EvalSetup, Every, json_lines, register_evaluator
@@ -100,22 +99,6 @@ def encode_example(ex: dict, tokenizer, block_size: int) -> tuple[list[list[int]
         rows.append(c + end)
         n_ctx.append(len(c))
     return rows, n_ctx
-
-
-@torch.no_grad()
-def ending_losses(model: torch.nn.Module, rows: list[list[int]], n_ctx: list[int], device) -> tuple:
-    """(sum, mean) cross-entropy of each row's ending tokens given what precedes them, shape (4,) each."""
-    T = max(len(r) for r in rows)
-    tokens = torch.zeros(len(rows), T, dtype=torch.long)
-    mask = torch.zeros(len(rows), T - 1)
-    for i, (r, c) in enumerate(zip(rows, n_ctx, strict=True)):
-        tokens[i, : len(r)] = torch.tensor(r)
-        mask[i, c - 1 : len(r) - 1] = 1.0  # target position t predicts token t + 1: the ending's tokens
-    tokens, mask = tokens.to(device), mask.to(device)
-    logits = model(tokens[:, :-1]).float()  # (4, T - 1, V)
-    loss = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")  # (4, T - 1)
-    total = (loss * mask).sum(1)
-    return total, total / mask.sum(1)
 
 
 class HellaSwagEval(Every):

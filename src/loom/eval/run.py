@@ -210,9 +210,10 @@ def _val_set(cfg, data_dir: Path, data_meta: dict, n_rows: int, run: LoadedRun):
     conversations packed as training packed them, only the assistant's tokens scored (loom.data.sft), as the
     run's own val loss; for text, windows of the token stream, every token scored."""
     from loom.data.sft import is_chat_data, validation_set
+    from loom.data.slice import DataSlice
 
     block = cfg.model.block_size
-    vs = validation_set(cfg, data_dir, data_meta, n_rows, (run.rank, run.world))
+    vs = validation_set(cfg, data_dir, data_meta, n_rows, DataSlice(run.rank, run.world))
     if is_chat_data(data_meta):
         packing = "several a row, each to itself" if cfg.data.doc_mask else "one a row"
         return (

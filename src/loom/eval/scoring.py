@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.errors import LoomError
+from loom.eval.sampling import sample_next
 
 
 class Scorer:
@@ -158,8 +159,6 @@ class _Generation:
         return all(self.done) or self.steps >= self.max_new
 
     def step(self) -> None:
-        from loom.generate import sample_next
-
         s = self.scorer
         feed = self.idx[:, self.cache.len :] if self.cache is not None else self.idx
         logits = s._forward(feed, self.cache)[:, -1, : s.vocab]

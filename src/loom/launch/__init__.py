@@ -137,15 +137,7 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
     task = node_task(environ)
     if args.node_rank is not None:
         task = (args.node_rank, task[1] if task else None)
-    launcher = resolve_launcher(args.launcher, allocation.scheduler)
-    if task is not None:
-        if args.launcher not in ("auto", "torchrun"):
-            raise LoomError(
-                f"--launcher {args.launcher} on every node: loom launch runs once per node here "
-                f"(node {task[0]}), so it starts this node's torchrun",
-                hint="leave --launcher out, or run loom launch once (on the head node or in the batch script)",
-            )
-        launcher = "torchrun"
+    launcher = _launcher(args, allocation, task)
     nnodes = args.nnodes if args.nnodes is not None else (task and task[1]) or allocation.num_nodes
     nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc_per_node(environ)
     for option, value in (("--nnodes", nnodes), ("--nproc-per-node", nproc)):  # one error per bad option
@@ -154,27 +146,12 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
                 f"{option} must be at least 1, got {value}",
                 hint=f"leave {option} out to use the whole allocation and every visible GPU",
             )
-    port, port_from = args.port, "--port"
-    if port is None and environ.get("MASTER_PORT", "").isdigit():
-        port, port_from = int(environ["MASTER_PORT"]), "MASTER_PORT"
-    if port is None:
-        port = port_from_job_id(allocation.job_id)
-    if not 0 < port < 65536:
-        raise LoomError(
-            f"{port_from} {port} is not a TCP port",
-            hint=f"pick a port in 1024-65535 for {port_from}, e.g. 29500",
-        )
+    port = _port(args, environ, allocation)
     hosts = allocation.hosts
     if task is not None and allocation.scheduler == "slurm":
         hosts = tuple(slurm_hosts(environ))  # the step's nodes (SLURM_STEP_NODELIST) when it runs on a subset
     head_addr = args.master_addr or environ.get("MASTER_ADDR", "").strip() or (hosts[0] if hosts else None)
-
-    if not args.rdzv_timeout > 0:
-        raise LoomError(
-            f"--rdzv-timeout must be > 0 seconds, got {args.rdzv_timeout}", hint="e.g. --rdzv-timeout 300"
-        )
-    if args.max_restarts < 0:
-        raise LoomError(f"--max-restarts must be >= 0, got {args.max_restarts}", hint="0: no restarts")
+    _check_restarts(args)
     args.node = None
     if task is not None:
         args.node = _PerNode(task[0], nnodes, nproc, head_addr, port, hosts)
@@ -185,17 +162,7 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
             hint="run loom launch on every node (srun --ntasks-per-node=1 loom launch ..., pbsdsh -u ...), "
             "or pass --launcher torchrun",
         )
-
-    mpi_flavour = args.mpi_flavour
-    if mpi_flavour not in ("auto", *MPI_FLAVOURS):
-        raise LoomError(
-            f"unknown --mpi-flavour {mpi_flavour!r}", hint=f"use auto, {' or '.join(MPI_FLAVOURS)}"
-        )
-    if mpi_flavour == "auto":
-        mpi_flavour = (
-            detect_mpi_flavour() if uses_mpiexec(launcher, allocation.scheduler, nnodes) else "mpich"
-        )
-
+    mpi_flavour = _mpi_flavour(args.mpi_flavour, launcher, allocation, nnodes)
     cmd = build_command(
         launcher,
         command,
@@ -212,6 +179,53 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
         max_restarts=args.max_restarts,
     )
     return cmd, args
+
+
+def _launcher(args, allocation, task) -> str:
+    """The launcher asked (or found for the scheduler); torchrun when loom launch runs on every node."""
+    launcher = resolve_launcher(args.launcher, allocation.scheduler)
+    if task is None:
+        return launcher
+    if args.launcher not in ("auto", "torchrun"):
+        raise LoomError(
+            f"--launcher {args.launcher} on every node: loom launch runs once per node here "
+            f"(node {task[0]}), so it starts this node's torchrun",
+            hint="leave --launcher out, or run loom launch once (on the head node or in the batch script)",
+        )
+    return "torchrun"
+
+
+def _port(args, environ: Mapping[str, str], allocation) -> int:
+    """--port, else MASTER_PORT, else one derived from the job id; refused outside 1-65535."""
+    port, port_from = args.port, "--port"
+    if port is None and environ.get("MASTER_PORT", "").isdigit():
+        port, port_from = int(environ["MASTER_PORT"]), "MASTER_PORT"
+    if port is None:
+        port = port_from_job_id(allocation.job_id)
+    if not 0 < port < 65536:
+        raise LoomError(
+            f"{port_from} {port} is not a TCP port",
+            hint=f"pick a port in 1024-65535 for {port_from}, e.g. 29500",
+        )
+    return port
+
+
+def _check_restarts(args) -> None:
+    if not args.rdzv_timeout > 0:
+        raise LoomError(
+            f"--rdzv-timeout must be > 0 seconds, got {args.rdzv_timeout}", hint="e.g. --rdzv-timeout 300"
+        )
+    if args.max_restarts < 0:
+        raise LoomError(f"--max-restarts must be >= 0, got {args.max_restarts}", hint="0: no restarts")
+
+
+def _mpi_flavour(asked: str, launcher: str, allocation, nnodes: int) -> str:
+    """--mpi-flavour, or (auto) the installed MPI's when the command goes through mpiexec, else mpich."""
+    if asked not in ("auto", *MPI_FLAVOURS):
+        raise LoomError(f"unknown --mpi-flavour {asked!r}", hint=f"use auto, {' or '.join(MPI_FLAVOURS)}")
+    if asked == "auto":
+        return detect_mpi_flavour() if uses_mpiexec(launcher, allocation.scheduler, nnodes) else "mpich"
+    return asked
 
 
 def _per_node_command(job: _PerNode, command: list[str], job_id: str | None, args) -> list[str]:

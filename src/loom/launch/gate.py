@@ -137,6 +137,29 @@ def head_gate(
             hint="set MASTER_ADDR to the head node's name or address on the network the nodes share"
             + (f" (the allocation's first host is {hosts[0]})" if hosts else ""),
         )
+    server = _bound(addr, ip, port, hello, hosts)
+    deadline = time.monotonic() + timeout
+    got: dict[int, tuple[Hello, socket.socket]] = {}
+    try:
+        server.listen(max(8, nnodes))
+        _gather(server, nnodes, deadline, got)
+        # Stop listening before anyone is told to go: a node's torchrun that connects early must be refused
+        # (it retries) rather than queued on this socket and reset when it closes.
+        server.close()
+        hellos = [hello, *(h for h, _ in got.values())]
+        error = _verdict(hellos, nnodes, addr, port, timeout, hosts, command)
+        _answer(got, error)
+    finally:
+        server.close()
+        for _, conn in got.values():
+            conn.close()
+    if error:
+        raise error
+    return sorted(hellos, key=lambda h: h.node)
+
+
+def _bound(addr: str, ip: str, port: int, hello: Hello, hosts: Sequence[str]) -> socket.socket:
+    """A TCP socket bound to ip:port on the head node; a port in use or an address not this node's refused."""
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -158,48 +181,41 @@ def head_gate(
                 + ", or set it to an address of the head node",
             ) from None
         raise
-    deadline = time.monotonic() + timeout
-    got: dict[int, tuple[Hello, socket.socket]] = {}
-    try:
-        server.listen(max(8, nnodes))
-        while len(got) < nnodes - 1 and time.monotonic() < deadline:
-            server.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                break
-            try:
-                _send(conn, _BANNER)  # the head speaks first: a node can tell the gate from a running job
-                other = Hello(**_recv(conn, min(deadline, time.monotonic() + 10)))
-            except (OSError, ValueError, TypeError):
-                conn.close()  # not a loom node (a port scan, another program): ignore it
-                continue
-            if other.node in got or other.node == 0 or not 0 < other.node < nnodes:
-                _send(conn, {"error": f"node index {other.node} of {other.host} is taken or out of range"})
-                conn.close()
-                continue
-            got[other.node] = (other, conn)
-        # Stop listening before anyone is told to go: a node's torchrun that connects early must be refused
-        # (it retries) rather than queued on this socket and reset when it closes.
-        server.close()
-        hellos = [hello, *(h for h, _ in got.values())]
-        error = _verdict(hellos, nnodes, addr, port, timeout, hosts, command)
-        for _, conn in got.values():
-            _send(conn, {"error": error.message, "hint": error.hint} if error else {"ok": True})
-        for _, conn in got.values():  # let each node close first: TIME_WAIT stays on its side, not on PORT
-            try:
-                conn.settimeout(5)
-                conn.recv(1)
-            except OSError:
-                pass
+    return server
+
+
+def _gather(server: socket.socket, nnodes: int, deadline: float, got: dict) -> None:
+    """The other nodes' hellos into got ({node: (hello, connection)}) until all came or the deadline passed."""
+    while len(got) < nnodes - 1 and time.monotonic() < deadline:
+        server.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            break
+        try:
+            _send(conn, _BANNER)  # the head speaks first: a node can tell the gate from a running job
+            other = Hello(**_recv(conn, min(deadline, time.monotonic() + 10)))
+        except (OSError, ValueError, TypeError):
+            conn.close()  # not a loom node (a port scan, another program): ignore it
+            continue
+        if other.node in got or other.node == 0 or not 0 < other.node < nnodes:
+            _send(conn, {"error": f"node index {other.node} of {other.host} is taken or out of range"})
             conn.close()
-    finally:
-        server.close()
-        for _, conn in got.values():
-            conn.close()
-    if error:
-        raise error
-    return sorted(hellos, key=lambda h: h.node)
+            continue
+        got[other.node] = (other, conn)
+
+
+def _answer(got: dict, error: LoomError | None) -> None:
+    """Tell every node the verdict, then wait for each to close its side first."""
+    for _, conn in got.values():
+        _send(conn, {"error": error.message, "hint": error.hint} if error else {"ok": True})
+    for _, conn in got.values():  # let each node close first: TIME_WAIT stays on its side, not on PORT
+        try:
+            conn.settimeout(5)
+            conn.recv(1)
+        except OSError:
+            pass
+        conn.close()
 
 
 def _verdict(

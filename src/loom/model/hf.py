@@ -452,14 +452,3 @@ def load_hf(directory: str | Path, block_size: int | None = None, dropout: float
     model = GPT(cfg)
     load_hf_into(model, directory)
     return model
-
-
-def load_gpt2(directory: str | Path, block_size: int | None = None, dropout: float = 0.0) -> GPT:
-    """A loom GPT holding the GPT-2 model saved in `directory` (another architecture is refused)."""
-    kind = read_hf_config(directory).get("model_type")
-    if kind != "gpt2":
-        raise LoomError(
-            f"'{directory}' describes a '{kind}' model; load_gpt2 reads GPT-2 only",
-            hint="use loom.model.hf.load_hf for every supported architecture",
-        )
-    return load_hf(directory, block_size, dropout)

@@ -110,11 +110,6 @@ def is_lora_name(name: str) -> bool:
     return name.endswith(LORA_SUFFIXES)
 
 
-def linear_names(model: nn.Module) -> list[str]:
-    """The qualified names of the model's linears (adapted or not)."""
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-
-
 def _split_targets(targets: str | list[str]) -> list[str]:
     items = targets.split(",") if isinstance(targets, str) else list(targets)
     return [t.strip() for t in items if t.strip()]
@@ -302,19 +297,6 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Only the adapters' tensors, by their names in `model` (an adapter-only checkpoint: rank*(in+out) per
     adapted linear instead of the whole model)."""
     return {k: v for k, v in model.state_dict().items() if is_lora_name(k)}
-
-
-def load_lora_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
-    """Load adapter tensors (lora_state_dict's) into a model with the same adapters; every adapter must be
-    given and nothing else."""
-    have = set(lora_state_dict(model))
-    missing, extra = sorted(have - set(sd)), sorted(set(sd) - have)
-    if missing or extra:
-        raise LoomError(
-            f"the adapters do not fit the model: missing {missing[:4]}, unexpected {extra[:4]}",
-            hint="apply_lora with the rank and targets the adapters were trained with",
-        )
-    model.load_state_dict(sd, strict=False)
 
 
 def count_trainable(model: nn.Module) -> tuple[int, int]:

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from loom import compat
 from loom.errors import LoomError
 
 BLOCK = 1024  # elements per Triton program; a multiple of 4 keeps full blocks 16-byte aligned
@@ -272,7 +273,7 @@ class TritonAdamW(torch.optim.Optimizer):
                 group_of_row.append(gi)
         if not steps:
             return loss
-        torch._foreach_add_(steps, 1.0)
+        compat.foreach_add_(steps, 1.0)
         rows = self._rows(tensors, steps, group_of_row)
         block_row, first = self._block_table(tuple(int(t.numel()) for t in tensors[0::4]))
         rows[:, 5] = first

@@ -7,14 +7,16 @@ One module per parallelism with generic functions (tensor.py, pipeline.py, ac.py
 ddp.py, zero.py, mpi_dp.py); what names a model's modules comes from the model side: the family's
 ParallelPlan (`spec.parallel`, loom/model/registry.py). The trainer holds a `Parallelized` and asks it only
 what a step needs.
-Adding a parallelism: a module here, its step in `parallelize`, its strategy in loom/verify.py, a test.
+Adding a parallelism: a module here, its line in `STEPS`, its strategy in loom/verify.py, a test.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -208,6 +210,200 @@ class Parallelized:
             state.load_optim_state(self.model, opt, sd, self.order, self.tied)
 
 
+@dataclass
+class _Work:
+    """parallelize's work in progress: the job's values each step reads, and what the steps before it left."""
+
+    model: nn.Module
+    dims: ParallelDims
+    cfg: Any  # the run's loom Config
+    device: torch.device
+    plan: Any  # the family's ParallelPlan (spec.parallel)
+    par: Parallelized
+    precision: str
+    n_microbatches: int
+    init: Callable | None
+    mesh: Any = None  # the device mesh (None: a layout of plain data parallelism, or one process)
+    fsdp: bool = False  # FSDP (or HSDP) wraps the model: sharded data parallelism, or DP beside TP/PP
+    roots: list = field(default_factory=list)  # this rank's model parts: the model, or its pipeline stages
+    stages: tuple = ()  # pipeline parallel: (this rank's stage ids, the number of stages)
+    blocks: list = field(default_factory=list)  # the roots' blocks, as activation checkpointing wrapped them
+
+
+def _float8(w: _Work) -> None:
+    from loom.parallel.fp8 import convert
+
+    w.par.fp8 = convert(w.model, w.cfg.precision, w.fsdp)
+    w.par.fp8_gather = w.fsdp and w.cfg.precision.fp8 == "tensorwise"
+
+
+def _tensor(w: _Work) -> None:
+    from loom.parallel.tensor import apply_tp
+
+    model, dims, plan = w.model, w.dims, w.plan
+    tp_plan = plan.tp_plan(model, dims.tp, w.cfg.parallel.sp, loss_parallel=not dims.pp_enabled)
+    if w.par.fp8:
+        from loom.parallel.fp8 import tp_styles
+
+        tp_plan = tp_styles(model, tp_plan, w.cfg.precision.fp8)
+    if lora_scaling(model) is not None:  # LoRA: the adapters split as their linears' weights (Megatron's)
+        from loom.parallel.lora import lora_tp_styles
+
+        tp_plan = lora_tp_styles(model, tp_plan)
+    frozen = {n for n, q in model.named_parameters() if not q.requires_grad}
+    apply_tp(model, w.mesh["tp"], tp_plan)
+    plan.retie(model)
+    for n, q in model.named_parameters():  # torch's SequenceParallel makes its norms' gains trainable again
+        if n in frozen:
+            q.requires_grad_(False)
+
+
+def _context(w: _Work) -> None:
+    """Context parallel: ring attention in the family's `attn.context` slot, or Ulysses' all-to-alls around
+    q/k/v/o; the family's position table (ModelSpec.position_table; None: RoPE) offset to this rank's chunk."""
+    spec, group = w.par.spec, w.mesh["cp"].get_group()
+    if w.cfg.parallel.cp_impl == "ring":
+        from loom.parallel.ring import Ring, apply_ring
+
+        if not spec.ring_attention:
+            raise LoomError(
+                f"parallel.cp_impl=ring needs an attention with a `context` slot; model.family={spec.name} has none",
+                hint="use parallel.cp_impl=ulysses (it hooks only q/k/v/o_proj)",
+            )
+        apply_ring(w.model, w.plan.blocks(w.model), Ring(group), spec.position_table(w.model))
+    else:
+        from loom.parallel.context import apply_ulysses
+
+        wpe, doc_mask = spec.position_table(w.model), w.cfg.data.doc_mask
+        apply_ulysses(w.model, w.plan.blocks(w.model), group, w.dims.cp_rank, wpe, doc_mask)
+
+
+def _expert(w: _Work) -> None:
+    """The experts split over ep of the data-parallel x cp ranks (the family names them)."""
+    from loom.parallel.expert import apply_ep, build_ep_mesh
+
+    w.par.ep_mesh = build_ep_mesh(w.dims, w.device.type)
+    w.par.expert_layers = w.par.spec.expert_layers(w.model)
+    apply_ep(w.par.expert_layers, w.par.ep_mesh)
+
+
+def _pipeline_split(w: _Work) -> None:
+    from loom.parallel.pipeline import stage_ids
+
+    ids, n_stages = stage_ids(w.cfg.parallel.pp_schedule, w.dims.pp, w.dims.pp_rank)
+    w.stages = (ids, n_stages)
+    w.roots = w.plan.split_stages(w.model, ids, n_stages)
+
+
+def _checkpointing(w: _Work) -> None:
+    from loom.parallel.ac import apply_ac
+
+    w.blocks = [b for root in w.roots for b in w.plan.blocks(root)]
+    apply_ac(w.blocks, w.cfg.train.activation_checkpointing)
+
+
+def _compile(w: _Work) -> None:
+    from loom.parallel.compile import apply_compile
+
+    apply_compile(w.blocks)
+
+
+def _fsdp(w: _Work) -> None:
+    from loom.parallel.fsdp import apply_fsdp, mp_policy
+
+    p, dims = w.cfg.parallel, w.dims
+    # the cp ranks of a data-parallel rank hold the same parameters: FSDP shards over dp_shard x cp
+    shard = "dp_shard_cp" if dims.cp_enabled else "dp_shard"
+    with warnings.catch_warnings():  # torch 2.13 plans to stop slicing flattened dims; 2.11-2.13 need it
+        warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+        dp_mesh = w.mesh[shard] if dims.dp_replicate == 1 else w.mesh["dp_replicate", shard]
+    # zero2 and replicas keep gathered parameters
+    reshard = dims.dp_impl == "fsdp" and dims.fsdp_shard > 1
+    mp = mp_policy(p.param_dtype, p.reduce_dtype, w.device, w.precision)
+    if dims.ep_enabled:  # first: the blocks' and roots' FSDP then leave the experts' weights alone
+        from loom.parallel.expert import shard_experts
+
+        layers = [m for root in w.roots for m in w.par.spec.expert_layers(root)]  # this rank's stages
+        shard_experts(layers, w.par.ep_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        w.par.expert_sync = True
+    apply_fsdp(w.roots, w.plan.blocks, dp_mesh, reshard, mp, p.cpu_offload, w.device)
+    w.par.fsdp_roots = w.roots
+
+
+def _materialize(w: _Work) -> None:
+    from loom.parallel.init import materialize
+
+    materialize(w.model, w.device, w.init, w.par.tied)
+    w.plan.retie(w.model)  # to_empty gave each module of a tied pair its own new tensor
+
+
+def _pipeline(w: _Work) -> None:
+    from loom.parallel.pipeline import Pipeline
+
+    p, dims, par = w.cfg.parallel, w.dims, w.par
+    group = w.mesh["pp"].get_group()
+    par.pipeline = Pipeline(w.roots, *w.stages, group, w.device, p.pp_schedule, w.n_microbatches)
+    par.tied_group = _first_last_group(dims) if dims.pp > 1 and par.tied else None  # 1 stage: whole pair
+
+
+def _tp_loss(w: _Work) -> None:
+    w.par.forward = LocalLoss(w.model)
+
+
+def _ddp(w: _Work) -> None:
+    from loom.parallel.ddp import apply_ddp
+
+    model = w.model
+    ignore = {id(q) for q in w.par.expert_params()}
+    w.par.forward = apply_ddp(model, w.device, [n for n, q in model.named_parameters() if id(q) in ignore])
+    w.par.expert_sync = bool(ignore)
+
+
+def _mpi(w: _Work) -> None:
+    from loom.parallel.mpi_dp import BucketedSync, NaiveSync, mpi_comm
+
+    p, comm = w.cfg.parallel, mpi_comm()
+    sync = (
+        NaiveSync(w.model, comm)
+        if p.mpi_sync == "naive"
+        else BucketedSync(w.model, comm, p.bucket_mb, p.mpi_allreduce)
+    )
+    w.par.grad_sync = sync
+
+
+def _wraps_forward(w: _Work) -> bool:
+    """The last steps are one choice: the pipeline's schedule, else TP's loss wrapper, else DDP or MPI."""
+    return w.dims.pp_enabled or w.dims.tp_enabled
+
+
+# Each step of the fixed order (torchtitan's), with the condition under which it applies; read top to bottom
+# it is the layout's recipe. Adding a parallelism: a module here and its line in this list.
+STEPS: list[tuple[str, Callable[[_Work], bool], Callable[[_Work], None]]] = [
+    ("float8", lambda w: w.cfg.precision.fp8 != "off", _float8),
+    ("tensor parallel", lambda w: w.dims.tp_enabled, _tensor),
+    ("context parallel", lambda w: w.dims.cp_enabled, _context),
+    ("expert parallel", lambda w: w.dims.ep_enabled, _expert),
+    ("pipeline split", lambda w: w.dims.pp_enabled, _pipeline_split),
+    ("activation checkpointing", lambda w: True, _checkpointing),  # apply_ac reads the policy ("none" too)
+    ("compile", lambda w: w.cfg.train.compile, _compile),
+    ("FSDP", lambda w: w.fsdp, _fsdp),
+    ("materialize", lambda w: any(q.is_meta for q in w.model.parameters()), _materialize),
+    ("pipeline schedule", lambda w: w.dims.pp_enabled, _pipeline),
+    ("TP loss", lambda w: w.dims.tp_enabled and not w.dims.pp_enabled, _tp_loss),
+    (
+        "DDP",
+        # the cp ranks average gradients too
+        lambda w: (
+            not _wraps_forward(w)
+            and w.dims.dp_impl in ("ddp", "zero1")
+            and (w.dims.dp_enabled or w.dims.cp_enabled)
+        ),
+        _ddp,
+    ),
+    ("MPI", lambda w: not _wraps_forward(w) and w.dims.dp_impl == "mpi", _mpi),
+]
+
+
 def parallelize(
     model: nn.Module,
     dims: ParallelDims,
@@ -220,125 +416,16 @@ def parallelize(
     init=None,
 ) -> Parallelized:
     """Apply the layout `dims` to `model` (built on the meta device, or already materialized) in the fixed
-    order, asking the family's plan (spec.parallel) what to split, cut and wrap; `init(name, whole_tensor)` gives
-    a meta-built parameter its initial values (loom.parallel.init)."""
-    from loom.parallel.ac import apply_ac
-    from loom.parallel.compile import apply_compile
-
-    p, t = cfg.parallel, cfg.train
-    plan = spec.parallel
+    order of STEPS, asking the family's plan (spec.parallel) what to split, cut and wrap; `init(name,
+    whole_tensor)` gives a meta-built parameter its initial values (loom.parallel.init)."""
     par = Parallelized(model, dims, device, spec)
-    mesh = (
-        dims.build_mesh(device.type) if dims.model_parallel or dims.fsdp_enabled or dims.cp_enabled else None
-    )
-    fsdp = dims.fsdp_enabled or (dims.model_parallel and (dims.dp_enabled or dims.cp_enabled))
-    fp8 = cfg.precision.fp8
-    if fp8 != "off":
-        from loom.parallel.fp8 import convert
-
-        par.fp8 = convert(model, cfg.precision, fsdp)
-        par.fp8_gather = fsdp and fp8 == "tensorwise"
-    if dims.tp_enabled:
-        from loom.parallel.tensor import apply_tp
-
-        tp_plan = plan.tp_plan(model, dims.tp, p.sp, loss_parallel=not dims.pp_enabled)
-        if par.fp8:
-            from loom.parallel.fp8 import tp_styles
-
-            tp_plan = tp_styles(model, tp_plan, fp8)
-        if lora_scaling(model) is not None:  # LoRA: the adapters split as their linears' weights (Megatron's)
-            from loom.parallel.lora import lora_tp_styles
-
-            tp_plan = lora_tp_styles(model, tp_plan)
-        frozen = {n for n, q in model.named_parameters() if not q.requires_grad}
-        apply_tp(model, mesh["tp"], tp_plan)
-        plan.retie(model)
-        for (
-            n,
-            q,
-        ) in model.named_parameters():  # torch's SequenceParallel makes its norms' gains trainable again
-            if n in frozen:
-                q.requires_grad_(False)
-    if dims.cp_enabled and p.cp_impl == "ring":
-        from loom.parallel.ring import Ring, apply_ring
-
-        if not spec.ring_attention:
-            raise LoomError(
-                f"parallel.cp_impl=ring needs an attention with a `context` slot; model.family={spec.name} has none",
-                hint="use parallel.cp_impl=ulysses (it hooks only q/k/v/o_proj)",
-            )
-        apply_ring(model, plan.blocks(model), Ring(mesh["cp"].get_group()), spec.position_table(model))
-    elif dims.cp_enabled:
-        from loom.parallel.context import apply_ulysses
-
-        cp = mesh["cp"].get_group()
-        apply_ulysses(
-            model, plan.blocks(model), cp, dims.cp_rank, spec.position_table(model), cfg.data.doc_mask
-        )
-    if dims.ep_enabled:  # the experts split over ep of the data-parallel x cp ranks (the family names them)
-        from loom.parallel.expert import apply_ep, build_ep_mesh
-
-        par.ep_mesh = build_ep_mesh(dims, device.type)
-        par.expert_layers = spec.expert_layers(model)
-        apply_ep(par.expert_layers, par.ep_mesh)
-    roots = [model]
-    if dims.pp_enabled:
-        from loom.parallel.pipeline import stage_ids
-
-        ids, n_stages = stage_ids(p.pp_schedule, dims.pp, dims.pp_rank)
-        roots = plan.split_stages(model, ids, n_stages)
-    blocks = [b for root in roots for b in plan.blocks(root)]
-    apply_ac(blocks, t.activation_checkpointing)
-    if t.compile:
-        apply_compile(blocks)
-    if fsdp:
-        from loom.parallel.fsdp import apply_fsdp, mp_policy
-
-        # the cp ranks of a data-parallel rank hold the same parameters: FSDP shards over dp_shard x cp
-        shard = "dp_shard_cp" if dims.cp_enabled else "dp_shard"
-        with warnings.catch_warnings():  # torch 2.13 plans to stop slicing flattened dims; 2.11-2.13 need it
-            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
-            dp_mesh = mesh[shard] if dims.dp_replicate == 1 else mesh["dp_replicate", shard]
-        # zero2 and replicas keep gathered parameters
-        reshard = dims.dp_impl == "fsdp" and dims.fsdp_shard > 1
-        mp = mp_policy(p.param_dtype, p.reduce_dtype, device, precision)
-        if dims.ep_enabled:  # first: the blocks' and roots' FSDP then leave the experts' weights alone
-            from loom.parallel.expert import shard_experts
-
-            layers = [m for root in roots for m in spec.expert_layers(root)]  # this rank's stages
-            shard_experts(layers, par.ep_mesh, reshard_after_forward=reshard, mp_policy=mp)
-            par.expert_sync = True
-        apply_fsdp(roots, plan.blocks, dp_mesh, reshard, mp, p.cpu_offload, device)
-        par.fsdp_roots = roots
-    if any(t.is_meta for t in model.parameters()):
-        from loom.parallel.init import materialize
-
-        materialize(model, device, init, par.tied)
-        plan.retie(model)  # to_empty gave each module of a tied pair its own new tensor
-    if dims.pp_enabled:
-        from loom.parallel.pipeline import Pipeline
-
-        par.pipeline = Pipeline(
-            roots, ids, n_stages, mesh["pp"].get_group(), device, p.pp_schedule, n_microbatches
-        )
-        par.tied_group = _first_last_group(dims) if dims.pp > 1 and par.tied else None  # 1 stage: whole pair
-    elif dims.tp_enabled:
-        par.forward = LocalLoss(model)
-    elif dims.dp_impl in ("ddp", "zero1") and (dims.dp_enabled or dims.cp_enabled):  # cp ranks average too
-        from loom.parallel.ddp import apply_ddp
-
-        ignore = {id(q) for q in par.expert_params()}
-        par.forward = apply_ddp(model, device, [n for n, q in model.named_parameters() if id(q) in ignore])
-        par.expert_sync = bool(ignore)
-    elif dims.dp_impl == "mpi":
-        from loom.parallel.mpi_dp import BucketedSync, NaiveSync, mpi_comm
-
-        comm = mpi_comm()
-        par.grad_sync = (
-            NaiveSync(model, comm)
-            if p.mpi_sync == "naive"
-            else BucketedSync(model, comm, p.bucket_mb, p.mpi_allreduce)
-        )
+    w = _Work(model, dims, cfg, device, spec.parallel, par, precision, n_microbatches, init, roots=[model])
+    if dims.model_parallel or dims.fsdp_enabled or dims.cp_enabled:
+        w.mesh = dims.build_mesh(device.type)
+    w.fsdp = dims.fsdp_enabled or (dims.model_parallel and (dims.dp_enabled or dims.cp_enabled))
+    for _name, applies, apply in STEPS:
+        if applies(w):
+            apply(w)
     return par
 
 

@@ -4,7 +4,7 @@ The collectives of parallel training (broadcast, reduce, scatter, all-gather, re
 all-reduce), built only from `Send` / `Recv` / `Sendrecv`, so that each algorithm can be read and
 checked against MPI's own implementation:
 
-* `ring_allreduce` = `ring_reduce_scatter` + `ring_allgather` (Patarasuk & Yuan, "Bandwidth optimal
+* `ring_allreduce` = `ring_reduce_scatter` + a ring all-gather (Patarasuk & Yuan, "Bandwidth optimal
   all-reduce algorithms for clusters of workstations", JPDC 2009; popularised for deep learning by
   Baidu's ring all-reduce, Gibiansky 2017). Each rank sends 2·(p-1)/p·n elements: bandwidth-optimal.
 * `broadcast`, `reduce` and `scatter` use binomial trees (Thakur, Rabenseifner & Gropp, "Optimization
@@ -64,14 +64,6 @@ def mpi_dtype(dtype: Any) -> Any:
             hint="pip install 'mpi4py>=4' with an MPI that has MPIX_C_FLOAT16 (MPICH >= 4), or use float32",
         )
     return mpi_type
-
-
-def mpi_op(op: str) -> Any:
-    """The `MPI.Op` for a reduction name: "sum", "prod", "max" or "min"."""
-    from mpi4py import MPI
-
-    _ufunc(op)
-    return {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}[op]
 
 
 def chunk_sizes(n: int, world_size: int) -> list[int]:
@@ -196,17 +188,6 @@ def ring_reduce_scatter(comm: Any, buf: Any, op: str = "sum") -> Any:
     counts, offs = _ring_reduce_scatter(comm, _flat(buf), op)
     r = comm.Get_rank()
     return buf.reshape(-1)[offs[r] : offs[r] + counts[r]]
-
-
-def ring_allgather(comm: Any, buf: Any) -> Any:
-    """Ring all-gather, in place (Patarasuk & Yuan 2009, second half of the ring all-reduce).
-
-    `buf` has the full size n on every rank; chunk `rank` (sizes from `chunk_sizes(n, world_size)`)
-    is this rank's contribution. Afterwards every chunk holds its owner's data, on every rank. Equals
-    MPI's `Allgatherv` with those counts. Returns `buf`.
-    """
-    _ring_allgather(comm, _flat(buf))
-    return buf
 
 
 def ring_allreduce(comm: Any, buf: Any, op: str = "sum") -> Any:

@@ -11,11 +11,13 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from loom import compat
+
 
 def apply_ddp(model: nn.Module, device: torch.device, ignore: list[str] = ()) -> DistributedDataParallel:
     """ignore: parameter names DDP leaves alone (expert weights under expert parallelism: each rank holds
     different ones, synchronised by loom.parallel.expert)."""
     ids = [device.index] if device.type == "cuda" else None
     if ignore:
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
+        compat.ddp_ignore(model, list(ignore))
     return DistributedDataParallel(model, device_ids=ids)

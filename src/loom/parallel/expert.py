@@ -50,7 +50,7 @@ class Dispatch:
         self.group, self.size = group, size
 
     def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
+        from loom.compat import all_to_all_single_autograd as all_to_all
 
         ep = self.size
         per_rank = counts.numel() // ep  # experts per rank

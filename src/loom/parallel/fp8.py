@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loom import log
+from loom import compat, log
 from loom.errors import LoomError
 from loom.metrics import FP8_MIN_CAPABILITY
 
@@ -209,7 +209,7 @@ def _dequantized(t):
 
     if isinstance(t, Float8TrainingTensor):
         return t.to_original_precision()
-    local = getattr(t, "_local_tensor", None)
+    local = compat.local_tensor(t)
     if isinstance(local, Float8TrainingTensor):
         from torch.distributed.tensor import DTensor
 

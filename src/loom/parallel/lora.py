@@ -16,6 +16,7 @@ import functools
 
 import torch.nn as nn
 
+from loom import compat
 from loom.model.lora import LoRALinear
 
 
@@ -41,11 +42,12 @@ def _lora_style(cls: type) -> type:
     colwise = issubclass(cls, ColwiseParallel)
     places = {"lora_A": Replicate() if colwise else Shard(1), "lora_B": Shard(0) if colwise else Replicate()}
 
-    def _partition_linear_fn(self, name, module, mesh):
-        adapters = {n: module._parameters.pop(n) for n in places}  # the base style sees weight and bias only
-        cls._partition_linear_fn(self, name, module, mesh)
+    def partition(base, self, name, module, mesh):
+        params = compat.module_parameters(module)
+        adapters = {n: params.pop(n) for n in places}  # the base style sees weight and bias only
+        base(self, name, module, mesh)
         for n, p in adapters.items():
             d = distribute_tensor(p, mesh, [places[n]], src_data_rank=self.src_data_rank)
             module.register_parameter(n, nn.Parameter(d, requires_grad=p.requires_grad))
 
-    return type(f"LoRA{cls.__name__}", (cls,), {"_partition_linear_fn": _partition_linear_fn})
+    return compat.style_partitioning_linear(cls, f"LoRA{cls.__name__}", partition)

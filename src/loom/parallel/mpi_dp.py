@@ -1,6 +1,6 @@
 """Data parallelism from scratch on MPI: mpi4py only, no torch.distributed (layer 3).
 
-Every rank holds a full replica of the model, starts from rank 0's weights (`broadcast_state`),
+Every rank holds a full replica of the model, starts from the same weights (loom.parallel.init fills each from the run's seed and its name),
 computes gradients on its own slice of the global batch, and averages gradients across ranks before
 the optimizer step, so all replicas stay identical (Dean et al., "Large scale distributed deep
 networks", 2012; Goyal et al., "Accurate, large minibatch SGD", 2017, for the averaging rule).
@@ -124,27 +124,6 @@ def _staged(t: torch.Tensor, cuda_aware: bool) -> tuple[Any, Callable[[], None]]
         return t, lambda: None
     host = t.detach().to("cpu", torch.float32).contiguous()
     return [host.numpy(), mpi_dtype(torch.float32)], lambda: t.copy_(host)
-
-
-def broadcast_state(model: nn.Module, comm: Any, root: int = 0) -> None:
-    """Copy every parameter and buffer of `model` from rank `root` to all ranks (in place).
-
-    Tensors are sent as raw bytes, so any dtype works (bfloat16, bool). Tied parameters are sent
-    once. CUDA tensors are staged through host memory: this runs once per training run.
-    """
-    MPI = _mpi()
-    with torch.no_grad():
-        for t in itertools.chain(model.parameters(), model.buffers()):
-            if t.numel() == 0:
-                continue
-            host = (
-                t.detach()
-                if t.device.type == "cpu" and t.is_contiguous()
-                else t.detach().to("cpu").contiguous()
-            )
-            comm.Bcast([host.reshape(-1).view(torch.uint8).numpy(), MPI.BYTE], root=root)
-            if host.data_ptr() != t.data_ptr():
-                t.copy_(host)
 
 
 class _GradSync:
@@ -342,9 +321,3 @@ class BucketedSync(_GradSync):
         self._next = 0
 
     sync = wait
-
-    def remove_hooks(self) -> None:
-        """Detach the gradient hooks from the model (the synchroniser is unusable afterwards)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

@@ -12,6 +12,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from loom import compat
+
 
 def is_dtensor(t) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "placements")
@@ -27,8 +29,8 @@ def plain(t):
     precision.fp8: `fsdp_pre_all_gather` and the wrapped `_tensor`), a DTensor's local shard included; the
     same storage. Checkpoints and gathered copies hold plain tensors, so they load anywhere without torchao."""
     if is_dtensor(t):
-        inner = plain(t._local_tensor)
-        if inner is t._local_tensor:
+        inner = plain(compat.local_tensor(t))
+        if inner is compat.local_tensor(t):
             return t
         from torch.distributed.tensor import DTensor
 

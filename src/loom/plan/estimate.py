@@ -218,7 +218,6 @@ def _stage_params(shape: ModelShape, tp: int, pp: int, ep: int = 1) -> tuple[flo
 def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     """Fill in memory, communication, time and fits for one layout."""
     shape, prec, s, b = wl.shape, wl.precision, wl.seq_len, c.micro_batch
-    e = prec.act
     first_p, first_e, moe_stage = _stage_params(shape, c.tp, c.pp, c.ep)
     if c.ep == 1:  # the experts are sharded and reduced as every other parameter
         first_e = 0.0
@@ -231,7 +230,32 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     expert_states = memory.pop("expert_states")
     c.memory_gb = {k: v / GB for k, v in memory.items()}
     c.fits = c.memory_gb["total"] <= cluster.usable_gb
+    t_micro = _micro_time(c, cluster, shape, s, b, ckpt)
+    comm = _stage_comm(c, cluster, shape, prec, b, sl, ckpt, moe_stage)
+    tp_bytes, t_tp, cp_bytes, t_cp, ep_bytes, ep_bw, t_ep, pp_bytes, t_pp = comm
+    slots = c.n_micro + c.pp - 1
+    c.bubble = (c.pp - 1) / slots
+    pipe_time = slots * (t_micro + t_tp + t_cp + t_ep + t_pp)
+    dp_bytes, t_dp, hide = _dp_comm(c, cluster, prec, first_p, first_e, t_micro)
+    c.comm_gb = {
+        "dp": dp_bytes / GB,
+        "tp": tp_bytes * c.n_micro / GB,
+        "cp": cp_bytes * c.n_micro / GB,
+        "pp": pp_bytes * c.n_micro / GB,
+    }
+    if shape.is_moe:
+        c.comm_gb["ep"] = ep_bytes * c.n_micro / GB
+    c.compute_s = c.n_micro * t_micro
+    c.step_time_s = pipe_time + max(0.0, t_dp - hide)
+    c.comm_s = c.step_time_s - c.compute_s - c.bubble * pipe_time
+    c.tokens_per_s = wl.global_batch_tokens / c.step_time_s
+    if shape.is_moe:
+        c.moe = _moe_figures(c, cluster, wl, expert_states, moe_stage, ep_bw, t_ep)
+    return c
 
+
+def _micro_time(c: Candidate, cluster: Cluster, shape: ModelShape, s: int, b: int, ckpt: str) -> float:
+    """Seconds of compute of one micro-batch on one rank."""
     # compute: a MoE layer's experts on active parameters, whole on every TP rank
     moe_matmul = shape.n_moe * shape.expert_matrices
     matmul = shape.matmul_params() - moe_matmul
@@ -240,6 +264,15 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     flops_tok = mm * matmul + (attn if ckpt == "none" else attn * 4 / 3)
     flops_rate = cluster.peak_tflops * 1e12 * cluster.mfu
     t_micro = (flops_tok / c.tp + mm * moe_matmul) * b * s / (c.pp * c.cp) / flops_rate
+    return t_micro
+
+
+def _stage_comm(
+    c: Candidate, cluster: Cluster, shape: ModelShape, prec, b: int, sl: int, ckpt: str, moe_stage
+):
+    """(bytes, seconds) per micro-batch of each parallelism inside a pipeline stage (tp, cp, ep: ep's bandwidth
+    too) and across its boundaries (pp)."""
+    e = prec.act
     # tensor parallel: activations of b·s·h elements, 4 collectives per layer (6 with full recompute)
     layers_stage = math.ceil(shape.n_layer / c.pp)
     n_coll = 6 if ckpt == "full" else 4
@@ -263,9 +296,11 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     # pipeline: forward activation + backward gradient per micro-batch across each stage boundary
     pp_bytes = 2 * b * sl * shape.n_embd * e / c.tp if c.pp > 1 else 0.0
     t_pp = pp_bytes / (_group_bw(cluster.gpus, cluster) * GB)
-    slots = c.n_micro + c.pp - 1
-    c.bubble = (c.pp - 1) / slots
-    pipe_time = slots * (t_micro + t_tp + t_cp + t_ep + t_pp)
+    return tp_bytes, t_tp, cp_bytes, t_cp, ep_bytes, ep_bw, t_ep, pp_bytes, t_pp
+
+
+def _dp_comm(c: Candidate, cluster: Cluster, prec, first_p: float, first_e: float, t_micro: float):
+    """(bytes, seconds, seconds of it hidden behind compute) of the data-parallel traffic of one step."""
     # data parallel: with cp the gradients are reduced over dp x cp ranks (the cp ranks hold the same
     # parameters), and FSDP shards over them
     ring = (c.dp * c.cp - 1) / (c.dp * c.cp)
@@ -300,21 +335,7 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
         t_dp, hide = dp_bytes / dp_bw, t_micro * 2 / 3
     dp_bytes += e_bytes
     t_dp += e_bytes / dp_bw
-    c.comm_gb = {
-        "dp": dp_bytes / GB,
-        "tp": tp_bytes * c.n_micro / GB,
-        "cp": cp_bytes * c.n_micro / GB,
-        "pp": pp_bytes * c.n_micro / GB,
-    }
-    if shape.is_moe:
-        c.comm_gb["ep"] = ep_bytes * c.n_micro / GB
-    c.compute_s = c.n_micro * t_micro
-    c.step_time_s = pipe_time + max(0.0, t_dp - hide)
-    c.comm_s = c.step_time_s - c.compute_s - c.bubble * pipe_time
-    c.tokens_per_s = wl.global_batch_tokens / c.step_time_s
-    if shape.is_moe:
-        c.moe = _moe_figures(c, cluster, wl, expert_states, moe_stage, ep_bw, t_ep)
-    return c
+    return dp_bytes, t_dp, hide
 
 
 def _moe_figures(

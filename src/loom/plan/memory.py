@@ -223,18 +223,3 @@ def embed_activation_bytes(shape: ModelShape, m: Micro) -> float:
     """First stage: token ids (int64) and, with dropout, the embedding dropout mask."""
     sb = m.s * m.b
     return 8 * sb + (m.mask_bytes * sb * shape.n_embd / m.seq_shards if shape.dropout > 0 else 0)
-
-
-def model_activation_bytes(
-    shape: ModelShape, s: int, b: int, act_bytes: int, attention: str = "flash", mask_bytes: int = 1
-) -> float:
-    """A whole single-device model for one forward without autocast (tp = pp = 1, no recomputation): the
-    tensors saved for backward, as tests/unit/test_plan.py measures them."""
-    prec = Precision("test", 4, 4, 8, act_bytes, "", autocast=False)
-    m = Micro(s, b, 1, False, prec, "none", attention, mask_bytes, stream=act_bytes)
-    return (
-        (shape.n_layer - shape.n_moe) * layer_activation_bytes(shape, m)
-        + shape.n_moe * layer_activation_bytes(shape, m, moe=True)
-        + head_activation_bytes(shape, m)
-        + embed_activation_bytes(shape, m)
-    )

@@ -133,15 +133,6 @@ class ModelShape:
         return (self.vocab_size + 63) // 64 * 64
 
     @property
-    def act_units(self) -> float:
-        """Activations a layer keeps for backward, in units of s·b·h elements (Korthikanti et al.'s 16 for
-        gpt2's block: the inputs of q/k/v, o and the MLP, q, k, v, the MLP's hidden pair, two norms' inputs).
-        Grouped-query k and v are kv_dim wide; SwiGLU keeps four hidden tensors (gate, up, silu, product)."""
-        h = self.n_embd
-        hidden = (4 if self.mlp == "swiglu" else 2) * self.ffn_width / h
-        return 1 + 1 + 2 * self.kv_dim / h + 1 + 1 + hidden + 2
-
-    @property
     def ln_params(self) -> int:
         return 2 * self.n_embd if self.bias and self.norm == "layernorm" else self.n_embd
 

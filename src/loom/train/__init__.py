@@ -9,7 +9,6 @@ from loom import checkpoint, log
 from loom.config import (
     Config,
     Derived,
-    check_saved_config,
     config_from_dict,
     diff_configs,
     load_toml,
@@ -19,7 +18,13 @@ from loom.config.layout import ParallelDims
 from loom.distributed.comm import Control
 from loom.env import DistEnv, detect_env, restart_count
 from loom.errors import LoomError, PeerError
-from loom.train.setup import check_writable, resolve_data, resolve_device, resolve_run_dir, resumed_config
+from loom.train.resolve import (
+    check_checkpoint_model,
+    resolve_config,
+    resolve_run_data,
+    resume_checkpoint,
+)
+from loom.train.setup import resolve_device, resolve_run_dir, resumed_config
 from loom.train.trainer import Trainer
 
 
@@ -46,74 +51,24 @@ class Plan:
     origin: dict | None = None  # the run's identity and its base (loom.runs.origin): run.json, state.json
 
 
-def plan_run(req: RunRequest, dims: ParallelDims, hashes: bool = True) -> Plan:
-    """Every cheap check, in the order that touches the least: config (on the job's layout `dims`), run dir,
-    checkpoint, data. `hashes=False`: checkpoint files are checked for presence and size only; the ranks of the
-    job then hash them together (`check_hashes`)."""
+def plan_run(
+    req: RunRequest, dims: ParallelDims, hashes: bool = True, layout: tuple[Config, Derived] | None = None
+) -> Plan:
+    """Every cheap check, asked of three owners (loom.train.resolve) in the order that touches the least: the
+    config (on the job's layout `dims`; `layout`: the config layout_config resolved from the same request and
+    what validate() derived of it), the checkpoint, the data. `hashes=False`: checkpoint files are checked for presence and size only; the
+    ranks of the job then hash them together (`check_hashes`)."""
+    from loom.runs import origin
+
     share = (0, 1) if hashes else None
-    req = auto_resume(req, share)
-    cfg, resume = req.cfg, req.resume
-    run_dir = resolve_run_dir(cfg, resume, req.force) if resume else None
-    if run_dir is not None:
-        cfg = resumed_config(run_dir, cfg, req.explicit)
-    from loom.metrics import check_trackers
-    from loom.runs import is_run_init, origin, pin_init_from
-    from loom.train import finetune
-
-    finetune.resolve_init_from(cfg, req.explicit)
-    derived = validate_on(cfg, dims)
-    check_trackers(cfg.metrics)
-    resolve_device(cfg.train.device)
-    ckpt = checkpoint.resolve_resume(run_dir, resume, share) if resume else None
-    if ckpt is not None:
-        check_checkpoint_model(ckpt, cfg)
-        check_not_finished(ckpt, cfg, run_dir)
-    if run_dir is None:  # before the data, which may mean preparing the built-in corpus
-        check_writable(Path(cfg.run.dir))
-    data_dir = resolve_data(cfg)
-    if run_dir is not None and (run_dir / "tokenizer" / "meta.json").is_file():
-        from loom.data.loader import read_meta
-        from loom.data.tokenizers import check_same_tokenizer
-
-        # the run's checkpoints were trained with its tokenizer: data with another (same size or not) is refused
-        check_same_tokenizer(
-            run_dir / "tokenizer", read_meta(run_dir / "tokenizer"), data_dir, read_meta(data_dir)
-        )
-    finetune.check_lora_targets(cfg)
-    if ckpt is None:
-        pin_init_from(cfg)  # run:DIR -> its newest checkpoint, named from now on
-    if cfg.finetune.lora_rank:
-        from loom.data.loader import read_meta
-
-        finetune.warn_frozen_new_tokens(cfg, read_meta(data_dir))
-    if is_run_init(cfg) and ckpt is None:
-        from loom.data.loader import read_meta
-
-        finetune.check_run_data(cfg, data_dir, read_meta(data_dir))
-    elif cfg.model.init_from and ckpt is None:
-        from loom.data.loader import read_meta
-        from loom.data.tokenizers import has_tokenizer, load_tokenizer
-        from loom.model.hf import check_data_tokenizer
-
-        meta = read_meta(data_dir)  # the data's ids must mean to the model what they meant to its tokenizer
-        tok = load_tokenizer(data_dir, meta) if has_tokenizer(meta) else None
-        check_data_tokenizer(cfg.model.init_from, data_dir, meta["vocab_size"], tok, cfg.model.vocab_size)
+    resolved = auto_resume(req, share)
+    # the layout's config is this request's own unless train.resume=auto changed what the request continues
+    cfg, derived, run_dir = resolve_config(resolved, dims, layout if resolved == req else None)
+    ckpt = resume_checkpoint(run_dir, resolved.resume, cfg, share) if resolved.resume else None
+    data_dir = resolve_run_data(cfg, run_dir, ckpt)
     if run_dir is None:
-        run_dir = resolve_run_dir(cfg, None, req.force, (data_dir,))
-    return Plan(cfg, derived, run_dir, data_dir, ckpt, resume, origin(cfg, ckpt, run_dir))
-
-
-def validate_on(cfg: Config, dims: ParallelDims) -> Derived:
-    """validate() of the config a run trains with on the layout its job was given (the same but for a run that
-    train.resume=auto continues, whose saved layout the job could not know before it started)."""
-    derived, planned = validate(cfg, dims.world_size, dims.rank, dims.dp_impl)
-    if (planned.tp, planned.pp) != (dims.tp, dims.pp):
-        raise LoomError(
-            f"the run's config has parallel.tp={planned.tp}, parallel.pp={planned.pp} but this job was laid out "
-            f"with tp={dims.tp}, pp={dims.pp}",
-            hint="give its parallel.tp and parallel.pp on the command line, or continue it with --resume",
-        )
-    return derived
+        run_dir = resolve_run_dir(cfg, None, resolved.force, (data_dir,))
+    return Plan(cfg, derived, run_dir, data_dir, ckpt, resolved.resume, origin(cfg, ckpt, run_dir))
 
 
 def check_hashes(control: Control, plan: Plan) -> Plan:
@@ -220,36 +175,6 @@ def _as_saved(cfg: Config, explicit: frozenset[str], saved: Config) -> Config:
     return mine
 
 
-def check_checkpoint_model(ckpt: Path, cfg: Config) -> None:
-    """A checkpoint of another model shape is refused before anything is built (state.json only)."""
-    check_saved_config(
-        checkpoint.read_state(ckpt).get("config", {}),
-        cfg,
-        f"checkpoint '{ckpt}'",
-        "resume with the checkpoint's model settings, or start a new run",
-    )
-
-
-def check_not_finished(ckpt: Path, cfg: Config, run_dir: Path) -> None:
-    """--resume of a run whose checkpoint already reached train.steps would only print "resumed" and stop:
-    an error that says how to extend it (a warning under train.resume=auto or an elastic restart, which
-    may legitimately start a job again after it finished)."""
-    step = checkpoint.read_state(ckpt)["step"]
-    if step < cfg.train.steps:
-        return
-    more = step + max(cfg.train.steps, 1)
-    msg = (
-        f"run '{run_dir}' already reached train.steps={cfg.train.steps} (checkpoint '{ckpt.name}' is at step "
-        f"{step}): there is nothing left to train"
-    )
-    hint = f"to train further, resume with a larger train.steps, e.g. --resume --train.steps={more}"
-    restarted = restart_count() > 0
-    if cfg.train.resume == "auto" or restarted:
-        log.warn(f"{msg} ({hint})")
-        return
-    raise LoomError(msg, hint=hint)
-
-
 def layout_config(req: RunRequest) -> Config:
     """The config whose parallel layout this job runs: on resume the saved one (command-line keys win).
     Only reads files, so every rank can call it before any process group exists."""
@@ -261,10 +186,16 @@ def layout_config(req: RunRequest) -> Config:
 def job_dims(cfg: Config, env: DistEnv) -> ParallelDims:
     """This rank's layout in the launcher's world, after every rule of config.validate() (before any process
     group); a layout whose frequent collectives cross nodes is warned about."""
-    dims = validate(cfg, env.world_size, env.rank)[1]
+    return job_layout(cfg, env)[1]
+
+
+def job_layout(cfg: Config, env: DistEnv) -> tuple[Derived, ParallelDims]:
+    """job_dims, with the values validate() derived of the config (plan_run uses them instead of validating
+    the same config again)."""
+    derived, dims = validate(cfg, env.world_size, env.rank)
     if dims.dp_impl != "mpi":
         check_node_layout(dims, env)
-    return dims
+    return derived, dims
 
 
 def check_node_layout(dims: ParallelDims, env: DistEnv) -> None:
@@ -367,7 +298,9 @@ def run(req: RunRequest | Config, log_all_ranks: bool = False) -> dict:
     cfg, env = req.cfg, detect_env()
     log.setup(rank=env.rank, all_ranks=log_all_ranks)
     layout = layout_config(req)  # the saved layout when resuming
-    dims = job_dims(layout, env)  # every rule of the config and the layout, before any process group
+    derived, dims = job_layout(
+        layout, env
+    )  # every rule of the config and the layout, before any process group
     device = resolve_device(cfg.train.device, env.local_rank)
     dims, control = build_layout(dims, env, layout, device)
     clean, trainer = False, None
@@ -376,7 +309,7 @@ def run(req: RunRequest | Config, log_all_ranks: bool = False) -> dict:
             log.info(f"launcher {env.source}: {env}")
         check_same_config(control, cfg)
         many = control.size > 1
-        plan = rank0_result(control, lambda: plan_run(req, dims, hashes=not many))
+        plan = rank0_result(control, lambda: plan_run(req, dims, hashes=not many, layout=(layout, derived)))
         if many:
             plan = check_hashes(control, plan)
         if plan.cfg.run.rank_logs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,17 +33,18 @@ class CheckpointParts:
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
-    """Where checkpoints go and what a save does when it fails or may run in the background."""
+    """Where checkpoints go, how often, and what a save does when it fails or may run in the background."""
 
     folder: Path  # the run's ckpt/
     keep_last: int  # train.keep_last
     on_save_error: str = "stop"  # train.on_save_error: "stop" | "continue"
     async_ckpt: str = "auto"  # train.async_ckpt: "auto" (on a GPU) | "true" | "false"
+    every: int = 0  # train.ckpt_every: a save every that many steps (0: only the final one)
 
     @classmethod
     def of(cls, cfg: Config, run_dir: Path) -> CheckpointPolicy:
         t = cfg.train
-        return cls(run_dir / "ckpt", t.keep_last, t.on_save_error, t.async_ckpt)
+        return cls(run_dir / "ckpt", t.keep_last, t.on_save_error, t.async_ckpt, t.ckpt_every)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ class CheckpointJob:
     name_op: Callable[[str], None]
     # what the run records of itself in every state.json: run_id, base (loom.runs.origin)
     origin: dict = field(default_factory=dict)
+    # the run's last save is written within it (loom.train.guard.StopRequest.finishing: a second Ctrl-C
+    # no longer abandons it half written); its argument says which save
+    finishing: Callable[[str], AbstractContextManager] = nullcontext
 
 
 class Checkpointer:
@@ -175,17 +180,31 @@ class Checkpointer:
             self.job.record({"step": step, "ckpt_error": error.message})
         return False
 
+    def after_step(self, step: int, final: bool) -> None:
+        """What is due after a step: at the run's last step the final save (`save_last`); with
+        train.ckpt_every, once the warm-up of background saves, then a save every ckpt_every steps (with
+        train.async_ckpt written in a thread)."""
+        if final:
+            self.save_last("final")
+            return
+        if not self.policy.every:
+            return
+        self.warm()  # after this process's first step (then at once returns)
+        if step % self.policy.every == 0:
+            self.save(background=True)
+
     def save_last(self, what: str) -> None:
         """The run's last save (`what`: "final" at its end, "stop" on a signal). No later save makes up for
         it, so a failure is retried once, and a second one ends the run with an error that says which steps
         are in no checkpoint and what to do (under either train.on_save_error)."""
         self.last_error, self._last, step = None, True, self.step
         try:
-            for attempt in (1, 2):
-                if attempt == 2:
-                    log.warn(f"retrying the {what} checkpoint of step {step} once")
-                if self.save():
-                    return
+            with self.job.finishing(f"the {what} checkpoint of step {step}"):
+                for attempt in (1, 2):
+                    if attempt == 2:
+                        log.warn(f"retrying the {what} checkpoint of step {step} once")
+                    if self.save():
+                        return
         finally:
             self._last = False
         ckpt_dir = self.policy.folder

@@ -22,6 +22,8 @@ def resolve_init_from(cfg: Config, explicit: set[str]) -> None:
     """The model shape model.init_from names, set on cfg.model (before validate()): run:DIR's config.toml, or
     hf:DIR's config.json through the family's mapping. A key the user set to another value is an error.
     Training and its dry run both resolve it here, so both build the same model."""
+    if not cfg.model.init_from:
+        return
     if is_run_init(cfg):
         apply_run_init(cfg, explicit)
     else:
@@ -94,6 +96,23 @@ def apply_finetune(model, cfg: Config, meta: dict) -> list[str]:
     return lora
 
 
+def finetune_model(model, cfg: Config, meta: dict) -> list[str]:
+    """apply_finetune on the trainer's model, and the line that says what LoRA trains (its adapted linears;
+    [] without LoRA)."""
+    lora = apply_finetune(model, cfg, meta)
+    if lora:
+        from loom.model.lora import trainable_summary
+
+        log.info(f"LoRA rank {cfg.finetune.lora_rank} on {len(lora)} linears: {trainable_summary(model)}")
+    return lora
+
+
+def training_flops_per_token(cfg: Config, meta: dict, model_cfg, full: float, lora: list[str]) -> float:
+    """The training FLOPs per token of a model whose full training costs `full` (LoRA: fewer, see
+    lora_flops_per_token)."""
+    return lora_flops_per_token(cfg, meta, model_cfg, full) if lora else full
+
+
 def lora_flops_per_token(cfg: Config, meta: dict, model_cfg, full: float) -> float:
     """Training FLOPs per token of the LoRA model whose full fine-tuning costs `full`: a frozen matrix gets no
     weight gradient (4 FLOPs a parameter, not 6), a trained one (the adapters; the head when it trains) 6.
@@ -124,6 +143,31 @@ def check_lora_targets(cfg: Config) -> None:
     model = spec_of(cfg).build_model(cfg, max(cfg.model.vocab_size, 1), "meta", eot_id=0)
     apply_configured(model, cfg.finetune)
     check_rank(model)  # a rank above an adapted linear's width is no low-rank adapter
+
+
+def check_data(cfg: Config, data_dir: Path, meta: dict, starting: bool) -> None:
+    """What fine-tuning asks of the data before a run starts (`starting`: not resumed from a checkpoint): a
+    run:DIR base pinned to its newest checkpoint, LoRA's frozen new tokens warned about, and the data's token
+    ids meaning to the model what they meant to its run or its tokenizer. Nothing to ask of a pretraining run."""
+    if not (cfg.model.init_from or cfg.finetune.lora_rank):
+        return
+    if starting:
+        from loom.runs import pin_init_from
+
+        pin_init_from(cfg)  # run:DIR -> its newest checkpoint, named from now on
+    if cfg.finetune.lora_rank:
+        warn_frozen_new_tokens(cfg, meta)
+    if not starting:
+        return
+    if is_run_init(cfg):
+        check_run_data(cfg, data_dir, meta)
+    elif cfg.model.init_from:
+        from loom.data.tokenizers import has_tokenizer, load_tokenizer
+        from loom.model.hf import check_data_tokenizer
+
+        # the data's ids must mean to the model what they meant to its tokenizer
+        tok = load_tokenizer(data_dir, meta) if has_tokenizer(meta) else None
+        check_data_tokenizer(cfg.model.init_from, data_dir, meta["vocab_size"], tok, cfg.model.vocab_size)
 
 
 def check_run_data(cfg: Config, data_dir: Path, meta: dict) -> None:

@@ -76,6 +76,16 @@ def check_data_dir(path: str | Path) -> dict:
     return check_dir(path)
 
 
+def resolve_data_meta(cfg: Config) -> tuple[Path, dict]:
+    """resolve_data, and the data's meta (data.path's: the one check_data_dir read while checking it)."""
+    if cfg.data.path:
+        return Path(cfg.data.path), check_data_dir(cfg.data.path)
+    from loom.data.loader import read_meta
+
+    data_dir = resolve_data(cfg)
+    return data_dir, read_meta(data_dir)
+
+
 def resolve_data(cfg: Config, main_process: bool = True) -> Path:
     """data.path if given, else the built-in corpus, prepared once into the cache."""
     if cfg.data.path:

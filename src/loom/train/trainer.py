@@ -2,9 +2,11 @@
 
 The model is built on the meta device and handed to `loom.parallel.parallelize` with the job's layout; the
 trainer then holds the model parts and asks the `Parallelized` value only what a step needs (no_sync for
-accumulation, the loss context, the gradient sync and norm). Checkpoints are a component (checkpointing.py)
-handed the Stateful parts it saves, the run folder's files another (run_files.py); the control plane (stop
-and skip agreement) is `loom.distributed.comm`.
+accumulation, the loss context, the gradient sync and norm). What a step trains on is the training stage
+(stage.py: pretraining, SFT, chosen by the data). After each step the loop asks each component what is due
+(torchtitan's loop): the time budget (budget.py), the metrics logger (logger.py), the evaluators
+(loom.eval.evaluator), the checkpointer (checkpointing.py, handed the Stateful parts it saves); the run folder's
+files are run_files.py's; the control plane (stop and skip agreement) is `loom.distributed.comm`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import loom.generate  # noqa: F401
 from loom import faults, log
 from loom.config import Config, Derived, to_toml
 from loom.config.layout import ParallelDims
-from loom.data.loader import DeviceBatches, ShardLoader, doc_eot_id, read_meta
-from loom.data.sft import ChatLoader, is_chat_data, validation_set
+from loom.data.loader import DeviceBatches, doc_eot_id, read_meta
+from loom.data.slice import data_slice
 from loom.data.tokenizers import has_tokenizer, load_tokenizer
 from loom.distributed.comm import Control
 from loom.env import cpu_memory_release, cpu_memory_reuse
@@ -36,12 +38,10 @@ from loom.metrics import (
     Sinks,
     StepTimer,
     Throughput,
+    check_bf16,
     cpu_peak_flops,
-    format_step,
     peak_flops,
-    peak_memory_bytes,
 )
-from loom.model.lora import trainable_summary
 from loom.model.registry import spec_of
 from loom.optim.schedule import lr_at
 from loom.parallel import fp8, parallelize
@@ -49,10 +49,12 @@ from loom.parallel.state import model_state_bytes
 from loom.runs import pin_base, pretrained_state
 from loom.train.budget import TimeBudget
 from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointParts, CheckpointPolicy
-from loom.train.finetune import apply_finetune, lora_flops_per_token
+from loom.train.finetune import finetune_model, training_flops_per_token
 from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
+from loom.train.logger import MetricsLogger
 from loom.train.run_files import write_run_files
 from loom.train.setup import resolve_precision
+from loom.train.stage import build_stage
 from loom.train.state import ModelOptimState, RngState, TrainState
 
 
@@ -78,27 +80,25 @@ class Trainer:
         """`origin`: what the run records of itself (loom.runs.origin); `resume`: the checkpoint it will be
         loaded from (trainer.load), so that the base a full fine-tuning resumes over is not read for nothing."""
         self.cfg, self.derived, self.run_dir, self.device = cfg, derived, run_dir, device
-        self.origin, self.resuming = origin or {}, resume is not None
+        self.origin = origin or {}
         self.dims, self.control = dims or ParallelDims(), control or Control()
-        self.main = self.dims.is_main
         self.meta = read_meta(data_dir)
         self.data_dir = data_dir
         t, dims = cfg.train, self.dims
         if device.type == "cpu" and dims.fsdp_enabled:  # before any weight exists: see _cpu_memory
             cpu_memory_release()
-        self._data(data_dir)  # first: a block_size the data cannot provide fails here, not after the model
+        # first: a block_size the data cannot provide fails here, not after the model
+        eot_id = doc_eot_id(data_dir, self.meta, cfg.data.doc_mask)  # data.doc_mask: None when off
+        self.stage = build_stage(cfg, data_dir, self.meta, data_slice(dims, cfg.parallel.cp_layout), device)
         self.tokenizer = load_tokenizer(data_dir, self.meta) if has_tokenizer(self.meta) else None
         evaluators = self._evaluator_setup()  # registered ones: their inputs are checked before the model
         dtype = self.precision = self._precision()
-        model = self._model(dtype)
+        model = self._model(dtype, eot_id, resuming=resume is not None)
         torch.manual_seed(cfg.run.seed)  # dropout's stream: the same on every rank and every run of this seed
         self.optimizer = self.parallel.build_optimizer(cfg.optim)
         if cfg.finetune.init_optimizer:  # a resumed checkpoint's state overrides it
             self._base_optimizer()
         self.train_state = TrainState()  # the step; `step` reads and sets it
-        self._first_step = True
-        # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
-        self.timing = device.type != "cuda" or cfg.metrics.detail
         # Fault tolerance: skipped bad steps, a stop flag set by SIGTERM/SIGINT, the test hooks (loom.faults),
         # and `op`, the collective under way, named when one fails or times out.
         self.guard = StepGuard(t.max_bad_steps, t.spike_zscore, t.spike_window)
@@ -114,8 +114,8 @@ class Trainer:
             compiled=t.compile,
             remeasure=(lambda: cpu_peak_flops(dtype, again=True)) if device.type == "cpu" else None,
         )
-        self.metrics: Sinks | None = None  # opened with the run files, once nothing can fail cheaply
-        self.val = ValLossEval(self.valset, self.derived.micro_batch_size, t.eval_every)
+        self.logger = MetricsLogger(t.log_every, device)  # its sinks opened with the run files
+        self.val = ValLossEval(self.stage.valset, self.derived.micro_batch_size, t.eval_every)
         self.evaluators = [self.val, *evaluators]  # after each step, in this order, each when it is due
         self.checkpointer = self._checkpointer()
 
@@ -126,10 +126,9 @@ class Trainer:
         dtype = resolve_precision(p.dtype, device, loss_scaling=cfg.parallel.pp == 1)
         if p.dtype == "auto":
             log.info(f"precision.dtype=auto: {dtype} on {device}")
-        if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise LoomError("precision.dtype=bf16 but this GPU has no bf16", hint="use precision.dtype=fp16")
+        if dtype == "bf16":
+            check_bf16(device, "precision.dtype")
         fp8.check_device(p.fp8, device)
-        self.autocast_dtype = None if dtype == "fp32" else DTYPES[dtype]  # autocast for bf16 / fp16
         if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanogpt)
             torch.backends.cuda.matmul.allow_tf32 = p.tf32
             torch.backends.cudnn.allow_tf32 = p.tf32
@@ -139,40 +138,19 @@ class Trainer:
         self.overflow_steps = 0  # fp16: steps whose update the scaler skipped (inf/NaN gradients)
         return dtype
 
-    def _data(self, data_dir: Path) -> None:
-        """The training batches (a global cursor; this data-parallel rank's slice) and the validation windows."""
-        cfg, t, dims = self.cfg, self.cfg.train, self.dims
-        self.eot_id = doc_eot_id(data_dir, self.meta, cfg.data.doc_mask)  # data.doc_mask: None when off
-        if is_chat_data(self.meta):  # supervised fine-tuning: packed conversations, the assistant's targets
-            self._chat_data(data_dir)
-            return
-        loader = ShardLoader(
-            data_dir,
-            t.batch_size,
-            cfg.model.block_size,
-            cfg.run.seed,
-            dims.dp_rank,
-            dims.dp,
-            align=cfg.data.align,
-            cp_rank=dims.cp_rank,
-            cp_size=dims.cp,
-            cp_layout=cfg.parallel.cp_layout,
-        )
-        self.batches = DeviceBatches(loader, self.device)
-        self._valset(data_dir)
+    @property
+    def batches(self) -> DeviceBatches:
+        """This rank's training batches on the device (the stage's)."""
+        return self.stage.batches
 
-    def _model(self, dtype: str) -> torch.nn.Module:
+    def _model(self, dtype: str, eot_id: int | None, resuming: bool) -> torch.nn.Module:
         """The family's model, built on the meta device and parallelized (each rank materializes and initialises
-        its pieces), imported weights loaded if model.init_from asks (a resumed checkpoint overrides them)."""
+        its pieces), imported weights loaded if model.init_from asks (a resumed checkpoint overrides them).
+        `eot_id`: the documents' separator with data.doc_mask; `resuming`: a checkpoint will be loaded."""
         cfg = self.cfg
         self.spec = spec_of(cfg)  # the model family: everything the trainer asks about the model
-        model = self.spec.build_model(cfg, self.meta["vocab_size"], eot_id=self.eot_id)
-        self.lora = apply_finetune(model, cfg, self.meta)
-        if self.lora:
-            log.info(
-                f"LoRA rank {cfg.finetune.lora_rank} on {len(self.lora)} linears: {trainable_summary(model)}"
-            )
-        self.model_cfg = model.cfg  # the family's own config (the whole model's: pipeline stages keep theirs)
+        model = self.spec.build_model(cfg, self.meta["vocab_size"], eot_id=eot_id)
+        self.lora = finetune_model(model, cfg, self.meta)  # LoRA's adapted linears ([]: every weight trains)
         self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
         # what a token passes through (a mixture of experts: k of its routed experts); MFU counts these
         self.n_active = self.spec.active_params(model)
@@ -187,11 +165,16 @@ class Trainer:
             init=lambda name, whole: model.init_param(name, whole, cfg.run.seed),
         )
         # a resumed checkpoint holds every weight but a LoRA run's frozen base: only that is read from the base
-        pretrained = None if self.resuming and not self.lora else pretrained_state(cfg, model)
+        pretrained = None if resuming and not self.lora else pretrained_state(cfg, model)
         if pretrained is not None:
             self.parallel.load_model_state(pretrained)
         self.model = self.parallel.model
         return model
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the rank that writes the run's files and logs."""
+        return self.dims.is_main
 
     @property
     def step(self) -> int:
@@ -218,22 +201,15 @@ class Trainer:
             device_type=self.device.type,
             control=self.control,
             faults=self.faults,
-            record=self._write_metrics,
+            record=self.logger.write,
             name_op=self._name_op,
             origin=self.origin,
+            finishing=self.stop.finishing,
         )
         return Checkpointer(parts, CheckpointPolicy.of(self.cfg, self.run_dir), job)
 
-    def _write_metrics(self, rec: dict) -> None:
-        """A record into the metrics sinks, when open (rank 0, once the run files are written)."""
-        if self.metrics:
-            self.metrics.write(rec)
-
     def _name_op(self, op: str) -> None:
         self.op = op
-
-    def save(self, background: bool = False) -> bool:
-        return self.checkpointer.save(background)
 
     def load(self, path: Path) -> None:
         self.checkpointer.load(path)
@@ -258,52 +234,13 @@ class Trainer:
     def _flops_per_token(self, model: torch.nn.Module) -> float:
         """The family's training FLOPs per token (LoRA: the frozen matrices get no weight gradient)."""
         flops = self.spec.flops_per_token(model.cfg, None)
-        return lora_flops_per_token(self.cfg, self.meta, model.cfg, flops) if self.lora else flops
-
-    def _chat_data(self, data_dir: Path) -> None:
-        """SFT: conversations packed best-fit into rows (with document masks; else one a row), targets masked
-        to the assistant's (loom.data.sft)."""
-        cfg, t, dims = self.cfg, self.cfg.train, self.dims
-        pack = cfg.data.doc_mask  # without document masks a packed conversation would see the ones before it
-        if not pack and self.main:
-            log.info(
-                "chat data: one conversation a row, padded (data.doc_mask=true packs several, each attending "
-                "to itself only)"
-            )
-        cp = (dims.cp_rank, dims.cp, cfg.parallel.cp_layout)
-        block, seed = cfg.model.block_size, cfg.run.seed
-        loader = ChatLoader(data_dir, t.batch_size, block, seed, dims.dp_rank, dims.dp, *cp, pack=pack)
-        self.batches = DeviceBatches(loader, self.device)
-        self._valset(data_dir)
-
-    def _valset(self, data_dir: Path) -> None:
-        """The validation rows (loom.data.sft.validation_set: what `loom eval` of this run measures too)."""
-        t, dims = self.cfg.train, self.dims
-        n_val = t.eval_batches * t.batch_size
-        dp, cp = (dims.dp_rank, dims.dp), (dims.cp_rank, dims.cp)
-        self.valset = validation_set(self.cfg, data_dir, self.meta, n_val, dp, cp)
-
-    def _loss_scale(self, y: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """What a micro-batch's mean loss is multiplied by so that the step's gradient is the global batch's:
-        1 / accumulation steps for pretraining (every micro-batch has as many targets); for SFT its trained
-        targets n over the global batch's N, times the dp x cp ranks the gradients are averaged over (each
-        micro-batch then adds its losses' sum / N). A micro-batch with no trained target still runs its forward
-        and backward (a sharded model's are collectives) on one target weighted 0: a mean over none is 0/0."""
-        total = self.batches.valid_targets
-        if total is None:
-            return 1.0 / self.derived.grad_accum, y
-        n = int((y != -1).sum())
-        if n == 0:
-            y = y.clone()
-            y.view(-1)[0] = 0
-            return 0.0, y
-        return n * self.dims.dp * self.dims.cp / max(total, 1), y
+        return training_flops_per_token(self.cfg, self.meta, model.cfg, flops, self.lora)
 
     # ---------------------------------------------------------------- steps
     def _autocast(self):
-        if self.autocast_dtype is None:
+        if self.precision == "fp32":  # autocast for bf16 / fp16
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
 
     @contextlib.contextmanager
     def _eval_precision(self):
@@ -313,21 +250,21 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step over the global batch: accumulate micro-batches, clip, step."""
-        par, accum, timer = self.parallel, self.derived.grad_accum, StepTimer(self.device, self.timing)
+        # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
+        timing = self.device.type != "cuda" or self.cfg.metrics.detail
+        par, accum, timer = self.parallel, self.derived.grad_accum, StepTimer(self.device, timing)
         lr = self._set_lr()
         t0 = time.perf_counter()
         x, y = self.batches.next_batch()
         self._begin_step()
         if par.pipeline is not None:  # the schedule runs its micro-batches, forward and backward interleaved
-            total = self.batches.valid_targets  # SFT: each trained target weighs dp x cp / N
-            per_target = None if total is None else self.dims.dp * self.dims.cp / max(total, 1)
             with timer("f"):
-                loss_sum = par.pipeline.step(x, y, self._autocast, per_target)
+                loss_sum = par.pipeline.step(x, y, self._autocast, self.stage.pipeline_weight())
         else:
             loss_sum = torch.zeros((), device=self.device)
             for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
                 with par.no_sync(skip=i < accum - 1), par.loss_context():
-                    scale, ym = self._loss_scale(ym)
+                    scale, ym = self.stage.loss_scale(ym, accum)
                     with timer("f"), self._autocast():
                         loss = (
                             par.forward(xm, ym) * scale
@@ -419,11 +356,12 @@ class Trainer:
 
     def _model_state_report(self) -> dict:
         """mem_params/grads/optim: bytes this rank holds (its shards), on the first and every logged step."""
-        if not (self._first_step or self._due(self.cfg.train.log_every) or self.step == self.cfg.train.steps):
+        first = self.logger.first
+        if not (first or self.logger.due(self.step, self.step == self.cfg.train.steps)):
             return {}
         m = model_state_bytes(self.model, self.optimizer)
-        if self._first_step:
-            self._first_step = False
+        if first:
+            self.logger.first = False
             log.info(
                 f"rank {self.dims.rank} model state: params {m['params'] / 2**20:.1f} MiB, grads "
                 f"{m['grads'] / 2**20:.1f} MiB, optimizer {m['optim'] / 2**20:.1f} MiB (this rank's share)"
@@ -481,15 +419,10 @@ class Trainer:
             return contextlib.nullcontext(False)
         return cpu_memory_reuse(self.cfg.train.reuse_cpu_memory)
 
-    def _due(self, every: int) -> bool:
-        return every > 0 and self.step % every == 0
-
     def train(self) -> dict:
         t = self.cfg.train
         if self.main:
-            self.metrics = self._write_run_files()
-        if self.metrics and self.step > 0:  # resumed: the file's records of later steps are superseded
-            self.metrics.mark_resumed(self.step)
+            self.logger.open(self._write_run_files(), self.step)
         active = f" ({self.n_active / 1e6:.2f}M active per token)" if self.n_active != self.n_params else ""
         log.info(
             f"model {self.n_params / 1e6:.2f}M params{active} | device {self.device} | {self.dims.describe()}"
@@ -510,11 +443,8 @@ class Trainer:
         self.stop.install()
         try:
             with self._cpu_memory():
-                while self.step < t.steps:
-                    self._one_step()
-                    if self.stop_reason:
-                        stopped = self.stop_reason
-                        break
+                while self.step < t.steps and stopped is None:
+                    stopped = self._one_step()
         finally:
             self.stop.restore()
         last_val = self.val.last
@@ -529,57 +459,47 @@ class Trainer:
                 + (f", MFU {100 * mfu:.2f}%" if mfu is not None else ", MFU n/a")
                 + (f", val loss {last_val:.4f}" if last_val is not None else "")
             )
-        if self.metrics:
-            self.metrics.write({"summary": summary})
-            self.metrics.close()
+        self.logger.write({"summary": summary})
+        self.logger.close()
         return summary
 
-    stop_reason: str | None = None
-
-    def _one_step(self) -> None:
-        """A step, then what is due after it: log, skip bookkeeping, stop on a signal, each evaluator, save."""
-        t = self.cfg.train
+    def _one_step(self) -> str | None:
+        """A step, then each component in turn decides what is due after it (torchtitan's loop): the time
+        budget, the logger, the bad-step guard, a stop on a signal, each evaluator, the checkpointer. Returns
+        why the run stops here (a signal), else None."""
         rec = self.train_step()
         self.budget.after_step(self.step, rec["dt"])  # train.time_budget_s may set train.steps here
-        final = self.step == t.steps
-        if t.ckpt_every and not final:  # after this process's first step (then at once returns)
-            self.checkpointer.warm()  # background saves: staging buffers and the writer's group, off the step time
-        if "compile_s" in rec:
-            log.info(
-                f"torch.compile: the first step (tracing and compiling forward and backward) took "
-                f"{rec['compile_s']:.1f}s; left out of tokens/s"
-            )
-        if self._due(t.log_every) or final or "skipped" in rec or "stop" in rec:
-            rec["mem_bytes"] = peak_memory_bytes(self.device)
-            log.info(format_step(rec))
-            if self.metrics:
-                self.metrics.write(rec)
+        final = self.step == self.cfg.train.steps
+        self.logger.after_step(rec, final)
         if "skipped" in rec:
             self._after_bad_step(rec)
         if "stop" in rec:
-            self.stop.disarm()  # every rank reached the end of this step
-            log.info(f"stopping at step {self.step} ({rec['stop']}): saving a checkpoint", style="bold")
-            with self.stop.finishing(f"the stop checkpoint of step {self.step}"):
-                self.checkpointer.save_last("stop")  # saved, or an error that says what is not
-            self.stop_reason = rec["stop"]
-            if self.main:
-                log.info(
-                    "checkpoint saved; run the same command with --resume (or train.resume=auto) to continue"
-                )
-            return
+            return self._stop(rec["stop"])
+        self._evaluate(rec["tokens"], final)
+        self.checkpointer.after_step(self.step, final)
+        return None
+
+    def _evaluate(self, tokens: int, final: bool) -> None:
+        """Every evaluator that is due after this step; rank 0 logs and records what each found."""
         ctx = self.eval_context()
         for ev in self.evaluators:
             if ev.due(self.step, final):
                 found = ev.run(ctx)
                 if self.main and found:
                     log.info(ev.line(self.step, found), style="bold")
-                    if self.metrics and ev.in_metrics:
-                        self.metrics.write({"step": self.step, "tokens": rec["tokens"], **found})
-        if final:  # waited for, retried once, and an error if it still fails: no later save makes up for it
-            with self.stop.finishing(f"the final checkpoint of step {self.step}"):
-                self.checkpointer.save_last("final")
-        elif self._due(t.ckpt_every):
-            self.save(background=True)  # with train.async_ckpt: written in a thread
+                    if ev.in_metrics:
+                        self.logger.write({"step": self.step, "tokens": tokens, **found})
+
+    def _stop(self, why: str) -> str:
+        """A stop signal every rank agreed on at the end of this step: the stop checkpoint, then out."""
+        self.stop.disarm()  # every rank reached the end of this step
+        log.info(f"stopping at step {self.step} ({why}): saving a checkpoint", style="bold")
+        self.checkpointer.save_last("stop")  # saved, or an error that says what is not
+        if self.main:
+            log.info(
+                "checkpoint saved; run the same command with --resume (or train.resume=auto) to continue"
+            )
+        return why
 
     def _after_bad_step(self, rec: dict) -> None:
         """Warn with the step and reason; after train.max_bad_steps in a row, save and stop."""
@@ -587,16 +507,8 @@ class Trainer:
         log.warn(self.guard.describe(self.step, rec["skipped"], names))
         if not self.guard.exhausted:
             return
-        saved = self.save()  # the weights and optimizer are still those of the last good step
-        if self.metrics:
-            self.metrics.write(
-                {
-                    "step": self.step,
-                    "stopped": "max_bad_steps",
-                    "bad_steps": self.guard.bad_steps,
-                    "nonfinite_params": names,
-                }
-            )
-            self.metrics.close()
-            self.metrics = None
+        saved = self.checkpointer.save()  # the weights and optimizer are still those of the last good step
+        record = {"stopped": "max_bad_steps", "bad_steps": self.guard.bad_steps, "nonfinite_params": names}
+        self.logger.write({"step": self.step, **record})
+        self.logger.close()
         raise self.guard.stop_error(self.step, rec["skipped"], names, saved)

@@ -17,6 +17,25 @@ DTYPES = (np.float32, np.float64, np.float16, np.int32, np.int64)
 TOL = {np.float16: 2e-2, np.float32: 1e-5, np.float64: 1e-12}
 
 
+def mpi_op(op: str):
+    """The `MPI.Op` for a reduction name: "sum", "prod", "max" or "min"."""
+    from mpi4py import MPI
+
+    C._ufunc(op)
+    return {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}[op]
+
+
+def ring_allgather(comm, buf):
+    """Ring all-gather, in place (Patarasuk & Yuan 2009, second half of the ring all-reduce).
+
+    `buf` has the full size n on every rank; chunk `rank` (sizes from `chunk_sizes(n, world_size)`)
+    is this rank's contribution. Afterwards every chunk holds its owner's data, on every rank. Equals
+    MPI's `Allgatherv` with those counts. Returns `buf`.
+    """
+    C._ring_allgather(comm, C._flat(buf))
+    return buf
+
+
 def data(comm, n, dtype, kind="int", salt=0):
     rng = np.random.default_rng([comm.Get_rank(), n, np.dtype(dtype).num, salt])
     if kind == "int":
@@ -42,7 +61,7 @@ def check_allreduce(comm, MPI, n, dtype):
     for op, kind in cases:
         x = data(comm, n, dtype, kind)
         want = np.empty_like(x)
-        comm.Allreduce([x, C.mpi_dtype(dtype)], [want, C.mpi_dtype(dtype)], op=C.mpi_op(op))
+        comm.Allreduce([x, C.mpi_dtype(dtype)], [want, C.mpi_dtype(dtype)], op=mpi_op(op))
         got = x.copy()
         assert C.ring_allreduce(comm, got, op=op) is got
         same(got, want, dtype, kind, f"ring_allreduce {op} n={n} {dtype}")
@@ -67,7 +86,7 @@ def check_reduce_scatter_allgather(comm, MPI, n, dtype):
     comm.Allgatherv([mine, dt], [want, (counts, None), dt])
     buf = np.zeros(n, dtype=dtype)
     buf[off : off + counts[r]] = mine
-    same(C.ring_allgather(comm, buf), want, dtype, "int", f"ring_allgather n={n} {dtype}")
+    same(ring_allgather(comm, buf), want, dtype, "int", f"ring_allgather n={n} {dtype}")
 
     # Equal-block all-gather of n elements per rank.
     x = data(comm, n, dtype, salt=3).reshape(-1, 1) if n else data(comm, 0, dtype)

@@ -9,6 +9,7 @@ sent before the last micro-step), a few SGD steps equal to single-process traini
 from __future__ import annotations
 
 import copy
+import itertools
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from loom.errors import LoomError
 from loom.parallel.collectives import ring_allreduce
-from loom.parallel.mpi_dp import BucketedSync, NaiveSync, broadcast_state, cuda_aware_mpi, mpi_comm
+from loom.parallel.mpi_dp import BucketedSync, NaiveSync, cuda_aware_mpi, mpi_comm
 
 VOCAB, T, D = 11, 6, 16
 RTOL, ATOL = 1e-5, 1e-6
@@ -60,6 +61,28 @@ class TinyLM(nn.Module):
         x = x + self.fc2(F.gelu(self.fc(self.ln2(x))))
         logits = self.head(self.ln_f(x) * self.gain * self.scale)
         return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+
+def broadcast_state(model: nn.Module, comm, root: int = 0) -> None:
+    """(A fixture: loom's ranks start equal from seeded initialisation.) Copy every parameter and buffer of `model` from rank `root` to all ranks (in place).
+
+    Tensors are sent as raw bytes, so any dtype works (bfloat16, bool). Tied parameters are sent
+    once. CUDA tensors are staged through host memory: this runs once per training run.
+    """
+    from mpi4py import MPI
+
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if t.numel() == 0:
+                continue
+            host = (
+                t.detach()
+                if t.device.type == "cpu" and t.is_contiguous()
+                else t.detach().to("cpu").contiguous()
+            )
+            comm.Bcast([host.reshape(-1).view(torch.uint8).numpy(), MPI.BYTE], root=root)
+            if host.data_ptr() != t.data_ptr():
+                t.copy_(host)
 
 
 def batch(kind, n):
@@ -221,7 +244,6 @@ def check_misc(comm):
     else:
         raise AssertionError("double backward before wait() accepted")
     sync.wait()  # completes the requests started by the first backward
-    sync.remove_hooks()
 
     # The ring all-reduce works in place on CPU torch tensors through their numpy view.
     t = torch.arange(10, dtype=torch.float32) * (comm.Get_rank() + 1)

@@ -113,27 +113,21 @@ def _vocab_parallel_head():
     module's mask would index the whole vocabulary of a sharded DTensor), before any gather or loss_parallel
     reads them, so tensor parallel gives the single-device model's loss and samples."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel
 
-    class VocabParallelHead(ColwiseParallel):
-        def _apply(self, module, device_mesh):
-            module.mask_padding = False  # masked per shard below
-            return super()._apply(module, device_mesh)
+    from loom import compat
 
-        @staticmethod
-        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-            part = outputs.to_local()  # (B, T, V / tp): ids offset .. offset + V / tp - 1
-            offset = device_mesh.get_local_rank() * part.size(-1)
-            if (
-                offset + part.size(-1) > mod.vocab_size
-            ):  # this shard holds padding: masked on a copy (autograd)
-                part = mask_padding_(part.clone(), mod.vocab_size, offset)
-                outputs = DTensor.from_local(part, device_mesh, outputs.placements, run_check=False)
-            return ColwiseParallel._prepare_output_fn(
-                output_layouts, use_local_output, mod, outputs, device_mesh
-            )
+    def unmasked(module):
+        module.mask_padding = False  # masked per shard below
 
-    return VocabParallelHead
+    def mask_shard(mod, outputs, device_mesh):
+        part = outputs.to_local()  # (B, T, V / tp): ids offset .. offset + V / tp - 1
+        offset = device_mesh.get_local_rank() * part.size(-1)
+        if offset + part.size(-1) > mod.vocab_size:  # this shard holds padding: masked on a copy (autograd)
+            part = mask_padding_(part.clone(), mod.vocab_size, offset)
+            outputs = DTensor.from_local(part, device_mesh, outputs.placements, run_check=False)
+        return outputs
+
+    return compat.colwise_style("VocabParallelHead", unmasked, mask_shard)
 
 
 def retie(model: GPT) -> None:

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loom import compat
 from loom.model.gpt.gpt import GPT, MLP, Block, GPTConfig
 
 
@@ -76,7 +77,7 @@ def grouped_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     (Hopper's grouped GEMM); on both with 16-byte aligned rows of the input and the output (the CPU
     kernel too refuses others: "strides should be multiple of 16 bytes", the output's in backward). Under
     torch.compile in bf16 only: the kernel's meta function, which compile traces, refuses other types."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not compat.has_grouped_mm():
         return False
     if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:  # its compiled (meta) kernel: bf16 only
         return False
@@ -93,7 +94,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str
     w = w.to(x.dtype)  # autocast does not cover _grouped_mm: compute in the activations' dtype
     if impl == "grouped" or (impl == "auto" and grouped_ok(x, w)):
         offs = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return compat.grouped_mm(x, w.transpose(-2, -1), offs)
     parts = x.split(counts.tolist())
     return torch.cat([p @ w[g].t() for g, p in enumerate(parts)]) if parts else x.new_zeros(0, w.size(-2))
 

@@ -1,0 +1,289 @@
+"""Every place loom reaches into torch's private names, and nowhere else (layer 0).
+
+torch moves or renames what it keeps private (a leading underscore) between releases without notice. Each use
+is one function or class here, named for what loom wants, with the torch versions it was checked on; loom's
+other modules call these and never touch a private torch name themselves (`tests/unit/test_hygiene.py`).
+`tests/unit/test_compat.py` resolves every one of them on the installed torch, so an upgrade that moves one
+fails there, by name, rather than somewhere deep in a run.
+
+Checked on torch 2.11 and 2.13 unless a function says otherwise. torch is imported inside each function: this
+module sits below everything and is imported by modules that must stay light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+# --- tensors and ops -------------------------------------------------------------------------------------
+
+
+def local_tensor(t):
+    """A DTensor's local shard as stored, without the autograd-aware `to_local()` (`DTensor._local_tensor`);
+    None for anything that is not a DTensor. Checked on torch 2.11, 2.13."""
+    return getattr(t, "_local_tensor", None)
+
+
+def foreach_add_(tensors: list, value: float) -> None:
+    """tensors[i] += value for each, one kernel (`torch._foreach_add_`). Checked on torch 2.11, 2.13."""
+    import torch
+
+    torch._foreach_add_(tensors, value)
+
+
+def has_grouped_mm() -> bool:
+    """Whether this torch has `torch._grouped_mm` (a CPU kernel from 2.13 on). Checked on torch 2.11, 2.13."""
+    import torch
+
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm(a, b, offs):
+    """One grouped GEMM (`torch._grouped_mm`: rows of `a` grouped by the offsets `offs`, group g times b[g]).
+    Resolves on torch 2.11 and 2.13; runs on CPUs from 2.13 (loom.model.moe.grouped_ok says where)."""
+    import torch
+
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def module_parameters(module) -> dict:
+    """The module's own parameters as the dict nn.Module keeps them (`nn.Module._parameters`): writing to it
+    swaps a parameter without the checks of register_parameter. Checked on torch 2.11, 2.13."""
+    return module._parameters
+
+
+# --- process groups, meshes, DDP -------------------------------------------------------------------------
+
+
+def flatten_mesh(mesh, dims: tuple[str, ...], name: str):
+    """mesh[dims] as one flattened dimension called `name`, reachable later as mesh[name]
+    (`DeviceMesh._flatten`). Checked on torch 2.11, 2.13."""
+    return mesh[dims]._flatten(name)
+
+
+def ddp_ignore(model, names: list[str]) -> None:
+    """Parameters (and buffers) DDP leaves alone, by name
+    (`DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`). Checked on torch 2.11, 2.13."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(names))
+
+
+def all_to_all_single_autograd(*args, **kwargs):
+    """all_to_all_single with a backward (the reverse exchange)
+    (`torch.distributed._functional_collectives.all_to_all_single_autograd`). Checked on torch 2.11, 2.13."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
+
+    return all_to_all(*args, **kwargs)
+
+
+def fake_store():
+    """The store of torch's fake process-group backend (`torch.testing._internal.distributed.fake_pg`).
+    Checked on torch 2.11, 2.13."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def fake_tensor_mode(**kwargs):
+    """torch's FakeTensorMode (`torch._subclasses.fake_tensor`). Checked on torch 2.11, 2.13."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)
+
+
+@contextlib.contextmanager
+def sharding_prop_without_fake_mode() -> Iterator[None]:
+    """DTensor's sharding propagation finds no active fake mode, so it runs in one of its own
+    (`torch.distributed.tensor._sharding_prop.detect_fake_mode`, patched for the duration). Checked on torch
+    2.11, 2.13."""
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+
+    old = sharding_prop.detect_fake_mode
+    sharding_prop.detect_fake_mode = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        sharding_prop.detect_fake_mode = old
+
+
+# --- tensor-parallel styles ------------------------------------------------------------------------------
+
+
+def colwise_style(name: str, before_apply: Callable, on_output: Callable) -> type:
+    """A ColwiseParallel (class `name`) that calls `before_apply(module)` before parallelizing a module and passes each output
+    through `on_output(module, outputs, device_mesh)` before its own output hook (overrides
+    `ColwiseParallel._apply` and `_prepare_output_fn`). Checked on torch 2.11, 2.13."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class Style(ColwiseParallel):
+        def _apply(self, module, device_mesh):
+            before_apply(module)
+            return super()._apply(module, device_mesh)
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            outputs = on_output(mod, outputs, device_mesh)
+            return ColwiseParallel._prepare_output_fn(
+                output_layouts, use_local_output, mod, outputs, device_mesh
+            )
+
+    Style.__name__ = Style.__qualname__ = name
+    return Style
+
+
+def style_partitioning_linear(cls: type, name: str, partition: Callable) -> type:
+    """A subclass of a tensor-parallel style whose linear layers are partitioned by
+    `partition(base, style, name, module, mesh)`, where `base(style, name, module, mesh)` is the style's own
+    (`ParallelStyle._partition_linear_fn`, on ColwiseParallel and RowwiseParallel). Checked on torch 2.11, 2.13."""
+    base = cls._partition_linear_fn
+
+    def _partition_linear_fn(self, fqn, module, mesh):
+        return partition(base, self, fqn, module, mesh)
+
+    return type(name, (cls,), {"_partition_linear_fn": _partition_linear_fn})
+
+
+# --- pipeline schedules ----------------------------------------------------------------------------------
+
+
+def pipeline_stages(schedule) -> list:
+    """The stages a schedule runs on this rank (`_stages` of a multi-stage schedule, `_stage` of a single-stage
+    one). Checked on torch 2.11, 2.13."""
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
+def pipeline_static_shapes_supported() -> bool:
+    """Whether pipeline stages take static shapes (`torch.distributed.pipelining._utils.InferenceMode`: torch
+    2.13; 2.11 has no such switch)."""
+    from torch.distributed.pipelining import _utils
+
+    return hasattr(_utils, "InferenceMode")
+
+
+def static_pipeline_shapes(schedule, inputs: list, outputs: list) -> None:
+    """Give each of the schedule's stages on this rank its input and output shapes (example tensors: stage i
+    takes inputs[i] and gives outputs[i]) and skip the warm-up vote over the process group, which reads values
+    sent between ranks (`_user_meta`, `_inference_mode`, `_warmup_p2p`, `pipelining._utils`). Checked on torch
+    2.13 only (pipeline_static_shapes_supported)."""
+    from torch.distributed.pipelining._utils import InferenceMode, extract_tensor_metas
+
+    for stage, x, out in zip(pipeline_stages(schedule), inputs, outputs, strict=True):
+        stage._user_meta.inputs = extract_tensor_metas((x,))
+        stage._user_meta.outputs = extract_tensor_metas((out,))
+
+    def no_vote(stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = no_vote
+
+
+# --- memory trackers (the dry run) -----------------------------------------------------------------------
+
+
+class _NoHook:
+    """A hook handle for a hook never registered (a frozen parameter's gradient hook)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
+class _StepMixin:
+    """What both trackers need for one training step, written against torch's tracker internals
+    (`torch.distributed._tools.mem_tracker`, `fsdp2_mem_tracker`; checked on torch 2.11, 2.13).
+
+    torch's trackers refuse a root module called a second time in forward (they take it for a second iteration);
+    gradient accumulation and pipeline schedules call it once per micro-batch, so a root entered again in
+    forward starts fresh per-module statistics (the device-wide counts, which are what is reported, go on)."""
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        """As torch's, for a model with frozen parameters too (LoRA's base): torch hooks every parameter's
+        gradient and refuses a hook on one that takes none, so each frozen one is entered with handles that
+        remove nothing."""
+        for p in module.parameters():
+            if not p.requires_grad:
+                self._param_to_grad_hook_handles.setdefault(p, (_NO_HOOK, _NO_HOOK))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    def _forget_if_again(self, module) -> None:
+        name = self._mod_tracker.get_known_fqn(module)
+        if (
+            module in self.memory_tracking
+            and not self._mod_tracker.is_bw
+            and self._mod_tracker.parents - {name} <= {"Global"}
+        ):
+            del self.memory_tracking[module]
+
+    def _update_peak_stats(self, peak_state) -> None:
+        """The device-wide peak only: torch's also updates every module's own peak, a loop over all modules on
+        every op, and nothing here reads them."""
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
+
+    def peak_snapshot(self) -> dict:
+        """{device: {kind: bytes}} at the peak since the last restart_peak()."""
+        return self._peak_mem_snap
+
+    def restart_peak(self) -> None:
+        """The next peak is measured from now on (from what is allocated now)."""
+        from copy import deepcopy
+
+        self._peak_mem_snap = deepcopy(self._curr_mem_snap)
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._curr_mem_snap.items()}
+
+
+@functools.cache
+def memory_trackers() -> tuple[type, type]:
+    """(MemTracker, FSDPMemTracker) of torch, each extended for one training step of several micro-batches
+    (`_StepMixin`); the FSDP one takes a list of FSDP roots (an interleaved pipeline holds two stages) and counts
+    the gradients FSDP accumulates unsharded between syncs as unsharded gradients. Built on first use: torch's
+    trackers are heavy to import."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.nn import ModuleList
+
+    class StepMemTracker(_StepMixin, MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            self._forget_if_again(module)
+            return super()._pre_fw_hook(module, inputs)
+
+    class FSDPStepMemTracker(_StepMixin, FSDPMemTracker):
+        def __init__(self, roots: list, optimizer):
+            super().__init__(roots[0], optimizer)
+            self._root_mod = ModuleList(roots)
+
+        def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
+            """As torch's, and the gradients FSDP accumulates unsharded between syncs (in the reduce dtype,
+            while no_sync skips the reduce-scatter) counted as unsharded gradients, not as backward
+            temporaries."""
+            inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
+
+            def counted(*args, **kwargs):
+                out = inner(*args, **kwargs)
+                group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+                for fsdp_param in group.fsdp_params if group else []:
+                    if fsdp_param.unsharded_accumulated_grad is not None:
+                        self._update_and_maybe_create_winfos(
+                            fsdp_param.unsharded_accumulated_grad, _FSDPRefType.UNSHARDED_GRAD
+                        )
+                return out
+
+            return counted
+
+        def _fsdp_state_pre_forward(self, fsdp_mod, orig):
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+            def again(*args, **kwargs):
+                self._forget_if_again(fsdp_mod)
+                return inner(*args, **kwargs)
+
+            return again
+
+    return StepMemTracker, FSDPStepMemTracker

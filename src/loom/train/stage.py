@@ -1,0 +1,113 @@
+"""The training stage: what a step trains on and how each micro-batch's loss is weighed. Pretraining (windows of
+the token stream, every target trained) and supervised fine-tuning (packed conversations, the assistant's
+targets only) are stages; the data chooses (`build_stage`: the first of STAGES that applies). The trainer asks
+its stage for the batches, the validation rows and each micro-batch's loss weight, and never branches on
+which stage it runs. A stage to come (RL, preference tuning) is a class with the same three parts, put in
+STAGES before the ones whose data it also matches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from loom import log
+from loom.config import Config
+from loom.data.loader import DeviceBatches, ShardLoader
+from loom.data.sft import ChatLoader, is_chat_data, validation_set
+from loom.data.slice import DataSlice
+
+
+class Stage(Protocol):
+    name: str
+    batches: DeviceBatches  # this rank's training batches on the device (a Stateful: checkpoints save it)
+    valset: Any  # the validation rows (ValSet's interface), what ValLossEval measures
+
+    def loss_scale(self, y: torch.Tensor, grad_accum: int) -> tuple[float, torch.Tensor]:
+        """What a micro-batch's mean loss is multiplied by so that the step's gradient is the global batch's,
+        and the targets to use (a stage may change them)."""
+
+    def pipeline_weight(self) -> float | None:
+        """The pipeline schedule's weight per trained target of the last global batch (None: the mean of
+        every target)."""
+
+
+def _valset(cfg: Config, data_dir: Path, meta: dict, part: DataSlice):
+    """The validation rows (loom.data.sft.validation_set: what `loom eval` of this run measures too)."""
+    t = cfg.train
+    return validation_set(cfg, data_dir, meta, t.eval_batches * t.batch_size, part)
+
+
+class Pretrain:
+    """Windows of the token stream (a global cursor; this rank's slice of each global batch), every target
+    trained: each micro-batch has as many targets, so its mean loss weighs 1 / accumulation steps."""
+
+    name = "pretrain"
+
+    @staticmethod
+    def applies(cfg: Config, meta: dict) -> bool:
+        return True
+
+    def __init__(self, cfg: Config, data_dir: Path, meta: dict, part: DataSlice, device: torch.device):
+        t = cfg.train
+        loader = ShardLoader(
+            data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, part, align=cfg.data.align
+        )
+        self.batches = DeviceBatches(loader, device)
+        self.valset = _valset(cfg, data_dir, meta, part)
+
+    def loss_scale(self, y: torch.Tensor, grad_accum: int) -> tuple[float, torch.Tensor]:
+        return 1.0 / grad_accum, y
+
+    def pipeline_weight(self) -> float | None:
+        return None
+
+
+class SFT:
+    """Supervised fine-tuning: conversations packed best-fit into rows (with document masks; else one a row),
+    targets masked to the assistant's (loom.data.sft). Each micro-batch's loss weighs by its trained targets."""
+
+    name = "sft"
+
+    @staticmethod
+    def applies(cfg: Config, meta: dict) -> bool:
+        return is_chat_data(meta)
+
+    def __init__(self, cfg: Config, data_dir: Path, meta: dict, part: DataSlice, device: torch.device):
+        t = cfg.train
+        pack = cfg.data.doc_mask  # without document masks a packed conversation would see the ones before it
+        if not pack:  # loom.log prints rank 0's
+            log.info(
+                "chat data: one conversation a row, padded (data.doc_mask=true packs several, each attending "
+                "to itself only)"
+            )
+        loader = ChatLoader(data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, part, pack=pack)
+        self.batches = DeviceBatches(loader, device)
+        self.valset = _valset(cfg, data_dir, meta, part)
+        self.ranks = part.dp_size * part.cp_size  # the ranks the gradients are averaged over
+
+    def loss_scale(self, y: torch.Tensor, grad_accum: int) -> tuple[float, torch.Tensor]:
+        """The micro-batch's trained targets n over the global batch's N, times the dp x cp ranks the gradients
+        are averaged over (each micro-batch then adds its losses' sum / N). A micro-batch with no trained target
+        still runs its forward and backward (a sharded model's are collectives) on one target weighted 0: a
+        mean over none is 0/0."""
+        total = self.batches.valid_targets
+        n = int((y != -1).sum())
+        if n == 0:
+            y = y.clone()
+            y.view(-1)[0] = 0
+            return 0.0, y
+        return n * self.ranks / max(total, 1), y
+
+    def pipeline_weight(self) -> float | None:
+        return self.ranks / max(self.batches.valid_targets, 1)  # each trained target weighs dp x cp / N
+
+
+STAGES: list = [SFT, Pretrain]  # the first that applies to the data and config is the run's stage
+
+
+def build_stage(cfg: Config, data_dir: Path, meta: dict, part: DataSlice, device: torch.device) -> Stage:
+    """The run's training stage, chosen by its data and config."""
+    cls = next(s for s in STAGES if s.applies(cfg, meta))
+    return cls(cfg, data_dir, meta, part, device)

@@ -1,0 +1,104 @@
+"""Every private torch name loom uses (all of them in loom.compat) resolves on the installed torch.
+
+Compared against: torch itself. An upgrade that moves or renames one of them fails here, by name, instead of deep
+inside a run; each accessor's docstring says which torch versions it was checked on (2.11 and 2.13)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from loom import compat
+
+OLD_PIPELINE = not compat.pipeline_static_shapes_supported()
+
+
+def test_tensor_and_module_accessors():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    assert compat.local_tensor(torch.zeros(1)) is None
+    assert compat.module_parameters(nn.Linear(2, 2)).keys() == {"weight", "bias"}
+    t = [torch.zeros(2), torch.ones(1)]
+    compat.foreach_add_(t, 1.0)
+    assert t[0].tolist() == [1.0, 1.0] and t[1].tolist() == [2.0]
+    assert compat.has_grouped_mm() and hasattr(torch, "_grouped_mm")
+    for style in (ColwiseParallel, RowwiseParallel):
+        assert callable(style._partition_linear_fn)
+    assert callable(ColwiseParallel._apply) and callable(ColwiseParallel._prepare_output_fn)
+    assert compat.colwise_style("Head", lambda m: None, lambda m, o, d: o).__name__ == "Head"
+    assert issubclass(
+        compat.style_partitioning_linear(RowwiseParallel, "X", lambda *a: None), RowwiseParallel
+    )
+
+
+def test_distributed_accessors():
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert callable(DeviceMesh._flatten)
+    assert callable(DistributedDataParallel._set_params_and_buffers_to_ignore_for_model)
+    from torch.distributed._functional_collectives import all_to_all_single_autograd  # noqa: F401
+
+    assert compat.fake_store() is not None
+    with compat.fake_tensor_mode(allow_non_fake_inputs=True):
+        pass
+    with compat.sharding_prop_without_fake_mode():
+        pass
+    # a DTensor's local shard, on a one-rank fake world
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        d = distribute_tensor(torch.ones(2), mesh, [Replicate()])
+        assert compat.local_tensor(d) is not None and compat.local_tensor(d).shape == (2,)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_memory_trackers():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    plain, fsdp = compat.memory_trackers()
+    assert issubclass(plain, MemTracker) and issubclass(fsdp, MemTracker)
+    for name in ("_track_module_params_and_buffers", "_pre_fw_hook", "_update_peak_stats"):
+        assert callable(getattr(MemTracker, name)), name
+    for name in (
+        "_fsdp_param_group_post_backward",
+        "_fsdp_state_pre_forward",
+        "_update_and_maybe_create_winfos",
+    ):
+        assert callable(getattr(fsdp, name)), name
+    tracker = plain()
+    for name in (
+        "_param_to_grad_hook_handles",
+        "_mod_tracker",
+        "_curr_mem_snap",
+        "_peak_mem",
+        "_peak_mem_snap",
+    ):
+        assert hasattr(tracker, name), name
+    model = nn.Linear(2, 2)
+    model.bias.requires_grad_(False)  # a frozen parameter: the override's reason
+    with tracker:
+        model(torch.ones(1, 2)).sum().backward()
+    assert tracker.peak_snapshot()
+    tracker.restart_peak()
+
+
+def test_pipeline_accessors():
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=1)
+    try:
+        stage = PipelineStage(nn.Linear(2, 2), stage_index=0, num_stages=1, device=torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, n_microbatches=1)
+        assert compat.pipeline_stages(schedule) == [stage]
+        if OLD_PIPELINE:
+            pytest.skip("static pipeline shapes need torch >= 2.13 (the rest resolved)")
+        x = torch.ones(1, 2)
+        compat.static_pipeline_shapes(schedule, [x], [stage.submod(x)])
+        assert stage._user_meta.inputs and schedule._warmup_p2p.__name__ == "no_vote"
+    finally:
+        dist.destroy_process_group()
