@@ -86,7 +86,7 @@ class ModelSpec:
 
     name: str  # the value of model.family
     config: Callable[[Config, int], Any]  # (loom config, the data's vocabulary) -> the model's own config
-    build: Callable[[Any], nn.Module]  # model config -> the single-device model (a FamilyModel)
+    build: Callable[[Any], FamilyModel]  # model config -> the single-device model
     parallel: ParallelPlan
     flops_per_token: Callable[
         [Any, int | None], int
@@ -107,7 +107,7 @@ class ModelSpec:
     # the context to block_size and recomputes it every token (learned positions have block_size slots)
     extends_context: Callable[[Any], bool] = lambda model_cfg: False
     # parameters a token passes through (MFU counts these; a mixture of experts: k of its routed experts)
-    active_params: Callable[[nn.Module], int] = every_param_active
+    active_params: Callable[[FamilyModel], int] = every_param_active
     # expert parallelism (parallel.ep): the modules whose `experts` are split over the ep ranks ([]: none,
     # parallel.ep is refused), and the work after each optimizer step (sum_all: a sum over the data ranks;
     # returns the figures for metrics.jsonl)
