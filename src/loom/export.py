@@ -38,7 +38,7 @@ def export_hf_dir(cfg, model, tok, meta: dict, out: Path, force: bool) -> list[s
             f"the model family '{spec.name}' has no transformers mapping",
             hint="export it with --format safetensors",
         )
-    notes = _without_doc_mask(model) + spec.hf.export_hf(model, out, tok, force)
+    notes = _without_doc_mask(model, cfg.data.doc_mask) + spec.hf.export_hf(model, out, tok, force)
     if isinstance(meta.get("chat"), dict) and tok is not None:  # a chat model: its template goes along
         from loom.data.chat import chat_template_of
         from loom.model.hf_io import add_chat_template
@@ -49,28 +49,18 @@ def export_hf_dir(cfg, model, tok, meta: dict, out: Path, force: bool) -> list[s
     return notes
 
 
-def _without_doc_mask(model) -> list[str]:
+def _without_doc_mask(model, doc_mask: bool) -> list[str]:
     """Document masking (data.doc_mask) shapes training on packed windows; a model exported for inference
     reads one document at a time, where attention without the mask is the same: the exported config drops it."""
     import dataclasses
 
-    if not getattr(model.cfg, "doc_mask", False):
+    if not doc_mask:  # data.doc_mask of the run (only GPT-built families have the option)
         return []
     model.cfg = dataclasses.replace(model.cfg, doc_mask=False, eot_id=-1, doc_positions="continue")
     return [
         "data.doc_mask: transformers attends over the whole sequence, which equals loom's on one document "
         "(a chat prompt, a single text); a sequence of several documents would attend across them"
     ]
-
-
-def _hf_modules(n_layer: int) -> dict[str, str]:
-    """{loom's linear: transformers' module} for a Llama (hf_llama's weight names, without `.weight`)."""
-    from loom.model.hf_llama import _layer_names
-
-    pairs = [p for i in range(n_layer) for p in _layer_names(i) if p[0].endswith(".weight")]
-    return {ours.removesuffix(".weight"): theirs.removesuffix(".weight") for ours, theirs in pairs} | {
-        "lm_head": "lm_head"
-    }
 
 
 def export_peft(
@@ -88,9 +78,10 @@ def export_peft(
     f = cfg.finetune
     if not f.lora_rank:
         raise LoomError(f"run '{run_dir}' has no LoRA adapters (finetune.lora_rank=0)", hint=_MERGED)
-    if cfg.model.family != "llama":
+    if spec_of(cfg).peft is None:
         raise LoomError(
-            f"--format peft writes the llama family's adapters; this run is model.family={cfg.model.family}",
+            f"--format peft writes adapters with transformers' Llama module names, which model.family="
+            f"{cfg.model.family} does not have (a family's ModelSpec.peft: llama's)",
             hint=_MERGED,
         )
     trained_ends = lora_embeddings(cfg, meta)
@@ -128,9 +119,10 @@ def _write_adapter(model, cfg, adapter: Path, base_dir: Path, trained_ends: bool
 
     from loom.model.hf_io import _prepare_out
     from loom.model.lora import lora_state_dict
+    from loom.model.registry import spec_of
 
     f = cfg.finetune
-    V, names = model.cfg.vocab_size, _hf_modules(model.cfg.n_layer)
+    V, names = model.cfg.vocab_size, spec_of(cfg).peft(model.cfg.n_layer)
     tensors: dict[str, torch.Tensor] = {}
     targets = []
     for key, t in lora_state_dict(model).items():  # blocks.0.attn.q_proj.lora_A -> ...q_proj.lora_A.weight

@@ -485,7 +485,7 @@ def _vocab_grown(state: dict, cfg: Config, model: nn.Module, old_vocab: int) -> 
     for name in _VOCAB_WEIGHTS:
         if name in state and name in want:
             state[name] = grow_rows(state[name], want[name].shape, old_vocab, model.cfg.vocab_size)
-    if getattr(model.cfg, "tie_embeddings", False) and "lm_head.weight" in state:
+    if cfg.model.tie_embeddings and "lm_head.weight" in state:
         state["lm_head.weight"] = state["wte.weight"]
     return state, want
 

@@ -174,18 +174,18 @@ VERIFY_MODEL = [
 ]
 
 
-def _moe_verify_model(cfg: Config) -> str:
-    """Turn the built-in verify model into the MoE family's verify model (its spec's verify_model keys, over
-    the family preset); returns what was set."""
+def _expert_verify_model(cfg: Config) -> str:
+    """Turn the built-in verify model into the first family with expert layers (the built-in moe's): its
+    spec's verify_model keys over its preset; returns what was set."""
     from loom.config import apply_family
-    from loom.model.registry import get
+    from loom.model.registry import expert_parallel_families, get
 
-    set_key(cfg, "model.family", "moe")
+    spec = get(expert_parallel_families()[0])
+    set_key(cfg, "model.family", spec.name)
     apply_family(cfg, set())
-    keys = get("moe").verify_model
-    for k, v in keys.items():
+    for k, v in spec.verify_model.items():
         set_key(cfg, f"model.{k}", v)
-    return ", ".join(f"{k}={v}" for k, v in keys.items())
+    return ", ".join(f"{k}={v}" for k, v in spec.verify_model.items())
 
 
 def _splits_sequences_or_stages(s: Strategy, nproc: int | None) -> bool:
@@ -255,10 +255,10 @@ def config_args(cfg: Config) -> list[str]:
     """cfg as `--section.key=value` overrides of the defaults (the parallel section is the strategies'); the
     defaults of cfg's model.family, whose preset applies to every key not given."""
     out, default = [], Config().to_dict()
-    default["model"].update(FAMILIES[cfg.model.family])  # (family itself differs from the default: passed)
+    default["model"].update(FAMILIES.get(cfg.model.family, {}))  # (the family itself differs: passed)
     for section, values in cfg.to_dict().items():
         for k, v in values.items():
-            if v != default[section][k] and not (section == "parallel" and k != "timeout_s"):
+            if v != default[section].get(k) and not (section == "parallel" and k != "timeout_s"):
                 out.append(f"--{section}.{k}=" + (str(v).lower() if isinstance(v, bool) else str(v)))
     return out
 
@@ -476,6 +476,33 @@ def _check_args(args: argparse.Namespace) -> None:
         check_output_file(args.json, "--json")
 
 
+def _expert_model(cfg: Config, names: list[str], args, overrides: list[str], notes: list[str]) -> None:
+    """Strategies with expert parallelism need a family with expert layers: the built-in verify model becomes
+    one (a user's model that has none is refused), with its keys for strategies that cut sequences or stages."""
+    from loom.model.registry import spec_of
+
+    if not any(STRATEGIES[n].moe for n in names) or spec_of(cfg).expert_parallel:
+        return
+    if args.config or any(k.startswith("model.") for k, _ in parse_overrides(overrides)):
+        raise LoomError(
+            f"strategies {', '.join(n for n in names if STRATEGIES[n].moe)} need a model with expert "
+            f"layers; this one is model.family={cfg.model.family}",
+            hint="set model.family=moe (and its model.n_experts, moe_* keys), or leave the model to verify",
+        )
+    notes.append(
+        f"the verify model is a mixture of experts ({_expert_verify_model(cfg)}): expert parallelism"
+    )
+    # the family's keys for strategies that cut sequences or stages (a MoE's balance loss is per sequence
+    # on the last stage: refused under pp and cp, and the reference drops it too)
+    split = [n for n in names if STRATEGIES[n].moe and _splits_sequences_or_stages(STRATEGIES[n], args.nproc)]
+    changed = {k: v for k, v in spec_of(cfg).verify_split.items() if getattr(cfg.model, k) != v}
+    if split and changed:
+        for k, v in changed.items():
+            set_key(cfg, f"model.{k}", v)
+        keys = ", ".join(f"{k}={v}" for k, v in changed.items())
+        notes.append(f"{keys} ({', '.join(split)}: no balance loss under pipeline or context parallel)")
+
+
 def verify_main(argv: list[str]) -> int:
     args, overrides = _parser().parse_known_args(argv)
     args.config, overrides = config_argv(argv, args.config, overrides)  # `--train.steps 5`: 5 is no file
@@ -489,7 +516,7 @@ def verify_main(argv: list[str]) -> int:
             f"unknown strategy {', '.join(unknown) or '(none)'}", hint=f"known: {', '.join(STRATEGIES)}"
         )
     cfg, notes = run_config(args.config, overrides, args.steps)
-    _fit_moe(cfg, names, args, overrides, notes)
+    _expert_model(cfg, names, args, overrides, notes)
     _fit_pipeline(cfg, names, args, overrides, notes)
     worlds = {n: _world(STRATEGIES[n], args.nproc, cfg) for n in names}  # every check before any run
     data_path = args.data or cfg.data.path
@@ -542,27 +569,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tol-param", type=float, default=1e-5, help="max |param - reference| to pass")
     p.add_argument("--json", default=None, help="write the table as JSON records")
     return p
-
-
-def _fit_moe(cfg: Config, names: list[str], args, overrides: list[str], notes: list[str]) -> None:
-    """Strategies over experts need a mixture of experts: the built-in verify model becomes one (a model the
-    user chose is refused), without the balance loss under pipeline or context parallel."""
-    if not any(STRATEGIES[n].moe for n in names) or cfg.model.family == "moe":
-        return
-    if args.config or any(k.startswith("model.") for k, _ in parse_overrides(overrides)):
-        raise LoomError(
-            f"strategies {', '.join(n for n in names if STRATEGIES[n].moe)} need a mixture-of-experts "
-            f"model; this one is model.family={cfg.model.family}",
-            hint="set model.family=moe (and its model.n_experts, moe_* keys), or leave the model to verify",
-        )
-    notes.append(f"the verify model is a mixture of experts ({_moe_verify_model(cfg)}): expert parallelism")
-    # the aux loss is per sequence on the last stage: refused under pp and cp (the reference drops it too)
-    split = [n for n in names if STRATEGIES[n].moe and _splits_sequences_or_stages(STRATEGIES[n], args.nproc)]
-    if split and cfg.model.moe_aux_loss_coef:
-        cfg.model.moe_aux_loss_coef = 0.0
-        notes.append(
-            f"moe_aux_loss_coef=0 ({', '.join(split)}: no balance loss under pipeline or context parallel)"
-        )
 
 
 def _fit_pipeline(cfg: Config, names: list[str], args, overrides: list[str], notes: list[str]) -> None:

@@ -39,7 +39,7 @@ def test_all_to_alls_are_inverses(tmp_path):
 
 
 def _doc_model(pos: str):
-    from loom.model.gpt import GPT, GPTConfig
+    from loom.model.gpt.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     kw = {"norm": "rmsnorm", "mlp": "swiglu", "n_kv_head": 2} if pos == "rope" else {}
@@ -59,7 +59,7 @@ def _doc_masked(rank: int, world: int, out: str) -> None:
     results = []
     for pos in ("learned", "rope"):
         m = _doc_model(pos)
-        apply_ulysses(m, list(m.blocks), dist.group.WORLD, rank)
+        apply_ulysses(m, list(m.blocks), dist.group.WORLD, rank, m.wpe, doc_mask=True)
         x, y = _doc_batch()
         n = x.size(1) // world
         loss = m(x[:, rank * n : (rank + 1) * n], y[:, rank * n : (rank + 1) * n])

@@ -12,7 +12,7 @@ import torch
 from gloo_ranks import parallelized, spawn_gloo
 
 from loom.config import Config
-from loom.model import gpt_parallel
+from loom.model.gpt import gpt_parallel
 from loom.train.trainer import build_model
 
 SEED, VOCAB = 1234, 70

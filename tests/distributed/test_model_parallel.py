@@ -17,7 +17,7 @@ from tiny import tiny_args
 from loom.config import load_config, validate
 from loom.errors import LoomError
 from loom.metrics import read_jsonl
-from loom.model.gpt_parallel import stage_layers
+from loom.model.gpt.gpt_parallel import stage_layers
 from loom.verify import STRATEGIES
 
 LOOM = [sys.executable, "-m", "loom"]

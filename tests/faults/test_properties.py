@@ -16,6 +16,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import loom.model  # noqa: F401  (registers the built-in families a config names)
 from loom import checkpoint
 from loom.config import CHOICES, Config, all_keys, apply_dict, apply_family, load_config, to_toml, validate
 from loom.data import formats, megatron, shards

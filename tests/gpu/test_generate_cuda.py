@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loom.generate import generate
-from loom.model.gpt import GPT, GPTConfig, KVCache
+from loom.model.gpt.gpt import GPT, GPTConfig, KVCache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

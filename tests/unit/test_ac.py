@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from loom.errors import LoomError
-from loom.model.gpt import GPT, GPTConfig
-from loom.model.gpt_parallel import blocks
+from loom.model.gpt.gpt import GPT, GPTConfig
+from loom.model.gpt.gpt_parallel import blocks
 from loom.parallel.ac import activation_bytes, apply_ac
 
 CFG = GPTConfig(vocab_size=50, n_layer=3, n_head=4, n_embd=64, block_size=32, dropout=0.1)

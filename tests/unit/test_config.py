@@ -3,7 +3,8 @@ type errors, and validate()'s divisibility rules and derived values."""
 
 import pytest
 
-from loom.config import Config, all_keys, help_text, load_config, to_toml, validate
+import loom.model  # noqa: F401  (registers the built-in families a config names: llama, moe)
+from loom.config import FAMILY_SECTIONS, Config, all_keys, help_text, load_config, to_toml, validate
 from loom.errors import LoomError
 
 REQUIRED = """run.dir run.name run.seed data.path data.corpus model.n_layer model.n_head model.n_embd
@@ -19,7 +20,10 @@ def test_required_keys_exist_and_are_documented():
     text = help_text()
     for k in keys:
         assert k in text
-    assert text.count("\n      ") == len(keys)  # one doc line per key
+    own = [f"model.{k}" for s in FAMILY_SECTIONS.values() if s.keys for k in s.keys.__dataclass_fields__]
+    assert text.count("\n      ") == len(keys) + len(own)  # one doc line per key, a family's own keys too
+    # the moe family's keys are listed under it, with their defaults and help
+    assert "[model] keys of model.family=moe\n  model.n_experts = 0\n      Routed SwiGLU experts" in text
 
 
 def test_resolution_order(tmp_path):
@@ -102,3 +106,25 @@ def test_an_activation_that_swiglu_does_not_read_is_warned_about(monkeypatch):
     assert said == []
     load_config(None, ["--model.family=llama", "--model.activation=gelu"])
     assert len(said) == 1 and "model.activation=gelu is not used" in said[0] and "model.mlp=gelu" in said[0]
+
+
+def test_a_family_owns_its_keys(tmp_path):
+    """model.n_experts and the moe_* keys are the moe family's: typed on its section, saved in config.toml,
+    refused for another family (unless at their default: the config.toml of runs saved before the families
+    owned their keys has all of them), and checked by validate."""
+    cfg = load_config(None, ["--model.family=moe", "--model.n_experts=4", "--model.moe_top_k=1"])
+    assert type(cfg.model.family_keys).__name__ == "MoEKeys" and cfg.model.n_experts == 4
+    f = tmp_path / "moe.toml"
+    f.write_text(to_toml(cfg))
+    assert "n_experts = 4" in f.read_text() and load_config(f) == cfg
+    old = to_toml(load_config(None, ["--model.family=llama"])).replace(
+        "[model]\n", "[model]\nn_experts = 0\n"
+    )
+    f.write_text(old.replace("[model]\n", '[model]\nmoe_gemm = "auto"\n'))
+    assert load_config(f).model.family == "llama" and "n_experts" not in to_toml(load_config(f))
+    with pytest.raises(LoomError, match="model.n_experts is for model.family=moe; the family is 'gpt2'"):
+        load_config(None, ["--model.n_experts=4"])
+    with pytest.raises(LoomError, match="model.n_experts is for model.family=moe; the family is 'llama'"):
+        load_config(None, ["--model.family=moe", "--model.n_experts=4", "--model.family=llama"])
+    with pytest.raises(LoomError, match="model.moe_gemm must be one of auto, grouped, loop; got 'x'"):
+        validate(load_config(None, ["--model.family=moe", "--model.moe_gemm=x"]))

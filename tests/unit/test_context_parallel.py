@@ -266,7 +266,7 @@ def test_gpt_on_zigzag_chunks_equals_one_process(pos):
     """A GPT whose cp=2 ranks (threads) each hold a zigzag chunk, with ring attention and the chunk's
     positions (the learned table's input, or RoPE's angles): the mean of their losses and gradients (what DDP makes of
     them) equals one process's on whole rows."""
-    from loom.model.gpt import GPT, GPTConfig
+    from loom.model.gpt.gpt import GPT, GPTConfig
     from loom.parallel.ring import apply_ring
 
     torch.manual_seed(0)
@@ -280,7 +280,7 @@ def test_gpt_on_zigzag_chunks_equals_one_process(pos):
     def rank(r, ring):
         m = copy.deepcopy(model)
         m.zero_grad()
-        apply_ring(m, list(m.blocks), ring)
+        apply_ring(m, list(m.blocks), ring, m.wpe)
         loss = m(seq_chunk(x, r, 2, "zigzag"), seq_chunk(y, r, 2, "zigzag"))
         loss.backward()
         return loss.detach(), {n: p.grad for n, p in m.named_parameters()}

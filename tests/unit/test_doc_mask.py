@@ -28,7 +28,7 @@ from loom.model.doc_mask import (
     doc_attention,
     flex_attention_fn,
 )
-from loom.model.gpt import GPT, GPTConfig
+from loom.model.gpt.gpt import GPT, GPTConfig
 
 EOT = 0
 VOCAB = 50

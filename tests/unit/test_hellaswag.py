@@ -15,7 +15,7 @@ from loom.cli import main
 from loom.data.tokenizers import CharTokenizer
 from loom.errors import LoomError
 from loom.eval import hellaswag as hs
-from loom.model.gpt import GPT, GPTConfig
+from loom.model.gpt.gpt import GPT, GPTConfig
 
 TOK = CharTokenizer(sorted(set("abcdefgh xyz.")))
 

@@ -18,7 +18,7 @@ from loom.config import Config
 from loom.errors import LoomError
 from loom.metrics import read_jsonl
 from loom.model import hf
-from loom.model.gpt import GPT, GPTConfig
+from loom.model.gpt.gpt import GPT, GPTConfig
 from loom.runs import load_run
 
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'loom[hf]'")

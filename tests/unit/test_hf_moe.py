@@ -18,8 +18,9 @@ from loom.cli import main
 from loom.config import Config
 from loom.errors import LoomError
 from loom.metrics import read_jsonl
-from loom.model import hf, hf_moe
-from loom.model.moe import MoEConfig, MoEGPT
+from loom.model import hf
+from loom.model.moe import hf_moe
+from loom.model.moe.moe import MoEConfig, MoEGPT
 from loom.model.registry import spec_of
 from loom.runs import load_run
 

@@ -15,7 +15,7 @@ from loom.errors import LoomError
 from loom.generate import generate
 from loom.model import hf
 from loom.model.flops import param_count
-from loom.model.gpt import GPT, GPTConfig
+from loom.model.gpt.gpt import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'loom[hf]'")
 
@@ -307,7 +307,7 @@ def test_data_for_an_imported_model_must_use_its_tokenizer(tmp_path):
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_keeps_loss_and_gradients(mode):
-    from loom.model.gpt_parallel import blocks
+    from loom.model.gpt.gpt_parallel import blocks
     from loom.parallel.ac import apply_ac
 
     cfg = GPTConfig(
@@ -338,7 +338,7 @@ def test_activation_checkpointing_keeps_loss_and_gradients(mode):
 
 
 def test_an_imported_tensor_missing_or_of_another_shape_is_named():
-    from loom.model.hf_llama import imported
+    from loom.model.gpt.hf_llama import imported
 
     sd = {"a": torch.zeros(2, 3)}
     assert imported(sd, "a", (2, 3), "LlamaForCausalLM") is sd["a"]

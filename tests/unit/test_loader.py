@@ -251,7 +251,7 @@ def test_valset_every_rank_yields_as_many_batches(data_dir, dp, micro):
 
 def test_a_padding_batch_changes_no_val_loss(data_dir):
     from loom.eval.val_loss import val_loss
-    from loom.model.gpt import GPT, GPTConfig
+    from loom.model.gpt.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=128, n_layer=1, n_head=1, n_embd=8, block_size=T))

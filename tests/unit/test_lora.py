@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from loom.errors import LoomError
-from loom.model.gpt import GPT, GPTConfig, LMHead
+from loom.model.gpt.gpt import GPT, GPTConfig, LMHead
 from loom.model.lora import (
     LoRALinear,
     apply_lora,
@@ -247,7 +247,7 @@ def test_a_tied_head_is_refused():
 def test_a_moe_router_is_never_adapted_and_every_adapter_trains():
     """Routing reads the router's weight in fp32, not through its forward: adapters there would get no
     gradient (one process: silently dead; DDP: stops). all-linear and mlp skip it, naming it is refused."""
-    from loom.model.moe import MoEConfig, MoEGPT
+    from loom.model.moe.moe import MoEConfig, MoEGPT
 
     cfg = MoEConfig(
         vocab_size=64,

@@ -8,7 +8,7 @@ import torch
 
 from loom.generate import generate, sample_next
 from loom.model.flops import flops_per_token, matmul_params, param_count
-from loom.model.gpt import GPT, GPTConfig, KVCache
+from loom.model.gpt.gpt import GPT, GPTConfig, KVCache
 
 
 def tiny(**kw) -> GPT:

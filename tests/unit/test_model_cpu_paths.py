@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loom.model.gpt import GPT, MLP, Dropout, GPTConfig, causal_attention
+from loom.model.gpt.gpt import GPT, MLP, Dropout, GPTConfig, causal_attention
 
 
 def _qkv(B=2, H=4, T=48, D=32, seed=0):

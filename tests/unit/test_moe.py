@@ -20,8 +20,9 @@ from loom.cli import main
 from loom.config import load_config, validate
 from loom.errors import LoomError
 from loom.metrics import read_jsonl
-from loom.model import flops, moe_parallel
-from loom.model.moe import _CPU_GROUPED, MoE, MoEConfig, MoEGPT, grouped_mm, grouped_ok
+from loom.model import flops
+from loom.model.moe import moe_parallel
+from loom.model.moe.moe import _CPU_GROUPED, MoE, MoEConfig, MoEGPT, grouped_mm, grouped_ok
 
 # torch._grouped_mm has a CPU kernel from torch 2.13 (make test-oldest runs 2.11: the loop is all it has there)
 CPU_GROUPED = pytest.mark.skipif(not _CPU_GROUPED, reason="torch._grouped_mm runs on CPUs from torch 2.13")
@@ -439,9 +440,13 @@ def moe_args(*args: str) -> list[str]:
         (
             ["--model.family=llama", "--model.n_experts=4"],
             1,
-            "are for model.family=moe; the family is 'llama'",
+            "model.n_experts is for model.family=moe; the family is 'llama'",
         ),
-        (["--parallel.ep=2", "--parallel.dp_impl=ddp"], 2, "are for model.family=moe; the family is 'gpt2'"),
+        (
+            ["--parallel.ep=2", "--parallel.dp_impl=ddp"],
+            2,
+            "parallel.ep=2 is for a family with expert layers (moe); the family is 'gpt2'",
+        ),
         (moe_args("--model.moe_first_dense=2"), 1, "model.moe_first_dense=2 leaves no MoE layer among 2"),
         (
             moe_args("--model.moe_gemm=grouped", "--train.compile=true"),
@@ -555,7 +560,7 @@ def test_bench_moe_gemm_refuses_a_dense_model_and_unknown_gemms(capsys):
 def test_experts_compile_in_fp32():
     """Under torch.compile the grouped GEMM's meta function takes bf16 only: in fp32 auto takes the loop
     there (a compiled MoE run on a CPU stopped with 'Expected inputs of BF16 type'), the same numbers."""
-    from loom.model.moe import grouped_mm
+    from loom.model.moe.moe import grouped_mm
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(12, 16, generator=g), torch.randn(3, 8, 16, generator=g)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loom.config import Config
-from loom.model.gpt import GPT, GPTConfig
+from loom.model.gpt.gpt import GPT, GPTConfig
 from loom.optim.build import build_optimizer, muon_param_groups
 from loom.optim.muon import Muon, newton_schulz
 from loom.optim.schedule import lr_at

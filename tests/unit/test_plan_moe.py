@@ -17,8 +17,8 @@ from plankit import model_activation_bytes
 from loom.cli import main
 from loom.config import load_config
 from loom.errors import LoomError
-from loom.model.families import moe_config
-from loom.model.moe import MoEGPT
+from loom.model.moe.family import moe_config
+from loom.model.moe.moe import MoEGPT
 from loom.plan import PRESETS
 from loom.plan.report import build_parser, run_plan
 from loom.plan.shapes import resolve_model, shape_of_model
@@ -80,7 +80,7 @@ def test_routed_activations_match_a_measured_run():
     the experts' SwiGLU tensors, the router's scores, top-k weights and indices, a shared expert) within 2 %.
     The difference is compared: the dense model's own figure is test_plan.py's."""
     from loom.model import GPT
-    from loom.model.families import gpt_config
+    from loom.model.gpt.family import gpt_config
 
     over = MOE + ["--model.n_shared_experts=1", "--model.moe_first_dense=1", "--model.vocab_size=500"]
     moe_cfg, dense_cfg = load_config(None, over), load_config(None, [*over, "--model.n_experts=0"])
@@ -190,7 +190,7 @@ def test_plan_check_of_a_moe_preset_says_why_it_cannot_dry_run(capsys):
     assert main(argv) == 2
     out = capsys.readouterr()
     assert (
-        "loom plan --check dry-runs the planner's layouts, and the dry run cannot step a mixture of experts"
+        "loom plan --check dry-runs the planner's layouts, and the dry run cannot step qwen3-30b-a3b (model.family=moe)"
         in (out.err)
     )
     assert "leave out --check" in out.err and "gpt2" not in out.err and out.out == ""

@@ -13,7 +13,7 @@ from loom.config import load_config
 from loom.errors import LoomError
 from loom.generate import generate
 from loom.model import hf, registry
-from loom.model.gpt import GPT, GPTConfig
+from loom.model.gpt.gpt import GPT, GPTConfig
 
 
 def test_built_in_families_share_one_class_with_their_presets():

@@ -99,7 +99,7 @@ def test_sft_loss_is_the_global_batch_mean_over_trained_targets(sft):
 
 
 def test_a_packed_row_with_document_masks_equals_each_conversation_alone(sft):
-    from loom.model.gpt import GPT, GPTConfig
+    from loom.model.gpt.gpt import GPT, GPTConfig
 
     meta = read_meta(sft / "chat")
     eot = meta["tokenizer"]["eot_id"]

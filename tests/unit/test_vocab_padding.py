@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from loom.cli import main
 from loom.metrics import read_jsonl
 from loom.model import hf
-from loom.model.gpt import GPT, GPTConfig
+from loom.model.gpt.gpt import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'loom[hf]'")
 

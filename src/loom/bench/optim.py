@@ -53,7 +53,6 @@ def _family_config(vocab_size: int, n_layer: int, n_embd: int):
     """The gpt2 family's model config for this shape (heads of 64, biases, a 1024-token context)."""
     cfg = Config()
     for key, value in dict(
-        family="gpt2",
         vocab_size=vocab_size,
         n_layer=n_layer,
         n_head=n_embd // 64,
@@ -62,7 +61,7 @@ def _family_config(vocab_size: int, n_layer: int, n_embd: int):
         bias=True,
     ).items():
         setattr(cfg.model, key, value)
-    return get("gpt2").config(cfg, vocab_size)
+    return get(cfg.model.family).config(cfg, vocab_size)  # the default family: gpt2
 
 
 def gpt_config(n_params: int):
@@ -88,7 +87,7 @@ def gpt_config(n_params: int):
 def gpt_shapes(cfg) -> list[tuple[int, ...]]:
     """The shapes of the gpt2 family's distinct parameters (tied head once), without allocating them."""
     with torch.device("meta"):
-        return [tuple(p.shape) for p in get("gpt2").build(cfg).parameters()]
+        return [tuple(p.shape) for p in get(Config().model.family).build(cfg).parameters()]
 
 
 def bandwidth_gbps(n_params: int, seconds: float) -> float:

@@ -37,6 +37,7 @@ from loom import config, log
 from loom.data.loader import DeviceBatches
 from loom.errors import LoomError
 from loom.metrics import peak_memory_bytes
+from loom.model.registry import spec_of
 from loom.parallel.ac import MODES, activation_bytes
 
 FP8_MODES = ("off", "tensorwise", "rowwise")
@@ -331,7 +332,7 @@ def train_main(argv: list[str]) -> int:
         )
     key = next((k for k, v in given.items() if v), "ac")
     known, given = {"ac": MODES, "fp8": FP8_MODES, "moe_gemm": MOE_GEMMS}[key], given[key]
-    if key == "moe_gemm" and cfg.model.family != "moe":
+    if key == "moe_gemm" and not spec_of(cfg).expert_parallel:
         raise LoomError("--moe-gemm compares a mixture of experts' GEMMs", hint="set --model.family=moe")
     modes = (
         [m.strip() for m in given.split(",") if m.strip()] if given else [cfg.train.activation_checkpointing]

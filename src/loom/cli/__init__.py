@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage(), file=sys.stderr)
         return 2
     try:
-        if os.environ.get("LOOM_PLUGINS"):  # plug-in model families register before any config is read
+        # the model families (built-in, plug-in) register their presets and own keys before any config is
+        # read; loom plan and plot stay free of torch (plan's CONFIG.toml loads them: loom.plan.shapes)
+        if os.environ.get("LOOM_PLUGINS") or argv[0] not in ("plan", "plot"):
             from loom.model.registry import load_plugins
 
             load_plugins()

@@ -28,12 +28,14 @@ from loom.config.io import (
 from loom.config.layout import SHARDED, WRAPPERS, Derived, ParallelDims
 from loom.config.schema import (
     CHOICES,
+    FAMILY_SECTIONS,
     LIST_KEYS,
     PP_SCHEDULES,
     SCHEDULE_STAGES_PER_RANK,
     Config,
     DataConfig,
     EvalConfig,
+    FamilySection,
     FinetuneConfig,
     MetricsConfig,
     ModelConfig,
@@ -43,12 +45,14 @@ from loom.config.schema import (
     RunConfig,
     TrainConfig,
     all_keys,
+    family_key,
 )
 from loom.config.validate import check_model_config, check_saved_config, check_tp_heads, validate
 
 __all__ = [
     "CHOICES",
     "FAMILIES",
+    "FAMILY_SECTIONS",
     "LIST_KEYS",
     "PP_SCHEDULES",
     "SCHEDULE_STAGES_PER_RANK",
@@ -58,6 +62,7 @@ __all__ = [
     "DataConfig",
     "Derived",
     "EvalConfig",
+    "FamilySection",
     "FinetuneConfig",
     "MetricsConfig",
     "ModelConfig",
@@ -78,6 +83,7 @@ __all__ = [
     "config_from_dict",
     "diff_configs",
     "explicit_keys",
+    "family_key",
     "help_text",
     "load_config",
     "load_toml",

@@ -6,13 +6,22 @@ records back into a Config (`config_from_dict`), and the text of `loom train --h
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from loom.config.schema import CHOICES, LIST_KEYS, Config, all_keys, section_types
+from loom.config.schema import (
+    CHOICES,
+    FAMILY_SECTIONS,
+    LIST_KEYS,
+    Config,
+    ModelConfig,
+    all_keys,
+    section_types,
+)
 from loom.errors import LoomError
 
 if sys.version_info >= (3, 11):
@@ -73,6 +82,9 @@ def set_key(cfg: Config, key: str, value: Any, from_text: bool = False) -> None:
         raise LoomError(f"unknown config section '{section}'", hint=_suggest(section, list(section_types())))
     sub = getattr(cfg, section)
     names = [f.name for f in fields(sub)]
+    if section == "model" and name not in names:
+        _set_family_key(cfg.model, name, value, from_text)
+        return
     if name not in names:
         raise LoomError(
             f"unknown config key '{key}'", hint=_suggest(key, [f"{section}.{n}" for n in names] + all_keys())
@@ -80,6 +92,32 @@ def set_key(cfg: Config, key: str, value: Any, from_text: bool = False) -> None:
     value = _coerce(key, value, getattr(sub, name), from_text)
     check_choice(key, value)
     setattr(sub, name, value)
+
+
+def _family_keys() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Every registered family's own keys: name -> (its family, its field)."""
+    return {
+        f.name: (family, f)
+        for family, section in FAMILY_SECTIONS.items()
+        if section.keys is not None
+        for f in fields(section.keys)
+    }
+
+
+def _set_family_key(m: ModelConfig, name: str, value: Any, from_text: bool) -> None:
+    """model.<name>, a family's own key: set on the model's family_keys when its family has it; else kept
+    until apply_family knows the family (a TOML's keys come in any order, model.family among them)."""
+    own = m.__dict__.get("family_keys")
+    if own is not None and name in own.__dataclass_fields__:
+        setattr(own, name, _coerce(f"model.{name}", value, getattr(own, name), from_text))
+        return
+    known = _family_keys()
+    if name not in known:
+        hint = _suggest(f"model.{name}", [f"model.{n}" for n in known] + all_keys())
+        if not hint and not FAMILY_SECTIONS:  # no family registered yet: nothing to compare with
+            hint = "a family's own keys are known once loom.model (or the plug-in) has registered it"
+        raise LoomError(f"unknown config key 'model.{name}'", hint=hint)
+    m.__dict__.setdefault("pending", {})[name] = (value, from_text)
 
 
 def check_choice(key: str, value: Any) -> None:
@@ -165,21 +203,45 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-# model.family presets: the model keys each family sets, unless the TOML or the command line sets them.
-# The built-in families' are here so that a config parses without the model package; a plug-in family adds
-# its own when it registers (loom.model.registry.register).
-FAMILIES: dict[str, dict[str, Any]] = {
-    "gpt2": {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "tie_embeddings": True},
-    "llama": {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False, "bias": False},
-}
-FAMILIES["moe"] = {**FAMILIES["llama"], "n_experts": 8}
+# model.family presets: the model keys each family sets, unless the TOML or the command line sets them. Every
+# family's comes from its registration (loom.model.registry.register, a plug-in's too), with its own keys
+# (FAMILY_SECTIONS): the config layer never imports the model package. The default family's preset is the
+# defaults, so a config of it parses before any family is registered.
+FAMILIES: dict[str, dict[str, Any]] = {}
 
 
 def apply_family(cfg: Config, explicit: set[str]) -> None:
-    """Set model.family's preset keys, except those in `explicit` ('model.pos', ...: set by the user)."""
-    for k, v in FAMILIES[cfg.model.family].items():
+    """Set model.family's preset keys, except those in `explicit` ('model.pos', ...: set by the user), after
+    giving the model section its family's own keys (their defaults, then the values a TOML or an override
+    set). A key of another family is refused unless it holds that key's default (the config.toml of a run
+    saved before families owned their keys has every family's)."""
+    m = cfg.model
+    section = FAMILY_SECTIONS.get(m.family)
+    if section is None and m.family != Config().model.family:
+        raise LoomError(
+            f"model.family={m.family} is not a registered family ({', '.join(FAMILIES) or 'none loaded'})",
+            hint="import loom.model first (loom's commands do: it registers the built-in families); a plug-in "
+            "family is loaded by naming its module in LOOM_PLUGINS",
+        )
+    m.family = m.family  # its own keys (ModelConfig.__setattr__), had the family registered after it was set
+    for k, v in FAMILIES.get(m.family, {}).items():
         if f"model.{k}" not in explicit:
-            setattr(cfg.model, k, v)
+            setattr(m, k, v)
+    for name, (value, from_text) in m.__dict__.pop("pending", {}).items():
+        _pending_key(m, name, value, from_text)
+
+
+def _pending_key(m: ModelConfig, name: str, value: Any, from_text: bool) -> None:
+    own = m.__dict__.get("family_keys")
+    if own is not None and name in own.__dataclass_fields__:
+        setattr(own, name, _coerce(f"model.{name}", value, getattr(own, name), from_text))
+        return
+    family, f = _family_keys()[name]
+    if _coerce(f"model.{name}", value, f.default, from_text) != f.default:
+        raise LoomError(
+            f"model.{name} is for model.family={family}; the family is '{m.family}'",
+            hint=f"set model.family={family}, or leave model.{name} unset",
+        )
 
 
 def _keys(data: dict[str, Any]) -> set[str]:
@@ -251,9 +313,9 @@ def diff_configs(a: Config, b: Config, sections: tuple[str, ...] | None = None) 
     for s in da:
         if sections and s not in sections:
             continue
-        for k in da[s]:
-            if da[s][k] != db[s][k]:
-                out.append(f"{s}.{k}: {da[s][k]!r} -> {db[s][k]!r}")
+        for k in [*da[s], *(k for k in db[s] if k not in da[s])]:  # a family's own keys: in one of them only
+            if da[s].get(k) != db[s].get(k):
+                out.append(f"{s}.{k}: {da[s].get(k)!r} -> {db[s].get(k)!r}")
     return out
 
 
@@ -265,4 +327,9 @@ def help_text() -> str:
         for f in fields(getattr(cfg, s)):
             d = getattr(getattr(cfg, s), f.name)
             rows.append(f"  {s}.{f.name} = {d!r}\n      {f.metadata.get('doc', '')}")
+    for family, section in FAMILY_SECTIONS.items():  # each family's own keys, under it
+        if section.keys is not None:
+            rows.append(f"[model] keys of model.family={family}")
+            for f in fields(section.keys):
+                rows.append(f"  model.{f.name} = {f.default!r}\n      {f.metadata.get('doc', '')}")
     return "\n".join(rows)

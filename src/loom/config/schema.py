@@ -6,8 +6,35 @@ the checks: loom.config.validate; the layout a config resolves to: loom.config.l
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+
+def family_key(default: Any, doc: str, **bounds: Any):
+    """A field of a family's own config section (ModelSpec.keys), as `_f`; `choices` (a tuple) lists the values
+    it takes (validate checks them)."""
+    return field(default=default, metadata={"doc": doc, **bounds})
+
+
+def _field_names(obj: Any) -> set[str]:
+    return set(obj.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class FamilySection:
+    """What the config layer knows of a model family (loom.model.registry.register fills FAMILY_SECTIONS: the
+    config never imports the model package): its preset of model keys, its own keys' dataclass (None: none),
+    its rules (run by validate) and whether it has expert layers (parallel.ep)."""
+
+    preset: dict[str, Any]
+    keys: type | None = None
+    check: Callable[[Any], None] | None = None
+    experts: bool = False
+
+
+# model.family -> its section, one per registered family (built-in ones when loom.model is imported)
+FAMILY_SECTIONS: dict[str, FamilySection] = {}
 
 
 def _f(default: Any, doc: str, **bounds: Any):
@@ -95,8 +122,9 @@ class ModelConfig:
     family: str = _f(
         "gpt2",
         "Preset of the options below: gpt2 (learned positions, LayerNorm, GELU, tied head) | llama (pos=rope, "
-        "norm=rmsnorm, mlp=swiglu, tie_embeddings=false, bias=false) | moe (llama's, with n_experts=8 routed "
-        "experts in the MLPs: the moe_* keys). A key set explicitly overrides the preset.",
+        "norm=rmsnorm, mlp=swiglu, tie_embeddings=false, bias=false) | moe (llama's, with routed experts in "
+        "the MLPs: its own keys, listed under it below) | a plug-in family. A key set explicitly overrides "
+        "the preset.",
     )
     pos: str = _f("learned", "Positions: learned (a table of block_size vectors, gpt2) | rope (rotary).")
     rope_theta: float = _f(
@@ -129,35 +157,37 @@ class ModelConfig:
     )
     qk_norm: bool = _f(False, "RMSNorm of each query and key head before RoPE (OLMo 2, Qwen 3, nanochat).")
     tie_embeddings: bool = _f(True, "The LM head shares the token embedding's weights (gpt2); false: own.")
-    n_experts: int = _f(
-        0,
-        "model.family=moe: routed SwiGLU experts per MoE layer (the family's preset: 8); 0: dense.",
-        ge=0,
-    )
-    moe_top_k: int = _f(2, "MoE: experts each token is routed to (at most n_experts).", ge=1)
-    moe_every: int = _f(1, "MoE: every k-th layer after the first dense ones is a MoE layer.", ge=1)
-    moe_first_dense: int = _f(0, "MoE: the first layers keep a dense MLP (DeepSeek-V3: 3).", ge=0)
-    n_shared_experts: int = _f(0, "MoE: shared experts every token passes through (DeepSeek: 1).", ge=0)
-    moe_ffn_hidden: int = _f(
-        0, "MoE: an expert's hidden width; 0: the dense MLP's (ffn_hidden's rule).", ge=0
-    )
-    moe_score: str = _f("softmax", "MoE router scores: softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3).")
-    moe_aux_loss_coef: float = _f(
-        0.0,
-        "MoE: weight of the sequence-wise load-balancing loss (Switch/GShard form; ~1e-3 to 1e-2); 0: none.",
-        ge=0,
-    )
-    moe_bias_update_rate: float = _f(
-        0.0,
-        "MoE: DeepSeek-V3's auxiliary-loss-free balancing: each step every expert's routing bias moves by this "
-        "towards the mean load (~1e-3); 0: none.",
-        ge=0,
-    )
-    moe_gemm: str = _f(
-        "auto",
-        "MoE experts' matmuls: auto (one grouped GEMM where torch._grouped_mm runs, else a loop) | grouped | "
-        "loop.",
-    )
+
+    # A family's own keys (ModelSpec.keys: model.n_experts for moe, ...) live on `family_keys`, an instance of
+    # the family's dataclass that config.io.apply_family makes; they read and write as model.<key> all the same.
+    def __getattr__(self, name: str) -> Any:
+        own = self.__dict__.get("family_keys")
+        if own is not None and not name.startswith("__") and name in _field_names(own):
+            return getattr(own, name)
+        raise AttributeError(f"model.{name} is no key of model.family={self.__dict__.get('family')}")
+
+    def __eq__(self, other: object) -> bool:  # the family's keys too
+        return isinstance(other, ModelConfig) and self.__dict__ == other.__dict__
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        own = self.__dict__.get("family_keys")
+        if own is not None and name in _field_names(own):
+            setattr(own, name, value)
+            return
+        object.__setattr__(self, name, value)
+        if name == "family":  # another family: its own keys at their defaults (apply_family sets the rest)
+            section = FAMILY_SECTIONS.get(value)
+            keys = section.keys if section is not None else None
+            if own is not None and not (keys and isinstance(own, keys)):
+                # the other family's keys set away from their defaults wait for apply_family, which refuses them
+                pending = self.__dict__.setdefault("pending", {})
+                for f in dataclasses.fields(own):
+                    if getattr(own, f.name) != f.default:
+                        pending.setdefault(f.name, (getattr(own, f.name), False))
+            if keys is None:
+                self.__dict__.pop("family_keys", None)
+            elif not isinstance(own, keys):
+                self.__dict__["family_keys"] = keys()
 
 
 @dataclass
@@ -478,7 +508,12 @@ class Config:
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Every section's keys; the model section's include its family's own keys (config.toml saves them)."""
+        d = dataclasses.asdict(self)
+        own = self.model.__dict__.get("family_keys")
+        if own is not None:
+            d["model"].update(dataclasses.asdict(own))
+        return d
 
 
 # Pipeline schedules, the one table: parallel.pp_schedule -> (its class in torch.distributed.pipelining, stages

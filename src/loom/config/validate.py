@@ -15,6 +15,7 @@ from typing import Any
 from loom.config.layout import SHARDED, Derived, ParallelDims
 from loom.config.schema import (
     _LR,
+    FAMILY_SECTIONS,
     SCHEDULE_STAGES_PER_RANK,
     Config,
     ModelConfig,
@@ -37,7 +38,7 @@ def validate(
     _check_cp(cfg, dp_impl or cfg.parallel.dp_impl)
     dp = _check_mesh(cfg, world)
     impl = _resolve_dp_impl(cfg, world, dp, dp_impl)
-    _check_moe(cfg, dp, impl)
+    _check_family(cfg, dp, impl)
     _check_fp8(cfg)
     _check_eval(cfg)
     _check_lora(cfg)
@@ -49,56 +50,20 @@ def validate(
     )
 
 
-def _check_moe(cfg: Config, dp: int, dp_impl: str) -> None:
-    """Mixture-of-experts keys and expert parallelism: the family, k of E, ep over the data-parallel x cp ranks,
-    and what the balance loss and the expert split compose with."""
+def _check_family(cfg: Config, dp: int, dp_impl: str) -> None:
+    """The family's own rules (its registration's check: a MoE's k of E, ...), then expert parallelism: only a
+    family with expert layers takes parallel.ep, over the data-parallel x cp ranks, with ddp, fsdp or zero2."""
     m, p = cfg.model, cfg.parallel
-    if m.family != "moe":
-        if m.n_experts or p.ep > 1:
-            raise LoomError(
-                f"model.n_experts / parallel.ep are for model.family=moe; the family is '{m.family}'",
-                hint="set model.family=moe (a Llama-shaped model with routed experts), or leave them unset",
-            )
-        return
-    if m.n_experts < 1:
-        raise LoomError("model.family=moe needs model.n_experts >= 1", hint="e.g. model.n_experts=8")
-    if m.moe_top_k > m.n_experts:
-        raise LoomError(
-            f"model.moe_top_k={m.moe_top_k} is more than model.n_experts={m.n_experts}",
-            hint=f"route each token to at most {m.n_experts} experts",
-        )
-    if m.moe_first_dense >= m.n_layer:
-        raise LoomError(
-            f"model.moe_first_dense={m.moe_first_dense} leaves no MoE layer among {m.n_layer}",
-            hint=f"use moe_first_dense < {m.n_layer}",
-        )
-    for key, choices in (("moe_score", ("softmax", "sigmoid")), ("moe_gemm", ("auto", "grouped", "loop"))):
-        if getattr(m, key) not in choices:
-            raise LoomError(f"model.{key} must be one of {', '.join(choices)}; got '{getattr(m, key)}'")
-    if m.moe_gemm == "grouped" and cfg.train.compile and cfg.precision.dtype in ("fp32", "fp16"):
-        raise LoomError(
-            f"model.moe_gemm=grouped with train.compile in {cfg.precision.dtype}: the grouped GEMM compiles in "
-            "bf16 only (its meta function refuses other types)",
-            hint="use model.moe_gemm=auto (the loop where grouped cannot run), or precision.dtype=bf16",
-        )
-    if m.moe_aux_loss_coef and p.pp > 1:
-        raise LoomError(
-            "model.moe_aux_loss_coef > 0 is not supported with pipeline parallel (the balance loss of earlier "
-            "stages cannot join the last stage's loss)",
-            hint="balance with model.moe_bias_update_rate (DeepSeek-V3's auxiliary-loss-free way) instead",
-        )
-    if m.moe_aux_loss_coef and p.cp > 1:
-        raise LoomError(
-            "model.moe_aux_loss_coef > 0 is not supported with context parallel (the loss is per sequence, and "
-            "each cp rank holds a part of each)",
-            hint="balance with model.moe_bias_update_rate instead",
-        )
+    section = FAMILY_SECTIONS.get(m.family)
+    if section is not None and section.check is not None:
+        section.check(cfg)
     if p.ep == 1:
         return
-    if m.n_experts % p.ep:
+    if section is None or not section.experts:
+        experts = ", ".join(f for f, s in FAMILY_SECTIONS.items() if s.experts) or "none registered"
         raise LoomError(
-            f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts} (each rank holds whole experts)",
-            hint="pick ep among the divisors of n_experts: " + _divisors(m.n_experts),
+            f"parallel.ep={p.ep} is for a family with expert layers ({experts}); the family is '{m.family}'",
+            hint="set model.family=moe (a Llama-shaped model with routed experts), or leave parallel.ep=1",
         )
     if (dp * p.cp) % p.ep:
         raise LoomError(
@@ -210,9 +175,12 @@ def _check_fields(cfg: Config) -> None:
     """Every field against its bounds (read from its metadata; floats also against nan and inf, which TOML and
     float() accept), then the rules between two fields."""
     sections = {s: getattr(cfg, s) for s in section_types()}
-    for s, sub in sections.items():
+    own = cfg.model.__dict__.get("family_keys")  # the family's own keys: model.<key> too
+    for s, sub in [*sections.items(), *([("model", own)] if own is not None else [])]:
         for f in fields(sub):
             key, v = f"{s}.{f.name}", getattr(sub, f.name)
+            if "choices" in f.metadata and v not in f.metadata["choices"]:
+                raise LoomError(f"{key} must be one of {', '.join(f.metadata['choices'])}; got '{v}'")
             if isinstance(v, float) and not math.isfinite(v):
                 raise LoomError(f"{key} must be a finite number, got {v}")
             if not _within(v, f.metadata):
@@ -528,6 +496,15 @@ def check_saved_config(saved: dict, cfg: Config, source: str, hint: str, *, infe
 def _differing(section: str, saved: dict, mine: dict, compared) -> list[tuple[str, object, object]]:
     """(section.key, saved value, config value) of each compared key that differs; a key the save lacks (newer
     than it) counts as its default."""
-    defaults = Config().to_dict()[section]
+    defaults = {**Config().to_dict()[section], **(_family_defaults(mine) if section == "model" else {})}
     saved = {**defaults, **{k: v for k, v in saved.items() if k in defaults}}
     return [(f"{section}.{k}", saved[k], v) for k, v in mine.items() if compared(k) and saved[k] != v]
+
+
+def _family_defaults(model: dict) -> dict:
+    """The defaults of the own keys of `model`'s family (a dict of the model section): what a save that
+    predates one of them counts as."""
+    section = FAMILY_SECTIONS.get(model.get("family"))
+    if section is None or section.keys is None:
+        return {}
+    return {f.name: f.default for f in fields(section.keys)}

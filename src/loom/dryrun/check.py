@@ -26,18 +26,11 @@ def shape_overrides(shape, wl) -> list[str]:
         "tie_embeddings": str(shape.tie_embeddings).lower(),
         "qk_norm": str(shape.qk_norm).lower(),
     }
-    # the moe family with the shape's experts (without it, the gpt2 family refused parallel.ep)
-    if shape.is_moe:
-        m = {
-            "family": "moe",
-            **m,
-            "n_experts": shape.n_experts,
-            "moe_top_k": shape.top_k,
-            "moe_every": shape.moe_every,
-            "moe_first_dense": shape.first_dense,
-            "n_shared_experts": shape.n_shared,
-            "moe_ffn_hidden": shape.expert_hidden,
-        }
+    # the shape's family with its own keys (a MoE's experts: without them, gpt2 refused parallel.ep)
+    if shape.family:
+        from loom.model.registry import get
+
+        m = {"family": shape.family, **m, **get(shape.family).shape_keys(shape)}
     dtype = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "bf16"}[
         wl.precision.name
     ]
@@ -73,15 +66,19 @@ def plan_check(model: str | None, shape, cluster, wl, cands, gpu: str = "H100") 
 
 
 def check_checkable(shape) -> None:
-    """`loom plan --check` of a shape the dry run cannot step (a mixture of experts: layout.NO_MOE) is refused
-    before the plan is printed: the check it asked for could not follow."""
-    if shape.is_moe:
-        from loom.dryrun.layout import NO_MOE
+    """`loom plan --check` of a shape the dry run cannot step (its family's ModelSpec.no_dry_run: a mixture of
+    experts) is refused before the plan is printed: the check it asked for could not follow."""
+    if not shape.family:
+        return
+    from loom.model.registry import get
+
+    why = get(shape.family).no_dry_run
+    if why:
         from loom.errors import LoomError
 
         raise LoomError(
-            f"loom plan --check dry-runs the planner's layouts, and the dry run cannot step a mixture of experts "
-            f"({shape.name}): {NO_MOE}",
+            f"loom plan --check dry-runs the planner's layouts, and the dry run cannot step {shape.name} "
+            f"(model.family={shape.family}): {why}",
             hint="leave out --check for the planner's estimate (its expert memory and all-to-all assume a "
             "balanced router), or measure the layout on the devices",
         )

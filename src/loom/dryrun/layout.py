@@ -46,13 +46,6 @@ def pipeline_supported() -> bool:
     return compat.pipeline_static_shapes_supported()
 
 
-# why a mixture of experts cannot be dry-run (check_layout; loom plan --check, loom.dryrun.check)
-NO_MOE = (
-    "the dry run's tensors hold no values, and a mixture of experts' routing decides the experts' shapes from "
-    "them (how many tokens each expert takes: loom.model.moe's bincount)"
-)
-
-
 def check_layout(cfg: Config, target: Target) -> ParallelDims:
     """Every rule a real job runs on its layout before anything else (loom.train.job_dims: config.validate on
     the launcher's world, then the warning for collectives that cross nodes), as rank 0 of `target.world`."""
@@ -69,10 +62,13 @@ def check_layout(cfg: Config, target: Target) -> ParallelDims:
             hint="dry-run with optim.name=adamw (Muon's state: one momentum buffer per matrix, AdamW's "
             "two for the rest)",
         )
-    if cfg.model.family == "moe":
+    from loom.model.registry import spec_of
+
+    why = spec_of(cfg).no_dry_run  # the family's reason it cannot be stepped without values (a MoE's routing)
+    if why:
         raise LoomError(
-            f"model.family=moe: {NO_MOE}",
-            hint="estimate a MoE layout with loom plan --model CONFIG.toml (its expert memory and all-to-all "
+            f"model.family={cfg.model.family}: {why}",
+            hint="estimate the layout with loom plan --model CONFIG.toml (a MoE's expert memory and all-to-all "
             "assume a balanced router), or measure it on the devices",
         )
     if dims.pp > 1 and not pipeline_supported():
@@ -167,7 +163,7 @@ def ranks_to_measure(cfg: Config, dims: ParallelDims, vocab: int) -> list[tuple[
         roles[last] = [last]
     ranks = [(s * per_stage, sorted(set(stood))) for s, stood in sorted(roles.items())]
     mcfg = spec_of(cfg).config(cfg, vocab)
-    if dims.tp > 1 and getattr(mcfg, "padded_vocab", 0) != getattr(mcfg, "vocab_size", -1):
+    if dims.tp > 1 and mcfg.padded_vocab != mcfg.vocab_size:
         ranks.append((last * per_stage + dims.tp - 1, [last]))
     return ranks
 

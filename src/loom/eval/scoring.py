@@ -149,7 +149,7 @@ class _Generation:
         self.scorer, self.idx, self.decode, self.until = scorer, idx, decode, until
         self.max_new, self.temperature, self.g = max_new, temperature, g
         model, B = scorer.model, idx.size(0)
-        self.cache = model.kv_cache(B, idx.size(1) + max_new) if hasattr(model, "kv_cache") else None
+        self.cache = model.kv_cache(B, idx.size(1) + max_new)  # every family's model has one (FamilyModel)
         self.new: list[list[int]] = [[] for _ in range(B)]
         self.done = [False] * B
         self.steps = 0

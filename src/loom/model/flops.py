@@ -10,7 +10,7 @@ width cfg.ffn_width; the attention products are the same whatever K (each query 
 
 from __future__ import annotations
 
-from loom.model.gpt import GPTConfig
+from loom.model.gpt.gpt import GPTConfig
 
 
 def _block_matrices(cfg: GPTConfig) -> int:

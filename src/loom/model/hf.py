@@ -31,8 +31,8 @@ import torch
 
 from loom import log
 from loom.errors import LoomError
-from loom.model import hf_llama, hf_moe
-from loom.model.gpt import GPT, GPTConfig
+from loom.model.gpt import hf_llama
+from loom.model.gpt.gpt import GPT, GPTConfig
 from loom.model.hf_io import (  # noqa: F401 (the names other modules read from hf)
     _SHAPE_KEYS,
     EOT,
@@ -44,6 +44,7 @@ from loom.model.hf_io import (  # noqa: F401 (the names other modules read from 
     read_hf_weights,
     write_tokenizer,
 )
+from loom.model.moe import hf_moe
 
 # GPTConfig fields with a GPT-2 equivalent; any other field must keep its default to be exportable.
 _GPT2_FIELDS = {

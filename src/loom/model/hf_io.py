@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from loom.errors import LoomError
-from loom.model import hf_llama
+from loom.model.gpt import hf_llama
 
 EOT = "<|endoftext|>"
 # The architectures loom imports: config.json's model_type -> its transformers class.

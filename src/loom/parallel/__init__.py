@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from loom import log
 from loom.config.layout import ParallelDims
+from loom.errors import LoomError
 from loom.model.lora import lora_scaling, merge_lora_state
 from loom.model.registry import ModelSpec
 from loom.optim.build import build_optimizer, param_groups
@@ -116,10 +117,9 @@ class Parallelized:
         return total / (self.dims.dp * self.dims.cp * self.dims.tp)  # cp ranks: means of equal token counts
 
     def after_step(self, update: bool) -> dict:
-        """The family's work after an optimizer step (its plan's `after_step`, if any: a MoE moves its balance
-        bias by the global batch's expert load), and the figures it reports for metrics.jsonl."""
-        hook = getattr(self.plan, "after_step", None)
-        return hook(self.model, self.all_reduce_sum, update) if hook is not None else {}
+        """The family's work after an optimizer step (its spec's `after_step`: a MoE moves its balance bias by
+        the global batch's expert load), and the figures it reports for metrics.jsonl."""
+        return self.spec.after_step(self.model, self.all_reduce_sum, update)
 
     def refresh_fp8_scales(self) -> None:
         """FSDP's float8 all-gather: the weight scales of the next forward, from the weights as they are now
@@ -259,14 +259,23 @@ def _tensor(w: _Work) -> None:
 
 
 def _context(w: _Work) -> None:
+    """Context parallel: ring attention in the family's `attn.context` slot, or Ulysses' all-to-alls around
+    q/k/v/o; the family's position table (ModelSpec.position_table; None: RoPE) offset to this rank's chunk."""
+    spec, group = w.par.spec, w.mesh["cp"].get_group()
     if w.cfg.parallel.cp_impl == "ring":
         from loom.parallel.ring import Ring, apply_ring
 
-        apply_ring(w.model, w.plan.blocks(w.model), Ring(w.mesh["cp"].get_group()))
+        if not spec.ring_attention:
+            raise LoomError(
+                f"parallel.cp_impl=ring needs an attention with a `context` slot; model.family={spec.name} has none",
+                hint="use parallel.cp_impl=ulysses (it hooks only q/k/v/o_proj)",
+            )
+        apply_ring(w.model, w.plan.blocks(w.model), Ring(group), spec.position_table(w.model))
     else:
         from loom.parallel.context import apply_ulysses
 
-        apply_ulysses(w.model, w.plan.blocks(w.model), w.mesh["cp"].get_group(), w.dims.cp_rank)
+        wpe, doc_mask = spec.position_table(w.model), w.cfg.data.doc_mask
+        apply_ulysses(w.model, w.plan.blocks(w.model), group, w.dims.cp_rank, wpe, doc_mask)
 
 
 def _expert(w: _Work) -> None:
@@ -274,7 +283,7 @@ def _expert(w: _Work) -> None:
     from loom.parallel.expert import apply_ep, build_ep_mesh
 
     w.par.ep_mesh = build_ep_mesh(w.dims, w.device.type)
-    w.par.expert_layers = w.plan.expert_layers(w.model)
+    w.par.expert_layers = w.par.spec.expert_layers(w.model)
     apply_ep(w.par.expert_layers, w.par.ep_mesh)
 
 
@@ -314,7 +323,7 @@ def _fsdp(w: _Work) -> None:
     if dims.ep_enabled:  # first: the blocks' and roots' FSDP then leave the experts' weights alone
         from loom.parallel.expert import shard_experts
 
-        layers = [m for root in w.roots for m in w.plan.expert_layers(root)]  # this rank's stages
+        layers = [m for root in w.roots for m in w.par.spec.expert_layers(root)]  # this rank's stages
         shard_experts(layers, w.par.ep_mesh, reshard_after_forward=reshard, mp_policy=mp)
         w.par.expert_sync = True
     apply_fsdp(w.roots, w.plan.blocks, dp_mesh, reshard, mp, p.cpu_offload, w.device)

@@ -72,9 +72,18 @@ class HeadToSeq(torch.autograd.Function):
         return seq_to_head(grad.contiguous(), ctx.group), None
 
 
-def apply_ulysses(model: nn.Module, blocks: list[nn.Module], group, cp_rank: int) -> None:
+def apply_ulysses(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    group,
+    cp_rank: int,
+    wpe: nn.Module | None = None,
+    doc_mask: bool = False,
+) -> None:
     """Hook Ulysses' all-to-alls around the attention of every block of `model` (the family's blocks, each
-    with attn.q_proj/k_proj/v_proj/o_proj), and offset learned positions (model.wpe) by this rank's chunk."""
+    with attn.q_proj/k_proj/v_proj/o_proj), and offset the learned positions' table `wpe` (the family's
+    ModelSpec.position_table; None: RoPE) by this rank's chunk. doc_mask (data.doc_mask): the model finds its
+    documents in the whole sequence."""
     for block in blocks:
         attn = block.attn
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
@@ -83,10 +92,9 @@ def apply_ulysses(model: nn.Module, blocks: list[nn.Module], group, cp_rank: int
         attn.o_proj.register_forward_pre_hook(
             lambda mod, args: (HeadToSeq.apply(args[0], group), *args[1:]), prepend=True
         )
-    wpe = getattr(model, "wpe", None)
     if wpe is not None:
         wpe.register_forward_pre_hook(lambda mod, args: (chunk_positions(args[0], group, cp_rank),))
-    if getattr(getattr(model, "cfg", None), "doc_mask", False):  # data.doc_mask: documents of whole sequences
+    if doc_mask:  # documents of whole sequences
         local_documents = model.documents
         model.documents = lambda idx: local_documents(gather_sequence(idx, group))
 

@@ -119,7 +119,7 @@ def convert(model: nn.Module, pcfg, fsdp: bool) -> list[str]:
     # the model's own marks on its linears (GPT's residual_scale for init, the head's vocab_size), which the
     # swap would drop: a meta-built model is initialised after this, by name and by these marks
     marks = {n: _marks(model.get_submodule(n)) for n in names}
-    head = getattr(model, "lm_head", None)
+    head = model.lm_head  # every family has one (registry.FamilyModel)
     float8.convert_to_float8_training(
         model, module_filter_fn=lambda m, n: keep(m, n) and m is not head, config=config
     )
@@ -221,7 +221,7 @@ def _high_precision_linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A Float8Linear's plain linear (the head's with its padding mask, as the plain head does)."""
     out = F.linear(_dequantized(x), _dequantized(mod.weight), mod.bias)
     if getattr(mod, "mask_padding", False):
-        from loom.model.gpt import mask_padding_
+        from loom.model.vocab import mask_padding_
 
         mask_padding_(out, mod.vocab_size)
     return out

@@ -34,7 +34,7 @@ kernel returning the log-sum-exp, FlashAttention's, would hold less still: not u
 (bf16 autocast too), plain torch matmuls; grouped-query attention groups the query heads over the K key/value
 heads that travel. Under torch.compile the ring runs eagerly (torch.compiler.disable: point-to-point sends are
 not traced), the rest of each block compiled. Applied from outside the model through the attention's
-`context` (model/gpt.py): the positions RoPE turns each token by, and the attention itself; learned positions
+`context` (model/gpt/gpt.py): the positions RoPE turns each token by, and the attention itself; learned positions
 through the position table's input, as Ulysses does (loom.parallel.context).
 """
 
@@ -45,7 +45,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from loom.data.loader import seq_positions
-from loom.errors import LoomError
 
 
 class Pending:
@@ -224,7 +223,7 @@ class RingAttention(torch.autograd.Function):
 
 
 class RingContext:
-    """What the model's attention asks of context parallel (CausalSelfAttention.context, model/gpt.py): the
+    """What the model's attention asks of context parallel (CausalSelfAttention.context, model/gpt/gpt.py): the
     places of this rank's tokens in the whole sequence, and ring attention around `ring` (a Ring)."""
 
     def __init__(self, ring):
@@ -239,19 +238,12 @@ class RingContext:
         return RingAttention.apply(q, k, v, self.ring)
 
 
-def apply_ring(model: nn.Module, blocks: list[nn.Module], ring) -> None:
-    """Give the attention of every block of `model` ring attention around `ring` (Ring(cp group); each attn
-    must have a `context` attribute, as loom's GPT has), and the position table (model.wpe) the zigzag
-    positions of this rank's tokens."""
+def apply_ring(model: nn.Module, blocks: list[nn.Module], ring, wpe: nn.Module | None = None) -> None:
+    """Give the attention of every block of `model` ring attention around `ring` (Ring(cp group); each attn has
+    a `context` slot, ModelSpec.ring_attention: loom's GPT's), and the position table `wpe` (the family's
+    ModelSpec.position_table; None: RoPE) the zigzag positions of this rank's tokens."""
     ctx = RingContext(ring)
     for block in blocks:
-        if not hasattr(block.attn, "context"):
-            raise LoomError(
-                "parallel.cp_impl=ring needs an attention with a `context` hook; "
-                f"{type(block.attn).__name__} has none",
-                hint="use parallel.cp_impl=ulysses (it hooks only q/k/v/o_proj)",
-            )
         block.attn.context = ctx
-    wpe = getattr(model, "wpe", None)
     if wpe is not None:  # training starts at 0: positions 0 .. T-1 become the chunk's
         wpe.register_forward_pre_hook(lambda mod, args: (ctx.positions(args[0].numel(), args[0].device),))

@@ -10,7 +10,7 @@ which has the same total and another split.
 
 Activations — in the spirit of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models", eq. 1: what one layer saves for backward, s·b·h units), but tensor by tensor as loom's Block
-(model/gpt.py) saves them under autocast on a GPU, checked against the dry run (loom.dryrun, torch's memory
+(model/gpt/gpt.py) saves them under autocast on a GPU, checked against the dry run (loom.dryrun, torch's memory
 tracker on the real code path; tests/unit/test_plan_vs_dryrun.py). s sequence length, b micro-batch, h width,
 F the MLP's hidden width, t tensor-parallel degree; e the compute dtype's bytes (2 under 16-bit autocast):
   * the two norms' inputs, as fp32 copies under autocast (CUDA's autocast runs norms in fp32) and the norms'
@@ -26,7 +26,7 @@ F the MLP's hidden width, t tensor-parallel degree; e the compute dtype's bytes 
   * the MLP's hidden tensors, /t: SwiGLU's gate and up outputs, silu's output and the product; GELU's two;
   * dropout masks (m bytes an element) when dropout > 0; with eager attention the s×s scores (Korthikanti's
     5as²b at m = 1, e = 2).
-A MoE layer (the moe family, model/moe.py) keeps its attention's tensors as above and, in place of the MLP's,
+A MoE layer (the moe family, model/moe/moe.py) keeps its attention's tensors as above and, in place of the MLP's,
 the routed tokens' (N = s·b tokens, k = top_k, H the expert width, E experts): the k copies of each token's
 hidden state the experts read and the k outputs the weighted sum reads (2·e·N·k·C), the experts' hidden tensors
 as SwiGLU's (4·e·N·k·H), the router's fp32 input (4·N·C under autocast) and scores (4·N·E), the top-k

@@ -1,12 +1,12 @@
 """Model shapes for planning: presets, a config file's [model] section, or a bare parameter count.
 
 Pure arithmetic, no torch: `loom plan` answers in milliseconds on a laptop. The block is loom's transformer
-block (model/gpt.py) with its options: separate q/k/v/o projections (k and v n_kv_head heads wide: grouped-query
+block (model/gpt/gpt.py) with its options: separate q/k/v/o projections (k and v n_kv_head heads wide: grouped-query
 attention), a 4·C GELU MLP or a SwiGLU MLP of ffn_hidden (three matrices), LayerNorm or RMSNorm, learned or
 rotary positions, and an LM head tied to the token embedding or not. `param_count` equals
 the gpt2/llama model's `num_params()` (tested against loom.model.flops.param_count).
 
-A mixture of experts (the moe family, model/moe.py): n_experts > 0 puts routed SwiGLU experts of width
+A mixture of experts (the moe family, model/moe/moe.py): n_experts > 0 puts routed SwiGLU experts of width
 expert_width (top_k of them per token) and n_shared shared ones in place of the MLP of the MoE layers
 (from first_dense on, every moe_every-th); a MoE layer also has a router (C x E). `counted_params` counts
 every expert (MoEGPT.num_params()), `active_params` the top_k a token passes through (num_active_params()).
@@ -35,7 +35,7 @@ class ModelShape:
     assumed: bool = False  # shape derived from a bare parameter count (--params)
     n_params: int | None = None  # the count given with --params; None: counted from the shape
     note: str = ""
-    # the llama family's options (model/gpt.py; defaults: gpt2's block)
+    # the llama family's options (model/gpt/gpt.py; defaults: gpt2's block)
     n_kv_head: int = 0  # 0: n_head
     mlp: str = "gelu"  # gelu | swiglu
     ffn_hidden: int = 0  # 0: 4·C (gelu), LLaMA's 8/3·C rounded up to 64 (swiglu)
@@ -43,7 +43,10 @@ class ModelShape:
     pos: str = "learned"  # learned | rope (no position table)
     tie_embeddings: bool = True
     qk_norm: bool = False
-    # the moe family's options (model/moe.py; n_experts=0: dense)
+    # the family whose keys these are ("": the default's, gpt2's block with the options above given): the
+    # planner's shape of a config names it; a preset with experts names moe (the dry run then takes its keys)
+    family: str = ""
+    # a mixture of experts' terms (the moe family's ModelSpec.plan_shape; n_experts=0: dense)
     n_experts: int = 0  # routed experts per MoE layer
     top_k: int = 2  # experts per token
     moe_every: int = 1  # every k-th layer from first_dense on is a MoE layer
@@ -245,6 +248,7 @@ PRESETS: dict[str, ModelShape] = {
         n_kv_head=128,
         ffn_hidden=18432,
         **_LLAMA,
+        family="moe",
         n_experts=256,
         top_k=8,
         first_dense=3,
@@ -262,6 +266,7 @@ PRESETS: dict[str, ModelShape] = {
         ffn_hidden=6144,
         qk_norm=True,
         **_LLAMA,
+        family="moe",
         n_experts=128,
         top_k=8,
         expert_hidden=768,
@@ -317,7 +322,9 @@ def shape_for_params(n: int, vocab_size: int = 50257, block_size: int = 2048) ->
 def shape_from_config(path: str) -> ModelShape:
     """The [model] section of a loom TOML config (defaults filled in by loom.config)."""
     from loom.config import load_config
+    from loom.model.registry import load_plugins
 
+    load_plugins()  # its family's preset and own keys (a plug-in's too)
     m = load_config(path).model
     note = ""
     vocab = m.vocab_size
@@ -327,8 +334,10 @@ def shape_from_config(path: str) -> ModelShape:
 
 
 def shape_of_model(m, vocab_size: int, name: str = "config", note: str = "") -> ModelShape:
-    """The shape of a loom.config.ModelConfig (its family's preset applied) with this vocabulary."""
-    moe = m.family == "moe"
+    """The shape of a loom.config.ModelConfig (its family's preset applied) with this vocabulary: GPT's block
+    from the common keys, and what the family's own keys add (its ModelSpec.plan_shape: a MoE's experts)."""
+    from loom.model.registry import get  # (a config file's family may be a plug-in: loom.model loads it)
+
     return ModelShape(
         name,
         m.n_layer,
@@ -346,12 +355,8 @@ def shape_of_model(m, vocab_size: int, name: str = "config", note: str = "") -> 
         pos=m.pos,
         tie_embeddings=m.tie_embeddings,
         qk_norm=m.qk_norm,
-        n_experts=m.n_experts if moe else 0,
-        top_k=m.moe_top_k,
-        moe_every=m.moe_every,
-        first_dense=m.moe_first_dense,
-        n_shared=m.n_shared_experts,
-        expert_hidden=m.moe_ffn_hidden,
+        family=m.family,
+        **get(m.family).plan_shape(m),
     )
 
 

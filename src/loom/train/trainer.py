@@ -153,7 +153,7 @@ class Trainer:
         self.lora = finetune_model(model, cfg, self.meta)  # LoRA's adapted linears ([]: every weight trains)
         self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
         # what a token passes through (a mixture of experts: k of its routed experts); MFU counts these
-        self.n_active = model.num_active_params() if hasattr(model, "num_active_params") else self.n_params
+        self.n_active = self.spec.active_params(model)
         self.parallel = parallelize(
             model,
             self.dims,

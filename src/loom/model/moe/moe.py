@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loom import compat
-from loom.model.gpt import GPT, MLP, Block, GPTConfig
+from loom.model.gpt.gpt import GPT, MLP, Block, GPTConfig
 
 
 @dataclass

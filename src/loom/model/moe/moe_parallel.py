@@ -17,9 +17,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from loom.model import gpt_parallel
-from loom.model.gpt_parallel import blocks, retie, split_stages, stage_layers, tied  # noqa: F401 (the plan)
-from loom.model.moe import MoE, MoEGPT
+from loom.model.gpt import gpt_parallel
+from loom.model.gpt.gpt_parallel import blocks, retie, split_stages, stage_layers, tied  # noqa: F401 (the plan)
+from loom.model.moe.moe import MoE, MoEGPT
 
 
 def tp_plan(model: MoEGPT, tp: int, sp: bool, loss_parallel: bool) -> dict:

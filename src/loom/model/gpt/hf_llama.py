@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from loom.errors import LoomError
-from loom.model.gpt import GPT, GPTConfig
+from loom.model.gpt.gpt import GPT, GPTConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -85,13 +85,13 @@ def llama_state_dict(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, t
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"][:V]
     for i in range(cfg.n_layer):
-        for ours, theirs in _layer_names(i):
+        for ours, theirs in layer_names(i):
             if ours in sd:  # biases only with model.bias
                 out[theirs] = sd[ours]
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _layer_names(i: int) -> list[tuple[str, str]]:
+def layer_names(i: int) -> list[tuple[str, str]]:
     p, h = f"blocks.{i}.", f"model.layers.{i}."
     pairs = [
         (p + "ln_1.weight", h + "input_layernorm.weight"),
@@ -105,6 +105,15 @@ def _layer_names(i: int) -> list[tuple[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------- import
+
+
+def peft_modules(n_layer: int) -> dict[str, str]:
+    """{loom's linear: transformers' module} of a Llama (the weight names above, without `.weight`): the names
+    peft's adapters target (export --format peft, the llama family's ModelSpec.peft)."""
+    pairs = [p for i in range(n_layer) for p in layer_names(i) if p[0].endswith(".weight")]
+    return {ours.removesuffix(".weight"): theirs.removesuffix(".weight") for ours, theirs in pairs} | {
+        "lm_head": "lm_head"
+    }
 
 
 def _rope_type(hf: dict) -> str:
@@ -223,7 +232,7 @@ def loom_state(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.T
 
     out, shapes = ends_and_shapes(sd, cfg, GPT, ARCHITECTURE)
     for i in range(cfg.n_layer):
-        for ours, theirs in _layer_names(i):
+        for ours, theirs in layer_names(i):
             if ours in shapes:
                 out[ours] = get(theirs, shapes[ours])
     return {k: v.contiguous() for k, v in out.items()}

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from loom.model.cpu_paths import Dropout, causal_attention
 from loom.model.doc_mask import DocMask, build_doc_mask, doc_attention
 from loom.model.lora import init_lora_param
+from loom.model.vocab import mask_padding_
 
 
 @dataclass
@@ -223,19 +224,6 @@ class MLP(nn.Module):
         else:
             h = F.gelu(self.up_proj(x), approximate=self.approximate)
         return self.dropout(self.down_proj(h))
-
-
-def mask_padding_(logits: torch.Tensor, vocab_size: int, offset: int = 0) -> torch.Tensor:
-    """Set the logits of padding ids (>= vocab_size) to their dtype's lowest value, in place, and return them.
-
-    `logits` (..., V_local) holds the ids offset .. offset + V_local - 1 (a vocabulary-parallel shard starts at
-    its rank's offset). exp(lowest - max) is 0 in every float type, so padding ids take no probability in
-    the loss, in sampling or in evaluation, and no gradient reaches their rows; a finite value rather than
-    -inf keeps p * log p at 0 where something computes an entropy."""
-    start = max(vocab_size - offset, 0)
-    if start < logits.size(-1):
-        logits.narrow(-1, start, logits.size(-1) - start).fill_(torch.finfo(logits.dtype).min)
-    return logits
 
 
 class LMHead(nn.Linear):

@@ -1,12 +1,14 @@
-"""The built-in families, gpt2 and llama: one GPT class (model/gpt.py) whose options the two presets set
-(config.FAMILIES), its parallel plan (gpt_parallel.py), FLOPs (flops.py) and HF mappings (hf.py)."""
+"""The built-in families gpt2 and llama: one GPT class (gpt.py) whose options the two presets set (PRESETS,
+registered into config.FAMILIES), its parallel plan (gpt_parallel.py), FLOPs (model/flops.py) and HF mappings
+(model/hf.py, hf_llama.py). `gpt_config` and `gpt_spec` are what a family built on loom's GPT starts from (moe, plug-ins)."""
 
 from __future__ import annotations
 
-from loom.config import FAMILIES, Config
-from loom.model import gpt_parallel, hf
+from loom.config import Config
+from loom.model import hf
 from loom.model.flops import flops_per_token
-from loom.model.gpt import GPT, GPTConfig
+from loom.model.gpt import gpt_parallel, hf_llama
+from loom.model.gpt.gpt import GPT, GPTConfig
 from loom.model.registry import ModelSpec, register
 
 
@@ -36,6 +38,14 @@ def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
     )
 
 
+# the presets: the model keys model.family=NAME sets unless the TOML or the command line sets them (gpt2's are
+# the defaults: a config of the default family parses before any family is registered)
+PRESETS = {
+    "gpt2": {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "tie_embeddings": True},
+    "llama": {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "tie_embeddings": False, "bias": False},
+}
+
+
 def gpt_spec(name: str, **overrides) -> ModelSpec:
     """A family on loom's GPT class: only the preset differs between gpt2 and llama."""
     base = {
@@ -43,58 +53,16 @@ def gpt_spec(name: str, **overrides) -> ModelSpec:
         "build": GPT,
         "parallel": gpt_parallel,
         "flops_per_token": flops_per_token,
-        "preset": FAMILIES[name],
+        "preset": PRESETS.get(name, {}),
         "hf": hf,
         # RoPE turns q and k by their position: generation runs on past block_size with its cache, as
         # transformers' does; learned positions have block_size slots, so the context is cropped instead
         "extends_context": lambda model_cfg: model_cfg.pos == "rope",
+        "position_table": lambda model: model.wpe,  # None with RoPE
+        "ring_attention": True,  # CausalSelfAttention.context
     }
     return ModelSpec(name=name, **{**base, **overrides})
 
 
-for _name in ("gpt2", "llama"):
-    register(gpt_spec(_name))
-
-
-def moe_config(cfg: Config, vocab_size: int):
-    """MoEConfig: the GPT's options plus the model.moe_* keys (loom.model.moe)."""
-    import dataclasses
-
-    from loom.model.moe import MoEConfig
-
-    m = cfg.model
-    return MoEConfig(
-        **dataclasses.asdict(gpt_config(cfg, vocab_size)),
-        n_experts=m.n_experts,
-        top_k=m.moe_top_k,
-        moe_every=m.moe_every,
-        first_dense=m.moe_first_dense,
-        n_shared=m.n_shared_experts,
-        expert_hidden=m.moe_ffn_hidden,
-        score=m.moe_score,
-        aux_loss_coef=m.moe_aux_loss_coef,
-        bias_update_rate=m.moe_bias_update_rate,
-        gemm=m.moe_gemm,
-    )
-
-
-def _moe_spec() -> ModelSpec:
-    from loom.model import hf_moe, moe_parallel
-    from loom.model.moe import MoEGPT
-
-    return gpt_spec(
-        "moe",
-        config=moe_config,
-        build=MoEGPT,
-        parallel=moe_parallel,
-        hf=hf_moe,
-        verify_model={
-            "n_experts": 4,
-            "moe_top_k": 2,
-            "moe_bias_update_rate": 1e-3,
-            "moe_aux_loss_coef": 1e-2,
-        },
-    )
-
-
-register(_moe_spec())
+register(gpt_spec("gpt2"))
+register(gpt_spec("llama", peft=hf_llama.peft_modules))  # transformers' Llama names: what peft targets

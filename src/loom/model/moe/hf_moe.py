@@ -40,8 +40,9 @@ import torch
 
 from loom import log
 from loom.errors import LoomError
-from loom.model import hf_io, hf_llama
-from loom.model.moe import MoEConfig, MoEGPT
+from loom.model import hf_io
+from loom.model.gpt import hf_llama
+from loom.model.moe.moe import MoEConfig, MoEGPT
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 MODEL_TYPE = "qwen3_moe"
@@ -146,7 +147,7 @@ def _attention_names(i: int) -> list[tuple[str, str]]:
     """(loom, Qwen3-MoE) names of layer i's norms, attention with QK-norm, and a dense layer's MLP."""
     p, h = f"blocks.{i}.", f"model.layers.{i}."
     qk = [(p + f"attn.{n}_norm.weight", h + f"self_attn.{n}_norm.weight") for n in "qk"]
-    return hf_llama._layer_names(i) + qk
+    return hf_llama.layer_names(i) + qk
 
 
 def qwen3_moe_state_dict(sd: dict[str, torch.Tensor], cfg: MoEConfig) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from loom.errors import LoomError
-from loom.model.gpt import GPT, mask_padding_
+from loom.model.gpt.gpt import GPT, mask_padding_
 
 # Names of one tensor in the single-device model (alias -> canonical): the head tied to the embedding.
 TIED = {"lm_head.weight": "wte.weight"}
