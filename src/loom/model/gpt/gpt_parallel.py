@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from loom.config import check_tp_heads
 from loom.errors import LoomError
 from loom.model.gpt.gpt import GPT, mask_padding_
 
@@ -51,11 +52,7 @@ def tp_plan(model: GPT, tp: int, sp: bool, loss_parallel: bool) -> dict:
     cfg = model.cfg
     if cfg.padded_vocab % tp:
         raise LoomError(f"the padded vocabulary {cfg.padded_vocab} is not divisible by parallel.tp={tp}")
-    if cfg.n_head % tp or cfg.kv_heads % tp:
-        raise LoomError(
-            f"parallel.tp={tp} must divide model.n_head={cfg.n_head} and model.n_kv_head="
-            f"{cfg.kv_heads}: each rank holds whole query heads and the key/value heads they read"
-        )
+    check_tp_heads(cfg.n_head, cfg.kv_heads, tp)  # validate() made it already; a plan may be handed any tp
     seq = Shard(1) if sp else Replicate()
     # Embedding rows (the vocabulary) are split; ids outside a rank's range give zeros and the all-reduce of
     # the partial sums restores the lookup. Its output stays replicated so the position embedding can be added.
