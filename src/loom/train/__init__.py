@@ -11,7 +11,7 @@ from loom.config import (
     Derived,
     config_from_dict,
     diff_configs,
-    load_toml,
+    read_config,
     validate,
 )
 from loom.config.layout import ParallelDims
@@ -143,7 +143,7 @@ def auto_resume(req: RunRequest, share=(0, 1)) -> RunRequest:
     saved = run_dir / "config.toml"
     # the start mode is not part of what the run is: a run started plainly (or with --resume) that died before
     # its first complete checkpoint (a save killed half way leaves only step_N.tmp) is started again by auto
-    before = config_from_dict(load_toml(saved)) if saved.is_file() else None
+    before = read_config(saved) if saved.is_file() else None
     if before is not None and not [
         d
         for d in diff_configs(before, _as_saved(cfg, req.explicit, before))

@@ -67,8 +67,7 @@ def validate_on(cfg: Config, dims: ParallelDims) -> Derived:
 def resume_checkpoint(run_dir: Path, resume, cfg: Config, share=(0, 1)) -> Path:
     """The checkpoint --resume names (`share`: see checkpoint.resolve_resume), refused when it holds another
     model or already reached train.steps (its state.json read once)."""
-    ckpt = checkpoint.resolve_resume(run_dir, resume, share)
-    state = checkpoint.read_state(ckpt)
+    ckpt, state = checkpoint.resume_state(run_dir, resume, share)
     check_checkpoint_model(ckpt, cfg, state)
     check_not_finished(ckpt, cfg, run_dir, state["step"])
     return ckpt

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from loom import checkpoint, log
-from loom.config import Config, config_from_dict, diff_configs, load_toml
+from loom.config import Config, diff_configs, read_config
 from loom.errors import LoomError
 from loom.metrics import has_bf16
 from loom.outputs import check_apart, replace_output
@@ -201,7 +201,7 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool, inputs:
     # --force must never delete the data it trains on
     check_apart(run_dir, inputs, "run directory", inside_ok=True)
     if (run_dir / "config.toml").exists() and not force:
-        old = config_from_dict(load_toml(run_dir / "config.toml"))
+        old = read_config(run_dir / "config.toml")
         diff = diff_configs(old, cfg)
         what = "a run with a different config (" + "; ".join(diff[:4]) + ")" if diff else "a run"
         hint = "pass --resume to continue it, --force to start over (deletes it), or pick another run.name"
@@ -223,7 +223,7 @@ def resumed_config(run_dir: Path, cfg: Config, explicit: set[str]) -> Config:
     """On resume the saved config is the base; keys the user set on this command line win."""
     from loom.runs import same_base
 
-    saved = config_from_dict(load_toml(run_dir / "config.toml"))
+    saved = read_config(run_dir / "config.toml")
     for key in explicit:
         section, name = key.split(".", 1)
         if key == "model.init_from" and same_base(saved.model.init_from, cfg.model.init_from):
