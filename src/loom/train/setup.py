@@ -16,7 +16,7 @@ from loom import checkpoint, log
 from loom.config import Config, diff_configs, read_config
 from loom.errors import LoomError
 from loom.metrics import has_bf16
-from loom.outputs import check_apart, replace_output
+from loom.outputs import check_apart, claim_output
 from loom.paths import cache_dir
 
 
@@ -198,11 +198,19 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool, inputs:
         check_writable(run_dir)
         return run_dir
     check_writable(run_dir)
-    # --force must never delete the data it trains on
-    check_apart(run_dir, inputs, "run directory", inside_ok=True)
-    if (run_dir / "config.toml").exists() and not force:
-        old = read_config(run_dir / "config.toml")
-        diff = diff_configs(old, cfg)
+    if not force and run_dir.exists() and any(run_dir.iterdir()):  # refused: which run is there, first
+        check_apart(run_dir, inputs, "run directory", inside_ok=True)  # its data is named before all else
+        refuse_existing_run(run_dir, cfg)
+    # --force must never delete the data it trains on; with --force only a loom run is replaced
+    claim_output(run_dir, "run", force, "run directory", inputs, inside_ok=True)
+    return run_dir  # created by the trainer once everything cheap has been checked
+
+
+def refuse_existing_run(run_dir: Path, cfg: Config) -> None:
+    """A new run's non-empty directory without --force: refused, naming the run it holds (its config's
+    differences, whether it has a checkpoint to resume) or saying it holds no loom run."""
+    if (run_dir / "config.toml").exists():
+        diff = diff_configs(read_config(run_dir / "config.toml"), cfg)
         what = "a run with a different config (" + "; ".join(diff[:4]) + ")" if diff else "a run"
         hint = "pass --resume to continue it, --force to start over (deletes it), or pick another run.name"
         if checkpoint.latest_valid(run_dir / "ckpt", share=None) is None:  # sizes only: a cheap look
@@ -211,12 +219,7 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool, inputs:
                 "nothing can be resumed: pass --force to start it over (deletes it), or pick another run.name"
             )
         raise LoomError(f"run directory '{run_dir}' already holds {what}", hint=hint)
-    if run_dir.exists() and any(run_dir.iterdir()) and not force:
-        raise LoomError(
-            f"run directory '{run_dir}' exists and is not a loom run", hint="pick another run.name"
-        )
-    replace_output(run_dir, "run", force, "run directory")  # with --force: only a loom run
-    return run_dir  # created by the trainer once everything cheap has been checked
+    raise LoomError(f"run directory '{run_dir}' exists and is not a loom run", hint="pick another run.name")
 
 
 def resumed_config(run_dir: Path, cfg: Config, explicit: set[str]) -> Config:
