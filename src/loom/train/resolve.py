@@ -114,11 +114,8 @@ def resolve_run_data(cfg: Config, run_dir: Path | None, ckpt: Path | None) -> Pa
     asks of the data (finetune.check_data)."""
     if run_dir is None:
         check_writable(Path(cfg.run.dir))
-    data_dir, meta = resolve_data_meta(cfg)
-    if run_dir is not None and (run_dir / "tokenizer" / "meta.json").is_file():
-        from loom.data.tokenizers import check_run_tokenizer
-
-        # the run's checkpoints were trained with its tokenizer: data with another (same size or not) is refused
-        check_run_tokenizer(run_dir / "tokenizer", data_dir, meta)
+    saved = run_dir is not None and (run_dir / "tokenizer" / "meta.json").is_file()
+    # the run's checkpoints were trained with its tokenizer: data with another (same size or not) is refused
+    data_dir, meta = resolve_data_meta(cfg, run_dir / "tokenizer" if saved else None)
     finetune.check_data(cfg, data_dir, meta, starting=ckpt is None)
     return data_dir

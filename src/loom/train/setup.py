@@ -69,21 +69,28 @@ def resolve_precision(dtype: str, device: torch.device, loss_scaling: bool = Tru
     return "bf16" if device.type == "cpu" and native_bf16_cpu() else "fp32"
 
 
-def check_data_dir(path: str | Path) -> dict:
-    """Validate a data directory in any readable format (every shard opened) and return its meta."""
-    from loom.data.formats import check_dir
+def check_data_dir(path: str | Path, run_tok_dir: Path | None = None) -> dict:
+    """Validate a data directory in any readable format (every shard opened) and return its meta; with
+    `run_tok_dir` (a continued run's tokenizer folder), data prepared with another tokenizer is refused."""
+    from loom.data.formats import check_run_data
 
-    return check_dir(path)
+    return check_run_data(path, run_tok_dir)
 
 
-def resolve_data_meta(cfg: Config) -> tuple[Path, dict]:
-    """resolve_data, and the data's meta (data.path's: the one check_data_dir read while checking it)."""
+def resolve_data_meta(cfg: Config, run_tok_dir: Path | None = None) -> tuple[Path, dict]:
+    """resolve_data, and the data's meta (data.path's: the one check_data_dir read while checking it);
+    `run_tok_dir`: as in check_data_dir."""
     if cfg.data.path:
-        return Path(cfg.data.path), check_data_dir(cfg.data.path)
+        return Path(cfg.data.path), check_data_dir(cfg.data.path, run_tok_dir)
     from loom.data.loader import read_meta
 
     data_dir = resolve_data(cfg)
-    return data_dir, read_meta(data_dir)
+    meta = read_meta(data_dir)
+    if run_tok_dir is not None:
+        from loom.data.tokenizers import check_run_tokenizer
+
+        check_run_tokenizer(run_tok_dir, data_dir, meta)
+    return data_dir, meta
 
 
 def resolve_data(cfg: Config, main_process: bool = True) -> Path:
