@@ -514,15 +514,3 @@ def check_dir(data_dir: str | Path) -> dict:
     if not str(meta.get("vocab_from", "")).startswith("max id + 1"):  # read from meta.json / meta.pkl
         check_ids_below_vocab(data_dir, int(meta["vocab_size"]), arrays)
     return meta
-
-
-def check_run_data(data_dir: str | Path, run_tok_dir: Path | None = None) -> dict:
-    """check_dir, and with `run_tok_dir` (a continued run's saved tokenizer folder) data prepared with another
-    tokenizer refused: what a run asks of its data, answered in one call. Returns the data's meta."""
-    meta = check_dir(data_dir)
-    if run_tok_dir is not None:
-        from loom.data.tokenizers import check_run_tokenizer
-
-        # the run's checkpoints were trained with its tokenizer: data with another (same size or not) is refused
-        check_run_tokenizer(run_tok_dir, Path(data_dir), meta)
-    return meta

@@ -72,7 +72,7 @@ def resolve_precision(dtype: str, device: torch.device, loss_scaling: bool = Tru
 def check_data_dir(path: str | Path, run_tok_dir: Path | None = None) -> dict:
     """Validate a data directory in any readable format (every shard opened) and return its meta; with
     `run_tok_dir` (a continued run's tokenizer folder), data prepared with another tokenizer is refused."""
-    from loom.data.formats import check_run_data
+    from loom.data.tokenizers import check_run_data
 
     return check_run_data(path, run_tok_dir)
 
