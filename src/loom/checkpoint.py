@@ -554,3 +554,12 @@ def resolve_resume(run_dir: Path, resume: str | bool, share: tuple[int, int] | N
             )
         raise LoomError(f"--resume: no valid checkpoint under '{ckpt_dir}'{why}", hint=hint)
     return found
+
+
+def resume_state(
+    run_dir: Path, resume: str | bool, share: tuple[int, int] | None = (0, 1)
+) -> tuple[Path, dict]:
+    """The checkpoint `--resume` names (resolve_resume) and its state.json (read_state): what a run request
+    asks of the checkpoint, answered in one call."""
+    ckpt = resolve_resume(run_dir, resume, share)
+    return ckpt, read_state(ckpt)

@@ -30,7 +30,7 @@ import re
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loom.errors import LoomError
@@ -54,6 +54,7 @@ class DistEnv:
     master_addr: str
     master_port: int
     source: str  # one of SOURCES
+    restarts: int = 0  # times torch elastic restarted the job's workers (restart_count), read with the rest
 
     def __str__(self) -> str:
         return (
@@ -279,11 +280,12 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     contradict each other (a rank outside the world, a non-integer value).
     """
     environ = os.environ if environ is None else environ
+    restarts = restart_count(environ)
     for detector in (_from_torchrun, _from_openmpi, _from_pmi, _from_slurm, _from_pbs):
         env = detector(environ)
         if env is not None:
-            return _validated(env)
-    return DistEnv(0, 0, 1, 1, 0, 1, *_master(environ, [], None), source="none")
+            return replace(_validated(env), restarts=restarts)
+    return DistEnv(0, 0, 1, 1, 0, 1, *_master(environ, [], None), source="none", restarts=restarts)
 
 
 def _master(environ: Mapping[str, str], hosts: list[str], job_id: str | None) -> tuple[str, int]:

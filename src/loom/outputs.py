@@ -168,6 +168,20 @@ def replace_output(out: str | Path, kind: str, force: bool, option: str = "--out
         shutil.rmtree(out)
 
 
+def claim_output(
+    out: str | Path,
+    kind: str,
+    force: bool,
+    option: str = "--out",
+    inputs: Iterable[str | Path] = (),
+    inside_ok: bool = False,
+) -> None:
+    """check_apart, then replace_output: an output folder made ready in one call (apart from its inputs, and
+    free, or loom's own output of `kind` replaced with --force)."""
+    check_apart(out, inputs, option, inside_ok)
+    replace_output(out, kind, force, option)
+
+
 def disk_full(e: BaseException) -> bool:
     """Whether `e` is the filesystem out of space: an OSError ENOSPC / EDQUOT (write() gives it without a file
     name), or a writer outside Python reporting it in its message (safetensors' Rust error: "I/O error: No

@@ -22,6 +22,7 @@ from loom.config.io import (
     load_config,
     load_toml,
     parse_overrides,
+    read_config,
     set_key,
     to_toml,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "load_config",
     "load_toml",
     "parse_overrides",
+    "read_config",
     "set_key",
     "to_toml",
     "validate",

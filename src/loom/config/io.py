@@ -275,6 +275,12 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
+def read_config(path: str | Path) -> Config:
+    """A config saved as TOML (a run's config.toml) as a Config: the file read and its keys applied in one
+    answer, for the callers that ask both of a saved run."""
+    return config_from_dict(load_toml(path))
+
+
 def _toml_string(s: str) -> str:
     """A TOML basic string: quote and backslash escaped, and the control characters TOML forbids raw
     (U+0000-U+001F but tab, U+007F) as \\uXXXX, so a name with a newline still reads back."""

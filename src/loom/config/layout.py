@@ -5,7 +5,7 @@ checked are the ones returned; `loom.parallel` and everything above take Paralle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loom.errors import LoomError
 
@@ -48,6 +48,10 @@ class ParallelDims:
     degree1: bool = False  # parallel.degree1_meshes: tp and pp applied at degree 1 in a 1-process job
     cp: int = 1  # context parallel: the ranks that split each sequence (between dp_shard and tp)
     ep: int = 1  # expert parallel: the routed experts split over ep of the dp x cp ranks (innermost ones)
+    # FSDP shards the parameters (over dp_shard x cp: the cp ranks of a data-parallel rank hold the same
+    # parameters, so they share the shards, as in torchtitan). A plain field, set once here: the run request
+    # reads it before any process group exists, as an answer of the layout rather than a question asked again
+    fsdp_enabled: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp != self.world_size:
@@ -55,6 +59,8 @@ class ParallelDims:
                 f"dp_replicate x dp_shard x cp x tp x pp = {self.dp_replicate} x {self.dp_shard} x {self.cp} x "
                 f"{self.tp} x {self.pp} is not the world size {self.world_size}"
             )
+        fsdp = self.dp_impl in SHARDED and (self.dp_enabled or self.cp_enabled)
+        object.__setattr__(self, "fsdp_enabled", fsdp)  # frozen: the one write, at construction
 
     # ----------------------------------------------------------------------------- derived degrees
     @property
@@ -67,12 +73,6 @@ class ParallelDims:
         name (dp_impl=ddp|zero1|zero2|fsdp; `auto` gives `none` there), which then runs the same code on a
         1-rank group: how one GPU exercises every NCCL path (benchmarks/gpu_check.py)."""
         return self.dp > 1 or (self.world_size == 1 and self.dp_impl in WRAPPERS)
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        """FSDP shards the parameters (over dp_shard x cp: the cp ranks of a data-parallel rank hold the same
-        parameters, so they share the shards, as in torchtitan)."""
-        return self.dp_impl in SHARDED and (self.dp_enabled or self.cp_enabled)
 
     @property
     def fsdp_shard(self) -> int:

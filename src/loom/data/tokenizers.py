@@ -371,6 +371,18 @@ def check_run_tokenizer(run_tok_dir: str | Path, data_dir: str | Path, data_meta
     check_same_tokenizer(run_tok_dir, read_meta(run_tok_dir), data_dir, data_meta)
 
 
+def check_run_data(data_dir: str | Path, run_tok_dir: Path | None = None) -> dict:
+    """formats.check_dir, and with `run_tok_dir` (a continued run's saved tokenizer folder) data prepared with
+    another tokenizer refused: what a run asks of its data, answered in one call. Returns the data's meta."""
+    from loom.data.formats import check_dir
+
+    meta = check_dir(data_dir)
+    if run_tok_dir is not None:
+        # the run's checkpoints were trained with its tokenizer: data with another (same size or not) is refused
+        check_run_tokenizer(run_tok_dir, Path(data_dir), meta)
+    return meta
+
+
 def check_same_tokenizer(
     run_tok_dir: str | Path, run_meta: dict, data_dir: str | Path, data_meta: dict
 ) -> None:

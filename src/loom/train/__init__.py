@@ -11,7 +11,7 @@ from loom.config import (
     Derived,
     config_from_dict,
     diff_configs,
-    load_toml,
+    read_config,
     validate,
 )
 from loom.config.layout import ParallelDims
@@ -52,19 +52,25 @@ class Plan:
 
 
 def plan_run(
-    req: RunRequest, dims: ParallelDims, hashes: bool = True, layout: tuple[Config, Derived] | None = None
+    req: RunRequest,
+    dims: ParallelDims,
+    hashes: bool = True,
+    layout: tuple[Config, Derived] | None = None,
+    restarts: int | None = None,
 ) -> Plan:
     """Every cheap check, asked of three owners (loom.train.resolve) in the order that touches the least: the
     config (on the job's layout `dims`; `layout`: the config layout_config resolved from the same request and
     what validate() derived of it), the checkpoint, the data. `hashes=False`: checkpoint files are checked for presence and size only; the
-    ranks of the job then hash them together (`check_hashes`)."""
+    ranks of the job then hash them together (`check_hashes`). `restarts`: the job's DistEnv.restarts (None:
+    read from the environment here)."""
     from loom.runs import origin
 
     share = (0, 1) if hashes else None
-    resolved = auto_resume(req, share)
+    restarted = (restart_count() if restarts is None else restarts) > 0
+    resolved = auto_resume(req, share, restarted)
     # the layout's config is this request's own unless train.resume=auto changed what the request continues
     cfg, derived, run_dir = resolve_config(resolved, dims, layout if resolved == req else None)
-    ckpt = resume_checkpoint(run_dir, resolved.resume, cfg, share) if resolved.resume else None
+    ckpt = resume_checkpoint(run_dir, resolved.resume, cfg, share, restarted) if resolved.resume else None
     data_dir = resolve_run_data(cfg, run_dir, ckpt)
     if run_dir is None:
         run_dir = resolve_run_dir(cfg, None, resolved.force, (data_dir,))
@@ -109,15 +115,17 @@ def check_hashes(control: Control, plan: Plan) -> Plan:
     return replace(plan, ckpt=rank0_result(control, check_found))
 
 
-def auto_resume(req: RunRequest, share=(0, 1)) -> RunRequest:
+def auto_resume(req: RunRequest, share=(0, 1), restarted: bool | None = None) -> RunRequest:
     """The request after train.resume=auto and elastic restarts (its resume and force).
 
     auto continues run.dir/run.name from its newest valid checkpoint, or starts it (again, when a run
     with the same config died before its first checkpoint). A worker restarted by an elastic agent
     (TORCHELASTIC_RESTART_COUNT > 0) behaves as auto, and continues from the newest checkpoint of its run
-    rather than the one first named by `--resume PATH`.
+    rather than the one first named by `--resume PATH`. `restarted`: whether this is such a worker (None: read
+    from the environment).
     """
-    restarted, cfg, resume = restart_count() > 0, req.cfg, req.resume
+    restarted = restart_count() > 0 if restarted is None else restarted
+    cfg, resume = req.cfg, req.resume
     if cfg.train.resume != "auto" and not restarted:
         return req
     if resume is not None:
@@ -143,7 +151,7 @@ def auto_resume(req: RunRequest, share=(0, 1)) -> RunRequest:
     saved = run_dir / "config.toml"
     # the start mode is not part of what the run is: a run started plainly (or with --resume) that died before
     # its first complete checkpoint (a save killed half way leaves only step_N.tmp) is started again by auto
-    before = config_from_dict(load_toml(saved)) if saved.is_file() else None
+    before = read_config(saved) if saved.is_file() else None
     if before is not None and not [
         d
         for d in diff_configs(before, _as_saved(cfg, req.explicit, before))
@@ -309,7 +317,7 @@ def run(req: RunRequest | Config, log_all_ranks: bool = False) -> dict:
             log.info(f"launcher {env.source}: {env}")
         check_same_config(control, cfg)
         many = control.size > 1
-        plan = rank0_result(control, lambda: plan_run(req, dims, hashes=not many, layout=(layout, derived)))
+        plan = rank0_result(control, lambda: plan_run(req, dims, not many, (layout, derived), env.restarts))
         if many:
             plan = check_hashes(control, plan)
         if plan.cfg.run.rank_logs:

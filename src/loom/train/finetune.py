@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from loom import log
-from loom.config import Config, config_from_dict, load_toml
+from loom.config import Config, read_config
 from loom.errors import LoomError
 from loom.runs import is_run_init, run_dir_of
 
@@ -36,7 +36,7 @@ def apply_run_init(cfg: Config, explicit: set[str]) -> None:
     """Take the model's shape and options from the run's config.toml (a key set explicitly to another value is
     an error); block_size stays the user's when given."""
     d = run_dir_of(cfg)
-    theirs = config_from_dict(load_toml(d / "config.toml")).model
+    theirs = read_config(d / "config.toml").model
     for key, value in vars(theirs).items():
         if key in ("init_from", "dropout", "vocab_size"):
             continue

@@ -64,13 +64,14 @@ def validate_on(cfg: Config, dims: ParallelDims) -> Derived:
     return derived
 
 
-def resume_checkpoint(run_dir: Path, resume, cfg: Config, share=(0, 1)) -> Path:
+def resume_checkpoint(
+    run_dir: Path, resume, cfg: Config, share=(0, 1), restarted: bool | None = None
+) -> Path:
     """The checkpoint --resume names (`share`: see checkpoint.resolve_resume), refused when it holds another
-    model or already reached train.steps (its state.json read once)."""
-    ckpt = checkpoint.resolve_resume(run_dir, resume, share)
-    state = checkpoint.read_state(ckpt)
+    model or already reached train.steps (its state.json read once); `restarted`: as in check_not_finished."""
+    ckpt, state = checkpoint.resume_state(run_dir, resume, share)
     check_checkpoint_model(ckpt, cfg, state)
-    check_not_finished(ckpt, cfg, run_dir, state["step"])
+    check_not_finished(ckpt, cfg, run_dir, state["step"], restarted)
     return ckpt
 
 
@@ -85,10 +86,13 @@ def check_checkpoint_model(ckpt: Path, cfg: Config, state: dict | None = None) -
     )
 
 
-def check_not_finished(ckpt: Path, cfg: Config, run_dir: Path, step: int) -> None:
+def check_not_finished(
+    ckpt: Path, cfg: Config, run_dir: Path, step: int, restarted: bool | None = None
+) -> None:
     """--resume of a run whose checkpoint already reached train.steps would only print "resumed" and stop:
     an error that says how to extend it (a warning under train.resume=auto or an elastic restart, which
-    may legitimately start a job again after it finished)."""
+    may legitimately start a job again after it finished). `restarted`: whether it is one (None: read from the
+    environment)."""
     if step < cfg.train.steps:
         return
     more = step + max(cfg.train.steps, 1)
@@ -97,7 +101,7 @@ def check_not_finished(ckpt: Path, cfg: Config, run_dir: Path, step: int) -> Non
         f"{step}): there is nothing left to train"
     )
     hint = f"to train further, resume with a larger train.steps, e.g. --resume --train.steps={more}"
-    restarted = restart_count() > 0
+    restarted = restart_count() > 0 if restarted is None else restarted
     if cfg.train.resume == "auto" or restarted:
         log.warn(f"{msg} ({hint})")
         return
@@ -110,11 +114,8 @@ def resolve_run_data(cfg: Config, run_dir: Path | None, ckpt: Path | None) -> Pa
     asks of the data (finetune.check_data)."""
     if run_dir is None:
         check_writable(Path(cfg.run.dir))
-    data_dir, meta = resolve_data_meta(cfg)
-    if run_dir is not None and (run_dir / "tokenizer" / "meta.json").is_file():
-        from loom.data.tokenizers import check_run_tokenizer
-
-        # the run's checkpoints were trained with its tokenizer: data with another (same size or not) is refused
-        check_run_tokenizer(run_dir / "tokenizer", data_dir, meta)
+    saved = run_dir is not None and (run_dir / "tokenizer" / "meta.json").is_file()
+    # the run's checkpoints were trained with its tokenizer: data with another (same size or not) is refused
+    data_dir, meta = resolve_data_meta(cfg, run_dir / "tokenizer" if saved else None)
     finetune.check_data(cfg, data_dir, meta, starting=ckpt is None)
     return data_dir

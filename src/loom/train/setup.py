@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from loom import checkpoint, log
-from loom.config import Config, config_from_dict, diff_configs, load_toml
+from loom.config import Config, diff_configs, read_config
 from loom.errors import LoomError
 from loom.metrics import has_bf16
-from loom.outputs import check_apart, replace_output
+from loom.outputs import check_apart, claim_output
 from loom.paths import cache_dir
 
 
@@ -69,21 +69,28 @@ def resolve_precision(dtype: str, device: torch.device, loss_scaling: bool = Tru
     return "bf16" if device.type == "cpu" and native_bf16_cpu() else "fp32"
 
 
-def check_data_dir(path: str | Path) -> dict:
-    """Validate a data directory in any readable format (every shard opened) and return its meta."""
-    from loom.data.formats import check_dir
+def check_data_dir(path: str | Path, run_tok_dir: Path | None = None) -> dict:
+    """Validate a data directory in any readable format (every shard opened) and return its meta; with
+    `run_tok_dir` (a continued run's tokenizer folder), data prepared with another tokenizer is refused."""
+    from loom.data.tokenizers import check_run_data
 
-    return check_dir(path)
+    return check_run_data(path, run_tok_dir)
 
 
-def resolve_data_meta(cfg: Config) -> tuple[Path, dict]:
-    """resolve_data, and the data's meta (data.path's: the one check_data_dir read while checking it)."""
+def resolve_data_meta(cfg: Config, run_tok_dir: Path | None = None) -> tuple[Path, dict]:
+    """resolve_data, and the data's meta (data.path's: the one check_data_dir read while checking it);
+    `run_tok_dir`: as in check_data_dir."""
     if cfg.data.path:
-        return Path(cfg.data.path), check_data_dir(cfg.data.path)
+        return Path(cfg.data.path), check_data_dir(cfg.data.path, run_tok_dir)
     from loom.data.loader import read_meta
 
     data_dir = resolve_data(cfg)
-    return data_dir, read_meta(data_dir)
+    meta = read_meta(data_dir)
+    if run_tok_dir is not None:
+        from loom.data.tokenizers import check_run_tokenizer
+
+        check_run_tokenizer(run_tok_dir, data_dir, meta)
+    return data_dir, meta
 
 
 def resolve_data(cfg: Config, main_process: bool = True) -> Path:
@@ -198,11 +205,19 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool, inputs:
         check_writable(run_dir)
         return run_dir
     check_writable(run_dir)
-    # --force must never delete the data it trains on
-    check_apart(run_dir, inputs, "run directory", inside_ok=True)
-    if (run_dir / "config.toml").exists() and not force:
-        old = config_from_dict(load_toml(run_dir / "config.toml"))
-        diff = diff_configs(old, cfg)
+    if not force and run_dir.exists() and any(run_dir.iterdir()):  # refused: which run is there, first
+        check_apart(run_dir, inputs, "run directory", inside_ok=True)  # its data is named before all else
+        refuse_existing_run(run_dir, cfg)
+    # --force must never delete the data it trains on; with --force only a loom run is replaced
+    claim_output(run_dir, "run", force, "run directory", inputs, inside_ok=True)
+    return run_dir  # created by the trainer once everything cheap has been checked
+
+
+def refuse_existing_run(run_dir: Path, cfg: Config) -> None:
+    """A new run's non-empty directory without --force: refused, naming the run it holds (its config's
+    differences, whether it has a checkpoint to resume) or saying it holds no loom run."""
+    if (run_dir / "config.toml").exists():
+        diff = diff_configs(read_config(run_dir / "config.toml"), cfg)
         what = "a run with a different config (" + "; ".join(diff[:4]) + ")" if diff else "a run"
         hint = "pass --resume to continue it, --force to start over (deletes it), or pick another run.name"
         if checkpoint.latest_valid(run_dir / "ckpt", share=None) is None:  # sizes only: a cheap look
@@ -211,19 +226,14 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool, inputs:
                 "nothing can be resumed: pass --force to start it over (deletes it), or pick another run.name"
             )
         raise LoomError(f"run directory '{run_dir}' already holds {what}", hint=hint)
-    if run_dir.exists() and any(run_dir.iterdir()) and not force:
-        raise LoomError(
-            f"run directory '{run_dir}' exists and is not a loom run", hint="pick another run.name"
-        )
-    replace_output(run_dir, "run", force, "run directory")  # with --force: only a loom run
-    return run_dir  # created by the trainer once everything cheap has been checked
+    raise LoomError(f"run directory '{run_dir}' exists and is not a loom run", hint="pick another run.name")
 
 
 def resumed_config(run_dir: Path, cfg: Config, explicit: set[str]) -> Config:
     """On resume the saved config is the base; keys the user set on this command line win."""
     from loom.runs import same_base
 
-    saved = config_from_dict(load_toml(run_dir / "config.toml"))
+    saved = read_config(run_dir / "config.toml")
     for key in explicit:
         section, name = key.split(".", 1)
         if key == "model.init_from" and same_base(saved.model.init_from, cfg.model.init_from):
