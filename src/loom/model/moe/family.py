@@ -125,28 +125,25 @@ def moe_config(cfg: Config, vocab_size: int) -> MoEConfig:
     )
 
 
+# model.moe_* key -> the planner's field for it (loom.plan.shapes.ModelShape): one table, read both ways
+SHAPE_FIELDS = {
+    "n_experts": "n_experts",
+    "moe_top_k": "top_k",
+    "moe_every": "moe_every",
+    "moe_first_dense": "first_dense",
+    "n_shared_experts": "n_shared",
+    "moe_ffn_hidden": "expert_hidden",
+}
+
+
 def plan_shape(m) -> dict:
     """The planner's expert terms (loom.plan.shapes.ModelShape) from the model.moe_* keys."""
-    return {
-        "n_experts": m.n_experts,
-        "top_k": m.moe_top_k,
-        "moe_every": m.moe_every,
-        "first_dense": m.moe_first_dense,
-        "n_shared": m.n_shared_experts,
-        "expert_hidden": m.moe_ffn_hidden,
-    }
+    return {field: getattr(m, key) for key, field in SHAPE_FIELDS.items()}
 
 
 def shape_keys(shape) -> dict:
     """The model.moe_* keys of a planner shape (loom plan --check dry-runs it with them)."""
-    return {
-        "n_experts": shape.n_experts,
-        "moe_top_k": shape.top_k,
-        "moe_every": shape.moe_every,
-        "moe_first_dense": shape.first_dense,
-        "n_shared_experts": shape.n_shared,
-        "moe_ffn_hidden": shape.expert_hidden,
-    }
+    return {key: getattr(shape, field) for key, field in SHAPE_FIELDS.items()}
 
 
 SPEC = register(
