@@ -47,11 +47,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Stop multiprocessing's fork server if a test started it (tests/gloo_ranks.py), waiting for it: it ends
+    """Stop multiprocessing's fork server if a test started it (tests/gloo_ranks.py, loom train --nproc in this process), waiting for it: it ends
     with this process anyway, and waited for, its CPU time (its ranks') counts in this process's children's."""
-    import multiprocessing.forkserver
+    from loom.train.spawn import stop_server
 
-    multiprocessing.forkserver._forkserver._stop()
+    stop_server()
 
 
 @pytest.fixture(autouse=True)

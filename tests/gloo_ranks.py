@@ -23,11 +23,12 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# What every rank imports, imported once by multiprocessing's fork server: each rank is then a fork of it,
-# without an interpreter start and torch's and dynamo's imports of its own (~4 s of CPU a rank). The server
-# has only imported, never run an op (no OpenMP or other threads to lose in a fork); it lives as long as this
-# process (conftest's session end stops it).
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp", "loom.parallel"]
+# PRELOAD: what every rank imports, imported once by multiprocessing's fork server: each rank is then a fork
+# of it, without an interpreter start and torch's and dynamo's imports of its own (~4 s of CPU a rank). The
+# server has only imported, never run an op (no OpenMP or other threads to lose in a fork); it lives as long as
+# this process (conftest's session end stops it). `loom train --nproc` run in this process (loomrun.loom_here,
+# verify) forks its workers from the same server, hence loom's list.
+from loom.train.spawn import PRELOAD
 
 
 def spawn_gloo(fn: Callable[..., None], world: int, tmp_path: Path, *args) -> None:

@@ -22,14 +22,17 @@ def descendants(pid: int) -> list[int]:
 
 
 def rank_of(pid: int) -> int | None:
+    """The rank a process runs: RANK in the environment it was started with (torchrun's, mpiexec's workers),
+    or the name `loom train --nproc` gives the workers its fork server makes ("loom rank N")."""
     try:
         env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        name = (Path("/proc") / str(pid) / "comm").read_text().strip()
     except OSError:
         return None
     for kv in env:
         if kv.startswith(b"RANK="):
             return int(kv[5:])
-    return None
+    return int(name.rsplit(" ", 1)[1]) if name.startswith("loom rank ") else None
 
 
 def alive(pids: list[int]) -> list[int]:

@@ -329,14 +329,13 @@ def _run(argv: list[str], log_path: Path) -> None:
 
 
 def _launch_here(nproc: int | None, args: list[str], log_path: Path) -> int:
-    """`loom train --nproc NPROC ARGS` (ARGS: overrides and --force) run by this process: its elastic agent starts
-    the workers itself, without a `loom train` parent (one interpreter and torch import fewer per strategy, ~5 s
-    of CPU). NPROC None: `loom train ARGS` (the one-process reference, on a CPU) trains in this process itself,
-    ~3 s of CPU fewer than a child and the same curve to the bit (nothing else runs here meanwhile). Output goes
+    """`loom train --nproc NPROC ARGS` (ARGS: overrides and --force) run by this process: it starts the workers
+    itself (forks of its fork server, loom.train.spawn), without a `loom train` parent (one interpreter and
+    torch import fewer per strategy, ~5 s of CPU). NPROC None: `loom train ARGS` (the one-process reference, on
+    a CPU) trains in this process itself, ~3 s of CPU fewer than a child and the same curve to the bit (nothing else runs here meanwhile). Output goes
     to log_path as a subprocess's would: stdout and stderr (the workers inherit them) point at the log
-    meanwhile, and an error is the line `loom train` prints, exit code 2. What the launch changes in this
-    process is put back: the signal handlers (the agent's, the trainer's) and the OMP_NUM_THREADS the agent
-    sets for its workers (the next strategy may run another number of processes)."""
+    meanwhile, and an error is the line `loom train` prints, exit code 2. The signal handlers the launch or the
+    trainer sets in this process are put back."""
     import os
     import signal
     import threading
@@ -348,7 +347,6 @@ def _launch_here(nproc: int | None, args: list[str], log_path: Path) -> int:
     handlers = {
         s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
     }
-    omp = os.environ.get("OMP_NUM_THREADS")
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
@@ -374,13 +372,9 @@ def _launch_here(nproc: int | None, args: list[str], log_path: Path) -> int:
     finally:
         os.close(saved[0])
         os.close(saved[1])
-        if threading.current_thread() is threading.main_thread():  # where the agent could set them
+        if threading.current_thread() is threading.main_thread():  # where the launch could set them
             for s, h in handlers.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
-        if omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = omp
 
 
 def _losses(run: Path) -> list[float]:

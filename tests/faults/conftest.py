@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from faultkit import CKPT, STEPS, Proc, curve, run_inprocess, train_args
+from faultkit import CKPT, STARTED, STEPS, Proc, curve, run_inprocess, train_args
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_running():
+    """A test that fails before its job ends (most train 100,000 steps) would leave the job running on."""
+    yield
+    while STARTED:
+        p = STARTED.pop()
+        if p.p.poll() is None:
+            p.kill_all()
 
 
 @pytest.fixture(scope="session")

@@ -127,12 +127,16 @@ class ForkServer:
         self.proc.wait(timeout=30)
 
 
+STARTED: list[Proc] = []  # every Proc, so that conftest kills what a failed test left running
+
+
 class Proc:
     """A `loom` subprocess in its own session, output in files (a full pipe would block it)."""
 
     def __init__(self, args: list[str], out: Path, env: dict[str, str] | None = None):
         self.out = out
         self.t0 = time.monotonic()
+        STARTED.append(self)
         with open(out.with_suffix(".stdout"), "w") as o, open(out.with_suffix(".stderr"), "w") as e:
             self.p = subprocess.Popen(
                 [*LOOM, *args],

@@ -179,18 +179,6 @@ CALLED_FROM_OUTSIDE = {
     "loom.checkpoint_tools._Window.seekable": "io's protocol (io.BufferedReader asks it)",
     "loom.checkpoint_tools._Rebuild.persistent_load": "pickle's protocol (torch.load's persistent ids)",
     **{
-        f"loom.distributed.loopback.LoopbackRendezvous.{m}": "torch elastic's RendezvousHandler interface"
-        for m in (
-            "get_backend",
-            "use_agent_store",
-            "next_rendezvous",
-            "is_closed",
-            "set_closed",
-            "num_nodes_waiting",
-            "get_run_id",
-        )
-    },
-    **{
         f"loom.eval.lm_adapter.LoomLM.{m}": "lm-eval's LM interface"
         for m in ("tokenizer_name", "loglikelihood_rolling", "generate_until")
     },

@@ -100,11 +100,14 @@ def train(argv: list[str], sft: bool = False) -> int:
 
     req = RunRequest(cfg, args.resume, args.force, frozenset(explicit))
     if (args.nproc is not None and args.nproc != 1) or args.max_restarts:
-        from loom.train.spawn import launch_local
+        from loom.train.spawn import launch_local, stop_server
 
         child = _without_options(argv, ("--nproc", "--max-restarts"))
         nproc = 1 if args.nproc is None else args.nproc
-        return launch_local(nproc, req, child, args.max_restarts)
+        try:
+            return launch_local(nproc, req, child, args.max_restarts)
+        finally:
+            stop_server()
     return _run(req, args.log_all_ranks)
 
 

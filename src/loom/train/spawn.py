@@ -1,82 +1,245 @@
-"""`loom train --nproc N`: N local processes through torch's elastic launcher, rendezvous on loopback.
+"""`loom train --nproc N`: N local processes, each a fork of a server that imported torch and loom once.
 
 The parent does the cheap checks once (config, world size against the batch, run directory, data
 preparation), so a mistake gives one message instead of N, and the children agree on the run name.
-If a worker dies, the elastic agent stops the others and the parent names the failed rank.
+
+The workers are not new interpreters: a multiprocessing fork server, started once per parent and preloaded
+with torch and loom's training modules (PRELOAD; it only imports, never runs an op, so no thread, OpenMP pool
+or CUDA context is lost in a fork), forks each one. A worker starts in a fraction of a second instead of
+importing torch again (~4 s of CPU each; on a node of 8 GPUs, 8 imports at once from a shared filesystem).
+Each worker gets this process's environment, folder, stdout and stderr, and the variables torchrun's agent
+would set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT, ...): its processes
+join the store this process serves on 127.0.0.1 only (loopback.listen), as torchrun's workers join their
+agent's store, so `loom train` runs the same code under both.
+
+What torchrun's local agent does, this one does: the first worker that fails stops the others (SIGTERM,
+then SIGKILL after the shutdown timeout) and is named; with max_restarts the whole group starts again on a
+fresh store (the workers resume from the newest valid checkpoint); SIGTERM, SIGINT or SIGHUP to this process
+reach the workers, which finish their step, save and exit with EXIT_PREEMPTED.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
+import multiprocessing
 import os
+import runpy
+import signal
 import sys
+import threading
+import time
 import uuid
+from dataclasses import dataclass
+from multiprocessing import connection, reduction
 
 from loom import log
 from loom.config import ParallelDims, validate
-from loom.errors import LoomError
+from loom.errors import EXIT_PREEMPTED, LoomError
 from loom.train import RunRequest, layout_config, plan_run
+
+# What every worker imports, imported once by the fork server (a module it cannot import is skipped there).
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "loom.cli.train",
+    "loom.train.trainer",
+    "loom.parallel",
+]
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # Linux's prctl(2)
+
+
+@dataclass
+class Exit:
+    """How a worker ended: its exit code (-N: killed by signal N), pid, and when this process saw it."""
+
+    code: int
+    pid: int
+    time: float
+
+    def how(self) -> str:
+        return signal.Signals(-self.code).name if self.code < 0 else f"exit code {self.code}"
 
 
 def launch_local(nproc: int, req: RunRequest, child_argv: list[str], max_restarts: int = 0) -> int:
-    """Check once here, then run `python -m loom train <child_argv>` in nproc processes. Returns an exit code.
+    """Check once here, then run `loom train <child_argv>` in nproc workers. Returns an exit code.
 
-    With max_restarts > 0 the elastic agent restarts all processes after a failure; restarted workers see
-    TORCHELASTIC_RESTART_COUNT > 0 and continue from the newest valid checkpoint of the run. SIGTERM/SIGINT
-    to this process reach the workers, which finish their step, save and exit with EXIT_PREEMPTED.
+    With max_restarts > 0 all workers start again after a failure; restarted workers see
+    TORCHELASTIC_RESTART_COUNT > 0 and continue from the newest valid checkpoint of the run.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     from loom import checkpoint
-    from loom.distributed import loopback
-    from loom.errors import EXIT_PREEMPTED
 
-    cfg = req.cfg
     plan = plan_run(req, _local_dims(req, nproc), hashes=False)  # raises before any process starts;
     # the workers hash the checkpoint's files, each its share
     args = [a for a in child_argv if a != "--force"]
     if not req.resume:
         args.append(f"--run.name={plan.run_dir.name}")
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"loom-{uuid.uuid4().hex[:8]}",
-        rdzv_backend=loopback.register(),  # the store listens on 127.0.0.1 only
-        rdzv_endpoint=f"{loopback.HOST}:0",
-        rdzv_configs={"timeout": int(cfg.parallel.timeout_s)},
-        max_restarts=max_restarts,
-        monitor_interval=0.2,
-        **_shutdown_option(LaunchConfig, cfg.parallel.timeout_s),
-    )
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    timeout_s = req.cfg.parallel.timeout_s
     restarts = f", up to {max_restarts} restart(s)" if max_restarts else ""
-    log.info(f"starting {nproc} processes (rendezvous on {loopback.HOST}{restarts}) for run {plan.run_dir}")
-    try:
-        elastic_launch(config, sys.executable)("-m", "loom", "train", *args)
-    except SignalException as e:
-        newest = checkpoint.latest_valid(plan.run_dir / "ckpt")
-        log.error(
-            f"loom: {e.sigval.name}: the processes were asked to save and stop; "
-            + (f"newest checkpoint {newest}" if newest else "no checkpoint was saved")
+    log.info(f"starting {nproc} processes (store on 127.0.0.1{restarts}) for run {plan.run_dir}")
+    job = f"loom-{uuid.uuid4().hex[:8]}"
+    with _Signals() as signals:
+        for attempt in range(max_restarts + 1):
+            exits = _run_group(nproc, args, job, attempt, max_restarts, timeout_s, signals)
+            if all(e.code == 0 for e in exits.values()):
+                return 0
+            if signals.received:
+                newest = checkpoint.latest_valid(plan.run_dir / "ckpt")
+                log.error(
+                    f"loom: {signals.received[0].name}: the processes were asked to save and stop; "
+                    + (f"newest checkpoint {newest}" if newest else "no checkpoint was saved")
+                )
+                return EXIT_PREEMPTED
+            if attempt < max_restarts:
+                log.warn(
+                    f"loom: a worker failed; starting the {nproc} processes again ({attempt + 1} of {max_restarts})"
+                )
+    return _report_failure(exits)
+
+
+def _run_group(nproc, args, job, attempt, max_restarts, timeout_s, signals) -> dict[int, Exit]:
+    """One round: nproc workers on a fresh store, watched until every one has ended."""
+    from loom.distributed import loopback
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (this process's first worker)
+    with loopback.listen(timeout_s) as port:
+        common = dict(os.environ)
+        common.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        common.update(
+            MASTER_ADDR=loopback.HOST,
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK="0",
+            GROUP_WORLD_SIZE="1",
+            TORCHELASTIC_RUN_ID=job,
+            TORCHELASTIC_RESTART_COUNT=str(attempt),
+            TORCHELASTIC_MAX_RESTARTS=str(max_restarts),
+            TORCHELASTIC_USE_AGENT_STORE="True",  # env:// joins this store instead of rank 0 serving one
         )
-        return EXIT_PREEMPTED
-    except ChildFailedError as e:
-        return _report_failure(e)
-    return 0
+        here = (os.getcwd(), list(sys.path))
+        procs = {}
+        for rank in range(nproc):
+            env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            procs[rank] = ctx.Process(
+                target=_worker, args=(args, env, *here, _Stdio()), name=f"loom rank {rank}"
+            )
+            procs[rank].start()
+        return _watch(procs, signals, shutdown_s=max(10.0, timeout_s))
 
 
-def _shutdown_option(launch_config, timeout_s: float) -> dict:
-    """After SIGTERM the workers finish their step and save; a stuck one is killed after this timeout. The
-    option exists from torch 2.12 on (a feature check, not a version string); older launchers wait a fixed
-    30 s (PContext.close's default)."""
-    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(launch_config)}:
-        return {}
-    return {"shutdown_timeout": int(max(10, timeout_s))}
+def _watch(procs: dict, signals: _Signals, shutdown_s: float) -> dict[int, Exit]:
+    """Wait for every worker. The first failure, or a signal to this process (passed on to the workers), stops
+    the group: the others get SIGTERM (or that signal), and SIGKILL after shutdown_s."""
+    exits: dict[int, Exit] = {}
+    passed_on, deadline = 0, None
+    while len(exits) < len(procs):
+        running = {p.sentinel: r for r, p in procs.items() if r not in exits}
+        for sentinel in connection.wait(list(running), timeout=0.2):
+            p = procs[running[sentinel]]
+            p.join()
+            exits[running[sentinel]] = Exit(p.exitcode, p.pid, time.monotonic())
+        for signum in signals.received[passed_on:]:
+            _send(procs, exits, signum)
+            passed_on += 1
+        if deadline is None and (passed_on or any(e.code != 0 for e in exits.values())):
+            deadline = time.monotonic() + shutdown_s
+            if not passed_on:
+                _send(procs, exits, signal.SIGTERM)
+        elif deadline is not None and time.monotonic() > deadline:
+            _send(procs, exits, signal.SIGKILL)
+    return exits
+
+
+def _send(procs: dict, exits: dict, signum: int) -> None:
+    for rank, p in procs.items():
+        if rank not in exits:
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+class _Signals:
+    """SIGTERM, SIGINT and SIGHUP to this process while the workers run: recorded here, passed on by _watch (where
+    the main thread can, the only thread that receives signals)."""
+
+    def __init__(self):
+        self.received: list[signal.Signals] = []
+        self._old: dict = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._on) for s in FORWARDED}
+        return self
+
+    def _on(self, signum: int, frame) -> None:
+        self.received.append(signal.Signals(signum))
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+
+class _Stdio:
+    """This process's stdout and stderr, for a worker: the fork server passes them on as file descriptors
+    (multiprocessing's DupFd, at the pickling of the worker's arguments); otherwise a worker would write to the
+    server's, those of whichever moment started it."""
+
+    def __reduce__(self):
+        return _attach, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _attach(out, err) -> None:
+    for wrapped, fd in ((out, 1), (err, 2)):
+        passed = wrapped.detach()
+        os.dup2(passed, fd)
+        os.close(passed)
+
+
+def _worker(args: list[str], env: dict, cwd: str, path: list[str], _stdio: None) -> None:
+    """A rank, in a fork of the server (whose environment, folder and path were those of when it started)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
+    _linux_prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the server ends with the launcher: so does the rank
+    _linux_prctl(PR_SET_NAME, f"loom rank {env['RANK']}".encode()[:15])  # as ps and top show it
+    import torch
+
+    # OpenMP read OMP_NUM_THREADS when the server imported torch: set what a new interpreter would have read
+    if env["OMP_NUM_THREADS"].isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = ["loom", "train", *args]
+    runpy.run_module("loom", run_name="__main__", alter_sys=True)  # `python -m loom train ARGS`, as exec'd
+
+
+def _linux_prctl(option: int, value) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
+def stop_server() -> None:
+    """Stop this process's fork server and the resource tracker it started, if any, and wait for them. They end
+    by themselves when this process does, a moment later; waited for here, nothing of a job outlives the
+    command that launched it. (Both `_stop`s are private to multiprocessing, used by Python's own tests; they
+    exist from Python 3.8 on, checked on 3.11.)"""
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
+    for module, name in (
+        (multiprocessing.forkserver, "_forkserver"),
+        (multiprocessing.resource_tracker, "_resource_tracker"),
+    ):
+        stop = getattr(getattr(module, name, None), "_stop", None)
+        if stop is not None:
+            stop()
 
 
 def _local_dims(req: RunRequest, nproc: int) -> ParallelDims:
@@ -95,30 +258,24 @@ def _local_dims(req: RunRequest, nproc: int) -> ParallelDims:
     return validate(layout, nproc)[1]
 
 
-def _report_failure(e) -> int:
-    """The exit code of a job whose workers failed (torch's ChildFailedError), and one line naming the rank
-    that failed first: a rank killed by a signal is the cause when the others only saw it die."""
-    from loom.errors import EXIT_PREEMPTED
-
-    if all(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
+def _report_failure(exits: dict[int, Exit]) -> int:
+    """The exit code of a job whose workers failed, and one line naming the rank that failed first: a rank
+    killed by a signal is the cause when the others only saw it die."""
+    failed = {r: e for r, e in exits.items() if e.code != 0}
+    if all(e.code == EXIT_PREEMPTED for e in failed.values()):
         log.error(f"loom: stopped by a signal after saving a checkpoint (exit code {EXIT_PREEMPTED})")
         return EXIT_PREEMPTED
-    first_rank, first = e.get_first_failure()
-    # a rank killed by a signal, SIGTERM last: the launcher stops the surviving ranks with SIGTERM, and under
-    # load one of them can be recorded before the rank whose death started it all (seen: 4 ranks, 2 cores)
-    killed = sorted(
-        (f.signal_name() == "SIGTERM", f.timestamp, r) for r, f in e.failures.items() if f.exitcode < 0
-    )
-    if killed and (first.exitcode >= 0 or first.signal_name() == "SIGTERM"):
+    first_rank = min(failed, key=lambda r: failed[r].time)
+    first = failed[first_rank]
+    # a rank killed by a signal, SIGTERM last: this process stops the surviving ranks with SIGTERM, and under
+    # load one of them can be seen to end before the rank whose death started it all (seen: 4 ranks, 2 cores)
+    killed = sorted((e.code == -signal.SIGTERM, e.time, r) for r, e in failed.items() if e.code < 0)
+    if killed and (first.code >= 0 or first.code == -signal.SIGTERM):
         first_rank = killed[0][2]
-        first = e.failures[first_rank]
-
-    def how(f) -> str:
-        return f.signal_name() if f.exitcode < 0 else f"exit code {f.exitcode}"
-
-    others = [f"rank {r} ({how(f)})" for r, f in sorted(e.failures.items()) if r != first_rank]
+        first = failed[first_rank]
+    others = [f"rank {r} ({e.how()})" for r, e in sorted(failed.items()) if r != first_rank]
     log.error(
-        f"loom: error: rank {first_rank} (pid {first.pid}) failed first: {how(first)}; the other ranks were "
+        f"loom: error: rank {first_rank} (pid {first.pid}) failed first: {first.how()}; the other ranks were "
         "stopped" + (f" ({', '.join(others)} after it)" if others else "")
     )
     return 1
