@@ -29,6 +29,7 @@ LAYER = {
     "generate": 4,
     "runs": 4,
     "export": 5,
+    "serve": 5,
     "chat": 4,
     "engine": 4,
     "train": 5,

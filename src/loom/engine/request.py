@@ -45,6 +45,7 @@ class Request:
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # a forward that failed (the server answers 500)
         self.slot: int | None = None
         self.recompute = (
             False  # past the cache (learned positions past block_size, or no cache): full forwards
