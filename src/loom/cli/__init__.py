@@ -27,7 +27,7 @@ VERBS = {
         tools.verify,
         "prove N processes learn the same curve as one: loom verify --strategies ddp --nproc 2",
     ),
-    "bench": (tools.bench, "benchmarks: loom bench comm | optim | peak | train"),
+    "bench": (tools.bench, "benchmarks: loom bench comm | optim | peak | train | generate"),
     "doctor": (tools.doctor, "environment report: versions, devices, GPU links, MPI, compile (--json)"),
     "plan": (
         plan.plan,
