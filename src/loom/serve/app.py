@@ -186,7 +186,11 @@ async def _answer(served: Served, request: Request, job: Job):
     loop = asyncio.get_running_loop()
     ready = asyncio.Event()
     for req in job.make_requests():
-        req.on_token = lambda _req: loop.call_soon_threadsafe(ready.set)
+        # a stream wakes the event loop for every token; a whole answer only at its end (fewer switches
+        # between the engine's thread and the loop's, which share the interpreter's lock)
+        req.on_token = lambda r, stream=job.stream: (
+            (stream or r.done) and loop.call_soon_threadsafe(ready.set)
+        )
     try:
         for req in job.requests:
             served.worker.submit(req)
