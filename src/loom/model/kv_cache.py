@@ -68,10 +68,12 @@ class RowCache:
         self.lens = [0] * slots  # tokens cached per slot
         self.rows: list[int] = []
         self._pos: torch.Tensor | None = None  # (B, T) positions of the forward under way
+        self._index: torch.Tensor | None = None  # (B, 1) its slots
+        self._mask: torch.Tensor | None = None  # its attention mask: the same in every layer
 
     def select(self, rows: list[int]) -> None:
         """The slots the next forward runs on, in the order of its batch."""
-        self.rows, self._pos = list(rows), None
+        self.rows, self._pos, self._mask = list(rows), None, None
 
     def set_len(self, slot: int, n: int) -> None:
         self.lens[slot] = n
@@ -83,6 +85,8 @@ class RowCache:
         if self._pos is None or self._pos.size(1) != T or self._pos.device != torch.device(device):
             starts = torch.tensor([self.lens[r] for r in self.rows], device=device)
             self._pos = starts[:, None] + torch.arange(T, device=device)
+            self._index = torch.tensor(self.rows, device=device)[:, None]
+            self._mask = None
         return self._pos
 
     def _gather(self, t: torch.Tensor, L: int) -> torch.Tensor:
@@ -94,18 +98,18 @@ class RowCache:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         T = k.size(2)
         pos = self.positions(T, k.device)
-        rows = torch.tensor(self.rows, device=k.device)[:, None]
         # (B, T) row and position indices around the heads' slice: the indexed block is (B, T, K, D)
-        self.k[layer][rows, :, pos] = k.transpose(1, 2)
-        self.v[layer][rows, :, pos] = v.transpose(1, 2)
+        self.k[layer][self._index, :, pos] = k.transpose(1, 2)
+        self.v[layer][self._index, :, pos] = v.transpose(1, 2)
         L = self.end(T)
         keys, values = self._gather(self.k[layer], L), self._gather(self.v[layer], L)
         if all(self.lens[r] == 0 for r in self.rows):
             return keys, values, None  # a prefill from position 0: causal attention over the block
-        mask = pos[:, :, None] >= torch.arange(L, device=k.device)  # (B, T, L): up to each query's own place
-        return keys, values, mask[:, None]
+        if self._mask is None:  # (B, 1, T, L): up to each query's own place
+            self._mask = (pos[:, :, None] >= torch.arange(L, device=k.device))[:, None]
+        return keys, values, self._mask
 
     def advance(self, T: int) -> None:
         for r in self.rows:
             self.lens[r] += T
-        self._pos = None
+        self._pos = self._mask = None
