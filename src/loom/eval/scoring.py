@@ -130,18 +130,16 @@ class Scorer:
             autocast=self.autocast,
             device=self.device,
         )
-        reqs = [
-            engine.submit(
-                Request(
-                    ids, SamplingParams(new, temp, stop_ids=frozenset({self.eot_id}), stop=tuple(until)), g
-                ),
-                bounded=False,
-            )
-            for ids, until, new, temp in requests
-        ]
+        reqs = []
+        for ids, until, new, temp in requests:
+            if new < 1:  # nothing to generate: the empty text
+                reqs.append(None)
+                continue
+            params = SamplingParams(new, temp, stop_ids=frozenset({self.eot_id}), stop=tuple(until))
+            reqs.append(engine.submit(Request(ids, params, g), bounded=False))
         self._drive(engine)
         self.forwards += engine.forwards
-        return [cut_at_stop(decode(r.tokens), r.params.stop) for r in reqs]
+        return [cut_at_stop(decode(r.tokens), r.params.stop) if r else "" for r in reqs]
 
     def _drive(self, engine) -> None:
         """Step the engine to the end; in lockstep one agreed forward at a time (a rank without one idles)."""
