@@ -15,14 +15,14 @@ STAMP_OLDEST := $(VENV_OLDEST)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev,mpi,triton,parquet,data,hf,track,fp8,eval]"
+	$(BIN)/python -m pip install -q -e ".[dev,mpi,triton,parquet,data,hf,track,fp8,eval,serve]"
 	touch $(STAMP)
 
 $(STAMP_OLDEST): pyproject.toml
 	test -x $(VENV_OLDEST)/bin/python || $(PY) -m venv $(VENV_OLDEST)
 	$(VENV_OLDEST)/bin/python -m pip install -q --upgrade pip
 	echo "torch==$(TORCH_OLDEST)" > $(VENV_OLDEST)/constraints.txt
-	$(VENV_OLDEST)/bin/python -m pip install -q -c $(VENV_OLDEST)/constraints.txt -e ".[dev,mpi,triton,parquet,data,hf,track,fp8,eval]"
+	$(VENV_OLDEST)/bin/python -m pip install -q -c $(VENV_OLDEST)/constraints.txt -e ".[dev,mpi,triton,parquet,data,hf,track,fp8,eval,serve]"
 	touch $(STAMP_OLDEST)
 
 setup: $(STAMP)

@@ -40,6 +40,9 @@ The lines, by priority (plan first, then second, then rest):
                        fp8 tensorwise and rowwise (loom bench train --fp8, interleaved rounds, one micro-batch):
                        tokens/s, speed over bf16, peak memory, and per mode how many linears train in float8
                        (torchao's size rule: the projections too small to gain stay bf16)
+  bench-decode         generation: GPT-2 124M bf16 through loom bench generate at batch 1 and 64 (prompt 128,
+                       128 new tokens, greedy): loom's decode tokens/s, transformers' generate on loom's export
+                       beside it, and decoding's memory-bandwidth use (weights and KV cache read per step)
   bench-long-doc-mask  bench-long-flash with data.doc_mask=true (FlexAttention's block mask, compiled on CUDA,
                        documents of ~2048 tokens): the same figures and its speed over the flash run's
   bench-train-fp8-gpt2 the same fp8 comparison for GPT-2 124M at T=2048 with precision.fp8_filter=all (the size
@@ -114,6 +117,7 @@ PLANS = {
     # the fp8 1B comparison, then the benchmarks the first plan leaves
     "second": (
         "bench-train-fp8-1b",
+        "bench-decode",
         "bench-long-doc-mask",
         "bench-train-fp8-gpt2",
         "bench-train-moe",
@@ -343,6 +347,7 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         verify_check(n_gpus, out),
         *bench_checks(args, cuda, out, lacking),
         *long_context_checks(cuda, out),
+        decode_check(cuda, out, lacking),
         *moe_and_nanogpt_checks(args, cuda, out),
         *fp8_checks(cuda, out, lacking),
     ]
@@ -611,6 +616,50 @@ def long_context_checks(cuda: bool, out: Path) -> list[Check]:
             )
         )
     return checks
+
+
+def decode_check(cuda: bool, out: Path, lacking: set[str]) -> Check:
+    """Generation speed (issue 45): loom.engine at batch 1 and 64 beside transformers' generate on the same
+    weights, and the decode's bandwidth use; --cpu: the tiny shape, batch 1 and 4."""
+    shape = GPT2 if cuda else TINY
+    decode_json = out / "bench-decode.json"
+    argv = [
+        *LOOM,
+        "bench",
+        "generate",
+        "--batch",
+        "1,64" if cuda else "1,4",
+        "--prompt-len",
+        "128" if cuda else "8",
+        "--new-tokens",
+        "128" if cuda else "8",
+        "--rounds",
+        "3" if cuda else "1",
+        "--dtype",
+        "bf16" if cuda else "fp32",
+        "--device",
+        "cuda" if cuda else "cpu",
+        *[f"--model.{k}={v}" for k, v in shape.items()],
+        *(["--no-hf"] if "transformers" in lacking else []),
+        "--json",
+        str(decode_json),
+    ]
+    return Check("bench-decode", lambda ctx: [argv], 240, lambda o, ctx: decode_figures(decode_json))
+
+
+def decode_figures(path: Path) -> dict:
+    """Per batch: loom's decode tokens/s, transformers' and the ratio, the bandwidth use (CUDA)."""
+    figs: dict[str, Any] = {}
+    for r in json.loads(path.read_text()):
+        b = r["batch"]
+        figs[f"b{b}_decode_tok_s"] = round(r["loom"]["decode_tok_s"])
+        if "hf" in r:
+            figs[f"b{b}_hf_decode_tok_s"] = round(r["hf"]["decode_tok_s"])
+            figs[f"b{b}_vs_hf"] = round(r["decode_vs_hf"], 2)
+            figs[f"b{b}_same_tokens"] = r["same_tokens"]
+        if "bandwidth" in r:
+            figs[f"b{b}_bandwidth_util"] = round(r["bandwidth"]["utilisation"], 3)
+    return figs
 
 
 def moe_and_nanogpt_checks(args, cuda: bool, out: Path) -> list[Check]:

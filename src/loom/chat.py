@@ -72,7 +72,7 @@ class ChatSession:
         if len(ids) >= block and not self.extends_context:
             ids = ids[-(block - 1) :]  # learned positions: the newest block_size tokens of the conversation
         s = self.sampling
-        stop = set(self.template.stop_ids)
+        stop = frozenset(self.template.stop_ids)
         out: list[int] = []
         shown = ""
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -86,12 +86,13 @@ class ChatSession:
             generator=self.generator,
             vocab_size=self.tokenizer.vocab_size,
             extends_context=self.extends_context,
+            stop_ids=stop,
         )
         self.messages.append(turn)
         try:
-            for nxt in tokens:
+            for nxt in tokens:  # the engine ends the stream at the end of turn (not yielded)
                 token = int(nxt[0, 0])
-                if token in stop:
+                if token in stop:  # a stream that yields it anyway (a scripted one) ends there too
                     break
                 out.append(token)
                 text_so_far = self.tokenizer.decode(out)

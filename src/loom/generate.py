@@ -1,4 +1,4 @@
-"""Sampling with a KV cache: temperature, top-k, top-p (nucleus), seeded.
+"""Sampling with a KV cache: temperature, top-k, top-p (nucleus), seeded; the loop is loom.engine's.
 
 With the cache, the prompt is run once (prefill) and each new token costs one position. The cache holds the
 key/value heads only (grouped-query attention shares them when attention runs) and, with RoPE, keys already
@@ -16,11 +16,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from loom.engine import Engine, Request, SamplingParams
+from loom.engine.sampling import sample_next  # noqa: F401  (loom.generate.sample_next: the tests' name for it)
 from loom.eval.evaluator import EvalContext, EvalSetup, Every, register_evaluator
-from loom.eval.sampling import sample_next
 
 
-@torch.no_grad()
 def iter_tokens(
     model: nn.Module,
     idx: torch.Tensor,
@@ -32,30 +32,42 @@ def iter_tokens(
     use_cache: bool = True,
     vocab_size: int | None = None,
     extends_context: bool = False,
+    stop_ids: frozenset[int] = frozenset(),
 ):
     """Sample up to max_new_tokens tokens after `idx` (B, T), yielding each step's (B, 1) ids as it is drawn (a
-    caller streams them, or stops early: at an end-of-turn token). Padding ids >= vocab_size are never sampled.
-    extends_context (the family's ModelSpec.extends_context): past block_size, run on with the cache instead of
-    re-cropping the context. The model is in eval mode while this runs."""
+    caller streams them, or stops early). Padding ids >= vocab_size are never sampled. The rows run as one
+    batch of loom.engine (sharing `generator`, drawn row after row). extends_context (the family's
+    ModelSpec.extends_context): past block_size, run on with the cache instead of re-cropping the context.
+    stop_ids: one row only (a chat turn): the tokens that end it, not yielded. The model is in eval mode while
+    this runs."""
+    if max_new_tokens <= 0:
+        return
+    B, T = idx.shape
+    extend = extends_context and use_cache
+    engine = Engine(
+        model,
+        max_seqs=B,
+        max_len=T + max_new_tokens if extend else model.cfg.block_size,
+        vocab_size=vocab_size,
+        extends_context=extends_context,
+        use_cache=use_cache,
+        device=idx.device,
+    )
+    params = SamplingParams(max_new_tokens, temperature, top_k, top_p, stop_ids=frozenset(stop_ids))
+    if B == 1:
+        for token in engine.stream(Request(idx[0].tolist(), params, generator)):
+            yield torch.tensor([[token]], device=idx.device)
+        return
+    reqs = [engine.submit(Request(row, params, generator), bounded=False) for row in idx.tolist()]
     was_training = model.training
     model.eval()
-    block = model.cfg.block_size
-    vocab = vocab_size or model.cfg.vocab_size
-    extend = extends_context and use_cache
-    cache = (
-        model.kv_cache(idx.size(0), idx.size(1) + max_new_tokens if extend else block) if use_cache else None
-    )
     try:
-        for _ in range(max_new_tokens):
-            if cache is not None and (extend or idx.size(1) <= block):
-                # Feed only what the cache has not seen yet (the whole prompt the first time).
-                logits = model(idx[:, cache.len :], cache=cache)
-            else:  # no cache, or beyond block_size where positions shift: recompute the cropped context
-                logits = model(idx[:, -block:])
-            logits = logits[:, -1, :vocab]
-            nxt = sample_next(logits, temperature, top_k, top_p, generator)
-            idx = torch.cat([idx, nxt], dim=1)
-            yield nxt
+        for k in range(max_new_tokens):
+            while engine.busy and any(len(r.tokens) <= k and not r.done for r in reqs):
+                engine.step()
+            if any(len(r.tokens) <= k for r in reqs):
+                return
+            yield torch.tensor([[r.tokens[k]] for r in reqs], device=idx.device)
     finally:
         model.train(was_training)
 
@@ -137,9 +149,8 @@ class ChatSampler(Sampler):
                 temperature=0.0,
                 vocab_size=tok.vocab_size,
                 extends_context=self.extends_context,
+                stop_ids=frozenset(self.stop_ids),
             ):
-                if int(nxt[0, 0]) in self.stop_ids:
-                    break
                 out.append(int(nxt[0, 0]))
         return (
             f"prompt:   {tok.decode(self.prompt[1:])}\n"  # [0] is the end-of-text that opens a conversation

@@ -444,6 +444,18 @@ COMMANDS = {
         "--num-samples must be >= 1, got 0",
         2,
     ),
+    "serve --max-seqs 0": (
+        ["serve", "{root}/runs/ok", "--max-seqs", "0"],
+        "--max-seqs must be at least 1, got 0",
+        2,
+    ),
+    "serve --port 70000": (["serve", "{root}/runs/ok", "--port", "70000"], "--port must be in 0..65535", 2),
+    "bench generate --batch 0": (["bench", "generate", "--batch", "0"], "need --batch sizes >= 1", 2),
+    "bench generate --clients without a run": (
+        ["bench", "generate", "--clients", "4"],
+        "--clients serves a run",
+        2,
+    ),
     # zero or negative counts, never silently replaced by a default
     "eval --batches 0": (["eval", "{root}/runs/ok", "--batches", "0"], "--batches must be >= 1, got 0", 2),
     "eval --batches -1": (["eval", "{root}/runs/ok", "--batches", "-1"], "--batches must be >= 1, got -1", 2),

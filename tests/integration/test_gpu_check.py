@@ -27,6 +27,7 @@ CHECKS = [
     "train-ddp",
     "bench-train-compile",
     "bench-train-fp8-1b",
+    "bench-decode",
     "bench-long-doc-mask",
     "bench-train-fp8-gpt2",
     "bench-train-moe",
@@ -104,6 +105,7 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
         "bench-long-flash",
         "bench-long-doc-mask",
         "bench-train-moe",
+        "bench-decode",
     ):
         assert rows[name]["status"] == "pass", rows[name]
     assert rows["tests-gpu"]["figures"]["skipped"] >= 8  # on CPU every GPU test is skipped, with its reason
@@ -120,6 +122,8 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
     else:
         assert "needs torchao" in rows["bench-train-fp8-gpt2"]["reason"]
     assert rows["sft-lora"]["figures"]["steps"] == 5 and rows["chat"]["figures"]["answer"]  # chat: its answer
+    decode = rows["bench-decode"]["figures"]  # loom.engine beside transformers on the same weights
+    assert decode["b4_decode_tok_s"] > 0 and decode.get("b4_same_tokens", True) is True
     moe = rows["bench-train-moe"]["figures"]  # grouped GEMM and loop timed in the same rounds
     assert moe["grouped_tokens_per_s"] > 0 and moe["loop_tokens_per_s"] > 0 and moe["grouped_vs_loop"] > 0
     long = rows["bench-long-doc-mask"]["figures"]

@@ -9,7 +9,7 @@ import os
 import sys
 
 # each verb's module: the names below are modules (loom.cli.train, ...), their verbs are functions in them
-from loom.cli import data, eval, generate, plan, runs, tools, train
+from loom.cli import data, eval, generate, plan, runs, serve, tools, train
 from loom.errors import LoomError
 
 VERBS = {
@@ -18,6 +18,7 @@ VERBS = {
     "data": (data.data, "prepare data: loom data prepare --input ... --out DIR"),
     "generate": (generate.generate, "sample from a trained run"),
     "chat": (generate.chat, "talk to a fine-tuned run: loom chat RUN [--prompt TEXT] (/help, /reset, /quit)"),
+    "serve": (serve.serve, "serve a run with the OpenAI API: loom serve RUN [--port 8000] [--api-key KEY]"),
     "eval": (eval.evaluate, "validation loss and perplexity of a run"),
     "plot": (runs.plot, "plot loss curves of one or more runs"),
     "ckpt": (runs.ckpt, "checkpoints: loom ckpt inspect RUN | consolidate RUN --out DIR"),
@@ -26,7 +27,7 @@ VERBS = {
         tools.verify,
         "prove N processes learn the same curve as one: loom verify --strategies ddp --nproc 2",
     ),
-    "bench": (tools.bench, "benchmarks: loom bench comm | optim | peak | train"),
+    "bench": (tools.bench, "benchmarks: loom bench comm | optim | peak | train | generate"),
     "doctor": (tools.doctor, "environment report: versions, devices, GPU links, MPI, compile (--json)"),
     "plan": (
         plan.plan,

@@ -18,6 +18,7 @@ def bench(argv: list[str]) -> int:
         "optim": "loom.bench.optim:optim_main",
         "peak": "loom.bench.peak:peak_main",
         "train": "loom.bench.train:train_main",
+        "generate": "loom.bench.generate:generate_main",
     }
     if not argv or argv[0] not in benches:
         print(

@@ -8,8 +8,8 @@ forwards of a sharded model) is loom.eval.scoring.Scorer.
 
   loglikelihood          Scorer.continuations
   loglikelihood_rolling  the harness's rolling windows (max context, each token predicted once), scored the same
-  generate_until         Scorer.generate: contexts of equal length share a batch (no padding, so no attention
-                         mask is needed); greedy unless the task asks to sample; stops at end-of-text or a stop text
+  generate_until         Scorer.generate: every request through loom.engine's running batch (contexts of any
+                         length); greedy unless the task asks to sample; stops at end-of-text or a stop text
 
 Across processes (rank and world_size are what the harness splits requests by):
   one process, or rank 0 of a job with a whole copy (tensor/pipeline layouts): world 1
@@ -118,9 +118,8 @@ class LoomLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        groups: dict[tuple, list[int]] = {}
-        encoded = []
-        for i, (context, gen_kwargs) in enumerate(req.args for req in requests):
+        todo = []
+        for context, gen_kwargs in (req.args for req in requests):
             kw = dict(gen_kwargs)
             until = kw.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
@@ -133,23 +132,5 @@ class LoomLM(TemplateLM):
             sample = bool(kw.get("do_sample", False)) and float(kw.get("temperature", 1.0)) > 0
             temperature = float(kw.get("temperature", 1.0)) if sample else 0.0
             ids = self.tok_encode(context)[-(self.max_length - max_new) :] or [self.eot_token_id]
-            encoded.append(ids)
-            groups.setdefault((len(ids), tuple(until), max_new, temperature), []).append(i)
-        plan = [
-            (key, members[k : k + self.scorer.batch_size])
-            for key, members in sorted(groups.items(), key=lambda kv: -kv[0][0])
-            for k in range(0, len(members), self.scorer.batch_size)
-        ]
-        texts = self.scorer.generate(
-            [[encoded[i] for i in members] for _, members in plan],
-            self.tok_decode,
-            [list(key[1]) for key, _ in plan],
-            [key[2] for key, _ in plan],
-            [key[3] for key, _ in plan],
-            self.seed,
-        )
-        out = [""] * len(requests)
-        for (_, members), got in zip(plan, texts, strict=True):
-            for i, text in zip(members, got, strict=True):
-                out[i] = text
-        return out
+            todo.append((ids, until, max_new, temperature))
+        return self.scorer.generate(todo, self.tok_decode, self.seed)

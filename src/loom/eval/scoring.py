@@ -5,8 +5,8 @@ CORE (loom.eval.core) and HellaSwag (loom.eval.hellaswag) all ask of a model, in
                             requests sorted by length (longest first) and batched; a right-padded batch is one
                             forward and each row's continuation is read at its own positions (causal attention:
                             the padding after a row never reaches it); log-softmax only over those positions
-  generate(rows, ...)       greedy (or sampled) continuation of equal-length rows with the KV cache, stopping at
-                            end-of-text or a stop text
+  generate(requests, ...)   greedy (or sampled) continuations through loom.engine (rows of any length in one
+                            running batch), stopping at end-of-text or a stop text
 
 Lockstep (an FSDP-sharded model: every forward is a collective): before each forward the ranks agree, with one
 all-reduce, whether anyone still has work, and a rank with none runs a one-token forward that only keeps the
@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from loom.errors import LoomError
-from loom.eval.sampling import sample_next
 
 
 class Scorer:
@@ -109,78 +108,46 @@ class Scorer:
     @torch.no_grad()
     def generate(
         self,
-        batches: list[list[list[int]]],
+        requests: list[tuple[list[int], list[str], int, float]],
         decode: Callable[[list[int]], str],
-        until: list[list[str]],
-        max_new: list[int],
-        temperature: list[float],
         seed: int = 1234,
-    ) -> list[list[str]]:
-        """The texts that continue each batch's rows (each batch: rows of one length), cut before the first
-        stop text of the batch's `until`; greedy where its temperature is 0. One loop of forwards over all the
-        batches, so that in lockstep each forward is agreed on once, whatever batch (or none) a rank is in."""
+    ) -> list[str]:
+        """The text that continues each (context ids, stop texts, max new tokens, temperature) request, cut
+        before its first stop text; greedy where its temperature is 0; end-of-text ends it too. The requests
+        run through loom.engine, batch_size rows at a time (a row that ends makes room for the next). In
+        lockstep each forward is agreed on once, whatever forward (or none) a rank has left."""
+        from loom.engine import Engine, Request, SamplingParams, cut_at_stop
+
         self.model.eval()
         g = torch.Generator(device=self.device).manual_seed(seed)
-        out: list[list[str]] = []
-        todo = iter(range(len(batches)))
-        run = None
-        while True:
-            while run is None or run.finished:
-                if run is not None:
-                    out.append(run.texts())
-                b = next(todo, None)
-                if b is None:
-                    run = None
-                    break
-                rows = torch.tensor(batches[b], dtype=torch.long, device=self.device)
-                run = _Generation(self, rows, decode, until[b], max_new[b], temperature[b], g)
-            if not self._anyone(run is not None):
-                return out
-            if run is None:
-                self._idle()
+        longest = max((len(ids) + new for ids, _, new, _ in requests), default=1)
+        engine = Engine(
+            self.model,
+            max_seqs=self.batch_size,
+            max_len=max(longest, 1),
+            vocab_size=self.vocab,
+            decode=decode,
+            autocast=self.autocast,
+            device=self.device,
+        )
+        reqs = []
+        for ids, until, new, temp in requests:
+            if new < 1:  # nothing to generate: the empty text
+                reqs.append(None)
+                continue
+            params = SamplingParams(new, temp, stop_ids=frozenset({self.eot_id}), stop=tuple(until))
+            reqs.append(engine.submit(Request(ids, params, g), bounded=False))
+        self._drive(engine)
+        self.forwards += engine.forwards
+        return [cut_at_stop(decode(r.tokens), r.params.stop) if r else "" for r in reqs]
+
+    def _drive(self, engine) -> None:
+        """Step the engine to the end; in lockstep one agreed forward at a time (a rank without one idles)."""
+        jobs: list = []
+        while self._anyone(bool(jobs) or engine.busy):
+            if not jobs and engine.busy:
+                jobs = engine.plan()
+            if jobs:
+                jobs.pop(0)()
             else:
-                run.step()
-
-
-class _Generation:
-    """One batch being generated: equal-length rows, a KV cache, each row done at end-of-text or a stop text."""
-
-    def __init__(self, scorer: Scorer, idx, decode, until: list[str], max_new: int, temperature: float, g):
-        self.scorer, self.idx, self.decode, self.until = scorer, idx, decode, until
-        self.max_new, self.temperature, self.g = max_new, temperature, g
-        model, B = scorer.model, idx.size(0)
-        self.cache = model.kv_cache(B, idx.size(1) + max_new)  # every family's model has one (FamilyModel)
-        self.new: list[list[int]] = [[] for _ in range(B)]
-        self.done = [False] * B
-        self.steps = 0
-
-    @property
-    def finished(self) -> bool:
-        return all(self.done) or self.steps >= self.max_new
-
-    def step(self) -> None:
-        s = self.scorer
-        feed = self.idx[:, self.cache.len :] if self.cache is not None else self.idx
-        logits = s._forward(feed, self.cache)[:, -1, : s.vocab]
-        nxt = sample_next(logits, self.temperature, None, None, self.g if self.temperature > 0 else None)
-        self.idx = torch.cat([self.idx, nxt], dim=1)
-        self.steps += 1
-        for r, t in enumerate(nxt[:, 0].tolist()):
-            if self.done[r]:
-                continue
-            if t == s.eot_id:
-                self.done[r] = True
-                continue
-            self.new[r].append(t)
-            if self.until and any(u in self.decode(self.new[r]) for u in self.until):
-                self.done[r] = True
-
-    def texts(self) -> list[str]:
-        out = []
-        for toks in self.new:
-            text = self.decode(toks)
-            for term in self.until:
-                if term:
-                    text = text.split(term)[0]
-            out.append(text)
-        return out
+                self._idle()

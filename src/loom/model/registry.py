@@ -35,7 +35,9 @@ class FamilyModel(Protocol):
 
     def forward(self, idx: Any, targets: Any = None, cache: Any = None) -> Any: ...
 
-    def kv_cache(self, batch: int, max_len: int) -> Any: ...  # generation's and eval's cache (GPT's KVCache)
+    # generation's and eval's cache: GPT's KVCache, or with rows=True a RowCache (loom.model.kv_cache: each
+    # row at its own length, loom.engine's running batch)
+    def kv_cache(self, batch: int, max_len: int, rows: bool = False) -> Any: ...
 
     def num_params(self) -> int: ...  # distinct parameters (a tied head counted once)
 

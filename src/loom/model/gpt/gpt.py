@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from loom.model.cpu_paths import Dropout, causal_attention
 from loom.model.doc_mask import DocMask, build_doc_mask, doc_attention
+from loom.model.kv_cache import KVCache, RowCache
 from loom.model.lora import init_lora_param
 from loom.model.vocab import mask_padding_
 
@@ -73,20 +74,6 @@ class GPTConfig:
     def padded_vocab(self) -> int:
         """Vocabulary rounded up to a multiple of 64: tensor-core friendly and divisible by small TP degrees."""
         return (self.vocab_size + 63) // 64 * 64
-
-
-class KVCache:
-    """Keys and values of every layer for incremental decoding: (B, K, max_T, D) per layer (key/value heads
-    only: grouped-query attention shares each among H / K query heads when attention runs)."""
-
-    def __init__(self, cfg: GPTConfig, batch: int, max_len: int, device, dtype):
-        shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.len = 0  # tokens already cached
-
-    def reset(self) -> None:
-        self.len = 0
 
 
 def rope_cos_sin(
@@ -171,7 +158,6 @@ class CausalSelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
-        start = cache.len if cache is not None else 0
         if self.rope_theta is not None and doc is not None and doc.positions is not None:
             cos, sin = rope_cos_sin_at(doc.positions, self.head_dim, self.rope_theta)  # (B, T, D)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): the same for every head
@@ -179,16 +165,21 @@ class CausalSelfAttention(nn.Module):
         elif self.rope_theta is not None and self.context is not None:
             cos, sin = rope_cos_sin_at(self.context.positions(T, x.device), self.head_dim, self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif self.rope_theta is not None and cache is not None:  # each row's positions: (T,) or (B, T)
+            pos = cache.positions(T, x.device)
+            cos, sin = rope_cos_sin_at(pos, self.head_dim, self.rope_theta)
+            if pos.dim() == 2:
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): the same for every head
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         elif self.rope_theta is not None:
-            cos, sin = rope_cos_sin(start, T, self.head_dim, self.rope_theta, x.device)
+            cos, sin = rope_cos_sin(0, T, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.context is not None:  # the K key/value heads travel; grouped-query sharing happens there
             y = self.context.attention(q, k, v)
             return self.resid_dropout(self.o_proj(y.transpose(1, 2).reshape(B, T, -1)))
-        if cache is not None:  # the cache keeps the K key/value heads, rotated
-            cache.k[layer][:, :, start : start + T] = k
-            cache.v[layer][:, :, start : start + T] = v
-            k, v = cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T]
+        mask = None
+        if cache is not None:  # the cache keeps the K key/value heads, rotated (loom.model.kv_cache)
+            k, v, mask = cache.store(layer, k, v)
         if k.size(1) != q.size(1):  # grouped-query: query head h reads key/value head h // (H / K)
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
@@ -196,10 +187,9 @@ class CausalSelfAttention(nn.Module):
             y = doc_attention(q, k, v, doc, self.dropout if self.training else 0.0)
         elif cache is None:
             y = causal_attention(q, k, v, self.dropout if self.training else 0.0)
-        elif start == 0:  # prefill: ordinary causal attention
+        elif mask is None:  # prefill from position 0: ordinary causal attention
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # new queries see every cached key and the causal part of their own block
-            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        else:  # new queries see the cached keys up to their own positions
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C_local); context parallel: back to T/cp in o_proj
         return self.resid_dropout(self.o_proj(y))
@@ -337,21 +327,29 @@ class GPT(nn.Module):
         cross-entropy over all target tokens. last > 0: logits of the last `last` positions only, (B, last, V)
         (scoring continuations: the LM head is a third of a GPT-2's FLOPs, and only the answer's rows are read)."""
         B, T = idx.shape
-        start = cache.len if cache is not None else 0
+        end = cache.end(T) if cache is not None else T
         # learned positions have block_size slots; RoPE has none, and runs on past block_size with a cache (the
         # model was trained on block_size tokens: what it does beyond is what transformers' Llama does too)
-        if start + T > self.cfg.block_size and (self.wpe is not None or cache is None):
-            raise ValueError(f"sequence of {start + T} tokens exceeds block_size {self.cfg.block_size}")
+        if end > self.cfg.block_size and (self.wpe is not None or cache is None):
+            raise ValueError(f"sequence of {end} tokens exceeds block_size {self.cfg.block_size}")
         doc = self.documents(idx) if self.cfg.doc_mask and cache is None else None
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:  # learned absolute positions; RoPE turns q and k inside attention instead
             restart = doc is not None and doc.positions is not None
-            x = x + self.wpe(doc.positions if restart else torch.arange(start, start + T, device=idx.device))
+            if restart:
+                pos = doc.positions
+            else:  # (T,), or (B, T) for the rows of a running batch (RowCache)
+                pos = (
+                    cache.positions(T, idx.device)
+                    if cache is not None
+                    else torch.arange(T, device=idx.device)
+                )
+            x = x + self.wpe(pos)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x = block(x, cache, i) if doc is None else block(x, cache, i, doc=doc)
         if cache is not None:
-            cache.len += T
+            cache.advance(T)
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, -last:] if last else x)
@@ -363,10 +361,11 @@ class GPT(nn.Module):
         cache attends across the whole context: a prompt is one document."""
         return build_doc_mask(idx, self.cfg.eot_id, self.cfg.doc_positions == "restart")
 
-    def kv_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty cache for `batch` sequences of up to max_len tokens, on the parameters' device and dtype."""
+    def kv_cache(self, batch: int, max_len: int, rows: bool = False) -> KVCache | RowCache:
+        """An empty cache for `batch` sequences of up to max_len tokens, on the parameters' device and dtype;
+        rows: each sequence at its own length (RowCache: the slots of loom.engine's running batch)."""
         p = next(self.parameters())
-        return KVCache(self.cfg, batch, max_len, p.device, p.dtype)
+        return (RowCache if rows else KVCache)(self.cfg, batch, max_len, p.device, p.dtype)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameters counted once (a tied head is the token embedding)."""

@@ -1,7 +1,6 @@
 """One token drawn from a model's logits: temperature, top-k, top-p (nucleus), seeded.
 
-Shared by loom.generate (sampling with a KV cache) and loom.eval.scoring (the evaluators' generation), so it sits
-in eval/, which generate.py imports and which imports nothing of generate's.
+loom.engine draws every row's token with it, each row with its own settings and generator.
 """
 
 from __future__ import annotations

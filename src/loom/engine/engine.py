@@ -1,0 +1,279 @@
+"""The engine: a running batch of requests over one RowCache, stepped until every request is done.
+
+A step first admits waiting requests into free slots (while the slots and the KV-token budget allow), then runs
+its forwards: the new rows' prompts (prefill, right-padded, in groups of similar length), one token for every
+row already cached (decode), and full forwards for rows past the cache (recompute). Each forward's last logits
+give each of its rows one token, sampled with the row's own settings; a row that ends leaves its slot at once.
+`plan()` lists a step's forwards without running them, so ranks that must pair their forwards (an FSDP-sharded
+model: loom.eval.scoring) can run them one at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections import deque
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from loom.engine.request import CANCELLED, LENGTH, STOP, Request
+from loom.engine.sampling import sample_next
+
+
+class QueueFull(Exception):
+    """The waiting queue holds max_queue requests already (a server answers 429)."""
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_seqs: int = 16,
+        max_len: int | None = None,
+        max_kv_tokens: int | None = None,
+        max_queue: int | None = None,
+        vocab_size: int | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+        extends_context: bool = False,
+        use_cache: bool = True,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        max_prefill_tokens: int = 4096,
+        device: torch.device | None = None,
+    ):
+        """max_seqs rows run at once, each of up to max_len tokens (default: block_size; a family that runs on
+        past it, extends_context, may take more); max_kv_tokens bounds the tokens the running rows may reach
+        together (each row reserves prompt + max_tokens when it joins); max_queue bounds the waiting requests
+        (None: unbounded); vocab_size: ids past it are padding, never sampled; decode: token ids to text, for
+        stop texts. use_cache False: every token recomputes its whole context (a reference, slow)."""
+        self.model, self.decode, self.autocast = model, decode, autocast
+        cfg = model.cfg
+        self.block, self.extends = cfg.block_size, extends_context and use_cache
+        self.max_len = max_len or self.block
+        self.vocab = vocab_size or cfg.vocab_size
+        self.device = device or next(model.parameters()).device
+        self.cache = model.kv_cache(max_seqs, self.max_len, rows=True) if use_cache else None
+        self.max_seqs, self.max_queue = max_seqs, max_queue
+        self.max_kv_tokens = max_kv_tokens or max_seqs * self.max_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.free = list(range(max_seqs))
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self.reserved = 0
+        self.tail = "last" in inspect.signature(model.forward).parameters  # logits of the last positions only
+        self.forwards = self.generated = self.prefilled = (
+            0  # counts: the tests, /metrics and the bench read them
+        )
+
+    # ----------------------------------------------------------------------------- requests in and out
+    def reserve(self, req: Request) -> int:
+        """The KV tokens a request holds while it runs: its prompt and answer, within its slot."""
+        return min(len(req.prompt) + req.params.max_tokens, self.max_len)
+
+    def check(self, req: Request) -> None:
+        """A request the engine can never run: ValueError (before it queues)."""
+        if not req.prompt:
+            raise ValueError("a request needs a prompt of at least one token")
+        if req.params.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.extends and len(req.prompt) + req.params.max_tokens > self.max_len:
+            raise ValueError(f"prompt + max_tokens exceed the engine's {self.max_len} tokens per row")
+        if self.reserve(req) > self.max_kv_tokens:
+            raise ValueError(f"the request needs {self.reserve(req)} KV tokens, over max_kv_tokens")
+
+    def submit(self, req: Request, bounded: bool = True) -> Request:
+        """Queue a request (QueueFull past max_queue when bounded); it joins the running batch at a step."""
+        self.check(req)
+        if bounded and self.max_queue is not None and len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests wait already")
+        if req.params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request now (a client that left): out of the queue, or out of its slot."""
+        if req.done:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.finish(CANCELLED)
+        self._leave(req)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def _admit(self) -> None:
+        while self.waiting and self.free:
+            req = self.waiting[0]
+            if self.running and self.reserved + self.reserve(req) > self.max_kv_tokens:
+                return  # it waits for rows to finish (first come, first served)
+            self.waiting.popleft()
+            req.slot = self.free.pop(0)
+            self.reserved += self.reserve(req)
+            req.recompute = self.cache is None or len(req.prompt) > self.max_len
+            self.running.append(req)
+
+    def _leave(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self.reserved -= self.reserve(req)
+            self.free.append(req.slot)
+            self.free.sort()  # the lowest slots first: a batch of the first n slots reads the cache as a view
+        if req.on_token is not None:
+            req.on_token(req)
+
+    # ----------------------------------------------------------------------------- stepping
+    def plan(self) -> list[Callable[[], None]]:
+        """This step's forwards, each a call that runs one forward and samples its rows' next tokens."""
+        self._admit()
+        new = [r for r in self.running if not r.prefilled and not r.recompute]
+        cached = [r for r in self.running if r.prefilled and not r.recompute]
+        jobs = [partial(self._prefill, g) for g in self._prefill_groups(new)]
+        if cached:
+            jobs.append(partial(self._decode, cached))
+        by_len: dict[int, list[Request]] = {}
+        for r in self.running:
+            if r.recompute:
+                by_len.setdefault(min(len(r.context()), self.block), []).append(r)
+        jobs += [partial(self._recompute, g) for g in by_len.values()]
+        return jobs
+
+    def step(self) -> None:
+        for job in self.plan():
+            job()
+
+    def run(self, requests: list[Request]) -> list[Request]:
+        """Every request through to its end (the queue's bound does not apply: the caller holds them all)."""
+        for req in requests:
+            self.submit(req, bounded=False)
+        with _eval_mode(self.model):
+            while self.busy:
+                self.step()
+        return requests
+
+    def stream(self, req: Request) -> Iterator[int]:
+        """One request's tokens as they are sampled (stepping the engine; a caller that stops early cancels)."""
+        self.submit(req, bounded=False)
+        seen = 0
+        with _eval_mode(self.model):
+            try:
+                while not req.done:
+                    self.step()
+                    yield from req.tokens[seen:]
+                    seen = len(req.tokens)
+                yield from req.tokens[seen:]
+            finally:
+                self.cancel(req)
+
+    def _prefill_groups(self, new: list[Request]) -> list[list[Request]]:
+        """New rows in groups of similar length (longest first; a row at least half the group's longest, so
+        padding at most doubles the work) of at most max_prefill_tokens padded tokens."""
+        groups: list[list[Request]] = []
+        for r in sorted(new, key=lambda r: -len(r.prompt)):
+            g = groups[-1] if groups else None
+            L = len(g[0].prompt) if g else 0
+            if g and 2 * len(r.prompt) >= L and (len(g) + 1) * L <= self.max_prefill_tokens:
+                g.append(r)
+            else:
+                groups.append([r])
+        return groups
+
+    def _forward(self, ids: torch.Tensor, cache=None, last: int = 0) -> torch.Tensor:
+        self.forwards += 1
+        with torch.no_grad(), self.autocast():
+            if cache is not None:
+                return (
+                    self.model(ids, cache=cache, last=last)
+                    if last and self.tail
+                    else self.model(ids, cache=cache)
+                )
+            return self.model(ids)
+
+    def _prefill(self, rows: list[Request]) -> None:
+        """The prompts of new rows, right-padded to the longest, from position 0 of their slots."""
+        L, first = len(rows[0].prompt), min(len(r.prompt) for r in rows)
+        ids = torch.zeros(len(rows), L, dtype=torch.long)
+        for j, r in enumerate(rows):
+            ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
+        self.cache.select([r.slot for r in rows])
+        for r in rows:
+            self.cache.set_len(r.slot, 0)
+        logits = self._forward(ids.to(self.device), self.cache, last=L - first + 1)
+        off = L - logits.size(1)  # positions before the first computed one
+        for r in rows:
+            self.cache.set_len(r.slot, len(r.prompt))
+            r.prefilled = True
+        self.prefilled += sum(len(r.prompt) for r in rows)
+        self._sample(rows, torch.stack([logits[j, len(r.prompt) - 1 - off] for j, r in enumerate(rows)]))
+
+    def _decode(self, rows: list[Request]) -> None:
+        """One token for each cached row, at its own position."""
+        ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long, device=self.device)
+        self.cache.select([r.slot for r in rows])
+        logits = self._forward(ids, self.cache)
+        self._sample(rows, logits[:, -1])
+
+    def _recompute(self, rows: list[Request]) -> None:
+        """Rows past their cache: the newest block_size tokens of each, whole, without a cache (learned
+        positions re-cropped every step, as cache-free generation does)."""
+        ids = torch.tensor([r.context()[-self.block :] for r in rows], dtype=torch.long, device=self.device)
+        self._sample(rows, self._forward(ids)[:, -1])
+
+    def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
+        """Each row's next token from its logits (n, V), with its own settings; then its stops."""
+        logits = logits[:, : self.vocab].float()
+        want_lp = any(r.params.logprobs or r.params.top_logprobs for r in rows)
+        logp = F.log_softmax(logits, dim=-1) if want_lp else None
+        greedy = [j for j, r in enumerate(rows) if r.params.temperature <= 0]
+        picks = [0] * len(rows)
+        if greedy:
+            best = logits[greedy].argmax(dim=-1).tolist()
+            for j, t in zip(greedy, best, strict=True):
+                picks[j] = t
+        for j, r in enumerate(rows):
+            p = r.params
+            if p.temperature > 0:
+                picks[j] = int(sample_next(logits[j : j + 1], p.temperature, p.top_k, p.top_p, r.generator))
+        for j, r in enumerate(rows):
+            self._append(r, picks[j], None if logp is None else logp[j])
+
+    def _append(self, r: Request, token: int, logp: torch.Tensor | None) -> None:
+        p = r.params
+        if token in p.stop_ids:
+            r.finish(STOP)
+            self._leave(r)
+            return
+        r.tokens.append(token)
+        self.generated += 1
+        if logp is not None:
+            r.logprobs.append(float(logp[token]))
+            if p.top_logprobs:
+                v, i = logp.topk(min(p.top_logprobs, logp.numel()))
+                r.top.append(list(zip(i.tolist(), v.tolist(), strict=True)))
+        if r.hits_stop_text(self.decode):
+            r.finish(STOP)
+        elif len(r.tokens) >= p.max_tokens:
+            r.finish(LENGTH)
+        elif not r.recompute and len(r.context()) > self.max_len:
+            if self.extends:  # check() keeps an extending row within its slot
+                raise AssertionError("a row outgrew its slot")
+            r.recompute = True  # learned positions past block_size: re-cropped from now on
+        if r.done:
+            self._leave(r)
+        elif r.on_token is not None:
+            r.on_token(r)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)

@@ -1,0 +1,115 @@
+"""The key/value caches attention writes to when a model generates: what a cache tells attention (the positions
+of the tokens it is fed, where their keys and values go, which cached keys each query may see).
+
+  KVCache   one length for the whole batch: a batch of equal-length rows that grow together (the harness's
+            scoring, tests). Positions start .. start+T-1 for every row.
+  RowCache  slots of a running batch, each with its own length (loom.engine: prompts of different lengths,
+            rows that join and leave between steps). A forward runs on some of the slots (`select`), each row
+            fed T tokens at its own positions len .. len+T-1; a query sees the keys at positions up to its own
+            in its own row. Static: slots x max_len tokens per layer, allocated once.
+
+Both give attention the same three things: `positions(T, device)` ((T,) shared, or (B, T) per row),
+`store(layer, k, v)` -> (keys, values, mask) to attend over (mask None: plain causal attention from position
+0, a prefill), and `advance(T)` after the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding: (B, K, max_T, D) per layer (key/value heads
+    only: grouped-query attention shares each among H / K query heads when attention runs)."""
+
+    def __init__(self, cfg, batch: int, max_len: int, device, dtype):
+        shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.len = 0  # tokens already cached
+
+    def reset(self) -> None:
+        self.len = 0
+
+    def end(self, T: int) -> int:
+        """The length after feeding T more tokens (the model refuses one past its positions)."""
+        return self.len + T
+
+    def positions(self, T: int, device) -> torch.Tensor:
+        return torch.arange(self.len, self.len + T, device=device)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        start, T = self.len, k.size(2)
+        self.k[layer][:, :, start : start + T] = k
+        self.v[layer][:, :, start : start + T] = v
+        k, v = self.k[layer][:, :, : start + T], self.v[layer][:, :, : start + T]
+        if start == 0:
+            return k, v, None
+        # new queries see every cached key and the causal part of their own block
+        return k, v, torch.ones(T, start + T, dtype=torch.bool, device=k.device).tril(diagonal=start)
+
+    def advance(self, T: int) -> None:
+        self.len += T
+
+
+class RowCache:
+    """Static keys and values for `slots` rows of up to max_len tokens each, every row at its own length.
+
+    A forward runs on the rows `select` names (slot indices), each fed T tokens (a prefill of right-padded
+    prompts from length 0, or one token each to decode); the caller sets a row's true length afterwards when its
+    block was padded (`set_len`). Keys past a row's length (padding, or a previous occupant's) are never seen:
+    each query's mask stops at its own position."""
+
+    def __init__(self, cfg, slots: int, max_len: int, device, dtype):
+        shape = (slots, cfg.kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.slots, self.max_len = slots, max_len
+        self.lens = [0] * slots  # tokens cached per slot
+        self.rows: list[int] = []
+        self._pos: torch.Tensor | None = None  # (B, T) positions of the forward under way
+        self._index: torch.Tensor | None = None  # (B, 1) its slots
+        self._mask: torch.Tensor | None = None  # its attention mask: the same in every layer
+
+    def select(self, rows: list[int]) -> None:
+        """The slots the next forward runs on, in the order of its batch."""
+        self.rows, self._pos, self._mask = list(rows), None, None
+
+    def set_len(self, slot: int, n: int) -> None:
+        self.lens[slot] = n
+
+    def end(self, T: int) -> int:
+        return max(self.lens[r] for r in self.rows) + T
+
+    def positions(self, T: int, device) -> torch.Tensor:
+        if self._pos is None or self._pos.size(1) != T or self._pos.device != torch.device(device):
+            starts = torch.tensor([self.lens[r] for r in self.rows], device=device)
+            self._pos = starts[:, None] + torch.arange(T, device=device)
+            self._index = torch.tensor(self.rows, device=device)[:, None]
+            self._mask = None
+        return self._pos
+
+    def _gather(self, t: torch.Tensor, L: int) -> torch.Tensor:
+        n = len(self.rows)
+        if self.rows == list(range(n)):  # the first n slots: a view, no copy
+            return t[:n, :, :L]
+        return t[torch.tensor(self.rows, device=t.device), :, :L]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        T = k.size(2)
+        pos = self.positions(T, k.device)
+        # (B, T) row and position indices around the heads' slice: the indexed block is (B, T, K, D)
+        self.k[layer][self._index, :, pos] = k.transpose(1, 2)
+        self.v[layer][self._index, :, pos] = v.transpose(1, 2)
+        L = self.end(T)
+        keys, values = self._gather(self.k[layer], L), self._gather(self.v[layer], L)
+        if all(self.lens[r] == 0 for r in self.rows):
+            return keys, values, None  # a prefill from position 0: causal attention over the block
+        if self._mask is None:  # (B, 1, T, L): up to each query's own place
+            self._mask = (pos[:, :, None] >= torch.arange(L, device=k.device))[:, None]
+        return keys, values, self._mask
+
+    def advance(self, T: int) -> None:
+        for r in self.rows:
+            self.lens[r] += T
+        self._pos = self._mask = None

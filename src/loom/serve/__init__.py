@@ -1,0 +1,132 @@
+"""`loom serve RUN`: a trained run behind the OpenAI API (FastAPI on uvicorn), generating with loom.engine.
+
+  app.py       the routes: /v1/chat/completions (the run's chat template), /v1/completions, /v1/models,
+               /health, /metrics (Prometheus' text format); the API key; server-sent events
+  protocol.py  the OpenAI requests read and checked (400 for a bad field, a prompt past the context,
+               max_tokens <= 0, n = 0), and the responses and stream chunks written
+  worker.py    the thread that owns the engine and steps it; the event loop hands it requests
+
+Why FastAPI + uvicorn: the ASGI stack vLLM's, SGLang's and litgpt's OpenAI servers use, maintained, with
+server-sent events (StreamingResponse) and a graceful shutdown (uvicorn stops accepting, waits for the
+requests in flight up to --grace seconds) built in. Both are the `loom[serve]` extra.
+
+Binds 127.0.0.1 unless --host says otherwise. --api-key (or LOOM_API_KEY) makes /v1/* answer 401 without
+`Authorization: Bearer KEY`; /health and /metrics stay open (a load balancer's and Prometheus' probes).
+SIGTERM: no new connections, the requests in flight finish (within --grace seconds), the process exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+from dataclasses import dataclass
+
+from loom import log
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    model_name: str | None = None
+    max_seqs: int = 16
+    max_kv_tokens: int | None = None
+    max_queue: int = 64
+    grace: float = 30.0
+
+
+def served_for(run, run_dir, opts: ServeOptions):
+    """The Served state (loom.serve.app) of a loaded run: its engine and worker, tokenizer, chat template."""
+    from pathlib import Path
+
+    from loom.data.chat import chat_template_of
+    from loom.data.loader import read_meta
+    from loom.engine import Engine
+    from loom.serve.app import Served
+    from loom.serve.worker import Worker
+
+    tok = run.tok
+    meta_dir = Path(run_dir) / "tokenizer"
+    meta = read_meta(meta_dir) if meta_dir.is_dir() else {}
+    template = chat_template_of(tok, meta) if isinstance(meta.get("chat"), dict) else None
+    context = run.model.cfg.block_size
+    engine = Engine(
+        run.model.eval(),
+        max_seqs=opts.max_seqs,
+        max_len=context,
+        max_kv_tokens=opts.max_kv_tokens,
+        vocab_size=tok.vocab_size,
+        decode=tok.decode,
+        device=run.device,
+    )
+    worker = Worker(engine, opts.max_queue)
+    return Served(
+        worker=worker,
+        model=opts.model_name or Path(run_dir).resolve().name,
+        context=context,
+        tokenizer=tok,
+        template=template,
+        eot_id=tok.eot_id,
+        api_key=opts.api_key,
+        longest_token_chars=_longest_token(tok),
+    )
+
+
+def _longest_token(tok) -> int:
+    """The most characters one token decodes to: a prompt of more characters than this x context tokens
+    cannot fit, and is refused before it is encoded (a 1 MB prompt costs nothing)."""
+    longest = 1
+    for i in range(tok.vocab_size):
+        try:
+            longest = max(longest, len(tok.decode([i])))
+        except Exception:  # noqa: BLE001  (an id the tokenizer cannot decode alone: a piece of a character)
+            continue
+    return longest
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket (port 0: any free one, printed), bound before the server starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def make_server(served, grace: float):
+    """The uvicorn server of the app: the worker starts with it and, once the requests in flight are done
+    (uvicorn waits for them up to `grace` seconds), stops."""
+    import contextlib
+
+    import uvicorn
+
+    from loom.serve.app import build_app
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        served.worker.start()
+        yield
+        served.worker.draining = True
+        served.worker.stop()
+        served.worker.join(timeout=grace)
+
+    app = build_app(served)
+    app.router.lifespan_context = lifespan
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace, lifespan="on")
+    return uvicorn.Server(config)
+
+
+def run_server(served, sock: socket.socket, grace: float) -> None:
+    """Serve until SIGTERM or Ctrl-C, then drain: uvicorn closes the socket, waits for the requests in flight
+    (up to `grace` seconds), and the worker stops. Returns normally (exit 0)."""
+    server = make_server(served, grace)
+    # uvicorn raises the signal it caught again once it has shut down, under the handler found at its start:
+    # this one ignores it, so a drained server exits 0 instead of dying by SIGTERM
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    host, port = sock.getsockname()[:2]
+    log.info(f"loom serve: {served.model} on http://{host}:{port}/v1 (context {served.context} tokens)")
+    server.run(sockets=[sock])
+    log.info("loom serve: stopped")

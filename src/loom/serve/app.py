@@ -1,0 +1,319 @@
+"""The HTTP side of `loom serve`: a FastAPI app with the OpenAI routes, /health and /metrics, over one Worker.
+
+Requests are read by hand (loom.serve.protocol), not by pydantic models, so that every refusal (malformed
+JSON included) is the OpenAI-shaped error body. Streaming answers are server-sent events; a client that leaves
+mid-answer cancels its rows at once (the stream's task is cancelled by the server and its `finally` tells the
+worker), and a client that leaves a whole-answer request is noticed within a quarter second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from loom.engine import QueueFull, SamplingParams
+from loom.serve import protocol
+from loom.serve.protocol import APIError, Job, bad
+from loom.serve.worker import Draining, Worker
+
+
+@dataclass
+class Served:
+    """What the routes need: the worker, the model's name and context, its tokenizer and chat template."""
+
+    worker: Worker
+    model: str
+    context: int
+    tokenizer: object
+    template: object | None  # None: a base model (no chat tokens): completions only
+    eot_id: int
+    api_key: str | None = None
+    longest_token_chars: int = 1  # a prompt of more characters than this x context is refused before encoding
+    counts: Counter = field(default_factory=Counter)  # (route, status) -> requests
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def build_app(served: Served) -> FastAPI:
+    app = FastAPI(title="loom serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.served = served
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return _error(served, request, e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # unknown routes, wrong methods
+        return _error(served, request, APIError(e.status_code, str(e.detail)))
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        served.counts[(request.url.path, response.status_code)] += 1
+        return response
+
+    @app.get("/health")
+    async def health():
+        return {"status": "draining" if served.worker.draining else "ok", "model": served.model}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(_metrics(served), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _auth(served, request)
+        card = {"id": served.model, "object": "model", "created": 0, "owned_by": "loom"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        _auth(served, request)
+        return await _answer(served, request, _chat_job(served, await _body(served, request)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _auth(served, request)
+        return await _answer(served, request, _completion_job(served, await _body(served, request)))
+
+    return app
+
+
+def _error(served: Served, request: Request, e: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _auth(served: Served, request: Request) -> None:
+    if served.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(token.encode(), served.api_key.encode()):
+        what = "no API key given" if not token else "incorrect API key"
+        raise APIError(401, f"{what}: pass it as 'Authorization: Bearer KEY'", code="invalid_api_key")
+
+
+async def _body(served: Served, request: Request) -> dict:
+    """The JSON object of a request, whose model is the one served (404 otherwise)."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad("'model' is required (GET /v1/models lists it)", "model")
+    if model != served.model:
+        message = f"the model '{model}' does not exist; this server serves '{served.model}'"
+        raise APIError(404, message, "model", "model_not_found")
+    return body
+
+
+def _encode(served: Served, text: str, param: str) -> list[int]:
+    if len(text) > served.longest_token_chars * served.context:
+        raise bad(
+            f"the {param} has {len(text)} characters, more than the model's context of {served.context} tokens "
+            "can hold",
+            param,
+            "context_length_exceeded",
+        )
+    return served.tokenizer.encode(text)
+
+
+def _chat_job(served: Served, body: dict) -> Job:
+    if served.template is None:
+        raise bad(
+            f"the model '{served.model}' is a base model: its tokenizer has no chat tokens, so it has no chat "
+            "template; use /v1/completions (or fine-tune it on conversations: loom sft)",
+            "messages",
+            "chat_not_supported",
+        )
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list of {role, content}", "messages")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise bad("each message needs a 'role' and a string 'content'", "messages")
+        _encode(served, m["content"], "messages")  # the length bound before any encoding work
+    try:
+        ids = served.template.prompt([{"role": m.get("role"), "content": m["content"]} for m in messages])
+    except Exception as e:  # noqa: BLE001  (the template's own refusal: a role it has no token for, ...)
+        raise bad(f"the messages cannot be rendered: {e}", "messages") from None
+    top = protocol.number(body, "top_logprobs", 0, 0, protocol.MAX_TOP_LOGPROBS, integer=True)
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise bad("'logprobs' must be true or false", "logprobs")
+    if top and not logprobs:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    names = ("max_completion_tokens", "max_tokens")
+    n_max = protocol.max_tokens(body, names, None, len(ids), served.context)
+    fields = protocol.sampling(body, logprobs=logprobs, top=top)
+    params = SamplingParams(max_tokens=n_max, stop_ids=frozenset(served.template.stop_ids), **fields)
+    n, stream, usage = protocol.choices_and_stream(body)
+    return Job("chat", [ids], params, n, stream, usage)
+
+
+def _completion_job(served: Served, body: dict) -> Job:
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise bad("'prompt' must be a string or a non-empty list of strings", "prompt")
+    ids = [_encode(served, p, "prompt") or [served.eot_id] for p in prompts]
+    logprobs = protocol.number(body, "logprobs", None, 0, 5, integer=True)
+    n_max = min(protocol.max_tokens(body, ("max_tokens",), 16, len(p), served.context) for p in ids)
+    fields = protocol.sampling(body, logprobs=logprobs is not None, top=logprobs or 0)
+    params = SamplingParams(max_tokens=n_max, stop_ids=frozenset({served.eot_id}), **fields)
+    n, stream, usage = protocol.choices_and_stream(body)
+    if n * len(ids) > protocol.MAX_N:
+        raise bad(f"n x prompts must be at most {protocol.MAX_N}", "n")
+    return Job("completion", ids, params, n, stream, usage)
+
+
+async def _answer(served: Served, request: Request, job: Job):
+    loop = asyncio.get_running_loop()
+    ready = asyncio.Event()
+    for req in job.make_requests():
+        # a stream wakes the event loop for every token; a whole answer only at its end (fewer switches
+        # between the engine's thread and the loop's, which share the interpreter's lock)
+        req.on_token = lambda r, stream=job.stream: (
+            (stream or r.done) and loop.call_soon_threadsafe(ready.set)
+        )
+    try:
+        for req in job.requests:
+            served.worker.submit(req)
+    except (QueueFull, Draining, ValueError) as e:
+        for req in job.requests:
+            served.worker.cancel(req)
+        if isinstance(e, ValueError):
+            raise bad(str(e)) from None
+        status = 429 if isinstance(e, QueueFull) else 503
+        raise APIError(
+            status, f"{e}: try again shortly", code="queue_full" if status == 429 else None
+        ) from None
+    if job.stream:
+        return StreamingResponse(_events(served, job, ready), media_type="text/event-stream")
+    try:
+        while not all(r.done for r in job.requests):
+            try:
+                await asyncio.wait_for(ready.wait(), 0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return JSONResponse({}, status_code=499)
+            ready.clear()
+    finally:
+        for req in job.requests:
+            if not req.done:
+                served.worker.cancel(req)
+    _failed(job)
+    return protocol.response(job, served.model, served.decode)
+
+
+def _failed(job: Job) -> None:
+    errors = [r.error for r in job.requests if r.error]
+    if errors:
+        raise APIError(500, f"generation failed: {errors[0]}")
+
+
+async def _events(served: Served, job: Job, ready: asyncio.Event) -> AsyncIterator[str]:
+    """The answer as server-sent events: the text each choice has that is sure not to be cut by a stop text,
+    then each choice's end, then usage (when asked) and [DONE]."""
+    sent = [0] * len(job.requests)
+    toks = [0] * len(job.requests)
+    closed = [False] * len(job.requests)
+    hold = max((len(s) for s in job.params.stop), default=1) - 1
+    try:
+        if job.kind == "chat":
+            role = {"role": "assistant", "content": ""}
+            first = [
+                {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+                for i in range(len(job.requests))
+            ]
+            yield _sse(protocol.chunk(job, served.model, first))
+        while not all(closed):
+            await ready.wait()
+            ready.clear()
+            _failed(job)
+            for i, req in enumerate(job.requests):
+                if closed[i]:
+                    continue
+                choice = _delta(served, job, req, i, sent, toks, hold)
+                if choice is not None:
+                    closed[i] = choice["finish_reason"] is not None
+                    yield _sse(protocol.chunk(job, served.model, [choice]))
+        if job.include_usage:
+            yield _sse(protocol.chunk(job, served.model, [], with_usage=True))
+        yield "data: [DONE]\n\n"
+    except APIError as e:
+        yield _sse(e.body())
+    finally:  # the client left (the task is cancelled here) or the answer is done: free the rows now
+        for req in job.requests:
+            if not req.done:
+                served.worker.cancel(req)
+
+
+def _delta(served: Served, job: Job, req, i: int, sent: list[int], toks: list[int], hold: int) -> dict | None:
+    """Choice i's new text since the last event (None: nothing new yet)."""
+    done = req.done
+    n = len(req.tokens)
+    text = served.decode(req.tokens[:n])
+    if done:
+        text = protocol.cut_at_stop(text, req.params.stop)
+    else:
+        text = text[: max(len(text) - hold, 0)] if hold else text
+        if text.endswith("\ufffd"):  # a character still incomplete
+            text = text[:-1]
+    new = text[sent[i] :] if len(text) > sent[i] else ""
+    if not new and not done:
+        return None
+    reason = None if not done else ("length" if req.finish_reason == "length" else "stop")
+    lp = None
+    if req.params.logprobs:
+        keep = list(range(toks[i], n))
+        lp = (protocol.chat_logprobs if job.kind == "chat" else protocol.completion_logprobs)(
+            req, keep, served.decode
+        )
+    sent[i], toks[i] = max(sent[i], len(text)), n
+    if job.kind == "chat":
+        delta = {"content": new} if new else {}
+        return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+    return {"index": i, "text": new, "logprobs": lp, "finish_reason": reason}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _metrics(served: Served) -> str:
+    """Prometheus' text format: requests by route and status, the queue, the running rows, tokens."""
+    w, e = served.worker, served.worker.engine
+    lines = [
+        "# HELP loom_requests_total HTTP requests answered, by route and status.",
+        "# TYPE loom_requests_total counter",
+    ]
+    for (route, status), n in sorted(served.counts.items()):
+        lines.append(f'loom_requests_total{{route="{route}",status="{status}"}} {n}')
+    gauges = [
+        ("loom_queue_depth", "gauge", "Requests waiting for a row.", w.queue_depth()),
+        ("loom_running_requests", "gauge", "Requests in the running batch.", len(e.running)),
+        ("loom_generated_tokens_total", "counter", "Tokens generated.", e.generated),
+        ("loom_prompt_tokens_total", "counter", "Prompt tokens prefilled.", e.prefilled),
+        ("loom_generation_tokens_per_second", "gauge", "Generated tokens/s over 10 s.", w.tokens_per_s()),
+        ("loom_kv_tokens_reserved", "gauge", "KV-cache tokens the running rows hold.", e.reserved),
+        ("loom_uptime_seconds", "gauge", "Seconds since the server started.", time.monotonic() - w.started),
+    ]
+    for name, kind, doc, value in gauges:
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(lines) + "\n"
