@@ -99,8 +99,9 @@ class RowCache:
         T = k.size(2)
         pos = self.positions(T, k.device)
         # (B, T) row and position indices around the heads' slice: the indexed block is (B, T, K, D)
-        self.k[layer][self._index, :, pos] = k.transpose(1, 2)
-        self.v[layer][self._index, :, pos] = v.transpose(1, 2)
+        # (indexed assignment does not cast as a slice's does: under autocast k and v are bf16/fp16, the cache not)
+        self.k[layer][self._index, :, pos] = k.transpose(1, 2).to(self.k[layer].dtype)
+        self.v[layer][self._index, :, pos] = v.transpose(1, 2).to(self.v[layer].dtype)
         L = self.end(T)
         keys, values = self._gather(self.k[layer], L), self._gather(self.v[layer], L)
         if all(self.lens[r] == 0 for r in self.rows):

@@ -57,6 +57,7 @@ class Exit:
     code: int
     pid: int
     time: float
+    stopped: bool = False  # it ended after this process had begun stopping the group
 
     def how(self) -> str:
         return signal.Signals(-self.code).name if self.code < 0 else f"exit code {self.code}"
@@ -140,7 +141,7 @@ def _watch(procs: dict, signals: _Signals, shutdown_s: float) -> dict[int, Exit]
         for sentinel in connection.wait(list(running), timeout=0.2):
             p = procs[running[sentinel]]
             p.join()
-            exits[running[sentinel]] = Exit(p.exitcode, p.pid, time.monotonic())
+            exits[running[sentinel]] = Exit(p.exitcode, p.pid, time.monotonic(), deadline is not None)
         for signum in signals.received[passed_on:]:
             _send(procs, exits, signum)
             passed_on += 1
@@ -265,14 +266,14 @@ def _report_failure(exits: dict[int, Exit]) -> int:
     if all(e.code == EXIT_PREEMPTED for e in failed.values()):
         log.error(f"loom: stopped by a signal after saving a checkpoint (exit code {EXIT_PREEMPTED})")
         return EXIT_PREEMPTED
-    first_rank = min(failed, key=lambda r: failed[r].time)
-    first = failed[first_rank]
-    # a rank killed by a signal, SIGTERM last: this process stops the surviving ranks with SIGTERM, and under
-    # load one of them can be seen to end before the rank whose death started it all (seen: 4 ranks, 2 cores)
-    killed = sorted((e.code == -signal.SIGTERM, e.time, r) for r, e in failed.items() if e.code < 0)
-    if killed and (first.code >= 0 or first.code == -signal.SIGTERM):
+    # the cause is among the ranks that failed before this process stopped the others; of those, a rank killed
+    # by a signal (SIGTERM last) is the cause when the others only saw it die
+    causes = {r: e for r, e in failed.items() if not e.stopped} or failed
+    first_rank = min(causes, key=lambda r: causes[r].time)
+    killed = sorted((e.code == -signal.SIGTERM, e.time, r) for r, e in causes.items() if e.code < 0)
+    if killed and (causes[first_rank].code >= 0 or causes[first_rank].code == -signal.SIGTERM):
         first_rank = killed[0][2]
-        first = failed[first_rank]
+    first = failed[first_rank]
     others = [f"rank {r} ({e.how()})" for r, e in sorted(failed.items()) if r != first_rank]
     log.error(
         f"loom: error: rank {first_rank} (pid {first.pid}) failed first: {first.how()}; the other ranks were "
