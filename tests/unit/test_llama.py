@@ -189,8 +189,8 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
 @pytest.mark.parametrize(
     "key,value",
     [
-        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}),
-        ("rope_scaling", {"type": "linear", "factor": 2.0}),
+        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 500.0, "factor": 8.0}),
+        ("rope_scaling", {"type": "dynamic", "factor": 2.0}),
     ],
 )
 def test_rope_scaling_loom_does_not_implement_is_refused(tmp_path, key, value):
@@ -242,13 +242,12 @@ def test_export_refuses_what_llama_cannot_represent(tmp_path):
             n_layer=1,
             n_head=2,
             n_embd=16,
-            pos="rope",
+            pos="learned",
             norm="rmsnorm",
             mlp="swiglu",
-            qk_norm=True,
         )
     )
-    with pytest.raises(LoomError, match="LlamaForCausalLM cannot represent this model: model.qk_norm=True"):
+    with pytest.raises(LoomError, match="LlamaForCausalLM cannot represent this model: model.pos='learned'"):
         hf.export_hf(m, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything is written
 

@@ -59,6 +59,8 @@ def param_count(cfg: GPTConfig) -> int:
     if cfg.bias:
         per_block += 2 * C + 2 * kv  # q, o; k, v
         per_block += (2 if cfg.mlp == "swiglu" else 1) * F + C  # gate and up, or up; down
+    elif cfg.qkv_bias:
+        per_block += C + 2 * kv  # q; k, v
     embeddings = cfg.padded_vocab * C * (1 if cfg.tie_embeddings else 2)
     if cfg.pos == "learned":
         embeddings += cfg.block_size * C

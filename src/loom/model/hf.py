@@ -214,7 +214,7 @@ def read_hf_config(directory: str | Path) -> dict:
     """config.json of a local GPT-2, Llama or Qwen3-MoE directory, checked for what loom's model can represent."""
     hf = read_config_json(directory)
     kind, path = hf["model_type"], Path(directory) / "config.json"
-    if kind == "llama":
+    if kind in hf_llama.ARCHITECTURES:  # Llama, Qwen2, Qwen3
         hf_llama.check_config(hf, path)
         return hf
     if kind == "qwen3_moe":  # the moe family's mapping
@@ -303,7 +303,7 @@ def _activation(hf: dict) -> str | None:
 
 def gpt_config_from_hf(hf: dict, block_size: int | None = None, dropout: float = 0.0) -> GPTConfig:
     """loom's GPTConfig for a GPT-2 or Llama config.json; GPT-2's block_size may be cropped below n_positions."""
-    if hf.get("model_type") == "llama":
+    if hf.get("model_type") in hf_llama.ARCHITECTURES:
         return hf_llama.gpt_config(hf, block_size, dropout)
     if hf.get("model_type") == "qwen3_moe":
         return hf_moe.moe_config(hf, block_size, dropout)
@@ -377,7 +377,7 @@ def load_hf_into(model: GPT, directory: str | Path) -> None:
     want = dataclasses.replace(want, doc_mask=c.doc_mask, eot_id=c.eot_id, doc_positions=c.doc_positions)
     check_same_config(model.cfg, want, directory)
     weights = read_hf_weights(directory)
-    if hf["model_type"] == "llama":
+    if hf["model_type"] in hf_llama.ARCHITECTURES:
         state = hf_llama.loom_state(weights, model.cfg)
     else:
         state = loom_state_from_gpt2(weights, model.cfg)
@@ -401,7 +401,7 @@ def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
     else:
         g = gpt_config_from_hf(hf, m.block_size, m.dropout)
         keys = _SHAPE_KEYS + (("rope_theta",) if g.pos == "rope" else ())
-        values = {key: getattr(g, key) for key in keys}
+        values = {key: getattr(g, key) for key in keys} | llama_keys(g, m)
         # what the imported model is, recorded in the run's config; an explicit built-in family of the other
         # kind conflicts (a plug-in family on GPT's keys may take either)
         imported, other = ("llama", "gpt2") if g.pos == "rope" else ("gpt2", "llama")
@@ -423,6 +423,13 @@ def apply_init_from(cfg, explicit: set[str] = frozenset()) -> None:
                     hint=f"drop --model.{key}; the imported config sets it",
                 )
             setattr(m, key, value)
+
+
+def llama_keys(g: GPTConfig, m) -> dict:
+    """The llama family's own keys (rope scaling, qkv_bias) an import sets: all of them where the model section
+    has them, else those off their default (apply_init_from then names the conflict with the family)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    return {k: getattr(g, k) for k in hf_llama.FAMILY_KEYS if getattr(g, k) != defaults[k] or hasattr(m, k)}
 
 
 def chat_vocab(data_path: str, hf_vocab: int | None) -> int | None:

@@ -15,7 +15,7 @@ from loom.model.gpt import hf_llama
 
 EOT = "<|endoftext|>"
 # The architectures loom imports: config.json's model_type -> its transformers class.
-SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": hf_llama.ARCHITECTURE, "qwen3_moe": "Qwen3MoeForCausalLM"}
+SUPPORTED = {"gpt2": "GPT2LMHeadModel", **hf_llama.ARCHITECTURES, "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 # model.* keys that model.init_from sets from config.json (block_size and dropout stay the user's).
 _SHAPE_KEYS = (

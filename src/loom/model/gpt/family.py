@@ -4,12 +4,49 @@ registered into config.FAMILIES), its parallel plan (gpt_parallel.py), FLOPs (mo
 
 from __future__ import annotations
 
-from loom.config import Config
+from dataclasses import dataclass, fields
+
+from loom.config import Config, family_key
 from loom.model import hf
 from loom.model.flops import flops_per_token
 from loom.model.gpt import gpt_parallel, hf_llama
-from loom.model.gpt.gpt import GPT, GPTConfig
+from loom.model.gpt.gpt import GPT, ROPE_TYPES, GPTConfig
 from loom.model.registry import ModelSpec, register
+
+
+@dataclass
+class LlamaKeys:
+    """The llama family's own keys (model.<key> with model.family=llama): RoPE scaling as Llama 3.1-3.3 set it,
+    and Qwen 2.5's attention biases. model.init_from=hf:DIR sets them from the config.json."""
+
+    rope_type: str = family_key(
+        "default",
+        "RoPE frequencies: default | linear (all divided by rope_factor) | llama3 (Llama 3.1: long wavelengths "
+        "divided by rope_factor, short ones kept, blended between).",
+        choices=ROPE_TYPES,
+    )
+    rope_factor: float = family_key(
+        1.0, "rope_type linear or llama3: how much longer the context gets.", gt=0
+    )
+    rope_low_freq_factor: float = family_key(
+        1.0,
+        "rope_type=llama3: wavelengths above rope_original_context / this are divided by rope_factor.",
+        gt=0,
+    )
+    rope_high_freq_factor: float = family_key(
+        4.0, "rope_type=llama3: wavelengths below rope_original_context / this are kept as they are.", gt=0
+    )
+    rope_original_context: int = family_key(
+        8192, "rope_type=llama3: the context length of pretraining, before the scaling.", ge=1
+    )
+    qkv_bias: bool = family_key(
+        False, "Biases on the q, k and v projections only (Qwen 2 / 2.5); model.bias puts them everywhere."
+    )
+
+
+def llama_keys(m) -> dict:
+    """The LlamaKeys of the model section m, their defaults for a family without them (gpt2, moe)."""
+    return {f.name: getattr(m, f.name, f.default) for f in fields(LlamaKeys)}
 
 
 def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
@@ -35,6 +72,7 @@ def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         tie_embeddings=m.tie_embeddings,
         doc_mask=cfg.data.doc_mask,  # its eot_id, the data's, is set by ModelSpec.build_model
         doc_positions=cfg.data.doc_positions,
+        **llama_keys(m),
     )
 
 
@@ -65,4 +103,5 @@ def gpt_spec(name: str, **overrides) -> ModelSpec:
 
 
 register(gpt_spec("gpt2"))
-register(gpt_spec("llama", peft=hf_llama.peft_modules))  # transformers' Llama names: what peft targets
+# peft: transformers' Llama names, what peft targets; keys: RoPE scaling and Qwen 2.5's q/k/v biases
+register(gpt_spec("llama", peft=hf_llama.peft_modules, keys=LlamaKeys))

@@ -41,12 +41,20 @@ class GPTConfig:
     activation: str = "gelu_tanh"  # GPT-2's tanh approximation; "gelu": exact (erf), as nanoGPT
     pos: str = "learned"  # "rope": rotary embeddings on q and k, no position table (Su et al. 2021)
     rope_theta: float = 10000.0  # RoPE's base period; Llama 3 uses 500000 for long contexts
+    # RoPE's frequencies: "default" | "linear" (all divided by rope_factor) | "llama3" (Llama 3.1: the long
+    # wavelengths divided by rope_factor, the short ones kept, a smooth blend between; rope_inv_freq)
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_context / this are divided
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_context / this are kept
+    rope_original_context: int = 8192  # llama3: the context the model was pretrained on before scaling
     norm: str = "layernorm"  # "rmsnorm": no mean subtraction, no bias (Zhang & Sennrich 2019)
     norm_eps: float = 1e-5
     mlp: str = "gelu"  # "swiglu": down(silu(gate(x)) * up(x)) (Shazeer 2020)
     ffn_hidden: int = 0  # MLP width; 0: the rule of `ffn_width`
     n_kv_head: int = 0  # key/value heads; 0: n_head (multi-head), 1: multi-query, between: grouped-query
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (OLMo 2, Qwen 3, modded-nanogpt)
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen 2 and 2.5); `bias` puts them everywhere
     tie_embeddings: bool = True  # the head shares the token embedding (GPT-2); Llama unties them
     doc_mask: bool = False  # attention within each document of a packed window only (model/doc_mask.py)
     eot_id: int = -1  # doc_mask: the end-of-text id that opens each document (the data's tokenizer's)
@@ -76,21 +84,69 @@ class GPTConfig:
         return (self.vocab_size + 63) // 64 * 64
 
 
+ROPE_TYPES = ("default", "linear", "llama3")  # transformers' rope_type values rope_inv_freq computes
+
+
+@dataclass(frozen=True)
+class Rope:
+    """RoPE's settings (GPTConfig's rope_* fields): the base period and how the frequencies are scaled."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+
+    @classmethod
+    def of(cls, cfg: GPTConfig) -> Rope:
+        return cls(
+            cfg.rope_theta,
+            cfg.rope_type,
+            cfg.rope_factor,
+            cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor,
+            cfg.rope_original_context,
+        )
+
+
+def rope_inv_freq(head_dim: int, rope: Rope | float, device=None) -> torch.Tensor:
+    """The D/2 rotation speeds theta^(-2i/D), scaled as rope.type says (transformers' modeling_rope_utils):
+    linear divides all by the factor; llama3 (Llama 3.1) divides those whose wavelength exceeds
+    original_context / low_freq_factor, keeps those under original_context / high_freq_factor and blends
+    linearly in 1/wavelength between, so short-range positions stay as pretrained and long ones stretch."""
+    rope = rope if isinstance(rope, Rope) else Rope(rope)
+    inv_freq = 1.0 / rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim)
+    if rope.type == "linear":
+        return inv_freq / rope.factor
+    if rope.type != "llama3":
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low, high = rope.original_context / rope.low_freq_factor, rope.original_context / rope.high_freq_factor
+    scaled = torch.where(wavelen > low, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_context / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high) & (wavelen <= low)
+    return torch.where(medium, blended, scaled)
+
+
 def rope_cos_sin(
-    start: int, T: int, head_dim: int, theta: float, device
+    start: int, T: int, head_dim: int, theta: Rope | float, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (T, D) for positions start .. start+T-1: channel i and i + D/2 of a head turn together by
-    position * theta^(-2i/D). The half-split pairing is transformers' Llama layout (its weights load as they
-    are; Meta's original checkpoints pair neighbours and are permuted by the HF conversion). fp32 throughout."""
+    position * theta^(-2i/D) (scaled: rope_inv_freq). The half-split pairing is transformers' Llama layout (its
+    weights load as they are; Meta's original checkpoints pair neighbours and are permuted by the HF
+    conversion). fp32 throughout."""
     return rope_cos_sin_at(torch.arange(start, start + T, dtype=torch.float, device=device), head_dim, theta)
 
 
 def rope_cos_sin_at(
-    positions: torch.Tensor, head_dim: int, theta: float
+    positions: torch.Tensor, head_dim: int, theta: Rope | float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (..., D) of the positions (...,) given: (T,) -> (T, D), (B, T) -> (B, T, D)."""
-    device = positions.device
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim)
+    inv_freq = rope_inv_freq(head_dim, theta, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # (..., D/2)
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()
@@ -127,10 +183,12 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         C, D = cfg.n_embd, cfg.head_dim
-        self.head_dim, self.rope_theta = D, cfg.rope_theta if cfg.pos == "rope" else None
-        self.q_proj = nn.Linear(C, cfg.n_head * D, bias=cfg.bias)
-        self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.bias)  # K < H heads: grouped-query attention
-        self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=cfg.bias)
+        # RoPE's settings (Rope), None with learned positions
+        self.head_dim, self.rope = D, Rope.of(cfg) if cfg.pos == "rope" else None
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.q_proj = nn.Linear(C, cfg.n_head * D, bias=qkv_bias)
+        self.k_proj = nn.Linear(C, cfg.kv_heads * D, bias=qkv_bias)  # K < H heads: grouped-query attention
+        self.v_proj = nn.Linear(C, cfg.kv_heads * D, bias=qkv_bias)
         self.o_proj = nn.Linear(cfg.n_head * D, C, bias=cfg.bias)
         self.o_proj.residual_scale = True  # GPT-2 init: scaled by 1/sqrt(2 * n_layer)
         # QK-norm: each head's query and key to unit RMS (times a gain) before RoPE; bounds the logits
@@ -158,21 +216,21 @@ class CausalSelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
-        if self.rope_theta is not None and doc is not None and doc.positions is not None:
-            cos, sin = rope_cos_sin_at(doc.positions, self.head_dim, self.rope_theta)  # (B, T, D)
+        if self.rope is not None and doc is not None and doc.positions is not None:
+            cos, sin = rope_cos_sin_at(doc.positions, self.head_dim, self.rope)  # (B, T, D)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): the same for every head
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        elif self.rope_theta is not None and self.context is not None:
-            cos, sin = rope_cos_sin_at(self.context.positions(T, x.device), self.head_dim, self.rope_theta)
+        elif self.rope is not None and self.context is not None:
+            cos, sin = rope_cos_sin_at(self.context.positions(T, x.device), self.head_dim, self.rope)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        elif self.rope_theta is not None and cache is not None:  # each row's positions: (T,) or (B, T)
+        elif self.rope is not None and cache is not None:  # each row's positions: (T,) or (B, T)
             pos = cache.positions(T, x.device)
-            cos, sin = rope_cos_sin_at(pos, self.head_dim, self.rope_theta)
+            cos, sin = rope_cos_sin_at(pos, self.head_dim, self.rope)
             if pos.dim() == 2:
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): the same for every head
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        elif self.rope_theta is not None:
-            cos, sin = rope_cos_sin(0, T, self.head_dim, self.rope_theta, x.device)
+        elif self.rope is not None:
+            cos, sin = rope_cos_sin(0, T, self.head_dim, self.rope, x.device)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.context is not None:  # the K key/value heads travel; grouped-query sharing happens there
             y = self.context.attention(q, k, v)

@@ -1,4 +1,6 @@
-"""Llama interoperability with Hugging Face transformers: LlamaForCausalLM directories both ways.
+"""Llama interoperability with Hugging Face transformers: LlamaForCausalLM directories both ways, and the two
+Qwen dense models built on the same layout: Qwen2ForCausalLM (Qwen 2 / 2.5: biases on q, k and v only, loom's
+model.qkv_bias) and Qwen3ForCausalLM (Qwen 3 dense: RMSNorm of each query and key head, model.qk_norm).
 
 A loom model of the llama family (pos=rope, norm=rmsnorm, mlp=swiglu) is LlamaForCausalLM's architecture
 with the same module layout, so the mapping is by name only, no transposes or permutations: loom's RoPE
@@ -12,8 +14,11 @@ pairs channel i with i + D/2 as transformers' Llama does (the HF conversion alre
   ln_f                                   model.norm
   lm_head.weight (V_padded, C)           lm_head.weight (V, C); absent when tie_word_embeddings
 
-Only the default RoPE is implemented: a config with another rope type (linear, dynamic, yarn, llama3, ...)
-is refused rather than imported with silently different positions.
+  blocks.i.attn.{q,k}_norm (D,)           model.layers.i.self_attn.{q,k}_norm              (Qwen3)
+
+RoPE: default, linear and llama3 (Llama 3.1-3.3) frequencies are computed as transformers computes them
+(gpt.rope_inv_freq); a config with another rope type (dynamic, yarn, longrope, ...) is refused, naming it,
+rather than imported with silently different positions.
 """
 
 from __future__ import annotations
@@ -21,37 +26,68 @@ from __future__ import annotations
 import torch
 
 from loom.errors import LoomError
-from loom.model.gpt.gpt import GPT, GPTConfig
+from loom.model.gpt.gpt import GPT, ROPE_TYPES, GPTConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
-
-
-def _refuse(field: str, why: str, hint: str | None = None) -> LoomError:
-    return LoomError(f"LlamaForCausalLM cannot represent this model: {field} {why}", hint=hint)
+# config.json's model_type -> the transformers class of each architecture this mapping reads and writes
+ARCHITECTURES = {"llama": ARCHITECTURE, "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# the llama family's own keys (family.LlamaKeys), GPTConfig fields an import sets beside the shape keys
+FAMILY_KEYS = (
+    "rope_type",
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_context",
+    "qkv_bias",
+)
 
 
 # ------------------------------------------------------------------------------------------- export
 
 
+def model_type(cfg: GPTConfig) -> str:
+    """The architecture a loom model exports as: qwen3 with QK-norm, qwen2 with q/k/v biases, else llama."""
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+
+
 def check_exportable(cfg: GPTConfig) -> None:
-    """Refuse, naming the field, a loom model that LlamaForCausalLM has no setting for."""
-    want = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "qk_norm": False}
+    """Refuse, naming the field, a loom model that none of Llama, Qwen2 and Qwen3 has a setting for."""
+    kind = model_type(cfg)
+    want = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu"}
+    if kind != "llama":  # Qwen's MLPs have no biases; Qwen3 has q/k/v/o biases or none
+        want |= {"bias": False, "qkv_bias": False} if kind == "qwen3" else {"bias": False}
     for key, value in want.items():
         if getattr(cfg, key) != value:
-            raise _refuse(
-                f"model.{key}={getattr(cfg, key)!r}",
-                f"is not Llama's ({value!r})",
-                hint="export models of model.family=llama without qk_norm (or GPT-2-shaped models)",
+            raise LoomError(
+                f"{ARCHITECTURES[kind]} cannot represent this model: model.{key}={getattr(cfg, key)!r} is not "
+                f"its {value!r}",
+                hint="export models of model.family=llama (qk_norm: as Qwen3, qkv_bias: as Qwen2, without "
+                "model.bias) or GPT-2-shaped models",
             )
 
 
+def rope_parameters(cfg: GPTConfig) -> dict:
+    """config.json's rope_parameters for loom's model.rope_* keys (transformers 5's names)."""
+    rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type in ("linear", "llama3"):
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        rope |= {
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_context,
+        }
+    return rope
+
+
 def llama_config(cfg: GPTConfig, eot_id: int | None = None) -> dict:
-    """config.json of a LlamaForCausalLM with loom's shape (vocabulary unpadded)."""
+    """config.json of a LlamaForCausalLM (Qwen2ForCausalLM, Qwen3ForCausalLM: model_type) with loom's shape
+    (vocabulary unpadded)."""
     check_exportable(cfg)
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+    kind = model_type(cfg)
+    out = {
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.n_embd,
         "intermediate_size": cfg.ffn_width,
@@ -62,7 +98,7 @@ def llama_config(cfg: GPTConfig, eot_id: int | None = None) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": cfg.block_size,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": rope,
+        "rope_parameters": rope_parameters(cfg),
         "rope_theta": cfg.rope_theta,  # the second for transformers 4.x readers
         "attention_bias": cfg.bias,
         "mlp_bias": cfg.bias,
@@ -75,6 +111,11 @@ def llama_config(cfg: GPTConfig, eot_id: int | None = None) -> dict:
         "eos_token_id": eot_id,
         "torch_dtype": "float32",
     }
+    if kind != "llama":  # Qwen's keys: full attention in every layer; Qwen2's q/k/v biases need no key
+        out |= {"use_sliding_window": False, "sliding_window": None}
+        for key in ("mlp_bias", "pretraining_tp") + (("attention_bias",) if kind == "qwen2" else ()):
+            del out[key]
+    return out
 
 
 def llama_state_dict(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
@@ -92,11 +133,13 @@ def llama_state_dict(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, t
 
 
 def layer_names(i: int) -> list[tuple[str, str]]:
+    """(loom, transformers) names of layer i's tensors; those a model lacks (biases, QK-norm) are skipped."""
     p, h = f"blocks.{i}.", f"model.layers.{i}."
     pairs = [
         (p + "ln_1.weight", h + "input_layernorm.weight"),
         (p + "ln_2.weight", h + "post_attention_layernorm.weight"),
     ]
+    pairs += [(p + f"attn.{n}_norm.weight", h + f"self_attn.{n}_norm.weight") for n in "qk"]
     for n in "qkvo":
         pairs += [(p + f"attn.{n}_proj.{w}", h + f"self_attn.{n}_proj.{w}") for w in ("weight", "bias")]
     for n in ("gate", "up", "down"):
@@ -116,15 +159,18 @@ def peft_modules(n_layer: int) -> dict[str, str]:
     }
 
 
+def _rope_spec(hf: dict) -> dict:
+    """The RoPE settings of a config.json: transformers 5 writes rope_parameters, 4.x rope_scaling (with
+    rope_theta beside it); the first that names a rope type other than the default, else rope_parameters."""
+    specs = [hf.get(key) for key in ("rope_parameters", "rope_scaling")]
+    specs = [s for s in specs if isinstance(s, dict)]
+    scaled = [s for s in specs if s.get("rope_type", s.get("type", "default")) != "default"]
+    return (scaled or specs or [{}])[0]
+
+
 def _rope_type(hf: dict) -> str:
-    """The rope type of a config.json: transformers 5 writes rope_parameters, 4.x rope_scaling."""
-    for key in ("rope_parameters", "rope_scaling"):
-        spec = hf.get(key)
-        if isinstance(spec, dict):
-            kind = spec.get("rope_type", spec.get("type", "default"))
-            if kind != "default":
-                return kind
-    return "default"
+    spec = _rope_spec(hf)
+    return spec.get("rope_type", spec.get("type", "default"))
 
 
 def _rope_theta(hf: dict) -> float:
@@ -134,17 +180,45 @@ def _rope_theta(hf: dict) -> float:
     return float(hf.get("rope_theta", 10000.0))
 
 
-def check_config(hf: dict, path) -> None:
+def rope_keys(hf: dict) -> dict:
+    """GPTConfig's rope_* fields (model.rope_* keys) of a config.json; llama3's original context falls back to
+    max_position_embeddings, as transformers' does."""
+    spec, kind = _rope_spec(hf), _rope_type(hf)
+    keys = {"rope_theta": _rope_theta(hf), "rope_type": kind}
+    if kind in ("linear", "llama3"):
+        keys["rope_factor"] = float(spec["factor"])
+    if kind == "llama3":
+        keys |= {
+            "rope_low_freq_factor": float(spec["low_freq_factor"]),
+            "rope_high_freq_factor": float(spec["high_freq_factor"]),
+            "rope_original_context": int(
+                spec.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 8192)
+            ),
+        }
+    return keys
+
+
+def check_rope(hf: dict, path, supported: tuple[str, ...] = ROPE_TYPES) -> None:
+    """A rope type loom does not compute, named with the ones it does, before any weight is read."""
+    rope = _rope_type(hf)
+    if rope not in supported:
+        raise LoomError(
+            f"'{path}': rope type '{rope}' is not implemented in loom (supported: {', '.join(supported)}); "
+            "importing it would silently train with other positions",
+            hint=f"use a model whose config.json has rope_type {' or '.join(repr(t) for t in supported)}",
+        )
+    spec = _rope_spec(hf)
+    need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(rope, ())
+    missing = [k for k in need if not isinstance(spec.get(k), (int, float))]
+    if missing:
+        raise LoomError(f"'{path}': rope type '{rope}' needs {', '.join(missing)} in its rope parameters")
+
+
+def check_config(hf: dict, path, rope_types: tuple[str, ...] = ROPE_TYPES) -> None:
     """What loom's llama family cannot represent, named with the key (before any weight is read)."""
     C, H = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
     K = hf.get("num_key_value_heads") or H
-    rope = _rope_type(hf)
-    if rope != "default":
-        raise LoomError(
-            f"'{path}': rope type '{rope}' is not implemented in loom (only the default RoPE); "
-            "importing it would silently train with other positions",
-            hint="use a model whose config.json has rope_type 'default' (no rope_scaling)",
-        )
+    check_rope(hf, path, rope_types)
     head_dim = hf.get("head_dim") or C // H
     checks = [
         ("hidden_act", hf.get("hidden_act", "silu") == "silu", "loom's SwiGLU uses silu"),
@@ -156,21 +230,32 @@ def check_config(hf: dict, path) -> None:
         ("num_key_value_heads", H % K == 0, "it must divide num_attention_heads"),
         (
             "mlp_bias",
-            bool(hf.get("mlp_bias", False)) == bool(hf.get("attention_bias", False)),
+            bool(hf.get("mlp_bias", False)) == bool(hf.get("attention_bias", False))
+            or hf.get("model_type") == "qwen3",
             "loom has one model.bias for attention and MLP (attention_bias must equal mlp_bias)",
         ),
         ("pretraining_tp", hf.get("pretraining_tp", 1) in (None, 1), "loom computes each projection whole"),
+        (
+            "use_sliding_window",
+            not hf.get("use_sliding_window", False),
+            "loom's attention is full in every layer",
+        ),
     ]
+    if hf.get("model_type") == "qwen3":  # its MLP has no biases: attention_bias has no loom key
+        checks.append(
+            ("attention_bias", not hf.get("attention_bias", False), "loom's model.bias is everywhere")
+        )
     for key, ok, why in checks:
         if not ok:
             raise LoomError(f"'{path}': {key}={hf.get(key)!r} cannot be imported: {why}")
 
 
 def gpt_config(hf: dict, block_size: int | None = None, dropout: float = 0.0) -> GPTConfig:
-    """loom's GPTConfig for a LlamaForCausalLM config.json (RoPE: block_size is free; default: the model's
-    max_position_embeddings)."""
+    """loom's GPTConfig for a LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM config.json (RoPE:
+    block_size is free; default: the model's max_position_embeddings)."""
     H = hf.get("num_attention_heads", 32)
     K = hf.get("num_key_value_heads") or H
+    kind = hf.get("model_type", "llama")
     return GPTConfig(
         vocab_size=hf.get("vocab_size", 32000),
         n_layer=hf.get("num_hidden_layers", 32),
@@ -178,16 +263,17 @@ def gpt_config(hf: dict, block_size: int | None = None, dropout: float = 0.0) ->
         n_embd=hf.get("hidden_size", 4096),
         block_size=block_size or hf.get("max_position_embeddings", 2048),
         dropout=dropout,
-        bias=bool(hf.get("attention_bias", False)),
+        bias=kind == "llama" and bool(hf.get("attention_bias", False)),
         pos="rope",
-        rope_theta=_rope_theta(hf),
         norm="rmsnorm",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         mlp="swiglu",
         ffn_hidden=hf.get("intermediate_size", 11008),
         n_kv_head=0 if K == H else K,
-        qk_norm=False,
+        qk_norm=kind == "qwen3",
+        qkv_bias=kind == "qwen2",  # Qwen 2 / 2.5 always have them
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **rope_keys(hf),
     )
 
 

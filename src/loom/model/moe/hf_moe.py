@@ -143,13 +143,6 @@ def qwen3_moe_config(cfg: MoEConfig, eot_id: int | None = None) -> dict:
     }
 
 
-def _attention_names(i: int) -> list[tuple[str, str]]:
-    """(loom, Qwen3-MoE) names of layer i's norms, attention with QK-norm, and a dense layer's MLP."""
-    p, h = f"blocks.{i}.", f"model.layers.{i}."
-    qk = [(p + f"attn.{n}_norm.weight", h + f"self_attn.{n}_norm.weight") for n in "qk"]
-    return hf_llama.layer_names(i) + qk
-
-
 def qwen3_moe_state_dict(sd: dict[str, torch.Tensor], cfg: MoEConfig) -> dict[str, torch.Tensor]:
     """loom weights (fp32 on the host, by loom's names) in Qwen3-MoE's hub names, vocabulary unpadded."""
     check_exportable(cfg, [sd[f"blocks.{i}.mlp.expert_bias"] for i in cfg.moe_layers])
@@ -158,7 +151,7 @@ def qwen3_moe_state_dict(sd: dict[str, torch.Tensor], cfg: MoEConfig) -> dict[st
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"][:V]
     for i in range(cfg.n_layer):
-        for ours, theirs in _attention_names(i):
+        for ours, theirs in hf_llama.layer_names(i):
             if ours in sd:  # a MoE layer has no dense mlp.{gate,up,down}_proj
                 out[theirs] = sd[ours]
         if not cfg.is_moe(i):
@@ -284,7 +277,8 @@ def check_config(hf_cfg: dict, path) -> None:
             f"decoder_sparse_step={step}), so it is not a mixture of experts loom's moe family can hold",
         )
     _loom_layout(hf_cfg, path)
-    hf_llama.check_config(hf_cfg, path)  # rope type, activation, key/value heads, pretraining_tp
+    # rope type (the default only: MoEConfig has no scaling), activation, key/value heads, pretraining_tp
+    hf_llama.check_config(hf_cfg, path, ("default",))
 
 
 def moe_config(hf_cfg: dict, block_size: int | None = None, dropout: float = 0.0) -> MoEConfig:
@@ -358,7 +352,7 @@ def loom_state(sd: dict[str, torch.Tensor], cfg: MoEConfig) -> dict[str, torch.T
 
     out, shapes = hf_llama.ends_and_shapes(sd, cfg, MoEGPT, ARCHITECTURE)
     for i in range(cfg.n_layer):
-        for ours, theirs in _attention_names(i):
+        for ours, theirs in hf_llama.layer_names(i):
             if ours in shapes:
                 out[ours] = get(theirs, shapes[ours])
         if not cfg.is_moe(i):
