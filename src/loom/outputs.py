@@ -46,6 +46,7 @@ _EXPORT_FILES = {
     "generation_config.json",
     "model.safetensors",
     "tokenizer.json",
+    "tokenizer.model",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "vocab.json",

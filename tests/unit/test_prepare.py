@@ -120,7 +120,7 @@ def test_existing_tokenizer_json(tmp_path):
 
 
 def test_tokenizer_spec_that_is_nothing(tmp_path):
-    with pytest.raises(LoomError, match="neither char, bpe nor an existing tokenizer.json"):
+    with pytest.raises(LoomError, match="neither char, bpe nor an existing tokenizer file"):
         prepare([write_docs(tmp_path / "in")], tmp_path / "out", tokenizer=str(tmp_path / "nope.json"))
     assert not (tmp_path / "out").exists()
 

@@ -13,10 +13,12 @@ def data(argv: list[str]) -> int:
         from loom.data.convert import data_convert_main, data_inspect_main
 
         return (data_convert_main if argv[0] == "convert" else data_inspect_main)(argv[1:])
+    if argv and argv[0] == "tokenizer":
+        return _tokenizer(argv[1:])
     p = argparse.ArgumentParser(
         prog="loom data",
         description="Prepare, convert and inspect token data.",
-        epilog="also: loom data convert --help, loom data inspect --help",
+        epilog="also: loom data convert --help, loom data inspect --help, loom data tokenizer convert --help",
     )
     sub = p.add_subparsers(dest="verb", required=True)
     pp = sub.add_parser("prepare", help="text files, folders or JSONL -> tokenizer + train/val shards")
@@ -42,6 +44,30 @@ def data(argv: list[str]) -> int:
     return _prepare_text(args)
 
 
+def _tokenizer(argv: list[str]) -> int:
+    """`loom data tokenizer convert IN --to hf|gpt2|tiktoken OUT` (loom.data.tokenizer_formats)."""
+    from loom.data.tokenizer_formats import FORMATS
+
+    p = argparse.ArgumentParser(prog="loom data tokenizer", description="Convert tokenizer files.")
+    sub = p.add_subparsers(dest="verb", required=True)
+    c = sub.add_parser("convert", help="write a tokenizer in another library's format")
+    c.add_argument(
+        "src", help="a tokenizer.json, a folder with one or with gpt2's files, or a .tiktoken file"
+    )
+    c.add_argument("--to", required=True, choices=FORMATS, help="hf (tokenizer.json) | gpt2 | tiktoken")
+    c.add_argument("out", help="the folder to write into (new or empty)")
+    c.add_argument("--force", action="store_true", help="write into a folder that already holds files")
+    args = p.parse_args(argv)
+    from loom import log
+    from loom.data.tokenizers import convert_tokenizer, load_given_tokenizer
+
+    files = convert_tokenizer(args.src, args.to, args.out, args.force)
+    tok = load_given_tokenizer(files[0] if args.to == "tiktoken" else files[0].parent)
+    written = ", ".join(str(f) for f in files)
+    log.info(f"wrote {written}: vocab {tok.vocab_size:,}, end of text {tok.eot!r} = id {tok.eot_id}")
+    return 0
+
+
 def _add_inputs(pp) -> None:
     """The sources, the output and the first options of `prepare` (in --help's order)."""
     src = pp.add_mutually_exclusive_group(required=True)
@@ -51,8 +77,9 @@ def _add_inputs(pp) -> None:
     pp.add_argument(
         "--tokenizer",
         default="char",
-        help="char | bpe | PATH/tokenizer.json | a folder with one or with gpt2's encoder.json + "
-        "vocab.bpe (default char)",
+        help="char | bpe | PATH/tokenizer.json | a sentencepiece .model | a .tiktoken file (its pattern and "
+        "special tokens in FILE.json beside it) | a folder with tokenizer.json, tokenizer.model or gpt2's "
+        "encoder.json + vocab.bpe (default char)",
     )
     pp.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
     pp.add_argument("--val-fraction", type=float, default=0.1, help="share of the text for val (default 0.1)")

@@ -99,6 +99,10 @@ class Encoder:
         if self.kind == "char":
             self.lut = np.full(0x110000, -1, dtype=np.int64)
             self.lut[[ord(c) for c in spec["chars"]]] = np.arange(len(spec["chars"]))
+        elif self.kind == "sentencepiece":
+            from loom.data.spm import SentencePieceTokenizer
+
+            self.sp = SentencePieceTokenizer(spec["model"])
         elif spec.get("backend") == "tiktoken":
             import tiktoken
 
@@ -125,6 +129,8 @@ class Encoder:
                     raise LoomError(f"character {bad!r} is not in the character vocabulary")
                 out.append(a)
             return out
+        if self.kind == "sentencepiece":
+            return self.sp.encode_batch(texts)
         if self.spec.get("backend") == "tiktoken":
             return [self.enc.encode_ordinary(t) for t in texts]
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
@@ -191,7 +197,7 @@ def encode_chunks(spec: dict, chunks: Iterable[Chunk | None], workers: int) -> I
 
 def choose_backend(spec: dict, sample: list[str], want: str = "auto") -> dict:
     """Pick tiktoken for a byte-level BPE when it is installed and gives the same ids on `sample`."""
-    if spec["kind"] == "char" or want == "tokenizers":
+    if spec["kind"] in ("char", "sentencepiece") or want == "tokenizers":
         return spec
     try:
         import tiktoken  # noqa: F401

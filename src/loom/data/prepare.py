@@ -141,6 +141,8 @@ def encoder_spec(tok, dtype=np.int64) -> dict:
     spec = {"kind": tok.kind, "eot_id": tok.eot_id, "dtype": np.dtype(dtype).str}
     if isinstance(tok, CharTokenizer):
         spec["chars"] = tok.chars
+    elif tok.kind == "sentencepiece":
+        spec["model"] = tok.proto
     else:
         spec["json"] = tok.tok.to_str()
     return spec
@@ -254,7 +256,8 @@ def _train_tokenizer(plan: PrepareRequest, files, total_chars: int | None):
     """char: the characters of the whole corpus; bpe: trained on a sample of the train split (documents
     taken with a seeded probability, each capped at doc_cap characters); else the given tokenizer.json."""
     if plan.tokenizer not in ("char", "bpe"):
-        return load_given_tokenizer(plan.tokenizer), "tokenizer.json"
+        tok = load_given_tokenizer(plan.tokenizer)
+        return tok, "sentencepiece" if tok.kind == "sentencepiece" else "tokenizer.json"
     stats = ReadStats()
     est = estimated_bytes(files)
     if plan.tokenizer == "char":
@@ -682,7 +685,9 @@ def _meta(plan, rec, tok, version, splits, stats: ReadStats, counts, spec, enc_s
         "seed": plan.seed,
         "bytes_per_token_val": counts["val_bytes"]
         / max(1, splits["val"]["tokens"] - splits["val"]["documents"]),
-        "encoder": spec.get("backend", "tokenizers") if spec["kind"] != "char" else "char",
+        "encoder": spec["kind"]
+        if spec["kind"] in ("char", "sentencepiece")
+        else spec.get("backend", "tokenizers"),
         "encode_seconds": round(enc_s, 2),
     }
 

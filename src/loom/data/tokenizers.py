@@ -149,6 +149,11 @@ class HFTokenizer:
             raise LoomError(f"'{vocab}' + '{merges}' are not a BPE vocabulary and merges: {e}") from None
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
+        # the end-of-text token in the vocabulary (GPT-2's <|endoftext|>) is special, as transformers'
+        # GPT2Tokenizer has it: its text in a document is its id, not its characters' tokens
+        eot = next((t for t in EOT_ALIASES if tok.token_to_id(t) is not None), None)
+        if eot is not None:
+            tok.add_special_tokens([eot])
         return cls(tok)
 
     @classmethod
@@ -184,27 +189,68 @@ VOCAB_FILE_PAIRS = (("encoder.json", "vocab.bpe"), ("vocab.json", "merges.txt"))
 
 def tokenizer_files(spec: str | Path) -> list[Path]:
     """The files of a given tokenizer: a tokenizer.json, or a folder holding one, or gpt2's vocabulary and
-    merges (encoder.json + vocab.bpe, or vocab.json + merges.txt)."""
+    merges (encoder.json + vocab.bpe, or vocab.json + merges.txt), a sentencepiece .model or a tiktoken file
+    (its side file FILE.json too, when there is one: loom.data.tokenizer_formats)."""
     path = Path(spec)
+    side = Path(str(path) + ".json")
+    if path.is_file() and path.suffix == ".tiktoken" and side.is_file():
+        return [path, side]
     if path.is_dir():
-        if (path / "tokenizer.json").is_file():
-            return [path / "tokenizer.json"]
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if (path / name).is_file():
+                return [path / name]
         for pair in VOCAB_FILE_PAIRS:
             if all((path / f).is_file() for f in pair):
                 return [path / f for f in pair]
     elif path.is_file():
         return [path]
     raise LoomError(
-        f"--tokenizer '{spec}' is neither char, bpe nor an existing tokenizer.json",
-        hint="char, bpe, the path of a tokenizer.json, or a folder holding one (or gpt2's "
-        "encoder.json + vocab.bpe)",
+        f"--tokenizer '{spec}' is neither char, bpe nor an existing tokenizer file",
+        hint="char, bpe, the path of a tokenizer.json, a sentencepiece .model or a .tiktoken file, or a folder "
+        "holding tokenizer.json or tokenizer.model (or gpt2's encoder.json + vocab.bpe)",
     )
 
 
-def load_given_tokenizer(spec: str | Path) -> HFTokenizer:
-    """The tokenizer named by --tokenizer PATH (see tokenizer_files)."""
+def load_given_tokenizer(spec: str | Path):
+    """The tokenizer named by --tokenizer PATH (see tokenizer_files): HFTokenizer, or a
+    SentencePieceTokenizer for a sentencepiece .model (a tiktoken file becomes an HFTokenizer)."""
+    from loom.data import tokenizer_formats
+    from loom.data.spm import SentencePieceTokenizer
+
     files = tokenizer_files(spec)
+    if files[0].suffix == ".model":
+        return SentencePieceTokenizer.from_file(files[0])
+    if files[0].suffix == ".tiktoken":
+        return HFTokenizer(tokenizer_formats.load_tiktoken(files[0]))
     return HFTokenizer.from_file(files[0]) if len(files) == 1 else HFTokenizer.from_vocab_files(*files)
+
+
+def convert_tokenizer(src: str | Path, to: str, out: str | Path, force: bool = False) -> list[Path]:
+    """`loom data tokenizer convert SRC --to FORMAT OUT`: the tokenizer SRC (any --tokenizer PATH) written as
+    FORMAT into the folder OUT: hf (tokenizer.json), gpt2 (vocab.json + merges.txt) or tiktoken
+    (tokenizer.tiktoken + tokenizer.tiktoken.json). Returns the files written."""
+    from loom.data.tokenizer_formats import FORMATS, write_gpt2, write_tiktoken
+
+    if to not in FORMATS:
+        raise LoomError(f"--to {to} is not a tokenizer format loom writes", hint=f"use {', '.join(FORMATS)}")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise LoomError(f"'{out}' exists and is not empty", hint="choose a new folder, or pass --force")
+    tok = load_given_tokenizer(src)
+    if tok.kind == "sentencepiece":
+        raise LoomError(
+            f"'{src}' is a sentencepiece model: loom reads it as it is (--tokenizer {src}) but does not convert "
+            "it (its normaliser and search are the library's own, which the other formats do not hold)",
+            hint="use the .model itself; transformers' LlamaTokenizerFast writes a tokenizer.json of it",
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    text = tok.tok.to_str()
+    if to == "tiktoken":
+        return write_tiktoken(text, out / "tokenizer.tiktoken")
+    if to == "gpt2":
+        return write_gpt2(text, out)
+    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    return [out / "tokenizer.json"]
 
 
 def has_tokenizer(meta: dict) -> bool:
@@ -232,6 +278,10 @@ def load_tokenizer(directory: str | Path, meta: dict) -> CharTokenizer | HFToken
         if info.get("kind") == "char":
             raw = json.loads(path.read_text(encoding="utf-8"))
             return CharTokenizer(raw["chars"], raw.get("specials") or ())
+        if info.get("kind") == "sentencepiece":
+            from loom.data.spm import SentencePieceTokenizer
+
+            return SentencePieceTokenizer.from_file(path)
         return HFTokenizer.from_file(path)
     except LoomError:
         raise
@@ -301,6 +351,10 @@ def _tokenizer_content(directory: str | Path, meta: dict) -> dict | None:
     if info.get("kind") == "char" and "chars" in info:
         return {"kind": "char", "chars": list(info["chars"])}
     path = Path(directory) / info.get("file", "")
+    if info.get("kind") == "sentencepiece":  # the model file decides every id
+        import hashlib
+
+        return {"kind": "sentencepiece", "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:

@@ -91,6 +91,10 @@ def write_tokenizer(tokenizer, out: Path, block_size: int) -> list[str]:
         return ["no tokenizer files: the run was trained on token ids without a known tokenizer"]
     notes = []
     cls = "PreTrainedTokenizerFast"
+    if tokenizer.kind == "sentencepiece":  # the model file itself, as Llama 2's folders hold it
+        tokenizer.save(out)
+        notes.append("tokenizer.model only (sentencepiece): no tokenizer.json is written for it")
+        return notes + _tokenizer_config(out, "LlamaTokenizer", tokenizer.eot, block_size)
     if tokenizer.kind == "char":
         text = _char_tokenizer_json(tokenizer.chars, tokenizer.eot_id, getattr(tokenizer, "specials", ()))
     else:
@@ -103,7 +107,12 @@ def write_tokenizer(tokenizer, out: Path, block_size: int) -> list[str]:
             (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(files[1]) + "\n", encoding="utf-8")
             cls = "GPT2TokenizerFast"
     (out / "tokenizer.json").write_text(text, encoding="utf-8")
-    eot = getattr(tokenizer, "eot", EOT)  # the tokenizer's own end-of-text token (Llama's, GPT-2's)
+    # the tokenizer's own end-of-text token (Llama's, GPT-2's)
+    return notes + _tokenizer_config(out, cls, getattr(tokenizer, "eot", EOT), block_size)
+
+
+def _tokenizer_config(out: Path, cls: str, eot: str, block_size: int) -> list[str]:
+    """tokenizer_config.json and special_tokens_map.json: the class, the context, end of text as bos/eos/unk."""
     special = {"bos_token": eot, "eos_token": eot, "unk_token": eot}
     config = {
         "tokenizer_class": cls,
@@ -114,7 +123,7 @@ def write_tokenizer(tokenizer, out: Path, block_size: int) -> list[str]:
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=1), encoding="utf-8")
-    return notes
+    return []
 
 
 def check_same_config(have, want, directory) -> None:

@@ -1,0 +1,147 @@
+"""Tokenizer files of other libraries: a sentencepiece `.model` (Llama 2, Mistral, Megatron's
+SentencePieceTokenizer) and a tiktoken encoding file (base64 token, rank per line: what
+`tiktoken.load_tiktoken_bpe` reads), and `loom data tokenizer convert` between them and `tokenizers`' formats.
+
+A tiktoken file is byte-level BPE: it becomes a `tokenizers` pipeline (tokenizers.HFTokenizer) whose ids equal tiktoken's
+(merges derived from the ranks: the pair whose merged token has the lowest rank merges first, as in tiktoken).
+The file holds neither the split pattern nor the special tokens: they are read from `FILE.json` beside it
+({"pattern": ..., "special_tokens": {"<|endoftext|>": 100257}}), else cl100k's pattern and <|endoftext|> at the
+first free id. A sentencepiece model is encoded by the sentencepiece library itself (spm.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+from loom.data.encode import GPT2_PATTERN, GPT4_PATTERN, byte_decoder, tiktoken_spec
+from loom.errors import LoomError
+
+EOT = "<|endoftext|>"
+
+
+# ------------------------------------------------------------------------------------------- tiktoken
+
+
+def read_tiktoken(path: str | Path) -> dict[bytes, int]:
+    """{token bytes: rank} of a tiktoken encoding file, as tiktoken.load_tiktoken_bpe reads it."""
+    try:
+        lines = Path(path).read_bytes().splitlines()
+    except OSError as e:
+        raise LoomError(f"cannot read the tiktoken file '{path}': {e}") from None
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(lines, 1):
+        try:
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:
+            raise LoomError(
+                f"'{path}' is not a tiktoken encoding file: line {n} is not 'BASE64-TOKEN RANK'"
+            ) from None
+    if len(ranks) < 256:
+        raise LoomError(f"'{path}' has {len(ranks)} tokens: a tiktoken encoding has at least the 256 bytes")
+    return ranks
+
+
+def tiktoken_extras(path: str | Path, n_ranks: int) -> tuple[str, dict[str, int]]:
+    """(split pattern, special tokens) of a tiktoken file: from PATH.json beside it, else cl100k's pattern and
+    <|endoftext|> at the first id after the ranks."""
+    side = Path(str(path) + ".json")
+    if not side.is_file():
+        return GPT4_PATTERN, {EOT: n_ranks}
+    try:
+        extra = json.loads(side.read_text(encoding="utf-8"))
+        return extra.get("pattern", GPT4_PATTERN), {
+            str(k): int(v) for k, v in extra["special_tokens"].items()
+        }
+    except (ValueError, KeyError, AttributeError, TypeError) as e:
+        raise LoomError(
+            f"'{side}' is not a tiktoken side file: {type(e).__name__}: {e}",
+            hint='write {"pattern": "...", "special_tokens": {"<|endoftext|>": ID}}',
+        ) from None
+
+
+def tiktoken_to_tokenizer(ranks: dict[bytes, int], pattern: str, specials: dict[str, int]):
+    """A `tokenizers` Tokenizer with tiktoken's ids: byte-level BPE on the pattern's pieces, the vocabulary in
+    gpt2's byte alphabet, merges ordered by the rank of the token they make."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    enc = {b: c for c, b in byte_decoder().items()}
+
+    def text(b: bytes) -> str:
+        return "".join(enc[x] for x in b)
+
+    merges = []
+    for token, rank in ranks.items():
+        # every split of the token into two known tokens: the lower-ranked halves first, as tiktoken meets them
+        splits = [
+            (token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks
+        ]
+        splits.sort(key=lambda p: (ranks[p[0]], ranks[p[1]]))
+        merges += [(rank, text(a), text(b)) for a, b in splits]
+    merges.sort(key=lambda m: m[0])
+    vocab = {text(t): r for t, r in ranks.items()}
+    taken = set(vocab.values()) & set(specials.values())
+    if taken:
+        raise LoomError(f"special token ids {sorted(taken)[:5]} are also ranks of the encoding's tokens")
+    # the special tokens sit in the model's vocabulary with their ids, so the added tokens keep those ids
+    vocab |= specials
+    model = models.BPE(vocab=vocab, merges=[(a, b) for _, a, b in merges], ignore_merges=True)
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(name, special=True) for name in specials])
+    return tok
+
+
+def load_tiktoken(path: str | Path):
+    """The `tokenizers` Tokenizer of a tiktoken encoding file (its side file's pattern and special tokens)."""
+    ranks = read_tiktoken(path)
+    pattern, specials = tiktoken_extras(path, len(ranks))
+    return tiktoken_to_tokenizer(ranks, pattern, specials)
+
+
+def write_tiktoken(tokenizer_json: str, out: Path) -> list[Path]:
+    """A byte-level BPE tokenizer.json as a tiktoken file OUT and its side file OUT.json (pattern, specials)."""
+    spec = tiktoken_spec(tokenizer_json)
+    if spec is None:
+        raise LoomError(
+            "this tokenizer is not a plain byte-level BPE, which is all a tiktoken file can hold",
+            hint="convert byte-level BPE tokenizers (gpt2's, cl100k's, loom's bpe) to tiktoken",
+        )
+    lines = sorted((r, base64.b64encode(bytes.fromhex(h)).decode()) for h, r in spec["ranks"].items())
+    out.write_text("".join(f"{t} {r}\n" for r, t in lines), encoding="utf-8")
+    side = Path(str(out) + ".json")
+    side.write_text(json.dumps({"pattern": spec["pattern"], "special_tokens": spec["special"]}, indent=1))
+    return [out, side]
+
+
+# ------------------------------------------------------------------------------------------- convert
+
+FORMATS = ("hf", "gpt2", "tiktoken")
+
+
+def write_gpt2(tokenizer_json: str, out: Path) -> list[Path]:
+    """gpt2's vocab.json + merges.txt of a byte-level BPE with gpt2's split pattern (the files hold no
+    pattern: GPT-2's is implied); the end-of-text token stays in vocab.json at its id, as in GPT-2's."""
+    spec = tiktoken_spec(tokenizer_json)
+    if spec is None or spec["pattern"] != GPT2_PATTERN:
+        raise LoomError(
+            "gpt2's vocab.json + merges.txt hold a byte-level BPE that splits text with gpt2's pattern; "
+            + ("this one splits with another" if spec else "this tokenizer is no byte-level BPE"),
+            hint="convert it --to hf (tokenizer.json) or --to tiktoken (its pattern in the side file)",
+        )
+    raw = json.loads(tokenizer_json)
+    model = raw["model"]
+    vocab = {**model["vocab"], **{t["content"]: t["id"] for t in raw.get("added_tokens") or []}}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    return [out / "vocab.json", out / "merges.txt"]

@@ -1,0 +1,173 @@
+"""Tokenizer files of other libraries as --tokenizer, and `loom data tokenizer convert`. Compared against the
+libraries themselves: a sentencepiece model (BPE and unigram) and a tiktoken file made here (no download) give
+the ids `sentencepiece` and `tiktoken` give on a held-out text with code, Unicode and the end-of-text marker;
+`loom data prepare` writes those ids; each conversion (tiktoken, tokenizer.json, gpt2's files) loads back to
+the same ids."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+
+import numpy as np
+import pytest
+
+from loom.cli import main
+from loom.data.encode import GPT2_PATTERN, GPT4_PATTERN
+from loom.data.formats import open_split
+from loom.data.tokenizers import convert_tokenizer, load_given_tokenizer, load_tokenizer
+from loom.errors import LoomError
+
+spm = pytest.importorskip("sentencepiece", reason="the data extra: pip install 'loom[data]'")
+tiktoken = pytest.importorskip("tiktoken", reason="the data extra: pip install 'loom[data]'")
+
+EOT = "<|endoftext|>"
+WORDS = (
+    "the quick brown fox jumps over lazy dog def return import numpy café naïve 日本語 Привет мир 🙂 "
+    "x = [i*i for i in range(10)] if else: print(f'{x}')"
+).split()
+# not in the training text: tabs, indentation, new words, an emoji and Cyrillic punctuation, two markers
+HELD_OUT = (
+    "def square(x):\n    return x ** 2  # café 日本語 🙂\n"
+    + EOT
+    + "Привет, мир! naïve\tfox 😀 {k: v}\n"
+    + EOT
+    + "  tail"
+)
+
+
+def training_text() -> list[str]:
+    rng = random.Random(0)
+    return [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(2000)]
+
+
+@pytest.fixture(scope="module")
+def sp_models(tmp_path_factory):
+    """Tiny sentencepiece models (BPE and unigram, byte fallback for unseen characters) trained here."""
+    d = tmp_path_factory.mktemp("sp")
+    out = {}
+    for kind in ("bpe", "unigram"):
+        proto = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(training_text()),
+            model_writer=proto,
+            vocab_size=320,
+            hard_vocab_limit=False,
+            model_type=kind,
+            byte_fallback=True,
+            character_coverage=1.0,
+            minloglevel=2,
+        )
+        (d / f"{kind}.model").write_bytes(proto.getvalue())
+        out[kind] = d / f"{kind}.model"
+    return out
+
+
+def tiktoken_file(d, pattern: str = GPT4_PATTERN, side: bool = True):
+    """A tiny tiktoken encoding trained by tiktoken's own (educational) trainer, written as
+    load_tiktoken_bpe reads it, with <|endoftext|> after the ranks; the tiktoken.Encoding it stands for."""
+    from tiktoken._educational import bpe_train
+
+    ranks = bpe_train("\n".join(training_text())[:20_000], 300, pattern)
+    path = d / "tiny.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    specials = {EOT: len(ranks)}
+    if side:
+        (d / "tiny.tiktoken.json").write_text(json.dumps({"pattern": pattern, "special_tokens": specials}))
+    enc = tiktoken.Encoding("tiny", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+    return path, enc
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_sentencepiece_ids_equal_the_library(sp_models, kind):
+    tok = load_given_tokenizer(sp_models[kind])
+    sp = spm.SentencePieceProcessor(model_file=str(sp_models[kind]))
+    want = []
+    for i, part in enumerate(HELD_OUT.split(EOT)):  # the marker is the model's end-of-sentence id
+        want += ([sp.eos_id()] if i else []) + sp.encode(part)
+    assert tok.encode(HELD_OUT) == want and want.count(2) == 2
+    assert (tok.eot, tok.eot_id, tok.vocab_size) == ("</s>", 2, sp.get_piece_size())
+    assert tok.encode("a</s>b") == tok.encode("a" + EOT + "b")  # its own marker's text too
+    assert tok.decode(tok.encode("def f(x): café")) == "def f(x): café"
+
+
+@pytest.mark.parametrize(
+    "side", [True, False]
+)  # without the side file: cl100k's pattern, eot after the ranks
+def test_tiktoken_file_ids_equal_tiktoken(tmp_path, side):
+    path, enc = tiktoken_file(tmp_path, side=side)
+    tok = load_given_tokenizer(path)
+    want = enc.encode(HELD_OUT, allowed_special="all")
+    assert tok.encode(HELD_OUT) == want and want.count(enc.eot_token) == 2
+    assert (tok.eot, tok.eot_id, tok.vocab_size) == (EOT, enc.eot_token, enc.n_vocab)
+    assert tok.decode(want) == HELD_OUT
+
+
+def test_prepare_writes_the_libraries_ids(tmp_path, sp_models):
+    docs = ["def f(x):\n    return x  # café 🙂", "Привет мир naïve fox", "日本語 lazy dog"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs * 20))
+    sp = spm.SentencePieceProcessor(model_file=str(sp_models["bpe"]))
+    path, enc = tiktoken_file(tmp_path)
+    for name, given, ids in (
+        ("sp", sp_models["bpe"], lambda t: [sp.eos_id()] + sp.encode(t)),
+        ("tt", path, lambda t: [enc.eot_token] + enc.encode_ordinary(t)),
+    ):
+        out = tmp_path / name
+        args = ["data", "prepare", "--input", str(tmp_path / "in.jsonl"), "--out", str(out)]
+        assert main([*args, "--tokenizer", str(given), "--val-fraction", "0.3"]) == 0
+        meta = json.loads((out / "meta.json").read_text())
+        train = np.concatenate(open_split(out, "train")).tolist()
+        assert train[: len(ids(docs[0]))] == ids(docs[0])  # each document opened by the end-of-text id
+        assert meta["tokenizer"]["eot_id"] == ids("")[0]
+        assert load_tokenizer(out, meta).encode(HELD_OUT) == load_given_tokenizer(given).encode(HELD_OUT)
+
+
+def test_hf_export_keeps_the_sentencepiece_model(tmp_path, sp_models):
+    from loom.model.hf_io import write_tokenizer
+
+    notes = write_tokenizer(load_given_tokenizer(sp_models["bpe"]), tmp_path, 64)
+    assert (tmp_path / "tokenizer.model").read_bytes() == sp_models["bpe"].read_bytes()
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
+    assert "tokenizer.model only" in notes[0]
+
+
+def test_conversions_round_trip(tmp_path):
+    path, enc = tiktoken_file(tmp_path)
+    want = enc.encode(HELD_OUT, allowed_special="all")
+    # tiktoken -> tokenizer.json -> tiktoken: the ids, and the same ranks written back
+    assert main(["data", "tokenizer", "convert", str(path), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert load_given_tokenizer(tmp_path / "hf" / "tokenizer.json").encode(HELD_OUT) == want
+    convert_tokenizer(tmp_path / "hf", "tiktoken", tmp_path / "tt")
+    back = tmp_path / "tt" / "tokenizer.tiktoken"
+    assert back.read_text() == path.read_text() and load_given_tokenizer(back).encode(HELD_OUT) == want
+    # gpt2's files hold gpt2's pattern only: a gpt2-pattern encoding goes to them and back
+    (tmp_path / "g").mkdir()
+    path2, enc2 = tiktoken_file(tmp_path / "g", pattern=GPT2_PATTERN)
+    want2 = enc2.encode(HELD_OUT, allowed_special="all")
+    files = convert_tokenizer(path2, "gpt2", tmp_path / "gpt2")
+    assert [f.name for f in files] == ["vocab.json", "merges.txt"]
+    assert load_given_tokenizer(tmp_path / "gpt2").encode(HELD_OUT) == want2
+    convert_tokenizer(tmp_path / "gpt2", "tiktoken", tmp_path / "tt2")
+    assert (tmp_path / "tt2" / "tokenizer.tiktoken").read_text() == path2.read_text()
+    assert load_given_tokenizer(tmp_path / "tt2" / "tokenizer.tiktoken").encode(HELD_OUT) == want2
+
+
+def test_bad_input_is_one_clear_error(tmp_path, sp_models):
+    path, _ = tiktoken_file(tmp_path)
+    with pytest.raises(LoomError, match="gpt2's pattern; this one splits with another"):
+        convert_tokenizer(path, "gpt2", tmp_path / "g")
+    with pytest.raises(LoomError, match="is a sentencepiece model: loom reads it as it is"):
+        convert_tokenizer(sp_models["bpe"], "hf", tmp_path / "h")
+    bad = tmp_path / "bad.tiktoken"
+    bad.write_text("not base64!! x\n")
+    with pytest.raises(LoomError, match="line 1 is not 'BASE64-TOKEN RANK'"):
+        load_given_tokenizer(bad)
+    (tmp_path / "x.model").write_bytes(b"garbage")
+    with pytest.raises(LoomError, match="is not a sentencepiece model"):
+        load_given_tokenizer(tmp_path / "x.model")
+    with pytest.raises(LoomError, match="'.*hf' exists and is not empty"):
+        (tmp_path / "hf").mkdir()
+        (tmp_path / "hf" / "f").write_text("x")
+        convert_tokenizer(path, "hf", tmp_path / "hf")
