@@ -160,3 +160,35 @@ def test_export_refuses_what_no_architecture_represents(tmp_path):
     with pytest.raises(LoomError, match="Qwen3ForCausalLM cannot represent this model: model.qkv_bias=True"):
         hf.export_hf(m, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_train_from_the_import_and_export_the_run(tmp_path, char_data, kind):
+    """`loom train --model.init_from=hf:DIR` then `loom export`: the first step's loss is transformers' on that
+    batch (the family keys reached the model), and the exported run loads in transformers with loom's logits
+    (the keys were saved with the run and written back)."""
+    import torch.nn.functional as F
+    from tiny import tiny_args
+
+    from loom.cli import main
+    from loom.data.loader import ShardLoader
+    from loom.metrics import read_jsonl
+    from loom.runs import load_run
+
+    theirs, d = random_model(tmp_path, kind)
+    tiny = tiny_args({"train.batch_size": 4, "train.eval_batches": 1, "optim.warmup_steps": 1})
+    args = ["train", f"--data.path={char_data}", f"--run.dir={tmp_path}", "--run.name=ft", "--train.steps=2"]
+    assert main([*args, f"--model.init_from=hf:{d}", *[a for a in tiny if "n_" not in a]]) == 0
+    cfg, model, _, _, _ = load_run(tmp_path / "ft", torch.device("cpu"))
+    assert (cfg.model.rope_type, cfg.model.qkv_bias) == (
+        ("llama3", False) if kind == "llama3" else ("default", True)
+    )
+    first = next(r for r in read_jsonl(tmp_path / "ft" / "metrics.jsonl") if "loss" in r)
+    x, y = ShardLoader(char_data, 4, cfg.model.block_size, seed=cfg.run.seed).next_batch()
+    with torch.no_grad():
+        want = F.cross_entropy(theirs(x).logits.flatten(0, 1), y.flatten()).item()
+    assert first["loss"] == pytest.approx(want, abs=1e-5)
+    assert main(["export", str(tmp_path / "ft"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert (back(x).logits - model.eval()(x)[..., :V]).abs().max() <= TOL
