@@ -32,6 +32,8 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
+# YaRN on the same original context, its attention factor left to the reader (0.1 ln 4 + 1)
+YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 32}
 
 
 def random_model(tmp_path, kind: str, tie: bool = False):
@@ -53,8 +55,9 @@ def random_model(tmp_path, kind: str, tie: bool = False):
         eos_token_id=None,
     )
     default = {"rope_type": "default", "rope_theta": 500.0}
-    if kind == "llama3":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_parameters=LLAMA3))
+    if kind in ("llama3", "yarn"):
+        rope = LLAMA3 if kind == "llama3" else YARN
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_parameters=rope))
     elif kind == "qwen3":  # head_dim: Qwen3Config's default is 128, loom's is hidden_size / heads
         cfg = transformers.Qwen3Config(**common, head_dim=16, rope_parameters=default)
         model = transformers.Qwen3ForCausalLM(cfg)
@@ -73,6 +76,7 @@ def random_model(tmp_path, kind: str, tie: bool = False):
     "kind,tie,cls",
     [
         ("llama3", False, "LlamaForCausalLM"),
+        ("yarn", False, "LlamaForCausalLM"),
         ("qwen3", False, "Qwen3ForCausalLM"),
         ("qwen2", True, "Qwen2ForCausalLM"),
     ],
@@ -88,7 +92,7 @@ def test_logits_export_and_greedy_generation_equal_transformers(tmp_path, kind, 
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
         assert type(back).__name__ == cls
         assert (back(x).logits - ref).abs().max() <= TOL  # after export
-    # 6 + 50 tokens: past llama3's original context of 32 (no eos id: min_new_tokens would mask its logit)
+    # 6 + 50 tokens: past llama3's and yarn's original context of 32 (no eos id: min_new_tokens would mask its logit)
     prompt = x[:1, :6]
     want = theirs.generate(prompt, max_new_tokens=50, min_new_tokens=50, do_sample=False, pad_token_id=0)
     got = generate(ours, prompt, 50, temperature=0, vocab_size=V)
@@ -135,13 +139,15 @@ def test_qwen_options_set_by_init_from_and_their_parameter_count(tmp_path):
 def test_family_keys_from_the_command_line_and_only_for_llama():
     cfg = load_config(None, ["--model.family=llama", "--model.rope_type=llama3", "--model.rope_factor=8"])
     assert (cfg.model.rope_type, cfg.model.rope_factor) == ("llama3", 8.0)
-    with pytest.raises(LoomError, match="model.rope_type must be one of default, linear, llama3; got 'yarn'"):
-        validate(load_config(None, ["--model.family=llama", "--model.rope_type=yarn"]))
+    with pytest.raises(
+        LoomError, match="rope_type must be one of default, linear, llama3, yarn; got 'dynamic'"
+    ):
+        validate(load_config(None, ["--model.family=llama", "--model.rope_type=dynamic"]))
     with pytest.raises(LoomError, match="model.qkv_bias is for model.family=llama"):
         load_config(None, ["--model.qkv_bias=true"])
 
 
-@pytest.mark.parametrize("kind", ["yarn", "dynamic", "longrope"])
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
 def test_an_unsupported_rope_type_is_named_with_the_supported_ones(tmp_path, kind):
     _, d = random_model(tmp_path, "llama3")
     spec = json.loads((d / "config.json").read_text())
@@ -151,7 +157,7 @@ def test_an_unsupported_rope_type_is_named_with_the_supported_ones(tmp_path, kin
     cfg.model.init_from = f"hf:{d}"
     with pytest.raises(LoomError, match=f"rope type '{kind}' is not implemented in loom") as e:
         hf.apply_init_from(cfg)
-    assert "supported: default, linear, llama3" in str(e.value)
+    assert "supported: default, linear, llama3, yarn" in str(e.value)
 
 
 def test_export_refuses_what_no_architecture_represents(tmp_path):

@@ -189,7 +189,7 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
 @pytest.mark.parametrize(
     "key,value",
     [
-        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 500.0, "factor": 8.0}),
+        ("rope_parameters", {"rope_type": "longrope", "rope_theta": 500.0, "factor": 8.0}),
         ("rope_scaling", {"type": "dynamic", "factor": 2.0}),
     ],
 )

@@ -22,11 +22,11 @@ class LlamaKeys:
     rope_type: str = family_key(
         "default",
         "RoPE frequencies: default | linear (all divided by rope_factor) | llama3 (Llama 3.1: long wavelengths "
-        "divided by rope_factor, short ones kept, blended between).",
+        "divided by rope_factor, short ones kept, blended between) | yarn (the same by rotations, cos/sin scaled).",
         choices=ROPE_TYPES,
     )
     rope_factor: float = family_key(
-        1.0, "rope_type linear or llama3: how much longer the context gets.", gt=0
+        1.0, "rope_type linear, llama3 or yarn: how much longer the context gets.", gt=0
     )
     rope_low_freq_factor: float = family_key(
         1.0,
@@ -37,7 +37,18 @@ class LlamaKeys:
         4.0, "rope_type=llama3: wavelengths below rope_original_context / this are kept as they are.", gt=0
     )
     rope_original_context: int = family_key(
-        8192, "rope_type=llama3: the context length of pretraining, before the scaling.", ge=1
+        8192, "rope_type llama3 or yarn: the context length of pretraining, before the scaling.", ge=1
+    )
+    rope_beta_fast: float = family_key(
+        32.0,
+        "rope_type=yarn: dimensions turning more often than this in the original context are kept.",
+        gt=0,
+    )
+    rope_beta_slow: float = family_key(
+        1.0, "rope_type=yarn: dimensions turning less often than this are divided by rope_factor.", gt=0
+    )
+    rope_attention_factor: float = family_key(
+        0.0, "rope_type=yarn: cos and sin are scaled by it; 0: YaRN's 0.1 ln(rope_factor) + 1.", ge=0
     )
     qkv_bias: bool = family_key(
         False, "Biases on the q, k and v projections only (Qwen 2 / 2.5); model.bias puts them everywhere."

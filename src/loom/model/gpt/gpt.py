@@ -42,12 +42,18 @@ class GPTConfig:
     pos: str = "learned"  # "rope": rotary embeddings on q and k, no position table (Su et al. 2021)
     rope_theta: float = 10000.0  # RoPE's base period; Llama 3 uses 500000 for long contexts
     # RoPE's frequencies: "default" | "linear" (all divided by rope_factor) | "llama3" (Llama 3.1: the long
-    # wavelengths divided by rope_factor, the short ones kept, a smooth blend between; rope_inv_freq)
+    # wavelengths divided by rope_factor, the short ones kept, a smooth blend between) | "yarn" (the same by
+    # rotations in the original context, and cos/sin scaled; Peng et al. 2023): rope_inv_freq
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_context / this are divided
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_context / this are kept
-    rope_original_context: int = 8192  # llama3: the context the model was pretrained on before scaling
+    rope_original_context: int = 8192  # llama3, yarn: the context the model was pretrained on before scaling
+    rope_beta_fast: float = (
+        32.0  # yarn: dimensions turning more than this often in the original context are kept
+    )
+    rope_beta_slow: float = 1.0  # yarn: those turning less often than this are divided by rope_factor
+    rope_attention_factor: float = 0.0  # yarn: cos and sin scaled by it; 0: YaRN's 0.1 ln(factor) + 1
     norm: str = "layernorm"  # "rmsnorm": no mean subtraction, no bias (Zhang & Sennrich 2019)
     norm_eps: float = 1e-5
     mlp: str = "gelu"  # "swiglu": down(silu(gate(x)) * up(x)) (Shazeer 2020)
@@ -84,7 +90,7 @@ class GPTConfig:
         return (self.vocab_size + 63) // 64 * 64
 
 
-ROPE_TYPES = ("default", "linear", "llama3")  # transformers' rope_type values rope_inv_freq computes
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # transformers' rope_type values rope_inv_freq computes
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,9 @@ class Rope:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_context: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0
 
     @classmethod
     def of(cls, cfg: GPTConfig) -> Rope:
@@ -107,7 +116,43 @@ class Rope:
             cfg.rope_low_freq_factor,
             cfg.rope_high_freq_factor,
             cfg.rope_original_context,
+            cfg.rope_beta_fast,
+            cfg.rope_beta_slow,
+            cfg.rope_attention_factor,
         )
+
+    @property
+    def scale(self) -> float:
+        """What cos and sin are multiplied by: 1, or YaRN's attention factor (0.1 ln(factor) + 1 unless set)."""
+        if self.type != "yarn":
+            return 1.0
+        if self.attention_factor:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+
+def yarn_inv_freq(head_dim: int, rope: Rope, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN's frequencies (transformers' _compute_yarn_parameters, truncate=True): dimension pairs that turn
+    more than beta_fast times within the original context keep theirs, those turning fewer than beta_slow
+    times are divided by the factor, a linear ramp between."""
+
+    def dim_of(rotations: float) -> float:  # the pair index turning `rotations` times in the original context
+        return (
+            head_dim
+            * math.log(rope.original_context / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
+
+    low = max(math.floor(dim_of(rope.beta_fast)), 0)
+    high = min(math.ceil(dim_of(rope.beta_slow)), head_dim - 1)
+    high = high + 0.001 if low == high else high
+    pairs = torch.arange(head_dim // 2, dtype=torch.float, device=inv_freq.device)
+    keep = 1 - ((pairs - low) / (high - low)).clamp(0, 1)
+    # as transformers computes it, 1 / (factor * theta^(2i/D)) rather than inv_freq / factor: the same bits
+    pos_freqs = rope.theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float, device=inv_freq.device) / head_dim
+    )
+    return 1.0 / (rope.factor * pos_freqs) * (1 - keep) + inv_freq * keep
 
 
 def rope_inv_freq(head_dim: int, rope: Rope | float, device=None) -> torch.Tensor:
@@ -119,6 +164,8 @@ def rope_inv_freq(head_dim: int, rope: Rope | float, device=None) -> torch.Tenso
     inv_freq = 1.0 / rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim)
     if rope.type == "linear":
         return inv_freq / rope.factor
+    if rope.type == "yarn":
+        return yarn_inv_freq(head_dim, rope, inv_freq)
     if rope.type != "llama3":
         return inv_freq
     wavelen = 2 * math.pi / inv_freq
@@ -149,6 +196,9 @@ def rope_cos_sin_at(
     inv_freq = rope_inv_freq(head_dim, theta, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # (..., D/2)
     angles = torch.cat((freqs, freqs), dim=-1)
+    scale = theta.scale if isinstance(theta, Rope) else 1.0
+    if scale != 1.0:  # YaRN: sharper attention at the longer context
+        return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()
 
 

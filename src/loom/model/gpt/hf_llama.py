@@ -16,17 +16,19 @@ pairs channel i with i + D/2 as transformers' Llama does (the HF conversion alre
 
   blocks.i.attn.{q,k}_norm (D,)           model.layers.i.self_attn.{q,k}_norm              (Qwen3)
 
-RoPE: default, linear and llama3 (Llama 3.1-3.3) frequencies are computed as transformers computes them
-(gpt.rope_inv_freq); a config with another rope type (dynamic, yarn, longrope, ...) is refused, naming it,
+RoPE: default, linear, llama3 (Llama 3.1-3.3) and yarn frequencies are computed as transformers computes them
+(gpt.rope_inv_freq); a config with another rope type (dynamic, longrope, ...) is refused, naming it,
 rather than imported with silently different positions.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from loom.errors import LoomError
-from loom.model.gpt.gpt import GPT, ROPE_TYPES, GPTConfig
+from loom.model.gpt.gpt import GPT, ROPE_TYPES, GPTConfig, Rope
 
 ARCHITECTURE = "LlamaForCausalLM"
 # config.json's model_type -> the transformers class of each architecture this mapping reads and writes
@@ -38,6 +40,9 @@ FAMILY_KEYS = (
     "rope_low_freq_factor",
     "rope_high_freq_factor",
     "rope_original_context",
+    "rope_beta_fast",
+    "rope_beta_slow",
+    "rope_attention_factor",
     "qkv_bias",
 )
 
@@ -69,8 +74,15 @@ def check_exportable(cfg: GPTConfig) -> None:
 def rope_parameters(cfg: GPTConfig) -> dict:
     """config.json's rope_parameters for loom's model.rope_* keys (transformers 5's names)."""
     rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
-    if cfg.rope_type in ("linear", "llama3"):
+    if cfg.rope_type in ("linear", "llama3", "yarn"):
         rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "yarn":  # the attention factor written out: no mscale for the reader to apply
+        rope |= {
+            "original_max_position_embeddings": cfg.rope_original_context,
+            "beta_fast": cfg.rope_beta_fast,
+            "beta_slow": cfg.rope_beta_slow,
+            "attention_factor": Rope.of(cfg).scale,
+        }
     if cfg.rope_type == "llama3":
         rope |= {
             "low_freq_factor": cfg.rope_low_freq_factor,
@@ -185,8 +197,10 @@ def rope_keys(hf: dict) -> dict:
     max_position_embeddings, as transformers' does."""
     spec, kind = _rope_spec(hf), _rope_type(hf)
     keys = {"rope_theta": _rope_theta(hf), "rope_type": kind}
-    if kind in ("linear", "llama3"):
+    if kind in ("linear", "llama3", "yarn"):
         keys["rope_factor"] = float(spec["factor"])
+    if kind == "yarn":
+        keys |= yarn_keys(spec, hf)
     if kind == "llama3":
         keys |= {
             "rope_low_freq_factor": float(spec["low_freq_factor"]),
@@ -196,6 +210,28 @@ def rope_keys(hf: dict) -> dict:
             ),
         }
     return keys
+
+
+def yarn_keys(spec: dict, hf: dict) -> dict:
+    """model.rope_* keys of YaRN parameters, the attention factor resolved as transformers resolves it (from
+    mscale and mscale_all_dim when given, else 0.1 ln(factor) + 1)."""
+    factor = float(spec["factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention = spec.get("attention_factor")
+    if attention is None:
+        m, m_all = spec.get("mscale"), spec.get("mscale_all_dim")
+        attention = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
+    return {
+        "rope_original_context": int(
+            spec.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 8192)
+        ),
+        "rope_beta_fast": float(spec.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(spec.get("beta_slow") or 1.0),
+        "rope_attention_factor": float(attention),
+    }
 
 
 def check_rope(hf: dict, path, supported: tuple[str, ...] = ROPE_TYPES) -> None:
@@ -209,9 +245,23 @@ def check_rope(hf: dict, path, supported: tuple[str, ...] = ROPE_TYPES) -> None:
         )
     spec = _rope_spec(hf)
     need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(rope, ())
-    missing = [k for k in need if not isinstance(spec.get(k), (int, float))]
+    missing = [
+        k for k in need + (("factor",) if rope == "yarn" else ()) if not isinstance(spec.get(k), (int, float))
+    ]
     if missing:
         raise LoomError(f"'{path}': rope type '{rope}' needs {', '.join(missing)} in its rope parameters")
+    # what loom's RoPE has no key for: rotating part of each head, YaRN's untruncated ramp
+    for key, ok in (
+        (
+            "partial_rotary_factor",
+            spec.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) == 1.0,
+        ),
+        ("truncate", spec.get("truncate", True) is not False),
+    ):
+        if not ok:
+            raise LoomError(
+                f"'{path}': the rope parameter {key} cannot be imported: loom has no setting for it"
+            )
 
 
 def check_config(hf: dict, path, rope_types: tuple[str, ...] = ROPE_TYPES) -> None:
