@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from loom.cli import main
+from loom.cli.data import data
 from loom.data.encode import GPT2_PATTERN, GPT4_PATTERN
 from loom.data.formats import open_split
 from loom.data.tokenizers import convert_tokenizer, load_given_tokenizer, load_tokenizer
@@ -167,6 +168,10 @@ def test_bad_input_is_one_clear_error(tmp_path, sp_models):
     (tmp_path / "x.model").write_bytes(b"garbage")
     with pytest.raises(LoomError, match="is not a sentencepiece model"):
         load_given_tokenizer(tmp_path / "x.model")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"prompt": "hi", "completion": "there"}) + "\n")
+    chat = ["data", "prepare", "--chat", "--block-size", "64", "--input", str(tmp_path / "c.jsonl")]
+    with pytest.raises(LoomError, match="--chat with a sentencepiece model .* is not supported"):
+        data([*chat[1:], "--out", str(tmp_path / "c"), "--tokenizer", str(sp_models["bpe"])])
     with pytest.raises(LoomError, match="'.*hf' exists and is not empty"):
         (tmp_path / "hf").mkdir()
         (tmp_path / "hf" / "f").write_text("x")

@@ -106,6 +106,12 @@ def base_tokenizer(
         log.info(f"trained a byte-level BPE (vocab {tok.vocab_size:,}) in {time.perf_counter() - t0:.1f}s")
     else:
         tok, kind = load_given_tokenizer(spec), "tokenizer.json"
+        if tok.kind == "sentencepiece":  # loom's chat tokens are added tokens of a `tokenizers` pipeline
+            raise LoomError(
+                f"--chat with a sentencepiece model ('{spec}') is not supported: loom adds its chat tokens to a "
+                "tokenizer.json",
+                hint="prepare plain text with the .model, or chat data with the model's tokenizer.json",
+            )
     return tok, kind, _hash_of(tok, kind)
 
 
