@@ -58,8 +58,9 @@ def random_model(tmp_path, kind: str, tie: bool = False):
     if kind in ("llama3", "yarn"):
         rope = LLAMA3 if kind == "llama3" else YARN
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_parameters=rope))
-    elif kind == "qwen3":  # head_dim: Qwen3Config's default is 128, loom's is hidden_size / heads
-        cfg = transformers.Qwen3Config(**common, head_dim=16, rope_parameters=default)
+    elif kind.startswith("qwen3"):  # head_dim: 16 = hidden_size / heads; wide: 32, as Qwen3-0.6B's 128 of 64
+        head_dim = 32 if kind == "qwen3_wide" else 16
+        cfg = transformers.Qwen3Config(**common, head_dim=head_dim, rope_parameters=default)
         model = transformers.Qwen3ForCausalLM(cfg)
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_parameters=default))
@@ -78,6 +79,7 @@ def random_model(tmp_path, kind: str, tie: bool = False):
         ("llama3", False, "LlamaForCausalLM"),
         ("yarn", False, "LlamaForCausalLM"),
         ("qwen3", False, "Qwen3ForCausalLM"),
+        ("qwen3_wide", True, "Qwen3ForCausalLM"),
         ("qwen2", True, "Qwen2ForCausalLM"),
     ],
 )
@@ -122,8 +124,8 @@ def test_llama3_scaling_changes_the_model_and_is_what_init_from_sets(tmp_path):
 
 
 def test_qwen_options_set_by_init_from_and_their_parameter_count(tmp_path):
-    for kind, want in (("qwen3", (True, False)), ("qwen2", (False, True))):
-        _, d = random_model(tmp_path, kind)
+    for kind, want in (("qwen3", (True, False)), ("qwen2", (False, True)), ("qwen3_wide", (True, False))):
+        theirs, d = random_model(tmp_path, kind)
         cfg = Config()
         cfg.model.init_from = f"hf:{d}"
         hf.apply_init_from(cfg, set())
@@ -132,8 +134,15 @@ def test_qwen_options_set_by_init_from_and_their_parameter_count(tmp_path):
             *want,
             False,
         )
+        assert cfg.model.head_size == (32 if kind == "qwen3_wide" else 0)
+        validate(cfg)
         model = hf.load_hf(d)
-        assert model.num_params() == param_count(model.cfg)
+        padding = (model.cfg.padded_vocab - V) * 64 * 2  # loom's padded embedding and head rows
+        assert (
+            model.num_params()
+            == param_count(model.cfg)
+            == sum(p.numel() for p in theirs.parameters()) + padding
+        )
 
 
 def test_family_keys_from_the_command_line_and_only_for_llama():

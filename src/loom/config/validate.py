@@ -202,7 +202,8 @@ def _divisors(n: int) -> str:
 
 def _check_model_shape(m: ModelConfig) -> None:
     """Heads divide the width; the rules of the Llama-family options (grouped-query heads, RoPE's pairs)."""
-    if m.n_embd % m.n_head:
+    head = getattr(m, "head_size", 0) or m.n_embd // m.n_head  # the llama family's key, else n_embd / n_head
+    if m.n_embd % m.n_head and not getattr(m, "head_size", 0):
         raise LoomError(
             f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}",
             hint=f"pick n_embd as a multiple of n_head, e.g. {m.n_head * max(1, m.n_embd // m.n_head)}",
@@ -213,10 +214,10 @@ def _check_model_shape(m: ModelConfig) -> None:
             "serves the same number of query heads)",
             hint="pick n_kv_head among the divisors of n_head: " + _divisors(m.n_head),
         )
-    if m.pos == "rope" and (m.n_embd // m.n_head) % 2:
+    if m.pos == "rope" and head % 2:
         raise LoomError(
-            f"model.pos=rope needs an even head size; n_embd / n_head = {m.n_embd // m.n_head}",
-            hint="change n_embd or n_head",
+            f"model.pos=rope needs an even head size; the head size is {head}",
+            hint="change n_embd or n_head (or model.head_size)",
         )
 
 

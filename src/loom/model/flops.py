@@ -14,8 +14,8 @@ from loom.model.gpt.gpt import GPTConfig
 
 
 def _block_matrices(cfg: GPTConfig) -> int:
-    C, kv = cfg.n_embd, cfg.kv_heads * cfg.head_dim
-    attn = 2 * C * C + 2 * C * kv  # q and o (C x C), k and v (C x K*D)
+    C, kv, q = cfg.n_embd, cfg.kv_heads * cfg.head_dim, cfg.n_head * cfg.head_dim
+    attn = 2 * C * q + 2 * C * kv  # q and o (C x H*D, H*D = C unless model.head_size), k and v (C x K*D)
     mlp = (3 if cfg.mlp == "swiglu" else 2) * C * cfg.ffn_width
     return attn + mlp
 
@@ -57,10 +57,10 @@ def param_count(cfg: GPTConfig) -> int:
     if cfg.qk_norm:
         per_block += 2 * cfg.head_dim
     if cfg.bias:
-        per_block += 2 * C + 2 * kv  # q, o; k, v
+        per_block += cfg.n_head * cfg.head_dim + C + 2 * kv  # q, o; k, v
         per_block += (2 if cfg.mlp == "swiglu" else 1) * F + C  # gate and up, or up; down
     elif cfg.qkv_bias:
-        per_block += C + 2 * kv  # q; k, v
+        per_block += cfg.n_head * cfg.head_dim + 2 * kv  # q; k, v
     embeddings = cfg.padded_vocab * C * (1 if cfg.tie_embeddings else 2)
     if cfg.pos == "learned":
         embeddings += cfg.block_size * C
@@ -75,4 +75,4 @@ def active_param_count(cfg: GPTConfig) -> int:
 def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
     """Training FLOPs (forward + backward) per token."""
     T = seq_len or cfg.block_size
-    return 6 * matmul_params(cfg) + 12 * cfg.n_layer * cfg.n_embd * T
+    return 6 * matmul_params(cfg) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T

@@ -50,6 +50,12 @@ class LlamaKeys:
     rope_attention_factor: float = family_key(
         0.0, "rope_type=yarn: cos and sin are scaled by it; 0: YaRN's 0.1 ln(rope_factor) + 1.", ge=0
     )
+    head_size: int = family_key(
+        0,
+        "Each attention head's width; 0: n_embd / n_head. Qwen3-0.6B and 4B set 128 (n_head x head_size is then "
+        "not n_embd: q and o map between the two).",
+        ge=0,
+    )
     qkv_bias: bool = family_key(
         False, "Biases on the q, k and v projections only (Qwen 2 / 2.5); model.bias puts them everywhere."
     )

@@ -1,7 +1,7 @@
 """A GPT for one device, readable top to bottom.
 
 Shapes: B batch, T time (tokens), C = n_embd channels, H query heads, K key/value heads (H for GPT-2, fewer
-with grouped-query attention), D = C / H head size, V padded vocabulary.
+with grouped-query attention), D = C / H head size (or head_size: H * D may differ from C), V padded vocabulary.
 Parallelism is applied from outside (loom.parallel); nothing here knows about ranks. Attention keeps separate
 q/k/v projections and infers the number of local heads from the projection width, so tensor parallelism can
 shard heads without touching this file.
@@ -61,6 +61,7 @@ class GPTConfig:
     n_kv_head: int = 0  # key/value heads; 0: n_head (multi-head), 1: multi-query, between: grouped-query
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (OLMo 2, Qwen 3, modded-nanogpt)
     qkv_bias: bool = False  # biases on q, k and v only (Qwen 2 and 2.5); `bias` puts them everywhere
+    head_size: int = 0  # each attention head's width D; 0: n_embd / n_head (Qwen3-0.6B: 128 with 1024 / 16)
     tie_embeddings: bool = True  # the head shares the token embedding (GPT-2); Llama unties them
     doc_mask: bool = False  # attention within each document of a packed window only (model/doc_mask.py)
     eot_id: int = -1  # doc_mask: the end-of-text id that opens each document (the data's tokenizer's)
@@ -72,7 +73,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
 
     @property
     def ffn_width(self) -> int:

@@ -44,6 +44,7 @@ FAMILY_KEYS = (
     "rope_beta_slow",
     "rope_attention_factor",
     "qkv_bias",
+    "head_size",
 )
 
 
@@ -272,11 +273,7 @@ def check_config(hf: dict, path, rope_types: tuple[str, ...] = ROPE_TYPES) -> No
     head_dim = hf.get("head_dim") or C // H
     checks = [
         ("hidden_act", hf.get("hidden_act", "silu") == "silu", "loom's SwiGLU uses silu"),
-        (
-            "head_dim",
-            C % H == 0 and head_dim == C // H,
-            "loom's head size is hidden_size / num_attention_heads",
-        ),
+        ("head_dim", head_dim % 2 == 0 and (C % H == 0 or "head_dim" in hf), "RoPE turns pairs of channels"),
         ("num_key_value_heads", H % K == 0, "it must divide num_attention_heads"),
         (
             "mlp_bias",
@@ -303,14 +300,16 @@ def check_config(hf: dict, path, rope_types: tuple[str, ...] = ROPE_TYPES) -> No
 def gpt_config(hf: dict, block_size: int | None = None, dropout: float = 0.0) -> GPTConfig:
     """loom's GPTConfig for a LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM config.json (RoPE:
     block_size is free; default: the model's max_position_embeddings)."""
-    H = hf.get("num_attention_heads", 32)
+    H, C = hf.get("num_attention_heads", 32), hf.get("hidden_size", 4096)
     K = hf.get("num_key_value_heads") or H
     kind = hf.get("model_type", "llama")
+    head_dim = hf.get("head_dim") or C // H
     return GPTConfig(
         vocab_size=hf.get("vocab_size", 32000),
         n_layer=hf.get("num_hidden_layers", 32),
         n_head=H,
-        n_embd=hf.get("hidden_size", 4096),
+        n_embd=C,
+        head_size=0 if head_dim * H == C else head_dim,
         block_size=block_size or hf.get("max_position_embeddings", 2048),
         dropout=dropout,
         bias=kind == "llama" and bool(hf.get("attention_bias", False)),
