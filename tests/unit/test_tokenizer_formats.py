@@ -143,16 +143,21 @@ def test_conversions_round_trip(tmp_path):
     convert_tokenizer(tmp_path / "hf", "tiktoken", tmp_path / "tt")
     back = tmp_path / "tt" / "tokenizer.tiktoken"
     assert back.read_text() == path.read_text() and load_given_tokenizer(back).encode(HELD_OUT) == want
-    # gpt2's files hold gpt2's pattern only: a gpt2-pattern encoding goes to them and back
+    # gpt2's files hold gpt2's pattern only: a gpt2-pattern encoding goes to them and back. They cannot mark
+    # a token special, and loom reads them as it always has (the end-of-text text as its characters: a data
+    # folder prepared from them keeps its tokenizer's hash), so the text here has no end-of-text marker
     (tmp_path / "g").mkdir()
     path2, enc2 = tiktoken_file(tmp_path / "g", pattern=GPT2_PATTERN)
-    want2 = enc2.encode(HELD_OUT, allowed_special="all")
+    plain = HELD_OUT.replace(EOT, "\n")
+    want2 = enc2.encode(plain)
     files = convert_tokenizer(path2, "gpt2", tmp_path / "gpt2")
     assert [f.name for f in files] == ["vocab.json", "merges.txt"]
-    assert load_given_tokenizer(tmp_path / "gpt2").encode(HELD_OUT) == want2
+    assert load_given_tokenizer(tmp_path / "gpt2").encode(plain) == want2
     convert_tokenizer(tmp_path / "gpt2", "tiktoken", tmp_path / "tt2")
     assert (tmp_path / "tt2" / "tokenizer.tiktoken").read_text() == path2.read_text()
-    assert load_given_tokenizer(tmp_path / "tt2" / "tokenizer.tiktoken").encode(HELD_OUT) == want2
+    assert load_given_tokenizer(tmp_path / "tt2" / "tokenizer.tiktoken").encode(HELD_OUT) == enc2.encode(
+        HELD_OUT, allowed_special="all"
+    )
 
 
 def test_bad_input_is_one_clear_error(tmp_path, sp_models):

@@ -149,11 +149,6 @@ class HFTokenizer:
             raise LoomError(f"'{vocab}' + '{merges}' are not a BPE vocabulary and merges: {e}") from None
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        # the end-of-text token in the vocabulary (GPT-2's <|endoftext|>) is special, as transformers'
-        # GPT2Tokenizer has it: its text in a document is its id, not its characters' tokens
-        eot = next((t for t in EOT_ALIASES if tok.token_to_id(t) is not None), None)
-        if eot is not None:
-            tok.add_special_tokens([eot])
         return cls(tok)
 
     @classmethod
@@ -243,6 +238,8 @@ def convert_tokenizer(src: str | Path, to: str, out: str | Path, force: bool = F
             "it (its normaliser and search are the library's own, which the other formats do not hold)",
             hint="use the .model itself; transformers' LlamaTokenizerFast writes a tokenizer.json of it",
         )
+    if tok.tok.token_to_id(tok.eot) is not None:  # named special in what is written (gpt2's files cannot say)
+        tok.tok.add_special_tokens([tok.eot])
     out.mkdir(parents=True, exist_ok=True)
     text = tok.tok.to_str()
     if to == "tiktoken":
