@@ -1,0 +1,399 @@
+"""Weighted mixtures of prepared data folders (`data.mix`): which source each training row comes from.
+
+The global row sequence is cut into blocks of BLOCK rows. Source i's rows before block b number
+floor(b * BLOCK * w_i + 1/2) (a count that only grows, so a block's quota of each source is never negative and
+the realised shares stay within a few rows of the weights); inside a block the quotas' slots are shuffled by a
+`WindowOrder` keyed by (seed, block). Row g's source and its index in that source's own endless epoch sequence
+are then a pure function of (seed, g), computed in O(sources) per row with nothing the size of the corpus built:
+every world size and layout reads the same rows, and the loader's whole state is the global cursor (each
+source's cursor and epoch follow from it; the checkpoint records them, and a resume checks they agree).
+
+`data.mix_schedule` changes the weights at given steps: each phase starts a new block grid at its first row,
+from the counts the phases before it left, so the new weights show from that step on."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loom.data.loader import ShardLoader, WindowOrder, seq_chunk
+from loom.data.slice import WHOLE, DataSlice
+from loom.errors import LoomError
+
+BLOCK = 1024  # rows per block of the source grid: each block holds every source's quota to within one row
+REPEAT = ("error", "warn", "allow")
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str
+    path: str
+
+
+def parse_sources(text: str) -> dict[str, str]:
+    """data.sources, "NAME=PATH,NAME=PATH": the names data.mix and data.mix_schedule may use."""
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, eq, path = item.partition("=")
+        if not eq or not name.strip() or not path.strip():
+            raise LoomError(
+                f"data.sources: '{item}' is not NAME=PATH", hint="e.g. code=data/code,web=data/web"
+            )
+        out[name.strip()] = path.strip()
+    return out
+
+
+def _weight(item: str, where: str) -> tuple[str, float]:
+    head, colon, w = item.rpartition(":")
+    try:
+        value = float(w) if colon else float("nan")
+    except ValueError:
+        value = float("nan")
+    if not colon or not head.strip() or value != value:
+        raise LoomError(f"{where}: '{item}' is not SOURCE:WEIGHT", hint="e.g. code:0.3,web:0.7")
+    if value < 0:
+        raise LoomError(f"{where}: the weight of '{head}' is negative ({value})", hint="weights are >= 0")
+    return head.strip(), value
+
+
+def parse_mix(mix: str, sources: str = "") -> tuple[list[Source], np.ndarray]:
+    """data.mix, "SOURCE:WEIGHT,...", into its sources and normalised weights. SOURCE is a name of
+    data.sources, NAME=PATH, or a folder (named after its last part)."""
+    named = parse_sources(sources)
+    out, weights = [], []
+    for item in filter(None, (s.strip() for s in mix.split(","))):
+        head, w = _weight(item, "data.mix")
+        name, eq, path = head.partition("=")
+        if eq:
+            src = Source(name.strip(), path.strip())
+        elif head in named:
+            src = Source(head, named[head])
+        elif Path(head).is_dir():
+            src = Source(Path(head).name, head)
+        else:
+            known = ", ".join(named) or "none (data.sources is empty)"
+            raise LoomError(
+                f"data.mix: unknown source '{head}' (not a name of data.sources, nor a folder)",
+                hint=f"known names: {known}; or write NAME=PATH:WEIGHT",
+            )
+        if any(s.name == src.name for s in out):
+            raise LoomError(f"data.mix names the source '{src.name}' twice", hint="give each source once")
+        out.append(src)
+        weights.append(w)
+    return out, _normalised(np.array(weights, dtype=np.float64), "data.mix")
+
+
+def _normalised(w: np.ndarray, where: str) -> np.ndarray:
+    if len(w) == 0 or not np.isfinite(w).all() or w.sum() <= 0:
+        raise LoomError(
+            f"{where}: the weights sum to {w.sum()}", hint="give at least one source a weight > 0"
+        )
+    return w / w.sum()
+
+
+def parse_schedule(text: str, sources: list[Source]) -> list[tuple[int, np.ndarray]]:
+    """data.mix_schedule, "STEP@SOURCE:WEIGHT,...;STEP@...": from each STEP on, the given weights (by source
+    name; a source not named weighs 0). Steps ascending."""
+    names = [s.name for s in sources]
+    out: list[tuple[int, np.ndarray]] = []
+    for phase in filter(None, (p.strip() for p in text.split(";"))):
+        step, at, rest = phase.partition("@")
+        if not at or not re.fullmatch(r"\d+", step.strip()):
+            raise LoomError(
+                f"data.mix_schedule: '{phase}' is not STEP@SOURCE:WEIGHT,...",
+                hint="e.g. 1800@code:0.7,web:0.3",
+            )
+        w = np.zeros(len(names))
+        for item in filter(None, (s.strip() for s in rest.split(","))):
+            name, value = _weight(item, "data.mix_schedule")
+            if name not in names:
+                raise LoomError(
+                    f"data.mix_schedule: unknown source '{name}'",
+                    hint=f"the sources of data.mix: {', '.join(names)}",
+                )
+            w[names.index(name)] = value
+        s = int(step)
+        if out and s <= out[-1][0]:
+            raise LoomError(
+                f"data.mix_schedule: step {s} is not after step {out[-1][0]}", hint="steps ascending"
+            )
+        out.append((s, _normalised(w, f"data.mix_schedule at step {s}")))
+    return out
+
+
+def check_sources(sources: list[Source], doc_mask: bool = False, align: str = "none") -> list[dict]:
+    """Each source opened and checked before any work: every one in a readable format, all with one vocabulary
+    and one tokenizer, and (data.doc_mask or data.align=bos) each with its end-of-text id. Returns the metas."""
+    from loom.data.tokenizers import check_run_data, tokenizer_hash
+
+    metas = [check_run_data(s.path) for s in sources]
+    for s, m in zip(sources, metas, strict=True):
+        tok = m.get("tokenizer") or {}
+        eot = tok.get("eot_id") if isinstance(tok, dict) else None
+        if (doc_mask or align == "bos") and not isinstance(eot, int):
+            what = "data.doc_mask=true" if doc_mask else "data.align=bos"
+            raise LoomError(
+                f"{what} needs each source's end-of-text id; the meta of '{s.name}' ({s.path}) gives none",
+                hint="prepare it with loom, or `loom data convert --eot-id N`, or turn the option off",
+            )
+    first, m0 = sources[0], metas[0]
+    for s, m in zip(sources[1:], metas[1:], strict=True):
+        if m.get("vocab_size") != m0.get("vocab_size"):
+            raise LoomError(
+                f"data.mix: '{s.name}' has {m.get('vocab_size')} token ids, '{first.name}' {m0.get('vocab_size')}",
+                hint="every source of a mixture must be prepared with one tokenizer",
+            )
+        if tokenizer_hash(s.path, m) != tokenizer_hash(first.path, m0):
+            raise LoomError(
+                f"data.mix: '{s.name}' ({s.path}) was prepared with another tokenizer than '{first.name}' "
+                f"({first.path})",
+                hint="prepare every source with the same --tokenizer (e.g. the tokenizer folder of the first)",
+            )
+    return metas
+
+
+class MixPlan:
+    """Row g of the mixture -> (source, the row's index in that source's sequence): a pure function of
+    (seed, g). Phases: (first row, weights), the first at row 0."""
+
+    def __init__(self, weights: list[tuple[int, np.ndarray]], seed: int):
+        self.seed, self.k = seed, len(weights[0][1])
+        self.phases = []  # (first row, weights, each source's rows before it)
+        base = np.zeros(self.k, dtype=np.int64)
+        for i, (start, w) in enumerate(weights):
+            self.phases.append((start, w, base))
+            if i + 1 < len(weights):
+                base = base + self._counts_in(i, weights[i + 1][0] - start)
+        self._cached: tuple | None = None
+
+    @staticmethod
+    def _before(w: np.ndarray, block: int) -> np.ndarray:
+        return np.floor(block * BLOCK * w + 0.5).astype(np.int64)  # each source's rows before block `block`
+
+    def _layout(self, phase: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """(first row of the block within its phase, each source's rows before it, quotas' cumulative ends)."""
+        w = self.phases[phase][1]
+        lo, hi = self._before(w, block), self._before(w, block + 1)
+        return lo, np.cumsum(hi - lo)
+
+    def _find_block(self, phase: int, offset: int) -> int:
+        w, b = self.phases[phase][1], offset // BLOCK
+        while b > 0 and self._before(w, b).sum() > offset:
+            b -= 1
+        while self._before(w, b + 1).sum() <= offset:
+            b += 1
+        return b
+
+    def _counts_in(self, phase: int, n: int) -> np.ndarray:
+        """Each source's rows among the first n rows of a phase (once per phase, at start)."""
+        b = self._find_block(phase, n)
+        lo, ends = self._layout(phase, b)
+        first = int(self._before(self.phases[phase][1], b).sum())
+        src, _ = self._slots(phase, b, np.arange(first, n) - first, ends)
+        return lo + np.bincount(src, minlength=self.k)
+
+    def _block_at(self, phase: int, offset: int) -> tuple:
+        """(each source's rows before it, quotas' cumulative ends, first row within the phase, slot order) of
+        the block holding row `offset` of a phase; the last one is kept (a batch's rows share a block)."""
+        c = self._cached
+        if c is not None and c[0] == phase and c[3] <= offset < c[3] + int(c[2][-1]):
+            return c[1:]
+        w = self.phases[phase][1]
+        b = self._find_block(phase, offset)
+        lo, ends = self._layout(phase, b)
+        order = WindowOrder(int(ends[-1]), self.seed, (phase << 40) | b)
+        self._cached = (phase, lo, ends, int(self._before(w, b).sum()), order)
+        return self._cached[1:]
+
+    def _slots(
+        self, phase: int, block: int, pos: np.ndarray, ends: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index among the block's rows of it) of positions `pos` of a block with quotas `ends`."""
+        if len(pos) == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        slot = WindowOrder(int(ends[-1]), self.seed, (phase << 40) | block)[pos]
+        src = np.searchsorted(ends, slot, side="right")
+        return src, slot - np.concatenate([[0], ends[:-1]])[src]
+
+    def rows(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index in that source's own sequence) of global rows [start, start + count)."""
+        src, idx, g, end = [], [], start, start + count
+        while g < end:
+            p = int(np.searchsorted([q[0] for q in self.phases], g, side="right") - 1)
+            first, w, base = self.phases[p]
+            stop = min(end, self.phases[p + 1][0]) if p + 1 < len(self.phases) else end
+            lo, ends, block_first, order = self._block_at(p, g - first)
+            take = min(stop, first + block_first + int(ends[-1])) - g
+            slot = order[np.arange(g, g + take) - first - block_first]
+            s = np.searchsorted(ends, slot, side="right")
+            within = slot - np.concatenate([[0], ends[:-1]])[s]
+            src.append(s)
+            idx.append(base[s] + lo[s] + within)
+            g += take
+        return np.concatenate(src), np.concatenate(idx)
+
+    def counts(self, g: int) -> np.ndarray:
+        """Each source's rows among global rows [0, g)."""
+        starts = [p[0] for p in self.phases]
+        p = int(np.searchsorted(starts, g, side="right") - 1)
+        return self.phases[p][2] + self._counts_in(p, g - self.phases[p][0])
+
+
+def _source_seed(seed: int, i: int) -> int:
+    """Source i's own data-order seed: its windows are shuffled apart from the other sources'."""
+    return int(np.random.SeedSequence([seed, 0x313A, i]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+class MixLoader:
+    """Training batches of a mixture: the global batch at step s is rows [s*B, (s+1)*B) of the mixture
+    (MixPlan), each read from its source's own endless epoch sequence (a ShardLoader's windows and order);
+    rank r of dp_size takes its contiguous slice, as ShardLoader does."""
+
+    def __init__(
+        self,
+        sources: list[Source],
+        weights: list[tuple[int, np.ndarray]],
+        batch_size: int,
+        block_size: int,
+        seed: int,
+        part: DataSlice = WHOLE,
+        align: str = "none",
+        repeat: str = "warn",
+    ):
+        if repeat not in REPEAT:
+            raise LoomError(f"data.mix_repeat must be one of {', '.join(REPEAT)}, got '{repeat}'")
+        if batch_size % part.dp_size:
+            raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={part.dp_size}")
+        self.sources, self.repeat = sources, repeat
+        self.loaders = [
+            ShardLoader(s.path, batch_size, block_size, _source_seed(seed, i), WHOLE, align=align)
+            for i, s in enumerate(sources)
+        ]
+        # the schedule's steps become rows: a phase starts at the first row of its step's global batch
+        self.plan = MixPlan([(step * batch_size, w) for step, w in weights], seed)
+        self.batch_size, self.block_size, self.seed, self.part = batch_size, block_size, seed, part
+        self.cursor = 0
+        self.announced = [0] * len(sources)  # the last epoch of each source announced as a repeat
+
+    def windows(self, i: int) -> int:
+        return self.loaders[i].windows.n
+
+    def counts(self, cursor: int | None = None) -> np.ndarray:
+        """Each source's rows read before global row `cursor` (default: the loader's): its own cursor."""
+        return self.plan.counts(self.cursor if cursor is None else cursor)
+
+    def check_repeats(self, steps: int) -> None:
+        """Before any work: the sources that `steps` steps read more than once, announced as data.mix_repeat
+        says (error: stop now, naming each and its epochs)."""
+        need = self.counts(steps * self.batch_size)
+        over = [
+            f"'{s.name}' {need[i] / self.windows(i):.2f} epochs"
+            for i, s in enumerate(self.sources)
+            if need[i] > self.windows(i)
+        ]
+        if not over or self.repeat == "allow":
+            return
+        msg = f"data.mix: {steps} steps read sources more than once: {', '.join(over)}"
+        if self.repeat == "error":
+            raise LoomError(msg, hint="lower their weights, add data, or set data.mix_repeat=warn|allow")
+        from loom import log
+
+        if self.part.dp_rank == 0:
+            log.warn(msg)
+
+    def global_rows(self, start: int, count: int) -> torch.Tensor:
+        """Rows [start, start + count) of the mixture, as (count, T + 1) tokens."""
+        src, idx = self.plan.rows(start, count)
+        out = torch.empty((count, self.block_size + 1), dtype=torch.int64)
+        for i in np.unique(src).tolist():
+            where = np.flatnonzero(src == i)
+            out[where] = self._source_rows(i, idx[where])
+        return out
+
+    def _source_rows(self, i: int, idx: np.ndarray) -> torch.Tensor:
+        loader, n = self.loaders[i], self.windows(i)
+        epochs, offsets = np.divmod(idx, n)
+        self._announce(i, int(epochs.max()))
+        out = torch.empty((len(idx), self.block_size + 1), dtype=torch.int64)
+        for e in np.unique(epochs).tolist():
+            where = np.flatnonzero(epochs == e)
+            order, shift = loader._order(e)
+            out[where] = loader.windows.rows(order[offsets[where]], shift)
+        return out
+
+    def _announce(self, i: int, epoch: int) -> None:
+        """A source starting its data again: data.mix_repeat says whether that stops the run or warns."""
+        if epoch <= self.announced[i] or self.repeat == "allow":
+            return
+        self.announced[i] = epoch
+        msg = (
+            f"data.mix: source '{self.sources[i].name}' has been read through and starts epoch {epoch + 1} "
+            f"({self.windows(i):,} windows)"
+        )
+        if self.repeat == "error":
+            raise LoomError(msg, hint="give it a lower weight, add data, or set data.mix_repeat=warn|allow")
+        from loom import log
+
+        if self.part.dp_rank == 0:
+            log.warn(msg)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the next global batch: inputs and targets of shape (B / dp, T / cp)."""
+        local = self.batch_size // self.part.dp_size
+        rows = self.global_rows(self.cursor + self.part.dp_rank * local, local)
+        self.cursor += self.batch_size
+        cp = self.part.cp
+        return seq_chunk(rows[:, :-1], *cp), seq_chunk(rows[:, 1:], *cp)
+
+    @property
+    def epoch(self) -> float:
+        return float(max(c / self.windows(i) for i, c in enumerate(self.counts())))
+
+    def state_dict(self) -> dict:
+        counts = self.counts()
+        return {
+            "cursor": self.cursor,
+            "seed": self.seed,
+            "block_size": self.block_size,
+            "mix": [
+                {
+                    "name": s.name,
+                    "cursor": int(c),
+                    "epoch": int(c // self.windows(i)),
+                    "windows": self.windows(i),
+                }
+                for i, (s, c) in enumerate(zip(self.sources, counts, strict=True))
+            ],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """The cursor, checked against each source's own: a resume with other sources, weights or schedule
+        would read other rows than the run it continues, and is refused."""
+        if "mix" not in state or state["block_size"] != self.block_size:
+            raise LoomError(
+                "the checkpoint's data position is not one of this mixture",
+                hint="resume with the same data.mix and model.block_size",
+            )
+        self.seed, self.cursor = state["seed"], int(state["cursor"])
+        mine = self.state_dict()["mix"]
+        if [(m["name"], m["cursor"], m["windows"]) for m in mine] != [
+            (m["name"], m["cursor"], m["windows"]) for m in state["mix"]
+        ]:
+            raise LoomError(
+                "the checkpoint's sources and their cursors differ from this data.mix's at the same step "
+                f"(saved {state['mix']}, here {mine})",
+                hint="resume with the data.mix, data.mix_schedule and run.seed the run started with",
+            )
+        self.announced = [int(m["epoch"]) for m in mine]
+
+
+def mix_weights(weights: np.ndarray, schedule: str, sources: list[Source]) -> list[tuple[int, np.ndarray]]:
+    """The phases of a run: (first step, weights), data.mix's from step 0, then data.mix_schedule's."""
+    phases = [(0, weights), *parse_schedule(schedule, sources)]
+    if len(phases) > 1 and phases[1][0] == 0:
+        phases = phases[1:]  # a schedule that starts at step 0 replaces data.mix's weights
+    return phases
