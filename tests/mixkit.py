@@ -4,13 +4,25 @@ each its own text (its own seeds), so its rows can be told apart."""
 
 from __future__ import annotations
 
+import random
 import string
 from pathlib import Path
 
-from conftest import make_text
-
 ALPHABET = string.ascii_letters + ". \n"
 WEIGHTS = {"web": 0.5, "code": 0.3, "math": 0.2}
+
+
+def make_text(n_chars: int, seed: int) -> str:
+    """Words of random lowercase letters in sentences (a bare `conftest` import may resolve to another
+    folder's conftest.py, so not its make_text)."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 7))) for _ in range(300)]
+    out, size = [], 0
+    while size < n_chars:
+        sent = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + "."
+        out.append(sent + ("\n" if rng.random() < 0.3 else " "))
+        size += len(out[-1])
+    return "".join(out)[:n_chars]
 
 
 def make_sources(root: Path, chars: int = 6000) -> dict[str, Path]:
