@@ -10,9 +10,7 @@ import pytest
 from docs_commands import TOP, all_commands, loom_argv, runs_as_process
 
 # a command shown on several pages (README's and operations.md's `loom doctor`) runs once, named by its first
-DOCTOR = list({c.words: c for c in reversed([c for c in all_commands() if runs_as_process(c)])}.values())[
-    ::-1
-]
+DOCTOR = list({c.words: c for c in reversed([c for c in all_commands() if runs_as_process(c)])}.values())[::-1]
 
 
 def test_the_pages_show_the_doctor():
