@@ -158,3 +158,27 @@ def test_sources_of_another_vocabulary_or_without_end_of_text_are_refused(source
         check_sources(srcs, doc_mask=True)
     with pytest.raises(LoomError, match="another tokenizer"):
         check_sources(srcs)
+
+
+def test_plot_draws_each_source(tmp_path):
+    """`loom plot` of a mixture run: two more panels (each source's val loss, each interval's shares)."""
+    import json
+
+    from loom.plot import _shares, plot_runs
+
+    recs = [
+        {
+            "step": s,
+            "tokens": s * 10,
+            "loss": 3.0,
+            "mix_tokens": {"web": 5 * s, "code": 3 * s + 2 * (s > 2) * (s - 2)},
+        }
+        for s in range(1, 6)
+    ]
+    recs += [{"step": 5, "tokens": 50, "val_loss/web": 2.5}, {"step": 5, "tokens": 50, "val_loss/code": 2.7}]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert plot_runs([run], tmp_path / "p.png").stat().st_size > 10_000
+    mixed = [r for r in recs if "mix_tokens" in r]
+    assert [round(v, 3) for _, v in _shares(mixed, "code")] == [0.375, 0.375, 0.5, 0.5, 0.5]
