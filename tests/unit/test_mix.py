@@ -182,3 +182,22 @@ def test_plot_draws_each_source(tmp_path):
     assert plot_runs([run], tmp_path / "p.png").stat().st_size > 10_000
     mixed = [r for r in recs if "mix_tokens" in r]
     assert [round(v, 3) for _, v in _shares(mixed, "code")] == [0.375, 0.375, 0.5, 0.5, 0.5]
+
+
+def test_inspect_mix_prints_tokens_and_epochs_per_source(sources, capsys):
+    import json
+
+    from loom.cli import main
+
+    named = ",".join(f"{n}={p}" for n, p in sources.items())
+    mix = "web:0.5,code:0.3,math:0.2"
+    assert main(["data", "inspect", "--mix", mix, "--sources", named, "--tokens", "100000", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == ["web", "code", "math"]
+    web = rows[0]
+    assert web["run_tokens"] == 50_000 and web["epochs"] == pytest.approx(50_000 / web["train_tokens"])
+    assert main(["data", "inspect", "--mix", mix, "--sources", named, "--tokens", "100000"]) == 0
+    out = capsys.readouterr().out
+    assert "web " in out and "in 100,000 tokens:         50,000" in out and "epochs" in out
+    assert main(["data", "inspect", "--mix", "books:1", "--sources", named]) != 0  # cli prints the LoomError
+    assert "unknown source 'books'" in capsys.readouterr().err

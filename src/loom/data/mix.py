@@ -397,3 +397,21 @@ def mix_weights(weights: np.ndarray, schedule: str, sources: list[Source]) -> li
     if len(phases) > 1 and phases[1][0] == 0:
         phases = phases[1:]  # a schedule that starts at step 0 replaces data.mix's weights
     return phases
+
+
+def mix_report(mix: str, sources: str = "", tokens: int = 0) -> list[dict]:
+    """`loom data inspect --mix`: each source's train and val tokens and weight, and with `tokens` (a run's
+    training tokens) how many of them it gives and how many epochs of it that is."""
+    from loom.data.formats import open_split
+
+    srcs, weights = parse_mix(mix, sources)
+    check_sources(srcs)
+    out = []
+    for s, w in zip(srcs, weights.tolist(), strict=True):
+        train = sum(len(a) for a in open_split(s.path, "train"))
+        val = sum(len(a) for a in open_split(s.path, "val"))
+        row = {"name": s.name, "path": s.path, "weight": w, "train_tokens": train, "val_tokens": val}
+        if tokens:
+            row.update(run_tokens=round(w * tokens), epochs=w * tokens / max(1, train))
+        out.append(row)
+    return out
