@@ -201,3 +201,20 @@ def test_inspect_mix_prints_tokens_and_epochs_per_source(sources, capsys):
     assert "web " in out and "in 100,000 tokens:         50,000" in out and "epochs" in out
     assert main(["data", "inspect", "--mix", "books:1", "--sources", named]) != 0  # cli prints the LoomError
     assert "unknown source 'books'" in capsys.readouterr().err
+
+
+def test_each_row_is_its_sources_own_window(sources):
+    """The batched gather gives, for a row of source i at index j of that source, the row a ShardLoader of
+    source i alone (its seed) gives at j: across its epochs too."""
+    from loom.data.loader import ShardLoader
+    from loom.data.mix import _source_seed
+
+    mix = loader(sources, batch=64)
+    start = 3 * mix.windows(0)  # web (0.5 of the rows) well into its second epoch
+    src, idx = mix.plan.rows(start, 200)
+    rows = mix.global_rows(start, 200)
+    for i, name in enumerate(WEIGHTS):
+        alone = ShardLoader(sources[name], 64, T, _source_seed(1337, i))
+        for r in np.flatnonzero(src == i)[:20]:
+            assert torch.equal(rows[r], alone.global_rows(int(idx[r]), 1)[0])
+    assert idx[src == 0].max() > mix.windows(0)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loom.data.loader import ShardLoader, WindowOrder, seq_chunk
+from loom.data.loader import _MIX, ShardLoader, WindowOrder, seq_chunk
 from loom.data.slice import WHOLE, DataSlice
 from loom.errors import LoomError
 
@@ -205,7 +205,8 @@ class MixPlan:
         w = self.phases[phase][1]
         b = self._find_block(phase, offset)
         lo, ends = self._layout(phase, b)
-        order = WindowOrder(int(ends[-1]), self.seed, (phase << 40) | b)
+        # the block's whole slot order at once (~1,000 ids): cycle walking a few ids at a time costs more per batch
+        order = WindowOrder(int(ends[-1]), self.seed, (phase << 40) | b)[: int(ends[-1])]
         self._cached = (phase, lo, ends, int(self._before(w, b).sum()), order)
         return self._cached[1:]
 
@@ -248,6 +249,61 @@ def _source_seed(seed: int, i: int) -> int:
     return int(np.random.SeedSequence([seed, 0x313A, i]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
+def _permute(x, n, keys, half, mask) -> np.ndarray:
+    """WindowOrder's permutation of each x in [0, n), every element with its own n, keys, half and mask (rows of
+    several sources and epochs at once): the same Feistel rounds and cycle walking, elementwise."""
+
+    def encrypt(v, k, h, m):
+        left, right = v >> h, v & m
+        for r in range(k.shape[1]):
+            z = right ^ k[:, r]
+            z = (z ^ (z >> np.uint64(30))) * _MIX[0]
+            z = (z ^ (z >> np.uint64(27))) * _MIX[1]
+            left, right = right, left ^ ((z ^ (z >> np.uint64(31))) & m)
+        return (left << h) | right
+
+    out = encrypt(x, keys, half, mask)
+    outside = out >= n
+    while outside.any():
+        out[outside] = encrypt(out[outside], keys[outside], half[outside], mask[outside])
+        outside = out >= n
+    return out.astype(np.int64)
+
+
+class Gather:
+    """The windows of several sources as one table (their shards in a row, window ids offset by the sources
+    before): a batch's rows, of any sources, gathered in one pass as TokenWindows.rows does for one."""
+
+    def __init__(self, windows: list):
+        self.T, self.vocab_size = windows[0].block_size, windows[0].vocab_size
+        self.arrays = [a for w in windows for a in w.arrays]
+        self.starts = [
+            (w.starts[j] if w.starts is not None else None) for w in windows for j in range(len(w.arrays))
+        ]
+        bases = np.concatenate([[0], np.cumsum([w.n for w in windows])])
+        self.base = bases[:-1]
+        self.cum = np.concatenate(
+            [b + w.cum[:-1] for b, w in zip(self.base, windows, strict=True)] + [bases[-1:]]
+        )
+
+    def rows(self, src: np.ndarray, window: np.ndarray, shift: np.ndarray) -> torch.Tensor:
+        g = self.base[src] + window
+        shard = np.searchsorted(self.cum, g, side="right") - 1
+        local = g - self.cum[shard]
+        T = self.T
+        out = np.empty((len(g), T + 1), dtype=np.int64)
+        for i, (s, w) in enumerate(zip(shard.tolist(), local.tolist(), strict=True)):
+            starts = self.starts[s]
+            start = int(starts[w]) if starts is not None else int(shift[i]) + w * T
+            out[i] = self.arrays[s][start : start + T + 1]
+        if self.vocab_size is not None and len(out) and int(out.max()) >= self.vocab_size:
+            raise LoomError(
+                f"the mixture's data holds token id {int(out.max())}, outside the vocabulary of {self.vocab_size}",
+                hint="prepare the data again, or record its vocabulary (`loom data inspect DIR --write-meta`)",
+            )
+        return torch.from_numpy(out)
+
+
 class MixLoader:
     """Training batches of a mixture: the global batch at step s is rows [s*B, (s+1)*B) of the mixture
     (MixPlan), each read from its source's own endless epoch sequence (a ShardLoader's windows and order);
@@ -275,6 +331,16 @@ class MixLoader:
         ]
         # the schedule's steps become rows: a phase starts at the first row of its step's global batch
         self.plan = MixPlan([(step * batch_size, w) for step, w in weights], seed)
+        self.n_windows = np.array([ld.windows.n for ld in self.loaders], dtype=np.int64)
+        self.gather = Gather([ld.windows for ld in self.loaders])
+        k = len(sources)  # each source's window order in its newest epoch read (epoch -1: none yet)
+        self.table = {
+            "epoch": np.full(k, -1, dtype=np.int64),
+            "keys": np.zeros((k, WindowOrder.ROUNDS), dtype=np.uint64),
+            "half": np.zeros(k, dtype=np.uint64),
+            "mask": np.zeros(k, dtype=np.uint64),
+            "shift": np.zeros(k, dtype=np.int64),
+        }
         self.batch_size, self.block_size, self.seed, self.part = batch_size, block_size, seed, part
         self.cursor = 0
         self.announced = [0] * len(sources)  # the last epoch of each source announced as a repeat
@@ -306,24 +372,36 @@ class MixLoader:
             log.warn(msg)
 
     def global_rows(self, start: int, count: int) -> torch.Tensor:
-        """Rows [start, start + count) of the mixture, as (count, T + 1) tokens."""
+        """Rows [start, start + count) of the mixture, as (count, T + 1) tokens: each row the window its source's
+        ShardLoader would give at that index (its WindowOrder and shift), computed for all rows at once."""
         src, idx = self.plan.rows(start, count)
-        out = torch.empty((count, self.block_size + 1), dtype=torch.int64)
-        for i in np.unique(src).tolist():
-            where = np.flatnonzero(src == i)
-            out[where] = self._source_rows(i, idx[where])
-        return out
-
-    def _source_rows(self, i: int, idx: np.ndarray) -> torch.Tensor:
-        loader, n = self.loaders[i], self.windows(i)
+        n = self.n_windows[src]
         epochs, offsets = np.divmod(idx, n)
-        self._announce(i, int(epochs.max()))
-        out = torch.empty((len(idx), self.block_size + 1), dtype=torch.int64)
-        for e in np.unique(epochs).tolist():
-            where = np.flatnonzero(epochs == e)
-            order, shift = loader._order(e)
-            out[where] = loader.windows.rows(order[offsets[where]], shift)
-        return out
+        keys, half, mask, shift = self._params(src, epochs)
+        window = _permute(offsets.astype(np.uint64), n.astype(np.uint64), keys, half, mask)
+        return self.gather.rows(src, window, shift)
+
+    def _params(self, src: np.ndarray, epochs: np.ndarray) -> tuple:
+        """Each row's (Feistel keys, half, mask, grid shift): its source's window order in its epoch, from a
+        table of each source's newest epoch (a row of the epoch before, at an epoch's end, looked up alone)."""
+        t = self.table
+        for i in np.unique(src[epochs != t["epoch"][src]]).tolist():
+            e = int(epochs[src == i].max())
+            if e > t["epoch"][i]:
+                self._announce(i, e)
+                order, shift = self.loaders[i]._order(e)
+                t["epoch"][i], t["keys"][i], t["half"][i], t["mask"][i] = (
+                    e,
+                    order.keys,
+                    order.half,
+                    order.mask,
+                )
+                t["shift"][i] = shift
+        keys, half, mask, shift = t["keys"][src], t["half"][src], t["mask"][src], t["shift"][src]
+        for r in np.flatnonzero(epochs != t["epoch"][src]).tolist():
+            order, sh = self.loaders[int(src[r])]._order(int(epochs[r]))
+            keys[r], half[r], mask[r], shift[r] = order.keys, order.half, order.mask, sh
+        return keys, half, mask, shift
 
     def _announce(self, i: int, epoch: int) -> None:
         """A source starting its data again: data.mix_repeat says whether that stops the run or warns."""
