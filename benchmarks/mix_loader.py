@@ -8,9 +8,9 @@ sparse: each is created with truncate() to its size, so 1 B tokens (2 GB of ids)
 write; every id reads as 0, which changes nothing the loaders do per row (they gather windows by position and
 check the largest id per batch). Warm page cache throughout.
 
-1. rows/s: `--sources` folders of tokens/sources tokens each; ShardLoader over the first of them against
-   MixLoader over all of them (equal weights), and over the first 3: the same windows gathered from the same
-   kind of folders, the mixture adding each row's source and index. Best of 7 alternating rounds of
+1. rows/s: `--sources` folders of tokens/sources tokens each; MixLoader over all of them (equal weights)
+   against ShardLoader over one folder of as many tokens, and the same for the first 3 sources: the same
+   kind of windows gathered from as many pages, the mixture adding each row's source and index. Best of 7 alternating rounds of
    `--batches` global batches of 64 rows x 1024 tokens.
 2. memory at start: a fresh process builds the loader (ShardLoader on one folder of all the tokens; MixLoader on
    the `--sources` folders) and reads its first batch; its peak RSS above the same process's after the imports.
@@ -53,9 +53,10 @@ def build(kind: str, dirs: list[str], seed: int = 0):
     return MixLoader(sources, mix_weights(w, "", sources), B, T, seed, repeat="allow")
 
 
-def rows_per_s(dirs: list[str], batches: int, rounds: int = 7) -> dict:
-    """Best rows/s of each loader over `rounds` rounds, the two alternating (a busy machine slows both alike)."""
-    loaders = {"single": build("single", dirs), "mix": build("mix", dirs)}
+def rows_per_s(single: str, dirs: list[str], batches: int, rounds: int = 7) -> dict:
+    """Best rows/s of each loader over `rounds` rounds, the two alternating (a busy machine slows both alike):
+    ShardLoader on `single` (as many tokens as all of `dirs`: as many pages to fault in), MixLoader on `dirs`."""
+    loaders = {"single": build("single", [single]), "mix": build("mix", dirs)}
     best = dict.fromkeys(loaders, 0.0)
     for ld in loaders.values():
         ld.next_batch()  # first-batch costs (an epoch's order, page faults of the headers) apart
@@ -102,14 +103,15 @@ def main() -> None:
         dirs = [str(Path(tmp) / f"s{i:03d}") for i in range(k)]
         for d in dirs:
             sparse_dir(Path(d), total // k)
-        one = str(Path(tmp) / "all")
+        one, three = str(Path(tmp) / "all"), str(Path(tmp) / "three")
         sparse_dir(Path(one), total)
+        sparse_dir(Path(three), 3 * (total // k))
         result = {
             "tokens": total,
             "sources": k,
             "batch": [B, T],
-            "rows_per_s": rows_per_s(dirs, args.batches),
-            "rows_per_s_3_sources": rows_per_s(dirs[:3], args.batches),
+            "rows_per_s": rows_per_s(one, dirs, args.batches),
+            "rows_per_s_3_sources": rows_per_s(three, dirs[:3], args.batches),
             "start_memory_mb": {
                 "single_1_folder": start_memory("single", [one]),
                 "mix": start_memory("mix", dirs),

@@ -26,6 +26,7 @@ from loom.errors import LoomError
 
 BLOCK = 1024  # rows per block of the source grid: each block holds every source's quota to within one row
 REPEAT = ("error", "warn", "allow")
+CHUNK = 1024  # rows whose windows are computed together (MixLoader._chunk_of)
 
 
 @dataclass(frozen=True)
@@ -333,6 +334,7 @@ class MixLoader:
         self.plan = MixPlan([(step * batch_size, w) for step, w in weights], seed)
         self.n_windows = np.array([ld.windows.n for ld in self.loaders], dtype=np.int64)
         self.gather = Gather([ld.windows for ld in self.loaders])
+        self._chunk: tuple | None = None  # (first row, sources, windows, shifts) of the rows last computed
         k = len(sources)  # each source's window order in its newest epoch read (epoch -1: none yet)
         self.table = {
             "epoch": np.full(k, -1, dtype=np.int64),
@@ -374,12 +376,25 @@ class MixLoader:
     def global_rows(self, start: int, count: int) -> torch.Tensor:
         """Rows [start, start + count) of the mixture, as (count, T + 1) tokens: each row the window its source's
         ShardLoader would give at that index (its WindowOrder and shift), computed for all rows at once."""
-        src, idx = self.plan.rows(start, count)
-        n = self.n_windows[src]
-        epochs, offsets = np.divmod(idx, n)
-        keys, half, mask, shift = self._params(src, epochs)
-        window = _permute(offsets.astype(np.uint64), n.astype(np.uint64), keys, half, mask)
-        return self.gather.rows(src, window, shift)
+        first, src, window, shift = self._chunk_of(start, count)
+        part = slice(start - first, start - first + count)
+        return self.gather.rows(src[part], window[part], shift[part])
+
+    def _chunk_of(self, start: int, count: int) -> tuple:
+        """The rows' sources, windows and shifts, computed for CHUNK rows at a time (aligned, so every rank
+        computes the same chunks): a permutation's cycle walking takes as many numpy passes for 1,024 rows as
+        for 64."""
+        c = self._chunk
+        if c is None or not (c[0] <= start and start + count <= c[0] + len(c[1])):
+            first = start - start % CHUNK
+            n = -(-(start + count - first) // CHUNK) * CHUNK
+            src, idx = self.plan.rows(first, n)
+            size = self.n_windows[src]
+            epochs, offsets = np.divmod(idx, size)
+            keys, half, mask, shift = self._params(src, epochs)
+            window = _permute(offsets.astype(np.uint64), size.astype(np.uint64), keys, half, mask)
+            c = self._chunk = (first, src, window, shift)
+        return c
 
     def _params(self, src: np.ndarray, epochs: np.ndarray) -> tuple:
         """Each row's (Feistel keys, half, mask, grid shift): its source's window order in its epoch, from a
