@@ -98,13 +98,16 @@ def resolve_data_meta(cfg: Config, run_tok_dir: Path | None = None) -> tuple[Pat
 def _mix_data(cfg: Config, run_tok_dir: Path | None = None) -> tuple[Path, dict]:
     """data.mix: every source checked (one vocabulary and tokenizer, the end-of-text id the options need), and
     the first's folder and meta, which stand for the run's data (its tokenizer, vocabulary, validation)."""
-    from loom.data.mix import check_sources, parse_mix
+    from loom.data.mix import check_sources, mix_weights, parse_mix
 
     if cfg.data.path:
         raise LoomError(
             "data.path and data.mix are both set", hint="give the mixture's sources in data.mix only"
         )
-    sources, _ = parse_mix(cfg.data.mix, cfg.data.sources)
+    sources, weights = parse_mix(cfg.data.mix, cfg.data.sources)
+    mix_weights(
+        weights, cfg.data.mix_schedule, sources
+    )  # a bad schedule fails here, before the data is opened
     metas = check_sources(sources, cfg.data.doc_mask, cfg.data.align)
     if run_tok_dir is not None:
         from loom.data.tokenizers import check_run_tokenizer
