@@ -508,3 +508,11 @@ def mix_report(mix: str, sources: str = "", tokens: int = 0) -> list[dict]:
             row.update(run_tokens=round(w * tokens), epochs=w * tokens / max(1, train))
         out.append(row)
     return out
+
+
+def data_path(data) -> str:
+    """data.path, or with data.mix its first source's folder (the run's vocabulary and tokenizer); '' when
+    neither is given. `data`: the config's data section."""
+    if data.mix and not data.path:
+        return parse_mix(data.mix, data.sources)[0][0].path
+    return data.path
