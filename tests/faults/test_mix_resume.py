@@ -48,6 +48,9 @@ def test_sigkill_mixture_then_resume_is_bit_identical(mix_sources, tmp_path):
     wait_for(lambda: len(records(run)) > before, r, what="the first step after --resume")
     assert r.wait() == 0, r.stderr()[-3000:]
     assert curve(run) == ref
+    final = [r for r in read_jsonl(tmp_path / "ref" / "metrics.jsonl") if r.get("step") == STEPS]
+    for name in ("web", "code", "math"):  # each source's own val loss and bits per byte, at the last step
+        assert any(f"val_loss/{name}" in r and f"val_bpb/{name}" in r for r in final), final
     want, got = mix_tokens(tmp_path / "ref"), mix_tokens(run)
     assert got == want
     # the schedule's switch at step 20 shows in the realised tokens: math takes 0.8 of the rows from there
