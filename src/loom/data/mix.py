@@ -164,19 +164,19 @@ class MixPlan:
     def __init__(self, weights: list[tuple[int, np.ndarray]], seed: int):
         self.seed, self.k = seed, len(weights[0][1])
         self.phases = []  # (first row, weights, each source's rows before it)
+        self._cached: tuple | None = None  # the last block's layout and slot order (_block_at)
         base = np.zeros(self.k, dtype=np.int64)
         for i, (start, w) in enumerate(weights):
             self.phases.append((start, w, base))
             if i + 1 < len(weights):
                 base = base + self._counts_in(i, weights[i + 1][0] - start)
-        self._cached: tuple | None = None
 
     @staticmethod
     def _before(w: np.ndarray, block: int) -> np.ndarray:
         return np.floor(block * BLOCK * w + 0.5).astype(np.int64)  # each source's rows before block `block`
 
     def _layout(self, phase: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """(first row of the block within its phase, each source's rows before it, quotas' cumulative ends)."""
+        """(each source's rows before the block, the cumulative ends of its quotas in the block)."""
         w = self.phases[phase][1]
         lo, hi = self._before(w, block), self._before(w, block + 1)
         return lo, np.cumsum(hi - lo)
@@ -190,11 +190,10 @@ class MixPlan:
         return b
 
     def _counts_in(self, phase: int, n: int) -> np.ndarray:
-        """Each source's rows among the first n rows of a phase (once per phase, at start)."""
-        b = self._find_block(phase, n)
-        lo, ends = self._layout(phase, b)
-        first = int(self._before(self.phases[phase][1], b).sum())
-        src, _ = self._slots(phase, b, np.arange(first, n) - first, ends)
+        """Each source's rows among the first n rows of a phase: the rows before n's block, and its slots
+        before n (the block's order is the one `rows` keeps: a cursor and the rows after it share a block)."""
+        lo, ends, block_first, order = self._block_at(phase, n)
+        src = np.searchsorted(ends, order[: n - block_first], side="right")
         return lo + np.bincount(src, minlength=self.k)
 
     def _block_at(self, phase: int, offset: int) -> tuple:
@@ -210,16 +209,6 @@ class MixPlan:
         order = WindowOrder(int(ends[-1]), self.seed, (phase << 40) | b)[: int(ends[-1])]
         self._cached = (phase, lo, ends, int(self._before(w, b).sum()), order)
         return self._cached[1:]
-
-    def _slots(
-        self, phase: int, block: int, pos: np.ndarray, ends: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(source, index among the block's rows of it) of positions `pos` of a block with quotas `ends`."""
-        if len(pos) == 0:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        slot = WindowOrder(int(ends[-1]), self.seed, (phase << 40) | block)[pos]
-        src = np.searchsorted(ends, slot, side="right")
-        return src, slot - np.concatenate([[0], ends[:-1]])[src]
 
     def rows(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, index in that source's own sequence) of global rows [start, start + count)."""
