@@ -218,3 +218,20 @@ def test_each_row_is_its_sources_own_window(sources):
         for r in np.flatnonzero(src == i)[:20]:
             assert torch.equal(rows[r], alone.global_rows(int(idx[r]), 1)[0])
     assert idx[src == 0].max() > mix.windows(0)
+
+
+def test_a_toml_file_gives_the_mixture_as_lists(tmp_path, sources):
+    """data.mix and data.sources also take TOML lists (kept as the command line's comma lists)."""
+    from loom.config import load_config
+
+    toml = tmp_path / "mix.toml"
+    named = ", ".join(f'"{n}={p}"' for n, p in sources.items())
+    toml.write_text(
+        f'[data]\nsources = [{named}]\nmix = ["web:0.5", "code:0.3", "math:0.2"]\n'
+        'mix_schedule = "100@web:0.2,code:0.2,math:0.6"\n'
+    )
+    cfg = load_config(toml)
+    assert cfg.data.mix == "web:0.5,code:0.3,math:0.2"
+    srcs, w = parse_mix(cfg.data.mix, cfg.data.sources)
+    assert [s.path for s in srcs] == [str(p) for p in sources.values()] and w.tolist() == [0.5, 0.3, 0.2]
+    assert mix_weights(w, cfg.data.mix_schedule, srcs)[1][0] == 100

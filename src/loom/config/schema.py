@@ -574,7 +574,7 @@ CHOICES = {
 }
 
 
-LIST_KEYS = {"eval.tasks"}  # str keys that also take a TOML list of strings
+LIST_KEYS = {"eval.tasks", "data.mix", "data.sources"}  # str keys that also take a TOML list of strings
 
 
 def section_types() -> dict[str, type]:
