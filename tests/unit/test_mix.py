@@ -203,18 +203,20 @@ def test_inspect_mix_prints_tokens_and_epochs_per_source(sources, capsys):
     assert "unknown source 'books'" in capsys.readouterr().err
 
 
-def test_each_row_is_its_sources_own_window(sources):
+@pytest.mark.parametrize("align", ["none", "bos"])
+def test_each_row_is_its_sources_own_window(sources, align):
     """The batched gather gives, for a row of source i at index j of that source, the row a ShardLoader of
-    source i alone (its seed) gives at j: across its epochs too."""
+    source i alone (its seed) gives at j: across its epochs too, and with windows at document starts."""
     from loom.data.loader import ShardLoader
     from loom.data.mix import _source_seed
 
-    mix = loader(sources, batch=64)
+    srcs, w = parse_mix(spec(sources))
+    mix = MixLoader(srcs, mix_weights(w, "", srcs), 64, T, 1337, align=align, repeat="allow")
     start = 3 * mix.windows(0)  # web (0.5 of the rows) well into its second epoch
     src, idx = mix.plan.rows(start, 200)
     rows = mix.global_rows(start, 200)
     for i, name in enumerate(WEIGHTS):
-        alone = ShardLoader(sources[name], 64, T, _source_seed(1337, i))
+        alone = ShardLoader(sources[name], 64, T, _source_seed(1337, i), align=align)
         for r in np.flatnonzero(src == i)[:20]:
             assert torch.equal(rows[r], alone.global_rows(int(idx[r]), 1)[0])
     assert idx[src == 0].max() > mix.windows(0)
