@@ -31,9 +31,13 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
         runs.append((rd, read_jsonl(path)))
     with_bpb = any("val_bpb" in r for _, recs in runs for r in recs)
     scores = sorted({k for _, recs in runs for r in recs for k in r if is_score(k)})
-    n = 1 + with_bpb + bool(scores)
+    mix = any("mix_tokens" in r for _, recs in runs for r in recs)
+    n = 1 + with_bpb + bool(scores) + 2 * mix
     fig, axes = plt.subplots(1, n, figsize=(8 if n == 1 else 6.5 * n, 5), squeeze=False)
-    ax, ax_bpb, ax_score = axes[0][0], axes[0][1] if with_bpb else None, axes[0][-1] if scores else None
+    ax, ax_bpb = axes[0][0], axes[0][1] if with_bpb else None
+    ax_score = axes[0][1 + with_bpb] if scores else None
+    if mix:
+        _plot_mix(runs, axes[0][-2], axes[0][-1])
     for i, (rd, recs) in enumerate(runs):
         color = f"C{i % 10}"
         train = [(r["tokens"], r["loss"]) for r in recs if "loss" in r and "tokens" in r]
@@ -76,6 +80,45 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+    return out
+
+
+def _plot_mix(runs: list, ax_val, ax_share) -> None:
+    """data.mix runs: each source's validation loss, and the share of each logged interval's tokens it gave."""
+    for i, (rd, recs) in enumerate(runs):
+        name = Path(rd).name
+        mixed = [r for r in recs if "mix_tokens" in r and "tokens" in r]
+        sources = list(mixed[0]["mix_tokens"]) if mixed else []  # one colour per source in both panels
+        for j, src in enumerate(sources):
+            pts = [(r["tokens"], r[f"val_loss/{src}"]) for r in recs if f"val_loss/{src}" in r]
+            if not pts:
+                continue
+            style = ["-", "--", ":", "-."][i % 4]
+            ax_val.plot(
+                *zip(*pts, strict=True),
+                color=f"C{j % 10}",
+                marker="o",
+                linestyle=style,
+                label=f"{name} {src}",
+            )
+        for j, src in enumerate(sources):
+            ax_share.plot(*zip(*_shares(mixed, src), strict=True), color=f"C{j % 10}", label=f"{name} {src}")
+    for a, label in ((ax_val, "val loss per source"), (ax_share, "share of each logged interval's tokens")):
+        a.set_xlabel("tokens")
+        a.set_ylabel(label)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+
+
+def _shares(recs: list[dict], src: str) -> list[tuple[int, float]]:
+    """(tokens, the share of the tokens since the record before that `src` gave): a schedule's switch shows
+    at its step, where a share since the start would bend slowly."""
+    out, prev = [], {k: 0 for k in recs[0]["mix_tokens"]}
+    for r in recs:
+        gained = {k: v - prev.get(k, 0) for k, v in r["mix_tokens"].items()}
+        if sum(gained.values()) > 0:
+            out.append((r["tokens"], gained[src] / sum(gained.values())))
+        prev = r["mix_tokens"]
     return out
 
 

@@ -38,6 +38,21 @@ def _tree_hash(root: Path) -> str:
     return h.hexdigest()
 
 
+def _mix_sources(root: Path, char_data: Path) -> None:
+    """Copies of the data for data.mix's rows: one whose meta gives more ids (another vocabulary), one whose
+    char tokenizer has two characters swapped (same size, another tokenizer), one without an end-of-text id."""
+    for name in ("othervocab", "othertok", "noeot"):
+        shutil.copytree(char_data, root / name)
+    meta = json.loads((root / "othervocab" / "meta.json").read_text())
+    (root / "othervocab" / "meta.json").write_text(json.dumps({**meta, "vocab_size": meta["vocab_size"] + 8}))
+    vocab = root / "othertok" / meta["tokenizer"]["file"]
+    chars = json.loads(vocab.read_text())["chars"]
+    chars[3], chars[4] = chars[4], chars[3]
+    vocab.write_text(json.dumps({"chars": chars}))
+    noeot = {**meta, "tokenizer": {k: v for k, v in meta["tokenizer"].items() if k != "eot_id"}}
+    (root / "noeot" / "meta.json").write_text(json.dumps(noeot))
+
+
 @pytest.fixture(scope="module")
 def tree(char_data):
     """Data in good and broken forms, config files, a finished run with a checkpoint, a corrupt copy of
@@ -60,6 +75,7 @@ def tree(char_data):
             shard.write_bytes(bytes(raw))
         else:
             (d / "meta.json").write_text("{not json")
+    _mix_sources(root, char_data)
     small = root / "smallvocab"  # a meta.json that claims 5 ids; the shards hold more
     shutil.copytree(char_data, small)
     meta = json.loads((small / "meta.json").read_text())
@@ -236,6 +252,42 @@ MANY = 8 * CORES  # far above the cores this process may use
 # Every other command (and train rows that need an exact command line): name -> (argv after `loom`, the
 # message, the exit code). {root} is the tree, {many} and {cores} the process and core counts.
 COMMANDS = {
+    # data.mix (issue 47): each refused before any data is read or any model built
+    "train: data.mix with a negative weight": (
+        ["train", "--data.mix=a={root}/data:-0.5,b={root}/data:1"],
+        "data.mix: the weight of 'a={root}/data' is negative (-0.5)",
+        2,
+    ),
+    "train: data.mix whose weights sum to 0": (
+        ["train", "--data.mix=a={root}/data:0,b={root}/data:0"],
+        "data.mix: the weights sum to 0.0",
+        2,
+    ),
+    "train: data.mix naming an unknown source": (
+        ["train", "--data.sources=web={root}/data", "--data.mix=web:0.7,code:0.3"],
+        "data.mix: unknown source 'code' (not a name of data.sources, nor a folder)",
+        2,
+    ),
+    "train: data.mix_schedule naming an unknown source": (
+        ["train", "--data.mix=a={root}/data:1", "--data.mix_schedule=1@b:1"],
+        "data.mix_schedule: unknown source 'b'",
+        2,
+    ),
+    "train: data.mix of two vocabularies": (
+        ["train", "--data.mix=a={root}/data:1,b={root}/othervocab:1"],
+        "data.mix: 'b' has",
+        2,
+    ),
+    "train: data.mix of two tokenizers": (
+        ["train", "--data.mix=a={root}/data:1,b={root}/othertok:1"],
+        "data.mix: 'b' ({root}/othertok) was prepared with another tokenizer than 'a'",
+        2,
+    ),
+    "train: data.mix with doc masks and a source without end-of-text": (
+        ["train", "--data.doc_mask=true", "--data.mix=a={root}/data:1,b={root}/noeot:1"],
+        "data.doc_mask=true needs each source's end-of-text id; the meta of 'b' ({root}/noeot) gives none",
+        2,
+    ),
     # outputs that cannot be written: a folder this user may not write, or a path through a regular file
     "train: run.dir through a regular file": (
         ["train", "--run.dir={root}/afile/runs", "--run.name=x"],

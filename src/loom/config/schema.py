@@ -94,6 +94,25 @@ class DataConfig:
         "doc_mask: continue (positions run on across a window's documents) | restart (learned or RoPE positions "
         "count from 0 in each document, as if it ran alone).",
     )
+    sources: str = _f(
+        "", "Names for data.mix: NAME=PATH,NAME=PATH (each a prepared folder in any format loom reads)."
+    )
+    mix: str = _f(
+        "",
+        "A weighted mixture instead of data.path: SOURCE:WEIGHT,... where SOURCE is a name of data.sources, "
+        "NAME=PATH, or a folder (named after its last part); weights are normalised. Which source each row "
+        "comes from depends on (run.seed, row) only.",
+    )
+    mix_schedule: str = _f(
+        "",
+        "data.mix: new weights from given steps on, STEP@SOURCE:WEIGHT,...;STEP@... (a source not named "
+        "weighs 0), e.g. the last 10 % of the steps on the best sources.",
+    )
+    mix_repeat: str = _f(
+        "warn",
+        "data.mix: a source read through that starts again: error (stop, at start if train.steps will need "
+        "it) | warn | allow.",
+    )
 
 
 @dataclass
@@ -528,6 +547,7 @@ SCHEDULE_STAGES_PER_RANK = {name: per_rank for name, (_, per_rank) in PP_SCHEDUL
 
 CHOICES = {
     ("data", "tokenizer"): ("char", "bpe"),
+    ("data", "mix_repeat"): ("error", "warn", "allow"),
     ("model", "activation"): ("gelu_tanh", "gelu"),
     ("model", "pos"): ("learned", "rope"),
     ("model", "norm"): ("layernorm", "rmsnorm"),
@@ -554,7 +574,7 @@ CHOICES = {
 }
 
 
-LIST_KEYS = {"eval.tasks"}  # str keys that also take a TOML list of strings
+LIST_KEYS = {"eval.tasks", "data.mix", "data.sources"}  # str keys that also take a TOML list of strings
 
 
 def section_types() -> dict[str, type]:

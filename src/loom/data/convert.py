@@ -460,12 +460,35 @@ def data_convert_main(argv: list[str]) -> int:
     return 0
 
 
+def _inspect_mix(args) -> int:
+    """`loom data inspect --mix ...`: tokens per source, and epochs of each in a run of --tokens tokens."""
+    from loom.data.mix import mix_report
+
+    rows = mix_report(args.mix, args.sources, args.tokens)
+    if args.json:
+        sys.stdout.write(json.dumps(rows, indent=1) + "\n")
+        return 0
+    for r in rows:
+        line = f"{r['name']:<12} weight {r['weight']:.3f}  train {r['train_tokens']:>14,}  val {r['val_tokens']:>12,}"
+        if args.tokens:
+            line += f"  | in {args.tokens:,} tokens: {r['run_tokens']:>14,} = {r['epochs']:.2f} epochs"
+        sys.stdout.write(f"{line}  ({r['path']})\n")
+    return 0
+
+
 def data_inspect_main(argv: list[str]) -> int:
     """`loom data inspect PATH [--json]`."""
     p = argparse.ArgumentParser(
         prog="loom data inspect", description="What a token data directory or file holds (format detected)."
     )
-    p.add_argument("path", help="a data directory, a token file, a Megatron PREFIX or a .parquet file")
+    p.add_argument(
+        "path", nargs="?", help="a data directory, a token file, a Megatron PREFIX or a .parquet file"
+    )
+    p.add_argument("--mix", default="", help="a mixture instead of a path: data.mix's SOURCE:WEIGHT,...")
+    p.add_argument("--sources", default="", help="with --mix: data.sources' NAME=PATH,...")
+    p.add_argument(
+        "--tokens", type=int, default=0, help="with --mix: a run's training tokens (epochs of each)"
+    )
     p.add_argument("--format", choices=[*TOKEN_FORMATS, "parquet"], default=None, help="skip detection")
     p.add_argument("--sample-tokens", type=int, default=64, help="tokens to decode when a tokenizer is known")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -477,6 +500,10 @@ def data_inspect_main(argv: list[str]) -> int:
         "training starts without scanning",
     )
     args = p.parse_args(argv)
+    if args.mix:
+        return _inspect_mix(args)
+    if not args.path:
+        p.error("give a PATH (or --mix)")
     if args.sample_tokens < 0:
         raise LoomError(f"--sample-tokens must be >= 0 (0: no decoded sample), got {args.sample_tokens}")
     if args.write_meta:

@@ -130,10 +130,12 @@ def vocab_size(cfg: Config) -> int:
     """The vocabulary the model is built for: model.vocab_size, else the data's (data.path's meta.json)."""
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
-    if cfg.data.path:
+    from loom.data.mix import data_path
+
+    if path := data_path(cfg.data):  # data.path, or data.mix's first source
         from loom.data.loader import read_meta
 
-        return int(read_meta(cfg.data.path)["vocab_size"])
+        return int(read_meta(path)["vocab_size"])
     raise LoomError(
         "model.vocab_size=0 takes the vocabulary from the data, and no data.path is given",
         hint="give --model.vocab_size=N (e.g. 128256 for Llama 3) or --data.path=DIR",

@@ -159,10 +159,12 @@ def finetune(model, cfg: Config, vocab_size: int) -> None:
     from loom.train.finetune import apply_finetune
 
     meta = {"vocab_size": vocab_size}
-    if cfg.data.path:
+    from loom.data.mix import data_path
+
+    if path := data_path(cfg.data):  # data.path, or data.mix's first source
         from loom.data.loader import read_meta
 
-        meta = read_meta(cfg.data.path)
+        meta = read_meta(path)
     apply_finetune(model, cfg, meta)
 
 

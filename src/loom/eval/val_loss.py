@@ -80,6 +80,24 @@ class ValLossEval(Every):
         return f"step {step:>6} | val loss {record['val_loss']:.4f}{bpb}"
 
 
+class SourceValEval(ValLossEval):
+    """data.mix: one source's validation loss and bits per byte, on its own val split, recorded as
+    val_loss/NAME and val_bpb/NAME."""
+
+    def __init__(self, source: str, valset: ValSet, micro_batch_size: int, every: int):
+        super().__init__(valset, micro_batch_size, every)
+        self.source = source
+        self.name = f"val_loss/{source}"
+
+    def run(self, ctx: EvalContext) -> dict:
+        return {f"{k}/{self.source}": v for k, v in super().run(ctx).items()}
+
+    def line(self, step: int, record: dict) -> str:
+        bpb = record.get(f"val_bpb/{self.source}")
+        bpb_text = f" | {bpb:.4f} bits/byte" if bpb else ""
+        return f"step {step:>6} | val loss {record[f'val_loss/{self.source}']:.4f}{bpb_text} ({self.source})"
+
+
 def tokens_per_byte(
     valset: ValSet,
     tokenizer,

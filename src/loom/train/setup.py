@@ -80,6 +80,8 @@ def check_data_dir(path: str | Path, run_tok_dir: Path | None = None) -> dict:
 def resolve_data_meta(cfg: Config, run_tok_dir: Path | None = None) -> tuple[Path, dict]:
     """resolve_data, and the data's meta (data.path's: the one check_data_dir read while checking it);
     `run_tok_dir`: as in check_data_dir."""
+    if cfg.data.mix:
+        return _mix_data(cfg, run_tok_dir)
     if cfg.data.path:
         return Path(cfg.data.path), check_data_dir(cfg.data.path, run_tok_dir)
     from loom.data.loader import read_meta
@@ -93,8 +95,32 @@ def resolve_data_meta(cfg: Config, run_tok_dir: Path | None = None) -> tuple[Pat
     return data_dir, meta
 
 
+def _mix_data(cfg: Config, run_tok_dir: Path | None = None) -> tuple[Path, dict]:
+    """data.mix: every source checked (one vocabulary and tokenizer, the end-of-text id the options need), and
+    the first's folder and meta, which stand for the run's data (its tokenizer, vocabulary, validation)."""
+    from loom.data.mix import check_sources, mix_weights, parse_mix
+
+    if cfg.data.path:
+        raise LoomError(
+            "data.path and data.mix are both set", hint="give the mixture's sources in data.mix only"
+        )
+    sources, weights = parse_mix(cfg.data.mix, cfg.data.sources)
+    mix_weights(
+        weights, cfg.data.mix_schedule, sources
+    )  # a bad schedule fails here, before the data is opened
+    metas = check_sources(sources, cfg.data.doc_mask, cfg.data.align)
+    if run_tok_dir is not None:
+        from loom.data.tokenizers import check_run_tokenizer
+
+        for s, m in zip(sources, metas, strict=True):
+            check_run_tokenizer(run_tok_dir, Path(s.path), m)
+    return Path(sources[0].path), metas[0]
+
+
 def resolve_data(cfg: Config, main_process: bool = True) -> Path:
-    """data.path if given, else the built-in corpus, prepared once into the cache."""
+    """data.path if given (data.mix: its first source), else the built-in corpus, prepared once into the cache."""
+    if cfg.data.mix:
+        return _mix_data(cfg)[0]
     if cfg.data.path:
         check_data_dir(cfg.data.path)
         return Path(cfg.data.path)

@@ -23,6 +23,7 @@ class Stage(Protocol):
     name: str
     batches: DeviceBatches  # this rank's training batches on the device (a Stateful: checkpoints save it)
     valset: Any  # the validation rows (ValSet's interface), what ValLossEval measures
+    source_valsets: dict  # a mixture's per-source validation rows by source name (else empty)
 
     def loss_scale(self, y: torch.Tensor, grad_accum: int) -> tuple[float, torch.Tensor]:
         """What a micro-batch's mean loss is multiplied by so that the step's gradient is the global batch's,
@@ -51,11 +52,40 @@ class Pretrain:
 
     def __init__(self, cfg: Config, data_dir: Path, meta: dict, part: DataSlice, device: torch.device):
         t = cfg.train
-        loader = ShardLoader(
-            data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, part, align=cfg.data.align
-        )
+        self.source_valsets: dict = {}  # data.mix: each source's own validation rows, by name
+        if cfg.data.mix:
+            loader = self._mix(cfg, part)
+        else:
+            loader = ShardLoader(
+                data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, part, align=cfg.data.align
+            )
         self.batches = DeviceBatches(loader, device)
         self.valset = _valset(cfg, data_dir, meta, part)
+
+    def _mix(self, cfg: Config, part: DataSlice):
+        """data.mix's loader (loom.data.mix), its repeats checked against train.steps, and a validation loss per
+        source (each on its own val split)."""
+        from loom.data.loader import ValSet
+        from loom.data.mix import MixLoader, mix_weights, parse_mix
+
+        t = cfg.train
+        sources, weights = parse_mix(cfg.data.mix, cfg.data.sources)
+        phases = mix_weights(weights, cfg.data.mix_schedule, sources)
+        loader = MixLoader(
+            sources,
+            phases,
+            t.batch_size,
+            cfg.model.block_size,
+            cfg.run.seed,
+            part,
+            cfg.data.align,
+            cfg.data.mix_repeat,
+        )
+        loader.check_repeats(t.steps)
+        n_rows = t.eval_batches * t.batch_size
+        for s in sources:
+            self.source_valsets[s.name] = ValSet(s.path, cfg.model.block_size, n_rows, part)
+        return loader
 
     def loss_scale(self, y: torch.Tensor, grad_accum: int) -> tuple[float, torch.Tensor]:
         return 1.0 / grad_accum, y
@@ -82,6 +112,7 @@ class SFT:
                 "chat data: one conversation a row, padded (data.doc_mask=true packs several, each attending "
                 "to itself only)"
             )
+        self.source_valsets: dict = {}
         loader = ChatLoader(data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, part, pack=pack)
         self.batches = DeviceBatches(loader, device)
         self.valset = _valset(cfg, data_dir, meta, part)

@@ -32,7 +32,7 @@ from loom.distributed.comm import Control
 from loom.env import cpu_memory_release, cpu_memory_reuse
 from loom.errors import LoomError
 from loom.eval.evaluator import EvalContext, EvalSetup, Evaluator, build_evaluators
-from loom.eval.val_loss import ValLossEval
+from loom.eval.val_loss import SourceValEval, ValLossEval
 from loom.metrics import (
     DTYPES,
     Sinks,
@@ -116,7 +116,11 @@ class Trainer:
         )
         self.logger = MetricsLogger(t.log_every, device)  # its sinks opened with the run files
         self.val = ValLossEval(self.stage.valset, self.derived.micro_batch_size, t.eval_every)
-        self.evaluators = [self.val, *evaluators]  # after each step, in this order, each when it is due
+        per_source = [
+            SourceValEval(name, v, self.derived.micro_batch_size, t.eval_every)
+            for name, v in self.stage.source_valsets.items()
+        ]  # data.mix: each source's val loss
+        self.evaluators = [self.val, *per_source, *evaluators]  # after each step, in this order, when due
         self.checkpointer = self._checkpointer()
 
     def _precision(self) -> str:
@@ -331,6 +335,9 @@ class Trainer:
             rec["stop"] = self.stop.signal or "a signal on another rank"
         rec.update(dt=dt, **self.throughput.step(self.derived.tokens_per_step, dt))
         rec["tokens"] = self.step * self.derived.tokens_per_step
+        mix = self.stage.batches.state_dict().get("mix")
+        if mix:  # data.mix: the tokens each source gave so far (rows of block_size targets)
+            rec["mix_tokens"] = {m["name"]: m["cursor"] * self.cfg.model.block_size for m in mix}
         return rec
 
     def _beat(self, op: str) -> None:
