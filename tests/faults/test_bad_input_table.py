@@ -403,7 +403,7 @@ COMMANDS = {
             "--tokenizer",
             "{root}/nope.json",
         ],
-        "--tokenizer '{root}/nope.json' is neither char, bpe nor an existing tokenizer.json",
+        "--tokenizer '{root}/nope.json' is neither char, bpe nor an existing tokenizer file",
         2,
     ),
     # token dtypes
