@@ -174,16 +174,10 @@ def encode_chunks(spec: dict, chunks: Iterable[Chunk | None], workers: int) -> I
             yield None if c is None else enc.encode(c)
         return
     pending: deque = deque()
-    # forked after the tokenizers library ran threads here: say that the workers use none (no warning)
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        pool = get_context("fork").Pool(workers, initializer=_init, initargs=(spec,))
-    finally:
-        if saved is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM")
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    # Forks of multiprocessing's fork server, not of this process: a fork of a process that runs other threads
+    # (the tokenizers library's, a test process's gloo or store threads, a notebook's) can wait forever on a
+    # lock one of them held (seen in make test: a pool worker stuck on a semaphore).
+    pool = get_context("forkserver").Pool(workers, initializer=_init, initargs=(spec,))
     with pool:
         for c in chunks:
             pending.append(None if c is None else pool.apply_async(_encode, (c,)))

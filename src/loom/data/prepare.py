@@ -507,9 +507,8 @@ SMALL_INPUT = 8 << 20  # bytes of text one process encodes in a couple of second
 
 
 def _auto_workers(files) -> int:
-    """workers=0: every usable core, unless the input is small. Then one process: a pool's start costs more
-    than it saves, and forking a process that already runs other threads (a test process, a notebook with
-    datasets or torch loaded) can leave a child waiting forever on a lock one of them held (seen in make test)."""
+    """workers=0: every usable core, unless the input is small. Then one process: a pool's start (its workers
+    are forks of multiprocessing's fork server: loom.data.encode) costs more than it saves."""
     return 1 if estimated_bytes(files) < SMALL_INPUT else cpu_count()
 
 
