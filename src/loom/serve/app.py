@@ -4,9 +4,12 @@ Requests are read by hand (loom.serve.protocol), not by pydantic models, so that
 JSON included) is the OpenAI-shaped error body. Streaming answers are server-sent events; a client that leaves
 mid-answer cancels its rows at once (the stream's task is cancelled by the server and its `finally` tells the
 worker), and a client that leaves a whole-answer request is noticed within a quarter second.
-"""
 
-from __future__ import annotations
+FastAPI is an optional dependency (`loom[serve]`): it is imported where the app is built and answers, so this
+module imports without it. No `from __future__ import annotations` here: FastAPI reads a route's `Request`
+annotation as the class itself, which build_app's local import provides (a string would be looked up in
+this module's globals).
+"""
 
 import asyncio
 import hmac
@@ -15,10 +18,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from starlette.exceptions import HTTPException
 
 from loom.engine import QueueFull, SamplingParams
 from loom.serve import protocol
@@ -44,7 +43,11 @@ class Served:
         return self.tokenizer.decode(ids)
 
 
-def build_app(served: Served) -> FastAPI:
+def build_app(served: Served) -> "FastAPI":  # noqa: F821
+    from fastapi import FastAPI, Request
+    from fastapi.responses import PlainTextResponse
+    from starlette.exceptions import HTTPException
+
     app = FastAPI(title="loom serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served = served
 
@@ -89,12 +92,14 @@ def build_app(served: Served) -> FastAPI:
     return app
 
 
-def _error(served: Served, request: Request, e: APIError) -> JSONResponse:
+def _error(served: Served, request: "Request", e: APIError) -> "JSONResponse":  # noqa: F821
+    from fastapi.responses import JSONResponse
+
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-def _auth(served: Served, request: Request) -> None:
+def _auth(served: Served, request: "Request") -> None:  # noqa: F821
     if served.api_key is None:
         return
     given = request.headers.get("authorization", "")
@@ -104,7 +109,7 @@ def _auth(served: Served, request: Request) -> None:
         raise APIError(401, f"{what}: pass it as 'Authorization: Bearer KEY'", code="invalid_api_key")
 
 
-async def _body(served: Served, request: Request) -> dict:
+async def _body(served: Served, request: "Request") -> dict:  # noqa: F821
     """The JSON object of a request, whose model is the one served (404 otherwise)."""
     raw = await request.body()
     try:
@@ -182,7 +187,9 @@ def _completion_job(served: Served, body: dict) -> Job:
     return Job("completion", ids, params, n, stream, usage)
 
 
-async def _answer(served: Served, request: Request, job: Job):
+async def _answer(served: Served, request: "Request", job: Job):  # noqa: F821
+    from fastapi.responses import JSONResponse, StreamingResponse
+
     loop = asyncio.get_running_loop()
     ready = asyncio.Event()
     for req in job.make_requests():
