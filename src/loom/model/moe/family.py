@@ -125,15 +125,9 @@ def moe_config(cfg: Config, vocab_size: int) -> MoEConfig:
     )
 
 
-# model.moe_* key -> the planner's field for it (loom.plan.shapes.ModelShape): one table, read both ways
-SHAPE_FIELDS = {
-    "n_experts": "n_experts",
-    "moe_top_k": "top_k",
-    "moe_every": "moe_every",
-    "moe_first_dense": "first_dense",
-    "n_shared_experts": "n_shared",
-    "moe_ffn_hidden": "expert_hidden",
-}
+# model.moe_* key -> the planner's field for it (loom.plan.shapes.ModelShape), read both ways: the planner names
+# its fields as MoEConfig does (hf_moe.MOE_KEYS), and has no router score
+SHAPE_FIELDS = {key: field for key, field in hf_moe.MOE_KEYS.items() if key != "moe_score"}
 
 
 def plan_shape(m) -> dict:
