@@ -28,7 +28,7 @@ from loom.cli import main
 from loom.engine import Engine, Request, SamplingParams
 from loom.env import detect_env
 from loom.runs import open_run
-from loom.serve import ServeOptions, bind, make_server, served_for
+from loom.serve import ServeOptions, served_for, serving_in_thread
 
 KEY = "sk-test"
 PROMPT = "reverse: apple river"
@@ -48,17 +48,8 @@ def serving(run_dir, **options):
     """A loom serve app on 127.0.0.1 in a thread: (base URL, Served)."""
     with open_run(run_dir, torch.device("cpu"), detect_env()) as run:
         served = served_for(run, run_dir, ServeOptions(**options))
-        sock = bind("127.0.0.1", 0)
-        server = make_server(served, grace=5)
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.02)
-        try:
-            yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1", served
-        finally:
-            server.should_exit = True
-            thread.join(timeout=10)
+        with serving_in_thread(served) as port:
+            yield f"http://127.0.0.1:{port}/v1", served
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,6 @@ import argparse
 import json
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -240,26 +239,15 @@ def _load(run, args) -> dict:
 def _serve_and_load(run, args, texts: list[str], max_seqs: int) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
-    from loom.serve import ServeOptions, bind, make_server, served_for
+    from loom.serve import ServeOptions, served_for, serving_in_thread
 
     opts = ServeOptions(model_name="bench", max_seqs=max_seqs, max_queue=2 * args.clients)
-    served = served_for(run, args.run_dir, opts)
-    sock = bind("127.0.0.1", 0)
-    server = make_server(served, grace=5)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    port = sock.getsockname()[1]
-    try:
+    with serving_in_thread(served_for(run, args.run_dir, opts)) as port:
         start = time.perf_counter()
         with ThreadPoolExecutor(args.clients) as pool:
             chunks = [texts[k :: args.clients] for k in range(args.clients)]
             done = [x for got in pool.map(lambda c: _client(port, c, args.new_tokens), chunks) for x in got]
         wall = time.perf_counter() - start
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
     lat = sorted(t for t, _ in done)
     tokens = sum(n for _, n in done)
     return {

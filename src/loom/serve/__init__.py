@@ -17,8 +17,12 @@ SIGTERM: no new connections, the requests in flight finish (within --grace secon
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loom import log
@@ -117,6 +121,23 @@ def make_server(served, grace: float):
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace, lifespan="on")
     return uvicorn.Server(config)
+
+
+@contextlib.contextmanager
+def serving_in_thread(served, grace: float = 5) -> Iterator[int]:
+    """The app served on 127.0.0.1 (any free port) by a thread of this process while the block runs; yields
+    the port (loom bench generate's load test, the tests)."""
+    sock = bind("127.0.0.1", 0)
+    server = make_server(served, grace)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def run_server(served, sock: socket.socket, grace: float) -> None:
