@@ -30,6 +30,29 @@ def test_tensor_and_module_accessors():
     )
 
 
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_cpu_float8_matmul_is_the_product_of_the_scaled_operands(rowwise):
+    """After cpu_float8_matmul, torch._scaled_mm on a CPU (torchao's float8 matmul) equals its definition,
+    computed in float64, to float32 rounding: per-tensor or per-row scales, a bias, a bf16 or fp32 output."""
+    compat.cpu_float8_matmul()
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(48, 32, generator=g) * 3).to(torch.float8_e4m3fn)
+    b = (torch.randn(64, 32, generator=g) * 3).to(torch.float8_e4m3fn).t()
+    sa, sb = (
+        (torch.rand(48, 1) + 0.5, torch.rand(1, 64) + 0.5)
+        if rowwise
+        else (torch.tensor(0.3), torch.tensor(2.0))
+    )
+    bias = torch.randn(64, generator=g)
+    want = (a.double() * sa.double()) @ (b.double() * sb.double()) + bias.double()
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        got = torch._scaled_mm(a, b, sa, sb, bias=bias.to(dtype), out_dtype=dtype)
+        assert got.dtype == dtype
+        assert torch.allclose(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    with pytest.raises(NotImplementedError, match="loom's CPU _scaled_mm"):  # loom's kernel is the one called
+        torch._scaled_mm(a, b, sa, sb, scale_result=torch.tensor(1.0), out_dtype=torch.float8_e4m3fn)
+
+
 def test_distributed_accessors():
     from torch.distributed.device_mesh import DeviceMesh
     from torch.nn.parallel import DistributedDataParallel

@@ -110,6 +110,7 @@ def convert(model: nn.Module, pcfg, fsdp: bool) -> list[str]:
     """Swap the selected linears for torchao's Float8Linear, in place; the names converted. `fsdp`: the
     weights will be FSDP-sharded (tensorwise then all-gathers them in float8)."""
     float8 = require_torchao()
+    compat.cpu_float8_matmul()  # on a CPU only: torch's float8 matmul there is a reference loop
     config = float8.Float8LinearConfig.from_recipe_name(pcfg.fp8)
     if pcfg.fp8 == "tensorwise" and fsdp:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
