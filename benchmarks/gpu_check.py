@@ -6,7 +6,8 @@
                                    [--export DIR] [--budget-s S] [--times TOML] [--nanogpt PATH]
                                    [--fail-check NAME]
 
-Each line is a subprocess with a time limit, its output streamed to OUT/<line>.log. Lines run by priority, not
+Each line is a process of its own with a time limit (a `loom` line a fork of loom's preloaded fork server,
+loom.train.spawn.start_loom), its output streamed to OUT/<line>.log. Lines run by priority, not
 in a fixed order: `--plan first` (<= 5 minutes on one H100) answers the open questions: GPT-2 124M bf16
 tokens/s and MFU eager and compiled, the Triton fused AdamW against torch's fused, DDP over NCCL at one GPU,
 long-context flash attention; `second` the fp8 1B comparison and the benchmarks the first leaves; `rest` the
@@ -982,15 +983,7 @@ def run_argv(argv: list[str], cwd: Path, log_path: Path, limit: float) -> tuple[
         log.flush()
         start = log.tell()
         # a session of its own, so that a timeout or a stopped kit ends the line's whole process tree
-        proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=child_env(),
-            start_new_session=True,
-        )
+        proc = start_line(argv, cwd, log.fileno())
         try:
             rc: int | None = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -1003,6 +996,42 @@ def run_argv(argv: list[str], cwd: Path, log_path: Path, limit: float) -> tuple[
     with log_path.open("a", encoding="utf-8") as log:
         log.write(f"\n[exit {'killed at the time limit' if rc is None else rc}]\n")
     return rc, output
+
+
+class Forked:
+    """A `python -m loom ...` line started as a fork of loom's preloaded fork server (loom.train.spawn.start_loom:
+    torch imported once for the kit, not once a line: ~4 s of CPU and 15-30 s of a GPU machine's time over
+    the kit), with Popen's wait and poll."""
+
+    def __init__(self, argv: list[str], cwd: Path, fd: int):
+        from loom.train.spawn import start_loom
+
+        self.p = start_loom(argv[len(LOOM) :], child_env(), str(cwd), fd, fd, session=True)
+        self.pid = self.p.pid
+
+    def poll(self) -> int | None:
+        return self.p.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.p.join(timeout)
+        if self.p.exitcode is None:
+            raise subprocess.TimeoutExpired("loom", timeout)
+        return self.p.exitcode
+
+
+def start_line(argv: list[str], cwd: Path, fd: int):
+    """One line's process, its output to fd: a loom command forked warm (Forked), anything else a subprocess."""
+    if argv[: len(LOOM)] == LOOM:
+        return Forked(argv, cwd, fd)
+    return subprocess.Popen(
+        argv,
+        cwd=cwd,
+        stdout=fd,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=child_env(),
+        start_new_session=True,
+    )
 
 
 def run_check(c: Check, ctx: dict, out: Path, deadline: float, fail: str | None) -> dict:
@@ -1308,6 +1337,9 @@ def start(args, checks: dict[str, Check], cuda: bool, n_gpus: int, plan: list[st
     }
     if args.export:
         args.export.mkdir(parents=True, exist_ok=True)
+    from loom.train.spawn import start_server
+
+    start_server()  # the fork server of the loom lines (Forked), ready before the budget's clock starts
     kit = Kit(out, args.export.resolve() if args.export else None, header, rows, args.budget_s)
     kit.say(
         "gpu_check: "

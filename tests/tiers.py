@@ -37,6 +37,7 @@ STARTERS = {
     "start_processes",
     "elastic_launch",
     "launch_local",
+    "start_loom",
     "killpg",
     "setsid",
     "start_new_session",

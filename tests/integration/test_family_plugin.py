@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from loomrun import loom_run
 from tiny import tiny_args
 
 from loom.metrics import read_jsonl
@@ -28,9 +29,7 @@ def loom(*args, plugins=True, ok=True, timeout=600):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGINS), env.get("PYTHONPATH")) if p)
     else:
         env.pop("LOOM_PLUGINS", None)
-    r = subprocess.run(
-        [sys.executable, "-m", "loom", *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
+    r = loom_run(*args, env=env, timeout=timeout)
     if ok:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r
