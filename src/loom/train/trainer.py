@@ -22,6 +22,7 @@ import torch.nn as nn
 import loom.eval.capability  # noqa: F401  (registers the evaluators it defines, as loom.generate does)
 import loom.eval.hellaswag  # noqa: F401
 import loom.generate  # noqa: F401
+from loom import device as dev
 from loom import faults, log
 from loom.config import Config, Derived, to_toml
 from loom.config.layout import ParallelDims
@@ -133,9 +134,7 @@ class Trainer:
         if dtype == "bf16":
             check_bf16(device, "precision.dtype")
         fp8.check_device(p.fp8, device)
-        if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanogpt)
-            torch.backends.cuda.matmul.allow_tf32 = p.tf32
-            torch.backends.cudnn.allow_tf32 = p.tf32
+        dev.set_tf32(device, p.tf32)  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanogpt)
         self.scaler = torch.amp.GradScaler(
             device.type, init_scale=p.init_scale, growth_interval=p.growth_interval, enabled=dtype == "fp16"
         )
@@ -255,7 +254,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over the global batch: accumulate micro-batches, clip, step."""
         # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
-        timing = self.device.type != "cuda" or self.cfg.metrics.detail
+        timing = self.device.type not in dev.ASYNC or self.cfg.metrics.detail
         par, accum, timer = self.parallel, self.derived.grad_accum, StepTimer(self.device, timing)
         lr = self._set_lr()
         t0 = time.perf_counter()
