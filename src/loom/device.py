@@ -113,10 +113,11 @@ def on_device(device):
 
 class Span:
     """A timed span on the device's stream: events where the device has them (read later, no host wait inside
-    a step), the host clock otherwise. `start()`, `stop()`, then `seconds()` (which may wait for the events)."""
+    a step), the host clock otherwise (or with `host`: a wait of the host itself). `start()`, `stop()`, then
+    `done()` (whether the device has reached its end, without waiting) and `seconds()` (which may wait)."""
 
-    def __init__(self, device):
-        self.events = device.type in ("cuda", "xpu")
+    def __init__(self, device, host: bool = False):
+        self.events = device.type in ("cuda", "xpu") and not host
         self.mod = _module(device.type)
 
     def start(self) -> Span:
@@ -133,6 +134,9 @@ class Span:
         else:
             self.dt = time.perf_counter() - self.t0
         return self
+
+    def done(self) -> bool:
+        return self.b.query() if self.events else True
 
     def seconds(self) -> float:
         return self.a.elapsed_time(self.b) / 1000 if self.events else self.dt

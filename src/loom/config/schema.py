@@ -291,6 +291,23 @@ class TrainConfig:
         ge=2,
         why="a mean and a spread",
     )
+    straggler_every: int = _f(
+        100,
+        "Multi-process runs: every N steps compare the ranks' phase times (data wait, forward, backward, "
+        "comm, optimizer; timed without extra synchronisation) in one small gather, name the slowest rank "
+        "with its host, its excess over the median and the phase, and record every rank's times in "
+        "metrics.jsonl (0: off).",
+        ge=0,
+    )
+    straggler_threshold: float = _f(
+        0.2,
+        "Name the slowest rank when its excess over the per-phase medians is above this fraction of the "
+        "median step time.",
+        gt=0,
+    )
+    straggler_windows: int = _f(
+        3, "Warn when the same rank is named slowest this many windows in a row.", ge=1
+    )
 
 
 @dataclass

@@ -30,6 +30,7 @@ from loom.data.loader import DeviceBatches, doc_eot_id, read_meta
 from loom.data.slice import data_slice
 from loom.data.tokenizers import has_tokenizer, load_tokenizer
 from loom.distributed.comm import Control
+from loom.distributed.stragglers import PhaseClock, StragglerMonitor
 from loom.env import cpu_memory_release, cpu_memory_reuse
 from loom.errors import LoomError
 from loom.eval.evaluator import EvalContext, EvalSetup, Evaluator, build_evaluators
@@ -123,6 +124,16 @@ class Trainer:
         ]  # data.mix: each source's val loss
         self.evaluators = [self.val, *per_source, *evaluators]  # after each step, in this order, when due
         self.checkpointer = self._checkpointer()
+        self.stragglers = self._straggler_monitor()
+        self.phases = PhaseClock(device, enabled=self.stragglers is not None)
+
+    def _straggler_monitor(self) -> StragglerMonitor | None:
+        """train.straggler_every in a multi-process run: which rank is slow, and in what phase."""
+        t = self.cfg.train
+        if self.dims.world_size == 1 or not t.straggler_every:
+            return None
+        every, k = t.straggler_every, t.straggler_windows
+        return StragglerMonitor(every, t.straggler_threshold, k, self.control, self.logger.write)
 
     def _precision(self) -> str:
         """The step's dtype (precision.dtype=auto resolved for this device), its autocast, TF32 on a GPU, and
@@ -255,27 +266,16 @@ class Trainer:
         """One optimizer step over the global batch: accumulate micro-batches, clip, step."""
         # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
         timing = self.device.type not in dev.ASYNC or self.cfg.metrics.detail
-        par, accum, timer = self.parallel, self.derived.grad_accum, StepTimer(self.device, timing)
+        par, timer = self.parallel, StepTimer(self.device, timing)
         lr = self._set_lr()
-        t0 = time.perf_counter()
-        x, y = self.batches.next_batch()
+        t0, phase, rank = time.perf_counter(), self.phases, self.dims.rank
+        with phase("data", host=True):
+            x, y = self.batches.next_batch()
+            self.faults.slow("data", rank)
         self._begin_step()
-        if par.pipeline is not None:  # the schedule runs its micro-batches, forward and backward interleaved
-            with timer("f"):
-                loss_sum = par.pipeline.step(x, y, self._autocast, self.stage.pipeline_weight())
-        else:
-            loss_sum = torch.zeros((), device=self.device)
-            for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
-                with par.no_sync(skip=i < accum - 1), par.loss_context():
-                    scale, ym = self.stage.loss_scale(ym, accum)
-                    with timer("f"), self._autocast():
-                        loss = (
-                            par.forward(xm, ym) * scale
-                        )  # the global batch's mean over its (trained) targets
-                    with timer("b"):
-                        self.scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-        par.sync_grads()
+        loss_sum = self._forward_backward(x, y, timer)
+        with phase("comm"):  # exposed communication: what the backward did not overlap
+            par.sync_grads()
         if self.faults.nan_at(self.step + 1, self.dims.rank):
             self.faults.poison_grad(self.model)
         self.scaler.unscale_(self.optimizer)
@@ -289,7 +289,9 @@ class Trainer:
             self.step + 1, loss, math.nan if nonfinite else norm, self.scaler.is_enabled()
         )
         if skip is None:
-            self.scaler.step(self.optimizer)
+            with phase("optimizer"):
+                self.faults.slow("optimizer", rank)
+                self.scaler.step(self.optimizer)
             par.refresh_fp8_scales()
         overflow_scale = self._update_scaler()
         self.step += 1
@@ -298,6 +300,27 @@ class Trainer:
         rec.update(self._model_state_report())  # before zero_grad: gradients are part of what a step holds
         self.optimizer.zero_grad(set_to_none=True)
         return self._record(rec, time.perf_counter() - t0, skip, stop, flags, overflow_scale)
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, timer: StepTimer) -> torch.Tensor:
+        """The global batch's forward and backward (accumulated micro-batches, or the pipeline's schedule);
+        returns the summed loss (on the device)."""
+        par, accum, phase, rank = self.parallel, self.derived.grad_accum, self.phases, self.dims.rank
+        if par.pipeline is not None:  # the schedule runs its micro-batches, forward and backward interleaved
+            with timer("f"), phase("forward"):
+                self.faults.slow("forward", rank)
+                return par.pipeline.step(x, y, self._autocast, self.stage.pipeline_weight())
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+            with par.no_sync(skip=i < accum - 1), par.loss_context():
+                scale, ym = self.stage.loss_scale(ym, accum)
+                with timer("f"), phase("forward"), self._autocast():
+                    self.faults.slow("forward", rank)
+                    loss = par.forward(xm, ym) * scale  # the global batch's mean over its (trained) targets
+                with timer("b"), phase("backward"):
+                    self.faults.slow("backward", rank)
+                    self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        return loss_sum
 
     def _set_lr(self) -> float:
         o = self.cfg.optim
@@ -474,6 +497,8 @@ class Trainer:
         budget, the logger, the bad-step guard, a stop on a signal, each evaluator, the checkpointer. Returns
         why the run stops here (a signal), else None."""
         rec = self.train_step()
+        if self.stragglers is not None:
+            self.stragglers.after_step(self.step, self.phases.take())
         self.budget.after_step(self.step, rec["dt"])  # train.time_budget_s may set train.steps here
         final = self.step == self.cfg.train.steps
         self.logger.after_step(rec, final)
