@@ -32,23 +32,32 @@ PHASES = ("data", "forward", "backward", "comm", "optimizer")
 
 
 class PhaseClock:
-    """This rank's seconds per phase. `with clock("forward"): ...` around each piece; `take()` after a step."""
+    """This rank's seconds per phase. `with clock("forward"): ...` around each piece; `take()` after a step.
+
+    With `mark` set (while a profile is taken: loom.train.profile), each phase is also a torch.profiler range
+    named `loom/<phase>`; a phase outside PHASES ("checkpoint") is marked, never timed."""
 
     def __init__(self, device, enabled: bool = True):
-        self.device, self.enabled = device, enabled
+        self.device, self.enabled, self.mark = device, enabled, False
         self.pending: list[tuple[str, dev.Span]] = []
 
     @contextlib.contextmanager
     def __call__(self, phase: str, host: bool = False):
         """Time `phase` (one of PHASES); `host`: on the host clock (a wait of the host, not of the device)."""
-        if not self.enabled:
+        timed = self.enabled and phase in PHASES
+        if not (timed or self.mark):
             yield
             return
-        span = dev.Span(self.device, host=host).start()
-        try:
-            yield
-        finally:
-            self.pending.append((phase, span.stop()))
+        import torch
+
+        marked = torch.profiler.record_function(f"loom/{phase}") if self.mark else contextlib.nullcontext()
+        with marked:
+            span = dev.Span(self.device, host=host).start() if timed else None
+            try:
+                yield
+            finally:
+                if span is not None:
+                    self.pending.append((phase, span.stop()))
 
     def take(self) -> dict[str, float]:
         """Seconds per phase of the spans that have ended; spans still running on the device stay for later."""

@@ -54,6 +54,7 @@ from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointPart
 from loom.train.finetune import finetune_model, training_flops_per_token
 from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
 from loom.train.logger import MetricsLogger
+from loom.train.profile import StepProfiler
 from loom.train.run_files import write_run_files
 from loom.train.setup import resolve_precision
 from loom.train.stage import build_stage
@@ -126,6 +127,7 @@ class Trainer:
         self.checkpointer = self._checkpointer()
         self.stragglers = self._straggler_monitor()
         self.phases = PhaseClock(device, enabled=self.stragglers is not None)
+        self.profiler = StepProfiler(cfg, dims.rank, dims.world_size, run_dir, device, self.phases)
 
     def _straggler_monitor(self) -> StragglerMonitor | None:
         """train.straggler_every in a multi-process run: which rank is slow, and in what phase."""
@@ -496,6 +498,7 @@ class Trainer:
         """A step, then each component in turn decides what is due after it (torchtitan's loop): the time
         budget, the logger, the bad-step guard, a stop on a signal, each evaluator, the checkpointer. Returns
         why the run stops here (a signal), else None."""
+        self.profiler.before_step(self.step + 1)
         rec = self.train_step()
         if self.stragglers is not None:
             self.stragglers.after_step(self.step, self.phases.take())
@@ -507,7 +510,9 @@ class Trainer:
         if "stop" in rec:
             return self._stop(rec["stop"])
         self._evaluate(rec["tokens"], final)
-        self.checkpointer.after_step(self.step, final)
+        with self.phases("checkpoint"):
+            self.checkpointer.after_step(self.step, final)
+        self.profiler.after_step(self.step, final)
         return None
 
     def _evaluate(self, tokens: int, final: bool) -> None:
