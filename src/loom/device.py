@@ -250,3 +250,21 @@ def set_rng_state(device, state) -> None:
     mod = _module(device.type)
     if mod is not None:
         mod.set_rng_state(state, device) if device.type != "mps" else mod.set_rng_state(state)
+
+
+def memory_history(device, on: bool) -> bool:
+    """Record (or stop recording) the device's allocation history; False where the device has none (CUDA
+    only in torch 2.13: XPU, MPS and CPU keep no history)."""
+    if device.type != "cuda":
+        return False
+    from loom import compat
+
+    compat.record_memory_history(on)
+    return True
+
+
+def dump_memory_history(device, path) -> None:
+    """The recorded history as a pickle for pytorch.org/memory_viz (after `memory_history(device, True)`)."""
+    from loom import compat
+
+    compat.dump_memory_snapshot(str(path))

@@ -116,6 +116,25 @@ class Faults:
         if self.slow_rank == rank and self.slow_phase == phase:
             time.sleep(self.slow_ms / 1000)
 
+    def oom(self, step: int) -> None:
+        """A simulated allocation failure, as the CUDA caching allocator raises it."""
+        if self.oom_step == step:
+            import torch
+
+            raise torch.OutOfMemoryError(
+                f"LOOM_FAULT_OOM_STEP={step}: simulated out of memory (tried to allocate 2.00 GiB)"
+            )
+
+    def corrupt(self, step: int, y, vocab: int):
+        """A corrupted batch at LOOM_FAULT_CORRUPT_STEP: targets drawn uniformly from the vocabulary (a model that
+        learned anything has a loss above log(vocab) on them: a spike); elsewhere the targets as they came."""
+        if self.corrupt_step != step:
+            return y
+        import torch
+
+        g = torch.Generator().manual_seed(step)
+        return torch.randint(0, vocab, y.shape, generator=g).to(y.device, y.dtype)
+
 
 def from_env(env=None) -> Faults:
     env = os.environ if env is None else env

@@ -30,6 +30,10 @@ def test_tensor_and_module_accessors():
     )
 
 
+def test_memory_history_accessors():
+    assert callable(torch.cuda.memory._record_memory_history) and callable(torch.cuda.memory._dump_snapshot)
+
+
 def test_distributed_accessors():
     from torch.distributed.device_mesh import DeviceMesh
     from torch.nn.parallel import DistributedDataParallel

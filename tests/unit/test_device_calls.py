@@ -19,6 +19,7 @@ CALL = re.compile(r"torch\.(cuda|xpu|mps|backends\.(cuda|cudnn|mps))\b|ProfilerA
 # file -> why its device calls stay there
 ALLOWED = {
     "device.py": "the one module",
+    "compat.py": "torch's private names (the CUDA allocator's history), which device.py reaches through it",
     "doctor.py": "loom doctor reports the CUDA toolchain by name (driver, cuDNN and NCCL versions, TF32 flag)",
 }
 
