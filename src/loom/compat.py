@@ -25,6 +25,12 @@ def local_tensor(t):
     return getattr(t, "_local_tensor", None)
 
 
+def view_base(t):
+    """The tensor a view was made from (`Tensor._base`), None for a tensor that is no view: autograd saves a
+    weight as its transpose, a view of the parameter. Checked on torch 2.11, 2.13."""
+    return t._base
+
+
 def foreach_add_(tensors: list, value: float) -> None:
     """tensors[i] += value for each, one kernel (`torch._foreach_add_`). Checked on torch 2.11, 2.13."""
     import torch

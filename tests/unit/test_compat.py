@@ -30,6 +30,11 @@ def test_tensor_and_module_accessors():
     )
 
 
+def test_view_base():
+    w = nn.Parameter(torch.zeros(2, 3))
+    assert compat.view_base(w.t()) is w and compat.view_base(torch.zeros(1)) is None
+
+
 def test_memory_history_accessors():
     assert callable(torch.cuda.memory._record_memory_history) and callable(torch.cuda.memory._dump_snapshot)
 

@@ -23,7 +23,7 @@ from loom.config import Config, Derived, validate
 from loom.dryrun import fake
 from loom.metrics import DTYPES
 from loom.model.registry import spec_of
-from loom.parallel.offload import ActivationOffload
+from loom.parallel.offload import ActivationOffload, stays_on_device
 
 DEVICE = torch.device("cpu")  # the fake tensors' device: loom.dryrun's docstring says why not "cuda"
 
@@ -240,7 +240,7 @@ class _FakeOffload(ActivationOffload):
     the backward unpacks it (the copy back), so the tracker sees the device memory of the real hooks."""
 
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, torch.nn.Parameter) or compat.local_tensor(t) is not None:
+        if stays_on_device(t):
             return t
         self.saved_bytes += t.numel() * t.element_size()
         return t.size(), t.dtype, t.device

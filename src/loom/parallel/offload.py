@@ -28,6 +28,15 @@ from loom import compat
 from loom import device as dev
 
 
+def stays_on_device(t: torch.Tensor) -> bool:
+    """Left on the device: a parameter or a view of one (autograd saves a weight as its transpose), a DTensor."""
+    return (
+        isinstance(t, torch.nn.Parameter)
+        or isinstance(compat.view_base(t), torch.nn.Parameter)
+        or compat.local_tensor(t) is not None
+    )
+
+
 class ActivationOffload:
     """The hooks, and the bytes they packed since the last `reset()` (what a device would hold without them)."""
 
@@ -42,7 +51,7 @@ class ActivationOffload:
         return n
 
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, torch.nn.Parameter) or compat.local_tensor(t) is not None:  # weights; DTensors
+        if stays_on_device(t):  # weights; DTensors
             return t
         self.saved_bytes += t.numel() * t.element_size()
         if t.device.type == "cpu":  # already in host memory
