@@ -25,6 +25,12 @@ def local_tensor(t):
     return getattr(t, "_local_tensor", None)
 
 
+def view_base(t):
+    """The tensor a view was made from (`Tensor._base`), None for a tensor that is no view: autograd saves a
+    weight as its transpose, a view of the parameter. Checked on torch 2.11, 2.13."""
+    return t._base
+
+
 def foreach_add_(tensors: list, value: float) -> None:
     """tensors[i] += value for each, one kernel (`torch._foreach_add_`). Checked on torch 2.11, 2.13."""
     import torch
@@ -83,6 +89,22 @@ def module_parameters(module) -> dict:
     """The module's own parameters as the dict nn.Module keeps them (`nn.Module._parameters`): writing to it
     swaps a parameter without the checks of register_parameter. Checked on torch 2.11, 2.13."""
     return module._parameters
+
+
+def record_memory_history(on: bool, max_entries: int = 100_000) -> None:
+    """Start (or stop) recording the CUDA caching allocator's history with stack traces
+    (`torch.cuda.memory._record_memory_history`). Checked on torch 2.11, 2.13 (resolves on a CPU build)."""
+    import torch
+
+    torch.cuda.memory._record_memory_history("all" if on else None, max_entries=max_entries)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """The recorded history and live segments as a pickle for pytorch.org/memory_viz
+    (`torch.cuda.memory._dump_snapshot`). Checked on torch 2.11, 2.13."""
+    import torch
+
+    torch.cuda.memory._dump_snapshot(path)
 
 
 # --- process groups, meshes, DDP -------------------------------------------------------------------------

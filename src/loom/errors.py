@@ -6,13 +6,18 @@ EXIT_ERROR = 2  # a LoomError: the message says what to change
 # Stopped by SIGTERM/SIGINT after saving a checkpoint at the end of the current step. 75 is sysexits'
 # EX_TEMPFAIL ("try again later"): run the same command with --resume (or train.resume=auto) to continue.
 EXIT_PREEMPTED = 75
+# The device ran out of memory; with train.memory_snapshot the snapshot was written first (the message names
+# it). 71 is sysexits' EX_OSERR: a system resource ran out, not a mistake in the command.
+EXIT_OUT_OF_MEMORY = 71
 
 
 class LoomError(Exception):
     """A user-facing error. The CLI prints it without a traceback and exits with code 2.
 
-    `hint` is the remedy: what the user should type or change (llm.c's HINT: lines).
+    `hint` is the remedy: what the user should type or change (llm.c's HINT: lines). `code`: the exit code.
     """
+
+    code = EXIT_ERROR
 
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)
@@ -25,3 +30,9 @@ class LoomError(Exception):
 
 class PeerError(LoomError):
     """Rank 0 found a user error and has reported it; the other ranks stop quietly."""
+
+
+class OutOfMemoryStop(LoomError):
+    """The device ran out of memory during a step (train.memory_snapshot: after the snapshot was written)."""
+
+    code = EXIT_OUT_OF_MEMORY

@@ -15,6 +15,10 @@ value that the trainer and checkpoint code receive explicitly; with none set, ev
                          as the test needs)
   LOOM_FAULT_FREE_BYTES  free disk space the checkpoint writer believes it has
   LOOM_FAULT_HANG_STEP   step at which LOOM_FAULT_HANG_RANK (default 1) stops, before its collectives
+  LOOM_FAULT_SLOW_RANK   this rank sleeps LOOM_FAULT_SLOW_MS (default 100) in LOOM_FAULT_SLOW_PHASE (default
+                         forward; or data, backward, optimizer) of every step: a straggler
+  LOOM_FAULT_OOM_STEP    step whose forward raises torch.OutOfMemoryError (a simulated allocation failure)
+  LOOM_FAULT_CORRUPT_STEP  step whose targets are replaced by random tokens (a corrupted batch: a loss spike)
 """
 
 from __future__ import annotations
@@ -63,6 +67,11 @@ class Faults:
     hold_save: bool = False
     hang_step: int | None = None
     hang_rank: int = 1
+    slow_rank: int | None = None
+    slow_ms: int = 100
+    slow_phase: str = "forward"
+    oom_step: int | None = None
+    corrupt_step: int | None = None
 
     def nan_at(self, step: int, rank: int) -> bool:
         """Whether this rank poisons a gradient at `step` (1-based: the step being computed)."""
@@ -102,6 +111,30 @@ class Faults:
             while True:
                 time.sleep(1)
 
+    def slow(self, phase: str, rank: int) -> None:
+        """A straggler: LOOM_FAULT_SLOW_RANK sleeps in its chosen phase of every step."""
+        if self.slow_rank == rank and self.slow_phase == phase:
+            time.sleep(self.slow_ms / 1000)
+
+    def oom(self, step: int) -> None:
+        """A simulated allocation failure, as the CUDA caching allocator raises it."""
+        if self.oom_step == step:
+            import torch
+
+            raise torch.OutOfMemoryError(
+                f"LOOM_FAULT_OOM_STEP={step}: simulated out of memory (tried to allocate 2.00 GiB)"
+            )
+
+    def corrupt(self, step: int, y, vocab: int):
+        """A corrupted batch at LOOM_FAULT_CORRUPT_STEP: targets drawn uniformly from the vocabulary (a model that
+        learned anything has a loss above log(vocab) on them: a spike); elsewhere the targets as they came."""
+        if self.corrupt_step != step:
+            return y
+        import torch
+
+        g = torch.Generator().manual_seed(step)
+        return torch.randint(0, vocab, y.shape, generator=g).to(y.device, y.dtype)
+
 
 def from_env(env=None) -> Faults:
     env = os.environ if env is None else env
@@ -115,4 +148,9 @@ def from_env(env=None) -> Faults:
         hold_save=bool(_int(env, "LOOM_FAULT_HOLD_SAVE")),
         hang_step=_int(env, "LOOM_FAULT_HANG_STEP"),
         hang_rank=1 if (rank := _int(env, "LOOM_FAULT_HANG_RANK")) is None else rank,
+        slow_rank=_int(env, "LOOM_FAULT_SLOW_RANK"),
+        slow_ms=100 if (ms := _int(env, "LOOM_FAULT_SLOW_MS")) is None else ms,
+        slow_phase=env.get("LOOM_FAULT_SLOW_PHASE", "").strip() or "forward",
+        oom_step=_int(env, "LOOM_FAULT_OOM_STEP"),
+        corrupt_step=_int(env, "LOOM_FAULT_CORRUPT_STEP"),
     )

@@ -11,32 +11,19 @@ import contextlib
 import json
 import os
 import platform
-import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from loom import device as dev
 from loom.errors import LoomError
 from loom.paths import cache_dir
 
-# Dense peak TFLOP/s by (device-name substring, dtype). fp32 here means fp32 matmul without TF32.
 FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada, Hopper, Blackwell (precision.fp8, loom doctor)
-GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    # dense tensor-core peaks; fp8 where the GPU has float8 tensor cores (compute capability >= 8.9). An fp8 run's
-    # MFU is still reported against the bf16 peak, as torchtitan and nanochat do: the fp8 peak is printed beside
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0, "fp8": 1513.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 31.2},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6, "fp8": 733.0},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3, "fp8": 242.0},
-    "V100": {"fp16": 125.0, "fp32": 15.7},
-    "RTX 4090": {"bf16": 165.0, "fp16": 165.0, "fp32": 82.6, "fp8": 330.0},
-    "RTX 3090": {"bf16": 71.0, "fp16": 71.0, "fp32": 35.6},
-}
+# the CUDA rows of loom.dev.PEAK_TFLOPS (the one table, by device type)
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = dev.PEAK_TFLOPS["cuda"]
 
 # precision names (precision.dtype, parallel.param_dtype, the peak table) -> torch dtypes: the one map
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,12 +31,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def has_bf16(device: torch.device) -> bool:
     """This GPU computes in bf16 (the one test of it: eval's autocast, precision.dtype=auto, and check_bf16)."""
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return dev.has_bf16(device)
 
 
 def check_bf16(device: torch.device, key: str) -> None:
     """A config key that asks for bf16 (precision.dtype, parallel.param_dtype) on a GPU without it: refused."""
-    if device.type == "cuda" and not has_bf16(device):
+    if dev.lacks_bf16(device):
         raise LoomError(f"{key}=bf16 but this GPU has no bf16", hint=f"use {key}=fp16 (or fp32)")
 
 
@@ -70,7 +57,10 @@ def measure_matmul_flops(device: torch.device, dtype: str, n: int = 2048, second
     GFLOP/s), so the measurement always ends in about `seconds`.
     """
     dt = DTYPES[dtype]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def sync():
+        dev.synchronize(device)
+
     # A generator of its own: measuring must not move the global RNG, or a run's dropout masks would
     # depend on whether the peak was cached.
     g = torch.Generator(device=device).manual_seed(0)
@@ -123,20 +113,13 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
     """Peak FLOP/s for MFU, or None when the device is unknown."""
     if device.type == "cpu":
         return cpu_peak_flops(dtype)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peaks in GPU_PEAK_TFLOPS.items():
-            if key in name and dtype in peaks:
-                return peaks[dtype] * 1e12
-    return None
+    tflops = dev.peak_tflops(device, dtype)
+    return tflops * 1e12 if tflops is not None else None
 
 
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated device memory; on CPU the process's peak resident set size."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if platform.system() == "Darwin" else rss * 1024)
+    return dev.peak_memory(device)
 
 
 class Throughput:
@@ -381,33 +364,25 @@ def open_sinks(run_dir: Path, cfg) -> Sinks:
 class StepTimer:
     """Forward ("f") and backward ("b") time of a step, summed over its micro-batches: dtf, dtb.
 
-    On a CPU the clock is read around each phase (the work is synchronous). On a GPU, CUDA events are
-    recorded on the stream instead, and read once when the step's record is made (after the step's one
-    host read), so timing never makes the host wait inside a step; disabled, it records nothing."""
+    On a CPU the clock is read around each phase (the work is synchronous). On a GPU, device events are
+    recorded on the stream instead (loom.device.Span), and read once when the step's record is made (after the
+    step's one host read), so timing never makes the host wait inside a step; disabled, it records nothing."""
 
     def __init__(self, device: torch.device, enabled: bool = True):
-        self.enabled, self.cuda = enabled, device.type == "cuda"
+        self.enabled, self.device = enabled, device
         self.spans: dict[str, list] = {"f": [], "b": []}
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
         if not self.enabled:
             yield
-        elif self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.spans[phase].append((start, end))
-        else:
-            t = time.perf_counter()
-            yield
-            self.spans[phase].append(time.perf_counter() - t)
+            return
+        span = dev.Span(self.device).start()
+        yield
+        self.spans[phase].append(span.stop())
 
     def read(self) -> dict:
         """{"dtf": s, "dtb": s} (seconds), or {} when disabled."""
         if not self.enabled:
             return {}
-        if self.cuda:
-            return {f"dt{k}": sum(s.elapsed_time(e) for s, e in v) / 1000 for k, v in self.spans.items()}
-        return {f"dt{k}": float(sum(v)) for k, v in self.spans.items()}
+        return {f"dt{k}": float(sum(s.seconds() for s in v)) for k, v in self.spans.items()}

@@ -32,12 +32,15 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     with_bpb = any("val_bpb" in r for _, recs in runs for r in recs)
     scores = sorted({k for _, recs in runs for r in recs for k in r if is_score(k)})
     mix = any("mix_tokens" in r for _, recs in runs for r in recs)
-    n = 1 + with_bpb + bool(scores) + 2 * mix
+    ranks = any("stragglers" in r for _, recs in runs for r in recs)
+    n = 1 + with_bpb + bool(scores) + 2 * mix + ranks
     fig, axes = plt.subplots(1, n, figsize=(8 if n == 1 else 6.5 * n, 5), squeeze=False)
     ax, ax_bpb = axes[0][0], axes[0][1] if with_bpb else None
     ax_score = axes[0][1 + with_bpb] if scores else None
     if mix:
-        _plot_mix(runs, axes[0][-2], axes[0][-1])
+        _plot_mix(runs, axes[0][-2 - ranks], axes[0][-1 - ranks])
+    if ranks:
+        _plot_ranks(runs, axes[0][-1])
     for i, (rd, recs) in enumerate(runs):
         color = f"C{i % 10}"
         train = [(r["tokens"], r["loss"]) for r in recs if "loss" in r and "tokens" in r]
@@ -108,6 +111,32 @@ def _plot_mix(runs: list, ax_val, ax_share) -> None:
         a.set_ylabel(label)
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
+
+
+def _plot_ranks(runs: list, ax) -> None:
+    """Multi-process runs (train.straggler_every): each window's step time per rank, the fastest to the slowest
+    rank shaded around the median, and the windows that named a slow rank marked with its number."""
+    import statistics
+
+    for i, (rd, recs) in enumerate(runs):
+        wins = [r for r in recs if "stragglers" in r]
+        if not wins:
+            continue
+        steps = [r["step"] for r in wins]
+        times = [[1000 * t for t in r["stragglers"]["step_s"]] for r in wins]
+        color = f"C{i % 10}"
+        ax.fill_between(steps, [min(t) for t in times], [max(t) for t in times], color=color, alpha=0.25)
+        ax.plot(steps, [statistics.median(t) for t in times], color=color, label=f"{Path(rd).name} median")
+        for step, r, t in zip(steps, wins, times, strict=True):
+            slow = r["stragglers"]["slowest"]
+            if slow:
+                ax.annotate(
+                    f"r{slow['rank']} {slow['phase']}", (step, t[slow["rank"]]), fontsize=7, color=color
+                )
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms per step, per rank (min-max shaded)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def _shares(recs: list[dict], src: str) -> list[tuple[int, float]]:

@@ -53,6 +53,15 @@ def test_cpu_float8_matmul_is_the_product_of_the_scaled_operands(rowwise):
         torch._scaled_mm(a, b, sa, sb, scale_result=torch.tensor(1.0), out_dtype=torch.float8_e4m3fn)
 
 
+def test_view_base():
+    w = nn.Parameter(torch.zeros(2, 3))
+    assert compat.view_base(w.t()) is w and compat.view_base(torch.zeros(1)) is None
+
+
+def test_memory_history_accessors():
+    assert callable(torch.cuda.memory._record_memory_history) and callable(torch.cuda.memory._dump_snapshot)
+
+
 def test_distributed_accessors():
     from torch.distributed.device_mesh import DeviceMesh
     from torch.nn.parallel import DistributedDataParallel

@@ -9,6 +9,7 @@ ROOT = Path(loom.__file__).parent
 LAYER = {
     "compat": 0,
     "config": 0,
+    "device": 0,
     "env": 0,
     "log": 0,
     "errors": 0,

@@ -150,12 +150,13 @@ def torch_comm(dtype: str, device_arg: str) -> Comm:
     import torch
     import torch.distributed as dist
 
+    from loom import device as dev
     from loom.distributed import process_group
 
     env = detect_env()
-    if device_arg == "cuda" and not torch.cuda.is_available():
+    if device_arg == "cuda" and not dev.available("cuda"):
         raise LoomError("--device cuda, but torch sees no CUDA device", hint="use --device cpu (gloo)")
-    use_cuda = device_arg == "cuda" or (device_arg == "auto" and torch.cuda.is_available())
+    use_cuda = device_arg == "cuda" or (device_arg == "auto" and dev.available("cuda"))
     device = torch.device("cuda", env.local_rank) if use_cuda else torch.device("cpu")
     _agree_on_port(env)
     process_group.init(env, device, TIMEOUT_S)
@@ -179,7 +180,7 @@ def torch_comm(dtype: str, device_arg: str) -> Comm:
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
         return float(x.item())
 
-    sync = torch.cuda.synchronize if use_cuda else _nothing
+    sync = (lambda: dev.synchronize(device)) if use_cuda else _nothing
     return Comm(dist.get_rank(), n, prepare, dist.barrier, slowest, sync, process_group.shutdown)
 
 

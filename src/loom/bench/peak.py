@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
+from loom import device as dev
 from loom import log
 from loom.errors import LoomError
-from loom.metrics import DTYPES, GPU_PEAK_TFLOPS, _cpu_name, measure_matmul_flops
+from loom.metrics import DTYPES, _cpu_name, measure_matmul_flops
 
 DEFAULT_SIZES = {"cpu": (512, 1024, 2048), "cuda": (2048, 4096, 8192)}
 
@@ -32,24 +33,23 @@ DEFAULT_SIZES = {"cpu": (512, 1024, 2048), "cuda": (2048, 4096, 8192)}
 def resolve_device(name: str) -> torch.device:
     """`auto` → cuda when available, else cpu; `cuda` without a GPU is a LoomError."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if dev.available("cuda") else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
         raise LoomError(f"--device '{name}' is not a device", hint="use auto, cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not dev.available("cuda"):
         raise LoomError("--device cuda, but torch sees no CUDA device", hint="use --device cpu or auto")
     return device
 
 
 def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    dev.synchronize(device)
 
 
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        return dev.name(device)
     n = torch.get_num_threads()
     return f"{_cpu_name()} ({n} thread{'' if n == 1 else 's'})"
 
@@ -77,13 +77,8 @@ def measure_copy_bandwidth(
 
 def datasheet_flops(device: torch.device, dtype: str) -> float | None:
     """The dense datasheet peak for a known GPU and dtype, else None."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, peaks in GPU_PEAK_TFLOPS.items():
-        if key in name and dtype in peaks:
-            return peaks[dtype] * 1e12
-    return None
+    tflops = dev.peak_tflops(device, dtype)
+    return tflops * 1e12 if tflops is not None else None
 
 
 def _supported(device: torch.device, dtype: str) -> str | None:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from loom import config, log
+from loom import device as dev
 from loom.data.loader import DeviceBatches
 from loom.errors import LoomError
 from loom.metrics import peak_memory_bytes
@@ -103,8 +104,7 @@ def write_synthetic_data(out: Path, vocab_size: int, block_size: int, seed: int,
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    dev.synchronize(device)
 
 
 def measure(
@@ -131,8 +131,7 @@ def measure(
         per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
         for n in per_round:
             for mode, tr in trainers.items():
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
+                dev.reset_peak(device)
                 for _ in range(n):
                     recs[mode]["dts"].append(tr.train_step()["dt"])
                 _sync(device)

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return verb[0](argv[1:])
     except LoomError as e:
         print(f"loom: error: {e}", file=sys.stderr)
-        return 2
+        return e.code
     except OSError as e:
         # Outputs are checked before any work; what the filesystem refuses later (a full disk, a folder
         # made read-only meanwhile) is still the user's environment, not a bug: no traceback for it.

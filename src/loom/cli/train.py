@@ -127,7 +127,7 @@ def _run(req, log_all_ranks: bool) -> int:
         if world_size == 1:
             raise
         print(f"loom: error: {e}", file=sys.stderr)
-        code = EXIT_ERROR
+        code = e.code
     if world_size > 1:
         leave_job(code)
     return code

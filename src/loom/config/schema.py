@@ -291,6 +291,46 @@ class TrainConfig:
         ge=2,
         why="a mean and a spread",
     )
+    straggler_every: int = _f(
+        100,
+        "Multi-process runs: every N steps compare the ranks' phase times (data wait, forward, backward, "
+        "comm, optimizer; timed without extra synchronisation) in one small gather, name the slowest rank "
+        "with its host, its excess over the median and the phase, and record every rank's times in "
+        "metrics.jsonl (0: off).",
+        ge=0,
+    )
+    straggler_threshold: float = _f(
+        0.2,
+        "Name the slowest rank when its excess over the per-phase medians is above this fraction of the "
+        "median step time.",
+        gt=0,
+    )
+    straggler_windows: int = _f(
+        3, "Warn when the same rank is named slowest this many windows in a row.", ge=1
+    )
+    profile_start: int = _f(
+        0,
+        "torch.profiler: the first step traced (0: no profile); each chosen rank writes a Chrome trace of "
+        "train.profile_steps steps, marked data, forward, backward, comm, optimizer and checkpoint, into "
+        "RUN/profile/trace_step<first>-<last>_rank<r>.json (chrome://tracing or ui.perfetto.dev).",
+        ge=0,
+    )
+    profile_steps: int = _f(3, "torch.profiler: the number of steps traced from train.profile_start.", ge=1)
+    profile_ranks: str = _f("0", "torch.profiler: the ranks that write a trace: all, or a list such as 0,3.")
+    memory_snapshot: str = _f(
+        "off",
+        "off | on_oom: record the device's allocation history and, when it runs out of memory, dump it into "
+        "RUN/memory/ and exit with code 75 (view the file at pytorch.org/memory_viz) | steps: also dump at "
+        "train.memory_snapshot_steps. On CUDA only a real history exists; elsewhere the file holds what the "
+        "device can say (see loom.train.memory).",
+    )
+    memory_snapshot_steps: str = _f("", "train.memory_snapshot=steps: the steps dumped after, e.g. 5,100.")
+    activation_offload: bool = _f(
+        False,
+        "Keep the activations the backward pass needs in host memory (pinned on a GPU, copied back for the "
+        "backward): saved-tensor hooks, composable with activation checkpointing, FSDP, tp and pp; the same "
+        "gradients, less device memory, some time for the copies.",
+    )
 
 
 @dataclass
@@ -559,6 +599,7 @@ CHOICES = {
     ("train", "on_save_error"): ("continue", "stop"),
     ("train", "async_ckpt"): ("auto", "true", "false"),
     ("train", "activation_checkpointing"): ("none", "full", "selective"),
+    ("train", "memory_snapshot"): ("off", "on_oom", "steps"),
     ("precision", "dtype"): ("fp32", "bf16", "fp16", "auto"),
     ("precision", "fp8"): ("off", "tensorwise", "rowwise"),
     ("precision", "fp8_filter"): ("auto", "all"),

@@ -42,6 +42,7 @@ def validate(
     _check_fp8(cfg)
     _check_eval(cfg)
     _check_lora(cfg)
+    _check_diagnostics(cfg, world)
     replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
     derived = _derive_batch(cfg, dp)
     p = cfg.parallel
@@ -149,6 +150,45 @@ def _check_fp8(cfg: Config) -> None:
         raise LoomError(
             f"precision.fp8={p.fp8} needs torchao, which is not installed",
             hint="install loom's fp8 extra: pip install 'loom[fp8]' (torchao >= 0.18), or precision.fp8=off",
+        )
+
+
+def rank_list(text: str, world: int) -> list[int]:
+    """train.profile_ranks as ranks: 'all', or a comma list of ranks below `world`."""
+    if text.strip() == "all":
+        return list(range(world))
+    try:
+        ranks = sorted({int(r) for r in text.split(",") if r.strip()})
+    except ValueError:
+        raise LoomError(
+            f"train.profile_ranks must be all or a list of ranks such as 0,3; got '{text}'"
+        ) from None
+    if not ranks or ranks[0] < 0 or ranks[-1] >= world:
+        raise LoomError(f"train.profile_ranks={text}: the job has ranks 0-{world - 1}", hint="use all, or 0")
+    return ranks
+
+
+def step_list(text: str, key: str) -> list[int]:
+    """A comma list of steps (train.memory_snapshot_steps)."""
+    try:
+        steps = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        raise LoomError(f"{key} must be a list of steps such as 5,100; got '{text}'") from None
+    if any(s < 1 for s in steps):
+        raise LoomError(f"{key}: steps start at 1; got '{text}'")
+    return steps
+
+
+def _check_diagnostics(cfg: Config, world: int) -> None:
+    """The profiler's ranks, the memory snapshot's steps."""
+    t = cfg.train
+    if t.profile_start:
+        rank_list(t.profile_ranks, world)
+    steps = step_list(t.memory_snapshot_steps, "train.memory_snapshot_steps")
+    if t.memory_snapshot == "steps" and not steps:
+        raise LoomError(
+            "train.memory_snapshot=steps needs train.memory_snapshot_steps",
+            hint="add --train.memory_snapshot_steps=5 (or use on_oom)",
         )
 
 

@@ -387,6 +387,45 @@ def write_foreign_meta(d: Path, info: dict) -> dict:
     return meta
 
 
+def _row_range(text: str) -> tuple[int, int]:
+    try:
+        first, _, last = text.partition("-")
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise LoomError(f"--rows takes A-B (or A), got '{text}'") from None
+    if a < 0 or b < a:
+        raise LoomError(f"--rows {text}: need 0 <= A <= B")
+    return a, b
+
+
+def _inspect_rows(args) -> int:
+    """`loom data inspect PATH --rows A-B --block-size T --seed S`: the training rows A..B of a run on PATH
+    (windows of T + 1 tokens in the run's order: loom.data.loader.ShardLoader.global_rows), decoded when the
+    data has a tokenizer."""
+    from loom.data.loader import ShardLoader
+    from loom.data.tokenizers import has_tokenizer
+
+    first, last = _row_range(args.rows)
+    if args.block_size < 1 or args.seed is None:
+        raise LoomError(
+            "--rows needs the run's --block-size and --seed", hint="copy the command from the step's record"
+        )
+    loader = ShardLoader(args.path, 1, args.block_size, args.seed, align=args.align)
+    rows = loader.global_rows(first, last - first + 1).tolist()
+    meta = read_meta(args.path)
+    tok = load_tokenizer(args.path, meta) if has_tokenizer(meta) else None
+    out = [
+        {"row": first + i, "tokens": r, "text": tok.decode(r) if tok else None} for i, r in enumerate(rows)
+    ]
+    if args.json:
+        sys.stdout.write(json.dumps(out) + "\n")
+        return 0
+    for rec in out:
+        shown = repr(rec["text"]) if rec["text"] is not None else " ".join(map(str, rec["tokens"]))
+        print(f"row {rec['row']}: {shown}")
+    return 0
+
+
 def _print_inspect(info: dict) -> None:
     from rich.table import Table
 
@@ -494,6 +533,17 @@ def data_inspect_main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--jsonl-field", default="text", help="a .parquet file's text column (as for prepare)")
     p.add_argument(
+        "--rows",
+        default="",
+        help="print training rows A-B (a bad step's record names them) of the run's window sequence: with "
+        "--block-size and --seed (and --align bos) as the run had them",
+    )
+    p.add_argument("--block-size", type=int, default=0, help="with --rows: the run's model.block_size")
+    p.add_argument("--seed", type=int, default=None, help="with --rows: the run's seed (its record says it)")
+    p.add_argument(
+        "--align", choices=["none", "bos"], default="none", help="with --rows: the run's data.align"
+    )
+    p.add_argument(
         "--write-meta",
         action="store_true",
         help="write meta.json into a directory that has none (one scan of the ids), so that "
@@ -504,6 +554,8 @@ def data_inspect_main(argv: list[str]) -> int:
         return _inspect_mix(args)
     if not args.path:
         p.error("give a PATH (or --mix)")
+    if args.rows:
+        return _inspect_rows(args)
     if args.sample_tokens < 0:
         raise LoomError(f"--sample-tokens must be >= 0 (0: no decoded sample), got {args.sample_tokens}")
     if args.write_meta:

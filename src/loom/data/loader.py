@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loom import device as dev
 from loom.data.formats import open_split
 from loom.data.formats import read_meta as formats_read_meta
 from loom.data.shards import read_shard
@@ -370,7 +371,7 @@ class DeviceBatches:
         state = self.loader.state_dict()
         # an SFT loader's count of trained targets in the global batch (loom.data.sft), else None
         state["valid_targets"] = getattr(self.loader, "valid_targets", None)
-        if self.device.type == "cuda":
+        if dev.can_pin() and self.device.type in dev.ASYNC:
             x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
         else:
             x, y = x.to(self.device), y.to(self.device)
@@ -378,7 +379,7 @@ class DeviceBatches:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         batch, self._state = self._ahead or self._fetch()
-        self._ahead = self._fetch() if self.device.type == "cuda" else None
+        self._ahead = self._fetch() if self.device.type in dev.ASYNC else None
         return batch
 
     @property

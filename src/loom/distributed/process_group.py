@@ -17,6 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from loom import device as dev
 from loom import log
 from loom.env import DistEnv
 from loom.errors import LoomError
@@ -24,7 +25,7 @@ from loom.errors import LoomError
 
 def backend_for(device: torch.device) -> str:
     """The backend string for a job on `device`: one backend per device type the job's tensors live on."""
-    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    return dev.dist_backend(device)
 
 
 def init(env: DistEnv, device: torch.device, timeout_s: float) -> None:
@@ -33,8 +34,8 @@ def init(env: DistEnv, device: torch.device, timeout_s: float) -> None:
         return
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    dev.set_device(device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
         from loom.distributed.health import nccl_env
 
         for k, v in nccl_env().items():  # watchdog, async error handling, flight recorder: before init
@@ -47,7 +48,7 @@ def init(env: DistEnv, device: torch.device, timeout_s: float) -> None:
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
+            device_id=device if device.type in dev.DIST_BACKEND else None,
         )
     except (RuntimeError, ValueError) as e:
         raise LoomError(

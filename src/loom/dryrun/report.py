@@ -165,6 +165,12 @@ def render(result: DryRun) -> str:
             + f" | {fits:>5} {r.seconds:>6.1f}"
         )
     lines += _planner_rows(result, div)
+    if result.cfg.train.activation_offload:
+        most = max(result.ranks, key=lambda r: r.offloaded)
+        lines.append(
+            f"offload   train.activation_offload: {most.offloaded / div:.2f} {unit} of saved activations per step "
+            f"in host memory (rank {most.rank}; counted out of act@peak, copied back for the backward)"
+        )
     for small in sorted({tuple(r.measured_blocks) for r in result.ranks if r.measured_blocks}):
         lines.append(
             f"* stepped with {small[0]} and {small[1]} blocks per stage, each term extended along the line "

@@ -23,6 +23,7 @@ from loom.config import Config, Derived, validate
 from loom.dryrun import fake
 from loom.metrics import DTYPES
 from loom.model.registry import spec_of
+from loom.parallel.offload import ActivationOffload, stays_on_device
 
 DEVICE = torch.device("cpu")  # the fake tensors' device: loom.dryrun's docstring says why not "cuda"
 
@@ -46,6 +47,7 @@ class RankMemory:
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
     tracked: dict[str, int] = field(default_factory=dict)
     ddp_buckets: int = 0
+    offloaded: int = 0  # train.activation_offload: bytes of saved activations kept in host memory per step
     seconds: float = 0.0
     blocks: int = 0  # transformer blocks this rank holds
     measured_blocks: list[int] = field(default_factory=list)  # [] all stepped; [3, 4]: the line through those
@@ -126,8 +128,9 @@ def measure_rank(
             seq = cfg.model.block_size // dims.cp  # context parallel: each rank its chunk of each sequence
             x = torch.randint(0, vocab_size, (rows, seq), device=DEVICE)
             y = torch.randint(0, vocab_size, (rows, seq), device=DEVICE)
+            offload = _FakeOffload(DEVICE, cfg.train.activation_offload)
             with tracker:
-                loss_sum = _forward_backward(par, x, y, derived, _autocast(precision), tracker)
+                loss_sum = _forward_backward(par, x, y, derived, _autocast(precision), tracker, offload)
                 _sync_and_clip(par, loss_sum, cfg.optim.grad_clip or math.inf)
                 tracker.mark("sync/clip")
                 with _local_shards(opt):
@@ -147,6 +150,7 @@ def measure_rank(
         phases=phases,
         tracked=after,
         ddp_buckets=ddp.bytes,
+        offloaded=offload.saved_bytes,
         seconds=time.perf_counter() - t0,
     )
 
@@ -230,13 +234,31 @@ def micro_steps(accum: int) -> list[int]:
     return list(range(accum)) if accum <= 3 else [0, 1, accum - 1]
 
 
-def _forward_backward(par, x, y, derived: Derived, autocast, tracker) -> torch.Tensor:
+class _FakeOffload(ActivationOffload):
+    """train.activation_offload on fake tensors, which hold no values: a saved activation is dropped when
+    packed (the device memory the real hooks free after their copy to the host) and an empty one is made when
+    the backward unpacks it (the copy back), so the tracker sees the device memory of the real hooks."""
+
+    def _pack(self, t: torch.Tensor):
+        if stays_on_device(t):
+            return t
+        self.saved_bytes += t.numel() * t.element_size()
+        return t.size(), t.dtype, t.device
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        size, dtype, device = packed
+        return torch.empty(size, dtype=dtype, device=device)
+
+
+def _forward_backward(par, x, y, derived: Derived, autocast, tracker, offload) -> torch.Tensor:
     """Trainer.train_step's forward and backward: the micro-batches (micro_steps) with gradient accumulation,
     or the pipeline schedule's step; without the data loader, timers, fault hooks and host reads (fake tensors
     hold no values). fp16's loss scaling is left out (in place)."""
     accum = derived.grad_accum
     if par.pipeline is not None:
-        with _marked_first_backward(par.pipeline, tracker):
+        with _marked_first_backward(par.pipeline, tracker), offload():
             loss_sum = par.pipeline.step(x, y, autocast)
         tracker.mark("1F1B and cool-down")
         return loss_sum
@@ -252,7 +274,7 @@ def _forward_backward(par, x, y, derived: Derived, autocast, tracker) -> torch.T
         for i in micro_steps(accum):
             xm, ym = chunks[i]
             with par.no_sync(skip=i < accum - 1), par.loss_context():
-                with autocast():
+                with autocast(), offload():
                     loss = par.forward(xm, ym) / accum
                 loss.backward()
             tracker.mark("block backward")

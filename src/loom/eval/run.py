@@ -101,7 +101,9 @@ def score_run(req: CapabilityRequest, run_dir, run: LoadedRun, tasks, core_tasks
         run.tok,
         run.device,
         batch_size=req.batch_size,
-        autocast=(lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if has_bf16(run.device) else None,
+        autocast=(lambda: torch.autocast(run.device.type, dtype=torch.bfloat16))
+        if has_bf16(run.device)
+        else None,
         rank=env.rank if env.world_size > 1 else 0,
         world_size=env.world_size,
         sharded=req.shard,

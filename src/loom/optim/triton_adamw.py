@@ -26,7 +26,6 @@ Triton is imported only when an optimizer is built; `import loom.optim.triton_ad
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from loom import compat
+from loom import device as dev
 from loom.errors import LoomError
 
 BLOCK = 1024  # elements per Triton program; a multiple of 4 keeps full blocks 16-byte aligned
@@ -285,8 +285,7 @@ class TritonAdamW(torch.optim.Optimizer):
         if self.device.type != "cpu":
             rows_t = rows_t.pin_memory().to(self.device, non_blocking=True)
         # Triton launches on the current device's current stream: make that the parameters' device
-        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        with on_device:
+        with dev.on_device(self.device):
             _kernel()[(n_blocks,)](
                 rows_t,
                 block_row,

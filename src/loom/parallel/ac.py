@@ -18,6 +18,7 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from loom import device as dev
 from loom.errors import LoomError
 
 MODES = ("none", "full", "selective")
@@ -78,15 +79,14 @@ def activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, a
     Measured as the memory the forward allocates and does not free, with the profiler's allocator events,
     so it counts whatever holds the tensors: autograd's saved tensors, checkpoint frames, SAC caches.
     Gradients are not involved: the loss is dropped after the measurement."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.device.type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True) as prof:
+    with profile(activities=dev.profiler_activities(x.device), profile_memory=True) as prof:
         if autocast is not None:
             with autocast():
                 loss = model(x, y)
         else:
             loss = model(x, y)
     del loss
-    key = "self_device_memory_usage" if x.device.type == "cuda" else "self_cpu_memory_usage"
+    key = "self_device_memory_usage" if x.device.type in ("cuda", "xpu") else "self_cpu_memory_usage"
     return int(sum(getattr(e, key, 0) for e in prof.events()))

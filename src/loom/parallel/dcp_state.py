@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from loom import device as dev
 from loom.errors import LoomError
 from loom.parallel.init import canonical
 from loom.parallel.tensor import plain
@@ -105,7 +106,7 @@ class HostStager:
         """A host copy of `sd` (DTensors stay DTensors, with host-memory local pieces)."""
         staged = self.stagers.setdefault(part, self._make()).stage(sd)
         if self.cuda:
-            torch.cuda.synchronize()
+            dev.synchronize(torch.device("cuda"))
         return staged
 
 

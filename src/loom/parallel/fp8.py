@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from loom import compat, log
+from loom import device as dev
 from loom.errors import LoomError
 from loom.metrics import FP8_MIN_CAPABILITY
 
@@ -71,10 +72,10 @@ def check_device(fp8: str, device: torch.device) -> None:
         )
     if fp8 == "off" or device.type != "cuda":
         return
-    cap = torch.cuda.get_device_capability(device)
+    cap = dev.capability(device)
     if cap < FP8_MIN_CAPABILITY:
         raise LoomError(
-            f"precision.fp8={fp8}: this GPU ({torch.cuda.get_device_name(device)}, compute capability "
+            f"precision.fp8={fp8}: this GPU ({dev.name(device)}, compute capability "
             f"{cap[0]}.{cap[1]}) has no float8 "
             "tensor cores (compute capability 8.9 or higher: L4, L40S, H100, H200, B200)",
             hint="use precision.fp8=off (bf16)",

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom import device as dev
 from loom.errors import LoomError
 from loom.parallel.collectives import mpi_dtype, ring_allreduce
 
@@ -120,7 +121,7 @@ def _staged(t: torch.Tensor, cuda_aware: bool) -> tuple[Any, Callable[[], None]]
         arr = t.detach().numpy()
         return [arr, mpi_dtype(arr.dtype)], lambda: None
     if t.is_cuda and cuda_aware and t.is_contiguous():
-        torch.cuda.current_stream(t.device).synchronize()
+        dev.current_stream(t.device).synchronize()
         return t, lambda: None
     host = t.detach().to("cpu", torch.float32).contiguous()
     return [host.numpy(), mpi_dtype(torch.float32)], lambda: t.copy_(host)
@@ -188,7 +189,7 @@ class _Bucket:
         self.params = params
         self.numels = [p.numel() for p in params]
         self.offsets = list(itertools.accumulate([0, *self.numels[:-1]]))
-        pin = device.type == "cpu" and torch.cuda.is_available() and any(p.is_cuda for p in params)
+        pin = device.type == "cpu" and dev.can_pin() and any(p.device.type != "cpu" for p in params)
         self.flat = torch.zeros(sum(self.numels), dtype=torch.float32, device=device, pin_memory=pin)
         self.ready: set[int] = set()  # slots whose gradient has been copied in this step
 
@@ -285,7 +286,7 @@ class BucketedSync(_GradSync):
 
     def _start(self, bucket: _Bucket) -> None:
         if bucket.flat.is_cuda:
-            torch.cuda.current_stream(bucket.flat.device).synchronize()
+            dev.current_stream(bucket.flat.device).synchronize()
         if self.allreduce == "ring":
             ring_allreduce(self.comm, bucket.flat.numpy())
             return

@@ -177,9 +177,9 @@ class StepGuard:
         )
 
 
-def grad_flags(model: torch.nn.Module) -> tuple[list[str], torch.Tensor | None]:
-    """(names, 1.0 where this rank's gradient holds a NaN/Inf), taken before clipping: clipping by a
-    non-finite norm spreads NaN to every gradient. No host sync; read only after a bad step.
+def grad_flags(model: torch.nn.Module) -> tuple[list[str], torch.Tensor | None, torch.Tensor | None]:
+    """(names, 1.0 where this rank's gradient holds a NaN/Inf, each gradient's norm), taken before clipping:
+    clipping by a non-finite norm spreads NaN to every gradient. No host sync; read only after a bad step.
 
     Each gradient's norm is non-finite exactly when it holds a NaN/Inf (or, harmlessly, when its finite
     values overflow the fp32 norm, a step the guard skips anyway): one read of the gradient, where
@@ -190,7 +190,10 @@ def grad_flags(model: torch.nn.Module) -> tuple[list[str], torch.Tensor | None]:
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # a DTensor shard (FSDP, TP)
             names.append(n)
             norms.append(torch.linalg.vector_norm(g, dtype=torch.float32))
-    return names, ((~torch.isfinite(torch.stack(norms))).float() if norms else None)
+    if not norms:
+        return names, None, None
+    stacked = torch.stack(norms)
+    return names, (~torch.isfinite(stacked)).float(), stacked
 
 
 def nonfinite_names(names: list[str], flags: torch.Tensor | None, all_reduce_sum) -> list[str]:
@@ -203,3 +206,23 @@ def nonfinite_names(names: list[str], flags: torch.Tensor | None, all_reduce_sum
 
 class NonFiniteError(LoomError):
     """train.max_bad_steps bad steps in a row: the run stopped after saving its last good state."""
+
+
+def largest_grads(names: list[str], norms: list[float], k: int = 5) -> list[list]:
+    """The k parameters with the largest gradient norms, [name, norm] (non-finite ones first: the cause)."""
+    order = sorted(range(len(names)), key=lambda i: (math.isfinite(norms[i]), -abs(norms[i])))
+    return [[names[i], norms[i]] for i in order[:k]]
+
+
+def rows_of_step(state: dict, batch_size: int, data_dir, align: str = "none") -> dict:
+    """Where the batch a loader's state (before the step) leads to came from: its global rows [first, last] in
+    the endless epoch sequence of windows (loom.data.loader.ShardLoader) and the `loom data inspect --rows`
+    command that prints them; {} for a loader without one sequence (data.mix, SFT's packed conversations)."""
+    if set(state) - {"cursor", "seed", "block_size", "windows", "order"}:
+        return {}
+    first, last = int(state["cursor"]), int(state["cursor"]) + batch_size - 1
+    cmd = (
+        f"loom data inspect {data_dir} --rows {first}-{last} --block-size {state['block_size']} "
+        f"--seed {state['seed']}" + (" --align bos" if align == "bos" else "")
+    )
+    return {"rows": [first, last], "inspect": cmd}

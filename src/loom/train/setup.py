@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from loom import checkpoint, log
+from loom import checkpoint, device, log
 from loom.config import Config, diff_configs, read_config
 from loom.errors import LoomError
 from loom.metrics import has_bf16
@@ -21,14 +21,14 @@ from loom.paths import cache_dir
 
 
 def resolve_device(spec: str, local_rank: int = 0, key: str = "train.device") -> torch.device:
-    """auto picks cuda > mps > cpu (cuda:<local rank> in a multi-process job); a missing device is an error.
-    `key` is the option the spec came from, named in the message (train.device, or a command's --device)."""
+    """auto picks cuda > xpu > mps > cpu (<type>:<local rank> in a multi-process job); a missing device is an
+    error. `key` is the option the spec came from, named in the message (train.device, or a command's --device).
+    """
     if spec == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", local_rank % torch.cuda.device_count())
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
+        kind = device.default_type()
+        if kind != "cpu":
+            return torch.device(kind, local_rank % device.count(kind))
+        return torch.device("mps" if device.available("mps") else "cpu")
     try:
         dev = torch.device(spec)
     except RuntimeError:
@@ -36,16 +36,16 @@ def resolve_device(spec: str, local_rank: int = 0, key: str = "train.device") ->
             f"{key} '{spec}' is not a device", hint="use auto, cpu, cuda, cuda:N or mps"
         ) from None
     fix = f"{key}=auto" if "." in key else f"{key} auto (or cpu)"
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise LoomError(f"{key} {spec} asks for cuda but no CUDA device is available", hint=f"use {fix}")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+    if dev.type in ("cuda", "xpu", "mps") and not device.available(dev.type):
+        what = dev.type.upper()
         raise LoomError(
-            f"{key} {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)", hint=f"use {fix}"
+            f"{key} {spec} asks for {dev.type} but no {what} device is available", hint=f"use {fix}"
         )
-    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise LoomError(f"{key} {spec} asks for mps but no MPS device is available", hint=f"use {fix}")
-    if dev.type == "cuda" and dev.index is None:  # each rank its own GPU (LOCAL_RANK), as with auto
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    n = device.count(dev.type)
+    if dev.type in ("cuda", "xpu") and dev.index is not None and dev.index >= n:
+        raise LoomError(f"{key} {spec}: this machine has {n} {dev.type.upper()} device(s)", hint=f"use {fix}")
+    if dev.type in ("cuda", "xpu") and dev.index is None:  # each rank its own GPU (LOCAL_RANK), as with auto
+        return torch.device(dev.type, local_rank % n)
     return dev
 
 

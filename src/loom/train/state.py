@@ -10,6 +10,8 @@ from typing import Any, Protocol
 
 import torch
 
+from loom import device as dev
+
 
 class Stateful(Protocol):
     """What the checkpointer asks of every part it saves (the shape of torch.distributed.checkpoint's
@@ -42,14 +44,14 @@ class RngState:
 
     def state_dict(self) -> dict[str, Any]:
         sd = {"rng_cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            sd["rng_cuda"] = torch.cuda.get_rng_state(self.device)
+        if self.device.type == "cuda":  # the key names the type: a run saved on a GPU resumes on a CPU
+            sd["rng_cuda"] = dev.get_rng_state(self.device)
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         torch.set_rng_state(state_dict["rng_cpu"])
         if self.device.type == "cuda" and "rng_cuda" in state_dict:  # a CPU-saved run has none
-            torch.cuda.set_rng_state(state_dict["rng_cuda"], self.device)
+            dev.set_rng_state(self.device, state_dict["rng_cuda"])
 
 
 class ModelOptimState:

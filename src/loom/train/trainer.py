@@ -22,6 +22,7 @@ import torch.nn as nn
 import loom.eval.capability  # noqa: F401  (registers the evaluators it defines, as loom.generate does)
 import loom.eval.hellaswag  # noqa: F401
 import loom.generate  # noqa: F401
+from loom import device as dev
 from loom import faults, log
 from loom.config import Config, Derived, to_toml
 from loom.config.layout import ParallelDims
@@ -29,6 +30,7 @@ from loom.data.loader import DeviceBatches, doc_eot_id, read_meta
 from loom.data.slice import data_slice
 from loom.data.tokenizers import has_tokenizer, load_tokenizer
 from loom.distributed.comm import Control
+from loom.distributed.stragglers import PhaseClock, StragglerMonitor
 from loom.env import cpu_memory_release, cpu_memory_reuse
 from loom.errors import LoomError
 from loom.eval.evaluator import EvalContext, EvalSetup, Evaluator, build_evaluators
@@ -45,13 +47,23 @@ from loom.metrics import (
 from loom.model.registry import spec_of
 from loom.optim.schedule import lr_at
 from loom.parallel import fp8, parallelize
+from loom.parallel.offload import ActivationOffload
 from loom.parallel.state import model_state_bytes
 from loom.runs import pin_base, pretrained_state
 from loom.train.budget import TimeBudget
 from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointParts, CheckpointPolicy
 from loom.train.finetune import finetune_model, training_flops_per_token
-from loom.train.guard import StepGuard, StopRequest, grad_flags, nonfinite_names
+from loom.train.guard import (
+    StepGuard,
+    StopRequest,
+    grad_flags,
+    largest_grads,
+    nonfinite_names,
+    rows_of_step,
+)
 from loom.train.logger import MetricsLogger
+from loom.train.memory import MemorySnapshots
+from loom.train.profile import StepProfiler
 from loom.train.run_files import write_run_files
 from loom.train.setup import resolve_precision
 from loom.train.stage import build_stage
@@ -82,6 +94,8 @@ class Trainer:
         self.cfg, self.derived, self.run_dir, self.device = cfg, derived, run_dir, device
         self.origin = origin or {}
         self.dims, self.control = dims or ParallelDims(), control or Control()
+        # train.memory_snapshot: the allocation history recorded from here, before any weight exists
+        self.memory = MemorySnapshots(cfg, self.dims.rank, run_dir, device)
         self.meta = read_meta(data_dir)
         self.data_dir = data_dir
         t, dims = cfg.train, self.dims
@@ -122,6 +136,22 @@ class Trainer:
         ]  # data.mix: each source's val loss
         self.evaluators = [self.val, *per_source, *evaluators]  # after each step, in this order, when due
         self.checkpointer = self._checkpointer()
+        self._running_at_scale()
+
+    def _running_at_scale(self) -> None:
+        """The components of issue 48: the straggler monitor (train.straggler_every, several ranks) and the phase
+        clock it reads, activation offloading, the profiler (train.profile_*); the memory snapshots come first
+        of all, in __init__."""
+        t, dims, device = self.cfg.train, self.dims, self.device
+        self.stragglers = None
+        if dims.world_size > 1 and t.straggler_every:
+            every, k = t.straggler_every, t.straggler_windows
+            self.stragglers = StragglerMonitor(
+                every, t.straggler_threshold, k, self.control, self.logger.write
+            )
+        self.phases = PhaseClock(device, enabled=self.stragglers is not None)
+        self.offload = ActivationOffload(device, t.activation_offload)  # saved tensors in host memory
+        self.profiler = StepProfiler(self.cfg, dims.rank, dims.world_size, self.run_dir, device, self.phases)
 
     def _precision(self) -> str:
         """The step's dtype (precision.dtype=auto resolved for this device), its autocast, TF32 on a GPU, and
@@ -133,9 +163,7 @@ class Trainer:
         if dtype == "bf16":
             check_bf16(device, "precision.dtype")
         fp8.check_device(p.fp8, device)
-        if device.type == "cuda":  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanogpt)
-            torch.backends.cuda.matmul.allow_tf32 = p.tf32
-            torch.backends.cudnn.allow_tf32 = p.tf32
+        dev.set_tf32(device, p.tf32)  # TF32: fp32 matmuls on tensor cores with a 10-bit mantissa (as nanogpt)
         self.scaler = torch.amp.GradScaler(
             device.type, init_scale=p.init_scale, growth_interval=p.growth_interval, enabled=dtype == "fp16"
         )
@@ -255,28 +283,21 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over the global batch: accumulate micro-batches, clip, step."""
         # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
-        timing = self.device.type != "cuda" or self.cfg.metrics.detail
-        par, accum, timer = self.parallel, self.derived.grad_accum, StepTimer(self.device, timing)
+        timing = self.device.type not in dev.ASYNC or self.cfg.metrics.detail
+        par, timer = self.parallel, StepTimer(self.device, timing)
         lr = self._set_lr()
-        t0 = time.perf_counter()
-        x, y = self.batches.next_batch()
+        t0, phase, rank = time.perf_counter(), self.phases, self.dims.rank
+        with phase("data", host=True):
+            self.batch_state = (
+                self.batches.state_dict()
+            )  # where this batch starts (a bad step names its rows)
+            x, y = self.batches.next_batch()
+            y = self.faults.corrupt(self.step + 1, y, self.meta["vocab_size"])
+            self.faults.slow("data", rank)
         self._begin_step()
-        if par.pipeline is not None:  # the schedule runs its micro-batches, forward and backward interleaved
-            with timer("f"):
-                loss_sum = par.pipeline.step(x, y, self._autocast, self.stage.pipeline_weight())
-        else:
-            loss_sum = torch.zeros((), device=self.device)
-            for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
-                with par.no_sync(skip=i < accum - 1), par.loss_context():
-                    scale, ym = self.stage.loss_scale(ym, accum)
-                    with timer("f"), self._autocast():
-                        loss = (
-                            par.forward(xm, ym) * scale
-                        )  # the global batch's mean over its (trained) targets
-                    with timer("b"):
-                        self.scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-        par.sync_grads()
+        loss_sum = self._forward_backward(x, y, timer)
+        with phase("comm"):  # exposed communication: what the backward did not overlap
+            par.sync_grads()
         if self.faults.nan_at(self.step + 1, self.dims.rank):
             self.faults.poison_grad(self.model)
         self.scaler.unscale_(self.optimizer)
@@ -290,15 +311,42 @@ class Trainer:
             self.step + 1, loss, math.nan if nonfinite else norm, self.scaler.is_enabled()
         )
         if skip is None:
-            self.scaler.step(self.optimizer)
+            with phase("optimizer"):
+                self.faults.slow("optimizer", rank)
+                self.scaler.step(self.optimizer)
             par.refresh_fp8_scales()
         overflow_scale = self._update_scaler()
         self.step += 1
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, **timer.read()}
+        if self.offload.enabled:  # what the saved-tensor hooks moved to host memory (on a CPU: would have)
+            rec["offloaded_bytes"] = self.offload.reset()
         rec.update(par.after_step(update=skip is None))  # the family's (MoE: balance bias and expert load)
         rec.update(self._model_state_report())  # before zero_grad: gradients are part of what a step holds
         self.optimizer.zero_grad(set_to_none=True)
         return self._record(rec, time.perf_counter() - t0, skip, stop, flags, overflow_scale)
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, timer: StepTimer) -> torch.Tensor:
+        """The global batch's forward and backward (accumulated micro-batches, or the pipeline's schedule);
+        returns the summed loss (on the device)."""
+        par, accum, phase, rank = self.parallel, self.derived.grad_accum, self.phases, self.dims.rank
+        if par.pipeline is not None:  # the schedule runs its micro-batches, forward and backward interleaved
+            with timer("f"), phase("forward"):
+                self.faults.slow("forward", rank)
+                with self.offload():
+                    return par.pipeline.step(x, y, self._autocast, self.stage.pipeline_weight())
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+            with par.no_sync(skip=i < accum - 1), par.loss_context():
+                scale, ym = self.stage.loss_scale(ym, accum)
+                with timer("f"), phase("forward"), self._autocast(), self.offload():
+                    self.faults.slow("forward", rank)
+                    self.faults.oom(self.step + 1)
+                    loss = par.forward(xm, ym) * scale  # the global batch's mean over its (trained) targets
+                with timer("b"), phase("backward"):
+                    self.faults.slow("backward", rank)
+                    self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        return loss_sum
 
     def _set_lr(self) -> float:
         o = self.cfg.optim
@@ -329,8 +377,10 @@ class Trainer:
                 loss_scale=self.scaler.get_scale(), overflow=overflow, overflow_steps=self.overflow_steps
             )
         if skip:
-            bad = self._nonfinite_params(*flags) if "non-finite" in skip else []
+            names, nonfinite, norms = flags
+            bad = self._nonfinite_params(names, nonfinite) if "non-finite" in skip else []
             rec.update(skipped=skip, bad_steps=self.guard.skipped, nonfinite_params=bad)
+            rec.update(self._explain(names, norms))
         if stop:
             rec["stop"] = self.stop.signal or "a signal on another rank"
         rec.update(dt=dt, **self.throughput.step(self.derived.tokens_per_step, dt))
@@ -360,6 +410,17 @@ class Trainer:
         if self.dims.model_parallel:
             return nonfinite_names(names, flags, lambda t: t)  # this rank's parameters
         return nonfinite_names(names, flags, self.parallel.all_reduce_sum)
+
+    def _explain(self, names: list[str], norms: torch.Tensor | None) -> dict:
+        """What a bad step can say of its cause: the global rows of its batch (and the command that prints
+        them), the parameters with the largest gradient norms (whole norms under FSDP; a model-parallel rank's
+        own parameters otherwise). The learning rate is in the step's record already."""
+        out = rows_of_step(self.batch_state, self.cfg.train.batch_size, self.data_dir, self.cfg.data.align)
+        if norms is not None:
+            if self.dims.fsdp_enabled and not self.dims.model_parallel:  # each rank holds a shard of each
+                norms = self.parallel.all_reduce_sum(norms.float() ** 2).sqrt()
+            out["top_grads"] = largest_grads(names, norms.tolist())
+        return out
 
     def _model_state_report(self) -> dict:
         """mem_params/grads/optim: bytes this rank holds (its shards), on the first and every logged step."""
@@ -474,7 +535,13 @@ class Trainer:
         """A step, then each component in turn decides what is due after it (torchtitan's loop): the time
         budget, the logger, the bad-step guard, a stop on a signal, each evaluator, the checkpointer. Returns
         why the run stops here (a signal), else None."""
-        rec = self.train_step()
+        self.profiler.before_step(self.step + 1)
+        try:
+            rec = self.train_step()
+        except torch.OutOfMemoryError as e:  # the snapshot (train.memory_snapshot), then a named exit
+            raise self.memory.out_of_memory(self.step + 1, e) from None
+        if self.stragglers is not None:
+            self.stragglers.after_step(self.step, self.phases.take())
         self.budget.after_step(self.step, rec["dt"])  # train.time_budget_s may set train.steps here
         final = self.step == self.cfg.train.steps
         self.logger.after_step(rec, final)
@@ -483,7 +550,10 @@ class Trainer:
         if "stop" in rec:
             return self._stop(rec["stop"])
         self._evaluate(rec["tokens"], final)
-        self.checkpointer.after_step(self.step, final)
+        with self.phases("checkpoint"):
+            self.checkpointer.after_step(self.step, final)
+        self.profiler.after_step(self.step, final)
+        self.memory.after_step(self.step)
         return None
 
     def _evaluate(self, tokens: int, final: bool) -> None:
@@ -512,6 +582,13 @@ class Trainer:
         """Warn with the step and reason; after train.max_bad_steps in a row, save and stop."""
         names = rec.get("nonfinite_params") or []
         log.warn(self.guard.describe(self.step, rec["skipped"], names))
+        grads = ", ".join(f"{n} {g:.3g}" for n, g in rec.get("top_grads", []))
+        rows = (
+            f"its batch is rows {rec['rows'][0]}-{rec['rows'][1]} ({rec['inspect']}); "
+            if "rows" in rec
+            else ""
+        )
+        log.warn(f"step {self.step}: lr {rec['lr']:.3g}; {rows}largest gradient norms: {grads or 'none'}")
         if not self.guard.exhausted:
             return
         saved = self.checkpointer.save()  # the weights and optimizer are still those of the last good step
