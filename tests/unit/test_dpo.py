@@ -167,6 +167,10 @@ def test_a_tiny_dpo_run_starts_at_log_2_and_learns_the_preference(dpo_root, lora
 def test_ipo_runs_and_starts_at_its_closed_form(dpo_root):
     recs = _dpo(dpo_root, "ipo", "--dpo.loss=ipo", "--dpo.beta=0.5", "--train.steps=2")
     assert recs[0]["loss"] == pytest.approx(1.0, abs=1e-5)  # h = 0: (0 - 1 / (2 * 0.5))^2
+    # loom plot draws the rewards, margin and accuracy beside the loss
+    png = dpo_root / "ipo.png"
+    assert main(["plot", str(dpo_root / "runs" / "ipo"), "--out", str(png)]) == 0
+    assert png.stat().st_size > 0
 
 
 def test_loom_dpo_refuses_what_it_cannot_tune(dpo_root, capsys):
