@@ -129,14 +129,14 @@ def final_answer_mask(mask: np.ndarray) -> np.ndarray:
     return out
 
 
-def _render_pairs(template, pairs, block_size: int, too_long: str, drops: Drops) -> list[tuple]:
-    """(chosen, rejected) Rendered conversations of every pair whose two sides both render (and fit) and
-    differ as tokens; each side's mask cut to its final answer."""
+def _render_pairs(template, pairs, block_size: int, too_long: str, drops: Drops) -> tuple[list[tuple], int]:
+    """((chosen, rejected) Rendered conversations of every pair whose two sides both render (and fit) and
+    differ as tokens, each side's mask cut to its final answer; the number of sides truncated)."""
     convs = []
     for where, prompt, chosen, rejected in pairs:
         convs.append((f"{where} (chosen)", [*prompt, {"role": "assistant", "content": chosen}]))
         convs.append((f"{where} (rejected)", [*prompt, {"role": "assistant", "content": rejected}]))
-    kept, _ = _render_all(template, convs, block_size, too_long, drops)
+    kept, truncated = _render_all(template, convs, block_size, too_long, drops)
     by_place = {r.where: r for r in kept}
     out = []
     for where, *_ in pairs:
@@ -148,7 +148,7 @@ def _render_pairs(template, pairs, block_size: int, too_long: str, drops: Drops)
             continue
         c.mask, r.mask = final_answer_mask(c.mask), final_answer_mask(r.mask)
         out.append((c, r))
-    return out
+    return out, truncated
 
 
 def check_chat_model(spec: str, template, base_vocab: int, chat_template: str) -> None:
@@ -194,7 +194,7 @@ def prepare_pairs(
     convs = [(w, [*p, {"role": "assistant", "content": c + r}]) for w, p, c, r in pairs]
     template, kind, base_vocab, base_sha = _template(tokenizer_spec, chat_template, convs, vocab_size)
     check_chat_model(tokenizer_spec, template, base_vocab, chat_template)
-    rendered = _render_pairs(template, pairs, block_size, too_long, drops)
+    rendered, truncated = _render_pairs(template, pairs, block_size, too_long, drops)
     for line in drops.lines():
         log.warn(f"dropped {line}")
     if not rendered:
@@ -204,7 +204,7 @@ def prepare_pairs(
     split["val"] = [p for i, p in enumerate(rendered) if i in val]
     parts = {s: [side for pair in split[s] for side in pair] for s in split}
     entry = {"pairs": {s: len(split[s]) for s in split}, "dropped": dict(drops.counts)}
-    written = Written(template, kind, base_vocab, base_sha, paths, drops, 0, 0)
+    written = Written(template, kind, base_vocab, base_sha, paths, drops, truncated, 0)
     meta = write_chat_data(out, cfg, written, parts, force, {"preference": entry})
     log.info(
         f"prepared {out}: {len(rendered)} preference pair(s) (train {entry['pairs']['train']}, val "

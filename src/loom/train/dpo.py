@@ -86,7 +86,6 @@ class DPO:
     def __init__(self, cfg: Config, data_dir: Path, meta: dict, part: DataSlice, device: torch.device):
         check_layout(cfg)
         t = cfg.train
-        self.loader = PairLoader(data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, part)
         micro = t.micro_batch_size or t.batch_size // part.dp_size
         if micro % 2:
             raise LoomError(
@@ -94,6 +93,7 @@ class DPO:
                 hint="use an even train.micro_batch_size",
             )
         self.micro_pairs = micro // 2
+        self.loader = PairLoader(data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, part)
         self.batches = DeviceBatches(self.loader, device)
         self.valset = validation_set(cfg, data_dir, meta, t.eval_batches * t.batch_size, part)
         self.source_valsets: dict = {}
@@ -139,16 +139,16 @@ class DPO:
 
     def micro_loss(self, forward, x: torch.Tensor, y: torch.Tensor, i: int, accum: int) -> torch.Tensor:
         """Micro-batch i's mean pair loss over the accumulation steps; its rewards added to the step's sums."""
+        assert self.loader.reference is not None, "begin() computes the reference before the first step"
         policy = sequence_logps(forward, x, y).view(-1, 2)
         ref = torch.from_numpy(self.loader.reference[self._micro_pairs(i)]).to(policy.device)
         if self.loss == "ipo":  # IPO's log-probabilities are per-token means
             tokens = (y != -1).sum(-1).view(-1, 2).clamp(min=1)
             policy, ref = policy / tokens, ref / tokens
         losses, rewards = preference_loss(policy, ref, self.beta, self.loss)
-        correct = (rewards[:, 0] > rewards[:, 1]).sum()
-        self._sums += torch.stack(
-            [rewards[:, 0].sum(), rewards[:, 1].sum(), correct, torch.tensor(len(losses))]
-        ).to(self._sums)
+        correct = (rewards[:, 0] > rewards[:, 1]).sum().to(rewards.dtype)
+        count = rewards.new_tensor(float(len(losses)))
+        self._sums += torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(), correct, count]).to(self._sums)
         return losses.mean() / accum
 
     def step_metrics(self, all_reduce_sum) -> dict:
