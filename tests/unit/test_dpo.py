@@ -164,6 +164,17 @@ def test_a_tiny_dpo_run_starts_at_log_2_and_learns_the_preference(dpo_root, lora
     )
 
 
+def test_loom_eval_of_a_dpo_run_scores_what_the_run_scored(dpo_root, capsys):
+    """The validation loss is the loss on the validation pairs' chosen answers, in the run and in loom eval."""
+    _dpo(dpo_root, "dpo-eval", "--train.steps=2")
+    run = dpo_root / "runs" / "dpo-eval"
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    val = [r["val_loss"] for r in map(json.loads, lines) if "val_loss" in r][-1]
+    capsys.readouterr()
+    assert main(["eval", str(run), "--device", "cpu"]) == 0
+    assert f"{val:.4f}" in capsys.readouterr().out
+
+
 def test_ipo_runs_and_starts_at_its_closed_form(dpo_root):
     recs = _dpo(dpo_root, "ipo", "--dpo.loss=ipo", "--dpo.beta=0.5", "--train.steps=2")
     assert recs[0]["loss"] == pytest.approx(1.0, abs=1e-5)  # h = 0: (0 - 1 / (2 * 0.5))^2
