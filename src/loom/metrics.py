@@ -248,6 +248,9 @@ def format_step(rec: dict) -> str:
             else ""
         )
         + (f" | compile {rec['compile_s']:.1f}s" if "compile_s" in rec else "")
+        + (  # loom dpo: the reward margin and the share of pairs ranked right
+            f" | margin {rec['dpo/margin']:.3f} acc {rec['dpo/accuracy']:.2f}" if "dpo/margin" in rec else ""
+        )
     )
 
 

@@ -1,6 +1,7 @@
 """`loom plot`: train and val loss against tokens seen, several runs overlaid (reads metrics.jsonl); with a
-panel of validation bits per byte when the runs recorded it (comparable across tokenizers), and one of the
-capability scores when they recorded any (eval.tasks' accuracies, CORE: loom.eval.capability)."""
+panel of validation bits per byte when the runs recorded it (comparable across tokenizers), one of the
+capability scores when they recorded any (eval.tasks' accuracies, CORE: loom.eval.capability), and one of
+preference tuning's rewards, margin and accuracy (loom dpo)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     scores = sorted({k for _, recs in runs for r in recs for k in r if is_score(k)})
     mix = any("mix_tokens" in r for _, recs in runs for r in recs)
     ranks = any("stragglers" in r for _, recs in runs for r in recs)
-    n = 1 + with_bpb + bool(scores) + 2 * mix + ranks
+    dpo = any("dpo/margin" in r for _, recs in runs for r in recs)
+    n = 1 + with_bpb + bool(scores) + dpo + 2 * mix + ranks
     fig, axes = plt.subplots(1, n, figsize=(8 if n == 1 else 6.5 * n, 5), squeeze=False)
     ax, ax_bpb = axes[0][0], axes[0][1] if with_bpb else None
     ax_score = axes[0][1 + with_bpb] if scores else None
@@ -41,6 +43,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
         _plot_mix(runs, axes[0][-2 - ranks], axes[0][-1 - ranks])
     if ranks:
         _plot_ranks(runs, axes[0][-1])
+    if dpo:
+        _plot_dpo(runs, axes[0][1 + with_bpb + bool(scores)])
     for i, (rd, recs) in enumerate(runs):
         color = f"C{i % 10}"
         train = [(r["tokens"], r["loss"]) for r in recs if "loss" in r and "tokens" in r]
@@ -137,6 +141,28 @@ def _plot_ranks(runs: list, ax) -> None:
     ax.set_ylabel("ms per step, per rank (min-max shaded)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def _plot_dpo(runs: list, ax) -> None:
+    """Preference tuning (loom dpo): the chosen and rejected rewards, their margin, and on a second axis the
+    share of pairs whose chosen reward is the larger."""
+    acc = ax.twinx()
+    for i, (rd, recs) in enumerate(runs):
+        name, color = Path(rd).name, f"C{i % 10}"
+        for key, style in (("chosen_reward", "-"), ("rejected_reward", ":"), ("margin", "--")):
+            pts = [(r["tokens"], r[f"dpo/{key}"]) for r in recs if f"dpo/{key}" in r]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), color=color, linestyle=style, label=f"{name} {key}")
+        pts = [(r["tokens"], r["dpo/accuracy"]) for r in recs if "dpo/accuracy" in r]
+        if pts:
+            acc.plot(*zip(*pts, strict=True), color=color, alpha=0.3, label=f"{name} accuracy")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("reward: beta x log-ratio to the reference")
+    acc.set_ylabel("accuracy (chosen reward > rejected)")
+    acc.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    acc.legend(fontsize=7, loc="lower right")
 
 
 def _shares(recs: list[dict], src: str) -> list[tuple[int, float]]:

@@ -53,6 +53,17 @@ def _mix_sources(root: Path, char_data: Path) -> None:
     (root / "noeot" / "meta.json").write_text(json.dumps(noeot))
 
 
+def _pairs(root: Path) -> None:
+    """Preference pairs (loom dpo): good ones (JSONL, and prepared with a char tokenizer), and a file whose every
+    pair prefers its answer to itself."""
+    good = [{"prompt": f"say {w}", "chosen": w, "rejected": w[::-1]} for w in ("abc", "hello", "stone", "ab")]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
+    same = [{"prompt": f"say {w}", "chosen": w, "rejected": w} for w in ("abc", "hello")]
+    (root / "same.jsonl").write_text("".join(json.dumps(r) + "\n" for r in same))
+    args = ["data", "prepare", "--pairs", "--input", str(root / "pairs.jsonl"), "--out", str(root / "pref")]
+    assert main([*args, "--tokenizer", "char", "--block-size", "32"]) == 0
+
+
 @pytest.fixture(scope="module")
 def tree(char_data):
     """Data in good and broken forms, config files, a finished run with a checkpoint, a corrupt copy of
@@ -86,6 +97,7 @@ def tree(char_data):
     (root / "cache").mkdir()
     (root / "empty").mkdir()
     (root / "bad.toml").write_text("this is [not toml\n")
+    _pairs(root)
     (root / "section.toml").write_text("[modle]\nn_layer = 2\n")
     runs = root / "runs"
     assert (
@@ -252,6 +264,39 @@ MANY = 8 * CORES  # far above the cores this process may use
 # Every other command (and train rows that need an exact command line): name -> (argv after `loom`, the
 # message, the exit code). {root} is the tree, {many} and {cores} the process and core counts.
 COMMANDS = {
+    # preference pairs and loom dpo (issue 46)
+    "data prepare --pairs: every pair's chosen equals its rejected": (
+        ["data", "prepare", "--pairs", "--input", "{root}/same.jsonl", "--out", "{root}/cwd/p", "--tokenizer"]
+        + ["char", "--block-size", "32"],
+        "2 record(s): chosen equals rejected",
+        2,
+    ),
+    "data prepare --pairs for a base run without chat tokens": (
+        ["data", "prepare", "--pairs", "--input", "{root}/pairs.jsonl", "--out", "{root}/cwd/p"]
+        + ["--tokenizer", "{root}/runs/ok", "--block-size", "32"],
+        "'{root}/runs/ok' has no chat tokens: preference tuning starts from a chat model",
+        2,
+    ),
+    "dpo: no model.init_from": (
+        ["dpo", "--data.path={root}/pref"],
+        "model.init_from is not set",
+        2,
+    ),
+    "dpo: data that holds no pairs": (
+        ["dpo", "--data.path={root}/data", "--model.init_from=run:{root}/runs/ok"],
+        "loom dpo needs preference pairs; {root}/data holds no pairs",
+        2,
+    ),
+    "dpo: unknown dpo.loss": (
+        ["dpo", "--data.path={root}/pref", "--model.init_from=run:{root}/runs/ok", "--dpo.loss=hinge"],
+        "config key 'dpo.loss' must be one of sigmoid, ipo; got 'hinge'",
+        2,
+    ),
+    "train on pairs with an odd micro-batch": (
+        ["train", "--data.path={root}/pref", "--train.micro_batch_size=1"],
+        "train.micro_batch_size=1 rows: a micro-batch holds whole pairs",
+        2,
+    ),
     # data.mix (issue 47): each refused before any data is read or any model built
     "train: data.mix with a negative weight": (
         ["train", "--data.mix=a={root}/data:-0.5,b={root}/data:1"],

@@ -26,7 +26,7 @@ def data(argv: list[str]) -> int:
     _add_text_options(pp)
     _add_chat_options(pp)
     args = p.parse_args(argv)
-    if args.chat:
+    if args.chat or args.pairs:
         refuse_options(
             pp,
             argv[1:],
@@ -139,6 +139,12 @@ def _add_chat_options(pp) -> None:
         help="--input is conversations ({messages: [...]} or {prompt, completion}) in JSONL (.gz, .zst) or "
         "Parquet: shards + loss masks "
         "+ the tokenizer with chat tokens; --tokenizer may also be a run directory (the model to fine-tune)",
+    )
+    chat.add_argument(
+        "--pairs",
+        action="store_true",
+        help="--input is preference pairs ({prompt, chosen, rejected}, or messages for the prompt) for loom dpo: "
+        "chat data of each pair's two answers (the chat options apply); --tokenizer the chat model to tune",
     )
     chat.add_argument(
         "--block-size",
@@ -257,6 +263,8 @@ def _prepare_chat(args) -> int:
     check_inputs(args.input)
     check_output_dir(args.out, "--out", temp_beside=True)
     check_tokenizer_spec(args.tokenizer, args.vocab_size, args.chat_template or "loom")
+    if args.pairs:  # preference pairs (loom.data.pairs)
+        from loom.data.pairs import prepare_pairs as prepare_chat
     prepare_chat(
         args.input,
         args.out,

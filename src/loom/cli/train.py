@@ -1,4 +1,4 @@
-"""`loom train` and `loom sft`: a config file and --section.key=value overrides, then loom.train.run (or
+"""`loom train`, `loom sft` and `loom dpo`: a config file and --section.key=value overrides, then loom.train.run (or
 --nproc local processes, or --dry-run: loom.dryrun)."""
 
 from __future__ import annotations
@@ -12,7 +12,44 @@ from loom.errors import LoomError
 
 def sft(argv: list[str]) -> int:
     """`loom sft`: `loom train` that first insists on what supervised fine-tuning needs (check_sft)."""
-    return train(argv, sft=True)
+    return train(argv, stage="sft")
+
+
+def dpo(argv: list[str]) -> int:
+    """`loom dpo`: `loom train` that first insists on what preference tuning needs (check_dpo)."""
+    return train(argv, stage="dpo")
+
+
+def check_dpo(cfg) -> None:
+    """Preference pairs (loom data prepare --pairs) and a chat model to start from, or one error before any
+    work: the pairs' tokenizer must be the model's own, chat tokens included (a base run never answered in the
+    chat template: `loom sft` it first)."""
+    from loom.data.loader import read_meta
+    from loom.data.pairs import is_preference_data
+
+    prepare = "loom data prepare --pairs --input PAIRS.jsonl --tokenizer runs/SFT --out data/pref"
+    if not cfg.data.path:
+        raise LoomError("loom dpo needs preference pairs: data.path is not set", hint=prepare)
+    meta = read_meta(cfg.data.path)
+    if not is_preference_data(meta):
+        raise LoomError(
+            f"loom dpo needs preference pairs; {cfg.data.path} holds no pairs (its meta.json has no "
+            "'preference' entry)",
+            hint=prepare,
+        )
+    if not cfg.model.init_from:
+        raise LoomError(
+            "loom dpo starts from a trained chat model (the reference): model.init_from is not set",
+            hint="--model.init_from=run:RUNS/SFT (a loom run fine-tuned on conversations)",
+        )
+    chat = meta.get("chat") or {}
+    if chat.get("template") == "loom" and chat.get("base_vocab_size", 0) < meta["vocab_size"]:
+        raise LoomError(
+            f"the pairs in {cfg.data.path} add chat tokens to their tokenizer: the model they were prepared "
+            "for is a base model without chat tokens, which never answered in the chat template",
+            hint="fine-tune it on conversations first (loom sft), then prepare the pairs with --tokenizer "
+            "RUNS/SFT",
+        )
 
 
 def check_sft(cfg) -> None:
@@ -39,13 +76,19 @@ def check_sft(cfg) -> None:
         )
 
 
-def _parser(sft: bool) -> argparse.ArgumentParser:
+_DESCRIPTIONS = {
+    "train": "Train a language model. With no arguments: the built-in corpus and the demo model.",
+    "sft": "Fine-tune a model on conversations (loom train, insisting on chat data and model.init_from).",
+    "dpo": "Preference-tune a chat model on pairs of answers, DPO or IPO (loom train, insisting on preference "
+    "pairs and model.init_from).",
+}
+_CHECKS = {"sft": check_sft, "dpo": check_dpo}  # what each verb insists on before `loom train` runs
+
+
+def _parser(stage: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="loom sft" if sft else "loom train",
-        description="Fine-tune a model on conversations (loom train, insisting on chat data and "
-        "model.init_from)."
-        if sft
-        else "Train a language model. With no arguments: the built-in corpus and the demo model.",
+        prog=f"loom {stage}",
+        description=_DESCRIPTIONS[stage],
         epilog="Any config key can be set as --section.key=value; see --help-config.",
     )
     p.add_argument("config", nargs="?", help="a TOML config file (configs/*.toml)")
@@ -72,12 +115,12 @@ def _parser(sft: bool) -> argparse.ArgumentParser:
     return p
 
 
-def train(argv: list[str], sft: bool = False) -> int:
+def train(argv: list[str], stage: str = "train") -> int:
     if "--dry-run" in argv:  # will the job fit at --world N: built and stepped on fake tensors (loom.dryrun)
         from loom.dryrun import dryrun_main
 
         return dryrun_main([a for a in argv if a != "--dry-run"])
-    args, rest = _parser(sft).parse_known_args(argv)
+    args, rest = _parser(stage).parse_known_args(argv)
     from loom import config
 
     if args.help_config:
@@ -85,8 +128,8 @@ def train(argv: list[str], sft: bool = False) -> int:
         return 0
     args.config, rest = config.config_argv(argv, args.config, rest)
     cfg = config.load_config(args.config, rest)
-    if sft:
-        check_sft(cfg)
+    if stage in _CHECKS:
+        _CHECKS[stage](cfg)
     explicit = config.explicit_keys(args.config, rest)
     if args.max_restarts < 0:
         raise LoomError(f"--max-restarts must be >= 0, got {args.max_restarts}")

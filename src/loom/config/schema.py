@@ -554,6 +554,24 @@ class FinetuneConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Preference tuning on preference pairs (`loom dpo`, loom.train.dpo): the loss against the reference
+    model, the one the run starts from (model.init_from)."""
+
+    beta: float = _f(
+        0.1,
+        "How far the policy may move from the reference: the scale of the log-ratio in the loss (sigmoid), or "
+        "the inverse of twice IPO's target margin.",
+        gt=0,
+    )
+    loss: str = _f(
+        "sigmoid",
+        "sigmoid: DPO's -log sigmoid(beta * margin) | ipo: (margin - 1 / (2 beta))^2 over per-token mean "
+        "log-probabilities.",
+    )
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -565,6 +583,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section's keys; the model section's include its family's own keys (config.toml saves them)."""
@@ -612,6 +631,7 @@ CHOICES = {
     ("parallel", "mpi_allreduce"): ("mpi", "ring"),
     ("parallel", "cp_impl"): ("ulysses", "ring"),
     ("parallel", "pp_schedule"): tuple(PP_SCHEDULES),
+    ("dpo", "loss"): ("sigmoid", "ipo"),
 }
 
 

@@ -309,19 +309,48 @@ def prepare_chat(
     kept, truncated = _render_all(template, convs, block_size, too_long, drops)
     _warn_dropped(template, drops, kept, truncated, block_size, paths)
     parts, repeats = _split_kept(kept, val_fraction, seed)
+    written = Written(template, kind, base_vocab, base_sha, paths, drops, truncated, repeats)
+    meta = write_chat_data(out, cfg, written, parts, force)
+    _report(out, meta, time.perf_counter() - t0)
+    return meta
+
+
+@dataclass
+class Written:
+    """What a chat data set's meta.json records beside its splits (write_chat_data)."""
+
+    template: object  # loom's ChatTemplate or the tokenizer's (loom.data.hf_chat)
+    kind: str  # the tokenizer's kind
+    base_vocab: int  # the base tokenizer's vocabulary, before the chat tokens
+    base_sha: str | None  # its sha256 (None: the data's own tokenizer, nothing added)
+    paths: list[Path]
+    drops: Drops
+    truncated: int
+    repeats: int
+
+
+def write_chat_data(
+    out: Path, cfg: ChatSettings, w: Written, parts: dict, force: bool, extra: dict | None = None
+) -> dict:
+    """The split conversations `parts` ({train, val}: Rendered) written as chat data into `out` (through
+    `.<out>.loom-tmp` beside it, renamed once complete): shards, loss masks, the tokenizer, meta.json (with
+    `extra`'s entries). Returns the meta."""
     tmp = out.with_name(f".{out.name}.loom-tmp")
     _fresh_tmp(tmp, force)
+    template = w.template
     try:
         file = template.tok.save(tmp) if isinstance(template, ChatTemplate) else template.save(tmp)
-        info = {"kind": kind, "file": file, "eot_id": template.eot_id}
+        info = {"kind": w.kind, "file": file, "eot_id": template.eot_id}
         info["sha256"] = tokenizer_hash(tmp, {"tokenizer": info})
-        vocab = template.vocab_size if chat_template == "tokenizer" else template.tok.vocab_size
+        vocab = template.vocab_size if cfg.chat_template == "tokenizer" else template.tok.vocab_size
         version = version_for_vocab(vocab)
         splits = {s: _write_split(tmp, s, parts[s], version) for s in parts}
-        meta = _meta(info, vocab, version, splits, paths, kept, parts, drops, repeats, cfg)
+        kept = [c for s in parts for c in parts[s]]
+        meta = _meta(info, vocab, version, splits, w.paths, kept, parts, w.drops, w.repeats, cfg)
         meta["chat"] = _chat_entry(
-            template, cfg, parts, drops, truncated, base_vocab, base_sha or info["sha256"]
+            template, cfg, parts, w.drops, w.truncated, w.base_vocab, w.base_sha or info["sha256"]
         )
+        meta.update(extra or {})
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False), encoding="utf-8")
         write_marker(tmp, "data")
         replace_output(out, "data", force)
@@ -329,7 +358,6 @@ def prepare_chat(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _report(out, meta, time.perf_counter() - t0)
     return meta
 
 

@@ -136,7 +136,7 @@ def _jsonl_records(path: Path, kind: str):
                 yield f"{path.name}:{n}", None, "not JSON"
 
 
-PARQUET_COLUMNS = ("messages", "prompt", "completion")
+PARQUET_COLUMNS = ("messages", "prompt", "completion", "chosen", "rejected")  # the last two: preference pairs
 
 
 def _parquet_records(path: Path):
@@ -161,16 +161,21 @@ def read_conversations(inputs: list[Path], drops: Drops) -> list[tuple[str, Mess
     """(place, messages) of every valid record of the inputs (JSONL, .jsonl.gz, .jsonl.zst or Parquet), in
     order; the others counted in `drops`."""
     found = []
+    for where, obj, reason in read_records(inputs):
+        messages, reason = (None, reason) if reason else record_messages(obj)
+        if reason:
+            drops.add(reason, where)
+        else:
+            found.append((where, messages))
+    return found
+
+
+def read_records(inputs: list[Path]):
+    """(place, record, None) for every record of the inputs (JSONL, .jsonl.gz, .jsonl.zst or Parquet), in
+    order, or (place, None, why it is no record)."""
     for path in inputs:
         kind = input_kind(path)
-        records = _parquet_records(path) if kind == "parquet" else _jsonl_records(path, kind)
-        for where, obj, reason in records:
-            messages, reason = (None, reason) if reason else record_messages(obj)
-            if reason:
-                drops.add(reason, where)
-            else:
-                found.append((where, messages))
-    return found
+        yield from _parquet_records(path) if kind == "parquet" else _jsonl_records(path, kind)
 
 
 def check_inputs(inputs: list[str | Path]) -> list[Path]:

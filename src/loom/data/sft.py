@@ -258,12 +258,26 @@ class ChatValSet:
             yield seq_chunk(x, *self.part.cp), seq_chunk(y, *self.part.cp)
 
 
+class ChosenValSet(ChatValSet):
+    """The validation pairs' chosen answers (preference pairs, loom.data.pairs: conversation 2i is pair i's
+    chosen), one a row: the validation loss of a DPO run is its loss on the answers it is taught to prefer."""
+
+    def __init__(self, data_dir: str | Path, block_size: int, n_rows: int, part: DataSlice = WHOLE):
+        self.convs = Conversations(data_dir, "val", block_size)
+        rows = [[2 * i] for i in range(len(self.convs) // 2)][:n_rows]
+        self.rows = rows[part.dp_rank :: part.dp_size]
+        self.part, self.total_rows = part, len(rows)
+
+
 def validation_set(cfg, data_dir: Path, meta: dict, n_rows: int, part: DataSlice = WHOLE):
     """The validation rows a run measures, for the trainer and for `loom eval` of the run alike (one function,
     so the two cannot disagree): chat data's val conversations packed as training packs them (ChatValSet, the
     assistant's tokens scored), else windows of the token stream (ValSet). `cfg`: the run's loom Config;
-    `part`: this rank's slice of the rows (loom eval of a run: its data-parallel ranks')."""
+    `part`: this rank's slice of the rows (loom eval of a run: its data-parallel ranks'); preference pairs'
+    chosen answers (ChosenValSet)."""
     block = cfg.model.block_size
+    if isinstance(meta.get("preference"), dict):  # preference pairs (loom.data.pairs): the chosen answers
+        return ChosenValSet(data_dir, block, n_rows, part)
     if is_chat_data(meta):
         return ChatValSet(data_dir, block, n_rows, cfg.run.seed, part, pack=cfg.data.doc_mask)
     return ValSet(data_dir, block, n_rows, part)

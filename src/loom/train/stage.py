@@ -1,9 +1,9 @@
 """The training stage: what a step trains on and how each micro-batch's loss is weighed. Pretraining (windows of
 the token stream, every target trained) and supervised fine-tuning (packed conversations, the assistant's
-targets only) are stages; the data chooses (`build_stage`: the first of STAGES that applies). The trainer asks
-its stage for the batches, the validation rows and each micro-batch's loss weight, and never branches on
-which stage it runs. A stage to come (RL, preference tuning) is a class with the same three parts, put in
-STAGES before the ones whose data it also matches."""
+targets only) and preference tuning (pairs of answers: loom.train.dpo) are stages; the data chooses (`build_stage`: the first of STAGES that applies). The trainer asks
+its stage for the batches, the validation rows and each micro-batch's loss, and never branches on which stage
+it runs. A stage to come (RL) is a class with the same parts, put in STAGES before the ones whose data it also
+matches."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from loom.config import Config
 from loom.data.loader import DeviceBatches, ShardLoader
 from loom.data.sft import ChatLoader, is_chat_data, validation_set
 from loom.data.slice import DataSlice
+from loom.train.dpo import DPO
 
 
 class Stage(Protocol):
@@ -33,6 +34,31 @@ class Stage(Protocol):
         """The pipeline schedule's weight per trained target of the last global batch (None: the mean of
         every target)."""
 
+    def micro_loss(self, forward, x: torch.Tensor, y: torch.Tensor, i: int, accum: int) -> torch.Tensor:
+        """Micro-batch i of `accum`'s loss (`forward`: the parallelized model), weighed so that the step's
+        gradient is the global batch's."""
+
+    def begin(self, par, autocast) -> None:
+        """Before the first step of this process (after a resumed checkpoint loaded): work the stage does
+        once with the model (`par`: loom.parallel.Parallelized; `autocast`: the step's precision)."""
+
+    def step_metrics(self, all_reduce_sum) -> dict:
+        """The stage's own figures of the step just taken, for metrics.jsonl (a collective: every rank)."""
+
+
+class TokenLoss:
+    """A stage whose loss is the model's mean cross-entropy over the targets, weighed by loss_scale."""
+
+    def micro_loss(self, forward, x: torch.Tensor, y: torch.Tensor, i: int, accum: int) -> torch.Tensor:
+        scale, y = self.loss_scale(y, accum)
+        return forward(x, y) * scale  # the global batch's mean over its (trained) targets
+
+    def begin(self, par, autocast) -> None:
+        pass
+
+    def step_metrics(self, all_reduce_sum) -> dict:
+        return {}
+
 
 def _valset(cfg: Config, data_dir: Path, meta: dict, part: DataSlice):
     """The validation rows (loom.data.sft.validation_set: what `loom eval` of this run measures too)."""
@@ -40,7 +66,7 @@ def _valset(cfg: Config, data_dir: Path, meta: dict, part: DataSlice):
     return validation_set(cfg, data_dir, meta, t.eval_batches * t.batch_size, part)
 
 
-class Pretrain:
+class Pretrain(TokenLoss):
     """Windows of the token stream (a global cursor; this rank's slice of each global batch), every target
     trained: each micro-batch has as many targets, so its mean loss weighs 1 / accumulation steps."""
 
@@ -94,7 +120,7 @@ class Pretrain:
         return None
 
 
-class SFT:
+class SFT(TokenLoss):
     """Supervised fine-tuning: conversations packed best-fit into rows (with document masks; else one a row),
     targets masked to the assistant's (loom.data.sft). Each micro-batch's loss weighs by its trained targets."""
 
@@ -135,7 +161,7 @@ class SFT:
         return self.ranks / max(self.batches.valid_targets, 1)  # each trained target weighs dp x cp / N
 
 
-STAGES: list = [SFT, Pretrain]  # the first that applies to the data and config is the run's stage
+STAGES: list = [DPO, SFT, Pretrain]  # the first that applies to the data and config is the run's stage
 
 
 def build_stage(cfg: Config, data_dir: Path, meta: dict, part: DataSlice, device: torch.device) -> Stage:

@@ -320,6 +320,7 @@ class Trainer:
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, **timer.read()}
         if self.offload.enabled:  # what the saved-tensor hooks moved to host memory (on a CPU: would have)
             rec["offloaded_bytes"] = self.offload.reset()
+        rec.update(self.stage.step_metrics(par.all_reduce_sum))  # DPO: rewards, margin, accuracy
         rec.update(par.after_step(update=skip is None))  # the family's (MoE: balance bias and expert load)
         rec.update(self._model_state_report())  # before zero_grad: gradients are part of what a step holds
         self.optimizer.zero_grad(set_to_none=True)
@@ -337,11 +338,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
             with par.no_sync(skip=i < accum - 1), par.loss_context():
-                scale, ym = self.stage.loss_scale(ym, accum)
                 with timer("f"), phase("forward"), self._autocast(), self.offload():
                     self.faults.slow("forward", rank)
                     self.faults.oom(self.step + 1)
-                    loss = par.forward(xm, ym) * scale  # the global batch's mean over its (trained) targets
+                    loss = self.stage.micro_loss(par.forward, xm, ym, i, accum)
                 with timer("b"), phase("backward"):
                     self.faults.slow("backward", rank)
                     self.scaler.scale(loss).backward()
@@ -506,6 +506,7 @@ class Trainer:
                 f"MFU is against the {self.precision} peak{vs}"
             )
         self.parallel.refresh_fp8_scales()  # after init or the resumed checkpoint's weights
+        self.stage.begin(self.parallel, self._autocast)  # DPO: the reference log-probabilities, once
         self.budget = TimeBudget(self.cfg, self.step, self.control.broadcast_object, self._save_config)
         stopped = None
         self.stop.install()
