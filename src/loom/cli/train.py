@@ -15,7 +15,24 @@ def sft(argv: list[str]) -> int:
     return train(argv, sft=True)
 
 
-def check_sft(cfg) -> None:
+def rl(argv: list[str]) -> int:
+    """`loom rl`: `loom train` that first insists on what RL needs (check_rl)."""
+    return train(argv, rl=True)
+
+
+def check_rl(cfg) -> None:
+    """Prompts, chat data (the template answers are sampled in) and a model to start from, or one error before
+    any work."""
+    if not cfg.rl.prompts:
+        raise LoomError(
+            "loom rl needs prompts: rl.prompts is not set",
+            hint="--rl.prompts=PROMPTS.jsonl (one JSON object a line: prompt or messages, and the answer field); "
+            "scripts/make_arith.py writes an arithmetic task",
+        )
+    check_sft(cfg, verb="loom rl")
+
+
+def check_sft(cfg, verb: str = "loom sft") -> None:
     """Conversation data (loom data prepare --chat) and a model to start from, or one error before any work:
     `loom train` itself decides the stage from the data, so a plain-text directory there would pretrain."""
     from loom.data.loader import read_meta
@@ -24,28 +41,33 @@ def check_sft(cfg) -> None:
     prepare = "loom data prepare --chat --input CONVERSATIONS.jsonl --tokenizer runs/BASE --out data/chat"
     if not cfg.data.path:
         raise LoomError(
-            "loom sft needs conversation data: data.path is not set",
+            f"{verb} needs conversation data: data.path is not set",
             hint=f"{prepare}, then --data.path=data/chat",
         )
     if not is_chat_data(read_meta(cfg.data.path)):
         raise LoomError(
-            f"loom sft needs conversation data; {cfg.data.path} holds plain token shards (no loss masks)",
+            f"{verb} needs conversation data; {cfg.data.path} holds plain token shards (no loss masks)",
             hint=f"{prepare} (or loom train to pretrain on it)",
         )
     if not cfg.model.init_from:
         raise LoomError(
-            "loom sft starts from a trained model: model.init_from is not set",
+            f"{verb} starts from a trained model: model.init_from is not set",
             hint="--model.init_from=run:DIR (a loom run) or hf:DIR (a transformers directory)",
         )
 
 
-def _parser(sft: bool) -> argparse.ArgumentParser:
+_DESCRIPTIONS = {
+    "loom train": "Train a language model. With no arguments: the built-in corpus and the demo model.",
+    "loom sft": "Fine-tune a model on conversations (loom train, insisting on chat data and model.init_from).",
+    "loom rl": "Reinforcement learning on verifiable rewards, GRPO/DAPO (loom train, insisting on rl.prompts, "
+    "chat data and model.init_from).",
+}
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="loom sft" if sft else "loom train",
-        description="Fine-tune a model on conversations (loom train, insisting on chat data and "
-        "model.init_from)."
-        if sft
-        else "Train a language model. With no arguments: the built-in corpus and the demo model.",
+        prog=prog,
+        description=_DESCRIPTIONS[prog],
         epilog="Any config key can be set as --section.key=value; see --help-config.",
     )
     p.add_argument("config", nargs="?", help="a TOML config file (configs/*.toml)")
@@ -72,12 +94,13 @@ def _parser(sft: bool) -> argparse.ArgumentParser:
     return p
 
 
-def train(argv: list[str], sft: bool = False) -> int:
+def train(argv: list[str], sft: bool = False, rl: bool = False) -> int:
     if "--dry-run" in argv:  # will the job fit at --world N: built and stepped on fake tensors (loom.dryrun)
         from loom.dryrun import dryrun_main
 
         return dryrun_main([a for a in argv if a != "--dry-run"])
-    args, rest = _parser(sft).parse_known_args(argv)
+    prog = "loom rl" if rl else "loom sft" if sft else "loom train"
+    args, rest = _parser(prog).parse_known_args(argv)
     from loom import config
 
     if args.help_config:
@@ -87,6 +110,8 @@ def train(argv: list[str], sft: bool = False) -> int:
     cfg = config.load_config(args.config, rest)
     if sft:
         check_sft(cfg)
+    if rl:
+        check_rl(cfg)
     explicit = config.explicit_keys(args.config, rest)
     if args.max_restarts < 0:
         raise LoomError(f"--max-restarts must be >= 0, got {args.max_restarts}")

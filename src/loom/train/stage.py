@@ -2,8 +2,9 @@
 the token stream, every target trained) and supervised fine-tuning (packed conversations, the assistant's
 targets only) are stages; the data chooses (`build_stage`: the first of STAGES that applies). The trainer asks
 its stage for the batches, the validation rows and each micro-batch's loss weight, and never branches on
-which stage it runs. A stage to come (RL, preference tuning) is a class with the same three parts, put in
-STAGES before the ones whose data it also matches."""
+which stage it runs. RL (loom.rl.stage) is one more such class, first in STAGES: it computes its own
+micro-batch loss (`loss`), samples from the model it is given (`attach`) and reports figures of each step
+(`report`); pretraining and SFT take the defaults of `Base`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from loom.config import Config
 from loom.data.loader import DeviceBatches, ShardLoader
 from loom.data.sft import ChatLoader, is_chat_data, validation_set
 from loom.data.slice import DataSlice
+from loom.rl.stage import RL
 
 
 class Stage(Protocol):
@@ -33,6 +35,29 @@ class Stage(Protocol):
         """The pipeline schedule's weight per trained target of the last global batch (None: the mean of
         every target)."""
 
+    def attach(self, parallel, autocast) -> None:
+        """The model once built (parallel: loom.parallel.Parallelized), for a stage that samples from it."""
+
+    def loss(self, forward, x: torch.Tensor, y: torch.Tensor, grad_accum: int) -> torch.Tensor:
+        """A micro-batch's loss, weighed so that the step's gradient is the global batch's."""
+
+    def report(self) -> dict:
+        """The stage's own figures of the step just taken, for metrics.jsonl (called on every rank)."""
+
+
+class Base:
+    """What pretraining and SFT share: the model's own loss times loss_scale, nothing to attach or report."""
+
+    def attach(self, parallel, autocast) -> None:
+        pass
+
+    def loss(self, forward, x: torch.Tensor, y: torch.Tensor, grad_accum: int) -> torch.Tensor:
+        scale, y = self.loss_scale(y, grad_accum)
+        return forward(x, y) * scale  # the global batch's mean over its (trained) targets
+
+    def report(self) -> dict:
+        return {}
+
 
 def _valset(cfg: Config, data_dir: Path, meta: dict, part: DataSlice):
     """The validation rows (loom.data.sft.validation_set: what `loom eval` of this run measures too)."""
@@ -40,7 +65,7 @@ def _valset(cfg: Config, data_dir: Path, meta: dict, part: DataSlice):
     return validation_set(cfg, data_dir, meta, t.eval_batches * t.batch_size, part)
 
 
-class Pretrain:
+class Pretrain(Base):
     """Windows of the token stream (a global cursor; this rank's slice of each global batch), every target
     trained: each micro-batch has as many targets, so its mean loss weighs 1 / accumulation steps."""
 
@@ -94,7 +119,7 @@ class Pretrain:
         return None
 
 
-class SFT:
+class SFT(Base):
     """Supervised fine-tuning: conversations packed best-fit into rows (with document masks; else one a row),
     targets masked to the assistant's (loom.data.sft). Each micro-batch's loss weighs by its trained targets."""
 
@@ -135,7 +160,7 @@ class SFT:
         return self.ranks / max(self.batches.valid_targets, 1)  # each trained target weighs dp x cp / N
 
 
-STAGES: list = [SFT, Pretrain]  # the first that applies to the data and config is the run's stage
+STAGES: list = [RL, SFT, Pretrain]  # the first that applies to the data and config is the run's stage
 
 
 def build_stage(cfg: Config, data_dir: Path, meta: dict, part: DataSlice, device: torch.device) -> Stage:

@@ -173,6 +173,7 @@ class Trainer:
         if pretrained is not None:
             self.parallel.load_model_state(pretrained)
         self.model = self.parallel.model
+        self.stage.attach(self.parallel, self._eval_precision)  # a stage that samples (RL) holds the model
         return model
 
     @property
@@ -268,11 +269,8 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device)
             for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
                 with par.no_sync(skip=i < accum - 1), par.loss_context():
-                    scale, ym = self.stage.loss_scale(ym, accum)
                     with timer("f"), self._autocast():
-                        loss = (
-                            par.forward(xm, ym) * scale
-                        )  # the global batch's mean over its (trained) targets
+                        loss = self.stage.loss(par.forward, xm, ym, accum)
                     with timer("b"):
                         self.scaler.scale(loss).backward()
                 loss_sum += loss.detach()
@@ -295,6 +293,7 @@ class Trainer:
         overflow_scale = self._update_scaler()
         self.step += 1
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, **timer.read()}
+        rec.update(self.stage.report())  # the stage's own figures (RL: rewards, entropy, ...)
         rec.update(par.after_step(update=skip is None))  # the family's (MoE: balance bias and expert load)
         rec.update(self._model_state_report())  # before zero_grad: gradients are part of what a step holds
         self.optimizer.zero_grad(set_to_none=True)
