@@ -1,6 +1,7 @@
 """`loom plot`: train and val loss against tokens seen, several runs overlaid (reads metrics.jsonl); with a
-panel of validation bits per byte when the runs recorded it (comparable across tokenizers), and one of the
-capability scores when they recorded any (eval.tasks' accuracies, CORE: loom.eval.capability)."""
+panel of validation bits per byte when the runs recorded it (comparable across tokenizers), one of the
+capability scores when they recorded any (eval.tasks' accuracies, CORE: loom.eval.capability), and two of
+loom rl's figures (reward, held-out pass@k; answer length, entropy, clipping, KL) for RL runs."""
 
 from __future__ import annotations
 
@@ -32,12 +33,16 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     with_bpb = any("val_bpb" in r for _, recs in runs for r in recs)
     scores = sorted({k for _, recs in runs for r in recs for k in r if is_score(k)})
     mix = any("mix_tokens" in r for _, recs in runs for r in recs)
-    n = 1 + with_bpb + bool(scores) + 2 * mix
+    rl = any("rl/reward_mean" in r for _, recs in runs for r in recs)
+    n = 1 + with_bpb + bool(scores) + 2 * mix + 2 * rl
     fig, axes = plt.subplots(1, n, figsize=(8 if n == 1 else 6.5 * n, 5), squeeze=False)
     ax, ax_bpb = axes[0][0], axes[0][1] if with_bpb else None
     ax_score = axes[0][1 + with_bpb] if scores else None
     if mix:
         _plot_mix(runs, axes[0][-2], axes[0][-1])
+    if rl:
+        at = 1 + with_bpb + bool(scores)
+        _plot_rl(runs, axes[0][at], axes[0][at + 1])
     for i, (rd, recs) in enumerate(runs):
         color = f"C{i % 10}"
         train = [(r["tokens"], r["loss"]) for r in recs if "loss" in r and "tokens" in r]
@@ -105,6 +110,47 @@ def _plot_mix(runs: list, ax_val, ax_share) -> None:
             ax_share.plot(*zip(*_shares(mixed, src), strict=True), color=f"C{j % 10}", label=f"{name} {src}")
     for a, label in ((ax_val, "val loss per source"), (ax_share, "share of each logged interval's tokens")):
         a.set_xlabel("tokens")
+        a.set_ylabel(label)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+
+
+def _plot_rl(runs: list, ax_reward, ax_detail) -> None:
+    """loom rl runs: the reward's mean (its spread shaded) and held-out pass@1 / pass@k against the step; the
+    answers' length, entropy, clipped fraction and KL against the step."""
+    for i, (rd, recs) in enumerate(runs):
+        name, color = Path(rd).name, f"C{i % 10}"
+        pts = [
+            (r["step"], r["rl/reward_mean"], r.get("rl/reward_std", 0.0))
+            for r in recs
+            if "rl/reward_mean" in r
+        ]
+        if pts:
+            steps, mean, std = zip(*pts, strict=True)
+            ax_reward.plot(steps, mean, color=color, label=f"{name} reward")
+            lo, hi = (
+                [m - s for m, s in zip(mean, std, strict=True)],
+                [m + s for m, s in zip(mean, std, strict=True)],
+            )
+            ax_reward.fill_between(steps, lo, hi, color=color, alpha=0.15)
+        for j, key in enumerate(sorted({k for r in recs for k in r if k.startswith("rl/pass@")})):
+            held = [(r["step"], r[key]) for r in recs if key in r]
+            style = ["--", ":"][j % 2]
+            ax_reward.plot(
+                *zip(*held, strict=True), color=color, marker="o", linestyle=style, label=f"{name} {key[3:]}"
+            )
+        for j, key in enumerate(("rl/response_len", "rl/entropy", "rl/clip_frac", "rl/kl")):
+            got = [(r["step"], r[key]) for r in recs if key in r]
+            if got:
+                style = ["-", "--", ":", "-."][j]
+                ax_detail.plot(
+                    *zip(*got, strict=True), color=color, linestyle=style, label=f"{name} {key[3:]}"
+                )
+    for a, label in (
+        (ax_reward, "reward / held-out pass rate"),
+        (ax_detail, "answer length, entropy, clip, KL"),
+    ):
+        a.set_xlabel("step")
         a.set_ylabel(label)
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
