@@ -88,3 +88,11 @@ def sft(tmp_path_factory):
     from sftkit import make_sft_root
 
     return make_sft_root(tmp_path_factory.mktemp("sft"))
+
+
+@pytest.fixture(scope="module")
+def rl_root(tmp_path_factory):
+    """The arithmetic task, a tiny base run on its sums, chat data and a short SFT run (tests/rlkit.py)."""
+    from rlkit import make_rl_root
+
+    return make_rl_root(tmp_path_factory.mktemp("rl"))

@@ -136,7 +136,7 @@ def why_not_run(cmd: Command) -> str:
         return "a GPU"
     if "--nproc" in argv or "--world" in argv:
         return "starts processes, or a dry run of many ranks: minutes"
-    if argv[:1] in (["train"], ["sft"], ["verify"], ["bench"]):
+    if argv[:1] in (["train"], ["sft"], ["rl"], ["verify"], ["bench"]):
         return "trains or measures: minutes"
     if argv[:1] == ["data"]:
         return "reads input the reader brings or downloads"

@@ -1,7 +1,8 @@
 """`loom plot`: train and val loss against tokens seen, several runs overlaid (reads metrics.jsonl); with a
 panel of validation bits per byte when the runs recorded it (comparable across tokenizers), one of the
-capability scores when they recorded any (eval.tasks' accuracies, CORE: loom.eval.capability), and one of
-preference tuning's rewards, margin and accuracy (loom dpo)."""
+capability scores when they recorded any (eval.tasks' accuracies, CORE: loom.eval.capability), one of
+preference tuning's rewards, margin and accuracy (loom dpo), and two of loom rl's figures (reward, held-out
+pass@k; answer length, entropy, clipping, KL) for RL runs."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     mix = any("mix_tokens" in r for _, recs in runs for r in recs)
     ranks = any("stragglers" in r for _, recs in runs for r in recs)
     dpo = any("dpo/margin" in r for _, recs in runs for r in recs)
-    n = 1 + with_bpb + bool(scores) + dpo + 2 * mix + ranks
+    rl = any("rl/reward_mean" in r for _, recs in runs for r in recs)
+    n = 1 + with_bpb + bool(scores) + dpo + 2 * rl + 2 * mix + ranks
     fig, axes = plt.subplots(1, n, figsize=(8 if n == 1 else 6.5 * n, 5), squeeze=False)
     ax, ax_bpb = axes[0][0], axes[0][1] if with_bpb else None
     ax_score = axes[0][1 + with_bpb] if scores else None
@@ -43,8 +45,11 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
         _plot_mix(runs, axes[0][-2 - ranks], axes[0][-1 - ranks])
     if ranks:
         _plot_ranks(runs, axes[0][-1])
+    at = 1 + with_bpb + bool(scores)  # the stages' panels, after the loss, bpb and scores
     if dpo:
-        _plot_dpo(runs, axes[0][1 + with_bpb + bool(scores)])
+        _plot_dpo(runs, axes[0][at])
+    if rl:
+        _plot_rl(runs, axes[0][at + dpo], axes[0][at + dpo + 1])
     for i, (rd, recs) in enumerate(runs):
         color = f"C{i % 10}"
         train = [(r["tokens"], r["loss"]) for r in recs if "loss" in r and "tokens" in r]
@@ -163,6 +168,47 @@ def _plot_dpo(runs: list, ax) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     acc.legend(fontsize=7, loc="lower right")
+
+
+def _plot_rl(runs: list, ax_reward, ax_detail) -> None:
+    """loom rl runs: the reward's mean (its spread shaded) and held-out pass@1 / pass@k against the step; the
+    answers' length, entropy, clipped fraction and KL against the step."""
+    for i, (rd, recs) in enumerate(runs):
+        name, color = Path(rd).name, f"C{i % 10}"
+        pts = [
+            (r["step"], r["rl/reward_mean"], r.get("rl/reward_std", 0.0))
+            for r in recs
+            if "rl/reward_mean" in r
+        ]
+        if pts:
+            steps, mean, std = zip(*pts, strict=True)
+            ax_reward.plot(steps, mean, color=color, label=f"{name} reward")
+            lo, hi = (
+                [m - s for m, s in zip(mean, std, strict=True)],
+                [m + s for m, s in zip(mean, std, strict=True)],
+            )
+            ax_reward.fill_between(steps, lo, hi, color=color, alpha=0.15)
+        for j, key in enumerate(sorted({k for r in recs for k in r if k.startswith("rl/pass@")})):
+            held = [(r["step"], r[key]) for r in recs if key in r]
+            style = ["--", ":"][j % 2]
+            ax_reward.plot(
+                *zip(*held, strict=True), color=color, marker="o", linestyle=style, label=f"{name} {key[3:]}"
+            )
+        for j, key in enumerate(("rl/response_len", "rl/entropy", "rl/clip_frac", "rl/kl")):
+            got = [(r["step"], r[key]) for r in recs if key in r]
+            if got:
+                style = ["-", "--", ":", "-."][j]
+                ax_detail.plot(
+                    *zip(*got, strict=True), color=color, linestyle=style, label=f"{name} {key[3:]}"
+                )
+    for a, label in (
+        (ax_reward, "reward / held-out pass rate"),
+        (ax_detail, "answer length, entropy, clip, KL"),
+    ):
+        a.set_xlabel("step")
+        a.set_ylabel(label)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
 
 
 def _shares(recs: list[dict], src: str) -> list[tuple[int, float]]:

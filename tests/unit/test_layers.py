@@ -33,6 +33,7 @@ LAYER = {
     "serve": 5,
     "chat": 4,
     "engine": 4,
+    "rl": 4,
     "train": 5,
     "plan": 5,
     "doctor": 5,

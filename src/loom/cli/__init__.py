@@ -16,6 +16,10 @@ VERBS = {
     "train": (train.train, "train a language model (no arguments: the demo on the built-in corpus)"),
     "sft": (train.sft, "fine-tune on conversations: loom sft --data.path=CHAT --model.init_from=run:BASE"),
     "dpo": (train.dpo, "preference-tune a chat model: loom dpo --data.path=PAIRS --model.init_from=run:SFT"),
+    "rl": (
+        train.rl,
+        "RL on verifiable rewards (GRPO/DAPO): loom rl --rl.prompts=P.jsonl --data.path=CHAT --model.init_from=run:SFT",
+    ),
     "data": (data.data, "prepare data: loom data prepare --input ... --out DIR"),
     "generate": (generate.generate, "sample from a trained run"),
     "chat": (generate.chat, "talk to a fine-tuned run: loom chat RUN [--prompt TEXT] (/help, /reset, /quit)"),

@@ -52,7 +52,24 @@ def check_dpo(cfg) -> None:
         )
 
 
-def check_sft(cfg) -> None:
+def rl(argv: list[str]) -> int:
+    """`loom rl`: `loom train` that first insists on what RL needs (check_rl)."""
+    return train(argv, stage="rl")
+
+
+def check_rl(cfg) -> None:
+    """Prompts, chat data (the template answers are sampled in) and a model to start from, or one error before
+    any work."""
+    if not cfg.rl.prompts:
+        raise LoomError(
+            "loom rl needs prompts: rl.prompts is not set",
+            hint="--rl.prompts=PROMPTS.jsonl (one JSON object a line: prompt or messages, and the answer field); "
+            "scripts/make_arith.py writes an arithmetic task",
+        )
+    check_sft(cfg, verb="loom rl")
+
+
+def check_sft(cfg, verb: str = "loom sft") -> None:
     """Conversation data (loom data prepare --chat) and a model to start from, or one error before any work:
     `loom train` itself decides the stage from the data, so a plain-text directory there would pretrain."""
     from loom.data.loader import read_meta
@@ -61,17 +78,17 @@ def check_sft(cfg) -> None:
     prepare = "loom data prepare --chat --input CONVERSATIONS.jsonl --tokenizer runs/BASE --out data/chat"
     if not cfg.data.path:
         raise LoomError(
-            "loom sft needs conversation data: data.path is not set",
+            f"{verb} needs conversation data: data.path is not set",
             hint=f"{prepare}, then --data.path=data/chat",
         )
     if not is_chat_data(read_meta(cfg.data.path)):
         raise LoomError(
-            f"loom sft needs conversation data; {cfg.data.path} holds plain token shards (no loss masks)",
+            f"{verb} needs conversation data; {cfg.data.path} holds plain token shards (no loss masks)",
             hint=f"{prepare} (or loom train to pretrain on it)",
         )
     if not cfg.model.init_from:
         raise LoomError(
-            "loom sft starts from a trained model: model.init_from is not set",
+            f"{verb} starts from a trained model: model.init_from is not set",
             hint="--model.init_from=run:DIR (a loom run) or hf:DIR (a transformers directory)",
         )
 
@@ -81,8 +98,14 @@ _DESCRIPTIONS = {
     "sft": "Fine-tune a model on conversations (loom train, insisting on chat data and model.init_from).",
     "dpo": "Preference-tune a chat model on pairs of answers, DPO or IPO (loom train, insisting on preference "
     "pairs and model.init_from).",
+    "rl": "Reinforcement learning on verifiable rewards, GRPO/DAPO (loom train, insisting on rl.prompts, chat "
+    "data and model.init_from).",
 }
-_CHECKS = {"sft": check_sft, "dpo": check_dpo}  # what each verb insists on before `loom train` runs
+_CHECKS = {
+    "sft": check_sft,
+    "dpo": check_dpo,
+    "rl": check_rl,
+}  # what each verb insists on before `loom train` runs
 
 
 def _parser(stage: str) -> argparse.ArgumentParser:

@@ -572,6 +572,36 @@ class DPOConfig:
 
 
 @dataclass
+class RLConfig:
+    """Reinforcement learning on verifiable rewards (`loom rl`, loom.rl): G answers per prompt sampled from the
+    model, scored by a reward, group-relative advantages, a clipped policy-gradient step (GRPO, with DAPO's
+    token-level normalisation). train.batch_size counts answers: prompts per step = batch_size / group_size."""
+
+    prompts: str = _f("", "Prompts JSONL (messages or prompt, plus the reward's field); set: the RL stage.")
+    eval_prompts: str = _f(
+        "", "Held-out prompts JSONL: pass@1 (greedy) and pass@k every rl.eval_every steps."
+    )
+    reward: str = _f("exact", "exact | numeric | regex | module:function (a Sample -> float).")
+    answer_field: str = _f("answer", "The prompt row's field the exact and numeric rewards compare with.")
+    pattern: str = _f("", "rl.reward=regex: 1 when this regular expression matches the answer, else 0.")
+    group_size: int = _f(8, "G: answers sampled per prompt (their rewards' group).", gt=0)
+    max_new_tokens: int = _f(
+        32, "Longest answer sampled, in tokens (prompt + this must fit block_size).", gt=0
+    )
+    adv_norm: str = _f("std", "Advantage: std ((r - mean) / std within the group) | mean (r - mean).")
+    clip_low: float = _f(0.2, "The importance ratio is clipped below at 1 - clip_low.", ge=0, lt=1)
+    clip_high: float = _f(0.28, "and above at 1 + clip_high (DAPO's clip-higher).", ge=0)
+    updates_per_batch: int = _f(
+        1, "Optimizer steps each rollout batch serves (> 1: the ratio matters).", gt=0
+    )
+    kl_coef: float = _f(0.0, "Weight of the k3 KL to the frozen start model (0: no reference).", ge=0)
+    dynamic_sampling: bool = _f(True, "Drop groups whose rewards are all equal (no signal), counted.")
+    eval_every: int = _f(0, "Held-out pass@1 / pass@k every N steps (0: only after the last).", ge=0)
+    eval_k: int = _f(4, "k of pass@k: samples per held-out prompt at temperature 1 (0: greedy only).", ge=0)
+    eval_limit: int = _f(0, "Held-out prompts scored (0: all).", ge=0)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -584,6 +614,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section's keys; the model section's include its family's own keys (config.toml saves them)."""
@@ -632,6 +663,7 @@ CHOICES = {
     ("parallel", "cp_impl"): ("ulysses", "ring"),
     ("parallel", "pp_schedule"): tuple(PP_SCHEDULES),
     ("dpo", "loss"): ("sigmoid", "ipo"),
+    ("rl", "adv_norm"): ("std", "mean"),
 }
 
 

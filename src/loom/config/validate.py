@@ -43,12 +43,39 @@ def validate(
     _check_eval(cfg)
     _check_lora(cfg)
     _check_diagnostics(cfg, world)
+    _check_rl(cfg, dp, impl)
     replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
     derived = _derive_batch(cfg, dp)
     p = cfg.parallel
     return derived, ParallelDims(
         replicate, shard, p.tp, p.pp, world, rank, impl, p.degree1_meshes and world == 1, p.cp, p.ep
     )
+
+
+def _check_rl(cfg: Config, dp: int, dp_impl: str) -> None:
+    """rl.*: groups of at least two answers, whole groups per data-parallel rank, and the layouts whose every
+    rank holds a whole model to sample from (loom.rl samples on each rank's own copy)."""
+    r, t, p = cfg.rl, cfg.train, cfg.parallel
+    if not r.prompts:
+        return
+    if r.group_size < 2:
+        raise LoomError(
+            f"rl.group_size={r.group_size}: an advantage is a reward against its group's, and a group of one has "
+            "nothing to compare with (its advantage is always 0)",
+            hint="set rl.group_size >= 2 (8 or 16 are usual)",
+        )
+    if t.batch_size % (r.group_size * dp):
+        raise LoomError(
+            f"train.batch_size={t.batch_size} answers must be whole groups of rl.group_size={r.group_size} on "
+            f"each of the {dp} data-parallel ranks",
+            hint=f"make train.batch_size a multiple of {r.group_size * dp}",
+        )
+    if p.tp > 1 or p.pp > 1 or p.cp > 1 or dp_impl in ("fsdp", "zero2", "mpi"):
+        raise LoomError(
+            "loom rl samples on each rank's whole copy of the model: it runs on one process, ddp or zero1 "
+            f"(here tp={p.tp}, pp={p.pp}, cp={p.cp}, dp_impl={dp_impl})",
+            hint="use parallel.dp_impl=ddp with tp = pp = cp = 1",
+        )
 
 
 def _check_family(cfg: Config, dp: int, dp_impl: str) -> None:

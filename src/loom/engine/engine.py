@@ -245,6 +245,9 @@ class Engine:
     def _append(self, r: Request, token: int, logp: torch.Tensor | None) -> None:
         p = r.params
         if token in p.stop_ids:
+            r.stop_token = token
+            if logp is not None:
+                r.stop_logprob = float(logp[token])
             r.finish(STOP)
             self._leave(r)
             return

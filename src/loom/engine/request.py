@@ -45,6 +45,9 @@ class Request:
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
         self.finish_reason: str | None = None
+        # the stop token a row ended on (not part of its tokens) and its log-probability: RL trains on it
+        self.stop_token: int | None = None
+        self.stop_logprob: float | None = None
         self.error: str | None = None  # a forward that failed (the server answers 500)
         self.slot: int | None = None
         self.recompute = (

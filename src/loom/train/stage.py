@@ -1,9 +1,10 @@
 """The training stage: what a step trains on and how each micro-batch's loss is weighed. Pretraining (windows of
-the token stream, every target trained) and supervised fine-tuning (packed conversations, the assistant's
-targets only) and preference tuning (pairs of answers: loom.train.dpo) are stages; the data chooses (`build_stage`: the first of STAGES that applies). The trainer asks
-its stage for the batches, the validation rows and each micro-batch's loss, and never branches on which stage
-it runs. A stage to come (RL) is a class with the same parts, put in STAGES before the ones whose data it also
-matches."""
+the token stream, every target trained), supervised fine-tuning (packed conversations, the assistant's targets
+only), preference tuning (pairs of answers: loom.train.dpo) and RL on verifiable rewards (rollouts of the model
+itself: loom.rl.stage) are stages; the data and config choose (`build_stage`: the first of STAGES that
+applies). The trainer asks its stage for the batches, the validation rows and each micro-batch's loss, lets it
+begin once with the model (DPO's reference log-probabilities, RL's sampler) and add its figures to each step's
+record, and never branches on which stage it runs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from loom.config import Config
 from loom.data.loader import DeviceBatches, ShardLoader
 from loom.data.sft import ChatLoader, is_chat_data, validation_set
 from loom.data.slice import DataSlice
+from loom.rl.stage import RL
 from loom.train.dpo import DPO
 
 
@@ -161,7 +163,7 @@ class SFT(TokenLoss):
         return self.ranks / max(self.batches.valid_targets, 1)  # each trained target weighs dp x cp / N
 
 
-STAGES: list = [DPO, SFT, Pretrain]  # the first that applies to the data and config is the run's stage
+STAGES: list = [RL, DPO, SFT, Pretrain]  # the first that applies to the data and config is the run's stage
 
 
 def build_stage(cfg: Config, data_dir: Path, meta: dict, part: DataSlice, device: torch.device) -> Stage:

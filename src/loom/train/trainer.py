@@ -506,7 +506,9 @@ class Trainer:
                 f"MFU is against the {self.precision} peak{vs}"
             )
         self.parallel.refresh_fp8_scales()  # after init or the resumed checkpoint's weights
-        self.stage.begin(self.parallel, self._autocast)  # DPO: the reference log-probabilities, once
+        self.stage.begin(
+            self.parallel, self._autocast
+        )  # DPO: the reference log-probabilities; RL: its sampler
         self.budget = TimeBudget(self.cfg, self.step, self.control.broadcast_object, self._save_config)
         stopped = None
         self.stop.install()

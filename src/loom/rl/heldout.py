@@ -1,0 +1,64 @@
+"""Held-out pass@1 and pass@k every rl.eval_every steps and after the last (an evaluator: loom.eval.evaluator).
+
+pass@1 is the greedy answer's; pass@k the share of prompts with a correct answer among k samples at
+temperature 1 (seeded: the same draws at every evaluation); correct means a reward > 0."""
+
+from __future__ import annotations
+
+from loom.data.loader import read_meta
+from loom.eval.evaluator import Every, register_evaluator
+from loom.rl.prompts import load_prompts, rl_template
+from loom.rl.rewards import load_reward
+from loom.rl.rollout import sample, sample_seed
+
+
+class HeldOut(Every):
+    name = "rl_heldout"
+
+    def __init__(self, cfg, template, vocab: int):
+        r = cfg.rl
+        super().__init__(r.eval_every)
+        self.rl, self.template, self.vocab, self.seed = r, template, vocab, cfg.run.seed
+        self.reward = load_reward(r.reward, r.answer_field, r.pattern)
+        self.prompts = load_prompts(
+            r.eval_prompts, self.reward.field, template, cfg.model.block_size - r.max_new_tokens
+        )
+        if r.eval_limit:
+            self.prompts.rows, self.prompts.ids = (
+                self.prompts.rows[: r.eval_limit],
+                self.prompts.ids[: r.eval_limit],
+            )
+
+    def _correct(self, reqs, per: int) -> list[list[bool]]:
+        out = []
+        for j, q in enumerate(reqs):
+            v, _ = self.reward.score(self.prompts.rows[j // per], self.template.tok.decode(q.tokens))
+            out.append(v is not None and v > 0)
+        return [out[i * per : (i + 1) * per] for i in range(len(self.prompts))]
+
+    def run(self, ctx) -> dict | None:
+        model = ctx.parallel.sampling_model()
+        if model is None:
+            return None
+        ids, k = self.prompts.ids, self.rl.eval_k
+        args = (self.rl.max_new_tokens, self.template.stop_ids, self.vocab, ctx.autocast)
+        greedy = sample(model, ids, [[0]] * len(ids), *args, temperature=0.0)
+        seeds = [[sample_seed(self.seed, -1, i, g) for g in range(k)] for i in range(len(ids))]
+        drawn = sample(model, ids, seeds, *args) if k > 0 else []
+        rec = {"rl/pass@1": sum(c[0] for c in self._correct(greedy, 1)) / len(ids)}
+        if k > 0:
+            rec[f"rl/pass@{k}"] = sum(any(c) for c in self._correct(drawn, k)) / len(ids)
+        return rec
+
+    def line(self, step: int, record: dict) -> str:
+        return f"step {step}: held-out " + ", ".join(f"{k[3:]} {v:.3f}" for k, v in record.items())
+
+
+def _factory(setup):
+    if not setup.cfg.rl.prompts or not setup.cfg.rl.eval_prompts:
+        return None
+    meta = read_meta(setup.data_dir)
+    return HeldOut(setup.cfg, rl_template(setup.data_dir, meta), meta["vocab_size"])
+
+
+register_evaluator("rl_heldout", _factory)

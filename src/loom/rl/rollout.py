@@ -1,0 +1,128 @@
+"""Rollouts: G samples per prompt from loom.engine, their rewards, group-relative advantages, and the batch the
+policy-gradient step trains on (token ids, targets, and per target its advantage and the sampler's
+log-probability)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from loom.engine import Engine, Request, SamplingParams
+
+
+def sample_seed(seed: int, rollout: int, pos: int, g: int) -> int:
+    """The engine seed of sample g of the prompt at stream position pos in rollout `rollout`: the same on every
+    layout and after a resume (nothing but the rollout count to save)."""
+    digest = hashlib.sha256(f"{seed}:{rollout}:{pos}:{g}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def prompt_index(pos: int, n: int, seed: int) -> int:
+    """The prompt at stream position pos: epoch pos // n visits every prompt once, in its own seeded order."""
+    epoch, i = divmod(pos, n)
+    return int(np.random.default_rng([seed, epoch]).permutation(n)[i])
+
+
+def sample(
+    model,
+    prompts: list[list[int]],
+    seeds: list[list[int]],
+    max_new: int,
+    stop_ids,
+    vocab: int,
+    autocast=contextlib.nullcontext,
+    temperature: float = 1.0,
+) -> list[Request]:
+    """Every prompt's samples (seeds[i] holds one seed per sample) through one engine, rows in prompt order."""
+    params = [
+        SamplingParams(
+            max_tokens=max_new,
+            temperature=temperature,
+            seed=s,
+            stop_ids=frozenset(stop_ids),
+            logprobs=True,
+        )
+        for group in seeds
+        for s in group
+    ]
+    ids = [p for p, group in zip(prompts, seeds, strict=True) for _ in group]
+    reqs = [Request(p, sp) for p, sp in zip(ids, params, strict=True)]
+    block = model.cfg.block_size
+    engine = Engine(model, max_seqs=min(len(reqs), 64), max_len=block, vocab_size=vocab, autocast=autocast)
+    return engine.run(reqs)
+
+
+def advantages(rewards: torch.Tensor, norm: str, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, kept) of rewards (groups, G): r - the group's mean, over the group's standard deviation
+    (population) with norm == "std"; kept False for a group whose rewards are all equal (no signal)."""
+    mean = rewards.mean(dim=1, keepdim=True)
+    adv = rewards - mean
+    if norm == "std":
+        adv = adv / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
+    kept = (rewards.max(dim=1).values - rewards.min(dim=1).values) > 0
+    return adv, kept
+
+
+@dataclass
+class Batch:
+    """One rollout batch of this rank: x, y (B, T) as the trainer's batches (y -1 where nothing trains), and per
+    target the row's advantage and the sampler's log-probability; `stats` what the metrics report of it."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    adv: torch.Tensor
+    old_lp: torch.Tensor
+    ref_lp: torch.Tensor | None = None
+    stats: dict = field(default_factory=dict)
+
+
+def sequences(reqs: list[Request]) -> list[tuple[list[int], list[float]]]:
+    """Each request's whole sequence (prompt, answer, and the stop token it ended on: the model learns to end)
+    and the sampler's log-probability of each answer token."""
+    out = []
+    for r in reqs:
+        tokens, lps = list(r.tokens), list(r.logprobs)
+        if r.stop_token is not None:
+            tokens.append(r.stop_token)
+            lps.append(r.stop_logprob)
+        out.append((r.prompt + tokens, lps))
+    return out
+
+
+def build_batch(reqs: list[Request], row_adv: list[float], trained: list[bool], pad_id: int) -> Batch:
+    """The training rows of the requests: targets are the answer tokens of trained rows only."""
+    seqs = sequences(reqs)
+    T = max(len(s) for s, _ in seqs) - 1
+    B = len(seqs)
+    x = torch.full((B, T), pad_id, dtype=torch.long)
+    y = torch.full((B, T), -1, dtype=torch.long)
+    adv = torch.zeros(B, T)
+    old = torch.zeros(B, T)
+    for j, ((seq, lps), r) in enumerate(zip(seqs, reqs, strict=True)):
+        n, P = len(seq), len(r.prompt)
+        x[j, : n - 1] = torch.tensor(seq[:-1])
+        if trained[j] and n > P:
+            y[j, P - 1 : n - 1] = torch.tensor(seq[P:])
+            adv[j, P - 1 : n - 1] = row_adv[j]
+            old[j, P - 1 : n - 1] = torch.tensor(lps, dtype=torch.float32)
+    return Batch(x, y, adv, old)
+
+
+class Timer:
+    """Seconds spent inside, summed."""
+
+    def __init__(self):
+        self.s = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.s += time.perf_counter() - t0

@@ -1,0 +1,122 @@
+"""Scoring a rollout (rewards, advantages, which groups train) and the step's rl/* figures."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from loom import log
+from loom.errors import LoomError
+from loom.rl.rollout import advantages
+
+
+def score_groups(stage, reqs, rows: list[dict], G: int) -> tuple[list[float], list[bool], dict]:
+    """(each row's advantage, whether it trains, the rollout's figures). A group with a sample whose reward
+    failed is dropped (counted: reward_errors); so is one whose rewards are all equal, with
+    rl.dynamic_sampling. Every sample failing is an error: the reward, not the model, is broken."""
+    texts = [stage.template.tok.decode(r.tokens) for r in reqs]
+    values, errors, first = [], 0, None
+    for j, text in enumerate(texts):
+        v, why = stage.reward.score(rows[j // G], text)
+        if why is not None:
+            errors += 1
+            first = first or why
+        values.append(v)
+    if errors == len(values):
+        raise LoomError(
+            f"the reward failed on every sample of a rollout; the first: {first}",
+            hint="fix the reward function (a sample is loom.rl.rewards.Sample: row, text, answer)",
+        )
+    if errors:
+        log.warn(f"{errors} samples' rewards failed and their groups were dropped; the first: {first}")
+    groups = len(values) // G
+    bad = [any(values[g * G + i] is None for i in range(G)) for g in range(groups)]
+    r = torch.tensor([[0.0 if v is None else v for v in values[g * G : (g + 1) * G]] for g in range(groups)])
+    adv, signal = advantages(r, stage.rl.adv_norm)
+    keep = [not bad[g] and (bool(signal[g]) or not stage.rl.dynamic_sampling) for g in range(groups)]
+    good = [v for v in values if v is not None]
+    stats = {
+        "reward_sum": sum(good),
+        "reward_sq": sum(v * v for v in good),
+        "rewards": len(good),
+        "dropped_groups": sum(not bad[g] and not keep[g] for g in range(groups)),
+        "error_groups": sum(bad),
+        "reward_errors": errors,
+        "answer_tokens": sum(len(q.tokens) for q in reqs),
+        "answers": len(reqs),
+    }
+    row_adv = [float(adv[j // G, j % G]) for j in range(len(reqs))]
+    trained = [keep[j // G] for j in range(len(reqs))]
+    return row_adv, trained, stats
+
+
+ROLLOUT_KEYS = (
+    "reward_sum",
+    "reward_sq",
+    "rewards",
+    "dropped_groups",
+    "error_groups",
+    "reward_errors",
+    "answer_tokens",
+    "answers",
+)
+LOSS_KEYS = ("targets", "clipped", "entropy", "kl")
+
+
+def _sum_over_ranks(stage, values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=stage.device)
+    return stage.parallel.all_reduce_sum(t).tolist()
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.to("cuda") if dist.get_backend() == "nccl" else t
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def step_report(batches, sums: dict) -> dict:
+    """The step's figures over every rank: rewards (mean, std), answer length, entropy, KL, clipped fraction,
+    dropped groups, the sampler-vs-trainer log-probability difference (on a batch's first step), throughput."""
+    stage, stats = batches.stage, batches.stats
+    train_s = time.perf_counter() - batches.train_start
+    fresh = bool(stats)  # a rollout was drawn for this step
+    local = [float(sums.get(k, 0.0)) for k in LOSS_KEYS]
+    local += [float(stats.get(k, 0)) for k in ROLLOUT_KEYS]
+    local += [float(batches.batch.x.numel())]
+    g = dict(zip((*LOSS_KEYS, *ROLLOUT_KEYS, "x_tokens"), _sum_over_ranks(stage, local), strict=True))
+    rec = {}
+    n = max(g["targets"], 1.0)
+    rec["rl/trained_tokens"] = int(g["targets"])
+    rec["rl/entropy"] = g["entropy"] / n
+    rec["rl/clip_frac"] = g["clipped"] / n
+    if stage.ref is not None:
+        rec["rl/kl"] = g["kl"] / n
+    rec["rl/train_tokens_per_s"] = g["x_tokens"] / max(train_s, 1e-9)
+    if fresh:
+        diff = float(sums["logprob_diff"]) if "logprob_diff" in sums else 0.0
+        rec["rl/logprob_diff"] = _max_over_ranks(diff)
+        rec.update(_rollout_figures(g, batches))
+    batches.stats = {}
+    return rec
+
+
+def _rollout_figures(g: dict, batches) -> dict:
+    k = max(g["rewards"], 1.0)
+    mean = g["reward_sum"] / k
+    var = max(g["reward_sq"] / k - mean * mean, 0.0)
+    secs = _max_over_ranks(batches.rollout_s.s)
+    batches.rollout_s.s = 0.0
+    return {
+        "rl/reward_mean": mean,
+        "rl/reward_std": var**0.5,
+        "rl/response_len": g["answer_tokens"] / max(g["answers"], 1.0),
+        "rl/dropped_groups": int(g["dropped_groups"]),
+        "rl/reward_errors": int(g["reward_errors"]),
+        "rl/error_groups": int(g["error_groups"]),
+        "rl/rollout_s": secs,
+        "rl/rollout_tokens_per_s": g["answer_tokens"] / max(secs, 1e-9),
+    }

@@ -1,0 +1,199 @@
+"""The RL stage (loom.train.stage's protocol): batches that are rollouts, a policy-gradient micro-batch loss,
+and the figures of each step (rl/*, in metrics.jsonl)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+
+from loom.data.sft import validation_set
+from loom.data.slice import DataSlice
+from loom.errors import LoomError
+from loom.rl import heldout  # noqa: F401  (registers the held-out pass@k evaluator)
+from loom.rl.loss import policy_loss, target_logprobs
+from loom.rl.prompts import load_prompts, rl_template
+from loom.rl.rewards import load_reward
+from loom.rl.rollout import Batch, Timer, build_batch, prompt_index, sample, sample_seed
+
+
+class RL:
+    """Reinforcement learning on verifiable rewards (loom.rl's docstring: GRPO with DAPO's normalisation)."""
+
+    name = "rl"
+
+    @staticmethod
+    def applies(cfg, meta: dict) -> bool:
+        return bool(cfg.rl.prompts)
+
+    def __init__(self, cfg, data_dir: Path, meta: dict, part: DataSlice, device: torch.device):
+        r = self.rl = cfg.rl
+        self.cfg, self.device, self.part, self.meta = cfg, device, part, meta
+        self.template = rl_template(data_dir, meta)
+        self.reward = load_reward(r.reward, r.answer_field, r.pattern)
+        room = cfg.model.block_size - r.max_new_tokens
+        self.prompts = load_prompts(r.prompts, self.reward.field, self.template, room)
+        self.ranks = part.dp_size * part.cp_size  # the ranks the gradients are averaged over
+        self.batches = Rollouts(self)
+        self.valset = validation_set(cfg, data_dir, meta, cfg.train.eval_batches * cfg.train.batch_size, part)
+        self.source_valsets: dict = {}
+        self.parallel, self.autocast, self.ref = None, contextlib.nullcontext, None
+        self.chunks: list | None = None
+        self.sums: dict = {}
+
+    def begin(self, parallel, autocast) -> None:
+        """The model the rollouts sample from (this rank's whole copy) and the sampling precision (the step's:
+        the sampler's log-probabilities are the trainer's); the frozen reference with rl.kl_coef > 0."""
+        self.parallel, self.autocast = parallel, autocast
+        if self.rl.kl_coef > 0:
+            self.ref = reference_model(self.cfg, self.meta, self.device)
+
+    # ------------------------------------------------------------------ the loss
+    def micro_loss(self, forward, x: torch.Tensor, y: torch.Tensor, i: int, grad_accum: int) -> torch.Tensor:
+        """The micro-batch's policy-gradient loss, summed over its targets, over the global batch's trained
+        targets N, times the ranks the gradients are averaged over. N == 0 (every group dropped): weight 0."""
+        if self.chunks is None:  # the batch's per-target tensors, split as the trainer splits x and y
+            self.chunks = self.batches.chunks(grad_accum)
+        adv, old, ref = self.chunks.pop(0)
+        logits = forward(x)
+        clip = (self.rl.clip_low, self.rl.clip_high)
+        loss, stats = policy_loss(logits, y, adv, old, clip, ref, self.rl.kl_coef)
+        for k, v in stats.items():
+            self.sums[k] = (
+                torch.maximum(self.sums[k], v)
+                if k == "logprob_diff" and k in self.sums
+                else (self.sums.get(k, 0) + v)
+            )
+        total = self.batches.global_targets
+        return loss * (self.ranks / total if total else 0.0)
+
+    def loss_scale(self, y: torch.Tensor, grad_accum: int) -> tuple[float, torch.Tensor]:
+        raise NotImplementedError("the RL stage computes its own loss (RL.micro_loss)")
+
+    def pipeline_weight(self) -> float | None:
+        return None  # validate refuses rl with parallel.pp > 1
+
+    def step_metrics(self, all_reduce_sum) -> dict:
+        """The step's rl/* figures, summed or maxed over the data-parallel ranks (one collective of its own)."""
+        b, sums = self.batches, self.sums
+        self.sums = {}
+        return b.report(sums)
+
+
+def reference_model(cfg, meta: dict, device: torch.device):
+    """The frozen start model (model.init_from's weights) for the KL term, whole on this rank."""
+    from loom.model.registry import spec_of
+    from loom.runs import pretrained_state
+
+    model = spec_of(cfg).build_model(cfg, meta["vocab_size"], device)
+    sd = pretrained_state(cfg, model)
+    missing, _ = model.load_state_dict(sd, strict=False)
+    if [k for k in missing if not k.endswith("lm_head.weight")]:
+        raise LoomError(f"the reference model lacks weights: {missing[:3]}")
+    if cfg.model.tie_embeddings:
+        model.lm_head.weight = model.wte.weight
+    model.eval().requires_grad_(False)
+    return model
+
+
+class Rollouts:
+    """The RL stage's batches (a Stateful the checkpointer saves): every rl.updates_per_batch steps a new
+    rollout of this rank's prompts; its state is the rollouts drawn (the samples' seeds follow from it) and, in
+    the middle of a batch used for several steps, that batch."""
+
+    def __init__(self, stage: RL):
+        self.stage = stage
+        cfg = stage.cfg
+        self.G = cfg.rl.group_size
+        self.per_rollout = cfg.train.batch_size // self.G  # prompts a rollout takes, over every rank
+        self.rollouts = 0  # rollouts drawn
+        self.uses = 0  # steps the current batch served
+        self.batch: Batch | None = None
+        self.global_targets = 0
+        self.rollout_s = Timer()
+        self.stats: dict = {}  # the last rollout's figures (loom.rl.score), reported once
+        self.train_start = 0.0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.stage.rl.updates_per_batch
+        if self.batch is None or self.uses >= k:
+            self.batch, self.uses = self._rollout(), 0
+            self.rollouts += 1
+        self.uses += 1
+        self.stage.chunks = None
+        self.train_start = time.perf_counter()
+        return self.batch.x, self.batch.y
+
+    def chunks(self, accum: int) -> list:
+        """(advantages, sampler's log-probabilities, reference's) of each micro-batch, in the trainer's order."""
+        b = self.batch
+        ref = b.ref_lp.chunk(accum) if b.ref_lp is not None else [None] * accum
+        return list(zip(b.adv.chunk(accum), b.old_lp.chunk(accum), ref, strict=True))
+
+    def _mine(self) -> list[int]:
+        """This rank's stream positions of the current rollout's prompts (each rank samples for its own)."""
+        part, P = self.stage.part, self.per_rollout
+        per_rank = P // part.dp_size
+        start = self.rollouts * P + part.dp_rank * per_rank
+        return list(range(start, start + per_rank))
+
+    def _rollout(self) -> Batch:
+        from loom.rl.score import score_groups
+
+        st, cfg = self.stage, self.stage.cfg
+        n, seed = len(st.prompts), cfg.run.seed
+        pos = self._mine()
+        idx = [prompt_index(p, n, seed) for p in pos]
+        seeds = [[sample_seed(seed, self.rollouts, p, g) for g in range(self.G)] for p in pos]
+        with self.rollout_s():
+            model = st.parallel.model
+            reqs = sample(
+                model,
+                [st.prompts.ids[i] for i in idx],
+                seeds,
+                st.rl.max_new_tokens,
+                st.template.stop_ids,
+                st.meta["vocab_size"],
+                st.autocast,
+            )
+        rows = [st.prompts.rows[i] for i in idx]
+        row_adv, trained, self.stats = score_groups(st, reqs, rows, self.G)
+        batch = build_batch(reqs, row_adv, trained, st.template.eot_id)
+        if st.ref is not None:
+            with torch.no_grad():
+                batch.ref_lp = target_logprobs(st.ref(batch.x.to(st.device)), batch.y.to(st.device))[0]
+        for name in ("x", "y", "adv", "old_lp"):
+            setattr(batch, name, getattr(batch, name).to(st.device))
+        local = float((batch.y != -1).sum())
+        self.global_targets = int(st.parallel.all_reduce_sum(torch.tensor([local], device=st.device)).item())
+        return batch
+
+    def report(self, sums: dict) -> dict:
+        from loom.rl.score import step_report
+
+        return step_report(self, sums)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        state = {"rollouts": self.rollouts, "uses": self.uses}
+        k = self.stage.rl.updates_per_batch
+        if self.batch is not None and self.uses < k:  # the batch serves more steps: kept as it was sampled
+            b = self.batch
+            state["batch"] = {n: getattr(b, n).tolist() for n in ("x", "y", "adv", "old_lp")}
+            if b.ref_lp is not None:
+                state["batch"]["ref_lp"] = b.ref_lp.tolist()
+            state["global_targets"] = self.global_targets
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rollouts, self.uses = state["rollouts"], state["uses"]
+        saved = state.get("batch")
+        if saved is None:
+            self.batch = None
+            return
+        d = self.stage.device
+        as_t = {n: torch.tensor(v, device=d) for n, v in saved.items()}
+        self.batch = Batch(as_t["x"], as_t["y"], as_t["adv"], as_t["old_lp"], as_t.get("ref_lp"))
+        self.global_targets = state["global_targets"]
