@@ -25,12 +25,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
             f"--out '{out}': matplotlib cannot write '{Path(out).suffix or 'no suffix'}' files",
             hint="name it .png (or " + ", ".join(f".{k}" for k in sorted(kinds) if k != "png") + ")",
         )
-    runs = []
-    for rd in run_dirs:
-        path = Path(rd) / "metrics.jsonl"
-        if not path.is_file():
-            raise LoomError(f"'{rd}' has no metrics.jsonl", hint="give run directories written by loom train")
-        runs.append((rd, read_jsonl(path)))
+    runs = _read_runs(run_dirs)
     with_bpb = any("val_bpb" in r for _, recs in runs for r in recs)
     scores = sorted({k for _, recs in runs for r in recs for k in r if is_score(k)})
     mix = any("mix_tokens" in r for _, recs in runs for r in recs)
@@ -93,6 +88,17 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _read_runs(run_dirs: list) -> list[tuple]:
+    """(run directory, its metrics.jsonl records) of each run, or one error naming a folder without them."""
+    runs = []
+    for rd in run_dirs:
+        path = Path(rd) / "metrics.jsonl"
+        if not path.is_file():
+            raise LoomError(f"'{rd}' has no metrics.jsonl", hint="give run directories written by loom train")
+        runs.append((rd, read_jsonl(path)))
+    return runs
 
 
 def _plot_mix(runs: list, ax_val, ax_share) -> None:
