@@ -296,6 +296,7 @@ class Trainer:
         self.step += 1
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, **timer.read()}
         rec.update(par.after_step(update=skip is None))  # the family's (MoE: balance bias and expert load)
+        rec.update(par.after_update(self.step))  # bytes all-reduced; DiLoCo's outer step when due
         rec.update(self._model_state_report())  # before zero_grad: gradients are part of what a step holds
         self.optimizer.zero_grad(set_to_none=True)
         return self._record(rec, time.perf_counter() - t0, skip, stop, flags, overflow_scale)
@@ -500,6 +501,12 @@ class Trainer:
     def _stop(self, why: str) -> str:
         """A stop signal every rank agreed on at the end of this step: the stop checkpoint, then out."""
         self.stop.disarm()  # every rank reached the end of this step
+        if not self.parallel.replicas_equal(self.step):
+            log.warn(
+                f"stopping at step {self.step} ({why}), between DiLoCo's outer steps: the replicas differ, so no "
+                "checkpoint is written here; --resume continues from the last outer step's"
+            )
+            return why
         log.info(f"stopping at step {self.step} ({why}): saving a checkpoint", style="bold")
         self.checkpointer.save_last("stop")  # saved, or an error that says what is not
         if self.main:
@@ -514,7 +521,8 @@ class Trainer:
         log.warn(self.guard.describe(self.step, rec["skipped"], names))
         if not self.guard.exhausted:
             return
-        saved = self.checkpointer.save()  # the weights and optimizer are still those of the last good step
+        # the weights and optimizer are still those of the last good step (DiLoCo: only after an outer step)
+        saved = self.parallel.replicas_equal(self.step) and self.checkpointer.save()
         record = {"stopped": "max_bad_steps", "bad_steps": self.guard.bad_steps, "nonfinite_params": names}
         self.logger.write({"step": self.step, **record})
         self.logger.close()
