@@ -379,7 +379,8 @@ def open_sinks(run_dir: Path, cfg) -> Sinks:
 
 
 class StepTimer:
-    """Forward ("f") and backward ("b") time of a step, summed over its micro-batches: dtf, dtb.
+    """Forward ("f"), backward ("b") and explicit communication ("c": a gradient sync after backward, DiLoCo's
+    outer step) time of a step, summed over its micro-batches: dtf, dtb, dtc; and `comm_exposed`.
 
     On a CPU the clock is read around each phase (the work is synchronous). On a GPU, CUDA events are
     recorded on the stream instead, and read once when the step's record is made (after the step's one
@@ -387,7 +388,7 @@ class StepTimer:
 
     def __init__(self, device: torch.device, enabled: bool = True):
         self.enabled, self.cuda = enabled, device.type == "cuda"
-        self.spans: dict[str, list] = {"f": [], "b": []}
+        self.spans: dict[str, list] = {"f": [], "b": [], "c": []}
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
@@ -408,6 +409,22 @@ class StepTimer:
         """{"dtf": s, "dtb": s} (seconds), or {} when disabled."""
         if not self.enabled:
             return {}
+        seconds = {k: self._seconds(k) for k in self.spans}
+        out = {f"dt{k}": float(sum(v)) for k, v in seconds.items()}
+        out["comm_exposed_s"] = self.comm_exposed(seconds)
+        return out
+
+    def _seconds(self, phase: str) -> list[float]:
         if self.cuda:
-            return {f"dt{k}": sum(s.elapsed_time(e) for s, e in v) / 1000 for k, v in self.spans.items()}
-        return {f"dt{k}": float(sum(v)) for k, v in self.spans.items()}
+            return [s.elapsed_time(e) / 1000 for s, e in self.spans[phase]]
+        return list(self.spans[phase])
+
+    @staticmethod
+    def comm_exposed(seconds: dict[str, list[float]]) -> float:
+        """Seconds of the step spent waiting on communication, not hidden behind compute: the explicit syncs
+        ("c"), plus what the last backward (the one DDP all-reduces in; the others run under no_sync) took
+        beyond the mean of the others. With one micro-batch a step has no backward without communication to
+        compare with, and only the explicit part is counted."""
+        b = seconds["b"]
+        hidden = b[-1] - sum(b[:-1]) / (len(b) - 1) if len(b) > 1 else 0.0
+        return float(sum(seconds["c"]) + max(hidden, 0.0))

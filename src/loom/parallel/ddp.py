@@ -88,7 +88,14 @@ def apply_compression(ddp: DistributedDataParallel, kind: str, rank: int, warmup
 
     def counted(state_, bucket):
         counter.n += count(bucket)
-        return hook(state_, bucket)
+        fut = hook(state_, bucket)
+        if kind == "powersgd":
+            # PowerSGD issues a bucket's Q all-reduce from the callback of its P all-reduce, on gloo's thread,
+            # while backward goes on issuing the next bucket's from its own: the order differs between ranks,
+            # and gloo, which pairs collectives by the order they are issued, hangs or breaks (2 ranks, 2
+            # buckets: at the first compressed step). Waiting here issues every rank's in the same order.
+            fut.wait()
+        return fut
 
     ddp.register_comm_hook(state, counted)
     return counter

@@ -276,7 +276,8 @@ class Trainer:
                     with timer("b"):
                         self.scaler.scale(loss).backward()
                 loss_sum += loss.detach()
-        par.sync_grads()
+        with timer("c"):
+            par.sync_grads()
         if self.faults.nan_at(self.step + 1, self.dims.rank):
             self.faults.poison_grad(self.model)
         self.scaler.unscale_(self.optimizer)
@@ -294,9 +295,10 @@ class Trainer:
             par.refresh_fp8_scales()
         overflow_scale = self._update_scaler()
         self.step += 1
-        rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, **timer.read()}
+        with timer("c"):
+            synced = par.after_update(self.step)  # bytes all-reduced; DiLoCo's outer step when due
+        rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, **timer.read(), **synced}
         rec.update(par.after_step(update=skip is None))  # the family's (MoE: balance bias and expert load)
-        rec.update(par.after_update(self.step))  # bytes all-reduced; DiLoCo's outer step when due
         rec.update(self._model_state_report())  # before zero_grad: gradients are part of what a step holds
         self.optimizer.zero_grad(set_to_none=True)
         return self._record(rec, time.perf_counter() - t0, skip, stop, flags, overflow_scale)
