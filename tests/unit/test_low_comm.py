@@ -131,3 +131,21 @@ def test_exposed_communication_of_a_step():
     assert StepTimer.comm_exposed({"b": [0.4], "c": [0.1], "f": []}) == pytest.approx(0.1)  # explicit only
     assert StepTimer.comm_exposed({"b": [], "c": [], "f": []}) == 0.0  # a pipeline schedule's step
     assert StepTimer.comm_exposed({"b": [0.3, 0.2], "c": [], "f": []}) == 0.0  # never below 0
+
+
+def test_plan_says_when_compression_or_diloco_pays_off(capsys):
+    from loom.plan.report import plan_main
+    from loom.plan.shapes import resolve_model
+    from loom.plan.slow_links import powersgd_factor
+
+    args = ["--model", "7b", "--gpus", "32", "--gpus-per-node", "8", "--gpu-mem", "80", "--top", "1"]
+    verdicts = {}
+    for gbps in ("0.1", "10", "400"):
+        assert plan_main([*args, "--inter-node-gbps", gbps]) == 0
+        verdicts[gbps] = capsys.readouterr().out.splitlines()[-1]
+    assert "DiLoCo H=500" in verdicts["0.1"]  # the only remedy that brings it under a tenth of the step
+    assert "PowerSGD" in verdicts["10"]
+    assert "fast enough" in verdicts["400"]
+    assert 0 < powersgd_factor(resolve_model("7b", None)) < 1 / 20  # rank 4 of 4096-wide matrices
+    with pytest.raises(LoomError, match="--inter-node-gbps must be positive"):
+        plan_main([*args, "--inter-node-gbps", "0"])
