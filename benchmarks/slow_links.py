@@ -145,12 +145,17 @@ def table(path: Path, target_step: int) -> str:
         mine = {r["mode"]: r for r in rows if r["rate"] == rate}  # the last run of each mode
         ddp = mine.get("ddp")
         target = ddp["val"][str(target_step)] if ddp else None
+        inner = mine.get("diloco20")  # its steps between outer steps: compute, no traffic across the link
+        base = None
+        if inner:
+            quiet = sorted(dt for st, dt in inner["dt"].items() if int(st) % 20)
+            base = quiet[len(quiet) // 2]
         out += [
             f"\n### {rate}"
             + (f" (target: plain DDP's val loss at step {target_step}, {target:.4f})" if target else ""),
             "",
-            "| mode | s/step | time to target (s) | vs DDP | final val loss | vs DDP | bytes/step sent by node1 | vs DDP |",
-            "|---|---|---|---|---|---|---|---|",
+            "| mode | s/step | comm share | time to target (s) | vs DDP | final val loss | vs DDP | bytes/step sent by node1 | vs DDP |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for mode, r in mine.items():
             steps, last = r["steps"], r["val"][str(r["steps"])]
@@ -160,8 +165,10 @@ def table(path: Path, target_step: int) -> str:
             speed = f"{t_ddp / t:.1f}x sooner" if t and t_ddp else "-"
             loss_vs = f"{100 * (last / ddp['val'][str(steps)] - 1):+.2f}%" if ddp else "-"
             bytes_vs = f"1/{ddp['node1_tx'] / r['node1_tx']:.1f}" if ddp else "-"
+            mean = sum(r["dt"].values()) / steps
+            share = f"{max(0.0, 1 - base / mean):.0%}" if base else "-"
             out.append(
-                f"| {mode} | {sum(r['dt'].values()) / steps:.3f} | {f'{t:.1f}' if t else 'not reached'} | {speed} | "
+                f"| {mode} | {mean:.3f} | {share} | {f'{t:.1f}' if t else 'not reached'} | {speed} | "
                 f"{last:.4f} | {loss_vs} | {per_step / 1e6:.2f} MB | {bytes_vs} |"
             )
     return "\n".join(out)
