@@ -11,6 +11,16 @@ machine's own network namespace, and deleting the namespaces deletes every inter
     python scripts/netns_hosts.py exec TAG 2 -- loom launch ...   # run on host 2 of TAG
     python scripts/netns_hosts.py down TAG        # kill what runs there, delete everything
     python scripts/netns_hosts.py reap            # remove leftovers of test runs whose process died
+    python scripts/netns_hosts.py up 2 --rate 100mbit --latency-ms 50   # every link limited (tc tbf)
+    python scripts/netns_hosts.py limit TAG 1gbit  # change the limit of a running set
+    python scripts/netns_hosts.py bytes TAG        # bytes each host's eth0 sent and received so far
+
+A rate limit is a token-bucket filter (`tc qdisc ... tbf`) on both ends of each host's link: on the host's
+eth0 (what it sends) and on the bridge's port (what it receives), so a transfer between two hosts crosses
+two limited queues, one each way. `--latency-ms` bounds the queue (tbf's `latency`: how long a packet may
+wait for tokens before it is dropped, the queueing delay of a full link); `--burst` is the bucket (default
+10 ms of traffic, at least 32 KiB). netem's fixed delay does not work in these namespaces on every kernel:
+tbf and htb do.
 
 MPICH's mpiexec (Hydra) starts its proxies through `ssh HOST CMD`; `Hosts.ssh` is a stand-in for ssh that
 runs CMD on the host of that name instead, so `HYDRA_LAUNCHER=ssh HYDRA_LAUNCHER_EXEC=<hosts.ssh>` (the
@@ -24,13 +34,16 @@ Standard library only.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 PREFIX = "loomt-"
@@ -41,6 +54,50 @@ OWNERS = Path("/run/loomt-netns")  # <ns>.owner: the pid of the process that mad
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+_RATE_UNITS = {
+    "bit": 1,
+    "kbit": 1e3,
+    "mbit": 1e6,
+    "gbit": 1e9,
+    "bps": 8,
+    "kbps": 8e3,
+    "mbps": 8e6,
+    "gbps": 8e9,
+}
+
+
+def rate_bits(text: str) -> float:
+    """A tc rate ("100mbit", "1gbit", "12.5mbps": bytes) in bits per second."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", text)
+    if not m or m.group(2).lower() not in _RATE_UNITS or float(m.group(1)) <= 0:
+        raise ValueError(
+            f"rate {text!r}: a number and one of {', '.join(_RATE_UNITS)} (tc's units), e.g. 100mbit"
+        )
+    return float(m.group(1)) * _RATE_UNITS[m.group(2).lower()]
+
+
+@dataclass(frozen=True)
+class Link:
+    """The limit of every host's link: tc tbf's rate, bucket (burst, bytes) and queue bound (latency)."""
+
+    rate: str  # tc's syntax: 100mbit, 1gbit
+    latency_ms: float = 50.0
+    burst: int = 0  # bytes; 0: 10 ms of traffic at the rate, at least 32 KiB
+
+    def tbf(self) -> list[str]:
+        burst = self.burst or max(32 * 1024, int(rate_bits(self.rate) / 8 / 100))
+        return ["tbf", "rate", self.rate, "burst", str(burst), "latency", f"{self.latency_ms}ms"]
+
+
+def need_root(what: str) -> None:
+    """A clear error instead of ip's or tc's "Operation not permitted" half-way through."""
+    if os.geteuid() != 0:
+        raise PermissionError(f"{what} needs root (ip netns add, tc qdisc); run it as root or under sudo")
+    missing = [t for t in ("ip", "tc", "unshare") if shutil.which(t) is None]
+    if missing:
+        raise RuntimeError(f"{what} needs {', '.join(missing)} (iproute2, util-linux)")
 
 
 def namespaces() -> list[str]:
@@ -86,10 +143,18 @@ class Hosts:
     to addresses in /etc/hosts only). Use as a context manager: `with Hosts(2) as hosts: ...`."""
 
     def __init__(
-        self, n: int, tag: str | None = None, extra: dict[str, str] | None = None, owner: int | None = None
+        self,
+        n: int,
+        tag: str | None = None,
+        extra: dict[str, str] | None = None,
+        owner: int | None = None,
+        link: Link | None = None,
     ):
         if not 1 <= n <= 200:
             raise ValueError(f"1 to 200 hosts, not {n}")
+        if link is not None:
+            rate_bits(link.rate)  # a bad rate fails before anything is made
+        self.link = link
         self.n = n
         self.tag = tag or secrets.token_hex(3)
         self.names = [f"node{i}" for i in range(1, n + 1)]
@@ -111,7 +176,9 @@ class Hosts:
         return "\n".join(lines) + "\n"
 
     def up(self) -> Hosts:
-        """Create the namespaces, the bridge and the links; on any failure remove what was made."""
+        """Create the namespaces, the bridge and the links (limited to self.link); on any failure remove what
+        was made."""
+        need_root("creating network-namespace hosts")
         try:
             _ip("netns", "add", self.switch)
             self._mark(self.switch)
@@ -142,6 +209,8 @@ class Hosts:
                 _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
+            if self.link is not None:
+                self.limit(self.link)
             self.ssh.write_text(
                 f'#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} ssh {self.tag} "$@"\n'
             )
@@ -150,6 +219,24 @@ class Hosts:
             self.down()
             raise
         return self
+
+    def limit(self, link: Link | None) -> None:
+        """Every host's link limited to `link` both ways (None: unlimited again)."""
+        for i in range(1, self.n + 1):
+            for ns, dev in ((self.ns(i), "eth0"), (self.switch, f"h{i}")):
+                subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+                if link is not None:
+                    cmd = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *link.tbf()]
+                    done = subprocess.run(cmd, capture_output=True, text=True)
+                    if done.returncode != 0:
+                        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+        self.link = link
+
+    def link_bytes(self, i: int) -> dict[str, int]:
+        """{"tx", "rx"}: bytes host i's eth0 has sent and received (the kernel's counters, frames included)."""
+        out = _ip("-n", self.ns(i), "-j", "-s", "link", "show", "dev", "eth0").stdout
+        stats = json.loads(out)[0]["stats64"]
+        return {"tx": stats["tx"]["bytes"], "rx": stats["rx"]["bytes"]}
 
     @property
     def ssh(self) -> Path:
@@ -240,6 +327,20 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="create N hosts and keep them until `down`")
     up.add_argument("n", type=int)
     up.add_argument("--tag", default=None)
+    up.add_argument(
+        "--rate", default=None, help="limit every link to this rate both ways (tc: 100mbit, 1gbit)"
+    )
+    up.add_argument(
+        "--latency-ms", type=float, default=50.0, help="with --rate: the queue's bound (default 50)"
+    )
+    up.add_argument("--burst", type=int, default=0, help="with --rate: the bucket in bytes (default 10 ms)")
+    lim = sub.add_parser("limit", help="limit the links of TAG to RATE both ways ('none': unlimited)")
+    lim.add_argument("tag")
+    lim.add_argument("rate")
+    lim.add_argument("--latency-ms", type=float, default=50.0)
+    lim.add_argument("--burst", type=int, default=0)
+    nbytes = sub.add_parser("bytes", help="bytes each host of TAG sent and received (JSON)")
+    nbytes.add_argument("tag")
     ex = sub.add_parser("exec", help="run a command on host I of TAG")
     ex.add_argument("tag")
     ex.add_argument("i", type=int)
@@ -260,8 +361,18 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"no hosts with tag {tag} (ip netns list)")
         return Hosts(count, tag=tag, owner=0)
 
+    def link(rate: str | None) -> Link | None:
+        return None if rate in (None, "none") else Link(rate, args.latency_ms, args.burst)
+
+    try:
+        return _verb(args, existing, link)
+    except (PermissionError, ValueError, RuntimeError) as e:
+        sys.exit(f"netns_hosts: {e}")
+
+
+def _verb(args, existing, link) -> int:
     if args.verb == "up":
-        hosts = Hosts(args.n, tag=args.tag, owner=0).up()
+        hosts = Hosts(args.n, tag=args.tag, owner=0, link=link(args.rate)).up()
         print(f"tag {hosts.tag}")
         for i, name in enumerate(hosts.names, 1):
             print(f"{name} {hosts.addr(i)} {hosts.ns(i)}")
@@ -275,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"ssh: no host {words[0] if words else ''!r} in {hosts.names}")
         # ssh joins the words and hands them to the remote shell: so does this
         return subprocess.call(hosts.wrap(hosts.names.index(words[0]) + 1, ["sh", "-c", " ".join(words[1:])]))
+    elif args.verb == "limit":
+        existing(args.tag).limit(link(args.rate))
+    elif args.verb == "bytes":
+        hosts = existing(args.tag)
+        print(json.dumps({name: hosts.link_bytes(i) for i, name in enumerate(hosts.names, 1)}))
     elif args.verb == "down":
         existing(args.tag).down()
     else:

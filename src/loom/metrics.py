@@ -365,7 +365,8 @@ def open_sinks(run_dir: Path, cfg) -> Sinks:
 
 
 class StepTimer:
-    """Forward ("f") and backward ("b") time of a step, summed over its micro-batches: dtf, dtb.
+    """Forward ("f"), backward ("b") and explicit communication ("c": a gradient sync after backward, DiLoCo's
+    outer step) time of a step, summed over its micro-batches: dtf, dtb, dtc; and `comm_exposed`.
 
     On a CPU the clock is read around each phase (the work is synchronous). On a GPU, device events are
     recorded on the stream instead (loom.device.Span), and read once when the step's record is made (after the
@@ -373,7 +374,7 @@ class StepTimer:
 
     def __init__(self, device: torch.device, enabled: bool = True):
         self.enabled, self.device = enabled, device
-        self.spans: dict[str, list] = {"f": [], "b": []}
+        self.spans: dict[str, list] = {"f": [], "b": [], "c": []}
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
@@ -385,7 +386,20 @@ class StepTimer:
         self.spans[phase].append(span.stop())
 
     def read(self) -> dict:
-        """{"dtf": s, "dtb": s} (seconds), or {} when disabled."""
+        """{"dtf": s, "dtb": s, "dtc": s, "comm_exposed_s": s} (seconds), or {} when disabled."""
         if not self.enabled:
             return {}
-        return {f"dt{k}": float(sum(s.seconds() for s in v)) for k, v in self.spans.items()}
+        seconds = {k: [s.seconds() for s in v] for k, v in self.spans.items()}
+        out = {f"dt{k}": float(sum(v)) for k, v in seconds.items()}
+        out["comm_exposed_s"] = self.comm_exposed(seconds)
+        return out
+
+    @staticmethod
+    def comm_exposed(seconds: dict[str, list[float]]) -> float:
+        """Seconds of the step spent waiting on communication, not hidden behind compute: the explicit syncs
+        ("c"), plus what the last backward (the one DDP all-reduces in; the others run under no_sync) took
+        beyond the mean of the others. With one micro-batch a step has no backward without communication to
+        compare with, and only the explicit part is counted."""
+        b = seconds["b"]
+        hidden = b[-1] - sum(b[:-1]) / (len(b) - 1) if len(b) > 1 else 0.0
+        return float(sum(seconds["c"]) + max(hidden, 0.0))

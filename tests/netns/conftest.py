@@ -28,6 +28,12 @@ def _netns_hosts():
 
 
 @pytest.fixture
+def netns():
+    """scripts/netns_hosts.py as a module (its Link, rate parsing, errors), without making any host."""
+    return _netns_hosts()
+
+
+@pytest.fixture
 def hosts():
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (ip netns add); CI runs these tests as root")

@@ -133,7 +133,9 @@ def measure(
             for mode, tr in trainers.items():
                 dev.reset_peak(device)
                 for _ in range(n):
-                    recs[mode]["dts"].append(tr.train_step()["dt"])
+                    step = tr.train_step()
+                    recs[mode]["dts"].append(step["dt"])
+                    recs[mode]["comm"].append(step.get("comm_exposed_s", 0.0))
                 _sync(device)
                 recs[mode]["peak"] = max(recs[mode]["peak"], peak_memory_bytes(device))
     out = []
@@ -194,7 +196,7 @@ def _warm_up(tr, warmup: int, derived, device) -> dict[str, Any]:
     x, y = tr.batches.loader.next_batch()
     mb = derived.micro_batch_size
     act = activation_bytes(tr.parallel.forward, x[:mb].to(device), y[:mb].to(device), tr._autocast)
-    return {"activation_bytes": act, "compile_s": compile_s, "dts": [], "peak": 0}
+    return {"activation_bytes": act, "compile_s": compile_s, "dts": [], "comm": [], "peak": 0}
 
 
 def _row(
@@ -217,6 +219,9 @@ def _row(
         "mfu": tr.throughput.mfu(tps),
         "ms_per_step": 1e3 * seconds / len(r["dts"]),
         "ms_per_step_median": 1e3 * statistics.median(r["dts"]),
+        # the share of step time spent waiting on communication (loom.metrics.StepTimer.comm_exposed): 0 in
+        # this one-process bench; a job's metrics.jsonl has it per step (comm_exposed_s over dt)
+        "comm_exposed_share": sum(r["comm"]) / seconds,
         "activation_bytes": r["activation_bytes"],
         "peak_mem_bytes": r["peak"],
         "peak_mem_kind": "max allocated" if device.type == "cuda" else "process peak RSS (all modes)",
@@ -258,6 +263,7 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
         "vs none",
         "peak mem",
         "compile",
+        "comm",
     )
     for c in cols:
         table.add_column(c, justify="left" if c == "mode" else "right")
@@ -276,6 +282,7 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
             "" if act is None else f"{act:.2f}x",
             f"{r['peak_mem_bytes'] / 2**20:.0f} MiB",
             "" if r["compile_s"] is None else f"{r['compile_s']:.1f}s",
+            f"{100 * r['comm_exposed_share']:.0f}%",
         )
     console = log.console()
     console.print(table, width=None if console.is_terminal else 132)  # files and pipes: no squeezed columns

@@ -48,6 +48,7 @@ class ParallelDims:
     degree1: bool = False  # parallel.degree1_meshes: tp and pp applied at degree 1 in a 1-process job
     cp: int = 1  # context parallel: the ranks that split each sequence (between dp_shard and tp)
     ep: int = 1  # expert parallel: the routed experts split over ep of the dp x cp ranks (innermost ones)
+    diloco: bool = False  # the replicate dimension is DiLoCo's (loom.parallel.diloco), not HSDP's all-reduce
     # FSDP shards the parameters (over dp_shard x cp: the cp ranks of a data-parallel rank hold the same
     # parameters, so they share the shards, as in torchtitan). A plain field, set once here: the run request
     # reads it before any process group exists, as an answer of the layout rather than a question asked again
@@ -81,7 +82,7 @@ class ParallelDims:
 
     @property
     def hsdp_enabled(self) -> bool:
-        return self.fsdp_enabled and self.dp_replicate > 1
+        return self.fsdp_enabled and self.dp_replicate > 1 and not self.diloco
 
     @property
     def tp_enabled(self) -> bool:
@@ -157,6 +158,8 @@ class ParallelDims:
         dp = f"dp {self.dp} ({self.dp_impl}"
         if self.hsdp_enabled:
             dp += f": replicate {self.dp_replicate} x shard {self.dp_shard}"
+        elif self.diloco:
+            dp += f" inside {self.dp_replicate} DiLoCo replica(s) of {self.dp_shard}"
         cp = f" | cp {self.cp}" if self.cp > 1 else ""
         ep = f" | ep {self.ep}" if self.ep > 1 else ""
         return dp + f"){cp}{ep} | tp {self.tp} | pp {self.pp}"

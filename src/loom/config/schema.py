@@ -480,6 +480,34 @@ class ParallelConfig:
     pp_microbatches: int = _f(
         0, "Micro-batches per pipeline step; 0: the local batch / train.micro_batch_size."
     )
+    grad_compression: str = _f(
+        "none",
+        "dp_impl=ddp (or zero1): how the gradient all-reduce is sent, through PyTorch's DDP communication hooks: "
+        "none | bf16 | fp16 (each bucket cast to half precision, half the bytes) | powersgd (Vogels et al. 2019: "
+        "each gradient matrix as a rank-r product P Q^T with error feedback; vectors at full precision).",
+    )
+    powersgd_rank: int = _f(
+        4, "grad_compression=powersgd: the rank r of each gradient matrix's approximation.", ge=1
+    )
+    powersgd_warmup: int = _f(
+        10,
+        "grad_compression=powersgd: steps of plain all-reduce before compressing (PyTorch's "
+        "start_powerSGD_iter; >= 2, the error feedback needs one step of history).",
+        ge=2,
+    )
+    diloco_inner_steps: int = _f(
+        0,
+        "DiLoCo (Douillard et al. 2023) across parallel.dp_replicate: each replica (ddp or fsdp inside) takes "
+        "this many local optimizer steps, then every replica applies one outer step on the parameter change "
+        "averaged over the replicas (one all-reduce of the parameters per this many steps); 0: off.",
+        ge=0,
+    )
+    diloco_outer_lr: float = _f(
+        0.7, "DiLoCo's outer learning rate (Nesterov SGD on the averaged change; the paper's 0.7).", gt=0
+    )
+    diloco_outer_momentum: float = _f(
+        0.9, "DiLoCo's outer Nesterov momentum (the paper's 0.9; 0: plain SGD).", ge=0, lt=1
+    )
     degree1_meshes: bool = _f(
         False,
         "One process: apply tensor, pipeline and context parallel at degree 1 on 1-rank meshes, so one GPU runs every "
@@ -659,6 +687,7 @@ CHOICES = {
     ("parallel", "param_dtype"): ("", "fp32", "bf16", "fp16"),
     ("parallel", "reduce_dtype"): ("", "fp32", "bf16", "fp16"),
     ("parallel", "mpi_sync"): ("naive", "bucketed"),
+    ("parallel", "grad_compression"): ("none", "bf16", "fp16", "powersgd"),
     ("parallel", "mpi_allreduce"): ("mpi", "ring"),
     ("parallel", "cp_impl"): ("ulysses", "ring"),
     ("parallel", "pp_schedule"): tuple(PP_SCHEDULES),

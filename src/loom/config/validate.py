@@ -44,11 +44,15 @@ def validate(
     _check_lora(cfg)
     _check_diagnostics(cfg, world)
     _check_rl(cfg, dp, impl)
+    _check_compression(cfg, impl)
+    _check_diloco(cfg, world, impl)
     replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
     derived = _derive_batch(cfg, dp)
     p = cfg.parallel
+    degree1 = p.degree1_meshes and world == 1
+    diloco = p.diloco_inner_steps > 0
     return derived, ParallelDims(
-        replicate, shard, p.tp, p.pp, world, rank, impl, p.degree1_meshes and world == 1, p.cp, p.ep
+        replicate, shard, p.tp, p.pp, world, rank, impl, degree1, p.cp, p.ep, diloco=diloco
     )
 
 
@@ -76,6 +80,67 @@ def _check_rl(cfg: Config, dp: int, dp_impl: str) -> None:
             f"(here tp={p.tp}, pp={p.pp}, cp={p.cp}, dp_impl={dp_impl})",
             hint="use parallel.dp_impl=ddp with tp = pp = cp = 1",
         )
+
+
+def _check_compression(cfg: Config, impl: str) -> None:
+    """parallel.grad_compression is a DDP communication hook: only where DDP's wrapper all-reduces gradients."""
+    p = cfg.parallel
+    kind = p.grad_compression
+    if kind == "none":
+        return
+    if impl in SHARDED:
+        hint = (
+            "FSDP reduce-scatters in parallel.reduce_dtype: set parallel.reduce_dtype=" + kind
+            if kind in ("bf16", "fp16")
+            else "PowerSGD needs whole gradient matrices: use parallel.dp_impl=ddp (or parallel.diloco_inner_steps "
+            "for slow links with FSDP inside a node)"
+        )
+        raise LoomError(f"parallel.grad_compression={kind} does not apply to dp_impl={impl}", hint=hint)
+    if impl not in ("ddp", "zero1") or p.tp * p.pp * p.cp > 1 or p.ep > 1:
+        raise LoomError(
+            f"parallel.grad_compression={kind} compresses DDP's gradient all-reduce; this layout (dp_impl={impl}, "
+            f"tp={p.tp}, pp={p.pp}, cp={p.cp}, ep={p.ep}) has none",
+            hint="use parallel.dp_impl=ddp with data parallel only, or grad_compression=none",
+        )
+
+
+def _check_diloco(cfg: Config, world: int, impl: str) -> None:
+    """DiLoCo runs across the replicate dimension (parallel.dp_replicate), with ddp or fsdp inside a replica;
+    checkpoints are written between outer steps only, where every replica holds the same parameters."""
+    p, t = cfg.parallel, cfg.train
+    h = p.diloco_inner_steps
+    if not h:
+        return
+    if world > 1 and p.dp_replicate == 1:
+        raise LoomError(
+            f"parallel.diloco_inner_steps={h} needs a replicate dimension: parallel.dp_replicate is 1 on "
+            f"{world} processes",
+            hint="set parallel.dp_replicate to the number of nodes (DiLoCo across them, ddp/fsdp inside)",
+        )
+    if p.tp * p.pp * p.cp > 1 or p.ep > 1:
+        raise LoomError(
+            f"parallel.diloco_inner_steps does not compose with tp/pp/cp/ep (tp={p.tp}, pp={p.pp}, cp={p.cp}, "
+            f"ep={p.ep}) here",
+            hint="use data parallel inside a replica: parallel.dp_impl=ddp or fsdp",
+        )
+    if impl not in ("ddp", "fsdp", "none"):
+        raise LoomError(
+            f"parallel.diloco_inner_steps does not compose with parallel.dp_impl={impl}",
+            hint="use parallel.dp_impl=ddp or fsdp inside a replica",
+        )
+    if t.time_budget_s:
+        raise LoomError(
+            "train.time_budget_s chooses train.steps while training; DiLoCo needs it a multiple of "
+            "parallel.diloco_inner_steps from the start",
+            hint="give train.steps instead",
+        )
+    for key, n in (("train.steps", t.steps), ("train.ckpt_every", t.ckpt_every)):
+        if n % h:
+            raise LoomError(
+                f"{key}={n} is not a multiple of parallel.diloco_inner_steps={h}: DiLoCo's replicas hold the same "
+                "parameters only after an outer step, where a run ends and saves",
+                hint=f"make {key} a multiple of {h}",
+            )
 
 
 def _check_family(cfg: Config, dp: int, dp_impl: str) -> None:
@@ -461,6 +526,8 @@ def _dp_degrees(p: ParallelConfig, dp: int, dp_impl: str) -> tuple[int, int]:
     """(dp_replicate, dp_shard) for a data-parallel degree dp: HSDP's split for fsdp/zero2 (dp_shard=-1 takes
     what dp_replicate leaves); every other implementation replicates over all of dp."""
     if dp_impl not in SHARDED:
+        if p.diloco_inner_steps and dp % p.dp_replicate == 0 and p.dp_shard in (-1, dp // p.dp_replicate):
+            return p.dp_replicate, dp // p.dp_replicate  # DiLoCo's replicas, each a ddp group of dp_shard
         if p.dp_shard not in (-1, 1) or p.dp_replicate != 1:
             raise LoomError(
                 f"parallel.dp_replicate/dp_shard split FSDP's data-parallel ranks (HSDP); dp_impl={dp_impl} "

@@ -49,6 +49,10 @@ class Parallelized:
         self.expert_layers: list[nn.Module] = []  # ep: the MoE layers whose experts are split
         self.ep_mesh = None  # ep: the (pp, efsdp, ep, tp) mesh
         self.expert_sync = False  # ep: expert gradients made the mean over the data ranks (parallel.expert)
+        self.sync_bytes = (
+            None  # DDP: what each step hands the gradient all-reduce (loom.parallel.ddp.SyncBytes)
+        )
+        self.diloco = None  # parallel.diloco_inner_steps: the outer loop (loom.parallel.diloco.DiLoCo)
         self.tied: dict[str, str] = plan.tied(model)  # alias -> canonical name of one tensor ({}: untied)
         # the single-device model's names, for checkpoints: state-dict keys and the optimizer's order
         self.names = list(model.state_dict().keys())
@@ -90,6 +94,21 @@ class Parallelized:
             for name, w in self.model.named_parameters():
                 if name in tied and w.grad is not None:
                     dist.all_reduce(local(w.grad), group=self.tied_group)
+
+    def after_update(self, step: int) -> dict:
+        """After optimizer step `step`: DiLoCo's outer step when due; the bytes this rank all-reduced for the
+        step (allreduce_bytes: DDP's gradients, outer_bytes: DiLoCo's parameter change), for metrics.jsonl."""
+        rec = {}
+        if self.sync_bytes is not None:
+            rec["allreduce_bytes"] = self.sync_bytes.take()
+        if self.diloco is not None and self.diloco.due(step):
+            rec.update(outer_step=step // self.diloco.h, outer_bytes=self.diloco.outer_step())
+        return rec
+
+    def replicas_equal(self, step: int) -> bool:
+        """Every replica holds the same parameters after `step` (false between DiLoCo's outer steps: no
+        checkpoint can be written there)."""
+        return self.diloco is None or self.diloco.due(step)
 
     def expert_params(self) -> list[nn.Parameter]:
         """The experts' weights now (FSDP and materialization replace parameter objects)."""
@@ -187,21 +206,33 @@ class Parallelized:
 
     def load_model_state(self, sd: dict) -> None:
         state.load_model_state(self.model, sd, self.tied)
+        if self.diloco is not None:
+            self.diloco.reanchor()
 
     def sharded_state(self, opt) -> tuple[dict, dict]:
-        """(model, optimizer) state of this rank's pieces under single-device names, for DCP (nothing gathered)."""
+        """(model, optimizer) state of this rank's pieces under single-device names, for DCP (nothing gathered);
+        DiLoCo: its momentum, and each replica's inner optimizer state under its own prefix."""
         from loom.parallel import dcp_state
 
-        tied = self.tied
-        return dcp_state.model_shards(self.model, tied), dcp_state.optim_shards(self.model, opt, tied)
+        tied, d = self.tied, self.diloco
+        optim = dcp_state.optim_shards(self.model, opt, tied, d.inner_prefix if d else "")
+        if d is not None:
+            optim.update(d.momentum_state())
+        return dcp_state.model_shards(self.model, tied), optim
 
     def load_sharded(self, opt, model_dir, optim_dir=None) -> None:
         """Load DCP folders written under any layout into this rank's pieces (optimizer: when given)."""
         from loom.parallel import dcp_state
 
+        d = self.diloco
         dcp_state.load_model_shards(self.model, model_dir, self.tied)
         if optim_dir is not None:
-            dcp_state.load_optim_shards(self.model, opt, optim_dir, self.tied)
+            dcp_state.load_optim_shards(self.model, opt, optim_dir, self.tied, d.inner_prefix if d else "")
+        if d is not None:
+            d.reanchor()
+            momentum = d.momentum_state()
+            if optim_dir is not None and set(momentum) <= set(dcp_state.saved_keys(optim_dir)):
+                dcp_state.load_into(momentum, optim_dir, "optimizer")  # (a plain checkpoint: momentum 0)
 
     def load_optim_state(self, opt, sd: dict) -> None:
         if self.dims.dp_impl == "zero1" and self.dims.dp_enabled:
@@ -228,6 +259,7 @@ class _Work:
     roots: list = field(default_factory=list)  # this rank's model parts: the model, or its pipeline stages
     stages: tuple = ()  # pipeline parallel: (this rank's stage ids, the number of stages)
     blocks: list = field(default_factory=list)  # the roots' blocks, as activation checkpointing wrapped them
+    groups: tuple = (None, None)  # DiLoCo: (this replica's ranks, this piece's ranks across replicas)
 
 
 def _float8(w: _Work) -> None:
@@ -316,7 +348,8 @@ def _fsdp(w: _Work) -> None:
     shard = "dp_shard_cp" if dims.cp_enabled else "dp_shard"
     with warnings.catch_warnings():  # torch 2.13 plans to stop slicing flattened dims; 2.11-2.13 need it
         warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
-        dp_mesh = w.mesh[shard] if dims.dp_replicate == 1 else w.mesh["dp_replicate", shard]
+        # DiLoCo: FSDP within a replica; the replicas meet in the outer step (loom.parallel.diloco)
+    dp_mesh = w.mesh[shard] if dims.dp_replicate == 1 or dims.diloco else w.mesh["dp_replicate", shard]
     # zero2 and replicas keep gathered parameters
     reshard = dims.dp_impl == "fsdp" and dims.fsdp_shard > 1
     mp = mp_policy(p.param_dtype, p.reduce_dtype, w.device, w.precision)
@@ -351,12 +384,36 @@ def _tp_loss(w: _Work) -> None:
 
 
 def _ddp(w: _Work) -> None:
-    from loom.parallel.ddp import apply_ddp
+    from loom.parallel.ddp import apply_compression, apply_ddp
 
-    model = w.model
+    model, p = w.model, w.cfg.parallel
     ignore = {id(q) for q in w.par.expert_params()}
-    w.par.forward = apply_ddp(model, w.device, [n for n, q in model.named_parameters() if id(q) in ignore])
+    names = [n for n, q in model.named_parameters() if id(q) in ignore]
+    group = w.groups[0] if w.dims.diloco else None  # DiLoCo: DDP within a replica
+    ddp = w.par.forward = apply_ddp(model, w.device, names, group)
     w.par.expert_sync = bool(ignore)
+    w.par.sync_bytes = apply_compression(ddp, p.grad_compression, p.powersgd_rank, p.powersgd_warmup)
+
+
+def _diloco_groups(w: _Work) -> None:
+    from loom.parallel.diloco import replica_groups
+
+    w.groups = replica_groups(w.dims, w.mesh if w.fsdp else None)
+
+
+def _diloco(w: _Work) -> None:
+    from loom.parallel.diloco import DiLoCo
+
+    p = w.cfg.parallel
+    w.par.diloco = DiLoCo(
+        w.model,
+        w.dims,
+        w.groups[1],
+        p.diloco_inner_steps,
+        p.diloco_outer_lr,
+        p.diloco_outer_momentum,
+        w.par.tied,
+    )
 
 
 def _mpi(w: _Work) -> None:
@@ -387,6 +444,7 @@ STEPS: list[tuple[str, Callable[[_Work], bool], Callable[[_Work], None]]] = [
     ("activation checkpointing", lambda w: True, _checkpointing),  # apply_ac reads the policy ("none" too)
     ("compile", lambda w: w.cfg.train.compile, _compile),
     ("FSDP", lambda w: w.fsdp, _fsdp),
+    ("DiLoCo groups", lambda w: w.dims.diloco, _diloco_groups),
     ("materialize", lambda w: any(q.is_meta for q in w.model.parameters()), _materialize),
     ("pipeline schedule", lambda w: w.dims.pp_enabled, _pipeline),
     ("TP loss", lambda w: w.dims.tp_enabled and not w.dims.pp_enabled, _tp_loss),
@@ -401,6 +459,7 @@ STEPS: list[tuple[str, Callable[[_Work], bool], Callable[[_Work], None]]] = [
         _ddp,
     ),
     ("MPI", lambda w: not _wraps_forward(w) and w.dims.dp_impl == "mpi", _mpi),
+    ("DiLoCo", lambda w: w.dims.diloco, _diloco),  # last: it holds the parameter objects FSDP made
 ]
 
 

@@ -83,12 +83,13 @@ def model_shards(model: nn.Module, aliases: dict[str, str]) -> dict:
     return {k: v for k, v in sd.items() if k not in frozen}
 
 
-def optim_shards(model: nn.Module, opt, aliases: dict[str, str]) -> dict:
-    """This rank's optimizer state, flattened and keyed by single-device parameter name."""
+def optim_shards(model: nn.Module, opt, aliases: dict[str, str], prefix: str = "") -> dict:
+    """This rank's optimizer state, flattened and keyed by single-device parameter name (after `prefix`: a
+    DiLoCo replica's own state, loom.parallel.diloco)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     sd = get_optimizer_state_dict(model, _inner(opt), options=_options())
-    return _dedup(sd, lambda k: _optim_key(k, aliases))
+    return _dedup(sd, lambda k: prefix + _optim_key(k, aliases))
 
 
 class HostStager:
@@ -221,15 +222,21 @@ def load_model_shards(model: nn.Module, path: str | Path, aliases: dict[str, str
     set_model_state_dict(model, update, options=_partial(bool(kept)))
 
 
-def load_optim_shards(model: nn.Module, opt, path: str | Path, aliases: dict[str, str]) -> None:
+def load_optim_shards(
+    model: nn.Module, opt, path: str | Path, aliases: dict[str, str], prefix: str = ""
+) -> None:
     """Load the optimizer's per-parameter state (moments, step) from a DCP folder; the hyperparameters of
-    the param groups stay those of this run's config (and its implementation flags those of this layout)."""
+    the param groups stay those of this run's config (and its implementation flags those of this layout).
+    `prefix`: the keys of a DiLoCo replica's own state, when the checkpoint has them (a plain checkpoint's
+    state serves every replica)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     inner = _inner(opt)
     local = get_optimizer_state_dict(model, inner, options=_options())  # creates empty state if none yet
     states = {k: v for k, v in local.items() if k.startswith("state.")}
-    target = _dedup(states, lambda k: _optim_key(k, aliases))
+    if prefix and not any(k.startswith(prefix) for k in saved_keys(path)):
+        prefix = ""
+    target = _dedup(states, lambda k: prefix + _optim_key(k, aliases))
     load_into(target, path, "optimizer")
-    loaded = {k: (target[_optim_key(k, aliases)] if k in states else v) for k, v in local.items()}
+    loaded = {k: (target[prefix + _optim_key(k, aliases)] if k in states else v) for k, v in local.items()}
     set_optimizer_state_dict(model, inner, loaded, options=_options())

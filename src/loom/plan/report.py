@@ -197,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--inter-bw", type=float, default=25.0, help="inter-node bus bandwidth per GPU, GB/s (default 25)"
     )
+    p.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=None,
+        help="the link of each node to the others in Gbit/s (shared by its GPUs; replaces --inter-bw): the "
+        "report says whether bf16/PowerSGD gradients or DiLoCo pay off across it",
+    )
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's block_size)")
     p.add_argument(
         "--global-batch-tokens",
@@ -245,6 +252,8 @@ def _check(args: argparse.Namespace) -> None:
             raise LoomError(f"{flag} must be positive, got {v}")
     if args.ep < 0:
         raise LoomError(f"--ep must be >= 0, got {args.ep}", hint="leave --ep out to try every degree")
+    if args.inter_node_gbps is not None and not args.inter_node_gbps > 0:
+        raise LoomError(f"--inter-node-gbps must be positive, got {args.inter_node_gbps}")
     if not 0 < args.mfu <= 1:
         raise LoomError(f"--mfu must be in (0, 1], got {args.mfu}")
     if not 0 <= args.headroom < 1:
@@ -301,12 +310,15 @@ def run_plan(args: argparse.Namespace) -> tuple[ModelShape, Cluster, Workload, l
             f"--global-batch-tokens {tokens} is not a whole number of {s}-token sequences",
             hint=f"a multiple of {s}, e.g. {max(1, tokens // s) * s}",
         )
+    inter_bw = args.inter_bw
+    if args.inter_node_gbps is not None:  # Gbit/s of a node's link, shared by its GPUs -> GB/s per GPU
+        inter_bw = args.inter_node_gbps / 8 / min(args.gpus_per_node, args.gpus)
     cluster = Cluster(
         args.gpus,
         args.gpus_per_node,
         args.gpu_mem,
         args.intra_bw,
-        args.inter_bw,
+        inter_bw,
         args.peak_tflops,
         args.mfu,
         args.headroom,
@@ -377,6 +389,10 @@ def plan_main(argv: list[str]) -> int:
     print(table(cands[: args.top], shape.is_moe))
     if shape.is_moe:
         print(moe_table(cands[: args.top]))
+    if args.inter_node_gbps is not None:
+        from loom.plan.slow_links import advice
+
+        print("\n".join(advice(cands[0], cluster, shape, args.inter_node_gbps, wl.precision.grad)))
     return 0
 
 

@@ -296,7 +296,7 @@ class Trainer:
             self.faults.slow("data", rank)
         self._begin_step()
         loss_sum = self._forward_backward(x, y, timer)
-        with phase("comm"):  # exposed communication: what the backward did not overlap
+        with timer("c"), phase("comm"):  # exposed communication: what the backward did not overlap
             par.sync_grads()
         if self.faults.nan_at(self.step + 1, self.dims.rank):
             self.faults.poison_grad(self.model)
@@ -317,7 +317,9 @@ class Trainer:
             par.refresh_fp8_scales()
         overflow_scale = self._update_scaler()
         self.step += 1
-        rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, **timer.read()}
+        with timer("c"):
+            synced = par.after_update(self.step)  # bytes all-reduced; DiLoCo's outer step when due
+        rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, **timer.read(), **synced}
         if self.offload.enabled:  # what the saved-tensor hooks moved to host memory (on a CPU: would have)
             rec["offloaded_bytes"] = self.offload.reset()
         rec.update(self.stage.step_metrics(par.all_reduce_sum))  # DPO: rewards, margin, accuracy
@@ -573,6 +575,12 @@ class Trainer:
     def _stop(self, why: str) -> str:
         """A stop signal every rank agreed on at the end of this step: the stop checkpoint, then out."""
         self.stop.disarm()  # every rank reached the end of this step
+        if not self.parallel.replicas_equal(self.step):
+            log.warn(
+                f"stopping at step {self.step} ({why}), between DiLoCo's outer steps: the replicas differ, so no "
+                "checkpoint is written here; --resume continues from the last outer step's"
+            )
+            return why
         log.info(f"stopping at step {self.step} ({why}): saving a checkpoint", style="bold")
         self.checkpointer.save_last("stop")  # saved, or an error that says what is not
         if self.main:
@@ -594,7 +602,8 @@ class Trainer:
         log.warn(f"step {self.step}: lr {rec['lr']:.3g}; {rows}largest gradient norms: {grads or 'none'}")
         if not self.guard.exhausted:
             return
-        saved = self.checkpointer.save()  # the weights and optimizer are still those of the last good step
+        # the weights and optimizer are still those of the last good step (DiLoCo: only after an outer step)
+        saved = self.parallel.replicas_equal(self.step) and self.checkpointer.save()
         record = {"stopped": "max_bad_steps", "bad_steps": self.guard.bad_steps, "nonfinite_params": names}
         self.logger.write({"step": self.step, **record})
         self.logger.close()
