@@ -990,12 +990,24 @@ def run_argv(argv: list[str], cwd: Path, log_path: Path, limit: float) -> tuple[
             rc = None
         finally:  # past its limit, or the kit stopped by a signal while it ran
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)
                 proc.wait()
     output = log_path.read_bytes()[start:].decode("utf-8", "replace")
     with log_path.open("a", encoding="utf-8") as log:
         log.write(f"\n[exit {'killed at the time limit' if rc is None else rc}]\n")
     return rc, output
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a line's session (its process and what it started); a forked line stopped before its first
+    statement (os.setsid) has no session yet: then the process alone."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class Forked:

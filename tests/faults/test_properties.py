@@ -218,6 +218,8 @@ def valid_tables(draw) -> dict[str, object]:
         t["data.doc_mask"] = True
     if t.get("precision.fp8", "off") != "off" and t.get("precision.dtype") == "fp16":  # fp8: bf16 or fp32
         t["precision.dtype"] = "bf16"
+    if t.get("train.memory_snapshot") == "steps":  # snapshots at chosen steps: the steps given
+        t["train.memory_snapshot_steps"] = str(draw(st.integers(1, 10**6)))
     return dict(draw(st.permutations(sorted(t.items()))))  # any order of keys
 
 

@@ -76,7 +76,7 @@ class DdpBuckets:
     def __init__(self):
         self.bytes = 0
 
-    def apply(self, model: nn.Module, device, ignore: list[str] = ()) -> nn.Module:
+    def apply(self, model: nn.Module, device, ignore: list[str] = (), process_group=None) -> nn.Module:
         # DDP (gradient_as_bucket_view=False, loom's) copies every gradient into buckets of the same dtype,
         # but for the parameters it ignores (expert weights under expert parallelism)
         skip = set(ignore)

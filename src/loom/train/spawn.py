@@ -271,13 +271,14 @@ def stop_server() -> None:
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 
-    for module, name in (
-        (multiprocessing.forkserver, "_forkserver"),
-        (multiprocessing.resource_tracker, "_resource_tracker"),
+    for module, name, pid in (
+        (multiprocessing.forkserver, "_forkserver", "_forkserver_pid"),
+        (multiprocessing.resource_tracker, "_resource_tracker", "_pid"),
     ):
-        stop = getattr(getattr(module, name, None), "_stop", None)
-        if stop is not None:
-            stop()
+        started = getattr(module, name, None)
+        # one this process started (a fork of the server inherits the tracker's pipe, not its pid: not its to stop)
+        if getattr(started, pid, None) is not None:
+            started._stop()
 
 
 def _local_dims(req: RunRequest, nproc: int) -> ParallelDims:
