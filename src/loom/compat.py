@@ -60,20 +60,19 @@ def cpu_float8_matmul() -> None:
     output type. torch's own CPU kernel for it goes through oneDNN's reference float8 path on CPUs without float8
     units: 26 ms for a 128x32x96 product that takes 0.2 ms as float32 (2-core Xeon, torch 2.13), so a 0.1M-param
     fp8 model trained at 8 s a step. A CPU has no float8 arithmetic to be faithful to, and each result equals
-    the oneDNN one to float32 rounding (4e-5 on values of 256). Registered once per process, for the CPU dispatch
+    the oneDNN one to float32 rounding (4e-5 on values of 256); a float8 output is divided by scale_result, as
+    torch's CPU kernel does. Registered once per process, for the CPU dispatch
     key only (a GPU keeps its kernel); torch warns once that it replaces a kernel. Checked on torch 2.11, 2.13."""
     import warnings
 
     import torch
 
     def scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
-        if scale_result is not None:  # a float8 output: torchao's training never asks for one
-            raise NotImplementedError(
-                "loom's CPU _scaled_mm: scale_result (a float8 output) is not supported"
-            )
         out = (a.float() * scale_a) @ (b.float() * scale_b)
         if bias is not None:
             out = out + bias
+        if scale_result is not None:  # a float8 output's scale: divided by, as torch's CPU kernel does
+            out = out / scale_result
         return out.to(out_dtype or a.dtype)
 
     _LIBRARIES.append(lib := torch.library.Library("aten", "IMPL"))  # a registration lives with its object

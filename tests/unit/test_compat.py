@@ -49,8 +49,11 @@ def test_cpu_float8_matmul_is_the_product_of_the_scaled_operands(rowwise):
         got = torch._scaled_mm(a, b, sa, sb, bias=bias.to(dtype), out_dtype=dtype)
         assert got.dtype == dtype
         assert torch.allclose(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
-    with pytest.raises(NotImplementedError, match="loom's CPU _scaled_mm"):  # loom's kernel is the one called
-        torch._scaled_mm(a, b, sa, sb, scale_result=torch.tensor(1.0), out_dtype=torch.float8_e4m3fn)
+    # loom's kernel is the one called: bit for bit the float32 product (oneDNN's differs in the last bits)
+    got = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.float32)
+    assert torch.equal(got, (a.float() * sa) @ (b.float() * sb) + bias)
+    fp8 = torch._scaled_mm(a, b, sa, sb, scale_result=torch.tensor(4.0), out_dtype=torch.float8_e4m3fn)
+    assert torch.equal(fp8, (((a.float() * sa) @ (b.float() * sb)) / 4.0).to(torch.float8_e4m3fn))
 
 
 def test_view_base():

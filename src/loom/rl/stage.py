@@ -69,9 +69,6 @@ class RL:
         total = self.batches.global_targets
         return loss * (self.ranks / total if total else 0.0)
 
-    def loss_scale(self, y: torch.Tensor, grad_accum: int) -> tuple[float, torch.Tensor]:
-        raise NotImplementedError("the RL stage computes its own loss (RL.micro_loss)")
-
     def pipeline_weight(self) -> float | None:
         return None  # validate refuses rl with parallel.pp > 1
 

@@ -165,8 +165,5 @@ class DPO:
             "dpo/accuracy": s[2] / n,
         }
 
-    def loss_scale(self, y: torch.Tensor, grad_accum: int) -> tuple[float, torch.Tensor]:
-        return 1.0 / grad_accum, y  # micro_loss weighs its pairs itself
-
     def pipeline_weight(self) -> float | None:
         return None  # never asked: check_layout refuses pipeline parallel

@@ -28,10 +28,6 @@ class Stage(Protocol):
     valset: Any  # the validation rows (ValSet's interface), what ValLossEval measures
     source_valsets: dict  # a mixture's per-source validation rows by source name (else empty)
 
-    def loss_scale(self, y: torch.Tensor, grad_accum: int) -> tuple[float, torch.Tensor]:
-        """What a micro-batch's mean loss is multiplied by so that the step's gradient is the global batch's,
-        and the targets to use (a stage may change them)."""
-
     def pipeline_weight(self) -> float | None:
         """The pipeline schedule's weight per trained target of the last global batch (None: the mean of
         every target)."""
@@ -49,7 +45,9 @@ class Stage(Protocol):
 
 
 class TokenLoss:
-    """A stage whose loss is the model's mean cross-entropy over the targets, weighed by loss_scale."""
+    """A stage whose loss is the model's mean cross-entropy over the targets, weighed by its loss_scale(y,
+    grad_accum): what a micro-batch's mean loss is multiplied by so that the step's gradient is the global
+    batch's, and the targets to use (a stage may change them)."""
 
     def micro_loss(self, forward, x: torch.Tensor, y: torch.Tensor, i: int, accum: int) -> torch.Tensor:
         scale, y = self.loss_scale(y, accum)
