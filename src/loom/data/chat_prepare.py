@@ -294,14 +294,8 @@ def prepare_chat(
     counted by reason and reported; all dropped is an error. Written into `.<out>.loom-tmp` beside `out`,
     renamed once complete."""
     t0 = time.perf_counter()
-    out = Path(out)
-    paths = check_inputs(inputs)
     cfg = ChatSettings(tokenizer_spec, block_size, too_long, val_fraction, seed, vocab_size, chat_template)
-    cfg.check()
-    check_apart(out, paths)
-    check_replaceable(out, "data", force)
-
-    drops = Drops()
+    out, paths, drops = start_prepare(out, inputs, cfg, force)
     convs = read_conversations(paths, drops)
     if not convs:
         _all_dropped(paths, drops)
@@ -499,6 +493,18 @@ def _check_template_failed(template, drops: Drops) -> None:
         + (f"; dropped besides: {'; '.join(others)}" if others else ""),
         hint="fix the template (it reads each message's role and content), or use --chat-template loom",
     )
+
+
+def start_prepare(out, inputs, cfg: ChatSettings, force: bool) -> tuple[Path, list[Path], Drops]:
+    """What every chat-data preparation (conversations, preference pairs) checks before reading a record: the
+    inputs, the settings, the output apart from them and replaceable; the output's path, the inputs' and an
+    empty drop count."""
+    out = Path(out)
+    paths = check_inputs(inputs)
+    cfg.check()
+    check_apart(out, paths)
+    check_replaceable(out, "data", force)
+    return out, paths, Drops()
 
 
 def _all_dropped(paths: list[Path], drops: Drops) -> None:

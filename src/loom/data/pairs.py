@@ -34,14 +34,14 @@ from loom.data.chat_prepare import (
     _run_tokenizer_dir,
     _split,
     _template,
+    start_prepare,
     write_chat_data,
 )
 from loom.data.loader import seq_chunk
-from loom.data.messages import Drops, Messages, check_inputs, message_problem, read_records
+from loom.data.messages import Drops, Messages, message_problem, read_records
 from loom.data.sft import Conversations, _inputs_targets
 from loom.data.slice import DataSlice
 from loom.errors import LoomError
-from loom.outputs import check_apart, check_replaceable
 
 SAME = "chosen equals rejected"  # a pair that prefers nothing: dropped, counted under this reason
 
@@ -180,13 +180,8 @@ def prepare_pairs(
     """Prepare preference pairs into `out` as chat data (see the module docstring; the options are
     loom.data.chat_prepare.prepare_chat's). Returns the meta."""
     t0 = time.perf_counter()
-    out = Path(out)
-    paths = check_inputs(inputs)
     cfg = ChatSettings(tokenizer_spec, block_size, too_long, val_fraction, seed, vocab_size, chat_template)
-    cfg.check()
-    check_apart(out, paths)
-    check_replaceable(out, "data", force)
-    drops = Drops()
+    out, paths, drops = start_prepare(out, inputs, cfg, force)
     pairs = read_pairs(paths, drops)
     if not pairs:
         _no_pairs(paths, drops)
