@@ -15,9 +15,11 @@ from loom.metrics import read_jsonl
 LOOM = [sys.executable, "-m", "loom"]
 
 
-def loom_run(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def loom_run(
+    *args: str, env: dict | None = None, cwd: str | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """`loom ARGS` as a command of its own (exit code, stdout, stderr; `env`: its whole environment, default
-    this one's), what `subprocess.run([*LOOM, *args], capture_output=True, text=True)` gives, but started as a
+    this one's; `cwd`: its folder, default this one's), what `subprocess.run([*LOOM, *args], capture_output=True, text=True)` gives, but started as a
     fork of loom's preloaded fork server (loom.train.spawn.start_loom): ~4 s of CPU fewer a command."""
     import contextlib
     import os
@@ -28,7 +30,9 @@ def loom_run(*args: str, env: dict | None = None, timeout: float = 300) -> subpr
 
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         env = dict(os.environ if env is None else env)
-        p = start_loom(list(args), env, out=out.fileno(), err=err.fileno(), session=True)
+        p = start_loom(
+            list(map(str, args)), env, cwd=cwd and str(cwd), out=out.fileno(), err=err.fileno(), session=True
+        )
         p.join(timeout)
         if p.exitcode is None:  # past its time: it and whatever it started
             with contextlib.suppress(ProcessLookupError):  # no session yet: it had not begun

@@ -3,11 +3,9 @@ compiled data-parallel run reports its compile time apart and follows the refere
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import loomrun
 import pytest
+from loomrun import loom_run
 
 from loom.cli import main
 from loom.metrics import read_jsonl
@@ -19,22 +17,7 @@ TINY = [*loomrun.TINY, "--train.steps=4"]
 def test_compiled_ddp_matches_eager_single_process(tmp_path, char_data):
     pytest.importorskip("torch._inductor")
     common = [f"--data.path={char_data}", f"--run.dir={tmp_path}", *TINY]
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loom",
-            "train",
-            "--nproc",
-            "2",
-            *common,
-            "--run.name=ddp",
-            "--train.compile=true",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = loom_run("train", "--nproc", "2", *common, "--run.name=ddp", "--train.compile=true", timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert main(["train", *common, "--run.name=ref"]) == 0
     recs = {name: read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("ddp", "ref")}

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from loomrun import TINY
+from loomrun import TINY, loom_run
 from proctree import descendants, rank_of
 
 from loom.env import free_port
@@ -23,8 +23,8 @@ from loom.metrics import read_jsonl
 LOOM = [sys.executable, "-m", "loom"]
 
 
-def loom(*args, timeout=240, **kw):
-    return subprocess.run([*LOOM, *args], capture_output=True, text=True, timeout=timeout, **kw)
+def loom(*args, timeout=240):
+    return loom_run(*args, timeout=timeout)  # a warm fork, not a new interpreter (tests/loomrun.py)
 
 
 def losses(run: Path) -> dict[int, float]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 
+from loomrun import loom_run
 from tiny import tiny_args
 
 from loom.cli import main
@@ -63,12 +63,7 @@ def test_every_layout_logs_the_one_process_accuracies(tmp_path, char_data, capsy
         "fsdp2": ["--nproc=2", "--parallel.dp_impl=fsdp"],
         "tp2": ["--nproc=2", "--parallel.tp=2"],
     }.items():
-        r = subprocess.run(
-            [*LOOM, "train", f"--run.name={name}", *layout, *base],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        r = loom_run("train", f"--run.name={name}", *layout, *base, timeout=300)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     one = accuracies(tmp_path / "one")
     assert sorted(one) == [2, 4]

@@ -7,35 +7,28 @@ last stage (no tied group)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+
+from loomrun import loom_run
 
 
 def test_verify_tp_pp_sp_llama_gqa_qk_norm(tmp_path, char_data):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loom",
-            "verify",
-            "--strategies",
-            "tp-pp",
-            "--steps",
-            "4",
-            "--out",
-            str(tmp_path / "v"),
-            "--data",
-            str(char_data),
-            "--json",
-            str(tmp_path / "v.json"),
-            "--tol-loss",
-            "1e-5",
-            "--model.family=llama",
-            "--model.n_kv_head=2",
-            "--model.qk_norm=true",
-        ],
-        capture_output=True,
-        text=True,
+    r = loom_run(
+        "verify",
+        "--strategies",
+        "tp-pp",
+        "--steps",
+        "4",
+        "--out",
+        str(tmp_path / "v"),
+        "--data",
+        str(char_data),
+        "--json",
+        str(tmp_path / "v.json"),
+        "--tol-loss",
+        "1e-5",
+        "--model.family=llama",
+        "--model.n_kv_head=2",
+        "--model.qk_norm=true",
         timeout=600,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

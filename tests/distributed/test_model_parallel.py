@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from loomrun import loom_here
+from loomrun import loom_here, loom_run
 from tiny import tiny_args
 
 from loom.config import load_config, validate
@@ -32,7 +31,7 @@ TINY = tiny_args(
 
 
 def loom(*args, timeout=400):
-    return subprocess.run([*LOOM, *args], capture_output=True, text=True, timeout=timeout)
+    return loom_run(*args, timeout=timeout)  # a warm fork, not a new interpreter (tests/loomrun.py)
 
 
 def losses(run: Path) -> dict[int, float]:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from loomrun import TINY, loom_here
+from loomrun import TINY, loom_here, loom_run
 
 from loom.metrics import read_jsonl
 
@@ -19,7 +19,7 @@ LOOM = [sys.executable, "-m", "loom"]
 
 
 def loom(*args, timeout=300):
-    r = subprocess.run([*LOOM, *args], capture_output=True, text=True, timeout=timeout)
+    r = loom_run(*args, timeout=timeout)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from loomrun import loom_run
 
 from loom.config import Config, load_config, load_toml
 from loom.errors import LoomError
@@ -145,7 +146,7 @@ def test_interleaved_pipeline_of_4_grows_the_built_in_model(tmp_path, monkeypatc
 
 
 def _verify(*args, timeout=500) -> subprocess.CompletedProcess:
-    r = subprocess.run([*LOOM, "verify", *args], capture_output=True, text=True, timeout=timeout)
+    r = loom_run("verify", *args, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 

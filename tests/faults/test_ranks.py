@@ -25,8 +25,9 @@ def test_killed_rank_ends_the_job_within_the_timeout(char_data, tmp_path, nproc)
     p = Proc(args, tmp_path / "out")
     wait_for(lambda: last_step(run) >= 3, p, what="step 3")
     tree = p.tree()
-    # the launcher, multiprocessing's fork server and resource tracker, and the workers, each named `loom rank N`
-    assert len(tree) == nproc + 3
+    # the launcher, multiprocessing's fork server (and resource tracker, unless the launcher is itself a fork
+    # that inherited one), and the workers, each named `loom rank N`
+    assert 2 <= len([pid for pid in tree if rank_of(pid) is None]) <= 3, tree
     assert sorted(r for r in map(rank_of, tree) if r is not None) == list(range(nproc))
     listening = listening_addresses(tree)
     assert listening and all(a.startswith("127.0.0.1:") for a in listening), listening

@@ -8,13 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from loomrun import TINY
+from loomrun import TINY, loom_run
 
 from loom import checkpoint
 from loom.cli import main
@@ -23,22 +21,15 @@ from loom.cli import main
 @pytest.fixture(scope="module")
 def fsdp_run(char_data, tmp_path_factory):
     runs = tmp_path_factory.mktemp("ckpt_cli")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loom",
-            "train",
-            "--nproc=2",
-            "--parallel.dp_impl=fsdp",
-            f"--data.path={char_data}",
-            f"--run.dir={runs}",
-            "--run.name=f",
-            "--train.steps=4",
-            *TINY,
-        ],
-        capture_output=True,
-        text=True,
+    r = loom_run(
+        "train",
+        "--nproc=2",
+        "--parallel.dp_impl=fsdp",
+        f"--data.path={char_data}",
+        f"--run.dir={runs}",
+        "--run.name=f",
+        "--train.steps=4",
+        *TINY,
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Issue 14, items 1 and 2: nothing a user owns is deleted, and nothing wrong passes in silence.
 
-Real CLI calls (`python -m loom` in a subprocess, so PYTHONPATH picks the code under test), compared against
+Real CLI calls (`loom` as a command of its own, a warm fork: tests/loomrun.py), compared against
 what the user expects: every refusal is one `loom: error:` with exit code 2 and every file left as it was;
 every repair or doubt is named in the output. Each test failed on the code before the fix (7a12962)."""
 
@@ -11,10 +11,10 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from loomrun import loom_run
 from tiny import tiny_args
 
 TINY = tiny_args(
@@ -32,14 +32,7 @@ WORDS = "the of and to in is that it for as with was on be by at this from have 
 
 
 def loom(*args, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "loom", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    return loom_run(*args, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)
 
 
 def text(n_words: int, seed: int) -> str:

@@ -4,11 +4,10 @@ export. The fixture's expected.json holds what that main printed for generate an
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from loomrun import loom_run
 
 from loom.cli import main
 from loom.metrics import read_jsonl
@@ -31,12 +30,7 @@ def _losses(run: Path) -> dict[int, float]:
 
 def test_resumes_onto_the_curve_it_was_on(old_run):
     before = _losses(old_run / "fsdp2")  # the uninterrupted run's steps 1-4, by that main
-    r = subprocess.run(
-        [sys.executable, "-m", "loom", "train", "--resume", "fsdp2", "--nproc", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = loom_run("train", "--resume", "fsdp2", "--nproc", "2", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from fsdp2/ckpt/step_000002" in r.stdout + r.stderr
     assert _losses(old_run / "fsdp2") == before  # steps 3 and 4 again, bit for bit

@@ -8,11 +8,10 @@ gradients between accumulation micro-steps, the last pipeline stage keeping ever
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from loomrun import loom_run
 
 from loom.config import load_config, validate
 from loom.dryrun import blocks, dryrun_main, fake, step
@@ -55,12 +54,7 @@ def test_layout_that_cannot_start_fails_as_a_real_job_before_anything_is_built(m
     assert str(dry.value) == str(real.value) and "parallel.tp=128 does not divide model.n_head=64" in str(
         dry.value
     )
-    r = subprocess.run(
-        [sys.executable, "-m", "loom", "train", "--dry-run", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = loom_run("train", "--dry-run", *argv, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith(f"loom: error: {real.value}"), r.stderr
 
 
