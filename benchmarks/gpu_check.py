@@ -1018,7 +1018,7 @@ class Forked:
     def __init__(self, argv: list[str], cwd: Path, fd: int):
         from loom.train.spawn import start_loom
 
-        self.p = start_loom(argv[len(LOOM) :], child_env(), str(cwd), fd, fd, session=True)
+        self.p = start_loom(argv[len(LOOM) :], child_env(), str(cwd), fd, fd, session=True, server=True)
         self.pid = self.p.pid
 
     def poll(self) -> int | None:

@@ -31,7 +31,13 @@ def loom_run(
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         env = dict(os.environ if env is None else env)
         p = start_loom(
-            list(map(str, args)), env, cwd=cwd and str(cwd), out=out.fileno(), err=err.fileno(), session=True
+            list(map(str, args)),
+            env,
+            cwd=cwd and str(cwd),
+            out=out.fileno(),
+            err=err.fileno(),
+            session=True,
+            server=True,
         )
         p.join(timeout)
         if p.exitcode is None:  # past its time: it and whatever it started

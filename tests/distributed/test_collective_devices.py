@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from loomrun import loom_run
 from tiny import tiny_args
 
 HOOKS = Path(__file__).parent / "hooks"
@@ -43,7 +44,14 @@ def checked_run(tmp_path, data, impl: str, backend_override: str | None = None) 
         f"--parallel.dp_impl={impl}",
         *TINY,
     ]
-    r = loom_run("train", "--nproc=2", *args, env=env, timeout=300)
+    # a new interpreter, not loomrun.loom_run's warm fork: the hook is a sitecustomize, which only starts run
+    r = subprocess.run(
+        [sys.executable, "-m", "loom", "train", "--nproc=2", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     seen = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     assert len(seen) == 2, "every rank reports what it saw"

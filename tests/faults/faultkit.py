@@ -139,7 +139,7 @@ class Forked:
         from loom.train.spawn import start_loom
 
         self.args = [*LOOM, *args]
-        self.proc = start_loom(list(args), env, out=out, err=err, session=True)
+        self.proc = start_loom(list(args), env, out=out, err=err, session=True, server=True)
         self.pid = self.proc.pid
 
     @property

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from faultkit import Proc, alive, last_step, listening_addresses, rank_of, train_args, wait_for
@@ -28,6 +29,13 @@ def test_killed_rank_ends_the_job_within_the_timeout(char_data, tmp_path, nproc)
     # the launcher, multiprocessing's fork server (and resource tracker, unless the launcher is itself a fork
     # that inherited one), and the workers, each named `loom rank N`
     assert 2 <= len([pid for pid in tree if rank_of(pid) is None]) <= 3, tree
+    # the workers' parent is a fork of the launcher (spawn.own_server), not a new interpreter's fork server
+    servers = {
+        Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[1]
+        for pid in tree
+        if rank_of(pid) is not None
+    }
+    assert len(servers) == 1 and Path(f"/proc/{servers.pop()}/comm").read_text().strip() == "loom server"
     assert sorted(r for r in map(rank_of, tree) if r is not None) == list(range(nproc))
     listening = listening_addresses(tree)
     assert listening and all(a.startswith("127.0.0.1:") for a in listening), listening

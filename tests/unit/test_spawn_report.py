@@ -3,7 +3,11 @@ started it, not one the launcher stopped afterwards."""
 
 from __future__ import annotations
 
-from loom.train.spawn import Exit, _report_failure
+import os
+import signal
+import threading
+
+from loom.train.spawn import Exit, _report_failure, _Signals, _watch
 
 
 def test_the_killed_rank_is_named_before_the_ranks_that_saw_it_die_and_those_the_launcher_stopped(capsys):
@@ -39,3 +43,30 @@ def test_ranks_that_ended_well_are_not_named(capsys):
         "rank 1 (pid 101) failed first: SIGKILL; the other ranks were stopped\n" in err
         and "rank 0" not in err
     )
+
+
+class _Ended:
+    """A worker as _watch sees one: a sentinel that becomes readable when it ends, its exit code and pid."""
+
+    def __init__(self, code: int, pid: int):
+        self.sentinel, self._w = os.pipe()
+        self.exitcode, self.pid = code, pid
+
+    def end(self) -> None:
+        os.write(self._w, b"x")
+
+    def join(self) -> None:
+        pass
+
+
+def test_a_sigkill_the_launcher_did_not_send_is_the_cause_though_its_news_came_last(monkeypatch, capsys):
+    # rank 0 saw rank 1 die and exited first; rank 1's end (SIGKILL, not the launcher's) reached it 0.3 s later
+    sent = []
+    monkeypatch.setattr("loom.train.spawn._send", lambda procs, exits, signum: sent.append(signum))
+    procs = {0: _Ended(2, 100), 1: _Ended(-9, 101)}
+    procs[0].end()
+    threading.Timer(0.3, procs[1].end).start()
+    exits = _watch(procs, _Signals(), shutdown_s=30)
+    assert sent == [signal.SIGTERM] and not exits[1].stopped
+    _report_failure(exits)
+    assert "rank 1 (pid 101) failed first: SIGKILL" in capsys.readouterr().err

@@ -42,9 +42,13 @@ PRELOAD = [
     "torch._dynamo",
     "torch.distributed.tensor",
     "torch.distributed.fsdp",
+    "torch.distributed.optim",  # ZeRO-1's optimizer; with the two below, ~0.4 s of a worker's imports
+    "torch.distributed.checkpoint.state_dict",
+    "rich.console",
     "loom.cli.train",
     "loom.train.trainer",
     "loom.parallel",
+    "loom.parallel.dcp_state",
 ]
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # Linux's prctl(2)
@@ -57,7 +61,9 @@ class Exit:
     code: int
     pid: int
     time: float
-    stopped: bool = False  # it ended after this process had begun stopping the group
+    stopped: bool = (
+        False  # this process stopped it (the group was stopping; a SIGKILL only once this one sent it)
+    )
 
     def how(self) -> str:
         return signal.Signals(-self.code).name if self.code < 0 else f"exit code {self.code}"
@@ -129,13 +135,16 @@ def _watch(procs: dict, signals: _Signals, shutdown_s: float) -> dict[int, Exit]
     """Wait for every worker. The first failure, or a signal to this process (passed on to the workers), stops
     the group: the others get SIGTERM (or that signal), and SIGKILL after shutdown_s."""
     exits: dict[int, Exit] = {}
-    passed_on, deadline = 0, None
+    passed_on, deadline, killing = 0, None, False
     while len(exits) < len(procs):
         running = {p.sentinel: r for r, p in procs.items() if r not in exits}
         for sentinel in connection.wait(list(running), timeout=0.2):
             p = procs[running[sentinel]]
             p.join()
-            exits[running[sentinel]] = Exit(p.exitcode, p.pid, time.monotonic(), deadline is not None)
+            # a SIGKILL this process did not send (the kernel's OOM killer, a user) is a cause even when its news
+            # arrives after another rank's failure (the ranks that saw it die can exit first)
+            ours = deadline is not None and (p.exitcode != -signal.SIGKILL or killing)
+            exits[running[sentinel]] = Exit(p.exitcode, p.pid, time.monotonic(), ours)
         for signum in signals.received[passed_on:]:
             _send(procs, exits, signum)
             passed_on += 1
@@ -145,6 +154,7 @@ def _watch(procs: dict, signals: _Signals, shutdown_s: float) -> dict[int, Exit]
                 _send(procs, exits, signal.SIGTERM)
         elif deadline is not None and time.monotonic() > deadline:
             _send(procs, exits, signal.SIGKILL)
+            killing = True
     return exits
 
 
@@ -186,20 +196,25 @@ def start_loom(
     err: int = 2,
     name: str = "loom",
     session: bool = False,
+    server: bool = False,
 ) -> multiprocessing.process.BaseProcess:
     """`python -m loom ARGV` with environment `env`, started (not waited for) as a fork of this process's fork
     server, preloaded with torch and loom (PRELOAD): ~0.1 s of CPU to start instead of ~4 s for a new
     interpreter's imports. Its stdout and stderr are this process's file descriptors `out` and `err` (a log
     file's, for one), its stdin /dev/null, its folder `cwd` (default: this one's); `env`'s PYTHONPATH goes
     before this process's import path, as an interpreter would put it; `session`: a session of its own, so
-    that `os.killpg(p.pid, ...)` ends everything it started. It is killed if the fork server ends (with this
-    process). The ranks of `loom train --nproc` and the GPU kit's lines start this way."""
+    that `os.killpg(p.pid, ...)` ends everything it started; `server`: the workers it starts (`train --nproc`,
+    verify) are forks of a fork server of its own made by forking it at its start (own_server), not of a new
+    interpreter's. It is killed if the fork server ends (with this process). The ranks of `loom train --nproc`
+    and the GPU kit's lines start this way."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (this process's first start)
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     path = [*extra, *(p for p in sys.path if p not in extra)]
     proc = ctx.Process(
-        target=_worker, args=(argv, env, cwd or os.getcwd(), path, session, _Stdio(out, err)), name=name
+        target=_worker,
+        args=(argv, env, cwd or os.getcwd(), path, session, server, _Stdio(out, err)),
+        name=name,
     )
     proc.start()
     return proc
@@ -234,7 +249,9 @@ def _attach(out, err) -> None:
         os.close(passed)
 
 
-def _worker(argv: list[str], env: dict, cwd: str, path: list[str], session: bool, _stdio: None) -> None:
+def _worker(
+    argv: list[str], env: dict, cwd: str, path: list[str], session: bool, server: bool, _stdio: None
+) -> None:
     """A loom command, in a fork of the server (whose environment, folder and path were those of when it
     started); its process name (ps, top) is the multiprocessing one it was given."""
     if session:
@@ -245,13 +262,58 @@ def _worker(argv: list[str], env: dict, cwd: str, path: list[str], session: bool
     sys.path[:] = path
     _linux_prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the server ends with the launcher: so does the command
     _linux_prctl(PR_SET_NAME, multiprocessing.current_process().name.encode()[:15])
+    if server:
+        own_server()
     import torch
 
     # OpenMP read OMP_NUM_THREADS when the server imported torch: set what a new interpreter would have read
     if env.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = ["loom", *argv]
-    runpy.run_module("loom", run_name="__main__", alter_sys=True)  # `python -m loom ARGV`, as exec'd
+    try:
+        runpy.run_module("loom", run_name="__main__", alter_sys=True)  # `python -m loom ARGV`, as exec'd
+    finally:
+        stop_server()  # its own server (server=True) ends before it does, not a moment after
+
+
+def own_server() -> None:
+    """Make this process's fork server by forking this process, which must still be as the fork server left it
+    (PRELOAD imported, no op run, no thread: a fork of it is what a new server would be once it had imported),
+    instead of the new interpreter multiprocessing starts, whose imports cost ~4 s of CPU. The child runs
+    multiprocessing's server loop; this process becomes its client as if it had started it (so stop_server
+    stops it, and it ends when this process and its workers have). Python's private names (its forkserver
+    module's client state, as in stop_server), checked on 3.11: where they are missing (or on 3.14, where the server checks a key), nothing is done
+    and multiprocessing starts its own server when needed."""
+    import socket
+    from multiprocessing import forkserver, util
+
+    fs = getattr(forkserver, "_forkserver", None)
+    # 3.14's server asks its clients for a key this process could not give
+    if (
+        not hasattr(fs, "_forkserver_pid")
+        or fs._forkserver_pid is not None
+        or hasattr(fs, "_forkserver_authkey")
+    ):
+        return
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    if not util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # EOF for the server once this process and its workers have ended
+    pid = os.fork()
+    if pid == 0:  # the server: multiprocessing's loop, what `python -c "...forkserver import main..."` runs
+        os.close(alive_w)
+        _linux_prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        _linux_prctl(PR_SET_NAME, b"loom server")
+        try:
+            forkserver.main(listener.fileno(), alive_r, [])
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    fs._forkserver_address, fs._forkserver_alive_fd, fs._forkserver_pid = address, alive_w, pid
 
 
 def _linux_prctl(option: int, value) -> None:
