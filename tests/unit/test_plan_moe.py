@@ -8,6 +8,8 @@ fake tensors cannot route), which is checked too.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 
 import pytest
@@ -21,7 +23,7 @@ from loom.model.moe.family import moe_config
 from loom.model.moe.moe import MoEGPT
 from loom.plan import PRESETS
 from loom.plan.report import build_parser, run_plan
-from loom.plan.shapes import resolve_model, shape_of_model
+from loom.plan.shapes import ModelShape, resolve_model, shape_of_model
 
 MOE = [
     "--model.family=moe",
@@ -203,3 +205,15 @@ def test_plan_check_of_a_moe_preset_says_why_it_cannot_dry_run(capsys):
     assert (
         "--model.family=moe" in flags and "--model.n_experts=128" in flags and "--model.moe_top_k=8" in flags
     )
+
+
+def test_moe_layers_below_counts_what_moe_layers_lists():
+    """The planner counts a stage's MoE layers arithmetically; the list is the definition (MoEConfig's)."""
+    base = ModelShape("x", 12, 4, 64, vocab_size=100, block_size=32, n_experts=8)
+    for n_layer, first_dense, every in itertools.product(range(1, 14), range(5), range(1, 4)):
+        s = dataclasses.replace(base, n_layer=n_layer, first_dense=first_dense, moe_every=every)
+        assert [s.moe_layers_below(x) for x in range(16)] == [
+            sum(i < x for i in s.moe_layers) for x in range(16)
+        ]
+        assert s.n_moe == len(s.moe_layers)
+    assert dataclasses.replace(base, n_experts=0).n_moe == 0

@@ -108,8 +108,9 @@ def stages(
     micro-batches in flight on pipeline rank r (GPipe all of them)."""
     sizes = stage_layers(shape.n_layer, pp)
     starts = [sum(sizes[:r]) for r in range(pp)]
-    moe_ids = set(shape.moe_layers)
-    n_moe = [sum(i in moe_ids for i in range(a, a + n)) for a, n in zip(starts, sizes, strict=True)]
+    n_moe = [
+        shape.moe_layers_below(a + n) - shape.moe_layers_below(a) for a, n in zip(starts, sizes, strict=True)
+    ]
     layer = (shape.layer_params - 2 * shape.ln_params) / tp + 2 * shape.ln_params
     whole = shape.moe_block_params - shape.attn_params() - shape.qk_params()  # norms, router, shared experts
     moe_layer = (shape.attn_params() + shape.qk_params()) / tp + whole

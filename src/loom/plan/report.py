@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from loom.errors import LoomError
 from loom.plan.estimate import Candidate, Cluster, Workload, plan
@@ -24,12 +24,32 @@ _ZERO_WHAT = {
 }
 
 
-def reason(c: Candidate, cands: list[Candidate], cluster: Cluster) -> str:
+@dataclass(frozen=True)
+class DataParallelOnly:
+    """What the layouts without tp or pp say, which every layout's reason compares against (once for all of
+    them: a plan at 512 GPUs has ~10,000 layouts)."""
+
+    replicated_fits: bool  # plain DDP fits
+    fits: bool  # DP or ZeRO alone fits
+    replicated_states_gb: float  # the model states of a replicated layout (their mean)
+    lowest_gb: float  # the least memory a layout without tp or pp needs
+
+    @classmethod
+    def of(cls, cands: list[Candidate]) -> DataParallelOnly:
+        flat = [x for x in cands if x.tp == 1 and x.pp == 1]
+        replicated = [x for x in flat if x.zero == 0]
+        return cls(
+            any(x.fits for x in replicated),
+            any(x.fits for x in flat),
+            sum(map(model_state, replicated)) / max(1, len(replicated)),
+            min((x.memory_gb["total"] for x in flat), default=float("nan")),
+        )
+
+
+def reason(c: Candidate, flat: DataParallelOnly, cluster: Cluster) -> str:
     """One line: why this layout, by the decision rules, with the numbers that decide."""
     usable = cluster.usable_gb
-    flat = [x for x in cands if x.tp == 1 and x.pp == 1]
-    replicated_fits = any(x.fits and x.zero == 0 for x in flat)
-    dp_fits = any(x.fits for x in flat)
+    replicated_fits, dp_fits = flat.replicated_fits, flat.fits
     parts = []
     if c.zero == 0 and c.tp == c.pp == 1:
         single = (
@@ -39,9 +59,7 @@ def reason(c: Candidate, cands: list[Candidate], cluster: Cluster) -> str:
         )
         parts.append(single if c.fits else "replicated: too big")
     if c.zero:
-        states = sum(model_state(x) for x in flat if x.zero == 0) / max(
-            1, sum(1 for x in flat if x.zero == 0)
-        )
+        states = flat.replicated_states_gb
         if replicated_fits and c.tp == c.pp == 1:
             parts.append(f"ZeRO-{c.zero} not required; shards {_ZERO_WHAT[c.zero]} over dp={c.dp}")
         else:
@@ -74,8 +92,9 @@ def reason(c: Candidate, cands: list[Candidate], cluster: Cluster) -> str:
         if dp_fits:
             parts.append(f"TP={c.tp} inside a node (not required: DP/ZeRO alone fits)")
         else:
-            low = min((x.memory_gb["total"] for x in flat), default=float("nan"))
-            parts.append(f"DP/ZeRO alone needs ≥ {low:.0f} GB > {usable:.0f} → TP={c.tp} inside a node")
+            parts.append(
+                f"DP/ZeRO alone needs ≥ {flat.lowest_gb:.0f} GB > {usable:.0f} → TP={c.tp} inside a node"
+            )
     if c.pp > 1:
         crosses = c.tp * c.pp > min(cluster.gpus_per_node, cluster.gpus)
         slow = cluster.inter_bw * 2 <= cluster.intra_bw
@@ -338,8 +357,9 @@ def run_plan(args: argparse.Namespace) -> tuple[ModelShape, Cluster, Workload, l
             f"pp <= {shape.n_layer} layers",
             hint="a global batch with more sequences (a multiple of the GPU count), or another GPU count",
         )
+    flat = DataParallelOnly.of(cands)
     for c in cands:
-        c.reason = reason(c, cands, cluster)
+        c.reason = reason(c, flat, cluster)
     if not cands[0].fits:
         best = min(cands, key=lambda c: c.memory_gb["total"])
         need = best.memory_gb["total"] / (1 - cluster.headroom)
