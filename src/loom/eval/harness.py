@@ -46,10 +46,13 @@ def split_names(tasks: str | list[str]) -> list[str]:
 
 
 def _manager(names: list[str], include_path: str | None):
-    """The harness's TaskManager. With --include-path holding every asked-for task, only that folder is
-    indexed (the harness's own 14k task files take ~15 s to index)."""
+    """The harness's TaskManager, once every name is known (else the error naming the nearest). With
+    --include-path holding every asked-for task, only that folder is indexed (the harness's own 14k task files
+    take ~15 s to index); an unknown name is found from that folder and the harness's own index, before the
+    two are indexed together."""
     from lm_eval.tasks import TaskManager
 
+    known: set[str] = set()
     if include_path:
         p = Path(include_path)
         if not p.is_dir():
@@ -57,8 +60,23 @@ def _manager(names: list[str], include_path: str | None):
         own = TaskManager(include_path=str(p), include_defaults=False)
         if all(n in own.all_tasks for n in names):
             return own
+        known.update(own.all_tasks)
+    known.update(_indexed(None).all_tasks)
+    for n in names:
+        if Path(n).is_file():
+            check_yaml(Path(n))
+        elif n not in known:
+            _no_task(n, known, include_path)
+    return _indexed(include_path)
+
+
+def _indexed(include_path: str | None):
+    """The harness's index with the tasks under include_path, made once per process (an in-loop evaluation
+    reads its tasks once anyway)."""
+    from lm_eval.tasks import TaskManager
+
     key = str(include_path or "")
-    if key not in _MANAGERS:  # indexed once per process (an in-loop evaluation reads its tasks once anyway)
+    if key not in _MANAGERS:
         _MANAGERS[key] = TaskManager(include_path=include_path)
     return _MANAGERS[key]
 
@@ -74,11 +92,6 @@ def load_tasks(tasks: str | list[str], include_path: str | None = None, num_fews
     if not names:
         raise LoomError("no task names given", hint="e.g. --tasks hellaswag,arc_easy,piqa")
     tm = _manager(names, include_path)
-    for n in names:
-        if Path(n).is_file():
-            check_yaml(Path(n))
-        elif n not in tm.all_tasks:
-            _no_task(n, tm, include_path)
     built = []
     for n in names:
         obj = _load_one(tm, n)
@@ -122,7 +135,7 @@ def check_yaml(path: Path) -> None:
         raise LoomError(f"the task YAML '{path}' does not parse: {problem}", hint="fix the YAML")
 
 
-def _no_task(name: str, tm, include_path: str | None) -> None:
+def _no_task(name: str, known: set[str], include_path: str | None) -> None:
     """The error for a task name nobody knows: a YAML under --include-path that does not parse is the likely
     cause (the harness's index skips it without a word), else the nearest known names."""
     broken = []
@@ -140,7 +153,7 @@ def _no_task(name: str, tm, include_path: str | None) -> None:
             f"parse{more}: {problem}",
             hint="fix the YAML (the harness leaves out a file it cannot parse)",
         )
-    close = difflib.get_close_matches(name, tm.all_tasks, n=3, cutoff=0.6)
+    close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
     raise LoomError(
         f"lm-evaluation-harness has no task '{name}'"
         + (f": did you mean {', '.join(repr(c) for c in close)}?" if close else ""),
