@@ -2,7 +2,7 @@
 
 Compared: each measured rank's parameter, gradient and optimizer bytes with what that rank of the real job
 holds after its first step (the trainer's own count, mem_params/grads/optim, written by every rank through a
-hook imported at interpreter start; rank 0's also in metrics.jsonl): equal to the byte. And the dry run's peak
+hook imported as a plug-in; rank 0's also in metrics.jsonl): equal to the byte. And the dry run's peak
 with the real step's, measured on the second step (a steady one) by the same torch tracker on real tensors:
 within 10 % (fp32: the CPU and the GPU code paths of the model are the same)."""
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import loomrun
 import pytest
+from loomrun import loom_run
 
 from loom.config import load_config
 from loom.dryrun import blocks
@@ -94,18 +94,15 @@ def test_dry_run_holds_what_four_real_processes_hold(tmp_path, char_data, name):
     out, hooks = tmp_path / "out", tmp_path / "hooks"
     out.mkdir()
     hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(HOOK.format(out=str(out)))
-    env = {
+    (hooks / "loom_memory_hook.py").write_text(HOOK.format(out=str(out)))
+    env = {  # every loom process imports the plug-ins LOOM_PLUGINS names, the ranks too
         **os.environ,
+        "LOOM_PLUGINS": "loom_memory_hook",
         "PYTHONPATH": os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH")) if p),
     }
     args = [f"--data.path={char_data}", *TINY, *LAYOUTS[name]]
-    r = subprocess.run(
-        [*LOOM, "train", "--nproc=4", f"--run.dir={tmp_path}", "--run.name=real", "--train.steps=2", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = loom_run(
+        "train", "--nproc=4", f"--run.dir={tmp_path}", "--run.name=real", "--train.steps=2", *args, env=env
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     real = {k: json.loads((out / f"state{k}.json").read_text()) for k in range(4)}

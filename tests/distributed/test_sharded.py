@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -130,22 +129,18 @@ def test_sampling_mid_run_gathers_once_and_leaves_training_as_it_was(tmp_path, c
         "--train.sample_tokens=40",
     ]
     loom("train", "--run.name=quiet", *base)
-    # every process counts FSDP's all-gathers during each sample (a hook imported at interpreter start)
+    # every process counts FSDP's all-gathers during each sample (a hook every loom process imports as a
+    # plug-in, LOOM_PLUGINS)
     hooks, counts = tmp_path / "hooks", tmp_path / "counts"
     hooks.mkdir()
     counts.mkdir()
-    (hooks / "sitecustomize.py").write_text(SAMPLE_GATHERS.format(out=str(counts)))
+    (hooks / "loom_gather_hook.py").write_text(SAMPLE_GATHERS.format(out=str(counts)))
     env = {
         **os.environ,
+        "LOOM_PLUGINS": "loom_gather_hook",
         "PYTHONPATH": os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH")) if p),
     }
-    r = subprocess.run(
-        [*LOOM, "train", "--run.name=sampling", *base, "--train.sample_every=2"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = loom_run("train", "--run.name=sampling", *base, "--train.sample_every=2", env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert _losses(tmp_path / "sampling") == _losses(tmp_path / "quiet")
     samples = (tmp_path / "sampling" / "samples.txt").read_text()
