@@ -152,3 +152,18 @@ def test_logprobs_are_the_model_log_softmax_of_the_sampled_tokens():
     want = lp.gather(1, torch.tensor(r.tokens)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(r.logprobs), want, atol=1e-5, rtol=0)
     assert [[t for t, _ in top] for top in r.top] == lp.topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("V", [5, 256, 300, 4096, 50257])
+def test_first_max_is_torchs_argmax_ties_nan_and_minus_inf_included(V):
+    from loom.engine.sampling import first_max
+
+    g = torch.Generator().manual_seed(V)
+    x = torch.randint(-3, 3, (6, V), generator=g).float()  # many ties: the first maximum wins
+    x[1] = -torch.inf
+    x[2, V // 2] = x[2, -1] = torch.nan  # the first NaN wins
+    x[3, -1] = torch.nan
+    x[4, -1] = 10.0  # the maximum in the tail past the last whole block
+    assert torch.equal(first_max(x), x.argmax(-1))
+    rows = torch.randn(6, 3, V, generator=g)[:, -1]  # a strided view, as the engine's last positions are
+    assert torch.equal(first_max(rows), rows.argmax(-1))

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.engine.request import CANCELLED, LENGTH, STOP, Request
-from loom.engine.sampling import sample_next
+from loom.engine.sampling import first_max, sample_next
 
 
 class QueueFull(Exception):
@@ -231,8 +231,10 @@ class Engine:
         logp = F.log_softmax(logits, dim=-1) if want_lp else None
         greedy = [j for j, r in enumerate(rows) if r.params.temperature <= 0]
         picks = [0] * len(rows)
-        if greedy:
-            best = logits[greedy].argmax(dim=-1).tolist()
+        if len(greedy) == len(rows):  # all greedy (decoding's usual case): no copy of the rows' logits
+            picks = first_max(logits).tolist()
+        elif greedy:
+            best = first_max(logits[greedy]).tolist()
             for j, t in zip(greedy, best, strict=True):
                 picks[j] = t
         for j, r in enumerate(rows):

@@ -106,8 +106,12 @@ class RowCache:
         keys, values = self._gather(self.k[layer], L), self._gather(self.v[layer], L)
         if all(self.lens[r] == 0 for r in self.rows):
             return keys, values, None  # a prefill from position 0: causal attention over the block
-        if self._mask is None:  # (B, 1, T, L): up to each query's own place
-            self._mask = (pos[:, :, None] >= torch.arange(L, device=k.device))[:, None]
+        if self._mask is None:  # (B, 1, T, L): 0 up to each query's own place, -inf past it
+            # additive, in the keys' dtype: attention would turn a boolean mask into this in every layer
+            seen = (pos[:, :, None] >= torch.arange(L, device=k.device))[:, None]
+            self._mask = torch.zeros(seen.shape, dtype=keys.dtype, device=k.device).masked_fill_(
+                ~seen, -torch.inf
+            )
         return keys, values, self._mask
 
     def advance(self, T: int) -> None:
