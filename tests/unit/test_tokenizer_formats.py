@@ -262,6 +262,36 @@ def test_even_a_byte_faithful_sentencepiece_bpe_is_no_byte_level_bpe():
     assert first == ["<0xF0>", "<0x9F>"] and got[k] >= sp.get_piece_size()
 
 
+def test_chat_data_with_a_sentencepiece_model(tmp_path, sp_models):
+    """--chat with a .model: its tokenizer.json (sentencepiece's ids) with loom's chat tokens after them; the
+    base tokenizer's hash is the .model's, what a run pretrained on it records (loom.train.finetune)."""
+    from loom.data.tokenizers import tokenizer_hash
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_models["bpe"]))
+    pairs = [("def f(x): café 🙂", "return x 日本語"), ("Привет мир", "naïve fox\n  tail")]
+    rows = [{"prompt": p, "completion": c} for p, c in pairs * 10]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "t.jsonl").write_text(json.dumps({"text": "fox dog"}) + "\n")
+    given = ["--tokenizer", str(sp_models["bpe"])]
+    chat = ["prepare", "--chat", "--block-size", "64", "--input", str(tmp_path / "c.jsonl")]
+    assert data([*chat, "--out", str(tmp_path / "c"), *given]) == 0
+    assert data(["prepare", "--input", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "t"), *given]) == 0
+    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
+    ids = meta["chat"]["tokens"]
+    assert meta["tokenizer"]["kind"] == "tokenizer.json" and sorted(ids.values()) == list(range(320, 326))
+    pretrain = tmp_path / "t"
+    assert meta["chat"]["base_tokenizer_hash"] == tokenizer_hash(
+        pretrain, json.loads((pretrain / "meta.json").read_text())
+    )
+    train = np.concatenate(open_split(tmp_path / "c", "train")).tolist()
+    user, assistant = [ids[f"<|{r}_start|>"] for r in ("user", "assistant")], ids["<|assistant_end|>"]
+    rendered = [
+        [sp.eos_id(), user[0], *sp.encode(p), ids["<|user_end|>"], user[1], *sp.encode(c), assistant]
+        for p, c in pairs
+    ]
+    assert any(train[: len(r)] == r for r in rendered)
+
+
 def test_bad_input_is_one_clear_error(tmp_path, sp_models):
     path, _ = tiktoken_file(tmp_path)
     with pytest.raises(LoomError, match="gpt2's pattern; this one splits with another"):
@@ -273,10 +303,6 @@ def test_bad_input_is_one_clear_error(tmp_path, sp_models):
     (tmp_path / "x.model").write_bytes(b"garbage")
     with pytest.raises(LoomError, match="is not a sentencepiece model"):
         load_given_tokenizer(tmp_path / "x.model")
-    (tmp_path / "c.jsonl").write_text(json.dumps({"prompt": "hi", "completion": "there"}) + "\n")
-    chat = ["data", "prepare", "--chat", "--block-size", "64", "--input", str(tmp_path / "c.jsonl")]
-    with pytest.raises(LoomError, match="--chat with a sentencepiece model .* is not supported"):
-        data([*chat[1:], "--out", str(tmp_path / "c"), "--tokenizer", str(sp_models["bpe"])])
     with pytest.raises(LoomError, match="'.*hf' exists and is not empty"):
         (tmp_path / "hf").mkdir()
         (tmp_path / "hf" / "f").write_text("x")
