@@ -2,7 +2,8 @@
 verify` of tp=2 x pp=2 (sequence parallel) against one process. It covers what the GPT-2 strategies do not:
 grouped-query heads split across tp ranks (2 key/value heads for 4 query heads), QK-norm gains reduced over
 heads, RMSNorm on sequence shards, a first stage without a position table (RoPE), and an untied head on the
-last stage (no tied group)."""
+last stage (no tied group); with Qwen's options too: q/k/v biases (Qwen 2.5) and heads wider than n_embd / n_head
+(Qwen3's head_size: q and o map 64 <-> 4 x 24), sharded by heads."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def test_verify_tp_pp_sp_llama_gqa_qk_norm(tmp_path, char_data):
         "--model.family=llama",
         "--model.n_kv_head=2",
         "--model.qk_norm=true",
+        "--model.qkv_bias=true",
+        "--model.head_size=24",
         timeout=600,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -342,3 +342,63 @@ def test_activation_estimate_matches_a_measured_run(dropout, attention):
     measured = _measured_saved_bytes(shape, b=4)
     estimate = model_activation_bytes(shape, s=64, b=4, act_bytes=4, attention=attention, mask_bytes=4)
     assert measured / estimate == pytest.approx(1.0, abs=0.02), (measured, estimate)
+
+
+# ------------------------------------------------------------------ the llama family's Qwen options
+
+QWEN = {
+    # Qwen3: q/k norm and heads wider than n_embd / n_head (q and o map 64 <-> 4 x 32), grouped kv heads
+    "qwen3": ["--model.qk_norm=true", "--model.tie_embeddings=true", "--model.head_size=32"],
+    # Qwen 2.5: biases on q, k and v only
+    "qwen2.5": ["--model.qkv_bias=true"],
+}
+
+
+def _saved_bytes(model, vocab: int, b: int, s: int) -> int:
+    """Bytes one training forward keeps for backward (fp32, CPU), parameters excluded (as above)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, torch.UntypedStorage] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage()
+        return t
+
+    idx = torch.randint(0, vocab, (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, idx)
+    return sum(st.nbytes() for st in saved.values())
+
+
+@pytest.mark.parametrize("kind", QWEN)
+def test_qwen_options_count_as_the_built_model(kind):
+    """The planner's parameters and FLOPs per token of a Qwen3-like and a Qwen2.5-like llama config equal the
+    built model's (num_params, loom.model.flops), and what head_size and qkv_bias add to the saved activations
+    equals what they add to a measured forward on CPU. Compared as differences: on a CPU, RMSNorm is composite
+    and also keeps its fp32 output (for the gain's gradient), which the planner (CUDA's fused kernel: input and
+    rstd) does not count; for q/k norm that is one (q, k)-sized tensor per layer, wider with head_size."""
+    import torch
+
+    from loom.config import load_config
+    from loom.model import GPT
+    from loom.model.flops import flops_per_token
+    from loom.model.gpt.family import gpt_config
+    from loom.plan.shapes import shape_of_model
+
+    base = ["--model.family=llama", "--model.n_layer=2", "--model.n_head=4", "--model.n_kv_head=2"]
+    base += ["--model.n_embd=64", "--model.block_size=32"]
+    built = {}
+    for name, extra in (("qwen", QWEN[kind]), ("without", QWEN[kind][:-1])):
+        cfg = load_config(None, [*base, *extra])
+        torch.manual_seed(0)
+        model = GPT(gpt_config(cfg, 300)).train()
+        shape = shape_of_model(cfg.model, 300)
+        estimate = model_activation_bytes(shape, s=32, b=4, act_bytes=4)
+        built[name] = (shape, model, _saved_bytes(model, 300, 4, 32) - estimate)
+    shape, model, gap = built["qwen"]
+    assert shape.counted_params() == model.num_params() != built["without"][0].counted_params()
+    assert 6 * shape.matmul_params() + shape.attn_flops(32) == flops_per_token(model.cfg)
+    q_and_k = shape.q_dim + shape.kv_dim - built["without"][0].q_dim - built["without"][0].kv_dim
+    assert gap - built["without"][2] == (shape.n_layer * 4 * 4 * 32 * q_and_k if shape.qk_norm else 0)

@@ -39,6 +39,9 @@ HELD_OUT = (
 )
 
 
+SP_KINDS = ("bpe", "unigram", "bpe-unk", "unigram-unk")
+
+
 def training_text() -> list[str]:
     rng = random.Random(0)
     return [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(2000)]
@@ -46,23 +49,25 @@ def training_text() -> list[str]:
 
 @pytest.fixture(scope="module")
 def sp_models(tmp_path_factory):
-    """Tiny sentencepiece models (BPE and unigram, byte fallback for unseen characters) trained here."""
+    """Tiny sentencepiece models (BPE and unigram) trained here: byte fallback for unseen characters, and
+    (-unk) without it, the rarest characters left out, so unseen ones are <unk>."""
     d = tmp_path_factory.mktemp("sp")
     out = {}
-    for kind in ("bpe", "unigram"):
+    for name in SP_KINDS:
         proto = io.BytesIO()
+        fallback = not name.endswith("-unk")
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(training_text()),
             model_writer=proto,
             vocab_size=320,
             hard_vocab_limit=False,
-            model_type=kind,
-            byte_fallback=True,
-            character_coverage=1.0,
+            model_type=name.split("-")[0],
+            byte_fallback=fallback,
+            character_coverage=1.0 if fallback else 0.99,
             minloglevel=2,
         )
-        (d / f"{kind}.model").write_bytes(proto.getvalue())
-        out[kind] = d / f"{kind}.model"
+        (d / f"{name}.model").write_bytes(proto.getvalue())
+        out[name] = d / f"{name}.model"
     return out
 
 
@@ -160,12 +165,137 @@ def test_conversions_round_trip(tmp_path):
     )
 
 
+def sp_ids(sp, text: str) -> list[int]:
+    """sentencepiece's ids of a text with </s> markers: each stretch between them encoded, the marker its id."""
+    want = []
+    for i, part in enumerate(text.split("</s>")):
+        want += ([sp.eos_id()] if i else []) + sp.encode(part)
+    return want
+
+
+@pytest.mark.parametrize("kind", SP_KINDS)
+def test_sentencepiece_converts_to_hf_with_its_ids(tmp_path, sp_models, kind):
+    """.model -> tokenizer.json (transformers' converter): sentencepiece's ids through `tokenizers`, loom and
+    transformers, bos/eos/unk named at their ids, and the tokenizer.json converts to itself."""
+    from transformers import PreTrainedTokenizerFast
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_models[kind]))
+    text = HELD_OUT.replace(EOT, "</s>")
+    want = sp_ids(sp, text)
+    assert want.count(sp.eos_id()) == 2 and (sp.unk_id() in want) == kind.endswith("-unk")
+    assert (
+        main(["data", "tokenizer", "convert", str(sp_models[kind]), "--to", "hf", str(tmp_path / "hf")]) == 0
+    )
+    tok = load_given_tokenizer(tmp_path / "hf")
+    assert tok.encode(text) == want and (tok.eot, tok.eot_id, tok.vocab_size) == (
+        "</s>",
+        2,
+        sp.get_piece_size(),
+    )
+    hf = PreTrainedTokenizerFast.from_pretrained(tmp_path / "hf")
+    assert hf.encode(text, add_special_tokens=False) == want
+    named = (hf.bos_token, hf.bos_token_id, hf.eos_token, hf.eos_token_id, hf.unk_token, hf.unk_token_id)
+    assert named == ("<s>", sp.bos_id(), "</s>", sp.eos_id(), "<unk>", sp.unk_id())
+    if not kind.endswith("-unk"):  # <unk> decodes to nothing in one and to ' ⁇ ' in the other
+        assert hf.decode(want, skip_special_tokens=True) == sp.decode(want)
+    convert_tokenizer(tmp_path / "hf", "hf", tmp_path / "back")
+    assert load_given_tokenizer(tmp_path / "back").encode(text) == want
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_sentencepiece_to_byte_level_bpe_is_refused(tmp_path, sp_models, kind):
+    """gpt2's files and tiktoken are byte-level BPE: their ids always spell the text's bytes back. The model's
+    pieces for the held-out text do not (its dummy prefix '▁' before the text, its normaliser), so no such file
+    can give its ids; a unigram model has no merges besides."""
+    sp = spm.SentencePieceProcessor(model_file=str(sp_models[kind]))
+    text = HELD_OUT.replace(EOT, "")
+    spelt = "".join(sp.id_to_piece(i) for i in sp.encode(text)).replace("\u2581", " ")
+    assert spelt != text and spelt.startswith(" def")
+    why = "it is a unigram model" if kind == "unigram" else "its BPE works on normalised characters"
+    for to in ("gpt2", "tiktoken"):
+        with pytest.raises(LoomError, match=f"--to {to} cannot hold the sentencepiece model .*: {why}") as e:
+            convert_tokenizer(sp_models[kind], to, tmp_path / to)
+        assert "--to hf" in e.value.hint and not (tmp_path / to).exists()
+
+
+def test_even_a_byte_faithful_sentencepiece_bpe_is_no_byte_level_bpe():
+    """The measurement behind the refusal, on the model most like a byte-level BPE (identity normaliser, no
+    dummy prefix, spaces kept, byte fallback): its pieces spell the text back, but an ASCII character is two
+    pieces of the same bytes (a character and a byte piece), a character it holds whole needs its byte prefixes
+    as extra tokens, and an unseen emoji sharing one (😀 beside 🙂) then gets an id sentencepiece never gives."""
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(training_text()),
+        model_writer=proto,
+        vocab_size=320,
+        hard_vocab_limit=False,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+
+    def piece_bytes(i: int) -> bytes:
+        p = sp.id_to_piece(i)
+        return bytes([int(p[3:5], 16)]) if sp.is_byte(i) else p.replace("\u2581", " ").encode()
+
+    # a character piece ('a') and its byte piece (<0x61>) are the same bytes: the character's id wins here
+    ids = sorted(range(sp.get_piece_size()), key=sp.is_byte, reverse=True)
+    ranks = {piece_bytes(i): i for i in ids if not sp.is_control(i) and not sp.is_unknown(i)}
+    assert len(ranks) < sp.get_piece_size() - 3  # so a byte-level BPE cannot hold every id of the model
+    pieces = [t.decode() for t in ranks if len(t) > 1 or t[0] < 0x80]  # the byte pieces are no characters
+    prefixes = {c.encode()[:k] for t in pieces for c in t for k in range(2, len(c.encode()))}
+    missing = sorted(prefixes - set(ranks))
+    assert missing  # tokens, so ids, that sentencepiece does not have
+    for n, extra in enumerate(missing):
+        ranks[extra] = sp.get_piece_size() + n
+    enc = tiktoken.Encoding("sp", pat_str=r"[\s\S]+", mergeable_ranks=ranks, special_tokens={})
+    text = HELD_OUT.replace(EOT, "\n")
+    want, got = sp.encode(text), enc.encode_ordinary(text)
+    assert b"".join(piece_bytes(i) for i in want) == text.encode()
+    k = next(k for k, (a, b) in enumerate(zip(want, got, strict=False)) if a != b)
+    first = [sp.id_to_piece(i) for i in want[k : k + 2]]
+    assert first == ["<0xF0>", "<0x9F>"] and got[k] >= sp.get_piece_size()
+
+
+def test_chat_data_with_a_sentencepiece_model(tmp_path, sp_models):
+    """--chat with a .model: its tokenizer.json (sentencepiece's ids) with loom's chat tokens after them; the
+    base tokenizer's hash is the .model's, what a run pretrained on it records (loom.train.finetune)."""
+    from loom.data.tokenizers import tokenizer_hash
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_models["bpe"]))
+    pairs = [("def f(x): café 🙂", "return x 日本語"), ("Привет мир", "naïve fox\n  tail")]
+    rows = [{"prompt": p, "completion": c} for p, c in pairs * 10]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "t.jsonl").write_text(json.dumps({"text": "fox dog"}) + "\n")
+    given = ["--tokenizer", str(sp_models["bpe"])]
+    chat = ["prepare", "--chat", "--block-size", "64", "--input", str(tmp_path / "c.jsonl")]
+    assert data([*chat, "--out", str(tmp_path / "c"), *given]) == 0
+    assert data(["prepare", "--input", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "t"), *given]) == 0
+    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
+    ids = meta["chat"]["tokens"]
+    assert meta["tokenizer"]["kind"] == "tokenizer.json" and sorted(ids.values()) == list(range(320, 326))
+    pretrain = tmp_path / "t"
+    assert meta["chat"]["base_tokenizer_hash"] == tokenizer_hash(
+        pretrain, json.loads((pretrain / "meta.json").read_text())
+    )
+    train = np.concatenate(open_split(tmp_path / "c", "train")).tolist()
+    user, assistant = [ids[f"<|{r}_start|>"] for r in ("user", "assistant")], ids["<|assistant_end|>"]
+    rendered = [
+        [sp.eos_id(), user[0], *sp.encode(p), ids["<|user_end|>"], user[1], *sp.encode(c), assistant]
+        for p, c in pairs
+    ]
+    assert any(train[: len(r)] == r for r in rendered)
+
+
 def test_bad_input_is_one_clear_error(tmp_path, sp_models):
     path, _ = tiktoken_file(tmp_path)
     with pytest.raises(LoomError, match="gpt2's pattern; this one splits with another"):
         convert_tokenizer(path, "gpt2", tmp_path / "g")
-    with pytest.raises(LoomError, match="is a sentencepiece model: loom reads it as it is"):
-        convert_tokenizer(sp_models["bpe"], "hf", tmp_path / "h")
     bad = tmp_path / "bad.tiktoken"
     bad.write_text("not base64!! x\n")
     with pytest.raises(LoomError, match="line 1 is not 'BASE64-TOKEN RANK'"):
@@ -173,10 +303,6 @@ def test_bad_input_is_one_clear_error(tmp_path, sp_models):
     (tmp_path / "x.model").write_bytes(b"garbage")
     with pytest.raises(LoomError, match="is not a sentencepiece model"):
         load_given_tokenizer(tmp_path / "x.model")
-    (tmp_path / "c.jsonl").write_text(json.dumps({"prompt": "hi", "completion": "there"}) + "\n")
-    chat = ["data", "prepare", "--chat", "--block-size", "64", "--input", str(tmp_path / "c.jsonl")]
-    with pytest.raises(LoomError, match="--chat with a sentencepiece model .* is not supported"):
-        data([*chat[1:], "--out", str(tmp_path / "c"), "--tokenizer", str(sp_models["bpe"])])
     with pytest.raises(LoomError, match="'.*hf' exists and is not empty"):
         (tmp_path / "hf").mkdir()
         (tmp_path / "hf" / "f").write_text("x")

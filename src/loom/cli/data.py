@@ -52,7 +52,9 @@ def _tokenizer(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="verb", required=True)
     c = sub.add_parser("convert", help="write a tokenizer in another library's format")
     c.add_argument(
-        "src", help="a tokenizer.json, a folder with one or with gpt2's files, or a .tiktoken file"
+        "src",
+        help="a tokenizer.json, a folder with one or with gpt2's files, a .tiktoken file or a sentencepiece "
+        ".model (--to hf only)",
     )
     c.add_argument("--to", required=True, choices=FORMATS, help="hf (tokenizer.json) | gpt2 | tiktoken")
     c.add_argument("out", help="the folder to write into (new or empty)")

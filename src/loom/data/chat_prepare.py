@@ -24,6 +24,7 @@ from loom.data.chat import ChatTemplate, add_chat_tokens
 from loom.data.formats import LOSS_MASK_SUFFIX
 from loom.data.messages import Drops, check_inputs, read_conversations
 from loom.data.shards import version_for_vocab, write_shard
+from loom.data.tokenizer_formats import sentencepiece_to_tokenizer
 from loom.data.tokenizers import (
     CharTokenizer,
     HFTokenizer,
@@ -97,7 +98,8 @@ def base_tokenizer(
                 hint="give --tokenizer char, bpe or a tokenizer.json",
             )
         tok = load_tokenizer(d, meta)
-        return tok, meta["tokenizer"].get("kind", "tokenizer.json"), sha
+        kind = meta["tokenizer"].get("kind", "tokenizer.json")
+        return _chat_ready(tok, spec), "tokenizer.json" if kind == "sentencepiece" else kind, sha
     if spec == "char":
         tok, kind = CharTokenizer.train(texts), "char"
     elif spec == "bpe":
@@ -106,13 +108,22 @@ def base_tokenizer(
         log.info(f"trained a byte-level BPE (vocab {tok.vocab_size:,}) in {time.perf_counter() - t0:.1f}s")
     else:
         tok, kind = load_given_tokenizer(spec), "tokenizer.json"
-        if tok.kind == "sentencepiece":  # loom's chat tokens are added tokens of a `tokenizers` pipeline
-            raise LoomError(
-                f"--chat with a sentencepiece model ('{spec}') is not supported: loom adds its chat tokens to a "
-                "tokenizer.json",
-                hint="prepare plain text with the .model, or chat data with the model's tokenizer.json",
-            )
-    return tok, kind, _hash_of(tok, kind)
+    # a sentencepiece model's hash is its own (what a run pretrained with it records: loom.train.finetune)
+    sha = _hash_of(tok, tok.kind if tok.kind == "sentencepiece" else kind)
+    return _chat_ready(tok, spec), kind, sha
+
+
+def _chat_ready(tok, spec: str):
+    """The tokenizer loom's chat tokens can be added to: a sentencepiece model becomes its tokenizer.json
+    (transformers' converter, the library's ids: `loom data tokenizer convert --to hf`); the others as they are."""
+    if tok.kind != "sentencepiece":
+        return tok
+    out = HFTokenizer(sentencepiece_to_tokenizer(tok.proto))
+    log.info(
+        f"--chat with the sentencepiece model '{spec}': its tokenizer.json (the library's ids) gets the chat "
+        f"tokens after its {out.vocab_size:,} ids"
+    )
+    return out
 
 
 def _hash_of(tok, kind: str) -> str:

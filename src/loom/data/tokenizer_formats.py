@@ -145,3 +145,82 @@ def write_gpt2(tokenizer_json: str, out: Path) -> list[Path]:
     (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
     return [out / "vocab.json", out / "merges.txt"]
+
+
+# ------------------------------------------------------------------------------------------- sentencepiece
+
+# sentencepiece_model.proto's piece types
+SP_UNKNOWN, SP_CONTROL = 2, 3
+SP_UNIGRAM = 1
+
+
+def sentencepiece_proto(proto: bytes):
+    """The parsed ModelProto of a sentencepiece model (the library ships its protobuf module)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(proto)
+    return model
+
+
+def sentencepiece_to_tokenizer(proto: bytes):
+    """A `tokenizers` Tokenizer with a sentencepiece model's ids, built by transformers' own converter
+    (SpmConverter.build_tokenizer_from_spm_proto: the model's normaliser, dummy prefix, BPE merges ranked by
+    score or unigram scores, byte fallback). <unk>, <s> and </s> become special added tokens at their ids, as in
+    Llama 2's tokenizer.json."""
+    from tokenizers import AddedToken
+
+    try:
+        from transformers.convert_slow_tokenizer import SpmConverter
+    except ImportError:
+        raise LoomError(
+            "converting a sentencepiece model needs transformers", hint="pip install 'loom[hf]'"
+        ) from None
+    if not hasattr(SpmConverter, "build_tokenizer_from_spm_proto"):
+        raise LoomError(
+            "this transformers has no SpmConverter.build_tokenizer_from_spm_proto, which converts a "
+            "sentencepiece model by its own settings",
+            hint="pip install -U transformers (5.x)",
+        )
+    model = sentencepiece_proto(proto)
+    pieces = model.pieces
+    if model.trainer_spec.model_type == SP_UNIGRAM:
+        vocab = [(p.piece, p.score) for p in pieces]
+    else:
+        vocab = {p.piece: i for i, p in enumerate(pieces)}
+    tok = SpmConverter.build_tokenizer_from_spm_proto(model, vocab)
+    if tok is None:
+        raise LoomError("this sentencepiece model is neither BPE nor unigram, which is all tokenizers holds")
+    specials = [p.piece for p in pieces if p.type in (SP_UNKNOWN, SP_CONTROL)]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return tok
+
+
+def sentencepiece_names(proto: bytes) -> dict[str, str]:
+    """bos/eos/unk token names of a sentencepiece model (tokenizer_config.json's keys), those it has."""
+    spec = sentencepiece_proto(proto).trainer_spec
+    names = {"bos_token": spec.bos_piece, "eos_token": spec.eos_piece, "unk_token": spec.unk_piece}
+    ids = {"bos_token": spec.bos_id, "eos_token": spec.eos_id, "unk_token": spec.unk_id}
+    return {k: v for k, v in names.items() if ids[k] >= 0}
+
+
+def refuse_sentencepiece_bytes(proto: bytes, src, to: str) -> None:
+    """Why gpt2's files and tiktoken cannot hold a sentencepiece model: both are a byte-level BPE on the raw
+    bytes of the text, whose tokens always spell the text back byte for byte."""
+    model = sentencepiece_proto(proto)
+    if model.trainer_spec.model_type == SP_UNIGRAM:
+        why = (
+            "it is a unigram model: it picks the most likely split by its pieces' scores and has no merges, "
+            "which are all a byte-level BPE holds"
+        )
+    else:
+        why = (
+            "its BPE works on normalised characters (its normaliser, a '▁' dummy prefix before the text, "
+            "unknown characters as byte pieces or <unk>): its pieces do not spell the text back byte for "
+            "byte, and a character it holds whole is no merge of bytes"
+        )
+    raise LoomError(
+        f"--to {to} cannot hold the sentencepiece model '{src}' (gpt2's files and tiktoken are a byte-level "
+        f"BPE on the raw bytes of the text, which cannot give its ids): {why}",
+        hint="convert it --to hf (a tokenizer.json with sentencepiece's ids), or use the .model itself",
+    )

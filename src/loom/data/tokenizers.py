@@ -233,11 +233,7 @@ def convert_tokenizer(src: str | Path, to: str, out: str | Path, force: bool = F
         raise LoomError(f"'{out}' exists and is not empty", hint="choose a new folder, or pass --force")
     tok = load_given_tokenizer(src)
     if tok.kind == "sentencepiece":
-        raise LoomError(
-            f"'{src}' is a sentencepiece model: loom reads it as it is (--tokenizer {src}) but does not convert "
-            "it (its normaliser and search are the library's own, which the other formats do not hold)",
-            hint="use the .model itself; transformers' LlamaTokenizerFast writes a tokenizer.json of it",
-        )
+        return _convert_sentencepiece(tok.proto, src, to, out)
     if tok.tok.token_to_id(tok.eot) is not None:  # named special in what is written (gpt2's files cannot say)
         tok.tok.add_special_tokens([tok.eot])
     out.mkdir(parents=True, exist_ok=True)
@@ -248,6 +244,22 @@ def convert_tokenizer(src: str | Path, to: str, out: str | Path, force: bool = F
         return write_gpt2(text, out)
     (out / "tokenizer.json").write_text(text, encoding="utf-8")
     return [out / "tokenizer.json"]
+
+
+def _convert_sentencepiece(proto: bytes, src, to: str, out: Path) -> list[Path]:
+    """A sentencepiece model as tokenizer.json (transformers' converter: the library's ids) and a
+    tokenizer_config.json naming its bos, eos and unk tokens; --to gpt2 | tiktoken are refused, with why."""
+    from loom.data import tokenizer_formats as tf
+
+    if to != "hf":
+        tf.refuse_sentencepiece_bytes(proto, src, to)
+    tok = tf.sentencepiece_to_tokenizer(proto)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **tf.sentencepiece_names(proto)}
+    config |= {"add_bos_token": False, "clean_up_tokenization_spaces": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    return [out / "tokenizer.json", out / "tokenizer_config.json"]
 
 
 def has_tokenizer(meta: dict) -> bool:

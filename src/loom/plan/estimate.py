@@ -259,7 +259,7 @@ def _micro_time(c: Candidate, cluster: Cluster, shape: ModelShape, s: int, b: in
     # compute: a MoE layer's experts on active parameters, whole on every TP rank
     moe_matmul = shape.n_moe * shape.expert_matrices
     matmul = shape.matmul_params() - moe_matmul
-    attn = 12 * shape.n_layer * shape.n_embd * s
+    attn = shape.attn_flops(s)
     mm = 8 if ckpt == "full" else 6
     flops_tok = mm * matmul + (attn if ckpt == "none" else attn * 4 / 3)
     flops_rate = cluster.peak_tflops * 1e12 * cluster.mfu
@@ -280,7 +280,7 @@ def _stage_comm(
     t_tp = tp_bytes / (_group_bw(c.tp, cluster) * GB)
     # context parallel (Ulysses): per layer four all-to-alls forward (q, k, v to head shards, the output back)
     # and four backward, each moving (cp - 1)/cp of this rank's (b, s/cp, width/tp); recompute repeats forward's
-    width = 2 * shape.n_embd + 2 * (shape.n_kv_head or shape.n_head) * (shape.n_embd // shape.n_head)
+    width = 2 * shape.q_dim + 2 * shape.kv_dim
     cp_bytes = (
         layers_stage * (3 if ckpt == "full" else 2) * (c.cp - 1) / c.cp * b * sl * width / c.tp * e
         if c.cp > 1
@@ -354,7 +354,7 @@ def _moe_figures(
     m = Micro(wl.seq_len // c.cp, c.micro_batch, c.tp, c.sp and c.tp > 1, prec)
     kept = 1 if c.activation_checkpointing == "full" else moe_stage  # full: one MoE layer rebuilt at a time
     inside = ep_bw == cluster.intra_bw and c.ep > 1
-    model_flops = 6 * shape.matmul_params() + 12 * shape.n_layer * shape.n_embd * wl.seq_len
+    model_flops = 6 * shape.matmul_params() + shape.attn_flops(wl.seq_len)
     return {
         "experts_per_rank": shape.n_experts // c.ep,
         "expert_shard": c.dp * c.cp // c.ep if c.zero >= 2 else 1,

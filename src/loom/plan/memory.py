@@ -175,21 +175,26 @@ def layer_activation_bytes(shape: ModelShape, m: Micro, moe: bool = False) -> fl
         return m.stream * sbh / m.seq_shards
     mlp_width = 0 if moe else (2 if shape.mlp == "swiglu" else 1) * shape.ffn_width
     moe_mlp = moe_mlp_bytes(shape, m) if moe else 0.0
-    D = h // shape.n_head
+    D, q = (
+        shape.head_dim,
+        sb * shape.q_dim,
+    )  # q: the query's and attention output's elements (sbh unless head_size)
     rope = 8 * m.s * D if shape.pos == "rope" else 0  # cos, sin (T, D): 2 x fp32, or 4 x 16-bit casts
     drop = 2 * m.mask_bytes * sbh / m.seq_shards if shape.dropout > 0 else 0
     if m.recompute == "selective":  # matmul and attention outputs; the input for the recomputation
-        colwise = e * sb * (h + 2 * shape.kv_dim + mlp_width) / t
+        colwise = e * sb * (shape.q_dim + 2 * shape.kv_dim + mlp_width) / t
         rowwise = (
             (1 if moe else 2) * e * sbh
         )  # o_proj's and down_proj's outputs: whole (partial sums under TP)
-        attn = e * sbh / t + 4 * shape.n_head * sb / t
+        attn = e * q / t + 4 * shape.n_head * sb / t
         # a MoE layer's MLP counted as without recomputation: an upper bound (the policy saves matmuls)
         return m.stream * sbh / m.seq_shards + colwise + rowwise + attn + rope + moe_mlp
     norms = 2 * (m.norm_in * sbh + _stats(shape, m)) / m.seq_shards
     inputs = 2 * e * sbh  # attention's and the MLP's input, full-length on every TP rank
-    qk_norm = (m.norm_in * sb * (h + shape.kv_dim) + 8 * sb * shape.n_head) / t if shape.qk_norm else 0
-    attention = 4 * e * sbh / t  # q, k, v (all heads), output
+    qk_norm = (
+        (m.norm_in * sb * (shape.q_dim + shape.kv_dim) + 8 * sb * shape.n_head) / t if shape.qk_norm else 0
+    )
+    attention = 4 * e * q / t  # q, k, v (all heads), output
     if m.attention == "eager" and m.recompute == "none":  # scores, and with dropout their mask and result
         attention += shape.n_head * m.s * sb * (e + ((m.mask_bytes + e) if shape.dropout > 0 else 0)) / t
     else:  # the fused kernel's fp32 log-sum-exp per head and token

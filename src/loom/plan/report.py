@@ -159,7 +159,7 @@ def moe_table(cands: list[Candidate]) -> str:
 
 def moe_header(shape: ModelShape, wl: Workload) -> str:
     """Total and active parameters, the experts, and the FLOPs a token costs on active parameters."""
-    flops = 6 * shape.matmul_params() + 12 * shape.n_layer * shape.n_embd * wl.seq_len
+    flops = 6 * shape.matmul_params() + shape.attn_flops(wl.seq_len)
     shared = f" + {shape.n_shared} shared" if shape.n_shared else ""
     return (
         f"moe       {fmt_count(shape.param_count())} parameters, {fmt_count(shape.active_params())} active per token; "
@@ -424,5 +424,5 @@ def _moe_model(shape: ModelShape, seq_len: int) -> dict:
         "n_shared": shape.n_shared,
         "expert_width": shape.expert_width,
         "moe_layers": shape.n_moe,
-        "flops_per_token_active": 6 * shape.matmul_params() + 12 * shape.n_layer * shape.n_embd * seq_len,
+        "flops_per_token_active": 6 * shape.matmul_params() + shape.attn_flops(seq_len),
     }

@@ -43,6 +43,9 @@ class ModelShape:
     pos: str = "learned"  # learned | rope (no position table)
     tie_embeddings: bool = True
     qk_norm: bool = False
+    # the llama family's own keys (its ModelSpec.plan_shape): Qwen3's head width, Qwen 2.5's q/k/v biases
+    head_size: int = 0  # 0: n_embd / n_head
+    qkv_bias: bool = False
     # the family whose keys these are ("": the default's, gpt2's block with the options above given): the
     # planner's shape of a config names it; a preset with experts names moe (the dry run then takes its keys)
     family: str = ""
@@ -104,9 +107,19 @@ class ModelShape:
         )
 
     @property
+    def head_dim(self) -> int:
+        """As GPTConfig.head_dim: head_size, else n_embd / n_head."""
+        return self.head_size or self.n_embd // self.n_head
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection and of attention's output: n_head heads (n_embd unless head_size)."""
+        return self.n_head * self.head_dim
+
+    @property
     def kv_dim(self) -> int:
-        """Width of the key and of the value projection: n_kv_head heads of n_embd / n_head."""
-        return (self.n_kv_head or self.n_head) * (self.n_embd // self.n_head)
+        """Width of the key and of the value projection: n_kv_head heads."""
+        return (self.n_kv_head or self.n_head) * self.head_dim
 
     @property
     def ffn_width(self) -> int:
@@ -117,8 +130,12 @@ class ModelShape:
 
     @property
     def attn_matrices(self) -> int:
-        """q and o (C²), k and v (C·kv_dim)."""
-        return 2 * self.n_embd * self.n_embd + 2 * self.n_embd * self.kv_dim
+        """q and o (C·q_dim: C² unless head_size), k and v (C·kv_dim)."""
+        return 2 * self.n_embd * self.q_dim + 2 * self.n_embd * self.kv_dim
+
+    def attn_flops(self, seq_len: int) -> int:
+        """Training FLOPs per token of attention's score and value products (loom.model.flops)."""
+        return 12 * self.n_layer * self.q_dim * seq_len
 
     @property
     def layer_matrices(self) -> int:
@@ -143,8 +160,10 @@ class ModelShape:
         return 2 * self.n_embd if self.bias and self.norm == "layernorm" else self.n_embd
 
     def attn_params(self) -> int:
-        """Attention's matrices and biases (q, o: C; k, v: kv_dim)."""
-        return self.attn_matrices + (2 * self.n_embd + 2 * self.kv_dim if self.bias else 0)
+        """Attention's matrices and biases (q: q_dim, o: C, k and v: kv_dim; qkv_bias: q, k and v only)."""
+        if self.bias:
+            return self.attn_matrices + self.q_dim + self.n_embd + 2 * self.kv_dim
+        return self.attn_matrices + (self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0)
 
     def mlp_params(self, n_matrices: int, width: int) -> int:
         """An MLP of two (GELU) or three (SwiGLU) matrices of C x width, and their biases."""
@@ -152,7 +171,7 @@ class ModelShape:
 
     def qk_params(self) -> int:
         """QK-norm's two gains of a head's size."""
-        return 2 * (self.n_embd // self.n_head) if self.qk_norm else 0
+        return 2 * self.head_dim if self.qk_norm else 0
 
     @property
     def layer_params(self) -> int:
@@ -206,6 +225,8 @@ class ModelShape:
                 f" n_kv_head={self.n_kv_head or self.n_head} {self.mlp} {self.ffn_width} {self.norm} {self.pos}"
                 f"{'' if self.tie_embeddings else ' untied'}"
             )
+        if self.head_size or self.qkv_bias or self.qk_norm:
+            s += f" head_size={self.head_dim}" + " qkv_bias" * self.qkv_bias + " qk_norm" * self.qk_norm
         if self.is_moe:
             s += (
                 f"; MoE: {self.n_experts} routed experts (top-{self.top_k}"

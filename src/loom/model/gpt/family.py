@@ -93,6 +93,17 @@ def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
     )
 
 
+def llama_plan_shape(m) -> dict:
+    """The planner's terms from the llama family's keys (loom.plan.shapes.ModelShape): Qwen3's head width,
+    Qwen 2.5's q/k/v biases (RoPE scaling changes no count)."""
+    return {"head_size": m.head_size, "qkv_bias": m.qkv_bias}
+
+
+def llama_shape_keys(shape) -> dict:
+    """The model keys of a planner shape's llama terms (loom plan --check dry-runs it with them)."""
+    return {"head_size": shape.head_size, "qkv_bias": str(shape.qkv_bias).lower()}
+
+
 # the presets: the model keys model.family=NAME sets unless the TOML or the command line sets them (gpt2's are
 # the defaults: a config of the default family parses before any family is registered)
 PRESETS = {
@@ -121,4 +132,12 @@ def gpt_spec(name: str, **overrides) -> ModelSpec:
 
 register(gpt_spec("gpt2"))
 # peft: transformers' Llama names, what peft targets; keys: RoPE scaling and Qwen 2.5's q/k/v biases
-register(gpt_spec("llama", peft=hf_llama.peft_modules, keys=LlamaKeys))
+register(
+    gpt_spec(
+        "llama",
+        peft=hf_llama.peft_modules,
+        keys=LlamaKeys,
+        plan_shape=llama_plan_shape,
+        shape_keys=llama_shape_keys,
+    )
+)
