@@ -27,15 +27,22 @@ def data(argv: list[str]) -> int:
     _add_chat_options(pp)
     args = p.parse_args(argv)
     if args.chat or args.pairs:
+        flag, what = (
+            ("--pairs", "preference pairs (JSONL lines of prompt, chosen and rejected, or of messages)")
+            if args.pairs
+            else (
+                "--chat",
+                "conversations (JSONL lines, or Parquet rows, of messages or of prompt and completion)",
+            )
+        )
         refuse_options(
             pp,
             argv[1:],
             _TEXT_ONLY,
-            "of plain-text preparation, which --chat does not read",
-            ": --chat reads each --input file as conversations (JSONL lines, or Parquet rows, of messages or of "
-            "prompt and completion)",
+            f"of plain-text preparation, which {flag} does not read",
+            f": {flag} reads each --input file as {what}",
         )
-        return _prepare_chat(args)
+        return _prepare_chat(args, flag)
     if args.block_size is not None or args.too_long is not None or args.chat_template is not None:
         raise LoomError(
             "--block-size, --too-long and --chat-template are options of --chat",
@@ -237,14 +244,13 @@ _TEXT_ONLY = (
 )
 
 
-def _prepare_chat(args) -> int:
-    """loom data prepare --chat: conversations -> shards + loss masks (loom.data.chat_prepare)."""
+def _prepare_chat(args, flag: str) -> int:
+    """loom data prepare --chat (conversations) or --pairs (preference pairs): shards + loss masks
+    (loom.data.chat_prepare, loom.data.pairs). `flag`: the one given, as errors name it."""
     from loom.paths import check_output_dir
 
     if args.corpus:
-        raise LoomError(
-            "--chat reads JSONL conversations, not a built-in corpus", hint="use --input FILE.jsonl"
-        )
+        raise LoomError(f"{flag} reads JSONL, not a built-in corpus", hint="use --input FILE.jsonl")
     from loom.data.chat_prepare import check_tokenizer_spec, prepare_chat, run_block_size
     from loom.data.messages import check_inputs
 
@@ -253,7 +259,7 @@ def _prepare_chat(args) -> int:
         block_size = run_block_size(args.tokenizer)
         if block_size is None:
             raise LoomError(
-                "--chat needs --block-size (the context length of the model to fine-tune)",
+                f"{flag} needs --block-size (the context length of the model to fine-tune)",
                 hint="e.g. --block-size 1024, or --tokenizer RUN_DIR to take the run's; conversations longer "
                 "than it are dropped (or cut: --too-long truncate)",
             )
