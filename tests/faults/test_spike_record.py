@@ -41,3 +41,33 @@ def test_corrupted_batch_record_names_rows_and_layers(char_data, tmp_path, monke
     expected = ShardLoader(char_data, BATCH, T, 1337).global_rows(first, BATCH).tolist()
     assert [r["row"] for r in printed] == list(range(first, first + BATCH))
     assert [r["tokens"] for r in printed] == expected and all(r["text"] for r in printed)
+
+
+def test_spike_recorded_without_the_guard(char_data, tmp_path, monkeypatch, capsys):
+    """train.spike_zscore off (the default): the corrupted batch's spike is recorded (rows, largest gradients,
+    lr) and its update applied; the steps around it carry no record of the kind."""
+    monkeypatch.setenv("LOOM_FAULT_CORRUPT_STEP", str(STEP))
+    args = train_args(char_data, tmp_path, "note", STEP + 1, "--train.spike_window=5", "--optim.lr=3e-3")
+    assert run_inprocess(args) == 0
+    console = capsys.readouterr().out
+    recs = [r for r in records(tmp_path / "note") if "loss" in r]
+    noted = [r for r in recs if "spike" in r]
+    assert [r["step"] for r in noted] == [STEP] and not any("skipped" in r for r in recs), noted
+    rec = noted[0]
+    first = (STEP - 1) * BATCH
+    assert rec["spike"].startswith("loss spike") and rec["lr"] > 0
+    assert rec["rows"] == [first, first + BATCH - 1] and len(rec["top_grads"]) == 5
+    assert "recorded, not skipped" in console and f"its batch is rows {first}-" in console
+
+
+def test_nonfinite_step_recorded_without_the_guard(char_data, tmp_path, monkeypatch):
+    """A NaN gradient (LOOM_FAULT_NAN_STEPS) with train.spike_zscore off: the skipped step's record names its rows,
+    the non-finite parameter first among the largest gradient norms, and the lr."""
+    monkeypatch.setenv("LOOM_FAULT_NAN_STEPS", "3")
+    assert run_inprocess(train_args(char_data, tmp_path, "nan", 4)) == 0
+    bad = [r for r in records(tmp_path / "nan") if "skipped" in r]
+    assert [r["step"] for r in bad] == [3]
+    rec = bad[0]
+    assert rec["skipped"].startswith("non-finite") and rec["lr"] > 0
+    assert rec["rows"] == [2 * BATCH, 3 * BATCH - 1]
+    assert rec["top_grads"][0][0] == rec["nonfinite_params"][0]
