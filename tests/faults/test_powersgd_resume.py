@@ -6,7 +6,7 @@ the same run uninterrupted: two processes, DDP, PowerSGD rank 2 after 2 warm-up 
 
 from __future__ import annotations
 
-from faultkit import Proc, records, train_args
+from faultkit import records, run_inprocess, train_args
 
 STEPS = 8
 FLAGS = [
@@ -27,12 +27,10 @@ def _steps(run) -> list[dict]:
 
 def test_powersgd_resumes_exactly(char_data, tmp_path):
     run = tmp_path / "r"
-    p = Proc(train_args(char_data, tmp_path, "r", STEPS, *FLAGS), tmp_path / "first")
-    assert p.wait() == 0, p.stderr()[-3000:]
+    assert run_inprocess(train_args(char_data, tmp_path, "r", STEPS, *FLAGS)) == 0
     first = {r["step"]: (r["loss"], r["allreduce_bytes"]) for r in _steps(run)}
     assert first[1][1] > 2 * first[3][1]  # compressed from step 3 on
-    p = Proc(["train", "--resume", str(run / "ckpt" / "step_000004"), *FLAGS[:2]], tmp_path / "second")
-    assert p.wait() == 0, p.stderr()[-3000:]
+    assert run_inprocess(["train", "--resume", str(run / "ckpt" / "step_000004"), *FLAGS[:2]]) == 0
     again = [r for r in _steps(run)][STEPS:]
     assert [r["step"] for r in again] == [5, 6, 7, 8]
     assert [(r["loss"], r["allreduce_bytes"]) for r in again] == [first[s] for s in (5, 6, 7, 8)]
