@@ -71,3 +71,19 @@ def test_nonfinite_step_recorded_without_the_guard(char_data, tmp_path, monkeypa
     assert rec["skipped"].startswith("non-finite") and rec["lr"] > 0
     assert rec["rows"] == [2 * BATCH, 3 * BATCH - 1]
     assert rec["top_grads"][0][0] == rec["nonfinite_params"][0]
+
+
+def test_mixture_spike_names_sources(tmp_path, monkeypatch):
+    """data.mix: the corrupted batch's record names each row's source and row there, and the commands."""
+    from mixkit import make_sources, mix_flags
+
+    sources = make_sources(tmp_path / "src")
+    monkeypatch.setenv("LOOM_FAULT_CORRUPT_STEP", str(STEP))
+    args = train_args(sources["web"], tmp_path, "mix", STEP, "--train.spike_window=5", "--optim.lr=3e-3")
+    args = [a for a in args if not a.startswith("--data.path=")] + mix_flags(sources)
+    assert run_inprocess(args) == 0
+    rec = next(r for r in records(tmp_path / "mix") if "spike" in r)
+    first = (STEP - 1) * BATCH
+    assert rec["step"] == STEP and rec["rows"] == [first, first + BATCH - 1]
+    assert len(rec["sources"]) == BATCH and {n for n, _ in rec["sources"]} <= {"web", "code", "math"}
+    assert all(c.startswith("loom data inspect ") for c in rec["inspect"].split(" && "))

@@ -236,7 +236,8 @@ def largest_grads(names: list[str], norms: list[float], k: int = 5) -> list[list
 def rows_of_step(state: dict, batch_size: int, data_dir, align: str = "none") -> dict:
     """Where the batch a loader's state (before the step) leads to came from: its global rows [first, last] in
     the endless epoch sequence of windows (loom.data.loader.ShardLoader) and the `loom data inspect --rows`
-    command that prints them; {} for a loader without one sequence (data.mix, SFT's packed conversations)."""
+    command that prints them; {} for another loader's state (data.mix and SFT explain their own rows:
+    their `explain_rows`)."""
     if set(state) - {"cursor", "seed", "block_size", "windows", "order"}:
         return {}
     first, last = int(state["cursor"]), int(state["cursor"]) + batch_size - 1

@@ -422,7 +422,13 @@ class Trainer:
         """What a bad step can say of its cause: the global rows of its batch (and the command that prints
         them), the parameters with the largest gradient norms (whole norms under FSDP; a model-parallel rank's
         own parameters otherwise). The learning rate is in the step's record already."""
-        out = rows_of_step(self.batch_state, self.cfg.train.batch_size, self.data_dir, self.cfg.data.align)
+        bs, align = self.cfg.train.batch_size, self.cfg.data.align
+        explain = getattr(self.batches.loader, "explain_rows", None)  # data.mix's, SFT's: rows of their own
+        out = (
+            explain(self.batch_state, bs, align)
+            if explain
+            else rows_of_step(self.batch_state, bs, self.data_dir, align)
+        )
         if norms is not None:
             if self.dims.fsdp_enabled and not self.dims.model_parallel:  # each rank holds a shard of each
                 norms = self.parallel.all_reduce_sum(norms.float() ** 2).sqrt()
