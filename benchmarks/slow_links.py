@@ -94,7 +94,35 @@ def data_dir(work: Path) -> Path:
     return prepare_data(work)
 
 
-def run_row(rate: str, mode: str, steps: int, work: Path) -> dict:
+def last_logged(metrics: Path) -> int:
+    """The newest step in a run's metrics.jsonl (0 before the first; a line being written is skipped)."""
+    step = 0
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            try:
+                step = max(step, json.loads(line).get("step", 0) if "loss" in line else 0)
+            except json.JSONDecodeError:
+                pass
+    return step
+
+
+def watch_window(hosts, procs, metrics: Path, first: int, last: int) -> dict:
+    """node1's sent and received bytes when step `first` is logged and when step `last` is (the interface
+    counters read while the job runs): the steps in between alone, after any warm-up."""
+    marks = {}
+    while any(p.poll() is None for p, _ in procs) and len(marks) < 2:
+        step = last_logged(metrics)
+        for at in (first, last):
+            if at not in marks and step >= at:
+                marks[at] = (step, hosts.link_bytes(1))
+        time.sleep(0.02)
+    if len(marks) < 2:
+        return {}
+    (s0, b0), (s1, b1) = marks[first], marks[last]
+    return {"window": [s0, s1], "tx": b1["tx"] - b0["tx"], "rx": b1["rx"] - b0["rx"]}
+
+
+def run_row(rate: str, mode: str, steps: int, work: Path, measure_from: int = 0) -> dict:
     data = data_dir(work)
     runs = work / "runs"
     train = [PY, "-m", "loom", "train", f"--data.path={data}", f"--run.dir={runs}", f"--run.name={mode}"]
@@ -107,6 +135,11 @@ def run_row(rate: str, mode: str, steps: int, work: Path) -> dict:
         for i in (1, 2):
             out = open(work / f"{mode}-node{i}.out", "w")  # noqa: SIM115  (closed with the process)
             procs.append((hosts.popen(i, [*launch, *train], env=env_for(i - 1), stdout=out, stderr=out), out))
+        window = (
+            watch_window(hosts, procs, runs / mode / "metrics.jsonl", measure_from, steps)
+            if measure_from
+            else {}
+        )
         codes = [p.wait(3600) for p, _ in procs]
         wall = time.monotonic() - t0
         after = hosts.link_bytes(1)
@@ -128,6 +161,7 @@ def run_row(rate: str, mode: str, steps: int, work: Path) -> dict:
         "allreduce_bytes": next((r["allreduce_bytes"] for r in rows if "allreduce_bytes" in r), None),
         "node1_tx": after["tx"] - before["tx"],
         "node1_rx": after["rx"] - before["rx"],
+        **({"node1_window": window} if window else {}),
     }
 
 
@@ -184,19 +218,30 @@ def main() -> int:
     )
     p.add_argument("--table", type=Path, default=None, help="print the tables of a --out file and stop")
     p.add_argument("--target-step", type=int, default=160)
+    p.add_argument(
+        "--measure-from",
+        type=int,
+        default=0,
+        help="also read node1's counters when this step and the last are logged: bytes per step over those "
+        "steps alone (after PowerSGD's warm-up: 10 steps by default)",
+    )
     args = p.parse_args()
     if args.table:
         print(table(args.table, args.target_step))
         return 0
     with tempfile.TemporaryDirectory(prefix="slowlinks-") as tmp:
         work = Path(os.environ.get("SLOW_LINKS_WORK", tmp))
-        row = run_row(args.rate, args.mode, args.steps, work)
+        row = run_row(args.rate, args.mode, args.steps, work, args.measure_from)
     with open(args.out, "a") as f:
         f.write(json.dumps(row) + "\n")
     v = row["val"][str(row["steps"])]
     print(
         f"{args.rate} {args.mode}: {row['wall_s']:.0f}s, final val {v:.4f}, node1 sent {row['node1_tx']:,} B"
     )
+    w = row.get("node1_window")
+    if w:
+        n = w["window"][1] - w["window"][0]
+        print(f"  steps {w['window'][0] + 1}-{w['window'][1]}: node1 sent {w['tx'] / n:,.0f} B/step")
     return 0
 
 

@@ -5,7 +5,7 @@ A kill between outer steps loses the inner steps since the last one: they are re
 
 from __future__ import annotations
 
-from faultkit import Proc, alive, curve, last_step, records, train_args, wait_for
+from faultkit import Proc, alive, curve, last_step, records, run_inprocess, train_args, wait_for
 
 from loom import checkpoint
 
@@ -54,3 +54,28 @@ def test_diloco_killed_mid_inner_steps_and_after_an_outer_step_resumes_exactly(c
     assert p.wait() == 0, p.stderr()[-3000:]
     assert curve(run) == want  # every step, replayed ones included, as the uninterrupted run
     print(f"\n[fault] DiLoCo H={H}: killed at step {killed} (resumed from {saved}), then at {second}: exact")
+
+
+# FSDP inside each replica: 4 processes, 2 replicas of 2 FSDP shards; H = 2, 4 steps, a checkpoint every outer step
+FSDP_INSIDE = [
+    "--nproc",
+    "4",
+    "--parallel.dp_impl=fsdp",
+    "--parallel.dp_replicate=2",
+    "--parallel.diloco_inner_steps=2",
+    "--train.ckpt_every=2",
+    "--train.keep_last=5",
+]
+
+
+def test_diloco_with_fsdp_inside_resumes_exactly(char_data, tmp_path):
+    """DiLoCo across 2 replicas with FSDP sharding inside each: `--resume` from the checkpoint of outer step 1
+    (step 2) replays steps 3-4, whose losses and outer steps equal the first run's bit for bit (the sharded
+    inner optimizer state of each replica, the outer momentum as DTensor shards)."""
+    run = tmp_path / "r"
+    assert run_inprocess(train_args(char_data, tmp_path, "r", 4, *FSDP_INSIDE)) == 0
+    first = {r["step"]: r["loss"] for r in records(run) if "loss" in r}
+    assert [r["step"] for r in records(run) if "outer_step" in r] == [2, 4]
+    assert run_inprocess(["train", "--resume", str(run / "ckpt" / "step_000002"), *FSDP_INSIDE[:2]]) == 0
+    again = [r for r in records(run) if "loss" in r][4:]
+    assert [(r["step"], r["loss"]) for r in again] == [(s, first[s]) for s in (3, 4)]

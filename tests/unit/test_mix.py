@@ -237,3 +237,30 @@ def test_a_toml_file_gives_the_mixture_as_lists(tmp_path, sources):
     srcs, w = parse_mix(cfg.data.mix, cfg.data.sources)
     assert [s.path for s in srcs] == [str(p) for p in sources.values()] and w.tolist() == [0.5, 0.3, 0.2]
     assert mix_weights(w, cfg.data.mix_schedule, srcs)[1][0] == 100
+
+
+def test_explain_rows_commands_print_the_mixture_rows(sources, capsys):
+    """A bad step's record under data.mix (MixLoader.explain_rows): each batch row's source and its row in the
+    source's own sequence, and one `loom data inspect --rows` command a source; what those commands print
+    is, row for row, the batch the mixture gave."""
+    import json
+    import shlex
+
+    from loom.cli import main
+
+    mix = loader(sources)
+    for _ in range(3):
+        mix.next_batch()
+    state = mix.state_dict()
+    rec = mix.explain_rows(state, 8)
+    first = state["cursor"]
+    assert rec["rows"] == [first, first + 7] and len(rec["sources"]) == 8
+    printed = {}
+    for cmd in rec["inspect"].split(" && "):
+        argv = shlex.split(cmd)
+        assert main(argv[1:] + ["--json"]) == 0
+        path = argv[3]
+        printed.update({(path, r["row"]): r["tokens"] for r in json.loads(capsys.readouterr().out)})
+    want = mix.global_rows(first, 8).tolist()
+    for k, (name, row) in enumerate(rec["sources"]):
+        assert printed[(str(sources[name]), row)] == want[k], (k, name, row)

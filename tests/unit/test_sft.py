@@ -460,3 +460,22 @@ def test_a_lora_run_that_died_before_its_first_checkpoint_starts_again(sft, caps
     assert f"{run} has no valid checkpoint: starting it again" in capsys.readouterr().out
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl", superseded=True) if "loss" in r]
     assert steps == [1, 2]
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "one-a-row"])
+def test_explain_rows_command_prints_the_sft_batch(sft, pack, capsys):
+    """A bad step's record under SFT (ChatLoader.explain_rows): the batch's global rows of the packed epochs
+    and the `loom data inspect --rows` command; what it prints is the batch the loader gave, row for row."""
+    import shlex
+
+    chat = ChatLoader(sft / "chat", 4, 64, 1337, pack=pack)
+    for _ in range(5):  # past the first epoch when one conversation a row
+        chat.next_batch()
+    state = chat.state_dict()
+    rec = chat.explain_rows(state, 4)
+    first = state["cursor"]
+    assert rec["rows"] == [first, first + 3] and ("--no-pack" in rec["inspect"]) == (not pack)
+    assert main(shlex.split(rec["inspect"])[1:] + ["--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [r["row"] for r in printed] == list(range(first, first + 4))
+    assert [r["tokens"] for r in printed] == chat.global_rows(first, 4)[0].tolist()

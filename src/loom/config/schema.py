@@ -282,7 +282,8 @@ class TrainConfig:
     )
     spike_zscore: float = _f(
         0.0,
-        "Loss-spike guard: skip a step whose loss is this many std devs above the recent mean (0: off).",
+        "Loss-spike guard: skip a step whose loss is this many std devs above the recent mean (0: off; a spike "
+        "of 6 std devs is then recorded, not skipped).",
         ge=0,
     )
     spike_window: int = _f(

@@ -403,6 +403,7 @@ def _inspect_rows(args) -> int:
     (windows of T + 1 tokens in the run's order: loom.data.loader.ShardLoader.global_rows), decoded when the
     data has a tokenizer."""
     from loom.data.loader import ShardLoader
+    from loom.data.sft import ChatLoader, is_chat_data
     from loom.data.tokenizers import has_tokenizer
 
     first, last = _row_range(args.rows)
@@ -410,9 +411,13 @@ def _inspect_rows(args) -> int:
         raise LoomError(
             "--rows needs the run's --block-size and --seed", hint="copy the command from the step's record"
         )
-    loader = ShardLoader(args.path, 1, args.block_size, args.seed, align=args.align)
-    rows = loader.global_rows(first, last - first + 1).tolist()
     meta = read_meta(args.path)
+    if is_chat_data(meta):  # SFT's rows: packed conversations in the run's epoch order (loom.data.sft)
+        chat = ChatLoader(args.path, 1, args.block_size, args.seed, pack=not args.no_pack)
+        rows = chat.global_rows(first, last - first + 1)[0].tolist()
+    else:
+        loader = ShardLoader(args.path, 1, args.block_size, args.seed, align=args.align)
+        rows = loader.global_rows(first, last - first + 1).tolist()
     tok = load_tokenizer(args.path, meta) if has_tokenizer(meta) else None
     out = [
         {"row": first + i, "tokens": r, "text": tok.decode(r) if tok else None} for i, r in enumerate(rows)
@@ -542,6 +547,11 @@ def data_inspect_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=None, help="with --rows: the run's seed (its record says it)")
     p.add_argument(
         "--align", choices=["none", "bos"], default="none", help="with --rows: the run's data.align"
+    )
+    p.add_argument(
+        "--no-pack",
+        action="store_true",
+        help="with --rows on chat data: one conversation a row (the run's data.doc_mask=false)",
     )
     p.add_argument(
         "--write-meta",

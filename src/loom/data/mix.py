@@ -435,6 +435,26 @@ class MixLoader:
     def epoch(self) -> float:
         return float(max(c / self.windows(i) for i, c in enumerate(self.counts())))
 
+    def explain_rows(self, state: dict, batch_size: int, align: str = "none") -> dict:
+        """Where the batch a state (before a step) leads to came from, for a bad step's record: its mixture rows
+        [first, last], each row's [source, its row in the source's own sequence], and one `loom data inspect
+        --rows` command a source (the range of its rows there; `sources` says which of them the batch read)."""
+        first = int(state["cursor"])
+        src, idx = self.plan.rows(first, batch_size)
+        commands = []
+        for i in sorted(set(src.tolist())):
+            own = idx[src == i]
+            commands.append(
+                f"loom data inspect {self.sources[i].path} --rows {own.min()}-{own.max()} --block-size "
+                f"{self.block_size} --seed {_source_seed(self.seed, i)}"
+                + (" --align bos" if align == "bos" else "")
+            )
+        return {
+            "rows": [first, first + batch_size - 1],
+            "sources": [[self.sources[i].name, r] for i, r in zip(src.tolist(), idx.tolist(), strict=True)],
+            "inspect": " && ".join(commands),
+        }
+
     def state_dict(self) -> dict:
         counts = self.counts()
         return {

@@ -161,7 +161,7 @@ class ChatLoader:
     ):
         if batch_size % part.dp_size:
             raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={part.dp_size}")
-        self.convs = Conversations(data_dir, "train", block_size)
+        self.data_dir, self.convs = data_dir, Conversations(data_dir, "train", block_size)
         self.pack = pack  # several conversations a row (with document masks), or one
         self.batch_size, self.seed = batch_size, seed
         self.part = part  # this rank's rows of each global batch and its chunk of each row
@@ -212,6 +212,16 @@ class ChatLoader:
             first += len(self._epoch_rows(epoch))
             epoch += 1
         return epoch + (g - first) / len(self._epoch_rows(epoch))
+
+    def explain_rows(self, state: dict, batch_size: int, align: str = "none") -> dict:
+        """Where the batch a state (before a step) leads to came from, for a bad step's record: its global rows
+        [first, last] of the packed epochs and the `loom data inspect --rows` command that prints them."""
+        first, last = int(state["cursor"]), int(state["cursor"]) + batch_size - 1
+        cmd = (
+            f"loom data inspect {self.data_dir} --rows {first}-{last} --block-size {self.convs.block_size} "
+            f"--seed {state['seed']}" + ("" if self.pack else " --no-pack")
+        )
+        return {"rows": [first, last], "inspect": cmd}
 
     def state_dict(self) -> dict:
         return {"cursor": self.cursor, "seed": self.seed, "kind": "chat"}

@@ -184,7 +184,13 @@ def planner_inputs(cfg: Config, target: Target, vocab: int, precision: str):
     prec = {"fp32": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}[precision]
     if prec == "bf16-mixed" and cfg.precision.fp8 == "tensorwise":  # weights all-gathered in float8
         prec = "fp8-mixed"
-    wl = Workload(shape, PRECISIONS[prec], m.block_size, cfg.train.batch_size * m.block_size)
+    wl = Workload(
+        shape,
+        PRECISIONS[prec],
+        m.block_size,
+        cfg.train.batch_size * m.block_size,
+        offload=cfg.train.activation_offload,
+    )
     return shape, cluster, wl
 
 

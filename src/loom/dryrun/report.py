@@ -170,6 +170,7 @@ def render(result: DryRun) -> str:
         lines.append(
             f"offload   train.activation_offload: {most.offloaded / div:.2f} {unit} of saved activations per step "
             f"in host memory (rank {most.rank}; counted out of act@peak, copied back for the backward)"
+            + (f"; planner: {result.planner['host'] / div:.2f} {unit}" if "host" in result.planner else "")
         )
     for small in sorted({tuple(r.measured_blocks) for r in result.ranks if r.measured_blocks}):
         lines.append(

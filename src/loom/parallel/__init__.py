@@ -218,6 +218,8 @@ class Parallelized:
         optim = dcp_state.optim_shards(self.model, opt, tied, d.inner_prefix if d else "")
         if d is not None:
             optim.update(d.momentum_state())
+        if self.sync_bytes is not None and self.sync_bytes.hook_state is not None:  # PowerSGD's, this rank's
+            optim.update(self.sync_bytes.hook_state.state_dict())
         return dcp_state.model_shards(self.model, tied), optim
 
     def load_sharded(self, opt, model_dir, optim_dir=None) -> None:
@@ -233,6 +235,12 @@ class Parallelized:
             momentum = d.momentum_state()
             if optim_dir is not None and set(momentum) <= set(dcp_state.saved_keys(optim_dir)):
                 dcp_state.load_into(momentum, optim_dir, "optimizer")  # (a plain checkpoint: momentum 0)
+        hook = self.sync_bytes.hook_state if self.sync_bytes is not None else None
+        if optim_dir is not None and hook is not None:  # PowerSGD: a checkpoint without it warms up again
+            sd = hook.expected(dcp_state.saved_keys(optim_dir))
+            if sd:  # every rank or none (a rule of the saved keys alike on all): DCP's load is collective
+                dcp_state.load_into(sd, optim_dir, "optimizer")
+                hook.load_state_dict(sd)
 
     def load_optim_state(self, opt, sd: dict) -> None:
         if self.dims.dp_impl == "zero1" and self.dims.dp_enabled:

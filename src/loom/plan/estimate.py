@@ -68,6 +68,7 @@ class Cluster:
     peak_tflops: float = 312.0  # dense 16-bit peak of one GPU (A100 SXM bf16; H100 SXM is 989)
     mfu: float = 0.45  # achievable fraction of peak for large-model training (Megatron reports 40-55%)
     headroom: float = 0.10  # of GPU memory kept for the CUDA context, allocator and temporary buffers
+    host_bw: float = 25.0  # GB/s between a GPU and host memory each way (PCIe 4.0 x16): activation offload
 
     @property
     def usable_gb(self) -> float:
@@ -81,6 +82,7 @@ class Workload:
     seq_len: int
     global_batch_tokens: int
     attention: str = "flash"
+    offload: bool = False  # train.activation_offload: saved activations in host memory (plan/peak.py)
 
 
 @dataclass
@@ -222,7 +224,7 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     if c.ep == 1:  # the experts are sharded and reduced as every other parameter
         first_e = 0.0
     ckpt = c.activation_checkpointing
-    lay = Layout(c.dp, c.tp, c.pp, c.zero, c.replicate, b, c.n_micro, ckpt, c.sp, c.cp, c.ep)
+    lay = Layout(c.dp, c.tp, c.pp, c.zero, c.replicate, b, c.n_micro, ckpt, c.sp, c.cp, c.ep, wl.offload)
     # context parallel: a rank's activations are those of s / cp tokens (Ulysses' attention sees the whole
     # sequence with n_head / cp heads: the same bytes as s / cp tokens with every head, for flash attention)
     sl = s // c.cp
@@ -231,6 +233,8 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     c.memory_gb = {k: v / GB for k, v in memory.items()}
     c.fits = c.memory_gb["total"] <= cluster.usable_gb
     t_micro = _micro_time(c, cluster, shape, s, b, ckpt)
+    if wl.offload:  # each saved activation to the host and back, on the compute stream (not overlapped)
+        t_micro += 2 * memory["host"] / (min(c.n_micro, c.pp) if c.pp > 1 else 1) / (cluster.host_bw * GB)
     comm = _stage_comm(c, cluster, shape, prec, b, sl, ckpt, moe_stage)
     tp_bytes, t_tp, cp_bytes, t_cp, ep_bytes, ep_bw, t_ep, pp_bytes, t_pp = comm
     slots = c.n_micro + c.pp - 1

@@ -154,6 +154,7 @@ class Layout:
     sp: bool = True
     cp: int = 1  # context parallel: each rank holds s / cp tokens of a sequence (the caller passes s / cp)
     ep: int = 1  # expert parallel: a MoE layer's routed experts split over ep of the dp x cp ranks
+    offload: bool = False  # train.activation_offload: saved activations in host memory (_moments)
 
     @property
     def shard(self) -> int:
@@ -212,6 +213,9 @@ def stage_memory(
         "total": p + held + o + act + buf,
         "moment": name,
         "expert_states": sum(experts),
+        **(
+            {"host": _offloaded(shape, m, lay, st)} if lay.offload else {}
+        ),  # host memory, train.activation_offload
     }
 
 
@@ -224,13 +228,16 @@ def _moments(
     batch = (
         8 * m.s * m.b * lay.n_micro * ((1 if st.first else 0) + (1 if st.last else 0))
     )  # int64 ids, targets
-    per_micro = (st.blocks - st.moe_blocks) * layer_activation_bytes(shape, m)
-    per_micro += st.moe_blocks * layer_activation_bytes(shape, m, moe=True)
-    per_micro += embed_activation_bytes(shape, m) if st.first else 0.0
+    per_micro = _saved(shape, m, st)
     hidden = m.stream * sbh / m.seq_shards  # a pipeline stage's output or received input, per micro-batch
     fixed = batch + _weight_casts(shape, m, st, g)
+    # train.activation_offload: what autograd saves is in host memory, but for the block whose backward runs
+    # (copied back for it); autocast's weight casts stay counted (its cache holds them through the forward)
+    block_back = _largest_block(shape, m, st) if lay.offload else 0.0
+    if lay.offload:
+        per_micro = 0.0
     if lay.pp > 1:
-        per_micro += 0 if st.last else hidden  # kept until its backward
+        per_micro += 0 if st.last else hidden  # kept until its backward (the schedule's, not autograd's)
         fixed += lay.n_micro * hidden * ((0 if st.first else 1) + (0 if st.last else 1))  # receive buffers
     head = 0.0
     if st.last:
@@ -245,8 +252,8 @@ def _moments(
         w = st.in_flight
         again = w if lay.n_micro > w else w - 1
         return {
-            "warm-up's end": (w * per_micro + head + fixed, gathered),
-            "1F1B": (again * per_micro + head + fixed, gathered + acc),
+            "warm-up's end": (w * per_micro + max(head, block_back) + fixed, gathered),
+            "1F1B": (again * per_micro + max(head, block_back) + fixed, gathered + acc),
         }
     buf = _buffers(lay, st, g, gb, vocab_rows)
     moments = {"head backward": (per_micro + head + fixed, buf["forward"])}
@@ -259,11 +266,32 @@ def _moments(
             + 3 * m.e * m.s * m.b * shape.top_k * shape.expert_width
         )
         rebuilt = max(dense if st.blocks > st.moe_blocks else 0.0, moe if st.moe_blocks else 0.0)
-    moments["blocks' backward"] = (per_micro + rebuilt + fixed, buf["backward"])
+    moments["blocks' backward"] = (per_micro + block_back + rebuilt + fixed, buf["backward"])
     if "end" in buf:
         shard = g * st.embed_params if lay.tp > 1 and st.first else 0.0  # the embedding's rows, reduced
         moments["end of backward"] = (batch + shard, buf["end"])
     return moments
+
+
+def _saved(shape: ModelShape, m: Micro, st: Stage) -> float:
+    """What autograd saves for one micro-batch's backward on the stage: its blocks' and the embedding's."""
+    per_micro = (st.blocks - st.moe_blocks) * layer_activation_bytes(shape, m)
+    per_micro += st.moe_blocks * layer_activation_bytes(shape, m, moe=True)
+    return per_micro + (embed_activation_bytes(shape, m) if st.first else 0.0)
+
+
+def _largest_block(shape: ModelShape, m: Micro, st: Stage) -> float:
+    """One block's saved activations, the largest kind the stage has (dense or MoE)."""
+    dense = layer_activation_bytes(shape, m) if st.blocks > st.moe_blocks else 0.0
+    return max(dense, layer_activation_bytes(shape, m, moe=True) if st.moe_blocks else 0.0)
+
+
+def _offloaded(shape: ModelShape, m: Micro, lay: Layout, st: Stage) -> float:
+    """Host memory train.activation_offload needs at most: what autograd saves for the micro-batches in
+    flight (one without a pipeline: accumulation frees a micro-batch's copies at its backward) and the head's."""
+    flight = st.in_flight if lay.pp > 1 else 1
+    head = head_activation_bytes(shape, m, lay.pp > 1) if st.last else 0.0
+    return flight * (_saved(shape, m, st) + head)
 
 
 def _weight_casts(shape: ModelShape, m: Micro, st: Stage, g: int) -> float:

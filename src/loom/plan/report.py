@@ -119,20 +119,22 @@ def model_state(c: Candidate) -> float:
 
 
 def table(cands: list[Candidate], moe: bool = False) -> str:
-    """The layouts, one a row (an ep column for a mixture of experts)."""
+    """The layouts, one a row (an ep column for a mixture of experts, a host column with activation offload)."""
+    host = "host" in cands[0].memory_gb
     head = (
         f" #  dp  cp  tp  pp{'  ep' if moe else ''} zero rep  mb  ckpt  |  params  grads  optim   act  bufs  peak GB"
-        " | comm GB   step s  bubble   tok/s | fits | reason"
+        f"{'  host GB' if host else ''} | comm GB   step s  bubble   tok/s | fits | reason"
     )
     rows = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         m = c.memory_gb
         comm = sum(c.comm_gb.values())
         ep = f" {c.ep:>3}" if moe else ""
+        moved = f" {m['host']:>8.1f}" if host else ""
         rows.append(
             f"{i:>2} {c.dp:>3} {c.cp:>3} {c.tp:>3} {c.pp:>3}{ep} {c.zero:>4} {c.replicate:>3} {c.micro_batch:>3}  {c.activation_checkpointing[:4]:<4}"
             f"  | {m['params']:>7.1f} {m['grads']:>6.1f} {m['optim']:>6.1f} {m['activations']:>5.1f}"
-            f" {m['buffers']:>5.1f} {m['total']:>6.1f}    | {comm:>7.1f} {c.step_time_s:>8.2f} {c.bubble:>6.1%} {fmt_count(c.tokens_per_s):>7}"
+            f" {m['buffers']:>5.1f} {m['total']:>6.1f}{moved}    | {comm:>7.1f} {c.step_time_s:>8.2f} {c.bubble:>6.1%} {fmt_count(c.tokens_per_s):>7}"
             f" | {'yes' if c.fits else 'NO':<4} | {c.reason}"
         )
     return "\n".join(rows)
@@ -193,6 +195,17 @@ def header(shape: ModelShape, cluster: Cluster, wl: Workload, n: int, n_fit: int
             "params, grads, optim held after a step; act, bufs (FSDP's gathered blocks, DDP's buckets) and "
             "their sum with the states at the step's peak (loom/plan/peak.py)",
         ]
+        + (
+            [
+                "offload   train.activation_offload: act is what stays on the GPU (the block or head whose "
+                "backward runs, its activations copied back; the loss's temporaries; the batch; autocast's weight "
+                "casts, cached through the forward; a pipeline's stage outputs and receive buffers); host GB is "
+                "the pinned host memory per GPU for the saved activations of the micro-batches in flight (not "
+                "checked against the host's RAM); the copies, each way at 25 GB/s (PCIe 4.0), add to the step time"
+            ]
+            if wl.offload
+            else []
+        )
     )
 
 
@@ -222,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the link of each node to the others in Gbit/s (shared by its GPUs; replaces --inter-bw): the "
         "report says whether bf16/PowerSGD gradients or DiLoCo pay off across it",
+    )
+    p.add_argument(
+        "--activation-offload",
+        action="store_true",
+        help="train.activation_offload: saved activations in host memory; act counts what stays on the GPU "
+        "(a block's, copied back for its backward, the head's and the loss's) and a host column what moves",
     )
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's block_size)")
     p.add_argument(
@@ -342,7 +361,7 @@ def run_plan(args: argparse.Namespace) -> tuple[ModelShape, Cluster, Workload, l
         args.mfu,
         args.headroom,
     )
-    wl = Workload(shape, PRECISIONS[args.precision], s, tokens, args.attention)
+    wl = Workload(shape, PRECISIONS[args.precision], s, tokens, args.attention, args.activation_offload)
     cands = plan(shape, cluster, wl, args.ep)
     if not cands and args.ep > 1:
         raise LoomError(

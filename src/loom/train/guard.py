@@ -110,6 +110,11 @@ class StopRequest:
         os._exit(128 + signum)
 
 
+# With train.spike_zscore off (0) a loss this many std devs above the recent mean is still recorded (rows, largest
+# gradients, lr), not skipped: a spike leaves its trace without the guard changing the run.
+NOTE_ZSCORE = 6.0
+
+
 class StepGuard:
     """Decides whether a step's update is applied; counts skipped steps; says when to give up."""
 
@@ -120,23 +125,25 @@ class StepGuard:
         self.in_row = 0
         self.skipped = 0
         self.bad_steps: list[int] = []  # steps of the current run of bad steps
+        self.note: str | None = None  # the last step's spike, recorded but not skipped (NOTE_ZSCORE)
 
     def check(self, step: int, loss: float, grad_norm: float, scaler_enabled: bool = False) -> str | None:
-        """The reason to skip this step's update, or None to apply it.
+        """The reason to skip this step's update, or None to apply it (then `note` says whether it was a spike
+        to record all the same).
 
         With fp16 loss scaling a non-finite gradient norm (an overflow) with a finite loss is the scaler's
         business: it skips the step and lowers the scale; that is not counted as a bad step.
         """
-        reason = None
+        reason, self.note = None, None
         if not math.isfinite(loss):
             reason = f"non-finite loss ({loss})"
         elif not math.isfinite(grad_norm) and not scaler_enabled:
             reason = f"non-finite gradient norm ({grad_norm})"
-        elif self.spike_zscore > 0 and len(self.recent) == self.recent.maxlen:
-            mean = sum(self.recent) / len(self.recent)
-            std = math.sqrt(sum((x - mean) ** 2 for x in self.recent) / (len(self.recent) - 1))
-            if std > 0 and (loss - mean) / std > self.spike_zscore:
-                reason = f"loss spike ({loss:.4f} is {(loss - mean) / std:.1f} std above the mean {mean:.4f})"
+        elif (spike := self._spike(loss)) is not None:
+            if self.spike_zscore > 0:
+                reason = spike
+            else:
+                self.note = spike
         if reason is None:
             if math.isfinite(loss):
                 self.recent.append(loss)
@@ -147,6 +154,18 @@ class StepGuard:
         self.skipped += 1
         self.bad_steps.append(step)
         return reason
+
+    def _spike(self, loss: float) -> str | None:
+        """The loss as a spike over the full window of recent good losses (train.spike_zscore std devs above
+        their mean, NOTE_ZSCORE when that is off), else None. ~100 floats summed: microseconds a step."""
+        if len(self.recent) < self.recent.maxlen or len(self.recent) < 2:
+            return None
+        mean = sum(self.recent) / len(self.recent)
+        std = math.sqrt(sum((x - mean) ** 2 for x in self.recent) / (len(self.recent) - 1))
+        z = (loss - mean) / std if std > 0 else 0.0
+        if z <= (self.spike_zscore or NOTE_ZSCORE):
+            return None
+        return f"loss spike ({loss:.4f} is {z:.1f} std above the mean {mean:.4f})"
 
     @property
     def exhausted(self) -> bool:
@@ -217,7 +236,8 @@ def largest_grads(names: list[str], norms: list[float], k: int = 5) -> list[list
 def rows_of_step(state: dict, batch_size: int, data_dir, align: str = "none") -> dict:
     """Where the batch a loader's state (before the step) leads to came from: its global rows [first, last] in
     the endless epoch sequence of windows (loom.data.loader.ShardLoader) and the `loom data inspect --rows`
-    command that prints them; {} for a loader without one sequence (data.mix, SFT's packed conversations)."""
+    command that prints them; {} for another loader's state (data.mix and SFT explain their own rows:
+    their `explain_rows`)."""
     if set(state) - {"cursor", "seed", "block_size", "windows", "order"}:
         return {}
     first, last = int(state["cursor"]), int(state["cursor"]) + batch_size - 1

@@ -34,7 +34,7 @@ class MetricsLogger:
                 f"torch.compile: the first step (tracing and compiling forward and backward) took "
                 f"{rec['compile_s']:.1f}s; left out of tokens/s"
             )
-        if self.due(rec["step"], final) or "skipped" in rec or "stop" in rec:
+        if self.due(rec["step"], final) or "skipped" in rec or "spike" in rec or "stop" in rec:
             rec["mem_bytes"] = peak_memory_bytes(self.device)
             log.info(format_step(rec))
             self.write(rec)

@@ -383,6 +383,11 @@ class Trainer:
             bad = self._nonfinite_params(names, nonfinite) if "non-finite" in skip else []
             rec.update(skipped=skip, bad_steps=self.guard.skipped, nonfinite_params=bad)
             rec.update(self._explain(names, norms))
+        elif (
+            self.guard.note
+        ):  # a spike the guard does not skip (train.spike_zscore off): recorded all the same
+            names, _, norms = flags
+            rec.update(spike=self.guard.note, **self._explain(names, norms))
         if stop:
             rec["stop"] = self.stop.signal or "a signal on another rank"
         rec.update(dt=dt, **self.throughput.step(self.derived.tokens_per_step, dt))
@@ -417,7 +422,13 @@ class Trainer:
         """What a bad step can say of its cause: the global rows of its batch (and the command that prints
         them), the parameters with the largest gradient norms (whole norms under FSDP; a model-parallel rank's
         own parameters otherwise). The learning rate is in the step's record already."""
-        out = rows_of_step(self.batch_state, self.cfg.train.batch_size, self.data_dir, self.cfg.data.align)
+        bs, align = self.cfg.train.batch_size, self.cfg.data.align
+        explain = getattr(self.batches.loader, "explain_rows", None)  # data.mix's, SFT's: rows of their own
+        out = (
+            explain(self.batch_state, bs, align)
+            if explain
+            else rows_of_step(self.batch_state, bs, self.data_dir, align)
+        )
         if norms is not None:
             if self.dims.fsdp_enabled and not self.dims.model_parallel:  # each rank holds a shard of each
                 norms = self.parallel.all_reduce_sum(norms.float() ** 2).sqrt()
@@ -552,6 +563,9 @@ class Trainer:
         self.logger.after_step(rec, final)
         if "skipped" in rec:
             self._after_bad_step(rec)
+        elif "spike" in rec:
+            log.warn(f"step {self.step}: {rec['spike']}, recorded, not skipped (train.spike_zscore is 0)")
+            self._explain_warning(rec)
         if "stop" in rec:
             return self._stop(rec["stop"])
         self._evaluate(rec["tokens"], final)
@@ -589,10 +603,8 @@ class Trainer:
             )
         return why
 
-    def _after_bad_step(self, rec: dict) -> None:
-        """Warn with the step and reason; after train.max_bad_steps in a row, save and stop."""
-        names = rec.get("nonfinite_params") or []
-        log.warn(self.guard.describe(self.step, rec["skipped"], names))
+    def _explain_warning(self, rec: dict) -> None:
+        """The console line of a bad step's or a spike's record: lr, its batch's rows, the largest gradients."""
         grads = ", ".join(f"{n} {g:.3g}" for n, g in rec.get("top_grads", []))
         rows = (
             f"its batch is rows {rec['rows'][0]}-{rec['rows'][1]} ({rec['inspect']}); "
@@ -600,6 +612,12 @@ class Trainer:
             else ""
         )
         log.warn(f"step {self.step}: lr {rec['lr']:.3g}; {rows}largest gradient norms: {grads or 'none'}")
+
+    def _after_bad_step(self, rec: dict) -> None:
+        """Warn with the step and reason; after train.max_bad_steps in a row, save and stop."""
+        names = rec.get("nonfinite_params") or []
+        log.warn(self.guard.describe(self.step, rec["skipped"], names))
+        self._explain_warning(rec)
         if not self.guard.exhausted:
             return
         # the weights and optimizer are still those of the last good step (DiLoCo: only after an outer step)
