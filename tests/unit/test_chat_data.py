@@ -472,6 +472,15 @@ def test_cli_refusals_before_any_work(tmp_path, capsys):
         ),
         ([*base, "--input", str(good), "--glob", "*.jsonl"], "--glob is an option of plain-text preparation"),
         ([*base, "--input", str(good), "--strict", "--block-size", "8"], "--strict is an option of"),
+        # preference pairs share these checks, named as the user gave them
+        (
+            ["data", "prepare", "--pairs", "--out", str(out), "--input", str(good)],
+            "--pairs needs --block-size",
+        ),
+        (
+            ["data", "prepare", "--pairs", "--out", str(out), "--input", str(good), "--glob", "*.jsonl"],
+            "which --pairs does not read\n  hint: leave out --glob: --pairs reads each --input file as preference pairs",
+        ),
     ]
     for argv, message in cases:
         assert main(argv) == 2
