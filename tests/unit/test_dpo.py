@@ -193,3 +193,12 @@ def test_loom_dpo_refuses_what_it_cannot_tune(dpo_root, capsys):
     cfg.parallel.pp = 2
     with pytest.raises(LoomError, match="pp=2"):
         check_layout(cfg)
+
+
+def test_bench_train_times_preference_pairs(dpo_root, tmp_path):
+    """`loom bench train` on preference data steps as `loom dpo` does: the stage's reference first (it was an
+    assertion error)."""
+    out = tmp_path / "b.json"
+    args = [f"--data.path={dpo_root / 'pref'}", f"--model.init_from=run:{dpo_root / 'runs' / 'dposft'}"]
+    assert main(["bench", "train", "--steps", "2", "--warmup", "1", "--json", str(out), *args, *MODEL]) == 0
+    assert json.loads(out.read_text())[0]["tokens_per_s"] > 0
