@@ -177,7 +177,7 @@ def _trainers(
             c.train.activation_checkpointing = mode
         c.train.steps = steps
         tr = Trainer(c, derived, work / f"run-{mode}", data_dir, device)
-
+        tr.stage.begin(tr.parallel, tr._autocast)  # as Trainer.train does: DPO's reference, RL's sampler
         if synthetic:
             tr.stage.batches = DeviceBatches(  # the stage gives the trainer its batches
                 SyntheticLoader(c.train.batch_size, c.model.block_size, vocab, c.run.seed, docs), device
