@@ -12,20 +12,17 @@ STAMP_OLDEST := $(VENV_OLDEST)/.installed
 
 .PHONY: demo test test-fast test-oldest lint bench setup clean gpu-check
 
-# --no-compile: Python writes each module's bytecode when it is first imported, instead of pip compiling every
-# file of every package at install (torch's thousands): the install took 145 s here, 63 s without (first
-# import 15 s instead of 5).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile -e ".[dev,mpi,triton,parquet,data,hf,track,fp8,eval,serve]"
+	$(BIN)/python -m pip install -q -e ".[dev,mpi,triton,parquet,data,hf,track,fp8,eval,serve]"
 	touch $(STAMP)
 
 $(STAMP_OLDEST): pyproject.toml
 	test -x $(VENV_OLDEST)/bin/python || $(PY) -m venv $(VENV_OLDEST)
 	$(VENV_OLDEST)/bin/python -m pip install -q --upgrade pip
 	echo "torch==$(TORCH_OLDEST)" > $(VENV_OLDEST)/constraints.txt
-	$(VENV_OLDEST)/bin/python -m pip install -q --no-compile -c $(VENV_OLDEST)/constraints.txt -e ".[dev,mpi,triton,parquet,data,hf,track,fp8,eval,serve]"
+	$(VENV_OLDEST)/bin/python -m pip install -q -c $(VENV_OLDEST)/constraints.txt -e ".[dev,mpi,triton,parquet,data,hf,track,fp8,eval,serve]"
 	touch $(STAMP_OLDEST)
 
 setup: $(STAMP)
