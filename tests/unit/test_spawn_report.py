@@ -70,3 +70,15 @@ def test_a_sigkill_the_launcher_did_not_send_is_the_cause_though_its_news_came_l
     assert sent == [signal.SIGTERM] and not exits[1].stopped
     _report_failure(exits)
     assert "rank 1 (pid 101) failed first: SIGKILL" in capsys.readouterr().err
+
+
+def test_a_rank_that_stopped_on_a_signal_is_not_sent_another(monkeypatch):
+    # rank 1 got the SIGTERM; both stop after the same step; rank 0's exit 75 arrives first: rank 1, still
+    # saving, must not get a second SIGTERM (it killed it in its exit: seen in a fresh clone's run)
+    sent = []
+    monkeypatch.setattr("loom.train.spawn._send", lambda procs, exits, signum: sent.append(signum))
+    procs = {0: _Ended(75, 100), 1: _Ended(75, 101)}
+    procs[0].end()
+    threading.Timer(0.3, procs[1].end).start()
+    exits = _watch(procs, _Signals(), shutdown_s=30)
+    assert sent == [] and _report_failure(exits) == 75

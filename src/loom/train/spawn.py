@@ -150,7 +150,9 @@ def _watch(procs: dict, signals: _Signals, shutdown_s: float) -> dict[int, Exit]
             passed_on += 1
         if deadline is None and (passed_on or any(e.code != 0 for e in exits.values())):
             deadline = time.monotonic() + shutdown_s
-            if not passed_on:
+            # a rank that stopped on a signal (EXIT_PREEMPTED) agreed the stop step with the others, which are
+            # saving and leaving too: a SIGTERM now would kill one in its exit; SIGKILL after shutdown_s still
+            if not passed_on and any(e.code not in (0, EXIT_PREEMPTED) for e in exits.values()):
                 _send(procs, exits, signal.SIGTERM)
         elif deadline is not None and time.monotonic() > deadline:
             _send(procs, exits, signal.SIGKILL)
