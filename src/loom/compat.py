@@ -149,16 +149,28 @@ def fake_tensor_mode(**kwargs):
 @contextlib.contextmanager
 def sharding_prop_without_fake_mode() -> Iterator[None]:
     """DTensor's sharding propagation finds no active fake mode, so it runs in one of its own
-    (`torch.distributed.tensor._sharding_prop.detect_fake_mode`, patched for the duration). Checked on torch
-    2.11, 2.13."""
+    (`torch.distributed.tensor._sharding_prop.detect_fake_mode`, patched for the duration), with the modes
+    active around it (the dry run's fake mode and memory tracker) switched off while it runs
+    (`ShardingPropagator._propagate_tensor_meta_non_cached`, wrapped): on torch 2.11 its own mode was pushed
+    above the tracker, which counted its whole-tensor shadows (the clip's `_foreach_norm`: every gradient at
+    its global shape). Checked on torch 2.11, 2.13."""
     import torch.distributed.tensor._sharding_prop as sharding_prop
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    old = sharding_prop.detect_fake_mode
+    prop = sharding_prop.ShardingPropagator
+    old_detect, old_meta = sharding_prop.detect_fake_mode, prop._propagate_tensor_meta_non_cached
+
+    def apart(self, *args, **kwargs):  # torch 2.11 pushes its mode on ours: the tracker counted the shadows
+        with _disable_current_modes():
+            return old_meta(self, *args, **kwargs)
+
     sharding_prop.detect_fake_mode = lambda *a, **k: None
+    prop._propagate_tensor_meta_non_cached = apart
     try:
         yield
     finally:
-        sharding_prop.detect_fake_mode = old
+        sharding_prop.detect_fake_mode = old_detect
+        prop._propagate_tensor_meta_non_cached = old_meta
 
 
 # --- tensor-parallel styles ------------------------------------------------------------------------------
