@@ -35,20 +35,21 @@ demo: $(STAMP)
 # most tests wait on subprocesses, sockets or one core, so two at a time use the machine's cores better.
 # compileall first: where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) nothing writes loom's
 # bytecode, and every new interpreter a test starts (MPI ranks, torchrun workers) compiled src/ again (~0.8 s of
-# CPU each); compileall writes it (a file changed later is compiled again: its bytecode's timestamp says so).
+# CPU each); compileall writes it (a file changed later is compiled again: its bytecode's timestamp says so). Only
+# src: pytest rewrites and compiles the test files itself, and tests/ keeps no bytecode beside its sources.
 test: $(STAMP)
-	$(BIN)/python -m compileall -q src tests
+	$(BIN)/python -m compileall -q src
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 # The edit loop: the tests that start no process (tests/tiers.py marks the others 'processes' from what they use,
 # and skips here one that starts a process through loom's code) and are not 'slow'; two pytest workers as above.
 test-fast: $(STAMP)
-	$(BIN)/python -m compileall -q src tests
+	$(BIN)/python -m compileall -q src
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not processes and not slow" --durations=10 tests
 
 # The unit and distributed tests on the oldest supported torch, in a virtualenv of its own (.ci/run runs both).
 test-oldest: $(STAMP_OLDEST)
-	$(VENV_OLDEST)/bin/python -m compileall -q src tests
+	$(VENV_OLDEST)/bin/python -m compileall -q src
 	$(VENV_OLDEST)/bin/python -m pytest -q -n 2 --dist loadfile --durations=10 tests/unit tests/distributed
 
 # The GPU acceptance kit (benchmarks/gpu_check.py): make gpu-check on a CUDA machine, ARGS=--cpu anywhere;
