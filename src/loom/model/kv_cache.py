@@ -6,7 +6,7 @@ of the tokens it is fed, where their keys and values go, which cached keys each 
   RowCache  slots of a running batch, each with its own length (loom.engine: prompts of different lengths,
             rows that join and leave between steps). A forward runs on some of the slots (`select`), each row
             fed T tokens at its own positions len .. len+T-1; a query sees the keys at positions up to its own
-            in its own row. Static: slots x max_len tokens per layer, allocated once.
+            in its own row. Static: slots x max_len tokens per layer, allocated at the layer's first forward.
 
 Both give attention the same three things: `positions(T, device)` ((T,) shared, or (B, T) per row),
 `store(layer, k, v)` -> (keys, values, mask) to attend over (mask None: plain causal attention from position
@@ -18,14 +18,29 @@ from __future__ import annotations
 import torch
 
 
+class _Layers:
+    """Per layer, a (rows, K, max_len, D) tensor made at the layer's first store, with the heads of the keys it
+    is given: a tensor-parallel rank's attention holds K / tp key/value heads (loom.parallel.tensor), so the
+    cache of a tp-sharded model is its shard's without the family knowing of tp."""
+
+    def __init__(self, n_layer: int, rows: int, max_len: int, device, dtype):
+        self.rows, self.max_len, self.device, self.dtype = rows, max_len, device, dtype
+        self.t: list[torch.Tensor | None] = [None] * n_layer
+
+    def at(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        if self.t[layer] is None:
+            shape = (self.rows, like.size(1), self.max_len, like.size(3))
+            self.t[layer] = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        return self.t[layer]
+
+
 class KVCache:
     """Keys and values of every layer for incremental decoding: (B, K, max_T, D) per layer (key/value heads
     only: grouped-query attention shares each among H / K query heads when attention runs)."""
 
     def __init__(self, cfg, batch: int, max_len: int, device, dtype):
-        shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.k = _Layers(cfg.n_layer, batch, max_len, device, dtype)
+        self.v = _Layers(cfg.n_layer, batch, max_len, device, dtype)
         self.len = 0  # tokens already cached
 
     def reset(self) -> None:
@@ -40,9 +55,10 @@ class KVCache:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         start, T = self.len, k.size(2)
-        self.k[layer][:, :, start : start + T] = k
-        self.v[layer][:, :, start : start + T] = v
-        k, v = self.k[layer][:, :, : start + T], self.v[layer][:, :, : start + T]
+        ck, cv = self.k.at(layer, k), self.v.at(layer, v)
+        ck[:, :, start : start + T] = k
+        cv[:, :, start : start + T] = v
+        k, v = ck[:, :, : start + T], cv[:, :, : start + T]
         if start == 0:
             return k, v, None
         # new queries see every cached key and the causal part of their own block
@@ -61,9 +77,8 @@ class RowCache:
     each query's mask stops at its own position."""
 
     def __init__(self, cfg, slots: int, max_len: int, device, dtype):
-        shape = (slots, cfg.kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.k = _Layers(cfg.n_layer, slots, max_len, device, dtype)
+        self.v = _Layers(cfg.n_layer, slots, max_len, device, dtype)
         self.slots, self.max_len = slots, max_len
         self.lens = [0] * slots  # tokens cached per slot
         self.rows: list[int] = []
@@ -100,10 +115,11 @@ class RowCache:
         pos = self.positions(T, k.device)
         # (B, T) row and position indices around the heads' slice: the indexed block is (B, T, K, D)
         # (indexed assignment does not cast as a slice's does: under autocast k and v are bf16/fp16, the cache not)
-        self.k[layer][self._index, :, pos] = k.transpose(1, 2).to(self.k[layer].dtype)
-        self.v[layer][self._index, :, pos] = v.transpose(1, 2).to(self.v[layer].dtype)
+        ck, cv = self.k.at(layer, k), self.v.at(layer, v)
+        ck[self._index, :, pos] = k.transpose(1, 2).to(ck.dtype)
+        cv[self._index, :, pos] = v.transpose(1, 2).to(cv.dtype)
         L = self.end(T)
-        keys, values = self._gather(self.k[layer], L), self._gather(self.v[layer], L)
+        keys, values = self._gather(ck, L), self._gather(cv, L)
         if all(self.lens[r] == 0 for r in self.rows):
             return keys, values, None  # a prefill from position 0: causal attention over the block
         if self._mask is None:  # (B, 1, T, L): 0 up to each query's own place, -inf past it
