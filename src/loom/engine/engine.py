@@ -147,14 +147,32 @@ class Engine:
         for job in self.plan():
             job()
 
-    def run(self, requests: list[Request]) -> list[Request]:
-        """Every request through to its end (the queue's bound does not apply: the caller holds them all)."""
+    def run(self, requests: list[Request], lockstep: Callable | None = None) -> list[Request]:
+        """Every request through to its end (the queue's bound does not apply: the caller holds them all);
+        lockstep as in drain()."""
         for req in requests:
             self.submit(req, bounded=False)
-        with _eval_mode(self.model):
-            while self.busy:
-                self.step()
+        self.drain(lockstep)
         return requests
+
+    def drain(self, lockstep: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Step until every submitted request is done. lockstep (a sum over the ranks) for a model whose forward
+        is a collective over ranks that run engines of their own (FSDP's all-gathers over data-parallel ranks
+        sampling different prompts): the ranks agree before each forward whether anyone still has one, and a
+        rank without one runs an idle forward, so their collectives pair up."""
+        with _eval_mode(self.model):
+            if lockstep is None:
+                while self.busy:
+                    self.step()
+                return
+            jobs: list = []
+            while lockstep(torch.tensor([int(bool(jobs) or self.busy)], device=self.device)).item():
+                if not jobs and self.busy:
+                    jobs = self.plan()
+                if jobs:
+                    jobs.pop(0)()
+                else:
+                    self._idle()
 
     def stream(self, req: Request) -> Iterator[int]:
         """One request's tokens as they are sampled (stepping the engine; a caller that stops early cancels)."""
@@ -187,12 +205,20 @@ class Engine:
         self.forwards += 1
         with torch.no_grad(), self.autocast():
             if cache is not None:
-                return (
+                out = (
                     self.model(ids, cache=cache, last=last)
                     if last and self.tail
                     else self.model(ids, cache=cache)
                 )
-            return self.model(ids)
+            else:
+                out = self.model(ids)
+        # a tensor-parallel model's logits are vocabulary shards (a DTensor): every rank samples from all of them
+        return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+    def _idle(self) -> None:
+        """Lockstep: the forward a rank without work runs so the others' sharded forwards complete."""
+        with torch.no_grad(), self.autocast():
+            self.model(torch.zeros((1, 1), dtype=torch.long, device=self.device))
 
     def _prefill(self, rows: list[Request]) -> None:
         """The prompts of new rows, right-padded to the longest, from position 0 of their slots."""

@@ -137,17 +137,6 @@ class Scorer:
                 continue
             params = SamplingParams(new, temp, stop_ids=frozenset({self.eot_id}), stop=tuple(until))
             reqs.append(engine.submit(Request(ids, params, g), bounded=False))
-        self._drive(engine)
+        engine.drain(self.lockstep)  # in lockstep: one agreed forward at a time (a rank without one idles)
         self.forwards += engine.forwards
         return [cut_at_stop(decode(r.tokens), r.params.stop) if r else "" for r in reqs]
-
-    def _drive(self, engine) -> None:
-        """Step the engine to the end; in lockstep one agreed forward at a time (a rank without one idles)."""
-        jobs: list = []
-        while self._anyone(bool(jobs) or engine.busy):
-            if not jobs and engine.busy:
-                jobs = engine.plan()
-            if jobs:
-                jobs.pop(0)()
-            else:
-                self._idle()
