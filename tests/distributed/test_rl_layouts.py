@@ -1,11 +1,14 @@
-"""`loom rl` with real processes (gloo, loopback): `loom verify` on an RL config, ddp x 2 against one process.
+"""`loom rl` with real processes (gloo, loopback): `loom verify` on an RL config, ddp, fsdp and tp at 2 processes
+against one process.
 
 Each data-parallel rank samples for its own prompts (seeds from the rollout and the prompt's place, so the
 answers are the ones one process samples), scores its own groups, and the loss divides by the global batch's
-trained tokens: the losses and parameters after 10 steps must equal one process's to 1e-5 (fp32), the rewards
-exactly, and the sampler's log-probabilities the trainer's within 1e-5 on every rank (rl/logprob_diff, the
-maximum over ranks). Layouts that split the model (fsdp, tp, pp, cp) are refused by validate (test_rl.py):
-the engine samples from a whole model on each rank."""
+trained tokens. The engine samples with the model as it trains: under fsdp the two ranks' sharded forwards run
+in lockstep (each samples different prompts), under tp both ranks run the same rows on their halves of every
+layer (a KV cache of their own heads, the logits gathered over the vocabulary). The losses and parameters
+after 10 steps must equal one process's to 1e-5 (fp32), the rewards exactly, and the sampler's
+log-probabilities the trainer's within 1e-5 on every rank (rl/logprob_diff, the maximum over ranks). Layouts
+that split an answer (pp, cp) are refused by validate (test_rl.py)."""
 
 from __future__ import annotations
 
@@ -40,14 +43,18 @@ def _by_step(run) -> list[dict]:
     return [r for r in recs if "loss" in r and "step" in r]
 
 
-def test_verify_rl_on_ddp_against_one_process(rl_root, tmp_path):
+def test_verify_rl_on_ddp_fsdp_and_tp_against_one_process(rl_root, tmp_path):
     cfg = tmp_path / "rl.toml"
     _rl_config(rl_root, cfg)
+    layouts = "ddp,fsdp,tp"
     recs = verify_records(
-        tmp_path, rl_root / "chat", "ddp", "--nproc", "2", "--tol-loss", "1e-5", str(cfg), steps=10
+        tmp_path, rl_root / "chat", layouts, "--nproc", "2", "--tol-loss", "1e-5", str(cfg), steps=10
     )
-    assert recs[0]["world_size"] == 2
-    ref, ddp = _by_step(tmp_path / "v" / "reference"), _by_step(tmp_path / "v" / "ddp")
-    assert [r["rl/reward_mean"] for r in ref] == [r["rl/reward_mean"] for r in ddp]
+    assert [r["world_size"] for r in recs] == [2, 2, 2]
+    ref = _by_step(tmp_path / "v" / "reference")
     assert sum(r["rl/trained_tokens"] for r in ref) > 0
-    assert all(r["rl/logprob_diff"] < 1e-5 for r in ddp)
+    for name in layouts.split(","):
+        run = _by_step(tmp_path / "v" / name)
+        assert [r["rl/reward_mean"] for r in run] == [r["rl/reward_mean"] for r in ref], name
+        assert [r["rl/trained_tokens"] for r in run] == [r["rl/trained_tokens"] for r in ref], name
+        assert all(r["rl/logprob_diff"] < 1e-5 for r in run), name

@@ -167,8 +167,8 @@ def test_a_failing_reward_is_a_counted_skip_and_an_error_when_every_sample_fails
     assert "failed on every sample" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("keys", [{"tp": 2}, {"pp": 2}, {"dp_impl": "fsdp"}])
-def test_rl_layouts_without_a_whole_model_per_rank_are_refused(keys):
+@pytest.mark.parametrize("keys", [{"pp": 2}, {"cp": 2}, {"dp_impl": "mpi"}, {"tp": 2, "sp": True}])
+def test_rl_layouts_that_split_an_answer_are_refused(keys):
     from loom.config import config_from_dict, validate
 
     cfg = config_from_dict(
@@ -179,7 +179,7 @@ def test_rl_layouts_without_a_whole_model_per_rank_are_refused(keys):
             "parallel": keys,
         }
     )
-    with pytest.raises(LoomError, match="whole copy of the model"):
+    with pytest.raises(LoomError, match="a whole answer per rank" if "sp" not in keys else "decodes one token"):
         validate(cfg, world=2)
 
 

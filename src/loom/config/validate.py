@@ -58,7 +58,7 @@ def validate(
 
 def _check_rl(cfg: Config, dp: int, dp_impl: str) -> None:
     """rl.*: groups of at least two answers, whole groups per data-parallel rank, and the layouts whose every
-    rank holds a whole model to sample from (loom.rl samples on each rank's own copy)."""
+    rank samples whole answers (loom.rl samples with the model as it trains: whole, sharded or tp-split)."""
     r, t, p = cfg.rl, cfg.train, cfg.parallel
     if not r.prompts:
         return
@@ -74,11 +74,17 @@ def _check_rl(cfg: Config, dp: int, dp_impl: str) -> None:
             f"each of the {dp} data-parallel ranks",
             hint=f"make train.batch_size a multiple of {r.group_size * dp}",
         )
-    if p.tp > 1 or p.pp > 1 or p.cp > 1 or dp_impl in ("fsdp", "zero2", "mpi"):
+    if p.pp > 1 or p.cp > 1 or dp_impl == "mpi":
         raise LoomError(
-            "loom rl samples on each rank's whole copy of the model: it runs on one process, ddp or zero1 "
-            f"(here tp={p.tp}, pp={p.pp}, cp={p.cp}, dp_impl={dp_impl})",
-            hint="use parallel.dp_impl=ddp with tp = pp = cp = 1",
+            "loom rl samples with the model as it trains, a whole answer per rank: it runs on data parallel "
+            f"(ddp, zero1, fsdp, zero2) and tensor parallel (here pp={p.pp}, cp={p.cp}, dp_impl={dp_impl})",
+            hint="use pp = cp = 1 and a torch dp_impl (ddp, zero1, fsdp, zero2), with or without parallel.tp",
+        )
+    if p.tp > 1 and p.sp:
+        raise LoomError(
+            "loom rl with parallel.sp: the sampler decodes one token per row, which sequence parallel cannot split "
+            "over the tensor-parallel ranks",
+            hint="set parallel.sp=false (tensor parallel samples and trains without it)",
         )
 
 

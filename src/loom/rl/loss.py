@@ -11,11 +11,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loom.parallel.tensor import is_dtensor, local
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if is_dtensor(t) else t
+
 
 def target_logprobs(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probability of each target (B, T), log-softmax (B, T, V)); a target of -1 reads id 0 (masked)."""
+    """(log-probability of each target (B, T), 0 where the target is -1; log-softmax (B, T, V)). Under tensor
+    parallel the logits are vocabulary shards (a DTensor, in loss_parallel's context): log-softmax and the
+    NLL's pick are loss_parallel's ops, and each rank gets every target's value (the pick is exact: -(-x))."""
     logp = F.log_softmax(logits.float(), dim=-1)
-    return logp.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1), logp
+    nll = F.nll_loss(logp.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+    return -local(nll).view(y.shape), logp
 
 
 def k3(ref_lp: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
@@ -49,7 +58,7 @@ def policy_loss(
     loss = (per_token * mask).sum()
     with torch.no_grad():
         m = mask.float()
-        entropy = -(logp.exp() * logp).sum(-1)
+        entropy = whole(-(logp.exp() * logp).sum(-1))  # tp: a sum over the vocabulary shards
         diff = ((lp - old_lp).abs() * m).max() if mask.any() else lp.new_zeros(())
         stats = {
             "targets": m.sum(),

@@ -37,8 +37,10 @@ def sample(
     vocab: int,
     autocast=contextlib.nullcontext,
     temperature: float = 1.0,
+    lockstep=None,
 ) -> list[Request]:
-    """Every prompt's samples (seeds[i] holds one seed per sample) through one engine, rows in prompt order."""
+    """Every prompt's samples (seeds[i] holds one seed per sample) through one engine, rows in prompt order;
+    lockstep: Engine.drain's, for a model sharded over ranks that sample different prompts (FSDP)."""
     params = [
         SamplingParams(
             max_tokens=max_new,
@@ -54,7 +56,7 @@ def sample(
     reqs = [Request(p, sp) for p, sp in zip(ids, params, strict=True)]
     block = model.cfg.block_size
     engine = Engine(model, max_seqs=min(len(reqs), 64), max_len=block, vocab_size=vocab, autocast=autocast)
-    return engine.run(reqs)
+    return engine.run(reqs, lockstep)
 
 
 def advantages(rewards: torch.Tensor, norm: str, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:

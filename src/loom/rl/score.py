@@ -66,7 +66,11 @@ LOSS_KEYS = ("targets", "clipped", "entropy", "kl")
 
 
 def _sum_over_ranks(stage, values: list[float]) -> list[float]:
+    """A sum over the data-parallel ranks: a tensor-parallel group's ranks sample and score the same rows, so
+    only its first rank's values count."""
     t = torch.tensor(values, dtype=torch.float64, device=stage.device)
+    if stage.parallel.dims.tp_rank != 0:
+        t.zero_()
     return stage.parallel.all_reduce_sum(t).tolist()
 
 

@@ -44,7 +44,7 @@ class RL:
         self.sums: dict = {}
 
     def begin(self, parallel, autocast) -> None:
-        """The model the rollouts sample from (this rank's whole copy) and the sampling precision (the step's:
+        """The model the rollouts sample from (this rank's, as it trains) and the sampling precision (the step's:
         the sampler's log-probabilities are the trainer's); the frozen reference with rl.kl_coef > 0."""
         self.parallel, self.autocast = parallel, autocast
         if self.rl.kl_coef > 0:
@@ -144,16 +144,17 @@ class Rollouts:
         pos = self._mine()
         idx = [prompt_index(p, n, seed) for p in pos]
         seeds = [[sample_seed(seed, self.rollouts, p, g) for g in range(self.G)] for p in pos]
+        par = st.parallel
         with self.rollout_s():
-            model = st.parallel.model
             reqs = sample(
-                model,
+                par.model,  # this rank's model as it trains: whole, FSDP's shards or tensor parallel's
                 [st.prompts.ids[i] for i in idx],
                 seeds,
                 st.rl.max_new_tokens,
                 st.template.stop_ids,
                 st.meta["vocab_size"],
                 st.autocast,
+                lockstep=par.all_reduce_sum if par.fsdp_roots else None,
             )
         rows = [st.prompts.rows[i] for i in idx]
         row_adv, trained, self.stats = score_groups(st, reqs, rows, self.G)
@@ -163,8 +164,8 @@ class Rollouts:
                 batch.ref_lp = target_logprobs(st.ref(batch.x.to(st.device)), batch.y.to(st.device))[0]
         for name in ("x", "y", "adv", "old_lp"):
             setattr(batch, name, getattr(batch, name).to(st.device))
-        local = float((batch.y != -1).sum())
-        self.global_targets = int(st.parallel.all_reduce_sum(torch.tensor([local], device=st.device)).item())
+        local = float((batch.y != -1).sum()) if par.dims.tp_rank == 0 else 0.0  # tp ranks hold the same rows
+        self.global_targets = int(par.all_reduce_sum(torch.tensor([local], device=st.device)).item())
         return batch
 
     def report(self, sums: dict) -> dict:
