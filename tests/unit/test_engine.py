@@ -167,3 +167,20 @@ def test_first_max_is_torchs_argmax_ties_nan_and_minus_inf_included(V):
     assert torch.equal(first_max(x), x.argmax(-1))
     rows = torch.randn(6, 3, V, generator=g)[:, -1]  # a strided view, as the engine's last positions are
     assert torch.equal(first_max(rows), rows.argmax(-1))
+
+
+def test_rows_sharing_a_prompt_are_prefilled_once_and_sample_as_alone():
+    """An RL group's samples or a request's n answers share their prompt: the engine computes it once and the
+    other rows copy its keys, values and last logits. Each row's seeded samples are those it draws alone."""
+    m = model("rope")
+    p, other = prompts(2, 9, 30)
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, logprobs=True) for s in range(4)]
+    reqs = [Request(p, sp) for sp in params] + [Request(other, params[0])]
+    engine = Engine(m, max_seqs=8)
+    engine.run(reqs)
+    assert engine.prefilled == len(p) + len(other)  # not 4 * len(p) + len(other)
+    for r, sp in zip(reqs, [*params, params[0]], strict=True):
+        alone = Engine(m, max_seqs=1).run([Request(r.prompt, sp)])[0]
+        assert r.tokens == alone.tokens
+        assert max(abs(a - b) for a, b in zip(r.logprobs, alone.logprobs, strict=True)) < 1e-5
+    assert len({tuple(r.tokens) for r in reqs[:4]}) > 1  # the seeds drew different answers

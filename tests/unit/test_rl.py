@@ -191,3 +191,23 @@ def test_plot_draws_the_rl_panels(rl_root, tmp_path):
         assert main(rl_args(rl_root, "full", *REGEX, "--train.steps=2")) == 0
     out = plot_runs([run], tmp_path / "rl.png")
     assert out.stat().st_size > 10_000
+
+
+def test_the_batch_holds_trained_rows_and_fills_each_micro_batch():
+    """A dropped group's rows have no targets: the batch leaves them out, except as many as make the row count
+    a multiple of the gradient accumulation steps (every micro-batch gets its share)."""
+    from loom.engine import Request, SamplingParams
+    from loom.rl.rollout import build_batch
+
+    reqs = []
+    for j in range(8):
+        r = Request([1, 2, 3], SamplingParams(max_tokens=4, logprobs=True))
+        r.tokens, r.logprobs = [4 + j, 5], [-0.5, -0.25]
+        reqs.append(r)
+    trained = [True] * 3 + [False] * 5
+    b = build_batch(reqs, [1.0] * 8, trained, 0)
+    assert b.x.shape == (3, 4) and b.x[:, 3].tolist() == [4, 5, 6]
+    b = build_batch(reqs, [1.0] * 8, trained, 0, accum=2)
+    assert b.x.shape[0] == 4 and (b.y[3] == -1).all() and (b.y[:3] != -1).sum() == 6
+    b = build_batch(reqs, [0.0] * 8, [False] * 8, 0, accum=4)  # every group dropped: one row per micro-batch
+    assert b.x.shape[0] == 4 and (b.y == -1).all()

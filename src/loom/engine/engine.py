@@ -221,21 +221,36 @@ class Engine:
             self.model(torch.zeros((1, 1), dtype=torch.long, device=self.device))
 
     def _prefill(self, rows: list[Request]) -> None:
-        """The prompts of new rows, right-padded to the longest, from position 0 of their slots."""
-        L, first = len(rows[0].prompt), min(len(r.prompt) for r in rows)
-        ids = torch.zeros(len(rows), L, dtype=torch.long)
-        for j, r in enumerate(rows):
-            ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
-        self.cache.select([r.slot for r in rows])
+        """The prompts of new rows, right-padded to the longest, from position 0 of their slots. Rows with the
+        same prompt (an RL group's samples, a request's n answers) are computed once: the others copy its
+        cached keys and values and its last logits."""
+        source: dict[tuple, int] = {}  # prompt -> its row in the forward
+        unique: list[Request] = []
         for r in rows:
+            if source.setdefault(tuple(r.prompt), len(unique)) == len(unique):
+                unique.append(r)
+        L, first = len(unique[0].prompt), min(len(r.prompt) for r in unique)
+        ids = torch.zeros(len(unique), L, dtype=torch.long)
+        for j, r in enumerate(unique):
+            ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
+        self.cache.select([r.slot for r in unique])
+        for r in unique:
             self.cache.set_len(r.slot, 0)
         logits = self._forward(ids.to(self.device), self.cache, last=L - first + 1)
         off = L - logits.size(1)  # positions before the first computed one
-        for r in rows:
+        for r in unique:
             self.cache.set_len(r.slot, len(r.prompt))
+        copies: dict[int, list[int]] = {}  # a source row's slot -> the slots that copy it
+        for r in rows:
+            src = unique[source[tuple(r.prompt)]]
+            if r is not src:
+                copies.setdefault(src.slot, []).append(r.slot)
             r.prefilled = True
-        self.prefilled += sum(len(r.prompt) for r in rows)
-        self._sample(rows, torch.stack([logits[j, len(r.prompt) - 1 - off] for j, r in enumerate(rows)]))
+        for slot, dst in copies.items():
+            self.cache.copy_row(slot, dst)
+        self.prefilled += sum(len(r.prompt) for r in unique)
+        last = torch.stack([logits[j, len(r.prompt) - 1 - off] for j, r in enumerate(unique)])
+        self._sample(rows, last[[source[tuple(r.prompt)] for r in rows]])
 
     def _decode(self, rows: list[Request]) -> None:
         """One token for each cached row, at its own position."""

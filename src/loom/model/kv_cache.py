@@ -93,6 +93,17 @@ class RowCache:
     def set_len(self, slot: int, n: int) -> None:
         self.lens[slot] = n
 
+    def copy_row(self, src: int, dst: list[int]) -> None:
+        """Slots dst take slot src's cached keys and values and its length (rows sharing a prompt: prefilled
+        once, as vLLM's parallel sampling shares a prompt's blocks)."""
+        n = self.lens[src]
+        for layers in (self.k, self.v):
+            for t in layers.t:
+                if t is not None:
+                    t[torch.tensor(dst, device=t.device), :, :n] = t[src, :, :n]
+        for d in dst:
+            self.lens[d] = n
+
     def end(self, T: int) -> int:
         return max(self.lens[r] for r in self.rows) + T
 

@@ -54,8 +54,11 @@ def sample(
     ]
     ids = [p for p, group in zip(prompts, seeds, strict=True) for _ in group]
     reqs = [Request(p, sp) for p, sp in zip(ids, params, strict=True)]
-    block = model.cfg.block_size
-    engine = Engine(model, max_seqs=min(len(reqs), 64), max_len=block, vocab_size=vocab, autocast=autocast)
+    # each row's slot holds its prompt and answer, no more; as many rows at once as 64 whole blocks' worth of
+    # KV tokens allows (short answers: every sample of a rollout in one batch, fewer forwards)
+    span = min(max(len(p) for p in ids) + max_new, model.cfg.block_size)
+    rows = min(len(reqs), max(64, 64 * model.cfg.block_size // span))
+    engine = Engine(model, max_seqs=rows, max_len=span, vocab_size=vocab, autocast=autocast)
     return engine.run(reqs, lockstep)
 
 
@@ -96,8 +99,17 @@ def sequences(reqs: list[Request]) -> list[tuple[list[int], list[float]]]:
     return out
 
 
-def build_batch(reqs: list[Request], row_adv: list[float], trained: list[bool], pad_id: int) -> Batch:
-    """The training rows of the requests: targets are the answer tokens of trained rows only."""
+def build_batch(
+    reqs: list[Request], row_adv: list[float], trained: list[bool], pad_id: int, accum: int = 1
+) -> Batch:
+    """The training rows of the requests: the trained rows (a dropped group's rows have no target: a forward
+    and backward over them would add nothing), and untrained ones after them up to a multiple of accum (at
+    least accum: x.chunk(accum) then gives every micro-batch of gradient accumulation its equal share of
+    rows); targets are the answer tokens of trained rows."""
+    rows = [j for j, t in enumerate(trained) if t]
+    need = max(-(-len(rows) // accum), 1) * accum
+    rows += [j for j, t in enumerate(trained) if not t][: need - len(rows)]
+    reqs, row_adv, trained = [reqs[j] for j in rows], [row_adv[j] for j in rows], [trained[j] for j in rows]
     seqs = sequences(reqs)
     T = max(len(s) for s, _ in seqs) - 1
     B = len(seqs)

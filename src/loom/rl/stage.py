@@ -105,6 +105,8 @@ class Rollouts:
         cfg = stage.cfg
         self.G = cfg.rl.group_size
         self.per_rollout = cfg.train.batch_size // self.G  # prompts a rollout takes, over every rank
+        t, dp = cfg.train, stage.part.dp_size
+        self.accum = t.batch_size // ((t.micro_batch_size or t.batch_size // dp) * dp)  # as validate derives it
         self.rollouts = 0  # rollouts drawn
         self.uses = 0  # steps the current batch served
         self.batch: Batch | None = None
@@ -158,7 +160,7 @@ class Rollouts:
             )
         rows = [st.prompts.rows[i] for i in idx]
         row_adv, trained, self.stats = score_groups(st, reqs, rows, self.G)
-        batch = build_batch(reqs, row_adv, trained, st.template.eot_id)
+        batch = build_batch(reqs, row_adv, trained, st.template.eot_id, self.accum)
         if st.ref is not None:
             with torch.no_grad():
                 batch.ref_lp = target_logprobs(st.ref(batch.x.to(st.device)), batch.y.to(st.device))[0]
