@@ -106,7 +106,8 @@ class Rollouts:
         self.G = cfg.rl.group_size
         self.per_rollout = cfg.train.batch_size // self.G  # prompts a rollout takes, over every rank
         t, dp = cfg.train, stage.part.dp_size
-        self.accum = t.batch_size // ((t.micro_batch_size or t.batch_size // dp) * dp)  # as validate derives it
+        micro = t.micro_batch_size or t.batch_size // dp
+        self.accum = t.batch_size // (micro * dp)  # gradient accumulation steps, as validate derives them
         self.rollouts = 0  # rollouts drawn
         self.uses = 0  # steps the current batch served
         self.batch: Batch | None = None
