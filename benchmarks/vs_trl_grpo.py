@@ -139,9 +139,14 @@ def sft_model(out: Path, a) -> Path:
 
 
 def run_loom(out: Path, a) -> dict:
+    import shutil
+
+    for old in ("runs/rl", "rl_hf", "trl"):  # a run left from before would resume, not start again
+        shutil.rmtree(out / old, ignore_errors=True)
     t0 = time.perf_counter()
     loom(
         "rl",
+        "--train.log_every=1",  # every step's dt (the median is over them all)
         "--data.path=chat",
         "--model.init_from=run:runs/sft",
         "--run.name=rl",
