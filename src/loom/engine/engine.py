@@ -2,7 +2,8 @@
 
 A step first admits waiting requests into free slots (while the slots and the KV-token budget allow), then runs
 its forwards: the new rows' prompts (prefill, right-padded, in groups of similar length), one token for every
-row already cached (decode), and full forwards for rows past the cache (recompute). Each forward's last logits
+row already cached (decode), and full forwards for rows past the cache (recompute). Rows that share a prompt
+(an RL group, a request's n answers) are prefilled once, the others copying its cache rows. Each forward's last logits
 give each of its rows one token, sampled with the row's own settings; a row that ends leaves its slot at once.
 `plan()` lists a step's forwards without running them, so ranks that must pair their forwards (an FSDP-sharded
 model: loom.eval.scoring) can run them one at a time.
