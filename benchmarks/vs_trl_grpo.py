@@ -158,6 +158,14 @@ def run_loom(out: Path, a) -> dict:
         f"--train.steps={a.steps}",
         f"--optim.lr={a.lr}",
         "--optim.warmup_steps=0",
+        # TRL's GRPOConfig defaults, so both take the same optimizer steps: AdamW betas (0.9, 0.999), no
+        # weight decay, clip 1.0 (loom's too), a constant rate (wsd without decay), and groups whose rewards
+        # are all equal kept at advantage 0 (their tokens count in DAPO's normalisation, as in TRL)
+        "--optim.beta2=0.999",
+        "--optim.weight_decay=0",
+        "--optim.schedule=wsd",
+        "--optim.decay_frac=0",
+        f"--rl.dynamic_sampling={str(a.dynamic_sampling).lower()}",
         cwd=out,
     )
     total = time.perf_counter() - t0
@@ -221,6 +229,11 @@ def main() -> int:
     p.add_argument("--heldout", type=int, default=200)
     p.add_argument("--base-steps", type=int, default=300)
     p.add_argument("--sft-steps", type=int, default=1200)
+    p.add_argument(
+        "--dynamic-sampling",
+        action="store_true",
+        help="loom drops groups whose rewards are all equal (its default; TRL keeps them at advantage 0)",
+    )
     a = p.parse_args()
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
