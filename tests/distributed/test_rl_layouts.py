@@ -1,4 +1,4 @@
-"""`loom rl` with real processes (gloo, loopback): `loom verify` on an RL config, ddp, fsdp and tp at 2 processes
+"""`loom rl` with real processes (gloo, loopback): `loom verify` on an RL config, ddp, zero2, fsdp and tp at 2 processes
 against one process.
 
 Each data-parallel rank samples for its own prompts (seeds from the rollout and the prompt's place, so the
@@ -46,11 +46,11 @@ def _by_step(run) -> list[dict]:
 def test_verify_rl_on_ddp_fsdp_and_tp_against_one_process(rl_root, tmp_path):
     cfg = tmp_path / "rl.toml"
     _rl_config(rl_root, cfg)
-    layouts = "ddp,fsdp,tp"
+    layouts = "ddp,zero2,fsdp,tp"
     recs = verify_records(
         tmp_path, rl_root / "chat", layouts, "--nproc", "2", "--tol-loss", "1e-5", str(cfg), steps=10
     )
-    assert [r["world_size"] for r in recs] == [2, 2, 2]
+    assert [r["world_size"] for r in recs] == [2, 2, 2, 2]
     ref = _by_step(tmp_path / "v" / "reference")
     assert sum(r["rl/trained_tokens"] for r in ref) > 0
     for name in layouts.split(","):
