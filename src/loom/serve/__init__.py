@@ -40,13 +40,28 @@ class ServeOptions:
     grace: float = 30.0
 
 
-def served_for(run, run_dir, opts: ServeOptions):
-    """The Served state (loom.serve.app) of a loaded run: its engine and worker, tokenizer, chat template."""
+def engine_for(run, opts: ServeOptions):
+    """The engine that generates for a loaded run (every rank of a tensor-parallel job builds the same one)."""
+    from loom.engine import Engine
+
+    return Engine(
+        run.model.eval(),
+        max_seqs=opts.max_seqs,
+        max_len=run.model.cfg.block_size,
+        max_kv_tokens=opts.max_kv_tokens,
+        vocab_size=run.tok.vocab_size,
+        decode=run.tok.decode,
+        device=run.device,
+    )
+
+
+def served_for(run, run_dir, opts: ServeOptions, worker=None):
+    """The Served state (loom.serve.app) of a loaded run: its engine and worker (default: a Worker of
+    engine_for's engine), tokenizer, chat template."""
     from pathlib import Path
 
     from loom.data.chat import chat_template_of
     from loom.data.loader import read_meta
-    from loom.engine import Engine
     from loom.serve.app import Served
     from loom.serve.worker import Worker
 
@@ -54,21 +69,10 @@ def served_for(run, run_dir, opts: ServeOptions):
     meta_dir = Path(run_dir) / "tokenizer"
     meta = read_meta(meta_dir) if meta_dir.is_dir() else {}
     template = chat_template_of(tok, meta) if isinstance(meta.get("chat"), dict) else None
-    context = run.model.cfg.block_size
-    engine = Engine(
-        run.model.eval(),
-        max_seqs=opts.max_seqs,
-        max_len=context,
-        max_kv_tokens=opts.max_kv_tokens,
-        vocab_size=tok.vocab_size,
-        decode=tok.decode,
-        device=run.device,
-    )
-    worker = Worker(engine, opts.max_queue)
     return Served(
-        worker=worker,
+        worker=worker or Worker(engine_for(run, opts), opts.max_queue),
         model=opts.model_name or Path(run_dir).resolve().name,
-        context=context,
+        context=run.model.cfg.block_size,
         tokenizer=tok,
         template=template,
         eot_id=tok.eot_id,
