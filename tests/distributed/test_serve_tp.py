@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -122,22 +123,41 @@ def test_logprobs_close_to_one_process(split, one):
     assert diff < 1e-5, diff
 
 
-def test_sigterm_drains_and_every_rank_exits_0(split):
+def test_a_client_that_leaves_mid_stream_is_cancelled_on_every_rank(split, one):
+    stream = chat(split[1], temperature=0, stream=True, max_tokens=36)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    # the cancellation reached every rank at the same step (the digest at the end compares their answers)
+    want = chat(one, temperature=0).choices[0].message.content
+    assert chat(split[1], temperature=0).choices[0].message.content == want
+
+
+def test_sigterm_drains_and_every_rank_exits_0(split, one):
     """Last (the module's server ends here): an answer in flight when the launcher gets SIGTERM completes."""
     proc, tp, log = split
+    started = threading.Event()
 
-    def long_stream() -> str:
-        chunks = chat(tp, temperature=0, stream=True, max_tokens=40)
-        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    def long_stream() -> tuple[str, str]:
+        text, reason = "", None
+        for c in chat(tp, temperature=0, stream=True, max_tokens=36):
+            if c.choices:
+                started.set()
+                text += c.choices[0].delta.content or ""
+                reason = c.choices[0].finish_reason or reason
+        return text, reason
 
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(long_stream)
-        time.sleep(0.3)
+        assert started.wait(timeout=60)
         proc.send_signal(signal.SIGTERM)
-        assert answer.result(timeout=60)
+        text, reason = answer.result(timeout=60)
+    whole = chat(one, temperature=0, max_tokens=36).choices[0]
+    assert (text, reason) == (whole.message.content, whole.finish_reason)
     assert proc.wait(timeout=90) == 0, log.read_text()  # the launcher waited for both ranks, each exited 0
-    text = log.read_text()
-    assert "the 2 ranks agree on all" in text and "loom serve: stopped" in text, text
+    out = log.read_text()
+    assert "the 2 ranks agree on all" in out and "loom serve: stopped" in out, out
 
 
 def test_a_split_the_heads_do_not_allow_is_refused_before_loading(tp_run, capsys):
