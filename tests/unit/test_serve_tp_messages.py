@@ -9,7 +9,7 @@ import torch
 
 from loom.engine import CANCELLED, Engine, Request, SamplingParams
 from loom.model.gpt.gpt import GPT, GPTConfig
-from loom.serve.tp import Leader, Mirror
+from loom.serve.tp import Leader, Mirror, held
 
 
 def engine() -> Engine:
@@ -34,12 +34,11 @@ def test_a_follower_that_applies_the_messages_samples_what_rank_0_samples():
                 reqs[3:],
                 [reqs[1]],
             )  # a request cancelled mid-answer; more than max_seqs=3 running
-        msg, made = leader._message(inbox, cancels, stop=False)
+        msg = leader.prepare(inbox, cancels, stop=False)
         sent.append(msg)
-        leader.mirror.apply(msg, made)
         follower.apply(msg)
         inbox, cancels = [], []
-        assert msg.generated == follower.engine.generated
+        assert (msg.generated, msg.held) == (follower.engine.generated, held(follower.engine))
         for m in (leader.mirror, follower):
             if m.engine.busy:
                 m.engine.step()

@@ -147,6 +147,7 @@ def _serve_tp(args: argparse.Namespace, opts, env) -> int:
         print(f"loom: error: {e}", file=sys.stderr)
         code = e.code
     finally:
-        process_group.shutdown(code == 0)
+        if code == 0:  # a failed rank leaves at once: the others see its connections close, not a timeout
+            process_group.shutdown()
     leave_job(code)
     return code

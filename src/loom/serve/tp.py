@@ -14,9 +14,10 @@ on every rank with its own copy of the tokenizer.
 
 Why messages about requests, not forwards: the engine stays as it is (its plan, admission, the row cache)
 and a message is a few ids a step. A rank that repeated rank 0's forwards would need the cache's slot
-bookkeeping sent too. Each message carries rank 0's count of generated tokens, which every other rank checks
-against its own, and at the end every rank compares a digest of all the answers it finished: an engine that
-went its own way is named instead of answering wrongly.
+bookkeeping sent too. Each message carries what rank 0's engine holds once it is applied (its requests, its
+generated tokens), which every other rank checks against its own before it steps (a forward without its pair
+would wait for the timeout), and at the end every rank compares a digest of all the answers it finished: an
+engine that went its own way is named instead of answering wrongly.
 
 While idle, rank 0 sends an empty message every `heartbeat` seconds, so the others, waiting in a broadcast,
 never reach the process group's timeout. The messages travel on the CPU (gloo: a GPU job's group is
@@ -47,7 +48,8 @@ CONTROL = torch.device("cpu")
 class Message:
     """What rank 0 tells the other ranks before a step."""
 
-    generated: int  # tokens rank 0's engine has generated so far: every engine must have as many
+    generated: int = 0  # tokens rank 0's engine has generated so far: every engine must have as many
+    held: int = 0  # requests rank 0's engine holds (running and waiting) with this message applied: as many
     cancels: list[int] = field(default_factory=list)  # the ids of requests to cancel, first
     submits: list[tuple[int, list[int], SamplingParams]] = field(default_factory=list)  # (id, prompt, params)
     stop: bool = False  # the server has drained: the last message
@@ -106,9 +108,8 @@ class Leader(Worker):
         try:
             while True:
                 inbox, cancels, stop = self.take(self.heartbeat)
-                msg, made = self._message(inbox, cancels, stop)
+                msg = self.prepare(inbox, cancels, stop)
                 _broadcast(msg)
-                self.mirror.apply(msg, made)
                 if stop:
                     break
                 if self.engine.busy:
@@ -118,10 +119,17 @@ class Leader(Worker):
         except Exception as e:  # noqa: BLE001  (whatever the collective raised: the job cannot go on)
             self._fail(repr(e))
 
+    def prepare(self, inbox: list[Request], cancels: list[Request], stop: bool) -> Message:
+        """The message of these changes, applied to rank 0's engine first: it carries what the engine then holds."""
+        msg, made = self._message(inbox, cancels, stop)
+        self.mirror.apply(msg, made)
+        msg.generated, msg.held = self.engine.generated, held(self.engine)
+        return msg
+
     def _message(self, inbox: list[Request], cancels: list[Request], stop: bool):
         """(the message of these changes, rank 0's requests by the ids it gives them)."""
         ids = {id(r): i for i, r in self.mirror.requests.items()}
-        msg, made = Message(self.engine.generated, stop=stop), {}
+        msg, made = Message(stop=stop), {}
         for req in cancels:
             if id(req) in ids:
                 msg.cancels.append(ids[id(req)])
@@ -149,19 +157,23 @@ class Leader(Worker):
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def held(engine: Engine) -> int:
+    return len(engine.running) + len(engine.waiting)
+
+
 def follow(engine: Engine, rank: int) -> bool:
     """A rank other than 0: its engine stepped as rank 0's messages say, until the stop. Whether every rank
     finished the same answers."""
     mirror = Mirror(engine)
     while True:
         msg = _broadcast(None)
-        if msg.generated != engine.generated:
+        mirror.apply(msg)
+        if (msg.generated, msg.held) != (engine.generated, held(engine)):  # before a forward could mismatch
             raise LoomError(
-                f"rank {rank}'s engine has generated {engine.generated} tokens and rank 0's {msg.generated}: the "
-                "ranks' engines went apart",
+                f"rank {rank}'s engine holds {held(engine)} requests and has generated {engine.generated} tokens, "
+                f"rank 0's {msg.held} and {msg.generated}: the ranks' engines went apart",
                 hint="a bug: report it with the requests that were being served",
             )
-        mirror.apply(msg)
         if msg.stop:
             return mirror.agree()
         if engine.busy:
