@@ -5,6 +5,9 @@
   protocol.py  the OpenAI requests read and checked (400 for a bad field, a prompt past the context,
                max_tokens <= 0, n = 0), and the responses and stream chunks written
   worker.py    the thread that owns the engine and steps it; the event loop hands it requests
+  tp.py        the model split tensor-parallel over the processes of a job (--nproc, torchrun): rank 0's
+               engine thread sends the other ranks each change to its requests, so every engine runs the same
+               forwards
 
 Why FastAPI + uvicorn: the ASGI stack vLLM's, SGLang's and litgpt's OpenAI servers use, maintained, with
 server-sent events (StreamingResponse) and a graceful shutdown (uvicorn stops accepting, waits for the
