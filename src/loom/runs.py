@@ -188,6 +188,52 @@ def load_run_sharded(run_dir: str | Path, device: torch.device, env):
     return cfg, par, tokenizer, meta, path
 
 
+def check_tp_run(run_dir: str | Path, tp: int) -> None:
+    """A run that tensor parallel over tp processes can serve (`loom serve --nproc`): a loom run with a
+    tokenizer, whose query and key/value heads tp divides. Read from its config alone, before any weight."""
+    cfg, _, tokenizer = _open_run(Path(run_dir))
+    if tokenizer is None:
+        raise LoomError(
+            f"run '{run_dir}' was trained on data without a tokenizer: cannot turn text into ids",
+            hint="prepare the data with loom (or give nanogpt's meta.pkl) to get a tokenizer",
+        )
+    from loom.config import check_tp_heads
+
+    try:
+        check_tp_heads(cfg.model.n_head, cfg.model.n_kv_head or cfg.model.n_head, tp)
+    except LoomError as e:  # said in serving's words: the processes are the tp degree
+        raise LoomError(f"cannot split '{run_dir}' over {tp} processes: {e.message}", hint=e.hint) from None
+
+
+def load_run_tp(run_dir: str | Path, device: torch.device, env, ckpt: str | Path | None = None):
+    """load_run for tensor parallel over every process of a job (torchrun, `loom serve --nproc`): the model built
+    on the meta device and split by the family's tp plan at tp = the world size, then the run's weights read
+    whole on every rank (load_run: any checkpoint format, LoRA merged; a 70B would want DCP's sharded read)
+    and each rank keeping its slices. Joins the job's process group (left by the caller). Whatever layout the
+    run trained under (tp, pp, fsdp), its checkpoint is resharded on this read. Sequence parallel is off: it
+    changes where activations live, not the weights, and decoding one token has no sequence to split.
+    Returns (config, model, tokenizer, data meta, checkpoint path); every rank runs the same forwards."""
+    from loom.config.layout import ParallelDims
+    from loom.distributed import process_group
+    from loom.parallel import parallelize
+
+    run_dir = Path(run_dir)
+    check_tp_run(run_dir, env.world_size)
+    cfg, meta, _ = _open_run(run_dir)
+    process_group.init(env, device, cfg.parallel.timeout_s)
+    cfg.train.compile, cfg.train.activation_checkpointing = False, "none"
+    cfg.precision.fp8, cfg.parallel.sp = "off", False
+    spec = spec_of(cfg)
+    model = spec.build_model(cfg, meta["vocab_size"], "meta", _eot(run_dir, cfg, meta))
+    dims = ParallelDims(1, 1, env.world_size, 1, env.world_size, env.rank, "none")
+    par = parallelize(model, dims, cfg, device, spec)  # the plan's own checks (the padded vocabulary) first
+    _, whole, tokenizer, meta, path = load_run(run_dir, torch.device("cpu"), ckpt)  # adapters merged
+    par.load_model_state(whole.state_dict())
+    del whole
+    par.model.eval()
+    return cfg, par.model, tokenizer, meta, path
+
+
 @dataclass
 class LoadedRun:
     """A trained run's model for eval, generate and chat: whole on one device, whole on every rank of a job

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from loom.cli.args import run_model
 from loom.errors import LoomError
@@ -32,8 +33,16 @@ def serve(argv: list[str]) -> int:
     p.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for requests in flight")
     p.add_argument("--device", default="auto")
     p.add_argument("--ckpt", default=None, help="a checkpoint folder of the run (default: its newest)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="split the model over N local processes (tensor parallel); rank 0 serves HTTP. Under torchrun "
+        "(or srun, mpiexec) the job's processes split it without --nproc",
+    )
     args = p.parse_args(argv)
     _check(args)
+    from loom.env import detect_env
     from loom.serve import ServeOptions, bind, run_server, served_for
 
     key = args.api_key or os.environ.get("LOOM_API_KEY") or None
@@ -47,6 +56,11 @@ def serve(argv: list[str]) -> int:
         args.max_queue,
         args.grace,
     )
+    env = detect_env()
+    if args.nproc is not None and args.nproc > 1:
+        return _launch(args, argv, env)
+    if env.world_size > 1:
+        return _serve_tp(args, opts, env)
     sock = bind(args.host, args.port)  # before loading: a port in use fails at once
     with run_model(args) as run:
         if run.tok is None:
@@ -65,6 +79,8 @@ def _check(args: argparse.Namespace) -> None:
             raise LoomError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_kv_tokens is not None and args.max_kv_tokens < 1:
         raise LoomError(f"--max-kv-tokens must be at least 1, got {args.max_kv_tokens}")
+    if args.nproc is not None and args.nproc < 1:
+        raise LoomError(f"--nproc must be at least 1, got {args.nproc}")
     if not 0 <= args.port < 65536:
         raise LoomError(f"--port must be in 0..65535, got {args.port}")
     try:
@@ -72,3 +88,66 @@ def _check(args: argparse.Namespace) -> None:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise LoomError(f"loom serve needs {e.name}", hint="pip install 'loom[serve]'") from None
+
+
+def _launch(args: argparse.Namespace, argv: list[str], env) -> int:
+    """`loom serve RUN --nproc N`: N local processes (as `loom train --nproc` starts its ranks), each running
+    `loom serve RUN` in the job; checked here first, before any of them loads the model."""
+    from loom.runs import check_tp_run
+    from loom.serve import bind
+    from loom.train.spawn import run_local, stop_server
+
+    if env.world_size > 1:
+        raise LoomError(
+            f"--nproc starts processes of its own, and this is already rank {env.rank} of a job of "
+            f"{env.world_size}",
+            hint="leave out --nproc: the job's processes split the model",
+        )
+    check_tp_run(args.run_dir, args.nproc)
+    bind(args.host, args.port).close()  # a port in use fails now, not after every rank has loaded
+    child = _without_nproc(argv)
+    try:
+        # the processes wait (SIGKILL after) for rank 0 to drain its requests: --grace, and a margin to leave
+        return run_local(args.nproc, ["serve", *child], 600.0, args.grace + 60.0)
+    finally:
+        stop_server()
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def _serve_tp(args: argparse.Namespace, opts, env) -> int:
+    """One rank of a tensor-parallel server (loom.serve.tp): the model split over the job's processes, rank 0
+    serving HTTP; the rank leaves the job (its exit code) when the server has drained."""
+    from loom import log
+    from loom.cli.args import device_of, leave_job
+    from loom.distributed import process_group
+    from loom.runs import LoadedRun, load_run_tp
+    from loom.serve import bind
+    from loom.serve.tp import serve_rank
+
+    log.setup(rank=env.rank)
+    code = 1
+    try:
+        sock = bind(args.host, args.port) if env.rank == 0 else None
+        device = device_of(args, env)
+        cfg, model, tok, _, path = load_run_tp(args.run_dir, device, env, args.ckpt)
+        run = LoadedRun(model, tok, cfg, path, device, env.rank, env.world_size, None)
+        code = serve_rank(run, args.run_dir, opts, sock, heartbeat=min(30.0, cfg.parallel.timeout_s / 4))
+    except LoomError as e:
+        print(f"loom: error: {e}", file=sys.stderr)
+        code = e.code
+    finally:
+        if code == 0:  # a failed rank leaves at once: the others see its connections close, not a timeout
+            process_group.shutdown()
+    leave_job(code)
+    return code

@@ -5,6 +5,9 @@
   protocol.py  the OpenAI requests read and checked (400 for a bad field, a prompt past the context,
                max_tokens <= 0, n = 0), and the responses and stream chunks written
   worker.py    the thread that owns the engine and steps it; the event loop hands it requests
+  tp.py        the model split tensor-parallel over the processes of a job (--nproc, torchrun): rank 0's
+               engine thread sends the other ranks each change to its requests, so every engine runs the same
+               forwards
 
 Why FastAPI + uvicorn: the ASGI stack vLLM's, SGLang's and litgpt's OpenAI servers use, maintained, with
 server-sent events (StreamingResponse) and a graceful shutdown (uvicorn stops accepting, waits for the
@@ -40,13 +43,28 @@ class ServeOptions:
     grace: float = 30.0
 
 
-def served_for(run, run_dir, opts: ServeOptions):
-    """The Served state (loom.serve.app) of a loaded run: its engine and worker, tokenizer, chat template."""
+def engine_for(run, opts: ServeOptions):
+    """The engine that generates for a loaded run (every rank of a tensor-parallel job builds the same one)."""
+    from loom.engine import Engine
+
+    return Engine(
+        run.model.eval(),
+        max_seqs=opts.max_seqs,
+        max_len=run.model.cfg.block_size,
+        max_kv_tokens=opts.max_kv_tokens,
+        vocab_size=run.tok.vocab_size,
+        decode=run.tok.decode,
+        device=run.device,
+    )
+
+
+def served_for(run, run_dir, opts: ServeOptions, worker=None):
+    """The Served state (loom.serve.app) of a loaded run: its engine and worker (default: a Worker of
+    engine_for's engine), tokenizer, chat template."""
     from pathlib import Path
 
     from loom.data.chat import chat_template_of
     from loom.data.loader import read_meta
-    from loom.engine import Engine
     from loom.serve.app import Served
     from loom.serve.worker import Worker
 
@@ -54,21 +72,10 @@ def served_for(run, run_dir, opts: ServeOptions):
     meta_dir = Path(run_dir) / "tokenizer"
     meta = read_meta(meta_dir) if meta_dir.is_dir() else {}
     template = chat_template_of(tok, meta) if isinstance(meta.get("chat"), dict) else None
-    context = run.model.cfg.block_size
-    engine = Engine(
-        run.model.eval(),
-        max_seqs=opts.max_seqs,
-        max_len=context,
-        max_kv_tokens=opts.max_kv_tokens,
-        vocab_size=tok.vocab_size,
-        decode=tok.decode,
-        device=run.device,
-    )
-    worker = Worker(engine, opts.max_queue)
     return Served(
-        worker=worker,
+        worker=worker or Worker(engine_for(run, opts), opts.max_queue),
         model=opts.model_name or Path(run_dir).resolve().name,
-        context=context,
+        context=run.model.cfg.block_size,
         tokenizer=tok,
         template=template,
         eot_id=tok.eot_id,

@@ -66,13 +66,9 @@ class Worker(threading.Thread):
     # ----------------------------------------------------------------------------- the engine's thread
     def run(self) -> None:
         while True:
-            with self.cond:
-                while not (self.inbox or self.cancels or self.engine.busy or self.stopping):
-                    self.cond.wait()
-                if self.stopping and not (self.inbox or self.engine.busy):
-                    return
-                inbox, self.inbox = self.inbox, []
-                cancels, self.cancels = self.cancels, []
+            inbox, cancels, stop = self.take()
+            if stop:
+                return
             for req in cancels:
                 self.engine.cancel(req)
             for req in inbox:
@@ -80,16 +76,36 @@ class Worker(threading.Thread):
             if self.engine.busy:
                 self._step()
 
+    def take(self, timeout: float | None = None) -> tuple[list[Request], list[Request], bool]:
+        """(new requests, cancellations, whether to stop) once there is something to do (or `timeout` seconds
+        have passed: nothing): the server's inbox emptied in one go."""
+        with self.cond:
+            while not (self.inbox or self.cancels or self.engine.busy or self.stopping):
+                if not self.cond.wait(timeout):
+                    break
+            stop = self.stopping and not (self.inbox or self.engine.busy)
+            inbox, self.inbox = self.inbox, []
+            cancels, self.cancels = self.cancels, []
+        return inbox, cancels, stop
+
     def _step(self) -> None:
-        try:
-            self.engine.step()
-        except Exception as e:  # a failed forward fails the requests it held, never the thread
-            log.error(f"generation failed: {e!r}")
-            self.error = repr(e)
-            for req in [*self.engine.running, *self.engine.waiting]:
-                req.error = repr(e)
-                self.engine.cancel(req)
+        error = step_or_fail(self.engine)
+        if error is not None:
+            self.error = error
         now = time.monotonic()
         self.recent.append((now, self.engine.generated))
         while self.recent and now - self.recent[0][0] > 60:
             self.recent.popleft()
+
+
+def step_or_fail(engine: Engine) -> str | None:
+    """One engine step; a failed forward fails the requests it held, never the thread (the error, or None)."""
+    try:
+        engine.step()
+    except Exception as e:
+        log.error(f"generation failed: {e!r}")
+        for req in [*engine.running, *engine.waiting]:
+            req.error = repr(e)
+            engine.cancel(req)
+        return repr(e)
+    return None

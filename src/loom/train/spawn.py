@@ -88,7 +88,7 @@ def launch_local(nproc: int, req: RunRequest, child_argv: list[str], max_restart
     job = f"loom-{uuid.uuid4().hex[:8]}"
     with _Signals() as signals:
         for attempt in range(max_restarts + 1):
-            exits = _run_group(nproc, args, job, attempt, max_restarts, timeout_s, signals)
+            exits = _run_group(nproc, ["train", *args], job, attempt, max_restarts, timeout_s, signals)
             if all(e.code == 0 for e in exits.values()):
                 return 0
             if signals.received:
@@ -105,8 +105,20 @@ def launch_local(nproc: int, req: RunRequest, child_argv: list[str], max_restart
     return _report_failure(exits)
 
 
-def _run_group(nproc, args, job, attempt, max_restarts, timeout_s, signals) -> dict[int, Exit]:
-    """One round: nproc workers on a fresh store, watched until every one has ended."""
+def run_local(nproc: int, argv: list[str], timeout_s: float, shutdown_s: float) -> int:
+    """`loom ARGV` in nproc local workers started as `loom train --nproc` starts its ranks (`loom serve --nproc`):
+    one round, no restarts; SIGTERM, SIGINT or SIGHUP to this process reach every worker, SIGKILL follows
+    shutdown_s later. 0 when every worker exits 0 (a server drained by SIGTERM does), else the failure named."""
+    job = f"loom-{uuid.uuid4().hex[:8]}"
+    with _Signals() as signals:
+        exits = _run_group(nproc, argv, job, 0, 0, timeout_s, signals, shutdown_s)
+    return 0 if all(e.code == 0 for e in exits.values()) else _report_failure(exits)
+
+
+def _run_group(
+    nproc, argv, job, attempt, max_restarts, timeout_s, signals, shutdown_s=None
+) -> dict[int, Exit]:
+    """One round: nproc workers running `loom ARGV` on a fresh store, watched until every one has ended."""
     from loom.distributed import loopback
 
     with loopback.listen(timeout_s) as port:
@@ -127,8 +139,8 @@ def _run_group(nproc, args, job, attempt, max_restarts, timeout_s, signals) -> d
         procs = {}
         for rank in range(nproc):
             env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            procs[rank] = start_loom(["train", *args], env, name=f"loom rank {rank}")
-        return _watch(procs, signals, shutdown_s=max(10.0, timeout_s))
+            procs[rank] = start_loom(argv, env, name=f"loom rank {rank}")
+        return _watch(procs, signals, shutdown_s=shutdown_s or max(10.0, timeout_s))
 
 
 def _watch(procs: dict, signals: _Signals, shutdown_s: float) -> dict[int, Exit]:
