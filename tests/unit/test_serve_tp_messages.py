@@ -56,3 +56,24 @@ def test_a_request_cancelled_before_it_was_sent_is_never_sent():
     msg, made = leader._message([req], [req], stop=False)  # its job failed to queue: submitted and cancelled
     assert msg.submits == [] and msg.cancels == [] and made == {}
     assert req.finish_reason == CANCELLED and req.params.seed == 5
+
+
+def test_a_request_cancelled_while_it_waits_in_the_inbox_never_runs():
+    """One-process serving: a client gone before the engine's thread took its request (request and cancellation
+    taken in one go) gets no forward, and the request ends cancelled without tokens."""
+    import time
+
+    from loom.serve.worker import Worker
+
+    worker = Worker(engine(), max_queue=8)
+    req = Request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    with worker.cond:  # the thread takes both at once
+        worker.submit(req)
+        worker.cancel(req)
+        worker.start()
+    deadline = time.monotonic() + 10
+    while not req.done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.stop()
+    worker.join(10)
+    assert req.finish_reason == CANCELLED and req.tokens == [] and worker.engine.forwards == 0

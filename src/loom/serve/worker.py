@@ -69,10 +69,10 @@ class Worker(threading.Thread):
             inbox, cancels, stop = self.take()
             if stop:
                 return
+            for req in inbox:  # queued first: a cancellation that came with it takes it out of the queue
+                self.engine.submit(req, bounded=False)
             for req in cancels:
                 self.engine.cancel(req)
-            for req in inbox:
-                self.engine.submit(req, bounded=False)
             if self.engine.busy:
                 self._step()
 
