@@ -212,3 +212,14 @@ def test_the_batch_holds_trained_rows_and_fills_each_micro_batch():
     assert b.x.shape[0] == 4 and (b.y[3] == -1).all() and (b.y[:3] != -1).sum() == 6
     b = build_batch(reqs, [0.0] * 8, [False] * 8, 0, accum=4)  # every group dropped: one row per micro-batch
     assert b.x.shape[0] == 4 and (b.y == -1).all()
+
+
+def test_a_bad_rl_step_is_skipped_and_names_its_prompts(rl_root, monkeypatch):
+    """A NaN gradient at step 2 (LOOM_FAULT_NAN_STEPS): the step is skipped and its record says which rollout and
+    which rl.prompts rows it trained on (RL's batches are rollouts, not rows of a token file); the run goes on."""
+    monkeypatch.setenv("LOOM_FAULT_NAN_STEPS", "2")
+    assert main(rl_args(rl_root, "nan", *REGEX, "--train.steps=3")) == 0
+    bad = [r for r in _records(rl_root / "runs" / "nan") if r.get("skipped")]
+    assert [r["step"] for r in bad] == [2]
+    assert bad[0]["rollout"] == 2 and len(bad[0]["prompts"]) == 2
+    assert all(0 <= i < 200 for i in bad[0]["prompts"])

@@ -171,6 +171,14 @@ class Rollouts:
         self.global_targets = int(par.all_reduce_sum(torch.tensor([local], device=st.device)).item())
         return batch
 
+    def explain_rows(self, state, batch_size: int, align) -> dict:
+        """What a bad step's record says of its batch: the rollout, and the rows of rl.prompts (0-based) whose
+        answers it trained on, every rank's."""
+        st = self.stage
+        n, start = len(st.prompts), (self.rollouts - 1) * self.per_rollout
+        picks = [prompt_index(p, n, st.cfg.run.seed) for p in range(start, start + self.per_rollout)]
+        return {"rollout": self.rollouts, "prompts": picks}
+
     def report(self, sums: dict) -> dict:
         from loom.rl.score import step_report
 

@@ -423,7 +423,8 @@ class Trainer:
         them), the parameters with the largest gradient norms (whole norms under FSDP; a model-parallel rank's
         own parameters otherwise). The learning rate is in the step's record already."""
         bs, align = self.cfg.train.batch_size, self.cfg.data.align
-        explain = getattr(self.batches.loader, "explain_rows", None)  # data.mix's, SFT's: rows of their own
+        # data.mix's, SFT's loaders and RL's rollouts say which rows they gave in their own terms
+        explain = getattr(getattr(self.batches, "loader", self.batches), "explain_rows", None)
         out = (
             explain(self.batch_state, bs, align)
             if explain
@@ -606,11 +607,11 @@ class Trainer:
     def _explain_warning(self, rec: dict) -> None:
         """The console line of a bad step's or a spike's record: lr, its batch's rows, the largest gradients."""
         grads = ", ".join(f"{n} {g:.3g}" for n, g in rec.get("top_grads", []))
-        rows = (
-            f"its batch is rows {rec['rows'][0]}-{rec['rows'][1]} ({rec['inspect']}); "
-            if "rows" in rec
-            else ""
-        )
+        rows = ""
+        if "rows" in rec:
+            rows = f"its batch is rows {rec['rows'][0]}-{rec['rows'][1]} ({rec['inspect']}); "
+        elif "prompts" in rec:  # loom rl: a rollout
+            rows = f"its rollout's prompts are rl.prompts rows {rec['prompts']}; "
         log.warn(f"step {self.step}: lr {rec['lr']:.3g}; {rows}largest gradient norms: {grads or 'none'}")
 
     def _after_bad_step(self, rec: dict) -> None:
