@@ -131,11 +131,21 @@ def sft_model(out: Path, a) -> Path:
             "--train.batch_size=32",
             "--optim.lr=1e-3",
             "--optim.warmup_steps=10",
+            *([f"--train.ckpt_every={a.sft_ckpt}"] if a.sft_ckpt else []),
             cwd=out,
         )
     if not (out / "sft_hf").exists():
-        loom("export", "runs/sft", "--format", "hf", "--out", "sft_hf", cwd=out)
+        loom("export", "runs/sft", "--format", "hf", "--out", "sft_hf", *sft_ckpt(a), cwd=out)
     return out / "sft_hf"
+
+
+def sft_ckpt(a) -> list[str]:
+    """--ckpt of the SFT checkpoint both start from (--sft-ckpt STEP: the README recipe's half-trained model)."""
+    return ["--ckpt", f"runs/sft/ckpt/step_{a.sft_ckpt:06d}"] if a.sft_ckpt else []
+
+
+def init_from(a) -> str:
+    return f"run:runs/sft/ckpt/step_{a.sft_ckpt:06d}" if a.sft_ckpt else "run:runs/sft"
 
 
 def run_loom(out: Path, a) -> dict:
@@ -148,7 +158,7 @@ def run_loom(out: Path, a) -> dict:
         "rl",
         "--train.log_every=1",  # every step's dt (the median is over them all)
         "--data.path=chat",
-        "--model.init_from=run:runs/sft",
+        f"--model.init_from={init_from(a)}",
         "--run.name=rl",
         "--rl.prompts=arith/rl_train.jsonl",
         f"--rl.group_size={a.group_size}",
@@ -229,6 +239,7 @@ def main() -> int:
     p.add_argument("--heldout", type=int, default=200)
     p.add_argument("--base-steps", type=int, default=300)
     p.add_argument("--sft-steps", type=int, default=1200)
+    p.add_argument("--sft-ckpt", type=int, default=0, help="start from the SFT run's checkpoint at this step")
     p.add_argument(
         "--dynamic-sampling",
         action="store_true",
