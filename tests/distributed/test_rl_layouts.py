@@ -43,7 +43,7 @@ def _by_step(run) -> list[dict]:
     return [r for r in recs if "loss" in r and "step" in r]
 
 
-def test_verify_rl_on_ddp_fsdp_and_tp_against_one_process(rl_root, tmp_path):
+def test_verify_rl_on_ddp_zero2_fsdp_and_tp_against_one_process(rl_root, tmp_path):
     cfg = tmp_path / "rl.toml"
     _rl_config(rl_root, cfg)
     layouts = "ddp,zero2,fsdp,tp"
