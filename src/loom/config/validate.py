@@ -47,7 +47,7 @@ def validate(
     _check_compression(cfg, impl)
     _check_diloco(cfg, world, impl)
     replicate, shard = _dp_degrees(cfg.parallel, dp, impl)
-    derived = _derive_batch(cfg, dp)
+    derived = derive_batch(cfg, dp)
     p = cfg.parallel
     degree1 = p.degree1_meshes and world == 1
     diloco = p.diloco_inner_steps > 0
@@ -551,7 +551,7 @@ def _dp_degrees(p: ParallelConfig, dp: int, dp_impl: str) -> tuple[int, int]:
     return p.dp_replicate, shard
 
 
-def _derive_batch(cfg: Config, dp_size: int) -> Derived:
+def derive_batch(cfg: Config, dp_size: int) -> Derived:
     """Gradient accumulation, or with pp > 1 the schedule's micro-batches, from the global batch over dp_size
     data-parallel ranks."""
     t, p = cfg.train, cfg.parallel

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from loom.engine.request import CANCELLED, LENGTH, STOP, Request
 from loom.engine.sampling import first_max, sample_next
+from loom.parallel.tensor import whole
 
 
 class QueueFull(Exception):
@@ -214,7 +215,7 @@ class Engine:
             else:
                 out = self.model(ids)
         # a tensor-parallel model's logits are vocabulary shards (a DTensor): every rank samples from all of them
-        return out.full_tensor() if hasattr(out, "full_tensor") else out
+        return whole(out)
 
     def _idle(self) -> None:
         """Lockstep: the forward a rank without work runs so the others' sharded forwards complete."""

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from loom.config.layout import ParallelDims
-from loom.parallel.tensor import is_dtensor, local
+from loom.parallel.tensor import is_dtensor, local, whole
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, shared: set[str] = frozenset()):
@@ -25,7 +25,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, shared
     shared: names of parameters whose gradient two pipeline stages hold (the tied embedding and head)."""
     if not (dims.model_parallel or dims.ep_enabled):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return norm.full_tensor() if is_dtensor(norm) else norm
+        return whole(norm)
     device = next(local(p) for p in model.parameters()).device
     sq = torch.zeros((), dtype=torch.float64, device=device)
     grads = []

@@ -24,6 +24,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value on every rank (sharded or partial: gathered or reduced), or the tensor itself."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
 def plain(t):
     """t without a wrapper subclass that only steers FSDP's all-gather (torchao's float8 weights under
     precision.fp8: `fsdp_pre_all_gather` and the wrapped `_tensor`), a DTensor's local shard included; the

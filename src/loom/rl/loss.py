@@ -11,11 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loom.parallel.tensor import is_dtensor, local
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if is_dtensor(t) else t
+from loom.parallel.tensor import local, whole
 
 
 def target_logprobs(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

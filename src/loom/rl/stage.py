@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from loom.config.validate import derive_batch
 from loom.data.sft import validation_set
 from loom.data.slice import DataSlice
 from loom.errors import LoomError
@@ -105,9 +106,7 @@ class Rollouts:
         cfg = stage.cfg
         self.G = cfg.rl.group_size
         self.per_rollout = cfg.train.batch_size // self.G  # prompts a rollout takes, over every rank
-        t, dp = cfg.train, stage.part.dp_size
-        micro = t.micro_batch_size or t.batch_size // dp
-        self.accum = t.batch_size // (micro * dp)  # gradient accumulation steps, as validate derives them
+        self.accum = derive_batch(cfg, stage.part.dp_size).grad_accum  # build_batch fills each micro-batch
         self.rollouts = 0  # rollouts drawn
         self.uses = 0  # steps the current batch served
         self.batch: Batch | None = None
