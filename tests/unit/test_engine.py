@@ -137,7 +137,9 @@ def test_stop_ids_and_stop_texts_end_a_row():
 def test_seeded_sampling_does_not_depend_on_the_rows_beside_it():
     m = model()
     ps = prompts(5, 5, 40)
-    params = [SamplingParams(10, 1.0, top_p=0.9, seed=100 + i) for i in range(5)]
+    # rows of three settings in one batch: each setting's rows are drawn together
+    params = [SamplingParams(10, 1.0, top_p=0.9, seed=100 + i) for i in range(3)]
+    params += [SamplingParams(10, 0.7, top_k=5, seed=200), SamplingParams(10, 0.0)]
     together = Engine(m, max_seqs=5).run([Request(p, s) for p, s in zip(ps, params, strict=True)])
     for p, s, r in zip(ps, params, together, strict=True):
         assert Engine(m, max_seqs=1).run([Request(p, s)])[0].tokens == r.tokens
@@ -152,6 +154,27 @@ def test_logprobs_are_the_model_log_softmax_of_the_sampled_tokens():
     want = lp.gather(1, torch.tensor(r.tokens)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(r.logprobs), want, atol=1e-5, rtol=0)
     assert [[t for t, _ in top] for top in r.top] == lp.topk(3).indices.tolist()
+
+
+def test_sample_rows_draws_each_token_at_its_probability_and_never_a_masked_one():
+    """The inverse-CDF draw: 200k rows of one distribution give each token its probability (within 4 standard
+    errors), top-k's masked tokens and zero-probability ones never come, and a uniform just past a token's
+    cumulative probability draws the next token."""
+    from loom.engine.sampling import sample_rows
+
+    logits = torch.tensor([[2.0, 0.0, -torch.inf, 1.0, -1.0, 0.5]])
+    probs = logits.softmax(-1)[0]
+    n = 200_000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(sample_rows(logits.expand(n, -1), u), minlength=6).double() / n
+    se = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert bool(((counts - probs.double()).abs() <= 4 * se + 1e-12).all()), (counts, probs)
+    assert counts[2] == 0
+    top2 = torch.bincount(sample_rows(logits.expand(n, -1), u, top_k=2), minlength=6)
+    assert set(top2.nonzero()[:, 0].tolist()) == {0, 3}
+    cum = probs.double().cumsum(0)
+    edges = torch.tensor([0.0, float(cum[0]) - 1e-6, float(cum[0]) + 1e-6, float(cum[3]) + 1e-6, 0.999999])
+    assert sample_rows(logits.expand(5, -1), edges).tolist() == [0, 0, 1, 4, 5]
 
 
 @pytest.mark.parametrize("V", [5, 256, 300, 4096, 50257])

@@ -212,6 +212,10 @@ def test_the_batch_holds_trained_rows_and_fills_each_micro_batch():
     assert b.x.shape[0] == 4 and (b.y[3] == -1).all() and (b.y[:3] != -1).sum() == 6
     b = build_batch(reqs, [0.0] * 8, [False] * 8, 0, accum=4)  # every group dropped: one row per micro-batch
     assert b.x.shape[0] == 4 and (b.y == -1).all()
+    b = build_batch(reqs, [float(j) for j in range(8)], [True] * 8, 0)  # targets after the prompt, at its end
+    assert b.y[:, 2:].tolist() == [[4 + j, 5] for j in range(8)] and (b.y[:, :2] == -1).all()
+    assert b.adv.tolist() == [[0.0, 0.0, float(j), float(j)] for j in range(8)]
+    assert b.old_lp.tolist() == [[0.0, 0.0, -0.5, -0.25]] * 8
 
 
 def test_a_bad_rl_step_is_skipped_and_names_its_prompts(rl_root, monkeypatch):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.engine.request import CANCELLED, LENGTH, STOP, Request
-from loom.engine.sampling import first_max, sample_next
+from loom.engine.sampling import first_max, sample_rows
 from loom.parallel.tensor import whole
 
 
@@ -242,14 +242,14 @@ class Engine:
         off = L - logits.size(1)  # positions before the first computed one
         for r in unique:
             self.cache.set_len(r.slot, len(r.prompt))
-        copies: dict[int, list[int]] = {}  # a source row's slot -> the slots that copy it
+        src, dst = [], []  # a copying row's source slot, and its own
         for r in rows:
-            src = unique[source[tuple(r.prompt)]]
-            if r is not src:
-                copies.setdefault(src.slot, []).append(r.slot)
+            first = unique[source[tuple(r.prompt)]]
+            if r is not first:
+                src.append(first.slot)
+                dst.append(r.slot)
             r.prefilled = True
-        for slot, dst in copies.items():
-            self.cache.copy_row(slot, dst)
+        self.cache.copy_rows(src, dst)
         self.prefilled += sum(len(r.prompt) for r in unique)
         last = torch.stack([logits[j, len(r.prompt) - 1 - off] for j, r in enumerate(unique)])
         self._sample(rows, last[[source[tuple(r.prompt)] for r in rows]])
@@ -268,38 +268,49 @@ class Engine:
         self._sample(rows, self._forward(ids)[:, -1])
 
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
-        """Each row's next token from its logits (n, V), with its own settings; then its stops."""
+        """Each row's next token from its logits (n, V), with its own settings; then its stops. The rows that
+        share settings are drawn together (sample_rows), each at a uniform number from its own generator."""
         logits = logits[:, : self.vocab].float()
-        want_lp = any(r.params.logprobs or r.params.top_logprobs for r in rows)
-        logp = F.log_softmax(logits, dim=-1) if want_lp else None
-        greedy = [j for j, r in enumerate(rows) if r.params.temperature <= 0]
-        picks = [0] * len(rows)
-        if len(greedy) == len(rows):  # all greedy (decoding's usual case): no copy of the rows' logits
-            picks = first_max(logits).tolist()
-        elif greedy:
-            best = first_max(logits[greedy]).tolist()
-            for j, t in zip(greedy, best, strict=True):
-                picks[j] = t
+        picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        groups: dict[tuple, list[int]] = {}
         for j, r in enumerate(rows):
             p = r.params
-            if p.temperature > 0:
-                picks[j] = int(sample_next(logits[j : j + 1], p.temperature, p.top_k, p.top_p, r.generator))
-        for j, r in enumerate(rows):
-            self._append(r, picks[j], None if logp is None else logp[j])
+            key = (0.0, None, None) if p.temperature <= 0 else (p.temperature, p.top_k, p.top_p)
+            groups.setdefault(key, []).append(j)
+        for (temperature, top_k, top_p), idx in groups.items():
+            part = logits if len(idx) == len(rows) else logits[idx]  # one group (the usual case): no copy
+            if temperature <= 0:
+                drawn = first_max(part)
+            else:
+                drawn = sample_rows(part, self._uniforms([rows[j] for j in idx]), temperature, top_k, top_p)
+            picks[idx] = drawn
+        logp = None
+        lps: list[float | None] = [None] * len(rows)
+        if any(r.params.logprobs or r.params.top_logprobs for r in rows):
+            logp = F.log_softmax(logits, dim=-1)
+            lps = logp.gather(1, picks[:, None])[:, 0].tolist()
+        for j, (r, token) in enumerate(zip(rows, picks.tolist(), strict=True)):
+            self._append(r, token, lps[j], None if logp is None else logp[j])
 
-    def _append(self, r: Request, token: int, logp: torch.Tensor | None) -> None:
+    def _uniforms(self, rows: list[Request]) -> torch.Tensor:
+        """One uniform number in [0, 1) per row, from the row's generator (torch's global one for a row without)."""
+        if all(r.generator is None for r in rows):
+            return torch.rand(len(rows), device=self.device)
+        return torch.cat([torch.rand(1, generator=r.generator, device=self.device) for r in rows])
+
+    def _append(self, r: Request, token: int, lp: float | None, logp: torch.Tensor | None) -> None:
+        """A sampled token (lp: its log-probability, logp the row's, when any row asked for them)."""
         p = r.params
         if token in p.stop_ids:
             r.stop_token = token
-            if logp is not None:
-                r.stop_logprob = float(logp[token])
+            r.stop_logprob = lp
             r.finish(STOP)
             self._leave(r)
             return
         r.tokens.append(token)
         self.generated += 1
-        if logp is not None:
-            r.logprobs.append(float(logp[token]))
+        if lp is not None:
+            r.logprobs.append(lp)
             if p.top_logprobs:
                 v, i = logp.topk(min(p.top_logprobs, logp.numel()))
                 r.top.append(list(zip(i.tolist(), v.tolist(), strict=True)))

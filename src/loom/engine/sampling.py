@@ -1,6 +1,8 @@
-"""One token drawn from a model's logits: temperature, top-k, top-p (nucleus), seeded.
+"""Tokens drawn from a model's logits: temperature, top-k, top-p (nucleus), seeded.
 
-loom.engine draws every row's token with it, each row with its own settings and generator.
+loom.engine draws every row's token with `sample_rows`: the rows that share settings in one vectorised pass, each
+row at a uniform number drawn from its own generator (one per token), by the inverse of its distribution's
+cumulative sum. A row's draws depend on its logits and its generator only, never on the rows beside it.
 """
 
 from __future__ import annotations
@@ -15,22 +17,36 @@ def sample_next(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """One token id per row of `logits` (B, V). temperature 0 is greedy."""
-    logits = logits.float()
+    """One token id per row of `logits` (B, V), (B, 1). temperature 0 is greedy."""
     if temperature <= 0:
-        return first_max(logits)[:, None]
-    logits = logits / temperature
+        return first_max(logits.float())[:, None]
+    u = torch.rand(logits.size(0), generator=generator, device=logits.device)
+    return sample_rows(logits, u, temperature, top_k, top_p)[:, None]
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    uniforms: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
+    """One token id per row of `logits` (B, V) at temperature > 0: the first token whose cumulative probability
+    passes the row's uniform number in [0, 1) (B,). Tokens of probability 0 are never drawn."""
+    logits = logits.float() / temperature
     if top_k is not None and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and 0 < top_p < 1:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)
+    # float64 sums: the last of 50k float32 probabilities is exact to 1e-12, not 1e-5
+    cum = logits.softmax(-1).double().cumsum(-1)
+    at = uniforms.to(cum.dtype)[:, None] * cum[:, -1:]
+    return torch.searchsorted(cum, at, right=True)[:, 0].clamp_(max=logits.size(-1) - 1)
 
 
 BLOCK = 128  # first_max's block: the maxima of (B, V / 128) blocks, then one block per row

@@ -93,16 +93,19 @@ class RowCache:
     def set_len(self, slot: int, n: int) -> None:
         self.lens[slot] = n
 
-    def copy_row(self, src: int, dst: list[int]) -> None:
-        """Slots dst take slot src's cached keys and values and its length (rows sharing a prompt: prefilled
-        once, as vLLM's parallel sampling shares a prompt's blocks)."""
-        n = self.lens[src]
+    def copy_rows(self, src: list[int], dst: list[int]) -> None:
+        """Slot dst[i] takes slot src[i]'s cached keys and values and its length (rows sharing a prompt:
+        prefilled once, as vLLM's parallel sampling shares a prompt's blocks). One indexed copy per layer."""
+        if not dst:
+            return
+        n = max(self.lens[s] for s in src)  # a shorter source's keys past its length are never seen
+        at = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
         for layers in (self.k, self.v):
             for t in layers.t:
                 if t is not None:
-                    t[torch.tensor(dst, device=t.device), :, :n] = t[src, :, :n]
-        for d in dst:
-            self.lens[d] = n
+                    t[at[1], :, :n] = t[at[0], :, :n]
+        for s, d in zip(src, dst, strict=True):
+            self.lens[d] = self.lens[s]
 
     def end(self, T: int) -> int:
         return max(self.lens[r] for r in self.rows) + T

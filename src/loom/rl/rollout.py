@@ -55,9 +55,10 @@ def sample(
     ids = [p for p, group in zip(prompts, seeds, strict=True) for _ in group]
     reqs = [Request(p, sp) for p, sp in zip(ids, params, strict=True)]
     # each row's slot holds its prompt and answer, no more; as many rows at once as 64 whole blocks' worth of
-    # KV tokens allows (short answers: every sample of a rollout in one batch, fewer forwards)
+    # KV tokens allows, and at least 8,192 tokens (short answers: every sample of a rollout in one batch, fewer
+    # forwards; 256 rows of 20 tokens on a block of 32 were three waves of 102)
     span = min(max(len(p) for p in ids) + max_new, model.cfg.block_size)
-    rows = min(len(reqs), max(64, 64 * model.cfg.block_size // span))
+    rows = min(len(reqs), max(64, max(64 * model.cfg.block_size, 8192) // span))
     engine = Engine(model, max_seqs=rows, max_len=span, vocab_size=vocab, autocast=autocast)
     return engine.run(reqs, lockstep)
 
@@ -112,18 +113,17 @@ def build_batch(
     reqs, row_adv, trained = [reqs[j] for j in rows], [row_adv[j] for j in rows], [trained[j] for j in rows]
     seqs = sequences(reqs)
     T = max(len(s) for s, _ in seqs) - 1
-    B = len(seqs)
-    x = torch.full((B, T), pad_id, dtype=torch.long)
-    y = torch.full((B, T), -1, dtype=torch.long)
-    adv = torch.zeros(B, T)
-    old = torch.zeros(B, T)
+    x, y, adv, old = [], [], [], []  # rows as lists, made tensors at once (256 rows: 5 ms less a step)
     for j, ((seq, lps), r) in enumerate(zip(seqs, reqs, strict=True)):
         n, P = len(seq), len(r.prompt)
-        x[j, : n - 1] = torch.tensor(seq[:-1])
-        if trained[j] and n > P:
-            y[j, P - 1 : n - 1] = torch.tensor(seq[P:])
-            adv[j, P - 1 : n - 1] = row_adv[j]
-            old[j, P - 1 : n - 1] = torch.tensor(lps, dtype=torch.float32)
+        head, tail, answer = P - 1, T - n + 1, n - P  # before the first target, after the last, targets
+        keep = trained[j] and n > P
+        x.append(seq[:-1] + [pad_id] * tail)
+        y.append([-1] * head + (seq[P:] if keep else [-1] * answer) + [-1] * tail)
+        adv.append([0.0] * head + [row_adv[j] if keep else 0.0] * answer + [0.0] * tail)
+        old.append([0.0] * head + (list(lps) if keep else [0.0] * answer) + [0.0] * tail)
+    x, y = torch.tensor(x, dtype=torch.long), torch.tensor(y, dtype=torch.long)
+    adv, old = torch.tensor(adv, dtype=torch.float32), torch.tensor(old, dtype=torch.float32)
     return Batch(x, y, adv, old)
 
 
