@@ -24,6 +24,7 @@ from loom.config import Config, check_saved_config, config_from_dict, load_toml
 from loom.data.loader import doc_eot_id, read_meta
 from loom.data.tokenizers import has_tokenizer, load_tokenizer, run_tokenizer_dir
 from loom.errors import LoomError
+from loom.model.cpu_paths import inference_layout
 from loom.model.lora import apply_configured, merge_lora
 from loom.model.registry import spec_of
 
@@ -258,6 +259,7 @@ def open_run(run_dir, device, env, *, ckpt=None, shard: bool = False, split: boo
     end; the job itself is the caller's to leave (world > 1)."""
     if not shard:
         cfg, model, tok, _, path = load_run(run_dir, device, ckpt)
+        inference_layout(model)  # the model only runs forwards here: a CPU's faster weight layout
         if not split or env.world_size == 1:
             yield LoadedRun(model, tok, cfg, path, device, 0, 1, lambda t: t)
             return

@@ -38,6 +38,7 @@ from loom import config, log
 from loom.bench.peak import measure_copy_bandwidth, resolve_device, sync
 from loom.engine import Engine, Request, SamplingParams
 from loom.errors import LoomError
+from loom.model.cpu_paths import inference_layout
 from loom.model.registry import spec_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -72,6 +73,7 @@ def generate_main(argv: list[str]) -> int:
         model = (run.model if run is not None else model).float().eval()
         hf = None if args.no_hf else _hf_twin(model, device, DTYPES[args.dtype])
         model = model.to(DTYPES[args.dtype])
+        inference_layout(model)  # as open_run gives a run's model (random weights: not through it)
         records = [_speed(model, hf, b, args, device) for b in batches]
         if run is not None and args.clients:
             records.append(_load(run, args))

@@ -61,3 +61,28 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
         if dropout_p > 0:
             att = att * keep_mask(att, dropout_p)
         return att @ v
+
+
+def inference_layout(model: nn.Module) -> int:
+    """A CPU model that only runs forwards (served, chatted with, evaluated): each nn.Linear weight's values
+    stored transposed, (in, out) in memory, as the same (out, in) tensor. F.linear then multiplies by a
+    contiguous (in, out) matrix, the product BLAS runs fastest at the few rows of a decode step: 1.8-1.9x for
+    16 rows of 256 -> 768/1024, 1.4x for the 256 -> 4096 head, the same speed (within a few %) at 64-1024
+    rows, and the same values bit for bit from 16 rows up (`loom bench generate`; transformers' GPT-2 keeps
+    its Conv1D weights this way). Only plain CPU tensors are moved (not DTensor shards, not quantised weights,
+    not GPU ones: cuBLAS runs both layouts alike); a weight shared by two modules moves once. Returns how many.
+    Not for a model that trains on: optimizers and gradient buckets expect the parameters they were given."""
+    moved: set[int] = set()
+    with torch.no_grad():
+        for m in model.modules():
+            if (
+                not isinstance(m, nn.Linear)
+                or id(m.weight) in moved
+                or type(m.weight.data) is not torch.Tensor
+            ):
+                continue
+            w = m.weight
+            if w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous():
+                w.data = w.data.t().contiguous().t()
+                moved.add(id(w))
+    return len(moved)
