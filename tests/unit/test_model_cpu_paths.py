@@ -84,13 +84,16 @@ def test_mlp_activation(activation, module):
 
 
 def test_inference_layout_moves_the_weights_and_keeps_the_numbers(tmp_path):
-    """Linear weights stored transposed: the same tensors (values, shapes, state dict), the tied head and
-    embedding moved once, the logits equal, and the engine's greedy tokens the same."""
+    """Linear weights stored transposed: the same tensors (values, shapes, state dict), the head tied to the
+    embedding given a copy of its own (the embedding's lookups stay contiguous), the logits equal, and the
+    engine's greedy tokens the same."""
     from loom.engine import Engine, Request, SamplingParams
     from loom.model.cpu_paths import inference_layout
 
     torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=64, block_size=64, tie_embeddings=True)).eval()
+    m = GPT(
+        GPTConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=64, block_size=64, tie_embeddings=True)
+    ).eval()
     before = {k: v.clone() for k, v in m.state_dict().items()}
     x = torch.randint(0, 97, (16, 12))
     with torch.no_grad():
@@ -98,11 +101,13 @@ def test_inference_layout_moves_the_weights_and_keeps_the_numbers(tmp_path):
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     tokens = [r.tokens for r in Engine(m, max_seqs=16).run([Request(row, greedy) for row in x.tolist()])]
     linears = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear)]
-    assert inference_layout(m) == len(linears)  # the head's weight is the embedding's: counted once
+    assert inference_layout(m) == len(linears) == 2 * 6 + 1
     assert all(not mod.weight.is_contiguous() and mod.weight.t().is_contiguous() for mod in linears)
-    assert m.lm_head.weight is m.wte.weight
+    assert m.lm_head.weight is not m.wte.weight and m.wte.weight.is_contiguous()
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
     with torch.no_grad():
         torch.testing.assert_close(m(x), ref, atol=1e-5, rtol=0)
-    assert [r.tokens for r in Engine(m, max_seqs=16).run([Request(row, greedy) for row in x.tolist()])] == tokens
+    assert [
+        r.tokens for r in Engine(m, max_seqs=16).run([Request(row, greedy) for row in x.tolist()])
+    ] == tokens
     assert inference_layout(m) == 0  # moved already

@@ -70,19 +70,21 @@ def inference_layout(model: nn.Module) -> int:
     16 rows of 256 -> 768/1024, 1.4x for the 256 -> 4096 head, the same speed (within a few %) at 64-1024
     rows, and the same values bit for bit from 16 rows up (`loom bench generate`; transformers' GPT-2 keeps
     its Conv1D weights this way). Only plain CPU tensors are moved (not DTensor shards, not quantised weights,
-    not GPU ones: cuBLAS runs both layouts alike); a weight shared by two modules moves once. Returns how many.
-    Not for a model that trains on: optimizers and gradient buckets expect the parameters they were given."""
-    moved: set[int] = set()
+    not GPU ones: cuBLAS runs both layouts alike). A head tied to the embedding gets a transposed copy of its
+    own (the embedding's row lookups would turn into strided gathers): V x C more memory, GPT-2's 154 MB. Returns
+    how many moved. Not for a model that trains on: its optimizer and gradient buckets expect the parameters
+    as they were given, and a tied head is tied no more."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    moved = 0
     with torch.no_grad():
         for m in model.modules():
-            if (
-                not isinstance(m, nn.Linear)
-                or id(m.weight) in moved
-                or type(m.weight.data) is not torch.Tensor
-            ):
+            if not isinstance(m, nn.Linear):
                 continue
             w = m.weight
-            if w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous():
-                w.data = w.data.t().contiguous().t()
-                moved.add(id(w))
-    return len(moved)
+            if type(w.data) is torch.Tensor and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous():
+                if id(w) in embeddings:
+                    m.weight = nn.Parameter(w.data.t().contiguous().t(), requires_grad=w.requires_grad)
+                else:
+                    w.data = w.data.t().contiguous().t()
+                moved += 1
+    return moved
