@@ -208,9 +208,10 @@ def check_tp_run(run_dir: str | Path, tp: int) -> None:
 
 def load_run_tp(run_dir: str | Path, device: torch.device, env, ckpt: str | Path | None = None):
     """load_run for tensor parallel over every process of a job (torchrun, `loom serve --nproc`): the model built
-    on the meta device and split by the family's tp plan at tp = the world size, then the run's weights read
-    whole on every rank (load_run: any checkpoint format, LoRA merged; a 70B would want DCP's sharded read)
-    and each rank keeping its slices. Joins the job's process group (left by the caller). Whatever layout the
+    on the meta device and split by the family's tp plan at tp = the world size, then each rank reading only its
+    slices of a sharded checkpoint (DCP, as load_run_sharded; the ranks hash a share of model/ each). A
+    consolidated file, a format-1 checkpoint or a LoRA run (adapters to merge) is read whole on every rank
+    (load_run) and each rank keeps its slices. Joins the job's process group (left by the caller). Whatever layout the
     run trained under (tp, pp, fsdp), its checkpoint is resharded on this read. Sequence parallel is off: it
     changes where activations live, not the weights, and decoding one token has no sequence to split.
     Returns (config, model, tokenizer, data meta, checkpoint path); every rank runs the same forwards."""
@@ -220,7 +221,7 @@ def load_run_tp(run_dir: str | Path, device: torch.device, env, ckpt: str | Path
 
     run_dir = Path(run_dir)
     check_tp_run(run_dir, env.world_size)
-    cfg, meta, _ = _open_run(run_dir)
+    cfg, meta, tokenizer = _open_run(run_dir)
     process_group.init(env, device, cfg.parallel.timeout_s)
     cfg.train.compile, cfg.train.activation_checkpointing = False, "none"
     cfg.precision.fp8, cfg.parallel.sp = "off", False
@@ -228,11 +229,35 @@ def load_run_tp(run_dir: str | Path, device: torch.device, env, ckpt: str | Path
     model = spec.build_model(cfg, meta["vocab_size"], "meta", _eot(run_dir, cfg, meta))
     dims = ParallelDims(1, 1, env.world_size, 1, env.world_size, env.rank, "none")
     par = parallelize(model, dims, cfg, device, spec)  # the plan's own checks (the padded vocabulary) first
-    _, whole, tokenizer, meta, path = load_run(run_dir, torch.device("cpu"), ckpt)  # adapters merged
-    par.load_model_state(whole.state_dict())
-    del whole
+    path = _sharded_step(run_dir, cfg, ckpt)
+    if path is not None:  # each rank reads its slices of the checkpoint's model/ (DCP), nothing else
+        checkpoint.load_model(path, par.model, verified=True)
+    else:
+        _, whole, tokenizer, meta, path = load_run(run_dir, torch.device("cpu"), ckpt)  # adapters merged
+        par.load_model_state(whole.state_dict())
+        del whole
     par.model.eval()
     return cfg, par.model, tokenizer, meta, path
+
+
+def _sharded_step(run_dir: Path, cfg: Config, ckpt) -> Path | None:
+    """The checkpoint a tp job reads as DCP shards, each rank hashing its share of model/ and the ranks agreeing
+    on it (the newest that verifies, or `ckpt`); None where the whole model must be read on every rank (a
+    consolidated file, a format-1 checkpoint, a LoRA run's adapters to merge), or the run has none (load_run
+    then says so)."""
+    from loom.distributed.comm import TorchControl
+
+    if _consolidated(run_dir) or cfg.finetune.lora_rank:
+        return None
+    if ckpt:
+        check_same_run(Path(ckpt), run_dir)
+    steps = [Path(ckpt)] if ckpt else checkpoint.list_steps(run_dir / "ckpt")
+    if not steps or not all(checkpoint.is_sharded(p) for p in steps):
+        return None
+    path = checkpoint.newest_intact(steps, TorchControl(), model_only=True)
+    if path is not None:
+        check_trained_model(path, cfg, run_dir)
+    return path
 
 
 @dataclass

@@ -160,6 +160,42 @@ def test_sigterm_drains_and_every_rank_exits_0(split, one):
     assert "the 2 ranks agree on all" in out and "loom serve: stopped" in out, out
 
 
+def _load_tp(rank: int, world: int, run_dir: str, ids, out: str) -> None:
+    """A rank of load_run_tp that may not read the whole checkpoint: rank 0 saves the gathered logits."""
+    from dataclasses import replace
+
+    import loom.runs as runs
+    from loom.parallel.tensor import whole
+
+    def whole_read(*args, **kwargs):
+        raise AssertionError("load_run_tp read the whole checkpoint")
+
+    runs.load_run = whole_read
+    env = replace(detect_env(), rank=rank, local_rank=rank, world_size=world, local_world_size=world)
+    _, model, _, _, path = runs.load_run_tp(run_dir, torch.device("cpu"), env)
+    with torch.no_grad():
+        logits = whole(model(ids))
+    if rank == 0:
+        torch.save((logits, str(path)), out)
+
+
+@pytest.mark.parametrize("which", ["tp-trained", "one-process"])
+def test_each_rank_reads_only_its_slices_of_the_checkpoint(tp_run, sft, tmp_path, which):
+    """load_run_tp reads a DCP checkpoint's shards (not load_run's whole read), whatever layout wrote it: the
+    tp=2+sp chat run and the base run trained by one process; the split model's logits equal one process's."""
+    from gloo_ranks import spawn_gloo
+
+    run = tp_run if which == "tp-trained" else sft / "runs" / "base"
+    ids = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(0))
+    with open_run(run, torch.device("cpu"), detect_env()) as one_run, torch.no_grad():
+        want = one_run.model(ids)
+        newest = one_run.path
+    spawn_gloo(_load_tp, 2, tmp_path, str(run), ids, str(tmp_path / "logits.pt"))
+    got, path = torch.load(tmp_path / "logits.pt")
+    assert path == str(newest)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
 def test_a_split_the_heads_do_not_allow_is_refused_before_loading(tp_run, capsys):
     assert main(["serve", str(tp_run), "--nproc", "3", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
