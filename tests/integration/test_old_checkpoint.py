@@ -1,6 +1,7 @@
 """A checkpoint written by an earlier main (tests/fixtures/ckpt_c343c9c: a 2-rank FSDP run of a 1-layer model,
 stopped after its step-2 checkpoint) still resumes onto the same curve and still loads in generate, eval and
-export. The fixture's expected.json holds what that main printed for generate and eval."""
+export. The fixture's expected.json holds what that main printed for generate and eval (generate's seeded sample
+re-recorded once, when the engine's sampler changed: its note says so)."""
 
 import json
 import shutil
