@@ -1,8 +1,8 @@
 """The sampler's log-probabilities against the trainer's under fp32 and bf16 (issue 46: "in bf16 the measured
 difference is reported"): `loom rl` for 10 steps of the tests' arithmetic setup (tests/rlkit.py: a 2-layer,
 32-wide char model after 60 SFT steps; 2 prompts x 8 answers of <= 8 tokens a step, every group trained:
-rl.dynamic_sampling=false) once per precision, and each step's rl/logprob_diff (the largest |sampler - trainer|
-over the trained tokens).
+rl.dynamic_sampling=false) in fp32 with and without batch-invariant forwards (rl.batch_invariant) and in bf16,
+and each step's rl/logprob_diff (the largest |sampler - trainer| over the trained tokens).
 
     python benchmarks/rl_logprob_precision.py [--out DIR]
 """
@@ -30,16 +30,21 @@ def main() -> None:
     torch.set_num_threads(1)
     root = make_rl_root(args.out, sft_steps=60)
     diffs = {}
-    for dtype in ("fp32", "bf16"):
+    settings = {
+        "fp32": ["--precision.dtype=fp32"],
+        "fp32-not-invariant": ["--precision.dtype=fp32", "--rl.batch_invariant=false"],
+        "bf16": ["--precision.dtype=bf16"],
+    }
+    for name, flags in settings.items():
         extra = [
             "--train.steps=10",
             "--rl.dynamic_sampling=false",
             "--rl.group_size=8",
             "--rl.max_new_tokens=8",
         ]
-        assert loom([*rl_args(root, f"rl_{dtype}", *extra, f"--precision.dtype={dtype}")]) == 0
-        recs = read_jsonl(root / "runs" / f"rl_{dtype}" / "metrics.jsonl")
-        diffs[dtype] = [r["rl/logprob_diff"] for r in recs if "rl/logprob_diff" in r]
+        assert loom([*rl_args(root, f"rl_{name}", *extra, *flags)]) == 0
+        recs = read_jsonl(root / "runs" / f"rl_{name}" / "metrics.jsonl")
+        diffs[name] = [r["rl/logprob_diff"] for r in recs if "rl/logprob_diff" in r]
     for dtype, d in diffs.items():
         print(
             f"{dtype}: rl/logprob_diff max {max(d):.3g}, median {sorted(d)[len(d) // 2]:.3g} over {len(d)} steps"

@@ -73,12 +73,12 @@ def test_rl_with_lora_kl_and_several_updates_per_batch(rl_root):
 
 def test_engine_logprobs_match_the_training_forward(rl_root):
     """The log-probability the engine reports for each sampled token against a training forward (fp32, CPU)
-    of the whole sampled sequences, as the RL loss computes it. Not bit for bit: the CPU matmul's blocking
-    depends on the number of rows and SDPA's on the sequence length (a prefix of a sequence differs from the
-    whole by ~1e-7 in fp32), so a decode step's logits and a training forward's are not bitwise equal; the
-    difference is measured, bounded here, and recorded each step as rl/logprob_diff."""
+    of the whole sampled sequences, as the RL loss computes it: bit for bit under batch-invariant forwards
+    (loom.model.batch_invariant; without them the CPU's kernels, which choose their paths by the number of
+    rows and the sequence length, leave ~1e-7 to 1e-5, recorded each step as rl/logprob_diff)."""
     from loom.config import config_from_dict, load_toml
     from loom.data.loader import read_meta
+    from loom.model.batch_invariant import batch_invariant
     from loom.model.registry import spec_of
     from loom.rl.prompts import load_prompts, rl_template
     from loom.rl.rollout import build_batch, sample
@@ -91,15 +91,14 @@ def test_engine_logprobs_match_the_training_forward(rl_root):
     template = rl_template(rl_root / "chat", meta)
     prompts = load_prompts(rl_root / "arith" / "rl_train.jsonl", "answer", template, 28)
     seeds = [[10 * i + g for g in range(4)] for i in range(6)]
-    reqs = sample(model, prompts.ids[:6], seeds, 4, template.stop_ids, meta["vocab_size"])
+    reqs = sample(model, prompts.ids[:6], seeds, 4, template.stop_ids, meta["vocab_size"], batch_invariant)
     b = build_batch(reqs, [1.0] * len(reqs), [True] * len(reqs), template.eot_id)
-    with torch.no_grad():
+    with torch.no_grad(), batch_invariant():  # as loom rl runs both (rl.batch_invariant, on by default)
         logp = F.log_softmax(model(b.x).float(), -1)
     mask = b.y != -1
     lp = logp.gather(-1, b.y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     assert int(mask.sum()) == sum(len(r.tokens) + (r.stop_token is not None) for r in reqs) > 0
-    diff = ((lp - b.old_lp).abs() * mask).max().item()
-    assert diff < 1e-5, diff
+    assert torch.equal(lp[mask], b.old_lp[mask])  # bit for bit
 
 
 def test_resume_gives_the_rewards_and_losses_of_an_uninterrupted_run(rl_root):

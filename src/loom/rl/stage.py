@@ -13,6 +13,7 @@ from loom.config.validate import derive_batch
 from loom.data.sft import validation_set
 from loom.data.slice import DataSlice
 from loom.errors import LoomError
+from loom.model.batch_invariant import batch_invariant
 from loom.rl import heldout  # noqa: F401  (registers the held-out pass@k evaluator)
 from loom.rl.loss import policy_loss, target_logprobs
 from loom.rl.prompts import load_prompts, rl_template
@@ -58,7 +59,8 @@ class RL:
         if self.chunks is None:  # the batch's per-target tensors, split as the trainer splits x and y
             self.chunks = self.batches.chunks(grad_accum)
         adv, old, ref = self.chunks.pop(0)
-        logits = forward(x)
+        with batch_invariant(self.rl.batch_invariant):  # the sampler's forwards ran under it too
+            logits = forward(x)
         clip = (self.rl.clip_low, self.rl.clip_high)
         loss, stats = policy_loss(logits, y, adv, old, clip, ref, self.rl.kl_coef)
         for k, v in stats.items():
@@ -69,6 +71,12 @@ class RL:
             )
         total = self.batches.global_targets
         return loss * (self.ranks / total if total else 0.0)
+
+    @contextlib.contextmanager
+    def sampling(self):
+        """The rollouts' forwards: the step's precision, batch-invariant as the trainer's (rl.batch_invariant)."""
+        with self.autocast(), batch_invariant(self.rl.batch_invariant):
+            yield
 
     def pipeline_weight(self) -> float | None:
         return None  # validate refuses rl with parallel.pp > 1
@@ -155,7 +163,7 @@ class Rollouts:
                 st.rl.max_new_tokens,
                 st.template.stop_ids,
                 st.meta["vocab_size"],
-                st.autocast,
+                st.sampling,
                 lockstep=par.all_reduce_sum if par.fsdp_roots else None,
             )
         rows = [st.prompts.rows[i] for i in idx]
