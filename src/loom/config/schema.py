@@ -626,7 +626,7 @@ class RLConfig:
     kl_coef: float = _f(0.0, "Weight of the k3 KL to the frozen start model (0: no reference).", ge=0)
     dynamic_sampling: bool = _f(True, "Drop groups whose rewards are all equal (no signal), counted.")
     batch_invariant: bool = _f(
-        True, "CPU fp32: sampler and trainer forwards bit for bit alike (loom.model.batch_invariant)."
+        True, "CPU: the sampler's and trainer's forwards alike bit for bit (off on GPUs)."
     )
     eval_every: int = _f(0, "Held-out pass@1 / pass@k every N steps (0: only after the last).", ge=0)
     eval_k: int = _f(4, "k of pass@k: samples per held-out prompt at temperature 1 (0: greedy only).", ge=0)

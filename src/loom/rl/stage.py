@@ -44,6 +44,8 @@ class RL:
         self.parallel, self.autocast, self.ref = None, contextlib.nullcontext, None
         self.chunks: list | None = None
         self.sums: dict = {}
+        # batch-invariant forwards where they are measured to hold (CPU kernels); elsewhere not even the hook
+        self.invariant = r.batch_invariant and device.type == "cpu"
 
     def begin(self, parallel, autocast) -> None:
         """The model the rollouts sample from (this rank's, as it trains) and the sampling precision (the step's:
@@ -59,7 +61,7 @@ class RL:
         if self.chunks is None:  # the batch's per-target tensors, split as the trainer splits x and y
             self.chunks = self.batches.chunks(grad_accum)
         adv, old, ref = self.chunks.pop(0)
-        with batch_invariant(self.rl.batch_invariant):  # the sampler's forwards ran under it too
+        with batch_invariant(self.invariant):  # the sampler's forwards ran under it too
             logits = forward(x)
         clip = (self.rl.clip_low, self.rl.clip_high)
         loss, stats = policy_loss(logits, y, adv, old, clip, ref, self.rl.kl_coef)
@@ -75,7 +77,7 @@ class RL:
     @contextlib.contextmanager
     def sampling(self):
         """The rollouts' forwards: the step's precision, batch-invariant as the trainer's (rl.batch_invariant)."""
-        with self.autocast(), batch_invariant(self.rl.batch_invariant):
+        with self.autocast(), batch_invariant(self.invariant):
             yield
 
     def pipeline_weight(self) -> float | None:
