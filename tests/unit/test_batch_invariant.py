@@ -74,3 +74,15 @@ def test_products_and_functions_keep_their_values_and_their_gradients():
         rows = torch.randn(40, 64)
         assert torch.equal(F.linear(rows[:1], w), F.linear(rows, w)[:1])
         assert torch.equal(torch.exp(rows[:1, :7]), torch.exp(rows)[:1, :7])
+
+
+def test_sharded_log_softmax_is_log_softmax():
+    """The engine's log-softmax as loss_parallel computes it from vocabulary shards: log_softmax's values (the
+    bit-for-bit agreement with a tp trainer is tests/distributed/test_rl_layouts.py's)."""
+    from loom.parallel.tensor import sharded_log_softmax
+
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0)) * 4
+    x[:, 100:] = torch.finfo(torch.float32).min  # a padded vocabulary's masked ids
+    assert torch.equal(sharded_log_softmax(x, 1), F.log_softmax(x, -1))
+    for shards in (2, 4):
+        torch.testing.assert_close(sharded_log_softmax(x, shards), F.log_softmax(x, -1), atol=1e-6, rtol=1e-6)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from loom.engine.request import CANCELLED, LENGTH, STOP, Request
 from loom.engine.sampling import first_max, sample_rows
-from loom.parallel.tensor import whole
+from loom.parallel.tensor import sharded_log_softmax, vocab_shards, whole
 
 
 class QueueFull(Exception):
@@ -66,6 +66,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.reserved = 0
         self.tail = "last" in inspect.signature(model.forward).parameters  # logits of the last positions only
+        self.vocab_shards = 1  # the last forward's logits: vocabulary shards under tensor parallel
         self.forwards = self.generated = self.prefilled = (
             0  # counts: the tests, /metrics and the bench read them
         )
@@ -214,7 +215,9 @@ class Engine:
                 )
             else:
                 out = self.model(ids)
-        # a tensor-parallel model's logits are vocabulary shards (a DTensor): every rank samples from all of them
+        # a tensor-parallel model's logits are vocabulary shards (a DTensor): every rank samples from all of them,
+        # and takes log-probabilities as the trainer's vocabulary-parallel loss computes them
+        self.vocab_shards = vocab_shards(out)
         return whole(out)
 
     def _idle(self) -> None:
@@ -270,7 +273,7 @@ class Engine:
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
         """Each row's next token from its logits (n, V), with its own settings; then its stops. The rows that
         share settings are drawn together (sample_rows), each at a uniform number from its own generator."""
-        logits = logits[:, : self.vocab].float()
+        padded, logits = logits.float(), logits[:, : self.vocab].float()
         picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         groups: dict[tuple, list[int]] = {}
         for j, r in enumerate(rows):
@@ -287,7 +290,10 @@ class Engine:
         logp = None
         lps: list[float | None] = [None] * len(rows)
         if any(r.params.logprobs or r.params.top_logprobs for r in rows):
-            logp = F.log_softmax(logits, dim=-1)
+            if self.vocab_shards > 1:  # over the padded vocabulary, as the shards hold it (padding: exp 0)
+                logp = sharded_log_softmax(padded, self.vocab_shards)[:, : self.vocab]
+            else:
+                logp = F.log_softmax(logits, dim=-1)
             lps = logp.gather(1, picks[:, None])[:, 0].tolist()
         for j, (r, token) in enumerate(zip(rows, picks.tolist(), strict=True)):
             self._append(r, token, lps[j], None if logp is None else logp[j])

@@ -21,9 +21,11 @@ Nondeterminism in LLM Inference" (2025) and vLLM's batch-invariant mode do on GP
 of writing kernels. The cost is a written-out attention (its (T, T) weights kept for the backward) and a
 Python hook on every torch call of the forward: for RL's short answers it is small (`loom rl` measures it
 in rl/rollout_s and dt: +19 % a step on the README's arithmetic recipe). Measured in fp32, and under bf16
-autocast (benchmarks/rl_logprob_precision.py: 0 in both). Off on GPUs (its claims are measured on this CPU's
-kernels only), on tensor subclasses (DTensor: tp's products run below this hook; FSDP's unsharded parameters
-are plain tensors, so it holds there), and with attention dropout.
+autocast (benchmarks/rl_logprob_precision.py: 0 in both). Tensor parallel's products take DTensors: their
+rows are padded on each rank (no placement there splits the rows), and the engine takes its log-probabilities
+from the vocabulary shards as loss_parallel does (loom.parallel.tensor.sharded_log_softmax); FSDP's unsharded
+parameters are plain tensors. Off on GPUs (its claims are measured on this CPU's kernels only) and with
+attention dropout.
 """
 
 from __future__ import annotations
@@ -66,11 +68,25 @@ def _pad(x: torch.Tensor, dim: int, n: int, value: float = 0.0) -> torch.Tensor:
     return torch.cat([x, x.new_full(shape, value)], dim)
 
 
+def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x (..., C) as (ROWS, C): its rows, then zero rows. A DTensor (tensor parallel: replicated, or sharded
+    along C) is padded on each rank's local rows, which no placement here splits."""
+    flat = x.reshape(rows, x.size(-1))
+    if type(flat) is torch.Tensor:
+        return _pad(flat, 0, ROWS)
+    from torch.distributed.tensor import DTensor
+
+    shape = (ROWS, flat.size(-1))
+    padded = _pad(flat.to_local(), 0, ROWS)
+    mesh, placements = flat.device_mesh, flat.placements
+    return DTensor.from_local(padded, mesh, placements, run_check=False, shape=shape, stride=(shape[1], 1))
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.size(-1)
     if rows >= ROWS:
         return F.linear(x, weight, bias)
-    out = F.linear(_pad(x.reshape(rows, x.size(-1)), 0, ROWS), weight, bias)[:rows]
+    out = F.linear(_rows(x, rows), weight, bias)[:rows]
     return out.reshape(*x.shape[:-1], out.size(-1)).clone()  # not a view: FSDP hooks a module's output
 
 
@@ -108,10 +124,21 @@ def _cpu_tensors(args) -> bool:
     return bool(args) and type(args[0]) is torch.Tensor and args[0].device.type == "cpu"
 
 
+def _cpu_rows(args) -> bool:
+    """A product's input on a CPU: a plain tensor, or a tensor-parallel DTensor whose rows are whole."""
+    x = args[0] if args else None
+    if type(x) is torch.Tensor:
+        return x.device.type == "cpu"
+    placements = getattr(x, "placements", None)  # DTensor: Replicate, or Shard of the last dim only
+    if placements is None or x.device.type != "cpu":
+        return False
+    return all(not p.is_shard() or p.dim in (-1, x.dim() - 1) for p in placements)
+
+
 class _Invariant(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and _cpu_tensors(args):
+        if func is F.linear and _cpu_rows(args):
             return _linear(*args, **kwargs)
         if func is F.scaled_dot_product_attention and _cpu_tensors(args) and len(args) == 3:
             if not kwargs.get("dropout_p") and not kwargs.get("enable_gqa"):

@@ -29,6 +29,28 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
+def vocab_shards(t) -> int:
+    """How many shards a vocabulary-parallel head's logits (a DTensor sharded on its last dim) are in; 1 else."""
+    if not is_dtensor(t) or not any(p.is_shard() and p.dim in (-1, t.dim() - 1) for p in t.placements):
+        return 1
+    return t.device_mesh.size()
+
+
+def sharded_log_softmax(logits: torch.Tensor, shards: int) -> torch.Tensor:
+    """log_softmax over the last dim of whole logits (n, V), computed as loss_parallel computes it from `shards`
+    vocabulary shards: the maximum over all, each shard's sum of exp, the sums added in rank order. The same
+    bits as the trainer's log-probabilities under tensor parallel (for 2 shards: an all-reduce of two sums
+    adds them in either order alike; more may add them in another order)."""
+    if shards == 1:
+        return torch.log_softmax(logits, dim=-1)
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    parts = [torch.sum(torch.exp(p.contiguous()), dim=-1, keepdim=True) for p in shifted.chunk(shards, -1)]
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return shifted - torch.log(total)
+
+
 def plain(t):
     """t without a wrapper subclass that only steers FSDP's all-gather (torchao's float8 weights under
     precision.fp8: `fsdp_pre_all_gather` and the wrapped `_tensor`), a DTensor's local shard included; the
