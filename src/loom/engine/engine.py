@@ -281,12 +281,16 @@ class Engine:
             key = (0.0, None, None) if p.temperature <= 0 else (p.temperature, p.top_k, p.top_p)
             groups.setdefault(key, []).append(j)
         for (temperature, top_k, top_p), idx in groups.items():
-            part = logits if len(idx) == len(rows) else logits[idx]  # one group (the usual case): no copy
+            every = len(idx) == len(rows)  # one group (the usual case): no copies in or out
+            part = logits if every else logits[idx]
             if temperature <= 0:
                 drawn = first_max(part)
             else:
                 drawn = sample_rows(part, self._uniforms([rows[j] for j in idx]), temperature, top_k, top_p)
-            picks[idx] = drawn
+            if every:
+                picks = drawn
+            else:
+                picks[idx] = drawn
         logp = None
         lps: list[float | None] = [None] * len(rows)
         if any(r.params.logprobs or r.params.top_logprobs for r in rows):
@@ -324,7 +328,7 @@ class Engine:
             r.finish(STOP)
         elif len(r.tokens) >= p.max_tokens:
             r.finish(LENGTH)
-        elif not r.recompute and len(r.context()) > self.max_len:
+        elif not r.recompute and len(r.prompt) + len(r.tokens) > self.max_len:
             if self.extends:  # check() keeps an extending row within its slot
                 raise AssertionError("a row outgrew its slot")
             r.recompute = True  # learned positions past block_size: re-cropped from now on

@@ -85,6 +85,7 @@ class RowCache:
         self._pos: torch.Tensor | None = None  # (B, T) positions of the forward under way
         self._index: torch.Tensor | None = None  # (B, 1) its slots
         self._mask: torch.Tensor | None = None  # its attention mask: the same in every layer
+        self._end, self._fresh, self._slice = 0, False, None  # positions() sets them per forward
 
     def select(self, rows: list[int]) -> None:
         """The slots the next forward runs on, in the order of its batch."""
@@ -112,10 +113,16 @@ class RowCache:
 
     def positions(self, T: int, device) -> torch.Tensor:
         if self._pos is None or self._pos.size(1) != T or self._pos.device != torch.device(device):
-            starts = torch.tensor([self.lens[r] for r in self.rows], device=device)
-            self._pos = starts[:, None] + torch.arange(T, device=device)
+            starts = [self.lens[r] for r in self.rows]
+            self._pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
             self._index = torch.tensor(self.rows, device=device)[:, None]
             self._mask = None
+            # the same for every layer of the forward: its keys' length, whether it starts at 0, and the start
+            # all rows share when they are the first slots at one length (a slice instead of an indexed store)
+            self._end = max(starts) + T
+            self._fresh = not any(starts)
+            first = self.rows == list(range(len(self.rows))) and min(starts) == max(starts)
+            self._slice = starts[0] if first else None
         return self._pos
 
     def _gather(self, t: torch.Tensor, L: int) -> torch.Tensor:
@@ -130,11 +137,16 @@ class RowCache:
         # (B, T) row and position indices around the heads' slice: the indexed block is (B, T, K, D)
         # (indexed assignment does not cast as a slice's does: under autocast k and v are bf16/fp16, the cache not)
         ck, cv = self.k.at(layer, k), self.v.at(layer, v)
-        ck[self._index, :, pos] = k.transpose(1, 2).to(ck.dtype)
-        cv[self._index, :, pos] = v.transpose(1, 2).to(cv.dtype)
-        L = self.end(T)
+        if self._slice is not None:  # slots 0..B-1 at one length (a batch decoding together)
+            n, at = len(self.rows), self._slice
+            ck[:n, :, at : at + T] = k
+            cv[:n, :, at : at + T] = v
+        else:
+            ck[self._index, :, pos] = k.transpose(1, 2).to(ck.dtype)
+            cv[self._index, :, pos] = v.transpose(1, 2).to(cv.dtype)
+        L = self._end
         keys, values = self._gather(ck, L), self._gather(cv, L)
-        if all(self.lens[r] == 0 for r in self.rows):
+        if self._fresh:
             return keys, values, None  # a prefill from position 0: causal attention over the block
         if self._mask is None:  # (B, 1, T, L): 0 up to each query's own place, -inf past it
             # additive, in the keys' dtype: attention would turn a boolean mask into this in every layer
