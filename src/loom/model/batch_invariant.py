@@ -74,12 +74,11 @@ def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     flat = x.reshape(rows, x.size(-1))
     if type(flat) is torch.Tensor:
         return _pad(flat, 0, ROWS)
-    from torch.distributed.tensor import DTensor
-
+    # the DTensor's own class rebuilds it: the model layer imports nothing distributed (test_layers)
     shape = (ROWS, flat.size(-1))
     padded = _pad(flat.to_local(), 0, ROWS)
     mesh, placements = flat.device_mesh, flat.placements
-    return DTensor.from_local(padded, mesh, placements, run_check=False, shape=shape, stride=(shape[1], 1))
+    return type(flat).from_local(padded, mesh, placements, run_check=False, shape=shape, stride=(shape[1], 1))
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
