@@ -273,7 +273,10 @@ class Engine:
     def _sample(self, rows: list[Request], logits: torch.Tensor) -> None:
         """Each row's next token from its logits (n, V), with its own settings; then its stops. The rows that
         share settings are drawn together (sample_rows), each at a uniform number from its own generator."""
-        padded, logits = logits.float(), logits[:, : self.vocab].float()
+        padded = (
+            logits.float()
+        )  # tensor parallel's log-softmax reads the padded vocabulary as its shards hold it
+        logits = padded[:, : self.vocab]
         picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         groups: dict[tuple, list[int]] = {}
         for j, r in enumerate(rows):
@@ -294,7 +297,7 @@ class Engine:
         logp = None
         lps: list[float | None] = [None] * len(rows)
         if any(r.params.logprobs or r.params.top_logprobs for r in rows):
-            if self.vocab_shards > 1:  # over the padded vocabulary, as the shards hold it (padding: exp 0)
+            if self.vocab_shards > 1:  # the padding's exp is 0: the vocabulary's values are unchanged
                 logp = sharded_log_softmax(padded, self.vocab_shards)[:, : self.vocab]
             else:
                 logp = F.log_softmax(logits, dim=-1)

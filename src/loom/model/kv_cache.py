@@ -85,7 +85,7 @@ class RowCache:
         self._pos: torch.Tensor | None = None  # (B, T) positions of the forward under way
         self._index: torch.Tensor | None = None  # (B, 1) its slots
         self._mask: torch.Tensor | None = None  # its attention mask: the same in every layer
-        self._end, self._fresh, self._slice = 0, False, None  # positions() sets them per forward
+        self._end, self._fresh, self._prefix, self._slice = 0, False, False, None  # positions() sets them
 
     def select(self, rows: list[int]) -> None:
         """The slots the next forward runs on, in the order of its batch."""
@@ -121,13 +121,15 @@ class RowCache:
             # all rows share when they are the first slots at one length (a slice instead of an indexed store)
             self._end = max(starts) + T
             self._fresh = not any(starts)
-            first = self.rows == list(range(len(self.rows))) and min(starts) == max(starts)
-            self._slice = starts[0] if first else None
+            self._prefix = self.rows == list(
+                range(len(self.rows))
+            )  # the first slots: the cache read as a view
+            self._slice = starts[0] if self._prefix and min(starts) == max(starts) else None
         return self._pos
 
     def _gather(self, t: torch.Tensor, L: int) -> torch.Tensor:
         n = len(self.rows)
-        if self.rows == list(range(n)):  # the first n slots: a view, no copy
+        if self._prefix:  # the first n slots: a view, no copy
             return t[:n, :, :L]
         return t[torch.tensor(self.rows, device=t.device), :, :L]
 
