@@ -18,6 +18,7 @@ from loom.cli import main
 from loom.cli.data import data
 from loom.data.encode import GPT2_PATTERN, GPT4_PATTERN
 from loom.data.formats import open_split
+from loom.data.prepare import prepare
 from loom.data.tokenizers import convert_tokenizer, load_given_tokenizer, load_tokenizer
 from loom.errors import LoomError
 
@@ -307,3 +308,61 @@ def test_bad_input_is_one_clear_error(tmp_path, sp_models):
         (tmp_path / "hf").mkdir()
         (tmp_path / "hf" / "f").write_text("x")
         convert_tokenizer(path, "hf", tmp_path / "hf")
+
+
+def write_ranks(path, ranks: list[tuple[bytes, int]], side: dict | None = None):
+    """A tiktoken file of (token, rank) lines as given (duplicates and gaps kept), and its side file."""
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks))
+    if side is not None:
+        (path.parent / (path.name + ".json")).write_text(json.dumps(side))
+    return path
+
+
+BYTES = [(bytes([i]), i) for i in range(256)]
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ([(b"ab", 256), (b"cd", 300)], r"ranks 257, 258, 259 \(and 40 more\) are missing"),
+        ([(b"ab", 256), (b"cd", 256)], "rank 256 is given twice"),
+        ([(b"ab", 256), (b"ab", 257)], r"the token b'ab' is listed twice \(ranks 256 and 257\)"),
+    ],
+    ids=["gap", "duplicate-rank", "duplicate-token"],
+)
+def test_prepare_refuses_a_tiktoken_file_with_gaps_or_duplicates(tmp_path, capsys, extra, words):
+    """Before: a gap gave ids past the counted vocabulary, a duplicate rank encoded 'ab' and 'cd' alike."""
+    path = write_ranks(tmp_path / "t.tiktoken", BYTES + extra)
+    (tmp_path / "in.txt").write_text("abcd " * 50)
+    args = ["data", "prepare", "--input", str(tmp_path / "in.txt"), "--out", str(tmp_path / "out")]
+    assert main([*args, "--tokenizer", str(path)]) != 0
+    assert not (tmp_path / "out" / "meta.json").exists()
+    with pytest.raises(LoomError, match=words):
+        load_given_tokenizer(path)
+
+
+def test_a_side_file_pattern_that_does_not_compile_is_one_clear_error(tmp_path):
+    path = write_ranks(tmp_path / "t.tiktoken", BYTES, {"pattern": r"(\w+", "special_tokens": {EOT: 256}})
+    with pytest.raises(
+        LoomError, match=r"t.tiktoken.json': the split pattern '\(\\\\w\+' is not a valid regular"
+    ):
+        load_given_tokenizer(path)
+    write_ranks(path, BYTES, {"pattern": 5, "special_tokens": {EOT: 256}})
+    with pytest.raises(LoomError, match='"pattern" must be a regular expression'):
+        load_given_tokenizer(path)
+
+
+def test_an_end_of_text_id_past_the_shard_width_is_one_clear_error(tmp_path):
+    """eot 100257 after 256 ranks (cl100k's gap before its specials): the vocabulary counts up to that id, so
+    auto picks uint32 shards that hold it, and --dtype uint16 is refused naming the end-of-text id."""
+    path = write_ranks(tmp_path / "t.tiktoken", BYTES, {"special_tokens": {EOT: 100257}})
+    tok = load_given_tokenizer(path)
+    assert (tok.eot_id, tok.vocab_size) == (100257, 100258)
+    (tmp_path / "in.txt").write_text("abcd " * 50)
+    args = ["data", "prepare", "--input", str(tmp_path / "in.txt"), "--tokenizer", str(path)]
+    with pytest.raises(LoomError, match=r"end-of-text id 100,257 \(<\|endoftext\|>\) does not fit in uint16"):
+        prepare([tmp_path / "in.txt"], tmp_path / "o16", tokenizer=str(path), dtype="uint16")
+    assert main([*args, "--out", str(tmp_path / "auto")]) == 0
+    meta = json.loads((tmp_path / "auto" / "meta.json").read_text())
+    assert meta["vocab_size"] == 100258
+    assert np.concatenate(open_split(tmp_path / "auto", "train")).max() == 100257

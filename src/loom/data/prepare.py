@@ -196,6 +196,18 @@ def _version(vocab_size: int, dtype: str) -> int:
     return version
 
 
+def _check_eot_width(tok, dtype: str) -> None:
+    """An end-of-text id past what --dtype holds is named as such (it opens every document: a wrapped id
+    would silently write another token)."""
+    version = {"uint16": 1, "uint32": 2}.get(dtype)
+    if version is not None and tok.eot_id > np.iinfo(DTYPES[version]).max:
+        raise LoomError(
+            f"the tokenizer's end-of-text id {tok.eot_id:,} ({tok.eot}) does not fit in {dtype} shards "
+            f"(at most {np.iinfo(DTYPES[version]).max:,})",
+            hint="use --dtype uint32 (or auto), or give the end-of-text token a smaller id",
+        )
+
+
 @contextmanager
 def _bar(label: str, total: int | None):
     """A progress bar with bytes read, bytes/s, tokens/s and ETA; yields update(bytes_read, tokens)."""
@@ -524,6 +536,7 @@ def _run(
 ) -> dict:
     """Tokenizer, then every chunk encoded into shards under tmp; the core of meta.json."""
     tok, rec = _tokenizer_and_progress(plan, files, tmp, rec, fingerprint)
+    _check_eot_width(tok, plan.dtype)
     version = _version(tok.vocab_size, plan.dtype)
     spec = encoder_spec(tok, DTYPES[version])
     start = {s: (v["chunk"], v["offset"]) for s, v in rec["splits"].items()}

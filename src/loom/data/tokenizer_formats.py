@@ -31,18 +31,53 @@ def read_tiktoken(path: str | Path) -> dict[bytes, int]:
     except OSError as e:
         raise LoomError(f"cannot read the tiktoken file '{path}': {e}") from None
     ranks: dict[bytes, int] = {}
+    line_of: dict[int, int] = {}  # rank -> the line that gave it, to name both lines of a duplicate
     for n, line in enumerate(lines, 1):
         try:
-            if line.strip():
-                token, rank = line.split()
-                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            if not line.strip():
+                continue
+            text, rank_text = line.split()
+            token, rank = base64.b64decode(text, validate=True), int(rank_text)
         except ValueError:
             raise LoomError(
                 f"'{path}' is not a tiktoken encoding file: line {n} is not 'BASE64-TOKEN RANK'"
             ) from None
+        # a token or a rank given twice would silently encode two texts alike (or one text two ways)
+        if token in ranks:
+            raise LoomError(
+                f"'{path}' line {n}: the token {token!r} is listed twice (ranks {ranks[token]} and {rank})",
+                hint="each token appears once in a tiktoken encoding file",
+            )
+        if rank in line_of:
+            raise LoomError(
+                f"'{path}' line {n}: rank {rank} is given twice (lines {line_of[rank]} and {n})",
+                hint="each rank is a token id and belongs to one token",
+            )
+        ranks[token], line_of[rank] = rank, n
     if len(ranks) < 256:
         raise LoomError(f"'{path}' has {len(ranks)} tokens: a tiktoken encoding has at least the 256 bytes")
+    _refuse_gaps(path, sorted(line_of))
     return ranks
+
+
+def _refuse_gaps(path: str | Path, ranks: list[int]) -> None:
+    """The ranks must be the ids 0..n-1: a missing rank would leave an id no token has, and one past the
+    vocabulary that tokenizers counts (the model's embedding would not hold it)."""
+    if ranks[0] == 0 and ranks[-1] == len(ranks) - 1:
+        return
+    missing = sorted(set(range(ranks[-1] + 1)) - set(ranks)) if ranks[0] >= 0 else []
+    what = f"rank {ranks[0]} is negative" if ranks[0] < 0 else f"ranks {_span(missing)} are missing"
+    raise LoomError(
+        f"'{path}' is not a complete tiktoken encoding: its {len(ranks):,} ranks are not 0..{len(ranks) - 1} "
+        f"({what})",
+        hint="a tiktoken encoding file numbers its tokens 0, 1, 2, ... without gaps",
+    )
+
+
+def _span(ids: list[int]) -> str:
+    """The first few of a sorted list of ids, e.g. '256, 300, 301 (and 5 more)'."""
+    more = f" (and {len(ids) - 3:,} more)" if len(ids) > 3 else ""
+    return ", ".join(str(i) for i in ids[:3]) + more
 
 
 def tiktoken_extras(path: str | Path, n_ranks: int) -> tuple[str, dict[str, int]]:
@@ -53,13 +88,35 @@ def tiktoken_extras(path: str | Path, n_ranks: int) -> tuple[str, dict[str, int]
         return GPT4_PATTERN, {EOT: n_ranks}
     try:
         extra = json.loads(side.read_text(encoding="utf-8"))
-        return extra.get("pattern", GPT4_PATTERN), {
-            str(k): int(v) for k, v in extra["special_tokens"].items()
-        }
+        pattern = extra.get("pattern", GPT4_PATTERN)
+        specials = {str(k): int(v) for k, v in extra["special_tokens"].items()}
     except (ValueError, KeyError, AttributeError, TypeError) as e:
         raise LoomError(
             f"'{side}' is not a tiktoken side file: {type(e).__name__}: {e}",
             hint='write {"pattern": "...", "special_tokens": {"<|endoftext|>": ID}}',
+        ) from None
+    _check_pattern(side, pattern)
+    negative = {k: v for k, v in specials.items() if v < 0}
+    if negative:
+        raise LoomError(f"'{side}': special token ids must be 0 or more, not {negative}")
+    return pattern, specials
+
+
+def _check_pattern(side: Path, pattern) -> None:
+    """The side file's split pattern compiled as the encoder will compile it (tokenizers' Oniguruma regex):
+    a pattern that does not compile is refused here, naming the file, not deep inside the encoder."""
+    from tokenizers import Regex
+
+    if not isinstance(pattern, str) or not pattern:
+        raise LoomError(
+            f"'{side}': \"pattern\" must be a regular expression (a non-empty string), not {pattern!r}"
+        )
+    try:
+        Regex(pattern)
+    except Exception as e:  # tokenizers raises a plain Exception with Oniguruma's message
+        raise LoomError(
+            f"'{side}': the split pattern {pattern!r} is not a valid regular expression ({e})",
+            hint='write the pattern tiktoken splits text with, e.g. cl100k\'s (or leave "pattern" out to use it)',
         ) from None
 
 

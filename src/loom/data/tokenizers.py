@@ -93,7 +93,12 @@ class HFTokenizer:
         if tok.token_to_id(self.eot) is None:  # a tokenizer.json without an end-of-text token: add gpt2's
             tok.add_special_tokens([EOT])
         self.eot_id = tok.token_to_id(self.eot)
-        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        # ids may skip some (a tiktoken file's end-of-text id after a gap, as cl100k's 100257): the model's
+        # embedding and the shards' dtype must hold the largest id, not only as many rows as there are tokens
+        self.vocab_size = max(
+            tok.get_vocab_size(with_added_tokens=True),
+            max(tok.get_vocab(with_added_tokens=True).values()) + 1,
+        )
 
     @classmethod
     def train(cls, texts, vocab_size: int, pattern: str = "gpt2", trainer: str = "auto") -> HFTokenizer:
