@@ -408,7 +408,7 @@ def render(r: dict) -> None:
     kv.add_column()
     for k, v in _system_rows(r) + _tool_rows(r):
         kv.add_row(k, str(v))
-    con.print(kv)
+    log.print_table(kv, con)
     _print_devices(con, r)
     _print_links(con, r["topology"])
     if r["env"]:
@@ -506,7 +506,7 @@ def _print_devices(con, r: dict) -> None:
                 _yes(d["tf32"]),
                 _yes(d["fp8"]),
             )
-        con.print(dev)
+        log.print_table(dev, con)
     else:
         con.print(
             "devices: no CUDA device"
@@ -527,7 +527,7 @@ def _print_links(con, topology: dict) -> None:
             topo.add_column(g)
         for g, row in zip(gpus, matrix, strict=True):
             topo.add_row(g, *row)
-        con.print(topo)
+        log.print_table(topo, con)
 
 
 # ------------------------------------------------------------------------- several nodes (--nodes)

@@ -35,6 +35,28 @@ def console():
     return _state["console"]
 
 
+def print_table(table, con=None) -> None:
+    """A rich table printed whole (rank 0's console, or `con`). Every table of loom goes through here.
+
+    A terminal gets the table at its width, and a column too narrow for a cell folds it onto more lines
+    (rich's default cuts it with '…', which loses the digits of a number). A file or a pipe has no width
+    to respect, so the table is printed at its natural width: rich caps a console that is not a terminal at
+    80 columns (or $COLUMNS), and asking `print(width=132)` cannot go above that cap."""
+    con = con or console()
+    for col in table.columns:
+        # fold, never cut; no_wrap would keep a cell on one line and cut it anyway when it does not fit
+        col.overflow, col.no_wrap = "fold", False
+    if con.is_terminal:
+        con.print(table)
+        return
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    natural = Measurement.get(con, con.options.update_width(100_000), table).maximum
+    # a console of that width on the same stream (con.file follows a redirected sys.stdout / sys.stderr)
+    Console(file=con.file, width=max(natural, con.width), highlight=False, no_color=True).print(table)
+
+
 def _prints() -> bool:
     return _state["rank"] == 0 or _state["all_ranks"]
 

@@ -677,4 +677,4 @@ def _table(records: list[dict], tol_loss: float, tol_param: float, steps: int, d
             "-" if r.get("final_loss_gap") is None else f"{100 * r['final_loss_gap']:+.2f}% (judged)",
             "pass" if r["passed"] else "FAIL",
         )
-    log.console().print(t)
+    log.print_table(t)

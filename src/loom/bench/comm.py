@@ -113,7 +113,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
             f"{r['algbw_gbps']:.3f}",
             f"{r['busbw_gbps']:.3f}",
         )
-    log.console().print(table)
+    log.print_table(table)
 
 
 def plot(records: list[dict[str, Any]], path: str | Path) -> None:

@@ -218,7 +218,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
             f"{100 * r['fraction_of_copy']:.0f}%",
             "n/a" if ratio is None else f"{ratio:.2f}x",
         )
-    log.console().print(table)
+    log.print_table(table)
     log.info(
         f"bytes per step: 28 x {first['n_params']:,} = {first['bytes_per_step'] / 1e9:.3f} GB; copy bandwidth "
         f"{first['copy_bandwidth_gbps']:.1f} GB/s (2 x {first['copy_bytes'] / 2**20:.0f} MiB / median time); "

@@ -153,7 +153,7 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
             table.add_row(
                 "copy", "fp32", f"{r['bandwidth_gbps']:.1f} GB/s", f"{r['bytes'] / 2**20:.0f} MiB", "", ""
             )
-    log.console().print(table)
+    log.print_table(table)
     for r in records:
         if "note" in r:
             log.info(f"{r['what']} {r['dtype']}: {r['note']}")

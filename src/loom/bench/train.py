@@ -285,8 +285,7 @@ def print_table(records: list[dict[str, Any]], title: str) -> None:
             "" if r["compile_s"] is None else f"{r['compile_s']:.1f}s",
             f"{100 * r['comm_exposed_share']:.0f}%",
         )
-    console = log.console()
-    console.print(table, width=None if console.is_terminal else 132)  # files and pipes: no squeezed columns
+    log.print_table(table)  # whole in files and pipes, folded in a narrow terminal
     r0 = records[0]
     log.info(
         f"{r0['params'] / 1e6:.2f}M params | {r0['tokens_per_step']:,} tokens/step | {r0['dtype']} | "

@@ -453,7 +453,7 @@ def _print_inspect(info: dict) -> None:
         docs = "n/a" if s["documents"] is None else f"{s['documents']:,} ({s['documents_from']})"
         ids = "-" if s["min_id"] is None else f"{s['min_id']}..{s['max_id']}"
         table.add_row(name, str(len(s["files"])), ",".join(s["dtype"]), f"{s['tokens']:,}", docs, ids)
-    con.print(table)
+    log.print_table(table, con)
     con.print(f"first ids of {info['sample_from']}: {info['sample_ids']}", markup=False)
     if info["sample"] is not None:
         con.print(f"decoded: {info['sample']!r}", markup=False)
