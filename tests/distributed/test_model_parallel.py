@@ -172,6 +172,29 @@ def test_pipeline_micro_batch_rules():
     assert (d.pp_microbatches, d.micro_batch_size, d.grad_accum) == (8, 1, 1)
 
 
+@pytest.mark.parametrize(
+    "schedule, pp, batch, expected",
+    [
+        ("1f1b", 2, 16, 2),
+        ("gpipe", 2, 16, 2),
+        ("1f1b", 4, 6, 6),
+        ("interleaved-1f1b", 2, 12, 2),
+        ("1f1b", 3, 8, 4),
+    ],
+)
+def test_pipeline_micro_batches_default_to_one_per_stage(schedule, pp, batch, expected):
+    """Neither parallel.pp_microbatches nor train.micro_batch_size set: docs/parallelism.md's `--nproc 2
+    --parallel.pp=2 --parallel.pp_schedule=1f1b` gets one micro-batch per stage (it got 1, an error), or the
+    smallest count above that which divides the local batch."""
+    cfg = load_config(
+        None,
+        [f"--parallel.pp={pp}", f"--parallel.pp_schedule={schedule}", "--model.n_layer=4"]
+        + [f"--train.batch_size={batch}"],
+    )
+    d = validate(cfg, world=pp)[0]
+    assert (d.pp_microbatches, d.micro_batch_size, d.grad_accum) == (expected, batch // expected, 1)
+
+
 def test_unknown_schedule_and_cli_errors_before_any_process(tmp_path, char_data):
     with pytest.raises(LoomError, match="must be one of gpipe, 1f1b"):
         load_config(None, ["--parallel.pp_schedule=looped"])

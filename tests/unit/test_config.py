@@ -95,6 +95,25 @@ def test_validate_errors(args, dp, match):
         validate(load_config(None, args), world=dp)
 
 
+def test_min_lr_follows_lr_unless_set(tmp_path):
+    """optim.min_lr unset ends the decay at lr / 10 (docs/models.md's `--optim.lr=3e-5` failed against a fixed
+    1e-4); a value a run sets (a config, an old run's config.toml) is kept; a bad one names --optim.min_lr."""
+    cfg = load_config(None, ["--optim.lr=3e-5"])
+    validate(cfg)
+    assert cfg.optim.end_lr() == pytest.approx(3e-6)
+    assert load_config(None, []).optim.end_lr() == pytest.approx(1e-4)  # lr 1e-3: the old default's end
+    assert load_config(None, ["--optim.min_lr=0"]).optim.end_lr() == 0.0
+    old = tmp_path / "config.toml"  # what runs saved before: a number, kept as it is
+    old.write_text("[optim]\nlr = 6e-4\nmin_lr = 0.0001\n")
+    assert load_config(old, []).optim.end_lr() == 1e-4
+    with pytest.raises(LoomError, match="min_lr <= optim.lr") as e:
+        validate(load_config(None, ["--optim.lr=3e-5", "--optim.min_lr=1e-4"]))
+    assert "--optim.min_lr" in e.value.hint
+    with pytest.raises(LoomError, match="min_lr") as e:
+        validate(load_config(None, ["--optim.min_lr=-2"]))
+    assert "--optim.min_lr" in e.value.hint
+
+
 def test_an_activation_that_swiglu_does_not_read_is_warned_about(monkeypatch):
     """model.activation set with mlp=swiglu did nothing, silently; the Llama preset alone says nothing."""
     from loom import log

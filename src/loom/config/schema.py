@@ -52,6 +52,8 @@ _DEFAULT_WIDTHS = (
     "{model.ffn_hidden}"
 )
 _LR = "need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={optim.lr}, min_lr={optim.min_lr}"
+_LR_HINT = "set --optim.min_lr (at most optim.lr), or leave it at -1: lr / 10"
+MIN_LR_FOLLOWS = -1.0  # optim.min_lr's default: the end of the decay follows lr (lr / 10)
 _BETAS = "optim.beta1/beta2 must be in [0, 1); got {optim.beta1}, {optim.beta2}"
 _MUON = (
     "optim.muon_*: need muon_lr > 0, 0 <= muon_momentum < 1, muon_ns_steps >= 1, muon_weight_decay >= 0; "
@@ -321,7 +323,7 @@ class TrainConfig:
     memory_snapshot: str = _f(
         "off",
         "off | on_oom: record the device's allocation history and, when it runs out of memory, dump it into "
-        "RUN/memory/ and exit with code 75 (view the file at pytorch.org/memory_viz) | steps: also dump at "
+        "RUN/memory/ and exit with code 71 (view the file at pytorch.org/memory_viz) | steps: also dump at "
         "train.memory_snapshot_steps. On CUDA only a real history exists; elsewhere the file holds what the "
         "device can say (see loom.train.memory).",
     )
@@ -336,8 +338,16 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(1e-3, "Peak learning rate, reached after warmup_steps.", gt=0, msg=_LR)
-    min_lr: float = _f(1e-4, "Learning rate at the end of the cosine decay.", ge=0, msg=_LR)
+    lr: float = _f(1e-3, "Peak learning rate, reached after warmup_steps.", gt=0, msg=_LR, hint=_LR_HINT)
+    min_lr: float = _f(
+        MIN_LR_FOLLOWS,
+        "Learning rate at the end of the decay; -1: lr / 10 (nanoGPT's rule, after Chinchilla), so it follows "
+        "a changed optim.lr. A run's config.toml keeps the value it was given.",
+        ge=0,
+        also=MIN_LR_FOLLOWS,
+        msg=_LR,
+        hint=_LR_HINT,
+    )
     warmup_steps: int = _f(100, "Linear warm-up steps.", ge=0)
     weight_decay: float = _f(0.1, "AdamW weight decay, applied to >=2-D parameters only.", ge=0)
     beta1: float = _f(0.9, "AdamW beta1.", ge=0, lt=1, msg=_BETAS)
@@ -377,13 +387,19 @@ class OptimConfig:
         0.3, "optim.schedule=wsd: fraction of train.steps spent in the final linear decay.", ge=0, le=1
     )
 
+    def end_lr(self) -> float:
+        """The learning rate the decay ends at: min_lr, or lr / 10 when min_lr is MIN_LR_FOLLOWS (unset)."""
+        return self.lr / 10 if self.min_lr == MIN_LR_FOLLOWS else self.min_lr
+
 
 @dataclass
 class PrecisionConfig:
     dtype: str = _f(
-        "fp32",
-        "fp32 | bf16 (autocast) | fp16 (autocast with dynamic loss scaling) | auto (bf16 where the device "
-        "has bf16 units: GPUs since Ampere, CPUs with AVX512-BF16/AMX; fp16 on older GPUs; else fp32).",
+        "auto",
+        "auto | fp32 | bf16 (autocast) | fp16 (autocast with dynamic loss scaling). auto, the default: bf16 "
+        "where the device has bf16 units (GPUs since Ampere, CPUs with AVX512-BF16/AMX: 2.3x fp32's speed on "
+        "the demo's model), fp16 on older GPUs, else fp32 (emulated bf16 is slower); the run's first lines "
+        "say the choice. fp32 for exact comparisons.",
     )
     tf32: bool = _f(True, "CUDA: TF32 tensor cores for fp32 matmuls and convolutions (ignored on CPU).")
     init_scale: float = _f(65536.0, "fp16: initial loss scale (halved after each overflow step).", gt=0)
@@ -479,7 +495,10 @@ class ParallelConfig:
     )
     pp_schedule: str = _f("1f1b", "Pipeline schedule: gpipe | 1f1b | interleaved-1f1b | zero-bubble.")
     pp_microbatches: int = _f(
-        0, "Micro-batches per pipeline step; 0: the local batch / train.micro_batch_size."
+        0,
+        "Micro-batches per pipeline step; 0: the local batch / train.micro_batch_size when that is set, else "
+        "one per stage (pp; the smallest count >= pp that divides the local batch, a multiple of pp for the "
+        "looped schedules).",
     )
     grad_compression: str = _f(
         "none",
@@ -631,6 +650,18 @@ class RLConfig:
     eval_every: int = _f(0, "Held-out pass@1 / pass@k every N steps (0: only after the last).", ge=0)
     eval_k: int = _f(4, "k of pass@k: samples per held-out prompt at temperature 1 (0: greedy only).", ge=0)
     eval_limit: int = _f(0, "Held-out prompts scored (0: all).", ge=0)
+    reward_timeout: float = _f(
+        0.0,
+        "Seconds a reward call may run (0: no bound); one past it is stopped (SIGALRM, main thread) and its "
+        "sample dropped and counted, like a reward that raises.",
+        ge=0,
+    )
+    max_dropped_steps: int = _f(
+        20,
+        "Stop the run with an error once this many steps in a row dropped every group (equal rewards in each: "
+        "no advantage, nothing learned); 0: never.",
+        ge=0,
+    )
 
 
 @dataclass

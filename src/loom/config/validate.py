@@ -15,6 +15,7 @@ from typing import Any
 from loom.config.layout import SHARDED, Derived, ParallelDims
 from loom.config.schema import (
     _LR,
+    _LR_HINT,
     FAMILY_SECTIONS,
     SCHEDULE_STAGES_PER_RANK,
     Config,
@@ -67,6 +68,12 @@ def _check_rl(cfg: Config, dp: int, dp_impl: str) -> None:
             f"rl.group_size={r.group_size}: an advantage is a reward against its group's, and a group of one has "
             "nothing to compare with (its advantage is always 0)",
             hint="set rl.group_size >= 2 (8 or 16 are usual)",
+        )
+    if r.max_new_tokens >= cfg.model.block_size:
+        raise LoomError(
+            f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in model.block_size="
+            f"{cfg.model.block_size}: a prompt and its answer share one block",
+            hint=f"set rl.max_new_tokens below {cfg.model.block_size} (the longest prompt plus it must fit)",
         )
     if t.batch_size % (r.group_size * dp):
         raise LoomError(
@@ -325,8 +332,8 @@ def _check_fields(cfg: Config) -> None:
                 msg = f.metadata["msg"].format(**sections) if "msg" in f.metadata else None
                 raise LoomError(msg or _bound_message(key, v, f.metadata), hint=f.metadata.get("hint"))
     t = cfg.train
-    if cfg.optim.min_lr > cfg.optim.lr:
-        raise LoomError(_LR.format(**sections))
+    if cfg.optim.end_lr() > cfg.optim.lr:
+        raise LoomError(_LR.format(**sections), hint=_LR_HINT)
     if t.hellaswag_every and not t.hellaswag_data:
         raise LoomError(
             f"train.hellaswag_every={t.hellaswag_every} needs train.hellaswag_data (a HellaSwag JSONL)",
@@ -574,6 +581,12 @@ def derive_batch(cfg: Config, dp_size: int) -> Derived:
     # Pipeline: the schedule's micro-batches replace gradient accumulation.
     local = t.batch_size // dp_size
     n_mb = p.pp_microbatches or local // micro
+    if not p.pp_microbatches and not t.micro_batch_size:
+        # Neither set: the fewest micro-batches the schedule runs well, one per stage (a multiple of pp for the
+        # looped schedules) that divides the local batch, not one micro-batch that leaves the stages idle.
+        looped = SCHEDULE_STAGES_PER_RANK[p.pp_schedule] > 1
+        fits = [n for n in range(p.pp, local + 1) if local % n == 0 and not (looped and n % p.pp)]
+        n_mb = fits[0] if fits else n_mb
     if n_mb < 1 or local % n_mb:
         raise LoomError(f"parallel.pp_microbatches={n_mb} does not divide the local batch {local}")
     if p.pp_schedule != "gpipe" and n_mb < p.pp:

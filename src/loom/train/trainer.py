@@ -50,11 +50,12 @@ from loom.parallel import fp8, parallelize
 from loom.parallel.offload import ActivationOffload
 from loom.parallel.state import model_state_bytes
 from loom.runs import pin_base, pretrained_state
-from loom.train.budget import TimeBudget
+from loom.train.budget import TimeBudget, run_length_warnings
 from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointParts, CheckpointPolicy
 from loom.train.finetune import finetune_model, training_flops_per_token
 from loom.train.guard import (
     StepGuard,
+    StopBeforeStep,
     StopRequest,
     grad_flags,
     largest_grads,
@@ -65,7 +66,7 @@ from loom.train.logger import MetricsLogger
 from loom.train.memory import MemorySnapshots
 from loom.train.profile import StepProfiler
 from loom.train.run_files import write_run_files
-from loom.train.setup import resolve_precision
+from loom.train.setup import precision_reason, resolve_precision
 from loom.train.stage import build_stage
 from loom.train.state import ModelOptimState, RngState, TrainState
 
@@ -158,8 +159,13 @@ class Trainer:
         the loss scaler (enabled for fp16)."""
         cfg, device, p = self.cfg, self.device, self.cfg.precision
         dtype = resolve_precision(p.dtype, device, loss_scaling=cfg.parallel.pp == 1)
-        if p.dtype == "auto":
-            log.info(f"precision.dtype=auto: {dtype} on {device}")
+        if p.dtype == "auto":  # the default: say what it chose and why (fp32 for exact comparisons)
+            log.info(
+                f"precision {dtype} (precision.dtype=auto: {precision_reason(dtype, device)}; "
+                f"--precision.dtype=fp32 for fp32 everywhere)"
+                if dtype != "fp32"
+                else f"precision fp32 (precision.dtype=auto: {precision_reason(dtype, device)})"
+            )
         if dtype == "bf16":
             check_bf16(device, "precision.dtype")
         fp8.check_device(p.fp8, device)
@@ -352,7 +358,9 @@ class Trainer:
 
     def _set_lr(self) -> float:
         o = self.cfg.optim
-        lr = lr_at(self.step, o.lr, o.min_lr, o.warmup_steps, self.cfg.train.steps, o.schedule, o.decay_frac)
+        lr = lr_at(
+            self.step, o.lr, o.end_lr(), o.warmup_steps, self.cfg.train.steps, o.schedule, o.decay_frac
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -390,7 +398,9 @@ class Trainer:
             rec.update(spike=self.guard.note, **self._explain(names, norms))
         if stop:
             rec["stop"] = self.stop.signal or "a signal on another rank"
-        rec.update(dt=dt, **self.throughput.step(self.derived.tokens_per_step, dt))
+        trained = getattr(self.stage, "trained_tokens", None)  # loom rl: its answers' targets, not the padding
+        tokens = self.derived.tokens_per_step if trained is None else trained
+        rec.update(dt=dt, **self.throughput.step(tokens, dt))
         rec["tokens"] = self.step * self.derived.tokens_per_step
         mix = self.stage.batches.state_dict().get("mix")
         if mix:  # data.mix: the tokens each source gave so far (rows of block_size targets)
@@ -461,6 +471,7 @@ class Trainer:
             self.main,
             spec.config(self.cfg, self.meta["vocab_size"]),
             spec,
+            self.stage,
         )
         return build_evaluators(setup)
 
@@ -523,7 +534,13 @@ class Trainer:
         self.stage.begin(
             self.parallel, self._autocast
         )  # DPO: the reference log-probabilities; RL: its sampler
-        self.budget = TimeBudget(self.cfg, self.step, self.control.broadcast_object, self._save_config)
+        if self.step == 0:  # a new run: evaluators that take a baseline measure the start model (loom rl's pass@k)
+            self._evaluate(0, final=False, baseline=True)
+        self.budget = TimeBudget(
+            self.cfg, self.step, self.control.broadcast_object, self._save_config, self._say_run_length
+        )
+        if not self.budget.active:  # else once the budget has chosen train.steps
+            self._say_run_length()
         stopped = None
         self.stop.install()
         try:
@@ -548,6 +565,14 @@ class Trainer:
         self.logger.close()
         return summary
 
+    def _say_run_length(self) -> None:
+        """Rank 0's warnings about what the run's length hides (loom.train.budget.run_length_warnings)."""
+        windows = getattr(getattr(self.batches, "loader", None), "windows", None)  # pretraining's ShardLoader
+        rows_per_step = self.derived.tokens_per_step // self.cfg.model.block_size
+        for line in run_length_warnings(self.cfg, windows.n if windows is not None else None, rows_per_step):
+            if self.main:
+                log.warn(line)
+
     def _one_step(self) -> str | None:
         """A step, then each component in turn decides what is due after it (torchtitan's loop): the time
         budget, the logger, the bad-step guard, a stop on a signal, each evaluator, the checkpointer. Returns
@@ -557,6 +582,8 @@ class Trainer:
             rec = self.train_step()
         except torch.OutOfMemoryError as e:  # the snapshot (train.memory_snapshot), then a named exit
             raise self.memory.out_of_memory(self.step + 1, e) from None
+        except StopBeforeStep as e:  # a signal while the stage made the batch (a hung RL reward): not taken
+            return self._stop(e.why)
         if self.stragglers is not None:
             self.stragglers.after_step(self.step, self.phases.take())
         self.budget.after_step(self.step, rec["dt"])  # train.time_budget_s may set train.steps here
@@ -576,11 +603,12 @@ class Trainer:
         self.memory.after_step(self.step)
         return None
 
-    def _evaluate(self, tokens: int, final: bool) -> None:
-        """Every evaluator that is due after this step; rank 0 logs and records what each found."""
+    def _evaluate(self, tokens: int, final: bool, baseline: bool = False) -> None:
+        """Every evaluator that is due after this step (`baseline`: before the first, those whose `baseline` is
+        set); rank 0 logs and records what each found."""
         ctx = self.eval_context()
         for ev in self.evaluators:
-            if ev.due(self.step, final):
+            if getattr(ev, "baseline", False) if baseline else ev.due(self.step, final):
                 found = ev.run(ctx)
                 if self.main and found:
                     log.info(ev.line(self.step, found), style="bold")
