@@ -69,10 +69,11 @@ class SyntheticLoader:
 
 
 def synthetic_vocab(cfg: config.Config) -> int:
-    """model.vocab_size, else the configured data's vocabulary, else the built-in corpus's BPE size."""
+    """model.vocab_size, else the configured data's vocabulary, else (no data folder: --synthetic reads none)
+    data.vocab_size, said in a warning."""
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
-    if cfg.data.path:
+    if cfg.data.path and Path(cfg.data.path).exists():
         from loom.data.loader import read_meta
 
         try:
@@ -82,7 +83,13 @@ def synthetic_vocab(cfg: config.Config) -> int:
                 f"--synthetic: cannot read the vocabulary of data.path '{cfg.data.path}'",
                 hint="give the vocabulary with --model.vocab_size=N (e.g. 65 for Tiny Shakespeare characters)",
             ) from None
-    if cfg.data.tokenizer == "bpe":
+    if cfg.data.path:  # the folder is not made yet: the benchmark needs no data, only a vocabulary size
+        log.warn(
+            f"--synthetic: data.path '{cfg.data.path}' does not exist; measuring with a vocabulary of "
+            f"{cfg.data.vocab_size} (data.vocab_size): give the data's with --model.vocab_size=N"
+        )
+        return cfg.data.vocab_size
+    if cfg.data.tokenizer == "bpe":  # the built-in corpus's
         return cfg.data.vocab_size
     raise LoomError("--synthetic needs a vocabulary size", hint="pass --model.vocab_size=N")
 
