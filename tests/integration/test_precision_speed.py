@@ -182,8 +182,23 @@ def test_bench_train_reads_real_data(char_data, tmp_path):
 def test_bench_train_bad_input(tmp_path, capsys):
     assert main(["bench", "train", "--synthetic", "--ac", "half", *TINY]) == 2
     assert "--ac: unknown mode(s) half" in capsys.readouterr().err
-    assert main(["bench", "train", "--synthetic", f"--data.path={tmp_path / 'missing'}", *TINY]) == 2
+    (tmp_path / "empty").mkdir()  # a folder that is there but holds no prepared data
+    assert main(["bench", "train", "--synthetic", f"--data.path={tmp_path / 'empty'}", *TINY]) == 2
     assert "--model.vocab_size" in capsys.readouterr().err
+
+
+def test_bench_train_synthetic_needs_no_data_folder(tmp_path, capsys):
+    """--synthetic reads no data: a config whose data.path is not made yet (docs/training.md's) still measures,
+    at data.vocab_size, and says so."""
+    args = ["bench", "train", "--synthetic", f"--data.path={tmp_path / 'missing'}", *TINY]
+    assert (
+        main([*args, "--steps", "1", "--warmup", "0", "--rounds", "1", "--json", str(tmp_path / "r.json")])
+        == 0
+    )
+    out = capsys.readouterr()
+    assert "does not exist; measuring with a vocabulary of 4096" in out.out + out.err
+    (rec,) = json.loads((tmp_path / "r.json").read_text())
+    assert rec["synthetic"]
 
 
 @pytest.mark.slow
