@@ -114,8 +114,98 @@ def resolve_run_data(cfg: Config, run_dir: Path | None, ckpt: Path | None) -> Pa
     asks of the data (finetune.check_data)."""
     if run_dir is None:
         check_writable(Path(cfg.run.dir))
+    if ckpt is not None:
+        check_data_kind(cfg, run_dir, ckpt)
     saved = run_dir is not None and (run_dir / "tokenizer" / "meta.json").is_file()
     # the run's checkpoints were trained with its tokenizer: data with another (same size or not) is refused
     data_dir, meta = resolve_data_meta(cfg, run_dir / "tokenizer" if saved else None)
     finetune.check_data(cfg, data_dir, meta, starting=ckpt is None)
     return data_dir
+
+
+# The kinds of data a run trains on, each its own training stage (loom.train.stage): what a resume must keep.
+DATA_KINDS = {
+    "rl": "RL prompts (rl.prompts)",
+    "pairs": "preference pairs (DPO)",
+    "chat": "conversations (SFT)",
+    "mix": "a mixture of sources (data.mix)",
+    "plain": "plain token shards (pretraining)",
+}
+_VERBS = {
+    "rl": "loom rl",
+    "pairs": "loom dpo",
+    "chat": "loom sft",
+    "mix": "loom train",
+    "plain": "loom train",
+}
+
+
+def saved_data_kind(loader_state: dict) -> str:
+    """The kind of data a checkpoint's loader position ("loader" of its state.json) was written by, read from
+    the keys each loader saves (RL's rollouts, the chat and pair loaders' "kind", a mixture's "mix"), so
+    checkpoints written before this check are read too."""
+    if "rollouts" in loader_state:
+        return "rl"
+    if loader_state.get("kind") in ("pairs", "chat"):
+        return loader_state["kind"]
+    return "mix" if "mix" in loader_state else "plain"
+
+
+def requested_data_kind(cfg: Config, saved: str) -> str | None:
+    """The kind of data `cfg` would train on: the stage loom.train.stage.build_stage would choose (its STAGES'
+    order: RL, preference pairs, chat, pretraining), a mixture apart from one source. A mixture run given
+    data.path (`saved` == "mix") trains on that path. None: the data cannot be read (its own checks say why)."""
+    from loom.data.loader import read_meta
+    from loom.train.stage import STAGES
+
+    d = cfg.data
+    switched = bool(d.mix and d.path and saved == "mix")  # data.path on a mixture run: the path's kind
+    meta: dict = {}
+    if d.path and (switched or not d.mix):
+        try:
+            meta = read_meta(d.path)
+        except LoomError:
+            return None
+    stage = next(s for s in STAGES if s.applies(cfg, meta)).name
+    if stage == "pretrain":
+        return "mix" if d.mix and not switched else "plain"
+    return {"rl": "rl", "dpo": "pairs", "sft": "chat"}[stage]
+
+
+def _data_words(kind: str, data: dict, prompts: str) -> str:
+    """How a config names the data of `kind` (data.path, data.sources and data.mix, rl.prompts) as options."""
+    if kind == "rl":
+        return f"--rl.prompts={prompts}"
+    if kind == "mix":
+        sources = data.get("sources") or ""
+        return (f"--data.sources={sources} " if sources else "") + f"--data.mix={data.get('mix', '')}"
+    return f"--data.path={data['path']}" if data.get("path") else "the built-in corpus (no data.path)"
+
+
+def check_data_kind(cfg: Config, run_dir: Path, ckpt: Path) -> None:
+    """A resumed run keeps the kind of data it trained on (DATA_KINDS): a DPO run given chat data would go on
+    as SFT in the same folder (its metrics, its checkpoints, its reference log-probabilities dropped), a
+    mixture run given data.path would read another stream. Refused, in every direction, before any step and
+    before anything in the run folder changes (state.json's loader position and config only)."""
+    state = checkpoint.read_state(ckpt)
+    loader = state.get("loader")
+    if not isinstance(loader, dict):
+        return  # no loader position to continue: nothing the data could contradict
+    was = saved_data_kind(loader)
+    now = requested_data_kind(cfg, was)
+    if now is None or now == was:
+        return
+    saved = state.get("config") or {}
+    before = _data_words(was, saved.get("data") or {}, (saved.get("rl") or {}).get("prompts", ""))
+    d = cfg.data
+    after = _data_words(now, {"path": d.path, "sources": d.sources, "mix": d.mix}, cfg.rl.prompts)
+    start = after if after.startswith("--") else ""  # the built-in corpus is no option
+    if was == "rl":
+        after += " without rl.prompts"
+    raise LoomError(
+        f"run '{run_dir}' trained on {DATA_KINDS[was]} and this resume gives it {DATA_KINDS[now]} ({after}): "
+        f"a resumed run keeps the kind of data it started with (its checkpoint '{ckpt.name}' holds a "
+        f"{was} loader position)",
+        hint=f"resume it with its own data ({before}), or start a new run from its weights: "
+        f"{_VERBS[now]} --model.init_from=run:{run_dir} {start}".rstrip(),
+    )
