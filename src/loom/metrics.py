@@ -236,10 +236,15 @@ def _step_of(record: dict) -> int | None:
 
 
 def format_step(rec: dict) -> str:
-    """The console line for a training record."""
+    """The console line for a training record (loom rl's: its reward and held-out pass rates; a step whose groups
+    were all dropped says so instead of a loss of 0)."""
     mfu = "n/a" if rec.get("mfu") is None else f"{100 * rec['mfu']:.1f}%"
+    if rec.get("rl/trained_tokens") == 0:  # loom rl: no answer to learn from, no gradient
+        update = f"{_rl_dropped(rec)} | lr {rec['lr']:.2e}"
+    else:
+        update = f"loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | norm {rec['grad_norm']:.3f}"
     return (
-        f"step {rec['step']:>6} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | norm {rec['grad_norm']:.3f}"
+        f"step {rec['step']:>6} | {update}{_rl_figures(rec)}"
         f" | dt {1000 * rec['dt']:.1f}ms (f {1000 * rec['dtf']:.0f} b {1000 * rec['dtb']:.0f})"
         f" | {rec['tokens_per_s']:,.0f} tok/s | mfu {mfu} | mem {rec['mem_bytes'] / 2**20:.0f}MiB"
         + (
@@ -252,6 +257,31 @@ def format_step(rec: dict) -> str:
             f" | margin {rec['dpo/margin']:.3f} acc {rec['dpo/accuracy']:.2f}" if "dpo/margin" in rec else ""
         )
     )
+
+
+def _rl_dropped(rec: dict) -> str:
+    """Why a loom rl step trained nothing: its groups' rewards were all equal, or failed."""
+    if "rl/groups" not in rec:  # a batch used again (rl.updates_per_batch): its rollout was reported before
+        return "no gradient: every group of this batch's rollout was dropped"
+    n, equal, failed = rec["rl/groups"], rec.get("rl/dropped_groups", 0), rec.get("rl/error_groups", 0)
+    why = [f"{equal} with equal rewards"] if equal else []
+    why += [f"{failed} with a failed reward"] if failed else []
+    return f"no gradient: all {n} groups dropped ({', '.join(why) or 'no signal'})"
+
+
+def _rl_figures(rec: dict) -> str:
+    """loom rl: the rollout's mean reward and dropped groups, and the latest held-out pass rates."""
+    out = ""
+    if "rl/reward_mean" in rec:
+        out += f" | reward {rec['rl/reward_mean']:.3f}"
+        dropped = rec.get("rl/dropped_groups", 0) + rec.get("rl/error_groups", 0)
+        if dropped and rec.get("rl/trained_tokens"):
+            out += f" ({dropped}/{rec.get('rl/groups', '?')} groups dropped)"
+    held = rec.get("rl/heldout")
+    if held:
+        rates = " ".join(f"{k} {v:.3f}" for k, v in held.items() if k.startswith("pass@"))
+        out += f" | held-out {rates} (step {held['step']})"
+    return out
 
 
 # ------------------------------------------------------------------ trackers (the `track` extra)

@@ -2,10 +2,13 @@
 panel of validation bits per byte when the runs recorded it (comparable across tokenizers), one of the
 capability scores when they recorded any (eval.tasks' accuracies, CORE: loom.eval.capability), one of
 preference tuning's rewards, margin and accuracy (loom dpo), and two of loom rl's figures (reward, held-out
-pass@k; answer length, entropy, clipping, KL) for RL runs."""
+pass@k; answer length, entropy, clipping, KL) for RL runs. An RL run's training loss is its policy loss, a
+surrogate near 0 whatever the model learns, so its validation loss (the chat data's cross-entropy) is drawn on
+an axis of its own."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from loom.errors import LoomError
@@ -45,15 +48,19 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
         _plot_dpo(runs, axes[0][at])
     if rl:
         _plot_rl(runs, axes[0][at + dpo], axes[0][at + dpo + 1])
+    ax_sft = ax.twinx() if rl else None  # RL runs' val loss: another quantity than their policy loss
     for i, (rd, recs) in enumerate(runs):
         color = f"C{i % 10}"
         train = [(r["tokens"], r["loss"]) for r in recs if "loss" in r and "tokens" in r]
         val = [(r["tokens"], r["val_loss"]) for r in recs if "val_loss" in r]
         name = Path(rd).name
+        is_rl = any("rl/reward_mean" in r for r in recs)
         if train:
-            ax.plot(*zip(*train, strict=True), color=color, alpha=0.6, label=f"{name} train")
+            what = "policy loss" if is_rl else "train"
+            ax.plot(*zip(*train, strict=True), color=color, alpha=0.6, label=f"{name} {what}")
         if val:
-            ax.plot(*zip(*val, strict=True), color=color, marker="o", linestyle="--", label=f"{name} val")
+            on, what = (ax_sft, "val loss (chat data)") if is_rl else (ax, "val")
+            on.plot(*zip(*val, strict=True), color=color, marker="o", linestyle="--", label=f"{name} {what}")
         bpb = [(r["tokens"], r["val_bpb"]) for r in recs if "val_bpb" in r]
         if bpb:
             ax_bpb.plot(*zip(*bpb, strict=True), color=color, marker="o", linestyle="--", label=name)
@@ -79,9 +86,13 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
         ax_bpb.grid(alpha=0.3)
         ax_bpb.legend()
     ax.set_xlabel("tokens")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss (RL: policy loss)" if rl else "loss")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left")
+    if ax_sft is not None:
+        ax_sft.set_ylabel("RL runs: val loss on the chat data (cross-entropy)")
+        if ax_sft.lines:
+            ax_sft.legend(loc="upper right")
     out = Path(out) if out else Path(run_dirs[0]) / "loss.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -189,10 +200,11 @@ def _plot_rl(runs: list, ax_reward, ax_detail) -> None:
         if pts:
             steps, mean, std = zip(*pts, strict=True)
             ax_reward.plot(steps, mean, color=color, label=f"{name} reward")
-            lo, hi = (
-                [m - s for m, s in zip(mean, std, strict=True)],
-                [m + s for m, s in zip(mean, std, strict=True)],
-            )
+            low, high = _reward_range(
+                recs
+            )  # mean +- std clipped to what the rewards took: never below 0 for 0/1
+            lo = [max(m - s, low) for m, s in zip(mean, std, strict=True)]
+            hi = [min(m + s, high) for m, s in zip(mean, std, strict=True)]
             ax_reward.fill_between(steps, lo, hi, color=color, alpha=0.15)
         for j, key in enumerate(sorted({k for r in recs for k in r if k.startswith("rl/pass@")})):
             held = [(r["step"], r[key]) for r in recs if key in r]
@@ -215,6 +227,14 @@ def _plot_rl(runs: list, ax_reward, ax_detail) -> None:
         a.set_ylabel(label)
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
+
+
+def _reward_range(recs: list[dict]) -> tuple[float, float]:
+    """The range an RL run's rewards took (rl/reward_min, rl/reward_max of its rollouts); unbounded for a run
+    recorded before they were."""
+    lows = [r["rl/reward_min"] for r in recs if "rl/reward_min" in r]
+    highs = [r["rl/reward_max"] for r in recs if "rl/reward_max" in r]
+    return (min(lows) if lows else -math.inf, max(highs) if highs else math.inf)
 
 
 def _shares(recs: list[dict], src: str) -> list[tuple[int, float]]:

@@ -2,14 +2,24 @@
 for bit (CPU, fp32, one thread in every process: faultkit.ENV). Nothing of the sampler is saved but the count of
 rollouts drawn: each answer's seed is a function of the run's seed, the rollout and the prompt's place
 (loom.rl.rollout.sample_seed), so the resumed run samples what the uninterrupted one did. With
-rl.updates_per_batch=2 a checkpoint may fall in the middle of a batch, which it then holds."""
+rl.updates_per_batch=2 a checkpoint may fall in the middle of a batch, which it then holds.
+
+SIGTERM while a reward hangs: the reward is interrupted, the rollout given up (its step not taken), the run
+saves its stop checkpoint and exits EXIT_PREEMPTED; --resume draws that rollout again and continues the
+uninterrupted run's rewards and losses bit for bit."""
 
 from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
 
 from faultkit import Proc, records, run_inprocess, wait_for
 from rlkit import rl_args
 
 from loom import checkpoint
+from loom.errors import EXIT_PREEMPTED
 
 REGEX = ["--rl.reward=regex", "--rl.pattern=1"]
 
@@ -44,3 +54,58 @@ def test_kill_9_during_rl_then_resume_equals_an_uninterrupted_run(rl_root, tmp_p
     assert sorted(cut) == list(range(1, 11))
     assert whole == cut
     assert any(g > 0 for _, g, _ in whole.values())
+
+
+HANGS = """
+import time
+from pathlib import Path
+
+STATE = {"calls": 0, "hang_after": None, "marker": None}
+
+
+def score(sample):
+    \"\"\"regex's reward for a 1 in the answer; past STATE["hang_after"] calls it hangs for good.\"\"\"
+    STATE["calls"] += 1
+    if STATE["hang_after"] is not None and STATE["calls"] > STATE["hang_after"]:
+        Path(STATE["marker"]).write_text("hung")
+        while True:
+            time.sleep(3600)
+    return float("1" in sample.text)
+"""
+
+
+def test_sigterm_while_a_reward_hangs_stops_saves_and_resumes_exactly(rl_root, tmp_path, monkeypatch):
+    """The reward hangs from the second rollout on (no rl.reward_timeout: nothing else would end it); a SIGTERM
+    then stops the run at once with the stop checkpoint of step 1; --resume with the reward mended gives the
+    uninterrupted run's steps 2-3."""
+    (tmp_path / "hangs_reward.py").write_text(HANGS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hangs_reward
+
+    flat = ["--rl.reward=hangs_reward:score", "--train.steps=3", "--train.ckpt_every=100"]
+    runs, marker = rl_root / "runs", tmp_path / "hung"
+    hangs_reward.STATE.update(calls=0, hang_after=None)
+    assert run_inprocess(rl_args(rl_root, "t-whole", *flat)) == 0
+
+    hangs_reward.STATE.update(calls=0, hang_after=8, marker=str(marker))  # 8 answers a rollout
+
+    def terminate():
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # this process: the trainer's handler, chained by the reward's
+
+    sender = threading.Thread(target=terminate, daemon=True)
+    sender.start()
+    t0 = time.monotonic()
+    assert run_inprocess(rl_args(rl_root, "t-cut", *flat)) == EXIT_PREEMPTED
+    sender.join(5)
+    assert marker.exists() and time.monotonic() - t0 < 100  # stopped by the signal, not by the hang's end
+    saved = checkpoint.latest_valid(runs / "t-cut" / "ckpt")
+    assert saved is not None and int(saved.name.split("_")[1]) == 1  # the stop checkpoint
+    assert max(_by_step(runs / "t-cut")) == 1  # step 2 was not taken
+
+    hangs_reward.STATE.update(calls=0, hang_after=None)
+    assert run_inprocess([*rl_args(rl_root, "t-cut", *flat), "--resume"]) == 0
+    whole, cut = _by_step(runs / "t-whole"), _by_step(runs / "t-cut")
+    assert sorted(cut) == [1, 2, 3] and whole == cut

@@ -8,11 +8,12 @@ losses), and the contract for bad input (a LoomError that names the cause, befor
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-from rlkit import rl_args
+from rlkit import QUIET, rl_args
 
 from loom.cli import main
 from loom.errors import LoomError
@@ -34,10 +35,11 @@ def _heldout(run_dir) -> list[dict]:
     return [r for r in recs if "rl/pass@1" in r]
 
 
-def test_rl_trains_and_records_its_figures(rl_root):
+def test_rl_trains_and_records_its_figures(rl_root, capsys):
     held = f"--rl.eval_prompts={rl_root / 'arith' / 'rl_heldout.jsonl'}"
     args = rl_args(rl_root, "full", *REGEX, "--train.steps=3", held, "--rl.eval_k=2", "--rl.eval_every=2")
     assert main(args) == 0
+    out = capsys.readouterr().out
     recs = _records(rl_root / "runs" / "full")
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:
@@ -57,8 +59,22 @@ def test_rl_trains_and_records_its_figures(rl_root):
         assert r["rl/logprob_diff"] < 1e-5  # fp32: the sampler's and the trainer's log-probabilities
     assert any(r["rl/trained_tokens"] > 0 and r["grad_norm"] > 0 for r in recs)
     held_recs = _heldout(rl_root / "runs" / "full")
-    assert [r["step"] for r in held_recs] == [2, 3]
+    assert [r["step"] for r in held_recs] == [0, 2, 3]  # step 0: the start model's, the baseline
     assert all(0 <= r["rl/pass@1"] <= r["rl/pass@2"] + 1 for r in held_recs)
+    # issue 58 item 6: tokens/s (and MFU) count the trained answer tokens, not batch_size x block_size
+    for r in recs:
+        assert r["tokens_per_s"] * r["dt"] == pytest.approx(r["rl/trained_tokens"], rel=1e-9, abs=1e-9)
+    # the console line: the reward, and the latest held-out pass rates with the step they were measured at
+    assert recs[0]["rl/heldout"] == {
+        "step": 0,
+        "pass@1": held_recs[0]["rl/pass@1"],
+        "pass@2": held_recs[0]["rl/pass@2"],
+    }
+    lines = [line for line in out.splitlines() if line.lstrip().startswith("step ") and "| lr " in line]
+    assert len(lines) == 3 and all(
+        f"reward {r['rl/reward_mean']:.3f}" in lines[i] for i, r in enumerate(recs)
+    )
+    assert "held-out pass@1" in lines[0] and "(step 0)" in lines[0] and "(step 2)" in lines[2]
 
 
 def test_rl_with_lora_kl_and_several_updates_per_batch(rl_root):
@@ -89,7 +105,7 @@ def test_engine_logprobs_match_the_training_forward(rl_root):
     model = spec_of(cfg).build_model(cfg, meta["vocab_size"], "cpu")
     model.load_state_dict(pretrained_state(cfg, model), strict=False)
     template = rl_template(rl_root / "chat", meta)
-    prompts = load_prompts(rl_root / "arith" / "rl_train.jsonl", "answer", template, 28)
+    prompts = load_prompts(rl_root / "arith" / "rl_train.jsonl", "answer", template, 32, 4)
     seeds = [[10 * i + g for g in range(4)] for i in range(6)]
     reqs = sample(model, prompts.ids[:6], seeds, 4, template.stop_ids, meta["vocab_size"], batch_invariant)
     b = build_batch(reqs, [1.0] * len(reqs), [True] * len(reqs), template.eot_id)
@@ -166,6 +182,187 @@ def test_a_failing_reward_is_a_counted_skip_and_an_error_when_every_sample_fails
     assert "failed on every sample" in capsys.readouterr().err
 
 
+HANGING = """
+import time
+
+STATE = {"calls": 0, "every": 0}
+
+
+def score(sample):
+    \"\"\"regex's reward for a 1 in the answer; every STATE["every"]-th call hangs (and catches what it can).\"\"\"
+    STATE["calls"] += 1
+    if STATE["every"] and STATE["calls"] % STATE["every"] == 0:
+        try:
+            time.sleep(3600)
+        except Exception:  # a reward's own handler must not swallow the timeout
+            pass
+        while True:
+            pass
+    return float("1" in sample.text)
+"""
+
+
+def test_a_reward_that_hangs_is_cut_by_rl_reward_timeout_and_counted(rl_root, tmp_path, monkeypatch):
+    """Every fourth reward call hangs (asleep, then in a busy loop): rl.reward_timeout=0.2 cuts each, its sample
+    dropped and counted as a failed reward, and the run goes on."""
+    (tmp_path / "hanging_reward.py").write_text(HANGING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hanging_reward
+
+    hanging_reward.STATE.update(calls=0, every=4)
+    args = rl_args(rl_root, "hang", "--rl.reward=hanging_reward:score", "--rl.reward_timeout=0.2")
+    assert main([*args, "--train.steps=2"]) == 0
+    recs = _records(rl_root / "runs" / "hang")
+    assert [r["step"] for r in recs] == [1, 2]
+    assert [r["rl/reward_errors"] for r in recs] == [2, 2]  # 8 answers a step: calls 4 and 8 cut
+    assert [r["rl/error_groups"] for r in recs] == [2, 2]  # one cut answer in each group of 4
+
+
+def test_rl_that_drops_every_group_says_so_and_stops(rl_root, capsys):
+    """A reward no answer earns (all 0): every group's rewards are equal, no advantage. Each step's console line
+    says why instead of a loss of 0, and rl.max_dropped_steps=3 such steps in a row stop the run with an error
+    that says what the rewards were, before a fourth step."""
+    args = rl_args(rl_root, "flat", "--rl.reward=regex", "--rl.pattern=^never$", "--rl.max_dropped_steps=3")
+    assert main([*args, "--train.steps=10"]) == 2
+    out, err = capsys.readouterr()
+    assert "loom: error: the last 3 steps dropped every group" in err and "Traceback" not in err, err
+    assert "rewards between 0 and 0 over 2 groups" in err and "too hard" in err
+    recs = _records(rl_root / "runs" / "flat")
+    assert [r["step"] for r in recs] == [1, 2]
+    assert all(r["rl/trained_tokens"] == 0 and r["loss"] == 0 for r in recs)
+    lines = [line for line in out.splitlines() if "no gradient" in line]
+    assert len(lines) == 2 and all("all 2 groups dropped (2 with equal rewards)" in line for line in lines)
+    assert not any("loss 0.0000" in line for line in lines)
+
+
+@pytest.fixture(scope="module")
+def saved_rl_run(rl_root):
+    """An RL run of 2 steps with a checkpoint at its end, resumed by the tests below (never continued)."""
+    assert main(rl_args(rl_root, "saved", *REGEX, "--train.steps=2", "--train.ckpt_every=2")) == 0
+    return rl_root / "runs" / "saved"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (["--rl.group_size=2"], "rl.group_size: the run's 4, this resume's 2"),
+        (["--train.batch_size=16"], "train.batch_size: the run's 8, this resume's 16"),
+        (["--run.seed=7"], "run.seed: the run's 1337, this resume's 7"),
+        (["--rl.prompts={other}"], "holds other prompts"),
+    ],
+)
+def test_a_resume_with_other_rl_settings_is_refused(saved_rl_run, rl_root, tmp_path, change, message, capsys):
+    """As data.mix refuses another mixture on resume: the rollouts after the checkpoint would not be the run's.
+    The same prompts moved elsewhere (the same content) are the same prompts: that resume goes on."""
+    prompts = (rl_root / "arith" / "rl_train.jsonl").read_text().splitlines()
+    (tmp_path / "other.jsonl").write_text("\n".join(prompts[1:] + prompts[:1]) + "\n")  # reordered
+    (tmp_path / "moved.jsonl").write_text("\n".join(prompts) + "\n")
+    change = [c.format(other=tmp_path / "other.jsonl") for c in change]
+    resume = ["rl", "--resume", str(saved_rl_run), "--train.steps=3"]
+    assert main([*resume, *change]) == 2
+    err = capsys.readouterr().err
+    assert "loom: error: the checkpoint's rollouts were drawn with other RL settings" in err, err
+    assert message in err and "resume with the run's own" in err
+    if change[0].startswith("--rl.prompts"):
+        copy = rl_root / "runs" / "saved-moved"
+        shutil.copytree(saved_rl_run, copy)
+        assert (
+            main(["rl", "--resume", str(copy), "--train.steps=3", f"--rl.prompts={tmp_path / 'moved.jsonl'}"])
+            == 0
+        )
+
+
+def test_rl_sft_and_dpo_resume_a_run_from_its_folder_alone(rl_root, saved_rl_run):
+    """`loom rl|sft|dpo --resume RUN` read what the verb insists on (prompts, data, model.init_from) from the
+    run's saved config, as `loom train --resume RUN` does: no flag again."""
+    runs = rl_root / "runs"
+    copy = runs / "rl-again"
+    shutil.copytree(saved_rl_run, copy)
+    assert main(["rl", "--resume", str(copy), "--train.steps=3"]) == 0
+    assert [r["step"] for r in _records(copy)][-1] == 3
+    sft = [f"--data.path={rl_root / 'chat'}", f"--model.init_from=run:{runs / 'sft'}", f"--run.dir={runs}"]
+    assert main(["sft", *sft, "--run.name=sft-r", *QUIET, "--train.steps=2", "--train.batch_size=8"]) == 0
+    assert main(["sft", "--resume", str(runs / "sft-r"), "--train.steps=3"]) == 0
+    pairs = [
+        {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+        for a in range(9)
+        for b in range(9)
+    ]
+    (rl_root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    prep = [
+        "data",
+        "prepare",
+        "--pairs",
+        "--input",
+        str(rl_root / "pairs.jsonl"),
+        "--out",
+        str(rl_root / "pref"),
+    ]
+    assert main([*prep, "--tokenizer", str(runs / "sft"), "--block-size", "32"]) == 0
+    dpo = [f"--data.path={rl_root / 'pref'}", f"--model.init_from=run:{runs / 'sft'}", f"--run.dir={runs}"]
+    assert main(["dpo", *dpo, "--run.name=dpo-r", *QUIET, "--train.steps=2", "--train.batch_size=4"]) == 0
+    assert main(["dpo", "--resume", str(runs / "dpo-r"), "--train.steps=3"]) == 0
+    for name in ("sft-r", "dpo-r"):
+        assert [r["step"] for r in _records(runs / name)][-1] == 3
+
+
+def _prompts(rl_root, tmp_path, lines: list[str], max_new: int = 4):
+    from loom.data.loader import read_meta
+    from loom.rl.prompts import load_prompts, rl_template
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    template = rl_template(rl_root / "chat", read_meta(rl_root / "chat"))
+    return load_prompts(path, "answer", template, 32, max_new)
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"prompt": "1+2=", "answer": "3"}', "", "{not json"], r"p.jsonl:3: not JSON"),
+        (['{"prompt": "1+2=", "answer": "3"}', "[1, 2]"], r"p.jsonl:2: a prompt row is a JSON object"),
+        (['{"prompt": "1+2=", "answer": "3"}', "", '{"answer": "3"}'], r"p.jsonl:3: a prompt row needs"),
+        (['{"messages": [{"role": "user"}], "answer": "3"}'], r"p.jsonl:1: 'messages' is a non-empty list"),
+        (
+            ['{"prompt": "1+2=", "answer": "3"}', '{"prompt": "2+2=4", "answer": "4"}'],
+            r"p.jsonl:2: the prompt already ends with its answer '4'",
+        ),
+        (
+            ['{"prompt": "1+2=", "answer": "3"}', '{"prompt": "x", "answer": "3"}', '{"prompt": "y"}'],
+            r"1 of 3 prompt rows lack the field 'answer' the reward reads \(first: line 3\)",
+        ),
+    ],
+)
+def test_prompt_file_errors_name_the_file_and_the_line(rl_root, tmp_path, lines, message):
+    with pytest.raises(LoomError, match=message):
+        _prompts(rl_root, tmp_path, lines)
+
+
+def test_prompts_that_leave_no_room_for_the_answer_are_refused_with_the_numbers(rl_root, tmp_path):
+    from loom.config import config_from_dict, validate
+
+    ok = _prompts(
+        rl_root, tmp_path, ['{"prompt": "0+5", "answer": "5"}', '{"prompt": "1+2=", "answer": "3"}']
+    )
+    assert len(ok) == 2  # "0+5" ends with its answer but not after "=": a question, not an answer
+    with pytest.raises(
+        LoomError,
+        match=r"the \d+ tokens its answer leaves \(model.block_size=32 minus rl.max_new_tokens=30\); the shortest is \d+ tokens \(line 1\)",
+    ) as e:
+        _prompts(rl_root, tmp_path, ['{"prompt": "1+2=", "answer": "3"}'], max_new=30)
+    assert "lower rl.max_new_tokens to" in e.value.hint
+    cfg = {
+        "model": {"block_size": 32},
+        "train": {"batch_size": 8},
+        "rl": {"prompts": "p.jsonl", "group_size": 4},
+    }
+    cfg["rl"]["max_new_tokens"] = 40
+    with pytest.raises(
+        LoomError, match=r"rl.max_new_tokens=40 leaves no room for a prompt in model.block_size=32"
+    ):
+        validate(config_from_dict(cfg), world=1)
+
+
 @pytest.mark.parametrize("keys", [{"pp": 2}, {"cp": 2}, {"dp_impl": "mpi"}, {"tp": 2, "sp": True}])
 def test_rl_layouts_that_split_an_answer_are_refused(keys):
     from loom.config import config_from_dict, validate
@@ -183,14 +380,36 @@ def test_rl_layouts_that_split_an_answer_are_refused(keys):
         validate(cfg, world=2)
 
 
-def test_plot_draws_the_rl_panels(rl_root, tmp_path):
+def test_plot_draws_the_rl_panels(rl_root, tmp_path, monkeypatch):
+    """The policy loss and the chat data's val loss on axes of their own; the reward's spread (mean +- std)
+    clipped to the range the rewards took (0 to 1 here, never below 0)."""
+    import matplotlib.figure
+    from matplotlib.collections import PolyCollection
+
     from loom.plot import plot_runs
 
     run = rl_root / "runs" / "full"
     if not (run / "metrics.jsonl").exists():
         assert main(rl_args(rl_root, "full", *REGEX, "--train.steps=2")) == 0
+    figs = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(
+        matplotlib.figure.Figure, "savefig", lambda f, *a, **k: (figs.append(f), save(f, *a, **k))
+    )
     out = plot_runs([run], tmp_path / "rl.png")
     assert out.stat().st_size > 10_000
+    axes = {a.get_ylabel(): a for a in figs[0].axes}
+    policy = axes["loss (RL: policy loss)"]
+    val = next(a for label, a in axes.items() if label.startswith("RL runs: val loss"))
+    assert [line.get_label() for line in policy.lines] == ["full policy loss"]
+    assert [line.get_label() for line in val.lines] == ["full val loss (chat data)"]
+    reward = axes["reward / held-out pass rate"]
+    band = next(c for c in reward.collections if isinstance(c, PolyCollection))
+    ys = band.get_paths()[0].vertices[:, 1]
+    recs = _records(run)
+    low = min(r["rl/reward_min"] for r in recs if "rl/reward_min" in r)
+    high = max(r["rl/reward_max"] for r in recs if "rl/reward_max" in r)
+    assert low >= 0 and high <= 1 and ys.min() >= low and ys.max() <= high
 
 
 def test_the_batch_holds_trained_rows_and_fills_each_micro_batch():

@@ -3,12 +3,16 @@
 Compared against: the rewards' definitions on hand-made answers; a user module written here (it raises,
 returns NaN, returns a string); advantages computed by hand; the policy-gradient loss's gradient against the
 advantage-weighted cross-entropy it must equal on-policy, and the clipped surrogate's zero gradient outside
-its bounds; the k3 estimator's closed form."""
+its bounds; the k3 estimator's closed form; rewards that hang against rl.reward_timeout and a real SIGTERM."""
 
 from __future__ import annotations
 
 import math
+import os
+import signal
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -16,7 +20,7 @@ import torch.nn.functional as F
 
 from loom.errors import LoomError
 from loom.rl.loss import k3, policy_loss
-from loom.rl.rewards import final_answer, load_reward
+from loom.rl.rewards import Reward, RewardGuard, RewardStopped, final_answer, load_reward
 from loom.rl.rollout import advantages, prompt_index, sample_seed
 
 
@@ -132,3 +136,47 @@ def test_k3_kl_estimator():
     with_kl, stats = policy_loss(logits, y, adv, lp_t, (0.2, 0.28), lp_t - 0.1, 0.5)
     assert float(stats["kl"]) > 0
     assert torch.allclose(with_kl - base, 0.5 * stats["kl"], atol=1e-5)
+
+
+def _sleeps(sample):
+    time.sleep(3600)
+
+
+def _spins_and_swallows(sample):
+    while True:
+        try:
+            time.sleep(0.01)
+        except Exception:  # a reward's own broad handler: the timeout is no Exception, so it gets through
+            pass
+
+
+def test_a_reward_past_rl_reward_timeout_is_a_counted_skip():
+    guard = RewardGuard(0.1)
+    before = signal.getsignal(signal.SIGALRM)
+    with guard.watching():
+        for fn in (_sleeps, _spins_and_swallows):
+            t0 = time.monotonic()
+            v, why = Reward("mine", fn, None).score({}, "x", guard)
+            assert v is None and "past rl.reward_timeout=0.1s" in why
+            assert time.monotonic() - t0 < 30  # cut, not slept out
+        v, why = Reward("ok", lambda s: 1.0, None).score({}, "x", guard)  # the bound ends with its call
+        time.sleep(0.2)
+        assert (v, why) == (1.0, None)
+    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_stop_signal_interrupts_a_hung_reward_and_reaches_the_previous_handler():
+    """A real SIGTERM to this process while a reward sleeps: the handler the guard replaced (the trainer's stop
+    flag) still runs, the reward is interrupted (RewardStopped) and the guard says which signal stopped it."""
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        guard = RewardGuard()  # no timeout: only the signal ends the call
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        with guard.watching(), pytest.raises(RewardStopped):
+            Reward("hangs", _sleeps, None).score({}, "x", guard)
+        assert seen == [signal.SIGTERM] and guard.stopped == "SIGTERM"
+    finally:
+        restored = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)
+    assert callable(restored) and restored.__name__ == "<lambda>"  # the guard put the trainer's back

@@ -151,9 +151,9 @@ def train(argv: list[str], stage: str = "train") -> int:
         return 0
     args.config, rest = config.config_argv(argv, args.config, rest)
     cfg = config.load_config(args.config, rest)
-    if stage in _CHECKS:
-        _CHECKS[stage](cfg)
     explicit = config.explicit_keys(args.config, rest)
+    if stage in _CHECKS:  # on a resume, the run's own settings: `loom rl --resume RUN` needs no flag again
+        _CHECKS[stage](_resumed(cfg, args.resume, explicit) if args.resume else cfg)
     if args.max_restarts < 0:
         raise LoomError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.nproc is not None and args.nproc > 1:
@@ -175,6 +175,18 @@ def train(argv: list[str], stage: str = "train") -> int:
         finally:
             stop_server()
     return _run(req, args.log_all_ranks)
+
+
+def _resumed(cfg, resume, explicit):
+    """The config a --resume trains with (the run's saved config.toml, this command line's keys winning), which
+    a verb's checks read as `loom train --resume` would; `cfg` itself when there is no saved config to read
+    (the resume's own checks then say why)."""
+    from loom.train.setup import resolve_run_dir, resumed_config
+
+    run_dir = resolve_run_dir(cfg, resume, force=False)
+    if not (run_dir / "config.toml").is_file():
+        return cfg
+    return resumed_config(run_dir, cfg, set(explicit))
 
 
 def _run(req, log_all_ranks: bool) -> int:

@@ -69,12 +69,6 @@ def _check_rl(cfg: Config, dp: int, dp_impl: str) -> None:
             "nothing to compare with (its advantage is always 0)",
             hint="set rl.group_size >= 2 (8 or 16 are usual)",
         )
-    if r.max_new_tokens >= cfg.model.block_size:
-        raise LoomError(
-            f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in model.block_size="
-            f"{cfg.model.block_size}: a prompt and its answer share one block",
-            hint=f"set rl.max_new_tokens below {cfg.model.block_size} (the longest prompt plus it must fit)",
-        )
     if t.batch_size % (r.group_size * dp):
         raise LoomError(
             f"train.batch_size={t.batch_size} answers must be whole groups of rl.group_size={r.group_size} on "
@@ -92,6 +86,12 @@ def _check_rl(cfg: Config, dp: int, dp_impl: str) -> None:
             "loom rl with parallel.sp: the sampler decodes one token per row, which sequence parallel cannot split "
             "over the tensor-parallel ranks",
             hint="set parallel.sp=false (tensor parallel samples and trains without it)",
+        )
+    if r.max_new_tokens >= cfg.model.block_size:
+        raise LoomError(
+            f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in model.block_size="
+            f"{cfg.model.block_size}: a prompt and its answer share one block",
+            hint=f"set rl.max_new_tokens below {cfg.model.block_size} (the longest prompt plus it must fit)",
         )
 
 

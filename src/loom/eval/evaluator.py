@@ -51,6 +51,7 @@ class Every:
 
     every: int
     in_metrics = True  # its records go to metrics.jsonl (the sampler's text goes to samples.txt instead)
+    baseline = False  # also measured before a new run's first step (step 0: what training starts from)
 
     def due(self, step: int, final: bool) -> bool:
         return final or (self.every > 0 and step % self.every == 0)
@@ -68,6 +69,7 @@ class EvalSetup:
     main: bool  # rank 0: the rank that writes files
     model_cfg: Any  # the family's own model config (ModelSpec.config)
     spec: Any  # the family's loom.model.registry.ModelSpec
+    stage: Any = None  # the run's training stage (loom.train.stage), for an evaluator that reports through it
 
 
 EvaluatorFactory = Callable[[EvalSetup], "Evaluator | None"]  # None: not asked for by this run's config

@@ -1,27 +1,32 @@
-"""Held-out pass@1 and pass@k every rl.eval_every steps and after the last (an evaluator: loom.eval.evaluator).
+"""Held-out pass@1 and pass@k before the first step (the baseline, step 0), every rl.eval_every steps and after
+the last (an evaluator: loom.eval.evaluator).
 
 pass@1 is the greedy answer's; pass@k the share of prompts with a correct answer among k samples at
 temperature 1 (seeded: the same draws at every evaluation); correct means a reward > 0."""
 
 from __future__ import annotations
 
+from loom import log
 from loom.data.loader import read_meta
 from loom.eval.evaluator import Every, register_evaluator
 from loom.rl.prompts import load_prompts, rl_template
-from loom.rl.rewards import load_reward
+from loom.rl.rewards import RewardGuard, RewardStopped, load_reward
 from loom.rl.rollout import sample, sample_seed
 
 
 class HeldOut(Every):
     name = "rl_heldout"
+    baseline = True  # pass@k of the start model: what RL improves on
 
     def __init__(self, cfg, template, vocab: int):
         r = cfg.rl
         super().__init__(r.eval_every)
         self.rl, self.template, self.vocab, self.seed = r, template, vocab, cfg.run.seed
         self.reward = load_reward(r.reward, r.answer_field, r.pattern)
+        self.guard = RewardGuard(r.reward_timeout)
+        self.last: dict = {}  # the latest figures and their step: the RL stage puts them on the console line
         self.prompts = load_prompts(
-            r.eval_prompts, self.reward.field, template, cfg.model.block_size - r.max_new_tokens
+            r.eval_prompts, self.reward.field, template, cfg.model.block_size, r.max_new_tokens
         )
         if r.eval_limit:
             self.prompts.rows, self.prompts.ids = (
@@ -30,10 +35,16 @@ class HeldOut(Every):
             )
 
     def _correct(self, reqs, per: int) -> list[list[bool]]:
+        """Whether each answer is correct (a reward > 0; a failed or timed-out reward is not), by prompt.
+        RewardStopped: a stop signal while scoring (the evaluation is given up)."""
         out = []
-        for j, q in enumerate(reqs):
-            v, _ = self.reward.score(self.prompts.rows[j // per], self.template.tok.decode(q.tokens))
-            out.append(v is not None and v > 0)
+        with self.guard.watching():
+            for j, q in enumerate(reqs):
+                if self.guard.stopped:
+                    raise RewardStopped
+                row, text = self.prompts.rows[j // per], self.template.tok.decode(q.tokens)
+                v, _ = self.reward.score(row, text, self.guard)
+                out.append(v is not None and v > 0)
         return [out[i * per : (i + 1) * per] for i in range(len(self.prompts))]
 
     def run(self, ctx) -> dict | None:
@@ -45,9 +56,14 @@ class HeldOut(Every):
         greedy = sample(model, ids, [[0]] * len(ids), *args, temperature=0.0)
         seeds = [[sample_seed(self.seed, -1, i, g) for g in range(k)] for i in range(len(ids))]
         drawn = sample(model, ids, seeds, *args) if k > 0 else []
-        rec = {"rl/pass@1": sum(c[0] for c in self._correct(greedy, 1)) / len(ids)}
-        if k > 0:
-            rec[f"rl/pass@{k}"] = sum(any(c) for c in self._correct(drawn, k)) / len(ids)
+        try:
+            rec = {"rl/pass@1": sum(c[0] for c in self._correct(greedy, 1)) / len(ids)}
+            if k > 0:
+                rec[f"rl/pass@{k}"] = sum(any(c) for c in self._correct(drawn, k)) / len(ids)
+        except RewardStopped:  # the run stops after its next step; this evaluation is not finished
+            log.warn(f"step {ctx.step}: held-out evaluation given up: {self.guard.stopped} while scoring")
+            return None
+        self.last = {"step": ctx.step, **{key[3:]: v for key, v in rec.items()}}
         return rec
 
     def line(self, step: int, record: dict) -> str:
@@ -58,7 +74,10 @@ def _factory(setup):
     if not setup.cfg.rl.prompts or not setup.cfg.rl.eval_prompts:
         return None
     meta = read_meta(setup.data_dir)
-    return HeldOut(setup.cfg, rl_template(setup.data_dir, meta), meta["vocab_size"])
+    ev = HeldOut(setup.cfg, rl_template(setup.data_dir, meta), meta["vocab_size"])
+    if setup.stage is not None and hasattr(setup.stage, "heldout"):
+        setup.stage.heldout = ev  # the RL stage's console line shows the latest pass@k
+    return ev
 
 
 register_evaluator("rl_heldout", _factory)

@@ -4,6 +4,7 @@ assistant's turn, or `prompt`, one user message), with whatever fields its rewar
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,21 @@ class Prompts:
 
 def _messages(row: dict, where: str) -> list[dict]:
     if "messages" in row:
-        return row["messages"]
+        conv = row["messages"]
+        ok = (
+            isinstance(conv, list)
+            and conv
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in conv
+            )
+        )
+        if not ok:
+            raise LoomError(
+                f'{where}: \'messages\' is a non-empty list of {{"role": ..., "content": ...}} objects',
+                hint='e.g. {"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}',
+            )
+        return conv
     if isinstance(row.get("prompt"), str):
         return [{"role": "user", "content": row["prompt"]}]
     raise LoomError(
@@ -37,14 +52,18 @@ def _messages(row: dict, where: str) -> list[dict]:
     )
 
 
-def read_rows(path: str | Path, field: str | None) -> list[dict]:
-    """The file's rows, each checked to hold `field` (the reward's) before any work: a missing field is an
-    error naming the first line that lacks it and how many do."""
+def read_numbered(path: str | Path, field: str | None) -> tuple[list[dict], list[int]]:
+    """(the file's rows, the line number of each), each row checked to hold `field` (the reward's) before any
+    work: a missing field is an error naming the first line that lacks it and how many do."""
     path = Path(path)
     if not path.is_file():
         raise LoomError(f"rl prompts '{path}' is not a file", hint="write them with scripts/make_arith.py")
-    rows, lacking = [], []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    rows, numbers, lacking = [], [], []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise LoomError(f"{path}: not UTF-8 text ({e})", hint="one JSON object a line, UTF-8") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -56,6 +75,7 @@ def read_rows(path: str | Path, field: str | None) -> list[dict]:
         if field and field not in row:
             lacking.append(n)
         rows.append(row)
+        numbers.append(n)
     if lacking:
         raise LoomError(
             f"{path}: {len(lacking)} of {len(rows)} prompt rows lack the field '{field}' the reward reads "
@@ -64,17 +84,41 @@ def read_rows(path: str | Path, field: str | None) -> list[dict]:
         )
     if not rows:
         raise LoomError(f"rl prompts '{path}' holds no rows")
-    return rows
+    return rows, numbers
 
 
-def load_prompts(path: str | Path, field: str | None, template, room: int) -> Prompts:
-    """The rows of `path` with their prompt ids; a prompt longer than `room` tokens (block_size - the answer's
-    rl.max_new_tokens) is skipped and counted, and none left is an error."""
-    rows = read_rows(path, field)
-    convs = [_messages(r, f"{path}:{i + 1}") for i, r in enumerate(rows)]
-    keep_rows, keep_ids, skipped = [], [], 0
-    for row, conv in zip(rows, convs, strict=True):
-        ids = template.prompt(conv)
+def _check_not_answered(conv: list[dict], answer, where: str) -> None:
+    """A prompt whose text already ends with its answer ('2+3=5' for 5) is refused: sampling would reward
+    copying it, and the held-out pass rate would measure nothing."""
+    text = conv[-1]["content"].rstrip()
+    want = str(answer).strip()
+    if want and re.search(r"(?:[=:]|####)\s*" + re.escape(want) + r"$", text):
+        raise LoomError(
+            f"{where}: the prompt already ends with its answer {want!r} ({text[-40:]!r}): the model would be "
+            "rewarded for copying it",
+            hint='end each prompt before its answer (e.g. "2+3=" with the answer "5")',
+        )
+
+
+def load_prompts(path: str | Path, field: str | None, template, block_size: int, max_new: int) -> Prompts:
+    """The rows of `path` with their prompt ids; a prompt longer than the room its answer leaves (block_size -
+    max_new, rl.max_new_tokens) is skipped and counted, and none left is an error with the numbers. Errors name
+    the file and line."""
+    room = block_size - max_new
+    rows, numbers = read_numbered(path, field)
+    keep_rows, keep_ids, skipped, shortest = [], [], 0, None
+    for row, n in zip(rows, numbers, strict=True):
+        where = f"{path}:{n}"
+        conv = _messages(row, where)
+        if field:
+            _check_not_answered(conv, row[field], where)
+        try:
+            ids = template.prompt(conv)
+        except (KeyError, TypeError, ValueError) as e:
+            why = f"{type(e).__name__}: {e}"
+            raise LoomError(f"{where}: the chat template cannot write this prompt ({why})") from None
+        if shortest is None or len(ids) < shortest[0]:
+            shortest = (len(ids), n)
         if len(ids) > room:
             skipped += 1
             continue
@@ -84,9 +128,11 @@ def load_prompts(path: str | Path, field: str | None, template, room: int) -> Pr
         log.warn(f"{path}: {skipped} of {len(rows)} prompts skipped: longer than {room} tokens")
     if not keep_ids:
         raise LoomError(
-            f"{path}: every prompt is longer than the {room} tokens left for it (model.block_size minus "
-            "rl.max_new_tokens)",
-            hint="lower rl.max_new_tokens, or use a model with a larger block_size",
+            f"{path}: every prompt is longer than the {room} tokens its answer leaves (model.block_size="
+            f"{block_size} minus rl.max_new_tokens={max_new}); the shortest is {shortest[0]} tokens (line "
+            f"{shortest[1]})",
+            hint=f"lower rl.max_new_tokens to {block_size - shortest[0]} or less, or use a model with a larger "
+            "block_size",
         )
     return Prompts(keep_rows, keep_ids, skipped)
 

@@ -3,20 +3,104 @@
 Built-ins: `exact` (the answer's final line equals the row's answer field, stripped), `numeric` (the answer's
 last number equals the field's, within 1e-6), `regex` (1 when rl.pattern matches the answer, else 0). A
 function of your own is named `module:function` and loaded like a family plug-in (imported by name); it takes a
-`Sample` and returns a number. A reward that raises, or returns NaN or something not a number, is a counted skip
-(`score` returns None and the reason), never a crash mid-run.
+`Sample` and returns a number. A reward that raises, or returns NaN or something not a number, or runs longer
+than rl.reward_timeout seconds, is a counted skip (`score` returns None and the reason), never a crash mid-run.
+
+While rewards are scored (`RewardGuard`), a SIGTERM or SIGINT reaches the trainer's stop handler as always and
+also interrupts the reward running then: a reward that hangs cannot hold a stop (the rollout is abandoned and
+the step not taken: loom.rl.stage).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import numbers
 import re
-from collections.abc import Callable
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from loom import log
 from loom.errors import LoomError
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # loom.train.guard.StopRequest's
+
+
+class RewardTimeout(BaseException):
+    """Raised inside a reward function that ran past rl.reward_timeout. A BaseException, like KeyboardInterrupt:
+    a reward's own `except Exception` must not swallow it."""
+
+
+class RewardStopped(BaseException):
+    """Raised inside a reward function when a stop signal arrives while it runs (the run is stopping)."""
+
+
+class RewardGuard:
+    """Each reward call bounded by `timeout` seconds (0: unbounded) with SIGALRM, and stop signals noted
+    (`stopped`) and made to interrupt the call under way. Signals reach only the main thread: elsewhere the
+    calls run unbounded (said once)."""
+
+    def __init__(self, timeout: float = 0.0):
+        self.timeout = timeout
+        self.stopped: str | None = None  # the stop signal seen while scoring, if any
+        self._armed = False  # inside a reward call: a signal now interrupts it
+        self._main = False
+        self._warned = False
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[RewardGuard]:
+        """Install the handlers for a scoring pass (main thread only), chained to the ones they replace."""
+        self._main = threading.current_thread() is threading.main_thread()
+        if not self._main:
+            if self.timeout > 0 and not self._warned:
+                self._warned = True
+                log.warn("rl.reward_timeout needs the main thread (SIGALRM): rewards run unbounded here")
+            yield self
+            return
+        previous = {s: signal.getsignal(s) for s in (*STOP_SIGNALS, signal.SIGALRM)}
+
+        def on_stop(signum, frame):
+            self.stopped = self.stopped or signal.Signals(signum).name
+            before = previous[signum]
+            if callable(before):  # the trainer's StopRequest: its flag, its deadline
+                before(signum, frame)
+            if self._armed:
+                self._armed = False
+                raise RewardStopped
+
+        def on_alarm(signum, frame):
+            if self._armed:
+                self._armed = False
+                raise RewardTimeout
+
+        try:
+            for s in STOP_SIGNALS:
+                signal.signal(s, on_stop)
+            signal.signal(signal.SIGALRM, on_alarm)
+            yield self
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            for s, handler in previous.items():
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+    def call(self, fn: Callable, arg):
+        """fn(arg), interrupted by RewardTimeout past the timeout or RewardStopped on a stop signal."""
+        if not self._main:
+            return fn(arg)
+        self._armed = True
+        if self.timeout > 0:
+            signal.setitimer(signal.ITIMER_REAL, self.timeout)
+        try:
+            return fn(arg)
+        finally:
+            self._armed = False  # first: a signal handled from here on returns without raising
+            if self.timeout > 0:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+
 
 BUILTIN = ("exact", "numeric", "regex")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -63,11 +147,18 @@ class Reward:
     fn: Callable[[Sample], object]
     field: str | None
 
-    def score(self, row: dict, text: str) -> tuple[float | None, str | None]:
-        """(reward, None), or (None, why) when the function raised or returned NaN or a non-number."""
+    def score(
+        self, row: dict, text: str, guard: RewardGuard | None = None
+    ) -> tuple[float | None, str | None]:
+        """(reward, None), or (None, why) when the function raised, returned NaN or a non-number, or ran past
+        the guard's timeout. RewardStopped (a stop signal during the call) propagates."""
         sample = Sample(row, text, row.get(self.field) if self.field else None)
+        start = time.monotonic()
         try:
-            value = self.fn(sample)
+            value = guard.call(self.fn, sample) if guard is not None else self.fn(sample)
+        except RewardTimeout:
+            took = time.monotonic() - start
+            return None, f"{self.name} ran {took:.1f}s, past rl.reward_timeout={guard.timeout:g}s"
         except Exception as e:  # a user's function: any failure is its sample's counted skip
             return None, f"{self.name} raised {type(e).__name__}: {e}"
         if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -9,25 +10,38 @@ import torch.distributed as dist
 
 from loom import log
 from loom.errors import LoomError
+from loom.rl.rewards import RewardStopped
 from loom.rl.rollout import advantages
 
 
 def score_groups(stage, reqs, rows: list[dict], G: int) -> tuple[list[float], list[bool], dict]:
     """(each row's advantage, whether it trains, the rollout's figures). A group with a sample whose reward
-    failed is dropped (counted: reward_errors); so is one whose rewards are all equal, with
-    rl.dynamic_sampling. Every sample failing is an error: the reward, not the model, is broken."""
+    failed (raised, returned a non-number, ran past rl.reward_timeout) is dropped (counted: reward_errors); so
+    is one whose rewards are all equal, with rl.dynamic_sampling. Every sample failing is an error: the reward,
+    not the model, is broken. A stop signal while scoring (stage.guard.stopped) ends the pass at once: every
+    row untrained, stats["stopped"] set (the stage abandons the rollout)."""
     texts = [stage.template.tok.decode(r.tokens) for r in reqs]
     values, errors, first = [], 0, None
-    for j, text in enumerate(texts):
-        v, why = stage.reward.score(rows[j // G], text)
-        if why is not None:
-            errors += 1
-            first = first or why
-        values.append(v)
+    guard = stage.guard
+    with guard.watching():
+        for j, text in enumerate(texts):
+            if guard.stopped:
+                break
+            try:
+                v, why = stage.reward.score(rows[j // G], text, guard)
+            except RewardStopped:
+                break
+            if why is not None:
+                errors += 1
+                first = first or why
+            values.append(v)
+    if guard.stopped:
+        return [0.0] * len(reqs), [False] * len(reqs), {"stopped": guard.stopped}
     if errors == len(values):
         raise LoomError(
             f"the reward failed on every sample of a rollout; the first: {first}",
-            hint="fix the reward function (a sample is loom.rl.rewards.Sample: row, text, answer)",
+            hint="fix the reward function (a sample is loom.rl.rewards.Sample: row, text, answer), or raise "
+            "rl.reward_timeout if it only needs longer",
         )
     if errors:
         log.warn(f"{errors} samples' rewards failed and their groups were dropped; the first: {first}")
@@ -46,6 +60,9 @@ def score_groups(stage, reqs, rows: list[dict], G: int) -> tuple[list[float], li
         "reward_errors": errors,
         "answer_tokens": sum(len(q.tokens) for q in reqs),
         "answers": len(reqs),
+        "groups": groups,
+        "reward_min": min(good),
+        "reward_max": max(good),
     }
     row_adv = [float(adv[j // G, j % G]) for j in range(len(reqs))]
     trained = [keep[j // G] for j in range(len(reqs))]
@@ -61,6 +78,7 @@ ROLLOUT_KEYS = (
     "reward_errors",
     "answer_tokens",
     "answers",
+    "groups",
 )
 LOSS_KEYS = ("targets", "clipped", "entropy", "kl")
 
@@ -74,12 +92,13 @@ def _sum_over_ranks(stage, values: list[float]) -> list[float]:
     return stage.parallel.all_reduce_sum(t).tolist()
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+def _max_over_ranks(value: float | list[float]) -> float | list[float]:
+    """The largest value over every rank (each of a list's, in one collective)."""
+    t = torch.tensor(value if isinstance(value, list) else [value], dtype=torch.float64)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         t = t.to("cuda") if dist.get_backend() == "nccl" else t
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return t.tolist() if isinstance(value, list) else float(t.item())
 
 
 def step_report(batches, sums: dict) -> dict:
@@ -103,20 +122,24 @@ def step_report(batches, sums: dict) -> dict:
     if fresh:
         diff = float(sums["logprob_diff"]) if "logprob_diff" in sums else 0.0
         rec["rl/logprob_diff"] = _max_over_ranks(diff)
-        rec.update(_rollout_figures(g, batches))
+        rec.update(_rollout_figures(g, batches, stats))
     batches.stats = {}
     return rec
 
 
-def _rollout_figures(g: dict, batches) -> dict:
+def _rollout_figures(g: dict, batches, stats: dict) -> dict:
     k = max(g["rewards"], 1.0)
     mean = g["reward_sum"] / k
     var = max(g["reward_sq"] / k - mean * mean, 0.0)
-    secs = _max_over_ranks(batches.rollout_s.s)
+    lo, hi = stats.get("reward_min", math.inf), stats.get("reward_max", -math.inf)
+    secs, top, neg_low = _max_over_ranks([batches.rollout_s.s, hi, -lo])
     batches.rollout_s.s = 0.0
     return {
         "rl/reward_mean": mean,
         "rl/reward_std": var**0.5,
+        "rl/reward_min": -neg_low,  # the range the rewards took: loom plot clips the spread to it
+        "rl/reward_max": top,
+        "rl/groups": int(g["groups"]),
         "rl/response_len": g["answer_tokens"] / max(g["answers"], 1.0),
         "rl/dropped_groups": int(g["dropped_groups"]),
         "rl/reward_errors": int(g["reward_errors"]),

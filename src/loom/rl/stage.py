@@ -4,6 +4,7 @@ and the figures of each step (rl/*, in metrics.jsonl)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from loom.model.batch_invariant import batch_invariant
 from loom.rl import heldout  # noqa: F401  (registers the held-out pass@k evaluator)
 from loom.rl.loss import policy_loss, target_logprobs
 from loom.rl.prompts import load_prompts, rl_template
-from loom.rl.rewards import load_reward
+from loom.rl.rewards import RewardGuard, load_reward
 from loom.rl.rollout import Batch, Timer, build_batch, prompt_index, sample, sample_seed
+from loom.train.guard import StopBeforeStep
 
 
 class RL:
@@ -35,8 +37,12 @@ class RL:
         self.cfg, self.device, self.part, self.meta = cfg, device, part, meta
         self.template = rl_template(data_dir, meta)
         self.reward = load_reward(r.reward, r.answer_field, r.pattern)
-        room = cfg.model.block_size - r.max_new_tokens
-        self.prompts = load_prompts(r.prompts, self.reward.field, self.template, room)
+        self.guard = RewardGuard(r.reward_timeout)  # rl.reward_timeout, and stop signals during scoring
+        self.prompts = load_prompts(
+            r.prompts, self.reward.field, self.template, cfg.model.block_size, r.max_new_tokens
+        )
+        # what a resume must keep (Rollouts.load_state_dict): the prompts' content, wherever the file is now
+        self.prompts_sha256 = hashlib.sha256(Path(r.prompts).read_bytes()).hexdigest()
         self.ranks = part.dp_size * part.cp_size  # the ranks the gradients are averaged over
         self.batches = Rollouts(self)
         self.valset = validation_set(cfg, data_dir, meta, cfg.train.eval_batches * cfg.train.batch_size, part)
@@ -44,6 +50,8 @@ class RL:
         self.parallel, self.autocast, self.ref = None, contextlib.nullcontext, None
         self.chunks: list | None = None
         self.sums: dict = {}
+        self.trained_tokens: int | None = None  # the last step's trained targets: the trainer's tokens/s, MFU
+        self.heldout = None  # the held-out evaluator (loom.rl.heldout), when rl.eval_prompts is set
         # batch-invariant forwards where they are measured to hold (CPU kernels); elsewhere not even the hook
         self.invariant = r.batch_invariant and device.type == "cpu"
 
@@ -87,7 +95,11 @@ class RL:
         """The step's rl/* figures, summed or maxed over the data-parallel ranks (one collective of its own)."""
         b, sums = self.batches, self.sums
         self.sums = {}
-        return b.report(sums)
+        rec = b.report(sums)
+        self.trained_tokens = rec["rl/trained_tokens"]  # not the padded batch_size x block_size
+        if self.heldout is not None and self.heldout.last:  # the console line shows the latest pass@k
+            rec["rl/heldout"] = dict(self.heldout.last)
+        return rec
 
 
 def reference_model(cfg, meta: dict, device: torch.device):
@@ -103,6 +115,10 @@ def reference_model(cfg, meta: dict, device: torch.device):
     if cfg.model.tie_embeddings:
         model.lm_head.weight = model.wte.weight
     model.eval().requires_grad_(False)
+    if cfg.finetune.quantize_base == "nf4":  # QLoRA: the policy's base is NF4; the same here (KL 0 at the start)
+        from loom.model.nf4 import quantize_base
+
+        quantize_base(model)
     return model
 
 
@@ -124,6 +140,7 @@ class Rollouts:
         self.rollout_s = Timer()
         self.stats: dict = {}  # the last rollout's figures (loom.rl.score), reported once
         self.train_start = 0.0
+        self.dropped_in_a_row = 0  # rollouts in a row whose every group was dropped (rl.max_dropped_steps)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.stage.rl.updates_per_batch
@@ -170,15 +187,46 @@ class Rollouts:
             )
         rows = [st.prompts.rows[i] for i in idx]
         row_adv, trained, self.stats = score_groups(st, reqs, rows, self.G)
+        stopped = self.stats.pop("stopped", None)  # a stop signal while the rewards were scored
         batch = build_batch(reqs, row_adv, trained, st.template.eot_id, self.accum)
-        if st.ref is not None:
+        if st.ref is not None and stopped is None:
             with torch.no_grad():
                 batch.ref_lp = target_logprobs(st.ref(batch.x.to(st.device)), batch.y.to(st.device))[0]
         for name in ("x", "y", "adv", "old_lp"):
             setattr(batch, name, getattr(batch, name).to(st.device))
         local = float((batch.y != -1).sum()) if par.dims.tp_rank == 0 else 0.0  # tp ranks hold the same rows
-        self.global_targets = int(par.all_reduce_sum(torch.tensor([local], device=st.device)).item())
+        # one collective: the global batch's trained targets, and whether any rank was stopped while scoring
+        total, stops = par.all_reduce_sum(
+            torch.tensor([local, float(stopped is not None)], device=st.device)
+        ).tolist()
+        if stops:  # every rank abandons this rollout alike: the step is not taken, the run stops and saves
+            raise StopBeforeStep(stopped or "a signal on another rank")
+        self.global_targets = int(total)
+        self._count_dropped()
         return batch
+
+    def _count_dropped(self) -> None:
+        """rl.max_dropped_steps: a rollout whose every group was dropped trains nothing (its loss is 0); that
+        many steps of them in a row stop the run with what the rewards were, before the step is taken."""
+        self.dropped_in_a_row = self.dropped_in_a_row + 1 if self.global_targets == 0 else 0
+        r, k = self.stage.rl, self.stage.rl.updates_per_batch
+        if not r.max_dropped_steps or self.dropped_in_a_row * k < r.max_dropped_steps:
+            return
+        s = self.stats
+        seen = (
+            f"rewards between {s['reward_min']:g} and {s['reward_max']:g} over {s['groups']} groups here, "
+            f"{s['dropped_groups']} with equal rewards, {s['error_groups']} with a failed reward"
+            if s.get("rewards")
+            else "every reward failed"
+        )
+        raise LoomError(
+            f"the last {self.dropped_in_a_row * k} steps dropped every group of rl.group_size={self.G} answers "
+            f"({self.dropped_in_a_row} rollouts in a row, the last: {seen}): equal rewards inside a group give "
+            f"no advantage, so nothing was learned (rl.max_dropped_steps={r.max_dropped_steps})",
+            hint="rewards all at their lowest: the task is too hard for this model (fine-tune it more, or give "
+            "easier prompts); all at their highest: too easy; a larger rl.group_size gives a group more chances "
+            "to differ; check the reward with a few answers by hand. rl.max_dropped_steps=0 never stops",
+        )
 
     def explain_rows(self, state, batch_size: int, align) -> dict:
         """What a bad step's record says of its batch: the rollout, and the rows of rl.prompts (0-based) whose
@@ -194,8 +242,21 @@ class Rollouts:
         return step_report(self, sums)
 
     # ------------------------------------------------------------------ checkpoints
+    def settings(self) -> dict:
+        """What the rollouts drawn so far depend on besides their count: a resume with another value would
+        sample other prompts or group them otherwise than the run it continues."""
+        cfg = self.stage.cfg
+        return {
+            "group_size": self.G,
+            "batch_size": cfg.train.batch_size,
+            "seed": cfg.run.seed,
+            "prompts": str(cfg.rl.prompts),
+            "prompts_sha256": self.stage.prompts_sha256,
+        }
+
     def state_dict(self) -> dict:
-        state = {"rollouts": self.rollouts, "uses": self.uses}
+        state = {"rollouts": self.rollouts, "uses": self.uses, "dropped_in_a_row": self.dropped_in_a_row}
+        state.update(self.settings())
         k = self.stage.rl.updates_per_batch
         if self.batch is not None and self.uses < k:  # the batch serves more steps: kept as it was sampled
             b = self.batch
@@ -206,7 +267,9 @@ class Rollouts:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        check_same_settings(state, self.settings())
         self.rollouts, self.uses = state["rollouts"], state["uses"]
+        self.dropped_in_a_row = int(state.get("dropped_in_a_row", 0))
         saved = state.get("batch")
         if saved is None:
             self.batch = None
@@ -215,3 +278,36 @@ class Rollouts:
         as_t = {n: torch.tensor(v, device=d) for n, v in saved.items()}
         self.batch = Batch(as_t["x"], as_t["y"], as_t["adv"], as_t["old_lp"], as_t.get("ref_lp"))
         self.global_targets = state["global_targets"]
+
+
+_SETTING_KEYS = {
+    "group_size": "rl.group_size",
+    "batch_size": "train.batch_size",
+    "seed": "run.seed",
+    "prompts_sha256": "rl.prompts",
+}
+
+
+def check_same_settings(saved: dict, mine: dict) -> None:
+    """A resume with another rl.group_size, train.batch_size, run.seed or prompts file (its content: the same
+    file moved is the same prompts) is refused, as data.mix refuses another mixture: the rollouts after it would
+    not be the run's (checkpoints written before these were saved are not checked)."""
+    changed = []
+    for key, name in _SETTING_KEYS.items():
+        if key not in saved or saved[key] == mine[key]:
+            continue
+        if key == "prompts_sha256":
+            changed.append(
+                f"rl.prompts: the run's were '{saved.get('prompts')}' (sha256 {saved[key][:12]}), this "
+                f"resume's '{mine['prompts']}' holds other prompts (sha256 {mine[key][:12]})"
+            )
+        else:
+            changed.append(f"{name}: the run's {saved[key]}, this resume's {mine[key]}")
+    if changed:
+        raise LoomError(
+            "the checkpoint's rollouts were drawn with other RL settings than this resume's ("
+            + "; ".join(changed)
+            + "): the rollouts after it would not be the run's",
+            hint="resume with the run's own rl.group_size, train.batch_size, rl.prompts and run.seed, or start "
+            "a new run from its weights (loom rl --model.init_from=run:RUN ...)",
+        )

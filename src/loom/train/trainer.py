@@ -398,7 +398,8 @@ class Trainer:
             rec.update(spike=self.guard.note, **self._explain(names, norms))
         if stop:
             rec["stop"] = self.stop.signal or "a signal on another rank"
-        trained = getattr(self.stage, "trained_tokens", None)  # loom rl: its answers' targets, not the padding
+        # loom rl: its answers' trained targets, not the padded batch_size x block_size
+        trained = getattr(self.stage, "trained_tokens", None)
         tokens = self.derived.tokens_per_step if trained is None else trained
         rec.update(dt=dt, **self.throughput.step(tokens, dt))
         rec["tokens"] = self.step * self.derived.tokens_per_step
@@ -534,7 +535,7 @@ class Trainer:
         self.stage.begin(
             self.parallel, self._autocast
         )  # DPO: the reference log-probabilities; RL: its sampler
-        if self.step == 0:  # a new run: evaluators that take a baseline measure the start model (loom rl's pass@k)
+        if self.step == 0:  # a new run: evaluators with a baseline measure the start model (rl's pass@k)
             self._evaluate(0, final=False, baseline=True)
         self.budget = TimeBudget(
             self.cfg, self.step, self.control.broadcast_object, self._save_config, self._say_run_length
