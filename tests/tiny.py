@@ -21,6 +21,8 @@ BASE = {
     "train.log_every": 1,
     "train.eval_every": 0,
     "train.device": "cpu",
+    # fp32, not the default auto (bf16 on a CPU with bf16 units): the tests compare losses and weights exactly
+    "precision.dtype": "fp32",
 }
 
 

@@ -232,7 +232,8 @@ def run_config(config: str | None, overrides: list[str], steps: int) -> tuple[Co
         notes.append(f"model.dropout {user.model.dropout} -> 0 (dropout masks differ between layouts)")
     if user.precision.dtype == "auto":
         notes.append(
-            "precision.dtype auto -> fp32 (exact comparison; ask for bf16/fp16 with --precision.dtype "
+            "precision.dtype auto -> fp32 (auto is loom's default; verify compares exactly: ask for bf16/fp16 "
+            "with --precision.dtype "
             "and widen --tol-loss)"
         )
     elif user.precision.dtype != "fp32":

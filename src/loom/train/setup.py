@@ -69,6 +69,19 @@ def resolve_precision(dtype: str, device: torch.device, loss_scaling: bool = Tru
     return "bf16" if device.type == "cpu" and native_bf16_cpu() else "fp32"
 
 
+def precision_reason(dtype: str, device: torch.device) -> str:
+    """Why precision.dtype=auto chose `dtype` on this device: the run's first lines say it."""
+    if device.type == "cuda":
+        if dtype == "bf16":
+            return "this GPU computes in bf16"
+        return f"this GPU has no bf16{'; fp16 with loss scaling' if dtype == 'fp16' else ''}"
+    if device.type == "cpu":
+        if dtype == "bf16":
+            return "this CPU has bf16 units (AVX512-BF16/AMX)"
+        return "this CPU has no bf16 units (AVX512-BF16/AMX): bf16 would be emulated, slower than fp32"
+    return f"no bf16 path checked on {device.type}"
+
+
 def check_data_dir(path: str | Path, run_tok_dir: Path | None = None) -> dict:
     """Validate a data directory in any readable format (every shard opened) and return its meta; with
     `run_tok_dir` (a continued run's tokenizer folder), data prepared with another tokenizer is refused."""
