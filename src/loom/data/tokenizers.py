@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+from loom import log
 from loom.errors import LoomError
 
 EOT = "<|endoftext|>"
@@ -117,7 +118,7 @@ class HFTokenizer:
                 from loom.data.bpe import train_rustbpe
 
                 regex = GPT4_PATTERN if pattern == "gpt4" else GPT2_PATTERN
-                return cls(train_rustbpe(texts, vocab_size, regex, SPECIAL_TOKENS))
+                return cls(train_rustbpe(texts, vocab_size, regex, SPECIAL_TOKENS)).said_short(vocab_size)
             except ImportError:
                 if trainer == "rustbpe":
                     raise LoomError(
@@ -141,7 +142,18 @@ class HFTokenizer:
             show_progress=False,
         )
         tok.train_from_iterator(texts, trainer=trainer)
-        return cls(tok)
+        return cls(tok).said_short(vocab_size)
+
+    def said_short(self, asked: int) -> HFTokenizer:
+        """A trained vocabulary smaller than asked (the corpus has fewer distinct pairs to merge than the
+        merges asked for) is said, not left for the user to find in meta.json."""
+        if self.vocab_size < asked:
+            merges = self.vocab_size - 256 - len(SPECIAL_TOKENS)  # past the 256 bytes and the special tokens
+            log.warn(
+                f"BPE vocabulary: {asked:,} asked, the corpus gave only {merges:,} merges, so the vocabulary "
+                f"is {self.vocab_size:,} (more text gives more merges)"
+            )
+        return self
 
     @classmethod
     def from_vocab_files(cls, vocab: Path, merges: Path) -> HFTokenizer:

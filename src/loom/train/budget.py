@@ -19,12 +19,39 @@ from loom.config import Config
 PROBE = 10  # steps timed before the choice (the first left out)
 
 
+def run_length_warnings(cfg: Config, rows_per_epoch: int | None, rows_per_step: int) -> list[str]:
+    """What a run's length hides, said at its start (and again when train.time_budget_s chose the steps): a
+    warm-up longer than the run (the peak lr is never reached), and training data read more than once.
+    `rows_per_epoch`: the training windows one pass over the data holds (None: a loader that does not say)."""
+    t, o, out = cfg.train, cfg.optim, []
+    if t.steps < o.warmup_steps:  # lr_at: step k (0-based) of the warm-up is at lr * (k + 1) / warmup_steps
+        out.append(
+            f"{t.steps} steps < {o.warmup_steps} warm-up steps: the peak lr {o.lr:g} is never reached (the "
+            f"last step's is {o.lr * t.steps / o.warmup_steps:.3g}); --optim.warmup_steps=N shortens the warm-up"
+        )
+    if rows_per_epoch:
+        epochs = t.steps * rows_per_step / rows_per_epoch
+        if epochs > 1.05:  # a few percent over one pass is a rounding of the steps, not a second epoch
+            out.append(
+                f"the run reads its training tokens {epochs:.1f} times (epochs): {t.steps} steps x "
+                f"{rows_per_step:,} rows of {cfg.model.block_size} tokens, {rows_per_epoch:,} rows in the "
+                "training split; more data, or fewer steps, if the validation loss starts to rise"
+            )
+    return out
+
+
 class TimeBudget:
     def __init__(
-        self, cfg: Config, start_step: int, broadcast: Callable[[object], object], save: Callable[[], None]
+        self,
+        cfg: Config,
+        start_step: int,
+        broadcast: Callable[[object], object],
+        save: Callable[[], None],
+        chosen: Callable[[], None] = lambda: None,
     ):
-        """`broadcast`: rank 0's value to every rank; `save`: writes the run's config again (rank 0)."""
-        self.cfg, self.broadcast, self.save = cfg, broadcast, save
+        """`broadcast`: rank 0's value to every rank; `save`: writes the run's config again (rank 0);
+        `chosen`: called once train.steps is chosen (the trainer says what the run's length hides)."""
+        self.cfg, self.broadcast, self.save, self.chosen = cfg, broadcast, save, chosen
         budget = cfg.train.time_budget_s
         # a resumed run already chose; a run of fewer steps than the probe has nothing to choose
         self.active = budget > 0 and start_step == 0 and cfg.train.steps > PROBE
@@ -50,3 +77,4 @@ class TimeBudget:
         if steps != t.steps:
             t.steps = steps
             self.save()
+        self.chosen()
