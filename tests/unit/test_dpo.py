@@ -202,3 +202,74 @@ def test_bench_train_times_preference_pairs(dpo_root, tmp_path):
     args = [f"--data.path={dpo_root / 'pref'}", f"--model.init_from=run:{dpo_root / 'runs' / 'dposft'}"]
     assert main(["bench", "train", "--steps", "2", "--warmup", "1", "--json", str(out), *args, *MODEL]) == 0
     assert json.loads(out.read_text())[0]["tokens_per_s"] > 0
+
+
+def test_a_pair_is_dropped_and_counted_once_whichever_sides_fail(dpo_root, tmp_path):
+    """Both answers too long was two drops (one a side) for one record; the counts are of records."""
+    long = " ".join(WORDS * 2)
+    records = [
+        *_pairs(10, seed=3),
+        {"prompt": long, "chosen": "apple", "rejected": "river"},  # both sides too long
+        {"prompt": "reverse: apple", "chosen": long, "rejected": "apple"},  # the chosen side only
+        {"prompt": "reverse: apple", "chosen": "apple", "rejected": "apple"},
+    ]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    args = ["data", "prepare", "--pairs", "--input", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "p")]
+    assert main([*args, "--tokenizer", str(dpo_root / "runs" / "dposft")]) == 0
+    meta = read_meta(tmp_path / "p")
+    too_long = "longer than --block-size + 1 = 65 tokens"
+    assert meta["preference"]["dropped"] == {too_long: 2, "chosen equals rejected": 1}
+    assert sum(meta["preference"]["pairs"].values()) == 10
+    assert meta["dropped_documents"] == 3
+
+
+def test_loom_sft_refuses_preference_pairs(dpo_root, capsys):
+    """loom train would preference-tune on pairs: `loom sft` says so instead of running DPO."""
+    chat_model = f"--model.init_from=run:{dpo_root / 'runs' / 'dposft'}"
+    short = ["--train.steps=2", f"--run.dir={dpo_root / 'runs'}", "--run.name=sft-pairs", *QUIET]
+    assert main(["sft", f"--data.path={dpo_root / 'pref'}", chat_model, *short]) == 2
+    err = capsys.readouterr().err
+    assert "holds preference pairs" in err and f"loom dpo --data.path={dpo_root / 'pref'}" in err
+
+
+def _hint(err: str) -> str:
+    return err.split("hint: ", 1)[1].strip()
+
+
+def test_loom_dpo_from_a_base_run_names_the_chat_model_the_pairs_were_made_for(dpo_root, capsys):
+    """The pairs were prepared with the SFT run's tokenizer: the hint names that run, and it trains."""
+    pref, runs = f"--data.path={dpo_root / 'pref'}", dpo_root / "runs"
+    assert main(["dpo", pref, f"--model.init_from=run:{runs / 'base'}"]) == 2
+    err = capsys.readouterr().err
+    assert "is a base run" in err
+    assert (
+        _hint(err)
+        == f"start from the chat model the pairs were prepared with: --model.init_from=run:{runs / 'dposft'}"
+    )
+    tail = ["--train.steps=2", "--train.batch_size=8", f"--run.dir={runs}", "--run.name=from-hint", *QUIET]
+    assert main(["dpo", pref, _hint(err).rsplit(": ", 1)[1], *tail]) == 0
+
+
+def test_the_hint_for_pairs_of_a_base_run_runs_as_written(dpo_root, tmp_path, monkeypatch, capsys):
+    """Pairs prepared for a base run are refused (it has no chat tokens); the hint's commands (chat data, loom
+    sft, the pairs again, loom dpo) run one after the other as written, with CONVERSATIONS.jsonl a file of
+    conversations and, for the two trainings, a short run length added."""
+    monkeypatch.chdir(tmp_path)
+    base = dpo_root / "runs" / "base"
+    args = ["data", "prepare", "--pairs", "--input", str(dpo_root / "pairs.jsonl"), "--out", "p"]
+    assert main([*args, "--tokenizer", str(base)]) == 2
+    err = capsys.readouterr().err
+    assert "has no chat tokens" in err
+    commands = _hint(err).split(": ", 1)[1].split(" && ")
+    assert [c.split()[:2] for c in commands] == [
+        ["loom", "data"],
+        ["loom", "sft"],
+        ["loom", "data"],
+        ["loom", "dpo"],
+    ]
+    for c in commands:
+        argv = c.replace("CONVERSATIONS.jsonl", str(dpo_root / "conv.jsonl")).split()[1:]
+        if argv[0] in ("sft", "dpo"):
+            argv += ["--train.steps=2", "--train.batch_size=8", *QUIET]
+        assert main(argv) == 0, (c, capsys.readouterr().err[-2000:])
+    assert (base.parent / "sft" / "ckpt").is_dir()

@@ -129,20 +129,51 @@ def final_answer_mask(mask: np.ndarray) -> np.ndarray:
     return out
 
 
+class _SideDrops:
+    """The drops _render_all reports for single sides ("PLACE (chosen)", "PLACE (rejected)"), kept by side, so
+    that a pair is counted once however many of its sides failed (both answers too long was two records)."""
+
+    SIDES = (" (chosen)", " (rejected)")
+
+    def __init__(self):
+        self.by_side: dict[
+            str, tuple[str, str]
+        ] = {}  # "PLACE (side)" -> (its first reason, where it was said)
+
+    def add(self, reason: str, where: str) -> None:
+        for tag in self.SIDES:
+            i = where.find(tag)
+            if i >= 0:
+                self.by_side.setdefault(where[: i + len(tag)], (reason, where))
+                return
+        raise AssertionError(f"a side's drop without its side: {where}")
+
+    def pair(self, where: str) -> tuple[str, str] | None:
+        """(reason, place) of the pair at `where` when a side of it was dropped (the chosen's first), else
+        None; the place names the side, or both answers."""
+        chosen, rejected = (self.by_side.get(where + tag) for tag in self.SIDES)
+        if chosen is None or rejected is None:
+            return chosen or rejected
+        return chosen[0], chosen[1].replace(" (chosen)", " (both answers)", 1)
+
+
 def _render_pairs(template, pairs, block_size: int, too_long: str, drops: Drops) -> tuple[list[tuple], int]:
     """((chosen, rejected) Rendered conversations of every pair whose two sides both render (and fit) and
-    differ as tokens, each side's mask cut to its final answer; the number of sides truncated)."""
+    differ as tokens, each side's mask cut to its final answer; the number of sides truncated). A pair a side
+    of which is dropped counts once in `drops`, under the first side's reason."""
     convs = []
     for where, prompt, chosen, rejected in pairs:
         convs.append((f"{where} (chosen)", [*prompt, {"role": "assistant", "content": chosen}]))
         convs.append((f"{where} (rejected)", [*prompt, {"role": "assistant", "content": rejected}]))
-    kept, truncated = _render_all(template, convs, block_size, too_long, drops)
+    sides = _SideDrops()
+    kept, truncated = _render_all(template, convs, block_size, too_long, sides)
     by_place = {r.where: r for r in kept}
     out = []
     for where, *_ in pairs:
         c, r = by_place.get(f"{where} (chosen)"), by_place.get(f"{where} (rejected)")
         if c is None or r is None:
-            continue  # the side that failed was counted by its reason
+            drops.add(*sides.pair(where))  # the pair, once
+            continue
         if np.array_equal(c.ids, r.ids):
             drops.add(f"{SAME} (as tokens)", where)
             continue
@@ -151,17 +182,87 @@ def _render_pairs(template, pairs, block_size: int, too_long: str, drops: Drops)
     return out, truncated
 
 
-def check_chat_model(spec: str, template, base_vocab: int, chat_template: str) -> None:
+def from_base_recipe(base: str, pairs: str = "PAIRS.jsonl") -> str:
+    """The commands that take a base run `base` to preference tuning: chat data with its tokenizer, `loom sft`
+    into a sibling run `sft`, the pairs prepared with that run's tokenizer, `loom dpo` from it (each runs as
+    written once CONVERSATIONS.jsonl is a file of conversations)."""
+    b = Path(base)
+    parent, sft = b.parent, b.parent / "sft"
+    return (
+        f"fine-tune it on conversations first, then prepare the pairs with that chat model's tokenizer: "
+        f"loom data prepare --chat --input CONVERSATIONS.jsonl --tokenizer {b} --out data/chat && "
+        f"loom sft --data.path=data/chat --model.init_from=run:{b} --run.dir={parent} --run.name=sft && "
+        f"loom data prepare --pairs --input {pairs} --tokenizer {sft} --out data/pref && "
+        f"loom dpo --data.path=data/pref --model.init_from=run:{sft}"
+    )
+
+
+def check_chat_model(
+    spec: str, template, base_vocab: int, chat_template: str, pairs: str = "PAIRS.jsonl"
+) -> None:
     """Preference tuning starts from a chat model: a run (or a prepared data folder) whose tokenizer lacks
-    loom's chat tokens is a base model that never answered in the template."""
+    loom's chat tokens is a base model that never answered in the template (`pairs`: the input, for the
+    hint's commands)."""
     if chat_template != "loom" or spec in ("char", "bpe") or _run_tokenizer_dir(spec) is None:
         return
     if base_vocab < template.tok.vocab_size:
         raise LoomError(
             f"'{spec}' has no chat tokens: preference tuning starts from a chat model, and this one never "
             "answered in the chat template",
-            hint=f"fine-tune it on conversations first (loom sft --model.init_from=run:{spec} ...), then "
-            "prepare the pairs with --tokenizer RUNS/SFT",
+            hint=from_base_recipe(spec, pairs),
+        )
+
+
+def _start_run(init_from: str) -> Path | None:
+    """The run directory of model.init_from=run:DIR (or run:DIR/ckpt/step_N), None for another source."""
+    if not init_from.startswith("run:"):
+        return None
+    p = Path(init_from[len("run:") :]).expanduser()
+    return p.parent.parent if p.parent.name == "ckpt" else p
+
+
+def _run_has_chat_tokens(run: Path) -> bool | None:
+    """Whether a run's tokenizer (RUN/tokenizer/meta.json) holds loom's chat tokens; None: no such file."""
+    from loom.data.loader import read_meta
+
+    if not (run / "tokenizer" / "meta.json").is_file():
+        return None
+    return isinstance(read_meta(run / "tokenizer").get("chat"), dict)
+
+
+def check_start_model(init_from: str, data_path: str, meta: dict) -> None:
+    """`loom dpo`'s start model (the reference) must be a chat model: model.init_from=run:DIR of a base run
+    (its tokenizer has no chat tokens) is refused, and the hint leads to a start that works: the chat model the
+    pairs were prepared with, or the commands from the base (from_base_recipe). Pairs prepared for a base
+    tokenizer (chat tokens added by the preparation) are refused the same way."""
+    chat = meta.get("chat") or {}
+    if chat.get("template") != "loom":
+        return  # an HF tokenizer's own template: its model's chat tokens are its own
+    run = _start_run(init_from)
+    source = meta.get("source") if isinstance(meta.get("source"), str) else "PAIRS.jsonl"
+    if run is not None and _run_has_chat_tokens(run) is False:
+        made_for = Path(str(chat.get("base_tokenizer", "")))
+        if chat.get("base_tokenizer") and _run_has_chat_tokens(made_for):
+            hint = f"start from the chat model the pairs were prepared with: --model.init_from=run:{made_for}"
+        else:
+            hint = from_base_recipe(str(run), source)
+        raise LoomError(
+            f"model.init_from={init_from} is a base run (its tokenizer has no chat tokens): preference tuning "
+            "starts from a chat model, one fine-tuned on conversations (loom sft)",
+            hint=hint,
+        )
+    if chat.get("base_vocab_size", 0) < meta["vocab_size"]:
+        if run is not None:  # a chat run: the pairs prepared with its tokenizer instead
+            hint = (
+                f"prepare the pairs with the chat model's tokenizer: loom data prepare --pairs --input {source} "
+                f"--tokenizer {run} --out data/pref, then --data.path=data/pref"
+            )
+        else:
+            hint = from_base_recipe("runs/base", source)
+        raise LoomError(
+            f"the pairs in {data_path} add chat tokens to their tokenizer: the model they were prepared "
+            "for is a base model without chat tokens, which never answered in the chat template",
+            hint=hint,
         )
 
 
@@ -188,7 +289,8 @@ def prepare_pairs(
     # every text of both sides: a tokenizer trained here (char, bpe) must cover the rejected answers too
     convs = [(w, [*p, {"role": "assistant", "content": c + r}]) for w, p, c, r in pairs]
     template, kind, base_vocab, base_sha = _template(tokenizer_spec, chat_template, convs, vocab_size)
-    check_chat_model(tokenizer_spec, template, base_vocab, chat_template)
+    given = str(inputs[0]) if len(inputs) == 1 else "PAIRS.jsonl"
+    check_chat_model(tokenizer_spec, template, base_vocab, chat_template, given)
     rendered, truncated = _render_pairs(template, pairs, block_size, too_long, drops)
     for line in drops.lines():
         log.warn(f"dropped {line}")
