@@ -25,7 +25,7 @@ def check_dpo(cfg) -> None:
     work: the pairs' tokenizer must be the model's own, chat tokens included (a base run never answered in the
     chat template: `loom sft` it first)."""
     from loom.data.loader import read_meta
-    from loom.data.pairs import is_preference_data
+    from loom.data.pairs import check_start_model, is_preference_data
 
     prepare = "loom data prepare --pairs --input PAIRS.jsonl --tokenizer runs/SFT --out data/pref"
     if not cfg.data.path:
@@ -42,14 +42,7 @@ def check_dpo(cfg) -> None:
             "loom dpo starts from a trained chat model (the reference): model.init_from is not set",
             hint="--model.init_from=run:RUNS/SFT (a loom run fine-tuned on conversations)",
         )
-    chat = meta.get("chat") or {}
-    if chat.get("template") == "loom" and chat.get("base_vocab_size", 0) < meta["vocab_size"]:
-        raise LoomError(
-            f"the pairs in {cfg.data.path} add chat tokens to their tokenizer: the model they were prepared "
-            "for is a base model without chat tokens, which never answered in the chat template",
-            hint="fine-tune it on conversations first (loom sft), then prepare the pairs with --tokenizer "
-            "RUNS/SFT",
-        )
+    check_start_model(cfg.model.init_from, cfg.data.path, meta)  # a chat model, and pairs prepared for it
 
 
 def rl(argv: list[str]) -> int:
@@ -73,6 +66,7 @@ def check_sft(cfg, verb: str = "loom sft") -> None:
     """Conversation data (loom data prepare --chat) and a model to start from, or one error before any work:
     `loom train` itself decides the stage from the data, so a plain-text directory there would pretrain."""
     from loom.data.loader import read_meta
+    from loom.data.pairs import is_preference_data
     from loom.data.sft import is_chat_data
 
     prepare = "loom data prepare --chat --input CONVERSATIONS.jsonl --tokenizer runs/BASE --out data/chat"
@@ -81,10 +75,17 @@ def check_sft(cfg, verb: str = "loom sft") -> None:
             f"{verb} needs conversation data: data.path is not set",
             hint=f"{prepare}, then --data.path=data/chat",
         )
-    if not is_chat_data(read_meta(cfg.data.path)):
+    meta = read_meta(cfg.data.path)
+    if not is_chat_data(meta):
         raise LoomError(
             f"{verb} needs conversation data; {cfg.data.path} holds plain token shards (no loss masks)",
             hint=f"{prepare} (or loom train to pretrain on it)",
+        )
+    if verb == "loom sft" and is_preference_data(meta):  # loom train would choose preference tuning for it
+        raise LoomError(
+            f"loom sft needs conversation data; {cfg.data.path} holds preference pairs (loom data prepare "
+            "--pairs), which loom train would preference-tune on",
+            hint=f"loom dpo --data.path={cfg.data.path} to preference-tune a chat model on them; for SFT, {prepare}",
         )
     if not cfg.model.init_from:
         raise LoomError(
