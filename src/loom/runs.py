@@ -96,7 +96,9 @@ def load_run(run_dir: str | Path, device: torch.device, ckpt: str | Path | None 
 def frozen_base(cfg: Config, model: nn.Module, path: Path) -> dict | None:
     """The weights a LoRA run's checkpoint leaves out (loom.parallel.dcp_state.model_shards keeps what trains):
     its frozen base, whole, by loom's names, as the run started with it: model.init_from's weights, or the
-    seeded init of a run that had none. None when the checkpoint holds every parameter."""
+    seeded init of a run that had none; a QLoRA run's (finetune.quantize_base=nf4) base linears rounded through
+    NF4, the values it trained against, as plain tensors (so its adapters merge into ordinary weights). None
+    when the checkpoint holds every parameter."""
     from loom.parallel.dcp_state import saved_keys
 
     if all(
@@ -115,6 +117,10 @@ def frozen_base(cfg: Config, model: nn.Module, path: Path) -> dict | None:
             if not name.endswith(_ADAPTERS):
                 state[name] = torch.empty(t.shape, dtype=t.dtype)
                 model.init_param(name, state[name], cfg.run.seed)
+    if cfg.finetune.quantize_base == "nf4":
+        from loom.model.nf4 import nf4_round_trip_state
+
+        state = nf4_round_trip_state(model, state)
     return state
 
 

@@ -386,6 +386,17 @@ class OptimConfig:
     decay_frac: float = _f(
         0.3, "optim.schedule=wsd: fraction of train.steps spent in the final linear decay.", ge=0, le=1
     )
+    state_dtype: str = _f(
+        "",
+        "AdamW's moment storage: empty (the parameters' dtype) | int8 | int4: torchao's low-bit AdamW "
+        "(block-wise quantized moments, tensors of 4,096+ values; the rest stay full precision; optim.impl "
+        "ignored; torchao, loom[fp8]).",
+    )
+    offload: str = _f(
+        "none",
+        "none | cpu: torchao's CPUOffloadOptimizer, the AdamW state and step on the host, gradients copied "
+        "over each step (CUDA or XPU parameters only; one process).",
+    )
 
     def end_lr(self) -> float:
         """The learning rate the decay ends at: min_lr, or lr / 10 when min_lr is MIN_LR_FOLLOWS (unset)."""
@@ -599,6 +610,12 @@ class FinetuneConfig:
         "vocabulary, as chat data's chat tokens: their rows start as the mean row, alike, and must learn) | "
         "true | false.",
     )
+    quantize_base: str = _f(
+        "none",
+        "none | nf4: QLoRA, the frozen base's linears (not the head or a router) held as torchao's NF4 "
+        "(4-bit NormalFloat, double-quantized scales: ~0.52 bytes a parameter), dequantized per matmul; needs "
+        "finetune.lora_rank > 0, one process, weights whose sizes are multiples of 16,384, torchao (loom[fp8]).",
+    )
 
 
 @dataclass
@@ -708,6 +725,9 @@ CHOICES = {
     ("optim", "impl"): ("auto", "torch-fused", "torch-foreach", "torch-loop", "triton"),
     ("optim", "name"): ("adamw", "muon"),
     ("optim", "schedule"): ("cosine", "wsd"),
+    ("optim", "state_dtype"): ("", "int8", "int4"),
+    ("optim", "offload"): ("none", "cpu"),
+    ("finetune", "quantize_base"): ("none", "nf4"),
     ("train", "resume"): ("no", "auto"),
     ("train", "on_save_error"): ("continue", "stop"),
     ("train", "async_ckpt"): ("auto", "true", "false"),

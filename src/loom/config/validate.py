@@ -43,6 +43,7 @@ def validate(
     _check_fp8(cfg)
     _check_eval(cfg)
     _check_lora(cfg)
+    _check_qlora(cfg, world)
     _check_diagnostics(cfg, world)
     _check_rl(cfg, dp, impl)
     _check_compression(cfg, impl)
@@ -241,6 +242,59 @@ def _check_fp8(cfg: Config) -> None:
         )
     if p.fp8_head and cfg.model.tie_embeddings:
         raise LoomError(
+def _check_qlora(cfg: Config, world: int) -> None:
+    """finetune.quantize_base=nf4 (QLoRA) and optim.state_dtype / optim.offload (torchao's low-bit and offload
+    optimizers): what they compose with, from the config alone. A weight NF4 cannot hold is refused when the
+    model's shapes are known (loom.model.nf4.check_nf4, from loom.train.finetune.check_lora_targets); offload
+    on a CPU device when the device is known (loom.optim.build)."""
+    f, o = cfg.finetune, cfg.optim
+    torchao = importlib.util.find_spec("torchao") is not None
+    hint = "install torchao: pip install -e '.[fp8]' (the fp8 extra carries it)"
+    if f.quantize_base == "nf4":
+        if not f.lora_rank:
+            raise LoomError(
+                "finetune.quantize_base=nf4 quantizes a frozen base, and without LoRA every weight trains",
+                hint="set finetune.lora_rank=16, say (QLoRA), or finetune.quantize_base=none",
+            )
+        if world > 1:
+            raise LoomError(
+                f"finetune.quantize_base=nf4 runs in one process in loom; this job has {world}: torchao's "
+                "NF4Tensor shards only along its first dimension (FSDP2's all-gather hooks), which loom does "
+                "not wire to its FSDP yet, and tensor parallel's row-wise split of the input features, DDP's "
+                "broadcast and pipeline stages are not served for an NF4 base",
+                hint="run QLoRA in one process (loom sft ... without --nproc), or use bf16 LoRA "
+                "(finetune.quantize_base=none) on several",
+            )
+        if not torchao:
+            raise LoomError("finetune.quantize_base=nf4 needs torchao, which is not installed", hint=hint)
+    if o.state_dtype or o.offload != "none":
+        what = f"optim.state_dtype={o.state_dtype}" if o.state_dtype else f"optim.offload={o.offload}"
+        if o.name != "adamw":
+            raise LoomError(
+                f"{what} is torchao's AdamW; optim.name={o.name} has its own optimizer",
+                hint="use optim.name=adamw with it, or leave it unset",
+            )
+        if o.state_dtype and o.offload != "none":
+            raise LoomError(
+                f"optim.state_dtype={o.state_dtype} with optim.offload={o.offload}: torchao's offload wraps a "
+                "full-precision AdamW on the host, where low-bit states save no device memory",
+                hint="choose one",
+            )
+        if o.offload != "none" and cfg.train.device == "cpu":
+            raise LoomError(
+                f"optim.offload={o.offload} moves the optimizer state from a GPU to the host; train.device=cpu "
+                "keeps it there already (torchao's CPUOffloadOptimizer serves CUDA and XPU parameters only)",
+                hint="leave optim.offload=none on a CPU (optim.state_dtype=int8 shrinks the state there)",
+            )
+        if o.offload != "none" and world > 1:
+            raise LoomError(
+                f"optim.offload={o.offload} runs in one process in loom; this job has {world}",
+                hint="use parallel.dp_impl=fsdp to shard the optimizer state over several processes instead",
+            )
+        if not torchao:
+            raise LoomError(f"{what} needs torchao, which is not installed", hint=hint)
+
+
             "precision.fp8_head=true but the head is the token embedding (model.tie_embeddings=true): the "
             "embedding is a lookup torchao does not convert, and the shared weight cannot be both",
             hint="leave precision.fp8_head=false, or untie the head (a Llama family)",
@@ -606,9 +660,9 @@ _NOT_THE_MODEL = ("init_from", "dropout")
 
 
 # finetune.* keys that change what a checkpoint holds or what its model computes (LoRA's adapters, their scale,
-# which linears carry them, whether the embedding and head train); lora_dropout changes training only, and
-# init_optimizer acts at a run's start only
-_FINETUNE_MODEL = ("lora_rank", "lora_alpha", "lora_targets", "lora_embeddings")
+# which linears carry them, whether the embedding and head train, an NF4 base); lora_dropout changes training
+# only, and init_optimizer acts at a run's start only
+_FINETUNE_MODEL = ("lora_rank", "lora_alpha", "lora_targets", "lora_embeddings", "quantize_base")
 _FINETUNE_TRAINING = ("lora_dropout",)
 
 

@@ -271,9 +271,15 @@ def merge_lora(model: nn.Module) -> list[str]:
     """Fold every adapter into its weight (W += scaling * B @ A), drop lora_A / lora_B and restore each
     linear's class: the model then has exactly the base model's parameter names (before an HF export).
     requires_grad is left as it is (frozen). Returns the names merged."""
+    from loom.model.nf4 import dequantized, is_nf4
+
     merged = lora_modules(model)
     for m in merged.values():
-        m.weight.copy_(m.weight.to(torch.promote_types(m.weight.dtype, torch.float32)) + delta_weight(m))
+        if is_nf4(m.weight):  # a QLoRA base: the merged weight is the dequantized base plus the update, plain
+            w = dequantized(m.weight)
+            m.weight = nn.Parameter((w.float() + delta_weight(m)).to(w.dtype), requires_grad=False)
+        else:
+            m.weight.copy_(m.weight.to(torch.promote_types(m.weight.dtype, torch.float32)) + delta_weight(m))
         del m.lora_A, m.lora_B, m.lora_scaling, m.lora_dropout
         m.__class__ = type(m).base_cls
     return list(merged)

@@ -3,6 +3,8 @@ switch) or Muon for the hidden matrices with AdamW for everything else (optim.na
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from loom.errors import LoomError
@@ -86,6 +88,10 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.
     impl = resolve_impl(cfg.impl, device)
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     groups = param_groups(model, cfg.weight_decay)
+    if getattr(cfg, "state_dtype", ""):
+        return build_low_bit(groups, cfg.state_dtype, kwargs)
+    if getattr(cfg, "offload", "none") != "none":
+        return build_offload(groups, device, kwargs)
     if impl == "torch-fused":
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     if impl == "torch-foreach":
@@ -99,3 +105,61 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.
     raise LoomError(
         f"unknown optim.impl '{impl}'", hint="use auto, torch-fused, torch-foreach, torch-loop or triton"
     )
+
+
+_TORCHAO = "install torchao: pip install -e '.[fp8]' (the fp8 extra carries it)"
+
+
+def build_low_bit(groups: list[dict], state_dtype: str, kwargs: dict) -> torch.optim.Optimizer:
+    """optim.state_dtype=int8|int4: torchao's AdamW8bit / AdamW4bit (Dettmers et al. 2022; Li et al. 2023),
+    each moment block-wise quantized (blocks of 256 values for int8, 128 for int4) in tensors of 4,096 values
+    or more whose size the block divides; smaller tensors keep full-precision moments. The step is torchao's
+    compiled kernel, on any device torch.compile serves (CPU included). loom's schedule sets each group's lr as
+    a float; torchao keeps it a tensor (no recompile per value): LowBitAdamW converts around each step."""
+    try:
+        from torchao.optim import AdamW4bit, AdamW8bit
+    except ImportError:
+        raise LoomError(
+            f"optim.state_dtype={state_dtype} needs torchao's low-bit AdamW", hint=_TORCHAO
+        ) from None
+    base = {"int8": AdamW8bit, "int4": AdamW4bit}.get(state_dtype)
+    if base is None:
+        raise LoomError(f"unknown optim.state_dtype '{state_dtype}'", hint="leave it empty, or int8 | int4")
+    return _lr_as_float(base)(groups, **kwargs)
+
+
+@functools.cache  # one subclass per torchao class
+def _lr_as_float(base: type) -> type:
+    def step(self, closure=None):
+        for g in self.param_groups:
+            g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32)
+        try:
+            return base.step(self, closure)
+        finally:  # the schedule and the logs read and write a float
+            for g in self.param_groups:
+                g["lr"] = float(g["lr"])
+
+    def add_param_group(self, group: dict) -> None:
+        base.add_param_group(self, group)
+        self.param_groups[-1]["lr"] = float(self.param_groups[-1]["lr"])
+
+    return type(f"LowBit{base.__name__}", (base,), {"step": step, "add_param_group": add_param_group})
+
+
+def build_offload(groups: list[dict], device: torch.device, kwargs: dict) -> torch.optim.Optimizer:
+    """optim.offload=cpu: torchao's CPUOffloadOptimizer, a torch AdamW on host copies of the parameters (its
+    moments there too); each step copies the gradients to the host, steps there and copies the parameters back,
+    overlapped with the backward on a CUDA stream. torchao serves CUDA and XPU parameters only: a CPU device
+    (where the state is on the host already) is refused."""
+    if device.type not in ("cuda", "xpu"):
+        raise LoomError(
+            f"optim.offload=cpu moves the optimizer state from a GPU to the host; this run's device is "
+            f"{device.type}, where the state is in host memory already (torchao's CPUOffloadOptimizer serves "
+            "CUDA and XPU parameters only)",
+            hint="leave optim.offload=none on a CPU (optim.state_dtype=int8 shrinks the state there)",
+        )
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:
+        raise LoomError("optim.offload=cpu needs torchao's CPUOffloadOptimizer", hint=_TORCHAO) from None
+    return CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, **kwargs)

@@ -143,6 +143,29 @@ def check_lora_targets(cfg: Config) -> None:
     model = spec_of(cfg).build_model(cfg, max(cfg.model.vocab_size, 1), "meta", eot_id=0)
     apply_configured(model, cfg.finetune)
     check_rank(model)  # a rank above an adapted linear's width is no low-rank adapter
+    if cfg.finetune.quantize_base == "nf4":
+        from loom.model.nf4 import check_nf4, nf4_api
+
+        nf4_api()  # torchao importable (validate found it; an old or broken install fails here)
+        check_nf4(model)  # every base linear's size a whole number of NF4 blocks
+
+
+def quantize_configured(model, cfg: Config) -> list[str]:
+    """finetune.quantize_base=nf4 (QLoRA) on a LoRA model whose base weights are in place (imported or seeded):
+    each base linear's weight replaced by its NF4Tensor (loom.model.nf4), the full-precision copy freed linear by
+    linear. Before the optimizer is built and before a resumed checkpoint's adapters are read (the checkpoint
+    holds no base). The names quantized ([] when off)."""
+    if cfg.finetune.quantize_base != "nf4":
+        return []
+    from loom.model.nf4 import nf4_bytes, quantize_base
+
+    done = quantize_base(model)
+    n = sum(model.get_submodule(m).weight.numel() for m in done)
+    log.info(
+        f"QLoRA: {len(done)} base linears in NF4 ({n:,} weights, {nf4_bytes(n) / 2**20:,.1f} MiB against "
+        f"{4 * n / 2**20:,.1f} MiB in fp32)"
+    )
+    return done
 
 
 def check_data(cfg: Config, data_dir: Path, meta: dict, starting: bool) -> None:

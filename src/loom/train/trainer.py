@@ -52,7 +52,7 @@ from loom.parallel.state import model_state_bytes
 from loom.runs import pin_base, pretrained_state
 from loom.train.budget import TimeBudget, run_length_warnings
 from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointParts, CheckpointPolicy
-from loom.train.finetune import finetune_model, training_flops_per_token
+from loom.train.finetune import finetune_model, quantize_configured, training_flops_per_token
 from loom.train.guard import (
     StepGuard,
     StopBeforeStep,
@@ -207,6 +207,8 @@ class Trainer:
         if pretrained is not None:
             self.parallel.load_model_state(pretrained)
         self.model = self.parallel.model
+        del pretrained  # the host copy of the base, before QLoRA quantizes the model's
+        quantize_configured(model, cfg)  # finetune.quantize_base=nf4: the base's linears to NF4, once in place
         return model
 
     @property
