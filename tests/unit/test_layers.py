@@ -30,6 +30,7 @@ LAYER = {
     "generate": 4,
     "runs": 4,
     "export": 5,
+    "export_gguf": 5,
     "serve": 5,
     "chat": 4,
     "engine": 4,

@@ -13,10 +13,17 @@ def export(argv: list[str]) -> int:
     p.add_argument(
         "--format",
         required=True,
-        choices=["hf", "peft", "safetensors"],
+        choices=["hf", "peft", "safetensors", "gguf"],
         help="hf: a transformers directory (GPT2LMHeadModel, or LlamaForCausalLM for the llama family; a "
         "LoRA run's adapters merged); peft: a LoRA run as OUT/base (transformers) and OUT/adapter (peft's "
-        "adapter format); safetensors: loom's raw state",
+        "adapter format); safetensors: loom's raw state; gguf: OUT/model-<type>.gguf for llama.cpp (the gpt2 "
+        "and llama families, with the tokenizer)",
+    )
+    p.add_argument(
+        "--gguf-type",
+        default=None,
+        choices=["f16", "bf16", "q8_0"],
+        help="--format gguf: the matrices' type (default f16; q8_0: 8-bit blocks of 32; norms stay f32)",
     )
     p.add_argument("--out", required=True, help="output directory (must be empty unless --force)")
     p.add_argument("--ckpt", default=None, help="a checkpoint directory (default: the newest valid one)")
@@ -24,6 +31,10 @@ def export(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from loom.paths import check_output_dir
 
+    if args.gguf_type and args.format != "gguf":
+        from loom.errors import LoomError
+
+        raise LoomError(f"--gguf-type is an option of --format gguf, not --format {args.format}")
     check_output_dir(args.out, "--out", temp_beside=True)  # before the checkpoint is read
     import torch
 
@@ -38,6 +49,10 @@ def export(argv: list[str]) -> int:
         from loom.export import export_peft
 
         notes = export_peft(args.run_dir, out, args.ckpt, args.force)
+    elif args.format == "gguf":
+        from loom.export_gguf import export_gguf
+
+        notes = export_gguf(args.run_dir, out, args.ckpt, args.gguf_type or "f16", args.force)
     else:
         cfg, model, tok, meta, path = load_run(args.run_dir, torch.device("cpu"), args.ckpt)
         # written beside --out and renamed when whole: a full disk leaves no export that looks complete
