@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import gguf  # the hf extra (make setup installs it)
 import numpy as np
 import pytest
 import torch
@@ -21,8 +22,6 @@ from loom.errors import LoomError
 from loom.export_gguf import _byte_text, architecture, check_run, vocab_of
 from loom.model.gpt.gpt import GPTConfig
 from loom.runs import load_run
-
-gguf = pytest.importorskip("gguf")  # the hf extra (make setup installs it)
 
 LLAMA = ["--model.family=llama", "--model.n_kv_head=1"]  # grouped-query: k permuted with its own head count
 
