@@ -36,3 +36,13 @@ class OutOfMemoryStop(LoomError):
     """The device ran out of memory during a step (train.memory_snapshot: after the snapshot was written)."""
 
     code = EXIT_OUT_OF_MEMORY
+
+
+class StopBeforeStep(Exception):
+    """Raised by a training stage, on every rank alike, when a stop signal arrived while it prepared the step's
+    batch and it gave the batch up (loom rl: a reward that hangs cannot hold a stop): the step is not taken, and
+    the run stops and saves as after a step (loom.train.trainer)."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why

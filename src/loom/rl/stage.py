@@ -13,14 +13,13 @@ import torch
 from loom.config.validate import derive_batch
 from loom.data.sft import validation_set
 from loom.data.slice import DataSlice
-from loom.errors import LoomError
+from loom.errors import LoomError, StopBeforeStep
 from loom.model.batch_invariant import batch_invariant
 from loom.rl import heldout  # noqa: F401  (registers the held-out pass@k evaluator)
 from loom.rl.loss import policy_loss, target_logprobs
 from loom.rl.prompts import load_prompts, rl_template
 from loom.rl.rewards import RewardGuard, load_reward
 from loom.rl.rollout import Batch, Timer, build_batch, prompt_index, sample, sample_seed
-from loom.train.guard import StopBeforeStep
 
 
 class RL:

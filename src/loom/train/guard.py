@@ -25,16 +25,6 @@ from loom.errors import LoomError
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class StopBeforeStep(Exception):
-    """Raised by a stage, on every rank alike, when a stop signal arrived while it prepared the step's batch and
-    it gave the batch up (loom rl: a reward that hangs cannot hold a stop): the step is not taken, and the run
-    stops and saves as after a step."""
-
-    def __init__(self, why: str):
-        super().__init__(why)
-        self.why = why
-
-
 class StopRequest:
     """A flag set by SIGTERM/SIGINT; `install()` in the main thread, `restore()` when training ends.
 

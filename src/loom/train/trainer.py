@@ -32,7 +32,7 @@ from loom.data.tokenizers import has_tokenizer, load_tokenizer
 from loom.distributed.comm import Control
 from loom.distributed.stragglers import PhaseClock, StragglerMonitor
 from loom.env import cpu_memory_release, cpu_memory_reuse
-from loom.errors import LoomError
+from loom.errors import LoomError, StopBeforeStep
 from loom.eval.evaluator import EvalContext, EvalSetup, Evaluator, build_evaluators
 from loom.eval.val_loss import SourceValEval, ValLossEval
 from loom.metrics import (
@@ -55,7 +55,6 @@ from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointPart
 from loom.train.finetune import finetune_model, quantize_configured, training_flops_per_token
 from loom.train.guard import (
     StepGuard,
-    StopBeforeStep,
     StopRequest,
     grad_flags,
     largest_grads,
