@@ -725,6 +725,8 @@ def doctor_main(argv: list[str]) -> int:
             f"--compile-timeout must be > 0 seconds, got {args.compile_timeout}",
             hint="or --no-compile-check to skip the test",
         )
+    if not args.no_compile_check and not args.json:  # the check takes 10-20 s: say so before it starts
+        log.info("checking torch.compile (10-20 s; --no-compile-check skips it) ...")
     report = collect(not args.no_compile_check, args.compile_timeout, not args.no_mpi_check)
     if args.json:
         sys.stdout.write(json.dumps(report, indent=1) + "\n")

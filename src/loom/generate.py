@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from loom import log
 from loom.engine import Engine, Request, SamplingParams
 from loom.engine.sampling import sample_next  # noqa: F401  (loom.generate.sample_next: the tests' name for it)
 from loom.eval.evaluator import EvalContext, EvalSetup, Every, register_evaluator
@@ -117,6 +118,8 @@ class Sampler(Every):
 
     def run(self, ctx: EvalContext) -> dict | None:
         model = ctx.parallel.sampling_model()  # rank 0: a whole copy (gathered once if split); others: None
+        if model is not None and self.out is not None:  # a CPU's sample takes seconds: say what is under way
+            log.info(f"sampling {self.max_new_tokens} tokens at step {ctx.step} (train.sample_tokens)")
         text = self.text(model, ctx) if model is not None else None
         if text is None or self.out is None:
             return None

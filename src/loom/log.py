@@ -61,6 +61,16 @@ def _prints() -> bool:
     return _state["rank"] == 0 or _state["all_ranks"]
 
 
+def prints_console() -> bool:
+    """Whether this process's lines reach the console (rank 0, or every rank with all_ranks)."""
+    return _prints()
+
+
+def shows_all_ranks() -> bool:
+    """Whether every rank prints (lines prefixed by their rank): no single progress line then."""
+    return bool(_state["all_ranks"])
+
+
 def info(msg: str, *, style: str | None = None) -> None:
     """A line on the console (rank 0, or every rank prefixed when all_ranks) and in the rank's log file."""
     if _state["file"] is not None:

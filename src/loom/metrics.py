@@ -235,16 +235,32 @@ def _step_of(record: dict) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def format_step(rec: dict) -> str:
+def clock(seconds: float) -> str:
+    """A duration as people read it: 45s, 3m05s, 2h07m."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def format_step(rec: dict, total: int | None = None, eta_s: float | None = None) -> str:
     """The console line for a training record (loom rl's: its reward and held-out pass rates; a step whose groups
-    were all dropped says so instead of a loss of 0)."""
+    were all dropped says so instead of a loss of 0). `step k/N` when the run's `total` steps are given; the
+    loss is the mean over the steps since the previous line (`loss_mean`, else the step's own `loss`); the
+    time since the run started (`elapsed_s`) and the estimated time left (`eta_s`)."""
+    step = f"step {rec['step']:>6}" if total is None else f"step {rec['step']:>{len(str(total))}}/{total}"
+    if "elapsed_s" in rec:
+        step += f" | {clock(rec['elapsed_s'])}" + ("" if eta_s is None else f", ETA {clock(eta_s)}")
     mfu = "n/a" if rec.get("mfu") is None else f"{100 * rec['mfu']:.1f}%"
     if rec.get("rl/trained_tokens") == 0:  # loom rl: no answer to learn from, no gradient
         update = f"{_rl_dropped(rec)} | lr {rec['lr']:.2e}"
     else:
-        update = f"loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | norm {rec['grad_norm']:.3f}"
+        loss = rec.get("loss_mean", rec["loss"])
+        update = f"loss {loss:.4f} | lr {rec['lr']:.2e} | norm {rec['grad_norm']:.3f}"
     return (
-        f"step {rec['step']:>6} | {update}{_rl_figures(rec)}"
+        f"{step} | {update}{_rl_figures(rec)}"
         f" | dt {1000 * rec['dt']:.1f}ms (f {1000 * rec['dtf']:.0f} b {1000 * rec['dtb']:.0f})"
         f" | {rec['tokens_per_s']:,.0f} tok/s | mfu {mfu} | mem {rec['mem_bytes'] / 2**20:.0f}MiB"
         + (

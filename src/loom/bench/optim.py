@@ -143,8 +143,11 @@ def run(
     iters: int,
     warmup: int,
     copy_bytes: int | None = None,
+    progress: bool = False,
 ) -> list[dict[str, Any]]:
-    """Benchmark `impls` on a gpt2-family parameter set of about n_params; one record per implementation."""
+    """Benchmark `impls` on a gpt2-family parameter set of about n_params; one record per implementation.
+    `progress`: a line as each measurement starts and ends (a 124M-parameter run takes minutes on a CPU)."""
+    say = log.info if progress else (lambda _: None)
     cfg = gpt_config(n_params)
     shapes = gpt_shapes(cfg)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -154,6 +157,7 @@ def run(
         p.grad = torch.empty_like(p).normal_(0.0, 1e-2, generator=gen)  # no denormals in exp_avg_sq
         params.append(p)
     n = sum(p.numel() for p in params)
+    say(f"{n / 1e6:.1f}M fp32 parameters on {device}: the copy bandwidth first, then {', '.join(impls)}")
     copy = measure_copy_bandwidth(device, copy_bytes)
     common = {
         "bench": "optim",
@@ -181,7 +185,9 @@ def run(
         if why is not None:
             records.append({**common, "impl": impl, "skipped": why})
             continue
+        say(f"{impl}: {warmup} warm-up + {iters} timed steps ...")
         rec = {**common, "impl": impl, **time_impl(impl, params, device, iters, warmup)}
+        say(f"{impl}: {rec['time_ms']:.2f} ms a step (median)")
         rec["bandwidth_gbps"] = bandwidth_gbps(n, rec["time_ms"] / 1e3)
         rec["fraction_of_copy"] = rec["bandwidth_gbps"] / copy["bandwidth_gbps"]
         records.append(rec)
@@ -268,7 +274,9 @@ def optim_main(argv: list[str]) -> int:
         raise LoomError(f"--copy-mb must be at least 1, got {args.copy_mb}")
     device = resolve_device(args.device)
     copy_bytes = None if args.copy_mb is None else args.copy_mb * 2**20
-    records = run(parse_count(args.params), impls, device, args.iters, args.warmup, copy_bytes)
+    records = run(
+        parse_count(args.params), impls, device, args.iters, args.warmup, copy_bytes, progress=not args.quiet
+    )
     if not args.quiet:
         print_table(records)
     if args.json:

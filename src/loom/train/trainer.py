@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shlex
 import time
 from pathlib import Path
 
@@ -522,8 +523,9 @@ class Trainer:
         log.info(
             f"model {self.n_params / 1e6:.2f}M params{active} | device {self.device} | {self.dims.describe()}"
             f" | grad accum {self.derived.grad_accum} | {self.derived.tokens_per_step:,} tokens/step"
-            f" | {t.steps} steps | run {self.run_dir}"
+            f" | {t.steps} steps"
         )
+        log.info(f"run folder: {self.run_dir} (config.toml, metrics.jsonl, checkpoints, samples)")
         if self.parallel.fp8:
             gather = ", FSDP all-gathers them in float8" if self.parallel.fp8_gather else ""
             fp8_peak = peak_flops(self.device, "fp8") if self.device.type == "cuda" else None
@@ -545,11 +547,13 @@ class Trainer:
             self._say_run_length()
         stopped = None
         self.stop.install()
+        self.logger.begin(self.step, t.steps)
         try:
             with self._cpu_memory():
                 while self.step < t.steps and stopped is None:
                     stopped = self._one_step()
         finally:
+            self.logger.end()  # the terminal's progress line, before anything else prints
             self.stop.restore()
         last_val = self.val.last
         summary = {"step": self.step, "val_loss": last_val, **self.throughput.summary()}
@@ -563,9 +567,20 @@ class Trainer:
                 + (f", MFU {100 * mfu:.2f}%" if mfu is not None else ", MFU n/a")
                 + (f", val loss {last_val:.4f}" if last_val is not None else "")
             )
+        if self.main:
+            self._say_next()
         self.logger.write({"summary": summary})
         self.logger.close()
         return summary
+
+    def _say_next(self) -> None:
+        """The run's folder and what to do with it, the run's last lines."""
+        from loom.data.sft import is_chat_data
+
+        run = shlex.quote(str(self.run_dir))
+        talk = f"loom chat {run}" if is_chat_data(self.meta) else f"loom generate {run}"
+        log.info(f"run folder: {self.run_dir}")
+        log.info(f"next: {talk}  |  loom plot {run}  |  loom eval {run}")
 
     def _say_run_length(self) -> None:
         """Rank 0's warnings about what the run's length hides (loom.train.budget.run_length_warnings)."""
@@ -590,7 +605,7 @@ class Trainer:
             self.stragglers.after_step(self.step, self.phases.take())
         self.budget.after_step(self.step, rec["dt"])  # train.time_budget_s may set train.steps here
         final = self.step == self.cfg.train.steps
-        self.logger.after_step(rec, final)
+        self.logger.after_step(rec, final, self.cfg.train.steps)
         if "skipped" in rec:
             self._after_bad_step(rec)
         elif "spike" in rec:
