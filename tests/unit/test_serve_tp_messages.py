@@ -77,3 +77,22 @@ def test_a_request_cancelled_while_it_waits_in_the_inbox_never_runs():
     worker.stop()
     worker.join(10)
     assert req.finish_reason == CANCELLED and req.tokens == [] and worker.engine.forwards == 0
+
+
+def test_a_request_the_engine_refuses_fails_alone_on_every_rank():
+    """A request past Worker.submit's checks that the engine still refuses (a seed no generator takes) fails
+    alone, on rank 0 and on a follower alike: never the engine's thread (the ranks would lose each other)."""
+    leader, follower = Leader(engine(), max_queue=8, heartbeat=30), Mirror(engine())
+    bad = Request([1, 2], SamplingParams(max_tokens=4, temperature=1.0, seed=2**64))
+    good = Request([3, 4], SamplingParams(max_tokens=4, temperature=0.0))
+    msg = leader.prepare([bad, good], [], stop=False)
+    follower.apply(msg)
+    assert bad.done and bad.error and "seed" in bad.error and not good.done
+    assert (msg.generated, msg.held) == (follower.engine.generated, held(follower.engine)) == (0, 1)
+    for m in (leader.mirror, follower):
+        m.engine.drain()
+        m.retire()
+    assert good.tokens and (leader.mirror.finished, leader.mirror.digest.hexdigest()) == (
+        2,
+        follower.digest.hexdigest(),
+    )

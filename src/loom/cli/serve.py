@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -30,7 +31,12 @@ def serve(argv: list[str]) -> int:
         "--max-kv-tokens", type=int, default=None, help="KV-cache tokens the rows may hold together"
     )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row; past it: 429")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for requests in flight")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM (or Ctrl-C) waits for requests in flight; what still runs then is cancelled",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--ckpt", default=None, help="a checkpoint folder of the run (default: its newest)")
     p.add_argument(
@@ -45,7 +51,7 @@ def serve(argv: list[str]) -> int:
     from loom.env import detect_env
     from loom.serve import ServeOptions, bind, run_server, served_for
 
-    key = args.api_key or os.environ.get("LOOM_API_KEY") or None
+    key = _api_key(args)
     opts = ServeOptions(
         args.host,
         args.port,
@@ -57,6 +63,7 @@ def serve(argv: list[str]) -> int:
         args.grace,
     )
     env = detect_env()
+    _warn_open(args.host, key, env.rank)
     if args.nproc is not None and args.nproc > 1:
         return _launch(args, argv, env)
     if env.world_size > 1:
@@ -83,11 +90,46 @@ def _check(args: argparse.Namespace) -> None:
         raise LoomError(f"--nproc must be at least 1, got {args.nproc}")
     if not 0 <= args.port < 65536:
         raise LoomError(f"--port must be in 0..65535, got {args.port}")
+    if not math.isfinite(args.grace) or args.grace < 0:
+        raise LoomError(
+            f"--grace must be a number of seconds >= 0, got {args.grace}",
+            hint="0: requests in flight are cancelled at once on SIGTERM",
+        )
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise LoomError(f"loom serve needs {e.name}", hint="pip install 'loom[serve]'") from None
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else LOOM_API_KEY, else None (no key). Given but empty (`--api-key="$UNSET"`) is an error: read
+    as "no key" it would open the server that the key was meant to close."""
+    if args.api_key is not None:
+        given, where = args.api_key, "--api-key"
+    elif "LOOM_API_KEY" in os.environ:
+        given, where = os.environ["LOOM_API_KEY"], "LOOM_API_KEY"
+    else:
+        return None
+    if not given.strip():
+        raise LoomError(
+            f"{where} is empty: the server would answer without a key",
+            hint="give a real key (is the variable you meant to pass set?), or leave out --api-key and unset "
+            "LOOM_API_KEY to serve this machine only without one",
+        )
+    return given
+
+
+def _warn_open(host: str, key: str | None, rank: int) -> None:
+    """A loud warning when the server is reachable from other machines and answers anyone."""
+    from loom import log
+    from loom.serve import is_loopback
+
+    if key is None and not is_loopback(host) and rank == 0:
+        log.warn(
+            f"--host {host} is not this machine's loopback and no --api-key is set: anyone who can reach this "
+            "machine can use the model (and its compute). Give --api-key (or LOOM_API_KEY), or bind 127.0.0.1"
+        )
 
 
 def _launch(args: argparse.Namespace, argv: list[str], env) -> int:

@@ -21,12 +21,16 @@ import torch
 import torch.nn.functional as F
 
 from loom.engine.request import CANCELLED, LENGTH, STOP, Request
-from loom.engine.sampling import first_max, sample_rows
+from loom.engine.sampling import greedy, sample_rows
 from loom.parallel.tensor import sharded_log_softmax, vocab_shards, whole
 
 
 class QueueFull(Exception):
     """The waiting queue holds max_queue requests already (a server answers 429)."""
+
+
+# what torch.Generator.manual_seed takes (a negative seed is seed mod 2**64)
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 class Engine:
@@ -86,6 +90,9 @@ class Engine:
             raise ValueError(f"prompt + max_tokens exceed the engine's {self.max_len} tokens per row")
         if self.reserve(req) > self.max_kv_tokens:
             raise ValueError(f"the request needs {self.reserve(req)} KV tokens, over max_kv_tokens")
+        seed = req.params.seed
+        if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed {seed} is outside [-2**63, 2**64 - 1], the range a generator takes")
 
     def submit(self, req: Request, bounded: bool = True) -> Request:
         """Queue a request (QueueFull past max_queue when bounded); it joins the running batch at a step."""
@@ -287,7 +294,7 @@ class Engine:
             every = len(idx) == len(rows)  # one group (the usual case): no copies in or out
             part = logits if every else logits[idx]
             if temperature <= 0:
-                drawn = first_max(part)
+                drawn = greedy(part)
             else:
                 drawn = sample_rows(part, self._uniforms([rows[j] for j in idx]), temperature, top_k, top_p)
             if every:
@@ -303,7 +310,18 @@ class Engine:
                 logp = F.log_softmax(logits, dim=-1)
             lps = logp.gather(1, picks[:, None])[:, 0].tolist()
         for j, (r, token) in enumerate(zip(rows, picks.tolist(), strict=True)):
-            self._append(r, token, lps[j], None if logp is None else logp[j])
+            try:
+                self._append(r, token, lps[j], None if logp is None else logp[j])
+            except Exception as e:  # noqa: BLE001  (its stop text's decode, its callback: this row fails alone)
+                self.fail(r, e)
+
+    def fail(self, req: Request, error: BaseException | str) -> None:
+        """End one request with an error (req.error: a server answers 500); the other rows go on."""
+        req.error = req.error or (error if isinstance(error, str) else repr(error))
+        if not req.done:  # (done: only its callback failed, after it left its slot)
+            # its callback may be what failed again: _leave has freed the slot before calling it
+            with contextlib.suppress(Exception):
+                self.cancel(req)
 
     def _uniforms(self, rows: list[Request]) -> torch.Tensor:
         """One uniform number in [0, 1) per row, from the row's generator (torch's global one for a row without)."""

@@ -3,11 +3,21 @@
 loom.engine draws every row's token with `sample_rows`: the rows that share settings in one vectorised pass, each
 row at a uniform number drawn from its own generator (one per token), by the inverse of its distribution's
 cumulative sum. A row's draws depend on its logits and its generator only, never on the rows beside it.
+
+One rule for a temperature so small that the logits divided by it overflow float32 (below ~1e-38 for logits
+of a few units; a temperature under float32's smallest number is 0 in the division): that row is taken
+greedily, the limit of sampling as the temperature goes to 0 (without it the softmax of infinities is NaN and
+the draw lands on the last id). A NaN in the logits is a SamplingError, never a token. Both are read from the
+rows' totals the draw computes anyway, so a normal temperature costs nothing more and draws what it drew.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+class SamplingError(ValueError):
+    """The logits hold a NaN (a broken forward): no token can be drawn from them."""
 
 
 def sample_next(
@@ -19,7 +29,7 @@ def sample_next(
 ) -> torch.Tensor:
     """One token id per row of `logits` (B, V), (B, 1). temperature 0 is greedy."""
     if temperature <= 0:
-        return first_max(logits.float())[:, None]
+        return greedy(logits.float())[:, None]
     u = torch.rand(logits.size(0), generator=generator, device=logits.device)
     return sample_rows(logits, u, temperature, top_k, top_p)[:, None]
 
@@ -32,7 +42,9 @@ def sample_rows(
     top_p: float | None = None,
 ) -> torch.Tensor:
     """One token id per row of `logits` (B, V) at temperature > 0: the first token whose cumulative probability
-    passes the row's uniform number in [0, 1) (B,). Tokens of probability 0 are never drawn."""
+    passes the row's uniform number in [0, 1) (B,). Tokens of probability 0 are never drawn. A row whose
+    logits overflow at this temperature is taken greedily; a NaN is a SamplingError (the module's docstring)."""
+    raw = logits
     logits = logits.float() / temperature
     if top_k is not None and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
@@ -46,7 +58,20 @@ def sample_rows(
     # float64 sums: the last of 50k float32 probabilities is exact to 1e-12, not 1e-5
     cum = logits.softmax(-1).double().cumsum(-1)
     at = uniforms.to(cum.dtype)[:, None] * cum[:, -1:]
-    return torch.searchsorted(cum, at, right=True)[:, 0].clamp_(max=logits.size(-1) - 1)
+    picks = torch.searchsorted(cum, at, right=True)[:, 0].clamp_(max=logits.size(-1) - 1)
+    lost = cum[:, -1].isnan()  # a row whose softmax is NaN: its scaled logits overflowed, or it held a NaN
+    if bool(lost.any()):
+        picks = torch.where(lost, greedy(raw), picks)
+    return picks
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximum of each row of `logits` (B, V): SamplingError for a row that holds a NaN."""
+    picks = first_max(logits)
+    if bool(logits.gather(1, picks[:, None]).isnan().any()):  # argmax ranks NaN above all: one is there
+        rows = logits.isnan().any(-1).nonzero()[:, 0].tolist()
+        raise SamplingError(f"the logits of row(s) {rows} hold NaN: no token can be drawn (a broken forward)")
+    return picks
 
 
 BLOCK = 128  # first_max's block: the maxima of (B, V / 128) blocks, then one block per row

@@ -14,21 +14,30 @@ server-sent events (StreamingResponse) and a graceful shutdown (uvicorn stops ac
 requests in flight up to --grace seconds) built in. Both are the `loom[serve]` extra.
 
 Binds 127.0.0.1 unless --host says otherwise. --api-key (or LOOM_API_KEY) makes /v1/* answer 401 without
-`Authorization: Bearer KEY`; /health and /metrics stay open (a load balancer's and Prometheus' probes).
-SIGTERM: no new connections, the requests in flight finish (within --grace seconds), the process exits 0.
+`Authorization: Bearer KEY`; /health and /metrics stay open (a load balancer's and Prometheus' probes). An
+empty key is refused (an unset variable must not open the server), and a host other than loopback without a
+key is warned about.
+SIGTERM or Ctrl-C: no new connections, the requests in flight finish (within --grace seconds; what still runs
+then is cancelled), the process exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
+import ipaddress
+import re
 import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from loom import log
+from loom.errors import LoomError
 
 
 @dataclass
@@ -41,6 +50,42 @@ class ServeOptions:
     max_kv_tokens: int | None = None
     max_queue: int = 64
     grace: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise LoomError(
+                "the API key is empty: the server would answer without one",
+                hint="give a real key (--api-key or LOOM_API_KEY), or leave both unset to serve without a key",
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` binds this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def url_of(host: str, port: int) -> str:
+    """The server's base URL (an IPv6 address in brackets: http://[::1]:8000/v1)."""
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
+
+
+def checkpoint_of(path) -> dict:
+    """The served checkpoint: {"path", "step"} (step None where the folder does not say: a consolidated file)."""
+    path = Path(path).resolve()
+    m = re.fullmatch(r"step_(\d+)", path.name)
+    step = int(m.group(1)) if m else None
+    if step is None and path.suffix == ".safetensors":
+        with contextlib.suppress(Exception):  # a file without loom's metadata: no step
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                step = int((f.metadata() or {}).get("loom_step"))
+    return {"path": str(path), "step": step}
 
 
 def engine_for(run, opts: ServeOptions):
@@ -81,6 +126,7 @@ def served_for(run, run_dir, opts: ServeOptions, worker=None):
         eot_id=tok.eot_id,
         api_key=opts.api_key,
         longest_token_chars=_longest_token(tok),
+        checkpoint=checkpoint_of(run.path),
     )
 
 
@@ -97,12 +143,29 @@ def _longest_token(tok) -> int:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """The listening socket (port 0: any free one, printed), bound before the server starts."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    """The listening socket (port 0: any free one, printed), bound before the server starts. A host that does
+    not resolve or a port that is taken is one LoomError."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise LoomError(
+            f"cannot serve on --host {host}: it does not resolve ({e.strerror})",
+            hint="give an address of this machine (127.0.0.1, 0.0.0.0, ::1) or a name that resolves to one",
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise LoomError(
+            f"cannot listen on {host} port {port}: {e.strerror}",
+            hint="the port is taken: stop what uses it or pick another (--port; 0: any free one)"
+            if e.errno == errno.EADDRINUSE
+            else "give an address of this machine (--host) and a port you may use (--port)",
+        ) from None
     sock.setblocking(False)
     return sock
 
@@ -120,9 +183,12 @@ def make_server(served, grace: float):
     async def lifespan(app):
         served.worker.start()
         yield
+        # uvicorn has waited for the requests in flight (up to `grace` seconds) and cancelled what still ran:
+        # their rows are cancelled now, and the engine's thread ends, waited for off the event loop (a wait
+        # on it would keep the cancelled requests' own clean-up from running)
         served.worker.draining = True
-        served.worker.stop()
-        served.worker.join(timeout=grace)
+        served.worker.stop(abort=True)
+        await asyncio.to_thread(served.worker.join, 30)
 
     app = build_app(served)
     app.router.lifespan_context = lifespan
@@ -152,9 +218,19 @@ def run_server(served, sock: socket.socket, grace: float) -> None:
     (up to `grace` seconds), and the worker stops. Returns normally (exit 0)."""
     server = make_server(served, grace)
     # uvicorn raises the signal it caught again once it has shut down, under the handler found at its start:
-    # this one ignores it, so a drained server exits 0 instead of dying by SIGTERM
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    # these only ask it to stop, so a drained server exits 0 instead of dying by SIGTERM (or KeyboardInterrupt:
+    # Ctrl-C); and a signal that comes before uvicorn has put up its own handlers stops it all the same
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
     host, port = sock.getsockname()[:2]
-    log.info(f"loom serve: {served.model} on http://{host}:{port}/v1 (context {served.context} tokens)")
+    ckpt = served.checkpoint
+    step = f"step {ckpt['step']}" if ckpt.get("step") is not None else "step unknown"
+    log.info(f"loom serve: checkpoint {ckpt.get('path')} ({step})")
+    log.info(f"loom serve: {served.model} on {url_of(host, port)} (context {served.context} tokens)")
     server.run(sockets=[sock])
+    # a second Ctrl-C makes uvicorn skip the lifespan's end: the engine's thread is ended here then, so the
+    # process never exits with it inside a forward
+    served.worker.stop(abort=True)
+    if served.worker.is_alive():
+        served.worker.join(30)
     log.info("loom serve: stopped")

@@ -1,9 +1,12 @@
 """The HTTP side of `loom serve`: a FastAPI app with the OpenAI routes, /health and /metrics, over one Worker.
 
 Requests are read by hand (loom.serve.protocol), not by pydantic models, so that every refusal (malformed
-JSON included) is the OpenAI-shaped error body. Streaming answers are server-sent events; a client that leaves
-mid-answer cancels its rows at once (the stream's task is cancelled by the server and its `finally` tells the
-worker), and a client that leaves a whole-answer request is noticed within a quarter second.
+JSON included) is the OpenAI-shaped error body, and so is a real internal error (a catch-all 500: no request
+ever gets a plain-text one). Streaming answers are server-sent events; a client that leaves mid-answer cancels
+its rows at once (the stream's task is cancelled by the server and its `finally` tells the worker), and a
+client that leaves a whole-answer request is noticed within a quarter second (`request.is_disconnected()`:
+requests are counted by a pure ASGI middleware, because Starlette's `@app.middleware("http")` hands the route
+a receive channel that never reports the disconnect).
 
 FastAPI is an optional dependency (`loom[serve]`): it is imported where the app is built and answers, so this
 module imports without it. No `from __future__ import annotations` here: FastAPI reads a route's `Request`
@@ -19,10 +22,11 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from loom import log
 from loom.engine import QueueFull, SamplingParams
 from loom.serve import protocol
 from loom.serve.protocol import APIError, Job, bad
-from loom.serve.worker import Draining, Worker
+from loom.serve.worker import Dead, Draining, Worker
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Served:
     api_key: str | None = None
     longest_token_chars: int = 1  # a prompt of more characters than this x context is refused before encoding
     counts: Counter = field(default_factory=Counter)  # (route, status) -> requests
+    checkpoint: dict = field(default_factory=dict)  # the served checkpoint: {"path", "step"} (/v1/models)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -45,7 +50,7 @@ class Served:
 
 def build_app(served: Served) -> "FastAPI":  # noqa: F821
     from fastapi import FastAPI, Request
-    from fastapi.responses import PlainTextResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="loom serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -59,15 +64,23 @@ def build_app(served: Served) -> "FastAPI":  # noqa: F821
     async def http_error(request: Request, e: HTTPException):  # unknown routes, wrong methods
         return _error(served, request, APIError(e.status_code, str(e.detail)))
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        served.counts[(request.url.path, response.status_code)] += 1
-        return response
+    @app.exception_handler(Exception)
+    async def internal_error(
+        request: Request, e: Exception
+    ):  # a bug: still the OpenAI shape, never plain text
+        log.error(f"loom serve: {request.method} {request.url.path} failed: {e!r}")
+        return _error(served, request, APIError(500, f"internal error: {e!r}"))
+
+    app.add_middleware(Counting, counts=served.counts)
 
     @app.get("/health")
     async def health():
-        return {"status": "draining" if served.worker.draining else "ok", "model": served.model}
+        w = served.worker
+        failure = w.died or getattr(w, "failure", None)  # tp.Leader: the ranks lost each other
+        if failure is not None:
+            body = {"status": "dead", "model": served.model, "error": failure}
+            return JSONResponse(body, status_code=503)
+        return {"status": "draining" if w.draining else "ok", "model": served.model}
 
     @app.get("/metrics")
     async def metrics():
@@ -77,6 +90,8 @@ def build_app(served: Served) -> "FastAPI":  # noqa: F821
     async def models(request: Request):
         _auth(served, request)
         card = {"id": served.model, "object": "model", "created": 0, "owned_by": "loom"}
+        card["checkpoint"] = served.checkpoint  # an extra field: which weights answer (path, step)
+        card["context_length"] = served.context
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
@@ -90,6 +105,29 @@ def build_app(served: Served) -> "FastAPI":  # noqa: F821
         return await _answer(served, request, _completion_job(served, await _body(served, request)))
 
     return app
+
+
+class Counting:
+    """Requests counted by route and status (/metrics), as a pure ASGI middleware: it passes the route the
+    server's own receive channel, so a client that leaves is seen (`request.is_disconnected()`)."""
+
+    def __init__(self, app, counts: Counter):
+        self.app, self.counts = app, counts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]  # an exception before any response: the catch-all answers 500
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self.counts[(scope["path"], status[0])] += 1
 
 
 def _error(served: Served, request: "Request", e: APIError) -> "JSONResponse":  # noqa: F821
@@ -116,8 +154,11 @@ async def _body(served: Served, request: "Request") -> dict:  # noqa: F821
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply to read") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    protocol.refuse_unbuilt(body)
     model = body.get("model")
     if not isinstance(model, str):
         raise bad("'model' is required (GET /v1/models lists it)", "model")
@@ -135,7 +176,12 @@ def _encode(served: Served, text: str, param: str) -> list[int]:
             param,
             "context_length_exceeded",
         )
-    return served.tokenizer.encode(text)
+    try:
+        return served.tokenizer.encode(text)
+    except Exception as e:  # noqa: BLE001  (a character a char vocabulary lacks, ...: the text, not the server)
+        raise bad(
+            f"the {param} cannot be encoded by the model's tokenizer: {e}", param, "unencodable_text"
+        ) from None
 
 
 def _chat_job(served: Served, body: dict) -> Job:
@@ -180,7 +226,9 @@ def _completion_job(served: Served, body: dict) -> Job:
     logprobs = protocol.number(body, "logprobs", None, 0, 5, integer=True)
     n_max = min(protocol.max_tokens(body, ("max_tokens",), 16, len(p), served.context) for p in ids)
     fields = protocol.sampling(body, logprobs=logprobs is not None, top=logprobs or 0)
-    params = SamplingParams(max_tokens=n_max, stop_ids=frozenset({served.eot_id}), **fields)
+    # a chat run's text ends at the end of a turn, and a chat token (a role's start or end) is never text
+    stops = {served.eot_id, *(served.template.ids.values() if served.template is not None else ())}
+    params = SamplingParams(max_tokens=n_max, stop_ids=frozenset(stops), **fields)
     n, stream, usage = protocol.choices_and_stream(body)
     if n * len(ids) > protocol.MAX_N:
         raise bad(f"n x prompts must be at most {protocol.MAX_N}", "n")
@@ -201,11 +249,13 @@ async def _answer(served: Served, request: "Request", job: Job):  # noqa: F821
     try:
         for req in job.requests:
             served.worker.submit(req)
-    except (QueueFull, Draining, ValueError) as e:
+    except (QueueFull, Draining, Dead, ValueError) as e:
         for req in job.requests:
             served.worker.cancel(req)
         if isinstance(e, ValueError):
             raise bad(str(e)) from None
+        if isinstance(e, Dead):
+            raise APIError(503, str(e), code="engine_dead") from None
         status = 429 if isinstance(e, QueueFull) else 503
         raise APIError(
             status, f"{e}: try again shortly", code="queue_full" if status == 429 else None
@@ -219,6 +269,8 @@ async def _answer(served: Served, request: "Request", job: Job):  # noqa: F821
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     return JSONResponse({}, status_code=499)
+                if served.worker.died is not None and not all(r.done for r in job.requests):
+                    raise APIError(503, f"the engine has stopped ({served.worker.died})") from None
             ready.clear()
     finally:
         for req in job.requests:
@@ -265,6 +317,9 @@ async def _events(served: Served, job: Job, ready: asyncio.Event) -> AsyncIterat
         yield "data: [DONE]\n\n"
     except APIError as e:
         yield _sse(e.body())
+    except Exception as e:  # noqa: BLE001  (a bug: the stream ends with an error event, not a cut connection)
+        log.error(f"loom serve: a streamed answer failed: {e!r}")
+        yield _sse(APIError(500, f"internal error: {e!r}").body())
     finally:  # the client left (the task is cancelled here) or the answer is done: free the rows now
         for req in job.requests:
             if not req.done:

@@ -16,6 +16,25 @@ from loom.engine import Request, SamplingParams, cut_at_stop
 MAX_N = 16  # choices per request
 MAX_STOP = 4  # stop texts per request (the OpenAI API's bound)
 MAX_TOP_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch generator takes (a negative seed is seed mod 2**64)
+
+# Fields of the OpenAI API (and of vLLM's) that would change the answer and are not built: refused (400, the
+# field named) rather than ignored, unless they hold the value that changes nothing. (field, neutral test)
+UNBUILT: tuple[tuple[str, object], ...] = (
+    ("logit_bias", lambda v: v in (None, {})),
+    ("presence_penalty", lambda v: v in (None, 0)),
+    ("frequency_penalty", lambda v: v in (None, 0)),
+    ("repetition_penalty", lambda v: v in (None, 1)),
+    ("min_p", lambda v: v in (None, 0)),
+    ("best_of", lambda v: v in (None, 1)),
+    ("echo", lambda v: v in (None, False)),
+    ("suffix", lambda v: v in (None, "")),
+    ("response_format", lambda v: v is None or v == {"type": "text"}),
+    ("tools", lambda v: v in (None, [])),
+    ("tool_choice", lambda v: v in (None, "none")),
+    ("functions", lambda v: v in (None, [])),
+    ("function_call", lambda v: v in (None, "none")),
+)
 
 
 class APIError(Exception):
@@ -49,14 +68,31 @@ class Job:
     requests: list[Request] = field(default_factory=list)
 
     def make_requests(self) -> list[Request]:
-        """n requests per prompt, in the order of the choices; with a seed, choice i samples with seed + i."""
+        """n requests per prompt, in the order of the choices; with a seed, choice i samples with seed + i
+        (mod 2**64: the generator's own reading of a negative seed, so 2**64 - 1 with n = 2 is a seed too)."""
         p = self.params
         for k, ids in enumerate(self.prompts):
             for i in range(self.n):
-                seed = None if p.seed is None else p.seed + k * self.n + i
+                seed = None if p.seed is None else (p.seed + k * self.n + i) % 2**64
                 params = SamplingParams(**{**p.__dict__, "seed": seed})
                 self.requests.append(Request(ids, params))
         return self.requests
+
+
+def refuse_unbuilt(body: dict) -> None:
+    """400 for a field that would change the answer and is not built (UNBUILT), naming it."""
+    for name, neutral in UNBUILT:
+        value = body.get(name)
+        try:
+            ok = bool(neutral(value))
+        except TypeError:  # an unhashable value compared with a tuple's members: not neutral
+            ok = False
+        if not ok:
+            raise bad(
+                f"'{name}' is not supported by this server (got {value!r}); leave it out",
+                name,
+                "unsupported_field",
+            )
 
 
 def number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
@@ -89,8 +125,13 @@ def sampling(body: dict, *, logprobs: bool, top: int) -> dict:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise bad("'seed' must be an integer", "seed")
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise bad(f"'seed' must be in [-2**63, 2**64 - 1], got {seed}", "seed")
+    # top_k (vLLM's field; the engine samples with it): null, 0 or -1 is off
+    top_k = number(body, "top_k", None, -1, 2**31 - 1, integer=True)
     return dict(
         temperature=float(temperature),
+        top_k=top_k if top_k and top_k > 0 else None,
         top_p=None if top_p >= 1 else float(top_p),
         seed=seed,
         stop=_stops(body),

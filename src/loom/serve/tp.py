@@ -39,7 +39,7 @@ import torch.distributed as dist
 from loom import log
 from loom.engine import Engine, Request, SamplingParams
 from loom.errors import LoomError
-from loom.serve.worker import Worker, step_or_fail
+from loom.serve.worker import Worker, cancel_or_fail, step_or_fail, submit_or_fail
 
 CONTROL = torch.device("cpu")
 
@@ -73,11 +73,12 @@ class Mirror:
         """The message's cancellations, then its requests (rank 0's own objects in `made`), as each rank does."""
         for i in msg.cancels:
             if i in self.requests:
-                self.engine.cancel(self.requests[i])
+                cancel_or_fail(self.engine, self.requests[i])
         for i, prompt, params in msg.submits:
             req = made.pop(i) if made is not None else Request(prompt, params)
             self.requests[i] = req
-            self.engine.submit(req, bounded=False)
+            # a request the engine refuses fails alone, on every rank alike (never a rank: the job would stop)
+            submit_or_fail(self.engine, req)
 
     def retire(self) -> None:
         """The finished requests folded into the digest, in id order, and forgotten."""
@@ -118,6 +119,8 @@ class Leader(Worker):
             self.agreed = self.mirror.agree()
         except Exception as e:  # noqa: BLE001  (whatever the collective raised: the job cannot go on)
             self._fail(repr(e))
+        except BaseException as e:  # noqa: BLE001  (a bug: no request may wait on a thread that is gone)
+            self.die(e)
 
     def prepare(self, inbox: list[Request], cancels: list[Request], stop: bool) -> Message:
         """The message of these changes, applied to rank 0's engine first: it carries what the engine then holds."""
