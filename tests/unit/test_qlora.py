@@ -258,3 +258,31 @@ def test_a_resumed_int8_state_run_follows_the_run_straight_through(base_run):
     assert main(["train", *o8, "--run.name=resumed", "--train.resume=auto"]) == 0
     a, b = losses("straight"), losses("resumed")
     assert set(a) == {1, 2, 3, 4} and all(a[s] == pytest.approx(b[s], abs=1e-6) for s in a), (a, b)
+
+
+def _plan(*argv: str):
+    from loom.plan.report import build_parser, run_plan
+
+    args = ["--model", "llama3-8b", "--seq-len", "512", "--global-batch-tokens", "8192", "--gpu-mem", "24"]
+    return run_plan(build_parser().parse_args([*args, *argv]))
+
+
+def test_the_planner_counts_an_nf4_base_and_low_bit_states():
+    from loom.plan.memory import NF4_BYTES
+
+    shape, _, _, cands = _plan("--gpus", "1", "--lora-rank", "16", "--quantize-base", "nf4")
+    best = cands[0]
+    assert best.fits and best.memory_gb["total"] < 24 * 0.9
+    # the base's block linears in NF4 (4.127 bits a weight), embedding, head and norms in fp32, adapters fp32
+    C, F, kv, L = 4096, 14336, 1024, 32
+    linears = L * (2 * C * C + 2 * C * kv + 3 * C * F)
+    adapters = L * 16 * (2 * (C + C) + 2 * (C + kv) + 3 * (C + F))
+    want = linears * NF4_BYTES + (shape.param_count() - linears) * 4 + adapters * 4
+    assert best.memory_gb["params"] == pytest.approx(want / 1e9, rel=1e-9)
+    assert best.memory_gb["optim"] == pytest.approx(adapters * 8 / 1e9)
+    int8 = _plan("--gpus", "1", "--lora-rank", "16", "--quantize-base", "nf4", "--optim-state", "int8")[3][0]
+    assert int8.memory_gb["optim"] == pytest.approx(adapters * (2 + 8 / 256) / 1e9)
+    with pytest.raises(LoomError, match="fits nowhere"):  # the same LoRA over an fp32 base: 49 GB
+        _plan("--gpus", "1", "--lora-rank", "16")
+    with pytest.raises(LoomError, match="on one GPU"):
+        _plan("--gpus", "2", "--lora-rank", "16", "--quantize-base", "nf4")

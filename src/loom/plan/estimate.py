@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loom.plan.memory import Micro, Precision, moe_mlp_bytes
+from loom.plan.memory import Finetune, Micro, Precision, moe_mlp_bytes
 from loom.plan.peak import Layout, peak_memory, stages
 from loom.plan.shapes import ModelShape
 
@@ -83,6 +83,7 @@ class Workload:
     global_batch_tokens: int
     attention: str = "flash"
     offload: bool = False  # train.activation_offload: saved activations in host memory (plan/peak.py)
+    finetune: Finetune | None = None  # LoRA / QLoRA's model states (one GPU: plan/memory.py's Finetune)
 
 
 @dataclass
@@ -224,7 +225,9 @@ def evaluate(c: Candidate, cluster: Cluster, wl: Workload) -> Candidate:
     if c.ep == 1:  # the experts are sharded and reduced as every other parameter
         first_e = 0.0
     ckpt = c.activation_checkpointing
-    lay = Layout(c.dp, c.tp, c.pp, c.zero, c.replicate, b, c.n_micro, ckpt, c.sp, c.cp, c.ep, wl.offload)
+    lay = Layout(
+        c.dp, c.tp, c.pp, c.zero, c.replicate, b, c.n_micro, ckpt, c.sp, c.cp, c.ep, wl.offload, wl.finetune
+    )
     # context parallel: a rank's activations are those of s / cp tokens (Ulysses' attention sees the whole
     # sequence with n_head / cp heads: the same bytes as s / cp tokens with every head, for flash attention)
     sl = s // c.cp

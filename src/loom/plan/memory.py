@@ -228,3 +228,56 @@ def embed_activation_bytes(shape: ModelShape, m: Micro) -> float:
     """First stage: token ids (int64) and, with dropout, the embedding dropout mask."""
     sb = m.s * m.b
     return 8 * sb + (m.mask_bytes * sb * shape.n_embd / m.seq_shards if shape.dropout > 0 else 0)
+
+
+# LoRA / QLoRA (finetune.lora_rank, finetune.quantize_base, optim.state_dtype, optim.offload) --------------------
+NF4_BYTES = (
+    0.5 + 1 / 64 + 4 / (64 * 256)
+)  # 4-bit codes, an int8 scale per 64, an fp32 factor per 16,384: 4.127 bits
+STATE_BYTES = {
+    "": 8.0,
+    "int8": 2 + 2 * 4 / 256,
+    "int4": 1 + 2 * 4 / 128,
+}  # AdamW's m and v (+ fp32 block scales)
+
+
+@dataclass(frozen=True)
+class Finetune:
+    """A LoRA run's model states: adapters of `rank` on every linear of the blocks (all-linear: QLoRA's choice)
+    over a frozen base, in fp32 or NF4 (loom.model.nf4); AdamW's moments of the adapters in fp32 or torchao's
+    int8 / int4 (optim.state_dtype), on the device or the host (optim.offload=cpu)."""
+
+    rank: int
+    quantize: str = "none"  # none | nf4
+    state_dtype: str = ""  # "" (fp32) | int8 | int4
+    offload: bool = False
+
+    def block_linears(self, shape) -> list[tuple[int, int]]:
+        """(in, out) of each linear of a dense block (as model/gpt/gpt.py: q, k, v, o, then the MLP's)."""
+        C, F = shape.n_embd, shape.ffn_width
+        attn = [(C, shape.q_dim), (C, shape.kv_dim), (C, shape.kv_dim), (shape.q_dim, C)]
+        mlp = [(C, F), (C, F), (F, C)] if shape.mlp == "swiglu" else [(C, F), (F, C)]
+        return attn + mlp
+
+    def adapter_params(self, shape, blocks: int) -> float:
+        """rank x (in + out) per adapted linear."""
+        return blocks * self.rank * sum(i + o for i, o in self.block_linears(shape))
+
+    def base_linear_params(self, shape, blocks: int) -> float:
+        return blocks * sum(i * o for i, o in self.block_linears(shape))
+
+
+def finetune_state_bytes(
+    shape, params: float, blocks: int, ft: Finetune
+) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer, host) bytes of a LoRA run on one GPU holding `params` base parameters in
+    `blocks` blocks: the base's linears at 4 bytes (fp32, loom's one-process LoRA) or NF4's 0.516, the rest of
+    the base (embeddings, norms, head) at 4; the adapters' fp32 values and gradients; AdamW's two moments of the
+    adapters at 8, 2.03 (int8) or 1.06 (int4) bytes, or none on the device with offload (the host then holds
+    them and an fp32 copy of the adapters: 12 bytes each)."""
+    linears = ft.base_linear_params(shape, blocks)
+    adapters = ft.adapter_params(shape, blocks)
+    base = linears * (NF4_BYTES if ft.quantize == "nf4" else 4.0) + (params - linears) * 4.0
+    optim = 0.0 if ft.offload else adapters * STATE_BYTES[ft.state_dtype]
+    host = adapters * 12.0 if ft.offload else 0.0
+    return base + 4.0 * adapters, 4.0 * adapters, optim, host

@@ -29,9 +29,11 @@ import math
 from dataclasses import dataclass, replace
 
 from loom.plan.memory import (
+    Finetune,
     Micro,
     Precision,
     embed_activation_bytes,
+    finetune_state_bytes,
     head_activation_bytes,
     layer_activation_bytes,
     loss_backward_bytes,
@@ -155,6 +157,7 @@ class Layout:
     cp: int = 1  # context parallel: each rank holds s / cp tokens of a sequence (the caller passes s / cp)
     ep: int = 1  # expert parallel: a MoE layer's routed experts split over ep of the dp x cp ranks
     offload: bool = False  # train.activation_offload: saved activations in host memory (_moments)
+    ft: Finetune | None = None  # a LoRA / QLoRA run's model states (one GPU: loom.plan.memory.Finetune)
 
     @property
     def shard(self) -> int:
@@ -199,6 +202,8 @@ def stage_memory(
     p, gr, o = model_state_bytes(st.params - st.expert_params, prec, zero, shard)
     experts = model_state_bytes(st.expert_params, prec, zero, max(1, shard // lay.ep))
     p, gr, o = p + experts[0], gr + experts[1], o + experts[2]
+    if lay.ft is not None:  # LoRA / QLoRA on one GPU: a frozen base, trained adapters
+        p, gr, o, ft_host = finetune_state_bytes(shape, st.params, st.blocks, lay.ft)
     moments = _moments(shape, m, lay, st, g, gb)
     name, (act, buf) = max(moments.items(), key=lambda kv: sum(kv[1]))
     # Gradients exist at the peak only when an earlier micro-step made them: accumulation without a pipeline
@@ -216,6 +221,7 @@ def stage_memory(
         **(
             {"host": _offloaded(shape, m, lay, st)} if lay.offload else {}
         ),  # host memory, train.activation_offload
+        **({"optim_host": ft_host} if lay.ft is not None and lay.ft.offload else {}),  # optim.offload=cpu
     }
 
 
@@ -230,7 +236,7 @@ def _moments(
     )  # int64 ids, targets
     per_micro = _saved(shape, m, st)
     hidden = m.stream * sbh / m.seq_shards  # a pipeline stage's output or received input, per micro-batch
-    fixed = batch + _weight_casts(shape, m, st, g)
+    fixed = batch + _weight_casts(shape, m, st, g, lay.ft)
     # train.activation_offload: what autograd saves is in host memory, but for the block whose backward runs
     # (copied back for it); autocast's weight casts stay counted (its cache holds them through the forward)
     block_back = _largest_block(shape, m, st) if lay.offload else 0.0
@@ -294,13 +300,21 @@ def _offloaded(shape: ModelShape, m: Micro, lay: Layout, st: Stage) -> float:
     return flight * (_saved(shape, m, st) + head)
 
 
-def _weight_casts(shape: ModelShape, m: Micro, st: Stage, g: int) -> float:
+def _weight_casts(shape: ModelShape, m: Micro, st: Stage, g: int, ft: Finetune | None = None) -> float:
     """Autocast casts each fp32 weight a matmul reads to 16 bits, and the matmul keeps the copy for its
-    backward: one copy of the stage's matrices, unless FSDP gathers them in 16 bits already."""
+    backward: one copy of the stage's matrices, unless FSDP gathers them in 16 bits already. An NF4 base
+    (QLoRA) keeps its 4-bit weight for backward (torchao's linear_nf4) and dequantizes one linear at a time:
+    the adapters' and the head's casts, and the largest linear's dequantized copy."""
     if not m.prec.autocast or g != 4:
         return 0.0
     norms = st.blocks * 2 * shape.ln_params + (shape.ln_params if st.last else 0.0)
-    return m.e * (st.params - (st.embed_params if st.first else 0.0) - norms)
+    matrices = st.params - (st.embed_params if st.first else 0.0) - norms
+    if ft is not None:
+        matrices += ft.adapter_params(shape, st.blocks)
+        if ft.quantize == "nf4":
+            largest = max(i * o for i, o in ft.block_linears(shape))
+            matrices += largest - ft.base_linear_params(shape, st.blocks)
+    return m.e * matrices
 
 
 def _pipeline_buffers(lay: Layout, st: Stage, g: int, gb: int, vocab_rows: float) -> tuple[float, float]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from loom.errors import LoomError
 from loom.plan.estimate import Candidate, Cluster, Workload, plan
-from loom.plan.memory import ATTENTION, PRECISIONS
+from loom.plan.memory import ATTENTION, PRECISIONS, Finetune
 from loom.plan.shapes import PRESETS, ModelShape, assert_valid, fmt_count, resolve_model
 
 _ZERO_WHAT = {
@@ -206,6 +206,24 @@ def header(shape: ModelShape, cluster: Cluster, wl: Workload, n: int, n_fit: int
             if wl.offload
             else []
         )
+        + ([_finetune_line(shape, wl.finetune)] if wl.finetune is not None else [])
+    )
+
+
+def _finetune_line(shape: ModelShape, ft: Finetune) -> str:
+    """What a --lora-rank plan counts instead of the 4+4+8 of full training."""
+    base = "NF4 (0.516 bytes a weight, loom.model.nf4)" if ft.quantize == "nf4" else "fp32 (4 bytes)"
+    state = {"": "fp32 (8 bytes)", "int8": "int8 (2.03 bytes)", "int4": "int4 (1.06 bytes)"}[ft.state_dtype]
+    where = (
+        "on the host (optim_host GB: moments and an fp32 copy, 12 bytes an adapter weight)"
+        if ft.offload
+        else state
+    )
+    return (
+        f"finetune  LoRA rank {ft.rank} on every block linear ({fmt_count(ft.adapter_params(shape, shape.n_layer))} "
+        f"adapter weights): the base's linears in {base}, embeddings, norms and head in fp32, frozen; params = "
+        f"base + adapters, grads the adapters', optim AdamW's moments of the adapters {where}; the step time "
+        "counts full training's FLOPs (LoRA's are ~2/3)"
     )
 
 
@@ -269,6 +287,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="a mixture of experts' expert-parallel degree (parallel.ep; divides n_experts and dp x cp); "
         "default 0: every such degree",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="plan a LoRA fine-tune (finetune.lora_rank, adapters on every linear): a frozen base, the adapters' "
+        "gradients and AdamW state only; one GPU (--gpus 1)",
+    )
+    p.add_argument(
+        "--quantize-base",
+        default="none",
+        choices=("none", "nf4"),
+        help="with --lora-rank: finetune.quantize_base=nf4, QLoRA's 4-bit base (0.516 bytes a weight)",
+    )
+    p.add_argument(
+        "--optim-state",
+        default="",
+        choices=("", "int8", "int4"),
+        help="with --lora-rank: optim.state_dtype, torchao's low-bit AdamW moments",
+    )
+    p.add_argument(
+        "--optim-offload",
+        action="store_true",
+        help="with --lora-rank: optim.offload=cpu, AdamW's state on the host (a host column)",
     )
     p.add_argument("--top", type=int, default=10, help="rows printed (default 10)")
     p.add_argument("--json", action="store_true", help="print every candidate as JSON")
@@ -361,7 +403,15 @@ def run_plan(args: argparse.Namespace) -> tuple[ModelShape, Cluster, Workload, l
         args.mfu,
         args.headroom,
     )
-    wl = Workload(shape, PRECISIONS[args.precision], s, tokens, args.attention, args.activation_offload)
+    wl = Workload(
+        shape,
+        PRECISIONS[args.precision],
+        s,
+        tokens,
+        args.attention,
+        args.activation_offload,
+        _finetune(args, shape),
+    )
     cands = plan(shape, cluster, wl, args.ep)
     if not cands and args.ep > 1:
         raise LoomError(
@@ -391,6 +441,29 @@ def run_plan(args: argparse.Namespace) -> tuple[ModelShape, Cluster, Workload, l
             hint="more GPUs, larger GPUs, a shorter --seq-len, or a smaller model",
         )
     return shape, cluster, wl, cands
+
+
+def _finetune(args: argparse.Namespace, shape: ModelShape) -> Finetune | None:
+    """--lora-rank and its options as the planner's Finetune (None without --lora-rank); what loom refuses for a
+    LoRA run is refused here too (loom.config.validate._check_qlora)."""
+    extras = args.quantize_base != "none" or args.optim_state or args.optim_offload
+    if not args.lora_rank:
+        if extras:
+            raise LoomError(
+                "--quantize-base, --optim-state and --optim-offload plan a LoRA run",
+                hint="add --lora-rank 16, say",
+            )
+        return None
+    if args.gpus != 1 or shape.is_moe:
+        raise LoomError(
+            "--lora-rank plans a LoRA fine-tune of a dense model on one GPU (QLoRA runs in one process in loom)",
+            hint="use --gpus 1",
+        )
+    if args.optim_state and args.optim_offload:
+        raise LoomError(
+            "--optim-state with --optim-offload: choose one (as optim.state_dtype and optim.offload)"
+        )
+    return Finetune(args.lora_rank, args.quantize_base, args.optim_state, args.optim_offload)
 
 
 def plan_main(argv: list[str]) -> int:
