@@ -125,6 +125,20 @@ def _check_diloco(cfg: Config, world: int, impl: str) -> None:
     h = p.diloco_inner_steps
     if not h:
         return
+    if world == 1:  # a lone replica: its outer step averages nothing (a run resumed without its --nproc, too)
+        r = p.dp_replicate
+        raise LoomError(
+            f"parallel.diloco_inner_steps={h} on one process: DiLoCo averages what its replicas learned, and one "
+            "process is a single replica with nothing to average"
+            + (f" (this run's parallel.dp_replicate={r} needs at least {r} processes)" if r > 1 else ""),
+            hint=(
+                f"run it with --nproc {r} (or a multiple: ddp or fsdp inside each replica), or "
+                if r > 1
+                else "start it with --nproc N --parallel.dp_replicate=R (R replicas of N/R processes), or "
+            )
+            + "continue as plain training on one process with --parallel.diloco_inner_steps=0 "
+            "--parallel.dp_replicate=1",
+        )
     if world > 1 and p.dp_replicate == 1:
         raise LoomError(
             f"parallel.diloco_inner_steps={h} needs a replicate dimension: parallel.dp_replicate is 1 on "
@@ -699,6 +713,35 @@ def check_saved_config(saved: dict, cfg: Config, source: str, hint: str, *, infe
     check_model_config(
         saved.get("model", {}), cfg, source, hint, inference=inference, finetune=saved.get("finetune")
     )
+    if not inference:
+        _check_saved_low_comm(saved.get("parallel", {}), cfg, source)
+
+
+def _check_saved_low_comm(saved: dict, cfg: Config, source: str) -> None:
+    """A resumed run keeps the DiLoCo period and PowerSGD's rank its checkpoint holds state for: the outer
+    momentum and the replicas' inner states belong to H (changing it is another optimizer mid-run), and P, Q and
+    the error feedback are shaped by the rank. DiLoCo may be switched off (H=0): the run goes on as plain
+    training from replica 0's weights and inner state (the checkpoint is written where the replicas agree)."""
+    was = {**Config().to_dict()["parallel"], **saved}
+    p = cfg.parallel
+    h0, h = was["diloco_inner_steps"], p.diloco_inner_steps
+    if h and h != h0:
+        raise LoomError(
+            f"{source} was trained with parallel.diloco_inner_steps={h0}, not {h}"
+            + (": a run without DiLoCo cannot become one on resume" if not h0 else ""),
+            hint=f"resume with --parallel.diloco_inner_steps={h0} (or 0 to continue as plain training), or start "
+            "a new run"
+            if h0
+            else "resume it without parallel.diloco_inner_steps, or start a new run with it",
+        )
+    both = was["grad_compression"] == p.grad_compression == "powersgd"
+    if both and was["powersgd_rank"] != p.powersgd_rank:
+        raise LoomError(
+            f"{source} was trained with parallel.powersgd_rank={was['powersgd_rank']}, not {p.powersgd_rank}: "
+            "the PowerSGD state it holds (each matrix's low-rank factors and error feedback) has that rank",
+            hint=f"resume with --parallel.powersgd_rank={was['powersgd_rank']}, or with "
+            "--parallel.grad_compression=none, or start a new run",
+        )
 
 
 def _differing(section: str, saved: dict, mine: dict, compared) -> list[tuple[str, object, object]]:
