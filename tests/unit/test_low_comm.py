@@ -42,6 +42,12 @@ BAD = {
         2,
         "train.time_budget_s",
     ),
+    "diloco on one process": (["--parallel.diloco_inner_steps=10"], 1, "on one process: DiLoCo averages"),
+    "a diloco run on one process": (
+        ["--parallel.diloco_inner_steps=10", "--parallel.dp_replicate=2"],
+        1,
+        r"one process is a single replica with nothing to average \(this run's parallel.dp_replicate=2 needs",
+    ),
     "powersgd with fsdp": (
         ["--parallel.grad_compression=powersgd", "--parallel.dp_impl=fsdp"],
         2,
@@ -81,7 +87,6 @@ def test_diloco_layout_ddp_inside_replicas():
     )
     _, dims = validate(cfg, 4)
     assert dims.fsdp_enabled and not dims.hsdp_enabled  # FSDP within a replica, DiLoCo across
-    assert validate(load_config(None, ["--parallel.diloco_inner_steps=10"]), 1)[1].diloco  # one replica
 
 
 def test_powersgd_bytes_follow_torch_rule():
@@ -149,3 +154,57 @@ def test_plan_says_when_compression_or_diloco_pays_off(capsys):
     assert 0 < powersgd_factor(resolve_model("7b", None)) < 1 / 20  # rank 4 of 4096-wide matrices
     with pytest.raises(LoomError, match="--inter-node-gbps must be positive"):
         plan_main([*args, "--inter-node-gbps", "0"])
+
+
+def _resumed(saved: dict, *args: str) -> None:
+    """check_saved_config of a checkpoint whose recorded parallel section is `saved`, resumed with `args`."""
+    from loom.config import Config, check_saved_config
+
+    cfg = load_config(None, list(args))
+    record = Config().to_dict()
+    record["parallel"].update(saved)
+    check_saved_config(record, cfg, "checkpoint 'c'", "hint")
+
+
+def test_resume_keeps_the_diloco_period_and_the_powersgd_rank():
+    dl = {"diloco_inner_steps": 4, "dp_replicate": 2}
+    _resumed(dl, "--parallel.diloco_inner_steps=4")
+    _resumed(dl, "--parallel.diloco_inner_steps=0")  # continued as plain training: documented
+    with pytest.raises(LoomError, match="trained with parallel.diloco_inner_steps=4, not 2") as e:
+        _resumed(dl, "--parallel.diloco_inner_steps=2")
+    assert "--parallel.diloco_inner_steps=4" in e.value.hint
+    with pytest.raises(LoomError, match="a run without DiLoCo cannot become one on resume"):
+        _resumed({}, "--parallel.diloco_inner_steps=4")
+    ps = {"grad_compression": "powersgd", "powersgd_rank": 2}
+    _resumed(ps, "--parallel.grad_compression=powersgd", "--parallel.powersgd_rank=2")
+    _resumed(ps, "--parallel.grad_compression=none", "--parallel.powersgd_rank=8")
+    # in words a user knows: the setting, both values, and why (not a tensor of another shape)
+    with pytest.raises(
+        LoomError, match=r"trained with parallel.powersgd_rank=2, not 3: the PowerSGD state"
+    ) as e:
+        _resumed(ps, "--parallel.grad_compression=powersgd", "--parallel.powersgd_rank=3")
+    assert "--parallel.powersgd_rank=2" in e.value.hint
+
+
+def test_a_powersgd_rank_at_a_matrix_width_is_said_or_refused(monkeypatch):
+    """torch's rule sends a 32 x 32 matrix whole at rank >= 8 ((32 + 32) x 8 x 2 = 1024, not < 1024), a 32 x 256
+    one from rank 15: named in a warning, and refused when no matrix is compressed."""
+    from loom import log
+    from loom.parallel.ddp import check_powersgd_rank, uncompressed_matrices
+
+    model = nn.Sequential(
+        nn.ModuleList([nn.Linear(32, 32) for _ in range(2)]), nn.Linear(256, 32), nn.LayerNorm(32)
+    )
+    state = SimpleNamespace(matrix_approximation_rank=4, min_compression_rate=2)
+    assert uncompressed_matrices(state, model) == ({}, {"0.*.weight", "1.weight"})
+    state.matrix_approximation_rank = 8
+    assert uncompressed_matrices(state, model)[0] == {"0.*.weight": (32, 32)}
+    warned = []
+    monkeypatch.setattr(log, "warn", warned.append)
+    check_powersgd_rank(state, model)
+    assert len(warned) == 1 and "powersgd_rank=8: PowerSGD sends these matrices whole" in warned[0]
+    assert "0.*.weight (32 x 32)" in warned[0] and "1.weight" not in warned[0]
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    state.matrix_approximation_rank = 32
+    with pytest.raises(LoomError, match="powersgd_rank=32 compresses none of this model's matrices"):
+        check_powersgd_rank(state, model)

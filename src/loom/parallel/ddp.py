@@ -17,12 +17,14 @@ on each rank's link).
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from loom import compat
+from loom import compat, log
+from loom.errors import LoomError, PeerError
 
 
 def apply_ddp(
@@ -213,6 +215,50 @@ def _powersgd_bytes(state, grads: list[torch.Tensor]) -> int:
     return total
 
 
+def _folded(name: str) -> str:
+    """A parameter's name with its layer numbers folded ('h.3.mlp.w' -> 'h.*.mlp.w') and torch.compile's prefix
+    dropped: one name for the same matrix of every layer."""
+    return re.sub(r"\.\d+\.", ".*.", name.replace("_orig_mod.", ""))
+
+
+def uncompressed_matrices(state, model: nn.Module) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """({folded name: shape} of the trained matrices PowerSGD sends whole at this rank, the folded names of all
+    of them): a rank at or near a matrix's width gains nothing on it (torch's rule, _low_rank), and torch then
+    all-reduces it in full without a word."""
+    whole: dict[str, tuple[int, ...]] = {}
+    every: set[str] = set()
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.ndim > 1:
+            every.add(_folded(name))
+            if not _low_rank(state, p.shape):
+                whole.setdefault(_folded(name), tuple(p.shape))
+    return whole, every
+
+
+def check_powersgd_rank(state, model: nn.Module) -> None:
+    """parallel.powersgd_rank at or above the matrices' widths: refused when PowerSGD would compress none of
+    them (a full all-reduce every step, PowerSGD's work on top); else a warning naming those it sends whole."""
+    whole, every = uncompressed_matrices(state, model)
+    if not whole:
+        return
+    r = state.matrix_approximation_rank
+    named = [f"{n} ({' x '.join(map(str, shape))})" for n, shape in whole.items()]
+    listed = ", ".join(named[:6]) + (f" and {len(named) - 6} more" if len(named) > 6 else "")
+    why = (
+        f"a rank r gains nothing on an n x m matrix unless (n + m) x r x {state.min_compression_rate:g} < n x m, "
+        "PyTorch's rule"
+    )
+    if set(whole) == every:
+        # every rank finds the same; rank 0 says it, the others stop quietly
+        error = LoomError if torch.distributed.get_rank() == 0 else PeerError
+        raise error(
+            f"parallel.powersgd_rank={r} compresses none of this model's matrices ({why}): {listed}",
+            hint="use a rank well below the model's width (PowerSGD's paper uses 1-4; loom's default is 4), or "
+            "parallel.grad_compression=bf16",
+        )
+    log.warn(f"parallel.powersgd_rank={r}: PowerSGD sends these matrices whole ({why}): {listed}")
+
+
 def apply_compression(ddp: DistributedDataParallel, kind: str, rank: int, warmup: int) -> SyncBytes:
     """Register the communication hook of `kind` (none | bf16 | fp16 | powersgd) on `ddp`; returns the byte
     counter. `none` keeps DDP's built-in all-reduce (no Python hook: its numbers stay bit for bit) and counts
@@ -225,6 +271,7 @@ def apply_compression(ddp: DistributedDataParallel, kind: str, rank: int, warmup
     counter, group = SyncBytes(), ddp.process_group
     if kind == "powersgd":
         state = psgd.PowerSGDState(group, matrix_approximation_rank=rank, start_powerSGD_iter=warmup)
+        check_powersgd_rank(state, ddp.module)
         hook = psgd.powerSGD_hook
         counter.hook_state = saved = PowerSGDCheckpoint(state, ddp.module, torch.distributed.get_rank())
 
