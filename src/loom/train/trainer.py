@@ -584,9 +584,10 @@ class Trainer:
 
     def _say_run_length(self) -> None:
         """Rank 0's warnings about what the run's length hides (loom.train.budget.run_length_warnings)."""
-        windows = getattr(getattr(self.batches, "loader", None), "windows", None)  # pretraining's ShardLoader
+        # pretraining's ShardLoader (a mixture's MixLoader.windows is a method: its check_repeats says it)
+        windows = getattr(getattr(getattr(self.batches, "loader", None), "windows", None), "n", None)
         rows_per_step = self.derived.tokens_per_step // self.cfg.model.block_size
-        for line in run_length_warnings(self.cfg, windows.n if windows is not None else None, rows_per_step):
+        for line in run_length_warnings(self.cfg, windows, rows_per_step):
             if self.main:
                 log.warn(line)
 
