@@ -50,6 +50,7 @@ def kinds(tmp_path_factory) -> Path:
     return root
 
 
+RL = ["--rl.max_new_tokens=4", "--rl.reward=exact"]  # an RL config that validates on the 32-token model
 # (run, what the resume gives it, the kind it trained on, the kind it is given); paths under the root
 DIRECTIONS = [
     ("dpo", ["--data.path={root}/chat"], "preference pairs", "conversations"),  # the report
@@ -58,9 +59,9 @@ DIRECTIONS = [
     ("base", ["--data.path={root}/chat"], "plain token shards", "conversations"),
     ("base", ["--data.sources=a={root}/text,b={root}/text2", "--data.mix=a:0.5,b:0.5"], "plain", "a mixture"),
     ("mix", ["--data.path={root}/text"], "a mixture", "plain token shards"),
-    ("sft", ["--rl.prompts={root}/arith/rl_train.jsonl"], "conversations", "RL prompts"),
+    ("sft", [*RL, "--rl.prompts={root}/arith/rl_train.jsonl"], "conversations", "RL prompts"),
     ("rl", ["--rl.prompts="], "RL prompts", "conversations"),
-    ("dpo", ["--rl.prompts={root}/arith/rl_train.jsonl"], "preference pairs", "RL prompts"),
+    ("dpo", [*RL, "--rl.prompts={root}/arith/rl_train.jsonl"], "preference pairs", "RL prompts"),
 ]
 
 
