@@ -30,7 +30,7 @@ import re
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loom.errors import LoomError
@@ -53,14 +53,21 @@ class DistEnv:
     num_nodes: int
     master_addr: str
     master_port: int
-    source: str  # one of SOURCES
+    source: str  # one of SOURCES: the dialect of the variables read
     restarts: int = 0  # times torch elastic restarted the job's workers (restart_count), read with the rest
+    # who started the process, as the log names it: torchrun's dialect is spoken by torchrun, by `loom train
+    # --nproc` (loom.train.spawn) and by hand (RANK/WORLD_SIZE set); "" means the source says it
+    launcher: str = field(default="", compare=False)
+
+    @property
+    def launched_by(self) -> str:
+        return self.launcher or self.source
 
     def __str__(self) -> str:
         return (
             f"rank={self.rank}/{self.world_size} local={self.local_rank}/{self.local_world_size} "
             f"node={self.node_rank}/{self.num_nodes} master={self.master_addr}:{self.master_port} "
-            f"({self.source})"
+            f"({self.launched_by})"
         )
 
 
@@ -312,7 +319,29 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
     num_nodes = _int(environ, "GROUP_WORLD_SIZE", default=num_nodes)
     job_id = environ.get("TORCHELASTIC_RUN_ID") or environ.get("SLURM_JOB_ID") or environ.get("PBS_JOBID")
     addr, port = _master(environ, [], job_id)
-    return DistEnv(rank, local_rank, world, local_world, node_rank, num_nodes, addr, port, "torchrun")
+    return DistEnv(
+        rank,
+        local_rank,
+        world,
+        local_world,
+        node_rank,
+        num_nodes,
+        addr,
+        port,
+        "torchrun",
+        0,
+        _launcher(environ),
+    )
+
+
+def _launcher(environ: Mapping[str, str]) -> str:
+    """Who set torchrun's variables: `loom train --nproc` (its workers carry LOOM_NPROC_JOB, the job id it gave
+    TORCHELASTIC_RUN_ID: a torchrun started below one of them is torchrun again), torchrun (its agent sets
+    TORCHELASTIC_RUN_ID), else a hand-written env:// launch."""
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and environ.get("LOOM_NPROC_JOB") == run_id:
+        return "loom --nproc"
+    return "torchrun" if run_id else "env:// (RANK and WORLD_SIZE set by hand)"
 
 
 def _scheduler_hosts_and_job(environ: Mapping[str, str]) -> tuple[list[str], str | None]:

@@ -41,6 +41,8 @@ def diloco_run(char_data, tmp_path_factory):
     ]
     r = loom_run("train", *flags)
     assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr  # the run's header names loom --nproc as its launcher, not torchrun
+    assert "launcher loom --nproc" in out and "torchrun" not in out
     return runs / "dl"
 
 

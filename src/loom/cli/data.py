@@ -7,6 +7,16 @@ import argparse
 from loom.cli.args import refuse_options
 from loom.errors import LoomError
 
+# `loom data`'s verbs, each with the line `loom data --help` shows
+DATA_VERBS = {
+    "prepare": "text files, folders or JSONL (or --chat conversations, --pairs preferences) -> tokenizer + "
+    "train/val shards",
+    "convert": "token data between formats (llm.c's shards, nanoGPT's .bin, .npy, Megatron's): a folder or "
+    "one file",
+    "inspect": "what a token folder or file holds (format detected; --mix: a mixture's epochs per source)",
+    "tokenizer": "tokenizer convert IN --to hf|gpt2|tiktoken OUT: a tokenizer in another library's format",
+}
+
 
 def data(argv: list[str]) -> int:
     if argv and argv[0] in ("convert", "inspect"):
@@ -18,10 +28,13 @@ def data(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="loom data",
         description="Prepare, convert and inspect token data.",
-        epilog="also: loom data convert --help, loom data inspect --help, loom data tokenizer convert --help",
+        epilog="each verb's options: loom data prepare --help, loom data convert --help, loom data inspect "
+        "--help, loom data tokenizer convert --help",
     )
-    sub = p.add_subparsers(dest="verb", required=True)
-    pp = sub.add_parser("prepare", help="text files, folders or JSONL -> tokenizer + train/val shards")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="{" + ",".join(DATA_VERBS) + "}")
+    pp = sub.add_parser("prepare", help=DATA_VERBS["prepare"])
+    for verb in ("convert", "inspect", "tokenizer"):  # parsed by their own modules (above): listed here
+        sub.add_parser(verb, help=DATA_VERBS[verb], add_help=False)
     _add_inputs(pp)
     _add_text_options(pp)
     _add_chat_options(pp)

@@ -14,18 +14,29 @@ if TYPE_CHECKING:
     from loom.runs import LoadedRun
 
 
+# the sampling options' help, shared by loom generate and loom chat
+RUN_HELP = "a run folder (runs/NAME): its newest valid checkpoint is loaded"
+TEMPERATURE_HELP = "divides the logits before sampling: lower is more predictable, 0 greedy"
+TOP_K_HELP = "sample among the k most likely tokens only"
+TOP_P_HELP = "sample among the most likely tokens whose probabilities add up to p (nucleus; default: off)"
+SEED_HELP = "random seed of the sampling (default 1337)"
+DEVICE_HELP = "auto (default: this process's GPU, else mps, else the CPU), or a device such as cpu, cuda:1"
+
+
 def generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="loom generate", description="Sample text from a trained run.")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help=RUN_HELP)
     p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=200)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument(
+        "--max-new-tokens", type=int, default=200, help="tokens to sample per sample (default 200)"
+    )
+    p.add_argument("--temperature", type=float, default=0.8, help=TEMPERATURE_HELP + " (default 0.8)")
+    p.add_argument("--top-k", type=int, default=200, help=TOP_K_HELP + " (default 200)")
+    p.add_argument("--top-p", type=float, default=None, help=TOP_P_HELP)
+    p.add_argument("--seed", type=int, default=1337, help=SEED_HELP)
+    p.add_argument("--num-samples", type=int, default=1, help="how many samples to print (default 1)")
     p.add_argument("--no-cache", action="store_true", help="recompute the context every token (slower)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--shard", action="store_true", help=SHARD_HELP)
     args = p.parse_args(argv)
     check_sampling(args)
@@ -39,17 +50,17 @@ def chat(argv: list[str]) -> int:
         description="Talk to a fine-tuned run (chat data: loom data prepare --chat), turn by turn, with "
         "streaming tokens; --prompt answers once and exits.",
     )
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help=RUN_HELP)
     p.add_argument(
         "--prompt", default=None, help="one user turn: print only the assistant's answer, then exit"
     )
     p.add_argument("--system", default=None, help="a system message that opens the conversation")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--temperature", type=float, default=0.0, help=TEMPERATURE_HELP + " (default 0: greedy)")
+    p.add_argument("--top-k", type=int, default=None, help=TOP_K_HELP + " (default: every token)")
+    p.add_argument("--top-p", type=float, default=None, help=TOP_P_HELP)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer in tokens (default 256)")
+    p.add_argument("--seed", type=int, default=1337, help=SEED_HELP)
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--ckpt", default=None, help="a checkpoint folder of the run (default: its newest)")
     args = p.parse_args(argv)
     args.num_samples = 1

@@ -136,6 +136,18 @@ def _parser(stage: str) -> argparse.ArgumentParser:
         "from the newest valid checkpoint",
     )
     p.add_argument("--log-all-ranks", action="store_true", help="every rank prints, prefixed with its rank")
+    # handled before parsing (train(): loom.dryrun), listed here so that --help shows them
+    fit = p.add_argument_group(
+        "will it fit (a dry run on this CPU: loom train --dry-run --help for all options)"
+    )
+    fit.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build and step the job on fake tensors at --world N ranks: memory per rank and whether it fits",
+    )
+    fit.add_argument(
+        "--world", type=int, metavar="N", help="with --dry-run: the job's number of GPUs (ranks)"
+    )
     return p
 
 
@@ -150,6 +162,8 @@ def train(argv: list[str], stage: str = "train") -> int:
     if args.help_config:
         print(config.help_text())
         return 0
+    if args.world is not None:
+        raise LoomError("--world is an option of --dry-run", hint="add --dry-run (or use --nproc N to train)")
     args.config, rest = config.config_argv(argv, args.config, rest)
     cfg = config.load_config(args.config, rest)
     explicit = config.explicit_keys(args.config, rest)

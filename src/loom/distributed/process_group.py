@@ -57,7 +57,7 @@ def init(env: DistEnv, device: torch.device, timeout_s: float) -> None:
             hint="check that MASTER_ADDR is reachable from every node and MASTER_PORT is free",
         ) from None
     log.info(
-        f"process group: {backend}, world {env.world_size}, launcher {env.source}, timeout {timeout_s:.0f}s"
+        f"process group: {backend}, world {env.world_size}, launcher {env.launched_by}, timeout {timeout_s:.0f}s"
     )
 
 

@@ -314,7 +314,7 @@ def run(req: RunRequest | Config, log_all_ranks: bool = False) -> dict:
     clean, trainer = False, None
     try:
         if env.world_size > 1:
-            log.info(f"launcher {env.source}: {env}")
+            log.info(f"launcher {env.launched_by}: {env}")
         check_same_config(control, cfg)
         many = control.size > 1
         plan = rank0_result(control, lambda: plan_run(req, dims, not many, (layout, derived), env.restarts))

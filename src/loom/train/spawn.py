@@ -132,6 +132,7 @@ def _run_group(
             GROUP_RANK="0",
             GROUP_WORLD_SIZE="1",
             TORCHELASTIC_RUN_ID=job,
+            LOOM_NPROC_JOB=job,  # the log says "loom --nproc" started them, not torchrun (loom.env)
             TORCHELASTIC_RESTART_COUNT=str(attempt),
             TORCHELASTIC_MAX_RESTARTS=str(max_restarts),
             TORCHELASTIC_USE_AGENT_STORE="True",  # env:// joins this store instead of rank 0 serving one
