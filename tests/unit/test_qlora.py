@@ -286,3 +286,20 @@ def test_the_planner_counts_an_nf4_base_and_low_bit_states():
         _plan("--gpus", "1", "--lora-rank", "16")
     with pytest.raises(LoomError, match="on one GPU"):
         _plan("--gpus", "2", "--lora-rank", "16", "--quantize-base", "nf4")
+
+
+def test_the_dry_run_refuses_what_it_does_not_measure(capsys):
+    argv = [
+        "train",
+        "--dry-run",
+        "--world",
+        "1",
+        "--model.n_embd=128",
+        "--model.n_head=2",
+        "--finetune.lora_rank=4",
+    ]
+    for flag in ("--finetune.quantize_base=nf4", "--optim.state_dtype=int8"):
+        capsys.readouterr()
+        assert main([*argv, flag]) == 2
+        err = capsys.readouterr().err
+        assert "the dry run does not measure" in err and "loom plan --lora-rank" in err, err

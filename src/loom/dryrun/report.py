@@ -14,7 +14,7 @@ from loom.config import Config, config_argv, explicit_keys, load_config
 from loom.dryrun import layout
 from loom.dryrun.blocks import measure_roles
 from loom.dryrun.layout import GIB, Target
-from loom.dryrun.step import RankMemory
+from loom.dryrun.step import RankMemory, check_torchao_states
 
 TERMS = (
     ("params", "params"),
@@ -88,6 +88,9 @@ def dry_run(
     does not fit, up to three of the planner's layouts are dry-run in turn (loom.dryrun.layout.next_layouts)
     and the first that fits is the advice."""
     t0 = time.perf_counter()
+    check_torchao_states(
+        cfg
+    )  # an NF4 base or torchao's optimizer states: not measured here (loom plan counts them)
     dims = layout.check_layout(cfg, target)  # a layout that cannot start fails here, before anything else
     precision = layout.gpu_precision(cfg, target.gpu)
     vocab = layout.vocab_size(cfg)

@@ -21,6 +21,7 @@ import torch
 from loom import compat
 from loom.config import Config, Derived, validate
 from loom.dryrun import fake
+from loom.errors import LoomError
 from loom.metrics import DTYPES
 from loom.model.registry import spec_of
 from loom.parallel.offload import ActivationOffload, stays_on_device
@@ -170,6 +171,20 @@ def finetune(model, cfg: Config, vocab_size: int) -> None:
 
         meta = read_meta(path)
     apply_finetune(model, cfg, meta)
+
+
+def check_torchao_states(cfg: Config) -> None:
+    """An NF4 base (finetune.quantize_base) and torchao's low-bit or offloaded optimizer state are not measured
+    by the dry run (its fake tensors would count an NF4Tensor at its logical fp32 size, and torchao's low-bit
+    step compiles): refused with the planner that counts them."""
+    f, o = cfg.finetune, cfg.optim
+    if f.quantize_base != "none" or o.state_dtype or o.offload != "none":
+        raise LoomError(
+            "the dry run does not measure finetune.quantize_base, optim.state_dtype or optim.offload (torchao's "
+            "NF4 base and low-bit or offloaded AdamW states)",
+            hint="loom plan --lora-rank R --quantize-base nf4 [--optim-state int8] [--optim-offload] --gpus 1 "
+            "counts them; or dry-run the same run without them",
+        )
 
 
 def _autocast(precision: str):
