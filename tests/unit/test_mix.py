@@ -5,6 +5,8 @@ themselves, and the one-process loader's rows."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -120,6 +122,9 @@ def test_a_source_read_through_is_announced(sources):
         ("nosuch:1", "unknown source 'nosuch'"),
         ("web:1,web:2", "twice"),
         ("web", "not SOURCE:WEIGHT"),
+        ("web:inf,code:1", "the weight of 'web' is inf, not a finite number"),
+        ("web:1,code:nan", "the weight of 'code' is nan, not a finite number"),
+        ("web:abc", "not SOURCE:WEIGHT"),
     ],
 )
 def test_bad_mixtures_are_refused(sources, text, match):
@@ -264,3 +269,70 @@ def test_explain_rows_commands_print_the_mixture_rows(sources, capsys):
     want = mix.global_rows(first, 8).tolist()
     for k, (name, row) in enumerate(rec["sources"]):
         assert printed[(str(sources[name]), row)] == want[k], (k, name, row)
+
+
+def test_a_source_named_twice_or_one_folder_under_two_names_is_refused(sources):
+    with pytest.raises(LoomError, match="data.sources names 'web' twice"):
+        parse_mix("web:1", f"web={sources['web']},web={sources['code']}")
+    with pytest.raises(LoomError, match=r"reads the folder .* twice \(as 'web' and 'again'\)"):
+        parse_mix(f"web={sources['web']}:1,again={sources['web']}/:1")
+    with pytest.raises(LoomError, match="data.mix_schedule: the weight of 'web' is inf"):
+        srcs, w = parse_mix(spec(sources))
+        mix_weights(w, "10@web:inf", srcs)
+
+
+def test_mix_repeat_error_refuses_only_a_run_that_reads_a_source_twice(sources, monkeypatch):
+    """The most steps that read no source twice run to the end under data.mix_repeat=error, on a device whose
+    batches are read a step ahead too (the batch after the last step crosses an epoch: never read, never
+    refused; windows were also computed 1,024 rows ahead and announced from there, which stopped such a run
+    at step 33 of 35); one step more is refused at start, naming the step the second epoch starts at and the
+    epoch reached."""
+    from loom import device
+    from loom.data.loader import DeviceBatches
+
+    monkeypatch.setattr(device, "ASYNC", (*device.ASYNC, "cpu"))  # read one batch ahead, as on a GPU
+    mix = loader(sources, batch=64, repeat="error")
+    n = np.array([mix.windows(i) for i in range(3)])
+    steps = 1
+    while (mix.counts((steps + 1) * 64) <= n).all():
+        steps += 1
+    mix.check_repeats(steps)
+    batches = DeviceBatches(mix, torch.device("cpu"))
+    for _ in range(steps):
+        batches.next_batch()
+    with pytest.raises(LoomError, match="'web' has been read through and starts epoch 2"):
+        batches.next_batch()  # the step after: it does read the second epoch
+    over = loader(sources, batch=64, repeat="error")
+    with pytest.raises(
+        LoomError, match=rf"'web' 1.0\d epochs \(epoch 2 from step {steps + 1}, up to epoch 2\)"
+    ):
+        over.check_repeats(steps + 1)
+    reach = -(-int(over.counts(3 * steps * 64)[0]) // n[0])  # the epoch of web's last row, 1-based
+    assert reach == 3
+    with pytest.raises(
+        LoomError, match=rf"'web' 2.\d\d epochs \(epoch 2 from step {steps + 1}, up to epoch 3\)"
+    ):
+        over.check_repeats(3 * steps)
+
+
+def test_the_hint_for_char_sources_of_different_texts_runs_as_written(tmp_path, monkeypatch):
+    """Two char sources of different texts have two vocabularies: the error says how to prepare them with one
+    tokenizer, and its commands run as written; the folders they make mix."""
+    from loom.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    Path("a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    Path("b.txt").write_text("def f(x):\n    return x * 2 + 1\n" * 200)
+    for name in ("a", "b"):
+        assert main(["data", "prepare", "--input", f"{name}.txt", "--tokenizer", "char", "--out", name]) == 0
+    srcs, _ = parse_mix("a:0.5,b:0.5")
+    with pytest.raises(LoomError) as e:
+        check_sources(srcs)
+    hint = e.value.hint
+    assert "char vocabularies hold only their own text's characters" in hint
+    commands = hint.split("given to the other: ", 1)[1].split(", then mix")[0].split(" && ")
+    assert len(commands) == 2
+    for c in commands:
+        assert main(c.split()[1:]) == 0, c
+    srcs, _ = parse_mix("a-bpe:0.5,b-bpe:0.5")
+    assert len(check_sources(srcs)) == 2  # one tokenizer: they mix

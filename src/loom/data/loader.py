@@ -363,7 +363,8 @@ class DeviceBatches:
 
     def __init__(self, loader: ShardLoader, device: torch.device):
         self.loader, self.device = loader, device
-        self._ahead: tuple | None = None  # ((x, y) on the device, the loader's state after it)
+        # ((x, y) on the device, the loader's state after it), or the error reading it ahead raised
+        self._ahead: tuple | LoomError | None = None
         self._state: dict | None = None
 
     def _fetch(self) -> tuple:
@@ -378,9 +379,21 @@ class DeviceBatches:
         return (x, y), state
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, self._state = self._ahead or self._fetch()
-        self._ahead = self._fetch() if self.device.type in dev.ASYNC else None
+        ahead, self._ahead = self._ahead, None
+        if isinstance(ahead, LoomError):
+            raise ahead  # the batch asked for now is the one that could not be read ahead
+        batch, self._state = ahead or self._fetch()
+        self._ahead = self._fetch_ahead() if self.device.type in dev.ASYNC else None
         return batch
+
+    def _fetch_ahead(self) -> tuple | LoomError:
+        """The next batch, read ahead; a refusal (a mixture's source read through with data.mix_repeat=error)
+        is kept and raised when that batch is asked for: the run's last step reads one batch past the run,
+        which must not stop it."""
+        try:
+            return self._fetch()
+        except LoomError as e:
+            return e
 
     @property
     def valid_targets(self) -> int | None:

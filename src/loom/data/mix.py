@@ -13,6 +13,7 @@ from the counts the phases before it left, so the new weights show from that ste
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,11 @@ def parse_sources(text: str) -> dict[str, str]:
             raise LoomError(
                 f"data.sources: '{item}' is not NAME=PATH", hint="e.g. code=data/code,web=data/web"
             )
+        if name.strip() in out:
+            raise LoomError(
+                f"data.sources names '{name.strip()}' twice ({out[name.strip()]} and {path.strip()})",
+                hint="give each source one name",
+            )
         out[name.strip()] = path.strip()
     return out
 
@@ -54,8 +60,13 @@ def _weight(item: str, where: str) -> tuple[str, float]:
         value = float(w) if colon else float("nan")
     except ValueError:
         value = float("nan")
-    if not colon or not head.strip() or value != value:
+    if not colon or not head.strip() or (value != value and w.strip().lower() not in ("nan", "+nan", "-nan")):
         raise LoomError(f"{where}: '{item}' is not SOURCE:WEIGHT", hint="e.g. code:0.3,web:0.7")
+    if not math.isfinite(value):  # float() reads inf and nan: a weight no share can be drawn from
+        raise LoomError(
+            f"{where}: the weight of '{head.strip()}' is {w.strip()}, not a finite number",
+            hint="weights are finite numbers >= 0 (normalised to sum to 1), e.g. code:0.3,web:0.7",
+        )
     if value < 0:
         raise LoomError(f"{where}: the weight of '{head}' is negative ({value})", hint="weights are >= 0")
     return head.strip(), value
@@ -83,6 +94,12 @@ def parse_mix(mix: str, sources: str = "") -> tuple[list[Source], np.ndarray]:
             )
         if any(s.name == src.name for s in out):
             raise LoomError(f"data.mix names the source '{src.name}' twice", hint="give each source once")
+        same = next((s for s in out if Path(s.path).resolve() == Path(src.path).resolve()), None)
+        if same is not None:  # two names of one folder: its rows drawn twice, with two seeds
+            raise LoomError(
+                f"data.mix reads the folder {src.path} twice (as '{same.name}' and '{src.name}')",
+                hint="give each folder once, with the sum of the weights",
+            )
         out.append(src)
         weights.append(w)
     return out, _normalised(np.array(weights, dtype=np.float64), "data.mix")
@@ -146,15 +163,45 @@ def check_sources(sources: list[Source], doc_mask: bool = False, align: str = "n
         if m.get("vocab_size") != m0.get("vocab_size"):
             raise LoomError(
                 f"data.mix: '{s.name}' has {m.get('vocab_size')} token ids, '{first.name}' {m0.get('vocab_size')}",
-                hint="every source of a mixture must be prepared with one tokenizer",
+                hint=one_tokenizer_hint(first, m0, s, m),
             )
         if tokenizer_hash(s.path, m) != tokenizer_hash(first.path, m0):
             raise LoomError(
                 f"data.mix: '{s.name}' ({s.path}) was prepared with another tokenizer than '{first.name}' "
                 f"({first.path})",
-                hint="prepare every source with the same --tokenizer (e.g. the tokenizer folder of the first)",
+                hint=one_tokenizer_hint(first, m0, s, m),
             )
     return metas
+
+
+def _is_char(meta: dict) -> bool:
+    tok = meta.get("tokenizer")
+    return isinstance(tok, dict) and tok.get("kind") == "char"
+
+
+def one_tokenizer_hint(first: Source, m0: dict, other: Source, m: dict) -> str:
+    """How to prepare two sources with one tokenizer, as commands that run. A char vocabulary holds its own
+    text's characters only (two texts' rarely agree) and cannot be given to another preparation, so char
+    sources are prepared again with a byte-level BPE trained on the first and given to the other (any text
+    encodes); a source with a tokenizer file of its own gives it to the other."""
+
+    def given(meta: dict, fallback: str) -> str:
+        src = meta.get("source")
+        return src if isinstance(src, str) and src else fallback
+
+    a, b = given(m0, f"{first.name.upper()}_TEXT"), given(m, f"{other.name.upper()}_TEXT")
+    if _is_char(m0) or not (Path(first.path) / "tokenizer.json").is_file():
+        what = "char vocabularies hold only their own text's characters: " if _is_char(m0) else ""
+        return (
+            f"{what}prepare the sources with one tokenizer, a BPE trained on the first and given to the "
+            f"other: loom data prepare --input {a} --tokenizer bpe --out {first.path}-bpe && loom data prepare "
+            f"--input {b} --tokenizer {first.path}-bpe --out {other.path}-bpe, then mix {first.path}-bpe and "
+            f"{other.path}-bpe"
+        )
+    return (
+        f"prepare '{other.name}' with the first source's tokenizer: loom data prepare --input {b} --tokenizer "
+        f"{first.path} --out {other.path}-{first.name}-tok, then mix that folder"
+    )
 
 
 class MixPlan:
@@ -345,10 +392,11 @@ class MixLoader:
 
     def check_repeats(self, steps: int) -> None:
         """Before any work: the sources that `steps` steps read more than once, announced as data.mix_repeat
-        says (error: stop now, naming each and its epochs)."""
+        says (error: stop now), each with the epoch it reaches and the step its second epoch starts at."""
         need = self.counts(steps * self.batch_size)
         over = [
-            f"'{s.name}' {need[i] / self.windows(i):.2f} epochs"
+            f"'{s.name}' {need[i] / self.windows(i):.2f} epochs (epoch 2 from step "
+            f"{self._first_step_past(i, steps)}, up to epoch {-(-int(need[i]) // self.windows(i))})"
             for i, s in enumerate(self.sources)
             if need[i] > self.windows(i)
         ]
@@ -361,6 +409,18 @@ class MixLoader:
 
         if self.part.dp_rank == 0:
             log.warn(msg)
+
+    def _first_step_past(self, i: int, steps: int) -> int:
+        """The first step (1-based) whose global batch reads a row of source i's second epoch, within `steps`
+        (a binary search: each source's row count only grows with the cursor)."""
+        lo, hi = 1, steps
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.counts(mid * self.batch_size)[i] > self.windows(i):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def global_rows(self, start: int, count: int) -> torch.Tensor:
         """Rows [start, start + count) of the mixture, as (count, T + 1) tokens: each row the window its source's
@@ -392,7 +452,6 @@ class MixLoader:
         for i in np.unique(src[epochs != t["epoch"][src]]).tolist():
             e = int(epochs[src == i].max())
             if e > t["epoch"][i]:
-                self._announce(i, e)
                 order, shift = self.loaders[i]._order(e)
                 t["epoch"][i], t["keys"][i], t["half"][i], t["mask"][i] = (
                     e,
@@ -406,6 +465,18 @@ class MixLoader:
             order, sh = self.loaders[int(src[r])]._order(int(epochs[r]))
             keys[r], half[r], mask[r], shift[r] = order.keys, order.half, order.mask, sh
         return keys, half, mask, shift
+
+    def _announce_epochs(self, end: int) -> None:
+        """Each source whose rows read before global row `end` (the end of the batch about to be read, every
+        rank's: all ranks decide alike) reach an epoch not announced yet. From the rows the run reads, not
+        from the rows computed ahead (_chunk_of: up to CHUNK rows past the run's end), which a run that never
+        reads a source twice must not be stopped or warned for."""
+        if self.repeat == "allow":
+            return
+        read = self.counts(end)
+        for i in range(len(self.sources)):
+            if read[i] > 0 and (int(read[i]) - 1) // self.windows(i) > self.announced[i]:
+                self._announce(i, (int(read[i]) - 1) // self.windows(i))
 
     def _announce(self, i: int, epoch: int) -> None:
         """A source starting its data again: data.mix_repeat says whether that stops the run or warns."""
@@ -426,6 +497,7 @@ class MixLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's slice of the next global batch: inputs and targets of shape (B / dp, T / cp)."""
         local = self.batch_size // self.part.dp_size
+        self._announce_epochs(self.cursor + self.batch_size)
         rows = self.global_rows(self.cursor + self.part.dp_rank * local, local)
         self.cursor += self.batch_size
         cp = self.part.cp
@@ -490,7 +562,8 @@ class MixLoader:
                 f"(saved {state['mix']}, here {mine})",
                 hint="resume with the data.mix, data.mix_schedule and run.seed the run started with",
             )
-        self.announced = [int(m["epoch"]) for m in mine]
+        # the epoch of each source's last row read (a source read exactly through has not started its next)
+        self.announced = [max(0, (int(m["cursor"]) - 1) // int(m["windows"])) for m in mine]
 
 
 def mix_weights(weights: np.ndarray, schedule: str, sources: list[Source]) -> list[tuple[int, np.ndarray]]:
