@@ -134,6 +134,20 @@ def test_a_client_that_leaves_mid_stream_is_cancelled_on_every_rank(split, one):
     assert chat(split[1], temperature=0).choices[0].message.content == want
 
 
+def test_a_bad_request_never_stops_the_ranks(split, one):
+    """A seed outside 64 bits once killed rank 0's engine thread (the ranks 'lost each other'): now 400, and
+    the split server answers on, the same as one process (issue 57)."""
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(split[1], seed=seed, max_tokens=3)
+        assert e.value.param == "seed"
+    top = complete(split[1], seed=2**64 - 1, n=2, max_tokens=6)  # choice 1's seed wraps to 0
+    assert [c.text for c in top.choices] == [
+        c.text for c in complete(one, seed=2**64 - 1, n=2, max_tokens=6).choices
+    ]
+    assert complete(split[1], temperature=0).choices[0].text == complete(one, temperature=0).choices[0].text
+
+
 def test_sigterm_drains_and_every_rank_exits_0(split, one):
     """Last (the module's server ends here): an answer in flight when the launcher gets SIGTERM completes."""
     proc, tp, log = split
