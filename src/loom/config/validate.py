@@ -242,20 +242,6 @@ def _check_lora(cfg: Config) -> None:
         )
 
 
-def _check_fp8(cfg: Config) -> None:
-    """What rules precision.fp8 out from the config alone: torchao missing (found, not imported: it is imported
-    only by the model's conversion, loom/parallel/fp8.py), a precision or head it does not compose with. A GPU
-    without float8 tensor cores: loom.parallel.fp8.check_device, once the device is known."""
-    p = cfg.precision
-    if p.fp8 == "off":
-        return
-    if p.dtype == "fp16":
-        raise LoomError(
-            "precision.fp8 with precision.dtype=fp16: float8 training runs beside bf16 or fp32 (no loss scaling)",
-            hint="use precision.dtype=bf16",
-        )
-    if p.fp8_head and cfg.model.tie_embeddings:
-        raise LoomError(
 def _check_qlora(cfg: Config, world: int) -> None:
     """finetune.quantize_base=nf4 (QLoRA) and optim.state_dtype / optim.offload (torchao's low-bit and offload
     optimizers): what they compose with, from the config alone. A weight NF4 cannot hold is refused when the
@@ -309,6 +295,20 @@ def _check_qlora(cfg: Config, world: int) -> None:
             raise LoomError(f"{what} needs torchao, which is not installed", hint=hint)
 
 
+def _check_fp8(cfg: Config) -> None:
+    """What rules precision.fp8 out from the config alone: torchao missing (found, not imported: it is imported
+    only by the model's conversion, loom/parallel/fp8.py), a precision or head it does not compose with. A GPU
+    without float8 tensor cores: loom.parallel.fp8.check_device, once the device is known."""
+    p = cfg.precision
+    if p.fp8 == "off":
+        return
+    if p.dtype == "fp16":
+        raise LoomError(
+            "precision.fp8 with precision.dtype=fp16: float8 training runs beside bf16 or fp32 (no loss scaling)",
+            hint="use precision.dtype=bf16",
+        )
+    if p.fp8_head and cfg.model.tie_embeddings:
+        raise LoomError(
             "precision.fp8_head=true but the head is the token embedding (model.tie_embeddings=true): the "
             "embedding is a lookup torchao does not convert, and the shared weight cannot be both",
             hint="leave precision.fp8_head=false, or untie the head (a Llama family)",
