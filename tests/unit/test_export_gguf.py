@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import gguf  # the hf extra (make setup installs it)
 import numpy as np
@@ -313,6 +314,25 @@ def test_a_char_tokenizer_is_written_as_byte_level_bpe(runs, tmp_path):
     assert len(tokens) == tok.vocab_size
 
 
+def test_a_chat_run_carries_its_template_and_its_tokens_as_control_tokens(sft, tmp_path, capsys):
+    """An SFT run on chat data (document-masked, positions restarting in each document): the chat template goes
+    along as tokenizer.chat_template, the chat tokens are control tokens, and the export says that llama.cpp
+    attends over the whole sequence."""
+    from sftkit import _sft_args
+
+    from loom.data.chat import chat_template_of
+
+    assert main([*_sft_args(sft, "sft-gguf"), "--train.steps=2"]) == 0
+    run = sft / "runs" / "sft-gguf"
+    capsys.readouterr()
+    reader = _export(run, tmp_path / "out", "q8_0")
+    assert "data.doc_mask: llama.cpp attends over the whole sequence" in capsys.readouterr().out
+    _, _, tok, meta, _ = load_run(run, torch.device("cpu"))
+    assert _value(reader, "tokenizer.chat_template") == chat_template_of(tok, meta).jinja()
+    tokens, types = _value(reader, "tokenizer.ggml.tokens"), _value(reader, "tokenizer.ggml.token_type")
+    assert tok.specials and all(types[tokens.index(t)] == gguf.TokenType.CONTROL for t in tok.specials)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 
@@ -354,6 +374,8 @@ def test_tokenizers_llama_cpp_cannot_read_are_named(text_maker):
 
     with pytest.raises(LoomError, match="no tokenizer"):
         vocab_of(None, 10)
+    with pytest.raises(LoomError, match="byte-level BPE tokenizers; this run's is sentencepiece"):
+        vocab_of(SimpleNamespace(kind="sentencepiece"), 10)
     word = Tokenizer(models.WordLevel({"a": 0, "<|endoftext|>": 1}, unk_token="a"))
     word.pre_tokenizer = pre_tokenizers.Whitespace()
     with pytest.raises(LoomError, match="byte-level BPE.*WordLevel"):
