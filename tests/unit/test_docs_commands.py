@@ -1,6 +1,8 @@
 """Every command README.md and docs/*.md show still works, by the rule in tests/docs_commands.py: each `loom`
-command parses (its verb exists, its options and config overrides are accepted), the quick ones run here and
-exit 0, each `make` target is a rule of the Makefile and each benchmark script exists.
+command parses (its verb exists, its options and config overrides are accepted, its config passes validate),
+the quick ones run here and exit 0 (the others run in tests/integration/test_docs_commands_run*.py), each
+`make` target is a rule of the Makefile and each benchmark script exists; the table of commands not run and
+the scale rule are checked here.
 
 Parsing goes through loom's public entry, `loom.cli.main(argv)`, with argparse stopped just after the verb's
 parser has read the command (`ArgumentParser.parse_args`), or, for the verbs that pass `--section.key=value`
@@ -14,7 +16,21 @@ import re
 import sys
 
 import pytest
-from docs_commands import TOP, all_commands, inner_command, loom_argv, pages, runs_here, why_not_run
+from docs_commands import (
+    NOT_RUN,
+    STEPS,
+    TOP,
+    all_commands,
+    complete,
+    inner_command,
+    key,
+    loom_argv,
+    pages,
+    runs_here,
+    scale,
+    why_not_run,
+)
+from docs_run_pages import PAGE_GROUPS
 
 from loom import cli, config
 from loom.model import registry
@@ -47,7 +63,11 @@ def parse_only(monkeypatch):
             return ns, rest
         # The verb hands the rest on as config overrides: read them into a config as it would.
         cfg_file, rest = config.config_argv(list(args), getattr(ns, "config", None), rest)
-        config.load_config(cfg_file, rest)
+        cfg = config.load_config(cfg_file, rest)
+        # and the rules a config is held to before anything runs, over the processes it names (the
+        # commands NOT_RUN keeps from running, too: docs/models.md's lr below min_lr was caught only by a run)
+        world = getattr(ns, "world", None) or getattr(ns, "nproc", None) or 1
+        config.validate(cfg, world=int(world))
         raise Parsed(ns)
 
     monkeypatch.setattr(
@@ -166,3 +186,48 @@ def test_links_between_pages_resolve(page):
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text(encoding="utf-8")):
             bad.append(target)
     assert not bad, f"{page.name}: links to nothing: {bad}"
+
+
+def test_not_run_names_commands_the_pages_still_show():
+    """docs_commands.NOT_RUN is the one table of commands the docs test does not run: each entry still names
+    a command of its page (a changed command runs, or is listed again with its reason)."""
+    shown = {key(c) for c in COMMANDS}
+    assert not set(NOT_RUN) - shown, sorted(set(NOT_RUN) - shown)
+    assert all(NOT_RUN.values())
+
+
+def test_every_page_is_run_by_one_file():
+    grouped = [p for group in PAGE_GROUPS.values() for p in group]
+    assert sorted(grouped) == sorted(str(p.relative_to(TOP)) for p in pages())
+    for name in PAGE_GROUPS:
+        assert (TOP / "tests" / "integration" / name).is_file(), name
+
+
+def test_the_scale_rule():
+    """Fewer steps and nothing else: the steps capped (a page's k-th resume k x STEPS further), the checkpoint
+    a later command reads renamed with them, the evaluation and sample cut; a benchmark one repetition."""
+    assert scale(["train", "--model.n_layer=6", "--train.steps=3000"]) == [
+        "train",
+        "--model.n_layer=6",
+        f"--train.steps={STEPS}",
+        "--train.eval_batches=1",
+        "--train.sample_tokens=8",
+    ]
+    assert f"--train.steps={STEPS}" in scale(["train"])
+    assert f"--train.steps={3 * STEPS}" in scale(["train", "--resume", "--train.steps=6000"], 2)
+    rl = scale(["rl", "--model.init_from=run:runs/sft/ckpt/step_000600", "--train.ckpt_every=600"])
+    assert (
+        f"--model.init_from=run:runs/sft/ckpt/step_{STEPS:06d}" in rl and f"--train.ckpt_every={STEPS}" in rl
+    )
+    assert scale(["train", "--help-config"]) == ["train", "--help-config"]
+    assert scale(["bench", "train", "c.toml"])[-6:] == ["--steps", "1", "--warmup", "0", "--rounds", "1"]
+    assert "--max-new-tokens=8" in scale(["generate", "runs/x", "--max-new-tokens", "200"])
+    assert scale(["eval", "runs/x"]) == ["eval", "runs/x"]
+
+
+def test_an_elided_command_is_the_one_above_it_with_its_options():
+    page = [c for c in COMMANDS if c.page == "docs/post-training.md"]
+    (lora,) = [c for c in page if c.elided and "--run.name=sft-lora" in c.words]
+    argv = complete(lora, page)
+    assert argv[0] == "sft" and "--data.path=data/chat" in argv and "--finetune.lora_rank=16" in argv
+    assert argv[-1] == "--run.name=sft-lora"
