@@ -120,7 +120,10 @@ class Sampler(Every):
         model = ctx.parallel.sampling_model()  # rank 0: a whole copy (gathered once if split); others: None
         if model is not None and self.out is not None:  # a CPU's sample takes seconds: say what is under way
             log.info(f"sampling {self.max_new_tokens} tokens at step {ctx.step} (train.sample_tokens)")
-        text = self.text(model, ctx) if model is not None else None
+        # eager even when train.compile compiled the blocks: each new length would recompile them, up to
+        # torch.compile's recompile limit (and its warning block); a sample is too short to gain from compiling
+        with torch.compiler.set_stance("force_eager"):
+            text = self.text(model, ctx) if model is not None else None
         if text is None or self.out is None:
             return None
         with open(self.out, "a", encoding="utf-8") as f:

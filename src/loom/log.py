@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import warnings
 from pathlib import Path
 
 _state = {"rank": 0, "all_ranks": False, "file": None, "console": None}
@@ -99,3 +102,32 @@ def error(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
     if _state["file"] is not None:
         _state["file"].write(msg + "\n")
+
+
+# What other libraries print that loom triggers and a user cannot act on; `loom --verbose` or LOOM_DEBUG=1 shows it.
+_NOISY_LOGGERS = (
+    "torchao",  # "Failed to load ..._C_mxfp8.cpython-310-...so": CUDA kernel libraries a CPU build lacks
+    "torch.utils._pytree",  # torch 2.13: torchao registers an Enum as a pytree constant (deprecated there)
+)
+# Deprecations inside the libraries loom calls (torch's DTensor calls its own deprecated all_gather_tensor, on
+# every rank): attributed to their modules, or naming torch; loom's own calls are kept up to date by its tests
+_NOISY_MODULES = r"(torch|torchao|transformers|accelerate|datasets|lm_eval)(\.|$)"
+
+
+def debug_enabled() -> bool:
+    """LOOM_DEBUG=1 (or `loom --verbose`, which sets it for every process the command starts)."""
+    return os.environ.get("LOOM_DEBUG", "") not in ("", "0")
+
+
+def quiet_third_party() -> None:
+    """Filter, once at the command's start, the third-party noise loom triggers and cannot act on: warnings
+    filters and logging levels here, nowhere else. Nothing is filtered with LOOM_DEBUG=1."""
+    if debug_enabled():
+        return
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=_NOISY_MODULES)
+        warnings.filterwarnings("ignore", message=r".*\btorch\.", category=category)
+    # the profiler's (kineto's) progress lines: "Completed Stage: Warm Up" and the like; read when it starts
+    os.environ.setdefault("KINETO_LOG_LEVEL", "4")

@@ -61,6 +61,12 @@ _ENVIRONMENT_ERRNOS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--verbose" in argv[: argv.index("--") if "--" in argv else len(argv)]:
+        argv.remove("--verbose")  # any verb: third-party warnings shown, in this and every started process
+        os.environ["LOOM_DEBUG"] = "1"
+    from loom import log
+
+    log.quiet_third_party()  # unless LOOM_DEBUG=1
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
