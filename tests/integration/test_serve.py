@@ -448,11 +448,16 @@ def test_a_tiny_temperature_is_greedy(client, temperature):
     assert greedy.choices[0].text and tiny.choices[0].text == greedy.choices[0].text
 
 
-def test_loom_generate_at_a_tiny_temperature_is_greedy(runs, capsys):
+def test_loom_generate_and_chat_at_a_tiny_temperature_are_greedy(runs, capsys):
     base = ["generate", str(runs[1]), "--prompt", "apple ", "--max-new-tokens", "12", "--device", "cpu"]
     assert main([*base, "--temperature", "0"]) == 0
     greedy = capsys.readouterr().out
     assert main([*base, "--temperature", "1e-40"]) == 0
+    assert capsys.readouterr().out == greedy and greedy.strip()
+    chat = ["chat", str(runs[0]), "--prompt", PROMPT, "--max-new-tokens", "12", "--device", "cpu"]
+    assert main([*chat, "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert main([*chat, "--temperature", "1e-40"]) == 0
     assert capsys.readouterr().out == greedy and greedy.strip()
 
 

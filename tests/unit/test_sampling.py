@@ -64,7 +64,7 @@ def test_the_engine_at_a_tiny_temperature_answers_what_greedy_answers():
     assert [r.tokens for r in tiny] == [r.tokens for r in greedy]
 
 
-def test_a_row_whose_callback_fails_fails_alone():
+def test_a_row_whose_callback_fails_fails_alone_in_a_servers_engine():
     """Any exception inside a row's own bookkeeping (here its callback) fails that row; the others finish."""
     m = _model()
 
@@ -73,9 +73,12 @@ def test_a_row_whose_callback_fails_fails_alone():
 
     reqs = [Request([1, 2, 3], SamplingParams(8, 0.0)) for _ in range(3)]
     reqs[1].on_token = broken
-    Engine(m).run(reqs)
+    Engine(m, fail_alone=True).run(reqs)  # a server's engine
     assert reqs[1].finish_reason == CANCELLED and "a callback that fails" in reqs[1].error
     assert [len(r.tokens) for r in (reqs[0], reqs[2])] == [8, 8] and reqs[0].error is None
+    # any other caller (generate, RL) hears of it: a failure is never a silently short answer
+    with pytest.raises(RuntimeError, match="a callback that fails"):
+        Engine(m).run([Request([1, 2, 3], SamplingParams(8, 0.0), on_token=broken)])
 
 
 def test_a_seed_outside_the_generators_range_is_refused_before_it_queues():

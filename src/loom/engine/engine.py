@@ -49,12 +49,15 @@ class Engine:
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         max_prefill_tokens: int = 4096,
         device: torch.device | None = None,
+        fail_alone: bool = False,
     ):
         """max_seqs rows run at once, each of up to max_len tokens (default: block_size; a family that runs on
         past it, extends_context, may take more); max_kv_tokens bounds the tokens the running rows may reach
         together (each row reserves prompt + max_tokens when it joins); max_queue bounds the waiting requests
         (None: unbounded); vocab_size: ids past it are padding, never sampled; decode: token ids to text, for
-        stop texts. use_cache False: every token recomputes its whole context (a reference, slow)."""
+        stop texts. use_cache False: every token recomputes its whole context (a reference, slow). fail_alone
+        (a server's engine): an error in one row's own bookkeeping (its stop text's decoding, its callback)
+        fails that row alone (its `error`), the others go on; else it is raised to the caller."""
         self.model, self.decode, self.autocast = model, decode, autocast
         cfg = model.cfg
         self.block, self.extends = cfg.block_size, extends_context and use_cache
@@ -65,6 +68,7 @@ class Engine:
         self.max_seqs, self.max_queue = max_seqs, max_queue
         self.max_kv_tokens = max_kv_tokens or max_seqs * self.max_len
         self.max_prefill_tokens = max_prefill_tokens
+        self.fail_alone = fail_alone
         self.free = list(range(max_seqs))
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -313,6 +317,8 @@ class Engine:
             try:
                 self._append(r, token, lps[j], None if logp is None else logp[j])
             except Exception as e:  # noqa: BLE001  (its stop text's decode, its callback: this row fails alone)
+                if not self.fail_alone:
+                    raise
                 self.fail(r, e)
 
     def fail(self, req: Request, error: BaseException | str) -> None:

@@ -100,6 +100,7 @@ def engine_for(run, opts: ServeOptions):
         vocab_size=run.tok.vocab_size,
         decode=run.tok.decode,
         device=run.device,
+        fail_alone=True,  # a request's own failure fails it alone: the server answers the others
     )
 
 
