@@ -85,15 +85,14 @@ def architecture(mcfg) -> str:
             )
         return "gpt2"
     hf_llama.check_exportable(cfg)  # RoPE, RMSNorm, SwiGLU, named otherwise
-    for key, why in (
-        ("qk_norm", "llama.cpp's qwen3 architecture"),
-        ("qkv_bias", "llama.cpp's qwen2 architecture"),
+    for key, what in (
+        ("qk_norm", "RMSNorm of each query and key head (llama.cpp's qwen3 architecture)"),
+        ("qkv_bias", "q/k/v biases (llama.cpp's qwen2 architecture)"),
         ("bias", "biases"),
     ):
         if getattr(cfg, key):
             raise LoomError(
-                f"--format gguf writes llama.cpp's llama architecture, which model.{key}=true would need "
-                f"{why} for",
+                f"--format gguf writes llama.cpp's llama architecture, which has no {what}: model.{key}=true",
                 hint=_HINT,
             )
     if cfg.rope_type == "yarn":
@@ -109,6 +108,7 @@ def check_run(run_dir: str | Path) -> None:
     from loom.config import config_from_dict, load_toml
     from loom.data.loader import read_meta
     from loom.data.tokenizers import has_tokenizer, load_tokenizer, run_tokenizer_dir
+    from loom.model.gpt.gpt import GPT
     from loom.model.registry import spec_of
 
     _gguf()
@@ -121,7 +121,7 @@ def check_run(run_dir: str | Path) -> None:
     meta = read_meta(run_tokenizer_dir(run_dir))
     spec = spec_of(cfg)
     mcfg = spec.config(cfg, meta["vocab_size"])
-    if spec.build is not _gpt_class():  # a family with a model of its own (moe, plug-ins)
+    if spec.build is not GPT:  # a family with a model of its own (moe, plug-ins)
         raise LoomError(
             f"--format gguf writes llama.cpp's gpt2 and llama architectures; model.family="
             f"{cfg.model.family} builds {getattr(spec.build, '__name__', 'another model')}, which it has no "
@@ -131,12 +131,6 @@ def check_run(run_dir: str | Path) -> None:
     architecture(mcfg)
     tok = load_tokenizer(run_dir / "tokenizer", meta) if has_tokenizer(meta) else None
     vocab_of(tok, mcfg.vocab_size)
-
-
-def _gpt_class():
-    from loom.model.gpt.gpt import GPT
-
-    return GPT
 
 
 # ------------------------------------------------------------------------------------------- the tokenizer
@@ -223,6 +217,12 @@ def _bpe_vocab(tok) -> Vocab:
             f"--format gguf writes byte-level BPE tokenizers; this run's tokenizer.json is "
             f"{model.get('type')} with pre-tokenizers {kinds} and normalizer "
             f"{(spec.get('normalizer') or {}).get('type')}",
+            hint=_HINT,
+        )
+    if any(s.get("type") == "ByteLevel" and s.get("add_prefix_space") for s in steps):
+        raise LoomError(
+            "--format gguf: the tokenizer puts a space before the text (ByteLevel add_prefix_space), which "
+            "llama.cpp's gpt2 tokenizer does not",
             hint=_HINT,
         )
     names = {GPT2_PATTERN: "gpt-2", GPT4_PATTERN: "llama-bpe", _LLAMA3_PATTERN: "llama-bpe"}

@@ -386,9 +386,16 @@ def test_tokenizers_llama_cpp_cannot_read_are_named(text_maker):
     assert set(vocab.types[300:]) == {gguf.TokenType.UNUSED}
     with pytest.raises(LoomError, match="300 ids but the model only 299"):
         vocab_of(bpe, 299)
+    spaced = Tokenizer.from_str(bpe.tok.to_str())
+    spaced.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    with pytest.raises(LoomError, match="add_prefix_space"):
+        vocab_of(HFTokenizer(spaced), 320)
     other = bpe.tok
     other.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r"\w+|\s"), "isolated"), pre_tokenizers.ByteLevel(use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(r"\w+|\s"), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     with pytest.raises(LoomError, match=r"splits text by '\\\\w\+\|\\\\s'"):
         vocab_of(HFTokenizer(other), 320)
