@@ -128,6 +128,12 @@ def tree(char_data):
         == 0
     )
     shutil.copytree(runs / "ok", runs / "corrupt")
+    # a run whose config is the moe family's (its checkpoint is gpt2's: export --format gguf must refuse first)
+    from loom.config import load_config, to_toml
+
+    shutil.copytree(runs / "ok", runs / "moe")
+    moe = load_config(None, ["--model.family=moe", "--model.n_experts=4", "--model.moe_top_k=1", *TINY])
+    (runs / "moe" / "config.toml").write_text(to_toml(moe))
     model = runs / "corrupt" / "ckpt" / "step_000002" / "model" / "__0_0.distcp"
     raw = bytearray(model.read_bytes())
     raw[len(raw) // 2] ^= 0x01
@@ -367,6 +373,16 @@ COMMANDS = {
     "export: --out that is a regular file": (
         ["export", "{root}/runs/ok", "--format", "safetensors", "--out", "{root}/afile"],
         "--out '{root}/afile' is a file, not a directory",
+        2,
+    ),
+    "export --format gguf of a family llama.cpp has no mapping for (before its checkpoint is read)": (
+        ["export", "{root}/runs/moe", "--format", "gguf", "--out", "{root}/cwd/x"],
+        "model.family=moe builds MoEGPT, which it has no mapping for",
+        2,
+    ),
+    "export --gguf-type without --format gguf": (
+        ["export", "{root}/runs/ok", "--format", "hf", "--gguf-type", "q8_0", "--out", "{root}/cwd/x"],
+        "--gguf-type is an option of --format gguf, not --format hf",
         2,
     ),
     "plot: --out in a folder without write permission": (
