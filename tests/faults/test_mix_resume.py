@@ -58,3 +58,34 @@ def test_sigkill_mixture_then_resume_is_bit_identical(mix_sources, tmp_path):
     gained = {n: want[STEPS][n] - want[20][n] for n in want[20]}
     assert gained["math"] >= 0.75 * (STEPS - 20) * per_step
     print(f"\n[fault] data.mix SIGKILL at step >= {k} (seed {SEED}): resumed bit-identical")
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        (
+            "--data.mix_schedule=6@web:0.1,code:0.1,math:0.8",
+            "data.mix_schedule",
+        ),  # after the checkpoint's step
+        ("--data.mix_schedule=2@web:0.1,code:0.1,math:0.8", "data.mix_schedule"),  # before it
+        ("--data.mix=web:0.4,code:0.4,math:0.2", "data.mix"),
+    ],
+    ids=["schedule-after", "schedule-before", "weights"],
+)
+def test_a_resume_with_another_mixture_is_refused_and_config_toml_kept(
+    mix_sources, tmp_path, capsys, change, key
+):
+    """docs/data.md: a resume with another mixture or schedule is refused. A schedule changed only after the
+    checkpoint's step passed the loader's cursor comparison and trained on (config.toml rewritten with it); one
+    changed before it was refused by the loader after config.toml had been rewritten, so the next plain
+    --resume read the wrong schedule. Now both are refused before the run folder changes."""
+    args = train_args(mix_sources["web"], tmp_path, "m", 4, *mix_flags(mix_sources))
+    assert run_inprocess([a for a in args if not a.startswith("--data.path=")]) == 0
+    run = tmp_path / "m"
+    config, metrics = (run / "config.toml").read_bytes(), (run / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert run_inprocess(["train", "--resume", str(run), "--train.steps=8", change]) == 2
+    err = capsys.readouterr().err
+    assert f"this resume gives {key}=" in err and "keeps the mixture it started with" in err, err
+    assert (run / "config.toml").read_bytes() == config and (run / "metrics.jsonl").read_bytes() == metrics
+    assert run_inprocess(["train", "--resume", str(run), "--train.steps=6"]) == 0  # the run's own mixture

@@ -193,9 +193,11 @@ def check_data_kind(cfg: Config, run_dir: Path, ckpt: Path) -> None:
         return  # no loader position to continue: nothing the data could contradict
     was = saved_data_kind(loader)
     now = requested_data_kind(cfg, was)
+    saved = state.get("config") or {}
+    if now == was == "mix":
+        check_same_mixture(cfg, saved.get("data") or {}, run_dir, ckpt, state["step"])
     if now is None or now == was:
         return
-    saved = state.get("config") or {}
     before = _data_words(was, saved.get("data") or {}, (saved.get("rl") or {}).get("prompts", ""))
     d = cfg.data
     after = _data_words(now, {"path": d.path, "sources": d.sources, "mix": d.mix}, cfg.rl.prompts)
@@ -208,4 +210,44 @@ def check_data_kind(cfg: Config, run_dir: Path, ckpt: Path) -> None:
         f"{was} loader position)",
         hint=f"resume it with its own data ({before}), or start a new run from its weights: "
         f"{_VERBS[now]} --model.init_from=run:{run_dir} {start}".rstrip(),
+    )
+
+
+def check_same_mixture(cfg: Config, saved: dict, run_dir: Path, ckpt: Path, step: int) -> None:
+    """A resumed mixture reads the rows of the mixture it started with: data.mix's sources and weights and
+    data.mix_schedule's phases, as parsed, must be the saved config's (a folder may have moved: the paths are
+    not compared; the loader compares each source's cursor and windows). A schedule changed after the
+    checkpoint's step is refused too (docs/data.md): the run's config.toml names one schedule for all its steps,
+    and it is left as it was."""
+    from loom.data.mix import mix_weights, parse_mix
+
+    def text(v) -> str:  # a TOML list of strings, as the config reads it
+        return ",".join(v) if isinstance(v, list) else str(v or "")
+
+    def phases(data: dict) -> tuple[list[str], list[tuple[int, list[float]]]]:
+        sources, weights = parse_mix(text(data.get("mix")), text(data.get("sources")))
+        steps = mix_weights(weights, str(data.get("mix_schedule") or ""), sources)
+        return [x.name for x in sources], [(at, w.tolist()) for at, w in steps]
+
+    d = cfg.data
+    mine = phases({"mix": d.mix, "sources": d.sources, "mix_schedule": d.mix_schedule})
+    try:
+        before = phases(saved)
+    except LoomError:
+        return  # a saved mixture this loom cannot parse: the loader's own comparison decides
+    if mine == before:
+        return
+    key = "data.mix" if mine[0] != before[0] or mine[1][0] != before[1][0] else "data.mix_schedule"
+    was = saved.get("mix_schedule" if key == "data.mix_schedule" else "mix", "")
+    now = d.mix_schedule if key == "data.mix_schedule" else d.mix
+    changed = [at for at, w in mine[1] if (at, w) not in before[1]] + [
+        at for at, w in before[1] if (at, w) not in mine[1]
+    ]
+    when = f" (from step {min(changed)})" if changed and key == "data.mix_schedule" else ""
+    raise LoomError(
+        f"run '{run_dir}' mixes its sources with {key}={repr(was) if was else '(none)'}; this resume gives "
+        f"{key}={repr(now) if now else '(none)'}{when}: a resumed mixture keeps the mixture it started with, for all its steps "
+        f"(checkpoint '{ckpt.name}' is at step {step})",
+        hint=f"resume without --{key} (the run's config.toml keeps its own), or start a new run from its weights "
+        f"with the new mixture: loom train --model.init_from=run:{run_dir} --{key}=...",
     )
