@@ -43,3 +43,42 @@ def test_known_warnings_hidden_unless_debug(debug, verbose, shown):
     assert ("Failed to load _C_mxfp8" in err) is shown, err
     assert ("all_gather_tensor` is deprecated" in err) is shown, err
     assert "loom's own warning stays" in err  # not third-party: never filtered
+
+
+def test_the_in_training_sample_does_not_recompile_compiled_blocks(tmp_path):
+    """train.compile compiles each block in place; the sample's prompt and growing lengths recompiled them up to
+    torch.compile's recompile limit (its warning block at a compiled run's sample). The sample runs eager."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from loom.data.tokenizers import CharTokenizer
+    from loom.generate import Sampler
+    from loom.model.gpt.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=70, n_layer=2, n_head=2, n_embd=32, block_size=32))
+    compiled: list[int] = []
+
+    def counting(gm, example_inputs):  # a backend that counts the graphs dynamo hands it, and runs them eager
+        compiled.append(len(example_inputs))
+        return gm.forward
+
+    blocks = [m for m in model.modules() if type(m).__name__ == "Block"]
+    assert blocks
+    for block in blocks:
+        block.compile(backend=counting)
+    model(torch.zeros(2, 8, dtype=torch.long))  # a training-shaped forward compiles the blocks' code
+    trained = len(compiled)
+    assert trained >= 1
+    tok = CharTokenizer.train(["abcdefgh ijk"])
+    ctx = SimpleNamespace(
+        parallel=SimpleNamespace(sampling_model=lambda: model),
+        tokenizer=tok,
+        device=torch.device("cpu"),
+        step=5,
+        autocast=contextlib.nullcontext,
+    )
+    found = Sampler(5, 12, 0, False, tmp_path / "samples.txt").run(ctx)
+    assert found is not None and len(compiled) == trained  # the sample compiled nothing more
