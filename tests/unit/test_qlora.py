@@ -37,7 +37,7 @@ from loom.model.nf4 import (  # noqa: E402
 from loom.optim.build import build_optimizer  # noqa: E402
 
 # n_embd 128: every linear's size a multiple of NF4's 64 x 256 = 16,384 (q_proj 128 x 128, the MLP 128 x 512)
-WIDE = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=128", "--model.block_size=32"]
+WIDE = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=128", "--model.block_size=64"]
 QUIET = [
     "--train.batch_size=8",
     "--train.eval_every=0",
@@ -198,7 +198,10 @@ def base_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora")
     words = "apple river stone cloud green house music paper light table".split()
     rng = random.Random(0)
-    (root / "t.txt").write_text(" ".join(rng.choice(words) for _ in range(8000)))
+    # the chat tests need every character of their conversations in the char vocabulary
+    (root / "t.txt").write_text(
+        " ".join(rng.choice(words) for _ in range(8000)) + " reverse: again be brief\n"
+    )
     assert (
         main(
             [
@@ -303,3 +306,79 @@ def test_the_dry_run_refuses_what_it_does_not_measure(capsys):
         assert main([*argv, flag]) == 2
         err = capsys.readouterr().err
         assert "the dry run does not measure" in err and "loom plan --lora-rank" in err, err
+
+
+def test_qlora_dpo_starts_at_log_2_its_reference_the_same_nf4_model(base_run):
+    """loom dpo's reference log-probabilities are the policy's before the first step: with an NF4 base the
+    two are one model, so the loss starts at log 2 exactly as bf16 LoRA's does."""
+    import json
+    import math
+
+    from sftkit import _conversations
+
+    root, common = base_run
+    runs = root / "runs"
+    (root / "conv.jsonl").write_text("".join(json.dumps(c) + "\n" for c in _conversations(60, seed=1)))
+    prep = ["data", "prepare", "--chat", "--input", str(root / "conv.jsonl"), "--out", str(root / "chat")]
+    assert main([*prep, "--tokenizer", str(runs / "base"), "--block-size", "64"]) == 0
+    sft = [f"--data.path={root / 'chat'}", f"--model.init_from=run:{runs / 'base'}", f"--run.dir={runs}"]
+    assert main(["sft", *sft, "--run.name=chat", *QUIET, "--train.steps=2"]) == 0
+    pairs = [
+        {"prompt": f"reverse: {a} {b}", "chosen": f"{b} {a}", "rejected": f"{a} {b}"}
+        for a, b in [
+            ("apple", "river"),
+            ("stone", "cloud"),
+            ("green", "house"),
+            ("music", "paper"),
+            ("light", "table"),
+        ]
+        * 4
+    ]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    prep = ["data", "prepare", "--pairs", "--input", str(root / "pairs.jsonl"), "--out", str(root / "pref")]
+    assert main([*prep, "--tokenizer", str(runs / "chat")]) == 0
+    dpo = [
+        "dpo",
+        f"--data.path={root / 'pref'}",
+        f"--model.init_from=run:{runs / 'chat'}",
+        f"--run.dir={runs}",
+    ]
+    dpo += ["--run.name=qdpo", *QUIET, "--train.steps=2", "--finetune.lora_rank=4"]
+    dpo += ["--finetune.lora_targets=all-linear", "--finetune.quantize_base=nf4", "--optim.warmup_steps=0"]
+    assert main(dpo) == 0
+    recs = [r for r in read_jsonl(runs / "qdpo" / "metrics.jsonl") if "loss" in r and "step" in r]
+    assert recs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and len(recs) == 2
+
+
+def test_qlora_rl_starts_at_kl_0_against_an_nf4_reference(tmp_path):
+    """loom rl's KL reference is a model of its own: quantized as the policy's base, the first step's KL is 0."""
+    from rlkit import QUIET as RL_QUIET
+    from rlkit import make_arith
+
+    make_arith(tmp_path / "arith", "--digits", "1", "--n-train", "40", "--n-heldout", "8", "--n-sft", "40")
+    (tmp_path / "base.txt").write_text((tmp_path / "arith" / "base.txt").read_text() * 5)
+    prep = ["data", "prepare", "--input", str(tmp_path / "base.txt"), "--out", str(tmp_path / "text")]
+    assert main([*prep, "--tokenizer", "char"]) == 0
+    runs = tmp_path / "runs"
+    base = [f"--data.path={tmp_path / 'text'}", f"--run.dir={runs}", "--run.name=base", *WIDE, *RL_QUIET]
+    assert main(["train", *base, "--train.steps=2", "--train.batch_size=8"]) == 0
+    chat = ["data", "prepare", "--chat", "--input", str(tmp_path / "arith" / "sft.jsonl")]
+    assert (
+        main(
+            [*chat, "--out", str(tmp_path / "chat"), "--tokenizer", str(runs / "base"), "--block-size", "32"]
+        )
+        == 0
+    )
+    rl = [
+        "rl",
+        f"--data.path={tmp_path / 'chat'}",
+        f"--model.init_from=run:{runs / 'base'}",
+        f"--run.dir={runs}",
+    ]
+    rl += ["--run.name=qrl", f"--rl.prompts={tmp_path / 'arith' / 'rl_train.jsonl'}", "--rl.group_size=4"]
+    rl += ["--rl.max_new_tokens=4", "--rl.reward=exact", "--rl.kl_coef=0.1", "--train.batch_size=8"]
+    rl += ["--train.steps=2", "--train.log_every=1", *RL_QUIET, "--finetune.lora_rank=4"]
+    rl += ["--finetune.lora_targets=all-linear", "--finetune.quantize_base=nf4"]
+    assert main(rl) == 0
+    recs = [r for r in read_jsonl(runs / "qrl" / "metrics.jsonl") if "rl/kl" in r]
+    assert recs and recs[0]["rl/kl"] == pytest.approx(0.0, abs=1e-7), recs[:1]

@@ -100,7 +100,8 @@ class Trainer:
         self.meta = read_meta(data_dir)
         self.data_dir = data_dir
         t, dims = cfg.train, self.dims
-        if device.type == "cpu" and dims.fsdp_enabled:  # before any weight exists: see _cpu_memory
+        # before any weight exists: see _cpu_memory; QLoRA frees each fp32 base weight as it quantizes it
+        if device.type == "cpu" and (dims.fsdp_enabled or cfg.finetune.quantize_base == "nf4"):
             cpu_memory_release()
         # first: a block_size the data cannot provide fails here, not after the model
         eot_id = doc_eot_id(data_dir, self.meta, cfg.data.doc_mask)  # data.doc_mask: None when off
