@@ -51,7 +51,6 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     ax_sft = ax.twinx() if rl else None  # RL runs' val loss: another quantity than their policy loss
     for i, (rd, recs) in enumerate(runs):
         color = f"C{i % 10}"
-        # the mean over each logging interval (loss_mean), as the console shows; older runs: the step's loss
         train = [(r["tokens"], r.get("loss_mean", r["loss"])) for r in recs if "loss" in r and "tokens" in r]
         val = [(r["tokens"], r["val_loss"]) for r in recs if "val_loss" in r]
         name = Path(rd).name
