@@ -134,25 +134,6 @@ def runs_as_process(cmd: Command) -> bool:
     return argv is not None and not launched(cmd.words) and argv[:1] == ["doctor"] and "--nodes" not in argv
 
 
-def why_not_run(cmd: Command) -> str:
-    """The rule's reason for checking a loom command's parse only."""
-    argv = loom_argv(cmd.words) or []
-    text = " ".join(cmd.words)
-    if launched(cmd.words) or argv[:1] == ["launch"] or "--nodes" in argv:
-        return "a launcher or cluster"
-    if "cuda" in text or "fp8" in text or "triton" in text:
-        return "a GPU"
-    if "--nproc" in argv or "--world" in argv:
-        return "starts processes, or a dry run of many ranks: minutes"
-    if argv[:1] in (["train"], ["sft"], ["rl"], ["verify"], ["bench"]):
-        return "trains or measures: minutes"
-    if argv[:1] == ["data"]:
-        return "reads input the reader brings or downloads"
-    if "--check" in argv:
-        return "dry-runs the planner's layouts: minutes"
-    return "reads a run or folder the page makes first"
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Running the pages' commands (tests/integration/test_docs_commands_run*.py)
 #
