@@ -79,7 +79,8 @@ SHAPES = {
 GLIBC_REUSE = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824"
 NANO_STEP = re.compile(r"^iter (\d+): loss ([-\d.naif]+), time ([\d.]+)ms")
 NANO_EVAL = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
-LOOM_STEP = re.compile(r"^step\s+(\d+) \| loss ([-\d.naif]+) \|.*\| dt ([\d.]+)ms")
+# loom's step line: `step 12 | loss` or, from a run, `step 12/300 | 5s, ETA 2m | loss` (loom.metrics.format_step)
+LOOM_STEP = re.compile(r"^step\s+(\d+)(?:/\d+)?(?: \| [^|]*?)? \| loss ([-\d.naif]+) \|.*\| dt ([\d.]+)ms")
 LOOM_EVAL = re.compile(r"^step\s+(\d+) \| val loss ([\d.]+)")
 
 

@@ -39,6 +39,9 @@ def test_regexes_match_both_formats(vs):
     }
     m = vs.LOOM_STEP.match(format_step(rec))
     assert m and int(m.group(1)) == 12 and float(m.group(3)) == 37.5
+    # the trainer's line: step k/N, the time so far and left, the interval's mean loss
+    m = vs.LOOM_STEP.match(format_step({**rec, "elapsed_s": 4.0, "loss_mean": 2.25}, total=300, eta_s=96))
+    assert m and int(m.group(1)) == 12 and float(m.group(2)) == 2.25 and float(m.group(3)) == 37.5
     m = vs.LOOM_EVAL.match("step    250 | val loss 1.9876")
     assert m and m.group(m.lastindex) == "1.9876"
     m = vs.NANO_STEP.match("iter 7: loss 2.3408, time 44.92ms, mfu 0.03%")
