@@ -50,6 +50,26 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def probe_flops(
+    device: torch.device, dt: torch.dtype, n: int = 256, reps: int = 5, generator=None, clock=None
+) -> float:
+    """A rough FLOP/s of an n x n matmul, to size a measurement: the best of `reps` timed products (2·n³ FLOPs
+    each) after a warm-up. One product takes ~0.2 ms on a CPU; timed once, a single stall of one of its threads
+    (another process given the core for a scheduler slice, 4-16 ms) read as ~100x too slow (`loom bench peak`
+    once left out every size but the smallest, 'too slow at 2.1 GFLOP/s' on a CPU doing 180)."""
+    clock = clock or time.perf_counter
+    a = torch.randn(n, n, device=device, dtype=dt, generator=generator)
+    a @ a
+    dev.synchronize(device)
+    best = 0.0
+    for _ in range(reps):
+        t0 = clock()
+        a @ a
+        dev.synchronize(device)
+        best = max(best, 2 * n**3 / max(clock() - t0, 1e-9))
+    return best
+
+
 def measure_matmul_flops(device: torch.device, dtype: str, n: int = 2048, seconds: float = 1.0) -> float:
     """Best FLOP/s of an n x n matmul on `device` over ~`seconds` (after a warm-up).
 
@@ -64,13 +84,7 @@ def measure_matmul_flops(device: torch.device, dtype: str, n: int = 2048, second
     # A generator of its own: measuring must not move the global RNG, or a run's dropout masks would
     # depend on whether the peak was cached.
     g = torch.Generator(device=device).manual_seed(0)
-    probe = torch.randn(256, 256, device=device, dtype=dt, generator=g)
-    probe @ probe
-    sync()
-    t0 = time.perf_counter()
-    probe @ probe
-    sync()
-    rate = 2 * 256**3 / max(time.perf_counter() - t0, 1e-9)
+    rate = probe_flops(device, dt, generator=g)
     n = max(256, min(n, int((rate * seconds / 10 / 2) ** (1 / 3)) // 64 * 64))
     a = torch.randn(n, n, device=device, dtype=dt, generator=g)
     b = torch.randn(n, n, device=device, dtype=dt, generator=g)
@@ -85,11 +99,16 @@ def measure_matmul_flops(device: torch.device, dtype: str, n: int = 2048, second
     return best
 
 
+def cpu_peak_key(dtype: str) -> str:
+    """cpu_peak_flops' cache key: the machine, thread count, torch version and dtype."""
+    return f"{_cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+
+
 def cpu_peak_flops(dtype: str, again: bool = False) -> float:
     """Measured CPU matmul peak for this machine, thread count, torch version and dtype (cached in JSON).
     `again`: measure once more and keep the higher of the two (a peak measured on a busy machine is too low,
     which shows as an impossible MFU; a measurement can only be too low, so the highest is the best one)."""
-    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+    key = cpu_peak_key(dtype)
     path = cache_dir() / "cpu_peak.json"
     try:
         table = json.loads(path.read_text())

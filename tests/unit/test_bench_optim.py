@@ -165,7 +165,7 @@ def test_bench_peak_json(tmp_path, capsys):
 def test_bench_peak_leaves_out_sizes_too_slow_for_the_budget(monkeypatch):
     from loom.bench import peak
 
-    monkeypatch.setattr(peak, "_probe_rate", lambda device, dtype: 1e6)  # 1 MFLOP/s: a very slow dtype
+    monkeypatch.setattr(peak, "probe_flops", lambda device, dt: 1e6)  # 1 MFLOP/s: a very slow dtype
     rec = peak.bench_matmul(torch.device("cpu"), "fp32", [64, 128], seconds=0.01)
     assert list(rec["by_size"]) == ["64"] and "left out" in rec["note"]  # the smallest size always runs
 

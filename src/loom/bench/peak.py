@@ -25,7 +25,7 @@ import torch
 from loom import device as dev
 from loom import log
 from loom.errors import LoomError
-from loom.metrics import DTYPES, _cpu_name, measure_matmul_flops
+from loom.metrics import DTYPES, _cpu_name, measure_matmul_flops, probe_flops
 
 DEFAULT_SIZES = {"cpu": (512, 1024, 2048), "cuda": (2048, 4096, 8192)}
 
@@ -99,9 +99,8 @@ def bench_matmul(device: torch.device, dtype: str, sizes: list[int], seconds: fl
         return {**rec, "skipped": f"unsupported on {device.type}: {why}"}
     # A slow dtype (fp16 on most CPUs runs at a few GFLOP/s) would take minutes at large sizes:
     # measure_matmul_flops runs at least 6 matmuls, so sizes whose estimate exceeds the budget are left out.
-    rate = _probe_rate(device, dtype)
-    budget = max(2.0, 10 * seconds)
-    affordable = [n for n in sorted(sizes) if 6 * 2 * n**3 / rate <= budget] or [min(sizes)]
+    rate = probe_flops(device, DTYPES[dtype])
+    affordable = affordable_sizes(sizes, rate, seconds)
     by_size = {n: measure_matmul_flops(device, dtype, n=n, seconds=seconds) for n in affordable}
     best = max(by_size, key=by_size.get)
     peak = datasheet_flops(device, dtype)
@@ -112,22 +111,46 @@ def bench_matmul(device: torch.device, dtype: str, sizes: list[int], seconds: fl
         datasheet_flops=peak,
         fraction_of_datasheet=by_size[best] / peak if peak else None,
     )
+    notes = []
     if len(affordable) < len(sizes):
-        rec["note"] = (
+        notes.append(
             f"sizes {sorted(set(sizes) - set(affordable))} left out: too slow at {rate / 1e9:.1f} GFLOP/s"
         )
+    if device.type == "cpu" and (busy := busy_note(by_size[best], cached_cpu_peak(dtype))):
+        notes.append(busy)
+    if notes:
+        rec["note"] = "; ".join(notes)
     return rec
 
 
-def _probe_rate(device: torch.device, dtype: str, n: int = 256) -> float:
-    """A rough FLOP/s from one small matmul (after a warm-up), to budget the real measurement."""
-    a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
-    a @ a
-    sync(device)
-    t0 = time.perf_counter()
-    a @ a
-    sync(device)
-    return 2 * n**3 / max(time.perf_counter() - t0, 1e-9)
+def cached_cpu_peak(dtype: str) -> float | None:
+    """The CPU peak loom.metrics.cpu_peak_flops cached for this machine, threads, torch and dtype (None when it
+    has none: nothing is measured here)."""
+    from loom.metrics import cpu_peak_key
+    from loom.paths import cache_dir
+
+    try:
+        return float(json.loads((cache_dir() / "cpu_peak.json").read_text())[cpu_peak_key(dtype)])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def affordable_sizes(sizes: list[int], rate: float, seconds: float) -> list[int]:
+    """The sizes whose measurement (at least 6 products of 2·n³ FLOPs at `rate` FLOP/s) fits the budget of
+    max(2 s, 10 x seconds); the smallest at least."""
+    budget = max(2.0, 10 * seconds)
+    return [n for n in sorted(sizes) if 6 * 2 * n**3 / rate <= budget] or [min(sizes)]
+
+
+def busy_note(measured: float, cached: float | None) -> str | None:
+    """A CPU measurement far below the peak this machine reached before (the MFU cache keeps the best) was
+    taken on a busy machine: said, with both figures, rather than shown as the machine's peak."""
+    if cached is None or measured >= 0.5 * cached:
+        return None
+    return (
+        f"{measured / 1e9:.1f} GFLOP/s is below half of the {cached / 1e9:.1f} GFLOP/s this CPU reached before "
+        "(loom's MFU cache): other work was running; measure again on a quiet machine"
+    )
 
 
 def print_table(records: list[dict[str, Any]], title: str) -> None:
