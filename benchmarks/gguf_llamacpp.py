@@ -128,6 +128,83 @@ def margin(ours: dict, their_greedy: list[int], step: int) -> float:
     return float(row[ours["greedy"][step]] - row[their_greedy[step]])
 
 
+TRAIN = [  # every run's shape and schedule; RUNS adds its family's flags
+    "--model.n_layer=2",
+    "--model.block_size=64",
+    "--train.batch_size=16",
+    "--train.eval_every=0",
+    "--train.sample_every=0",
+    "--optim.lr=3e-3",
+    "--precision.dtype=fp32",
+    "--train.device=cpu",
+    "--force",
+]
+
+
+def compare(ours: list[dict], theirs: dict) -> list[dict]:
+    """One file's figures, prompt by prompt: loom's rows (loom_side) against llama.cpp's answer for the file."""
+    rows = []
+    for o, t in zip(ours, theirs["prompts"], strict=True):
+        pairs = zip(o["greedy"], t["greedy"], strict=True)
+        same = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+        rows.append(
+            {
+                "prompt": o["text"],
+                "tokenizer_same": t["ids"] == o["ids"],
+                "max_abs_logit_diff": max(abs(a - b) for a, b in zip(o["logits"], t["logits"], strict=True)),
+                "logit_range": max(o["logits"]) - min(o["logits"]),
+                "greedy_same": same is None,
+                "first_divergence": same,
+                # loom's logit of its pick minus that of llama.cpp's, where they part (a near tie?)
+                "loom_margin_there": None if same is None else margin(o, t["greedy"], same),
+                "loom_greedy": o["greedy"],
+                "llamacpp_greedy": t["greedy"],
+            }
+        )
+    return rows
+
+
+def table(results: dict) -> str:
+    """The Markdown table of gguf.md: a row per run and type."""
+    lines = [
+        "| run | type | tokenizer same | greedy same | max abs logit diff (last prompt position) "
+        "| where greedy parts: step (loom's margin there) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run, r in results.items():
+        for kind, f in r["types"].items():
+            rows, n = f["prompts"], len(f["prompts"])
+            spans = [x["logit_range"] for x in rows]
+            parts = [
+                f"{x['first_divergence']} ({x['loom_margin_there']:.1e})"
+                for x in rows
+                if not x["greedy_same"]
+            ]
+            lines.append(
+                f"| {run} | {kind} | {sum(x['tokenizer_same'] for x in rows)}/{n} "
+                f"| {sum(x['greedy_same'] for x in rows)}/{n} "
+                f"| {max(x['max_abs_logit_diff'] for x in rows):.2e} (logits span {min(spans):.1f}-{max(spans):.1f}) "
+                f"| {', '.join(parts) or '-'} |"
+            )
+    return "\n".join(lines)
+
+
+def run_llamacpp(python: str, work: Path, files: list[dict], ours: list[dict], new_tokens: int) -> list[dict]:
+    """llama.cpp's answer (CHILD, in llama-cpp-python's interpreter) for the GGUF files and loom's prompts."""
+    job = {
+        "files": files,
+        "n_ctx": 64,
+        "new_tokens": new_tokens,
+        "prompts": [{"text": r["text"], "ids": r["ids"]} for r in ours],
+    }
+    (work / "job.json").write_text(json.dumps(job))
+    (work / "child.py").write_text(CHILD)
+    cmd = [python, str(work / "child.py"), str(work / "job.json"), str(work / "answer.json")]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads((work / "answer.json").read_text())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-python", required=True, help="the python of a virtualenv with llama-cpp-python")
@@ -138,6 +215,7 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out)
     work = Path(args.work) if args.work else out / "work"
+    out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     loom = [sys.executable, "-m", "loom"]
     for name, flags in DATA.items():
@@ -157,90 +235,21 @@ def main() -> int:
     results = {}
     for run, (data, flags) in RUNS.items():
         t0 = time.time()
-        sh(
-            [
-                *loom, "train", f"--data.path={work / f'data-{data}'}", f"--run.dir={work}", f"--run.name={run}",
-                "--model.n_layer=2", "--model.block_size=64", "--train.batch_size=16", f"--train.steps={args.steps}",
-                "--train.eval_every=0", "--train.sample_every=0", f"--train.log_every={args.steps}",
-                "--optim.lr=3e-3", "--precision.dtype=fp32", "--train.device=cpu", "--force", *flags,
-            ]
-        )  # fmt: skip
+        where = [f"--data.path={work / f'data-{data}'}", f"--run.dir={work}", f"--run.name={run}"]
+        steps = [f"--train.steps={args.steps}", f"--train.log_every={args.steps}"]
+        sh([*loom, "train", *where, *TRAIN, *steps, *flags])
         files = []
         for kind in TYPES:
             dest = work / f"{run}-{kind}"
-            sh(
-                [
-                    *loom,
-                    "export",
-                    str(work / run),
-                    "--format",
-                    "gguf",
-                    "--gguf-type",
-                    kind,
-                    "--out",
-                    str(dest),
-                    "--force",
-                ]
-            )
+            gguf = ["--format", "gguf", "--gguf-type", kind, "--out", str(dest), "--force"]
+            sh([*loom, "export", str(work / run), *gguf])
             files.append({"name": kind, "path": str(dest / f"model-{kind}.gguf")})
         ours = loom_side(work / run, PROMPTS, args.new_tokens)
-        job = {
-            "files": files,
-            "n_ctx": 64,
-            "new_tokens": args.new_tokens,
-            "prompts": [{"text": r["text"], "ids": r["ids"]} for r in ours],
-        }
-        (work / "job.json").write_text(json.dumps(job))
-        (work / "child.py").write_text(CHILD)
-        cmd = [args.llama_python, str(work / "child.py"), str(work / "job.json"), str(work / "answer.json")]
-        print("$", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True)
-        theirs = json.loads((work / "answer.json").read_text())
-        per = {}
-        for f in theirs:
-            rows = []
-            for o, t in zip(ours, f["prompts"], strict=True):
-                diff = max(abs(a - b) for a, b in zip(o["logits"], t["logits"], strict=True))
-                same = next(
-                    (i for i, (a, b) in enumerate(zip(o["greedy"], t["greedy"], strict=True)) if a != b), None
-                )
-                rows.append(
-                    {
-                        "prompt": o["text"],
-                        "tokenizer_same": t["ids"] == o["ids"],
-                        "max_abs_logit_diff": diff,
-                        "logit_range": max(o["logits"]) - min(o["logits"]),
-                        "greedy_same": same is None,
-                        "first_divergence": same,
-                        # loom's logit of its pick minus that of llama.cpp's, where they part (a near tie?)
-                        "loom_margin_there": None if same is None else margin(o, t["greedy"], same),
-                        "loom_greedy": o["greedy"],
-                        "llamacpp_greedy": t["greedy"],
-                    }
-                )
-            per[f["name"]] = {"n_vocab": f["n_vocab"], "prompts": rows}
+        theirs = run_llamacpp(args.llama_python, work, files, ours, args.new_tokens)
+        per = {f["name"]: {"n_vocab": f["n_vocab"], "prompts": compare(ours, f)} for f in theirs}
         results[run] = {"seconds": round(time.time() - t0, 1), "types": per}
     (out / "gguf_llamacpp.json").write_text(json.dumps(results, indent=1))
-    print(
-        "\n| run | type | tokenizer same | greedy same | max abs logit diff (last prompt position) "
-        "| where greedy parts: step (loom's margin there) |"
-    )
-    print("|---|---|---|---|---|---|")
-    for run, r in results.items():
-        for kind, f in r["types"].items():
-            rows = f["prompts"]
-            spans = [x["logit_range"] for x in rows]
-            parts = [
-                f"{x['first_divergence']} ({x['loom_margin_there']:.1e})"
-                for x in rows
-                if not x["greedy_same"]
-            ]
-            print(
-                f"| {run} | {kind} | {sum(x['tokenizer_same'] for x in rows)}/{len(rows)} "
-                f"| {sum(x['greedy_same'] for x in rows)}/{len(rows)} "
-                f"| {max(x['max_abs_logit_diff'] for x in rows):.2e} (logits span {min(spans):.1f}-{max(spans):.1f}) "
-                f"| {', '.join(parts) or '-'} |"
-            )
+    print("\n" + table(results))
     return 0
 
 
