@@ -10,7 +10,14 @@ from loom.cli import main
 
 WORDS = "apple river stone cloud green house music paper light table".split()
 MODEL = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=64"]
-QUIET = ["--train.eval_every=0", "--train.sample_every=0", "--train.eval_batches=1", "--train.device=cpu"]
+# fp32, not the default auto (bf16 on a CPU with bf16 units): the tests compare losses exactly
+QUIET = [
+    "--train.eval_every=0",
+    "--train.sample_every=0",
+    "--train.eval_batches=1",
+    "--train.device=cpu",
+    "--precision.dtype=fp32",
+]
 
 
 def _conversations(n: int, seed: int) -> list[dict]:
