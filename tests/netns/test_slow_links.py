@@ -1,10 +1,12 @@
 """Links limited for real: scripts/netns_hosts.py puts a token-bucket filter (tc tbf) on both ends of each
 host's link, and `loom bench comm` run across the two hosts sees that rate.
 
-Compared against: the limit itself. A two-rank all-reduce sends each rank's whole buffer once over its link
-(busbw = algbw x 2(n-1)/n = algbw at n = 2), so busbw must be within 20 % of the rate (TCP/IP and Ethernet
-headers take a few per cent of it). The veth counters (`Hosts.link_bytes`) must show at least the bytes the
-benchmark moved.
+Compared against: the limit itself and the same link unlimited. A two-rank all-reduce sends each rank's whole
+buffer once over its link (busbw = algbw x 2(n-1)/n = algbw at n = 2), so busbw can never exceed the rate by
+more than the bucket's burst and the timer's noise (10 %), and the limited link must be several times slower
+than the unlimited one measured in the same test. No lower bound near the rate: with other jobs on the machine
+the ranks themselves fall behind the link (72.9 Mbit/s measured under a 100 Mbit/s limit), which says nothing
+about the limit. The veth counters (`Hosts.link_bytes`) must show at least the bytes the benchmark moved.
 """
 
 from __future__ import annotations
@@ -18,21 +20,31 @@ RATE_MBIT = 100
 SIZE = 4 * 2**20  # 4 MiB: 0.34 s per call at 100 Mbit/s, long enough that the bucket's burst is noise
 
 
-def test_bench_comm_across_a_limited_link_sees_its_rate(hosts, netns, tmp_path):
-    hosts.limit(netns.Link(f"{RATE_MBIT}mbit", latency_ms=50))
-    before = hosts.link_bytes(1)
-    out = tmp_path / "comm.json"
+def _bench_mbit(hosts, tmp_path, name: str) -> float:
+    """`loom bench comm`'s all-reduce busbw across the two hosts, in Mbit/s."""
+    out = tmp_path / f"{name}.json"
+    (tmp_path / name).mkdir()
     bench = [PY, "-m", "loom", "bench", "comm", "--backend", "torch", "--ops", "all_reduce"]
     bench += ["--sizes", "4MB", "--iters", "3", "--warmup", "1", "--json", str(out), "--quiet"]
     jobs = launch_on_hosts(
-        hosts, "slurm", tmp_path, ["--nproc-per-node", "1", "--rdzv-timeout", "120"], bench
+        hosts, "slurm", tmp_path / name, ["--nproc-per-node", "1", "--rdzv-timeout", "120"], bench
     )
     wait_all(jobs, 240)
     (rec,) = json.loads(out.read_text())
-    seen_mbit = rec["busbw_gbps"] * 8e3  # 10^9 bytes/s -> 10^6 bits/s
+    return rec["busbw_gbps"] * 8e3  # 10^9 bytes/s -> 10^6 bits/s
+
+
+def test_bench_comm_across_a_limited_link_sees_its_rate(hosts, netns, tmp_path):
+    free = _bench_mbit(hosts, tmp_path, "free")
+    hosts.limit(netns.Link(f"{RATE_MBIT}mbit", latency_ms=50))
+    before = hosts.link_bytes(1)
+    seen = _bench_mbit(hosts, tmp_path, "limited")
     sent = hosts.link_bytes(1)["tx"] - before["tx"]
-    print(f"\n[netns] tbf {RATE_MBIT} Mbit/s: all_reduce busbw {seen_mbit:.1f} Mbit/s, node1 sent {sent:,} B")
-    assert seen_mbit == pytest.approx(RATE_MBIT, rel=0.2)
+    print(
+        f"\n[netns] unlimited {free:.1f} Mbit/s; tbf {RATE_MBIT} Mbit/s: {seen:.1f} Mbit/s, node1 sent {sent:,} B"
+    )
+    assert 0 < seen <= RATE_MBIT * 1.1  # the limit holds: never faster than the rate
+    assert seen * 3 <= free  # and it is the limit that holds it: the same link unlimited is far faster
     assert sent >= 4 * SIZE  # warm-up + 3 timed calls, each sending the whole buffer once
 
 
