@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import textwrap
+import warnings
+
 from loom.config import load_config
 from loom.dryrun.layout import GIB, Target, layout_flags
 from loom.dryrun.report import dry_run
@@ -40,29 +44,81 @@ def shape_overrides(shape, wl) -> list[str]:
     ]
 
 
+WIDTH = 120  # every line of the check's table, its reasons and its warnings fits this many columns
+LAYOUT_WIDTH = 74  # WIDTH less the other columns: a longer layout folds onto lines of its own
+HEADER = f"{'#':>2} {'layout':<{LAYOUT_WIDTH}} {'planner GiB':>11} {'dry run GiB':>11} {'ratio':>6}  fits  s"
+
+
 def plan_check(model: str | None, shape, cluster, wl, cands, gpu: str = "H100") -> int:
     """Dry-run each candidate layout (loom.plan's ranking) and print the planner's total beside the dry run's
-    largest rank peak. `model`: the --model given to loom plan (a CONFIG.toml's other keys are kept). Exit
-    status 0 when the planner's first layout fits when dry-run, else 1."""
+    largest rank peak; a layout the dry run finds too big says why under its row (the planner listed it as
+    fitting: its verdict gives way to the measurement). What the dry runs warn about is printed after the table,
+    once each. `model`: the --model given to loom plan (a CONFIG.toml's other keys are kept). Exit status 0 when
+    the planner's first layout fits when dry-run, else 1."""
     path = model if model and model.endswith(".toml") else None
     base = [] if path else shape_overrides(shape, wl)
     target = Target(
         cluster.gpus, cluster.gpus_per_node, gpu, cluster.gpu_mem_gb * 1e9 / GIB, cluster.headroom
     )
-    print(f"{'#':>2} {'layout':<92} {'planner GiB':>11} {'dry run GiB':>11} {'ratio':>6}  fits  s")
+    print(HEADER)
     first_fits = None
-    for i, c in enumerate(cands, 1):
-        flags = layout_flags(c)
-        overrides = [*base, *flags]
-        r = dry_run(load_config(path, overrides), target, path, overrides, advise=False)
-        planned, peak = c.memory_gb["total"] * 1e9, max(x.peak for x in r.ranks)
-        fits = "yes" if not r.too_big else "NO"
-        first_fits = (not r.too_big) if first_fits is None else first_fits
-        print(
-            f"{i:>2} {' '.join(f.split('.', 1)[1] for f in flags):<92} {planned / GIB:>11.2f} {peak / GIB:>11.2f} "
-            f"{peak / planned:>6.2f}  {fits:<4} {r.seconds:.0f}"
-        )
+    held: list[str] = []
+    with _warnings_held(held):
+        for i, c in enumerate(cands, 1):
+            flags = layout_flags(c)
+            overrides = [*base, *flags]
+            r = dry_run(load_config(path, overrides), target, path, overrides, advise=False)
+            planned, peak = c.memory_gb["total"] * 1e9, max(x.peak for x in r.ranks)
+            first_fits = (not r.too_big) if first_fits is None else first_fits
+            layout = " ".join(f.split(".", 1)[1] for f in flags)
+            for line in check_row(i, layout, planned, peak, r.seconds, None if not r.too_big else r):
+                print(line)
+    if held:
+        print()
+        for w in dict.fromkeys(held):  # each once, in the order first seen
+            print(textwrap.fill(f"warning: {w}", WIDTH, subsequent_indent="  "))
     return 0 if first_fits else 1
+
+
+def check_row(i: int, layout: str, planned: float, peak: float, seconds: float, too_big=None) -> list[str]:
+    """One layout's lines: the row (its layout folded at LAYOUT_WIDTH), and for a dry run that does not fit
+    (`too_big`: its DryRun) the dry run's verdict and reason, folded at WIDTH."""
+    from loom.dryrun.report import verdict
+
+    parts = textwrap.wrap(layout, LAYOUT_WIDTH, break_on_hyphens=False) or [""]
+    fits = "NO" if too_big is not None else "yes"
+    lines = [
+        f"{i:>2} {parts[0]:<{LAYOUT_WIDTH}} {planned / GIB:>11.2f} {peak / GIB:>11.2f} {peak / planned:>6.2f}  "
+        f"{fits:<4} {seconds:.0f}"
+    ]
+    lines += [f"   {p}" for p in parts[1:]]
+    if too_big is not None:
+        why = verdict(too_big, GIB, "GiB")[0]
+        lines += textwrap.wrap(
+            f"dry run: {why} (the planner's estimate, {planned / GIB:.2f} GiB, fitted: the dry run measures what "
+            "loom's code holds)",
+            WIDTH,
+            initial_indent="   ",
+            subsequent_indent="     ",
+        )
+    return lines
+
+
+@contextlib.contextmanager
+def _warnings_held(held: list[str]):
+    """loom's warnings (log.warn, log.warn_once) and Python's during the dry runs, kept in `held` instead of
+    printed between the rows."""
+    from loom import log
+
+    saved = log.warn, log.warn_once
+    log.warn = log.warn_once = held.append
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            yield
+    finally:
+        log.warn, log.warn_once = saved
+        held += [str(w.message).splitlines()[0] for w in caught]
 
 
 def check_checkable(shape) -> None:
