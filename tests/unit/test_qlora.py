@@ -350,35 +350,25 @@ def test_qlora_dpo_starts_at_log_2_its_reference_the_same_nf4_model(base_run):
     assert recs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and len(recs) == 2
 
 
-def test_qlora_rl_starts_at_kl_0_against_an_nf4_reference(tmp_path):
-    """loom rl's KL reference is a model of its own: quantized as the policy's base, the first step's KL is 0."""
-    from rlkit import QUIET as RL_QUIET
-    from rlkit import make_arith
+def test_qlora_rl_reference_is_the_policy_s_nf4_base(base_run):
+    """loom rl's KL reference is a model of its own (loom.rl.stage.reference_model): under QLoRA its linears
+    are NF4 as the policy's base, so at the start (B = 0) the two give the same logits and the KL is 0."""
+    from loom.config import read_config
+    from loom.data.loader import read_meta
+    from loom.rl.stage import reference_model
+    from loom.runs import pretrained_state
 
-    make_arith(tmp_path / "arith", "--digits", "1", "--n-train", "40", "--n-heldout", "8", "--n-sft", "40")
-    (tmp_path / "base.txt").write_text((tmp_path / "arith" / "base.txt").read_text() * 5)
-    prep = ["data", "prepare", "--input", str(tmp_path / "base.txt"), "--out", str(tmp_path / "text")]
-    assert main([*prep, "--tokenizer", "char"]) == 0
-    runs = tmp_path / "runs"
-    base = [f"--data.path={tmp_path / 'text'}", f"--run.dir={runs}", "--run.name=base", *WIDE, *RL_QUIET]
-    assert main(["train", *base, "--train.steps=2", "--train.batch_size=8"]) == 0
-    chat = ["data", "prepare", "--chat", "--input", str(tmp_path / "arith" / "sft.jsonl")]
-    assert (
-        main(
-            [*chat, "--out", str(tmp_path / "chat"), "--tokenizer", str(runs / "base"), "--block-size", "32"]
-        )
-        == 0
-    )
-    rl = [
-        "rl",
-        f"--data.path={tmp_path / 'chat'}",
-        f"--model.init_from=run:{runs / 'base'}",
-        f"--run.dir={runs}",
-    ]
-    rl += ["--run.name=qrl", f"--rl.prompts={tmp_path / 'arith' / 'rl_train.jsonl'}", "--rl.group_size=4"]
-    rl += ["--rl.max_new_tokens=4", "--rl.reward=exact", "--rl.kl_coef=0.1", "--train.batch_size=8"]
-    rl += ["--train.steps=2", "--train.log_every=1", *RL_QUIET, "--finetune.lora_rank=4"]
-    rl += ["--finetune.lora_targets=all-linear", "--finetune.quantize_base=nf4"]
-    assert main(rl) == 0
-    recs = [r for r in read_jsonl(runs / "qrl" / "metrics.jsonl") if "rl/kl" in r]
-    assert recs and recs[0]["rl/kl"] == pytest.approx(0.0, abs=1e-7), recs[:1]
+    root, _ = base_run
+    cfg = read_config(root / "runs" / "base" / "config.toml")
+    cfg.model.init_from = f"run:{root / 'runs' / 'base'}"
+    cfg.finetune.lora_rank, cfg.finetune.lora_targets, cfg.finetune.quantize_base = 4, "all-linear", "nf4"
+    meta = read_meta(root / "text")
+    ref = reference_model(cfg, meta, torch.device("cpu"))
+    assert is_nf4(ref.blocks[0].attn.q_proj.weight) and not is_nf4(ref.lm_head.weight)
+    policy = GPT(ref.cfg)  # as the trainer makes it: LoRA, the base's weights, then NF4
+    apply_lora(policy, 4, 16.0, "all-linear", seed=0)
+    policy.load_state_dict(pretrained_state(cfg, policy), strict=False)
+    quantize_base(policy)
+    x = torch.randint(0, meta["vocab_size"], (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(policy(x), ref(x), rtol=0, atol=0)
