@@ -408,8 +408,8 @@ class PrecisionConfig:
     dtype: str = _f(
         "auto",
         "auto | fp32 | bf16 (autocast) | fp16 (autocast with dynamic loss scaling). auto, the default: bf16 "
-        "where the device has bf16 units (GPUs since Ampere, CPUs with AVX512-BF16/AMX: 2.3x fp32's speed on "
-        "the demo's model), fp16 on older GPUs, else fp32 (emulated bf16 is slower); the run's first lines "
+        "where the device has bf16 units (GPUs since Ampere, CPUs with AVX512-BF16/AMX: 2.0-2.3x fp32's speed "
+        "on the demo's model), fp16 on older GPUs, else fp32 (emulated bf16 is slower); the run's first lines "
         "say the choice. fp32 for exact comparisons.",
     )
     tf32: bool = _f(True, "CUDA: TF32 tensor cores for fp32 matmuls and convolutions (ignored on CPU).")
