@@ -207,9 +207,9 @@ class Trainer:
         pretrained = None if resuming and not self.lora else pretrained_state(cfg, model)
         if pretrained is not None:
             self.parallel.load_model_state(pretrained)
-        self.model = self.parallel.model
         del pretrained  # the host copy of the base, before QLoRA quantizes the model's
         quantize_configured(model, cfg)  # finetune.quantize_base=nf4: the base's linears to NF4, once in place
+        self.model = self.parallel.model
         return model
 
     @property
