@@ -22,12 +22,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     import matplotlib.pyplot as plt
     from matplotlib.backend_bases import FigureCanvasBase
 
-    kinds = FigureCanvasBase.get_supported_filetypes()
-    if out is not None and Path(out).suffix.lstrip(".").lower() not in kinds:
-        raise LoomError(
-            f"--out '{out}': matplotlib cannot write '{Path(out).suffix or 'no suffix'}' files",
-            hint="name it .png (or " + ", ".join(f".{k}" for k in sorted(kinds) if k != "png") + ")",
-        )
+    _check_out(out, FigureCanvasBase.get_supported_filetypes())
     runs = _read_runs(run_dirs)
     with_bpb = any("val_bpb" in r for _, recs in runs for r in recs)
     scores = sorted({k for _, recs in runs for r in recs for k in r if is_score(k)})
@@ -75,12 +70,33 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
                     linestyle=style,
                     label=f"{name} {key.removeprefix('lm_eval/')}",
                 )
-    if scores:
+    _label_axes(ax, ax_bpb, ax_score, ax_sft, rl)
+    out = Path(out) if out else Path(run_dirs[0]) / "loss.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _check_out(out, kinds) -> None:
+    """--out must name a file type matplotlib writes: one error before any run is read."""
+    if out is not None and Path(out).suffix.lstrip(".").lower() not in kinds:
+        raise LoomError(
+            f"--out '{out}': matplotlib cannot write '{Path(out).suffix or 'no suffix'}' files",
+            hint="name it .png (or " + ", ".join(f".{k}" for k in sorted(kinds) if k != "png") + ")",
+        )
+
+
+def _label_axes(ax, ax_bpb, ax_score, ax_sft, rl: bool) -> None:
+    """Labels, grids and legends of the loss panel and, where drawn, the bpb and score panels and the RL runs'
+    val-loss axis."""
+    if ax_score is not None:
         ax_score.set_xlabel("tokens")
         ax_score.set_ylabel("accuracy (CORE: centred)")
         ax_score.grid(alpha=0.3)
         ax_score.legend(fontsize=7)
-    if with_bpb:
+    if ax_bpb is not None:
         ax_bpb.set_xlabel("tokens")
         ax_bpb.set_ylabel("val bits per byte")
         ax_bpb.grid(alpha=0.3)
@@ -93,12 +109,6 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
         ax_sft.set_ylabel("RL runs: val loss on the chat data (cross-entropy)")
         if ax_sft.lines:
             ax_sft.legend(loc="upper right")
-    out = Path(out) if out else Path(run_dirs[0]) / "loss.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
 
 
 def _read_runs(run_dirs: list) -> list[tuple]:

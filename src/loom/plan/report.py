@@ -288,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a mixture of experts' expert-parallel degree (parallel.ep; divides n_experts and dp x cp); "
         "default 0: every such degree",
     )
+    _add_lora_args(p.add_argument_group("one-GPU fine-tuning (LoRA, QLoRA)"))
+    p.add_argument("--top", type=int, default=10, help="rows printed (default 10)")
+    p.add_argument("--json", action="store_true", help="print every candidate as JSON")
+    return p
+
+
+def _add_lora_args(p) -> None:
+    """--lora-rank and what shrinks a one-GPU fine-tune's memory (an NF4 base, low-bit or offloaded states)."""
     p.add_argument(
         "--lora-rank",
         type=int,
@@ -312,9 +320,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --lora-rank: optim.offload=cpu, AdamW's state on the host (a host column)",
     )
-    p.add_argument("--top", type=int, default=10, help="rows printed (default 10)")
-    p.add_argument("--json", action="store_true", help="print every candidate as JSON")
-    return p
 
 
 def _check(args: argparse.Namespace) -> None:

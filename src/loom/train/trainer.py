@@ -122,14 +122,7 @@ class Trainer:
         self.faults = faults.from_env()
         self.heartbeat = None  # set by run() in multi-process jobs: loom.distributed.health.Heartbeat
         self.op, self.op_step = "setup", 0  # op_step: the last step this rank began (its heartbeat)
-        self.throughput = Throughput(
-            self._flops_per_token(model),
-            peak_flops(device, dtype),
-            dims.world_size,
-            t.warmup_log_steps,
-            compiled=t.compile,
-            remeasure=(lambda: cpu_peak_flops(dtype, again=True)) if device.type == "cpu" else None,
-        )
+        self.throughput = self._throughput(model, dtype)
         self.logger = MetricsLogger(t.log_every, device)  # its sinks opened with the run files
         self.val = ValLossEval(self.stage.valset, self.derived.micro_batch_size, t.eval_every)
         per_source = [
@@ -139,6 +132,19 @@ class Trainer:
         self.evaluators = [self.val, *per_source, *evaluators]  # after each step, in this order, when due
         self.checkpointer = self._checkpointer()
         self._running_at_scale()
+
+    def _throughput(self, model, dtype) -> Throughput:
+        """tokens/s and MFU against the device's peak at the run's precision (a CPU's peak measured again when
+        the first measure looks wrong)."""
+        device, t = self.device, self.cfg.train
+        return Throughput(
+            self._flops_per_token(model),
+            peak_flops(device, dtype),
+            self.dims.world_size,
+            t.warmup_log_steps,
+            compiled=t.compile,
+            remeasure=(lambda: cpu_peak_flops(dtype, again=True)) if device.type == "cpu" else None,
+        )
 
     def _running_at_scale(self) -> None:
         """The components of issue 48: the straggler monitor (train.straggler_every, several ranks) and the phase
@@ -208,7 +214,9 @@ class Trainer:
         if pretrained is not None:
             self.parallel.load_model_state(pretrained)
         del pretrained  # the host copy of the base, before QLoRA quantizes the model's
-        quantize_configured(model, cfg)  # finetune.quantize_base=nf4: the base's linears to NF4, once in place
+        quantize_configured(
+            model, cfg
+        )  # finetune.quantize_base=nf4: the base's linears to NF4, once in place
         self.model = self.parallel.model
         return model
 
