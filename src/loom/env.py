@@ -528,3 +528,12 @@ def glibc():
         except OSError:
             return None
     return None
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU has bf16 arithmetic units (AVX512-BF16 or AMX), from Linux's /proc/cpuinfo flags."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

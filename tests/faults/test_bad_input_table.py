@@ -310,7 +310,7 @@ COMMANDS = {
         2,
     ),
     "train: data.mix whose weights sum to 0": (
-        ["train", "--data.mix=a={root}/data:0,b={root}/data:0"],
+        ["train", "--data.mix=a={root}/data:0"],
         "data.mix: the weights sum to 0.0",
         2,
     ),

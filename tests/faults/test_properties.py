@@ -220,6 +220,12 @@ def valid_tables(draw) -> dict[str, object]:
         t["precision.dtype"] = "bf16"
     if t.get("train.memory_snapshot") == "steps":  # snapshots at chosen steps: the steps given
         t["train.memory_snapshot_steps"] = str(draw(st.integers(1, 10**6)))
+    # QLoRA's NF4 base needs LoRA, whose own rules (and NF4's block sizes) are tests/unit/test_qlora.py's
+    t.pop("finetune.quantize_base", None)
+    if t.get("optim.state_dtype") or t.get("optim.offload", "none") != "none":  # torchao's AdamW variants
+        t["optim.name"] = "adamw"
+        if t.get("optim.state_dtype") or t.get("train.device") == "cpu":  # low-bit states stay on the device
+            t["optim.offload"] = "none"
     return dict(draw(st.permutations(sorted(t.items()))))  # any order of keys
 
 

@@ -9,7 +9,8 @@ from loomrun import loom_ok
 from tiny import tiny_args
 
 from loom.config import Config
-from loom.train.setup import native_bf16_cpu, precision_reason, resolve_precision
+from loom.env import native_bf16_cpu
+from loom.train.setup import precision_reason, resolve_precision
 
 
 def test_precision_auto_is_the_default_and_says_why():

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from loom import env as loom_env
-from loom.env import cpu_memory_reuse
-from loom.train import setup
-from loom.train.setup import native_bf16_cpu, resolve_precision
+from loom.env import cpu_memory_reuse, native_bf16_cpu
+from loom.train.setup import resolve_precision
 
 
 def test_explicit_dtypes_pass_through():
@@ -46,7 +45,7 @@ class _CpuInfo:
     ],
 )
 def test_auto_on_cpu_follows_bf16_units(monkeypatch, flags, bf16_units, want):
-    monkeypatch.setattr(setup, "Path", _CpuInfo(f"processor\t: 0\nflags\t\t: {flags}\n"))
+    monkeypatch.setattr(loom_env, "Path", _CpuInfo(f"processor\t: 0\nflags\t\t: {flags}\n"))
     assert native_bf16_cpu() is bf16_units
     assert resolve_precision("auto", torch.device("cpu")) == want
     assert resolve_precision("auto", torch.device("meta")) == "fp32"
@@ -57,7 +56,7 @@ def test_auto_on_cpu_without_cpuinfo(monkeypatch):
         def read_text(self, **_):
             raise FileNotFoundError("/proc/cpuinfo")
 
-    monkeypatch.setattr(setup, "Path", Missing(""))
+    monkeypatch.setattr(loom_env, "Path", Missing(""))
     assert native_bf16_cpu() is False
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"
 

@@ -114,7 +114,8 @@ def reference_model(cfg, meta: dict, device: torch.device):
     if cfg.model.tie_embeddings:
         model.lm_head.weight = model.wte.weight
     model.eval().requires_grad_(False)
-    if cfg.finetune.quantize_base == "nf4":  # QLoRA: the policy's base is NF4; the same here (KL 0 at the start)
+    # QLoRA: the policy's base is NF4; the same here (KL 0 at the start)
+    if cfg.finetune.quantize_base == "nf4":
         from loom.model.nf4 import quantize_base
 
         quantize_base(model)

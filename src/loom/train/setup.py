@@ -14,6 +14,7 @@ import torch
 
 from loom import checkpoint, device, log
 from loom.config import Config, diff_configs, read_config
+from loom.env import native_bf16_cpu
 from loom.errors import LoomError
 from loom.metrics import has_bf16
 from loom.outputs import check_apart, claim_output
@@ -47,15 +48,6 @@ def resolve_device(spec: str, local_rank: int = 0, key: str = "train.device") ->
     if dev.type in ("cuda", "xpu") and dev.index is None:  # each rank its own GPU (LOCAL_RANK), as with auto
         return torch.device(dev.type, local_rank % n)
     return dev
-
-
-def native_bf16_cpu() -> bool:
-    """Whether this CPU has bf16 arithmetic units (AVX512-BF16 or AMX), from Linux's /proc/cpuinfo flags."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_precision(dtype: str, device: torch.device, loss_scaling: bool = True) -> str:

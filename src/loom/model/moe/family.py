@@ -8,7 +8,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from loom.config import Config, family_key
+from loom.env import native_bf16_cpu
 from loom.errors import LoomError
 from loom.model.gpt.family import PRESETS, gpt_config, gpt_spec
 from loom.model.moe import hf_moe, moe_parallel
@@ -81,9 +84,13 @@ def check(cfg: Config) -> None:
             f"model.moe_first_dense={m.moe_first_dense} leaves no MoE layer among {m.n_layer}",
             hint=f"use moe_first_dense < {m.n_layer}",
         )
-    if m.moe_gemm == "grouped" and cfg.train.compile and cfg.precision.dtype in ("fp32", "fp16"):
+    dtype = cfg.precision.dtype
+    on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+    if dtype == "auto" and on_cpu and not native_bf16_cpu():  # auto: fp32 on a CPU without bf16 units
+        dtype = "fp32"
+    if m.moe_gemm == "grouped" and cfg.train.compile and dtype in ("fp32", "fp16"):
         raise LoomError(
-            f"model.moe_gemm=grouped with train.compile in {cfg.precision.dtype}: the grouped GEMM compiles in "
+            f"model.moe_gemm=grouped with train.compile in {dtype}: the grouped GEMM compiles in "
             "bf16 only (its meta function refuses other types)",
             hint="use model.moe_gemm=auto (the loop where grouped cannot run), or precision.dtype=bf16",
         )
