@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -117,6 +119,35 @@ _NOISY_MODULES = r"(torch|torchao|transformers|accelerate|datasets|lm_eval)(\.|$
 def debug_enabled() -> bool:
     """LOOM_DEBUG=1 (or `loom --verbose`, which sets it for every process the command starts)."""
     return os.environ.get("LOOM_DEBUG", "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def without_native_lines(prefix: str):
+    """Drop the lines starting with `prefix` that native code writes to the process's stderr (file descriptor
+    2, which Python's warnings filters never see) inside the block, and pass every other line on after it:
+    kineto prints "USDT: ... profiler_start/stop" at each profiler start and stop whatever KINETO_LOG_LEVEL
+    says. Nothing is dropped with LOOM_DEBUG=1. For short calls only: the lines come out after the block."""
+    if debug_enabled():
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [
+                ln
+                for ln in held.read().decode(errors="replace").splitlines(True)
+                if not ln.startswith(prefix)
+            ]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def quiet_third_party() -> None:

@@ -82,3 +82,32 @@ def test_the_in_training_sample_does_not_recompile_compiled_blocks(tmp_path):
     )
     found = Sampler(5, 12, 0, False, tmp_path / "samples.txt").run(ctx)
     assert found is not None and len(compiled) == trained  # the sample compiled nothing more
+
+
+# the profiler's start and stop as loom.train.profile makes them, and a line of native code's own beside them
+PROFILER_PROBE = """
+import os, torch
+from loom import log
+prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+with log.without_native_lines("USDT:"):
+    prof.start()
+    os.write(2, b"a native error line stays\\n")
+torch.ones(4) @ torch.ones(4)
+with log.without_native_lines("USDT:"):
+    prof.stop()
+"""
+
+
+@pytest.mark.parametrize("debug,shown", [(None, False), ("1", True)])
+def test_the_profilers_usdt_lines_are_dropped_unless_debug(debug, shown):
+    """kineto writes "USDT: ... profiler_start" to file descriptor 2 at each start and stop whatever
+    KINETO_LOG_LEVEL says: loom drops those lines around the two calls, and passes every other line on."""
+    env = {k: v for k, v in os.environ.items() if k != "LOOM_DEBUG"}
+    if debug is not None:
+        env["LOOM_DEBUG"] = debug
+    r = subprocess.run(
+        [sys.executable, "-c", PROFILER_PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert "a native error line stays" in r.stderr
+    assert ("USDT:" in r.stderr) is shown, r.stderr

@@ -31,14 +31,16 @@ class StepProfiler:
         import torch
 
         self.prof = torch.profiler.profile(activities=dev.profiler_activities(self.device))
-        self.prof.start()
+        with log.without_native_lines("USDT:"):  # kineto's start line, printed whatever its log level
+            self.prof.start()
         self.clock.mark = True
 
     def after_step(self, step: int, final: bool) -> Path | None:
         """After the checkpointer: the trace's last step (or the run's) writes the file. Returns its path."""
         if self.prof is None or not (step >= self.last or final):
             return None
-        self.prof.stop()
+        with log.without_native_lines("USDT:"):
+            self.prof.stop()
         self.clock.mark = False
         out = self.run_dir / "profile" / f"trace_step{self.first}-{step}_rank{self.rank}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
