@@ -420,11 +420,33 @@ def page_runs(page: str) -> list[Command]:
     return [c for c in commands(TOP / page) if runs(c)]
 
 
+def with_env(words, monkeypatch, root: Path) -> None:
+    """`VAR=value loom ...`: the variables for this command, gone after the test (PYTHONPATH's folders, relative
+    to `root`, on sys.path; LOOM_PLUGINS's families registered into a copy of the table)."""
+    import os
+    import sys
+
+    from loom.model import registry
+
+    for w in words:
+        m = re.fullmatch(r"([A-Z_][A-Z0-9_]*)=(.*)", w)
+        if not m:
+            break
+        monkeypatch.setenv(m[1], m[2])
+        if m[1] == "PYTHONPATH":
+            for sub in m[2].split(os.pathsep):
+                monkeypatch.syspath_prepend(str(root / sub))
+        if m[1] == "LOOM_PLUGINS":
+            monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
+            monkeypatch.setattr(registry, "_loaded", False)
+            for name in m[2].split(","):
+                monkeypatch.delitem(sys.modules, name, raising=False)
+
+
 def run_in(folder: Path, words: tuple[str, ...], argv: list[str] | None, monkeypatch) -> tuple[int, str]:
     """Run a page's command in `folder`, in this process (loom's imports paid once), as the reader types it:
     `VAR=value` words set for it (PYTHONPATH's folders on sys.path, LOOM_PLUGINS's families registered into a
     copy of the table, gone after the test); `python scripts/X.py` as a process. (exit code, its output)."""
-    import os
     import subprocess
     import sys
 
@@ -435,21 +457,8 @@ def run_in(folder: Path, words: tuple[str, ...], argv: list[str] | None, monkeyp
         )
         return r.returncode, r.stdout + r.stderr
     from loom import cli
-    from loom.model import registry
 
-    for w in words:
-        m = re.fullmatch(r"([A-Z_][A-Z0-9_]*)=(.*)", w)
-        if not m:
-            break
-        monkeypatch.setenv(m[1], m[2])
-        if m[1] == "PYTHONPATH":
-            for sub in m[2].split(os.pathsep):
-                monkeypatch.syspath_prepend(str(folder / sub))
-        if m[1] == "LOOM_PLUGINS":
-            monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
-            monkeypatch.setattr(registry, "_loaded", False)
-            for name in m[2].split(","):
-                monkeypatch.delitem(sys.modules, name, raising=False)
+    with_env(words, monkeypatch, folder)
     try:
         code = cli.main(argv)
     except SystemExit as e:

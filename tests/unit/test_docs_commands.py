@@ -11,9 +11,7 @@ into a config by `loom.config.load_config`: nothing trains, nothing is read from
 command as the page prints it."""
 
 import argparse
-import os
 import re
-import sys
 
 import pytest
 from docs_commands import (
@@ -30,11 +28,11 @@ from docs_commands import (
     runs_as_process,
     runs_here,
     scale,
+    with_env,
 )
 from docs_run_pages import PAGE_GROUPS
 
 from loom import cli, config
-from loom.model import registry
 
 COMMANDS = all_commands()
 LOOM = [c for c in COMMANDS if loom_argv(c.words) is not None]
@@ -78,23 +76,6 @@ def parse_only(monkeypatch):
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_args)
 
 
-def _with_env(words, monkeypatch):
-    """`VAR=value loom ...`: the variables for this command (PYTHONPATH's folders on sys.path, plug-ins reloaded)."""
-    for w in words:
-        m = re.fullmatch(r"([A-Z_][A-Z0-9_]*)=(.*)", w)
-        if not m:
-            break
-        monkeypatch.setenv(m[1], m[2])
-        if m[1] == "PYTHONPATH":
-            for folder in m[2].split(os.pathsep):
-                monkeypatch.syspath_prepend(str(TOP / folder))
-        if m[1] == "LOOM_PLUGINS":  # registered into a copy of the table, gone after the test
-            monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
-            monkeypatch.setattr(registry, "_loaded", False)
-            for name in m[2].split(","):
-                monkeypatch.delitem(sys.modules, name, raising=False)
-
-
 def _parses(argv, capsys):
     try:
         code = cli.main(argv)
@@ -114,7 +95,7 @@ def test_the_pages_show_commands():
 def test_every_loom_command_parses(cmd, parse_only, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(TOP)  # configs/... as the pages give them
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
-    _with_env(cmd.words, monkeypatch)
+    with_env(cmd.words, monkeypatch, TOP)
     argv = loom_argv(cmd.words)
     _parses(argv, capsys)
     if (inner := inner_command(argv)) is not None:
