@@ -8,8 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
+from loom import device
 from loom.config import Config, family_key
 from loom.env import native_bf16_cpu
 from loom.errors import LoomError
@@ -85,7 +84,7 @@ def check(cfg: Config) -> None:
             hint=f"use moe_first_dense < {m.n_layer}",
         )
     dtype = cfg.precision.dtype
-    on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+    on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and device.default_type() == "cpu")
     if dtype == "auto" and on_cpu and not native_bf16_cpu():  # auto: fp32 on a CPU without bf16 units
         dtype = "fp32"
     if m.moe_gemm == "grouped" and cfg.train.compile and dtype in ("fp32", "fp16"):
