@@ -7,18 +7,13 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+# QUIET pins fp32: the RL tests compare the sampler's and the trainer's log-probabilities and runs bit for bit
+from sftkit import QUIET
+
 from loom.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32"]
-# fp32: the RL tests compare the sampler's and the trainer's log-probabilities and runs bit for bit
-QUIET = [
-    "--train.eval_every=0",
-    "--train.sample_every=0",
-    "--train.eval_batches=1",
-    "--train.device=cpu",
-    "--precision.dtype=fp32",
-]
 
 
 def make_arith(out: Path, *args: str) -> None:
