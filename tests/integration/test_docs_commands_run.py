@@ -13,6 +13,10 @@ from docs_commands import TOP, all_commands, loom_argv, runs_as_process
 from docs_run_pages import PAGE_GROUPS, page_params, run_page_command
 from loomrun import loom_run
 
+# a page's commands run in order and later ones read what earlier ones made; some start processes (python
+# scripts/..., --nproc 2), which make test-fast refuses: the whole page belongs to make test
+pytestmark = pytest.mark.processes
+
 PAGES = PAGE_GROUPS["test_docs_commands_run.py"]
 
 # a command shown on several pages (README's and operations.md's `loom doctor`) runs once, named by its first
