@@ -4,7 +4,7 @@
     make gpu-check ARGS="--cpu"                       # every line with tiny shapes on the CPU (CI tests the kit)
     python benchmarks/gpu_check.py [--cpu] [--plan first|second|rest|all | --only a,b] [--out DIR]
                                    [--export DIR] [--budget-s S] [--times TOML] [--nanogpt PATH]
-                                   [--fail-check NAME]
+                                   [--fail-check NAME] [--hang-check NAME]
 
 Each line is a process of its own with a time limit (a `loom` line a fork of loom's preloaded fork server,
 loom.train.spawn.start_loom), its output streamed to OUT/<line>.log. Lines run by priority, not
@@ -65,7 +65,8 @@ index) `make gpu-check` runs this file from the working tree with that interpret
 can (exit 0) and lists what it misses. A missing optional package skips only the lines that need it: pytest
 (tests-gpu), triton (bench-optim's triton kernel), transformers (the HF tests inside tests-gpu), torchao (fp8).
 --fail-check NAME makes that line fail on purpose (its command is replaced by one that exits 1): how the
-kit's own test proves that a failure reaches the exit code.
+kit's own test proves that a failure reaches the exit code. --hang-check NAME makes that line sleep for a minute:
+how it proves that the budget stops a running line (a real line may finish inside any short budget).
 """
 
 from __future__ import annotations
@@ -1046,12 +1047,14 @@ def start_line(argv: list[str], cwd: Path, fd: int):
     )
 
 
-def run_check(c: Check, ctx: dict, out: Path, deadline: float, fail: str | None) -> dict:
+def run_check(c: Check, ctx: dict, out: Path, deadline: float, args: argparse.Namespace) -> dict:
     """Run one line (each candidate command until one fits in memory); its result as a report row."""
     t0 = time.perf_counter()
     argvs = c.argvs(ctx)
-    if c.name == fail:
+    if c.name == args.fail_check:
         argvs = [[PY, "-c", f"raise SystemExit('deliberate failure of {c.name} (--fail-check)')"]]
+    if c.name == args.hang_check:
+        argvs = [[PY, "-c", "import time; time.sleep(60)"]]
     log_path, tried, output, rc = out / f"{c.name}.log", [], "", 0
     log_path.write_bytes(b"")
     for argv in argvs:
@@ -1257,7 +1260,7 @@ def run_plan(kit: Kit, checks: dict[str, Check], plan: list[str], args, cuda: bo
                     f"{tag} ... (~{times.get(name, 60):.0f} s estimated, {left:.0f} s of the budget left)"
                 )
                 kit.write(archive=False)
-                result = run_check(c, ctx, kit.out, kit.deadline, args.fail_check)
+                result = run_check(c, ctx, kit.out, kit.deadline, args)
             row.update(result)
             ctx[name] = row
             kit.say(status_line(tag, row))
@@ -1302,6 +1305,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     which.add_argument("--only", help="comma list of lines to run, in that order (and the lines they need)")
     p.add_argument("--fail-check", metavar="NAME", help="make this line fail on purpose (tests the kit)")
+    p.add_argument("--hang-check", metavar="NAME", help="make this line sleep for a minute (tests the budget)")
     p.add_argument(
         "--budget-s",
         type=float,
@@ -1394,7 +1398,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = {c.name: c for c in build_checks(args, cuda, n_gpus, out)}
     assert sorted(checks) == sorted(PLANS["all"]), "every line has its place in PLANS"
     only = args.only.split(",") if args.only else None
-    for n in [*(only or []), *([args.fail_check] if args.fail_check else [])]:
+    for n in [*(only or []), *(n for n in (args.fail_check, args.hang_check) if n)]:
         if n not in checks:
             print(f"gpu_check: unknown line '{n}'; the lines are {', '.join(PLANS['all'])}", file=sys.stderr)
             return 2
