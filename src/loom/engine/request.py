@@ -54,6 +54,9 @@ class Request:
             False  # past the cache (learned positions past block_size, or no cache): full forwards
         )
         self.prefilled = False
+        # a grammar the answer must follow (loom.serve.grammar.Constraint, or any object with
+        # mask(tokens) -> (vocab,) bool tensor of the tokens allowed next): applied by sampling.constrain
+        self.constraint = None
 
     @property
     def done(self) -> bool:

@@ -65,6 +65,20 @@ def sample_rows(
     return picks
 
 
+def constrain(rows: list, logits: torch.Tensor) -> torch.Tensor:
+    """`logits` (B, V) with each constrained row's disallowed tokens at -inf (its request's `constraint`: a
+    grammar, loom.serve.grammar), the rows in `rows` order; the same tensor, untouched, when no row has one (an
+    unconstrained batch samples what it sampled before)."""
+    masked = [(j, r.constraint.mask(r.tokens)) for j, r in enumerate(rows) if r.constraint is not None]
+    if not masked:
+        return logits
+    logits = logits.clone()
+    for j, allowed in masked:
+        logits[j, : allowed.numel()].masked_fill_(~allowed.to(logits.device), float("-inf"))
+        logits[j, allowed.numel() :] = float("-inf")  # past the tokenizer's vocabulary: padding
+    return logits
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The first maximum of each row of `logits` (B, V): SamplingError for a row that holds a NaN."""
     picks = first_max(logits)
