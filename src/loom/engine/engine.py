@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.engine.request import CANCELLED, LENGTH, STOP, Request
-from loom.engine.sampling import greedy, sample_rows
+from loom.engine.sampling import constrain, greedy, sample_rows
 from loom.parallel.tensor import sharded_log_softmax, vocab_shards, whole
 
 
@@ -288,6 +288,7 @@ class Engine:
             logits.float()
         )  # tensor parallel's log-softmax reads the padded vocabulary as its shards hold it
         logits = padded[:, : self.vocab]
+        drawn_from = constrain(rows, logits)  # a row's grammar masks its logits (log-probabilities stay raw)
         picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         groups: dict[tuple, list[int]] = {}
         for j, r in enumerate(rows):
@@ -296,7 +297,7 @@ class Engine:
             groups.setdefault(key, []).append(j)
         for (temperature, top_k, top_p), idx in groups.items():
             every = len(idx) == len(rows)  # one group (the usual case): no copies in or out
-            part = logits if every else logits[idx]
+            part = drawn_from if every else drawn_from[idx]
             if temperature <= 0:
                 drawn = greedy(part)
             else:
