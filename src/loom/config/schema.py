@@ -234,6 +234,14 @@ class TrainConfig:
     eval_batches: int = _f(20, "Validation set size in global batches (a fixed set of sequences).", gt=0)
     ckpt_every: int = _f(500, "Write a checkpoint every N steps (0: only at the end).", ge=0)
     keep_last: int = _f(2, "Checkpoints kept on disk (older ones are deleted).", gt=0)
+    ema: float = _f(
+        0.0,
+        "Decay of an exponential moving average of the weights, updated after each optimizer step "
+        "(ema = decay * ema + (1 - decay) * weights; e.g. 0.999; 0: off). Its validation loss is recorded as "
+        "val_loss_ema beside val_loss; checkpoints save it and a resume continues it exactly (loom.train.ema).",
+        ge=0,
+        lt=1,
+    )
     log_every: int = _f(50, "Console line and metrics.jsonl record every N steps (0: never).", ge=0)
     sample_every: int = _f(500, "Print and save a sample every N steps (0: never; always at the end).", ge=0)
     sample_tokens: int = _f(200, "Tokens generated per sample.", ge=0)

@@ -53,6 +53,7 @@ from loom.parallel.state import model_state_bytes
 from loom.runs import pin_base, pretrained_state
 from loom.train.budget import TimeBudget, run_length_warnings
 from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointParts, CheckpointPolicy
+from loom.train.ema import EMA, EmaModelOptimState, EmaValEval
 from loom.train.finetune import finetune_model, quantize_configured, training_flops_per_token
 from loom.train.guard import (
     StepGuard,
@@ -130,6 +131,7 @@ class Trainer:
             for name, v in self.stage.source_valsets.items()
         ]  # data.mix: each source's val loss
         self.evaluators = [self.val, *per_source, *evaluators]  # after each step, in this order, when due
+        self.ema = self._ema()  # train.ema: the average of the weights (None: off), evaluated beside them
         self.checkpointer = self._checkpointer()
         self._running_at_scale()
 
@@ -237,7 +239,11 @@ class Trainer:
     def _checkpointer(self) -> Checkpointer:
         """The checkpoint component, handed the parts it saves and the hooks it reports through."""
         parts = CheckpointParts(
-            model_optim=ModelOptimState(self.parallel, self.optimizer),
+            model_optim=(
+                ModelOptimState(self.parallel, self.optimizer)
+                if self.ema is None
+                else EmaModelOptimState(ModelOptimState(self.parallel, self.optimizer), self.ema)
+            ),
             loader=self.batches,
             scaler=self.scaler,
             rng=RngState(self.device),
@@ -256,6 +262,15 @@ class Trainer:
             finishing=self.stop.finishing,
         )
         return Checkpointer(parts, CheckpointPolicy.of(self.cfg, self.run_dir), job)
+
+    def _ema(self) -> EMA | None:
+        """train.ema: the moving average of the weights, its validation loss due with val_loss's."""
+        if not self.cfg.train.ema:
+            return None
+        ema = EMA(self.parallel, self.cfg.train.ema)
+        every = self.cfg.train.eval_every
+        self.evaluators.insert(1, EmaValEval(ema, self.stage.valset, self.derived.micro_batch_size, every))
+        return ema
 
     def _name_op(self, op: str) -> None:
         self.op = op
@@ -336,6 +351,8 @@ class Trainer:
         self.step += 1
         with timer("c"):
             synced = par.after_update(self.step)  # bytes all-reduced; DiLoCo's outer step when due
+        if self.ema is not None and skip is None:  # train.ema: after the weights of this step are final
+            self.ema.update()
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, **timer.read(), **synced}
         if self.offload.enabled:  # what the saved-tensor hooks moved to host memory (on a CPU: would have)
             rec["offloaded_bytes"] = self.offload.reset()
