@@ -132,6 +132,21 @@ def test_a_weight_nf4_cannot_block_is_refused(shape, says):
     assert "proj" in str(e.value) and "16,384" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "shape, says",
+    [
+        ((128, 128), "128 rows and 1 blocks of 16,384 values"),  # one fp32 scale factor: not split in 2
+        ((1, 32768), "1 rows and 2 blocks of 16,384 values"),  # two scale blocks, but one row
+    ],
+)
+def test_a_weight_fsdp_cannot_split_into_whole_nf4_blocks_is_refused(shape, says):
+    check_nf4(_linear_model(shape))  # one process holds it
+    with pytest.raises(LoomError, match=re.escape(says)) as e:
+        check_nf4(_linear_model(shape), shards=2)
+    assert "under FSDP over 2 ranks cannot shard proj" in str(e.value)
+    check_nf4(_linear_model((256, 128)), shards=2)  # 2 blocks, 256 rows: one each
+
+
 def _cfg(**keys) -> Config:
     cfg = Config()
     for k, v in keys.items():
@@ -143,9 +158,23 @@ def _cfg(**keys) -> Config:
 def test_bad_qlora_configs_are_refused_before_any_work(tmp_path, capsys):
     with pytest.raises(LoomError, match="without LoRA every weight trains"):
         validate(_cfg(finetune__quantize_base="nf4"))
-    with pytest.raises(LoomError, match="runs in one process in loom; this job has 2"):
-        validate(_cfg(finetune__quantize_base="nf4", finetune__lora_rank=8), world=2)
-    validate(_cfg(finetune__quantize_base="nf4", finetune__lora_rank=8))  # one process: served
+    q = {"finetune__quantize_base": "nf4", "finetune__lora_rank": 8}
+    validate(_cfg(**q))  # one process: served
+    validate(_cfg(**q, parallel__dp_impl="fsdp"), world=2)  # FSDP's data-parallel sharding: served
+    validate(_cfg(**q, parallel__dp_impl="zero2"), world=2)
+    # every other layout over several processes: named, with what NF4 lacks for it
+    for keys, says in [
+        ({}, "not by parallel.dp_impl=ddp"),  # auto: ddp
+        ({"parallel__dp_impl": "zero1"}, "not by parallel.dp_impl=zero1"),
+        ({"parallel__tp": 2, "parallel__dp_impl": "none"}, "not by parallel.tp=2:"),
+        ({"parallel__tp": 2, "parallel__dp_impl": "fsdp"}, "not by parallel.tp=2"),
+        ({"parallel__pp": 2, "parallel__dp_impl": "fsdp"}, "not by parallel.pp=2"),
+        ({"parallel__dp_impl": "fsdp", "parallel__dp_replicate": 2}, "parallel.dp_replicate=2 (HSDP)"),
+    ]:
+        world = 4 if "parallel__dp_replicate" in keys or "parallel__pp" in keys else 2
+        with pytest.raises(LoomError, match=re.escape(says)) as e:
+            validate(_cfg(**q, **keys), world=world)
+        assert "NF4Tensor implements FSDP2's all-gather" in str(e.value)
     with pytest.raises(LoomError, match="train.device=cpu keeps it there"):
         validate(_cfg(optim__offload="cpu", train__device="cpu"))
     with pytest.raises(LoomError, match="optim.name=muon has its own"):

@@ -43,7 +43,7 @@ def validate(
     _check_fp8(cfg)
     _check_eval(cfg)
     _check_lora(cfg)
-    _check_qlora(cfg, world)
+    _check_qlora(cfg, world, impl)
     _check_diagnostics(cfg, world)
     _check_rl(cfg, dp, impl)
     _check_compression(cfg, impl)
@@ -242,7 +242,7 @@ def _check_lora(cfg: Config) -> None:
         )
 
 
-def _check_qlora(cfg: Config, world: int) -> None:
+def _check_qlora(cfg: Config, world: int, impl: str = "none") -> None:
     """finetune.quantize_base=nf4 (QLoRA) and optim.state_dtype / optim.offload (torchao's low-bit and offload
     optimizers): what they compose with, from the config alone. A weight NF4 cannot hold is refused when the
     model's shapes are known (loom.model.nf4.check_nf4, from loom.train.finetune.check_lora_targets); offload
@@ -257,14 +257,7 @@ def _check_qlora(cfg: Config, world: int) -> None:
                 hint="set finetune.lora_rank=16, say (QLoRA), or finetune.quantize_base=none",
             )
         if world > 1:
-            raise LoomError(
-                f"finetune.quantize_base=nf4 runs in one process in loom; this job has {world}: torchao's "
-                "NF4Tensor shards only along its first dimension (FSDP2's all-gather hooks), which loom does "
-                "not wire to its FSDP yet, and tensor parallel's row-wise split of the input features, DDP's "
-                "broadcast and pipeline stages are not served for an NF4 base",
-                hint="run QLoRA in one process (loom sft ... without --nproc), or use bf16 LoRA "
-                "(finetune.quantize_base=none) on several",
-            )
+            _check_qlora_layout(cfg, world, impl)
         if not torchao:
             raise LoomError("finetune.quantize_base=nf4 needs torchao, which is not installed", hint=hint)
     if o.state_dtype or o.offload != "none":
@@ -293,6 +286,34 @@ def _check_qlora(cfg: Config, world: int) -> None:
             )
         if not torchao:
             raise LoomError(f"{what} needs torchao, which is not installed", hint=hint)
+
+
+def _check_qlora_layout(cfg: Config, world: int, impl: str) -> None:
+    """QLoRA over several processes: FSDP2's data-parallel sharding only (fsdp or zero2 on one mesh dimension),
+    which torchao's NF4Tensor serves through FSDP2's all-gather hooks (fsdp_pre/post_all_gather: each rank
+    holds whole rows of 4-bit codes and scales, gathered as they are). Refused: tensor parallel (its row-wise
+    split cuts the input features, across NF4's blocks of 64, and NF4 implements no DTensor sharding but FSDP's
+    dim-0 split), pipeline, context and expert parallel, HSDP's second mesh dimension (NF4's hook asks the
+    mesh for one group), DDP, ZeRO-1, MPI and DiLoCo (they broadcast or average the frozen weights, and NF4
+    implements no broadcast or all-reduce). A weight whose rows or NF4 blocks the ranks cannot split evenly is
+    refused with the model's shapes (loom.model.nf4.check_nf4)."""
+    p = cfg.parallel
+    others = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(p, k) > 1]
+    if p.dp_replicate > 1:
+        others.append(f"parallel.dp_replicate={p.dp_replicate} (HSDP)")
+    if p.diloco_inner_steps:
+        others.append("DiLoCo")
+    if impl not in ("fsdp", "zero2") and world // (p.tp * p.pp * p.cp) > 1:  # data-parallel ranks: FSDP's
+        others.insert(0, f"parallel.dp_impl={impl}")
+    if others:
+        raise LoomError(
+            f"finetune.quantize_base=nf4 over {world} processes is served by FSDP's data-parallel sharding "
+            f"only, not by {', '.join(others)}: torchao's NF4Tensor implements FSDP2's all-gather of its "
+            "dim-0 shards and nothing else (no tensor-parallel split across its blocks, no broadcast or "
+            "all-reduce of the frozen 4-bit base for DDP, pipeline stages or HSDP's replicas)",
+            hint="run QLoRA with --parallel.dp_impl=fsdp (and no tp/pp/cp/ep), in one process, or use bf16 "
+            "LoRA (finetune.quantize_base=none) on that layout",
+        )
 
 
 def _check_fp8(cfg: Config) -> None:

@@ -289,12 +289,15 @@ def merge_lora(model: nn.Module) -> list[str]:
 def merge_lora_state(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
     """A state dict with its adapters folded in, without a model: for each '<linear>.lora_A' / '.lora_B' pair,
     '<linear>.weight' += scaling * B @ A (fp32 math, the weight's dtype kept); the lora keys dropped. `scaling`:
-    alpha / rank of the run (finetune.lora_alpha / finetune.lora_rank). sd itself is not changed."""
+    alpha / rank of the run (finetune.lora_alpha / finetune.lora_rank). sd itself is not changed. An NF4 weight
+    (QLoRA, gathered from FSDP) merges as its dequantized values, a plain tensor."""
+    from loom.model.nf4 import dequantized
+
     out = {k: v for k, v in sd.items() if not is_lora_name(k)}
     for k in sd:
         if k.endswith(".lora_A"):
             base = k[: -len(".lora_A")]
-            a, b, w = sd[k].float(), sd[base + ".lora_B"].float(), sd[base + ".weight"]
+            a, b, w = sd[k].float(), sd[base + ".lora_B"].float(), dequantized(sd[base + ".weight"])
             out[base + ".weight"] = (w.float() + scaling * (b @ a)).to(w.dtype)
     return out
 

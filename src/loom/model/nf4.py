@@ -65,10 +65,12 @@ def nf4_targets(model: nn.Module) -> dict[str, nn.Linear]:
     }
 
 
-def check_nf4(model: nn.Module) -> None:
+def check_nf4(model: nn.Module, shards: int = 1) -> None:
     """Refuse, before any weight exists (shapes only: a meta model serves), a linear torchao's NF4 cannot hold:
     a weight whose size is not a multiple of 64 x 256 = 16,384 (whole absmax blocks, whole blocks of scales),
-    or a weight that trains."""
+    or a weight that trains; with FSDP over `shards` ranks, a weight whose rows or whose blocks of scales the
+    ranks cannot split evenly (torchao's NF4 split gives each rank whole rows and whole scale blocks, and its
+    all-gather assumes equal shards: FSDP's padding of a short last shard is not served)."""
     for name, m in nf4_targets(model).items():
         w = m.weight
         if w.numel() % NF4_MULTIPLE:
@@ -88,6 +90,15 @@ def check_nf4(model: nn.Module) -> None:
             raise LoomError(
                 f"finetune.quantize_base=nf4: {name}'s weight trains, and an NF4 weight is frozen",
                 hint="quantize_base=nf4 is for LoRA (finetune.lora_rank > 0), whose base is frozen",
+            )
+        scale_blocks = w.numel() // NF4_MULTIPLE
+        if shards > 1 and (w.shape[0] % shards or scale_blocks % shards):
+            raise LoomError(
+                f"finetune.quantize_base=nf4 under FSDP over {shards} ranks cannot shard {name}: its weight "
+                f"{tuple(w.shape)} has {w.shape[0]:,} rows and {scale_blocks:,} blocks of {NF4_MULTIPLE:,} values "
+                f"(one fp32 scale factor each), and each rank must hold an equal share of both",
+                hint=f"choose widths that give every quantized weight a multiple of {shards} x {NF4_MULTIPLE:,} "
+                "values, or use fewer FSDP ranks (one process serves any NF4 weight)",
             )
 
 
@@ -134,3 +145,43 @@ def dequantized(t: torch.Tensor) -> torch.Tensor:
 def nf4_bytes(numel: int) -> float:
     """Bytes an NF4 weight of `numel` values holds: 4-bit codes, int8 scales per 64, an fp32 factor per 16,384."""
     return numel / 2 + numel / NF4_BLOCK + 4 * numel / NF4_MULTIPLE
+
+
+@torch.no_grad()
+def materialize_nf4(
+    model: nn.Module,
+    device: torch.device,
+    init,
+    aliases: dict[str, str],
+    pretrained: dict[str, torch.Tensor] | None,
+) -> list[str]:
+    """QLoRA's base made on a meta-built LoRA model one module at a time: each module's own parameters
+    allocated on `device`, given `pretrained`'s values (by single-device name) or `init(name, whole)`'s seeded
+    ones, and a target linear's weight quantized to NF4 at once, so the model never holds more than one linear
+    in full precision (and each pretrained linear's tensor is dropped from `pretrained` as it is used). The
+    values are those loom.parallel.init.materialize and a load of `pretrained` give, then rounded through NF4:
+    a one-process run and an FSDP run (whose fully_shard then splits the NF4 weights) start alike. The
+    names quantized. Tied parameters come out untied (the caller reties them, as after materialize)."""
+    _, to_nf4 = nf4_api()
+    targets = {id(m) for m in nf4_targets(model).values()}
+    done = []
+    for prefix, module in model.named_modules():
+        own = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+        if not any(t.is_meta for _, t in own):
+            continue
+        module.to_empty(device=device, recurse=False)
+        for pname, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            name = f"{prefix}.{pname}" if prefix else pname
+            key = aliases.get(name, name)  # a tied alias: the one tensor's name (the model is not wrapped yet)
+            if pretrained is not None and key in pretrained:
+                # a target's weight is used once: dropped here, so the host copy shrinks as the model fills
+                src = pretrained.pop(key) if id(module) in targets and pname == "weight" else pretrained[key]
+                t.copy_(src.to(device=device, dtype=t.dtype))
+            elif init is not None:
+                init(key, t)
+        if id(module) in targets:
+            module.weight = nn.Parameter(
+                to_nf4(module.weight.detach().contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False
+            )
+            done.append(prefix)
+    return done

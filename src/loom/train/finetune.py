@@ -131,10 +131,10 @@ def lora_flops_per_token(cfg: Config, meta: dict, model_cfg, full: float) -> flo
     return full - 2 * (matmul_params(model_cfg) - head) + 6 * adapters
 
 
-def check_lora_targets(cfg: Config) -> None:
+def check_lora_targets(cfg: Config, shards: int = 1) -> None:
     """finetune.lora_targets that match no linear of the model, and a rank above an adapted linear's width,
     are refused before any process starts: the adapters are tried on the model built on the meta device
-    (shapes only, no memory)."""
+    (shapes only, no memory). QLoRA: every base linear NF4 can hold, split evenly over `shards` FSDP ranks."""
     if not cfg.finetune.lora_rank:
         return
     from loom.model.lora import apply_configured, check_rank
@@ -147,19 +147,28 @@ def check_lora_targets(cfg: Config) -> None:
         from loom.model.nf4 import check_nf4, nf4_api
 
         nf4_api()  # torchao importable (validate found it; an old or broken install fails here)
-        check_nf4(model)  # every base linear's size a whole number of NF4 blocks
+        check_nf4(model, shards)  # every base linear's size a whole number of NF4 blocks (per rank)
 
 
-def quantize_configured(model, cfg: Config) -> list[str]:
-    """finetune.quantize_base=nf4 (QLoRA) on a LoRA model whose base weights are in place (imported or seeded):
-    each base linear's weight replaced by its NF4Tensor (loom.model.nf4), the full-precision copy freed linear by
-    linear. Before the optimizer is built and before a resumed checkpoint's adapters are read (the checkpoint
-    holds no base). The names quantized ([] when off)."""
+def quantize_configured(model, cfg: Config, spec, device, init) -> list[str]:
+    """finetune.quantize_base=nf4 (QLoRA) on a meta-built LoRA model, before the layout: the model made one
+    module at a time (loom.model.nf4.materialize_nf4), each base linear given its model.init_from weights (or
+    its seeded init) and quantized to NF4 at once, so no full-precision copy of the model is ever whole; FSDP's
+    fully_shard then splits the NF4 weights (torchao's NF4Tensor serves its all-gather). `init(name, whole)`:
+    the seeded init parallelize would use. Before the optimizer is built and before a resumed checkpoint's
+    adapters are read (the checkpoint holds no base). The names quantized ([] when off: the model stays on
+    the meta device for parallelize to materialize)."""
     if cfg.finetune.quantize_base != "nf4":
         return []
-    from loom.model.nf4 import nf4_bytes, quantize_base
+    from loom.model.nf4 import materialize_nf4, nf4_bytes
+    from loom.runs import pretrained_state
 
-    done = quantize_base(model)
+    pretrained = pretrained_state(
+        cfg, model
+    )  # by the model's names; each base linear's dropped as it is used
+    done = materialize_nf4(model, device, init, spec.parallel.tied(model), pretrained)
+    del pretrained
+    spec.parallel.retie(model)  # to_empty gave each module of a tied pair its own tensor
     n = sum(model.get_submodule(m).weight.numel() for m in done)
     log.info(
         f"QLoRA: {len(done)} base linears in NF4 ({n:,} weights, {nf4_bytes(n) / 2**20:,.1f} MiB against "

@@ -47,7 +47,7 @@ def resolve_config(
     derived = layout[1] if same else validate_on(cfg, dims)
     check_trackers(cfg.metrics)
     resolve_device(cfg.train.device)
-    finetune.check_lora_targets(cfg)
+    finetune.check_lora_targets(cfg, dims.fsdp_shard if dims.fsdp_enabled else 1)
     return cfg, derived, run_dir
 
 

@@ -12,6 +12,7 @@ files are run_files.py's; the control plane (stop and skip agreement) is `loom.d
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import shlex
 import time
@@ -201,6 +202,10 @@ class Trainer:
         self.n_params = model.num_params()  # before parallelize: pipeline parallel keeps only its stages
         # what a token passes through (a mixture of experts: k of its routed experts); MFU counts these
         self.n_active = self.spec.active_params(model)
+        init = functools.partial(model.init_param, seed=cfg.run.seed)  # (name, whole): seeded by name
+        # QLoRA (finetune.quantize_base=nf4): the base made, read and quantized module by module before the
+        # layout, which then shards the NF4 weights (FSDP) or keeps them (one process)
+        qlora = quantize_configured(model, cfg, self.spec, self.device, init)
         self.parallel = parallelize(
             model,
             self.dims,
@@ -209,16 +214,13 @@ class Trainer:
             self.spec,
             precision=dtype,
             n_microbatches=self.derived.pp_microbatches,
-            init=lambda name, whole: model.init_param(name, whole, cfg.run.seed),
+            init=init,
         )
         # a resumed checkpoint holds every weight but a LoRA run's frozen base: only that is read from the base
-        pretrained = None if resuming and not self.lora else pretrained_state(cfg, model)
+        pretrained = None if qlora or (resuming and not self.lora) else pretrained_state(cfg, model)
         if pretrained is not None:
             self.parallel.load_model_state(pretrained)
-        del pretrained  # the host copy of the base, before QLoRA quantizes the model's
-        quantize_configured(
-            model, cfg
-        )  # finetune.quantize_base=nf4: the base's linears to NF4, once in place
+        del pretrained
         self.model = self.parallel.model
         return model
 
