@@ -34,13 +34,15 @@ def iter_tokens(
     vocab_size: int | None = None,
     extends_context: bool = False,
     stop_ids: frozenset[int] = frozenset(),
+    speculator=None,
+    spec_tokens: int = 4,
 ):
     """Sample up to max_new_tokens tokens after `idx` (B, T), yielding each step's (B, 1) ids as it is drawn (a
     caller streams them, or stops early). Padding ids >= vocab_size are never sampled. The rows run as one
     batch of loom.engine (sharing `generator`, drawn row after row). extends_context (the family's
     ModelSpec.extends_context): past block_size, run on with the cache instead of re-cropping the context.
     stop_ids: one row only (a chat turn): the tokens that end it, not yielded. The model is in eval mode while
-    this runs."""
+    this runs. speculator (loom.engine.speculative): greedy tokens by speculative decoding, spec_tokens a step."""
     if max_new_tokens <= 0:
         return
     B, T = idx.shape
@@ -53,6 +55,8 @@ def iter_tokens(
         extends_context=extends_context,
         use_cache=use_cache,
         device=idx.device,
+        speculator=speculator,
+        spec_tokens=spec_tokens,
     )
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, stop_ids=frozenset(stop_ids))
     if B == 1:

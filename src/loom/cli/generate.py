@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loom.cli import speculate
 from loom.cli.args import SHARD_HELP, run_model
 from loom.errors import LoomError
 
@@ -38,8 +39,14 @@ def generate(argv: list[str]) -> int:
     p.add_argument("--no-cache", action="store_true", help="recompute the context every token (slower)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--shard", action="store_true", help=SHARD_HELP)
+    speculate.add_options(p)
     args = p.parse_args(argv)
     check_sampling(args)
+    speculate.check_options(args)
+    if args.shard and (args.quantize or args.speculate or args.draft):
+        raise LoomError(
+            "--shard runs the model FSDP-sharded: --quantize, --speculate and --draft need it whole"
+        )
     with run_model(args) as run:
         return _generate_samples(args, run)
 
@@ -94,9 +101,12 @@ def _generate_samples(args, run: LoadedRun) -> int:
     import torch
 
     from loom.generate import generate
+    from loom.model.quant import quantize_weights
     from loom.model.registry import spec_of
 
     model, tok, device = run.model, run.tok, run.device
+    quantize_weights(model, args.quantize)
+    speculator = speculate.speculator_for(args, device, model.cfg.block_size)
     if tok is None:
         raise LoomError(
             f"run '{args.run_dir}' was trained on data without a tokenizer: cannot turn text into ids",
@@ -120,6 +130,8 @@ def _generate_samples(args, run: LoadedRun) -> int:
             use_cache=not args.no_cache,
             vocab_size=tok.vocab_size,
             extends_context=extend,
+            speculator=speculator,
+            spec_tokens=args.spec_tokens,
         )
         if run.rank:
             continue

@@ -7,6 +7,7 @@ import math
 import os
 import sys
 
+from loom.cli import speculate
 from loom.cli.args import run_model
 from loom.errors import LoomError
 
@@ -32,6 +33,17 @@ def serve(argv: list[str]) -> int:
     )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row; past it: 429")
     p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens whose keys and values are kept for later requests that start alike (default: "
+        "--max-kv-tokens, else max-seqs x context)",
+    )
+    p.add_argument(
+        "--no-prefix-cache", action="store_true", help="every prompt is prefilled whole (no prefix cache)"
+    )
+    speculate.add_options(p)
+    p.add_argument(
         "--grace",
         type=float,
         default=30.0,
@@ -48,8 +60,9 @@ def serve(argv: list[str]) -> int:
     )
     args = p.parse_args(argv)
     _check(args)
+    speculate.check_options(args)
     from loom.env import detect_env
-    from loom.serve import ServeOptions, bind, run_server, served_for
+    from loom.serve import ServeOptions, bind
 
     key = _api_key(args)
     opts = ServeOptions(
@@ -61,22 +74,41 @@ def serve(argv: list[str]) -> int:
         args.max_kv_tokens,
         args.max_queue,
         args.grace,
+        0 if args.no_prefix_cache else args.prefix_cache_tokens,
+        spec_tokens=args.spec_tokens,
     )
     env = detect_env()
     _warn_open(args.host, key, env.rank)
+    split = (args.nproc or 1) > 1 or env.world_size > 1
+    if split and (args.quantize or args.speculate or args.draft):
+        raise LoomError(
+            "--quantize, --speculate and --draft serve a whole model: not with --nproc (tensor parallel)",
+            hint="leave them out, or serve on one process",
+        )
     if args.nproc is not None and args.nproc > 1:
         return _launch(args, argv, env)
     if env.world_size > 1:
         return _serve_tp(args, opts, env)
     sock = bind(args.host, args.port)  # before loading: a port in use fails at once
+    _serve_one(args, opts, sock)
+    return 0
+
+
+def _serve_one(args: argparse.Namespace, opts, sock) -> None:
+    """Serve on one process: the run loaded (quantized, with its speculator), until SIGTERM."""
+    from loom.serve import run_server, served_for
+
     with run_model(args) as run:
         if run.tok is None:
             raise LoomError(
                 f"run '{args.run_dir}' was trained on data without a tokenizer: cannot turn text into ids",
                 hint="prepare the data with loom (or give nanogpt's meta.pkl) to get a tokenizer",
             )
+        from loom.model.quant import quantize_weights
+
+        quantize_weights(run.model, args.quantize)
+        opts.speculator = speculate.speculator_for(args, run.device, run.model.cfg.block_size)
         run_server(served_for(run, args.run_dir, opts), sock, args.grace)
-    return 0
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -84,6 +116,8 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("max_seqs", "max_queue"):
         if getattr(args, name) < 1:
             raise LoomError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.prefix_cache_tokens is not None and args.prefix_cache_tokens < 0:
+        raise LoomError(f"--prefix-cache-tokens must be >= 0, got {args.prefix_cache_tokens}")
     if args.max_kv_tokens is not None and args.max_kv_tokens < 1:
         raise LoomError(f"--max-kv-tokens must be at least 1, got {args.max_kv_tokens}")
     if args.nproc is not None and args.nproc < 1:

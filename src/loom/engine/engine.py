@@ -20,8 +20,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from loom.engine.prefix_cache import PrefixCache
 from loom.engine.request import CANCELLED, LENGTH, STOP, Request
 from loom.engine.sampling import constrain, greedy, sample_rows
+from loom.engine.speculative import Speculator
 from loom.parallel.tensor import sharded_log_softmax, vocab_shards, whole
 
 
@@ -50,6 +52,9 @@ class Engine:
         max_prefill_tokens: int = 4096,
         device: torch.device | None = None,
         fail_alone: bool = False,
+        prefix_cache_tokens: int = 0,
+        speculator: Speculator | None = None,
+        spec_tokens: int = 4,
     ):
         """max_seqs rows run at once, each of up to max_len tokens (default: block_size; a family that runs on
         past it, extends_context, may take more); max_kv_tokens bounds the tokens the running rows may reach
@@ -57,14 +62,23 @@ class Engine:
         (None: unbounded); vocab_size: ids past it are padding, never sampled; decode: token ids to text, for
         stop texts. use_cache False: every token recomputes its whole context (a reference, slow). fail_alone
         (a server's engine): an error in one row's own bookkeeping (its stop text's decoding, its callback)
-        fails that row alone (its `error`), the others go on; else it is raised to the caller."""
+        fails that row alone (its `error`), the others go on; else it is raised to the caller.
+        prefix_cache_tokens > 0: prompts' block-aligned prefixes are kept across requests, up to that many tokens
+        (loom.engine.prefix_cache); 0: off. speculator (loom.engine.speculative): greedy rows decode by
+        speculation, up to spec_tokens drafted tokens verified in one forward."""
         self.model, self.decode, self.autocast = model, decode, autocast
         cfg = model.cfg
         self.block, self.extends = cfg.block_size, extends_context and use_cache
         self.max_len = max_len or self.block
         self.vocab = vocab_size or cfg.vocab_size
         self.device = device or next(model.parameters()).device
-        self.cache = model.kv_cache(max_seqs, self.max_len, rows=True) if use_cache else None
+        # speculation verifies up to spec_tokens positions past a row's length: room for them in every slot
+        self.speculator = speculator if use_cache else None
+        self.spec_tokens = spec_tokens if self.speculator is not None else 0
+        self.cache_len = self.max_len + self.spec_tokens
+        self.cache = model.kv_cache(max_seqs, self.cache_len, rows=True) if use_cache else None
+        self.prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens and use_cache else None
+        self._start = [0] * max_seqs  # per slot: the prompt tokens a prefill finds in it (a cached prefix)
         self.max_seqs, self.max_queue = max_seqs, max_queue
         self.max_kv_tokens = max_kv_tokens or max_seqs * self.max_len
         self.max_prefill_tokens = max_prefill_tokens
@@ -78,6 +92,9 @@ class Engine:
         self.forwards = self.generated = self.prefilled = (
             0  # counts: the tests, /metrics and the bench read them
         )
+        self.spec_proposed = self.spec_accepted = self.spec_forwards = 0  # speculation's counts
+        if self.speculator is not None:
+            self.speculator.attach(self)
 
     # ----------------------------------------------------------------------------- requests in and out
     def reserve(self, req: Request) -> int:
@@ -128,6 +145,7 @@ class Engine:
                 return  # it waits for rows to finish (first come, first served)
             self.waiting.popleft()
             req.slot = self.free.pop(0)
+            self._start[req.slot] = 0
             self.reserved += self.reserve(req)
             req.recompute = self.cache is None or len(req.prompt) > self.max_len
             self.running.append(req)
@@ -146,10 +164,16 @@ class Engine:
         """This step's forwards, each a call that runs one forward and samples its rows' next tokens."""
         self._admit()
         new = [r for r in self.running if not r.prefilled and not r.recompute]
+        if self.prefix is not None:
+            new = self._reuse_prefixes(new)
         cached = [r for r in self.running if r.prefilled and not r.recompute]
         jobs = [partial(self._prefill, g) for g in self._prefill_groups(new)]
-        if cached:
-            jobs.append(partial(self._decode, cached))
+        spec = [r for r in cached if self._speculates(r)]
+        plain = [r for r in cached if not self._speculates(r)]
+        if plain:
+            jobs.append(partial(self._decode, plain))
+        if spec:
+            jobs.append(partial(self._verify, spec))
         by_len: dict[int, list[Request]] = {}
         for r in self.running:
             if r.recompute:
@@ -206,14 +230,45 @@ class Engine:
         """New rows in groups of similar length (longest first; a row at least half the group's longest, so
         padding at most doubles the work) of at most max_prefill_tokens padded tokens."""
         groups: list[list[Request]] = []
-        for r in sorted(new, key=lambda r: -len(r.prompt)):
+        for r in sorted(new, key=lambda r: -self._fed(r)):
             g = groups[-1] if groups else None
-            L = len(g[0].prompt) if g else 0
-            if g and 2 * len(r.prompt) >= L and (len(g) + 1) * L <= self.max_prefill_tokens:
+            L = self._fed(g[0]) if g else 0
+            if g and 2 * self._fed(r) >= L and (len(g) + 1) * L <= self.max_prefill_tokens:
                 g.append(r)
             else:
                 groups.append([r])
         return groups
+
+    def _fed(self, r: Request) -> int:
+        """The prompt tokens a new row's prefill computes (those past its cached prefix)."""
+        return len(r.prompt) - self._start[r.slot]
+
+    def _speculates(self, r: Request) -> bool:
+        """A greedy row without a grammar decodes by speculation when the engine has a speculator."""
+        return (
+            self.speculator is not None
+            and r.params.temperature <= 0
+            and getattr(r, "constraint", None) is None
+        )
+
+    def _reuse_prefixes(self, new: list[Request]) -> list[Request]:
+        """The new rows to prefill this step, each with its longest cached prefix copied into its slot. A row
+        without one whose first block another such row of this step starts with waits one step: that row's
+        prefill stores the blocks they share, and it copies them then (a system prompt that 16 requests bring
+        at once is computed once). Rows with the same whole prompt are prefilled together as before."""
+        now, leaders = [], {}  # a first block -> the prompt of the row computing it
+        for r in new:
+            blocks = self.prefix.match(r.prompt)
+            if blocks:
+                self._start[r.slot] = self.prefix.load(self.cache, r.slot, blocks)
+                now.append(r)
+                continue
+            head, whole = tuple(r.prompt[: self.prefix.block]), tuple(r.prompt)
+            if len(r.prompt) > self.prefix.block and leaders.get(head, whole) != whole:
+                continue  # it waits for the leader's blocks
+            leaders.setdefault(head, whole)
+            now.append(r)
+        return now
 
     def _forward(self, ids: torch.Tensor, cache=None, last: int = 0) -> torch.Tensor:
         self.forwards += 1
@@ -245,17 +300,20 @@ class Engine:
         for r in rows:
             if source.setdefault(tuple(r.prompt), len(unique)) == len(unique):
                 unique.append(r)
-        L, first = len(unique[0].prompt), min(len(r.prompt) for r in unique)
+        fed = [self._fed(r) for r in unique]  # past a cached prefix (loom.engine.prefix_cache) only
+        L, first = max(fed), min(fed)
         ids = torch.zeros(len(unique), L, dtype=torch.long)
         for j, r in enumerate(unique):
-            ids[j, : len(r.prompt)] = torch.tensor(r.prompt)
+            ids[j, : fed[j]] = torch.tensor(r.prompt[self._start[r.slot] :])
         self.cache.select([r.slot for r in unique])
         for r in unique:
-            self.cache.set_len(r.slot, 0)
+            self.cache.set_len(r.slot, self._start[r.slot])
         logits = self._forward(ids.to(self.device), self.cache, last=L - first + 1)
         off = L - logits.size(1)  # positions before the first computed one
         for r in unique:
             self.cache.set_len(r.slot, len(r.prompt))
+            if self.prefix is not None:
+                self.prefix.store(self.cache, r.slot, r.prompt)
         src, dst = [], []  # a copying row's source slot, and its own
         for r in rows:
             first = unique[source[tuple(r.prompt)]]
@@ -264,8 +322,10 @@ class Engine:
                 dst.append(r.slot)
             r.prefilled = True
         self.cache.copy_rows(src, dst)
-        self.prefilled += sum(len(r.prompt) for r in unique)
-        last = torch.stack([logits[j, len(r.prompt) - 1 - off] for j, r in enumerate(unique)])
+        self.prefilled += sum(fed)
+        last = torch.stack([logits[j, fed[j] - 1 - off] for j in range(len(unique))])
+        if self.speculator is not None:
+            self.speculator.prefilled(rows)
         self._sample(rows, last[[source[tuple(r.prompt)] for r in rows]])
 
     def _decode(self, rows: list[Request]) -> None:
@@ -274,6 +334,49 @@ class Engine:
         self.cache.select([r.slot for r in rows])
         logits = self._forward(ids, self.cache)
         self._sample(rows, logits[:, -1])
+
+    def _verify(self, rows: list[Request]) -> None:
+        """Greedy rows by speculation (loom.engine.speculative): each row's last token and up to k drafted ones
+        in one forward at its own positions; a row keeps the drafted tokens the model's own greedy picks agree
+        with, and the pick after them, so its tokens are those decoding one at a time gives (up to the kernels'
+        float rounding on k + 1 positions instead of 1). The keys of rejected drafts lie past the row's length,
+        never seen, and its next forward overwrites them."""
+        cap = self.cache_len if self.extends else min(self.cache_len, self.block)
+        k = min(self.spec_tokens, min(cap - len(r.prompt) - len(r.tokens) for r in rows))
+        drafts = self.speculator.propose(rows, k)  # (also when k is 0: a draft model keeps up with the rows)
+        ids = [[r.tokens[-1], *d, *[0] * (k - len(d))] for r, d in zip(rows, drafts, strict=True)]
+        self.cache.select([r.slot for r in rows])
+        logits = self._forward(torch.tensor(ids, dtype=torch.long, device=self.device), self.cache)
+        self.spec_forwards += 1
+        padded = logits.float()
+        logits = padded[:, :, : self.vocab]
+        picks = greedy(logits.reshape(-1, logits.size(-1))).view(len(rows), k + 1).tolist()
+        want = any(r.params.logprobs or r.params.top_logprobs for r in rows)
+        for j, (r, d) in enumerate(zip(rows, drafts, strict=True)):
+            a = 0
+            while a < len(d) and d[a] == picks[j][a]:
+                a += 1
+            self.spec_proposed += len(d)
+            self.spec_accepted += a
+            # its cache holds its last token and the accepted drafts; the next forward starts past them
+            self.cache.set_len(r.slot, len(r.prompt) + len(r.tokens) + a)
+            logp = None
+            if want:
+                logp = (
+                    sharded_log_softmax(padded[j], self.vocab_shards)[:, : self.vocab]
+                    if self.vocab_shards > 1
+                    else F.log_softmax(logits[j], dim=-1)
+                )
+            try:
+                for i in range(a + 1):
+                    lp = None if logp is None else float(logp[i, picks[j][i]])
+                    self._append(r, picks[j][i], lp, None if logp is None else logp[i])
+                    if r.done:
+                        break
+            except Exception as e:  # noqa: BLE001  (as _sample: this row fails alone)
+                if not self.fail_alone:
+                    raise
+                self.fail(r, e)
 
     def _recompute(self, rows: list[Request]) -> None:
         """Rows past their cache: the newest block_size tokens of each, whole, without a cache (learned

@@ -50,6 +50,12 @@ class ServeOptions:
     max_kv_tokens: int | None = None
     max_queue: int = 64
     grace: float = 30.0
+    # prompt tokens whose keys and values are kept across requests (loom.engine.prefix_cache); None: as many
+    # as the running rows may hold (max_kv_tokens), 0: off (--no-prefix-cache)
+    prefix_cache_tokens: int | None = None
+    # loom.engine.speculative's NgramProposer or DraftProposer (--speculate, --draft); None: no speculation
+    speculator: object = None
+    spec_tokens: int = 4
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -101,6 +107,13 @@ def engine_for(run, opts: ServeOptions):
         decode=run.tok.decode,
         device=run.device,
         fail_alone=True,  # a request's own failure fails it alone: the server answers the others
+        prefix_cache_tokens=(
+            opts.max_kv_tokens or opts.max_seqs * run.model.cfg.block_size
+            if opts.prefix_cache_tokens is None
+            else opts.prefix_cache_tokens
+        ),
+        speculator=opts.speculator,
+        spec_tokens=opts.spec_tokens,
     )
 
 
