@@ -1,19 +1,30 @@
-"""Which rank is slow, and in what: per-rank phase times and the straggler monitor (issue 48).
+"""Which rank is slow, and in what: per-rank phase times and the straggler monitor (issues 48 and 59).
 
 `PhaseClock` times the phases of this rank's steps (data wait, forward, backward, exposed communication,
-optimizer) with no synchronisation of its own: the data wait on the host clock (the host is what waits), the
-others as device spans (`loom.device.Span`: events on a GPU, the host clock on a CPU). `take()` adds up the
-spans that have ended on the device and keeps the rest for the next call, so it never waits for the device
-(on a GPU the optimizer's span of the step just issued usually moves on to the next window).
+optimizer, the rest of the step, and the waits for peers inside collectives) with no synchronisation of its
+own: the data wait on the host clock (the host is what waits), the others as device spans
+(`loom.device.Span`: events on a GPU, the host clock on a CPU). `take()` adds up the spans that have ended on
+the device and keeps the rest for the next call, so it never waits for the device (on a GPU the optimizer's
+span of the step just issued usually moves on to the next window).
+
+Waits (issue 59). Ranks wait for the slowest one inside collectives, and under DDP that wait hides in the
+backward: the gradient all-reduce overlaps it, so a rank that waits shows a long backward, not a long `comm`.
+`BucketWaits` times DDP's buckets from its communication hook: each bucket's span runs from its launch (this
+rank's gradients of the bucket are ready) to its future's completion (every rank's are, and the sum is
+back). What runs past the last launch, max(done) - max(launched), is the time this rank's backward waited
+for its peers after its own compute ended: it is the step's `wait`, and the backward keeps only its compute.
+The step's blocking scalar collectives (the loss and the stop/skip agreement) are timed as `wait` too, and
+`other` is what the step spent outside every phase (gradient clipping, the loss scaler), so a rank stopped
+anywhere in its step shows its delay in a phase of its own compute.
 
 `StragglerMonitor` adds them up per window of train.straggler_every steps, then sends them to rank 0 in one
-small gather (the control plane). Rank 0 compares each phase with its median over the ranks: a rank's excess is
-what it spends above the median, phase by phase. Ranks wait for the slowest one inside a collective (DDP's
-gradient all-reduce runs in the backward), so the others show the wait where the collective is, and the
-median of that phase is the waiting time: the slow rank is the one whose own excess is largest, in the phase
-it loses time in. With two ranks the median is the mean, and the slow rank and the rank waiting for it show
-the same excess: naming needs three ranks or more. A pipeline's stages do different work by design: compare
-its ranks with care.
+small gather (the control plane). Rank 0 compares each rank's compute phases (every phase but `wait`) with
+the median of the other ranks': a rank's excess is what it spends above them, phase by phase, and the rank
+with the largest excess is the one the others wait for (their `wait` holds its excess). Where the waits are
+measured (DDP) two ranks suffice: the waiting rank's backward is its compute only. Where they are not (FSDP's
+all-gathers and reduce-scatters, the pipeline's sends and receives: the wait stays inside the phase of the
+collective), a rank waiting for the slow one shows the same excess elsewhere, and naming needs three ranks or
+more. A pipeline's stages do different work by design: compare its ranks with care.
 
 Issue 49 (exposed communication on slow links) reads the same numbers: `PhaseClock` and `judge()` are the API.
 """
@@ -28,7 +39,58 @@ from dataclasses import dataclass, field
 from loom import device as dev
 from loom import log
 
-PHASES = ("data", "forward", "backward", "comm", "optimizer")
+PHASES = ("data", "forward", "backward", "comm", "optimizer", "other", "wait")
+COMPUTE = PHASES[:-1]  # what a rank spends on its own work; `wait` is what it spends on its peers'
+
+
+class Exposed:
+    """The wait of one step's DDP buckets: from the last launch to the last completion (seconds, >= 0), on
+    the host clock or the device's events, like the spans it is made of."""
+
+    def __init__(self, spans: list[dev.Span], sign: float = 1.0):
+        self.spans, self.sign = spans, sign
+
+    def done(self) -> bool:
+        return all(s.done() for s in self.spans)
+
+    def seconds(self) -> float:
+        last = self.spans[-1]  # DDP launches its buckets in order
+        if last.events:
+            wait = max(last.a.elapsed_time(s.b) for s in self.spans) / 1000
+        else:
+            wait = max(s.t0 + getattr(s, "dt", 0.0) for s in self.spans) - last.t0
+        return self.sign * max(0.0, wait)
+
+    def negated(self) -> Exposed:
+        return Exposed(self.spans, -self.sign)
+
+
+class BucketWaits:
+    """Times DDP's gradient buckets from its communication hook (`wrap` a hook: loom.parallel.ddp registers it);
+    `take()` after a step: the step's Exposed wait, or None when no bucket was sent (a no_sync micro-step)."""
+
+    def __init__(self, device):
+        self.device, self.spans = device, []
+
+    def wrap(self, hook):
+        """`hook` (DDP's comm-hook signature) with each bucket's span from its launch to its future's end;
+        the gradients are the hook's own, untouched."""
+
+        def timed(state, bucket):
+            span = dev.Span(self.device).start()
+            self.spans.append(span)
+
+            def done(fut):
+                span.stop()  # on CPU/gloo: gloo's thread, the moment the bucket's sum is back
+                return fut.value()
+
+            return hook(state, bucket).then(done)
+
+        return timed
+
+    def take(self) -> Exposed | None:
+        spans, self.spans = self.spans, []
+        return Exposed(spans) if spans else None
 
 
 class PhaseClock:
@@ -37,9 +99,12 @@ class PhaseClock:
     With `mark` set (while a profile is taken: loom.train.profile), each phase is also a torch.profiler range
     named `loom/<phase>`; a phase outside PHASES ("checkpoint") is marked, never timed."""
 
-    def __init__(self, device, enabled: bool = True):
+    def __init__(self, device, enabled: bool = True, waits: BucketWaits | None = None):
         self.device, self.enabled, self.mark = device, enabled, False
-        self.pending: list[tuple[str, dev.Span]] = []
+        self.waits = (
+            waits if enabled else None
+        )  # DDP's buckets (None: the waits inside phases are unmeasured)
+        self.pending: list[tuple[str, dev.Span | Exposed]] = []
 
     @contextlib.contextmanager
     def __call__(self, phase: str, host: bool = False):
@@ -59,8 +124,13 @@ class PhaseClock:
                 if span is not None:
                     self.pending.append((phase, span.stop()))
 
-    def take(self) -> dict[str, float]:
-        """Seconds per phase of the spans that have ended; spans still running on the device stay for later."""
+    def take(self, step_s: float | None = None) -> dict[str, float]:
+        """Seconds per phase of the spans that have ended; spans still running on the device stay for later.
+        DDP's bucket wait moves from the backward to `wait`; `step_s` (the step's host time): what it spent
+        outside every phase is `other`."""
+        exposed = self.waits.take() if self.waits is not None else None
+        if exposed is not None:
+            self.pending += [("wait", exposed), ("backward", exposed.negated())]
         out, keep = dict.fromkeys(PHASES, 0.0), []
         for phase, span in self.pending:
             if span.done():
@@ -68,13 +138,16 @@ class PhaseClock:
             else:
                 keep.append((phase, span))
         self.pending = keep
+        if step_s is not None:
+            out["other"] = max(0.0, step_s - sum(out.values()))
         return out
 
 
 @dataclass
 class Verdict:
     """A window's comparison of the ranks: per-rank seconds per step, by phase; the slowest rank when its
-    excess over the median passes the threshold (else None)."""
+    excess over the other ranks' medians passes the threshold (else None), and how long the others waited
+    in collectives (their median `wait`, as a fraction of the median step)."""
 
     step: int
     steps: int
@@ -86,6 +159,8 @@ class Verdict:
     excess_frac: float = 0.0
     in_a_row: int = 0
     totals: list[float] = field(default_factory=list)
+    waits_measured: bool = False  # every rank timed its waits inside DDP's backward (BucketWaits)
+    wait_frac: float = 0.0
 
     def record(self) -> dict:
         """The metrics.jsonl record ("stragglers": every rank's step time and phases; who is slow, if anyone)."""
@@ -98,6 +173,7 @@ class Verdict:
                 "excess_s": self.excess_s,
                 "excess_frac": self.excess_frac,
                 "in_a_row": self.in_a_row,
+                "others_wait_frac": self.wait_frac,
             }
         return {
             "step": self.step,
@@ -105,6 +181,7 @@ class Verdict:
                 "steps": self.steps,
                 "step_s": self.totals,
                 "phases_s": self.phases,
+                "waits_measured": self.waits_measured,
                 "slowest": slow,
             },
         }
@@ -112,30 +189,36 @@ class Verdict:
     def line(self) -> str:
         return (
             f"step {self.step}: rank {self.rank} ({self.hosts[self.rank]}) is the slowest, "
-            f"{1000 * self.excess_s:.1f} ms/step over the median ({100 * self.excess_frac:.0f}% of a step), "
-            f"in {self.phase}"
+            f"{1000 * self.excess_s:.1f} ms/step over the others' median ({100 * self.excess_frac:.0f}% of a "
+            f"step), in {self.phase}; the others wait {100 * self.wait_frac:.0f}% of a step in collectives"
         )
 
 
 def judge(step: int, gathered: list[dict], threshold: float) -> Verdict:
-    """Compare the ranks' windows (each {"host", "steps", "phases": {phase: seconds}}): the rank with the
-    largest excess over the per-phase medians is named when that excess is above `threshold` of the median
-    step time."""
-    steps = max(1, gathered[0]["steps"])
+    """Compare the ranks' windows (each {"host", "steps", "phases": {phase: seconds}, "waits": measured}): the
+    rank with the largest excess of compute (every phase but `wait`) over the other ranks' per-phase medians
+    is named when that excess is above `threshold` of the median step time. Two ranks are compared only where
+    both measured their waits (see the module docstring)."""
+    n, steps = len(gathered), max(1, gathered[0]["steps"])
     hosts = [g["host"] for g in gathered]
     phases = {p: [g["phases"].get(p, 0.0) / steps for g in gathered] for p in PHASES}
-    totals = [sum(phases[p][r] for p in PHASES) for r in range(len(gathered))]
+    totals = [sum(phases[p][r] for p in PHASES) for r in range(n)]
     v = Verdict(step, steps, hosts, phases, totals=totals)
-    if len(gathered) < 3:  # see the module docstring: two ranks cannot tell the slow one from its peer
+    v.waits_measured = all(g.get("waits", False) for g in gathered)
+    if n < (2 if v.waits_measured else 3):
         return v
-    median = {p: statistics.median(ts) for p, ts in phases.items()}
-    excess = [{p: max(0.0, phases[p][r] - median[p]) for p in PHASES} for r in range(len(gathered))]
-    worst = max(range(len(gathered)), key=lambda r: sum(excess[r].values()))
+
+    def others(p: str, r: int) -> float:
+        return statistics.median(phases[p][q] for q in range(n) if q != r)
+
+    excess = [{p: max(0.0, phases[p][r] - others(p, r)) for p in COMPUTE} for r in range(n)]
+    worst = max(range(n), key=lambda r: sum(excess[r].values()))
     total = sum(excess[worst].values())
     step_s = statistics.median(totals)
     if step_s > 0 and total > threshold * step_s:
         v.rank, v.excess_s, v.excess_frac = worst, total, total / step_s
-        v.phase = max(PHASES, key=lambda p: excess[worst][p])
+        v.phase = max(COMPUTE, key=lambda p: excess[worst][p])
+        v.wait_frac = others("wait", worst) / step_s
     return v
 
 
@@ -143,8 +226,9 @@ class StragglerMonitor:
     """After each step: add this rank's phase times; every `every` steps gather them on rank 0, which logs the
     slowest rank (and warns once it is named `windows` windows in a row) and writes the record."""
 
-    def __init__(self, every: int, threshold: float, windows: int, control, write):
-        self.every, self.threshold, self.windows = every, threshold, windows
+    def __init__(self, every: int, threshold: float, windows: int, control, write, waits: bool = False):
+        """`waits`: this rank measures its waits inside the backward (DDP's BucketWaits)."""
+        self.every, self.threshold, self.windows, self.waits = every, threshold, windows, waits
         self.control, self.write = control, write
         self.host = socket.gethostname()
         self.sums, self.steps = dict.fromkeys(PHASES, 0.0), 0
@@ -163,7 +247,7 @@ class StragglerMonitor:
         self.started = True
         if step % self.every:
             return None
-        mine = {"host": self.host, "steps": self.steps, "phases": self.sums}
+        mine = {"host": self.host, "steps": self.steps, "phases": self.sums, "waits": self.waits}
         self.sums, self.steps = dict.fromkeys(PHASES, 0.0), 0
         gathered = self.control.gather_object(mine)
         if gathered is None:  # not rank 0

@@ -53,6 +53,7 @@ class Parallelized:
             None  # DDP: what each step hands the gradient all-reduce (loom.parallel.ddp.SyncBytes)
         )
         self.diloco = None  # parallel.diloco_inner_steps: the outer loop (loom.parallel.diloco.DiLoCo)
+        self.bucket_waits = None  # DDP: its buckets' waits for peers (distributed.stragglers.BucketWaits)
         self.tied: dict[str, str] = plan.tied(model)  # alias -> canonical name of one tensor ({}: untied)
         # the single-device model's names, for checkpoints: state-dict keys and the optimizer's order
         self.names = list(model.state_dict().keys())
@@ -392,6 +393,7 @@ def _tp_loss(w: _Work) -> None:
 
 
 def _ddp(w: _Work) -> None:
+    from loom.distributed.stragglers import BucketWaits
     from loom.parallel.ddp import apply_compression, apply_ddp
 
     model, p = w.model, w.cfg.parallel
@@ -400,7 +402,11 @@ def _ddp(w: _Work) -> None:
     group = w.groups[0] if w.dims.diloco else None  # DiLoCo: DDP within a replica
     ddp = w.par.forward = apply_ddp(model, w.device, names, group)
     w.par.expert_sync = bool(ignore)
-    w.par.sync_bytes = apply_compression(ddp, p.grad_compression, p.powersgd_rank, p.powersgd_warmup)
+    if w.cfg.train.straggler_every and w.dims.world_size > 1:  # the straggler monitor times DDP's waits
+        w.par.bucket_waits = BucketWaits(w.device)
+    w.par.sync_bytes = apply_compression(
+        ddp, p.grad_compression, p.powersgd_rank, p.powersgd_warmup, w.par.bucket_waits
+    )
 
 
 def _diloco_groups(w: _Work) -> None:

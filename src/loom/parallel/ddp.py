@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from loom import compat, log
+from loom.distributed.stragglers import BucketWaits
 from loom.errors import LoomError, PeerError
 
 
@@ -259,14 +260,20 @@ def check_powersgd_rank(state, model: nn.Module) -> None:
     log.warn(f"parallel.powersgd_rank={r}: PowerSGD sends these matrices whole ({why}): {listed}")
 
 
-def apply_compression(ddp: DistributedDataParallel, kind: str, rank: int, warmup: int) -> SyncBytes:
+def apply_compression(
+    ddp: DistributedDataParallel, kind: str, rank: int, warmup: int, waits: BucketWaits | None = None
+) -> SyncBytes:
     """Register the communication hook of `kind` (none | bf16 | fp16 | powersgd) on `ddp`; returns the byte
-    counter. `none` keeps DDP's built-in all-reduce (no Python hook: its numbers stay bit for bit) and counts
-    the buckets' bytes after backward instead."""
+    counter. `none` keeps DDP's built-in all-reduce and counts the buckets' bytes after backward instead.
+    `waits` (the straggler monitor's, loom.distributed.stragglers): each bucket's launch and completion
+    timed around the hook; under `none` the hook is then torch's `allreduce_hook`, which computes what the
+    built-in all-reduce does (divide by the world size, then sum: the same numbers bit for bit)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as default
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     if kind == "none":
+        if waits is not None:
+            ddp.register_comm_hook(ddp.process_group, waits.wrap(default.allreduce_hook))
         return SyncBytes(sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad))
     counter, group = SyncBytes(), ddp.process_group
     if kind == "powersgd":
@@ -295,5 +302,5 @@ def apply_compression(ddp: DistributedDataParallel, kind: str, rank: int, warmup
             fut.wait()
         return fut
 
-    ddp.register_comm_hook(state, counted)
+    ddp.register_comm_hook(state, counted if waits is None else waits.wrap(counted))
     return counter

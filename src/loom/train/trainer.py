@@ -154,13 +154,13 @@ class Trainer:
         clock it reads, activation offloading, the profiler (train.profile_*); the memory snapshots come first
         of all, in __init__."""
         t, dims, device = self.cfg.train, self.dims, self.device
-        self.stragglers = None
+        self.stragglers, waits = None, self.parallel.bucket_waits  # DDP's waits for peers (issue 59)
         if dims.world_size > 1 and t.straggler_every:
             every, k = t.straggler_every, t.straggler_windows
             self.stragglers = StragglerMonitor(
-                every, t.straggler_threshold, k, self.control, self.logger.write
+                every, t.straggler_threshold, k, self.control, self.logger.write, waits is not None
             )
-        self.phases = PhaseClock(device, enabled=self.stragglers is not None)
+        self.phases = PhaseClock(device, enabled=self.stragglers is not None, waits=waits)
         self.offload = ActivationOffload(device, t.activation_offload)  # saved tensors in host memory
         self.profiler = StepProfiler(self.cfg, dims.rank, dims.world_size, self.run_dir, device, self.phases)
 
@@ -338,9 +338,11 @@ class Trainer:
         flags = grad_flags(self.model)  # which gradients are non-finite, before clipping smears NaN
         self.op = f"the gradient-norm and loss collectives of step {self.step + 1}"
         grad_norm = par.clip_grad_norm(self.cfg.optim.grad_clip or math.inf)
-        # the step's one host read; then every rank agrees on stop and skip before the update
-        loss, norm = torch.stack([par.mean_loss(loss_sum).float(), grad_norm.float()]).tolist()
-        stop, nonfinite = self._agree_stop_or_skip(norm)
+        # the step's one host read; then every rank agrees on stop and skip before the update: both wait
+        with phase("wait"):  # for the slowest rank (the straggler monitor's `wait`)
+            loss, norm = torch.stack([par.mean_loss(loss_sum).float(), grad_norm.float()]).tolist()
+        with phase("wait", host=True):
+            stop, nonfinite = self._agree_stop_or_skip(norm)
         skip = self.guard.check(
             self.step + 1, loss, math.nan if nonfinite else norm, self.scaler.is_enabled()
         )
@@ -631,7 +633,7 @@ class Trainer:
         except StopBeforeStep as e:  # a signal while the stage made the batch (a hung RL reward): not taken
             return self._stop(e.why)
         if self.stragglers is not None:
-            self.stragglers.after_step(self.step, self.phases.take())
+            self.stragglers.after_step(self.step, self.phases.take(rec["dt"]))
         self.budget.after_step(self.step, rec["dt"])  # train.time_budget_s may set train.steps here
         final = self.step == self.cfg.train.steps
         self.logger.after_step(rec, final, self.cfg.train.steps)
