@@ -336,6 +336,9 @@ _EVAL_DL = "an lm-evaluation-harness task or the CORE bundle, which the reader d
 # run and must exit 0. Keyed by `key(cmd)`, the page and the command's words (tests/unit/test_docs_commands.py
 # checks that each still names a command of its page).
 NOT_RUN: dict[str, str] = {
+    "docs/operations.md: loom ckpt average runs/<name> --last 2 --out averaged": (
+        "the page's run keeps one checkpoint; tests/integration/test_ckpt_average.py runs it on one that kept 3"
+    ),
     "README.md: loom serve runs/mine --port 8000": _SERVER,
     "docs/data.md: loom data prepare --input notes/ --out data/sp --tokenizer llama2/tokenizer.model": _HF,
     "docs/data.md: loom data prepare --input notes/ --out data/tt --tokenizer cl100k_base.tiktoken": _HF,

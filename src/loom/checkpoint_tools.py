@@ -1,4 +1,5 @@
-"""`loom ckpt`: what a checkpoint holds (inspect) and one safetensors model made from its shards (consolidate).
+"""`loom ckpt`: what a checkpoint holds (inspect), one safetensors model made from its shards (consolidate), and
+one made from several checkpoints' weights averaged, or from train.ema's average (average).
 
 Consolidation streams: the safetensors header is written first from DCP's metadata (names, shapes, dtypes),
 then each tensor is read whole from the shards of every rank that wrote a piece of it, appended, and freed,
@@ -122,6 +123,118 @@ def consolidate(run_dir: str | Path, out: str | Path, step: int | None = None, f
     return out / "model.safetensors"
 
 
+def average(
+    run_dir: str | Path, out: str | Path, last: int = 0, ema: bool = False, force: bool = False
+) -> tuple[Path, list[int]]:
+    """Write a consolidated folder (as `consolidate`: model.safetensors, config.toml, tokenizer/) whose
+    weights are the uniform mean of the run's `last` newest valid checkpoints (checkpoint averaging, as
+    OLMo-core's model merging and modded-nanogpt's), or, with `ema`, the newest checkpoint's moving average
+    of the weights (train.ema). Each checkpoint is read whole in turn; the sum is kept in float64 and written
+    in the weights' dtype. Returns (the file, the steps it averaged)."""
+    run_dir, out = Path(run_dir), Path(out)
+    if ema == bool(last):
+        raise LoomError(
+            "loom ckpt average takes --last N (N >= 1) or --ema", hint="e.g. loom ckpt average RUN --last 3"
+        )
+    paths = _checkpoints_to_average(run_dir, 1 if ema else last)
+    _check_out(run_dir, out, force)
+    from loom.outputs import staged_output, write_marker
+
+    sd, dtypes = {}, {}
+    for path in paths:
+        for k, v in _weights(path, ema).items():
+            dtypes.setdefault(k, v.dtype)
+            sd[k] = sd[k] + v.double() if k in sd else v.double()
+    steps = [int(checkpoint.read_state(p)["step"]) for p in paths]
+    tensors = {k: (v / len(paths)).to(dtypes[k]).contiguous() for k, v in sorted(sd.items())}
+    with staged_output(out, "consolidated", force) as tmp:  # renamed into place when whole
+        tmp.mkdir()
+        write_marker(tmp, "consolidated")
+        _write_averaged(run_dir, paths[-1], tmp, tensors, steps, ema)
+    return out / "model.safetensors", steps
+
+
+def _checkpoints_to_average(run_dir: Path, n: int) -> list[Path]:
+    """The n newest checkpoints of the run that verify (weights and, for the average, the config)."""
+    found = []
+    for p in reversed(checkpoint.list_steps(run_dir / "ckpt")):
+        try:
+            checkpoint.verify(p, model_only=True)
+        except LoomError:
+            continue
+        found.append(p)
+        if len(found) == n:
+            break
+    if len(found) < n:
+        raise LoomError(
+            f"run '{run_dir}' has {len(found)} valid checkpoint(s), {n} asked for",
+            hint="average fewer (--last), or keep more while training (train.keep_last, train.ckpt_every)",
+        )
+    for p in found:
+        if not checkpoint.is_sharded(p):
+            raise LoomError(
+                f"'{p}' is a format-1 checkpoint (model.pt), which loom ckpt average does not read"
+            )
+        _check_run_config(run_dir, p)
+        lora = checkpoint.read_state(p).get("config", {}).get("finetune", {}).get("lora_rank", 0)
+        if lora:
+            raise LoomError(
+                f"'{p}' is a LoRA run's checkpoint (finetune.lora_rank={lora}): it holds the adapters alone",
+                hint=f"loom export {run_dir} --format safetensors writes the whole model, the adapters merged",
+            )
+    return found[::-1]
+
+
+def _weights(path: Path, ema: bool) -> dict[str, torch.Tensor]:
+    """A checkpoint's model weights, whole on the CPU (with `ema`: train.ema's average in their place)."""
+    from loom.parallel.dcp_state import read_whole, saved_keys
+
+    weights = read_whole(path / "model")
+    if not ema:
+        return weights
+    keys = [k for k in saved_keys(path / "optim") if k.startswith("ema.")]
+    if not keys:
+        raise LoomError(
+            f"checkpoint '{path}' holds no moving average of the weights (it was not trained with train.ema)",
+            hint="train with --train.ema=0.999 (for example), or average checkpoints with --last N",
+        )
+    from loom.parallel.dcp_state import load_into
+
+    avg = {
+        k: torch.empty(weights[k[len("ema.") :]].shape, dtype=weights[k[len("ema.") :]].dtype) for k in keys
+    }
+    load_into(avg, path / "optim", "optimizer")
+    weights.update({k[len("ema.") :]: v for k, v in avg.items()})
+    return weights
+
+
+def _write_averaged(
+    run_dir: Path, newest: Path, out: Path, tensors: dict, steps: list[int], ema: bool
+) -> None:
+    """model.safetensors of the averaged weights (metadata: the newest step, the model config, what was
+    averaged) and the run's config.toml, tokenizer/ and run.json, into `out`."""
+    from safetensors.torch import save_file
+
+    state = checkpoint.read_state(newest)
+    meta = {
+        "format": "pt",
+        "loom_step": str(state["step"]),
+        "loom_model": json.dumps(state.get("config", {}).get("model", {})),
+        "loom_average": f"ema of step {steps[-1]}" if ema else "mean of steps " + ",".join(map(str, steps)),
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata=meta)
+    _copy_run_files(run_dir, out)
+
+
+def _copy_run_files(run_dir: Path, out: Path) -> None:
+    """The run's config.toml, tokenizer/ and run.json, which a consolidated folder carries."""
+    shutil.copyfile(run_dir / "config.toml", out / "config.toml")
+    if (run_dir / "tokenizer").is_dir():
+        shutil.copytree(run_dir / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
+    if (run_dir / "run.json").is_file():
+        shutil.copyfile(run_dir / "run.json", out / "run.json")
+
+
 def _write_consolidated(run_dir: Path, path: Path, out: Path) -> None:
     """model.safetensors streamed from checkpoint `path`'s model/, and the run's config.toml, tokenizer/ and
     run.json, into the folder `out`."""
@@ -152,11 +265,7 @@ def _write_consolidated(run_dir: Path, path: Path, out: Path) -> None:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for name, m in metas.items():
             _write_tensor(f, path / "model", name, m, md.storage_data)
-    shutil.copyfile(run_dir / "config.toml", out / "config.toml")
-    if (run_dir / "tokenizer").is_dir():
-        shutil.copytree(run_dir / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
-    if (run_dir / "run.json").is_file():
-        shutil.copyfile(run_dir / "run.json", out / "run.json")
+    _copy_run_files(run_dir, out)
 
 
 def _check_run_config(run_dir: Path, path: Path) -> None:

@@ -78,7 +78,7 @@ def export(argv: list[str]) -> int:
 
 
 def ckpt(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="loom ckpt", description="Inspect or consolidate a run's checkpoints.")
+    p = argparse.ArgumentParser(prog="loom ckpt", description="Inspect, consolidate or average a run's checkpoints.")
     sub = p.add_subparsers(dest="verb", required=True)
     ins = sub.add_parser("inspect", help="format, step, layout, files and sizes, valid or not")
     ins.add_argument("target", help="a run directory, its ckpt/ folder or one RUN/ckpt/step_N")
@@ -90,11 +90,24 @@ def ckpt(argv: list[str]) -> int:
         "--out", required=True, help="output folder (a small run: loom generate/eval/export read it)"
     )
     con.add_argument("--force", action="store_true", help="write into a non-empty output folder")
+    avg = sub.add_parser(
+        "average", help="the mean of the last N checkpoints' weights (or train.ema's), as consolidate writes"
+    )
+    avg.add_argument("run_dir")
+    avg.add_argument("--last", type=int, default=0, help="average the N newest valid checkpoints")
+    avg.add_argument("--ema", action="store_true", help="the newest checkpoint's train.ema average instead")
+    avg.add_argument("--out", required=True, help="output folder (loom generate/eval/export read it)")
+    avg.add_argument("--force", action="store_true", help="replace a folder loom ckpt wrote")
     args = p.parse_args(argv)
     from loom import checkpoint_tools
 
     if args.verb == "inspect":
         return checkpoint_tools.inspect_main(args.target, args.json)
+    if args.verb == "average":
+        target, steps = checkpoint_tools.average(args.run_dir, args.out, args.last, args.ema, args.force)
+        what = f"train.ema's average at step {steps[-1]}" if args.ema else f"the mean of steps {steps}"
+        print(f"wrote {target} ({what}), config.toml")
+        return 0
     target = checkpoint_tools.consolidate(args.run_dir, args.out, args.step, args.force)
     rest = (
         "config.toml and tokenizer/"
