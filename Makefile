@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@echo "installing loom's dependencies into $(VENV) (~3 min the first time; quiet until done)"
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev,mpi,triton,parquet,data,hf,track,fp8,eval,serve]"
+	$(BIN)/python -m pip install -q -e ".[dev,mpi,triton,parquet,data,hf,track,fp8,eval,serve,ft]"
 	touch $(STAMP)
 
 $(STAMP_OLDEST): pyproject.toml

@@ -690,6 +690,24 @@ class RLConfig:
 
 
 @dataclass
+class FtConfig:
+    """torchft fault tolerance (extra: ft; loom.distributed.ft): the data-parallel replicas become replica groups
+    that a lighthouse keeps in a quorum; a group that dies leaves it, the others go on, and a restarted one
+    heals from a live peer. See docs/operations.md."""
+
+    enabled: bool = _f(False, "Train as torchft replica groups (one process each; loom train --nproc N).")
+    replica_groups: int = _f(0, "Replica groups in the job (0: --nproc's number).", ge=0)
+    replica_id: int = _f(-1, "This process's replica group (-1: set by --nproc; by hand: 0..groups-1).", ge=-1)
+    lighthouse: str = _f(
+        "", "A running lighthouse, http://HOST:PORT (empty: loom train --nproc starts one on 127.0.0.1)."
+    )
+    min_replicas: int = _f(1, "Replica groups a step needs to commit (the quorum's minimum).", gt=0)
+    job_name: str = _f("", "The job's name on the lighthouse (empty: run.name).")
+    timeout_s: float = _f(60.0, "Seconds a quorum, collective or heal may take before it is abandoned.", gt=0)
+    max_restarts: int = _f(3, "loom train --nproc: times a failed replica group is started again.", ge=0)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -703,6 +721,7 @@ class Config:
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    ft: FtConfig = field(default_factory=FtConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section's keys; the model section's include its family's own keys (config.toml saves them)."""

@@ -257,6 +257,39 @@ def build_layout(dims: ParallelDims, env: DistEnv, cfg: Config, device) -> tuple
     return dims, TorchControl()
 
 
+def ft_layout(cfg: Config, derived: Derived):
+    """ft.enabled: this replica group's rows and DDP's batch sizes (loom.distributed.ft); else (None, derived)."""
+    if not cfg.ft.enabled:
+        return None, derived
+    from loom.distributed.ft import replica_layout
+
+    return replica_layout(cfg)
+
+
+def build_trainer(plan: Plan, device, dims: ParallelDims, control: Control, ft_part=None) -> Trainer:
+    """The trainer of the plan, its checkpoint loaded; `ft_part` (ft.enabled): a torchft replica group's
+    rows, and its manager joined to the lighthouse (the first step's quorum heals a group that restarted)."""
+    trainer = Trainer(
+        plan.cfg,
+        plan.derived,
+        plan.run_dir,
+        plan.data_dir,
+        device,
+        dims,
+        control,
+        plan.origin,
+        plan.ckpt,
+        ft_part,
+    )
+    if plan.ckpt is not None:
+        trainer.load(plan.ckpt)
+    if ft_part is not None:
+        from loom.distributed.ft import FtReplica
+
+        trainer.ft = FtReplica(plan.cfg, trainer)
+    return trainer
+
+
 def shutdown(dims: ParallelDims, control: Control, clean: bool) -> None:
     """Every rank waits for the others (rank 0 may still be sampling or saving) before leaving."""
     if dims.dp_impl == "mpi":
@@ -309,6 +342,7 @@ def run(req: RunRequest | Config, log_all_ranks: bool = False) -> dict:
     derived, dims = job_layout(
         layout, env
     )  # every rule of the config and the layout, before any process group
+    ft_part, derived = ft_layout(layout, derived)
     device = resolve_device(cfg.train.device, env.local_rank)
     dims, control = build_layout(dims, env, layout, device)
     clean, trainer = False, None
@@ -329,11 +363,7 @@ def run(req: RunRequest | Config, log_all_ranks: bool = False) -> dict:
             f"{plan.derived.tokens_per_step:,} tokens/step | micro-batch {plan.derived.micro_batch_size}"
             f" | grad accum {plan.derived.grad_accum} | {dims.describe()}"
         )
-        trainer = Trainer(
-            plan.cfg, plan.derived, plan.run_dir, plan.data_dir, device, dims, control, plan.origin, plan.ckpt
-        )
-        if plan.ckpt is not None:
-            trainer.load(plan.ckpt)
+        trainer = build_trainer(plan, device, dims, control, ft_part)
         if env.world_size > 1 and dims.dp_impl != "mpi":
             from loom.distributed.health import Heartbeat
 

@@ -77,9 +77,15 @@ def launch_local(nproc: int, req: RunRequest, child_argv: list[str], max_restart
     """
     from loom import checkpoint
 
+    if req.cfg.ft.enabled:  # torchft replica groups: their checks before any other (loom.distributed.ft)
+        from loom.train import ft_spawn
+
+        ft_spawn.check_launch(req, nproc)
     plan = plan_run(req, _local_dims(req, nproc), hashes=False)  # raises before any process starts;
     # the workers hash the checkpoint's files, each its share
     args = [a for a in child_argv if a != "--force"]
+    if req.cfg.ft.enabled:
+        return ft_spawn.launch(nproc, req.cfg, args, plan.run_dir, req.force, sys.modules[__name__])
     if not req.resume:
         args.append(f"--run.name={plan.run_dir.name}")
     timeout_s = req.cfg.parallel.timeout_s

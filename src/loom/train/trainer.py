@@ -29,7 +29,7 @@ from loom import faults, log
 from loom.config import Config, Derived, to_toml
 from loom.config.layout import ParallelDims
 from loom.data.loader import DeviceBatches, doc_eot_id, read_meta
-from loom.data.slice import data_slice
+from loom.data.slice import DataSlice, data_slice
 from loom.data.tokenizers import has_tokenizer, load_tokenizer
 from loom.distributed.comm import Control
 from loom.distributed.stragglers import PhaseClock, StragglerMonitor
@@ -91,9 +91,11 @@ class Trainer:
         control: Control | None = None,
         origin: dict | None = None,
         resume: Path | None = None,
+        part: DataSlice | None = None,
     ):
         """`origin`: what the run records of itself (loom.runs.origin); `resume`: the checkpoint it will be
-        loaded from (trainer.load), so that the base a full fine-tuning resumes over is not read for nothing."""
+        loaded from (trainer.load), so that the base a full fine-tuning resumes over is not read for nothing;
+        `part`: the rows this process reads when they are not its layout's (a torchft replica group's)."""
         self.cfg, self.derived, self.run_dir, self.device = cfg, derived, run_dir, device
         self.origin = origin or {}
         self.dims, self.control = dims or ParallelDims(), control or Control()
@@ -107,7 +109,9 @@ class Trainer:
             cpu_memory_release()
         # first: a block_size the data cannot provide fails here, not after the model
         eot_id = doc_eot_id(data_dir, self.meta, cfg.data.doc_mask)  # data.doc_mask: None when off
-        self.stage = build_stage(cfg, data_dir, self.meta, data_slice(dims, cfg.parallel.cp_layout), device)
+        part = part or data_slice(dims, cfg.parallel.cp_layout)
+        self.stage = build_stage(cfg, data_dir, self.meta, part, device)
+        self.ft = None  # ft.enabled: this replica group's torchft manager (loom.distributed.ft), set by run()
         self.tokenizer = load_tokenizer(data_dir, self.meta) if has_tokenizer(self.meta) else None
         evaluators = self._evaluator_setup()  # registered ones: their inputs are checked before the model
         dtype = self.precision = self._precision()
@@ -319,6 +323,8 @@ class Trainer:
         # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
         timing = self.device.type not in dev.ASYNC or self.cfg.metrics.detail
         par, timer = self.parallel, StepTimer(self.device, timing)
+        if self.ft is not None:  # the step's quorum; a group behind the others heals here (step, loader too)
+            self.ft.begin_step()
         lr = self._set_lr()
         t0, phase, rank = time.perf_counter(), self.phases, self.dims.rank
         with phase("data", host=True):
@@ -332,6 +338,8 @@ class Trainer:
         loss_sum = self._forward_backward(x, y, timer)
         with timer("c"), phase("comm"):  # exposed communication: what the backward did not overlap
             par.sync_grads()
+            if self.ft is not None:
+                self.ft.sync_grads(self.model)
         if self.faults.nan_at(self.step + 1, self.dims.rank):
             self.faults.poison_grad(self.model)
         self.scaler.unscale_(self.optimizer)
@@ -343,9 +351,7 @@ class Trainer:
             loss, norm = torch.stack([par.mean_loss(loss_sum).float(), grad_norm.float()]).tolist()
         with phase("wait", host=True):
             stop, nonfinite = self._agree_stop_or_skip(norm)
-        skip = self.guard.check(
-            self.step + 1, loss, math.nan if nonfinite else norm, self.scaler.is_enabled()
-        )
+        skip = self._check_step(loss, norm, nonfinite)
         if skip is None:
             with phase("optimizer"):
                 self.faults.slow("optimizer", rank)
@@ -388,6 +394,16 @@ class Trainer:
             loss_sum += loss.detach()
         return loss_sum
 
+    def _check_step(self, loss: float, norm: float, nonfinite: bool) -> str | None:
+        """Why this step's update is skipped (None: it is applied): the bad-step guard's verdict, then, under
+        ft, the quorum's (a step it does not commit skips its rows, recorded like a bad step)."""
+        skip = self.guard.check(
+            self.step + 1, loss, math.nan if nonfinite else norm, self.scaler.is_enabled()
+        )
+        if self.ft is not None and not self.ft.commit(local_ok=skip is None):
+            skip = skip or "ft: the quorum did not commit this step (a replica group failed in it)"
+        return skip
+
     def _set_lr(self) -> float:
         o = self.cfg.optim
         lr = lr_at(
@@ -418,6 +434,9 @@ class Trainer:
             rec.update(
                 loss_scale=self.scaler.get_scale(), overflow=overflow, overflow_steps=self.overflow_steps
             )
+        if self.ft is not None:  # the groups the step averaged over; quorum changes, recorded before it
+            for change in self.ft.records(rec):
+                self.logger.write(change)
         if skip:
             names, nonfinite, norms = flags
             bad = self._nonfinite_params(names, nonfinite) if "non-finite" in skip else []

@@ -1,0 +1,205 @@
+"""torchft replica groups under `loom train --nproc N --ft.enabled=true` (loom.distributed.ft), with real
+processes: compared against plain DDP (`--nproc 2`, the same configuration: the weights bit for bit when
+nothing fails), against each other after a group is SIGKILLed and heals from a live peer (bitwise), and the
+bad inputs that must fail before any work (one clear error, exit 2, no run folder)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from faultkit import STARTED, TINY, Proc, records, wait_for
+from loomrun import loom_run
+from proctree import descendants
+
+from loom import checkpoint
+
+pytest.importorskip("torchft", reason="the ft extra (pip install loom[ft])")
+STEPS = 30
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_running():
+    yield
+    while STARTED:
+        p = STARTED.pop()
+        if p.p.poll() is None:
+            p.kill_all()
+
+
+def args(data: Path, runs: Path, name: str, steps: int, *extra: str, nproc: str | None = "2") -> list[str]:
+    return [
+        "train",
+        *(["--nproc", nproc] if nproc else []),
+        f"--data.path={data}",
+        f"--run.dir={runs}",
+        f"--run.name={name}",
+        f"--train.steps={steps}",
+        *TINY,
+        "--model.dropout=0",
+        *extra,
+    ]
+
+
+def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    tensors, _ = checkpoint.load(run / "ckpt" / f"step_{step:06d}")
+    return tensors["model"]
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def ft_records(run: Path) -> list[dict]:
+    return [r["ft"] for r in records(run) if "ft" in r]
+
+
+def test_ft_equals_ddp_without_failures(char_data, tmp_path):
+    """2 groups with no failure = DDP on 2 processes, bit for bit; one quorum, every step over both groups."""
+    ddp = Proc([*args(char_data, tmp_path, "ddp", STEPS)], tmp_path / "ddp")
+    assert ddp.wait(300) == 0, ddp.stderr()[-3000:]
+    ft = Proc(
+        [*args(char_data, tmp_path, "ft", STEPS, "--ft.enabled=true", "--ft.min_replicas=2")],
+        tmp_path / "ft",
+    )
+    assert ft.wait(300) == 0, ft.stderr()[-3000:]
+    assert_same(weights(tmp_path / "ddp", STEPS), weights(tmp_path / "ft", STEPS))
+    assert_same(weights(tmp_path / "ft", STEPS), weights(tmp_path / "ft-g1", STEPS))
+    steps = [r for r in records(tmp_path / "ft") if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert {r["ft_replicas"] for r in steps} == {2} and steps[-1]["ft_rows_skipped"] == 0
+    (first,) = ft_records(tmp_path / "ft")  # one quorum, never changed
+    assert first["replicas"] == [0, 1] and first["left"] == []
+
+
+def group_pid(launcher: Proc, k: int) -> int | None:
+    for pid in descendants(launcher.pid):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == f"loom ft g{k}":
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def kill_group(job: Proc, run: Path, k: int, after: int) -> int:
+    """SIGKILL replica group k once its run has logged `after` steps; returns the step it had reached."""
+    wait_for(lambda: len(records(run)) > after, job, timeout=240, what=f"group {k}'s steps")
+    pid = group_pid(job, k)
+    assert pid is not None
+    reached = max(r["step"] for r in records(run) if "loss" in r)
+    os.kill(pid, signal.SIGKILL)
+    return reached
+
+
+def test_survivor_goes_on_when_a_group_dies(char_data, tmp_path):
+    """SIGKILL group 1 and do not restart it: group 0 trains to the end alone (steps with ft_replicas=1, the
+    missing group's rows counted in ft_rows_skipped, a quorum record naming group 1 as left); the launcher
+    then names the group that failed (exit 1)."""
+    steps = 150
+    extra = ("--ft.enabled=true", "--ft.max_restarts=0")
+    job = Proc(args(char_data, tmp_path, "job", steps, *extra), tmp_path / "job")
+    run0 = tmp_path / "job"
+    killed_at = kill_group(job, tmp_path / "job-g1", 1, after=8)
+    assert job.wait(300) == 1
+    assert "group 1 (exit -9)" in job.stderr()
+    steps0 = [r for r in records(run0) if "loss" in r]
+    assert steps0[-1]["step"] == steps  # the survivor finished the run
+    alone = [r for r in steps0 if r["ft_replicas"] == 1]
+    assert alone and min(r["step"] for r in alone) >= killed_at
+    assert alone[-1]["ft_rows_skipped"] == len(alone) * 4  # batch 8 over 2 groups: 4 rows a step
+    assert any(c["left"] == [1] and c["replicas"] == [0] for c in ft_records(run0)), ft_records(run0)
+
+
+def test_restarted_group_heals_bitwise(char_data, tmp_path):
+    """SIGKILL group 1; the launcher starts it again, it heals from group 0 (weights, optimizer, loader
+    position, step) and the two end with the same weights bit for bit; both record the quorum change."""
+    steps = 150
+    job = Proc(args(char_data, tmp_path, "job", steps, "--ft.enabled=true"), tmp_path / "job")
+    run0, run1 = tmp_path / "job", tmp_path / "job-g1"
+    kill_group(job, run1, 1, after=8)
+    assert job.wait(300) == 0, job.stderr()[-3000:]
+    changes = ft_records(run0)
+    assert any(1 in c["joined"] for c in changes[1:]), changes  # seen leaving, or healed from group 0
+    healed = [c for c in ft_records(run1) if "heal_s" in c]
+    assert healed and healed[-1]["heal_s"] > 0 and healed[-1]["replicas"] == [0, 1]
+    assert [r["step"] for r in records(run1) if "loss" in r][-1] == steps
+    assert_same(weights(run0, steps), weights(run1, steps))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "extra, nproc, message",
+    [
+        (["--ft.enabled=true"], "1", "needs at least 2"),
+        (["--ft.enabled=true", "--parallel.tp=2"], "2", "not parallel.tp=2"),
+        (["--ft.enabled=true", "--parallel.dp_impl=fsdp"], "2", "not parallel.dp_impl=fsdp"),
+        (["--ft.enabled=true", "--ft.min_replicas=3"], "2", "ft.min_replicas=3 is more than"),
+        (["--ft.enabled=true", "--ft.lighthouse=http://127.0.0.1:PORT"], "2", "is unreachable"),
+        (["--ft.enabled=true", "--ft.replica_groups=2", "--ft.replica_id=2"], None, "out of range"),
+        (
+            ["--ft.enabled=true", "--ft.replica_groups=2", "--ft.replica_id=0"],
+            None,
+            "needs the job's lighthouse",
+        ),
+    ],
+)
+def test_bad_input_is_one_clear_error(char_data, tmp_path, extra, nproc, message):
+    extra = [e.replace("PORT", str(_free_port())) for e in extra]
+    r = loom_run(*args(char_data, tmp_path, "bad", 5, *extra, nproc=nproc), timeout=120)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert message in r.stderr and r.stderr.count("error:") == 1, r.stderr[-2000:]
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def test_same_job_name_on_one_lighthouse_is_refused(char_data, tmp_path):
+    """torchft has no notion of jobs: a second job of the same name on the lighthouse would join the first's
+    quorum. loom reads the lighthouse's live replica ids and refuses it before any work."""
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    url = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    try:
+        one = Proc(
+            [
+                *args(
+                    char_data,
+                    tmp_path,
+                    "one",
+                    100_000,
+                    "--ft.enabled=true",
+                    f"--ft.lighthouse={url}",
+                    "--ft.job_name=same",
+                )
+            ],
+            tmp_path / "one",
+        )
+        wait_for(lambda: len(records(tmp_path / "one")) > 3, one, timeout=240, what="the first job's steps")
+        r = loom_run(
+            *args(
+                char_data,
+                tmp_path,
+                "two",
+                5,
+                "--ft.enabled=true",
+                f"--ft.lighthouse={url}",
+                "--ft.job_name=same",
+            ),
+            timeout=120,
+        )
+        assert r.returncode == 2 and "already has a running job named 'same'" in r.stderr, r.stderr[-2000:]
+        assert not (tmp_path / "two" / "metrics.jsonl").exists()
+        one.kill_all()
+    finally:
+        server.shutdown()
