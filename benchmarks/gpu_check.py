@@ -136,6 +136,7 @@ PLANS = {
         "prepare-chat",
         "sft-lora",
         "chat",
+        "rl-tis",
         "verify",
     ),
 }
@@ -146,6 +147,7 @@ NEEDS = {
     "prepare-chat": ("train-ddp",),
     "sft-lora": ("prepare-chat",),
     "chat": ("sft-lora",),
+    "rl-tis": ("train-ddp",),
 }
 EXPORT_FILES = ("gpu-report.md", "gpu-report.json", "gpu-check-console.log", "gpu-check-files.tar.gz")
 ARCHIVED = {
@@ -509,10 +511,29 @@ def chat_checks(cuda: bool, out: Path, small: list[str], common: list[str]) -> l
         "--device",
         device,
     ]
+    # loom rl from the train-ddp base (raw-text prompts), batch-invariance off: the sampler's and the trainer's
+    # log-probabilities differ (bf16 on CUDA) and rl.is_cap's truncated importance weights correct for it
+    rl_run = out / "runs" / "rl-tis"
+    rl = [
+        *LOOM,
+        "rl",
+        *common,
+        "--run.name=rl-tis",
+        f"--model.init_from=run:{base}",
+        f"--rl.prompts={out / 'rl_prompts.jsonl'}",
+        "--rl.reward=regex",
+        "--rl.pattern=e",
+        "--rl.stop=.",
+        "--rl.group_size=4",
+        "--rl.max_new_tokens=16",
+        "--rl.batch_invariant=false",
+        "--rl.updates_per_batch=2",
+    ]
     return [
         Check("prepare-chat", lambda ctx: [write_conversations(out, 5 if cuda else 2, prepare_chat)], 120),
         Check("sft-lora", lambda ctx: [sft], 240, lambda o, ctx: train_figures(sft_run)),
         Check("chat", lambda ctx: [ask], 60, lambda o, ctx: {"answer": (o.strip().splitlines() or [""])[-1]}),
+        Check("rl-tis", lambda ctx: [write_rl_prompts(out, rl)], 180, lambda o, ctx: rl_figures(rl_run)),
     ]
 
 
@@ -785,6 +806,18 @@ def write_conversations(out: Path, most_words: int, argv: list[str]) -> list[str
     return argv
 
 
+def write_rl_prompts(out: Path, argv: list[str]) -> list[str]:
+    """Write OUT/rl_prompts.jsonl, 200 raw-text prompts of write_text's words (its characters only) for the
+    rl-tis line; returns argv, the command that trains on them."""
+    import random
+
+    words = "the of and to in is that it for as with was on be by at this from have or".split()
+    rng = random.Random(2)
+    rows = [json.dumps({"prompt": " ".join(rng.sample(words, 3)) + " "}) for _ in range(200)]
+    (out / "rl_prompts.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return argv
+
+
 def nanogpt_argv(nanogpt: Path, out: Path, shape: dict, ctx: dict, mbs: list[int], cuda: bool) -> list[str]:
     """nanoGPT's train.py on loom's bench shape, run in its checkout (it reads configurator.py and data/ from
     there), on random tokens written in its own format to PATH/data/gpu_check/{train,val}.bin."""
@@ -848,6 +881,26 @@ def train_figures(run: Path) -> dict:
         "first_loss": round(losses[0], 4),
         "last_loss": round(losses[-1], 4),
         "tokens_per_s": round(summary.get("tokens_per_s") or 0),
+    }
+
+
+def rl_figures(run: Path) -> dict:
+    """The rl-tis line's: the largest sampler-vs-trainer log-probability difference over the steps, and the
+    truncated importance weights' statistics (their mean and largest raw value, the share truncated)."""
+    from loom.metrics import read_jsonl
+
+    recs = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r and "rl/trained_tokens" in r]
+    fresh = [r for r in recs if "rl/logprob_diff" in r]  # a batch's first step: a rollout was drawn for it
+    weights = [r for r in recs if "rl/is_weight_mean" in r]
+    return {
+        "steps": len(recs),
+        "logprob_diff_max": max((r["rl/logprob_diff"] for r in fresh), default=None),
+        "is_weight_mean": round(sum(r["rl/is_weight_mean"] for r in weights) / max(len(weights), 1), 6),
+        "is_weight_max": max((r["rl/is_weight_max"] for r in weights), default=None),
+        "is_truncated_frac": max((r["rl/is_truncated_frac"] for r in weights), default=None),
+        "reward_first_last": [recs[0].get("rl/reward_mean"), recs[-1].get("rl/reward_mean")]
+        if recs
+        else None,
     }
 
 

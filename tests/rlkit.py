@@ -71,3 +71,27 @@ def rl_args(root: Path, name: str, *extra: str) -> list[str]:
         *QUIET,
         *extra,
     ]
+
+
+def rl_base_args(root: Path, name: str, *extra: str) -> list[str]:
+    """`loom rl` of the base run itself (no SFT, R1-Zero style) on the arithmetic prompts as raw text: answers end
+    at a newline (rl.stop), a format reward (digits only) plus the correctness reward."""
+    return [
+        "rl",
+        f"--data.path={root / 'text'}",
+        f"--model.init_from=run:{root / 'runs' / 'base'}",
+        f"--run.dir={root / 'runs'}",
+        f"--run.name={name}",
+        f"--rl.prompts={root / 'arith' / 'rl_train.jsonl'}",
+        "--rl.group_size=4",
+        "--rl.max_new_tokens=4",
+        "--rl.reward=0.2*regex+exact",
+        "--rl.pattern=^\\d+$",
+        "--rl.stop=\\n",
+        "--train.batch_size=8",
+        "--optim.lr=1e-3",
+        "--optim.warmup_steps=0",
+        "--train.log_every=1",
+        *QUIET,
+        *extra,
+    ]

@@ -41,6 +41,7 @@ CHECKS = [
     "prepare-chat",
     "sft-lora",
     "chat",
+    "rl-tis",
     "verify",
 ]
 EXPORTED = {"gpu-report.md", "gpu-report.json", "gpu-check-console.log", "gpu-check-files.tar.gz"}
@@ -122,6 +123,12 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
     else:
         assert "needs torchao" in rows["bench-train-fp8-gpt2"]["reason"]
     assert rows["sft-lora"]["figures"]["steps"] == 5 and rows["chat"]["figures"]["answer"]  # chat: its answer
+    # loom rl from the base, batch-invariance off: the truncated importance weights recorded (1 up to the CPU's
+    # fp32 differences; a GPU's bf16 gives the figures the issue asks for)
+    tis = rows["rl-tis"]
+    assert tis["status"] == "pass", tis
+    assert tis["figures"]["steps"] == 5 and 0.99 < tis["figures"]["is_weight_mean"] < 1.01
+    assert tis["figures"]["logprob_diff_max"] is not None and tis["figures"]["is_weight_max"] is not None
     decode = rows["bench-decode"]["figures"]  # loom.engine beside transformers on the same weights
     assert decode["b4_decode_tok_s"] > 0 and decode.get("b4_same_tokens", True) is True
     moe = rows["bench-train-moe"]["figures"]  # grouped GEMM and loop timed in the same rounds

@@ -147,21 +147,16 @@ def test_bad_rl_input_is_a_clear_error(rl_root, extra, message, capsys):
     assert not (rl_root / "runs" / "bad" / "metrics.jsonl").exists()  # refused before any step
 
 
-def test_rl_refuses_a_base_run_and_missing_prompts(rl_root, capsys):
+def test_rl_refuses_missing_prompts_and_takes_a_base_runs_text_as_raw_prompts(rl_root, capsys):
+    """A base run's plain-text data is RL's too (R1-Zero style, tests/unit/test_rl_base.py); no prompts is an
+    error before any work."""
     args = rl_args(rl_root, "bad2", "--train.steps=1")
-    assert (
-        main([a if not a.startswith("--data.path=") else f"--data.path={rl_root / 'text'}" for a in args])
-        == 2
-    )
-    assert "needs conversation data" in capsys.readouterr().err
     assert main([a for a in args if not a.startswith("--rl.prompts=")]) == 2
     assert "rl.prompts is not set" in capsys.readouterr().err
-    # a base run's data reached without the verb's check (loom train with rl.prompts): the stage refuses it
     from loom.data.loader import read_meta
-    from loom.rl.prompts import rl_template
+    from loom.rl.prompts import TextTemplate, rl_template
 
-    with pytest.raises(LoomError, match="not chat data"):
-        rl_template(rl_root / "text", read_meta(rl_root / "text"))
+    assert isinstance(rl_template(rl_root / "text", read_meta(rl_root / "text")), TextTemplate)
 
 
 def test_a_failing_reward_is_a_counted_skip_and_an_error_when_every_sample_fails(

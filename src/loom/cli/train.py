@@ -51,14 +51,24 @@ def rl(argv: list[str]) -> int:
 
 
 def check_rl(cfg) -> None:
-    """Prompts, chat data (the template answers are sampled in) and a model to start from, or one error before
-    any work."""
+    """Prompts, data with a tokenizer (chat data: answers sampled in its template; a base run's plain text:
+    prompts as raw text, R1-Zero style) and a model to start from, or one error before any work."""
+    from loom.data.loader import read_meta
+    from loom.data.sft import is_chat_data
+
     if not cfg.rl.prompts:
         raise LoomError(
             "loom rl needs prompts: rl.prompts is not set",
             hint="--rl.prompts=PROMPTS.jsonl (one JSON object a line: prompt or messages, and the answer field); "
             "scripts/make_arith.py writes an arithmetic task",
         )
+    if cfg.data.path and not is_chat_data(meta := read_meta(cfg.data.path)) and meta.get("tokenizer"):
+        if not cfg.model.init_from:  # a base run's text: RL from the base model itself
+            raise LoomError(
+                "loom rl starts from a trained model: model.init_from is not set",
+                hint="--model.init_from=run:RUNS/BASE (a base run: its prompts are raw text)",
+            )
+        return
     check_sft(cfg, verb="loom rl")
 
 

@@ -687,6 +687,17 @@ class RLConfig:
         "no advantage, nothing learned); 0: never.",
         ge=0,
     )
+    stop: str = _f(
+        "",
+        "Texts that end an answer besides the end-of-text (and end-of-turn) token, separated by commas; escapes "
+        "\\n \\t \\, (a base run's prompts: e.g. '\\n'). The answer's text is cut before it; its tokens train.",
+    )
+    is_cap: float = _f(
+        2.0,
+        "Where batch-invariance is off: each token's loss weighted by min(p_trainer / p_sampler, is_cap) "
+        "(truncated importance sampling); 0: no correction.",
+        ge=0,
+    )
 
 
 @dataclass

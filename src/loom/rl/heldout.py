@@ -2,16 +2,17 @@
 the last (an evaluator: loom.eval.evaluator).
 
 pass@1 is the greedy answer's; pass@k the share of prompts with a correct answer among k samples at
-temperature 1 (seeded: the same draws at every evaluation); correct means a reward > 0."""
+temperature 1 (seeded: the same draws at every evaluation); correct means a reward > 0 (of a sum of rewards,
+R1-Zero's format + correctness: every term > 0, loom.rl.rewards.Reward.correct)."""
 
 from __future__ import annotations
 
 from loom import log
 from loom.data.loader import read_meta
 from loom.eval.evaluator import Every, register_evaluator
-from loom.rl.prompts import load_prompts, rl_template
+from loom.rl.prompts import check_stops, load_prompts, parse_stops, rl_template
 from loom.rl.rewards import RewardGuard, RewardStopped, load_reward
-from loom.rl.rollout import sample, sample_seed
+from loom.rl.rollout import answer_text, sample, sample_seed
 
 
 class HeldOut(Every):
@@ -24,6 +25,8 @@ class HeldOut(Every):
         self.rl, self.template, self.vocab, self.seed = r, template, vocab, cfg.run.seed
         self.reward = load_reward(r.reward, r.answer_field, r.pattern)
         self.guard = RewardGuard(r.reward_timeout)
+        self.stops = parse_stops(r.stop)
+        check_stops(template.tok, self.stops)
         self.last: dict = {}  # the latest figures and their step: the RL stage puts them on the console line
         self.prompts = load_prompts(
             r.eval_prompts, self.reward.field, template, cfg.model.block_size, r.max_new_tokens
@@ -42,9 +45,8 @@ class HeldOut(Every):
             for j, q in enumerate(reqs):
                 if self.guard.stopped:
                     raise RewardStopped
-                row, text = self.prompts.rows[j // per], self.template.tok.decode(q.tokens)
-                v, _ = self.reward.score(row, text, self.guard)
-                out.append(v is not None and v > 0)
+                row, text = self.prompts.rows[j // per], answer_text(self.template.tok, q, self.stops)
+                out.append(self.reward.correct(row, text, self.guard))
         return [out[i * per : (i + 1) * per] for i in range(len(self.prompts))]
 
     def run(self, ctx) -> dict | None:
@@ -53,9 +55,10 @@ class HeldOut(Every):
             return None
         ids, k = self.prompts.ids, self.rl.eval_k
         args = (self.rl.max_new_tokens, self.template.stop_ids, self.vocab, ctx.autocast)
-        greedy = sample(model, ids, [[0]] * len(ids), *args, temperature=0.0)
+        stop = {"stops": self.stops, "decode": self.template.tok.decode}
+        greedy = sample(model, ids, [[0]] * len(ids), *args, temperature=0.0, **stop)
         seeds = [[sample_seed(self.seed, -1, i, g) for g in range(k)] for i in range(len(ids))]
-        drawn = sample(model, ids, seeds, *args) if k > 0 else []
+        drawn = sample(model, ids, seeds, *args, **stop) if k > 0 else []
         try:
             rec = {"rl/pass@1": sum(c[0] for c in self._correct(greedy, 1)) / len(ids)}
             if k > 0:

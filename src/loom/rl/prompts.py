@@ -1,5 +1,8 @@
 """The prompts RL samples from: a JSONL file, one row a prompt (`messages`, a conversation ending before the
-assistant's turn, or `prompt`, one user message), with whatever fields its reward reads (the answer)."""
+assistant's turn, or `prompt`, one user message), with whatever fields its reward reads (the answer).
+
+A base run (its tokenizer has no chat tokens: R1-Zero's setting) takes `{"prompt": ...}` rows as raw text through
+its own tokenizer (`TextTemplate`); its answers end at the end-of-text id or at one of `rl.stop`'s texts."""
 
 from __future__ import annotations
 
@@ -112,11 +115,7 @@ def load_prompts(path: str | Path, field: str | None, template, block_size: int,
         conv = _messages(row, where)
         if field:
             _check_not_answered(conv, row[field], where)
-        try:
-            ids = template.prompt(conv)
-        except (KeyError, TypeError, ValueError) as e:
-            why = f"{type(e).__name__}: {e}"
-            raise LoomError(f"{where}: the chat template cannot write this prompt ({why})") from None
+        ids = _prompt_ids(template, row, conv, where)
         if shortest is None or len(ids) < shortest[0]:
             shortest = (len(ids), n)
         if len(ids) > room:
@@ -137,14 +136,108 @@ def load_prompts(path: str | Path, field: str | None, template, block_size: int,
     return Prompts(keep_rows, keep_ids, skipped)
 
 
+def _prompt_ids(template, row: dict, conv: list[dict], where: str) -> list[int]:
+    """A row's prompt ids: the chat template's generation prompt, or a base run's raw text."""
+    if isinstance(template, TextTemplate):
+        if "messages" in row:
+            raise LoomError(
+                f"{where}: a base run (no chat tokens) takes plain prompts, and this row holds 'messages'",
+                hint='write {"prompt": "..."} rows (the raw text the model continues), or SFT the base first',
+            )
+        return template.encode_prompt(row["prompt"], where)
+    try:
+        return template.prompt(conv)
+    except (KeyError, TypeError, ValueError) as e:
+        why = f"{type(e).__name__}: {e}"
+        raise LoomError(f"{where}: the chat template cannot write this prompt ({why})") from None
+
+
+class TextTemplate:
+    """A base run's prompts (R1-Zero style): a row's `prompt` is raw text through the run's own tokenizer, no
+    chat tokens; an answer ends at the end-of-text id (or one of rl.stop's texts, the engine's stop texts)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.eot_id = tok.eot_id
+        self.stop_ids = (tok.eot_id,)
+
+    def encode_prompt(self, text: str, where: str) -> list[int]:
+        """The text's ids; text the tokenizer cannot write back as it was (a character outside a char
+        vocabulary, an unknown token's stand-in) is an error naming the line: the model would see another
+        prompt than the file's."""
+        try:
+            ids = self.tok.encode(text)
+        except LoomError as e:
+            raise LoomError(
+                f"{where}: the base run's tokenizer cannot encode this prompt: {e.message}",
+                hint="write prompts in the characters the base run was trained on (its tokenizer's vocabulary)",
+            ) from None
+        back = self.tok.decode(ids)
+        if back != text:
+            bad = next((c for c, d in zip(text, back, strict=False) if c != d), text[len(back) :][:1] or "?")
+            raise LoomError(
+                f"{where}: the base run's tokenizer cannot encode this prompt: {bad!r} does not come back from "
+                f"its ids ({text[:40]!r} is read as {back[:40]!r})",
+                hint="write prompts in the characters the base run was trained on (its tokenizer's vocabulary)",
+            )
+        if not ids:
+            raise LoomError(f"{where}: an empty prompt", hint="a base run continues the prompt's text")
+        return ids
+
+
 def rl_template(data_dir: Path, meta: dict):
-    """The chat template RL prompts are written in (a base run's data has none: a clear error)."""
+    """The template RL prompts are written in: the chat template of chat data, else (a base run's data) the raw
+    text of `TextTemplate`; data with no tokenizer at all is an error."""
     tok = load_tokenizer(data_dir, meta) if meta.get("tokenizer") else None
-    if tok is None or not isinstance(meta.get("chat"), dict):
+    if tok is None:
         raise LoomError(
-            f"loom rl samples answers in the chat template, and '{data_dir}' is not chat data (a base run's "
-            "tokenizer has no chat tokens)",
-            hint="SFT the base first (loom data prepare --chat ..., loom sft), then loom rl "
-            "--data.path=CHAT_DATA --model.init_from=run:SFT_RUN",
+            f"loom rl decodes answers to score them, and '{data_dir}' has no tokenizer (token ids only)",
+            hint="prepare the data with loom data prepare (its meta.json names the tokenizer)",
         )
+    if not isinstance(meta.get("chat"), dict):
+        return TextTemplate(tok)
     return chat_template_of(tok, meta)
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", ",": ","}
+
+
+def parse_stops(spec: str) -> tuple[str, ...]:
+    """rl.stop's texts, separated by commas; the escapes \\n, \\t, \\r, \\\\ and \\, (a comma inside a text)."""
+    if not spec:
+        return ()
+    parts, cur, i = [], [], 0
+    while i < len(spec):
+        c = spec[i]
+        if c == "\\" and i + 1 < len(spec) and spec[i + 1] in _ESCAPES:
+            cur.append(_ESCAPES[spec[i + 1]])
+            i += 2
+            continue
+        if c == ",":
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+        i += 1
+    parts.append("".join(cur))
+    if not all(parts):
+        raise LoomError(f"rl.stop={spec!r} holds an empty text", hint="e.g. --rl.stop='\\n' (a newline)")
+    return tuple(parts)
+
+
+def check_stops(tok, stops: tuple[str, ...]) -> None:
+    """Each stop text must be one the tokenizer can produce (its ids decode back to it): one that cannot would
+    never end an answer, so every answer would run to rl.max_new_tokens (an error before any work)."""
+    for s in stops:
+        try:
+            back = tok.decode(tok.encode(s))
+        except LoomError as e:
+            back, why = None, e.message
+        else:
+            why = f"its ids decode to {back!r}"
+        if back != s:
+            raise LoomError(
+                f"rl.stop {s!r} can never match: the tokenizer cannot produce it ({why}), so no answer would end "
+                "there",
+                hint="use texts made of the tokenizer's own characters (e.g. --rl.stop='\\n'), or no rl.stop",
+            )

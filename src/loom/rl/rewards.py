@@ -5,6 +5,7 @@ last number equals the field's, within 1e-6), `regex` (1 when rl.pattern matches
 function of your own is named `module:function` and loaded like a family plug-in (imported by name); it takes a
 `Sample` and returns a number. A reward that raises, or returns NaN or something not a number, or runs longer
 than rl.reward_timeout seconds, is a counted skip (`score` returns None and the reason), never a crash mid-run.
+Rewards compose as a weighted sum (`0.2*regex+exact`: R1-Zero's format reward plus its correctness reward).
 
 While rewards are scored (`RewardGuard`), a SIGTERM or SIGINT reaches the trainer's stop handler as always and
 also interrupts the reward running then: a reward that hangs cannot hold a stop (the rollout is abandoned and
@@ -167,10 +168,71 @@ class Reward:
             return None, f"{self.name} returned {value}"
         return float(value), None
 
+    def correct(self, row: dict, text: str, guard: RewardGuard | None = None) -> bool:
+        """Whether the answer counts as correct on the held-out set: a reward > 0 (a failed one is not)."""
+        v, _ = self.score(row, text, guard)
+        return v is not None and v > 0
 
-def load_reward(name: str, field: str, pattern: str = "") -> Reward:
-    """The reward rl.reward names: a built-in, or `module:function` imported now (a module that does not import,
-    or a name it lacks, is a LoomError before any work)."""
+
+@dataclass(frozen=True)
+class SumReward:
+    """A weighted sum of rewards (R1-Zero's format reward plus its correctness reward: `0.2*regex+exact`).
+    A term that fails fails the sum (its sample is a counted skip); an answer is correct on the held-out set
+    when every term is > 0 (right, and in the asked format)."""
+
+    name: str
+    terms: tuple[tuple[float, Reward], ...]
+
+    @property
+    def field(self) -> str | None:
+        return next((r.field for _, r in self.terms if r.field), None)
+
+    def _values(self, row: dict, text: str, guard) -> tuple[list[float] | None, str | None]:
+        out = []
+        for _, r in self.terms:
+            v, why = r.score(row, text, guard)
+            if v is None:
+                return None, why
+            out.append(v)
+        return out, None
+
+    def score(self, row: dict, text: str, guard: RewardGuard | None = None):
+        values, why = self._values(row, text, guard)
+        if values is None:
+            return None, why
+        return float(sum(w * v for (w, _), v in zip(self.terms, values, strict=True))), None
+
+    def correct(self, row: dict, text: str, guard: RewardGuard | None = None) -> bool:
+        values, _ = self._values(row, text, guard)
+        return values is not None and all(v > 0 for v in values)
+
+
+def load_reward(name: str, field: str, pattern: str = "") -> Reward | SumReward:
+    """The reward rl.reward names: a built-in, `module:function` imported now (a module that does not import,
+    or a name it lacks, is a LoomError before any work), or a weighted sum of them, `0.2*regex+exact`."""
+    if "+" in name or "*" in name:
+        return _sum(name, field, pattern)
+    return _one(name, field, pattern)
+
+
+def _sum(name: str, field: str, pattern: str) -> SumReward:
+    terms = []
+    for term in name.split("+"):
+        w, _, part = term.strip().rpartition("*")
+        try:
+            weight = float(w) if w else 1.0
+        except ValueError:
+            weight = math.nan
+        if not part or not math.isfinite(weight):
+            raise LoomError(
+                f"rl.reward='{name}': the term '{term}' is not [WEIGHT*]REWARD",
+                hint="e.g. rl.reward=0.2*regex+exact (a format reward, rl.pattern, plus a correctness reward)",
+            )
+        terms.append((weight, _one(part.strip(), field, pattern)))
+    return SumReward(name, tuple(terms))
+
+
+def _one(name: str, field: str, pattern: str) -> Reward:
     if name == "exact":
         return Reward(name, exact, field)
     if name == "numeric":

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from loom.engine import Engine, Request, SamplingParams
+from loom.engine.request import cut_at_stop
 
 
 def sample_seed(seed: int, rollout: int, pos: int, g: int) -> int:
@@ -38,15 +39,20 @@ def sample(
     autocast=contextlib.nullcontext,
     temperature: float = 1.0,
     lockstep=None,
+    stops: tuple[str, ...] = (),
+    decode=None,
 ) -> list[Request]:
     """Every prompt's samples (seeds[i] holds one seed per sample) through one engine, rows in prompt order;
-    lockstep: Engine.drain's, for a model sharded over ranks that sample different prompts (FSDP)."""
+    lockstep: Engine.drain's, for a model sharded over ranks that sample different prompts (FSDP); stops
+    (rl.stop): texts that end a row as its stop ids do (the engine reads them with `decode`), the tokens that
+    wrote one kept (they train: the model learns to end)."""
     params = [
         SamplingParams(
             max_tokens=max_new,
             temperature=temperature,
             seed=s,
             stop_ids=frozenset(stop_ids),
+            stop=tuple(stops),
             logprobs=True,
         )
         for group in seeds
@@ -59,8 +65,20 @@ def sample(
     # forwards; 256 rows of 20 tokens on a block of 32 were three waves of 102)
     span = min(max(len(p) for p in ids) + max_new, model.cfg.block_size)
     rows = min(len(reqs), max(64, max(64 * model.cfg.block_size, 8192) // span))
-    engine = Engine(model, max_seqs=rows, max_len=span, vocab_size=vocab, autocast=autocast)
+    engine = Engine(
+        model,
+        max_seqs=rows,
+        max_len=span,
+        vocab_size=vocab,
+        autocast=autocast,
+        decode=decode if stops else None,
+    )
     return engine.run(reqs, lockstep)
+
+
+def answer_text(tok, req: Request, stops: tuple[str, ...] = ()) -> str:
+    """The text a reward scores: the answer's tokens decoded, cut before the first of rl.stop's texts."""
+    return cut_at_stop(tok.decode(req.tokens), stops) if stops else tok.decode(req.tokens)
 
 
 def advantages(rewards: torch.Tensor, norm: str, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from loom import log
 from loom.errors import LoomError
 from loom.rl.rewards import RewardStopped
-from loom.rl.rollout import advantages
+from loom.rl.rollout import advantages, answer_text
 
 
 def score_groups(stage, reqs, rows: list[dict], G: int) -> tuple[list[float], list[bool], dict]:
@@ -20,7 +20,7 @@ def score_groups(stage, reqs, rows: list[dict], G: int) -> tuple[list[float], li
     is one whose rewards are all equal, with rl.dynamic_sampling. Every sample failing is an error: the reward,
     not the model, is broken. A stop signal while scoring (stage.guard.stopped) ends the pass at once: every
     row untrained, stats["stopped"] set (the stage abandons the rollout)."""
-    texts = [stage.template.tok.decode(r.tokens) for r in reqs]
+    texts = [answer_text(stage.template.tok, r, stage.stops) for r in reqs]
     values, errors, first = [], 0, None
     guard = stage.guard
     with guard.watching():
@@ -80,7 +80,7 @@ ROLLOUT_KEYS = (
     "answers",
     "groups",
 )
-LOSS_KEYS = ("targets", "clipped", "entropy", "kl")
+LOSS_KEYS = ("targets", "clipped", "entropy", "kl", "is_weight", "is_truncated")
 
 
 def _sum_over_ranks(stage, values: list[float]) -> list[float]:
@@ -118,6 +118,10 @@ def step_report(batches, sums: dict) -> dict:
     rec["rl/clip_frac"] = g["clipped"] / n
     if stage.ref is not None:
         rec["rl/kl"] = g["kl"] / n
+    if stage.corrected:  # rl.is_cap's truncated importance weights (loom.rl.loss)
+        rec["rl/is_weight_mean"] = g["is_weight"] / n
+        rec["rl/is_truncated_frac"] = g["is_truncated"] / n
+        rec["rl/is_weight_max"] = _max_over_ranks(float(sums.get("is_max", 0.0)))
     rec["rl/train_tokens_per_s"] = g["x_tokens"] / max(train_s, 1e-9)
     if fresh:
         diff = float(sums["logprob_diff"]) if "logprob_diff" in sums else 0.0

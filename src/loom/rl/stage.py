@@ -17,9 +17,11 @@ from loom.errors import LoomError, StopBeforeStep
 from loom.model.batch_invariant import batch_invariant
 from loom.rl import heldout  # noqa: F401  (registers the held-out pass@k evaluator)
 from loom.rl.loss import policy_loss, target_logprobs
-from loom.rl.prompts import load_prompts, rl_template
+from loom.rl.prompts import check_stops, load_prompts, parse_stops, rl_template
 from loom.rl.rewards import RewardGuard, load_reward
 from loom.rl.rollout import Batch, Timer, build_batch, prompt_index, sample, sample_seed
+
+_MAXED = ("logprob_diff", "is_max")  # figures that are maxima over micro-batches, not sums
 
 
 class RL:
@@ -37,6 +39,8 @@ class RL:
         self.template = rl_template(data_dir, meta)
         self.reward = load_reward(r.reward, r.answer_field, r.pattern)
         self.guard = RewardGuard(r.reward_timeout)  # rl.reward_timeout, and stop signals during scoring
+        self.stops = parse_stops(r.stop)  # rl.stop: texts that end an answer (a base run's, say a newline)
+        check_stops(self.template.tok, self.stops)
         self.prompts = load_prompts(
             r.prompts, self.reward.field, self.template, cfg.model.block_size, r.max_new_tokens
         )
@@ -53,6 +57,9 @@ class RL:
         self.heldout = None  # the held-out evaluator (loom.rl.heldout), when rl.eval_prompts is set
         # batch-invariant forwards where they are measured to hold (CPU kernels); elsewhere not even the hook
         self.invariant = r.batch_invariant and device.type == "cpu"
+        # where the forwards may differ, truncated importance sampling against the sampler's (loom.rl.loss)
+        self.corrected = not self.invariant and r.is_cap > 0
+        self.vocab = meta["vocab_size"]  # the logits past it are padding: left out as the engine does
 
     def begin(self, parallel, autocast) -> None:
         """The model the rollouts sample from (this rank's, as it trains) and the sampling precision (the step's:
@@ -71,11 +78,22 @@ class RL:
         with batch_invariant(self.invariant):  # the sampler's forwards ran under it too
             logits = forward(x)
         clip = (self.rl.clip_low, self.rl.clip_high)
-        loss, stats = policy_loss(logits, y, adv, old, clip, ref, self.rl.kl_coef)
+        if (
+            self.corrected
+        ):  # TIS: the ratio against the trainer's first forward, weighted against the sampler's
+            b = self.batches
+            prox = b.prox[i] if b.uses > 1 else None
+            loss, stats = policy_loss(
+                logits, y, adv, prox, clip, ref, self.rl.kl_coef, old, self.rl.is_cap, self.vocab
+            )
+            if prox is None:
+                b.prox[i] = stats.pop("old_lp")
+        else:
+            loss, stats = policy_loss(logits, y, adv, old, clip, ref, self.rl.kl_coef, vocab=self.vocab)
         for k, v in stats.items():
             self.sums[k] = (
                 torch.maximum(self.sums[k], v)
-                if k == "logprob_diff" and k in self.sums
+                if k in _MAXED and k in self.sums
                 else (self.sums.get(k, 0) + v)
             )
         total = self.batches.global_targets
@@ -135,6 +153,7 @@ class Rollouts:
         self.accum = derive_batch(cfg, stage.part.dp_size).grad_accum  # build_batch fills each micro-batch
         self.rollouts = 0  # rollouts drawn
         self.uses = 0  # steps the current batch served
+        self.prox: list = []  # rl.is_cap's correction: each micro-batch's trainer log-probabilities at first use
         self.batch: Batch | None = None
         self.global_targets = 0
         self.rollout_s = Timer()
@@ -146,6 +165,7 @@ class Rollouts:
         k = self.stage.rl.updates_per_batch
         if self.batch is None or self.uses >= k:
             self.batch, self.uses = self._rollout(), 0
+            self.prox = [None] * self.accum
             self.rollouts += 1
         self.uses += 1
         self.stage.chunks = None
@@ -184,6 +204,8 @@ class Rollouts:
                 st.meta["vocab_size"],
                 st.sampling,
                 lockstep=par.all_reduce_sum if par.fsdp_roots else None,
+                stops=st.stops,
+                decode=st.template.tok.decode,
             )
         rows = [st.prompts.rows[i] for i in idx]
         row_adv, trained, self.stats = score_groups(st, reqs, rows, self.G)
@@ -191,7 +213,9 @@ class Rollouts:
         batch = build_batch(reqs, row_adv, trained, st.template.eot_id, self.accum)
         if st.ref is not None and stopped is None:
             with torch.no_grad():
-                batch.ref_lp = target_logprobs(st.ref(batch.x.to(st.device)), batch.y.to(st.device))[0]
+                batch.ref_lp = target_logprobs(
+                    st.ref(batch.x.to(st.device)), batch.y.to(st.device), st.vocab
+                )[0]
         for name in ("x", "y", "adv", "old_lp"):
             setattr(batch, name, getattr(batch, name).to(st.device))
         local = float((batch.y != -1).sum()) if par.dims.tp_rank == 0 else 0.0  # tp ranks hold the same rows
@@ -263,6 +287,8 @@ class Rollouts:
             state["batch"] = {n: getattr(b, n).tolist() for n in ("x", "y", "adv", "old_lp")}
             if b.ref_lp is not None:
                 state["batch"]["ref_lp"] = b.ref_lp.tolist()
+            if self.prox and all(p is not None for p in self.prox):
+                state["batch"]["prox_lp"] = torch.cat(self.prox).tolist()
             state["global_targets"] = self.global_targets
         return state
 
@@ -277,6 +303,8 @@ class Rollouts:
         d = self.stage.device
         as_t = {n: torch.tensor(v, device=d) for n, v in saved.items()}
         self.batch = Batch(as_t["x"], as_t["y"], as_t["adv"], as_t["old_lp"], as_t.get("ref_lp"))
+        prox = as_t.get("prox_lp")
+        self.prox = list(prox.chunk(self.accum)) if prox is not None else [None] * self.accum
         self.global_targets = state["global_targets"]
 
 
