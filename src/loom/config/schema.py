@@ -305,9 +305,10 @@ class TrainConfig:
     straggler_every: int = _f(
         100,
         "Multi-process runs: every N steps compare the ranks' phase times (data wait, forward, backward, "
-        "comm, optimizer; timed without extra synchronisation) in one small gather, name the slowest rank "
-        "with its host, its excess over the median and the phase, and record every rank's times in "
-        "metrics.jsonl (0: off).",
+        "comm, optimizer, the rest of the step, and the waits for peers inside collectives, apart from the "
+        "compute; timed without extra synchronisation) in one small gather, name the rank the others wait "
+        "for with its host, its excess over the others' median and the phase, and record every rank's times "
+        "in metrics.jsonl (0: off).",
         ge=0,
     )
     straggler_threshold: float = _f(
