@@ -53,6 +53,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
         if train:
             what = "policy loss" if is_rl else "train"
             ax.plot(*zip(*train, strict=True), color=color, alpha=0.6, label=f"{name} {what}")
+            mark_quorum_changes(ax, recs, color)
         if val:
             on, what = (ax_sft, "val loss (chat data)") if is_rl else (ax, "val")
             on.plot(*zip(*val, strict=True), color=color, marker="o", linestyle="--", label=f"{name} {what}")
@@ -77,6 +78,32 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> Path
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def mark_quorum_changes(ax, recs: list[dict], color: str) -> list[float]:
+    """ft.enabled runs: a dotted line at each torchft quorum change after the first, labelled with the replica
+    groups that left (-) and joined (+). Returns where the lines are (tokens)."""
+    per_step = next((r["tokens"] / r["step"] for r in recs if "loss" in r and r.get("step")), None)
+    changes = [r for r in recs if "ft" in r][1:]  # the first is the job's start
+    if per_step is None or not changes:
+        return []
+    xs = []
+    for r in changes:
+        x, ft = r["step"] * per_step, r["ft"]
+        ax.axvline(x, color=color, linestyle=":", alpha=0.7, gid="ft")
+        what = " ".join([f"-g{k}" for k in ft["left"]] + [f"+g{k}" for k in ft["joined"]])
+        ax.annotate(
+            what or "quorum",
+            (x, 1.0),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            color=color,
+            rotation=90,
+            va="top",
+            ha="right",
+        )
+        xs.append(x)
+    return xs
 
 
 def _check_out(out, kinds) -> None:
