@@ -32,7 +32,9 @@ def test_greedy_speculation_gives_the_tokens_of_decoding_one_at_a_time(pos):
         assert [r.tokens for r in got] == [r.tokens for r in plain]
         assert [r.finish_reason for r in got] == [r.finish_reason for r in plain]
         assert [r.stop_token for r in got] == [r.stop_token for r in plain]
-        diff = max(abs(a - b) for x, y in zip(got, plain, strict=True) for a, b in zip(x.logprobs, y.logprobs))
+        diff = max(
+            abs(a - b) for x, y in zip(got, plain, strict=True) for a, b in zip(x.logprobs, y.logprobs)
+        )
         assert diff < 1e-4
         assert e.spec_forwards > 0 and e.spec_proposed > 0
     # prompt lookup on prompts that repeat: most drafts taken, fewer forwards than tokens

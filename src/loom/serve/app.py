@@ -375,7 +375,19 @@ def _metrics(served: Served) -> str:
         ("loom_generation_tokens_per_second", "gauge", "Generated tokens/s over 10 s.", w.tokens_per_s()),
         ("loom_kv_tokens_reserved", "gauge", "KV-cache tokens the running rows hold.", e.reserved),
         ("loom_uptime_seconds", "gauge", "Seconds since the server started.", time.monotonic() - w.started),
+        ("loom_prefix_cache_hits_total", "counter", "Prompts that reused a cached prefix.", _hits(e)),
+        ("loom_prefix_cache_tokens_total", "counter", "Prompt tokens reused from the cache.", _reused(e)),
+        ("loom_spec_proposed_tokens_total", "counter", "Drafted tokens verified.", e.spec_proposed),
+        ("loom_spec_accepted_tokens_total", "counter", "Drafted tokens accepted.", e.spec_accepted),
     ]
     for name, kind, doc, value in gauges:
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name} {value}"]
     return "\n".join(lines) + "\n"
+
+
+def _hits(e) -> int:
+    return 0 if e.prefix is None else e.prefix.hits
+
+
+def _reused(e) -> int:
+    return 0 if e.prefix is None else e.prefix.reused
