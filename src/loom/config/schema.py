@@ -31,6 +31,7 @@ class FamilySection:
     keys: type | None = None
     check: Callable[[Any], None] | None = None
     experts: bool = False
+    mup: bool = False  # the family declares its parameters' widths: model.mup applies (loom.model.mup)
 
 
 # model.family -> its section, one per registered family (built-in ones when loom.model is imported)
@@ -178,6 +179,15 @@ class ModelConfig:
     )
     qk_norm: bool = _f(False, "RMSNorm of each query and key head before RoPE (OLMo 2, Qwen 3, nanochat).")
     tie_embeddings: bool = _f(True, "The LM head shares the token embedding's weights (gpt2); false: own.")
+    mup: bool = _f(
+        False,
+        "muP (Tensor Programs V, in the form of EleutherAI's practitioner's guide; loom.model.mup has the table): "
+        "hidden matrices' init std / sqrt(m) and AdamW lr / m, logits * 1/m, attention q.k / D, with "
+        "m = n_embd / model.mup_base_width; a learning rate tuned at the base width holds at wider ones.",
+    )
+    mup_base_width: int = _f(
+        0, "model.mup: the n_embd the hyperparameters were tuned at (muP equals SP there).", ge=0
+    )
 
     # A family's own keys (ModelSpec.keys: model.n_experts for moe, ...) live on `family_keys`, an instance of
     # the family's dataclass that config.io.apply_family makes; they read and write as model.<key> all the same.

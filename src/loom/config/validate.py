@@ -176,6 +176,18 @@ def _check_family(cfg: Config, dp: int, dp_impl: str) -> None:
     family with expert layers takes parallel.ep, over the data-parallel x cp ranks, with ddp, fsdp or zero2."""
     m, p = cfg.model, cfg.parallel
     section = FAMILY_SECTIONS.get(m.family)
+    if m.mup and (section is None or not section.mup):
+        mup = ", ".join(f for f, s in FAMILY_SECTIONS.items() if s.mup) or "none registered"
+        raise LoomError(
+            f"model.mup: the family '{m.family}' does not declare its parameters' widths (which weights are "
+            f"embeddings, hidden matrices, the output head), so muP cannot scale them; families that do: {mup}",
+            hint="drop model.mup, or use one of those families",
+        )
+    if m.mup and not m.mup_base_width:
+        raise LoomError(
+            "model.mup needs model.mup_base_width, the n_embd the hyperparameters were tuned at",
+            hint=f"e.g. --model.mup_base_width=64 (this model's n_embd is {m.n_embd})",
+        )
     if section is not None and section.check is not None:
         section.check(cfg)
     if p.ep == 1:

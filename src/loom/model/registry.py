@@ -99,6 +99,9 @@ class ModelSpec:
     keys: type | None = None
     # the family's own rules on a config, run by config.validate after every key's bounds (raise LoomError)
     check: Callable[[Config], None] = no_checks
+    # model.mup applies: the family's config takes mup_base_width and its model scales init, lr groups, logits
+    # and attention as loom.model.mup says (False: model.mup is refused before any work)
+    mup: bool = False
     hf: Any = None  # HF mapping (export_hf, load_hf_into) or None: no transformers export/import
     # export --format peft: {loom's linear: transformers' module} for n_layer blocks (None: no peft export)
     peft: Callable[[int], dict[str, str]] | None = None
@@ -170,7 +173,9 @@ def register(spec: ModelSpec) -> ModelSpec:
     checks the config's (loom.config's tables: the config layer never imports this package)."""
     _SPECS[spec.name] = spec
     FAMILIES[spec.name] = dict(spec.preset)
-    FAMILY_SECTIONS[spec.name] = FamilySection(spec.preset, spec.keys, spec.check, spec.expert_parallel)
+    FAMILY_SECTIONS[spec.name] = FamilySection(
+        spec.preset, spec.keys, spec.check, spec.expert_parallel, spec.mup
+    )
     return spec
 
 

@@ -8,6 +8,7 @@ import functools
 import torch
 
 from loom.errors import LoomError
+from loom.model.mup import lr_multipliers
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -18,9 +19,26 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             continue
         seen.add(id(p))
         (decay if p.dim() >= 2 else no_decay).append(p)
-    return _nonempty(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    )
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return _nonempty(_split_lr_mult(groups, lr_multipliers(model)))
+
+
+def _split_lr_mult(groups: list[dict], mults: dict[int, float]) -> list[dict]:
+    """μP (model.mup, loom.model.mup): each group split by its parameters' learning-rate multiplier, each part
+    with "lr_mult" (the trainer's schedule sets lr * lr_mult); unchanged without μP. A Muon group keeps its
+    parameters together (Muon's step is already width-independent: loom.model.mup's docstring)."""
+    if not mults:
+        return groups
+    out = []
+    for g in groups:
+        if g.get("use_muon"):
+            out.append(g)
+            continue
+        by_mult: dict[float, list] = {}
+        for p in g["params"]:
+            by_mult.setdefault(mults.get(id(p), 1.0), []).append(p)
+        out.extend({**g, "params": ps, "lr_mult": mult} for mult, ps in by_mult.items())
+    return out
 
 
 def is_hidden_matrix(module: torch.nn.Module, name: str, p: torch.nn.Parameter) -> bool:
@@ -45,13 +63,12 @@ def muon_param_groups(model: torch.nn.Module, ocfg) -> list[dict]:
             else:
                 (decay if p.dim() >= 2 else no_decay).append(p)
     scale = ocfg.muon_lr / ocfg.lr  # Muon's step follows the same schedule as AdamW's lr
-    return _nonempty(
-        [
-            {"params": muon, "use_muon": True, "lr_scale": scale, "weight_decay": ocfg.muon_weight_decay},
-            {"params": decay, "use_muon": False, "lr_scale": 1.0, "weight_decay": ocfg.weight_decay},
-            {"params": no_decay, "use_muon": False, "lr_scale": 1.0, "weight_decay": 0.0},
-        ]
-    )
+    groups = [
+        {"params": muon, "use_muon": True, "lr_scale": scale, "weight_decay": ocfg.muon_weight_decay},
+        {"params": decay, "use_muon": False, "lr_scale": 1.0, "weight_decay": ocfg.weight_decay},
+        {"params": no_decay, "use_muon": False, "lr_scale": 1.0, "weight_decay": 0.0},
+    ]
+    return _nonempty(_split_lr_mult(groups, lr_multipliers(model)))
 
 
 def _nonempty(groups: list[dict]) -> list[dict]:

@@ -410,7 +410,7 @@ class Trainer:
             self.step, o.lr, o.end_lr(), o.warmup_steps, self.cfg.train.steps, o.schedule, o.decay_frac
         )
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)  # μP's per-group multipliers (loom.model.mup)
         return lr
 
     def _begin_step(self) -> None:

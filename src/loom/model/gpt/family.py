@@ -89,6 +89,7 @@ def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         tie_embeddings=m.tie_embeddings,
         doc_mask=cfg.data.doc_mask,  # its eot_id, the data's, is set by ModelSpec.build_model
         doc_positions=cfg.data.doc_positions,
+        mup_base_width=m.mup_base_width if m.mup else 0,
         **llama_keys(m),
     )
 
@@ -130,7 +131,7 @@ def gpt_spec(name: str, **overrides) -> ModelSpec:
     return ModelSpec(name=name, **{**base, **overrides})
 
 
-register(gpt_spec("gpt2"))
+register(gpt_spec("gpt2", mup=True))
 # peft: transformers' Llama names, what peft targets; keys: RoPE scaling and Qwen 2.5's q/k/v biases
 register(
     gpt_spec(
@@ -139,5 +140,6 @@ register(
         keys=LlamaKeys,
         plan_shape=llama_plan_shape,
         shape_keys=llama_shape_keys,
+        mup=True,
     )
 )

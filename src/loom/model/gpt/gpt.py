@@ -26,6 +26,7 @@ from loom.model.cpu_paths import Dropout, causal_attention
 from loom.model.doc_mask import DocMask, build_doc_mask, doc_attention
 from loom.model.kv_cache import KVCache, RowCache
 from loom.model.lora import init_lora_param
+from loom.model.mup import mup_attention_mult, mup_init_mult
 from loom.model.vocab import mask_padding_
 
 
@@ -66,6 +67,9 @@ class GPTConfig:
     doc_mask: bool = False  # attention within each document of a packed window only (model/doc_mask.py)
     eot_id: int = -1  # doc_mask: the end-of-text id that opens each document (the data's tokenizer's)
     doc_positions: str = "continue"  # doc_mask: "restart" counts positions from 0 in each document
+    # μP (model.mup; loom.model.mup has the table and its source): the width the hyperparameters were tuned
+    # at; 0: standard parametrisation. At n_embd == mup_base_width μP and SP are the same model.
+    mup_base_width: int = 0
 
     @property
     def kv_heads(self) -> int:
@@ -84,6 +88,11 @@ class GPTConfig:
         if self.mlp == "swiglu":
             return (8 * self.n_embd // 3 + 63) // 64 * 64
         return 4 * self.n_embd
+
+    @property
+    def mup_width_mult(self) -> float:
+        """μP's width multiplier m = n_embd / mup_base_width (1.0 without μP)."""
+        return self.n_embd / self.mup_base_width if self.mup_base_width else 1.0
 
     @property
     def padded_vocab(self) -> int:
@@ -247,6 +256,9 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = nn.RMSNorm(D, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
         self.resid_dropout = Dropout(cfg.dropout)
+        # μP: attention logits q.k / D scaled to equal SP's q.k / sqrt(D) at the base width (attn_mult =
+        # sqrt(D_base)): q is multiplied by sqrt(D_base / D), the attention kernels keep their 1/sqrt(D)
+        self.q_mult = mup_attention_mult(cfg)
         # Set from outside by ring context parallel (loom.parallel.ring), None on one device: x then holds
         # some tokens of a longer sequence; context.positions(T, device) gives their places in it (T,), and
         # context.attention(q, k, v) their causal attention over the keys and values of the whole sequence.
@@ -267,6 +279,8 @@ class CausalSelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
+        if self.q_mult != 1.0:  # μP's 1/D attention (model.mup)
+            q = q * self.q_mult
         if self.rope is not None and doc is not None and doc.positions is not None:
             cos, sin = rope_cos_sin_at(doc.positions, self.head_dim, self.rope)  # (B, T, D)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): the same for every head
@@ -332,13 +346,14 @@ class LMHead(nn.Linear):
     vocab_size ids, as transformers' is for the same weights. A vocabulary-parallel head (tensor parallel,
     gpt_parallel.py) sets mask_padding False and masks each rank's shard of the logits itself."""
 
-    def __init__(self, n_embd: int, vocab_size: int, padded_vocab: int):
+    def __init__(self, n_embd: int, vocab_size: int, padded_vocab: int, mult: float = 1.0):
         super().__init__(n_embd, padded_vocab, bias=False)
         self.vocab_size = vocab_size
         self.mask_padding = vocab_size < padded_vocab
+        self.mult = mult  # μP's output multiplier 1 / m (model.mup); 1.0 otherwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(x)
+        logits = super().forward(x * self.mult if self.mult != 1.0 else x)
         return mask_padding_(logits, self.vocab_size) if self.mask_padding else logits
 
 
@@ -371,7 +386,8 @@ class GPT(nn.Module):
         self.drop = Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(self.make_block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = norm_layer(cfg, cfg.n_embd)
-        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, cfg.padded_vocab)  # padding ids masked
+        # padding ids masked; μP: logits times 1 / m
+        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, cfg.padded_vocab, 1.0 / cfg.mup_width_mult)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # weight tying (GPT-2)
         if cfg.doc_mask and cfg.eot_id < 0:
@@ -423,7 +439,8 @@ class GPT(nn.Module):
 
     def init_std(self, name: str, module: nn.Module | None) -> float:
         """The standard deviation of a weight's normal init: 0.02, a residual output's scaled by depth."""
-        return 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_scale", False) else 0.02
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_scale", False) else 0.02
+        return std * mup_init_mult(name, self.cfg)  # μP: hidden matrices' std / sqrt(m) (1 otherwise)
 
     def forward(
         self,
