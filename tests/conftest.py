@@ -90,6 +90,15 @@ def sft(tmp_path_factory):
     return make_sft_root(tmp_path_factory.mktemp("sft"))
 
 
+@pytest.fixture(scope="session")
+def tool_run(tmp_path_factory):
+    """A tiny chat run `loom sft` taught to call tools, and its base run (tests/toolkit.py; ~1 min, shared by
+    test_serve_tools.py and test_serve_structured.py)."""
+    from toolkit import make_tool_root
+
+    return make_tool_root(tmp_path_factory.mktemp("tools"))
+
+
 @pytest.fixture(scope="module")
 def rl_root(tmp_path_factory):
     """The arithmetic task, a tiny base run on its sums, chat data and a short SFT run (tests/rlkit.py)."""

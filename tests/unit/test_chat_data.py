@@ -135,7 +135,16 @@ def test_prompt_is_the_prefix_up_to_the_last_assistant_start():
     assert t.prompt(CONV[:-1]) == ids[: cut + 1]
     assert t.prompt(CONV[:2]) == ids[: ids.index(t.ids[ASSISTANT_START]) + 1]
     with pytest.raises(LoomError, match="unknown role"):
-        t.render([{"role": "tool", "content": "x"}])
+        t.render([{"role": "robot", "content": "x"}])
+    # a tool message is a conversation's, but this template's tokenizer has no tool tokens (test_chat_tools.py)
+    with pytest.raises(LoomError, match="no tool roles"):
+        t.render(
+            [
+                {"role": "user", "content": "x"},
+                {"role": "tool", "content": "x"},
+                {"role": "assistant", "content": "y"},
+            ]
+        )
 
 
 def test_char_tokenizer_specials_save_load_hash(tmp_path):

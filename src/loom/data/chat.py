@@ -16,6 +16,16 @@ Special token text inside a message is never turned into the special id: message
 special tokens not parsed (a char tokenizer has no way to; a `tokenizers` tokenizer is told so with
 `encode_special_tokens`), so a user cannot inject `<|assistant_end|>` or an end-of-text by typing it.
 
+Tool calls (loom.data.messages: a record's "tools", an assistant's "tool_calls", "tool" messages) take six more
+special tokens, added only to the tokenizer of chat data that has tool calls (a run without them has no tool
+roles, and its chat template refuses tools):
+
+    <|endoftext|> <|tools_start|> [functions as JSON] <|tools_end|> <|system_start|> ... <|user_start|> ...
+    <|assistant_start|> text? <|tool_call_start|> {"name": ..., "arguments": {...}} <|tool_call_end|> ...
+    <|assistant_end|> <|tool_start|> result <|tool_end|> ... <|assistant_start|> ...
+
+The calls are the assistant's, trained on like its text; the definitions and results are context only.
+
 `--chat-template tokenizer` renders with an HF tokenizer's own Jinja chat template instead (Llama 3, Qwen):
 loom.data.hf_chat, its HFChatTemplate has ChatTemplate's interface; chat_template_of picks the one a prepared
 data set (or a run trained on it) was written with. Writing chat data: loom.data.chat_prepare.
@@ -25,7 +35,7 @@ from __future__ import annotations
 
 import json
 
-from loom.data.messages import Messages, check_messages
+from loom.data.messages import Messages, check_messages, message_texts
 from loom.data.tokenizers import CharTokenizer, HFTokenizer
 from loom.errors import LoomError
 
@@ -33,20 +43,27 @@ SYSTEM_START, SYSTEM_END = "<|system_start|>", "<|system_end|>"
 USER_START, USER_END = "<|user_start|>", "<|user_end|>"
 ASSISTANT_START, ASSISTANT_END = "<|assistant_start|>", "<|assistant_end|>"
 CHAT_TOKENS = (SYSTEM_START, SYSTEM_END, USER_START, USER_END, ASSISTANT_START, ASSISTANT_END)
+TOOLS_START, TOOLS_END = "<|tools_start|>", "<|tools_end|>"
+TOOL_CALL_START, TOOL_CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
+TOOL_START, TOOL_END = "<|tool_start|>", "<|tool_end|>"
+TOOL_TOKENS = (TOOLS_START, TOOLS_END, TOOL_CALL_START, TOOL_CALL_END, TOOL_START, TOOL_END)
 ROLE_TOKENS = {
     "system": (SYSTEM_START, SYSTEM_END),
     "user": (USER_START, USER_END),
     "assistant": (ASSISTANT_START, ASSISTANT_END),
+    "tool": (TOOL_START, TOOL_END),
+    "tools": (TOOLS_START, TOOLS_END),
 }
 
 
 # ---------------------------------------------------------------------------------------- the template
 
 
-def add_chat_tokens(tok: CharTokenizer | HFTokenizer) -> CharTokenizer | HFTokenizer:
-    """The tokenizer with the chat tokens added as special tokens after its existing ids, in CHAT_TOKENS'
-    order (those it already has are kept: idempotent). `tok` itself is not changed."""
-    missing = [t for t in CHAT_TOKENS if tok.token_id(t) is None]
+def add_chat_tokens(tok: CharTokenizer | HFTokenizer, tools: bool = False) -> CharTokenizer | HFTokenizer:
+    """The tokenizer with the chat tokens (and with `tools` the tool tokens) added as special tokens after its
+    existing ids, in CHAT_TOKENS' (then TOOL_TOKENS') order (those it already has are kept: idempotent). `tok`
+    itself is not changed."""
+    missing = [t for t in (*CHAT_TOKENS, *(TOOL_TOKENS if tools else ())) if tok.token_id(t) is None]
     if not missing:
         return tok
     if isinstance(tok, CharTokenizer):
@@ -94,7 +111,9 @@ class ChatTemplate:
                 hint="add them with loom.data.chat.add_chat_tokens, or prepare the data with --chat",
             )
         self.tok = tok
-        self.ids = {t: tok.token_id(t) for t in CHAT_TOKENS}
+        # the tool roles, when the tokenizer has all their tokens (chat data prepared with tool calls)
+        self.tools = all(tok.token_id(t) is not None for t in TOOL_TOKENS)
+        self.ids = {t: tok.token_id(t) for t in (*CHAT_TOKENS, *(TOOL_TOKENS if self.tools else ()))}
         self.eot = tok.eot
         self.eot_id = tok.eot_id
         self.end_id = self.ids[ASSISTANT_END]
@@ -130,27 +149,45 @@ class ChatTemplate:
         """render of each conversation, their contents encoded in one batch."""
         for messages in conversations:
             check_messages(messages)
-        contents = iter(self.encode_batch([m["content"] for c in conversations for m in c]))
+            self._check_tools(messages)
+        texts = iter(self.encode_batch([t for c in conversations for m in c for t in message_texts(m)]))
         out = []
         for messages in conversations:
             ids, mask = [self.eot_id], [0]
             for m in messages:
-                start, end = ROLE_TOKENS[m["role"]]
-                content = next(contents)
+                part = self._message_ids(m, texts)
                 trained = int(m["role"] == "assistant")
-                ids += [self.ids[start], *content, self.ids[end]]
-                mask += [0] + [trained] * (len(content) + 1)
+                ids += part
+                mask += [0] + [trained] * (len(part) - 1)
             out.append((ids, mask))
         return out
+
+    def _message_ids(self, m: dict, texts) -> list[int]:
+        """START + content (+ each tool call between its tokens) + END of one message; `texts` yields the
+        encoded message_texts of the messages in order."""
+        start, end = ROLE_TOKENS[m["role"]]
+        ids = [self.ids[start], *next(texts)]
+        for _ in m.get("tool_calls") or ():
+            ids += [self.ids[TOOL_CALL_START], *next(texts), self.ids[TOOL_CALL_END]]
+        return ids + [self.ids[end]]
+
+    def _check_tools(self, messages: Messages) -> None:
+        if not self.tools and any(m["role"] in ("tool", "tools") or m.get("tool_calls") for m in messages):
+            raise LoomError(
+                "this chat template has no tool roles: its tokenizer has no tool tokens "
+                f"({', '.join(TOOL_TOKENS)})",
+                hint="prepare chat data that has tool calls (loom data prepare --chat), and fine-tune on it",
+            )
 
     def prompt(self, messages: Messages) -> list[int]:
         """The ids a generation continues: the end-of-text id, the history as render writes it, then
         <|assistant_start|> (transformers' add_generation_prompt). Messages may end with any role."""
         check_messages(messages, need_assistant=False)
+        self._check_tools(messages)
+        texts = iter(self.encode_batch([t for m in messages for t in message_texts(m)]))
         ids = [self.eot_id]
-        for m, content in zip(messages, self.encode_batch([m["content"] for m in messages]), strict=True):
-            start, end = ROLE_TOKENS[m["role"]]
-            ids += [self.ids[start], *content, self.ids[end]]
+        for m in messages:
+            ids += self._message_ids(m, texts)
         return ids + [self.ids[ASSISTANT_START]]
 
     def jinja(self) -> str:
@@ -165,7 +202,9 @@ class ChatTemplate:
             return "{{ " + json.dumps(text) + " }}"
 
         parts = [lit(self.eot), "{% for message in messages %}"]
-        for i, (role, (start, end)) in enumerate(ROLE_TOKENS.items()):
+        # (the tool roles' messages only: an assistant's tool_calls and transformers' `tools` are not written)
+        roles = [r for r in ROLE_TOKENS if r in ("system", "user", "assistant") or self.tools]
+        for i, (role, (start, end)) in enumerate((r, ROLE_TOKENS[r]) for r in roles):
             parts.append(("{% if" if i == 0 else "{% elif") + f" message['role'] == '{role}' %}}")
             parts.append(lit(start) + "{{ message['content'] }}" + lit(end))
         parts.append("{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}")

@@ -22,7 +22,7 @@ import numpy as np
 from loom import __version__, log
 from loom.data.chat import ChatTemplate, add_chat_tokens
 from loom.data.formats import LOSS_MASK_SUFFIX
-from loom.data.messages import Drops, check_inputs, read_conversations
+from loom.data.messages import Drops, check_inputs, message_texts, read_conversations
 from loom.data.shards import version_for_vocab, write_shard
 from loom.data.tokenizer_formats import sentencepiece_to_tokenizer
 from loom.data.tokenizers import (
@@ -157,7 +157,9 @@ def _render_all(template, convs, block_size: int, too_long: str, drops: Drops):
         return _render_hf(template, convs, block_size, too_long, drops)
     ok = []
     for where, messages in convs:
-        reason = next(filter(None, (template.check_content(m["content"]) for m in messages)), None)
+        reason = next(
+            filter(None, (template.check_content(t) for m in messages for t in message_texts(m))), None
+        )
         if reason:
             drops.add(reason, where)
         elif (c := _missing_char(template.tok, messages)) is not None:
@@ -186,7 +188,7 @@ def _missing_char(tok, messages) -> str | None:
     folder's) does not have, named in the drop; None for a byte-level tokenizer, which encodes any text."""
     if not isinstance(tok, CharTokenizer):
         return None
-    return next((c for m in messages for c in m["content"] if c not in tok.stoi), None)
+    return next((c for m in messages for t in message_texts(m) for c in t if c not in tok.stoi), None)
 
 
 def _fit(ids: list[int], mask: list[int], block_size: int, too_long: str, drops: Drops, where: str):
@@ -374,9 +376,11 @@ def _template(tokenizer_spec: str, chat_template: str, convs, vocab_size: int):
 
         template = HFChatTemplate.from_folder(tokenizer_spec, convs)  # refuses a template without end-of-turn
         return template, "tokenizer.json", template.vocab_size, None  # the data's own: nothing added
-    texts = ["\n".join(m["content"] for m in messages) for _, messages in convs]
+    texts = ["\n".join(t for m in messages for t in message_texts(m)) for _, messages in convs]
     base, kind, base_sha = base_tokenizer(tokenizer_spec, texts, vocab_size)
-    return ChatTemplate(add_chat_tokens(base)), kind, base.vocab_size, base_sha
+    # the tool tokens only for data with tool calls: other chat data keeps the vocabulary it always had
+    tools = any(m["role"] in ("tool", "tools") or m.get("tool_calls") for _, c in convs for m in c)
+    return ChatTemplate(add_chat_tokens(base, tools=tools)), kind, base.vocab_size, base_sha
 
 
 def _warn_dropped(template, drops: Drops, kept: list, truncated: int, block_size: int, paths) -> None:

@@ -35,6 +35,17 @@ HINT = (
 )
 
 
+def _hf_message(m: dict) -> dict:
+    """A message as transformers' chat templates read it: each tool call {"type": "function", "function":
+    {"name", "arguments": an object}}."""
+    if not m.get("tool_calls"):
+        return m
+    from loom.data.messages import call_text
+
+    calls = [{"type": "function", "function": json.loads(call_text(c))} for c in m["tool_calls"]]
+    return {**m, "tool_calls": calls}
+
+
 # ---------------------------------------------------------------------------------------- the folder
 
 
@@ -273,7 +284,16 @@ class HFChatTemplate:
     # ---- rendering
 
     def _text(self, messages: list[dict], generation: bool) -> str:
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        """The template's text of `messages`; tool definitions (loom.data.messages' first "tools" message) go
+        to its `tools`, and calls' arguments as objects: the template writes tools in its own format."""
+        tools = None
+        if messages and messages[0]["role"] == "tools":
+            tools = [{"type": "function", "function": f} for f in json.loads(messages[0]["content"])]
+            messages = messages[1:]
+        messages = [_hf_message(m) for m in messages]
+        return self.hf.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation
+        )
 
     def _texts(self, messages: list[dict]):
         """(whole text, [(text before assistant turn i with the generation prompt, text through it)]) or the

@@ -1,8 +1,16 @@
 """What a conversation is, for loom's chat template (loom.data.chat) and a tokenizer's own (loom.data.hf_chat):
-OpenAI-style messages, each {"role": "system" | "user" | "assistant", "content": non-empty text}, a system
-message only first, and (for training) at least one assistant turn; and reading them from records ({"messages":
-[...]} or {"prompt", "completion"}) of JSONL files (.jsonl, .jsonl.gz, .jsonl.zst, read as loom.data.sources
-reads pretraining text) or Parquet files (those columns), every dropped record counted by reason and place."""
+OpenAI-style messages, each {"role": "system" | "user" | "assistant" | "tool", "content": non-empty text}, a
+system message only first, and (for training) at least one assistant turn; and reading them from records
+({"messages": [...]} or {"prompt", "completion"}) of JSONL files (.jsonl, .jsonl.gz, .jsonl.zst, read as
+loom.data.sources reads pretraining text) or Parquet files (those columns), every dropped record counted by
+reason and place.
+
+Tool calls, as OpenAI's fine-tuning format writes them: a record's "tools" ([{"type": "function", "function":
+{"name", "description", "parameters"}}]) become a first message {"role": "tools", "content": the functions as
+JSON} (the definitions the model reads); an assistant message may hold "tool_calls" ([{"type": "function",
+"function": {"name", "arguments": JSON text or object}}], its content then may be empty or null); a "tool"
+message holds a call's result as its content.
+"""
 
 from __future__ import annotations
 
@@ -13,28 +21,66 @@ from pathlib import Path
 from loom.data.sources import corrupt_errors, kind_of_file, open_jsonl, open_parquet
 from loom.errors import LoomError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool", "tools")  # "tools": the definitions, first (see above)
 NAMED_PLACES = 5  # offending lines named per drop reason
 
 Messages = list[dict]
+
+
+def call_text(call: dict) -> str:
+    """A tool call as the model writes it: {"name": ..., "arguments": {...}} as compact JSON (arguments given as
+    JSON text are read first, so the model always sees one spelling; compact: what a forced call's grammar
+    writes, loom.serve.tools)."""
+    f = call.get("function", call)
+    args = f.get("arguments", {})
+    if isinstance(args, str):
+        args = json.loads(args) if args.strip() else {}
+    return json.dumps({"name": f["name"], "arguments": args}, ensure_ascii=False, separators=(",", ":"))
+
+
+def message_texts(m: dict) -> list[str]:
+    """The texts a message writes: its content, then each tool call's (call_text)."""
+    return [m.get("content") or "", *map(call_text, m.get("tool_calls") or [])]
+
+
+def _calls_problem(calls) -> str | None:
+    if not isinstance(calls, list) or not calls:
+        return "tool_calls is not a non-empty list"
+    for c in calls:
+        f = c.get("function", c) if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            return "a tool call has no function name"
+        try:
+            call_text(c)
+        except (ValueError, TypeError):
+            return "a tool call's arguments are not JSON"
+    return None
 
 
 def message_problem(messages, need_assistant: bool = True) -> str | None:
     """Why a list of messages is not a conversation (a short reason, counted by prepare_chat), else None."""
     if not isinstance(messages, list) or not messages:
         return "messages is not a non-empty list"
+    first = 1 if isinstance(messages[0], dict) and messages[0].get("role") == "tools" else 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             return "a message is not an object"
         if m.get("role") not in ROLES:
             return "unknown role"
+        calls = m.get("tool_calls")
+        if calls is not None and (m["role"] != "assistant" or _calls_problem(calls)):
+            return _calls_problem(calls) or "tool_calls in a message that is not the assistant's"
         content = m.get("content")
+        if calls is not None and content is None:
+            content = m["content"] = ""  # a call without text: OpenAI writes null
         if not isinstance(content, str):
             return "content is not a string"
-        if not content:
+        if not content and calls is None:
             return "empty content"
-        if m["role"] == "system" and i > 0:
+        if m["role"] == "system" and i > first:
             return "system message not first"
+        if m["role"] == "tools" and i > 0:
+            return "tools message not first"
     if need_assistant and not any(m["role"] == "assistant" for m in messages):
         return "no assistant turn"
     return None
@@ -93,8 +139,24 @@ def record_messages(obj) -> tuple[Messages | None, str | None]:
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
     else:
         return None, "no messages (nor prompt and completion)"
+    if obj.get("tools") and isinstance(messages, list):
+        tools = tools_message(obj["tools"])
+        if tools is None:
+            return None, "tools is not a list of {type: function, function: {name, ...}}"
+        messages = [tools, *messages]
     problem = message_problem(messages)
     return (None, problem) if problem else (messages, None)
+
+
+def tools_message(tools) -> dict | None:
+    """The first message of a conversation with tools: the functions' definitions as JSON (None: not a list of
+    OpenAI tools)."""
+    if not isinstance(tools, list):
+        return None
+    functions = [t.get("function") if isinstance(t, dict) else None for t in tools]
+    if not all(isinstance(f, dict) and isinstance(f.get("name"), str) for f in functions):
+        return None
+    return {"role": "tools", "content": json.dumps(functions, ensure_ascii=False, separators=(",", ":"))}
 
 
 def input_kind(path: Path) -> str:

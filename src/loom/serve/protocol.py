@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loom.engine import Request, SamplingParams, cut_at_stop
@@ -29,9 +30,6 @@ UNBUILT: tuple[tuple[str, object], ...] = (
     ("best_of", lambda v: v in (None, 1)),
     ("echo", lambda v: v in (None, False)),
     ("suffix", lambda v: v in (None, "")),
-    ("response_format", lambda v: v is None or v == {"type": "text"}),
-    ("tools", lambda v: v in (None, [])),
-    ("tool_choice", lambda v: v in (None, "none")),
     ("functions", lambda v: v in (None, [])),
     ("function_call", lambda v: v in (None, "none")),
 )
@@ -66,6 +64,9 @@ class Job:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
     requests: list[Request] = field(default_factory=list)
+    # each request's grammar state, made fresh per request (loom.serve.grammar.Grammars.constraint); None: free
+    constrain: Callable[[], object] | None = None
+    tools: object = None  # a chat request's tools (loom.serve.tools.Tools): its answers' calls parsed out
 
     def make_requests(self) -> list[Request]:
         """n requests per prompt, in the order of the choices; with a seed, choice i samples with seed + i
@@ -75,7 +76,9 @@ class Job:
             for i in range(self.n):
                 seed = None if p.seed is None else (p.seed + k * self.n + i) % 2**64
                 params = SamplingParams(**{**p.__dict__, "seed": seed})
-                self.requests.append(Request(ids, params))
+                req = Request(ids, params)
+                req.constraint = self.constrain() if self.constrain is not None else None
+                self.requests.append(req)
         return self.requests
 
 
@@ -175,6 +178,19 @@ def choices_and_stream(body: dict) -> tuple[int, bool, bool]:
     return n, stream, bool(options.get("include_usage", False))
 
 
+def check_constraints(job: Job) -> None:
+    """A 400 for an answer whose grammar ran into a dead end: the tokenizer could not write what it asks."""
+    dead = next(
+        (r.constraint.dead for r in job.requests if r.constraint is not None and r.constraint.dead), None
+    )
+    if dead:
+        raise bad(
+            f"the model's tokenizer cannot express the requested format: {dead}",
+            "response_format",
+            "grammar_not_expressible",
+        )
+
+
 def usage(job: Job) -> dict:
     prompt = sum(len(p) for p in job.prompts)
     completion = sum(len(r.tokens) for r in job.requests)
@@ -236,6 +252,9 @@ def response(job: Job, model: str, decode) -> dict:
         reason = "length" if req.finish_reason == "length" else "stop"
         if job.kind == "chat":
             message = {"role": "assistant", "content": text}
+            if job.tools is not None:  # the answer's tool calls parsed out of it (loom.serve.tools)
+                message, called = job.tools.answer([req.tokens[k] for k in keep], decode, text)
+                reason = "tool_calls" if called else reason
             lp = chat_logprobs(req, keep, decode)
             choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
         else:
