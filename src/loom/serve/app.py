@@ -26,6 +26,8 @@ from loom import log
 from loom.engine import QueueFull, SamplingParams
 from loom.serve import protocol
 from loom.serve.protocol import APIError, Job, bad
+from loom.serve.tools import StreamState, chat_messages, read_tools, stream_delta
+from loom.serve.tools import grammar as tool_grammar
 from loom.serve.worker import Dead, Draining, Worker
 
 
@@ -43,9 +45,18 @@ class Served:
     longest_token_chars: int = 1  # a prompt of more characters than this x context is refused before encoding
     counts: Counter = field(default_factory=Counter)  # (route, status) -> requests
     checkpoint: dict = field(default_factory=dict)  # the served checkpoint: {"path", "step"} (/v1/models)
+    _grammars: object = None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+    def grammars(self):
+        """The tokenizer's bridge to the grammar library (loom.serve.grammar), made on the first use."""
+        if self._grammars is None:
+            from loom.serve.grammar import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.worker.engine.vocab)
+        return self._grammars
 
 
 def build_app(served: Served) -> "FastAPI":  # noqa: F821
@@ -195,12 +206,12 @@ def _chat_job(served: Served, body: dict) -> Job:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list of {role, content}", "messages")
+    tools = read_tools(body, served.template)
+    messages = chat_messages(messages, tools)
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise bad("each message needs a 'role' and a string 'content'", "messages")
         _encode(served, m["content"], "messages")  # the length bound before any encoding work
     try:
-        ids = served.template.prompt([{"role": m.get("role"), "content": m["content"]} for m in messages])
+        ids = served.template.prompt(messages)
     except Exception as e:  # noqa: BLE001  (the template's own refusal: a role it has no token for, ...)
         raise bad(f"the messages cannot be rendered: {e}", "messages") from None
     top = protocol.number(body, "top_logprobs", 0, 0, protocol.MAX_TOP_LOGPROBS, integer=True)
@@ -214,7 +225,16 @@ def _chat_job(served: Served, body: dict) -> Job:
     fields = protocol.sampling(body, logprobs=logprobs, top=top)
     params = SamplingParams(max_tokens=n_max, stop_ids=frozenset(served.template.stop_ids), **fields)
     n, stream, usage = protocol.choices_and_stream(body)
-    return Job("chat", [ids], params, n, stream, usage)
+    job = Job("chat", [ids], params, n, stream, usage, tools=tools)
+    job.constrain = _response_format(served, body, params.stop_ids)
+    if tools is not None and tools.choice != "auto":
+        if job.constrain is not None and tools.choice != "none":
+            raise bad("a forced tool call and a response_format cannot both hold", "tool_choice")
+        if job.constrain is None:
+            job.constrain = _constrained(
+                served, tool_grammar(tools, served.grammars()), params.stop_ids, "tools"
+            )
+    return job
 
 
 def _completion_job(served: Served, body: dict) -> Job:
@@ -232,7 +252,32 @@ def _completion_job(served: Served, body: dict) -> Job:
     n, stream, usage = protocol.choices_and_stream(body)
     if n * len(ids) > protocol.MAX_N:
         raise bad(f"n x prompts must be at most {protocol.MAX_N}", "n")
-    return Job("completion", ids, params, n, stream, usage)
+    job = Job("completion", ids, params, n, stream, usage)
+    job.constrain = _response_format(served, body, params.stop_ids)
+    return job
+
+
+def _response_format(served: Served, body: dict, stop_ids: frozenset[int]):
+    """The maker of each answer's grammar state for the request's response_format (None: free text)."""
+    value = body.get("response_format")
+    if value is None or value == {"type": "text"}:
+        return None
+    return _constrained(served, served.grammars().response_format(value), stop_ids, "response_format")
+
+
+def _constrained(served: Served, grammar: str | None, stop_ids: frozenset[int], param: str):
+    """A grammar checked against the served tokenizer (a 400 when it cannot be written), as a constraint maker."""
+    if grammar is None:
+        return None
+    if hasattr(served.worker, "mirror"):  # tp.Leader: the other ranks' engines would sample without it
+        raise bad(
+            f"'{param}' is not supported by a tensor-parallel server (--nproc > 1)",
+            param,
+            "unsupported_field",
+        )
+    grammars = served.grammars()
+    grammars.check_expressible(grammar, stop_ids, param)
+    return lambda: grammars.constraint(grammar, stop_ids)
 
 
 async def _answer(served: Served, request: "Request", job: Job):  # noqa: F821
@@ -284,6 +329,7 @@ def _failed(job: Job) -> None:
     errors = [r.error for r in job.requests if r.error]
     if errors:
         raise APIError(500, f"generation failed: {errors[0]}")
+    protocol.check_constraints(job)
 
 
 async def _events(served: Served, job: Job, ready: asyncio.Event) -> AsyncIterator[str]:
@@ -291,6 +337,7 @@ async def _events(served: Served, job: Job, ready: asyncio.Event) -> AsyncIterat
     then each choice's end, then usage (when asked) and [DONE]."""
     sent = [0] * len(job.requests)
     toks = [0] * len(job.requests)
+    states = [StreamState() for _ in job.requests]  # a chat with tools: the content and calls sent
     closed = [False] * len(job.requests)
     hold = max((len(s) for s in job.params.stop), default=1) - 1
     try:
@@ -308,7 +355,11 @@ async def _events(served: Served, job: Job, ready: asyncio.Event) -> AsyncIterat
             for i, req in enumerate(job.requests):
                 if closed[i]:
                     continue
-                choice = _delta(served, job, req, i, sent, toks, hold)
+                choice = (
+                    _tool_delta(served, job, req, i, states[i])
+                    if job.tools is not None
+                    else _delta(served, job, req, i, sent, toks, hold)
+                )
                 if choice is not None:
                     closed[i] = choice["finish_reason"] is not None
                     yield _sse(protocol.chunk(job, served.model, [choice]))
@@ -352,6 +403,22 @@ def _delta(served: Served, job: Job, req, i: int, sent: list[int], toks: list[in
         delta = {"content": new} if new else {}
         return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
     return {"index": i, "text": new, "logprobs": lp, "finish_reason": reason}
+
+
+def _tool_delta(served: Served, job: Job, req, i: int, state: StreamState) -> dict | None:
+    """Choice i's new content and whole tool calls since the last event (None: nothing new yet). Its
+    logprobs are not streamed (null): the tokens of a call are not content."""
+    done = req.done
+    tokens = list(req.tokens)
+    if done:  # cut before a stop text
+        tokens = [tokens[k] for k in protocol.answer_tokens(req, served.decode)[1]]
+    delta = stream_delta(job.tools, state, tokens, done, served.decode)
+    if not delta and not done:
+        return None
+    reason = None
+    if done:
+        reason = "tool_calls" if state.calls else ("length" if req.finish_reason == "length" else "stop")
+    return {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
 
 
 def _sse(obj: dict) -> str:
