@@ -52,7 +52,7 @@ from loom.model.registry import spec_of
 
 SMALL = (3, 4)  # blocks per stage of the two small models
 SMALL_PIPELINE = (4, 5)  # the same for a pipeline stage (the module's docstring says why one more)
-TERMS = ("params", "grads", "optim", "phases", "tracked", "ddp_buckets", "offloaded")
+TERMS = ("params", "grads", "optim", "phases", "tracked", "ddp_buckets", "offloaded", "host_optim")
 
 
 def rank_blocks(cfg: Config, world: int, rank: int, vocab_size: int) -> int:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from loom.config import Config, config_argv, explicit_keys, load_config
 from loom.dryrun import layout
+from loom.dryrun import torchao_states as torchao
 from loom.dryrun.blocks import measure_roles
 from loom.dryrun.layout import GIB, Target
-from loom.dryrun.step import RankMemory, check_torchao_states
+from loom.dryrun.step import RankMemory
 
 TERMS = (
     ("params", "params"),
@@ -88,9 +89,6 @@ def dry_run(
     does not fit, up to three of the planner's layouts are dry-run in turn (loom.dryrun.layout.next_layouts)
     and the first that fits is the advice."""
     t0 = time.perf_counter()
-    check_torchao_states(
-        cfg
-    )  # an NF4 base or torchao's optimizer states: not measured here (loom plan counts them)
     dims = layout.check_layout(cfg, target)  # a layout that cannot start fails here, before anything else
     precision = layout.gpu_precision(cfg, target.gpu)
     vocab = layout.vocab_size(cfg)
@@ -174,6 +172,13 @@ def render(result: DryRun) -> str:
             f"offload   train.activation_offload: {most.offloaded / div:.2f} {unit} of saved activations per step "
             f"in host memory (rank {most.rank}; counted out of act@peak, copied back for the backward)"
             + (f"; planner: {result.planner['host'] / div:.2f} {unit}" if "host" in result.planner else "")
+        )
+    if counted := torchao.note(result.cfg):
+        lines.append(counted)
+    if any(r.host_optim for r in result.ranks):
+        most = max(result.ranks, key=lambda r: r.host_optim)
+        lines.append(
+            f"offload   optim.offload: {most.host_optim / div:.2f} {unit} of optimizer state in host memory (rank {most.rank})"
         )
     for small in sorted({tuple(r.measured_blocks) for r in result.ranks if r.measured_blocks}):
         lines.append(

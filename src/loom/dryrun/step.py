@@ -21,7 +21,7 @@ import torch
 from loom import compat
 from loom.config import Config, Derived, validate
 from loom.dryrun import fake
-from loom.errors import LoomError
+from loom.dryrun import torchao_states as torchao
 from loom.metrics import DTYPES
 from loom.model.registry import spec_of
 from loom.parallel.offload import ActivationOffload, stays_on_device
@@ -49,6 +49,7 @@ class RankMemory:
     tracked: dict[str, int] = field(default_factory=dict)
     ddp_buckets: int = 0
     offloaded: int = 0  # train.activation_offload: bytes of saved activations kept in host memory per step
+    host_optim: int = 0  # optim.offload=cpu: the optimizer state and fp32 parameter copy in host memory
     seconds: float = 0.0
     blocks: int = 0  # transformer blocks this rank holds
     measured_blocks: list[int] = field(default_factory=list)  # [] all stepped; [3, 4]: the line through those
@@ -97,6 +98,7 @@ def measure_rank(
 
     t0 = time.perf_counter()
     derived, dims = validate(cfg, world, rank)
+    asked, cfg = cfg, torchao.stepped_config(cfg)  # NF4 / low-bit states / offload: stepped off, then counted
     n_mb = n_microbatches or derived.pp_microbatches
     spec = spec_of(cfg)
     mode, ddp = fake.fake_mode(), fake.DdpBuckets()
@@ -140,7 +142,7 @@ def measure_rank(
                 after = fake.terms(tracker.get_tracker_snapshot())
             held = model_state_bytes(par.model, opt)
     phases = _steady(tracker.phases, after["optim"])
-    return RankMemory(
+    mem = RankMemory(
         rank,
         dims.pp_rank,
         dims.tp_rank,
@@ -154,6 +156,7 @@ def measure_rank(
         offloaded=offload.saved_bytes,
         seconds=time.perf_counter() - t0,
     )
+    return torchao.rewrite(mem, par.model, asked) if torchao.counted(asked) else mem
 
 
 def finetune(model, cfg: Config, vocab_size: int) -> None:
@@ -171,20 +174,6 @@ def finetune(model, cfg: Config, vocab_size: int) -> None:
 
         meta = read_meta(path)
     apply_finetune(model, cfg, meta)
-
-
-def check_torchao_states(cfg: Config) -> None:
-    """An NF4 base (finetune.quantize_base) and torchao's low-bit or offloaded optimizer state are not measured
-    by the dry run (its fake tensors would count an NF4Tensor at its logical fp32 size, and torchao's low-bit
-    step compiles): refused with the planner that counts them."""
-    f, o = cfg.finetune, cfg.optim
-    if f.quantize_base != "none" or o.state_dtype or o.offload != "none":
-        raise LoomError(
-            "the dry run does not measure finetune.quantize_base, optim.state_dtype or optim.offload (torchao's "
-            "NF4 base and low-bit or offloaded AdamW states)",
-            hint="loom plan --lora-rank R --quantize-base nf4 [--optim-state int8] [--optim-offload] --gpus 1 "
-            "counts them; or dry-run the same run without them",
-        )
 
 
 def _autocast(precision: str):
