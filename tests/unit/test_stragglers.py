@@ -149,3 +149,46 @@ def test_bucket_waits_wrap_a_hook_and_move_the_wait_out_of_the_backward():
     assert abs(sum(took.values()) - 1.0) < 1e-9 and took["other"] > 0.5
     assert waits.take() is None and clock.take()["wait"] == 0.0  # taken once
     assert PhaseClock(torch.device("cpu"), enabled=False, waits=waits).waits is None
+
+
+def test_a_stall_inside_a_wait_is_the_ranks_own_time():
+    from loom.distributed.stragglers import Stalls
+
+    clock = PhaseClock(torch.device("cpu"), stalls=True)
+    assert isinstance(clock.stalls, Stalls)
+    with clock("wait", host=True):
+        time.sleep(0.1)
+    (_, span), t = clock.pending[0], time.perf_counter()
+    with clock.stalls.lock:  # the process stopped for the middle 60 ms of its wait (and once long before)
+        clock.stalls.gaps[:] = [(t - 100.0, t - 99.0), (span.t0 + 0.02, span.t0 + 0.08)]
+    took = clock.take(step_s=span.dt)
+    assert abs(took["stalled"] - 0.06) < 1e-9 and abs(took["wait"] - (span.dt - 0.06)) < 1e-9
+    assert took["other"] < 1e-9 and len(clock.stalls.gaps) == 1  # the stall of long before forgotten
+
+
+def test_stalls_notice_a_process_that_did_not_run():
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    # a child watches itself; the test stops it for 0.5 s: one stall of about that length
+    code = (
+        "import sys, time\n"
+        "from loom.distributed.stragglers import Stalls\n"
+        "s = Stalls(); t0 = time.perf_counter(); print('ready', flush=True); sys.stdin.readline()\n"
+        "print(s.within(t0, time.perf_counter()), flush=True)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(0.5)
+        os.kill(child.pid, signal.SIGCONT)
+        time.sleep(0.05)
+        out, _ = child.communicate("\n", timeout=60)
+    finally:
+        child.kill()
+    assert float(out) >= 0.4, out  # the stop, less a tick or two; more if the machine starved it as well

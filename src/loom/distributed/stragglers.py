@@ -15,7 +15,10 @@ back). What runs past the last launch, max(done) - max(launched), is the time th
 for its peers after its own compute ended: it is the step's `wait`, and the backward keeps only its compute.
 The step's blocking scalar collectives (the loss and the stop/skip agreement) are timed as `wait` too, and
 `other` is what the step spent outside every phase (gradient clipping, the loss scaler), so a rank stopped
-anywhere in its step shows its delay in a phase of its own compute.
+anywhere in its step shows its delay in a phase of its own compute. Anywhere but inside a collective: a rank
+stopped there (SIGSTOP, starved of a CPU) holds every rank in it, and all show the same wait. On the host clock
+`Stalls` (a thread that notices when the process did not run) takes that share out of the rank's `wait` into
+`stalled`, its own time: on a busy 2-core machine a tiny model's rank spends ~40 % of its step in collectives.
 
 `StragglerMonitor` adds them up per window of train.straggler_every steps, then sends them to rank 0 in one
 small gather (the control plane). Rank 0 compares each rank's compute phases (every phase but `wait`) with
@@ -34,13 +37,55 @@ from __future__ import annotations
 import contextlib
 import socket
 import statistics
+import threading
+import time
 from dataclasses import dataclass, field
 
 from loom import device as dev
 from loom import log
 
-PHASES = ("data", "forward", "backward", "comm", "optimizer", "other", "wait")
+PHASES = ("data", "forward", "backward", "comm", "optimizer", "other", "stalled", "wait")
 COMPUTE = PHASES[:-1]  # what a rank spends on its own work; `wait` is what it spends on its peers'
+
+
+class Stalls:
+    """When this process did not run at all (stopped by a signal, starved of a CPU, a paused VM), on the host
+    clock: a daemon thread sleeps TICK_S at a time, and a wake-up more than GAP_S after the one before is a
+    stall. A stall inside a collective is this rank's own lost time, yet it shows as a wait on every rank (the
+    peers cannot finish the collective without it): `within` says how much of a wait it was."""
+
+    TICK_S, GAP_S = 0.005, 0.03
+
+    def __init__(self):
+        self.gaps: list[tuple[float, float]] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._watch, name="loom-stalls", daemon=True).start()
+
+    def _watch(self) -> None:
+        last = time.perf_counter()
+        while True:
+            time.sleep(self.TICK_S)
+            now = time.perf_counter()
+            if now - last > self.GAP_S:
+                with self.lock:
+                    self.gaps.append((last + self.TICK_S, now))
+            last = now
+
+    def within(self, a: float, b: float) -> float:
+        """Seconds of [a, b] (perf_counter) this process was stalled."""
+        with self.lock:
+            return sum(max(0.0, min(b, e) - max(a, s)) for s, e in self.gaps)
+
+    def forget(self, before: float) -> None:
+        with self.lock:
+            self.gaps = [g for g in self.gaps if g[1] >= before]
+
+
+def _interval(span) -> tuple[float, float]:
+    """A host-clock span's (start, end) on perf_counter; an Exposed wait's, from its last launch."""
+    if isinstance(span, Exposed):
+        return span.spans[-1].t0, max(s.t0 + getattr(s, "dt", 0.0) for s in span.spans)
+    return span.t0, span.t0 + span.dt
 
 
 class Exposed:
@@ -99,11 +144,13 @@ class PhaseClock:
     With `mark` set (while a profile is taken: loom.train.profile), each phase is also a torch.profiler range
     named `loom/<phase>`; a phase outside PHASES ("checkpoint") is marked, never timed."""
 
-    def __init__(self, device, enabled: bool = True, waits: BucketWaits | None = None):
+    def __init__(self, device, enabled: bool = True, waits: BucketWaits | None = None, stalls: bool = False):
+        """`waits`: DDP's buckets (None: the waits inside phases are unmeasured); `stalls`: watch for this
+        process not running (Stalls; on the host clock only: a device's events never see the host stop)."""
         self.device, self.enabled, self.mark = device, enabled, False
-        self.waits = (
-            waits if enabled else None
-        )  # DDP's buckets (None: the waits inside phases are unmeasured)
+        self.waits = waits if enabled else None
+        host = not dev.Span(device).events
+        self.stalls = Stalls() if enabled and stalls and host else None
         self.pending: list[tuple[str, dev.Span | Exposed]] = []
 
     @contextlib.contextmanager
@@ -126,8 +173,8 @@ class PhaseClock:
 
     def take(self, step_s: float | None = None) -> dict[str, float]:
         """Seconds per phase of the spans that have ended; spans still running on the device stay for later.
-        DDP's bucket wait moves from the backward to `wait`; `step_s` (the step's host time): what it spent
-        outside every phase is `other`."""
+        DDP's bucket wait moves from the backward to `wait`, and what of a wait this process was stalled to
+        `stalled`; `step_s` (the step's host time): what it spent outside every phase is `other`."""
         exposed = self.waits.take() if self.waits is not None else None
         if exposed is not None:
             self.pending += [("wait", exposed), ("backward", exposed.negated())]
@@ -135,9 +182,15 @@ class PhaseClock:
         for phase, span in self.pending:
             if span.done():
                 out[phase] += span.seconds()
+                if phase == "wait" and self.stalls is not None:
+                    stalled = self.stalls.within(*_interval(span))
+                    out["wait"] -= stalled
+                    out["stalled"] += stalled
             else:
                 keep.append((phase, span))
         self.pending = keep
+        if self.stalls is not None:
+            self.stalls.forget(before=time.perf_counter() - 60)  # a step's waits are long over by then
         if step_s is not None:
             out["other"] = max(0.0, step_s - sum(out.values()))
         return out

@@ -164,7 +164,7 @@ class Trainer:
             self.stragglers = StragglerMonitor(
                 every, t.straggler_threshold, k, self.control, self.logger.write, waits is not None
             )
-        self.phases = PhaseClock(device, enabled=self.stragglers is not None, waits=waits)
+        self.phases = PhaseClock(device, enabled=self.stragglers is not None, waits=waits, stalls=True)
         self.offload = ActivationOffload(device, t.activation_offload)  # saved tensors in host memory
         self.profiler = StepProfiler(self.cfg, dims.rank, dims.world_size, self.run_dir, device, self.phases)
 
