@@ -126,11 +126,13 @@ def replica_layout(cfg: Config) -> tuple[DataSlice, Derived]:
     return DataSlice(k, n), derived
 
 
-def as_ddp(cfg: Config) -> Config:
+def as_ddp(cfg: Config, name: str | None = None, parent: str | None = None) -> Config:
+    """A copy of the config as DDP's (the batch sizes DDP derives); `name`, `parent`: another run folder."""
     import copy
 
     c = copy.deepcopy(cfg)
     c.parallel.dp_impl = "ddp"
+    c.run.name, c.run.dir = name or c.run.name, parent or c.run.dir
     return c
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+from pathlib import Path
 
 from loom import log
 from loom.config import Config
@@ -45,28 +47,13 @@ def launch(nproc: int, cfg: Config, args: list[str], run_dir, force: bool, spawn
     if cfg.ft.lighthouse:
         refuse_live(lighthouse_url(cfg.ft.lighthouse), job)
     for k in range(1, n):  # the other groups' folders, checked (and claimed) as the parent checked the run's
-        c = as_ddp(cfg)
-        c.run.name = group_name(run_dir.name, k)
-        c.run.dir = str(run_dir.parent)
-        resolve_run_dir(c, None, force)
+        resolve_run_dir(as_ddp(cfg, group_name(run_dir.name, k), str(run_dir.parent)), None, force)
     threads = str(max(1, (os.cpu_count() or 1) // n))
     with lighthouse(cfg, n) as url, _Signals() as signals, contextlib.ExitStack() as stack:
         ports = [stack.enter_context(loopback.listen(cfg.ft.timeout_s)) for _ in range(n + 1)]
 
         def start(k: int, attempt: int):
-            env = dict(os.environ)
-            env.setdefault("OMP_NUM_THREADS", threads)
-            env.update(
-                MASTER_ADDR=loopback.HOST,
-                MASTER_PORT=str(ports[k]),
-                WORLD_SIZE="1",
-                RANK="0",
-                LOCAL_RANK="0",
-                LOCAL_WORLD_SIZE="1",
-                TORCHFT_LIGHTHOUSE=url,
-                **{REPLICA_ENV: str(k)},
-            )
-            env[BARRIER_ENV] = "" if attempt else f"{loopback.HOST}:{ports[n]}"  # the first start waits
+            env = group_env(k, url, ports[k], "" if attempt else f"{loopback.HOST}:{ports[n]}", threads)
             argv = [
                 "train",
                 *args,
@@ -75,6 +62,10 @@ def launch(nproc: int, cfg: Config, args: list[str], run_dir, force: bool, spawn
                 f"--ft.job_name={job}",
                 f"--run.dir={run_dir.parent}",
             ]
+            if attempt:  # a folder with no checkpoint is started over: its records so far are kept aside
+                kept.setdefault(k, []).extend(
+                    set_aside(run_dir.parent / group_name(run_dir.name, k), attempt)
+                )
             proc = start_loom(argv + (["--train.resume=auto"] if attempt else []), env, name=f"loom ft g{k}")
             log.info(
                 f"torchft: replica group {k} started (pid {proc.pid}"
@@ -82,8 +73,48 @@ def launch(nproc: int, cfg: Config, args: list[str], run_dir, force: bool, spawn
             )
             return proc
 
+        kept: dict[int, list[Path]] = {}
         procs = {k: start(k, 0) for k in range(n)}
-        return _watch_groups(procs, start, cfg.ft.max_restarts, signals, connection, _send)
+        try:
+            return _watch_groups(procs, start, cfg.ft.max_restarts, signals, connection, _send)
+        finally:
+            for k, parts in kept.items():
+                merge_back(run_dir.parent / group_name(run_dir.name, k), parts)
+
+
+def group_env(k: int, url: str, port: int, barrier: str, threads: str) -> dict:
+    """Group k's environment: its own 1-process world on its own store, the lighthouse, its number, and
+    the start barrier (only the job's first start waits for every group)."""
+    from loom.distributed import loopback
+
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", threads)
+    env.update(MASTER_ADDR=loopback.HOST, MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    env.update(LOCAL_WORLD_SIZE="1", TORCHFT_LIGHTHOUSE=url, **{REPLICA_ENV: str(k), BARRIER_ENV: barrier})
+    return env
+
+
+def set_aside(folder: Path, attempt: int) -> list[Path]:
+    """A restarted group's metrics.jsonl, moved beside its folder when the folder has no checkpoint to
+    continue from (train.resume=auto then starts the folder over, which would delete it)."""
+    from loom import checkpoint
+
+    metrics = folder / "metrics.jsonl"
+    if not metrics.is_file() or checkpoint.latest_valid(folder / "ckpt", share=None) is not None:
+        return []
+    aside = folder.parent / f".{folder.name}.metrics-{attempt}.jsonl"
+    shutil.move(metrics, aside)
+    return [aside]
+
+
+def merge_back(folder: Path, parts: list[Path]) -> None:
+    """The records set aside, put back before the group's last attempt's: one metrics.jsonl in step order."""
+    metrics = folder / "metrics.jsonl"
+    last = metrics.read_bytes() if metrics.is_file() else b""
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_bytes(b"".join(p.read_bytes() for p in parts) + last)
+    for p in parts:
+        p.unlink()
 
 
 def _watch_groups(procs: dict, start, max_restarts: int, signals, connection, send) -> int:
