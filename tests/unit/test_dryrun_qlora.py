@@ -7,6 +7,8 @@ weight, and FSDP's per-rank share (half of each quantized weight on each of 2 ra
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("torchao", reason="QLoRA and the low-bit optimizers are torchao's (the loom[fp8] extra)")
@@ -80,3 +82,33 @@ def test_the_report_says_what_it_counted(capsys):
     assert main([*argv, "--optim.state_dtype=int8"]) == 0
     out = capsys.readouterr().out
     assert "the NF4 base at 0.516 bytes a weight" in out and "AdamW's int8 moments" in out
+
+
+def test_plan_check_dry_runs_the_planned_qlora_run(capsys, monkeypatch):
+    """`loom plan --check --lora-rank R --quantize-base nf4 --optim-state int8`: every dry run takes the LoRA/QLoRA
+    keys (not a full training of the shape), and its params term is the NF4 base's."""
+    from loom.cli import main
+    from loom.dryrun import check
+
+    seen = []
+    real = check.dry_run
+
+    def recording(cfg, *args, **kw):
+        seen.append(cfg)
+        return real(cfg, *args, **kw)
+
+    monkeypatch.setattr(check, "dry_run", recording)
+    argv = ["plan", "--model", "gpt2", "--gpus", "1", "--gpu-mem", "24", "--seq-len", "128"]
+    argv += ["--global-batch-tokens", "256", "--check", "--top", "1"]
+    qlora = ["--lora-rank", "16", "--quantize-base", "nf4", "--optim-state", "int8"]
+    assert main([*argv, *qlora]) == 0
+    (cfg,) = seen
+    f = cfg.finetune
+    assert (f.lora_rank, f.lora_targets, f.quantize_base, cfg.optim.state_dtype) == (
+        16,
+        "all-linear",
+        "nf4",
+        "int8",
+    )
+    out = capsys.readouterr().out
+    assert re.search(r"^ 1 tp=1 .* yes", out, re.M), out

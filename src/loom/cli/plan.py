@@ -11,7 +11,7 @@ def plan(argv: list[str]) -> int:
     if "--check" not in argv:
         return plan_main(argv)
     from loom.dryrun.check import check_checkable, plan_check
-    from loom.plan.report import build_parser, run_plan
+    from loom.plan.report import build_parser, finetune_overrides, run_plan
 
     p = build_parser()
     p.add_argument("--check", action="store_true", help="dry-run the top layouts (loom train --dry-run)")
@@ -24,6 +24,5 @@ def plan(argv: list[str]) -> int:
         i = plain.index("--gpu")
         del plain[i : i + 2]
     plan_main(plain)
-    return plan_check(
-        args.model, shape, cluster, wl, [c for c in cands if c.fits][: min(args.top, 3)], args.gpu
-    )
+    top = [c for c in cands if c.fits][: min(args.top, 3)]
+    return plan_check(args.model, shape, cluster, wl, top, args.gpu, finetune_overrides(args))

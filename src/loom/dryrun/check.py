@@ -49,11 +49,12 @@ LAYOUT_WIDTH = 74  # WIDTH less the other columns: a longer layout folds onto li
 HEADER = f"{'#':>2} {'layout':<{LAYOUT_WIDTH}} {'planner GiB':>11} {'dry run GiB':>11} {'ratio':>6}  fits  s"
 
 
-def plan_check(model: str | None, shape, cluster, wl, cands, gpu: str = "H100") -> int:
+def plan_check(model: str | None, shape, cluster, wl, cands, gpu: str = "H100", extra: list[str] = ()) -> int:
     """Dry-run each candidate layout (loom.plan's ranking) and print the planner's total beside the dry run's
     largest rank peak; a layout the dry run finds too big says why under its row (the planner listed it as
     fitting: its verdict gives way to the measurement). What the dry runs warn about is printed after the table,
-    once each. `model`: the --model given to loom plan (a CONFIG.toml's other keys are kept). Exit status 0 when
+    once each. `model`: the --model given to loom plan (a CONFIG.toml's other keys are kept); `extra`: config
+    overrides every dry run takes (a planned LoRA/QLoRA run's: loom.plan.report.finetune_overrides). Exit status 0 when
     the planner's first layout fits when dry-run, else 1."""
     path = model if model and model.endswith(".toml") else None
     base = [] if path else shape_overrides(shape, wl)
@@ -66,7 +67,7 @@ def plan_check(model: str | None, shape, cluster, wl, cands, gpu: str = "H100") 
     with _warnings_held(held):
         for i, c in enumerate(cands, 1):
             flags = layout_flags(c)
-            overrides = [*base, *flags]
+            overrides = [*base, *extra, *flags]
             r = dry_run(load_config(path, overrides), target, path, overrides, advise=False)
             planned, peak = c.memory_gb["total"] * 1e9, max(x.peak for x in r.ranks)
             first_fits = (not r.too_big) if first_fits is None else first_fits

@@ -461,7 +461,8 @@ def _finetune(args: argparse.Namespace, shape: ModelShape) -> Finetune | None:
         return None
     if args.gpus != 1 or shape.is_moe:
         raise LoomError(
-            "--lora-rank plans a LoRA fine-tune of a dense model on one GPU (QLoRA runs in one process in loom)",
+            "--lora-rank plans a LoRA fine-tune of a dense model on one GPU (the planner counts one GPU's LoRA "
+            "states; loom also runs QLoRA under FSDP: measure that layout with loom train --dry-run --world N)",
             hint="use --gpus 1",
         )
     if args.optim_state and args.optim_offload:
@@ -469,6 +470,20 @@ def _finetune(args: argparse.Namespace, shape: ModelShape) -> Finetune | None:
             "--optim-state with --optim-offload: choose one (as optim.state_dtype and optim.offload)"
         )
     return Finetune(args.lora_rank, args.quantize_base, args.optim_state, args.optim_offload)
+
+
+def finetune_overrides(args: argparse.Namespace) -> list[str]:
+    """The loom config keys a planned LoRA/QLoRA run trains with (--lora-rank and its options), for the dry
+    runs of `loom plan --check`: adapters on every linear of the blocks (the planner's Finetune counts those)."""
+    if not args.lora_rank:
+        return []
+    out = [f"--finetune.lora_rank={args.lora_rank}", "--finetune.lora_targets=all-linear"]
+    out.append(f"--finetune.quantize_base={args.quantize_base}")
+    if args.optim_state:
+        out.append(f"--optim.state_dtype={args.optim_state}")
+    if args.optim_offload:
+        out.append("--optim.offload=cpu")
+    return out
 
 
 def plan_main(argv: list[str]) -> int:
