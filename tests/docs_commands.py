@@ -373,6 +373,11 @@ NOT_RUN: dict[str, str] = {
     "docs/operations.md: loom doctor --nodes HOSTFILE": _CLUSTER,
     "docs/operations.md: loom train --nproc 4 --max-restarts 3": _MANY,
     "docs/operations.md: loom train --nproc 4 --train.straggler_every=50": _MANY,
+    "docs/operations.md: loom train --nproc 3 --ft.enabled=true --train.batch_size=12 --run.name=ft": _MANY,
+    "docs/operations.md: loom train --ft.enabled=true --ft.replica_groups=3 --ft.replica_id=2"
+    " --ft.lighthouse=http://HOST:PORT --ft.job_name=ft --run.name=ft-g2 --train.resume=auto": (
+        "a group of a job already running on a lighthouse: tests/faults/test_ft_ddp.py starts them"
+    ),
     "docs/parallelism.md: loom train --nproc 4": _MANY,
     "docs/parallelism.md: loom train --nproc 4 --parallel.dp_impl=fsdp": _MANY,
     "docs/parallelism.md: loom train --nproc 4 --parallel.dp_impl=fsdp --parallel.dp_replicate=2": _MANY,
