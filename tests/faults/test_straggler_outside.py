@@ -1,9 +1,9 @@
-"""A rank slowed from outside loom (issue 59, item 4): the test itself stops one rank process of a 3-rank DDP run
-(SIGSTOP, then SIGCONT, on a duty cycle: stopped 80 % of the time), as a user's other job, a throttled host or
-a slow device would, with nothing in loom told about it. The other ranks wait for it inside their backward (the
-overlapped gradient all-reduce), where the straggler monitor now measures the wait: the stopped rank is warned
-about within train.straggler_windows windows of the slowdown. The same run unslowed warns about no one.
-Compared against the rank the test stops, and for the balanced run against no slowdown at all."""
+"""A rank slowed from outside loom (issue 59, item 4): the test itself stops one rank process of a 2- or 3-rank
+DDP run (SIGSTOP, then SIGCONT, on a duty cycle: stopped 80 % of the time), as a user's other job, a throttled
+host or a slow device would, with nothing in loom told about it. The other ranks wait for it inside their
+backward (the overlapped gradient all-reduce), where the straggler monitor now measures the wait: the stopped
+rank is warned about within train.straggler_windows windows of the slowdown. The same run unslowed warns about
+no one. Compared against the rank the test stops, and for the balanced run against no slowdown at all."""
 
 from __future__ import annotations
 
@@ -12,25 +12,24 @@ import signal
 import threading
 import time
 
+import pytest
 from faultkit import Proc, descendants, last_step, rank_of, records, train_args, wait_for
 
 WINDOW, WINDOWS, STEPS = 4, 2, 20
-# The stopped rank is stopped 80 % of the wall clock and the others wait for it. Where a stop lands while it is
-# inside a collective, every rank waits in it alike and no one's compute shows it: that share is the share of
-# its running time spent in collectives, so the model is wide enough (~40 ms of compute a step, ~15 ms in
-# collectives on 2 busy cores) for most stops to land in compute, and the duty cycle short (10 stops a
-# window) for that share to vary little. Its excess was 0.41-0.80 of a step (0.2 s periods: 4 a window) and
-# the balanced run's largest 0.14 beside other jobs (3 ranks on 2 cores: one of them waits for a core at any
-# moment, a different one each time): the threshold, 0.3, lies between.
+# The stopped rank is stopped 80 % of the wall clock and the others wait for it, in their backward (DDP's
+# buckets) and in the step's scalar collectives. A stop that lands while it is itself inside a collective holds
+# every rank there alike; its own watch (Stalls) counts that share as its time. Measured beside other jobs
+# (benchmarks/results/cpu-2core-2026-12-02/stragglers.md): its excess 0.77-0.81 of a step in every slowed
+# window; a balanced run's largest 0.30, in single windows, a different rank each time (3 ranks on 2 busy
+# cores: one of them waits for a core at any moment). The threshold, 0.45, lies between, and a warning needs
+# 2 windows in a row.
 ARGS = [
     f"--train.straggler_every={WINDOW}",
     f"--train.straggler_windows={WINDOWS}",
-    "--train.straggler_threshold=0.3",
+    "--train.straggler_threshold=0.45",
     "--model.n_embd=128",
     "--model.block_size=64",
-    "--train.batch_size=12",  # divisible by the 3 ranks
-    "--nproc",
-    "3",
+    "--train.batch_size=12",  # divisible by 2 and 3 ranks
 ]
 STOPPED_S, RUNNING_S = 0.08, 0.02  # the duty cycle: 80 ms stopped, 20 ms running
 
@@ -68,8 +67,10 @@ class DutyCycle(threading.Thread):
                 pass
 
 
-def test_rank_stopped_from_outside_is_warned_about(char_data, tmp_path):
-    p = Proc([*train_args(char_data, tmp_path, "stopped", STEPS), *ARGS], tmp_path / "out")
+@pytest.mark.parametrize("nproc", [2, 3])  # two: told apart only because the waits are measured
+def test_rank_stopped_from_outside_is_warned_about(char_data, tmp_path, nproc):
+    args = [*train_args(char_data, tmp_path, "stopped", STEPS), *ARGS, "--nproc", str(nproc)]
+    p = Proc(args, tmp_path / "out")
     pid = _rank_pid(p, 1)
     # the first window is unslowed (the run's start-up is left alone: stopped 80 % it would take 5 times
     # as long); the slowdown starts when rank 0 has written it
@@ -94,14 +95,15 @@ def test_rank_stopped_from_outside_is_warned_about(char_data, tmp_path):
     assert slowed[WINDOWS - 1]["slowest"]["in_a_row"] >= WINDOWS, windows
     # the others waited for it in collectives (most of their step), rank 1 hardly at all
     waits = slowed[-1]["phases_s"]["wait"]
-    assert waits[1] < min(waits[0], waits[2]) and slowed[-1]["slowest"]["others_wait_frac"] > 0.3, windows
+    others = [w for r, w in enumerate(waits) if r != 1]
+    assert waits[1] < min(others) and slowed[-1]["slowest"]["others_wait_frac"] > 0.3, windows
     out = p.stdout() + p.stderr()
-    assert f"has been the slowest rank, by more than 30% of a step, for {WINDOWS} windows" in out, out[-3000:]
+    assert f"has been the slowest rank, by more than 45% of a step, for {WINDOWS} windows" in out, out[-3000:]
     assert "warning: rank 1 (" in out
 
 
 def test_balanced_run_warns_about_no_one(char_data, tmp_path):
-    p = Proc([*train_args(char_data, tmp_path, "even", STEPS), *ARGS], tmp_path / "out")
+    p = Proc([*train_args(char_data, tmp_path, "even", STEPS), *ARGS, "--nproc", "3"], tmp_path / "out")
     assert p.wait() == 0, p.stderr()[-3000:]
     windows = _windows(tmp_path / "even")
     assert len(windows) == STEPS // WINDOW and all(w["waits_measured"] for w in windows), windows
