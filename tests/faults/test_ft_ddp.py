@@ -204,3 +204,34 @@ def test_same_job_name_on_one_lighthouse_is_refused(char_data, tmp_path):
         one.kill_all()
     finally:
         server.shutdown()
+
+
+def test_lighthouse_lost_mid_run_is_one_error_per_group(char_data, tmp_path):
+    """The lighthouse (torchft's own binary) is killed mid-run: each group's next quorum fails within
+    ft.timeout_s and ends it with one `loom: error:` naming the lost lighthouse (exit 2, so the launcher does
+    not restart it); the job exits 1 naming both groups."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    binary = Path(sys.executable).parent / "torchft_lighthouse"
+    lh = subprocess.Popen(
+        [str(binary), "--min_replicas", "1", "--bind", f"127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(
+            lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, timeout=30, what="the lighthouse"
+        )
+        extra = ("--ft.enabled=true", f"--ft.lighthouse={url}", "--ft.timeout_s=5")
+        job = Proc(args(char_data, tmp_path, "lost", 100_000, *extra), tmp_path / "lost")
+        wait_for(lambda: len(records(tmp_path / "lost")) > 5, job, timeout=240, what="the job's steps")
+    finally:
+        lh.kill()
+        lh.wait()
+    assert job.wait(120) == 1
+    err = job.stderr()
+    assert err.count(f"lost the lighthouse at {url}") == 2 and "Traceback" not in err, err[-3000:]
+    assert "group 0 (exit 2), group 1 (exit 2)" in err

@@ -152,6 +152,14 @@ def lighthouse_url(url: str) -> str:
     return f"http://{parts.hostname}:{parts.port}"
 
 
+def _reachable(url: str) -> bool:
+    try:
+        lighthouse_url(url)
+    except LoomError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def lighthouse(cfg: Config, n: int):
     """The job's lighthouse URL: ft.lighthouse (checked reachable), else one served here on 127.0.0.1 while
@@ -290,7 +298,7 @@ class FtReplica:
         ft = cfg.ft
         self.trainer, self.n, self.k = trainer, check(cfg), replica_id(cfg)
         self.rows_per_group = cfg.train.batch_size // self.n
-        url = url or lighthouse_url(ft.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"])
+        url = self.url = url or lighthouse_url(ft.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"])
         if REPLICA_ENV not in os.environ:  # a group started by hand: its number must be free
             refuse_live(url, job_name(cfg).removesuffix("_g"), self.k)
         timeout = timedelta(seconds=ft.timeout_s)
@@ -350,7 +358,17 @@ class FtReplica:
         """Join this step's quorum (waits for it); a group behind the others heals here from a live peer."""
         t0, before = time.perf_counter(), self.trainer.step
         self.healed_s, self.transport.sent_to = None, []
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # the lighthouse (or this group's manager server) no longer answers
+            if _reachable(self.url):
+                raise
+            raise LoomError(
+                f"torchft: replica group {self.k} lost the lighthouse at {self.url} before step "
+                f"{self.trainer.step + 1}: {str(e).splitlines()[0]}",
+                hint="start a lighthouse, then the same command with --train.resume=auto continues each group "
+                "from its newest checkpoint",
+            ) from None
         if self.pg.quorum != self.quorum or self.transport.sent_to:
             self._quorum_changed(before, time.perf_counter() - t0)
 
