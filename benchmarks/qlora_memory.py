@@ -1,7 +1,7 @@
 """QLoRA's figures on a CPU (issue 63 items 2-4): peak RSS of a ~1B-shaped model with and without an NF4 base,
 torchao's low-bit AdamW state, and the val loss of QLoRA SFT against bf16 LoRA SFT.
 
-    python benchmarks/qlora_memory.py rss --mode MODE      # MODE: lora | qlora | qlora-stream | adamw | adamw8 | adamw4
+    python benchmarks/qlora_memory.py rss --mode MODE      # MODE: lora | qlora | qlora-after | adamw | adamw8 | adamw4
     python benchmarks/qlora_memory.py val-loss --work DIR
 
 rss: one process per mode (run each under /work/cpuslot-both or on a quiet machine). A Llama-shaped model of
@@ -9,9 +9,10 @@ rss: one process per mode (run each under /work/cpuslot-both or on a quiet machi
 with random weights, LoRA rank 16 on every block linear; two training steps (batch 1 x 256 tokens, bf16
 autocast, AdamW on the adapters). Printed: the peak RSS while the model is built (and quantized), the RSS when
 training starts, the peak RSS over the steps (VmHWM reset between: /proc/self/clear_refs). lora: the fp32 base
-(loom's one-process LoRA); qlora: built in fp32 then quantized linear by linear (what loom's trainer does:
-loom.train.finetune.quantize_configured); qlora-stream: each linear made and quantized in turn (never the whole
-fp32 base). adamw / adamw8 / adamw4: full training of a 124M-shaped GPT-2 (12 x 768) with torch's AdamW and
+(loom's one-process LoRA); qlora: loom's trainer path (loom.model.nf4.materialize_nf4, from
+loom.train.finetune.quantize_configured): the model made module by module, each base linear quantized as soon as
+it has its values (never the whole fp32 base); qlora-after: the whole model built in fp32, then quantized linear
+by linear (loom's trainer before materialize_nf4). adamw / adamw8 / adamw4: full training of a 124M-shaped GPT-2 (12 x 768) with torch's AdamW and
 torchao's AdamW8bit / AdamW4bit, the optimizer state's bytes and the step's seconds.
 
 val-loss: a 4 x 128 char-level base trained 300 steps on words, then chat SFT (reverse the words; val on
@@ -74,27 +75,17 @@ def rss(mode: str) -> dict:
     if mode.startswith("adamw"):
         return optim_state(mode)
     cfg = llama_1b()
-    if mode == "qlora-stream":
-        from loom.model.nf4 import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_api, nf4_targets
+    if mode == "qlora":  # loom's trainer path: made module by module, each base linear quantized at once
+        from loom.model.nf4 import materialize_nf4
 
-        _, to_nf4 = nf4_api()
         with torch.device("meta"):
             model = GPT(cfg)
         apply_lora(model, 16, 32.0, "all-linear", seed=0)
-        targets = {id(m) for m in nf4_targets(model).values()}
-        for name, m in model.named_modules():  # each module made on the host in turn; a base linear quantized
-            if not any(t.is_meta for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]):
-                continue
-            m.to_empty(device="cpu", recurse=False)
-            for tname, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
-                model.init_param(f"{name}.{tname}" if name else tname, t.data, 0)  # loom's seeded init
-            if id(m) in targets:
-                q = to_nf4(m.weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK)
-                m.weight = torch.nn.Parameter(q, requires_grad=False)
+        materialize_nf4(model, torch.device("cpu"), lambda name, t: model.init_param(name, t, 0), {}, None)
     else:
         model = GPT(cfg)
         apply_lora(model, 16, 32.0, "all-linear", seed=0)
-        if mode == "qlora":
+        if mode == "qlora-after":
             from loom.model.nf4 import quantize_base
 
             quantize_base(model)
@@ -258,7 +249,7 @@ def main() -> int:
     sub = p.add_subparsers(dest="what", required=True)
     r = sub.add_parser("rss")
     r.add_argument(
-        "--mode", required=True, choices=("lora", "qlora", "qlora-stream", "adamw", "adamw8", "adamw4")
+        "--mode", required=True, choices=("lora", "qlora", "qlora-after", "adamw", "adamw8", "adamw4")
     )
     v = sub.add_parser("val-loss")
     v.add_argument("--work", type=Path, required=True)
