@@ -526,7 +526,7 @@ def test_an_internal_error_is_an_openai_shaped_500(chat_server, monkeypatch):
         ("best_of", 3),
         ("echo", True),
         ("suffix", "end"),
-        ("response_format", {"type": "json_object"}),
+        # (response_format is built: test_serve_structured.py; tools on chat: test_serve_tools.py)
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "auto"),
     ],

@@ -238,6 +238,13 @@ def _chat_job(served: Served, body: dict) -> Job:
 
 
 def _completion_job(served: Served, body: dict) -> Job:
+    for name in ("tools", "tool_choice"):  # a chat request's fields: refused here, not ignored
+        if body.get(name) not in (None, [], "none"):
+            raise bad(
+                f"'{name}' is not supported by /v1/completions; use /v1/chat/completions",
+                name,
+                "unsupported_field",
+            )
     prompt = body.get("prompt")
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
