@@ -99,3 +99,39 @@ def test_tool_tokens_only_for_data_with_tools_and_refused_without():
     with pytest.raises(LoomError, match="no tool roles"):
         plain.prompt(messages[:2])
     assert plain.prompt([{"role": "user", "content": "hi"}])[-1] == plain.ids[ASSISTANT_START]
+
+
+HERMES_JINJA = (
+    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} {{ c.function.arguments.a }}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_an_imported_template_writes_the_tools_its_own_way_and_its_calls_parse(tmp_path):
+    """--chat-template tokenizer: the tools go to the template's `tools`, a call's arguments as an object; the
+    server reads Hermes/Qwen's <tool_call> answers and a bare JSON call back (loom.serve.tools)."""
+    pytest.importorskip("transformers")
+    from test_chat_data import hf_tokenizer_folder
+
+    from loom.data.hf_chat import HFChatTemplate
+    from loom.serve.tools import Tools, parse
+
+    folder = hf_tokenizer_folder(
+        tmp_path / "hermes", ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], HERMES_JINJA
+    )
+    messages, _ = record_messages(json.loads(json.dumps(RECORD)))
+    t = HFChatTemplate.from_folder(folder, [("x", messages)])
+    text = t.inner.decode(t.prompt(messages[:-1]), skip_special_tokens=False)
+    assert (
+        "tools: add<|im_end|>" in text
+        and "<tool_call>add 1</tool_call>" in text
+        and text.endswith("assistant\n")
+    )
+    tools = Tools([{"name": "add"}], "auto")
+    hermes = parse(tools, [], None, 'ok <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert hermes.content == "ok" and json.loads(hermes.calls[0]["function"]["arguments"]) == {"a": 1}
+    bare = parse(tools, [], None, '{"name": "add", "parameters": {"a": 2}}')
+    assert bare.content == "" and bare.calls[0]["function"]["name"] == "add"
+    assert parse(tools, [], None, '{"name": "sub", "arguments": {}}').calls == []  # no such tool: text
