@@ -137,6 +137,11 @@ STRATEGIES: dict[str, Strategy] = {
             flags=("--parallel.dp_replicate=2", "--parallel.diloco_inner_steps=5"),
             approx=True,
         ),
+        # torchft replica groups of one process (loom.distributed.ft), every step over all of them (extra: ft)
+        Strategy(
+            "ft-ddp",
+            lambda n, a: [*PY, f"--nproc={n}", "--ft.enabled=true", f"--ft.min_replicas={n}", *a],
+        ),
         Strategy("mpi-naive", _mpi("naive")),
         Strategy("mpi-bucketed", _mpi("bucketed")),
         Strategy("tp", tp=2),

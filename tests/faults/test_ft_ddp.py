@@ -72,6 +72,8 @@ def test_ft_equals_ddp_without_failures(char_data, tmp_path):
     assert_same(weights(tmp_path / "ddp", STEPS), weights(tmp_path / "ft", STEPS))
     assert_same(weights(tmp_path / "ft", STEPS), weights(tmp_path / "ft-g1", STEPS))
     steps = [r for r in records(tmp_path / "ft") if "loss" in r]
+    ddp_losses = [r["loss"] for r in records(tmp_path / "ddp") if "loss" in r]
+    assert [r["loss"] for r in steps] == ddp_losses  # the recorded loss is the job's mean, as DDP's
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert {r["ft_replicas"] for r in steps} == {2} and steps[-1]["ft_rows_skipped"] == 0
     (first,) = ft_records(tmp_path / "ft")  # one quorum, never changed
@@ -235,3 +237,21 @@ def test_lighthouse_lost_mid_run_is_one_error_per_group(char_data, tmp_path):
     err = job.stderr()
     assert err.count(f"lost the lighthouse at {url}") == 2 and "Traceback" not in err, err[-3000:]
     assert "group 0 (exit 2), group 1 (exit 2)" in err
+
+
+def test_verify_has_an_ft_ddp_strategy(tmp_path):
+    """`loom verify --strategies ft-ddp`: the replica groups against one process, within verify's tolerance."""
+    r = loom_run(
+        "verify",
+        "--strategies",
+        "ft-ddp",
+        "--nproc",
+        "2",
+        "--steps",
+        "4",
+        "--out",
+        str(tmp_path),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ft-ddp" in r.stdout and "pass" in r.stdout and "fail" not in r.stdout

@@ -65,6 +65,10 @@ def check(cfg: Config, nproc: int | None = None) -> int:
     """Every ft rule, before any process or model exists; returns the number of replica groups."""
     ft, p = cfg.ft, cfg.parallel
     n = groups(cfg, nproc)
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise LoomError("ft.enabled needs torchft", hint="pip install 'loom[ft]' (torchft 0.2)") from None
     if nproc is not None and cfg.ft.replica_groups and nproc != cfg.ft.replica_groups:
         raise LoomError(
             f"--nproc {nproc} with ft.replica_groups={cfg.ft.replica_groups}: each replica group is one process",
@@ -397,12 +401,15 @@ class FtReplica:
             f"{live}" + (f" (healed in {quorum_s:.2f}s)" if self.healed_s is not None else "")
         )
 
-    def sync_grads(self, model: torch.nn.Module) -> None:
-        """The gradients' mean over the quorum's groups: one flat all-reduce, each divided first (DDP's order)."""
+    def sync_grads(self, model: torch.nn.Module, loss_sum: torch.Tensor | None = None) -> None:
+        """The gradients' mean over the quorum's groups: one flat all-reduce, each divided first (DDP's order).
+        `loss_sum` (this group's summed loss, one element) rides along and becomes the groups' mean in place,
+        so the step's recorded loss is the job's, as DDP records it."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if not grads:
+        extra = [] if loss_sum is None else [loss_sum.detach().float().reshape(1)]
+        if not grads and not extra:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.reshape(-1) for g in grads] + extra)
         flat.div_(self.manager.num_participants())
         from torch.distributed import ReduceOp
 
@@ -411,6 +418,8 @@ class FtReplica:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+        if loss_sum is not None:
+            loss_sum.copy_(flat[-1].to(loss_sum.dtype).reshape(loss_sum.shape))
 
     def commit(self, local_ok: bool) -> bool:
         """Whether this step's update is applied: every group of the quorum agrees (a group that skips the

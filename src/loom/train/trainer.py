@@ -339,7 +339,7 @@ class Trainer:
         with timer("c"), phase("comm"):  # exposed communication: what the backward did not overlap
             par.sync_grads()
             if self.ft is not None:
-                self.ft.sync_grads(self.model)
+                self.ft.sync_grads(self.model, loss_sum)  # the loss: the quorum's mean
         if self.faults.nan_at(self.step + 1, self.dims.rank):
             self.faults.poison_grad(self.model)
         self.scaler.unscale_(self.optimizer)
