@@ -110,7 +110,7 @@ _DESCRIPTIONS = {
     "dpo": "Preference-tune a chat model on pairs of answers, DPO or IPO (loom train, insisting on preference "
     "pairs and model.init_from).",
     "rl": "Reinforcement learning on verifiable rewards, GRPO/DAPO (loom train, insisting on rl.prompts, chat "
-    "data and model.init_from).",
+    "data or a base run's text, and model.init_from).",
 }
 _CHECKS = {
     "sft": check_sft,
