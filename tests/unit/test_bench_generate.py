@@ -55,3 +55,43 @@ def test_bad_options_are_refused_before_work(tmp_path, capsys):
     assert main(["bench", "generate", "--batch", "0", *TINY]) == 2
     assert main(["bench", "generate", "--clients", "2", *TINY]) == 2  # clients need a run's tokenizer
     assert "give RUN" in capsys.readouterr().err
+
+
+def test_prefix_cache_record_with_and_without(tmp_path):
+    out = tmp_path / "prefix.json"
+    argv = ["bench", "generate", "--shared-prefix", "32", "--prefix-requests", "6", "--batch", "3"]
+    argv += ["--prompt-len", "4", "--new-tokens", "3", "--rounds", "1", "--device", "cpu", "--json", str(out)]
+    assert main([*argv, *TINY]) == 0
+    (r,) = json.loads(out.read_text())
+    assert r["kind"] == "prefix" and r["same_tokens"] is True
+    # the shared 32 tokens (2 blocks of 16) computed once; each request's own 4 always
+    assert r["off"]["prefilled_tokens"] == 6 * 36 and r["on"]["prefilled_tokens"] == 32 + 6 * 4
+    for side in ("off", "on"):
+        assert r[side]["ttft_p50_s"] <= r[side]["ttft_p99_s"] and r[side]["tok_s"] > 0
+
+
+def test_speculation_and_int8_records_on_a_run(tmp_path, sft):
+    run = str(sft / "runs" / "base")
+    out = tmp_path / "spec.json"
+    argv = [
+        "bench",
+        "generate",
+        run,
+        "--batch",
+        "1,2",
+        "--prompt-len",
+        "6",
+        "--new-tokens",
+        "5",
+        "--rounds",
+        "1",
+    ]
+    assert main([*argv, "--speculate", "ngram", "--json", str(out)]) == 0
+    for r in json.loads(out.read_text()):
+        assert r["kind"] == "speculate" and r["same_tokens"] is True and r["plain"]["forwards"] == 5
+        assert 0 <= r["spec"]["acceptance"] <= 1 and r["spec"]["tokens_per_verify"] >= 1
+    assert main([*argv, "--quantize", "int8", "--no-hf", "--val-windows", "2", "--json", str(out)]) == 0
+    (q,) = json.loads(out.read_text())
+    assert q["kind"] == "quantize" and set(q["speed"]) == {"1", "2"}
+    assert abs(q["val_loss"]["change"]) < 0.1 and q["speed"]["2"]["int8"]["decode_tok_s"] > 0
+    assert main([*argv, "--draft", str(tmp_path)]) == 2  # not a run: refused before anything loads

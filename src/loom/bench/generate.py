@@ -17,6 +17,18 @@ tok/s = B x (N - 1) / (tN - t1), total tok/s = B x N / tN. On CUDA, decoding's m
 one decode step reads (the weights once, and the KV cache of every row) over the step's time, and that over
 the device's measured copy bandwidth (loom bench peak's), as nanochat's infer_bench reports it.
 
+--quantize int8: the speed above for the model as it is and with int8 weights (loom.model.quant), and with RUN
+the validation loss of both over --val-windows windows of its validation split (the quantization's cost).
+
+--speculate ngram or --draft DRAFT_RUN (with RUN): per batch, greedy decoding of prompts cut from RUN's
+validation text (real text: prompt lookup finds what a random prompt never repeats), without and with
+speculation: tokens/s, the drafted tokens accepted, tokens per forward, whether the tokens are the same.
+
+--shared-prefix P: --prefix-requests R requests (default 64) that share one P-token system prompt, each with
+--prompt-len tokens of its own, all submitted at once to an engine of --batch's largest size, with and without
+the prefix cache (loom.engine.prefix_cache): time to first token (mean, p50, p99, from submission) and
+tokens/s, prompt tokens computed, and whether the answers are the same.
+
 With RUN and --clients C > 0: `loom serve`'s app on 127.0.0.1 (a thread of this process, a real socket), C
 clients each sending --requests completions one after another: every request's latency (p50, p99) and the
 generated tokens/s, once with continuous batching (max_seqs = C) and once one request at a time (max_seqs 1);
@@ -32,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from loom import config, log
@@ -61,6 +74,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=0, help="with RUN: concurrent clients of loom serve")
     p.add_argument("--requests", type=int, default=10, help="requests per client")
     p.add_argument("--json", metavar="FILE", help="write the records as JSON")
+    p.add_argument("--quantize", choices=["int8"], default=None, help="also time int8 weights (torchao)")
+    p.add_argument("--val-windows", type=int, default=64, help="with RUN and --quantize: val windows scored")
+    p.add_argument("--speculate", choices=["ngram"], default=None, help="with RUN: prompt-lookup speculation")
+    p.add_argument("--draft", metavar="RUN", default=None, help="with RUN: speculation by a draft run")
+    p.add_argument("--spec-tokens", type=int, default=4, help="tokens drafted per step (default 4)")
+    p.add_argument(
+        "--shared-prefix", type=int, default=0, help="tokens of a system prompt shared by requests"
+    )
+    p.add_argument("--prefix-requests", type=int, default=64, help="requests sharing --shared-prefix")
     return p
 
 
@@ -71,10 +93,20 @@ def generate_main(argv: list[str]) -> int:
     model, run_ctx = _model(args, rest, device)
     with run_ctx as run:
         model = (run.model if run is not None else model).float().eval()
-        hf = None if args.no_hf else _hf_twin(model, device, DTYPES[args.dtype])
+        only_loom = args.no_hf or args.shared_prefix or args.speculate or args.draft
+        hf = None if only_loom else _hf_twin(model, device, DTYPES[args.dtype])
         model = model.to(DTYPES[args.dtype])
         inference_layout(model)  # as open_run gives a run's model (random weights: not through it)
-        records = [_speed(model, hf, b, args, device) for b in batches]
+        if args.shared_prefix:
+            records = [_prefix_bench(model, max(batches), args, device)]
+        elif args.speculate or args.draft:
+            records = _spec_records(model, run, batches, args, device)
+        elif args.quantize:
+            records = []  # the int8 record times the model as it is too
+        else:
+            records = [_speed(model, hf, b, args, device) for b in batches]
+        if args.quantize:
+            records += _quant_records(model, run, batches, args, device)
         if run is not None and args.clients:
             records.append(_load(run, args))
     for r in records:
@@ -97,6 +129,20 @@ def _check(args, rest: list[str]) -> list[int]:
         raise LoomError(f"with RUN the model is the run's: {' '.join(rest)} not taken")
     if args.clients and not args.run_dir:
         raise LoomError("--clients serves a run (its tokenizer reads the requests)", hint="give RUN")
+    if (args.speculate or args.draft) and not args.run_dir:
+        raise LoomError(
+            "speculation is timed on a run's text (prompts from its validation split)", hint="give RUN"
+        )
+    if args.draft:
+        from loom.cli.speculate import check_draft
+
+        check_draft(args.run_dir, args.draft)  # another vocabulary: refused before anything loads
+    if args.quantize:
+        from loom.model.quant import check_quantize
+
+        check_quantize(args.quantize)
+    if args.shared_prefix < 0 or args.prefix_requests < 1 or args.spec_tokens < 1 or args.val_windows < 1:
+        raise LoomError("need --shared-prefix >= 0, --prefix-requests, --spec-tokens and --val-windows >= 1")
     if args.json:
         from loom.paths import check_output_file
 
@@ -281,6 +327,8 @@ def _client(port: int, texts: list[str], new: int) -> list[tuple[float, int]]:
 
 
 def _line(r: dict) -> str:
+    if r["kind"] in ("prefix", "speculate", "quantize"):
+        return _line2(r)
     if r["kind"] == "load":
         b, s = r["batched"], r["serial"]
         return (
@@ -297,3 +345,194 @@ def _line(r: dict) -> str:
     if "bandwidth" in r:
         out += f" | {r['bandwidth']['gb_s']:.0f} GB/s ({100 * r['bandwidth']['utilisation']:.0f}% of copy)"
     return out
+
+
+# ----------------------------------------------------------------------------- prefix cache, speculation, int8
+def _prefix_bench(model, B: int, args, device) -> dict:
+    """R requests sharing a P-token system prompt, all submitted at once, without and with the prefix cache."""
+    vocab, P, N = model.cfg.vocab_size, args.shared_prefix, args.new_tokens
+    L = P + args.prompt_len + N
+    if L > model.cfg.block_size:
+        raise LoomError(
+            f"--shared-prefix + --prompt-len + --new-tokens = {L} exceed block_size {model.cfg.block_size}"
+        )
+    g = torch.Generator().manual_seed(0)
+    system = torch.randint(0, vocab, (P,), generator=g).tolist()
+    ps = [
+        system + torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
+        for _ in range(args.prefix_requests)
+    ]
+    rec = {"kind": "prefix", "batch": B, "shared_prefix": P, "prompt_len": args.prompt_len, "new_tokens": N}
+    rec["requests"], rec["dtype"], rec["device"] = len(ps), args.dtype, str(device)
+    runs = {}
+    for name, tokens in (("off", 0), ("on", 10 * L * B)):  # the cache: room for every request's prefix
+        _prefix_run(model, ps, B, L, tokens, device)  # warm-up, untimed
+        best = None
+        for _ in range(args.rounds):
+            out = _prefix_run(model, ps, B, L, tokens, device)
+            best = out if best is None or out["wall_s"] < best["wall_s"] else best
+        runs[name] = best
+    rec["same_tokens"] = runs["off"].pop("tokens") == runs["on"].pop("tokens")
+    rec.update(runs)
+    rec["ttft_speedup"] = runs["off"]["ttft_mean_s"] / runs["on"]["ttft_mean_s"]
+    rec["throughput_speedup"] = runs["on"]["tok_s"] / runs["off"]["tok_s"]
+    return rec
+
+
+def _prefix_run(model, ps: list[list[int]], B: int, L: int, tokens: int, device) -> dict:
+    engine = Engine(model, max_seqs=B, max_len=L, vocab_size=model.cfg.vocab_size, prefix_cache_tokens=tokens)
+    first: dict[int, float] = {}
+    params = SamplingParams(L - len(ps[0]), 0.0)
+
+    def on_token(r, first=first):
+        first.setdefault(id(r), time.perf_counter())
+
+    reqs = [Request(p, params, on_token=on_token) for p in ps]
+    sync(device)
+    start = time.perf_counter()
+    engine.run(reqs)
+    sync(device)
+    wall = time.perf_counter() - start
+    ttft = sorted(first[id(r)] - start for r in reqs)
+    return {
+        "wall_s": wall,
+        "tok_s": sum(len(r.tokens) for r in reqs) / wall,
+        "ttft_mean_s": statistics.mean(ttft),
+        "ttft_p50_s": ttft[len(ttft) // 2],
+        "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
+        "prefilled_tokens": engine.prefilled,
+        "forwards": engine.forwards,
+        "tokens": [r.tokens for r in reqs],
+    }
+
+
+def _val_tokens(run, run_dir: str) -> np.ndarray:
+    """RUN's validation tokens (its data's val shards, in order)."""
+    from loom.data.shards import read_shard
+    from loom.runs import run_data_dir
+
+    data = run_data_dir(run_dir, run.cfg)
+    files = sorted(Path(data).glob("*val*.bin"))
+    if not files:
+        raise LoomError(f"no validation shards in {data}: speculation and int8's loss are measured on them")
+    return np.concatenate([read_shard(f) for f in files])
+
+
+def _spec_records(model, run, batches: list[int], args, device) -> list[dict]:
+    """Per batch: greedy decoding of text prompts without and with speculation."""
+    from loom.cli.speculate import speculator_for
+
+    vocab, P, N = run.tok.vocab_size, args.prompt_len, args.new_tokens
+    val = _val_tokens(run, args.run_dir)
+    records = []
+    for B in batches:
+        starts = torch.linspace(0, len(val) - P - 1, B).long().tolist()
+        ps = [val[s : s + P].tolist() for s in starts]
+        sides = {}
+        for name in ("plain", "spec"):
+            spec = speculator_for(args, device, model.cfg.block_size) if name == "spec" else None
+            if spec is not None and hasattr(spec, "model"):
+                spec.model.to(DTYPES[args.dtype])
+            out = None
+            for _ in range(args.rounds + 1):  # the first: warm-up
+                engine = Engine(
+                    model,
+                    max_seqs=B,
+                    max_len=P + N,
+                    vocab_size=vocab,
+                    speculator=spec,
+                    spec_tokens=args.spec_tokens,
+                )
+                t, reqs = _timed(
+                    lambda e=engine, ps=ps: e.run([Request(p, SamplingParams(N, 0.0)) for p in ps]), device
+                )
+                if out is None or t < out[0]:
+                    out = (t, reqs, engine)
+            t, reqs, engine = out
+            sides[name] = {
+                "s": t,
+                "tok_s": B * N / t,
+                "forwards": engine.forwards,
+                "tokens": [r.tokens for r in reqs],
+            }
+            if spec is not None:
+                sides[name]["proposed"], sides[name]["accepted"] = engine.spec_proposed, engine.spec_accepted
+                sides[name]["acceptance"] = engine.spec_accepted / max(engine.spec_proposed, 1)
+                # a row's tokens per verify: the accepted drafts and the pick after them
+                sides[name]["tokens_per_verify"] = 1 + engine.spec_accepted / max(engine.spec_rows, 1)
+        rec = {"kind": "speculate", "batch": B, "prompt_len": P, "new_tokens": N, "dtype": args.dtype}
+        rec["drafter"] = args.draft or args.speculate
+        rec["spec_tokens"], rec["device"] = args.spec_tokens, str(device)
+        rec["same_tokens"] = sides["plain"].pop("tokens") == sides["spec"].pop("tokens")
+        rec.update(sides)
+        rec["speedup"] = sides["spec"]["tok_s"] / sides["plain"]["tok_s"]
+        records.append(rec)
+    return records
+
+
+def _quant_records(model, run, batches: list[int], args, device) -> list[dict]:
+    """Decode tokens/s of the model as it is and with int8 weights; with RUN, both models' validation loss."""
+    import copy
+
+    from loom.model.quant import quantize_weights
+
+    q = copy.deepcopy(model)
+    quantize_weights(q, args.quantize)
+    rec = {"kind": "quantize", "quantize": args.quantize, "dtype": args.dtype, "device": str(device)}
+    rec["speed"] = {}
+    for B in batches:
+        both = {}
+        for name, m in (("base", model), (args.quantize, q)):
+            r = _speed(m, None, B, args, device)
+            both[name] = r["loom"]
+        both["decode_speedup"] = both[args.quantize]["decode_tok_s"] / both["base"]["decode_tok_s"]
+        rec["speed"][str(B)] = both
+    if run is not None:
+        val = _val_tokens(run, args.run_dir)
+        rec["val_loss"] = {"base": _val_loss(model, val, args), args.quantize: _val_loss(q, val, args)}
+        rec["val_loss"]["change"] = rec["val_loss"][args.quantize] - rec["val_loss"]["base"]
+    return [rec]
+
+
+def _val_loss(model, val, args) -> float:
+    """Mean next-token cross-entropy over --val-windows block_size windows spread over the validation tokens."""
+    import torch.nn.functional as F
+
+    T = model.cfg.block_size
+    starts = torch.linspace(0, len(val) - T - 2, args.val_windows).long().tolist()
+    losses = []
+    with torch.no_grad():
+        for s in starts:
+            x = torch.as_tensor(val[s : s + T + 1].astype("int64"))[None]
+            logits = model(x[:, :-1].to(next(model.parameters()).device)).float()
+            losses.append(
+                F.cross_entropy(logits[0, :, : model.cfg.vocab_size], x[0, 1:].to(logits.device)).item()
+            )
+    return statistics.mean(losses)
+
+
+def _line2(r: dict) -> str:
+    if r["kind"] == "prefix":
+        off, on = r["off"], r["on"]
+        return (
+            f"{r['requests']} requests sharing {r['shared_prefix']} tokens (batch {r['batch']}): time to first "
+            f"token {off['ttft_mean_s'] * 1e3:.0f} -> {on['ttft_mean_s'] * 1e3:.0f} ms (x{r['ttft_speedup']:.2f}), "
+            f"{off['tok_s']:.0f} -> {on['tok_s']:.0f} tok/s (x{r['throughput_speedup']:.2f}), prompt tokens computed "
+            f"{off['prefilled_tokens']} -> {on['prefilled_tokens']}, same tokens {r['same_tokens']}"
+        )
+    if r["kind"] == "speculate":
+        p, s = r["plain"], r["spec"]
+        return (
+            f"batch {r['batch']:>3}: {r['drafter']} k={r['spec_tokens']}: {p['tok_s']:.0f} -> {s['tok_s']:.0f} tok/s "
+            f"(x{r['speedup']:.2f}), acceptance {100 * s['acceptance']:.0f}%, {s['tokens_per_verify']:.2f} tokens "
+            f"a row per verify, same tokens {r['same_tokens']}"
+        )
+    out = ", ".join(
+        f"batch {b}: decode {v['base']['decode_tok_s']:.0f} -> {v[r['quantize']]['decode_tok_s']:.0f} tok/s "
+        f"(x{v['decode_speedup']:.2f})"
+        for b, v in r["speed"].items()
+    )
+    if "val_loss" in r:
+        v = r["val_loss"]
+        out += f" | val loss {v['base']:.4f} -> {v[r['quantize']]:.4f} ({v['change']:+.4f})"
+    return f"{r['quantize']} weights ({r['dtype']}): {out}"

@@ -92,7 +92,8 @@ class Engine:
         self.forwards = self.generated = self.prefilled = (
             0  # counts: the tests, /metrics and the bench read them
         )
-        self.spec_proposed = self.spec_accepted = self.spec_forwards = 0  # speculation's counts
+        # speculation's counts: drafted tokens verified and accepted, verify forwards, rows they verified
+        self.spec_proposed = self.spec_accepted = self.spec_forwards = self.spec_rows = 0
         if self.speculator is not None:
             self.speculator.attach(self)
 
@@ -348,6 +349,7 @@ class Engine:
         self.cache.select([r.slot for r in rows])
         logits = self._forward(torch.tensor(ids, dtype=torch.long, device=self.device), self.cache)
         self.spec_forwards += 1
+        self.spec_rows += len(rows)
         padded = logits.float()
         logits = padded[:, :, : self.vocab]
         picks = greedy(logits.reshape(-1, logits.size(-1))).view(len(rows), k + 1).tolist()
