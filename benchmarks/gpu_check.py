@@ -44,6 +44,8 @@ The lines, by priority (plan first, then second, then rest):
   bench-decode         generation: GPT-2 124M bf16 through loom bench generate at batch 1 and 64 (prompt 128,
                        128 new tokens, greedy): loom's decode tokens/s, transformers' generate on loom's export
                        beside it, and decoding's memory-bandwidth use (weights and KV cache read per step)
+  bench-decode-int8    bench-decode's model and shapes (no transformers side) with int8 weight-only linears
+                       (torchao, loom bench generate --quantize int8) beside bf16: decode tokens/s of each, ratio
   bench-long-doc-mask  bench-long-flash with data.doc_mask=true (FlexAttention's block mask, compiled on CUDA,
                        documents of ~2048 tokens): the same figures and its speed over the flash run's
   bench-train-fp8-gpt2 the same fp8 comparison for GPT-2 124M at T=2048 with precision.fp8_filter=all (the size
@@ -120,6 +122,7 @@ PLANS = {
     "second": (
         "bench-train-fp8-1b",
         "bench-decode",
+        "bench-decode-int8",
         "bench-long-doc-mask",
         "bench-train-fp8-gpt2",
         "bench-train-moe",
@@ -352,6 +355,7 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         *bench_checks(args, cuda, out, lacking),
         *long_context_checks(cuda, out),
         decode_check(cuda, out, lacking),
+        int8_decode_check(cuda, out, lacking),
         *moe_and_nanogpt_checks(args, cuda, out),
         *fp8_checks(cuda, out, lacking),
     ]
@@ -682,6 +686,53 @@ def decode_figures(path: Path) -> dict:
             figs[f"b{b}_same_tokens"] = r["same_tokens"]
         if "bandwidth" in r:
             figs[f"b{b}_bandwidth_util"] = round(r["bandwidth"]["utilisation"], 3)
+    return figs
+
+
+def int8_decode_check(cuda: bool, out: Path, lacking: set[str]) -> Check:
+    """Decoding with int8 weight-only linears (issue 62): bench-decode's model at batch 1 and 64 (--cpu: the tiny
+    shape, batch 1 and 4), bf16 and int8 timed in one process (fp32 on the CPU)."""
+    shape = GPT2 if cuda else TINY
+    path = out / "bench-decode-int8.json"
+    argv = [
+        *LOOM,
+        "bench",
+        "generate",
+        "--quantize",
+        "int8",
+        "--no-hf",
+        "--batch",
+        "1,64" if cuda else "1,4",
+        "--prompt-len",
+        "128" if cuda else "8",
+        "--new-tokens",
+        "128" if cuda else "8",
+        "--rounds",
+        "3" if cuda else "1",
+        "--dtype",
+        "bf16" if cuda else "fp32",
+        "--device",
+        "cuda" if cuda else "cpu",
+        *[f"--model.{k}={v}" for k, v in shape.items()],
+        "--json",
+        str(path),
+    ]
+    why_not = (
+        "needs torchao (the loom[fp8] extra), which this interpreter lacks" if "torchao" in lacking else None
+    )
+    return Check(
+        "bench-decode-int8", lambda ctx: [argv], 240, lambda o, ctx: int8_figures(path), why_not=why_not
+    )
+
+
+def int8_figures(path: Path) -> dict:
+    """Per batch: decode tokens/s with the weights as they are (bf16 on a GPU) and int8, and their ratio."""
+    figs: dict[str, Any] = {}
+    for r in json.loads(path.read_text()):
+        for b, v in r["speed"].items():
+            figs[f"b{b}_base_decode_tok_s"] = round(v["base"]["decode_tok_s"])
+            figs[f"b{b}_int8_decode_tok_s"] = round(v["int8"]["decode_tok_s"])
+            figs[f"b{b}_int8_vs_base"] = round(v["decode_speedup"], 2)
     return figs
 
 

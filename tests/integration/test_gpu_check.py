@@ -28,6 +28,7 @@ CHECKS = [
     "bench-train-compile",
     "bench-train-fp8-1b",
     "bench-decode",
+    "bench-decode-int8",
     "bench-long-doc-mask",
     "bench-train-fp8-gpt2",
     "bench-train-moe",
@@ -131,6 +132,12 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
     assert tis["figures"]["logprob_diff_max"] is not None and tis["figures"]["is_weight_max"] is not None
     decode = rows["bench-decode"]["figures"]  # loom.engine beside transformers on the same weights
     assert decode["b4_decode_tok_s"] > 0 and decode.get("b4_same_tokens", True) is True
+    if find_spec("torchao") is not None:  # int8 weight-only decoding beside the weights as they are
+        int8 = rows["bench-decode-int8"]
+        assert int8["status"] == "pass", int8
+        assert int8["figures"]["b4_int8_decode_tok_s"] > 0 and int8["figures"]["b4_int8_vs_base"] > 0
+    else:
+        assert "needs torchao" in rows["bench-decode-int8"]["reason"]
     moe = rows["bench-train-moe"]["figures"]  # grouped GEMM and loop timed in the same rounds
     assert moe["grouped_tokens_per_s"] > 0 and moe["loop_tokens_per_s"] > 0 and moe["grouped_vs_loop"] > 0
     long = rows["bench-long-doc-mask"]["figures"]
