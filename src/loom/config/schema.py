@@ -32,6 +32,7 @@ class FamilySection:
     check: Callable[[Any], None] | None = None
     experts: bool = False
     mup: bool = False  # the family declares its parameters' widths: model.mup applies (loom.model.mup)
+    mtp: bool = False  # the family has multi-token prediction modules: model.mtp_depth applies
 
 
 # model.family -> its section, one per registered family (built-in ones when loom.model is imported)
@@ -187,6 +188,16 @@ class ModelConfig:
     )
     mup_base_width: int = _f(
         0, "model.mup: the n_embd the hyperparameters were tuned at (muP equals SP there).", ge=0
+    )
+    mtp_depth: int = _f(
+        0,
+        "Multi-token prediction (DeepSeek-V3): D sequential modules (a norm pair, a 2C->C projection and one "
+        "block each) sharing the embedding and head, module k predicting the token k+1 ahead; training only "
+        "(0: off; loom.model.mtp).",
+        ge=0,
+    )
+    mtp_weight: float = _f(
+        0.3, "model.mtp_depth: the MTP loss's weight lambda (loss + lambda / D * sum of the D losses).", ge=0
     )
 
     # A family's own keys (ModelSpec.keys: model.n_experts for moe, ...) live on `family_keys`, an instance of

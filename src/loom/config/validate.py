@@ -171,6 +171,26 @@ def _check_diloco(cfg: Config, world: int, impl: str) -> None:
             )
 
 
+def _check_mtp(cfg: Config, section) -> None:
+    """model.mtp_depth: a family with MTP modules, on the data-parallel layouts (its modules are neither split
+    by tensor/context parallel's plans nor placed on a pipeline stage)."""
+    m, p = cfg.model, cfg.parallel
+    if section is None or not section.mtp:
+        mtp = ", ".join(f for f, s in FAMILY_SECTIONS.items() if s.mtp) or "none registered"
+        raise LoomError(
+            f"model.mtp_depth: the family '{m.family}' has no multi-token prediction modules (families that do: "
+            f"{mtp})",
+            hint="drop model.mtp_depth, or use one of those families",
+        )
+    split = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "cp") if getattr(p, k) > 1]
+    if split:
+        raise LoomError(
+            f"model.mtp_depth={m.mtp_depth} runs on the data-parallel layouts (ddp, fsdp, zero1/2, HSDP) only; "
+            f"this run sets {', '.join(split)}: the MTP modules are in no tensor, context or pipeline plan",
+            hint="leave parallel.tp, parallel.pp and parallel.cp at 1 with model.mtp_depth, or drop it",
+        )
+
+
 def _check_family(cfg: Config, dp: int, dp_impl: str) -> None:
     """The family's own rules (its registration's check: a MoE's k of E, ...), then expert parallelism: only a
     family with expert layers takes parallel.ep, over the data-parallel x cp ranks, with ddp, fsdp or zero2."""
@@ -183,6 +203,8 @@ def _check_family(cfg: Config, dp: int, dp_impl: str) -> None:
             f"embeddings, hidden matrices, the output head), so muP cannot scale them; families that do: {mup}",
             hint="drop model.mup, or use one of those families",
         )
+    if m.mtp_depth:
+        _check_mtp(cfg, section)
     if m.mup and not m.mup_base_width:
         raise LoomError(
             "model.mup needs model.mup_base_width, the n_embd the hyperparameters were tuned at",

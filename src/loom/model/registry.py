@@ -102,6 +102,8 @@ class ModelSpec:
     # model.mup applies: the family's config takes mup_base_width and its model scales init, lr groups, logits
     # and attention as loom.model.mup says (False: model.mup is refused before any work)
     mup: bool = False
+    # model.mtp_depth applies: the family's model builds multi-token prediction modules (loom.model.mtp)
+    mtp: bool = False
     hf: Any = None  # HF mapping (export_hf, load_hf_into) or None: no transformers export/import
     # export --format peft: {loom's linear: transformers' module} for n_layer blocks (None: no peft export)
     peft: Callable[[int], dict[str, str]] | None = None
@@ -174,7 +176,7 @@ def register(spec: ModelSpec) -> ModelSpec:
     _SPECS[spec.name] = spec
     FAMILIES[spec.name] = dict(spec.preset)
     FAMILY_SECTIONS[spec.name] = FamilySection(
-        spec.preset, spec.keys, spec.check, spec.expert_parallel, spec.mup
+        spec.preset, spec.keys, spec.check, spec.expert_parallel, spec.mup, spec.mtp
     )
     return spec
 

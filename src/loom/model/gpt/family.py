@@ -90,6 +90,8 @@ def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
         doc_mask=cfg.data.doc_mask,  # its eot_id, the data's, is set by ModelSpec.build_model
         doc_positions=cfg.data.doc_positions,
         mup_base_width=m.mup_base_width if m.mup else 0,
+        mtp_depth=m.mtp_depth,
+        mtp_weight=m.mtp_weight,
         **llama_keys(m),
     )
 
@@ -131,7 +133,7 @@ def gpt_spec(name: str, **overrides) -> ModelSpec:
     return ModelSpec(name=name, **{**base, **overrides})
 
 
-register(gpt_spec("gpt2", mup=True))
+register(gpt_spec("gpt2", mup=True, mtp=True))
 # peft: transformers' Llama names, what peft targets; keys: RoPE scaling and Qwen 2.5's q/k/v biases
 register(
     gpt_spec(
@@ -141,5 +143,6 @@ register(
         plan_shape=llama_plan_shape,
         shape_keys=llama_shape_keys,
         mup=True,
+        mtp=True,
     )
 )

@@ -26,6 +26,7 @@ from loom.model.cpu_paths import Dropout, causal_attention
 from loom.model.doc_mask import DocMask, build_doc_mask, doc_attention
 from loom.model.kv_cache import KVCache, RowCache
 from loom.model.lora import init_lora_param
+from loom.model.mtp import MTPModule, mtp_hidden, mtp_loss
 from loom.model.mup import mup_attention_mult, mup_init_mult
 from loom.model.vocab import mask_padding_
 
@@ -70,6 +71,10 @@ class GPTConfig:
     # μP (model.mup; loom.model.mup has the table and its source): the width the hyperparameters were tuned
     # at; 0: standard parametrisation. At n_embd == mup_base_width μP and SP are the same model.
     mup_base_width: int = 0
+    # multi-token prediction (model.mtp_depth, loom.model.mtp): DeepSeek-V3's sequential modules, each a block
+    # predicting one token further ahead, sharing wte and the head; their loss weighs mtp_weight in training
+    mtp_depth: int = 0
+    mtp_weight: float = 0.3
 
     @property
     def kv_heads(self) -> int:
@@ -386,6 +391,8 @@ class GPT(nn.Module):
         self.drop = Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(self.make_block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = norm_layer(cfg, cfg.n_embd)
+        # model.mtp_depth: one MTPModule per extra token ahead (trained only; none by default)
+        self.mtp = nn.ModuleList(MTPModule(cfg, self.block_cls(cfg)) for _ in range(cfg.mtp_depth)) or None
         # padding ids masked; μP: logits times 1 / m
         self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, cfg.padded_vocab, 1.0 / cfg.mup_width_mult)
         if cfg.tie_embeddings:
@@ -476,11 +483,31 @@ class GPT(nn.Module):
             x = block(x, cache, i) if doc is None else block(x, cache, i, doc=doc)
         if cache is not None:
             cache.advance(T)
+        h = x
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, -last:] if last else x)
         logits = self.lm_head(x)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        if self.mtp is not None and self.training:  # DeepSeek-V3's L + lambda / D sum_k L^k (loom.model.mtp)
+            hidden = mtp_hidden(self.mtp, self.wte, h, idx)
+            loss = loss + self.cfg.mtp_weight * mtp_loss(
+                lambda z: self.lm_head(self.ln_f(z)), hidden, targets
+            )
+        return loss
+
+    def mtp_logits(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        """The MTP modules' predictions for self-speculative decoding (no cache): for the ids idx (B, T), a list
+        of D logits (B, T-k, V), the k-th at position i predicting the token at i + k + 1 (the main head's
+        logits predict i + 1). [] for a model without model.mtp_depth."""
+        if self.mtp is None:
+            return []
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        for i, block in enumerate(self.blocks):
+            x = block(x, None, i)
+        return [self.lm_head(self.ln_f(h)) for h in mtp_hidden(self.mtp, self.wte, x, idx)]
 
     def documents(self, idx: torch.Tensor) -> DocMask:
         """The documents of the windows idx (B, T), opened by each end-of-text id (doc_mask). Generation with a
