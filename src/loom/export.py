@@ -38,6 +38,13 @@ def export_hf_dir(cfg, model, tok, meta: dict, out: Path, force: bool) -> list[s
             f"the model family '{spec.name}' has no transformers mapping",
             hint="export it with --format safetensors",
         )
+    # transformers' GPT-2 and Llama have no μP multipliers: the export would compute otherwise
+    if cfg.model.mup:
+        raise LoomError(
+            "model.mup: transformers' models have no μP output and attention multipliers, so the exported "
+            "model would not compute what this run's does",
+            hint="export it with --format safetensors (loom reads it back with its config)",
+        )
     notes = _without_doc_mask(model, cfg.data.doc_mask) + spec.hf.export_hf(model, out, tok, force)
     if isinstance(meta.get("chat"), dict) and tok is not None:  # a chat model: its template goes along
         from loom.data.chat import chat_template_of

@@ -400,6 +400,11 @@ def export_gguf(run_dir: str | Path, out: Path, ckpt=None, gguf_type: str = "f16
         raise LoomError(f"--gguf-type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
     check_run(run_dir)
     cfg, model, tok, meta, path = load_run(run_dir, torch.device("cpu"), ckpt)
+    if cfg.model.mup:  # llama.cpp's architectures have no μP multipliers
+        raise LoomError(
+            "model.mup: llama.cpp's gpt2 and llama architectures have no μP output and attention multipliers",
+            hint="export it with --format safetensors",
+        )
     name = f"model-{gguf_type}.gguf"
     with staged_output(out, "export", force) as tmp:
         tmp.mkdir()

@@ -85,7 +85,7 @@ def test_muon_keeps_its_rate_and_adamw_follows_the_table():
     assert mults[id(model.wte.weight)] == 1.0 and mults[id(model.blocks[0].ln_1.weight)] == 1.0
 
 
-def test_mup_trains_end_to_end(tmp_path, char_data):
+def test_mup_trains_end_to_end(tmp_path, char_data, capsys):
     loom_here(
         "train",
         f"--data.path={char_data}",
@@ -98,6 +98,10 @@ def test_mup_trains_end_to_end(tmp_path, char_data):
         "--model.mup_base_width=32",
     )
     assert (tmp_path / "m" / "ckpt" / "step_000002").is_dir()
+    # transformers' models lack μP's multipliers: the hf export is refused, naming why
+    assert main(["export", str(tmp_path / "m"), "--format", "hf", "--out", str(tmp_path / "hf")]) != 0
+    assert "no μP output and attention multipliers" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize(
