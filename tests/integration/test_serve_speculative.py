@@ -126,3 +126,20 @@ def test_a_draft_with_another_vocabulary_is_refused_before_anything_loads(runs, 
     assert main(["serve", str(base), "--nproc", "2", "--quantize", "int8"]) == 2
     assert "not with --nproc" in capsys.readouterr().err
     assert main(["generate", str(base), "--spec-tokens", "0", "--speculate", "ngram"]) == 2
+
+
+def test_loom_generate_drafts_with_the_runs_own_mtp_modules(runs, sft, capsys):
+    from sftkit import MODEL, QUIET
+
+    base = runs[0]
+    args = [f"--data.path={sft / 'text'}", f"--run.dir={sft / 'runs'}", "--run.name=mtp", *MODEL, *QUIET]
+    assert main(["train", *args, "--train.steps=2", "--model.mtp_depth=2"]) == 0
+    capsys.readouterr()  # (training's own lines)
+    argv = ["generate", str(sft / "runs" / "mtp"), "--prompt", SYSTEM, "--max-new-tokens", "12"]
+    outs = []
+    for extra in ([], ["--speculate", "mtp"]):
+        assert main([*argv, "--temperature", "0", *extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].startswith(SYSTEM)
+    assert main(["generate", str(base), "--speculate", "mtp", "--temperature", "0"]) == 2  # no MTP modules
+    assert "has none" in capsys.readouterr().err

@@ -77,3 +77,24 @@ def test_prompt_lookup_takes_the_latest_longest_match():
     assert lookup([5, 6, 1, 2, 3, 4, 6], 3) == [1, 2, 3]  # only the last token matches
     assert lookup([1, 2, 3], 4) == [] and lookup([4], 2) == []
     assert lookup([1, 2, 1, 2], 5) == [1, 2]  # up to the context's end
+
+
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+def test_the_models_own_mtp_modules_draft_and_the_tokens_stay_the_same(pos):
+    from loom.engine.speculative import MTPProposer
+    from loom.model.gpt.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    rope = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "n_kv_head": 2} if pos == "rope" else {}
+    cfg = GPTConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=64, block_size=128, mtp_depth=2, **rope)
+    m = GPT(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.1)
+    ps = repetitive(4)
+    plain, _ = run(m, ps, SamplingParams(20, 0.0))
+    got, e = run(m, ps, SamplingParams(20, 0.0), speculator=MTPProposer(m), spec_tokens=4)
+    assert [r.tokens for r in got] == [r.tokens for r in plain]
+    assert e.spec_proposed > 0 and e.spec_proposed <= 2 * e.spec_rows  # at most mtp_depth drafts a row
+    with pytest.raises(ValueError, match="mtp_depth"):
+        MTPProposer(model(pos))

@@ -76,7 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the records as JSON")
     p.add_argument("--quantize", choices=["int8"], default=None, help="also time int8 weights (torchao)")
     p.add_argument("--val-windows", type=int, default=64, help="with RUN and --quantize: val windows scored")
-    p.add_argument("--speculate", choices=["ngram"], default=None, help="with RUN: prompt-lookup speculation")
+    p.add_argument(
+        "--speculate",
+        choices=["ngram", "mtp"],
+        default=None,
+        help="with RUN: prompt lookup or its MTP modules",
+    )
     p.add_argument("--draft", metavar="RUN", default=None, help="with RUN: speculation by a draft run")
     p.add_argument("--spec-tokens", type=int, default=4, help="tokens drafted per step (default 4)")
     p.add_argument(
@@ -430,7 +435,7 @@ def _spec_records(model, run, batches: list[int], args, device) -> list[dict]:
         ps = [val[s : s + P].tolist() for s in starts]
         sides = {}
         for name in ("plain", "spec"):
-            spec = speculator_for(args, device, model.cfg.block_size) if name == "spec" else None
+            spec = speculator_for(args, device, model) if name == "spec" else None
             if spec is not None and hasattr(spec, "model"):
                 spec.model.to(DTYPES[args.dtype])
             out = None

@@ -106,7 +106,7 @@ def _generate_samples(args, run: LoadedRun) -> int:
 
     model, tok, device = run.model, run.tok, run.device
     quantize_weights(model, args.quantize)
-    speculator = speculate.speculator_for(args, device, model.cfg.block_size)
+    speculator = speculate.speculator_for(args, device, model)
     if tok is None:
         raise LoomError(
             f"run '{args.run_dir}' was trained on data without a tokenizer: cannot turn text into ids",

@@ -107,7 +107,7 @@ def _serve_one(args: argparse.Namespace, opts, sock) -> None:
         from loom.model.quant import quantize_weights
 
         quantize_weights(run.model, args.quantize)
-        opts.speculator = speculate.speculator_for(args, run.device, run.model.cfg.block_size)
+        opts.speculator = speculate.speculator_for(args, run.device, run.model)
         run_server(served_for(run, args.run_dir, opts), sock, args.grace)
 
 

@@ -11,12 +11,13 @@ from loom.errors import LoomError
 
 SPECULATE_HELP = (
     "speculative decoding of greedy answers (the same tokens, fewer forwards): 'ngram' drafts from the context "
-    "(prompt lookup); --draft RUN drafts with a smaller run of the same tokenizer"
+    "(prompt lookup), 'mtp' with the run's own multi-token-prediction modules (model.mtp_depth; slow: no cache "
+    "yet); --draft RUN drafts with a smaller run of the same tokenizer"
 )
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculate", choices=["ngram"], default=None, help=SPECULATE_HELP)
+    p.add_argument("--speculate", choices=["ngram", "mtp"], default=None, help=SPECULATE_HELP)
     p.add_argument(
         "--draft",
         default=None,
@@ -38,7 +39,7 @@ def check_options(args: argparse.Namespace) -> None:
     if args.spec_tokens < 1:
         raise LoomError(f"--spec-tokens must be at least 1, got {args.spec_tokens}")
     if args.speculate and args.draft:
-        raise LoomError("--speculate ngram and --draft RUN are two drafters: give one")
+        raise LoomError(f"--speculate {args.speculate} and --draft RUN are two drafters: give one")
     if args.draft:
         check_draft(args.run_dir, args.draft)
 
@@ -88,13 +89,22 @@ def _text(tok, i: int) -> str | None:
         return None
 
 
-def speculator_for(args: argparse.Namespace, device, block_size: int):
-    """The speculator the options ask for (None: none), a draft run loaded on `device` and quantized as the
-    run is; a draft whose context is shorter than the run's (block_size) cannot draft for every row."""
-    from loom.engine.speculative import DraftProposer, NgramProposer
+def speculator_for(args: argparse.Namespace, device, model):
+    """The speculator the options ask for (None: none) for the run's `model`: a draft run loaded on `device` and
+    quantized as the run is (one whose context is shorter than the run's cannot draft for every row), or the
+    model's own MTP modules."""
+    from loom.engine.speculative import DraftProposer, MTPProposer, NgramProposer
 
+    block_size = model.cfg.block_size
     if args.speculate == "ngram":
         return NgramProposer()
+    if args.speculate == "mtp":
+        if not getattr(model.cfg, "mtp_depth", 0):
+            raise LoomError(
+                "--speculate mtp drafts with the run's multi-token-prediction modules, and it has none",
+                hint="train with --model.mtp_depth=N (N >= 1), or use --speculate ngram or --draft RUN",
+            )
+        return MTPProposer(model)
     if not args.draft:
         return None
     from loom.model.cpu_paths import inference_layout

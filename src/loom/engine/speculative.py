@@ -113,3 +113,41 @@ class DraftProposer:
             for d, t in zip(drafts, nxt, strict=True):
                 d.append(t)
         return [d[:k] for d in drafts]
+
+
+class MTPProposer:
+    """Self-speculation from the model's own multi-token-prediction modules (model.mtp_depth, loom.model.mtp):
+    module k drafts the token k places past the next one, from the row's context and the drafts before it
+    (DeepSeek-V3's modules used as drafters, as its report suggests). `mtp_logits` runs the whole context
+    without a cache, once per drafted token: this shows the drafts' acceptance, it is not fast (the modules
+    would need a row cache of their own, as DraftProposer's model has)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.depth = int(getattr(model.cfg, "mtp_depth", 0) or 0)
+        if self.depth < 1:
+            raise ValueError("the model has no multi-token-prediction modules (model.mtp_depth = 0)")
+        self.autocast: contextlib.AbstractContextManager | object = contextlib.nullcontext
+
+    def attach(self, engine) -> None:  # (a loom.engine.Engine: not imported, it imports this module)
+        self.autocast, self.vocab, self.device = engine.autocast, engine.vocab, engine.device
+
+    def prefilled(self, rows: list[Request]) -> None:
+        pass
+
+    def propose(self, rows: list[Request], k: int) -> list[list[int]]:
+        """Row by row (contexts differ in length): up to min(k, depth) drafts. The row's last token is the main
+        head's pick, so module 1 at the position before it predicts the token after it, module 2 (given that
+        draft) the one after, ..."""
+        out = []
+        for r in rows:
+            ids, drafts = r.context(), []
+            for j in range(min(k, self.depth)):
+                with torch.no_grad(), self.autocast():
+                    x = torch.tensor([ids + drafts], dtype=torch.long, device=self.device)
+                    logits = self.model.mtp_logits(x)
+                if len(logits) <= j:
+                    break
+                drafts.append(int(greedy(logits[j][:, -1, : self.vocab].float())[0]))
+            out.append(drafts)
+        return out
