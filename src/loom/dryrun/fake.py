@@ -87,12 +87,18 @@ class DdpBuckets:
 
 @contextlib.contextmanager
 def parallelize_fake(mode, ddp: DdpBuckets) -> Iterator[None]:
-    """While loom.parallel.parallelize runs: its allocations (materialize) in `mode`, DDP replaced by `ddp`."""
+    """While loom.parallel.parallelize runs: its allocations (materialize) in `mode`, DDP replaced by `ddp`
+    (and the straggler monitor's timed comm hook left off: there is no DDP to hook, and nothing to time)."""
     import loom.parallel.ddp as ddp_module
     import loom.parallel.init as init_module
 
+    compress = ddp_module.apply_compression
+
+    def untimed(model, kind, rank, warmup, waits=None):
+        return compress(model, kind, rank, warmup, None)
+
     with swapped(init_module, "materialize", _inside(mode, init_module.materialize)):
-        with swapped(ddp_module, "apply_ddp", ddp.apply):
+        with swapped(ddp_module, "apply_ddp", ddp.apply), swapped(ddp_module, "apply_compression", untimed):
             yield
 
 
