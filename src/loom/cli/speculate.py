@@ -99,7 +99,9 @@ def speculator_for(args: argparse.Namespace, device, model):
     if args.speculate == "ngram":
         return NgramProposer()
     if args.speculate == "mtp":
-        if not getattr(model.cfg, "mtp_depth", 0):
+        from loom.model.mtp import mtp_depth
+
+        if not mtp_depth(model):
             raise LoomError(
                 "--speculate mtp drafts with the run's multi-token-prediction modules, and it has none",
                 hint="train with --model.mtp_depth=N (N >= 1), or use --speculate ngram or --draft RUN",

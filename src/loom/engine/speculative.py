@@ -26,6 +26,7 @@ import torch
 
 from loom.engine.request import Request
 from loom.engine.sampling import greedy
+from loom.model.mtp import mtp_depth
 
 
 class Speculator(Protocol):
@@ -124,7 +125,7 @@ class MTPProposer:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.depth = int(getattr(model.cfg, "mtp_depth", 0) or 0)
+        self.depth = mtp_depth(model)
         if self.depth < 1:
             raise ValueError("the model has no multi-token-prediction modules (model.mtp_depth = 0)")
         self.autocast: contextlib.AbstractContextManager | object = contextlib.nullcontext

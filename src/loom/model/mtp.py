@@ -64,3 +64,9 @@ def mtp_loss(logits_of, hidden: list[torch.Tensor], targets: torch.Tensor) -> to
             logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1
         )
     return total / max(len(hidden), 1)
+
+
+def mtp_depth(model: nn.Module) -> int:
+    """How many multi-token-prediction modules `model` has (0: none, or a family that builds none): what
+    speculation outside model/ asks, instead of probing a family's config."""
+    return int(getattr(model.cfg, "mtp_depth", 0) or 0)
