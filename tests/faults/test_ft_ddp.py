@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faultkit import STARTED, TINY, Proc, records, wait_for
+from faultkit import TINY, Proc, records, wait_for
 from loomrun import loom_run
 from proctree import descendants
 
@@ -20,15 +20,6 @@ from loom import checkpoint
 
 pytest.importorskip("torchft", reason="the ft extra (pip install loom[ft])")
 STEPS = 30
-
-
-@pytest.fixture(autouse=True)
-def _nothing_left_running():
-    yield
-    while STARTED:
-        p = STARTED.pop()
-        if p.p.poll() is None:
-            p.kill_all()
 
 
 def args(data: Path, runs: Path, name: str, steps: int, *extra: str, nproc: str | None = "2") -> list[str]:

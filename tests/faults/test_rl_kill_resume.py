@@ -2,7 +2,8 @@
 for bit (CPU, fp32, one thread in every process: faultkit.ENV). Nothing of the sampler is saved but the count of
 rollouts drawn: each answer's seed is a function of the run's seed, the rollout and the prompt's place
 (loom.rl.rollout.sample_seed), so the resumed run samples what the uninterrupted one did. With
-rl.updates_per_batch=2 a checkpoint may fall in the middle of a batch, which it then holds.
+rl.updates_per_batch=2 a checkpoint may fall in the middle of a batch, which it then holds. The same holds for
+RL from a base model (raw-text prompts, answers ended by rl.stop, a format plus a correctness reward).
 
 SIGTERM while a reward hangs: the reward is interrupted, the rollout given up (its step not taken), the run
 saves its stop checkpoint and exits EXIT_PREEMPTED; --resume draws that rollout again and continues the
@@ -15,8 +16,9 @@ import signal
 import threading
 import time
 
+import pytest
 from faultkit import Proc, records, run_inprocess, wait_for
-from rlkit import rl_args
+from rlkit import rl_args, rl_base_args
 
 from loom import checkpoint
 from loom.errors import EXIT_PREEMPTED
@@ -33,24 +35,30 @@ def _by_step(run) -> dict[int, tuple]:
     return out
 
 
-def test_kill_9_during_rl_then_resume_equals_an_uninterrupted_run(rl_root, tmp_path):
-    flat = [*REGEX, "--train.steps=10", "--train.ckpt_every=3", "--rl.updates_per_batch=2"]
+@pytest.mark.parametrize("kind", ["chat", "base"])
+def test_kill_9_during_rl_then_resume_equals_an_uninterrupted_run(rl_root, tmp_path, kind):
+    flat = ["--train.steps=10", "--train.ckpt_every=3", "--rl.updates_per_batch=2"]
+
+    def make(name: str, *a: str) -> list[str]:
+        return rl_args(rl_root, name, *REGEX, *a) if kind == "chat" else rl_base_args(rl_root, name, *a)
+
+    whole_name, cut_name = f"{kind}-whole", f"{kind}-cut"
     runs = rl_root / "runs"
-    assert run_inprocess(rl_args(rl_root, "k-whole", *flat)) == 0
-    p = Proc(rl_args(rl_root, "k-cut", *flat), tmp_path / "cut")
+    assert run_inprocess(make(whole_name, *flat)) == 0
+    p = Proc(make(cut_name, *flat), tmp_path / "cut")
     wait_for(
         lambda: (
-            checkpoint.latest_valid(runs / "k-cut" / "ckpt") is not None
-            and max(_by_step(runs / "k-cut"), default=0) >= 5
+            checkpoint.latest_valid(runs / cut_name / "ckpt") is not None
+            and max(_by_step(runs / cut_name), default=0) >= 5
         ),
         p,
         what="step 5 after a checkpoint",
     )
     p.kill_all()
-    saved = checkpoint.latest_valid(runs / "k-cut" / "ckpt")
+    saved = checkpoint.latest_valid(runs / cut_name / "ckpt")
     assert saved is not None and int(saved.name.split("_")[1]) < 10
-    assert run_inprocess([*rl_args(rl_root, "k-cut", *flat), "--resume"]) == 0
-    whole, cut = _by_step(runs / "k-whole"), _by_step(runs / "k-cut")
+    assert run_inprocess([*make(cut_name, *flat), "--resume"]) == 0
+    whole, cut = _by_step(runs / whole_name), _by_step(runs / cut_name)
     assert sorted(cut) == list(range(1, 11))
     assert whole == cut
     assert any(g > 0 for _, g, _ in whole.values())
