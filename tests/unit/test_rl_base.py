@@ -197,3 +197,14 @@ def test_with_batch_invariance_off_the_run_records_the_corrected_ratio(rl_root):
         assert abs(r["rl/is_weight_mean"] - 1) < 1e-3  # fp32 on a CPU: the forwards differ by ~1e-7
     keys = ("loss", "grad_norm", "rl/is_weight_mean", "rl/entropy")
     assert [r[k] for r in whole[3:] for k in keys] == [r[k] for r in cut[-1:] for k in keys]
+
+
+def test_in_bf16_the_correction_is_on_though_batch_invariant(rl_root):
+    """Batch-invariance makes the sampler's and the trainer's forwards equal in fp32 only: in bf16 (autocast)
+    the correction is on with rl.batch_invariant left on; in fp32 it is off (no rl/is_* figures)."""
+    assert main(rl_base_args(rl_root, "tis-bf16", "--precision.dtype=bf16", "--train.steps=2")) == 0
+    assert main(rl_base_args(rl_root, "tis-fp32", "--train.steps=2")) == 0
+    bf16 = [r for r in _records(rl_root / "runs" / "tis-bf16") if "loss" in r]
+    fp32 = [r for r in _records(rl_root / "runs" / "tis-fp32") if "loss" in r]
+    assert bf16 and all(0 < r["rl/is_weight_mean"] <= 2.0 for r in bf16)
+    assert fp32 and not any("rl/is_weight_mean" in r for r in fp32)

@@ -716,7 +716,8 @@ class RLConfig:
     )
     is_cap: float = _f(
         2.0,
-        "Where batch-invariance is off: each token's loss weighted by min(p_trainer / p_sampler, is_cap) "
+        "Where batch-invariance is off or the step runs in bf16/fp16 (exact only in fp32): each token's loss "
+        "weighted by min(p_trainer / p_sampler, is_cap) "
         "(truncated importance sampling); 0: no correction.",
         ge=0,
     )
@@ -730,7 +731,9 @@ class FtConfig:
 
     enabled: bool = _f(False, "Train as torchft replica groups (one process each; loom train --nproc N).")
     replica_groups: int = _f(0, "Replica groups in the job (0: --nproc's number).", ge=0)
-    replica_id: int = _f(-1, "This process's replica group (-1: set by --nproc; by hand: 0..groups-1).", ge=-1)
+    replica_id: int = _f(
+        -1, "This process's replica group (-1: set by --nproc; by hand: 0..groups-1).", ge=-1
+    )
     lighthouse: str = _f(
         "", "A running lighthouse, http://HOST:PORT (empty: loom train --nproc starts one on 127.0.0.1)."
     )

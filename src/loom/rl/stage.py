@@ -57,7 +57,8 @@ class RL:
         self.heldout = None  # the held-out evaluator (loom.rl.heldout), when rl.eval_prompts is set
         # batch-invariant forwards where they are measured to hold (CPU kernels); elsewhere not even the hook
         self.invariant = r.batch_invariant and device.type == "cpu"
-        # where the forwards may differ, truncated importance sampling against the sampler's (loom.rl.loss)
+        # where the forwards may differ, truncated importance sampling against the sampler's (loom.rl.loss);
+        # begin() turns it on under autocast too (bf16: the forwards differ even batch-invariant)
         self.corrected = not self.invariant and r.is_cap > 0
         self.vocab = meta["vocab_size"]  # the logits past it are padding: left out as the engine does
 
@@ -65,6 +66,9 @@ class RL:
         """The model the rollouts sample from (this rank's, as it trains) and the sampling precision (the step's:
         the sampler's log-probabilities are the trainer's); the frozen reference with rl.kl_coef > 0."""
         self.parallel, self.autocast = parallel, autocast
+        with autocast():  # batch-invariance is exact in fp32 only: in bf16 the README's 4 x 128 model's
+            low = torch.is_autocast_enabled(self.device.type)  # log-probabilities differ by up to 0.05
+        self.corrected = (not self.invariant or low) and self.rl.is_cap > 0
         if self.rl.kl_coef > 0:
             self.ref = reference_model(self.cfg, self.meta, self.device)
 
