@@ -127,6 +127,50 @@ def test_restarted_group_heals_bitwise(char_data, tmp_path):
     assert_same(weights(run0, steps), weights(run1, steps))
 
 
+def test_partitioned_group_rejoins_and_heals(char_data, tmp_path):
+    """Group 1 is cut off (all its processes SIGSTOPped) past the lighthouse's heartbeat timeout: group 0 goes
+    on alone (its step in flight fails within ft.timeout_s, then it quorums without group 1). Once group 1 is
+    back (SIGCONT) its own step in flight fails; it rejoins and heals from group 0 in place, or its quorum
+    request times out first (one `loom: error:`, exit 1) and the launcher restarts it and it heals; from then
+    on both groups' checkpoints of a step hold the same weights bit for bit. ft.timeout_s is above the
+    lighthouse's 10 s join timeout (at 5 s the returning group's quorum request timed out here)."""
+    every = 200
+    extra = (
+        "--ft.enabled=true",
+        "--ft.timeout_s=12",
+        f"--train.ckpt_every={every}",
+        "--train.keep_last=1000",
+    )
+    job = Proc(args(char_data, tmp_path, "job", 100_000, *extra), tmp_path / "job")
+    run0, run1 = tmp_path / "job", tmp_path / "job-g1"
+    wait_for(lambda: len(records(run1)) > 8, job, timeout=240, what="group 1's steps")
+    pid = group_pid(job, 1)
+    assert pid is not None
+    cut = [pid, *descendants(pid)]
+    for p in cut:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        alone = lambda: [r for r in records(run0) if r.get("ft_replicas") == 1]  # noqa: E731
+        wait_for(lambda: len(alone()) >= 3, job, timeout=120, what="group 0 going on without group 1")
+    finally:
+        for p in cut:
+            os.kill(p, signal.SIGCONT)
+    healed = lambda: [c for c in ft_records(run1) if "heal_s" in c]  # noqa: E731
+    wait_for(lambda: healed(), job, timeout=240, what="group 1 healing from group 0")
+    assert healed()[-1]["replicas"] == [0, 1], ft_records(run1)
+    assert any(c["left"] == [1] and c["replicas"] == [0] for c in ft_records(run0)), ft_records(run0)
+    now = max(r["step"] for r in records(run0) if "loss" in r)  # group 0's step, past the heal
+    step = (now // every + 1) * every  # a checkpoint both groups write after the heal
+    done = lambda run: (run / "ckpt" / f"step_{step + every:06d}").exists()  # noqa: E731  (step's is complete)
+    wait_for(lambda: done(run0) and done(run1), job, timeout=240, what=f"both groups' checkpoint {step}")
+    job.kill_all()
+    assert_same(weights(run0, step), weights(run1, step))
+    err = job.stderr()
+    assert "Process loom ft" not in err, err[-3000:]  # no group ended in a traceback
+    if "replica group 1 ended" in job.stdout():  # restarted: after one clear error
+        assert err.count("replica group 1 got no quorum before step") == 1, err[-3000:]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -292,6 +292,14 @@ def _recording_transport(pg, timeout: timedelta):
     return RecordingTransport(pg, timeout=timeout, device=torch.device("cpu"))
 
 
+class QuorumLost(LoomError):
+    """This group got no quorum within ft.timeout_s while the lighthouse answers: it was cut off from the
+    others (a partition, a stopped process) for longer than that. Exit 1, a crash, not a user error: the
+    launcher starts the group again and it heals from a live peer."""
+
+    code = 1
+
+
 class FtReplica:
     """One replica group's torchft Manager, driven by the trainer: `begin_step` (quorum, healing), `sync_grads`
     (the gradient mean over the quorum), `commit` (the quorum's agreement), `records` (what metrics.jsonl gets)."""
@@ -305,6 +313,7 @@ class FtReplica:
         url = self.url = url or lighthouse_url(ft.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"])
         if REPLICA_ENV not in os.environ:  # a group started by hand: its number must be free
             refuse_live(url, job_name(cfg).removesuffix("_g"), self.k)
+        self.timeout_s = ft.timeout_s
         timeout = timedelta(seconds=ft.timeout_s)
         self.pg = _recording_gloo(timeout)
         self.transport = _recording_transport(self.pg, timeout)
@@ -366,7 +375,13 @@ class FtReplica:
             self.manager.start_quorum()
         except Exception as e:  # the lighthouse (or this group's manager server) no longer answers
             if _reachable(self.url):
-                raise
+                raise QuorumLost(
+                    f"torchft: replica group {self.k} got no quorum before step {self.trainer.step + 1} "
+                    f"within ft.timeout_s={self.timeout_s:g}s (cut off from the other groups for longer than "
+                    f"that?): {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                    hint="loom train --nproc starts the group again and it heals from a live peer; started by "
+                    "hand, run the same command with --train.resume=auto",
+                ) from None
             raise LoomError(
                 f"torchft: replica group {self.k} lost the lighthouse at {self.url} before step "
                 f"{self.trainer.step + 1}: {str(e).splitlines()[0]}",
