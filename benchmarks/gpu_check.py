@@ -1409,7 +1409,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     which.add_argument("--only", help="comma list of lines to run, in that order (and the lines they need)")
     p.add_argument("--fail-check", metavar="NAME", help="make this line fail on purpose (tests the kit)")
-    p.add_argument("--hang-check", metavar="NAME", help="make this line sleep for a minute (tests the budget)")
+    p.add_argument(
+        "--hang-check", metavar="NAME", help="make this line sleep for a minute (tests the budget)"
+    )
     p.add_argument(
         "--budget-s",
         type=float,

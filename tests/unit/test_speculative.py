@@ -33,7 +33,9 @@ def test_greedy_speculation_gives_the_tokens_of_decoding_one_at_a_time(pos):
         assert [r.finish_reason for r in got] == [r.finish_reason for r in plain]
         assert [r.stop_token for r in got] == [r.stop_token for r in plain]
         diff = max(
-            abs(a - b) for x, y in zip(got, plain, strict=True) for a, b in zip(x.logprobs, y.logprobs)
+            abs(a - b)
+            for x, y in zip(got, plain, strict=True)
+            for a, b in zip(x.logprobs, y.logprobs, strict=True)
         )
         assert diff < 1e-4
         assert e.spec_forwards > 0 and e.spec_proposed > 0

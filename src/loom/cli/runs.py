@@ -78,7 +78,9 @@ def export(argv: list[str]) -> int:
 
 
 def ckpt(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="loom ckpt", description="Inspect, consolidate or average a run's checkpoints.")
+    p = argparse.ArgumentParser(
+        prog="loom ckpt", description="Inspect, consolidate or average a run's checkpoints."
+    )
     sub = p.add_subparsers(dest="verb", required=True)
     ins = sub.add_parser("inspect", help="format, step, layout, files and sizes, valid or not")
     ins.add_argument("target", help="a run directory, its ckpt/ folder or one RUN/ckpt/step_N")

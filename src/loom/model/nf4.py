@@ -172,7 +172,9 @@ def materialize_nf4(
         module.to_empty(device=device, recurse=False)
         for pname, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             name = f"{prefix}.{pname}" if prefix else pname
-            key = aliases.get(name, name)  # a tied alias: the one tensor's name (the model is not wrapped yet)
+            key = aliases.get(
+                name, name
+            )  # a tied alias: the one tensor's name (the model is not wrapped yet)
             if pretrained is not None and key in pretrained:
                 # a target's weight is used once: dropped here, so the host copy shrinks as the model fills
                 src = pretrained.pop(key) if id(module) in targets and pname == "weight" else pretrained[key]
