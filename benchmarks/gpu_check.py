@@ -645,15 +645,15 @@ def long_context_checks(cuda: bool, out: Path) -> list[Check]:
     return checks
 
 
-def decode_check(cuda: bool, out: Path, lacking: set[str]) -> Check:
-    """Generation speed (issue 45): loom.engine at batch 1 and 64 beside transformers' generate on the same
-    weights, and the decode's bandwidth use; --cpu: the tiny shape, batch 1 and 4."""
+def decode_argv(cuda: bool, path: Path, *extra: str) -> list[str]:
+    """`loom bench generate` at bench-decode's shape: GPT-2 124M at batch 1 and 64 in bf16 (--cpu: the tiny shape,
+    batch 1 and 4, fp32), its records written to `path`; `extra`: the line's own options."""
     shape = GPT2 if cuda else TINY
-    decode_json = out / "bench-decode.json"
-    argv = [
+    return [
         *LOOM,
         "bench",
         "generate",
+        *extra,
         "--batch",
         "1,64" if cuda else "1,4",
         "--prompt-len",
@@ -667,10 +667,16 @@ def decode_check(cuda: bool, out: Path, lacking: set[str]) -> Check:
         "--device",
         "cuda" if cuda else "cpu",
         *[f"--model.{k}={v}" for k, v in shape.items()],
-        *(["--no-hf"] if "transformers" in lacking else []),
         "--json",
-        str(decode_json),
+        str(path),
     ]
+
+
+def decode_check(cuda: bool, out: Path, lacking: set[str]) -> Check:
+    """Generation speed (issue 45): loom.engine at batch 1 and 64 beside transformers' generate on the same
+    weights, and the decode's bandwidth use; --cpu: the tiny shape, batch 1 and 4."""
+    decode_json = out / "bench-decode.json"
+    argv = decode_argv(cuda, decode_json, *(["--no-hf"] if "transformers" in lacking else []))
     return Check("bench-decode", lambda ctx: [argv], 240, lambda o, ctx: decode_figures(decode_json))
 
 
@@ -692,31 +698,8 @@ def decode_figures(path: Path) -> dict:
 def int8_decode_check(cuda: bool, out: Path, lacking: set[str]) -> Check:
     """Decoding with int8 weight-only linears (issue 62): bench-decode's model at batch 1 and 64 (--cpu: the tiny
     shape, batch 1 and 4), bf16 and int8 timed in one process (fp32 on the CPU)."""
-    shape = GPT2 if cuda else TINY
     path = out / "bench-decode-int8.json"
-    argv = [
-        *LOOM,
-        "bench",
-        "generate",
-        "--quantize",
-        "int8",
-        "--no-hf",
-        "--batch",
-        "1,64" if cuda else "1,4",
-        "--prompt-len",
-        "128" if cuda else "8",
-        "--new-tokens",
-        "128" if cuda else "8",
-        "--rounds",
-        "3" if cuda else "1",
-        "--dtype",
-        "bf16" if cuda else "fp32",
-        "--device",
-        "cuda" if cuda else "cpu",
-        *[f"--model.{k}={v}" for k, v in shape.items()],
-        "--json",
-        str(path),
-    ]
+    argv = decode_argv(cuda, path, "--quantize", "int8", "--no-hf")
     why_not = (
         "needs torchao (the loom[fp8] extra), which this interpreter lacks" if "torchao" in lacking else None
     )

@@ -35,27 +35,21 @@ def _conversations(n: int, seed: int) -> list[dict]:
     return out
 
 
+def make_char_base(root, text: str, model: list[str], *train: str) -> None:
+    """`text` as root/base.txt, prepared with a char tokenizer into root/text, and a base run root/runs/base of
+    `model` trained on it (`train`: its steps and the like)."""
+    (root / "base.txt").write_text(text)
+    prepare = ["data", "prepare", "--input", str(root / "base.txt"), "--out", str(root / "text")]
+    assert main([*prepare, "--tokenizer", "char"]) == 0
+    base = [f"--data.path={root / 'text'}", f"--run.dir={root / 'runs'}", "--run.name=base", *model, *QUIET]
+    assert main(["train", *base, *train]) == 0
+
+
 def make_sft_root(root):
     """A tiny base run (char tokenizer) and chat data prepared with its tokenizer, under `root`."""
     rng = random.Random(0)
-    (root / "base.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(4000)) + " reverse: again\n")
-    assert (
-        main(
-            [
-                "data",
-                "prepare",
-                "--input",
-                str(root / "base.txt"),
-                "--out",
-                str(root / "text"),
-                "--tokenizer",
-                "char",
-            ]
-        )
-        == 0
-    )
-    base = [f"--data.path={root / 'text'}", f"--run.dir={root / 'runs'}", "--run.name=base", *MODEL, *QUIET]
-    assert main(["train", *base, "--train.steps=3"]) == 0
+    text = " ".join(rng.choice(WORDS) for _ in range(4000)) + " reverse: again\n"
+    make_char_base(root, text, MODEL, "--train.steps=3")
     with open(root / "conv.jsonl", "w", encoding="utf-8") as f:
         for c in _conversations(120, seed=1):
             f.write(json.dumps(c) + "\n")

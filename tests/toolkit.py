@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import random
 
-from sftkit import QUIET
+from sftkit import QUIET, make_char_base
 
 from loom.cli import main
 
@@ -79,24 +79,7 @@ def make_tool_root(root, steps: int = 300) -> tuple:
         "\n".join(json.dumps(r) for r in records[:50])
         + '\n0123456789 {}[]":,_-.\nabcdefghijklmnopqrstuvwxyz\n'
     )
-    (root / "base.txt").write_text(text)
-    assert (
-        main(
-            [
-                "data",
-                "prepare",
-                "--input",
-                str(root / "base.txt"),
-                "--out",
-                str(root / "text"),
-                "--tokenizer",
-                "char",
-            ]
-        )
-        == 0
-    )
-    base = [f"--data.path={root / 'text'}", f"--run.dir={root / 'runs'}", "--run.name=base", *MODEL, *QUIET]
-    assert main(["train", *base, "--train.steps=2", "--train.batch_size=2"]) == 0
+    make_char_base(root, text, MODEL, "--train.steps=2", "--train.batch_size=2")
     with open(root / "tools.jsonl", "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     prep = ["data", "prepare", "--chat", "--input", str(root / "tools.jsonl"), "--out", str(root / "chat")]

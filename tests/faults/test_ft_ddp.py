@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faultkit import TINY, Proc, records, wait_for
+from faultkit import Proc, records, train_args, wait_for
 from loomrun import loom_run
 from proctree import descendants
 
@@ -23,17 +23,9 @@ STEPS = 30
 
 
 def args(data: Path, runs: Path, name: str, steps: int, *extra: str, nproc: str | None = "2") -> list[str]:
-    return [
-        "train",
-        *(["--nproc", nproc] if nproc else []),
-        f"--data.path={data}",
-        f"--run.dir={runs}",
-        f"--run.name={name}",
-        f"--train.steps={steps}",
-        *TINY,
-        "--model.dropout=0",
-        *extra,
-    ]
+    """faultkit's train_args (dropout off), under --nproc `nproc` (None: one process, as a group by hand)."""
+    own = train_args(data, runs, name, steps, "--model.dropout=0", *extra)
+    return [own[0], *(["--nproc", nproc] if nproc else []), *own[1:]]
 
 
 def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
