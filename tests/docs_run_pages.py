@@ -6,7 +6,6 @@ the table of commands not run and the scale rule are in tests/docs_commands.py."
 from __future__ import annotations
 
 import shlex
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,23 +100,10 @@ def page_folder(cmd: PageCommand, tmp_path_factory, monkeypatch, capfd) -> Path:
     return _FOLDERS[page]
 
 
-_LAST_END = [0]
-
-
-def _next_second() -> None:
-    """Each command starts in a wall-clock second after the one the page's previous command ended in: a run
-    without run.name is named by the second it reads the clock in (after it started), and two runs named in one
-    second (a fast machine) are refused as one run directory holding another run's config, as for a user."""
-    while int(time.time()) <= _LAST_END[0]:
-        time.sleep(0.05)
-
-
 def run_page_command(pc: PageCommand, tmp_path_factory, monkeypatch, capfd) -> None:
     """Run the command in its page's folder (made at the page's first command) and check it exits 0."""
     folder = page_folder(pc, tmp_path_factory, monkeypatch, capfd)
-    _next_second()
     code, out = run_in(folder, pc.cmd.words, pc.argv, monkeypatch)
-    _LAST_END[0] = int(time.time())
     captured = capfd.readouterr()
     shown = " ".join(pc.cmd.words) if pc.argv is None else "loom " + " ".join(pc.argv)
     assert code == 0, (

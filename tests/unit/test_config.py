@@ -147,3 +147,25 @@ def test_a_family_owns_its_keys(tmp_path):
         load_config(None, ["--model.family=moe", "--model.n_experts=4", "--model.family=llama"])
     with pytest.raises(LoomError, match="model.moe_gemm must be one of auto, grouped, loop; got 'x'"):
         validate(load_config(None, ["--model.family=moe", "--model.moe_gemm=x"]))
+
+
+def test_runs_without_a_name_started_in_one_second_get_two_folders(tmp_path, monkeypatch):
+    """The default run name is the second the run starts in; a second run in that second (a script's next
+    command) is named `-2`, not refused as the first run's folder. An explicit run.name still is refused."""
+    import time
+
+    from loom.train.setup import resolve_run_dir
+
+    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20261202-070000")
+    cfg = load_config(None, [f"--run.dir={tmp_path}"])
+    first = resolve_run_dir(cfg, None, False)
+    assert first == tmp_path / "20261202-070000"
+    first.mkdir()
+    (first / "config.toml").write_text(to_toml(cfg))
+    second = resolve_run_dir(cfg, None, False)
+    assert second == tmp_path / "20261202-070000-2"
+    second.mkdir()  # an empty folder is not taken: a run that stopped before writing anything
+    assert resolve_run_dir(cfg, None, False) == second
+    named = load_config(None, [f"--run.dir={tmp_path}", "--run.name=20261202-070000"])
+    with pytest.raises(LoomError, match="already holds a run"):
+        resolve_run_dir(named, None, False)

@@ -228,7 +228,7 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool, inputs:
                 f"--resume: no run with checkpoints under '{parent}'", hint="start without --resume"
             )
     else:
-        run_dir = parent / check_run_name(cfg.run.name or time.strftime("%Y%m%d-%H%M%S"))
+        run_dir = parent / check_run_name(cfg.run.name) if cfg.run.name else _unused_name(parent)
     if resume:
         if not run_dir.is_dir():
             what = "is not a directory" if run_dir.exists() else "does not exist"
@@ -242,6 +242,16 @@ def resolve_run_dir(cfg: Config, resume: str | bool | None, force: bool, inputs:
     # --force must never delete the data it trains on; with --force only a loom run is replaced
     claim_output(run_dir, "run", force, "run directory", inputs, inside_ok=True)
     return run_dir  # created by the trainer once everything cheap has been checked
+
+
+def _unused_name(parent: Path) -> Path:
+    """A run without run.name is named by the second it starts in; a second run started in the same second
+    (a script's next command) gets `-2`, `-3`, ... instead of being refused as another run's folder."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir, k = parent / stamp, 2
+    while run_dir.exists() and any(run_dir.iterdir()):
+        run_dir, k = parent / f"{stamp}-{k}", k + 1
+    return run_dir
 
 
 def refuse_existing_run(run_dir: Path, cfg: Config) -> None:
