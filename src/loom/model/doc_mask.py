@@ -41,15 +41,27 @@ def build_doc_mask(idx: torch.Tensor, eot_id: int, restart: bool, flex: bool | N
         positions = t - torch.where(opens, t, torch.zeros_like(t)).cummax(1).values
     if flex is None:
         flex = idx.device.type != "cpu"
-    block_mask = None
-    if flex:
+    return DocMask(doc, positions, _block_mask(doc) if flex else None)
 
-        def same_doc_causal(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
 
-        make = create_block_mask_fn(compiled=idx.is_cuda)
-        block_mask = make(same_doc_causal, B, None, T, T, device=idx.device)
-    return DocMask(doc, positions, block_mask)
+def _block_mask(doc: torch.Tensor):
+    """FlexAttention's block mask of document ids doc (B, T): causal, within each document."""
+    B, T = doc.shape
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+    make = create_block_mask_fn(compiled=doc.is_cuda)
+    return make(same_doc_causal, B, None, T, T, device=doc.device)
+
+
+def doc_mask_head(mask: DocMask, n: int) -> DocMask:
+    """The documents of the first n positions of each window (model.mtp_depth: MTP module k runs on positions
+    0 .. T-1-k, each a state h_i of token i's document). A prefix of a causal document mask is one too; the
+    block mask, whose shape is fixed, is rebuilt for the shorter windows."""
+    doc = mask.doc[:, :n]
+    positions = mask.positions[:, :n] if mask.positions is not None else None
+    return DocMask(doc, positions, _block_mask(doc) if mask.block_mask is not None else None)
 
 
 def dense_doc_mask(doc: torch.Tensor) -> torch.Tensor:

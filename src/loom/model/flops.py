@@ -44,14 +44,35 @@ def _moe_biases(cfg) -> int:
     return (shared - dense) * len(cfg.moe_layers)
 
 
+def _mtp_depth(cfg) -> int:
+    return getattr(cfg, "mtp_depth", 0) or 0
+
+
 def matmul_params(cfg: GPTConfig) -> int:
-    """The matrices a token is multiplied by (a MoE's active experts only)."""
-    return cfg.n_layer * _block_matrices(cfg) + cfg.padded_vocab * cfg.n_embd + _moe_extra(cfg, True)
+    """The matrices a token is multiplied by (a MoE's active experts only). Training with model.mtp_depth=D
+    adds, per module, its 2C -> C projection, its block and the shared head once more (loom.model.mtp), counted
+    over all T positions of a window although module k runs on T - k of them (as attention is counted as if
+    not causal); evaluation and generation do not run the modules, so their FLOPs are the main model's
+    (`matmul_params(dataclasses.replace(cfg, mtp_depth=0))`)."""
+    head = cfg.padded_vocab * cfg.n_embd
+    mtp = _mtp_depth(cfg) * (2 * cfg.n_embd * cfg.n_embd + _block_matrices(cfg) + head)
+    return cfg.n_layer * _block_matrices(cfg) + head + _moe_extra(cfg, True) + mtp
 
 
 def param_count(cfg: GPTConfig) -> int:
-    """Distinct parameters (a tied head counted once), matching GPT.num_params()."""
-    C, L, kv, F = cfg.n_embd, cfg.n_layer, cfg.kv_heads * cfg.head_dim, cfg.ffn_width
+    """Distinct parameters (a tied head counted once), matching GPT.num_params() (MTP modules included)."""
+    C, L = cfg.n_embd, cfg.n_layer
+    norm = 2 * C if cfg.bias and cfg.norm == "layernorm" else C  # RMSNorm has no bias
+    embeddings = cfg.padded_vocab * C * (1 if cfg.tie_embeddings else 2)
+    if cfg.pos == "learned":
+        embeddings += cfg.block_size * C
+    mtp = _mtp_depth(cfg) * (_block_params(cfg) + 2 * C + 2 * C * C)  # two RMSNorms and M_k (2C -> C) each
+    return embeddings + L * _block_params(cfg) + norm + _moe_extra(cfg, False) + _moe_biases(cfg) + mtp
+
+
+def _block_params(cfg: GPTConfig) -> int:
+    """One dense block's parameters: matrices, norms, q/k norms, biases."""
+    C, kv, F = cfg.n_embd, cfg.kv_heads * cfg.head_dim, cfg.ffn_width
     norm = 2 * C if cfg.bias and cfg.norm == "layernorm" else C  # RMSNorm has no bias
     per_block = _block_matrices(cfg) + 2 * norm
     if cfg.qk_norm:
@@ -61,10 +82,7 @@ def param_count(cfg: GPTConfig) -> int:
         per_block += (2 if cfg.mlp == "swiglu" else 1) * F + C  # gate and up, or up; down
     elif cfg.qkv_bias:
         per_block += cfg.n_head * cfg.head_dim + 2 * kv  # q; k, v
-    embeddings = cfg.padded_vocab * C * (1 if cfg.tie_embeddings else 2)
-    if cfg.pos == "learned":
-        embeddings += cfg.block_size * C
-    return embeddings + L * per_block + norm + _moe_extra(cfg, False) + _moe_biases(cfg)
+    return per_block
 
 
 def active_param_count(cfg: GPTConfig) -> int:
@@ -73,6 +91,7 @@ def active_param_count(cfg: GPTConfig) -> int:
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
-    """Training FLOPs (forward + backward) per token."""
+    """Training FLOPs (forward + backward) per token, the MTP modules' included (model.mtp_depth: each runs one
+    more block's attention)."""
     T = seq_len or cfg.block_size
-    return 6 * matmul_params(cfg) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+    return 6 * matmul_params(cfg) + 12 * (cfg.n_layer + _mtp_depth(cfg)) * cfg.n_head * cfg.head_dim * T

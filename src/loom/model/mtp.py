@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from loom.model.doc_mask import DocMask, doc_mask_head
+
 
 class MTPModule(nn.Module):
     """One depth: the two norms, the projection M_k and the block TRM_k (`block`: the model's block class)."""
@@ -36,20 +38,26 @@ class MTPModule(nn.Module):
         self.proj = nn.Linear(2 * cfg.n_embd, cfg.n_embd, bias=False)
         self.block = block
 
-    def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """h (B, T', C) the previous depth's states, emb (B, T', C) the embeddings of the tokens k ahead."""
-        return self.block(self.proj(torch.cat([self.norm_h(h), self.norm_e(emb)], dim=-1)))
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, doc: DocMask | None = None) -> torch.Tensor:
+        """h (B, T', C) the previous depth's states, emb (B, T', C) the embeddings of the tokens k ahead; doc:
+        the documents of h's positions (data.doc_mask), within which the block's attention stays."""
+        x = self.proj(torch.cat([self.norm_h(h), self.norm_e(emb)], dim=-1))
+        return self.block(x) if doc is None else self.block(x, doc=doc)
 
 
 def mtp_hidden(
-    modules: nn.ModuleList, wte: nn.Module, h: torch.Tensor, idx: torch.Tensor
+    modules: nn.ModuleList, wte: nn.Module, h: torch.Tensor, idx: torch.Tensor, doc: DocMask | None = None
 ) -> list[torch.Tensor]:
-    """[h^1, ..., h^D]: h^k (B, T-k, C) from h^0 = h (B, T, C) and the input ids idx (B, T)."""
+    """[h^1, ..., h^D]: h^k (B, T-k, C) from h^0 = h (B, T, C) and the input ids idx (B, T). doc (data.doc_mask):
+    the window's documents; position i of every depth belongs to token i's document (h^0_i saw only that one),
+    so module k's attention keeps to the documents of positions 0 .. T-1-k (and, with restarting positions,
+    RoPE turns by their places in them)."""
     out, T = [], idx.size(1)
     for k, module in enumerate(modules, start=1):
         if T - k <= 0:
             break
-        h = module(h[:, : T - k], wte(idx[:, k:]))
+        sub = doc_mask_head(doc, T - k) if doc is not None else None
+        h = module(h[:, : T - k], wte(idx[:, k:]), sub)
         out.append(h)
     return out
 

@@ -490,7 +490,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         if self.mtp is not None and self.training:  # DeepSeek-V3's L + lambda / D sum_k L^k (loom.model.mtp)
-            hidden = mtp_hidden(self.mtp, self.wte, h, idx)
+            hidden = mtp_hidden(self.mtp, self.wte, h, idx, doc)
             loss = loss + self.cfg.mtp_weight * mtp_loss(
                 lambda z: self.lm_head(self.ln_f(z)), hidden, targets
             )
