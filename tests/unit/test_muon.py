@@ -112,3 +112,46 @@ def test_wsd_schedule_holds_then_decays_linearly():
     assert lrs[:2] == [0.5, 1.0] and lrs[2:7] == [1.0] * 5
     assert lrs[-1] == pytest.approx(0.1) and lrs[7] > lrs[8] > lrs[9]
     assert lr_at(5, 1.0, 0.1, 2, 10) < 1.0  # cosine stays the default
+
+
+def test_bf16_newton_schulz_batches_by_shape():
+    """optim.muon_ns_dtype=bf16: each matrix's step equals newton_schulz of that matrix alone in bf16 (the batch
+    of same-shaped matrices changes nothing but the number of kernel calls), close to the fp32 step, and the
+    optimizer's bf16 step is that; fp32 stays the default."""
+    g = torch.Generator().manual_seed(0)
+    mats = [torch.randn(shape, generator=g) for shape in [(16, 16)] * 3 + [(64, 16)] * 2 + [(16, 64)]]
+    batched = Muon._orthogonalized(dict(enumerate(mats)), 5, "bf16")
+    for i, m in enumerate(mats):
+        alone = newton_schulz(m, 5, dtype=torch.bfloat16)
+        assert alone.dtype == torch.float32 and batched[i].shape == m.shape
+        torch.testing.assert_close(batched[i], alone, rtol=0, atol=2e-2)  # bf16's rounding, batched or not
+        assert (batched[i] - newton_schulz(m, 5)).norm() / newton_schulz(m, 5).norm() < 0.05
+    cfg = Config().optim
+    assert cfg.muon_ns_dtype == "fp32"
+    cfg.name, cfg.muon_ns_dtype = "muon", "bf16"
+    model = _gpt()
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    assert [grp["ns_dtype"] for grp in opt.param_groups] == ["bf16"] * len(opt.param_groups)
+    ref = copy.deepcopy(model)
+    _steps(model, opt, 1, seed=3)
+    _steps(ref, _manual_bf16_muon(ref, cfg), 1, seed=3)
+    for (n, a), b in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=n)
+
+
+def _manual_bf16_muon(model, cfg):
+    """The same optimizer with its Muon matrices orthogonalised one at a time in bf16."""
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    opt._orthogonalized = lambda updates, steps, _: {
+        p: newton_schulz(u, steps, dtype=torch.bfloat16) for p, u in updates.items()
+    }
+    return opt
+
+
+def test_muon_ns_dtype_choices_are_checked():
+    from loom.config import load_config
+    from loom.errors import LoomError
+
+    assert load_config(None, ["--optim.muon_ns_dtype=bf16"]).optim.muon_ns_dtype == "bf16"
+    with pytest.raises(LoomError, match="muon_ns_dtype"):
+        load_config(None, ["--optim.muon_ns_dtype=fp16"])

@@ -84,6 +84,7 @@ def muon_defaults(ocfg) -> dict:
         lr=ocfg.lr,
         momentum=ocfg.muon_momentum,
         ns_steps=ocfg.muon_ns_steps,
+        ns_dtype=ocfg.muon_ns_dtype,
         betas=(ocfg.beta1, ocfg.beta2),
         eps=ocfg.eps,
     )
