@@ -245,6 +245,44 @@ def static_pipeline_shapes(schedule, inputs: list, outputs: list) -> None:
     schedule._warmup_p2p = no_vote
 
 
+def wrap_pipeline_p2p_wait(wrap: Callable[[Callable], Callable]) -> bool:
+    """Replace the function every pipeline schedule waits on its send and receive work through
+    (`torch.distributed.pipelining.schedules._wait_batch_p2p(works)`) with `wrap(original)`; a second call
+    wraps the original again, not the wrapper (`functools.wraps` keeps it as `__wrapped__`). False where this
+    torch has no such function. Checked on torch 2.13."""
+    from torch.distributed.pipelining import schedules
+
+    original = getattr(schedules, "_wait_batch_p2p", None)
+    if original is None:
+        return False
+    original = getattr(original, "__wrapped__", original)
+    schedules._wait_batch_p2p = functools.wraps(original)(wrap(original))
+    return True
+
+
+# --- FSDP2 communication ---------------------------------------------------------------------------------
+
+
+def fsdp_default_comms() -> tuple[type, type] | None:
+    """FSDP2's default all-gather and reduce-scatter (`DefaultAllGather`, `DefaultReduceScatter` of
+    `torch.distributed.fsdp._fully_shard._fsdp_collectives`: what `set_custom_all_gather` /
+    `set_custom_reduce_scatter` replace), to subclass; None where this torch has none. Checked on torch 2.13."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            DefaultAllGather,
+            DefaultReduceScatter,
+        )
+    except ImportError:
+        return None
+    return DefaultAllGather, DefaultReduceScatter
+
+
+def fsdp_param_groups(module) -> int:
+    """How many parameter groups a fully_shard-ed module holds (custom comms need exactly one:
+    `module._get_fsdp_state()._fsdp_param_groups`). Checked on torch 2.13."""
+    return len(module._get_fsdp_state()._fsdp_param_groups)
+
+
 # --- memory trackers (the dry run) -----------------------------------------------------------------------
 
 

@@ -137,3 +137,36 @@ def test_pipeline_accessors():
         assert stage._user_meta.inputs and schedule._warmup_p2p.__name__ == "no_vote"
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp_comms_and_pipeline_wait_accessors():
+    """What the straggler monitor reaches (loom.distributed.stragglers): FSDP2's default comms to subclass, a
+    module's parameter groups, and the schedules' P2P wait, wrapped once however often it is wrapped."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import schedules
+
+    all_gather, reduce_scatter = compat.fsdp_default_comms()
+    assert callable(all_gather()) and callable(reduce_scatter())
+    dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=1)
+    try:
+        module = fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1,)))
+        assert compat.fsdp_param_groups(module) == 1
+    finally:
+        dist.destroy_process_group()
+    original, calls = schedules._wait_batch_p2p, []
+
+    def wrap(f):
+        def counted(works):
+            calls.append(len(works))
+            return f(works)
+
+        return counted
+
+    try:
+        assert compat.wrap_pipeline_p2p_wait(wrap) and compat.wrap_pipeline_p2p_wait(wrap)
+        schedules._wait_batch_p2p([])
+        assert calls == [0] and schedules._wait_batch_p2p.__wrapped__ is original
+    finally:
+        schedules._wait_batch_p2p = original

@@ -24,10 +24,20 @@ stopped there (SIGSTOP, starved of a CPU) holds every rank in it, and all show t
 small gather (the control plane). Rank 0 compares each rank's compute phases (every phase but `wait`) with
 the median of the other ranks': a rank's excess is what it spends above them, phase by phase, and the rank
 with the largest excess is the one the others wait for (their `wait` holds its excess). Where the waits are
-measured (DDP) two ranks suffice: the waiting rank's backward is its compute only. Where they are not (FSDP's
-all-gathers and reduce-scatters, the pipeline's sends and receives: the wait stays inside the phase of the
-collective), a rank waiting for the slow one shows the same excess elsewhere, and naming needs three ranks or
-more. A pipeline's stages do different work by design: compare its ranks with care.
+measured (DDP; FSDP and the pipeline on the host clock, below) two ranks suffice: the waiting rank's phases
+hold its compute only. Where they are not (the wait stays inside the phase of the collective), a rank waiting
+for the slow one shows the same excess elsewhere, and naming needs three ranks or more. A pipeline's stages do
+different work by design: a stage with more of it is named as the one the others wait for, which it is.
+
+FSDP and the pipeline (issue 59). On the host clock (CPU, gloo) FSDP2's all-gathers and reduce-scatters and
+the pipeline schedule's waits on its sends and receives block the training thread inside the forward or the
+backward: `BlockedWaits` times each such block (FSDP's comms are replaced by `timed_fsdp`'s subclasses of its
+default ones, which call the same collective with the same tensors; the schedule's wait on its P2P work is
+wrapped by `timed_pipeline`), and `take()` moves it from the phase it ran in to `wait`. Then two ranks suffice
+there too. Not on a GPU: there the collectives run on FSDP's and NCCL's streams and the host does not block
+in them (the compute stream's wait is not observable without synchronising), so the waits stay in the phase
+as before; nor with tensor, context or expert parallel, or HSDP's all-reduce across replicas (collectives
+these hooks do not see): `waits_measured` is then false and naming needs three ranks.
 
 Issue 49 (exposed communication on slow links) reads the same numbers: `PhaseClock` and `judge()` are the API.
 """
@@ -39,6 +49,7 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loom import device as dev
@@ -137,6 +148,100 @@ class BucketWaits:
         spans, self.spans = self.spans, []
         return Exposed(spans) if spans else None
 
+    def entries(self) -> list[tuple[str, Exposed]]:
+        """The step's (phase, span) pairs for PhaseClock: the wait, and the same taken out of the backward."""
+        exposed = self.take()
+        return [] if exposed is None else [("wait", exposed), ("backward", exposed.negated())]
+
+
+class Blocked:
+    """A span of host time (perf_counter) the training thread spent blocked in a collective; `sign` -1: the
+    same taken out of the phase it ran in."""
+
+    def __init__(self, t0: float, t1: float, sign: float = 1.0):
+        self.t0, self.dt, self.sign = t0, t1 - t0, sign
+
+    def done(self) -> bool:
+        return True
+
+    def seconds(self) -> float:
+        return self.sign * self.dt
+
+
+class BlockedWaits:
+    """The host's time blocked inside collectives that run within a compute phase (FSDP2's all-gathers and
+    reduce-scatters on gloo: `timed_fsdp`; the pipeline's waits on its sends and receives: `timed_pipeline`),
+    each noted with the phase it ran in (PhaseClock sets `phase`). On the host clock only: on a GPU these
+    calls return before the device has waited (see the module docstring)."""
+
+    def __init__(self):
+        self.spans: list[tuple[str, float, float]] = []
+        self.phase: Callable[[], str | None] = lambda: None  # the timed phase running now (PhaseClock's)
+
+    @contextlib.contextmanager
+    def blocked(self):
+        """Time the block (inside a timed phase; outside one, an eval or a checkpoint, it is not a step's)."""
+        phase = self.phase()
+        if phase is None:
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append((phase, t0, time.perf_counter()))
+
+    def entries(self) -> list[tuple[str, Blocked]]:
+        """The step's (phase, span) pairs for PhaseClock: each block as a wait, and out of its phase."""
+        spans, self.spans = self.spans, []
+        return [e for phase, a, b in spans for e in (("wait", Blocked(a, b)), (phase, Blocked(a, b, -1.0)))]
+
+
+def timed_fsdp(modules, waits: BlockedWaits) -> bool:
+    """Time FSDP2's all-gathers and reduce-scatters of `modules` (each a fully_shard-ed module) in `waits`: each
+    module's comms become subclasses of FSDP's defaults whose call is the default's (the same collective on
+    the same tensors and group: numerics unchanged), inside `waits.blocked()`. False (nothing changed) where
+    this torch has no custom comms or a module has several parameter groups."""
+    from loom import compat
+
+    defaults = compat.fsdp_default_comms()
+    modules = list(modules)
+    if defaults is None or not modules or not all(hasattr(m, "set_custom_all_gather") for m in modules):
+        return False
+    if any(compat.fsdp_param_groups(m) != 1 for m in modules):
+        return False
+    all_gather, reduce_scatter = defaults
+
+    class TimedAllGather(all_gather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            with waits.blocked():  # async_op (unshard_async_op, which loom leaves off): only the launch
+                return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    class TimedReduceScatter(reduce_scatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            with waits.blocked():
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    for m in modules:
+        m.set_custom_all_gather(TimedAllGather())
+        m.set_custom_reduce_scatter(TimedReduceScatter())
+    return True
+
+
+def timed_pipeline(waits: BlockedWaits) -> bool:
+    """Time the pipeline schedules' waits on their send and receive work in `waits` (the same waits, in the
+    same order; for the process: one pipeline per training process). False where this torch cannot."""
+    from loom import compat
+
+    def wrap(original):
+        def timed(work):
+            with waits.blocked():
+                return original(work)
+
+        return timed
+
+    return compat.wrap_pipeline_p2p_wait(wrap)
+
 
 class PhaseClock:
     """This rank's seconds per phase. `with clock("forward"): ...` around each piece; `take()` after a step.
@@ -144,11 +249,21 @@ class PhaseClock:
     With `mark` set (while a profile is taken: loom.train.profile), each phase is also a torch.profiler range
     named `loom/<phase>`; a phase outside PHASES ("checkpoint") is marked, never timed."""
 
-    def __init__(self, device, enabled: bool = True, waits: BucketWaits | None = None, stalls: bool = False):
-        """`waits`: DDP's buckets (None: the waits inside phases are unmeasured); `stalls`: watch for this
-        process not running (Stalls; on the host clock only: a device's events never see the host stop)."""
+    def __init__(
+        self,
+        device,
+        enabled: bool = True,
+        waits: BucketWaits | BlockedWaits | None = None,
+        stalls: bool = False,
+    ):
+        """`waits`: DDP's buckets, or FSDP's / the pipeline's blocked collectives (None: the waits inside phases
+        are unmeasured); `stalls`: watch for this process not running (Stalls; on the host clock only: a
+        device's events never see the host stop)."""
         self.device, self.enabled, self.mark = device, enabled, False
         self.waits = waits if enabled else None
+        self.running: list[str] = []  # the phases open now, innermost last (BlockedWaits asks)
+        if isinstance(self.waits, BlockedWaits):
+            self.waits.phase = self._running
         host = not dev.Span(device).events
         self.stalls = Stalls() if enabled and stalls and host else None
         self.pending: list[tuple[str, dev.Span | Exposed]] = []
@@ -165,19 +280,26 @@ class PhaseClock:
         marked = torch.profiler.record_function(f"loom/{phase}") if self.mark else contextlib.nullcontext()
         with marked:
             span = dev.Span(self.device, host=host).start() if timed else None
+            self.running.append(phase)
             try:
                 yield
             finally:
+                self.running.pop()
                 if span is not None:
                     self.pending.append((phase, span.stop()))
 
+    def _running(self) -> str | None:
+        """The innermost timed phase open now, if it is one a collective's wait can be taken out of."""
+        phase = self.running[-1] if self.running else None
+        return phase if phase in COMPUTE else None
+
     def take(self, step_s: float | None = None) -> dict[str, float]:
         """Seconds per phase of the spans that have ended; spans still running on the device stay for later.
-        DDP's bucket wait moves from the backward to `wait`, and what of a wait this process was stalled to
+        DDP's bucket wait moves from the backward to `wait` (FSDP's and the pipeline's blocked collectives from
+        the phase they ran in), and what of a wait this process was stalled to
         `stalled`; `step_s` (the step's host time): what it spent outside every phase is `other`."""
-        exposed = self.waits.take() if self.waits is not None else None
-        if exposed is not None:
-            self.pending += [("wait", exposed), ("backward", exposed.negated())]
+        if self.waits is not None:
+            self.pending += self.waits.entries()
         out, keep = dict.fromkeys(PHASES, 0.0), []
         for phase, span in self.pending:
             if span.done():

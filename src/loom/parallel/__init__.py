@@ -53,7 +53,9 @@ class Parallelized:
             None  # DDP: what each step hands the gradient all-reduce (loom.parallel.ddp.SyncBytes)
         )
         self.diloco = None  # parallel.diloco_inner_steps: the outer loop (loom.parallel.diloco.DiLoCo)
-        self.bucket_waits = None  # DDP: its buckets' waits for peers (distributed.stragglers.BucketWaits)
+        # the straggler monitor's waits for peers: DDP's buckets (distributed.stragglers.BucketWaits), FSDP's and
+        # the pipeline's blocked collectives (BlockedWaits)
+        self.bucket_waits = None
         self.tied: dict[str, str] = plan.tied(model)  # alias -> canonical name of one tensor ({}: untied)
         # the single-device model's names, for checkpoints: state-dict keys and the optimizer's order
         self.names = list(model.state_dict().keys())
@@ -409,6 +411,35 @@ def _ddp(w: _Work) -> None:
     )
 
 
+def _blocked_waits(w: _Work) -> None:
+    """The straggler monitor's waits for peers inside FSDP's all-gathers and reduce-scatters and the pipeline's
+    sends and receives (loom.distributed.stragglers.BlockedWaits; the collectives themselves unchanged)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from loom.distributed.stragglers import BlockedWaits, timed_fsdp, timed_pipeline
+
+    waits = BlockedWaits()
+    fsdp = [m for root in w.roots for m in root.modules() if isinstance(m, FSDPModule)]
+    if (not w.fsdp or timed_fsdp(fsdp, waits)) and (not w.dims.pp_enabled or timed_pipeline(waits)):
+        w.par.bucket_waits = waits
+
+
+def _waits_seen(w: _Work) -> bool:
+    """Every collective a step waits in is one _blocked_waits times: FSDP (not HSDP's all-reduce across
+    replicas) and the pipeline, without tensor, context or expert parallel, on the host clock (on a GPU the
+    host does not block in them: loom.distributed.stragglers)."""
+    from loom import device as dev
+
+    d = w.dims
+    return (
+        bool(w.cfg.train.straggler_every)
+        and d.world_size > 1
+        and (w.fsdp or d.pp_enabled)
+        and not (d.tp_enabled or d.cp_enabled or d.ep_enabled or d.hsdp_enabled)
+        and not dev.Span(w.device).events
+    )
+
+
 def _diloco_groups(w: _Work) -> None:
     from loom.parallel.diloco import replica_groups
 
@@ -474,6 +505,7 @@ STEPS: list[tuple[str, Callable[[_Work], bool], Callable[[_Work], None]]] = [
     ),
     ("MPI", lambda w: not _wraps_forward(w) and w.dims.dp_impl == "mpi", _mpi),
     ("DiLoCo", lambda w: w.dims.diloco, _diloco),  # last: it holds the parameter objects FSDP made
+    ("straggler waits", _waits_seen, _blocked_waits),  # DDP's are timed in its comm hook (_ddp)
 ]
 
 
