@@ -1,5 +1,5 @@
 """A rank slowed from outside loom, as a user would see it (issue 59, item 4): `loom train --nproc N` (DDP on
-gloo), and from this script, not from loom, SIGSTOP / SIGCONT of one rank's process on a duty cycle (stopped
+gloo; --layout fsdp: FSDP2, pp: a pipeline of N stages), and from this script, not from loom, SIGSTOP / SIGCONT of one rank's process on a duty cycle (stopped
 --stopped of the time, periods of --period seconds) from the run's first straggler window on. Then the same run
 unslowed. One table: for each run, the windows, which rank each names, the window the warning came in
 (counted from the slowdown's start), the share of a step the slowed rank and the others spent waiting in
@@ -40,6 +40,12 @@ MODEL = [
     "--train.ckpt_every=0",
 ]
 OLD = ("data", "forward", "backward", "comm", "optimizer")
+# --layout: the data parallelism, or a pipeline of --nproc stages (its forward phase runs the whole schedule)
+LAYOUTS = {
+    "ddp": [],
+    "fsdp": ["--parallel.dp_impl=fsdp"],
+    "pp": ["--parallel.pp_microbatches=2"],  # --parallel.pp=nproc added below
+}
 
 
 def rank_pid(root: int, rank: int) -> int | None:
@@ -93,7 +99,7 @@ def run(args, name: str, slow: bool) -> dict:
     cmd += [f"--run.name={name}", f"--train.steps={args.steps}", "--nproc", str(args.nproc), *MODEL]
     cmd += [f"--model.n_embd={args.n_embd}"]
     cmd += [f"--train.straggler_every={args.every}", f"--train.straggler_windows={args.windows}"]
-    cmd += [f"--train.straggler_threshold={args.threshold}"]
+    cmd += [f"--train.straggler_threshold={args.threshold}", *LAYOUTS[args.layout]]
     log = open(args.out / f"{name}.log", "w")
     p = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
@@ -119,16 +125,17 @@ def run(args, name: str, slow: bool) -> dict:
     }
 
 
-def old_verdict(w: dict, threshold: float, nproc: int) -> int | None:
+def old_verdict(w: dict, threshold: float, nproc: int, fold: str = "backward") -> int | None:
     """The rank loom before issue 59 named in this window (its judge, as it was): the waits back in the
-    backward where DDP hides them, `other` unmeasured, each phase compared with its median over all ranks."""
+    phase that hid them (`fold`: DDP's and FSDP's backward, a pipeline's forward: the schedule), `other`
+    unmeasured, each phase compared with its median over all ranks."""
     if nproc < 3:
         return None
     ph = w["phases_s"]
     old = {p: list(ph.get(p, [0.0] * nproc)) for p in OLD}
-    zero = [0.0] * nproc  # the waits (and the stalls inside them) back where DDP hid them
-    hidden = zip(ph["backward"], ph.get("wait", zero), ph.get("stalled", zero), strict=True)
-    old["backward"] = [b + w + s for b, w, s in hidden]
+    zero = [0.0] * nproc  # the waits (and the stalls inside them) back where the collectives hid them
+    hidden = zip(ph[fold], ph.get("wait", zero), ph.get("stalled", zero), strict=True)
+    old[fold] = [b + w + s for b, w, s in hidden]
     median = {p: statistics.median(old[p]) for p in OLD}
     excess = [sum(max(0.0, old[p][r] - median[p]) for p in OLD) for r in range(nproc)]
     worst = max(range(nproc), key=lambda r: excess[r])
@@ -148,7 +155,8 @@ def summary(args, r: dict) -> dict:
     for w in slowed or ws[1:]:
         for k, (wait, step) in enumerate(zip(w["phases_s"]["wait"], w["step_s"], strict=True)):
             share.setdefault(k, []).append(wait / step if step else 0.0)
-    old = [old_verdict(w, args.threshold, args.nproc) for w in ws]
+    fold = "forward" if args.layout == "pp" else "backward"
+    old = [old_verdict(w, args.threshold, args.nproc, fold) for w in ws]
     return {
         "run": r["name"],
         "windows": len(ws),
@@ -174,12 +182,16 @@ def main() -> None:
     ap.add_argument("--stopped", type=float, default=0.8, help="the share of each period the rank is stopped")
     ap.add_argument("--period", type=float, default=0.25)
     ap.add_argument("--n-embd", type=int, default=128, help="the model's width (2 layers, 2 heads)")
+    ap.add_argument("--layout", choices=list(LAYOUTS), default="ddp", help="pp: --nproc pipeline stages")
     args = ap.parse_args()
+    if args.layout == "pp":
+        LAYOUTS["pp"].append(f"--parallel.pp={args.nproc}")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [summary(args, run(args, "slowed", True)), summary(args, run(args, "balanced", False))]
     (args.out / "windows.json").write_text(json.dumps(rows, indent=1))
     print(
-        f"{args.nproc} ranks, windows of {args.every} steps, threshold {args.threshold}, warn after {args.windows}"
+        f"{args.layout}, {args.nproc} ranks, windows of {args.every} steps, threshold {args.threshold}, "
+        f"warn after {args.windows}"
     )
     print(
         "| run | windows | named (now) | named (judged as before) | warned | windows to the warning | "
