@@ -41,6 +41,9 @@ The lines, by priority (plan first, then second, then rest):
                        fp8 tensorwise and rowwise (loom bench train --fp8, interleaved rounds, one micro-batch):
                        tokens/s, speed over bf16, peak memory, and per mode how many linears train in float8
                        (torchao's size rule: the projections too small to gain stay bf16)
+  speedrun-gpt2        configs/speedrun_gpt2_124m.toml as it is (GPT-2 124M's shape, Muon, bf16, compiled) on the
+                       built-in corpus to its fixed token budget: val loss at the end, tokens/s, MFU (--cpu: a
+                       tiny shape on prepare-data's set, 4 steps)
   bench-decode         generation: GPT-2 124M bf16 through loom bench generate at batch 1 and 64 (prompt 128,
                        128 new tokens, greedy): loom's decode tokens/s, transformers' generate on loom's export
                        beside it, and decoding's memory-bandwidth use (weights and KV cache read per step)
@@ -121,6 +124,7 @@ PLANS = {
     # the fp8 1B comparison, then the benchmarks the first plan leaves
     "second": (
         "bench-train-fp8-1b",
+        "speedrun-gpt2",
         "bench-decode",
         "bench-decode-int8",
         "bench-long-doc-mask",
@@ -151,6 +155,7 @@ NEEDS = {
     "sft-lora": ("prepare-chat",),
     "chat": ("sft-lora",),
     "rl-tis": ("train-ddp",),
+    "speedrun-gpt2": ("prepare-data",),  # --cpu trains on its set (the GPU on the built-in corpus)
 }
 EXPORT_FILES = ("gpu-report.md", "gpu-report.json", "gpu-check-console.log", "gpu-check-files.tar.gz")
 ARCHIVED = {
@@ -358,6 +363,7 @@ def build_checks(args, cuda: bool, n_gpus: int, out: Path) -> list[Check]:
         int8_decode_check(cuda, out, lacking),
         *moe_and_nanogpt_checks(args, cuda, out),
         *fp8_checks(cuda, out, lacking),
+        speedrun_check(cuda, out),
     ]
 
 
@@ -789,6 +795,46 @@ def fp8_checks(cuda: bool, out: Path, lacking: set[str]) -> list[Check]:
             )
         )
     return checks
+
+
+def speedrun_check(cuda: bool, out: Path) -> Check:
+    """The GPT-2 124M speedrun recipe (issue 61) trained to its token budget (train.steps x batch_size x
+    block_size, fixed by the config) with the config's own options; --cpu: its options on a tiny shape, 4 steps
+    on prepare-data's set, fp32 and eager (a CPU compile takes minutes)."""
+    run = out / "runs" / "speedrun-gpt2"
+    argv = [
+        *LOOM,
+        "train",
+        str(ROOT / "configs" / "speedrun_gpt2_124m.toml"),
+        f"--run.dir={out / 'runs'}",
+        "--run.name=speedrun-gpt2",
+        f"--train.device={'cuda' if cuda else 'cpu'}",
+        "--train.log_every=1",
+    ]
+    if not cuda:
+        tiny = {**TINY, "vocab_size": 0}  # the char set's vocabulary
+        argv += [f"--model.{k}={v}" for k, v in tiny.items()] + [f"--data.path={out / 'data'}"]
+        argv += ["--train.steps=4", "--train.batch_size=2", "--train.micro_batch_size=2"]
+        argv += ["--train.compile=false", "--precision.dtype=fp32", "--train.eval_batches=1"]
+        argv += ["--optim.warmup_steps=1"]
+    return Check(
+        "speedrun-gpt2", lambda ctx: [argv], 480 if cuda else 120, lambda o, ctx: speedrun_figures(run)
+    )
+
+
+def speedrun_figures(run: Path) -> dict:
+    """The speedrun line's: tokens trained, the val loss at the end, tokens/s and MFU (the trainer's summary)."""
+    from loom.metrics import read_jsonl
+
+    recs = read_jsonl(run / "metrics.jsonl")
+    summary = next((r["summary"] for r in recs if "summary" in r), {})
+    return {
+        "steps": summary.get("step"),
+        "tokens": max((r["tokens"] for r in recs if "tokens" in r), default=None),
+        "val_loss": round(summary["val_loss"], 4) if summary.get("val_loss") is not None else None,
+        "tokens_per_s": round(summary.get("tokens_per_s") or 0),
+        "mfu": round(summary["mfu"], 4) if summary.get("mfu") is not None else None,
+    }
 
 
 def bench_base(model: dict, dtype: str, cuda: bool) -> list[str]:

@@ -27,6 +27,7 @@ CHECKS = [
     "train-ddp",
     "bench-train-compile",
     "bench-train-fp8-1b",
+    "speedrun-gpt2",
     "bench-decode",
     "bench-decode-int8",
     "bench-long-doc-mask",
@@ -152,6 +153,25 @@ def test_cpu_run_passes_and_lists_every_check(tmp_path):
         )
         == 1
     )
+
+
+def test_speedrun_line_trains_the_recipe_to_its_token_budget(tmp_path):
+    """speedrun-gpt2 (plan second) runs configs/speedrun_gpt2_124m.toml; --cpu keeps the recipe's optimizer
+    (Muon, bf16 Newton-Schulz), schedule and norms on a tiny shape for 4 steps after prepare-data, and reports
+    the tokens trained, the val loss, tokens/s and MFU; the GPU command is the recipe as it is."""
+    r, report, md = kit(tmp_path / "speedrun", "--only", "speedrun-gpt2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    rows = {c["check"]: c for c in report["checks"]}
+    assert [n for n, row in rows.items() if row["status"] == "pass"] == ["prepare-data", "speedrun-gpt2"]
+    figs = rows["speedrun-gpt2"]["figures"]
+    assert figs["steps"] == 4 and figs["tokens"] == 4 * 2 * 32  # steps x batch x block: the budget
+    assert 0 < figs["val_loss"] < 10 and figs["tokens_per_s"] > 0 and figs["mfu"] is not None
+    config = (tmp_path / "speedrun" / "runs" / "speedrun-gpt2" / "config.toml").read_text()
+    assert 'name = "muon"' in config and 'muon_ns_dtype = "bf16"' in config and 'schedule = "wsd"' in config
+    g = load_kit()
+    assert g.PLANS["second"][1] == "speedrun-gpt2"
+    gpu = g.speedrun_check(True, tmp_path).argvs({})[0]
+    assert "--train.steps=4" not in gpu and gpu[4].endswith("configs/speedrun_gpt2_124m.toml")
 
 
 def test_a_failing_check_fails_the_kit(tmp_path):
