@@ -142,6 +142,36 @@ STRATEGIES: dict[str, Strategy] = {
             "ft-ddp",
             lambda n, a: [*PY, f"--nproc={n}", "--ft.enabled=true", f"--ft.min_replicas={n}", *a],
         ),
+        # torchft replica groups of 2 FSDP ranks each, HSDP's replicate dim (= hsdp bit for bit: test_ft_hsdp)
+        Strategy(
+            "ft-hsdp",
+            lambda n, a: [
+                *PY,
+                f"--nproc={n}",
+                "--parallel.dp_impl=fsdp",
+                "--parallel.dp_replicate=2",
+                "--ft.enabled=true",
+                "--ft.min_replicas=2",
+                *a,
+            ],
+            min_world=4,
+        ),
+        # DiLoCo across 2 torchft replica groups (one process each; FSDP inside past 2), the outer step through
+        # the ft manager (= diloco bit for bit: test_ft_diloco); judged as diloco is
+        Strategy(
+            "ft-diloco",
+            lambda n, a: [
+                *PY,
+                f"--nproc={n}",
+                *(["--parallel.dp_impl=fsdp"] if n > 2 else []),
+                "--parallel.dp_replicate=2",
+                "--parallel.diloco_inner_steps=5",
+                "--ft.enabled=true",
+                "--ft.min_replicas=2",
+                *a,
+            ],
+            approx=True,
+        ),
         Strategy("mpi-naive", _mpi("naive")),
         Strategy("mpi-bucketed", _mpi("bucketed")),
         Strategy("tp", tp=2),

@@ -20,6 +20,7 @@ from loom import checkpoint
 
 pytest.importorskip("torchft", reason="the ft extra (pip install loom[ft])")
 STEPS = 30
+HSDP = ("--parallel.dp_impl=fsdp", "--parallel.dp_replicate=2")  # FSDP shard groups as the replica groups
 
 
 def args(data: Path, runs: Path, name: str, steps: int, *extra: str, nproc: str | None = "2") -> list[str]:
@@ -174,7 +175,22 @@ def _free_port() -> int:
     [
         (["--ft.enabled=true"], "1", "needs at least 2"),
         (["--ft.enabled=true", "--parallel.tp=2"], "2", "not parallel.tp=2"),
-        (["--ft.enabled=true", "--parallel.dp_impl=fsdp"], "2", "not parallel.dp_impl=fsdp"),
+        (["--ft.enabled=true", "--parallel.dp_impl=fsdp"], "2", "--parallel.dp_replicate=2 (or more)"),
+        (["--ft.enabled=true", "--parallel.dp_impl=zero1"], "2", "not parallel.dp_impl=zero1"),
+        (["--ft.enabled=true", "--parallel.dp_impl=mpi"], "2", "not parallel.dp_impl=mpi"),
+        ([*HSDP, "--ft.enabled=true", "--parallel.tp=2"], "8", "not parallel.tp=2"),
+        ([*HSDP, "--ft.enabled=true"], "3", "is not 2 replica groups of equal size"),
+        ([*HSDP, "--ft.enabled=true", "--ft.replica_groups=4"], "4", "groups are HSDP's replicate dimension"),
+        (
+            ["--ft.enabled=true", "--ft.replica_groups=2", "--ft.replica_id=0", "--ft.lighthouse=http://h:1"],
+            "2",
+            "a DDP replica group is one process",
+        ),
+        (
+            ["--parallel.dp_impl=fsdp", "--ft.enabled=true", "--ft.replica_groups=2", "--ft.replica_id=2"],
+            "2",
+            "out of range",
+        ),
         (["--ft.enabled=true", "--ft.min_replicas=3"], "2", "ft.min_replicas=3 is more than"),
         (["--ft.enabled=true", "--ft.lighthouse=http://127.0.0.1:PORT"], "2", "is unreachable"),
         (["--ft.enabled=true", "--ft.replica_groups=2", "--ft.replica_id=2"], None, "out of range"),

@@ -125,7 +125,9 @@ def _check_diloco(cfg: Config, world: int, impl: str) -> None:
     h = p.diloco_inner_steps
     if not h:
         return
-    if world == 1:  # a lone replica: its outer step averages nothing (a run resumed without its --nproc, too)
+    # one torchft replica group (loom.distributed.ft): the ft replica groups are DiLoCo's replicas
+    ft_group = cfg.ft.enabled and p.dp_replicate == 1
+    if world == 1 and not ft_group:  # a lone replica: its outer step averages nothing (resumed alone too)
         r = p.dp_replicate
         raise LoomError(
             f"parallel.diloco_inner_steps={h} on one process: DiLoCo averages what its replicas learned, and one "
@@ -139,7 +141,7 @@ def _check_diloco(cfg: Config, world: int, impl: str) -> None:
             + "continue as plain training on one process with --parallel.diloco_inner_steps=0 "
             "--parallel.dp_replicate=1",
         )
-    if world > 1 and p.dp_replicate == 1:
+    if world > 1 and p.dp_replicate == 1 and not ft_group:
         raise LoomError(
             f"parallel.diloco_inner_steps={h} needs a replicate dimension: parallel.dp_replicate is 1 on "
             f"{world} processes",

@@ -10,6 +10,15 @@ a group started again (`loom train --nproc` restarts it, or `loom train --ft.rep
 receives the weights, the optimizer, the loader's position and the step from a live peer (torchft's
 PGTransport over the same process group) and continues in step.
 
+Groups of several processes (HSDP): with `parallel.dp_impl=fsdp` (or zero2) and `parallel.dp_replicate=R`,
+HSDP's replicate dimension is the replica dimension: each of the R groups is an FSDP shard group of S = nproc/R
+processes (its own `loom train --nproc S` launcher, store and run folder), and each rank has a Manager of its
+own (rank r of S; the group's rank 0 serves the group's manager server, which talks to the lighthouse), so the
+ft process group joins rank r of every group: the gradient shards FSDP reduce-scattered within a group are
+averaged across the groups, HSDP's all-reduce across replicas. A rank that dies ends its whole group (its
+launcher stops the rest at once); the group is started again and each rank heals from the same rank of a live
+group (its shards as plain tensors, put back on its own mesh).
+
 Accounting while a group is missing (the choice, and why). Every group reads rows `[k*B/R, (k+1)*B/R)` of
 each step's global batch of B rows (R groups: the DDP rank's slice, loom.data.slice), so a step's data is
 fixed by its number. While a group is missing, its slice of those steps is *skipped*: the survivors' cursor
@@ -25,9 +34,13 @@ step (`skipped: "ft: ..."`), like a bad step: its rows are not trained on.
 Exactness: with no failure the groups add the same gradients in the same order as DDP (each divided by the
 number of groups first, then summed: DDP's default hook), so 2 groups equal `loom train --nproc 2` bit for
 bit (tests/faults/test_ft_ddp.py). With 3 or more, gloo's ring may add in another order than DDP's buckets.
+2 groups of 2 FSDP ranks equal HSDP 2 x 2 (`--nproc 4 --parallel.dp_replicate=2`) bit for bit
+(tests/faults/test_ft_hsdp.py): the same reduce-scatter within a group, the same two-term sum across groups,
+and every division by a power of two, exact.
 
-What torchft cannot serve here: tensor, pipeline or context parallel, FSDP/ZeRO, HSDP and DiLoCo layouts
-and the MPI backend (the groups are one process each: plain DDP replicas), and loom rl / dpo stages.
+What torchft cannot serve here: tensor, pipeline, context or expert parallel inside a group (their meshes
+would have to be rebuilt with the group), ZeRO-1 and the MPI backend (no torch process group beside
+torchft's), DDP groups of more than one process, and loom rl / dpo stages.
 torchft's manager server listens on every interface (its bind is fixed at `[::]`), the lighthouse loom starts
 on 127.0.0.1 only.
 """
@@ -56,40 +69,48 @@ BARRIER_ENV = "LOOM_FT_BARRIER"  # the launcher's store where a job's first grou
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+SHARDED = ("fsdp", "zero2")  # a replica group is an FSDP shard group: HSDP's replicate dim is the ft one
+
+
+def sharded(cfg: Config) -> bool:
+    """The groups are FSDP shard groups (HSDP's replicate dim = the replica groups), not 1-process DDP replicas."""
+    return cfg.parallel.dp_impl in SHARDED
+
+
+def diloco(cfg: Config) -> int:
+    """DiLoCo's inner steps H (0: off): the replica groups are DiLoCo's replicas, synced once per H steps."""
+    return cfg.parallel.diloco_inner_steps
+
+
+def on_replicate(cfg: Config) -> bool:
+    """The groups are the replicate dimension (parallel.dp_replicate) of HSDP or DiLoCo, not --nproc's count."""
+    return sharded(cfg) or bool(diloco(cfg))
+
+
+def in_group() -> bool:
+    """This process belongs to one replica group (started by the job's launcher, or a group's own
+    `loom train --nproc S` launcher): not the launcher of the whole job."""
+    return REPLICA_ENV in os.environ
+
+
 def groups(cfg: Config, nproc: int | None = None) -> int:
-    """The number of replica groups: ft.replica_groups, else --nproc's number."""
-    return cfg.ft.replica_groups or (nproc or 0)
+    """The number of replica groups: ft.replica_groups, else HSDP's parallel.dp_replicate (fsdp/zero2), else
+    --nproc's number (one process a group)."""
+    if cfg.ft.replica_groups:
+        return cfg.ft.replica_groups
+    return cfg.parallel.dp_replicate if on_replicate(cfg) else (nproc or 0)
 
 
 def check(cfg: Config, nproc: int | None = None) -> int:
-    """Every ft rule, before any process or model exists; returns the number of replica groups."""
-    ft, p = cfg.ft, cfg.parallel
+    """Every ft rule, before any process or model exists; returns the number of replica groups. `nproc`: the
+    whole job's processes (its launcher); None in a group's own processes."""
+    ft = cfg.ft
     n = groups(cfg, nproc)
     try:
         import torchft  # noqa: F401
     except ImportError:
         raise LoomError("ft.enabled needs torchft", hint="pip install 'loom[ft]' (torchft 0.2)") from None
-    if nproc is not None and cfg.ft.replica_groups and nproc != cfg.ft.replica_groups:
-        raise LoomError(
-            f"--nproc {nproc} with ft.replica_groups={cfg.ft.replica_groups}: each replica group is one process",
-            hint=f"--nproc {cfg.ft.replica_groups}, or leave ft.replica_groups at 0",
-        )
-    if n < 2:
-        raise LoomError(
-            f"ft.enabled with {n} replica group(s): fault tolerance needs at least 2 (a survivor to go on)",
-            hint="loom train --nproc 2 (or more) --ft.enabled=true, or set --ft.replica_groups=N",
-        )
-    bad = [f"parallel.{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)) if v > 1]
-    bad += [f"parallel.{k}={getattr(p, k)}" for k in ("dp_shard", "dp_replicate") if getattr(p, k) > 1]
-    if p.dp_impl not in ("auto", "ddp", "none"):
-        bad.append(f"parallel.dp_impl={p.dp_impl}")
-    if getattr(p, "diloco", False):
-        bad.append("parallel.diloco")
-    if bad:
-        raise LoomError(
-            f"ft.enabled serves plain DDP replica groups of one process here; not {', '.join(bad)}",
-            hint="drop those keys (torchft's replica groups are the data-parallel replicas)",
-        )
+    _check_layout(cfg, n, nproc)
     if ft.min_replicas > n:
         raise LoomError(
             f"ft.min_replicas={ft.min_replicas} is more than the {n} replica groups: no step could commit",
@@ -100,7 +121,7 @@ def check(cfg: Config, nproc: int | None = None) -> int:
             f"ft.replica_id={ft.replica_id} is out of range for {n} replica groups (0..{n - 1})",
             hint=f"--ft.replica_id between 0 and {n - 1}",
         )
-    if nproc is None and ft.replica_id < 0 and REPLICA_ENV not in os.environ:
+    if nproc is None and ft.replica_id < 0 and not in_group():
         raise LoomError(
             "ft.enabled in one process needs its replica group: --ft.replica_id=K",
             hint="loom train --nproc N --ft.enabled=true starts every group; by hand add --ft.replica_id=K "
@@ -114,20 +135,90 @@ def check(cfg: Config, nproc: int | None = None) -> int:
     return n
 
 
+def _check_layout(cfg: Config, n: int, nproc: int | None) -> None:
+    """The layouts torchft serves here: DDP replica groups of one process, or FSDP shard groups (HSDP's
+    replicate dim = the replica groups); not tp/pp/cp inside a group (their meshes are not rebuilt when a
+    group comes back), ZeRO-1 or MPI (no torch process group for torchft's manager to share)."""
+    p, ft = cfg.parallel, cfg.ft
+    shard, replicate = sharded(cfg), on_replicate(cfg)
+    if n < 2:
+        raise LoomError(
+            f"ft.enabled with {n} replica group(s): fault tolerance needs at least 2 (a survivor to go on)",
+            hint="--parallel.dp_replicate=2 (or more): HSDP's (dp_impl=fsdp/zero2) or DiLoCo's replicas"
+            if replicate
+            else "loom train --nproc 2 (or more) --ft.enabled=true, or set --ft.replica_groups=N",
+        )
+    if nproc is not None and not replicate and ft.replica_groups and nproc != ft.replica_groups:
+        raise LoomError(
+            f"--nproc {nproc} with ft.replica_groups={ft.replica_groups}: a DDP replica group is one process",
+            hint=f"--nproc {ft.replica_groups}, or leave ft.replica_groups at 0; for groups of several "
+            "processes use --parallel.dp_impl=fsdp --parallel.dp_replicate=GROUPS",
+        )
+    if nproc is not None and replicate and ft.replica_groups and p.dp_replicate not in (1, ft.replica_groups):
+        raise LoomError(
+            f"ft.replica_groups={ft.replica_groups} with parallel.dp_replicate={p.dp_replicate}: the replica "
+            "groups are HSDP's (or DiLoCo's) replicate dimension",
+            hint="leave ft.replica_groups at 0 (it is parallel.dp_replicate)",
+        )
+    if nproc is not None and shard and nproc % n:
+        raise LoomError(
+            f"--nproc {nproc} is not {n} replica groups of equal size",
+            hint=f"--nproc a multiple of {n} (groups x processes per group)",
+        )
+    if nproc is not None and replicate and not shard and nproc != n:
+        raise LoomError(
+            f"--nproc {nproc} for {n} DiLoCo replica groups over DDP: a DDP replica group is one process",
+            hint=f"--nproc {n}, or FSDP inside each group: --parallel.dp_impl=fsdp",
+        )
+    bad = [f"parallel.{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("ep", p.ep)) if v > 1]
+    if not replicate:
+        bad += [f"parallel.{k}={getattr(p, k)}" for k in ("dp_shard", "dp_replicate") if getattr(p, k) > 1]
+    if p.dp_impl not in ("auto", "ddp", "none", *SHARDED):
+        bad.append(f"parallel.dp_impl={p.dp_impl}")
+    if nproc is None and not shard and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        bad.append(f"a DDP replica group of {os.environ['WORLD_SIZE']} processes")
+    if bad:
+        raise LoomError(
+            "ft.enabled serves DDP replica groups of one process, or FSDP shard groups across HSDP's "
+            "replicate dimension (parallel.dp_impl=fsdp|zero2, parallel.dp_replicate=GROUPS), DiLoCo's replicas "
+            f"either way; not {', '.join(bad)}",
+            hint="drop those keys: torchft's replica groups are the data-parallel replicas",
+        )
+
+
 def replica_id(cfg: Config) -> int:
+    """This process's replica group: ft.replica_id, else the launcher's LOOM_FT_REPLICA."""
     return cfg.ft.replica_id if cfg.ft.replica_id >= 0 else int(os.environ[REPLICA_ENV])
 
 
+def group_rank() -> tuple[int, int]:
+    """(this process's rank in its replica group, the group's size): its own world (an FSDP shard group)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def replica_layout(cfg: Config) -> tuple[DataSlice, Derived]:
-    """This group's rows of every global batch (its DDP rank's slice) and the batch sizes DDP would derive."""
+    """This process's rows of every global batch and the batch sizes the whole job's layout would derive:
+    DDP rank k of n groups, or HSDP rank k*S + r of n*S (rank r of group k, groups of S processes)."""
     from loom.config import validate
 
     n, k = check(cfg), replica_id(cfg)
-    if REPLICA_ENV not in os.environ:  # by hand: the lighthouse checked before the model is built
+    r, size = group_rank()
+    if not in_group():  # by hand: the lighthouse checked before the model is built
         lighthouse_url(cfg.ft.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"])
-    layout = as_ddp(cfg)
-    derived = validate(layout, n, k)[0]
-    return DataSlice(k, n), derived
+    layout = as_job(cfg, n, size)
+    derived = validate(layout, n * size, k * size + r)[0]
+    return DataSlice(k * size + r, n * size), derived
+
+
+def as_job(cfg: Config, n: int, size: int) -> Config:
+    """The whole job's layout, of which each group is a replica: DDP over n processes, HSDP over n x size, or
+    DiLoCo across n replicas."""
+    c = as_ddp(cfg)
+    if on_replicate(cfg):
+        c.parallel.dp_impl, c.parallel.dp_replicate = cfg.parallel.dp_impl, n
+    if sharded(cfg):
+        c.parallel.dp_shard = size
+    return c
 
 
 def as_ddp(cfg: Config, name: str | None = None, parent: str | None = None) -> Config:
@@ -180,7 +271,7 @@ def lighthouse(cfg: Config, n: int):
         min_replicas=cfg.ft.min_replicas,
         join_timeout_ms=10000,
         quorum_tick_ms=10,
-        heartbeat_timeout_ms=2000,
+        heartbeat_timeout_ms=round(1000 * cfg.ft.heartbeat_s),  # a dead group's detection (chaos.md)
     )
     try:
         addr = server.address()
@@ -258,9 +349,9 @@ def _store() -> tuple[str, int, object | None]:
     return "127.0.0.1", store.port, store
 
 
-def _recording_gloo(timeout: timedelta):
+def _recording_gloo(timeout: timedelta, size: int):
     """torchft's reconfigurable gloo group, noting each quorum it is configured for (its id and the groups in
-    it: with one process per group, the global ranks torchft passes are the groups' numbers)."""
+    it: torchft passes global ranks, group * size + rank in group, for groups of `size` processes)."""
     from torchft.process_group import ProcessGroupGloo
 
     class RecordingGloo(ProcessGroupGloo):
@@ -270,7 +361,7 @@ def _recording_gloo(timeout: timedelta):
         def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, *args, **kw) -> None:
             super().configure(store_addr, replica_id, rank, world_size, quorum_id, *args, **kw)
             ranks = kw.get("global_ranks", args[2] if len(args) > 2 else None)
-            self.order = list(ranks or [])  # replica rank i of the quorum is group order[i]
+            self.order = [g // size for g in ranks or []]  # replica rank i of the quorum is group order[i]
             self.quorum = (quorum_id, sorted(self.order))
 
     return RecordingGloo(timeout=timeout)
@@ -292,6 +383,46 @@ def _recording_transport(pg, timeout: timedelta):
     return RecordingTransport(pg, timeout=timeout, device=torch.device("cpu"))
 
 
+def _local(t):
+    """A DTensor's local shard (a view of its storage); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _plain(tree):
+    """A state dict with every DTensor as its local shard (torchft's transport would send the sender's mesh)."""
+    if isinstance(tree, dict):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_plain(v) for v in tree)
+    return _local(tree)
+
+
+def _like(v: torch.Tensor, own) -> torch.Tensor:
+    """A received shard `v` as a DTensor on this process's mesh where `own` (the local counterpart) is one."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(own, DTensor) or not isinstance(v, torch.Tensor):
+        return v
+    return DTensor.from_local(v, own.device_mesh, own.placements, shape=own.shape, stride=own.stride())
+
+
+def _on_mesh(received: dict, own: dict) -> dict:
+    return {k: _like(v, own.get(k)) for k, v in received.items()}
+
+
+def _optim_on_mesh(received: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """An optimizer state dict of plain shards, its per-parameter tensors put on their parameter's mesh (the
+    state dict numbers the parameters in param_groups order; a fresh optimizer has no state to go by)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {
+        i: {k: _like(v, params[i]) if getattr(v, "shape", ()) != () else v for k, v in st.items()}
+        for i, st in received["state"].items()
+    }
+    return {**received, "state": state}
+
+
 class QuorumLost(LoomError):
     """This group got no quorum within ft.timeout_s while the lighthouse answers: it was cut off from the
     others (a partition, a stopped process) for longer than that. Exit 1, a crash, not a user error: the
@@ -311,11 +442,12 @@ class FtReplica:
         self.trainer, self.n, self.k = trainer, check(cfg), replica_id(cfg)
         self.rows_per_group = cfg.train.batch_size // self.n
         url = self.url = url or lighthouse_url(ft.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"])
-        if REPLICA_ENV not in os.environ:  # a group started by hand: its number must be free
+        if not in_group():  # a group started by hand: its number must be free
             refuse_live(url, job_name(cfg).removesuffix("_g"), self.k)
         self.timeout_s = ft.timeout_s
         timeout = timedelta(seconds=ft.timeout_s)
-        self.pg = _recording_gloo(timeout)
+        self.rank, self.size = group_rank()
+        self.pg = _recording_gloo(timeout, self.size)
         self.transport = _recording_transport(self.pg, timeout)
         host, port, self._own_store = _store()
         local = urlsplit(url).hostname in LOOPBACK
@@ -329,8 +461,9 @@ class FtReplica:
                 timeout=timeout,
                 quorum_timeout=timeout,
                 connect_timeout=timeout,
-                rank=0,
-                world_size=1,
+                heartbeat_interval=timedelta(seconds=min(0.1, ft.heartbeat_s / 10)),
+                rank=self.rank,  # the group's rank 0 runs its manager server, which talks to the lighthouse
+                world_size=self.size,
                 store_addr=host,
                 store_port=port,
                 lighthouse_addr=url,
@@ -342,33 +475,46 @@ class FtReplica:
         except Exception as e:  # the lighthouse went away between the check and here
             raise LoomError(f"torchft could not join the lighthouse at {url}: {e}") from None
         self.manager.register_state_dict_fn("loom", self._load, self._state)
-        _start_barrier(self.n, ft.timeout_s)
+        self.h, self.diloco = diloco(cfg), trainer.parallel.diloco
+        if self.diloco is not None:  # DiLoCo's outer step averages over the quorum's groups
+            self.diloco.outer_mean = self.outer_mean
+        _start_barrier(self.n * self.size, ft.timeout_s)
         self.quorum: tuple[int, list[int]] | None = None
         self.rows_skipped, self.healed_s = 0, None
         self.pending: list[dict] = []
 
     # ---------------------------------------------------------------- the state a healing group receives
     def _state(self) -> dict:
+        """What a restarted group's process of the same rank receives (FSDP: this rank's shards, as plain
+        tensors: the receiver puts them on its own mesh)."""
         t = self.trainer
         return {
-            "model": t.model.state_dict(),
-            "optim": t.optimizer.state_dict(),
+            "model": _plain(t.model.state_dict()),
+            "optim": _plain(t.optimizer.state_dict()),
             "loader": t.batches.state_dict(),
             "step": t.step,
             "rows_skipped": self.rows_skipped,
+            "diloco_momentum": list(self.diloco.momentum) if self.diloco is not None else [],
         }
 
     def _load(self, state: dict) -> None:
         t = self.trainer
-        t.model.load_state_dict(state["model"])
-        t.optimizer.load_state_dict(state["optim"])
+        t.model.load_state_dict(_on_mesh(state["model"], t.model.state_dict()))
+        t.optimizer.load_state_dict(_optim_on_mesh(state["optim"], t.optimizer))
         t.batches.load_state_dict(state["loader"])
         t.step, self.rows_skipped = int(state["step"]), int(state["rows_skipped"])
+        if self.diloco is not None:  # healed at a window's start: the weights are the anchor
+            self.diloco.reanchor()
+            for mine, theirs in zip(self.diloco.momentum, state["diloco_momentum"], strict=True):
+                mine.copy_(theirs)
         self.healed_s = time.perf_counter()
 
     # ---------------------------------------------------------------- each step
     def begin_step(self) -> None:
-        """Join this step's quorum (waits for it); a group behind the others heals here from a live peer."""
+        """Join this step's quorum (waits for it); a group behind the others heals here from a live peer.
+        DiLoCo: only at a window's first step (after an outer step, where the replicas are equal)."""
+        if self.h and self.trainer.step % self.h:
+            return
         t0, before = time.perf_counter(), self.trainer.step
         self.healed_s, self.transport.sent_to = None, []
         try:
@@ -418,9 +564,12 @@ class FtReplica:
 
     def sync_grads(self, model: torch.nn.Module, loss_sum: torch.Tensor | None = None) -> None:
         """The gradients' mean over the quorum's groups: one flat all-reduce, each divided first (DDP's order).
-        `loss_sum` (this group's summed loss, one element) rides along and becomes the groups' mean in place,
-        so the step's recorded loss is the job's, as DDP records it."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        FSDP groups: each rank's shards (already the group's mean, reduce-scattered), with the same shard rank of
+        every group, as HSDP's all-reduce across replicas. `loss_sum` (this process's summed loss, one element)
+        rides along and becomes the groups' mean in place, so the step's recorded loss is the job's."""
+        if self.h:  # DiLoCo: the inner steps are each group's own (its loss too); outer_mean syncs
+            return
+        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
         extra = [] if loss_sum is None else [loss_sum.detach().float().reshape(1)]
         if not grads and not extra:
             return
@@ -439,8 +588,20 @@ class FtReplica:
     def commit(self, local_ok: bool) -> bool:
         """Whether this step's update is applied: every group of the quorum agrees (a group that skips the
         step for its own reason makes the others skip it too, so the replicas never differ)."""
+        if self.h:  # DiLoCo: an inner step is this group's alone; the quorum commits outer steps
+            return local_ok
         if not local_ok:
             self.manager.report_error(RuntimeError("this group skipped the step"))
+        return self.manager.should_commit()
+
+    def outer_mean(self, delta: torch.Tensor) -> bool:
+        """DiLoCo's outer gradient made the mean over the quorum's groups in place (summed, then divided:
+        loom.parallel.diloco's order), and whether the quorum commits it; not committed (a group failed in
+        the window or its all-reduce), the caller undoes the window."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(delta, reduce_op=ReduceOp.SUM).wait()
+        delta.div_(self.manager.num_participants())
         return self.manager.should_commit()
 
     def records(self, rec: dict) -> list[dict]:

@@ -21,6 +21,8 @@ lighthouse server, quorum per step), which is a different job model from loom's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -70,6 +72,9 @@ class DiLoCo:
         self.named = [(canonical(n, aliases), p) for n, p in model.named_parameters() if p.requires_grad]
         self.anchor: list[torch.Tensor] = []
         self.momentum = [torch.zeros_like(local(p)) for _, p in self.named]
+        # the replicas' mean of the outer gradient from outside, in place, and whether to apply it (torchft:
+        # the replicas are ft replica groups, loom.distributed.ft); None: the all-reduce over `group`
+        self.outer_mean: Callable[[torch.Tensor], bool] | None = None
         self.reanchor()
 
     @property
@@ -94,7 +99,12 @@ class DiLoCo:
             [(a - local(p)).flatten() for a, (_, p) in zip(self.anchor, self.named, strict=True)]
         )
         n = dist.get_world_size(self.group) if self.group is not None else 1
-        if n > 1:
+        if self.outer_mean is not None:
+            if not self.outer_mean(delta):  # not committed (a replica failed in it): the window is undone
+                for a, (_, p) in zip(self.anchor, self.named, strict=True):
+                    local(p).copy_(a)
+                return 0
+        elif n > 1:
             dist.all_reduce(delta, group=self.group)
             delta /= n
         offset = 0
@@ -104,7 +114,8 @@ class DiLoCo:
             m.mul_(self.mu).add_(d)  # torch.optim.SGD's buffer (dampening 0)
             a.sub_(d.add(m, alpha=self.mu) if self.mu else d, alpha=self.lr)  # Nesterov: d + mu * m
             local(p).copy_(a)
-        return delta.numel() * delta.element_size() if n > 1 else 0
+        sent = n > 1 or self.outer_mean is not None
+        return delta.numel() * delta.element_size() if sent else 0
 
     def momentum_state(self) -> dict[str, torch.Tensor]:
         """{"diloco.momentum.<name>": this rank's piece} for a checkpoint (DTensors where the parameter is one,

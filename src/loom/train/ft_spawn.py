@@ -17,9 +17,13 @@ from loom.distributed.ft import (
     REPLICA_ENV,
     as_ddp,
     check,
+    in_group,
     lighthouse,
     lighthouse_url,
+    on_replicate,
     refuse_live,
+    replica_id,
+    sharded,
 )
 from loom.errors import LoomError
 
@@ -43,30 +47,34 @@ def launch(nproc: int, cfg: Config, args: list[str], run_dir, force: bool, spawn
     _send, _Signals, start_loom = spawn._send, spawn._Signals, spawn.start_loom
 
     n = check(cfg, nproc)
+    size = nproc // n  # processes in a group: 1 (DDP replicas), or an FSDP shard group's
     job = cfg.ft.job_name or run_dir.name
     if cfg.ft.lighthouse:
         refuse_live(lighthouse_url(cfg.ft.lighthouse), job)
     for k in range(1, n):  # the other groups' folders, checked (and claimed) as the parent checked the run's
         resolve_run_dir(as_ddp(cfg, group_name(run_dir.name, k), str(run_dir.parent)), None, force)
-    threads = str(max(1, (os.cpu_count() or 1) // n))
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))
     with lighthouse(cfg, n) as url, _Signals() as signals, contextlib.ExitStack() as stack:
         ports = [stack.enter_context(loopback.listen(cfg.ft.timeout_s)) for _ in range(n + 1)]
 
         def start(k: int, attempt: int):
-            env = group_env(k, url, ports[k], "" if attempt else f"{loopback.HOST}:{ports[n]}", threads)
+            env = group_env(k, url, ports[k], "" if attempt else f"{loopback.HOST}:{ports[n]}", threads, size)
             argv = [
                 "train",
+                *(["--nproc", str(size)] if size > 1 else []),  # the group's own launcher: its S ranks
                 *args,
                 f"--run.name={group_name(run_dir.name, k)}",
                 f"--ft.replica_groups={n}",
                 f"--ft.job_name={job}",
                 f"--run.dir={run_dir.parent}",
+                *(["--parallel.dp_replicate=1"] if on_replicate(cfg) else []),  # a group: one replica
             ]
             if attempt:  # a folder with no checkpoint is started over: its records so far are kept aside
                 kept.setdefault(k, []).extend(
                     set_aside(run_dir.parent / group_name(run_dir.name, k), attempt)
                 )
-            proc = start_loom(argv + (["--train.resume=auto"] if attempt else []), env, name=f"loom ft g{k}")
+            argv += ["--train.resume=auto"] if attempt else []
+            proc = start_loom(argv, env, name=f"loom ft g{k}", server=size > 1)
             log.info(
                 f"torchft: replica group {k} started (pid {proc.pid}"
                 + (f", restart {attempt})" if attempt else ")")
@@ -82,15 +90,18 @@ def launch(nproc: int, cfg: Config, args: list[str], run_dir, force: bool, spawn
                 merge_back(run_dir.parent / group_name(run_dir.name, k), parts)
 
 
-def group_env(k: int, url: str, port: int, barrier: str, threads: str) -> dict:
-    """Group k's environment: its own 1-process world on its own store, the lighthouse, its number, and
-    the start barrier (only the job's first start waits for every group)."""
+def group_env(k: int, url: str, port: int, barrier: str, threads: str, size: int = 1) -> dict:
+    """Group k's environment: the lighthouse, its number, and the start barrier (only the job's first start
+    waits for every group); a 1-process group its own world on its own store, a group of `size` processes
+    its own launcher (`loom train --nproc size`: its ranks, their store; a rank that fails ends the group)."""
     from loom.distributed import loopback
 
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", threads)
-    env.update(MASTER_ADDR=loopback.HOST, MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
-    env.update(LOCAL_WORLD_SIZE="1", TORCHFT_LIGHTHOUSE=url, **{REPLICA_ENV: str(k), BARRIER_ENV: barrier})
+    env.update(TORCHFT_LIGHTHOUSE=url, **{REPLICA_ENV: str(k), BARRIER_ENV: barrier})
+    if size == 1:
+        env.update(MASTER_ADDR=loopback.HOST, MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0")
+        env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     return env
 
 
@@ -150,12 +161,32 @@ def _watch_groups(procs: dict, start, max_restarts: int, signals, connection, se
 
 
 def check_launch(req, nproc: int) -> None:
-    """`loom train --nproc` with ft.enabled: the rules, before the run folder or any process."""
+    """`loom train --nproc` with ft.enabled: the rules, before the run folder or any process. The launcher of
+    one group (started by the job's, or by hand with --ft.replica_id) checks the group's rules; by hand, that
+    the group's number is free on the lighthouse, then passes it on to its ranks."""
     if req.resume:
         raise LoomError(
             "--resume with ft.enabled: each replica group continues its own folder",
             hint="run the same command with --train.resume=auto (and the same --run.name)",
         )
-    check(req.cfg, nproc)
-    if req.cfg.ft.lighthouse:
-        lighthouse_url(req.cfg.ft.lighthouse)
+    cfg = req.cfg
+    if not group_launcher(cfg):
+        check(cfg, nproc)
+        if cfg.ft.lighthouse:
+            lighthouse_url(cfg.ft.lighthouse)
+        return
+    check(cfg)
+    if not sharded(cfg):
+        raise LoomError(
+            f"--nproc {nproc} for one replica group: a DDP replica group is one process",
+            hint="groups of several processes are FSDP shard groups: --parallel.dp_impl=fsdp",
+        )
+    if not in_group():  # by hand: its number must be free, and its ranks are told it
+        url = lighthouse_url(cfg.ft.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"])
+        refuse_live(url, cfg.ft.job_name or cfg.run.name or "loom", replica_id(cfg))
+        os.environ[REPLICA_ENV] = str(replica_id(cfg))
+
+
+def group_launcher(cfg: Config) -> bool:
+    """`loom train --nproc S` that starts one replica group's S ranks (not the whole job)."""
+    return in_group() or cfg.ft.replica_id >= 0

@@ -84,17 +84,22 @@ def launch_local(nproc: int, req: RunRequest, child_argv: list[str], max_restart
     plan = plan_run(req, _local_dims(req, nproc), hashes=False)  # raises before any process starts;
     # the workers hash the checkpoint's files, each its share
     args = [a for a in child_argv if a != "--force"]
-    if req.cfg.ft.enabled:
+    if req.cfg.ft.enabled and not ft_spawn.group_launcher(req.cfg):  # else: one group's ranks, below
         return ft_spawn.launch(nproc, req.cfg, args, plan.run_dir, req.force, sys.modules[__name__])
     if not req.resume:
         args.append(f"--run.name={plan.run_dir.name}")
     timeout_s = req.cfg.parallel.timeout_s
+    # one torchft replica group's ranks: a failed rank ends the group at once (SIGKILL 1 s after SIGTERM); the
+    # job's launcher starts it again and it heals from a live group, nothing of it needs saving
+    failed_s = 1.0 if req.cfg.ft.enabled else None
     restarts = f", up to {max_restarts} restart(s)" if max_restarts else ""
     log.info(f"starting {nproc} processes (store on 127.0.0.1{restarts}) for run {plan.run_dir}")
     job = f"loom-{uuid.uuid4().hex[:8]}"
     with _Signals() as signals:
         for attempt in range(max_restarts + 1):
-            exits = _run_group(nproc, ["train", *args], job, attempt, max_restarts, timeout_s, signals)
+            exits = _run_group(
+                nproc, ["train", *args], job, attempt, max_restarts, timeout_s, signals, None, failed_s
+            )
             if all(e.code == 0 for e in exits.values()):
                 return 0
             if signals.received:
@@ -122,7 +127,7 @@ def run_local(nproc: int, argv: list[str], timeout_s: float, shutdown_s: float) 
 
 
 def _run_group(
-    nproc, argv, job, attempt, max_restarts, timeout_s, signals, shutdown_s=None
+    nproc, argv, job, attempt, max_restarts, timeout_s, signals, shutdown_s=None, failed_s=None
 ) -> dict[int, Exit]:
     """One round: nproc workers running `loom ARGV` on a fresh store, watched until every one has ended."""
     from loom.distributed import loopback
@@ -147,12 +152,15 @@ def _run_group(
         for rank in range(nproc):
             env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             procs[rank] = start_loom(argv, env, name=f"loom rank {rank}")
-        return _watch(procs, signals, shutdown_s=shutdown_s or max(10.0, timeout_s))
+        return _watch(procs, signals, shutdown_s=shutdown_s or max(10.0, timeout_s), failed_s=failed_s)
 
 
-def _watch(procs: dict, signals: _Signals, shutdown_s: float) -> dict[int, Exit]:
+def _watch(
+    procs: dict, signals: _Signals, shutdown_s: float, failed_s: float | None = None
+) -> dict[int, Exit]:
     """Wait for every worker. The first failure, or a signal to this process (passed on to the workers), stops
-    the group: the others get SIGTERM (or that signal), and SIGKILL after shutdown_s."""
+    the group: the others get SIGTERM (or that signal), and SIGKILL after shutdown_s (`failed_s` after a
+    failure, when given)."""
     exits: dict[int, Exit] = {}
     passed_on, deadline, killing = 0, None, False
     while len(exits) < len(procs):
@@ -168,7 +176,8 @@ def _watch(procs: dict, signals: _Signals, shutdown_s: float) -> dict[int, Exit]
             _send(procs, exits, signum)
             passed_on += 1
         if deadline is None and (passed_on or any(e.code != 0 for e in exits.values())):
-            deadline = time.monotonic() + shutdown_s
+            failed = not passed_on and any(e.code not in (0, EXIT_PREEMPTED) for e in exits.values())
+            deadline = time.monotonic() + (failed_s if failed and failed_s is not None else shutdown_s)
             # a rank that stopped on a signal (EXIT_PREEMPTED) agreed the stop step with the others, which are
             # saving and leaving too: a SIGTERM now would kill one in its exit; SIGKILL after shutdown_s still
             if not passed_on and any(e.code not in (0, EXIT_PREEMPTED) for e in exits.values()):
