@@ -162,24 +162,35 @@ class Throughput:
         self.skip = max(skip, 1) if compiled else skip
         self.compiled, self.compile_s = compiled, None
         self.steps, self.tokens, self.seconds = 0, 0, 0.0
+        self.flops = 0.0  # the counted steps' FLOPs (their tokens x flops_per_token, unless a step said)
         self.warned = False
 
-    def step(self, tokens: int, dt: float) -> dict:
+    def step(self, tokens: int, dt: float, flops: float | None = None) -> dict:
+        """`flops`: the step's training FLOPs when they are not tokens x flops_per_token (a step of shorter
+        rows: train.seq_schedule, whose attention costs less per token)."""
         self.steps += 1
+        flops = tokens * self.flops_per_token if flops is None else flops
         if self.steps > self.skip:
             self.tokens += tokens
             self.seconds += dt
+            self.flops += flops
         tps = tokens / dt if dt > 0 else 0.0
-        rec = {"tokens_per_s": tps, "tokens_per_s_per_device": tps / self.n_devices, "mfu": self.mfu(tps)}
+        per_token = flops / tokens if tokens else self.flops_per_token
+        rec = {
+            "tokens_per_s": tps,
+            "tokens_per_s_per_device": tps / self.n_devices,
+            "mfu": self.mfu(tps, per_token),
+        }
         if self.compiled and self.steps == 1:
             self.compile_s = dt
             rec["compile_s"] = dt
         return rec
 
-    def mfu(self, tokens_per_s: float) -> float | None:
+    def mfu(self, tokens_per_s: float, flops_per_token: float | None = None) -> float | None:
         if self.peak is None:
             return None
-        mfu = tokens_per_s * self.flops_per_token / (self.peak * self.n_devices)
+        flops_per_token = flops_per_token or self.flops_per_token
+        mfu = tokens_per_s * flops_per_token / (self.peak * self.n_devices)
         if mfu > 1.0 and self.remeasure is not None:  # impossible: the cached peak is too low; mend it, once
             from loom import log
 
@@ -188,7 +199,7 @@ class Throughput:
                 f"MFU {100 * mfu:.0f}% is impossible: the cached matmul peak ({old / 1e9:.0f} GFLOP/s) was "
                 f"measured on a busy machine; measured again: {self.peak / 1e9:.0f} GFLOP/s (kept if higher)"
             )
-            mfu = tokens_per_s * self.flops_per_token / (self.peak * self.n_devices)
+            mfu = tokens_per_s * flops_per_token / (self.peak * self.n_devices)
         if mfu > 1.0 and not self.warned:
             self.warned = True
             from loom import log
@@ -208,7 +219,7 @@ class Throughput:
             **out,
             "tokens_per_s": tps,
             "tokens_per_s_per_device": tps / self.n_devices,
-            "mfu": self.mfu(tps),
+            "mfu": self.mfu(tps, self.flops / self.tokens if self.tokens else None),
         }
 
 

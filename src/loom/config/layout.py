@@ -6,6 +6,7 @@ checked are the ones returned; `loom.parallel` and everything above take Paralle
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from loom.errors import LoomError
 
@@ -19,6 +20,9 @@ class Derived:
     tokens_per_step: int
     micro_batch_size: int
     pp_microbatches: int = 1  # with pp > 1 the schedule splits the local batch; grad_accum is then 1
+    # train.batch_schedule / seq_schedule: each step's batch (loom.config.schedules.StepShape); None: every
+    # step is batch_size x block_size (grad_accum, tokens_per_step above are then the last step's)
+    schedule: Any = None
 
 
 SHARDED = ("fsdp", "zero2")  # dp_impl values that shard parameters over dp_shard (FSDP2)

@@ -251,6 +251,18 @@ class TrainConfig:
         ge=0,
         why="0: batch_size / dp",
     )
+    batch_schedule: str = _f(
+        "",
+        "Batch-size warm-up: SIZE@STEP,... global batches in sequences, each from the step after STEP steps on "
+        "(first at 0, last = train.batch_size), e.g. 8@0,16@200,32@400; more gradient-accumulation "
+        "micro-batches, never larger ones. Each step reads the next windows in order (loom.config.schedules).",
+    )
+    seq_schedule: str = _f(
+        "",
+        "Sequence-length warm-up: LEN@STEP,... row lengths dividing model.block_size (first at 0, last = "
+        "block_size), e.g. 64@0,128@100,256@300; the batch is kept in tokens (each window cut into "
+        "block_size / LEN rows). Validation stays at block_size.",
+    )
     eval_every: int = _f(200, "Evaluate validation loss every N steps (0: never; always at the end).", ge=0)
     eval_batches: int = _f(20, "Validation set size in global batches (a fixed set of sequences).", gt=0)
     ckpt_every: int = _f(500, "Write a checkpoint every N steps (0: only at the end).", ge=0)
@@ -767,6 +779,12 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section's keys; the model section's include its family's own keys (config.toml saves them)."""
         d = dataclasses.asdict(self)
+    heartbeat_s: float = _f(
+        2.0,
+        "Seconds without a heartbeat before the lighthouse loom starts drops a replica group from the quorum "
+        "(how soon the others go on after a failure); the groups beat every tenth of it, at most every 0.1 s.",
+        gt=0,
+    )
         own = self.model.__dict__.get("family_keys")
         if own is not None:
             d["model"].update(dataclasses.asdict(own))
@@ -820,7 +838,8 @@ CHOICES = {
 }
 
 
-LIST_KEYS = {"eval.tasks", "data.mix", "data.sources"}  # str keys that also take a TOML list of strings
+# str keys that also take a TOML list of strings
+LIST_KEYS = {"eval.tasks", "data.mix", "data.sources", "train.batch_schedule", "train.seq_schedule"}
 
 
 def section_types() -> dict[str, type]:

@@ -13,6 +13,7 @@ from dataclasses import fields
 from typing import Any
 
 from loom.config.layout import SHARDED, Derived, ParallelDims
+from loom.config.schedules import check_schedules, micro_windows
 from loom.config.schema import (
     _LR,
     _LR_HINT,
@@ -692,7 +693,8 @@ def derive_batch(cfg: Config, dp_size: int) -> Derived:
             f"train.batch_size={t.batch_size} is not divisible by the data-parallel size {dp_size}",
             hint=f"use a batch_size that is a multiple of {dp_size}, or fewer processes",
         )
-    micro = t.micro_batch_size or t.batch_size // dp_size
+    schedule = check_schedules(cfg, dp_size)  # train.batch_schedule / seq_schedule (None: neither)
+    micro = micro_windows(t, dp_size, schedule)  # 0: the smallest batch's share of a rank
     per_step = micro * dp_size
     if t.batch_size % per_step:
         raise LoomError(
@@ -702,7 +704,7 @@ def derive_batch(cfg: Config, dp_size: int) -> Derived:
         )
     tokens = t.batch_size * cfg.model.block_size
     if p.pp == 1:
-        return Derived(dp_size, t.batch_size // per_step, tokens, micro)
+        return Derived(dp_size, t.batch_size // per_step, tokens, micro, schedule=schedule)
     # Pipeline: the schedule's micro-batches replace gradient accumulation.
     local = t.batch_size // dp_size
     n_mb = p.pp_microbatches or local // micro

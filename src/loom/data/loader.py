@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from loom import device as dev
+from loom.config.schedules import StepShape
 from loom.data.formats import open_split
 from loom.data.formats import read_meta as formats_read_meta
 from loom.data.shards import read_shard
@@ -201,12 +202,22 @@ class ShardLoader:
         part: DataSlice = WHOLE,
         split: str = "train",
         align: str = "none",
+        schedule: StepShape | None = None,
     ):
+        """`schedule`: train.batch_schedule / seq_schedule's shape of each step (None: batch_size windows of
+        block_size tokens every step)."""
         if batch_size % part.dp_size:
             raise LoomError(f"batch_size={batch_size} is not divisible by dp_size={part.dp_size}")
         self.windows = TokenWindows(
             open_split(data_dir, split), block_size, split, _bos_id(data_dir, align), _vocab(data_dir)
         )
+        self.schedule, self.step = schedule, 0  # step: batches handed out (the schedule's step)
+        if schedule is not None and max(schedule.batch.values) > self.windows.n:
+            raise LoomError(
+                f"train.batch_schedule asks for {max(schedule.batch.values)} sequences in a step; the {split} "
+                f"split holds {self.windows.n} windows of {block_size} tokens",
+                hint=f"keep every size at most {self.windows.n}, or prepare more data",
+            )
         if align == "bos" and part.dp_rank == 0:
             from loom import log
 
@@ -245,25 +256,36 @@ class ShardLoader:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's slice of the next global batch: inputs and targets of shape (B / dp, T / cp)."""
-        local = self.batch_size // self.part.dp_size
+        """This rank's slice of the next global batch: inputs and targets of shape (B / dp, T / cp). With a
+        schedule, B is the step's batch and each window is cut into rows of the step's length (B * T / L, L)."""
+        size = self.batch_size if self.schedule is None else self.schedule.windows(self.step)
+        local = size // self.part.dp_size
         rows = self.global_rows(self.cursor + self.part.dp_rank * local, local)
-        self.cursor += self.batch_size
+        self.cursor += size
+        x, y = rows[:, :-1], rows[:, 1:]  # targets: the inputs' next tokens
+        if self.schedule is not None:
+            length = self.schedule.seq_len(self.step)
+            if length < self.block_size:  # window i's pieces are rows i*k .. i*k + k-1: every target kept
+                x, y = x.reshape(-1, length), y.reshape(-1, length)
+        self.step += 1
         cp = self.part.cp
-        return seq_chunk(rows[:, :-1], *cp), seq_chunk(rows[:, 1:], *cp)  # targets: the inputs' next tokens
+        return seq_chunk(x, *cp), seq_chunk(y, *cp)
 
     @property
     def epoch(self) -> float:
         return self.cursor / self.windows.n
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "cursor": self.cursor,
             "seed": self.seed,
             "block_size": self.block_size,
             "windows": self.windows.n,
             "order": self.order,
         }
+        if self.schedule is not None:  # the schedule's step of the next batch (the cursor follows from it)
+            state["step"] = self.step
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state["block_size"] != self.block_size or state["windows"] != self.windows.n:
@@ -273,6 +295,8 @@ class ShardLoader:
                 hint="resume with the same data.path and model.block_size",
             )
         self.seed, self.cursor = state["seed"], int(state["cursor"])
+        # a state saved without a schedule: its batches were all batch_size windows
+        self.step = int(state.get("step", self.cursor // self.batch_size))
         self.order = state.get("order", "permutation")  # a state without it was saved before WindowOrder
         self._epoch = None
 

@@ -238,7 +238,7 @@ def rows_of_step(state: dict, batch_size: int, data_dir, align: str = "none") ->
     the endless epoch sequence of windows (loom.data.loader.ShardLoader) and the `loom data inspect --rows`
     command that prints them; {} for another loader's state (data.mix and SFT explain their own rows:
     their `explain_rows`)."""
-    if set(state) - {"cursor", "seed", "block_size", "windows", "order"}:
+    if set(state) - {"cursor", "seed", "block_size", "windows", "order", "step"}:  # step: a schedule's
         return {}
     first, last = int(state["cursor"]), int(state["cursor"]) + batch_size - 1
     cmd = (

@@ -15,9 +15,11 @@ import torch
 
 from loom import log
 from loom.config import Config
+from loom.config.schedules import step_shape
 from loom.data.loader import DeviceBatches, ShardLoader
 from loom.data.sft import ChatLoader, is_chat_data, validation_set
 from loom.data.slice import DataSlice
+from loom.errors import LoomError
 from loom.rl.stage import RL
 from loom.train.dpo import DPO
 
@@ -83,12 +85,19 @@ class Pretrain(TokenLoss):
             loader = self._mix(cfg, part)
         else:
             loader = ShardLoader(
-                data_dir, t.batch_size, cfg.model.block_size, cfg.run.seed, part, align=cfg.data.align
+                data_dir,
+                t.batch_size,
+                cfg.model.block_size,
+                cfg.run.seed,
+                part,
+                align=cfg.data.align,
+                schedule=schedule,
             )
         self.batches = DeviceBatches(loader, device)
         self.valset = _valset(cfg, data_dir, meta, part)
 
     def _mix(self, cfg: Config, part: DataSlice):
+            schedule = step_shape(t, cfg.model.block_size)  # batch/sequence warm-up (None: neither)
         """data.mix's loader (loom.data.mix), its repeats checked against train.steps, and a validation loss per
         source (each on its own val split)."""
         from loom.data.loader import ValSet
@@ -168,3 +177,9 @@ def build_stage(cfg: Config, data_dir: Path, meta: dict, part: DataSlice, device
     """The run's training stage, chosen by its data and config."""
     cls = next(s for s in STAGES if s.applies(cfg, meta))
     return cls(cfg, data_dir, meta, part, device)
+    if cls is not Pretrain and (cfg.train.batch_schedule or cfg.train.seq_schedule):
+        raise LoomError(
+            f"train.batch_schedule / train.seq_schedule serve pretraining; this run is {cls.name} (its data "
+            f"'{data_dir}' chooses it)",
+            hint="drop the schedule for this run",
+        )

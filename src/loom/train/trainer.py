@@ -143,7 +143,10 @@ class Trainer:
     def _throughput(self, model, dtype) -> Throughput:
         """tokens/s and MFU against the device's peak at the run's precision (a CPU's peak measured again when
         the first measure looks wrong)."""
-        device, t = self.device, self.cfg.train
+        device, t, schedule = self.device, self.cfg.train, self.derived.schedule
+        # train.seq_schedule: a row's attention costs less per token at a shorter length
+        lengths = schedule.seq.values if schedule is not None else []
+        self.flops_at = {n: self._flops_per_token(model, n) for n in lengths}
         return Throughput(
             self._flops_per_token(model),
             peak_flops(device, dtype),
@@ -301,9 +304,10 @@ class Trainer:
         dcp_state.load_optim_shards(self.parallel.model, self.optimizer, path / "optim", self.parallel.tied)
         log.info(f"optimizer state from {path}")
 
-    def _flops_per_token(self, model: torch.nn.Module) -> float:
-        """The family's training FLOPs per token (LoRA: the frozen matrices get no weight gradient)."""
-        flops = self.spec.flops_per_token(model.cfg, None)
+    def _flops_per_token(self, model: torch.nn.Module, seq_len: int | None = None) -> float:
+        """The family's training FLOPs per token in rows of seq_len tokens (None: model.block_size; LoRA: the
+        frozen matrices get no weight gradient)."""
+        flops = self.spec.flops_per_token(model.cfg, seq_len)
         return training_flops_per_token(self.cfg, self.meta, model.cfg, flops, self.lora)
 
     # ---------------------------------------------------------------- steps
@@ -375,7 +379,7 @@ class Trainer:
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, timer: StepTimer) -> torch.Tensor:
         """The global batch's forward and backward (accumulated micro-batches, or the pipeline's schedule);
         returns the summed loss (on the device)."""
-        par, accum, phase, rank = self.parallel, self.derived.grad_accum, self.phases, self.dims.rank
+        par, accum, phase, rank = self.parallel, self._grad_accum(self.step), self.phases, self.dims.rank
         if par.pipeline is not None:  # the schedule runs its micro-batches, forward and backward interleaved
             with timer("f"), phase("forward"):
                 self.faults.slow("forward", rank)
@@ -393,6 +397,29 @@ class Trainer:
                     self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         return loss_sum
+
+    def _grad_accum(self, step: int) -> int:
+        """Micro-batches of 0-based step `step`: train.batch_schedule's batch of that step over dp x
+        micro_batch_size (each micro-batch the same size whatever the batch), else the run's constant."""
+        d = self.derived
+        if d.schedule is None:
+            return d.grad_accum
+        return d.schedule.windows(step) // (d.dp_size * d.micro_batch_size)
+
+    def _count_tokens(self, rec: dict, dt: float) -> None:
+        """The step's tokens/s and MFU, and the tokens trained on so far (`tokens`); with a schedule, the step's
+        batch in sequences and row length too, and its FLOPs at that length."""
+        trained = getattr(self.stage, "trained_tokens", None)  # loom rl: its answers' trained targets
+        schedule = self.derived.schedule
+        if schedule is None:
+            tokens = self.derived.tokens_per_step if trained is None else trained
+            rec.update(dt=dt, **self.throughput.step(tokens, dt))
+            rec["tokens"] = self.step * self.derived.tokens_per_step
+            return
+        s = self.step - 1  # the step just taken, 0-based
+        tokens, length = schedule.tokens(s), schedule.seq_len(s)
+        rec.update(dt=dt, **self.throughput.step(tokens, dt, tokens * self.flops_at[length]))
+        rec.update(tokens=schedule.tokens_before(self.step), batch_size=schedule.windows(s), seq_len=length)
 
     def _check_step(self, loss: float, norm: float, nonfinite: bool) -> str | None:
         """Why this step's update is skipped (None: it is applied): the bad-step guard's verdict, then, under
@@ -450,10 +477,7 @@ class Trainer:
         if stop:
             rec["stop"] = self.stop.signal or "a signal on another rank"
         # loom rl: its answers' trained targets, not the padded batch_size x block_size
-        trained = getattr(self.stage, "trained_tokens", None)
-        tokens = self.derived.tokens_per_step if trained is None else trained
-        rec.update(dt=dt, **self.throughput.step(tokens, dt))
-        rec["tokens"] = self.step * self.derived.tokens_per_step
+        self._count_tokens(rec, dt)
         mix = self.stage.batches.state_dict().get("mix")
         if mix:  # data.mix: the tokens each source gave so far (rows of block_size targets)
             rec["mix_tokens"] = {m["name"]: m["cursor"] * self.cfg.model.block_size for m in mix}
@@ -485,6 +509,8 @@ class Trainer:
         them), the parameters with the largest gradient norms (whole norms under FSDP; a model-parallel rank's
         own parameters otherwise). The learning rate is in the step's record already."""
         bs, align = self.cfg.train.batch_size, self.cfg.data.align
+        if self.derived.schedule is not None:  # train.batch_schedule: the batch of the step just taken
+            bs = self.derived.schedule.windows(self.step - 1)
         # data.mix's, SFT's loaders and RL's rollouts say which rows they gave in their own terms
         explain = getattr(getattr(self.batches, "loader", self.batches), "explain_rows", None)
         out = (
@@ -568,12 +594,7 @@ class Trainer:
         t = self.cfg.train
         if self.main:
             self.logger.open(self._write_run_files(), self.step)
-        active = f" ({self.n_active / 1e6:.2f}M active per token)" if self.n_active != self.n_params else ""
-        log.info(
-            f"model {self.n_params / 1e6:.2f}M params{active} | device {self.device} | {self.dims.describe()}"
-            f" | grad accum {self.derived.grad_accum} | {self.derived.tokens_per_step:,} tokens/step"
-            f" | {t.steps} steps"
-        )
+        self._say_shape()
         log.info(f"run folder: {self.run_dir} (config.toml, metrics.jsonl, checkpoints, samples)")
         if self.parallel.fp8:
             gather = ", FSDP all-gathers them in float8" if self.parallel.fp8_gather else ""
@@ -590,7 +611,12 @@ class Trainer:
         if self.step == 0:  # a new run: evaluators with a baseline measure the start model (rl's pass@k)
             self._evaluate(0, final=False, baseline=True)
         self.budget = TimeBudget(
-            self.cfg, self.step, self.control.broadcast_object, self._save_config, self._say_run_length
+            self.cfg,
+            self.step,
+            self.control.broadcast_object,
+            self._save_config,
+            self._say_run_length,
+            self.derived.schedule,
         )
         if not self.budget.active:  # else once the budget has chosen train.steps
             self._say_run_length()
@@ -623,6 +649,17 @@ class Trainer:
         return summary
 
     def _say_next(self) -> None:
+    def _say_shape(self) -> None:
+        """The run's first line: the model, the layout, the batch; and a batch or length schedule's ramp."""
+        active = f" ({self.n_active / 1e6:.2f}M active per token)" if self.n_active != self.n_params else ""
+        log.info(
+            f"model {self.n_params / 1e6:.2f}M params{active} | device {self.device} | {self.dims.describe()}"
+            f" | grad accum {self.derived.grad_accum} | {self.derived.tokens_per_step:,} tokens/step"
+            f" | {self.cfg.train.steps} steps"
+        )
+        if self.derived.schedule is not None:  # train.batch_schedule / seq_schedule
+            log.info(f"warm-up: {self.derived.schedule.describe()}; the line above is the last step's batch")
+
         """The run's folder and what to do with it, the run's last lines."""
         from loom.data.sft import is_chat_data
 
@@ -636,7 +673,9 @@ class Trainer:
         # pretraining's ShardLoader (a mixture's MixLoader.windows is a method: its check_repeats says it)
         windows = getattr(getattr(getattr(self.batches, "loader", None), "windows", None), "n", None)
         rows_per_step = self.derived.tokens_per_step // self.cfg.model.block_size
-        for line in run_length_warnings(self.cfg, windows, rows_per_step):
+        schedule = self.derived.schedule
+        rows_before = schedule.windows_before if schedule is not None else None
+        for line in run_length_warnings(self.cfg, windows, rows_per_step, rows_before):
             if self.main:
                 log.warn(line)
 
