@@ -757,6 +757,12 @@ class FtConfig:
     min_replicas: int = _f(1, "Replica groups a step needs to commit (the quorum's minimum).", gt=0)
     job_name: str = _f("", "The job's name on the lighthouse (empty: run.name).")
     timeout_s: float = _f(60.0, "Seconds a quorum, collective or heal may take before it is abandoned.", gt=0)
+    heartbeat_s: float = _f(
+        2.0,
+        "Seconds without a heartbeat before the lighthouse loom starts drops a replica group from the quorum "
+        "(how soon the others go on after a failure); the groups beat every tenth of it, at most every 0.1 s.",
+        gt=0,
+    )
     max_restarts: int = _f(3, "loom train --nproc: times a failed replica group is started again.", ge=0)
 
 
@@ -779,12 +785,6 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Every section's keys; the model section's include its family's own keys (config.toml saves them)."""
         d = dataclasses.asdict(self)
-    heartbeat_s: float = _f(
-        2.0,
-        "Seconds without a heartbeat before the lighthouse loom starts drops a replica group from the quorum "
-        "(how soon the others go on after a failure); the groups beat every tenth of it, at most every 0.1 s.",
-        gt=0,
-    )
         own = self.model.__dict__.get("family_keys")
         if own is not None:
             d["model"].update(dataclasses.asdict(own))

@@ -84,6 +84,7 @@ class Pretrain(TokenLoss):
         if cfg.data.mix:
             loader = self._mix(cfg, part)
         else:
+            schedule = step_shape(t, cfg.model.block_size)  # batch/sequence warm-up (None: neither)
             loader = ShardLoader(
                 data_dir,
                 t.batch_size,
@@ -97,7 +98,6 @@ class Pretrain(TokenLoss):
         self.valset = _valset(cfg, data_dir, meta, part)
 
     def _mix(self, cfg: Config, part: DataSlice):
-            schedule = step_shape(t, cfg.model.block_size)  # batch/sequence warm-up (None: neither)
         """data.mix's loader (loom.data.mix), its repeats checked against train.steps, and a validation loss per
         source (each on its own val split)."""
         from loom.data.loader import ValSet
@@ -176,10 +176,10 @@ STAGES: list = [RL, DPO, SFT, Pretrain]  # the first that applies to the data an
 def build_stage(cfg: Config, data_dir: Path, meta: dict, part: DataSlice, device: torch.device) -> Stage:
     """The run's training stage, chosen by its data and config."""
     cls = next(s for s in STAGES if s.applies(cfg, meta))
-    return cls(cfg, data_dir, meta, part, device)
     if cls is not Pretrain and (cfg.train.batch_schedule or cfg.train.seq_schedule):
         raise LoomError(
             f"train.batch_schedule / train.seq_schedule serve pretraining; this run is {cls.name} (its data "
             f"'{data_dir}' chooses it)",
             hint="drop the schedule for this run",
         )
+    return cls(cfg, data_dir, meta, part, device)

@@ -648,7 +648,6 @@ class Trainer:
         self.logger.close()
         return summary
 
-    def _say_next(self) -> None:
     def _say_shape(self) -> None:
         """The run's first line: the model, the layout, the batch; and a batch or length schedule's ramp."""
         active = f" ({self.n_active / 1e6:.2f}M active per token)" if self.n_active != self.n_params else ""
@@ -660,6 +659,7 @@ class Trainer:
         if self.derived.schedule is not None:  # train.batch_schedule / seq_schedule
             log.info(f"warm-up: {self.derived.schedule.describe()}; the line above is the last step's batch")
 
+    def _say_next(self) -> None:
         """The run's folder and what to do with it, the run's last lines."""
         from loom.data.sft import is_chat_data
 
