@@ -738,6 +738,16 @@ class RLConfig:
         "(truncated importance sampling); 0: no correction.",
         ge=0,
     )
+    max_staleness: int = _f(
+        0,
+        "Asynchronous rollouts (loom.rl.async_rollout): K > 0 samples each batch in a worker process of its own "
+        "with the weights of exactly K steps before the step that trains on it (fewer at the start), while the "
+        "trainer trains; rl.is_cap corrects the lag. 0: sample with the current weights, in the step.",
+        ge=0,
+    )
+    sampler_threads: int = _f(
+        0, "rl.max_staleness > 0: the rollout worker's torch threads (0: the trainer's count).", ge=0
+    )
 
 
 @dataclass

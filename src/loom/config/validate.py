@@ -95,6 +95,41 @@ def _check_rl(cfg: Config, dp: int, dp_impl: str) -> None:
             f"{cfg.model.block_size}: a prompt and its answer share one block",
             hint=f"set rl.max_new_tokens below {cfg.model.block_size} (the longest prompt plus it must fit)",
         )
+    _check_rl_async(cfg, dp, dp_impl)
+
+
+def _check_rl_async(cfg: Config, dp: int, dp_impl: str) -> None:
+    """rl.max_staleness > 0 (loom.rl.async_rollout): the rollout worker holds a whole copy of the model and gets
+    the trainer's whole weights pushed to it, and rl.is_cap's weights correct the samples' lag."""
+    r, p = cfg.rl, cfg.parallel
+    if not r.max_staleness:
+        return
+    what = f"rl.max_staleness={r.max_staleness}"
+    if r.is_cap <= 0:
+        raise LoomError(
+            f"{what} trains on answers sampled by weights up to {r.max_staleness} steps old, and rl.is_cap=0 "
+            "turns off the truncated importance weights that correct for that",
+            hint="set rl.is_cap > 0 (2 is the default), or rl.max_staleness=0 (synchronous rollouts)",
+        )
+    if dp > 1:
+        raise LoomError(
+            f"{what} with {dp} data-parallel ranks: the rollout worker is built and tested for one trainer "
+            "process here (a worker and a weight group per rank is not)",
+            hint="run loom rl with one process for asynchronous rollouts, or rl.max_staleness=0 under --nproc",
+        )
+    sharded = p.tp > 1 or cfg.finetune.quantize_base == "nf4"
+    if sharded:
+        raise LoomError(
+            f"{what}: the rollout worker is sent whole weights, and this layout holds pieces of them "
+            f"(parallel.tp={p.tp}, finetune.quantize_base={cfg.finetune.quantize_base})",
+            hint="asynchronous rollouts run on one process without NF4; or set rl.max_staleness=0",
+        )
+    if getattr(r, "env", ""):
+        raise LoomError(
+            f"{what} with rl.env: the rollout worker samples single answers; multi-turn episodes run in the "
+            "trainer's process",
+            hint="set rl.max_staleness=0 with rl.env",
+        )
 
 
 def _check_compression(cfg: Config, impl: str) -> None:

@@ -20,4 +20,8 @@ The choices, and why:
   - An optional KL to the frozen start model (the k3 estimator, exp(ref - lp) - (ref - lp) - 1).
   - Rewards (`rewards.py`): built-ins (exact, numeric, regex) and `module:function(sample) -> float`; a reward
     that raises or returns NaN or a non-number drops its group, counted (rl/reward_errors).
+  - Asynchronous rollouts (`async_rollout.py`, rl.max_staleness = K > 0): a worker process samples rollout r with
+    the weights of step r - K (a fixed schedule: a run is reproducible, and K = 0 is the synchronous loop
+    itself), pushed over a gloo group of its own (`weight_sync.py`), while the trainer trains; rl.is_cap's
+    truncated importance weights correct the lag.
 """

@@ -16,6 +16,7 @@ from loom.data.slice import DataSlice
 from loom.errors import LoomError, StopBeforeStep
 from loom.model.batch_invariant import batch_invariant
 from loom.rl import heldout  # noqa: F401  (registers the held-out pass@k evaluator)
+from loom.rl.async_rollout import AsyncRollouts, worker_spec
 from loom.rl.loss import policy_loss, target_logprobs
 from loom.rl.prompts import check_stops, load_prompts, parse_stops, rl_template
 from loom.rl.rewards import RewardGuard, load_reward
@@ -61,6 +62,7 @@ class RL:
         # begin() turns it on under autocast too (bf16: the forwards differ even batch-invariant)
         self.corrected = not self.invariant and r.is_cap > 0
         self.vocab = meta["vocab_size"]  # the logits past it are padding: left out as the engine does
+        self.data_dir = data_dir  # rl.max_staleness: the rollout worker reads the tokenizer from it
 
     def begin(self, parallel, autocast) -> None:
         """The model the rollouts sample from (this rank's, as it trains) and the sampling precision (the step's:
@@ -69,6 +71,9 @@ class RL:
         with autocast():  # batch-invariance is exact in fp32 only: in bf16 the README's 4 x 128 model's
             low = torch.is_autocast_enabled(self.device.type)  # log-probabilities differ by up to 0.05
         self.corrected = (not self.invariant or low) and self.rl.is_cap > 0
+        if self.batches.worker is not None:  # rl.max_staleness: answers of older weights, always corrected
+            self.corrected = True  # (validate: rl.is_cap > 0)
+            self.batches.worker.start(*worker_spec(self, low))
         if self.rl.kl_coef > 0:
             self.ref = reference_model(self.cfg, self.meta, self.device)
 
@@ -120,7 +125,13 @@ class RL:
         self.trained_tokens = rec["rl/trained_tokens"]  # not the padded batch_size x block_size
         if self.heldout is not None and self.heldout.last:  # the console line shows the latest pass@k
             rec["rl/heldout"] = dict(self.heldout.last)
+        if b.worker is not None:  # rl.max_staleness: the batch's staleness, the wait for the worker
+            rec.update(b.worker.figures(b.steps_before))
         return rec
+
+    def end(self) -> None:
+        if self.batches.worker is not None:
+            self.batches.worker.close()
 
 
 def reference_model(cfg, meta: dict, device: torch.device):
@@ -164,9 +175,15 @@ class Rollouts:
         self.stats: dict = {}  # the last rollout's figures (loom.rl.score), reported once
         self.train_start = 0.0
         self.dropped_in_a_row = 0  # rollouts in a row whose every group was dropped (rl.max_dropped_steps)
+        K = stage.rl.max_staleness  # asynchronous rollouts: sampled by a worker process (loom.rl.async_rollout)
+        self.worker = AsyncRollouts(K, stage.rl.updates_per_batch) if K else None
+        self.steps_before = 0  # the optimizer steps taken before the current one
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.stage.rl.updates_per_batch
+        self.steps_before = (self.rollouts - 1) * k + self.uses if self.rollouts else 0
+        if self.worker is not None:  # the weights and the rollouts now due go to the worker
+            self.worker.advance(self.steps_before, self.rollouts, self.stage.cfg.train.steps, self._job)
         if self.batch is None or self.uses >= k:
             self.batch, self.uses = self._rollout(), 0
             self.prox = [None] * self.accum
@@ -182,12 +199,20 @@ class Rollouts:
         ref = b.ref_lp.chunk(accum) if b.ref_lp is not None else [None] * accum
         return list(zip(b.adv.chunk(accum), b.old_lp.chunk(accum), ref, strict=True))
 
-    def _mine(self) -> list[int]:
-        """This rank's stream positions of the current rollout's prompts (each rank samples for its own)."""
+    def _mine(self, r: int | None = None) -> list[int]:
+        """This rank's stream positions of rollout r's prompts (default: the current rollout; each rank samples
+        for its own)."""
         part, P = self.stage.part, self.per_rollout
         per_rank = P // part.dp_size
-        start = self.rollouts * P + part.dp_rank * per_rank
+        start = (self.rollouts if r is None else r) * P + part.dp_rank * per_rank
         return list(range(start, start + per_rank))
+
+    def _job(self, r: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Rollout r's prompts (token ids) and their samples' seeds on this rank: the rollout worker's job."""
+        st, seed = self.stage, self.stage.cfg.run.seed
+        pos = self._mine(r)
+        ids = [st.prompts.ids[prompt_index(p, len(st.prompts), seed)] for p in pos]
+        return ids, [[sample_seed(seed, r, p, g) for g in range(self.G)] for p in pos]
 
     def _rollout(self) -> Batch:
         from loom.rl.score import score_groups
@@ -198,19 +223,23 @@ class Rollouts:
         idx = [prompt_index(p, n, seed) for p in pos]
         seeds = [[sample_seed(seed, self.rollouts, p, g) for g in range(self.G)] for p in pos]
         par = st.parallel
-        with self.rollout_s():
-            reqs = sample(
-                par.model,  # this rank's model as it trains: whole, FSDP's shards or tensor parallel's
-                [st.prompts.ids[i] for i in idx],
-                seeds,
-                st.rl.max_new_tokens,
-                st.template.stop_ids,
-                st.meta["vocab_size"],
-                st.sampling,
-                lockstep=par.all_reduce_sum if par.fsdp_roots else None,
-                stops=st.stops,
-                decode=st.template.tok.decode,
-            )
+        if self.worker is not None:  # sampled by the rollout worker (rl.max_staleness): these prompts, seeds
+            reqs = self.worker.take(self.rollouts)
+            self.rollout_s.s += self.worker.worker_s  # the worker's seconds (rl/rollout_wait_s: the wait)
+        else:
+            with self.rollout_s():
+                reqs = sample(
+                    par.model,  # this rank's model as it trains: whole, FSDP's shards or tensor parallel's
+                    [st.prompts.ids[i] for i in idx],
+                    seeds,
+                    st.rl.max_new_tokens,
+                    st.template.stop_ids,
+                    st.meta["vocab_size"],
+                    st.sampling,
+                    lockstep=par.all_reduce_sum if par.fsdp_roots else None,
+                    stops=st.stops,
+                    decode=st.template.tok.decode,
+                )
         rows = [st.prompts.rows[i] for i in idx]
         row_adv, trained, self.stats = score_groups(st, reqs, rows, self.G)
         stopped = self.stats.pop("stopped", None)  # a stop signal while the rewards were scored

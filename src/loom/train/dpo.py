@@ -109,6 +109,9 @@ class DPO:
         if self.loader.reference is None:
             self.loader.set_reference(self._reference(par, autocast))
 
+    def end(self) -> None:
+        pass
+
     @torch.no_grad()
     def _reference(self, par, autocast) -> np.ndarray:
         dims, pairs = par.dims, self.loader.pairs

@@ -45,6 +45,10 @@ class Stage(Protocol):
     def step_metrics(self, all_reduce_sum) -> dict:
         """The stage's own figures of the step just taken, for metrics.jsonl (a collective: every rank)."""
 
+    def end(self) -> None:
+        """After the last step, or a run that stops or fails: what the stage started ends (RL's rollout
+        worker)."""
+
 
 class TokenLoss:
     """A stage whose loss is the model's mean cross-entropy over the targets, weighed by its loss_scale(y,
@@ -60,6 +64,9 @@ class TokenLoss:
 
     def step_metrics(self, all_reduce_sum) -> dict:
         return {}
+
+    def end(self) -> None:
+        pass
 
 
 def _valset(cfg: Config, data_dir: Path, meta: dict, part: DataSlice):

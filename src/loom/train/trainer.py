@@ -630,6 +630,7 @@ class Trainer:
         finally:
             self.logger.end()  # the terminal's progress line, before anything else prints
             self.stop.restore()
+            self.stage.end()  # RL's rollout worker (rl.max_staleness) stops here
         last_val = self.val.last
         summary = {"step": self.step, "val_loss": last_val, **self.throughput.summary()}
         summary.update(skipped_steps=self.guard.skipped, stopped_by=stopped)
