@@ -119,3 +119,12 @@ def test_loader_resumes_inside_the_ramp(char_data):
         (xa, ya), (xb, yb) = a.next_batch(), b.next_batch()
         assert torch.equal(xa, xb) and torch.equal(ya, yb), s
     assert np.array_equal(xb.shape, (16, 32))
+
+
+@pytest.mark.parametrize("kind,meta", [("sft", {"chat": {}}), ("dpo", {"preference": {}})])
+def test_chat_and_preference_data_are_refused_before_the_loader(tmp_path, kind, meta):
+    from loom.train.stage import build_stage
+
+    cfg = _cfg("--train.batch_schedule=8@0,16@5")
+    with pytest.raises(LoomError, match=f"serve pretraining; this run is {kind}"):
+        build_stage(cfg, tmp_path, meta, DataSlice(), torch.device("cpu"))

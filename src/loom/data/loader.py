@@ -3,8 +3,10 @@
 The training split is cut into windows of block_size + 1 tokens at stride block_size. Each epoch visits all
 windows in an order drawn from (seed, epoch) (`WindowOrder`: computed per index, nothing of the size of the
 corpus is built at start), with the window grid shifted by a per-epoch offset so repeated epochs see new cut
-points. The global batch at step s is windows [s*B, (s+1)*B) of that endless sequence:
-it depends only on (seed, s, B), never on how many data-parallel ranks or micro-batches share it. Rank r of
+points. The global batch at step s is windows [s*B, (s+1)*B) of that endless sequence (with train.batch_schedule,
+[W(s), W(s) + B(s)), W(s) the windows of the steps before: loom.config.schedules; with train.seq_schedule each
+window cut into shorter rows): it depends only on (seed, s, B), never on how many data-parallel ranks or
+micro-batches share it. Rank r of
 dp_size takes the contiguous slice [r*B/dp, (r+1)*B/dp). That is what makes N processes comparable with one,
 and resume exact: the whole loader state is the sample cursor.
 """
