@@ -748,6 +748,18 @@ class RLConfig:
     sampler_threads: int = _f(
         0, "rl.max_staleness > 0: the rollout worker's torch threads (0: the trainer's count).", ge=0
     )
+    env: str = _f(
+        "",
+        "Multi-turn episodes with an environment, module:Class (reset(row) -> str, step(text) -> (observation "
+        "or None, reward, done); loom.rl.envs:Calculator is built in). Its tokens are context, never trained.",
+    )
+    max_turns: int = _f(4, "rl.env: model turns an episode may take (one not done by then is dropped).")
+    max_episode_tokens: int = _f(
+        0, "rl.env: tokens after the prompt an episode may hold, model's and environment's (0: the block's).", ge=0
+    )
+    env_timeout_s: float = _f(
+        10.0, "rl.env: seconds an environment call may take; one past it drops its episode (counted).", ge=0
+    )
 
 
 @dataclass

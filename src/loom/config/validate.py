@@ -96,6 +96,32 @@ def _check_rl(cfg: Config, dp: int, dp_impl: str) -> None:
             hint=f"set rl.max_new_tokens below {cfg.model.block_size} (the longest prompt plus it must fit)",
         )
     _check_rl_async(cfg, dp, dp_impl)
+    _check_rl_env(cfg)
+
+
+def _check_rl_env(cfg: Config) -> None:
+    """rl.env's keys (loom.rl.env imports the class itself, before any work): module:Class, at least one turn,
+    a token budget with room for a turn."""
+    r = cfg.rl
+    if not r.env:
+        return
+    module, sep, name = r.env.partition(":")
+    if not sep or not module.strip() or not name.strip():
+        raise LoomError(
+            f"rl.env='{r.env}' is not module:Class",
+            hint="e.g. rl.env=loom.rl.envs:Calculator (a class with reset(row) and step(text))",
+        )
+    if r.max_turns < 1:
+        raise LoomError(
+            f"rl.max_turns={r.max_turns}: an episode needs at least one model turn",
+            hint="set rl.max_turns >= 1 (a tool call and an answer: 2)",
+        )
+    if r.max_episode_tokens and r.max_episode_tokens < r.max_new_tokens:
+        raise LoomError(
+            f"rl.max_episode_tokens={r.max_episode_tokens} is less than one turn's rl.max_new_tokens="
+            f"{r.max_new_tokens}",
+            hint="raise rl.max_episode_tokens (or 0: what model.block_size leaves after the prompt)",
+        )
 
 
 def _check_rl_async(cfg: Config, dp: int, dp_impl: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from loom import log
 from loom.data.loader import read_meta
 from loom.eval.evaluator import Every, register_evaluator
+from loom.rl.episode import Episodes, heldout_correct
 from loom.rl.prompts import check_stops, load_prompts, parse_stops, rl_template
 from loom.rl.rewards import RewardGuard, RewardStopped, load_reward
 from loom.rl.rollout import answer_text, sample, sample_seed
@@ -27,6 +28,8 @@ class HeldOut(Every):
         self.guard = RewardGuard(r.reward_timeout)
         self.stops = parse_stops(r.stop)
         check_stops(template.tok, self.stops)
+        # rl.env: each held-out prompt is an episode with the environment; correct: it ended with a reward > 0
+        self.env = Episodes(r, template, self.stops, cfg.model.block_size) if r.env else None
         self.last: dict = {}  # the latest figures and their step: the RL stage puts them on the console line
         self.prompts = load_prompts(
             r.eval_prompts, self.reward.field, template, cfg.model.block_size, r.max_new_tokens
@@ -54,6 +57,8 @@ class HeldOut(Every):
         if model is None:
             return None
         ids, k = self.prompts.ids, self.rl.eval_k
+        if self.env is not None:
+            return self._record(ctx, self._run_env(model, ids, k, ctx.autocast))
         args = (self.rl.max_new_tokens, self.template.stop_ids, self.vocab, ctx.autocast)
         stop = {"stops": self.stops, "decode": self.template.tok.decode}
         greedy = sample(model, ids, [[0]] * len(ids), *args, temperature=0.0, **stop)
@@ -66,6 +71,23 @@ class HeldOut(Every):
         except RewardStopped:  # the run stops after its next step; this evaluation is not finished
             log.warn(f"step {ctx.step}: held-out evaluation given up: {self.guard.stopped} while scoring")
             return None
+        return self._record(ctx, rec)
+
+    def _run_env(self, model, ids: list[list[int]], k: int, autocast) -> dict:
+        """pass@1 (greedy) and pass@k of held-out episodes with rl.env (loom.rl.episode)."""
+        rows, n = self.prompts.rows, len(ids)
+        greedy = heldout_correct(self.env, model, rows, ids, [0] * n, self.vocab, autocast, 0.0)
+        rec = {"rl/pass@1": sum(greedy) / n}
+        if k > 0:
+            seeds = [sample_seed(self.seed, -1, i, g) for i in range(n) for g in range(k)]
+            many = [r for r in rows for _ in range(k)]
+            drawn = heldout_correct(
+                self.env, model, many, [p for p in ids for _ in range(k)], seeds, self.vocab, autocast, 1.0
+            )
+            rec[f"rl/pass@{k}"] = sum(any(drawn[i * k : (i + 1) * k]) for i in range(n)) / n
+        return rec
+
+    def _record(self, ctx, rec: dict) -> dict:
         self.last = {"step": ctx.step, **{key[3:]: v for key, v in rec.items()}}
         return rec
 

@@ -79,6 +79,9 @@ ROLLOUT_KEYS = (
     "answer_tokens",
     "answers",
     "groups",
+    "env_dropped",  # rl.env (loom.rl.episode): episodes dropped, tool calls the environment could not run, turns
+    "tool_errors",
+    "turns",
 )
 LOSS_KEYS = ("targets", "clipped", "entropy", "kl", "is_weight", "is_truncated")
 
@@ -138,7 +141,14 @@ def _rollout_figures(g: dict, batches, stats: dict) -> dict:
     lo, hi = stats.get("reward_min", math.inf), stats.get("reward_max", -math.inf)
     secs, top, neg_low = _max_over_ranks([batches.rollout_s.s, hi, -lo])
     batches.rollout_s.s = 0.0
-    return {
+    env = {}
+    if batches.stage.env is not None:  # multi-turn episodes: their drops, tool errors and mean turns
+        env = {
+            "rl/env_dropped": int(g["env_dropped"]),
+            "rl/tool_errors": int(g["tool_errors"]),
+            "rl/turns": g["turns"] / max(g["answers"], 1.0),
+        }
+    return env | {
         "rl/reward_mean": mean,
         "rl/reward_std": var**0.5,
         "rl/reward_min": -neg_low,  # the range the rewards took: loom plot clips the spread to it

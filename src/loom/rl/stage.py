@@ -17,6 +17,7 @@ from loom.errors import LoomError, StopBeforeStep
 from loom.model.batch_invariant import batch_invariant
 from loom.rl import heldout  # noqa: F401  (registers the held-out pass@k evaluator)
 from loom.rl.async_rollout import AsyncRollouts, worker_spec
+from loom.rl.episode import Episodes, env_rollout
 from loom.rl.loss import policy_loss, target_logprobs
 from loom.rl.prompts import check_stops, load_prompts, parse_stops, rl_template
 from loom.rl.rewards import RewardGuard, load_reward
@@ -42,6 +43,8 @@ class RL:
         self.guard = RewardGuard(r.reward_timeout)  # rl.reward_timeout, and stop signals during scoring
         self.stops = parse_stops(r.stop)  # rl.stop: texts that end an answer (a base run's, say a newline)
         check_stops(self.template.tok, self.stops)
+        # rl.env: multi-turn episodes with an environment (loom.rl.episode), its class imported now
+        self.env = Episodes(r, self.template, self.stops, cfg.model.block_size) if r.env else None
         self.prompts = load_prompts(
             r.prompts, self.reward.field, self.template, cfg.model.block_size, r.max_new_tokens
         )
@@ -223,6 +226,10 @@ class Rollouts:
         idx = [prompt_index(p, n, seed) for p in pos]
         seeds = [[sample_seed(seed, self.rollouts, p, g) for g in range(self.G)] for p in pos]
         par = st.parallel
+        if st.env is not None:  # multi-turn episodes: played, scored and batched by loom.rl.episode
+            with self.rollout_s():
+                batch, self.stats = env_rollout(st, idx, seeds, self.accum)
+            return self._finish(batch, None)
         if self.worker is not None:  # sampled by the rollout worker (rl.max_staleness): these prompts, seeds
             reqs = self.worker.take(self.rollouts)
             self.rollout_s.s += self.worker.worker_s  # the worker's seconds (rl/rollout_wait_s: the wait)
@@ -244,6 +251,12 @@ class Rollouts:
         row_adv, trained, self.stats = score_groups(st, reqs, rows, self.G)
         stopped = self.stats.pop("stopped", None)  # a stop signal while the rewards were scored
         batch = build_batch(reqs, row_adv, trained, st.template.eot_id, self.accum)
+        return self._finish(batch, stopped)
+
+    def _finish(self, batch: Batch, stopped: str | None) -> Batch:
+        """The rollout's batch on the device, with the reference's log-probabilities, its trained targets
+        counted over the ranks (and a stop signal on any rank seen by all)."""
+        st, par = self.stage, self.stage.parallel
         if st.ref is not None and stopped is None:
             with torch.no_grad():
                 batch.ref_lp = target_logprobs(
