@@ -7,6 +7,14 @@ with `--max-restarts`, where every kill stops all ranks and they resume from the
     loom data prepare --input tinyshakespeare.txt --out /tmp/chaos/data --tokenizer char   (any text)
     .venv/bin/python benchmarks/chaos.py --data /tmp/chaos/data --out /tmp/chaos
 
+--heartbeat sets ft.heartbeat_s (the lighthouse's heartbeat timeout: how soon the survivors go on without a dead
+group); --n-embd / --n-layer / --block-size the model (a step of a realistic share of the fixed cost);
+--partition-at STEP cuts the last group off once (SIGSTOP of its process for --partition-s seconds, then
+SIGCONT). --hosts runs the ft runs across 3 network-namespace hosts instead (scripts/netns_hosts.py, root): the
+lighthouse (torchft's own binary) on node1, group k on node k+1, each started by hand as a cluster would
+(`loom train --ft.enabled=true` with the group's number and the lighthouse's address), and restarted by this
+script, as a node's scheduler would, after it kills it.
+
 Reported per run: wall clock and its overhead against the fault-free run of the same path, whether the job
 restarted, steps recomputed (steps logged more than once: the restart path replays them), steps not committed
 (ft: the quorum skipped them), the rows skipped while a group was missing (ft_rows_skipped: the missing
@@ -19,7 +27,11 @@ with ft and DDP with DDP. Prints the markdown table; writes every figure to --ou
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
+import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -28,11 +40,16 @@ from pathlib import Path
 
 from loom.metrics import read_jsonl
 
+ROOT = Path(__file__).resolve().parents[1]
+# a group's TCPStore on its host (what `loom train --nproc` serves each group on 127.0.0.1), reachable by the
+# other hosts: torchft hands the quorum's store address to every group
+STORE = (
+    "import sys, time, datetime, torch.distributed as d; "
+    "s = d.TCPStore(sys.argv[1], 29500, is_master=True, wait_for_workers=False, multi_tenant=True, "
+    "timeout=datetime.timedelta(seconds=60)); time.sleep(1e9)"
+)
 MODEL = [
-    "--model.n_layer=2",
     "--model.n_head=2",
-    "--model.n_embd=64",
-    "--model.block_size=64",
     "--train.batch_size=12",
     "--train.eval_every=0",
     "--train.sample_every=0",
@@ -68,36 +85,48 @@ def last_step(run: Path) -> int:
     return max((r["step"] for r in records(run) if "loss" in r), default=0)
 
 
-def killer(proc, run0: Path, every: int, steps: int, names: list[str], log: list[dict]) -> None:
-    """SIGKILL names[i % len] when run0 passes step every * (i + 1); note when group-0 sees it back."""
-    import os
-    import signal
-
-    i = 0
-    while proc.poll() is None and every * (i + 1) < steps:
-        if last_step(run0) >= every * (i + 1):
+def killer(done, find, run0: Path, a, names: list[str], log: list[dict]) -> None:
+    """SIGKILL names[i % len] (`find(name)`: its pid, None while it restarts) when run0 passes step
+    a.every * (i + 1); SIGSTOP names[-1] once at a.partition_at for a.partition_s seconds."""
+    i, cut = 0, a.partition_at > 0
+    while not done():
+        step = last_step(run0)
+        if cut and step >= a.partition_at and (pid := find(names[-1])) is not None:
+            os.kill(pid, signal.SIGSTOP)
+            log.append({"step": step, "partitioned": names[-1], "t": time.monotonic()})
+            time.sleep(a.partition_s)
+            os.kill(pid, signal.SIGCONT)
+            cut = False
+        if a.every * (i + 1) < a.steps and step >= a.every * (i + 1):
             name = names[i % len(names)]
-            pid = pid_named(proc.pid, name)
+            pid = find(name)
             if pid is None:  # being restarted: try again in a moment
                 time.sleep(0.05)
                 continue
             os.kill(pid, signal.SIGKILL)
-            log.append({"step": last_step(run0), "killed": name, "t": time.monotonic()})
+            log.append({"step": step, "killed": name, "t": time.monotonic()})
             i += 1
         time.sleep(0.02)
 
 
-def run(name: str, cmd: list[str], out: Path, every: int, steps: int, kill: list[str]) -> dict:
+def run(name: str, cmd: list[str], out: Path, a, kill: list[str]) -> dict:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     with open(out / "logs" / f"{name}.log", "w") as log_file:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
         kills: list[dict] = []
-        t = threading.Thread(target=killer, args=(proc, out / name, every, steps, kill, kills), daemon=True)
+        find = functools.partial(pid_named, proc.pid)
+        args = (lambda: proc.poll() is not None, find, out / name, a, kill, kills)
         if kill:
-            t.start()
+            threading.Thread(target=killer, args=args, daemon=True).start()
         code = proc.wait()
         wall = time.monotonic() - t0
+    return summary(name, out, code, wall, kills)
+
+
+def summary(name: str, out: Path, code: int, wall: float, events: list[dict]) -> dict:
+    """The run's figures from its records and its log (out/logs/<name>.log)."""
+    kills = [e for e in events if "killed" in e]
     recs = records(out / name)
     text = (out / "logs" / f"{name}.log").read_text(errors="replace")
     losses = [r["step"] for r in recs if "loss" in r]
@@ -118,6 +147,7 @@ def run(name: str, cmd: list[str], out: Path, every: int, steps: int, kill: list
         "exit": code,
         "wall_s": round(wall, 2),
         "kills": [k["step"] for k in kills],
+        "partitioned_at": [e["step"] for e in events if "partitioned" in e],
         "job_restarts": text.count("a worker failed; starting the"),
         "group_restarts": text.count("the others go on; starting it again"),
         "steps_recomputed": len(losses) - len(set(losses)),
@@ -130,6 +160,68 @@ def run(name: str, cmd: list[str], out: Path, every: int, steps: int, kill: list
     }
 
 
+def run_hosts(name: str, cmd: list[str], out: Path, a, kill: bool) -> dict:
+    """One ft run across 3 namespace hosts: the lighthouse on node1, group k started on node k+1 by hand (its
+    number, the lighthouse and its own host's store address in its environment, as loom train --nproc gives
+    them to a group), restarted with train.resume=auto when it dies, as a node's scheduler would."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from netns_hosts import Hosts
+
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    url = "http://10.77.0.1:29510"
+    beat = str(round(1000 * a.heartbeat))
+    lighthouse = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1"]
+    lighthouse += ["--bind", "10.77.0.1:29510", "--heartbeat_timeout_ms", beat]
+    lighthouse += ["--join_timeout_ms", "10000", "--quorum_tick_ms", "10"]
+    log_file = open(out / "logs" / f"{name}.log", "w")
+    with Hosts(3) as hosts:
+
+        def start(k: int, again: bool) -> subprocess.Popen:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "LOOM_FT_REPLICA": str(k), "TORCHFT_LIGHTHOUSE": url}
+            env.update(MASTER_ADDR=hosts.addr(k + 1), MASTER_PORT="29500", WORLD_SIZE="1", RANK="0")
+            env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+            group = [f"--run.name={name if k == 0 else f'{name}-g{k}'}", "--ft.replica_groups=3"]
+            group += [f"--ft.job_name={name}", *(["--train.resume=auto"] if again else ["--force"])]
+            return hosts.popen(k + 1, [*cmd, *group], env=env, stdout=log_file, stderr=subprocess.STDOUT)
+
+        hosts.popen(1, lighthouse, stdout=log_file, stderr=subprocess.STDOUT)
+        for k in range(3):  # each host's store for its group, as the launcher serves one per group
+            hosts.popen(
+                k + 1, [sys.executable, "-c", STORE, hosts.addr(k + 1)], stdout=log_file, stderr=log_file
+            )
+        time.sleep(5.0)  # the stores import torch
+        t0 = time.monotonic()
+        procs = {k: start(k, False) for k in range(3)}
+        codes: dict[int, int] = {}
+        events: list[dict] = []
+        find = lambda g: procs[int(g[-1])].pid if procs[int(g[-1])].poll() is None else None  # noqa: E731
+        args = (lambda: len(codes) == 3, find, out / name, a, ["g1", "g2"], events)
+        if kill:
+            threading.Thread(target=killer, args=args, daemon=True).start()
+        while len(codes) < 3:
+            for k, p in procs.items():
+                if k not in codes and p.poll() is not None:
+                    restarts = sum(1 for e in events if "restart" in e)
+                    if p.returncode in (-signal.SIGKILL, 1) and restarts < 5:  # a kill, or QuorumLost
+                        events.append({"restart": k})
+                        log_file.write(f"chaos: group {k} ended; the others go on; starting it again\n")
+                        log_file.flush()
+                        procs[k] = start(k, True)
+                    else:
+                        codes[k] = p.returncode
+            time.sleep(0.05)
+        wall = time.monotonic() - t0
+    log_file.close()
+    code = max(codes.values(), key=abs)
+    return summary(
+        name,
+        out,
+        code,
+        wall,
+        [{**e, "killed": f"loom ft {e['killed']}"} if "killed" in e else e for e in events],
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True)
@@ -137,45 +229,60 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--every", type=int, default=25)
     ap.add_argument("--ckpt-every", type=int, default=20)
+    ap.add_argument("--heartbeat", type=float, default=2.0, help="ft.heartbeat_s")
+    ap.add_argument("--n-embd", type=int, default=64)
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--partition-at", type=int, default=0, help="the step group 2 is cut off at (0: never)")
+    ap.add_argument("--partition-s", type=float, default=3.0)
+    ap.add_argument("--hosts", action="store_true", help="ft across 3 network-namespace hosts (root)")
     a = ap.parse_args()
     out = Path(a.out)
-    base = [
-        sys.executable,
-        "-m",
-        "loom",
-        "train",
-        "--nproc",
-        "3",
-        f"--data.path={a.data}",
-        f"--run.dir={out}",
+    model = [
+        f"--model.n_embd={a.n_embd}",
+        f"--model.n_layer={a.n_layer}",
+        f"--model.block_size={a.block_size}",
     ]
-    base += [f"--train.steps={a.steps}", *MODEL, "--force"]
-    ft = ["--ft.enabled=true", "--train.ckpt_every=0"]
-    ddp = [f"--train.ckpt_every={a.ckpt_every}", "--max-restarts=10"]
-    plan = [
-        ("ft-clean", [*base, "--run.name=ft-clean", *ft], []),
-        ("ft-chaos", [*base, "--run.name=ft-chaos", *ft], ["loom ft g1", "loom ft g2"]),
-        ("ddp-clean", [*base, "--run.name=ddp-clean", *ddp], []),
-        ("ddp-chaos", [*base, "--run.name=ddp-chaos", *ddp], ["loom rank 1", "loom rank 2"]),
-    ]
-    rows = {name: run(name, cmd, out, a.every, a.steps, kill) for name, cmd, kill in plan}
-    for name in ("ft-chaos", "ddp-chaos"):
+    train = [sys.executable, "-m", "loom", "train"]
+    common = [f"--data.path={a.data}", f"--run.dir={out}", f"--train.steps={a.steps}", *MODEL, *model]
+    ft = ["--ft.enabled=true", "--train.ckpt_every=0", f"--ft.heartbeat_s={a.heartbeat}"]
+    if a.hosts:
+        rows = {
+            n: run_hosts(n, [*train, *common, *ft], out, a, "chaos" in n) for n in ("ft-clean", "ft-chaos")
+        }
+    else:
+        base = [*train, "--nproc", "3", *common, "--force"]
+        ddp = [f"--train.ckpt_every={a.ckpt_every}", "--max-restarts=10"]
+        plan = [
+            ("ft-clean", [*base, "--run.name=ft-clean", *ft], []),
+            ("ft-chaos", [*base, "--run.name=ft-chaos", *ft], ["loom ft g1", "loom ft g2"]),
+            ("ddp-clean", [*base, "--run.name=ddp-clean", *ddp], []),
+            ("ddp-chaos", [*base, "--run.name=ddp-chaos", *ddp], ["loom rank 1", "loom rank 2"]),
+        ]
+        rows = {name: run(name, cmd, out, a, kill) for name, cmd, kill in plan}
+    for name in [n for n in rows if "chaos" in n]:
         clean = rows[name.replace("chaos", "clean")]
         rows[name]["overhead"] = round(rows[name]["wall_s"] / clean["wall_s"] - 1, 3)
+        steps = [r for r in records(out / clean["run"]) if "dt" in r and r["step"] > 10]
+        rows[name]["clean_step_s"] = round(statistics.median(r["dt"] for r in steps), 4) if steps else None
     (out / "chaos.json").write_text(json.dumps(rows, indent=1))
     print(
-        "| run | exit | wall s | overhead vs clean | kills at | job restarts | group restarts | steps recomputed | steps not "
-        "committed | rows skipped | heal s | survivors' quorum wait s | kill→back (steps) | final val loss |"
+        "| run | exit | wall s | overhead vs clean | kills at | partitioned at | job restarts | group restarts | "
+        "steps recomputed | steps not committed | rows skipped | heal s | survivors' quorum wait s | "
+        "kill→back (steps) | final val loss |"
     )
-    print("|" + "---|" * 14)
+    print("|" + "---|" * 15)
     for r in rows.values():
         heal = ", ".join(f"{h:.2f}" for h in r["heal_s"]) or "-"
         stall = ", ".join(f"{h:.2f}" for h in r["stall_s"]) or "-"
+        loss = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
         print(
             f"| {r['run']} | {r['exit']} | {r['wall_s']} | {r.get('overhead', '-')} | {r['kills'] or '-'} | "
-            f"{r['job_restarts']} | {r['group_restarts']} | {r['steps_recomputed']} | {r['uncommitted']} | {r['rows_skipped']} | {heal} | {stall} | "
-            f"{r['rejoin_steps'] or '-'} | {r['val_loss']:.4f} |"
+            f"{r['partitioned_at'] or '-'} | {r['job_restarts']} | {r['group_restarts']} | "
+            f"{r['steps_recomputed']} | {r['uncommitted']} | {r['rows_skipped']} | {heal} | {stall} | "
+            f"{r['rejoin_steps'] or '-'} | {loss} |"
         )
+    print("median clean step s:", {n: r.get("clean_step_s") for n, r in rows.items() if "chaos" in n})
 
 
 if __name__ == "__main__":
