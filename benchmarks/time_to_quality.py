@@ -2,6 +2,8 @@
 
     python benchmarks/time_to_quality.py --nanogpt PATH --text tinyshakespeare.txt [--seeds 1337,2,3]
         [--recipe configs/speedrun_shakespeare_char.toml] [--target 1.886] [--json out.json] [--png out.png]
+    python benchmarks/time_to_quality.py --nanogpt PATH --text tinyshakespeare.txt \
+        --variant 'no-bf16-ns=--optim.muon_ns_dtype=fp32' --variant 'old=configs/speedrun_old.toml' ...
     python benchmarks/time_to_quality.py --bpe [--budget-s 120] [--seeds 1337,2,3] ...
 
 Tiny Shakespeare (char, the default): nanoGPT's CPU "baby GPT" (README settings, fp32, 2000 iterations, eval
@@ -14,6 +16,10 @@ elsewhere slows every side alike. Time to target: the running time at the first 
 iterations, so its time is that of the first such evaluation (if its run ends above the target, its final
 evaluation's time is used: the target is defined as what its whole run reaches). loom evaluates every
 --loom-eval-every steps, on as many windows as nanoGPT (20 x 12 of 64 tokens).
+--variant NAME=ARGS (repeatable; the ablation): instead of the recipe alone, each variant with each seed, all
+interleaved with the one nanoGPT run: ARGS are loom overrides on the recipe, or a config file first (then the
+overrides). A variant named `recipe` with no ARGS is the recipe as it is. Each variant gets its own ratio.
+--ablation-seeds S1,S2: the variants after the first run with these seeds only (a shorter ablation).
 
 Built-in corpus (--bpe): the recipe (configs/speedrun_stdlib_bpe.toml) against loom's default GPT-2 config
 on the Python-stdlib corpus with the BPE tokenizer, at equal running time: a short interleaved calibration
@@ -75,23 +81,32 @@ def shakespeare(args, work: Path) -> dict:
     ]
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     runners = [Runner("nanoGPT", nano_argv, nanogpt, NANO_STEP, NANO_EVAL, env)]
-    for seed in args.seeds:
-        argv = [
-            *PY,
-            "train",
-            str(ROOT / args.recipe),
-            f"--data.path={data}",
-            f"--run.dir={work}",
-            f"--run.name=loom-seed{seed}",
-            f"--run.seed={seed}",
-            "--force",
-            "--train.log_every=1",
-            f"--train.eval_every={args.loom_eval_every}",
-            "--train.sample_every=0",
-            "--train.ckpt_every=0",
-            *args.loom_arg,
-        ]
-        runners.append(Runner(f"loom seed={seed}", argv, ROOT, LOOM_STEP, LOOM_EVAL, env))
+    variants = args.variant or [("loom", [])]
+    seeds_of = {
+        n: args.seeds if i == 0 else (args.ablation_seeds or args.seeds) for i, (n, _) in enumerate(variants)
+    }
+    for name, extra in variants:
+        config, extra = (
+            (extra[0], extra[1:]) if extra and not extra[0].startswith("--") else (args.recipe, extra)
+        )
+        for seed in seeds_of[name]:
+            argv = [
+                *PY,
+                "train",
+                str(ROOT / config),
+                f"--data.path={data}",
+                f"--run.dir={work}",
+                f"--run.name={name}-seed{seed}",
+                f"--run.seed={seed}",
+                "--force",
+                "--train.log_every=1",
+                f"--train.eval_every={args.loom_eval_every}",
+                "--train.sample_every=0",
+                "--train.ckpt_every=0",
+                *args.loom_arg,
+                *extra,
+            ]
+            runners.append(Runner(f"{name} seed={seed}", argv, ROOT, LOOM_STEP, LOOM_EVAL, env))
     print(
         f"Tiny Shakespeare: nanoGPT baby GPT ({steps} iters) and loom {args.recipe} x {len(args.seeds)} seeds, "
         f"interleaved in slices of {args.slice:.0f}s ...",
@@ -107,6 +122,7 @@ def shakespeare(args, work: Path) -> dict:
         "wall_s": time.monotonic() - t0,
         "nanogpt_args": nano_argv[2:],
         "loom_args": runners[1].argv[3:],
+        "variants": {name: extra for name, extra in variants},
         "threads": args.threads or "default",
         "runs": {},
     }
@@ -120,18 +136,17 @@ def shakespeare(args, work: Path) -> dict:
             "reached": hit[2] if hit else False,
         }
     nano = out["runs"]["nanoGPT"]["time_to_target_s"]
-    ratios = [
-        v["time_to_target_s"] / nano
-        for k, v in out["runs"].items()
-        if k != "nanoGPT" and v["reached"] and nano
-    ]
-    if ratios and len(ratios) == len(args.seeds):
-        out["ratio_loom_over_nanogpt"] = {
-            "per_seed": ratios,
-            "mean": statistics.mean(ratios),
-            "min": min(ratios),
-            "max": max(ratios),
-        }
+    for name, _ in variants:
+        runs = [out["runs"][f"{name} seed={seed}"] for seed in seeds_of[name]]
+        ratios = [v["time_to_target_s"] / nano for v in runs if v["reached"] and nano]
+        if ratios and len(ratios) == len(runs):
+            key = "ratio_loom_over_nanogpt" if name == "loom" else f"ratio_{name}_over_nanogpt"
+            out[key] = {
+                "per_seed": ratios,
+                "mean": statistics.mean(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+            }
     return out
 
 
@@ -277,11 +292,12 @@ def report(res: dict) -> None:
                 f"{t:.1f}s (step {r['step_at_target']})" if r["reached"] else f"not reached (last eval {t}s)"
             )
             print(f"  {name:14s} val <= {res['target']}: {what}; ran {r['running_s']:.1f}s")
-        if "ratio_loom_over_nanogpt" in res:
-            q = res["ratio_loom_over_nanogpt"]
-            print(
-                f"  loom / nanoGPT time to target: mean {q['mean']:.3f}x, seeds {q['min']:.3f}-{q['max']:.3f}x"
-            )
+        for key, q in res.items():
+            if key.startswith("ratio_") and key.endswith("_over_nanogpt"):
+                who = key[len("ratio_") : -len("_over_nanogpt")]
+                print(
+                    f"  {who} / nanoGPT time to target: mean {q['mean']:.3f}x, seeds {q['min']:.3f}-{q['max']:.3f}x"
+                )
         return
     for name, r in res["runs"].items():
         print(
@@ -291,6 +307,13 @@ def report(res: dict) -> None:
     for n in ("default", "recipe"):
         print(f"  {n}: bpb mean {res[n]['bpb_mean']:.4f}, seed spread {res[n]['bpb_spread']:.4f}")
     print(f"  recipe - default: {res['recipe']['bpb_mean'] - res['default']['bpb_mean']:+.4f} bits/byte")
+
+
+def _variant(text: str) -> tuple[str, list[str]]:
+    name, _, rest = text.partition("=")
+    if not name or " " in name or name == "nanoGPT":
+        raise argparse.ArgumentTypeError(f"--variant NAME=ARGS, got {text!r}")
+    return name, rest.split()
 
 
 def main() -> None:
@@ -306,10 +329,23 @@ def main() -> None:
     p.add_argument("--recipe", default="configs/speedrun_shakespeare_char.toml")
     p.add_argument("--target", type=float, default=1.886)
     p.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",") if x], default=[1337, 2, 3])
+    p.add_argument(
+        "--ablation-seeds",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=None,
+        help="seeds of the variants after the first (default: --seeds)",
+    )
     p.add_argument("--loom-eval-every", type=int, default=50)
     p.add_argument("--slice", type=float, default=3.0, help="seconds each process runs before the next")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of every process (0: default)")
     p.add_argument("--loom-arg", action="append", default=[], help="extra loom override (repeatable)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        type=_variant,
+        default=[],
+        help="NAME=ARGS: a variant of the recipe (loom overrides, or a config then overrides), repeatable",
+    )
     p.add_argument("--bpe", action="store_true", help="built-in corpus: recipe vs default at equal time")
     p.add_argument("--bpe-recipe", default="configs/speedrun_stdlib_bpe.toml")
     p.add_argument("--budget-s", type=float, default=120.0, help="--bpe: running seconds per run")
