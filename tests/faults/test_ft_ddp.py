@@ -180,7 +180,11 @@ def _free_port() -> int:
         (["--ft.enabled=true", "--parallel.dp_impl=mpi"], "2", "not parallel.dp_impl=mpi"),
         ([*HSDP, "--ft.enabled=true", "--parallel.tp=2"], "8", "not parallel.tp=2"),
         ([*HSDP, "--ft.enabled=true"], "3", "is not 2 replica groups of equal size"),
-        ([*HSDP, "--ft.enabled=true", "--ft.replica_groups=4"], "4", "groups are HSDP's replicate dimension"),
+        (
+            [*HSDP, "--ft.enabled=true", "--ft.replica_groups=4"],
+            "4",
+            "groups are HSDP's (or DiLoCo's) replicate dimension",
+        ),
         (
             ["--ft.enabled=true", "--ft.replica_groups=2", "--ft.replica_id=0", "--ft.lighthouse=http://h:1"],
             "2",

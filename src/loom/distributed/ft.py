@@ -480,7 +480,7 @@ class FtReplica:
             self.diloco.outer_mean = self.outer_mean
         _start_barrier(self.n * self.size, ft.timeout_s)
         self.quorum: tuple[int, list[int]] | None = None
-        self.rows_skipped, self.healed_s = 0, None
+        self.rows_skipped, self.healed_s, self.undone = 0, None, 0  # undone: DiLoCo windows not committed
         self.pending: list[dict] = []
 
     # ---------------------------------------------------------------- the state a healing group receives
@@ -601,14 +601,26 @@ class FtReplica:
         from torch.distributed import ReduceOp
 
         self.manager.allreduce(delta, reduce_op=ReduceOp.SUM).wait()
-        delta.div_(self.manager.num_participants())
-        return self.manager.should_commit()
+        live = self.manager.num_participants()
+        delta.div_(live)
+        if self.manager.should_commit():
+            return True
+        # not silent: the window's rows (every live group's) were read and are not trained on
+        self.undone += 1
+        self.rows_skipped += live * self.rows_per_group * self.h
+        log.warn(
+            f"torchft: replica group {self.k}: the outer step at step {self.trainer.step} was not committed "
+            f"(a group failed in its window); the window's {self.h} steps are undone"
+        )
+        return False
 
     def records(self, rec: dict) -> list[dict]:
         """The step's ft keys (added to `rec`) and the quorum-change records to write before it."""
         live = self.manager.num_participants()
         self.rows_skipped += (self.n - live) * self.rows_per_group
         rec.update(ft_replicas=live, ft_rows_skipped=self.rows_skipped)
+        if self.undone:
+            rec["ft_windows_undone"] = self.undone
         out, self.pending = self.pending, []
         return out
 
