@@ -13,6 +13,7 @@ checked in with node 0 (`gate.py`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import subprocess
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from loom import log
 from loom.env import port_from_job_id, slurm_hosts
 from loom.errors import LoomError
+from loom.launch import ft
 from loom.launch.commands import (
     LAUNCHERS,
     MPI_FLAVOURS,
@@ -152,7 +154,11 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
         hosts = tuple(slurm_hosts(environ))  # the step's nodes (SLURM_STEP_NODELIST) when it runs on a subset
     head_addr = args.master_addr or environ.get("MASTER_ADDR", "").strip() or (hosts[0] if hosts else None)
     _check_restarts(args)
-    args.node = None
+    args.node = args.lighthouse = None
+    if ft.is_ft(command):  # torchft replica groups: one a node (loom.launch.ft)
+        return _ft_plan(
+            args, command, allocation.scheduler, task, (nnodes, nproc, port, head_addr, hosts)
+        ), args
     if task is not None:
         args.node = _PerNode(task[0], nnodes, nproc, head_addr, port, hosts)
         return _per_node_command(args.node, command, allocation.job_id, args), args
@@ -179,6 +185,33 @@ def _plan(argv: list[str], environ: Mapping[str, str]) -> tuple[list[str], argpa
         max_restarts=args.max_restarts,
     )
     return cmd, args
+
+
+def _ft_plan(args, command: list[str], scheduler: str, task, job: tuple) -> list[str]:
+    """An ft job's command: `loom train --nproc G` on one node; else this node's group (its own standalone
+    torchrun, its number and the lighthouse in the environment; node 0 serves the lighthouse), or under a
+    scheduler loom launch itself once per node."""
+    nnodes, nproc, port, head_addr, hosts = job
+    ft.run_name(command)
+    if task is None:
+        if nnodes == 1:
+            return ft.local_command(command, nproc)
+        return ft.per_node_launch(scheduler, nnodes, nproc, port, head_addr, command)
+    node = task[0]
+    if not 0 <= node < nnodes:
+        raise LoomError(
+            f"node index {node} is outside the {nnodes} node(s) of this job",
+            hint="pass --node-rank 0 on the head node and 1 .. N-1 on the others, with --nnodes N",
+        )
+    url = ft.option(command, "ft.lighthouse")
+    if not url:
+        bind = ft.lighthouse_bind(head_addr, nnodes, port)
+        url = f"http://{'127.0.0.1' if nnodes == 1 else head_addr}:{bind.rsplit(':', 1)[1]}"
+        args.lighthouse = ft.lighthouse_command(bind, command) if node == 0 else None
+    args.node = _PerNode(node, nnodes, nproc, head_addr, port, hosts)
+    group = ft.group_command(command, node, nnodes)
+    torchrun = torchrun_command(group, nnodes=1, nproc_per_node=nproc, max_restarts=args.max_restarts)
+    return [*ft.group_env(node, url), *torchrun]
 
 
 def _launcher(args, allocation, task) -> str:
@@ -289,11 +322,41 @@ def launch_main(argv: list[str]) -> int:
     line = shlex.join(cmd)
     if args.dry_run:
         # The command line is this mode's output, for scripts and job files: plain stdout, not the log.
+        if args.lighthouse:  # an ft job's node 0 also serves the lighthouse (a comment line: scripts skip it)
+            sys.stdout.write(
+                f"# torchft lighthouse, served by this loom launch: {shlex.join(args.lighthouse)}\n"
+            )
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
         return 0
-    if args.node is not None and args.node.nnodes > 1:
-        _gate(args.node, args.rdzv_timeout, rejoin=args.max_restarts > 0)
+    with _lighthouse(args.lighthouse):
+        if args.node is not None and args.node.nnodes > 1:
+            _gate(args.node, args.rdzv_timeout, rejoin=args.max_restarts > 0)
+        return _run(cmd, line)
+
+
+@contextlib.contextmanager
+def _lighthouse(cmd: list[str] | None):
+    """An ft job's lighthouse (torchft's binary), served while the block runs (node 0 only)."""
+    if not cmd:
+        yield
+        return
+    log.info(f"loom launch: torchft lighthouse: {shlex.join(cmd)}")
+    try:
+        proc = subprocess.Popen(cmd, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+    except FileNotFoundError:
+        raise LoomError(f"{cmd[0]} not found", hint="pip install 'loom[ft]' (torchft 0.2)") from None
+    try:
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _run(cmd: list[str], line: str) -> int:
     log.info(f"loom launch: {line}")
     try:
         result = subprocess.run(cmd, check=False)

@@ -1,0 +1,124 @@
+"""`loom launch` of torchft jobs (loom.launch.ft): the commands built for each kind of machine, compared against
+the ones one would type by hand (torchft's own pattern: one torchrun per replica group, the group's number and
+the lighthouse in its environment), and the lighthouse's address (127.0.0.1 on one node, the head node's on
+several, never every interface). Nothing is launched here: tests/faults/test_ft_launch.py runs them."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from test_launch import clean_os_environ, pbs_env, slurm_env  # noqa: F401  (the fixtures)
+
+from loom.env import port_from_job_id
+from loom.errors import LoomError
+from loom.launch import launch_main, plan_command
+from loom.launch.ft import LIGHTHOUSE_OFFSET
+
+FT = ["loom", "train", "configs/tiny.toml", "--ft.enabled=true", "--run.name=job"]
+GROUP = ["--ft.replica_groups=2", "--ft.job_name=job", "--parallel.dp_replicate=1"]
+
+
+def test_one_node_is_loom_train_nproc():
+    """No scheduler, one node: loom's own ft launcher (it serves the lighthouse on 127.0.0.1)."""
+    cmd = plan_command(["--nproc-per-node", "2", "--", *FT], {})
+    assert cmd == ["loom", "train", "--nproc", "2", *FT[2:]]
+
+
+def test_each_slurm_node_runs_its_group_with_its_number_and_the_lighthouse(slurm_env):  # noqa: F811
+    """Inside an srun step (once per node): node k's own standalone torchrun is replica group k, its folder
+    job-g<k>; every node is told the head node's lighthouse (the rendezvous port + 1)."""
+    url = f"http://nid001:{port_from_job_id('123456') + LIGHTHOUSE_OFFSET}"
+    for node in (0, 1):
+        step = {**slurm_env, "SLURM_STEP_ID": "0", "SLURM_NODEID": str(node), "SLURM_LOCALID": "0"}
+        cmd = plan_command(["--", *FT], step)
+        name = "job" if node == 0 else "job-g1"
+        assert cmd == [
+            "env",
+            f"TORCHFT_LIGHTHOUSE={url}",
+            f"LOOM_FT_REPLICA={node}",
+            "torchrun",
+            "--standalone",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "4",
+            "--no-python",
+            *FT,
+            f"--run.name={name}",
+            *GROUP,
+        ]
+
+
+def test_a_single_launch_under_slurm_or_pbs_starts_itself_on_every_node(slurm_env, pbs_env):  # noqa: F811
+    port = port_from_job_id("123456")
+    cmd = plan_command(["--", *FT], slurm_env)
+    again = [sys.executable, "-m", "loom", "launch", "--nnodes", "2", "--nproc-per-node", "4", "--port"]
+    assert cmd == [
+        "srun",
+        "--nodes",
+        "2",
+        "--ntasks",
+        "2",
+        "--ntasks-per-node",
+        "1",
+        *again,
+        str(port),
+        "--master-addr",
+        "nid001",
+        "--",
+        *FT,
+    ]
+    cmd = plan_command(["--nproc-per-node", "4", "--", *FT], pbs_env)
+    assert cmd[:6] == ["pbsdsh", "-u", sys.executable, "-m", "loom", "launch"]
+    assert cmd[cmd.index("--master-addr") + 1] == "x3005c0s7b0n0"
+
+
+def _dry_run(capsys, argv: list[str]) -> list[str]:
+    assert launch_main(["--dry-run", *argv]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_node_0_serves_the_lighthouse_on_the_head_address_never_everywhere(clean_os_environ, capsys):  # noqa: F811
+    """Two nodes by hand: node 0's launch serves the lighthouse bound to the head's address (an IP), node 1's
+    serves none; on one node it is 127.0.0.1."""
+    both = ["--nnodes", "2", "--master-addr", "127.0.0.2", "--port", "29600", "--nproc-per-node", "1"]
+    lines = _dry_run(capsys, [*both, "--node-rank", "0", "--", *FT])
+    assert lines[0].startswith("# torchft lighthouse") and "--bind 127.0.0.2:29601" in lines[0]
+    assert "0.0.0.0" not in lines[0] and "[::]" not in lines[0]
+    assert lines[1].startswith("env TORCHFT_LIGHTHOUSE=http://127.0.0.2:29601 LOOM_FT_REPLICA=0 torchrun")
+    lines = _dry_run(capsys, [*both, "--node-rank", "1", "--", *FT])
+    assert len(lines) == 1 and "LOOM_FT_REPLICA=1" in lines[0] and "--run.name=job-g1" in lines[0]
+    with pytest.raises(LoomError, match="every interface"):
+        plan_command(["--nnodes", "2", "--master-addr", "0.0.0.0", "--node-rank", "0", "--", *FT], {})
+
+
+def test_a_cluster_lighthouse_is_used_not_served(clean_os_environ, capsys):  # noqa: F811
+    url = "http://lh.cluster:29510"
+    argv = [
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "10.0.0.1",
+        "--node-rank",
+        "0",
+        "--",
+        *FT,
+        f"--ft.lighthouse={url}",
+    ]
+    (line,) = _dry_run(capsys, argv)
+    assert line.startswith(f"env TORCHFT_LIGHTHOUSE={url} LOOM_FT_REPLICA=0 torchrun")
+
+
+@pytest.mark.parametrize(
+    "argv, env, fragment",
+    [
+        (["--", "loom", "train", "--ft.enabled=true"], {}, "needs --run.name"),
+        (["--", "python", "train.py", "--ft.enabled=true", "--run.name=x"], {}, "runs `loom train"),
+        (["--nnodes", "2", "--master-addr", "h", "--", *FT], {}, "without Slurm or PBS"),
+        (["--nnodes", "2", "--master-addr", "h", "--node-rank", "2", "--", *FT], {}, "outside the 2 node"),
+    ],
+)
+def test_ft_bad_input_is_one_error(argv, env, fragment):
+    with pytest.raises(LoomError, match=fragment):
+        plan_command(argv, env)
