@@ -30,10 +30,8 @@ def _loom_greedy(run, rows: list[dict], max_new: int) -> list[str]:
     _, model, tok, meta, _ = load_run(run, torch.device("cpu"))
     tpl = TextTemplate(tok)
     ids = [tpl.encode_prompt(r["prompt"], "test") for r in rows]
-    reqs = sample(
-        model, ids, [[0]] * len(ids), max_new, tpl.stop_ids, meta["vocab_size"], temperature=0.0,
-        stops=("\n",), decode=tok.decode,
-    )  # fmt: skip
+    args = (max_new, tpl.stop_ids, meta["vocab_size"])
+    reqs = sample(model, ids, [[0]] * len(ids), *args, temperature=0.0, stops=("\n",), decode=tok.decode)
     return [answer_text(tok, q, ("\n",)) for q in reqs]
 
 
