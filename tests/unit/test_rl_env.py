@@ -106,6 +106,10 @@ def test_load_env_refuses_what_is_not_an_environment(spec, message):
         envlib.load_env(spec)
 
 
+def test_a_built_in_environment_is_taken_by_its_short_name():
+    assert envlib.load_env("calculator") is Calculator is envlib.load_env("loom.rl.envs:Calculator")
+
+
 # ------------------------------------------------------------------ the loss
 def _episode(obs: list[int]) -> Episode:
     """A prompt of 3 tokens, a model turn of 3, an observation, a model turn of 2."""
@@ -182,7 +186,12 @@ def test_an_environment_fault_drops_its_episode_counted_never_a_crash(calc_root,
 
 
 def test_a_token_budget_too_small_for_the_episode_drops_it(calc_root):
-    budget = ["--rl.env=envkit:NeverEnds", "--rl.max_turns=50", "--rl.max_episode_tokens=12", "--train.steps=1"]
+    budget = [
+        "--rl.env=envkit:NeverEnds",
+        "--rl.max_turns=50",
+        "--rl.max_episode_tokens=12",
+        "--train.steps=1",
+    ]
     assert main(env_args(calc_root, "budget", *budget)) == 0
     (rec,) = _records(calc_root / "runs" / "budget")
     assert rec["rl/env_dropped"] == 8 and rec["rl/trained_tokens"] == 0

@@ -100,17 +100,11 @@ def _check_rl(cfg: Config, dp: int, dp_impl: str) -> None:
 
 
 def _check_rl_env(cfg: Config) -> None:
-    """rl.env's keys (loom.rl.env imports the class itself, before any work): module:Class, at least one turn,
-    a token budget with room for a turn."""
+    """rl.env's keys (loom.rl.env checks the name and imports the class itself, before any work): at least one
+    turn, a token budget with room for a turn."""
     r = cfg.rl
     if not r.env:
         return
-    module, sep, name = r.env.partition(":")
-    if not sep or not module.strip() or not name.strip():
-        raise LoomError(
-            f"rl.env='{r.env}' is not module:Class",
-            hint="e.g. rl.env=loom.rl.envs:Calculator (a class with reset(row) and step(text))",
-        )
     if r.max_turns < 1:
         raise LoomError(
             f"rl.max_turns={r.max_turns}: an episode needs at least one model turn",

@@ -39,12 +39,18 @@ class EnvFault(Exception):
 
 def load_env(spec: str) -> type:
     """The class rl.env names (`module:Class`), imported now: a module that does not import, a name it lacks,
-    or a class without reset and step is a LoomError before any work."""
+    or a class without reset and step is a LoomError before any work. A built-in's short name (loom.rl.envs's
+    BUILT_IN: `calculator`) is taken too."""
+    from loom.rl.envs import BUILT_IN
+
+    if spec in BUILT_IN:
+        return BUILT_IN[spec]
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise LoomError(
             f"rl.env='{spec}' is not module:Class",
-            hint="e.g. rl.env=loom.rl.envs:Calculator (a class with reset(row) and step(text))",
+            hint="e.g. rl.env=loom.rl.envs:Calculator (a class with reset(row) and step(text)), or a built-in: "
+            "calculator",
         )
     try:
         mod = importlib.import_module(module)
