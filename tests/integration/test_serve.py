@@ -87,6 +87,16 @@ def settled(served, timeout: float = 5.0) -> bool:
     return False
 
 
+def until(cond, request, what: str, timeout: float = 30.0) -> None:
+    """Wait for `cond`; fail (not hang) when it has not held within `timeout` s or `request` ended first."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if request.done():
+            raise AssertionError(f"waiting for {what}, the request ended first: {request.result()!r}")
+        assert time.monotonic() < end, f"{what}: not seen within {timeout:.0f} s"
+        time.sleep(0.01)
+
+
 def chat(client, content=PROMPT, **kw):
     return client.chat.completions.create(
         model="chat", messages=[{"role": "user", "content": content}], **{"max_tokens": 20, **kw}
@@ -233,15 +243,15 @@ def test_a_client_that_leaves_mid_stream_frees_its_row(client, chat_server):
 
 def test_a_full_queue_is_429(runs):
     with serving(runs[0], max_seqs=1, max_queue=1) as (url, served):
-        restore = slow_steps(served, 0.05)
-        c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=20)
+        # each engine step 0.25 s: the first answer (which may stop after a token or two) holds the one slot
+        # long enough to be seen running on a loaded machine
+        restore = slow_steps(served, 0.25)
+        c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(chat, c, max_tokens=15, temperature=0)
-            while not served.worker.engine.running:
-                time.sleep(0.01)
+            until(lambda: served.worker.engine.running, running, "the first request to run")
             waiting = pool.submit(chat, c, max_tokens=5, temperature=0)
-            while served.worker.queue_depth() < 1:
-                time.sleep(0.01)
+            until(lambda: served.worker.queue_depth() >= 1, waiting, "the second request to queue")
             with pytest.raises(openai.RateLimitError) as e:
                 chat(c, max_tokens=5)
             assert e.value.code == "queue_full"
