@@ -374,6 +374,15 @@ NOT_RUN: dict[str, str] = {
     "docs/operations.md: loom train --nproc 4 --max-restarts 3": _MANY,
     "docs/operations.md: loom train --nproc 4 --train.straggler_every=50": _MANY,
     "docs/operations.md: loom train --nproc 3 --ft.enabled=true --train.batch_size=12 --run.name=ft": _MANY,
+    "docs/operations.md: loom train --nproc 2 --parallel.dp_replicate=2 --parallel.diloco_inner_steps=10"
+    " --train.steps=100 --ft.enabled=true --run.name=ftd": (
+        "DiLoCo ends a run on an outer step, and the page test's 4 steps are not a multiple of 10:"
+        " tests/faults/test_ft_diloco.py runs ft DiLoCo"
+    ),
+    "docs/operations.md: loom launch --nproc-per-node 2 -- loom train --ft.enabled=true --run.name=ftl": (
+        "loom launch runs the `loom` on PATH, which `make test` (the venv's python, not activated) does not put"
+        " there: tests/faults/test_ft_launch.py::test_one_local_node_runs_loom_train_nproc runs it"
+    ),
     "docs/operations.md: loom train --ft.enabled=true --ft.replica_groups=3 --ft.replica_id=2"
     " --ft.lighthouse=http://HOST:PORT --ft.job_name=ft --run.name=ft-g2 --train.resume=auto": (
         "a group of a job already running on a lighthouse: tests/faults/test_ft_ddp.py starts them"

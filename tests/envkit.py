@@ -4,22 +4,18 @@ tokenizer (the tool role: its results masked) and a short SFT run; and `loom rl`
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+from rlkit import run_script
 from sftkit import QUIET, make_char_base
 
 from loom.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=64"]
 
 
 def make_calc(out: Path, *args: str) -> None:
-    spec = importlib.util.spec_from_file_location("make_calc", ROOT / "scripts" / "make_calc.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main(["--out", str(out), *args]) == 0
+    run_script("make_calc", out, *args)
 
 
 def make_calc_root(root: Path, sft_steps: int = 20) -> Path:

@@ -16,11 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32"]
 
 
-def make_arith(out: Path, *args: str) -> None:
-    spec = importlib.util.spec_from_file_location("make_arith", ROOT / "scripts" / "make_arith.py")
+def run_script(name: str, out: Path, *args: str) -> None:
+    """scripts/NAME.py's main(--out OUT ARGS), in this process (the task writers: make_arith, make_calc)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["--out", str(out), *args]) == 0
+
+
+def make_arith(out: Path, *args: str) -> None:
+    run_script("make_arith", out, *args)
 
 
 def make_rl_root(root: Path, sft_steps: int = 20) -> Path:

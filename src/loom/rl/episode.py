@@ -36,7 +36,8 @@ from loom.engine.request import cut_at_stop
 from loom.errors import LoomError
 from loom.rl import env as envlib
 from loom.rl.env import EnvFault
-from loom.rl.rollout import Batch, advantages
+from loom.rl.rollout import Batch
+from loom.rl.score import score_values
 
 
 @dataclass
@@ -228,30 +229,11 @@ def score_episodes(eps: list[Episode], G: int, adv_norm: str, dynamic: bool) -> 
     dropped = [ep.dropped for ep in eps if ep.dropped]
     if dropped:
         log.warn(f"{len(dropped)} of {len(eps)} episodes dropped; the first: {dropped[0]}")
-    groups = len(eps) // G
-    bad = [any(values[g * G + i] is None for i in range(G)) for g in range(groups)]
-    r = torch.tensor([[v or 0.0 for v in values[g * G : (g + 1) * G]] for g in range(groups)])
-    adv, signal = advantages(r, adv_norm)
-    keep = [not bad[g] and (bool(signal[g]) or not dynamic) for g in range(groups)]
-    good = [v for v in values if v is not None]
-    stats = {
-        "reward_sum": sum(good),
-        "reward_sq": sum(v * v for v in good),
-        "rewards": len(good),
-        "dropped_groups": sum(not bad[g] and not keep[g] for g in range(groups)),
-        "error_groups": sum(bad),
-        "reward_errors": 0,
-        "answer_tokens": sum(ep.answer_tokens for ep in eps),
-        "answers": len(eps),
-        "groups": groups,
-        "env_dropped": len(dropped),
-        "tool_errors": sum(envlib.tool_errors(ep.env) for ep in eps if ep.env is not None),
-        "turns": sum(ep.turns for ep in eps),
-    }
-    if good:
-        stats["reward_min"], stats["reward_max"] = min(good), max(good)
-    row_adv = [float(adv[j // G, j % G]) for j in range(len(eps))]
-    trained = [keep[j // G] for j in range(len(eps))]
+    tokens = sum(ep.answer_tokens for ep in eps)
+    row_adv, trained, stats = score_values(values, G, adv_norm, dynamic, 0, tokens)
+    stats["env_dropped"] = len(dropped)
+    stats["tool_errors"] = sum(envlib.tool_errors(ep.env) for ep in eps if ep.env is not None)
+    stats["turns"] = sum(ep.turns for ep in eps)
     return row_adv, trained, stats
 
 

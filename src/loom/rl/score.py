@@ -45,11 +45,21 @@ def score_groups(stage, reqs, rows: list[dict], G: int) -> tuple[list[float], li
         )
     if errors:
         log.warn(f"{errors} samples' rewards failed and their groups were dropped; the first: {first}")
+    tokens = sum(len(q.tokens) for q in reqs)
+    return score_values(values, G, stage.rl.adv_norm, stage.rl.dynamic_sampling, errors, tokens)
+
+
+def score_values(
+    values: list, G: int, adv_norm: str, dynamic: bool, errors: int, answer_tokens: int
+) -> tuple[list, list, dict]:
+    """(each answer's advantage, whether it trains, the rollout's figures) of rewards in groups of G: a group
+    with a failed reward (None) is dropped (error_groups), and so is one whose rewards are all equal, with
+    rl.dynamic_sampling. Single answers (score_groups) and episodes (loom.rl.episode) alike."""
     groups = len(values) // G
     bad = [any(values[g * G + i] is None for i in range(G)) for g in range(groups)]
     r = torch.tensor([[0.0 if v is None else v for v in values[g * G : (g + 1) * G]] for g in range(groups)])
-    adv, signal = advantages(r, stage.rl.adv_norm)
-    keep = [not bad[g] and (bool(signal[g]) or not stage.rl.dynamic_sampling) for g in range(groups)]
+    adv, signal = advantages(r, adv_norm)
+    keep = [not bad[g] and (bool(signal[g]) or not dynamic) for g in range(groups)]
     good = [v for v in values if v is not None]
     stats = {
         "reward_sum": sum(good),
@@ -58,14 +68,14 @@ def score_groups(stage, reqs, rows: list[dict], G: int) -> tuple[list[float], li
         "dropped_groups": sum(not bad[g] and not keep[g] for g in range(groups)),
         "error_groups": sum(bad),
         "reward_errors": errors,
-        "answer_tokens": sum(len(q.tokens) for q in reqs),
-        "answers": len(reqs),
+        "answer_tokens": answer_tokens,
+        "answers": len(values),
         "groups": groups,
-        "reward_min": min(good),
-        "reward_max": max(good),
     }
-    row_adv = [float(adv[j // G, j % G]) for j in range(len(reqs))]
-    trained = [keep[j // G] for j in range(len(reqs))]
+    if good:
+        stats["reward_min"], stats["reward_max"] = min(good), max(good)
+    row_adv = [float(adv[j // G, j % G]) for j in range(len(values))]
+    trained = [keep[j // G] for j in range(len(values))]
     return row_adv, trained, stats
 
 
