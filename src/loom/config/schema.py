@@ -755,7 +755,9 @@ class RLConfig:
     )
     max_turns: int = _f(4, "rl.env: model turns an episode may take (one not done by then is dropped).")
     max_episode_tokens: int = _f(
-        0, "rl.env: tokens after the prompt an episode may hold, model's and environment's (0: the block's).", ge=0
+        0,
+        "rl.env: tokens after the prompt an episode may hold, model's and environment's (0: the block's).",
+        ge=0,
     )
     env_timeout_s: float = _f(
         10.0, "rl.env: seconds an environment call may take; one past it drops its episode (counted).", ge=0

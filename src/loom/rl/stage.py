@@ -178,7 +178,8 @@ class Rollouts:
         self.stats: dict = {}  # the last rollout's figures (loom.rl.score), reported once
         self.train_start = 0.0
         self.dropped_in_a_row = 0  # rollouts in a row whose every group was dropped (rl.max_dropped_steps)
-        K = stage.rl.max_staleness  # asynchronous rollouts: sampled by a worker process (loom.rl.async_rollout)
+        # asynchronous rollouts: sampled by a worker process (loom.rl.async_rollout)
+        K = stage.rl.max_staleness
         self.worker = AsyncRollouts(K, stage.rl.updates_per_batch) if K else None
         self.steps_before = 0  # the optimizer steps taken before the current one
 
