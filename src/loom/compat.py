@@ -278,9 +278,14 @@ def fsdp_default_comms() -> tuple[type, type] | None:
 
 
 def fsdp_param_groups(module) -> int:
-    """How many parameter groups a fully_shard-ed module holds (custom comms need exactly one:
-    `module._get_fsdp_state()._fsdp_param_groups`). Checked on torch 2.13."""
-    return len(module._get_fsdp_state()._fsdp_param_groups)
+    """How many parameter groups a fully_shard-ed module holds (custom comms need exactly one): torch 2.13's
+    `module._get_fsdp_state()._fsdp_param_groups`, torch 2.11's one `_fsdp_param_group` (or None). Checked on
+    torch 2.11 and 2.13."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return len(groups)
+    return 0 if getattr(state, "_fsdp_param_group", None) is None else 1
 
 
 # --- memory trackers (the dry run) -----------------------------------------------------------------------
