@@ -178,7 +178,6 @@ def measure_apart(jobs: list[tuple], workers: int | None = None) -> list[RankMem
     leaves behind does not reach the next."""
     import multiprocessing as mp
     import os
-    from multiprocessing.connection import wait
 
     import torch.distributed.pipelining  # noqa: F401
     import torch.distributed.tensor.parallel  # noqa: F401
@@ -187,7 +186,21 @@ def measure_apart(jobs: list[tuple], workers: int | None = None) -> list[RankMem
 
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    if "fork" in mp.get_all_start_methods():
+        try:
+            return _measure_in(mp.get_context("fork"), jobs, workers)
+        except _ForkRefused:  # this process started autograd's device threads (a CUDA build, a fake-CUDA run)
+            pass
+    return _measure_in(mp.get_context("spawn"), jobs, workers)
+
+
+class _ForkRefused(Exception):
+    """A forked child's backward refused to run: autograd's device threads had started in the parent."""
+
+
+def _measure_in(ctx, jobs: list[tuple], workers: int) -> list[RankMemory]:
+    from multiprocessing.connection import wait
+
     results: list = [None] * len(jobs)
     running: dict = {}  # connection -> (job index, process)
     todo = list(enumerate(jobs))
@@ -233,4 +246,6 @@ def _received(conn, proc, rank: int) -> RankMemory:
         return value
     if kind == "loom":
         raise LoomError(*value)
+    if "Autograd-and-Fork" in value:  # torch's message when a forked child's backward cannot run
+        raise _ForkRefused(value)
     raise RuntimeError(f"the dry run of rank {rank} failed:\n{value}")
