@@ -40,6 +40,17 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
+def assert_healed(run0: Path, run1: Path, steps: int) -> None:
+    """Group 1 was killed, rejoined and healed from group 0: a heal record with both groups, group 0 saw it
+    join, group 1's steps run in order to the last, and both groups' final weights are equal bit for bit."""
+    healed = [c for c in ft_records(run1) if "heal_s" in c]
+    assert healed and healed[-1]["replicas"] == [0, 1], ft_records(run1)
+    assert any(1 in c["joined"] for c in ft_records(run0)[1:]), ft_records(run0)
+    steps1 = [r["step"] for r in records(run1) if "loss" in r]
+    assert steps1[-1] == steps and steps1 == sorted(steps1)
+    assert_same(weights(run0, steps), weights(run1, steps))
+
+
 def ft_records(run: Path) -> list[dict]:
     return [r["ft"] for r in records(run) if "ft" in r]
 

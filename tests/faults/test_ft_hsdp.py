@@ -14,7 +14,7 @@ import pytest
 from faultkit import Proc, records, wait_for
 from loomrun import loom_run
 from proctree import descendants
-from test_ft_ddp import args, assert_same, ft_records, weights
+from test_ft_ddp import args, assert_healed, assert_same, ft_records, weights
 
 pytest.importorskip("torchft", reason="the ft extra (pip install loom[ft])")
 HSDP = ("--parallel.dp_impl=fsdp", "--parallel.dp_replicate=2")
@@ -70,12 +70,7 @@ def test_killed_rank_restarts_its_group_which_heals_bitwise(char_data, tmp_path)
     os.kill(max(ranks), signal.SIGKILL)  # the later-started rank: rank 1 of the group
     assert job.wait(300) == 0, job.stderr()[-3000:]
     assert "replica group 1 ended" in job.stdout() + job.stderr()
-    healed = [c for c in ft_records(run1) if "heal_s" in c]
-    assert healed and healed[-1]["replicas"] == [0, 1], ft_records(run1)
-    assert any(1 in c["joined"] for c in ft_records(run0)[1:]), ft_records(run0)
-    steps1 = [r["step"] for r in records(run1) if "loss" in r]
-    assert steps1[-1] == steps and steps1 == sorted(steps1)
-    assert_same(weights(run0, steps), weights(run1, steps))
+    assert_healed(run0, run1, steps)
 
 
 def test_verify_has_an_ft_hsdp_strategy(tmp_path):
