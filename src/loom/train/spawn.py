@@ -13,9 +13,11 @@ join the store this process serves on 127.0.0.1 only (loopback.listen), as torch
 agent's store, so `loom train` runs the same code under both.
 
 What torchrun's local agent does, this one does: the first worker that fails stops the others (SIGTERM,
-then SIGKILL after the shutdown timeout) and is named; with max_restarts the whole group starts again on a
-fresh store (the workers resume from the newest valid checkpoint); SIGTERM, SIGINT or SIGHUP to this process
-reach the workers, which finish their step, save and exit with EXIT_PREEMPTED.
+then SIGKILL FAILED_GRACE_S later, in whatever phase they are, a checkpoint save's collectives included) and
+is named; with max_restarts the whole group starts again on a fresh store (the workers resume from the newest
+complete checkpoint; a half-written step_N.tmp is never read); SIGTERM, SIGINT or SIGHUP to this process
+reach the workers, which finish their step, save and exit with EXIT_PREEMPTED (SIGKILL after the shutdown
+timeout).
 """
 
 from __future__ import annotations
@@ -51,6 +53,13 @@ PRELOAD = [
     "loom.parallel.dcp_state",
 ]
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Seconds from the SIGTERM that follows a rank's failure to the SIGKILL of the ranks still running. They have
+# nothing left to do: a sharded save needs every rank, and the group starts again from the newest checkpoint.
+# Without it, survivors stuck in a collective with the dead rank (two ranks of a save left in different gloo
+# waits when the third died inside DCP's gather: seen in benchmarks/chaos.py) held the job for
+# parallel.timeout_s (600 s), until their own give-up (loom.train.guard); one whose timeout_s is shorter than
+# this still gives up first, with its own message.
+FAILED_GRACE_S = 10.0
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # Linux's prctl(2)
 
 
@@ -91,7 +100,7 @@ def launch_local(nproc: int, req: RunRequest, child_argv: list[str], max_restart
     timeout_s = req.cfg.parallel.timeout_s
     # one torchft replica group's ranks: a failed rank ends the group at once (SIGKILL 1 s after SIGTERM); the
     # job's launcher starts it again and it heals from a live group, nothing of it needs saving
-    failed_s = 1.0 if req.cfg.ft.enabled else None
+    failed_s = 1.0 if req.cfg.ft.enabled else FAILED_GRACE_S
     restarts = f", up to {max_restarts} restart(s)" if max_restarts else ""
     log.info(f"starting {nproc} processes (store on 127.0.0.1{restarts}) for run {plan.run_dir}")
     job = f"loom-{uuid.uuid4().hex[:8]}"
@@ -162,7 +171,7 @@ def _watch(
     the group: the others get SIGTERM (or that signal), and SIGKILL after shutdown_s (`failed_s` after a
     failure, when given)."""
     exits: dict[int, Exit] = {}
-    passed_on, deadline, killing = 0, None, False
+    passed_on, deadline, killing, grace = 0, None, False, shutdown_s
     while len(exits) < len(procs):
         running = {p.sentinel: r for r, p in procs.items() if r not in exits}
         for sentinel in connection.wait(list(running), timeout=0.2):
@@ -177,15 +186,23 @@ def _watch(
             passed_on += 1
         if deadline is None and (passed_on or any(e.code != 0 for e in exits.values())):
             failed = not passed_on and any(e.code not in (0, EXIT_PREEMPTED) for e in exits.values())
-            deadline = time.monotonic() + (failed_s if failed and failed_s is not None else shutdown_s)
+            grace = failed_s if failed and failed_s is not None else shutdown_s
+            deadline = time.monotonic() + grace
             # a rank that stopped on a signal (EXIT_PREEMPTED) agreed the stop step with the others, which are
             # saving and leaving too: a SIGTERM now would kill one in its exit; SIGKILL after shutdown_s still
             if not passed_on and any(e.code not in (0, EXIT_PREEMPTED) for e in exits.values()):
                 _send(procs, exits, signal.SIGTERM)
-        elif deadline is not None and time.monotonic() > deadline:
-            _send(procs, exits, signal.SIGKILL)
+        elif deadline is not None and time.monotonic() > deadline and not killing:
+            _kill_the_rest(procs, exits, grace)
             killing = True
     return exits
+
+
+def _kill_the_rest(procs: dict, exits: dict, grace: float) -> None:
+    """SIGKILL to the workers still running `grace` seconds after they were told to stop, named in the log."""
+    left = ", ".join(f"rank {r} (pid {p.pid})" for r, p in procs.items() if r not in exits)
+    log.warn(f"loom: {left} still running {grace:g}s after the stop: SIGKILL")
+    _send(procs, exits, signal.SIGKILL)
 
 
 def _send(procs: dict, exits: dict, signum: int) -> None:

@@ -1,0 +1,69 @@
+"""A rank SIGKILLed while a checkpoint is being written, under `loom train --nproc 3 --max-restarts`: the
+launcher must stop the survivors within a bounded time whatever they are doing, start the group again, and the
+run must resume from the newest complete checkpoint (never the half-written `step_N.tmp`) and end bit for bit
+where an uninterrupted run ends.
+
+Issue 59's chaos run (benchmarks/chaos.py, `results/cpu-2core-2026-12-02/chaos.md`) hung here: rank 2 died
+inside DCP's gather of a save; rank 0, whose receive from it failed, went on to the save's outcome all-reduce,
+while rank 1, which had sent its part, waited in DCP's broadcast from rank 0 (gdb: gloo's ring allreduce and
+broadcast, each in UnboundBuffer::waitRecv). Neither could leave its wait, so neither ran its Python SIGTERM
+handler, and the launcher sent SIGKILL only after parallel.timeout_s (600 s). The window inside torch is a few
+milliseconds wide; here the survivors are held in the save deterministically instead: LOOM_FAULT_HOLD_SAVE
+keeps rank 0 after its model files (it never lets go: a wait it cannot leave), so rank 1 waits for it inside
+the optimizer's DCP collective, and rank 2 is killed from outside as a user or a cluster would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from faultkit import Proc, curve, rank_of, train_args, wait_for
+
+from loom import checkpoint
+
+STEPS, HELD_STEP = 12, 8
+# batch 6: divisible by 3 processes; a save every 4 steps, so the newest complete one at the kill is step 4
+ARGS = ("--train.ckpt_every=4", "--train.keep_last=10", "--train.batch_size=6")
+
+
+def _release_all_but_the_first_hold(run, p: Proc, stuck: dict) -> None:
+    """Every save holds rank 0 after its model files until HELD (holding the rank's pid) is deleted: delete each
+    one at once, except the first rank 0's at step HELD_STEP, which stays held until that rank is killed."""
+    while p.p.poll() is None:
+        for held in (run / "ckpt").glob("step_*.tmp/HELD"):
+            try:
+                pid = int(held.read_text())
+            except (OSError, ValueError):  # not written yet, or gone
+                continue
+            if held.parent.name == f"step_{HELD_STEP:06d}.tmp" and stuck.setdefault("pid", pid) == pid:
+                continue
+            held.unlink(missing_ok=True)
+        time.sleep(0.01)
+
+
+def test_rank_killed_inside_a_save_restarts_from_the_newest_complete_checkpoint(char_data, tmp_path):
+    ref = Proc([*train_args(char_data, tmp_path, "ref", STEPS, *ARGS), "--nproc", "3"], tmp_path / "ref")
+    assert ref.wait() == 0, ref.stderr()[-3000:]
+    run = tmp_path / "r"
+    args = [*train_args(char_data, tmp_path, "r", STEPS, *ARGS), "--nproc", "3", "--max-restarts", "1"]
+    p = Proc(args, tmp_path / "out", env={"LOOM_FAULT_HOLD_SAVE": "1"})
+    stuck: dict = {}
+    threading.Thread(target=_release_all_but_the_first_hold, args=(run, p, stuck), daemon=True).start()
+    wait_for(lambda: "pid" in stuck, p, what=f"rank 0 held in the save of step {HELD_STEP}")
+    ranks = {rank_of(pid): pid for pid in p.tree()}
+    assert ranks[0] == stuck["pid"] and 2 in ranks
+    os.kill(ranks[2], signal.SIGKILL)
+    # the old launcher waited parallel.timeout_s (600 s) here before its SIGKILL
+    wait_for(lambda: "(restart)" in p.stdout(), p, timeout=90, what="the group's restart")
+    assert p.wait() == 0, p.stderr()[-3000:]
+    said = p.stdout() + p.stderr()
+    # named: the held rank 0 (and rank 1, waiting for it inside gloo's all-gather, which no SIGTERM reaches)
+    assert f"rank 0 (pid {ranks[0]})" in said and "s after the stop: SIGKILL" in said, said[-3000:]
+    assert f"resumed from {run / 'ckpt' / 'step_000004'} at step 4" in said, said[-3000:]
+    assert curve(run) == curve(tmp_path / "ref")  # bit for bit, the replayed steps 5-8 included
+    ckpt = run / "ckpt"
+    assert not list(ckpt.glob("*.tmp"))  # the killed attempt's half-written step 8 was removed, never read
+    assert [s.name for s in checkpoint.list_steps(ckpt)] == [f"step_{s:06d}" for s in (4, 8, 12)]
+    assert checkpoint.latest_valid(ckpt) == ckpt / "step_000012"
