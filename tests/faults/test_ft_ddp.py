@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,94 @@ def test_partitioned_group_rejoins_and_heals(char_data, tmp_path):
         assert err.count("replica group 1 got no quorum before step") == 1, err[-3000:]
 
 
+def test_a_group_heartbeats_only_once_it_asks_for_its_first_quorum(monkeypatch):
+    """A group's manager (and with it its heartbeat) starts at its first step, not when the trainer is built:
+    counted live by the lighthouse while it still built its model or read its checkpoint, a restarted group
+    would hold a quorum being formed for the lighthouse's join timeout."""
+    from types import SimpleNamespace
+    from urllib.parse import urlsplit
+
+    from torchft._torchft import LighthouseServer
+
+    from loom.config import load_config
+    from loom.distributed.ft import FtReplica, live_replicas
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOOM_FT_BARRIER", "LOOM_FT_REPLICA"):
+        monkeypatch.delenv(var, raising=False)
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=500)
+    url = f"http://127.0.0.1:{urlsplit(server.address()).port}"
+    cfg = load_config(None, ["--run.name=lazy", "--ft.enabled=true", "--ft.replica_groups=2"])
+    cfg.ft.replica_id, cfg.ft.lighthouse = 0, url
+    replica = FtReplica(cfg, SimpleNamespace(parallel=SimpleNamespace(diloco=None)))
+    try:
+        time.sleep(0.5)  # a beat would be every 0.1 s
+        assert live_replicas(url) == set()
+        replica.join()
+        deadline = time.monotonic() + 30
+        while live_replicas(url) != {"lazy_g0"} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live_replicas(url) == {"lazy_g0"}
+    finally:
+        replica.close()
+        server.shutdown()
+
+
+# One process of three on torchft's gloo group (argv: rank, store port, what rank 1 does): ranks 0 and 2 start
+# an all-reduce; rank 1, whose own step failed elsewhere, does not, and goes through FtReplica's commit.
+_LEFT_BEHIND = """
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torchft.process_group import ProcessGroupGloo
+from loom.distributed.ft import FtReplica
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 3, is_master=rank == 0, timeout=timedelta(seconds=60))
+pg = ProcessGroupGloo(timeout=timedelta(seconds=60))
+pg.configure(f"127.0.0.1:{port}/q1", f"g{rank}", rank, 3)
+t0 = time.perf_counter()
+if rank == 1:
+    replica = FtReplica.__new__(FtReplica)  # its commit alone, with a manager whose quorum did not commit
+    replica.pg = pg
+    replica.manager = type("NoCommit", (), {"should_commit": lambda self: False})()
+    assert replica._committed() is False
+    time.sleep(70)
+else:
+    try:
+        pg.allreduce([torch.ones(1000)], dist.AllreduceOptions()).wait()
+    except Exception:
+        print(f"failed after {time.perf_counter() - t0:.1f}s", flush=True)
+"""
+
+
+def test_a_group_whose_step_failed_frees_a_peer_waiting_on_it():
+    """A group whose step the quorum did not commit drops its process group at once, so a peer still inside
+    that step's all-reduce waiting on it (not on the dead group: gloo's ring) fails now, not after the
+    collective's timeout. Left there (before: the commit did not drop it), the peer is alive and not asking
+    for the next quorum: two survivors of three cannot form one (neither is more than half of the live
+    groups), or, with a restarted group heartbeating, the lighthouse holds it its join timeout (chaos.md: a
+    10 s stall). Real processes on torchft's gloo group; the all-reduce's timeout is 60 s."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _LEFT_BEHIND, str(r), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for r in range(3)
+    ]
+    try:
+        out = procs[0].communicate(timeout=120)[0]
+    finally:
+        for p in procs:
+            p.kill()
+    seconds = float(out.split("failed after ")[1].split("s")[0])
+    assert seconds < 30, out  # at once; before, the all-reduce's 60 s timeout
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -207,6 +296,7 @@ def _free_port() -> int:
             "out of range",
         ),
         (["--ft.enabled=true", "--ft.min_replicas=3"], "2", "ft.min_replicas=3 is more than"),
+        (["--ft.enabled=true", "--ft.timeout_s=5"], "2", "ft.timeout_s=5 is not above ft.join_timeout_s=10"),
         (["--ft.enabled=true", "--ft.lighthouse=http://127.0.0.1:PORT"], "2", "is unreachable"),
         (["--ft.enabled=true", "--ft.replica_groups=2", "--ft.replica_id=2"], None, "out of range"),
         (

@@ -93,6 +93,19 @@ def test_node_0_serves_the_lighthouse_on_the_head_address_never_everywhere(clean
         plan_command(["--nnodes", "2", "--master-addr", "0.0.0.0", "--node-rank", "0", "--", *FT], {})
 
 
+def test_the_served_lighthouse_takes_the_jobs_timeouts_and_minimum(clean_os_environ, capsys):  # noqa: F811
+    """The lighthouse node 0 serves detects a dead group after the job's ft.heartbeat_s and holds a new quorum
+    for a silent live group up to its ft.join_timeout_s, as the one `loom train --nproc` serves does."""
+    both = ["--nnodes", "2", "--master-addr", "127.0.0.2", "--node-rank", "0", "--"]
+    lines = _dry_run(capsys, [*both, *FT])
+    assert "--min_replicas 1 --join_timeout_ms 10000 --heartbeat_timeout_ms 2000" in lines[0]
+    job = [*FT, "--ft.heartbeat_s=0.5", "--ft.join_timeout_s", "3", "--ft.min_replicas=2"]
+    lines = _dry_run(capsys, [*both, *job])
+    assert "--min_replicas 2 --join_timeout_ms 3000 --heartbeat_timeout_ms 500" in lines[0]
+    with pytest.raises(LoomError, match="ft.heartbeat_s=soon is not a number"):
+        plan_command([*both, *FT, "--ft.heartbeat_s=soon"], {})
+
+
 def test_a_cluster_lighthouse_is_used_not_served(clean_os_environ, capsys):  # noqa: F811
     url = "http://lh.cluster:29510"
     argv = [

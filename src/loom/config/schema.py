@@ -787,6 +787,12 @@ class FtConfig:
         "(how soon the others go on after a failure); the groups beat every tenth of it, at most every 0.1 s.",
         gt=0,
     )
+    join_timeout_s: float = _f(
+        10.0,
+        "Seconds the lighthouse loom starts holds a new quorum for a live group that has not asked to join it "
+        "yet (longer than a group's longest pause between steps: an evaluation, a checkpoint save).",
+        gt=0,
+    )
     max_restarts: int = _f(3, "loom train --nproc: times a failed replica group is started again.", ge=0)
 
 

@@ -116,6 +116,12 @@ def check(cfg: Config, nproc: int | None = None) -> int:
             f"ft.min_replicas={ft.min_replicas} is more than the {n} replica groups: no step could commit",
             hint=f"--ft.min_replicas between 1 and {n}",
         )
+    if nproc is not None and not ft.lighthouse and ft.timeout_s <= ft.join_timeout_s:
+        raise LoomError(
+            f"ft.timeout_s={ft.timeout_s:g} is not above ft.join_timeout_s={ft.join_timeout_s:g}: a group's quorum "
+            "request would time out while the lighthouse may still hold that quorum for a late group",
+            hint="a longer --ft.timeout_s, or a shorter --ft.join_timeout_s",
+        )
     if ft.replica_id >= n:
         raise LoomError(
             f"ft.replica_id={ft.replica_id} is out of range for {n} replica groups (0..{n - 1})",
@@ -269,7 +275,7 @@ def lighthouse(cfg: Config, n: int):
     server = LighthouseServer(
         bind="127.0.0.1:0",
         min_replicas=cfg.ft.min_replicas,
-        join_timeout_ms=10000,
+        join_timeout_ms=round(1000 * cfg.ft.join_timeout_s),
         quorum_tick_ms=10,
         heartbeat_timeout_ms=round(1000 * cfg.ft.heartbeat_s),  # a dead group's detection (chaos.md)
     )
@@ -436,10 +442,8 @@ class FtReplica:
     (the gradient mean over the quorum), `commit` (the quorum's agreement), `records` (what metrics.jsonl gets)."""
 
     def __init__(self, cfg: Config, trainer, url: str | None = None):
-        from torchft.manager import Manager
-
         ft = cfg.ft
-        self.trainer, self.n, self.k = trainer, check(cfg), replica_id(cfg)
+        self.cfg, self.trainer, self.n, self.k = cfg, trainer, check(cfg), replica_id(cfg)
         self.rows_per_group = cfg.train.batch_size // self.n
         url = self.url = url or lighthouse_url(ft.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"])
         if not in_group():  # a group started by hand: its number must be free
@@ -449,8 +453,25 @@ class FtReplica:
         self.rank, self.size = group_rank()
         self.pg = _recording_gloo(timeout, self.size)
         self.transport = _recording_transport(self.pg, timeout)
+        self.manager = None  # made at the first step (join)
+        self.h, self.diloco = diloco(cfg), trainer.parallel.diloco
+        if self.diloco is not None:  # DiLoCo's outer step averages over the quorum's groups
+            self.diloco.outer_mean = self.outer_mean
+        self.quorum: tuple[int, list[int]] | None = None
+        self.rows_skipped, self.healed_s, self.undone = 0, None, 0  # undone: DiLoCo windows not committed
+        self.pending: list[dict] = []
+
+    def join(self) -> None:
+        """This group's Manager, made when the group is about to ask for its first quorum, not before: from
+        its first heartbeat the lighthouse counts the group as live, and a quorum being formed waits up to its
+        join timeout (ft.join_timeout_s) for every live group to ask. A restarted group that heartbeated while
+        it was still building its model and reading its checkpoint held the survivors' quorum that long
+        (chaos.md: one 10 s stall, half of a run's overhead)."""
+        from torchft.manager import Manager
+
+        ft, timeout = self.cfg.ft, timedelta(seconds=self.timeout_s)
         host, port, self._own_store = _store()
-        local = urlsplit(url).hostname in LOOPBACK
+        local = urlsplit(self.url).hostname in LOOPBACK
         try:
             self.manager = Manager(
                 pg=self.pg,
@@ -466,22 +487,16 @@ class FtReplica:
                 world_size=self.size,
                 store_addr=host,
                 store_port=port,
-                lighthouse_addr=url,
-                replica_id=f"{job_name(cfg)}{self.k}",
+                lighthouse_addr=self.url,
+                replica_id=f"{job_name(self.cfg)}{self.k}",
                 hostname="127.0.0.1" if local else socket.gethostname(),
                 checkpoint_transport=self.transport,
                 init_sync=False,  # every group initialises the same weights from run.seed
             )
         except Exception as e:  # the lighthouse went away between the check and here
-            raise LoomError(f"torchft could not join the lighthouse at {url}: {e}") from None
+            raise LoomError(f"torchft could not join the lighthouse at {self.url}: {e}") from None
         self.manager.register_state_dict_fn("loom", self._load, self._state)
-        self.h, self.diloco = diloco(cfg), trainer.parallel.diloco
-        if self.diloco is not None:  # DiLoCo's outer step averages over the quorum's groups
-            self.diloco.outer_mean = self.outer_mean
         _start_barrier(self.n * self.size, ft.timeout_s)
-        self.quorum: tuple[int, list[int]] | None = None
-        self.rows_skipped, self.healed_s, self.undone = 0, None, 0  # undone: DiLoCo windows not committed
-        self.pending: list[dict] = []
 
     # ---------------------------------------------------------------- the state a healing group receives
     def _state(self) -> dict:
@@ -513,6 +528,8 @@ class FtReplica:
     def begin_step(self) -> None:
         """Join this step's quorum (waits for it); a group behind the others heals here from a live peer.
         DiLoCo: only at a window's first step (after an outer step, where the replicas are equal)."""
+        if self.manager is None:
+            self.join()
         if self.h and self.trainer.step % self.h:
             return
         t0, before = time.perf_counter(), self.trainer.step
@@ -592,7 +609,18 @@ class FtReplica:
             return local_ok
         if not local_ok:
             self.manager.report_error(RuntimeError("this group skipped the step"))
-        return self.manager.should_commit()
+        return self._committed()
+
+    def _committed(self) -> bool:
+        """The quorum's agreement on this step; not committed, this group's process group is dropped at once
+        (a commit failure changes the next quorum's id, so torchft configures a new one there anyway). A peer
+        still inside the step's collective waiting on this group, not on the dead one, then fails now: left
+        in it, that peer is alive and not asking for the next quorum, and the lighthouse holds the quorum its
+        join timeout for it (chaos.md: a 10 s stall after a kill, 3 groups)."""
+        if self.manager.should_commit():
+            return True
+        self.pg.abort()
+        return False
 
     def outer_mean(self, delta: torch.Tensor) -> bool:
         """DiLoCo's outer gradient made the mean over the quorum's groups in place (summed, then divided:
@@ -603,7 +631,7 @@ class FtReplica:
         self.manager.allreduce(delta, reduce_op=ReduceOp.SUM).wait()
         live = self.manager.num_participants()
         delta.div_(live)
-        if self.manager.should_commit():
+        if self._committed():
             return True
         # not silent: the window's rows (every live group's) were read and are not trained on
         self.undone += 1
@@ -625,4 +653,5 @@ class FtReplica:
         return out
 
     def close(self) -> None:
-        self.manager.shutdown(wait=False)
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)

@@ -82,18 +82,30 @@ def lighthouse_bind(head_addr: str | None, nnodes: int, port: int) -> str:
 
 
 def lighthouse_command(bind: str, command: Sequence[str]) -> list[str]:
-    """torchft's lighthouse binary on `bind`, with loom's timeouts (loom.distributed.ft.lighthouse's)."""
+    """torchft's lighthouse binary on `bind`, with the job's ft.min_replicas, ft.heartbeat_s and
+    ft.join_timeout_s from its command line (their defaults otherwise: loom.distributed.ft.lighthouse's)."""
+    from loom.config.schema import FtConfig
+
     binary = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
+    default = FtConfig()
+
+    def ms(key: str) -> str:
+        value = option(command, f"ft.{key}")
+        try:
+            return str(round(1000 * float(value if value is not None else getattr(default, key))))
+        except ValueError:
+            raise LoomError(f"--ft.{key}={value} is not a number of seconds", hint=f"--ft.{key}=2") from None
+
     return [
         binary,
         "--bind",
         bind,
         "--min_replicas",
-        option(command, "ft.min_replicas") or "1",
+        option(command, "ft.min_replicas") or str(default.min_replicas),
         "--join_timeout_ms",
-        "10000",
+        ms("join_timeout_s"),
         "--heartbeat_timeout_ms",
-        "2000",
+        ms("heartbeat_s"),
     ]
 
 
