@@ -202,7 +202,10 @@ def run_hosts(name: str, cmd: list[str], out: Path, a, kill: bool) -> dict:
             for k, p in procs.items():
                 if k not in codes and p.poll() is not None:
                     restarts = sum(1 for e in events if "restart" in e)
-                    if p.returncode in (-signal.SIGKILL, 1) and restarts < 5:  # a kill, or QuorumLost
+                    ended = 0 in codes.values()  # the job is done: started again, a group trains alone
+                    if (
+                        p.returncode in (-signal.SIGKILL, 1) and restarts < 5 and not ended
+                    ):  # a kill, QuorumLost
                         events.append({"restart": k})
                         log_file.write(f"chaos: group {k} ended; the others go on; starting it again\n")
                         log_file.flush()

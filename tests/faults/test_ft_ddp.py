@@ -132,6 +132,26 @@ def test_restarted_group_heals_bitwise(char_data, tmp_path):
     assert_same(weights(run0, steps), weights(run1, steps))
 
 
+def test_a_group_that_fails_after_another_finished_is_not_started_again(char_data, tmp_path):
+    """Group 1 is cut off (SIGSTOP) and group 0 finishes the run alone; group 1 then dies. The job is done:
+    started again, group 1 would find no live group (the lighthouse cannot tell a finished group from a dead
+    one) and train the rest of the run alone, a second, diverging copy (chaos.md's runs across hosts). The
+    launcher does not start it again and names it (exit 1)."""
+    extra = ("--ft.enabled=true", "--ft.timeout_s=12", "--ft.heartbeat_s=0.5")
+    job = Proc(args(char_data, tmp_path, "job", 40, *extra), tmp_path / "job")
+    run0, run1 = tmp_path / "job", tmp_path / "job-g1"
+    wait_for(lambda: len(records(run1)) > 8, job, timeout=240, what="group 1's steps")
+    pid = group_pid(job, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: group_pid(job, 0) is None, job, timeout=240, what="group 0 finishing alone")
+    assert max(r["step"] for r in records(run0) if "loss" in r) == 40
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(120) == 1, job.stdout()[-3000:]
+    assert "group 1 (exit -9)" in job.stderr()
+    assert "replica group 1 ended" not in job.stdout() + job.stderr()  # not started again
+
+
 def test_partitioned_group_rejoins_and_heals(char_data, tmp_path):
     """Group 1 is cut off (all its processes SIGSTOPped) past the lighthouse's heartbeat timeout: group 0 goes
     on alone (its step in flight fails within ft.timeout_s, then it quorums without group 1). Once group 1 is

@@ -141,8 +141,15 @@ def _watch_groups(procs: dict, start, max_restarts: int, signals, connection, se
             k = running[sentinel]
             procs[k].join()
             code = procs[k].exitcode
-            # a user error (EXIT_ERROR) would come back: only a crash or a kill is started again
-            if code not in (0, EXIT_ERROR) and not signals.received and restarts[k] < max_restarts:
+            # a user error (EXIT_ERROR) would come back: only a crash or a kill is started again, and not
+            # once a group has finished (the job is done: started again, the group would train alone)
+            ended = 0 in codes.values()
+            if (
+                code not in (0, EXIT_ERROR)
+                and not signals.received
+                and restarts[k] < max_restarts
+                and not ended
+            ):
                 restarts[k] += 1
                 log.warn(f"torchft: replica group {k} ended ({code}); the others go on; starting it again")
                 procs[k] = start(k, restarts[k])
