@@ -192,6 +192,13 @@ def save_sharded(
             _dcp_save(optim_sd, tmp / "optim", no_dist, group)
             files = _own_parts(tmp, extra, state, 0 if no_dist else control.rank, main)
     except Exception as e:  # OSError, or what DCP met on a rank (_dcp_save unwraps its CheckpointException)
+        from loom.distributed.health import is_comm_error
+
+        # a peer died or hangs inside DCP's collectives: the ranks cannot agree on anything now. Raised at once,
+        # so this rank ends and its peers' waits on it fail; an agreement all-reduce here met a peer still in
+        # DCP's broadcast, and the two waited on each other for parallel.timeout_s (issue 59's chaos run)
+        if is_comm_error(e):
+            raise
         err, files = _write_error(step, final, e), {}
     stop_unless_every_rank_wrote(err)
     parts = control.gather_object(files)

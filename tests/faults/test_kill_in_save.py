@@ -10,7 +10,12 @@ broadcast, each in UnboundBuffer::waitRecv). Neither could leave its wait, so ne
 handler, and the launcher sent SIGKILL only after parallel.timeout_s (600 s). The window inside torch is a few
 milliseconds wide; here the survivors are held in the save deterministically instead: LOOM_FAULT_HOLD_SAVE
 keeps rank 0 after its model files (it never lets go: a wait it cannot leave), so rank 1 waits for it inside
-the optimizer's DCP collective, and rank 2 is killed from outside as a user or a cluster would."""
+the optimizer's DCP collective, and rank 2 is killed from outside as a user or a cluster would.
+
+Two halves, each tested here: the launcher SIGKILLs whatever still runs FAILED_GRACE_S after a rank's failure
+(loom.train.spawn), and a rank whose DCP collective fails raises at once instead of entering the save's
+agreement all-reduce (loom.checkpoint.save_sharded), so its peers' waits on it fail and they end by themselves
+(16 kills of rank 2 inside saves, benchmarks/results/cpu-2core-2026-12-02/kill-in-save.md)."""
 
 from __future__ import annotations
 
@@ -19,9 +24,12 @@ import signal
 import threading
 import time
 
+import pytest
+import torch
 from faultkit import Proc, curve, rank_of, train_args, wait_for
 
 from loom import checkpoint
+from loom.distributed.comm import Control
 
 STEPS, HELD_STEP = 12, 8
 # batch 6: divisible by 3 processes; a save every 4 steps, so the newest complete one at the kill is step 4
@@ -67,3 +75,28 @@ def test_rank_killed_inside_a_save_restarts_from_the_newest_complete_checkpoint(
     assert not list(ckpt.glob("*.tmp"))  # the killed attempt's half-written step 8 was removed, never read
     assert [s.name for s in checkpoint.list_steps(ckpt)] == [f"step_{s:06d}" for s in (4, 8, 12)]
     assert checkpoint.latest_valid(ckpt) == ckpt / "step_000012"
+
+
+class _Counting(Control):
+    """One process's control plane, counting the agreements (all-reduces) asked of it."""
+
+    agreements = 0
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        self.agreements += 1
+        return list(values)
+
+
+def test_a_peer_lost_inside_the_save_is_raised_without_another_collective(tmp_path, monkeypatch):
+    """What the survivor whose receive failed did in the chaos run: it went on to the agreement all-reduce and
+    waited there for a peer still in DCP's broadcast. Now the error leaves the save at once."""
+
+    def lost(sd, path, no_dist, group=None):
+        raise torch.distributed.DistBackendError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5009")
+
+    monkeypatch.setattr(checkpoint, "_dcp_save", lost)
+    control = _Counting()
+    with pytest.raises(torch.distributed.DistBackendError, match="Connection closed by peer"):
+        checkpoint.save_sharded(tmp_path, 2, {"w": torch.ones(2)}, {}, {}, {"step": 2}, 3, control)
+    assert control.agreements == 1  # the free-space agreement before the write; none after the lost peer
+    assert checkpoint.list_steps(tmp_path) == [] and checkpoint.latest_valid(tmp_path) is None
