@@ -239,6 +239,7 @@ def main() -> None:
     ap.add_argument("--partition-at", type=int, default=0, help="the step group 2 is cut off at (0: never)")
     ap.add_argument("--partition-s", type=float, default=3.0)
     ap.add_argument("--hosts", action="store_true", help="ft across 3 network-namespace hosts (root)")
+    ap.add_argument("--runs", default="ft,ddp", help="which pairs (clean and chaos) to run: ft, ddp or both")
     a = ap.parse_args()
     out = Path(a.out)
     model = [
@@ -262,7 +263,10 @@ def main() -> None:
             ("ddp-clean", [*base, "--run.name=ddp-clean", *ddp], []),
             ("ddp-chaos", [*base, "--run.name=ddp-chaos", *ddp], ["loom rank 1", "loom rank 2"]),
         ]
-        rows = {name: run(name, cmd, out, a, kill) for name, cmd, kill in plan}
+        wanted = a.runs.split(",")
+        rows = {
+            name: run(name, cmd, out, a, kill) for name, cmd, kill in plan if name.split("-")[0] in wanted
+        }
     for name in [n for n in rows if "chaos" in n]:
         clean = rows[name.replace("chaos", "clean")]
         rows[name]["overhead"] = round(rows[name]["wall_s"] / clean["wall_s"] - 1, 3)

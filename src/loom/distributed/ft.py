@@ -459,6 +459,7 @@ class FtReplica:
             self.diloco.outer_mean = self.outer_mean
         self.quorum: tuple[int, list[int]] | None = None
         self.rows_skipped, self.healed_s, self.undone = 0, None, 0  # undone: DiLoCo windows not committed
+        self.quorum_s = 0.0  # the last quorum's wait (in the step's time; DiLoCo: a window's first step)
         self.pending: list[dict] = []
 
     def join(self) -> None:
@@ -531,6 +532,7 @@ class FtReplica:
         if self.manager is None:
             self.join()
         if self.h and self.trainer.step % self.h:
+            self.quorum_s = 0.0
             return
         t0, before = time.perf_counter(), self.trainer.step
         self.healed_s, self.transport.sent_to = None, []
@@ -551,8 +553,9 @@ class FtReplica:
                 hint="start a lighthouse, then the same command with --train.resume=auto continues each group "
                 "from its newest checkpoint",
             ) from None
+        self.quorum_s = time.perf_counter() - t0
         if self.pg.quorum != self.quorum or self.transport.sent_to:
-            self._quorum_changed(before, time.perf_counter() - t0)
+            self._quorum_changed(before, self.quorum_s)
 
     def _quorum_changed(self, before: int, quorum_s: float) -> None:
         old = set(self.quorum[1]) if self.quorum else set()
@@ -646,7 +649,7 @@ class FtReplica:
         """The step's ft keys (added to `rec`) and the quorum-change records to write before it."""
         live = self.manager.num_participants()
         self.rows_skipped += (self.n - live) * self.rows_per_group
-        rec.update(ft_replicas=live, ft_rows_skipped=self.rows_skipped)
+        rec.update(ft_replicas=live, ft_rows_skipped=self.rows_skipped, ft_quorum_s=round(self.quorum_s, 5))
         if self.undone:
             rec["ft_windows_undone"] = self.undone
         out, self.pending = self.pending, []
