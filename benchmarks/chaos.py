@@ -10,7 +10,9 @@ with `--max-restarts`, where every kill stops all ranks and they resume from the
 --heartbeat sets ft.heartbeat_s (the lighthouse's heartbeat timeout: how soon the survivors go on without a dead
 group); --n-embd / --n-layer / --block-size the model (a step of a realistic share of the fixed cost);
 --partition-at STEP cuts the last group off once (SIGSTOP of its process for --partition-s seconds, then
-SIGCONT). --hosts runs the ft runs across 3 network-namespace hosts instead (scripts/netns_hosts.py, root): the
+SIGCONT). --group-size 2 makes each replica group an FSDP shard group of 2 ranks (HSDP: `--nproc 6
+--parallel.dp_impl=fsdp --parallel.dp_replicate=3`, the same layout without ft on the restart path); a kill
+is then of rank 1 of the group (its launcher stops the group's other rank). --hosts runs the ft runs across 3 network-namespace hosts instead (scripts/netns_hosts.py, root): the
 lighthouse (torchft's own binary) on node1, group k on node k+1, each started by hand as a cluster would
 (`loom train --ft.enabled=true` with the group's number and the lighthouse's address), and restarted by this
 script, as a node's scheduler would, after it kills it.
@@ -30,6 +32,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -67,13 +70,27 @@ def pid_named(root: int, name: str) -> int | None:
         for d in Path("/proc").iterdir():
             if d.name.isdigit():
                 try:
-                    if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) in kids:
+                    parent = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    if parent in kids:
                         kids.add(int(d.name))
-                        if (d / "comm").read_text().strip() == name:
+                        # the named process, not a child forked from it (which keeps its name)
+                        if _comm(d.name) == name and _comm(str(parent)) != name:
                             found = int(d.name)
                 except (OSError, IndexError, ValueError):
                     continue
     return found
+
+
+def _comm(pid: str) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def pid_within(root: int, name: str) -> int | None:
+    """pid_named, where "A/B" names the process B under the process A (a rank of one replica group)."""
+    *outer, inner = name.split("/")
+    if outer and (root := pid_named(root, outer[0])) is None:
+        return None
+    return pid_named(root, inner)
 
 
 def records(run: Path) -> list[dict]:
@@ -115,7 +132,7 @@ def run(name: str, cmd: list[str], out: Path, a, kill: list[str]) -> dict:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
         kills: list[dict] = []
-        find = functools.partial(pid_named, proc.pid)
+        find = functools.partial(pid_within, proc.pid)
         args = (lambda: proc.poll() is not None, find, out / name, a, kill, kills)
         if kill:
             threading.Thread(target=killer, args=args, daemon=True).start()
@@ -133,7 +150,8 @@ def summary(name: str, out: Path, code: int, wall: float, events: list[dict]) ->
     changes = [(r["step"], r["ft"]) for r in recs if "ft" in r]
     rejoin = []
     for k in kills:  # the time from the kill to group 0's first quorum change that has the group back
-        g = int(k["killed"].rsplit("g", 1)[1]) if "ft" in k["killed"] else None
+        group = re.search(r"ft g(\d+)", k["killed"])  # "loom ft g1" or "loom ft g1/loom rank 1"
+        g = int(group[1]) if group else None
         back = [s for s, c in changes if g is not None and g in c["joined"] and s >= k["step"]]
         rejoin.append(back[0] - k["step"] if back else None)
     heals = [
@@ -239,6 +257,7 @@ def main() -> None:
     ap.add_argument("--partition-at", type=int, default=0, help="the step group 2 is cut off at (0: never)")
     ap.add_argument("--partition-s", type=float, default=3.0)
     ap.add_argument("--hosts", action="store_true", help="ft across 3 network-namespace hosts (root)")
+    ap.add_argument("--group-size", type=int, default=1, help="ranks per replica group (2: HSDP groups)")
     ap.add_argument("--runs", default="ft,ddp", help="which pairs (clean and chaos) to run: ft, ddp or both")
     a = ap.parse_args()
     out = Path(a.out)
@@ -255,13 +274,20 @@ def main() -> None:
             n: run_hosts(n, [*train, *common, *ft], out, a, "chaos" in n) for n in ("ft-clean", "ft-chaos")
         }
     else:
-        base = [*train, "--nproc", "3", *common, "--force"]
+        size = a.group_size
+        hsdp = ["--parallel.dp_impl=fsdp", "--parallel.dp_replicate=3"] if size > 1 else []
+        base = [*train, "--nproc", str(3 * size), *common, *hsdp, "--force"]
         ddp = [f"--train.ckpt_every={a.ckpt_every}", "--max-restarts=10"]
+        in_group = (lambda k: f"loom ft g{k}/loom rank 1") if size > 1 else (lambda k: f"loom ft g{k}")
         plan = [
             ("ft-clean", [*base, "--run.name=ft-clean", *ft], []),
-            ("ft-chaos", [*base, "--run.name=ft-chaos", *ft], ["loom ft g1", "loom ft g2"]),
+            ("ft-chaos", [*base, "--run.name=ft-chaos", *ft], [in_group(1), in_group(2)]),
             ("ddp-clean", [*base, "--run.name=ddp-clean", *ddp], []),
-            ("ddp-chaos", [*base, "--run.name=ddp-chaos", *ddp], ["loom rank 1", "loom rank 2"]),
+            (
+                "ddp-chaos",
+                [*base, "--run.name=ddp-chaos", *ddp],
+                [*(f"loom rank {k * size + size - 1}" for k in (1, 2))],
+            ),
         ]
         wanted = a.runs.split(",")
         rows = {
