@@ -6,6 +6,7 @@ bad inputs that must fail before any work (one clear error, exit 2, no run folde
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import time
@@ -57,11 +58,14 @@ def ft_records(run: Path) -> list[dict]:
 
 
 def test_ft_equals_ddp_without_failures(char_data, tmp_path):
-    """2 groups with no failure = DDP on 2 processes, bit for bit; one quorum, every step over both groups."""
-    ddp = Proc([*args(char_data, tmp_path, "ddp", STEPS)], tmp_path / "ddp")
+    """2 groups with no failure = DDP on 2 processes, bit for bit; one quorum, every step over both groups. A
+    group's checkpoint is an ordinary one: it continues without ft on DDP bit for bit, and on FSDP within
+    1e-5, as any checkpoint does on another layout."""
+    half = f"--train.ckpt_every={STEPS // 2}"
+    ddp = Proc([*args(char_data, tmp_path, "ddp", STEPS, half)], tmp_path / "ddp")
     assert ddp.wait(300) == 0, ddp.stderr()[-3000:]
     ft = Proc(
-        [*args(char_data, tmp_path, "ft", STEPS, "--ft.enabled=true", "--ft.min_replicas=2")],
+        [*args(char_data, tmp_path, "ft", STEPS, "--ft.enabled=true", "--ft.min_replicas=2", half)],
         tmp_path / "ft",
     )
     assert ft.wait(300) == 0, ft.stderr()[-3000:]
@@ -74,6 +78,19 @@ def test_ft_equals_ddp_without_failures(char_data, tmp_path):
     assert {r["ft_replicas"] for r in steps} == {2} and steps[-1]["ft_rows_skipped"] == 0
     (first,) = ft_records(tmp_path / "ft")  # one quorum, never changed
     assert first["replicas"] == [0, 1] and first["left"] == []
+    for layout, exact in (("ddp", True), ("fsdp", False)):
+        copy = tmp_path / f"ft-to-{layout}"
+        shutil.copytree(tmp_path / "ft", copy)
+        (copy / "metrics.jsonl").write_text("")  # only the continued steps
+        resume = ["--resume", str(copy / "ckpt" / f"step_{STEPS // 2:06d}"), "--ft.enabled=false"]
+        cont = Proc(["train", "--nproc", "2", *resume, f"--parallel.dp_impl={layout}"], copy)
+        assert cont.wait(300) == 0, cont.stderr()[-3000:]
+        continued = [r["loss"] for r in records(copy) if "loss" in r]
+        assert len(continued) == STEPS // 2
+        if exact:
+            assert continued == ddp_losses[STEPS // 2 :]
+        else:
+            assert max(abs(a - b) for a, b in zip(continued, ddp_losses[STEPS // 2 :], strict=True)) <= 1e-5
 
 
 def group_pid(launcher: Proc, k: int) -> int | None:
