@@ -100,3 +100,27 @@ def test_a_peer_lost_inside_the_save_is_raised_without_another_collective(tmp_pa
         checkpoint.save_sharded(tmp_path, 2, {"w": torch.ones(2)}, {}, {}, {"step": 2}, 3, control)
     assert control.agreements == 1  # the free-space agreement before the write; none after the lost peer
     assert checkpoint.list_steps(tmp_path) == [] and checkpoint.latest_valid(tmp_path) is None
+
+
+def test_a_peer_lost_inside_a_background_save_is_raised_by_wait_without_an_agreement(tmp_path, monkeypatch):
+    """The background save (train.async_ckpt) the same: the writer thread keeps the lost peer's error and
+    wait() raises it on the training thread, with no agreement after it (before, the thread died with a
+    traceback and wait() went on to the agreement all-reduce with the peers)."""
+    from loom.faults import Faults
+    from loom.train.checkpointing import Checkpointer, CheckpointJob, CheckpointPolicy
+
+    control = _Counting()
+    job = CheckpointJob(None, 2, True, "cpu", control, Faults(), lambda rec: None, lambda op: None)
+    saver = Checkpointer(None, CheckpointPolicy(tmp_path, 3), job)
+
+    def lost(*save):
+        raise torch.distributed.DistBackendError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5009")
+
+    monkeypatch.setattr(saver, "_write", lost)
+    box: dict = {}
+    writer = threading.Thread(target=saver._writer, args=(box, True, 4, {}, {}, control, None))
+    saver._inflight = (4, box, writer)
+    writer.start()
+    with pytest.raises(torch.distributed.DistBackendError, match="Connection closed by peer"):
+        saver.wait()
+    assert control.agreements == 0

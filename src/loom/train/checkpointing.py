@@ -257,13 +257,21 @@ class Checkpointer:
         # without a process group (one process, MPI) rank 0 writes alone: the thread needs no collective
         writes = self._group is not None or self.job.is_main
         box: dict = {}
+        args = (box, writes, step, staged, state, control, group)
+        writer = threading.Thread(target=self._writer, args=args, name=f"loom-ckpt-{step}", daemon=True)
+        self._inflight = (step, box, writer)
+        writer.start()
 
-        def run() -> None:
-            _yield_cores()
-            box["error"] = self._write(step, staged, state, control, group) if writes else None
-
-        self._inflight = (step, box, threading.Thread(target=run, name=f"loom-ckpt-{step}", daemon=True))
-        self._inflight[2].start()
+    def _writer(self, box: dict, writes: bool, *save) -> None:
+        """The background save's thread: its outcome in `box` for wait(). A peer lost inside the save (a
+        communication error, which checkpoint.save_sharded raises at once) is kept to be raised by wait() on
+        the training thread, as a synchronous save raises it: no agreement after it (a peer may sit in the
+        save's collective, and the two would wait for each other)."""
+        _yield_cores()
+        try:
+            box["error"] = self._write(*save) if writes else None
+        except Exception as e:
+            box["raised"] = e
 
     def wait(self) -> bool | None:
         """Wait for the save in flight, if any, and agree on its outcome; None when there was none."""
@@ -273,6 +281,8 @@ class Checkpointer:
         self._inflight = None
         self.job.name_op(f"the background checkpoint save of step {step}")
         thread.join()
+        if "raised" in box:
+            raise box["raised"]
         return self._saved_everywhere(
             step, box.get("error", LoomError(f"the checkpoint writer of step {step} crashed"))
         )
