@@ -469,7 +469,10 @@ def test_cli_refusals_before_any_work(tmp_path, capsys):
         ([*base, "--input", str(tmp_path / "missing.jsonl"), "--block-size", "8"], "does not exist"),
         ([*base, "--input", str(empty), "--block-size", "8"], "is empty"),
         ([*base, "--input", str(good)], "--chat needs --block-size"),
-        ([*base, "--input", str(good), "--block-size", "8", "--tokenizer", "nope.json"], "neither char"),
+        (
+            [*base, "--input", str(good), "--block-size", "8", "--tokenizer", "nope.json"],
+            "'nope.json' does not exist",
+        ),
         (
             ["data", "prepare", "--input", str(good), "--out", str(out), "--block-size", "8"],
             "options of --chat",
@@ -499,6 +502,22 @@ def test_cli_refusals_before_any_work(tmp_path, capsys):
     (out / "x").write_text("keep", encoding="utf-8")
     assert main([*base, "--input", str(good), "--block-size", "8"]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--chat", "--pairs"])
+def test_a_missing_tokenizer_is_named_before_the_block_size(tmp_path, capsys, flag):
+    """`--tokenizer runs/missing` (a run folder that is not there): the error names the missing path and what
+    --tokenizer takes, not --block-size (which a run would have given), and nothing is written."""
+    out, missing = tmp_path / "out", tmp_path / "runs" / "missing"
+    good = write_jsonl(tmp_path / "c.jsonl", [conv("hi", "ok")])
+    base = ["data", "prepare", flag, "--input", str(good), "--out", str(out), "--tokenizer", str(missing)]
+    for extra in ([], ["--block-size", "8"]):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"--tokenizer '{missing}' does not exist" in err, err
+        assert "a run folder" in err and "char" in err and "bpe" in err, err
+        assert "--block-size" not in err, err
+        assert not out.exists()
 
 
 # --- the tokenizer's own chat template (--chat-template tokenizer, loom.data.hf_chat) --------------------

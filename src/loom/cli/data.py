@@ -267,6 +267,8 @@ def _prepare_chat(args, flag: str) -> int:
     from loom.data.chat_prepare import check_tokenizer_spec, prepare_chat, run_block_size
     from loom.data.messages import check_inputs
 
+    # the tokenizer first: a missing run folder is named as such, not as a missing --block-size it would give
+    check_tokenizer_spec(args.tokenizer, args.vocab_size, args.chat_template or "loom")
     block_size = args.block_size
     if block_size is None:  # a run to fine-tune knows its context length
         block_size = run_block_size(args.tokenizer)
@@ -283,7 +285,6 @@ def _prepare_chat(args, flag: str) -> int:
         )
     check_inputs(args.input)
     check_output_dir(args.out, "--out", temp_beside=True)
-    check_tokenizer_spec(args.tokenizer, args.vocab_size, args.chat_template or "loom")
     if args.pairs:  # preference pairs (loom.data.pairs)
         from loom.data.pairs import prepare_pairs as prepare_chat
     prepare_chat(

@@ -77,6 +77,13 @@ def check_tokenizer_spec(spec: str, vocab_size: int, chat_template: str = "loom"
         raise LoomError(f"unknown --chat-template '{chat_template}'", hint="use loom or tokenizer")
     elif spec == "bpe":
         check_bpe_vocab(vocab_size)
+    elif spec != "char" and not Path(spec).exists():  # a typo'd run folder is not a bad tokenizer *file*
+        raise LoomError(
+            f"--tokenizer '{spec}' does not exist",
+            hint="give a run folder (its tokenizer/: the model to fine-tune), a prepared data folder, a "
+            "tokenizer.json, sentencepiece .model or .tiktoken file or a folder holding one, or char / bpe to "
+            "train one on the conversations",
+        )
     elif spec != "char" and _run_tokenizer_dir(spec) is None:
         tokenizer_files(spec)
 
