@@ -135,3 +135,62 @@ def test_a_cluster_lighthouse_is_used_not_served(clean_os_environ, capsys):  # n
 def test_ft_bad_input_is_one_error(argv, env, fragment):
     with pytest.raises(LoomError, match=fragment):
         plan_command(argv, env)
+
+
+# --- an ft job set in its config file (`loom train job.toml`, [ft] enabled = true) ---------------------------
+
+FT_TOML = """
+[run]
+name = "job"
+
+[ft]
+enabled = true
+min_replicas = 2
+heartbeat_s = 0.5
+join_timeout_s = 3
+"""
+
+
+def test_a_config_file_that_enables_ft_is_an_ft_job(tmp_path, clean_os_environ, capsys):  # noqa: F811
+    """`[ft] enabled = true` in the file `loom train` reads is an ft job as --ft.enabled=true is: one node is
+    loom's own ft launcher; on two, node 0 serves the lighthouse with the file's minimum and timeouts and each
+    group gets its folder from the file's run.name (`python -m loom train FILE` too)."""
+    job = tmp_path / "job.toml"
+    job.write_text(FT_TOML, encoding="utf-8")
+    train = ["loom", "train", str(job), "--model.n_layer=2"]
+    assert plan_command(["--nproc-per-node", "2", "--", *train], {}) == [
+        "loom",
+        "train",
+        "--nproc",
+        "2",
+        str(job),
+        "--model.n_layer=2",
+    ]
+    both = ["--nnodes", "2", "--master-addr", "127.0.0.2", "--port", "29600", "--nproc-per-node", "1"]
+    for cmd in (train, [sys.executable, "-m", "loom", "train", "--nproc", "1", str(job)]):
+        lines = _dry_run(capsys, [*both, "--node-rank", "0", "--", *cmd])
+        assert "--min_replicas 2 --join_timeout_ms 3000 --heartbeat_timeout_ms 500" in lines[0], lines
+        assert "LOOM_FT_REPLICA=0" in lines[1] and "--ft.job_name=job" in lines[1], lines
+        (line,) = _dry_run(capsys, [*both, "--node-rank", "1", "--", *cmd])
+        assert "LOOM_FT_REPLICA=1" in line and "--run.name=job-g1" in line, line
+
+
+def test_the_command_line_wins_over_the_config_file(tmp_path, clean_os_environ, capsys):  # noqa: F811
+    """As loom's config loading: a flag overrides the file's key (--ft.heartbeat_s, and --ft.enabled=false
+    makes it a plain job again); a file that does not enable ft stays a plain job unless the flag does."""
+    job = tmp_path / "job.toml"
+    job.write_text(FT_TOML, encoding="utf-8")
+    both = ["--nnodes", "2", "--master-addr", "127.0.0.2", "--port", "29600", "--nproc-per-node", "1"]
+    head = [*both, "--node-rank", "0", "--", "loom", "train", str(job)]
+    lines = _dry_run(capsys, [*head, "--ft.heartbeat_s=1", "--ft.min_replicas", "1"])
+    assert "--min_replicas 1 --join_timeout_ms 3000 --heartbeat_timeout_ms 1000" in lines[0], lines
+    (line,) = _dry_run(capsys, [*head, "--ft.enabled=false"])
+    assert "torchft" not in line and "LOOM_FT_REPLICA" not in line, line
+    plain = tmp_path / "plain.toml"
+    plain.write_text('[run]\nname = "job"\n\n[ft]\nmin_replicas = 2\n', encoding="utf-8")
+    (line,) = _dry_run(capsys, [*both, "--node-rank", "0", "--", "loom", "train", str(plain)])
+    assert "LOOM_FT_REPLICA" not in line, line
+    lines = _dry_run(
+        capsys, [*both, "--node-rank", "0", "--", "loom", "train", str(plain), "--ft.enabled=true"]
+    )
+    assert "--min_replicas 2 " in lines[0] and "LOOM_FT_REPLICA=0" in lines[1], lines

@@ -25,19 +25,58 @@ LIGHTHOUSE_OFFSET = 1  # the lighthouse's port: the rendezvous port + this, on t
 REPLICA_ENV = "LOOM_FT_REPLICA"  # loom.distributed.ft's: the replica group of the processes started
 
 
+# loom train's own options that take a value (loom.cli.train's parser): the word after one is its value, not
+# the config file; --resume's is optional (argparse takes a following word for its PATH)
+_TRAIN_VALUE_OPTIONS = ("--nproc", "--max-restarts", "--world", "--resume")
+
+
+def config_file(command: Sequence[str]) -> str | None:
+    """The TOML config file of `loom train [FILE] ...` (its positional, as loom.cli.train reads it), or None: for
+    another command, or a file that is not there (loom train itself names it, on every node)."""
+    try:
+        i = _train_at(command)
+    except LoomError:
+        return None
+    args, j = command[i + 1 :], 0
+    while j < len(args):
+        arg = args[j]
+        if not arg.startswith("-"):
+            return arg if Path(arg).is_file() else None
+        takes = arg in _TRAIN_VALUE_OPTIONS or (arg.startswith("--") and "." in arg and "=" not in arg)
+        j += 2 if takes and j + 1 < len(args) and not args[j + 1].startswith("-") else 1
+    return None
+
+
+def _file_value(command: Sequence[str], key: str) -> str | None:
+    """`section.key` of the command's config file as its text on a command line (a TOML true is "true")."""
+    path = config_file(command)
+    if path is None:
+        return None
+    from loom.config import load_toml
+
+    section, _, name = key.partition(".")
+    table = load_toml(path).get(section)
+    value = table.get(name) if isinstance(table, dict) else None
+    if value is None:
+        return None
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def option(command: Sequence[str], key: str) -> str | None:
-    """The value of `--key=VALUE` or `--key VALUE` in `command` (the last one wins, as loom reads them)."""
+    """The value of `--key=VALUE` or `--key VALUE` in `command` (the last one wins, as loom reads them), else
+    the key in the `loom train` command's config file: the command line wins over the file, as in load_config."""
     found = None
     for i, arg in enumerate(command):
         if arg.startswith(f"--{key}="):
             found = arg.split("=", 1)[1]
         elif arg == f"--{key}" and i + 1 < len(command):
             found = command[i + 1]
-    return found
+    return found if found is not None else _file_value(command, key)
 
 
 def is_ft(command: Sequence[str]) -> bool:
-    """Whether the command trains with torchft replica groups (--ft.enabled=true on its command line)."""
+    """Whether the command trains with torchft replica groups: --ft.enabled=true on its command line, or
+    `[ft] enabled = true` in the config file of its `loom train` (the flag wins)."""
     return (option(command, "ft.enabled") or "").lower() in ("true", "1", "yes")
 
 
