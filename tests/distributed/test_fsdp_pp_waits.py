@@ -1,8 +1,8 @@
 """FSDP's and the pipeline's waits for peers (loom.distributed.stragglers.BlockedWaits, installed by
 loom.parallel.parallelize when the straggler monitor is on) on 2 real gloo ranks: the timed all-gathers,
-reduce-scatters and P2P waits leave every gradient what the untimed layout makes of it, bit for bit, and the
-rank that starts its step late is the one that waits least, the other waiting at least half as long as it was
-late, out of its forward/backward and into `wait`. Compared against the same layout with the monitor off, and
+reduce-scatters, HSDP's all-reduces across replicas and P2P waits leave every gradient what the untimed layout
+makes of it, bit for bit, and the rank that starts its step late is the one that waits least, the other
+waiting at least half as long as it was late, out of its forward/backward and into `wait`. Compared against the same layout with the monitor off, and
 against the delay the test puts in."""
 
 from __future__ import annotations
@@ -83,8 +83,13 @@ def _compare(rank: int, world: int, parallel: dict) -> None:
 
 @pytest.mark.parametrize(
     "parallel",
-    [{"dp_impl": "fsdp"}, {"dp_impl": "zero2"}, {"pp": 2, "pp_microbatches": 2}],
-    ids=["fsdp", "zero2", "pp"],
+    [
+        {"dp_impl": "fsdp"},
+        {"dp_impl": "zero2"},
+        {"pp": 2, "pp_microbatches": 2},
+        {"dp_impl": "fsdp", "dp_replicate": 2},  # HSDP 2 x 1: the wait is in the all-reduce across replicas
+    ],
+    ids=["fsdp", "zero2", "pp", "hsdp"],
 )
 def test_timed_collectives_keep_the_gradients_and_show_who_waited(tmp_path, parallel):
     spawn_gloo(_compare, 2, tmp_path, parallel)

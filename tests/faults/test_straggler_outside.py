@@ -40,6 +40,7 @@ LAYOUTS = {
     "ddp-2": ("2", []),  # two: told apart only because the waits are measured
     "ddp-3": ("3", []),
     "fsdp-2": ("2", ["--parallel.dp_impl=fsdp"]),
+    "hsdp-2": ("2", ["--parallel.dp_impl=fsdp", "--parallel.dp_replicate=2"]),  # waits across replicas
     "pp-2": ("2", ["--parallel.pp=2", "--parallel.pp_microbatches=2"]),
 }
 
@@ -113,7 +114,7 @@ def test_rank_stopped_from_outside_is_warned_about(char_data, tmp_path, layout):
     assert "warning: rank 1 (" in out
 
 
-@pytest.mark.parametrize("layout", ["ddp-3", "fsdp-2", "pp-2"])
+@pytest.mark.parametrize("layout", ["ddp-3", "fsdp-2", "hsdp-2", "pp-2"])
 def test_balanced_run_warns_about_no_one(char_data, tmp_path, layout):
     nproc, extra = LAYOUTS[layout]
     args = [*train_args(char_data, tmp_path, "even", STEPS), *ARGS, *extra, "--nproc", nproc]

@@ -36,8 +36,8 @@ default ones, which call the same collective with the same tensors; the schedule
 wrapped by `timed_pipeline`), and `take()` moves it from the phase it ran in to `wait`. Then two ranks suffice
 there too. Not on a GPU: there the collectives run on FSDP's and NCCL's streams and the host does not block
 in them (the compute stream's wait is not observable without synchronising), so the waits stay in the phase
-as before; nor with tensor, context or expert parallel, or HSDP's all-reduce across replicas (collectives
-these hooks do not see): `waits_measured` is then false and naming needs three ranks.
+as before; nor with tensor, context or expert parallel (collectives these hooks do not see): `waits_measured`
+is then false and naming needs three ranks. HSDP's all-reduce across replicas is timed like the rest.
 
 Issue 49 (exposed communication on slow links) reads the same numbers: `PhaseClock` and `judge()` are the API.
 """
@@ -200,7 +200,8 @@ class BlockedWaits:
 def timed_fsdp(modules, waits: BlockedWaits) -> bool:
     """Time FSDP2's all-gathers and reduce-scatters of `modules` (each a fully_shard-ed module) in `waits`: each
     module's comms become subclasses of FSDP's defaults whose call is the default's (the same collective on
-    the same tensors and group: numerics unchanged), inside `waits.blocked()`. False (nothing changed) where
+    the same tensors and group: numerics unchanged), inside `waits.blocked()`; HSDP's all-reduce across
+    replicas too (compat.wrap_fsdp_all_reduce: the same call, timed). False (nothing changed) where
     this torch has no custom comms or a module has several parameter groups."""
     from loom import compat
 
@@ -222,6 +223,15 @@ def timed_fsdp(modules, waits: BlockedWaits) -> bool:
             with waits.blocked():
                 return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
+    def timed_all_reduce(original):  # HSDP's all-reduce of the reduce-scattered shards across replicas
+        def timed(*args, **kwargs):
+            with waits.blocked():
+                return original(*args, **kwargs)
+
+        return timed
+
+    if not compat.wrap_fsdp_all_reduce(timed_all_reduce):
+        return False
     for m in modules:
         m.set_custom_all_gather(TimedAllGather())
         m.set_custom_reduce_scatter(TimedReduceScatter())

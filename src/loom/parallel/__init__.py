@@ -425,9 +425,9 @@ def _blocked_waits(w: _Work) -> None:
 
 
 def _waits_seen(w: _Work) -> bool:
-    """Every collective a step waits in is one _blocked_waits times: FSDP (not HSDP's all-reduce across
-    replicas) and the pipeline, without tensor, context or expert parallel, on the host clock (on a GPU the
-    host does not block in them: loom.distributed.stragglers)."""
+    """Every collective a step waits in is one _blocked_waits times: FSDP (HSDP's all-reduce across replicas
+    too) and the pipeline, without tensor, context or expert parallel, on the host clock (on a GPU the host
+    does not block in them: loom.distributed.stragglers)."""
     from loom import device as dev
 
     d = w.dims
@@ -435,7 +435,7 @@ def _waits_seen(w: _Work) -> bool:
         bool(w.cfg.train.straggler_every)
         and d.world_size > 1
         and (w.fsdp or d.pp_enabled)
-        and not (d.tp_enabled or d.cp_enabled or d.ep_enabled or d.hsdp_enabled)
+        and not (d.tp_enabled or d.cp_enabled or d.ep_enabled)
         and not dev.Span(w.device).events
     )
 
