@@ -56,6 +56,9 @@ class ModelShape:
     first_dense: int = 0  # the first layers keep the dense MLP (DeepSeek-V3: 3)
     n_shared: int = 0  # shared experts, one SwiGLU of n_shared x expert_width
     expert_hidden: int = 0  # an expert's width; 0: ffn_width
+    # model.mtp_depth: D multi-token prediction modules (loom.model.mtp), trained with the main model; each
+    # multiplies by its 2C -> C projection, one block and the shared head, as loom.model.flops counts them
+    mtp_depth: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -134,8 +137,9 @@ class ModelShape:
         return 2 * self.n_embd * self.q_dim + 2 * self.n_embd * self.kv_dim
 
     def attn_flops(self, seq_len: int) -> int:
-        """Training FLOPs per token of attention's score and value products (loom.model.flops)."""
-        return 12 * self.n_layer * self.q_dim * seq_len
+        """Training FLOPs per token of attention's score and value products (loom.model.flops): the MTP
+        modules' blocks too."""
+        return 12 * (self.n_layer + self.mtp_depth) * self.q_dim * seq_len
 
     @property
     def layer_matrices(self) -> int:
@@ -144,11 +148,12 @@ class ModelShape:
 
     def matmul_params(self) -> int:
         """The matrices a token is multiplied by (loom.model.flops.matmul_params): a MoE layer's active
-        experts only, the LM head whether tied or not."""
+        experts only, the LM head whether tied or not, and per MTP module its projection, block and the head
+        once more (counted on all positions, as the trainer's MFU counts them)."""
         dense = (self.n_layer - self.n_moe) * self.layer_matrices
-        return (
-            dense + self.n_moe * (self.attn_matrices + self.expert_matrices) + self.padded_vocab * self.n_embd
-        )
+        head = self.padded_vocab * self.n_embd
+        mtp = self.mtp_depth * (2 * self.n_embd * self.n_embd + self.layer_matrices + head)
+        return dense + self.n_moe * (self.attn_matrices + self.expert_matrices) + head + mtp
 
     @property
     def padded_vocab(self) -> int:
@@ -233,6 +238,8 @@ class ModelShape:
                 f"{f' + {self.n_shared} shared' if self.n_shared else ''}) of width {self.expert_width} in "
                 f"{self.n_moe} of {self.n_layer} layers, {fmt_count(self.active_params())} active parameters"
             )
+        if self.mtp_depth:  # their FLOPs are in the time estimate; their parameters and memory are not
+            s += f"; {self.mtp_depth} multi-token prediction modules (in the FLOPs; not in the parameters or memory)"
         if self.assumed:
             s += " (shape assumed for activations: only the parameter count was given)"
         return s + (f"; {self.note}" if self.note else "")
@@ -383,6 +390,7 @@ def shape_of_model(m, vocab_size: int, name: str = "config", note: str = "") -> 
         tie_embeddings=m.tie_embeddings,
         qk_norm=m.qk_norm,
         family=m.family,
+        mtp_depth=m.mtp_depth,
         **get(m.family).plan_shape(m),
     )
 
