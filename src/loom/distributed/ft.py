@@ -464,10 +464,10 @@ class FtReplica:
 
     def join(self) -> None:
         """This group's Manager, made when the group is about to ask for its first quorum, not before: from
-        its first heartbeat the lighthouse counts the group as live, and a quorum being formed waits up to its
-        join timeout (ft.join_timeout_s) for every live group to ask. A restarted group that heartbeated while
-        it was still building its model and reading its checkpoint held the survivors' quorum that long
-        (chaos.md: one 10 s stall, half of a run's overhead)."""
+        its first heartbeat the lighthouse counts the group as live, and a quorum that is not the previous
+        one's (after a failure) waits up to its join timeout (ft.join_timeout_s) for every live group to ask.
+        A restarted group heartbeating while it still built its model or read its checkpoint could hold the
+        survivors' quorum that long."""
         from torchft.manager import Manager
 
         ft, timeout = self.cfg.ft, timedelta(seconds=self.timeout_s)
