@@ -170,3 +170,28 @@ def test_fsdp_comms_and_pipeline_wait_accessors():
         assert calls == [0] and schedules._wait_batch_p2p.__wrapped__ is original
     finally:
         schedules._wait_batch_p2p = original
+
+
+def test_fsdp_all_reduce_wrapper_wraps_once_and_hands_out_the_rest():
+    """HSDP's all-reduce across replicas, as FSDP2's reduction calls it (its module's `dist.all_reduce`):
+    wrapped once however often it is wrapped; every other name of torch.distributed as it is."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    calls = []
+
+    def wrap(f):
+        def counted(*args, **kwargs):
+            calls.append(f)
+            return "summed"
+
+        return counted
+
+    try:
+        assert compat.wrap_fsdp_all_reduce(wrap) and compat.wrap_fsdp_all_reduce(wrap)
+        assert collectives.dist.all_reduce(None) == "summed" and calls == [dist.all_reduce]
+        assert collectives.dist.ReduceOp is dist.ReduceOp and collectives.dist.reduce_scatter_tensor is (
+            dist.reduce_scatter_tensor
+        )
+    finally:
+        collectives.dist = dist
