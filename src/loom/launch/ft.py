@@ -86,7 +86,7 @@ def run_name(command: Sequence[str]) -> str:
         raise LoomError(
             "loom launch of an ft job needs --run.name: each replica group (node) writes its own folder "
             "<run.name>-g<k> beside the run's",
-            hint="add --run.name=NAME to the loom train command",
+            hint="add --run.name=NAME to the loom train command (or `name` under [run] in its config file)",
         )
     return name
 
