@@ -9,8 +9,8 @@ with `--max-restarts`, where every kill stops all ranks and they resume from the
 
 --heartbeat sets ft.heartbeat_s (the lighthouse's heartbeat timeout: how soon the survivors go on without a dead
 group); --n-embd / --n-layer / --block-size the model (a step of a realistic share of the fixed cost);
---partition-at STEP cuts the last group off once (SIGSTOP of its process for --partition-s seconds, then
-SIGCONT). --group-size 2 makes each replica group an FSDP shard group of 2 ranks (HSDP: `--nproc 6
+--partition-at STEP cuts the last group off once for --partition-s seconds (SIGSTOP of its process, then
+SIGCONT; across hosts its host's link to the bridge goes down, then up: a network partition). --group-size 2 makes each replica group an FSDP shard group of 2 ranks (HSDP: `--nproc 6
 --parallel.dp_impl=fsdp --parallel.dp_replicate=3`, the same layout without ft on the restart path); a kill
 is then of rank 1 of the group (its launcher stops the group's other rank). --hosts runs the ft runs across 3 network-namespace hosts instead (scripts/netns_hosts.py, root): the
 lighthouse (torchft's own binary) on node1, group k on node k+1, each started by hand as a cluster would
@@ -102,17 +102,23 @@ def last_step(run: Path) -> int:
     return max((r["step"] for r in records(run) if "loss" in r), default=0)
 
 
-def killer(done, find, run0: Path, a, names: list[str], log: list[dict]) -> None:
+def stop(pid: int, cut: bool) -> None:
+    """The partition on one machine: the process stopped (SIGSTOP), then continued."""
+    os.kill(pid, signal.SIGSTOP if cut else signal.SIGCONT)
+
+
+def killer(done, find, run0: Path, a, names: list[str], log: list[dict], sever=stop) -> None:
     """SIGKILL names[i % len] (`find(name)`: its pid, None while it restarts) when run0 passes step
-    a.every * (i + 1); SIGSTOP names[-1] once at a.partition_at for a.partition_s seconds."""
+    a.every * (i + 1); cut names[-1] off once at a.partition_at for a.partition_s seconds (`sever(pid, True)`,
+    then `sever(pid, False)`: SIGSTOP/SIGCONT here, its host's link down/up across hosts)."""
     i, cut = 0, a.partition_at > 0
     while not done():
         step = last_step(run0)
         if cut and step >= a.partition_at and (pid := find(names[-1])) is not None:
-            os.kill(pid, signal.SIGSTOP)
+            sever(pid, True)
             log.append({"step": step, "partitioned": names[-1], "t": time.monotonic()})
             time.sleep(a.partition_s)
-            os.kill(pid, signal.SIGCONT)
+            sever(pid, False)
             cut = False
         if a.every * (i + 1) < a.steps and step >= a.every * (i + 1):
             name = names[i % len(names)]
@@ -214,8 +220,13 @@ def run_hosts(name: str, cmd: list[str], out: Path, a, kill: bool) -> dict:
         events: list[dict] = []
         find = lambda g: procs[int(g[-1])].pid if procs[int(g[-1])].poll() is None else None  # noqa: E731
         args = (lambda: len(codes) == 3, find, out / name, a, ["g1", "g2"], events)
+
+        def sever(pid: int, cut: bool) -> None:  # a real partition: group 2's host (node3) off the bridge
+            updown = "down" if cut else "up"
+            subprocess.run(["ip", "-n", hosts.switch, "link", "set", "h3", updown], check=True)
+
         if kill:
-            threading.Thread(target=killer, args=args, daemon=True).start()
+            threading.Thread(target=killer, args=(*args, sever), daemon=True).start()
         while len(codes) < 3:
             for k, p in procs.items():
                 if k not in codes and p.poll() is not None:
