@@ -393,6 +393,38 @@ def test_same_job_name_on_one_lighthouse_is_refused(char_data, tmp_path):
         server.shutdown()
 
 
+def test_a_group_that_comes_back_after_the_job_finished_does_not_train_it_alone(char_data, tmp_path):
+    """A 2-group job finishes on a lighthouse the cluster runs; then group 1 is started by hand on a new node
+    (no checkpoint), as a restart that came up too late would be. Alone in its quorum, it used to train the
+    whole run again by itself, a second diverging copy (chaos.md's runs across hosts). It reads the job's
+    last quorum (the last step's) before joining, stops with one line and exits 0, training nothing."""
+    from torchft._torchft import LighthouseServer
+
+    from loom.distributed.ft import live_replicas
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=500)
+    url = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    ft = ("--ft.enabled=true", f"--ft.lighthouse={url}", "--ft.job_name=done")
+    try:
+        job = Proc(args(char_data, tmp_path, "job", 12, *ft), tmp_path / "job")
+        assert job.wait(300) == 0, job.stderr()[-3000:]
+        deadline = time.monotonic() + 60
+        while live_replicas(url) and time.monotonic() < deadline:  # the finished groups' last beats age
+            time.sleep(0.2)
+        late = loom_run(
+            *args(
+                char_data, tmp_path, "late", 12, *ft, "--ft.replica_groups=2", "--ft.replica_id=1", nproc=None
+            ),
+            timeout=120,
+        )
+    finally:
+        server.shutdown()
+    assert late.returncode == 0, late.stderr[-3000:]
+    assert "replica group 1 came back at step 0 after the job's other groups finished the run" in late.stderr
+    assert "loom: error" not in late.stderr
+    assert not [r for r in records(tmp_path / "late") if "loss" in r]  # not a step trained alone
+
+
 def test_lighthouse_lost_mid_run_is_one_error_per_group(char_data, tmp_path):
     """The lighthouse (torchft's own binary) is killed mid-run: each group's next quorum fails within
     ft.timeout_s and ends it with one `loom: error:` naming the lost lighthouse (exit 2, so the launcher does

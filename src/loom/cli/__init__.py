@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             load_plugins()
         return verb[0](argv[1:])
     except LoomError as e:
-        print(f"loom: error: {e}", file=sys.stderr)
+        print(f"loom: {'error: ' if e.code else ''}{e}", file=sys.stderr)  # code 0: a stop, not an error
         return e.code
     except OSError as e:
         # Outputs are checked before any work; what the filesystem refuses later (a full disk, a folder

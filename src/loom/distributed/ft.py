@@ -288,17 +288,34 @@ def lighthouse(cfg: Config, n: int):
         server.shutdown()
 
 
-def live_replicas(url: str) -> set[str]:
-    """The replica ids (`<job>_g<k>`) whose managers heartbeat to the lighthouse now, read from its status
-    page (torchft has no query for them; a page it cannot read gives none)."""
-    import re
+def _status(url: str) -> str:
+    """The lighthouse's status page (torchft has no query for what it shows); "" when it cannot be read."""
     import urllib.request
 
     try:
         with urllib.request.urlopen(f"{url}/status", timeout=5.0) as r:
-            page = r.read().decode("utf-8", "replace")
+            return r.read().decode("utf-8", "replace")
     except OSError:
-        return set()
+        return ""
+
+
+def job_reached(url: str, job: str) -> int | None:
+    """The step of the lighthouse's last quorum when it was this job's (replica ids `<job>_g<k>:...`): how far
+    the job had gone before this group asked to join; None otherwise."""
+    import re
+
+    last = _status(url).split("<h2>Heartbeats</h2>")[0]
+    members = re.findall(r"<b>\s*([^<\s]+)\s*</b>\s*<br/>\s*Step:\s*(\d+)", last)
+    steps = [int(step) for rid, step in members if rid.split(":")[0].rsplit("_g", 1)[0] == job]
+    return max(steps, default=None)
+
+
+def live_replicas(url: str) -> set[str]:
+    """The replica ids (`<job>_g<k>`) whose managers heartbeat to the lighthouse now, read from its status
+    page (a page it cannot read gives none)."""
+    import re
+
+    page = _status(url)
     beats = re.findall(r'<li class="heartbeat\s*(old)?\s*">\s*([^:\s]+):', page)
     return {rid for old, rid in beats if not old}
 
@@ -437,6 +454,13 @@ class QuorumLost(LoomError):
     code = 1
 
 
+class JobFinished(LoomError):
+    """A group that came back (restarted, or started by hand) after the job's other groups finished the run:
+    alone in its quorum, it would train the run again by itself. Exit 0: nothing failed, nothing is left."""
+
+    code = 0
+
+
 class FtReplica:
     """One replica group's torchft Manager, driven by the trainer: `begin_step` (quorum, healing), `sync_grads`
     (the gradient mean over the quorum), `commit` (the quorum's agreement), `records` (what metrics.jsonl gets)."""
@@ -471,6 +495,7 @@ class FtReplica:
         from torchft.manager import Manager
 
         ft, timeout = self.cfg.ft, timedelta(seconds=self.timeout_s)
+        self.job_step = job_reached(self.url, job_name(self.cfg).removesuffix("_g"))  # read before joining
         host, port, self._own_store = _store()
         local = urlsplit(self.url).hostname in LOOPBACK
         try:
@@ -554,8 +579,25 @@ class FtReplica:
                 "from its newest checkpoint",
             ) from None
         self.quorum_s = time.perf_counter() - t0
+        if self.quorum is None:
+            self._not_after_the_end()
         if self.pg.quorum != self.quorum or self.transport.sent_to:
             self._quorum_changed(before, self.quorum_s)
+
+    def _not_after_the_end(self) -> None:
+        """This group's first quorum holds only itself while the job's last quorum, before it asked, was the one
+        for the run's last step: the other groups finished (a group restarted shortly before the end is back
+        after it). The lighthouse cannot tell finished groups from dead ones and gave it a quorum of its own;
+        it stops instead of training the run again alone (chaos.md: a kill at step 180 of 200)."""
+        steps = self.cfg.train.steps
+        alone = self.pg.quorum is not None and self.pg.quorum[1] == [self.k]
+        if alone and self.job_step is not None and self.job_step >= steps - 1 and self.trainer.step < steps:
+            raise JobFinished(
+                f"torchft: replica group {self.k} came back at step {self.trainer.step} after the job's other "
+                f"groups finished the run (its last quorum was for step {self.job_step + 1} of {steps}); not "
+                "training it again alone",
+                hint="nothing to do: the run's weights are in the groups that finished (their last checkpoints)",
+            )
 
     def _quorum_changed(self, before: int, quorum_s: float) -> None:
         old = set(self.quorum[1]) if self.quorum else set()
