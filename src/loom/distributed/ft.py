@@ -299,15 +299,44 @@ def _status(url: str) -> str:
         return ""
 
 
-def job_reached(url: str, job: str) -> int | None:
-    """The step of the lighthouse's last quorum when it was this job's (replica ids `<job>_g<k>:...`): how far
-    the job had gone before this group asked to join; None otherwise."""
+def job_reached(url: str, job: str, max_age_s: float) -> int | None:
+    """The step of the lighthouse's last quorum when it was this job's (replica ids `<job>_g<k>:...`) and
+    formed at most `max_age_s` ago: how far the job had gone before this group asked to join; None
+    otherwise (an older one: a finished job of the same name on a lighthouse that outlives jobs)."""
     import re
 
     last = _status(url).split("<h2>Heartbeats</h2>")[0]
+    age = re.search(r"Quorum age:\s*([0-9.]+)s", last)
+    if age is None or float(age[1]) > max_age_s:
+        return None
     members = re.findall(r"<b>\s*([^<\s]+)\s*</b>\s*<br/>\s*Step:\s*(\d+)", last)
     steps = [int(step) for rid, step in members if rid.split(":")[0].rsplit("_g", 1)[0] == job]
     return max(steps, default=None)
+
+
+@contextlib.contextmanager
+def watching_job(url: str, job: str, step: int | None, max_age_s: float):
+    """While the block runs (a group's first quorum request), read the job's last quorum step from the
+    lighthouse every 0.1 s and keep the highest (`[step]` yielded, from `step`): the other groups' last quorum
+    stays on the status page until the lighthouse forms the next one, and a lone group's forms only after
+    their heartbeats have expired, so a group asking while the others finish still sees their last step."""
+    import threading
+
+    seen, stop = [step], threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.1):
+            now = job_reached(url, job, max_age_s)
+            if now is not None and (seen[0] is None or now > seen[0]):
+                seen[0] = now
+
+    watcher = threading.Thread(target=poll, name="loom-ft-job", daemon=True)
+    watcher.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        watcher.join()
 
 
 def live_replicas(url: str) -> set[str]:
@@ -495,7 +524,7 @@ class FtReplica:
         from torchft.manager import Manager
 
         ft, timeout = self.cfg.ft, timedelta(seconds=self.timeout_s)
-        self.job_step = job_reached(self.url, job_name(self.cfg).removesuffix("_g"))  # read before joining
+        self.job_step = job_reached(self.url, job_name(self.cfg).removesuffix("_g"), self.timeout_s)
         host, port, self._own_store = _store()
         local = urlsplit(self.url).hostname in LOOPBACK
         try:
@@ -561,8 +590,12 @@ class FtReplica:
             return
         t0, before = time.perf_counter(), self.trainer.step
         self.healed_s, self.transport.sent_to = None, []
+        first = self.quorum is None
+        job = job_name(self.cfg).removesuffix("_g")
         try:
-            self.manager.start_quorum()
+            watch = watching_job(self.url, job, self.job_step, self.timeout_s) if first else None
+            with watch or contextlib.nullcontext([None]) as seen:
+                self.manager.start_quorum()
         except Exception as e:  # the lighthouse (or this group's manager server) no longer answers
             if _reachable(self.url):
                 raise QuorumLost(
@@ -579,25 +612,34 @@ class FtReplica:
                 "from its newest checkpoint",
             ) from None
         self.quorum_s = time.perf_counter() - t0
-        if self.quorum is None:
+        if first:
+            self.job_step = seen[0]
             self._not_after_the_end()
         if self.pg.quorum != self.quorum or self.transport.sent_to:
             self._quorum_changed(before, self.quorum_s)
 
     def _not_after_the_end(self) -> None:
-        """This group's first quorum holds only itself while the job's last quorum, before it asked, was the one
-        for the run's last step: the other groups finished (a group restarted shortly before the end is back
-        after it). The lighthouse cannot tell finished groups from dead ones and gave it a quorum of its own;
-        it stops instead of training the run again alone (chaos.md: a kill at step 180 of 200)."""
-        steps = self.cfg.train.steps
+        """This group's first quorum holds only itself, while moments before (the lighthouse's last quorum of this
+        job, at most ft.timeout_s old) the job's other groups were ahead of it: they are gone, finished (a group
+        restarted shortly before the end is back after it) or all dead. The lighthouse cannot tell finished
+        groups from dead ones and gave it a quorum of its own; it stops instead of training the run again
+        alone (chaos.md: a kill at step 180 of 200). Near the end (within max(10, 5 %) of the steps: the status
+        page lags the quorums by a few steps) that is the run finished: exit 0."""
+        steps, step, seen = self.cfg.train.steps, self.trainer.step, self.job_step
         alone = self.pg.quorum is not None and self.pg.quorum[1] == [self.k]
-        if alone and self.job_step is not None and self.job_step >= steps - 1 and self.trainer.step < steps:
+        if not alone or seen is None or seen <= step or step >= steps:
+            return
+        if steps - seen <= max(10, steps // 20):
             raise JobFinished(
-                f"torchft: replica group {self.k} came back at step {self.trainer.step} after the job's other "
-                f"groups finished the run (its last quorum was for step {self.job_step + 1} of {steps}); not "
-                "training it again alone",
+                f"torchft: replica group {self.k} came back at step {step} after the job's other groups finished "
+                f"the run (the last quorum it saw was at step {seen} of {steps}); not training it again alone",
                 hint="nothing to do: the run's weights are in the groups that finished (their last checkpoints)",
             )
+        raise LoomError(
+            f"torchft: replica group {self.k} came back at step {step} alone: the job's other groups, at step "
+            f"{seen} moments ago, are gone (all died?); not training on alone from behind",
+            hint="continue every group from its newest checkpoint (the same commands with --train.resume=auto)",
+        )
 
     def _quorum_changed(self, before: int, quorum_s: float) -> None:
         old = set(self.quorum[1]) if self.quorum else set()
