@@ -425,6 +425,35 @@ def test_a_group_that_comes_back_after_the_job_finished_does_not_train_it_alone(
     assert not [r for r in records(tmp_path / "late") if "loss" in r]  # not a step trained alone
 
 
+def test_a_lone_first_quorum_behind_the_job_stops_finished_or_not():
+    """The rule of a group's first quorum: alone while the job was ahead moments before, it stops: exit 0
+    within max(10, 5 %) of the end (the run finished), else an error (the others all died); otherwise, with
+    company or nothing seen ahead of it, it goes on."""
+    from types import SimpleNamespace
+
+    from loom.distributed.ft import FtReplica, JobFinished
+    from loom.errors import LoomError
+
+    def first(step: int, seen: int | None, live: list[int]) -> None:
+        replica = FtReplica.__new__(FtReplica)
+        replica.cfg, replica.k = SimpleNamespace(train=SimpleNamespace(steps=200)), 1
+        replica.trainer, replica.job_step = SimpleNamespace(step=step), seen
+        replica.pg = SimpleNamespace(quorum=(8, live))
+        replica._not_after_the_end()
+
+    with pytest.raises(
+        JobFinished, match="came back at step 0 after the job's other groups finished"
+    ) as done:
+        first(0, 196, [1])
+    assert done.value.code == 0
+    with pytest.raises(LoomError, match="at step 120 moments ago, are gone") as gone:
+        first(0, 120, [1])
+    assert gone.value.code != 0 and not isinstance(gone.value, JobFinished)
+    first(0, 196, [0, 1])  # with a live peer: it heals from it
+    first(150, 120, [1])  # ahead of what it saw (a group that resumed from its own checkpoint)
+    first(0, None, [1])  # nothing of the job seen: the job's first start
+
+
 def test_lighthouse_lost_mid_run_is_one_error_per_group(char_data, tmp_path):
     """The lighthouse (torchft's own binary) is killed mid-run: each group's next quorum fails within
     ft.timeout_s and ends it with one `loom: error:` naming the lost lighthouse (exit 2, so the launcher does
