@@ -5,6 +5,7 @@ bad inputs that must fail before any work (one clear error, exit 2, no run folde
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -213,36 +214,77 @@ def test_partitioned_group_rejoins_and_heals(char_data, tmp_path):
         assert err.count("replica group 1 got no quorum before step") == 1, err[-3000:]
 
 
-def test_a_group_heartbeats_only_once_it_asks_for_its_first_quorum(monkeypatch):
+# A lighthouse of torchft's own binary, in a process of its own: torchft's runtime threads (a lighthouse or a
+# manager made in the test's process) made later forks of that process crash or hang (the dry run's measuring
+# children, a fork server's ranks).
+@contextlib.contextmanager
+def lighthouse_process(heartbeat_ms: int = 500):
+    import subprocess
+    import sys
+
+    port = _free_port()
+    binary = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
+    cmd = [
+        binary,
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--min_replicas",
+        "1",
+        "--heartbeat_timeout_ms",
+        str(heartbeat_ms),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# A group's FtReplica before and after its first step, in a process of its own (argv: the lighthouse's URL):
+# prints the job's live replica ids at each point.
+_LAZY = """
+import sys, time
+from types import SimpleNamespace
+from loom.config import load_config
+from loom.distributed.ft import FtReplica, live_replicas
+url = sys.argv[1]
+cfg = load_config(None, ["--run.name=lazy", "--ft.enabled=true", "--ft.replica_groups=2"])
+cfg.ft.replica_id, cfg.ft.lighthouse = 0, url
+replica = FtReplica(cfg, SimpleNamespace(parallel=SimpleNamespace(diloco=None)))
+time.sleep(0.5)  # a beat would be every 0.1 s
+print("built", sorted(live_replicas(url)), flush=True)
+replica.join()
+deadline = time.monotonic() + 30
+while live_replicas(url) != {"lazy_g0"} and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("joined", sorted(live_replicas(url)), flush=True)
+replica.close()
+"""
+
+
+def test_a_group_heartbeats_only_once_it_asks_for_its_first_quorum():
     """A group's manager (and with it its heartbeat) starts at its first step, not when the trainer is built:
     counted live by the lighthouse while it still built its model or read its checkpoint, a restarted group
     would hold a quorum being formed for the lighthouse's join timeout."""
-    from types import SimpleNamespace
-    from urllib.parse import urlsplit
+    import subprocess
+    import sys
 
-    from torchft._torchft import LighthouseServer
-
-    from loom.config import load_config
-    from loom.distributed.ft import FtReplica, live_replicas
-
-    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOOM_FT_BARRIER", "LOOM_FT_REPLICA"):
-        monkeypatch.delenv(var, raising=False)
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=500)
-    url = f"http://127.0.0.1:{urlsplit(server.address()).port}"
-    cfg = load_config(None, ["--run.name=lazy", "--ft.enabled=true", "--ft.replica_groups=2"])
-    cfg.ft.replica_id, cfg.ft.lighthouse = 0, url
-    replica = FtReplica(cfg, SimpleNamespace(parallel=SimpleNamespace(diloco=None)))
-    try:
-        time.sleep(0.5)  # a beat would be every 0.1 s
-        assert live_replicas(url) == set()
-        replica.join()
-        deadline = time.monotonic() + 30
-        while live_replicas(url) != {"lazy_g0"} and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert live_replicas(url) == {"lazy_g0"}
-    finally:
-        replica.close()
-        server.shutdown()
+    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOOM_FT_BARRIER", "LOOM_FT_REPLICA")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    with lighthouse_process() as url:
+        done = subprocess.run(
+            [sys.executable, "-c", _LAZY, url], env=env, capture_output=True, text=True, timeout=120
+        )
+    assert "built []" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "joined ['lazy_g0']" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
 # One process of three on torchft's gloo group (argv: rank, store port, what rank 1 does): ranks 0 and 2 start
@@ -354,11 +396,7 @@ def test_bad_input_is_one_clear_error(char_data, tmp_path, extra, nproc, message
 def test_same_job_name_on_one_lighthouse_is_refused(char_data, tmp_path):
     """torchft has no notion of jobs: a second job of the same name on the lighthouse would join the first's
     quorum. loom reads the lighthouse's live replica ids and refuses it before any work."""
-    from torchft._torchft import LighthouseServer
-
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
-    url = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
-    try:
+    with lighthouse_process() as url:
         one = Proc(
             [
                 *args(
@@ -389,8 +427,6 @@ def test_same_job_name_on_one_lighthouse_is_refused(char_data, tmp_path):
         assert r.returncode == 2 and "already has a running job named 'same'" in r.stderr, r.stderr[-2000:]
         assert not (tmp_path / "two" / "metrics.jsonl").exists()
         one.kill_all()
-    finally:
-        server.shutdown()
 
 
 def test_a_group_that_comes_back_after_the_job_finished_does_not_train_it_alone(char_data, tmp_path):
@@ -398,27 +434,17 @@ def test_a_group_that_comes_back_after_the_job_finished_does_not_train_it_alone(
     (no checkpoint), as a restart that came up too late would be. Alone in its quorum, it used to train the
     whole run again by itself, a second diverging copy (chaos.md's runs across hosts). It reads the job's
     last quorum (the last step's) before joining, stops with one line and exits 0, training nothing."""
-    from torchft._torchft import LighthouseServer
-
     from loom.distributed.ft import live_replicas
 
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=500)
-    url = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
-    ft = ("--ft.enabled=true", f"--ft.lighthouse={url}", "--ft.job_name=done")
-    try:
+    with lighthouse_process() as url:
+        ft = ("--ft.enabled=true", f"--ft.lighthouse={url}", "--ft.job_name=done")
         job = Proc(args(char_data, tmp_path, "job", 12, *ft), tmp_path / "job")
         assert job.wait(300) == 0, job.stderr()[-3000:]
         deadline = time.monotonic() + 60
         while live_replicas(url) and time.monotonic() < deadline:  # the finished groups' last beats age
             time.sleep(0.2)
-        late = loom_run(
-            *args(
-                char_data, tmp_path, "late", 12, *ft, "--ft.replica_groups=2", "--ft.replica_id=1", nproc=None
-            ),
-            timeout=120,
-        )
-    finally:
-        server.shutdown()
+        late = [*ft, "--ft.replica_groups=2", "--ft.replica_id=1"]
+        late = loom_run(*args(char_data, tmp_path, "late", 12, *late, nproc=None), timeout=120)
     assert late.returncode == 0, late.stderr[-3000:]
     assert "replica group 1 came back at step 0 after the job's other groups finished the run" in late.stderr
     assert "loom: error" not in late.stderr
@@ -458,27 +484,10 @@ def test_lighthouse_lost_mid_run_is_one_error_per_group(char_data, tmp_path):
     """The lighthouse (torchft's own binary) is killed mid-run: each group's next quorum fails within
     ft.timeout_s and ends it with one `loom: error:` naming the lost lighthouse (exit 2, so the launcher does
     not restart it); the job exits 1 naming both groups."""
-    import subprocess
-    import sys
-
-    port = _free_port()
-    binary = Path(sys.executable).parent / "torchft_lighthouse"
-    lh = subprocess.Popen(
-        [str(binary), "--min_replicas", "1", "--bind", f"127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(
-            lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, timeout=30, what="the lighthouse"
-        )
+    with lighthouse_process(heartbeat_ms=5000) as url:
         extra = ("--ft.enabled=true", f"--ft.lighthouse={url}", "--ft.timeout_s=5")
         job = Proc(args(char_data, tmp_path, "lost", 100_000, *extra), tmp_path / "lost")
         wait_for(lambda: len(records(tmp_path / "lost")) > 5, job, timeout=240, what="the job's steps")
-    finally:
-        lh.kill()
-        lh.wait()
     assert job.wait(120) == 1
     err = job.stderr()
     assert err.count(f"lost the lighthouse at {url}") == 2 and "Traceback" not in err, err[-3000:]
