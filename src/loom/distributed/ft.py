@@ -500,8 +500,9 @@ class FtReplica:
         self.cfg, self.trainer, self.n, self.k = cfg, trainer, check(cfg), replica_id(cfg)
         self.rows_per_group = cfg.train.batch_size // self.n
         url = self.url = url or lighthouse_url(ft.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"])
+        self.job = job_name(cfg).removesuffix("_g")
         if not in_group():  # a group started by hand: its number must be free
-            refuse_live(url, job_name(cfg).removesuffix("_g"), self.k)
+            refuse_live(url, self.job, self.k)
         self.timeout_s = ft.timeout_s
         timeout = timedelta(seconds=ft.timeout_s)
         self.rank, self.size = group_rank()
@@ -525,7 +526,7 @@ class FtReplica:
         from torchft.manager import Manager
 
         ft, timeout = self.cfg.ft, timedelta(seconds=self.timeout_s)
-        self.job_step = job_reached(self.url, job_name(self.cfg).removesuffix("_g"), self.timeout_s)
+        self.job_step = job_reached(self.url, self.job, self.timeout_s)
         host, port, self._own_store = _store()
         local = urlsplit(self.url).hostname in LOOPBACK
         try:
@@ -592,9 +593,8 @@ class FtReplica:
         t0, before = time.perf_counter(), self.trainer.step
         self.healed_s, self.transport.sent_to = None, []
         first = self.quorum is None
-        job = job_name(self.cfg).removesuffix("_g")
         try:
-            watch = watching_job(self.url, job, self.job_step, self.timeout_s) if first else None
+            watch = watching_job(self.url, self.job, self.job_step, self.timeout_s) if first else None
             with watch or contextlib.nullcontext([None]) as seen:
                 self.manager.start_quorum()
         except Exception as e:  # the lighthouse (or this group's manager server) no longer answers

@@ -327,12 +327,11 @@ class Trainer:
         # Per-micro-batch timing: free on a CPU; on a GPU only with metrics.detail (CUDA events, one read).
         timing = self.device.type not in dev.ASYNC or self.cfg.metrics.detail
         par, timer = self.parallel, StepTimer(self.device, timing)
-        lr = self._set_lr() if self.ft is None else None
         t0, phase, rank = time.perf_counter(), self.phases, self.dims.rank
         if self.ft is not None:  # the step's quorum (part of its time); a group behind the others heals here
             with phase("wait", host=True):
                 self.ft.begin_step()
-            lr = self._set_lr()  # of the step healed to
+        lr = self._set_lr()  # after the quorum: of the step a group healed to
         with phase("data", host=True):
             self.batch_state = (
                 self.batches.state_dict()
