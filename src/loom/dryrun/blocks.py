@@ -189,13 +189,16 @@ def measure_apart(jobs: list[tuple], workers: int | None = None) -> list[RankMem
     if "fork" in mp.get_all_start_methods():
         try:
             return _measure_in(mp.get_context("fork"), jobs, workers)
-        except _ForkRefused:  # this process started autograd's device threads (a CUDA build, a fake-CUDA run)
-            pass
+        except _ForkRefused:  # a forked child could not run here: autograd's device threads (a CUDA build, a
+            pass  # fake-CUDA run), or a crash in state the fork copied from this process's threads
     return _measure_in(mp.get_context("spawn"), jobs, workers)
 
 
 class _ForkRefused(Exception):
-    """A forked child's backward refused to run: autograd's device threads had started in the parent."""
+    """A forked child could not run: its backward refused (autograd's device threads had started in the parent),
+    or it died of a signal (a fork copies this process's memory but not its threads: a library whose thread held a
+    lock or a pool at the fork crashes the child; seen once in the torch 2.11 tier, exit code -11). Spawned
+    children start clean."""
 
 
 def _measure_in(ctx, jobs: list[tuple], workers: int) -> list[RankMemory]:
@@ -215,7 +218,7 @@ def _measure_in(ctx, jobs: list[tuple], workers: int) -> list[RankMemory]:
                 running[here] = (i, proc)
             for conn in wait(list(running)):
                 i, proc = running.pop(conn)
-                results[i] = _received(conn, proc, jobs[i][2])
+                results[i] = _received(conn, proc, jobs[i][2], forked=ctx.get_start_method() == "fork")
     finally:
         for conn, (_, proc) in running.items():
             proc.kill()
@@ -234,12 +237,14 @@ def _child(conn, job: tuple) -> None:
         conn.send(("error", traceback.format_exc()))
 
 
-def _received(conn, proc, rank: int) -> RankMemory:
+def _received(conn, proc, rank: int, forked: bool = False) -> RankMemory:
     try:
         kind, value = conn.recv()
     except EOFError:
         proc.join()
         kind, value = "error", f"the process measuring rank {rank} died (exit code {proc.exitcode})"
+        if forked and proc.exitcode is not None and proc.exitcode < 0:  # a signal: measured again, spawned
+            raise _ForkRefused(value)
     conn.close()
     proc.join()
     if kind == "ok":
