@@ -93,3 +93,50 @@ def _compare(rank: int, world: int, parallel: dict) -> None:
 )
 def test_timed_collectives_keep_the_gradients_and_show_who_waited(tmp_path, parallel):
     spawn_gloo(_compare, 2, tmp_path, parallel)
+
+
+def _after_backward(rank: int, world: int, parallel: dict, phase: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from loom.distributed.stragglers import PhaseClock
+
+    x = torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(rank))
+    y = torch.roll(x, -1, 1)
+    _, par = parallelized(_cfg(parallel, 4), world, rank, VOCAB, SEED)
+    if phase == "comm":  # GPT-2's embedding and head: on the first and the last stage
+        assert par.tied_group is not None
+    clock = PhaseClock(torch.device("cpu"), waits=par.bucket_waits)
+    for step in range(2):
+        dist.barrier()
+        clock.take()
+        _step(par, clock, x, y, late=False)
+        with clock(phase):  # the trainer's phases of the two collectives
+            if step == 1 and rank == 1:
+                time.sleep(LATE_S)
+            if phase == "comm":
+                par.sync_grads()
+            else:
+                par.clip_grad_norm(1.0)
+    phases = [None] * world
+    dist.all_gather_object(phases, clock.take())
+    # rank 0 waited for rank 1 in the collective: its `wait`, not its own `comm` or `optimizer`; rank 1's
+    # lateness is its own phase's time
+    assert phases[0]["wait"] >= 0.5 * LATE_S and phases[0][phase] < 0.5 * LATE_S, phases
+    assert phases[1][phase] >= LATE_S and phases[1]["wait"] < phases[0]["wait"], phases
+
+
+@pytest.mark.parametrize(
+    "parallel, phase",
+    [
+        ({"pp": 2, "pp_microbatches": 2}, "comm"),
+        ({"pp": 2, "pp_microbatches": 2}, "optimizer"),
+        ({"dp_impl": "fsdp"}, "optimizer"),
+    ],
+    ids=["pp-tied-pair", "pp-grad-norm", "fsdp-grad-norm"],
+)
+def test_a_rank_waiting_in_the_steps_own_collectives_is_a_wait(tmp_path, parallel, phase):
+    """The pipeline's tied embedding/head all-reduce (the step's `comm`) and the gradient norm's (in the
+    `optimizer`; FSDP's inside torch's clip_grad_norm_): a rank late there holds the other in the collective,
+    and the other's time there is its `wait` (Parallel.blocked)."""
+    spawn_gloo(_after_backward, 2, tmp_path, parallel, phase)

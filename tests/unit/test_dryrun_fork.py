@@ -65,7 +65,9 @@ def test_a_forked_child_that_dies_of_a_signal_is_measured_again_spawned(monkeypa
     afresh and measures for real, the same bytes as a clean run."""
     from loom.config import load_config
 
-    cfg = load_config(None, ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=8"])
+    cfg = load_config(
+        None, ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=8"]
+    )
     job = (cfg, 1, 0, 64, "fp32", None)
     clean = blocks.measure_apart([job], 1)[0]
     monkeypatch.setattr(blocks, "measure_rank", _segfault)
@@ -89,5 +91,7 @@ def test_a_spawned_child_that_dies_is_an_error_naming_the_rank():
 
     with pytest.raises(blocks._ForkRefused):
         blocks._received(Conn(), Proc(), 3, forked=True)
-    with pytest.raises(RuntimeError, match=r"rank 3 failed:\nthe process measuring rank 3 died \(exit code -11\)"):
+    with pytest.raises(
+        RuntimeError, match=r"rank 3 failed:\nthe process measuring rank 3 died \(exit code -11\)"
+    ):
         blocks._received(Conn(), Proc(), 3, forked=False)

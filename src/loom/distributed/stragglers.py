@@ -1,43 +1,44 @@
 """Which rank is slow, and in what: per-rank phase times and the straggler monitor (issues 48 and 59).
 
-`PhaseClock` times the phases of this rank's steps (data wait, forward, backward, exposed communication,
-optimizer, the rest of the step, and the waits for peers inside collectives) with no synchronisation of its
-own: the data wait on the host clock (the host is what waits), the others as device spans
-(`loom.device.Span`: events on a GPU, the host clock on a CPU). `take()` adds up the spans that have ended on
-the device and keeps the rest for the next call, so it never waits for the device (on a GPU the optimizer's
-span of the step just issued usually moves on to the next window).
+`PhaseClock` times the phases of this rank's steps (data wait, forward, backward, exposed communication, optimizer,
+the rest of the step, and the waits for peers inside collectives) with no synchronisation of its own: the data wait
+on the host clock (the host is what waits), the others as device spans (`loom.device.Span`: events on a GPU, the
+host clock on a CPU). `take()` adds up the spans that have ended on the device and keeps the rest for the next
+call, so it never waits for the device (on a GPU the optimizer's span of the step just issued usually moves on to
+the next window).
 
-Waits (issue 59). Ranks wait for the slowest one inside collectives, and under DDP that wait hides in the
-backward: the gradient all-reduce overlaps it, so a rank that waits shows a long backward, not a long `comm`.
-`BucketWaits` times DDP's buckets from its communication hook: each bucket's span runs from its launch (this
-rank's gradients of the bucket are ready) to its future's completion (every rank's are, and the sum is
-back). What runs past the last launch, max(done) - max(launched), is the time this rank's backward waited
-for its peers after its own compute ended: it is the step's `wait`, and the backward keeps only its compute.
-The step's blocking scalar collectives (the loss and the stop/skip agreement) are timed as `wait` too, and
-`other` is what the step spent outside every phase (gradient clipping, the loss scaler), so a rank stopped
-anywhere in its step shows its delay in a phase of its own compute. Anywhere but inside a collective: a rank
-stopped there (SIGSTOP, starved of a CPU) holds every rank in it, and all show the same wait. On the host clock
-`Stalls` (a thread that notices when the process did not run) takes that share out of the rank's `wait` into
-`stalled`, its own time: on a busy 2-core machine a tiny model's rank spends ~40 % of its step in collectives.
+Waits (issue 59). Ranks wait for the slowest one inside collectives, and under DDP that wait hides in the backward:
+the gradient all-reduce overlaps it, so a rank that waits shows a long backward, not a long `comm`. `BucketWaits`
+times DDP's buckets from its communication hook: each bucket's span runs from its launch (this rank's gradients of
+the bucket are ready) to its future's completion (every rank's are, and the sum is back). What runs past the last
+launch, max(done) - max(launched), is the time this rank's backward waited for its peers after its own compute
+ended: it is the step's `wait`, and the backward keeps only its compute. The step's blocking scalar collectives
+(the loss and the stop/skip agreement) are timed as `wait` too, and `other` is what the step spent outside every
+phase (the loss scaler, the step's records; gradient clipping is the `optimizer`'s), so a rank stopped anywhere in
+its step shows its delay in a phase of its own compute. Anywhere but inside a collective: a rank stopped there
+(SIGSTOP, starved of a CPU) holds every rank in it, and all show the same wait. On the host clock `Stalls` (a
+thread that notices when the process did not run) takes that share out of the rank's `wait` into `stalled`, its own
+time: on a busy 2-core machine a tiny model's rank spends ~40 % of its step in collectives.
 
-`StragglerMonitor` adds them up per window of train.straggler_every steps, then sends them to rank 0 in one
-small gather (the control plane). Rank 0 compares each rank's compute phases (every phase but `wait`) with
-the median of the other ranks': a rank's excess is what it spends above them, phase by phase, and the rank
-with the largest excess is the one the others wait for (their `wait` holds its excess). Where the waits are
-measured (DDP; FSDP and the pipeline on the host clock, below) two ranks suffice: the waiting rank's phases
-hold its compute only. Where they are not (the wait stays inside the phase of the collective), a rank waiting
-for the slow one shows the same excess elsewhere, and naming needs three ranks or more. A pipeline's stages do
-different work by design: a stage with more of it is named as the one the others wait for, which it is.
+`StragglerMonitor` adds them up per window of train.straggler_every steps, then sends them to rank 0 in one small
+gather (the control plane). Rank 0 compares each rank's compute phases (every phase but `wait`) with the median of
+the other ranks': a rank's excess is what it spends above them, phase by phase, and the rank with the largest
+excess is the one the others wait for (their `wait` holds its excess). Where the waits are measured (DDP; FSDP and
+the pipeline on the host clock, below) two ranks suffice: the waiting rank's phases hold its compute only. Where
+they are not (the wait stays inside the phase of the collective), a rank waiting for the slow one shows the same
+excess elsewhere, and naming needs three ranks or more. A pipeline's stages do different work by design: a stage
+with more of it is named as the one the others wait for, which it is.
 
-FSDP and the pipeline (issue 59). On the host clock (CPU, gloo) FSDP2's all-gathers and reduce-scatters and
-the pipeline schedule's waits on its sends and receives block the training thread inside the forward or the
-backward: `BlockedWaits` times each such block (FSDP's comms are replaced by `timed_fsdp`'s subclasses of its
-default ones, which call the same collective with the same tensors; the schedule's wait on its P2P work is
-wrapped by `timed_pipeline`), and `take()` moves it from the phase it ran in to `wait`. Then two ranks suffice
-there too. Not on a GPU: there the collectives run on FSDP's and NCCL's streams and the host does not block
-in them (the compute stream's wait is not observable without synchronising), so the waits stay in the phase
-as before; nor with tensor, context or expert parallel (collectives these hooks do not see): `waits_measured`
-is then false and naming needs three ranks. HSDP's all-reduce across replicas is timed like the rest.
+FSDP and the pipeline (issue 59). On the host clock (CPU, gloo) FSDP2's all-gathers and reduce-scatters and the
+pipeline schedule's waits on its sends and receives block the training thread inside the forward or the backward:
+`BlockedWaits` times each such block (FSDP's comms are replaced by `timed_fsdp`'s subclasses of its default ones,
+which call the same collective with the same tensors; the schedule's wait on its P2P work is wrapped by
+`timed_pipeline`; the step's own blocking collectives there, the pipeline's tied embedding/head and the gradient
+norm, by `Parallel.blocked`), and `take()` moves it from the phase it ran in to `wait`. Then two ranks suffice
+there too. Not on a GPU: there the collectives run on FSDP's and NCCL's streams and the host does not block in them
+(the compute stream's wait is not observable without synchronising), so the waits stay in the phase as before; nor
+with tensor, context or expert parallel (collectives these hooks do not see): `waits_measured` is then false and
+naming needs three ranks. HSDP's all-reduce across replicas is timed like the rest.
 
 Issue 49 (exposed communication on slow links) reads the same numbers: `PhaseClock` and `judge()` are the API.
 """

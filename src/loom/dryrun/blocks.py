@@ -244,7 +244,7 @@ def _received(conn, proc, rank: int, forked: bool = False) -> RankMemory:
         proc.join()
         kind, value = "error", f"the process measuring rank {rank} died (exit code {proc.exitcode})"
         if forked and proc.exitcode is not None and proc.exitcode < 0:  # a signal: measured again, spawned
-            raise _ForkRefused(value)
+            raise _ForkRefused(value) from None
     conn.close()
     proc.join()
     if kind == "ok":

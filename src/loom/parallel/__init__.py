@@ -96,7 +96,15 @@ class Parallelized:
             tied = set(self.tied) | set(self.tied.values())
             for name, w in self.model.named_parameters():
                 if name in tied and w.grad is not None:
-                    dist.all_reduce(local(w.grad), group=self.tied_group)
+                    with self.blocked():
+                        dist.all_reduce(local(w.grad), group=self.tied_group)
+
+    def blocked(self):
+        """Around a blocking collective of the step outside the schedule and FSDP's comms (the pipeline's tied
+        pair, the gradient norm's all-reduce under FSDP or the pipeline): the time this rank waits in it for a peer is the straggler monitor's `wait`
+        (BlockedWaits), not its phase's own time; else nothing. A stage stopped there shows it as its own
+        (`stalled`), where before both stages showed it alike in `comm` or `other` and a slow stage hid."""
+        return getattr(self.bucket_waits, "blocked", contextlib.nullcontext)()
 
     def after_update(self, step: int) -> dict:
         """After optimizer step `step`: DiLoCo's outer step when due; the bytes this rank all-reduced for the
@@ -120,7 +128,7 @@ class Parallelized:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         # the tied pair counts twice only where two stages hold it (not with one stage: pp at degree 1)
         shared = set(self.tied) | set(self.tied.values()) if self.tied_group is not None else set()
-        return clip_grad_norm(self.model, max_norm, self.dims, shared)
+        return clip_grad_norm(self.model, max_norm, self.dims, shared, self.blocked)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """A sum over every rank of the job, on the job's device (losses, eval sums)."""

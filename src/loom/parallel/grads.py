@@ -9,7 +9,9 @@ HSDP's DTensor gradients included).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,13 +21,20 @@ from loom.config.layout import ParallelDims
 from loom.parallel.tensor import is_dtensor, local, whole
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, shared: set[str] = frozenset()):
+def clip_grad_norm(
+    model: nn.Module,
+    max_norm: float,
+    dims: ParallelDims,
+    shared: set[str] = frozenset(),
+    blocked: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+):
     """The global gradient norm (before clipping); gradients scaled down to max_norm when above it.
 
-    shared: names of parameters whose gradient two pipeline stages hold (the tied embedding and head)."""
+    shared: names of parameters whose gradient two pipeline stages hold (the tied embedding and head);
+    blocked: a context around the norm's collectives (the straggler monitor's waits: Parallel.blocked)."""
     if not (dims.model_parallel or dims.ep_enabled):
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return whole(norm)
+        with blocked():  # FSDP's DTensor norm all-reduces inside (the local norms it computes too are tiny)
+            return whole(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     device = next(local(p) for p in model.parameters()).device
     sq = torch.zeros((), dtype=torch.float64, device=device)
     grads = []
@@ -36,7 +45,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims, shared
         g = local(p.grad)
         grads.append(g)
         sq += g.double().pow(2).sum() / copies
-    dist.all_reduce(sq)
+    with blocked():
+        dist.all_reduce(sq)
     norm = sq.sqrt().float()
     if math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
