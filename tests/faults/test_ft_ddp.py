@@ -170,6 +170,32 @@ def test_a_group_that_fails_after_another_finished_is_not_started_again(char_dat
     assert "replica group 1 ended" not in job.stdout() + job.stderr()  # not started again
 
 
+def test_a_group_cut_off_until_the_job_finished_does_not_train_the_rest_alone(char_data, tmp_path):
+    """Group 1 is cut off (SIGSTOP) mid-run until group 0 has finished the run alone, then comes back
+    (SIGCONT). Its step in flight fails and its next quorum holds only itself (the lighthouse cannot tell the
+    finished group from a dead one): it used to train the rest of the run alone, a second, diverging copy.
+    Away since its last quorum, it reads the quorums formed since then, sees group 0's near the end, stops
+    with one line and exits 0; no step after the cut is trained."""
+    extra = ("--ft.enabled=true", "--ft.timeout_s=12", "--ft.heartbeat_s=0.5")
+    job = Proc(args(char_data, tmp_path, "job", 40, *extra), tmp_path / "job")
+    run0, run1 = tmp_path / "job", tmp_path / "job-g1"
+    wait_for(lambda: len(records(run1)) > 8, job, timeout=240, what="group 1's steps")
+    pid = group_pid(job, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        cut = max(r["step"] for r in records(run1) if "loss" in r)
+        wait_for(lambda: group_pid(job, 0) is None, job, timeout=240, what="group 0 finishing alone")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert max(r["step"] for r in records(run0) if "loss" in r) == 40
+    assert job.wait(120) == 0, job.stderr()[-3000:]
+    out = job.stdout() + job.stderr()
+    assert "replica group 1 came back at step" in out and "after the job's other groups finished" in out, out
+    trained = [r["step"] for r in records(run1) if "loss" in r and not r.get("skipped")]
+    assert max(trained) <= cut + 1, trained  # the step in flight at the cut at most
+
+
 def test_partitioned_group_rejoins_and_heals(char_data, tmp_path):
     """Group 1 is cut off (all its processes SIGSTOPped) past the lighthouse's heartbeat timeout: group 0 goes
     on alone (its step in flight fails within ft.timeout_s, then it quorums without group 1). Once group 1 is

@@ -299,15 +299,16 @@ def _status(url: str) -> str:
         return ""
 
 
-def job_reached(url: str, job: str, max_age_s: float) -> int | None:
+def job_reached(url: str, job: str, since: float) -> int | None:
     """The step of the lighthouse's last quorum when it was this job's (replica ids `<job>_g<k>:...`) and
-    formed at most `max_age_s` ago: how far the job had gone before this group asked to join; None
+    formed at `since` (time.monotonic()) or later: how far the job had gone before this group asked; None
     otherwise (an older one: a finished job of the same name on a lighthouse that outlives jobs)."""
     import re
 
+    now = time.monotonic()
     last = _status(url).split("<h2>Heartbeats</h2>")[0]
     age = re.search(r"Quorum age:\s*([0-9.]+)s", last)
-    if age is None or float(age[1]) > max_age_s:
+    if age is None or now - float(age[1]) < since:
         return None
     members = re.findall(r"<b>\s*([^<\s]+)\s*</b>\s*<br/>\s*Step:\s*(\d+)", last)
     steps = [int(step) for rid, step in members if rid.split(":")[0].rsplit("_g", 1)[0] == job]
@@ -315,9 +316,10 @@ def job_reached(url: str, job: str, max_age_s: float) -> int | None:
 
 
 @contextlib.contextmanager
-def watching_job(url: str, job: str, step: int | None, max_age_s: float):
-    """While the block runs (a group's first quorum request), read the job's last quorum step from the
-    lighthouse every 0.1 s and keep the highest (`[step]` yielded, from `step`): the other groups' last quorum
+def watching_job(url: str, job: str, step: int | None, since: float):
+    """While the block runs (a quorum request that may find this group alone), read the job's last quorum
+    step (formed at `since` or later) from the lighthouse every 0.1 s and keep the highest (`[step]` yielded,
+    from `step`): the other groups' last quorum
     stays on the status page until the lighthouse forms the next one, and a lone group's forms only after
     their heartbeats have expired, so a group asking while the others finish still sees how far they got (the
     page lags the quorums by a few steps: 196 when they finished 200, across hosts)."""
@@ -327,7 +329,7 @@ def watching_job(url: str, job: str, step: int | None, max_age_s: float):
 
     def poll() -> None:
         while not stop.wait(0.1):
-            now = job_reached(url, job, max_age_s)
+            now = job_reached(url, job, since)
             if now is not None and (seen[0] is None or now > seen[0]):
                 seen[0] = now
 
@@ -515,6 +517,8 @@ class FtReplica:
         self.quorum: tuple[int, list[int]] | None = None
         self.rows_skipped, self.healed_s, self.undone = 0, None, 0  # undone: DiLoCo windows not committed
         self.quorum_s = 0.0  # the last quorum's wait (in the step's time; DiLoCo: a window's first step)
+        self.asked = 0.0  # when (time.monotonic()) this group's last quorum came back
+        self.step_ok = True  # whether the quorum committed this group's last step
         self.pending: list[dict] = []
 
     def join(self) -> None:
@@ -526,7 +530,7 @@ class FtReplica:
         from torchft.manager import Manager
 
         ft, timeout = self.cfg.ft, timedelta(seconds=self.timeout_s)
-        self.job_step = job_reached(self.url, self.job, self.timeout_s)
+        self.job_step = job_reached(self.url, self.job, time.monotonic() - self.timeout_s)
         host, port, self._own_store = _store()
         local = urlsplit(self.url).hostname in LOOPBACK
         try:
@@ -592,9 +596,13 @@ class FtReplica:
             return
         t0, before = time.perf_counter(), self.trainer.step
         self.healed_s, self.transport.sent_to = None, []
-        first = self.quorum is None
+        first, watch = self.quorum is None, None
+        if first:  # what join read of the job: quorums at most ft.timeout_s old
+            watch = watching_job(self.url, self.job, self.job_step, time.monotonic() - self.timeout_s)
+        elif self._away():  # the quorums formed since this group's last: the job's own
+            self.job_step = job_reached(self.url, self.job, self.asked)
+            watch = watching_job(self.url, self.job, self.job_step, self.asked)
         try:
-            watch = watching_job(self.url, self.job, self.job_step, self.timeout_s) if first else None
             with watch or contextlib.nullcontext([None]) as seen:
                 self.manager.start_quorum()
         except Exception as e:  # the lighthouse (or this group's manager server) no longer answers
@@ -612,20 +620,29 @@ class FtReplica:
                 hint="start a lighthouse, then the same command with --train.resume=auto continues each group "
                 "from its newest checkpoint",
             ) from None
-        self.quorum_s = time.perf_counter() - t0
-        if first:
+        self.quorum_s, self.asked = time.perf_counter() - t0, time.monotonic()
+        if watch is not None:
             self.job_step = seen[0]
             self._not_after_the_end()
         if self.pg.quorum != self.quorum or self.transport.sent_to:
             self._quorum_changed(before, self.quorum_s)
 
+    def _away(self) -> bool:
+        """Whether the others may have gone on without this group since its last quorum: its last step failed
+        (a peer died, or this group was cut off in it), or it did not ask for longer than the lighthouse's
+        heartbeat timeout (stopped, cut off between steps). Only then is its quorum checked against the job's
+        (one read of the lighthouse's page, and a watch while it asks); an ordinary step reads nothing."""
+        return not self.step_ok or time.monotonic() - self.asked > self.cfg.ft.heartbeat_s
+
     def _not_after_the_end(self) -> None:
-        """This group's first quorum holds only itself, while moments before (the lighthouse's last quorum of this
-        job, at most ft.timeout_s old) the job's other groups were ahead of it: they are gone, finished (a group
-        restarted shortly before the end is back after it) or all dead. The lighthouse cannot tell finished
-        groups from dead ones and gave it a quorum of its own; it stops instead of training the run again
-        alone (chaos.md: a kill at step 180 of 200). Near the end (within max(10, 5 %) of the steps: the status
-        page lags the quorums by a few steps) that is the run finished: exit 0."""
+        """This group's quorum holds only itself, while moments before (the lighthouse's last quorum of this
+        job: for a first quorum at most ft.timeout_s old, later one formed since this group's last) the job's
+        other groups were ahead of it: they are gone, finished (a group restarted shortly before the end, or cut
+        off until after it, is back after it) or all dead. A group left alone by its peers' deaths is not behind
+        them (they were in its last quorum, at its step) and goes on. The lighthouse cannot tell finished groups
+        from dead ones and gave it a quorum of its own; it stops instead of training the run again alone
+        (chaos.md: a kill at step 180 of 200). Near the end (within max(10, 5 %) of the steps: the status page
+        lags the quorums by a few steps) that is the run finished: exit 0."""
         steps, step, seen = self.cfg.train.steps, self.trainer.step, self.job_step
         alone = self.pg.quorum is not None and self.pg.quorum[1] == [self.k]
         if not alone or seen is None or seen <= step or step >= steps:
@@ -705,10 +722,10 @@ class FtReplica:
         still inside the step's collective waiting on this group, not on the dead one, then fails now: left
         in it, that peer is alive and not asking for the next quorum, and the lighthouse holds the quorum its
         join timeout for it (chaos.md: a 10 s stall after a kill, 3 groups)."""
-        if self.manager.should_commit():
-            return True
-        self.pg.abort()
-        return False
+        self.step_ok = self.manager.should_commit()
+        if not self.step_ok:
+            self.pg.abort()
+        return self.step_ok
 
     def outer_mean(self, delta: torch.Tensor) -> bool:
         """DiLoCo's outer gradient made the mean over the quorum's groups in place (summed, then divided:
