@@ -43,6 +43,7 @@ The steps of every rank role are independent: measure_roles runs them side by si
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields, replace
 
 from loom.config import SCHEDULE_STAGES_PER_RANK, Config, validate
@@ -188,10 +189,27 @@ def measure_apart(jobs: list[tuple], workers: int | None = None) -> list[RankMem
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if "fork" in mp.get_all_start_methods():
         try:
-            return _measure_in(mp.get_context("fork"), jobs, workers)
+            with _frozen_heap():
+                return _measure_in(mp.get_context("fork"), jobs, workers)
         except _ForkRefused:  # a forked child could not run here: autograd's device threads (a CUDA build, a
             pass  # fake-CUDA run), or a crash in state the fork copied from this process's threads
     return _measure_in(mp.get_context("spawn"), jobs, workers)
+
+
+@contextlib.contextmanager
+def _frozen_heap():
+    """This process's objects collected, then frozen (gc.freeze) while children are forked: a forked child's
+    garbage collector then never visits what it inherited (the main tier once crashed a child with SIGSEGV
+    while "Garbage-collecting" in its backward, objects of the pytest worker's earlier tests), and the pages
+    stay shared."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class _ForkRefused(Exception):
