@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -148,6 +149,44 @@ def test_restarted_group_heals_bitwise(char_data, tmp_path):
     steps1 = [r["step"] for r in records(run1) if "loss" in r]  # its records of before the kill kept
     assert steps1[0] == 1 and steps1[-1] == steps and steps1 == sorted(steps1)
     assert_same(weights(run0, steps), weights(run1, steps))
+
+
+def test_a_restarted_group_compiles_before_it_joins(char_data, tmp_path):
+    """train.compile: group 1 is SIGKILLed and started again; it compiles its step on a batch it throws away
+    before its manager joins the quorum, so group 0 does not wait in the all-reduce of its first step while it
+    compiles (the old code: group 0's step at the rejoin took as long as group 1's first step, 2.09 s against
+    2.1 s; now its longest step is the heartbeat timeout's wait, 0.47 s). Then it heals, and both groups'
+    checkpoints of a step hold the same weights bit for bit. Inductor's caches off: a full compile each time."""
+    every = 50
+    extra = (
+        "--ft.enabled=true",
+        "--ft.heartbeat_s=0.5",
+        "--ft.timeout_s=120",
+        "--train.compile=true",
+        f"--train.ckpt_every={every}",
+        "--train.keep_last=1000",
+    )
+    env = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    job = Proc(args(char_data, tmp_path, "job", 100_000, *extra), tmp_path / "job", env=env)
+    run0, run1 = tmp_path / "job", tmp_path / "job-g1"
+    killed = kill_group(job, run1, 1, after=8)
+    healed = lambda: [c for c in ft_records(run1) if "heal_s" in c]  # noqa: E731
+    wait_for(lambda: healed(), job, timeout=300, what="group 1 healing from group 0")
+
+    # each process's first step is logged with its time ("took 12.3s"): the two groups', then the restart's
+    def first() -> list[float]:
+        return [float(t) for t in re.findall(r"the first step \(tracing.*?took ([0-9.]+)s", job.stdout())]
+
+    wait_for(lambda: len(first()) == 3, job, timeout=120, what="the restarted group's first step")
+    now = max(r["step"] for r in records(run0) if "loss" in r)
+    step = (now // every + 1) * every  # a checkpoint both groups write after the heal
+    done = lambda run: (run / "ckpt" / f"step_{step + every:06d}").exists()  # noqa: E731  (step's is complete)
+    wait_for(lambda: done(run0) and done(run1), job, timeout=240, what=f"both groups' checkpoint {step}")
+    job.kill_all()
+    after = [r["dt"] for r in records(run0) if "loss" in r and r["step"] > killed]
+    assert max(after) < 0.5 * first()[-1], (max(after), first())
+    assert "replica group 1 compiled its step before joining" in job.stdout() + job.stderr()
+    assert_same(weights(run0, step), weights(run1, step))
 
 
 def test_a_group_that_fails_after_another_finished_is_not_started_again(char_data, tmp_path):

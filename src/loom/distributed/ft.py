@@ -317,12 +317,12 @@ def job_reached(url: str, job: str, since: float) -> int | None:
 
 @contextlib.contextmanager
 def watching_job(url: str, job: str, step: int | None, since: float):
-    """While the block runs (a quorum request that may find this group alone), read the job's last quorum
-    step (formed at `since` or later) from the lighthouse every 0.1 s and keep the highest (`[step]` yielded,
-    from `step`): the other groups' last quorum
-    stays on the status page until the lighthouse forms the next one, and a lone group's forms only after
-    their heartbeats have expired, so a group asking while the others finish still sees how far they got (the
-    page lags the quorums by a few steps: 196 when they finished 200, across hosts)."""
+    """While the block runs (a quorum request that may find this group alone), read the job's last quorum step
+    (formed at `since` or later) from the lighthouse every 0.1 s and keep the highest (`[step]` yielded, from
+    `step`): the other groups' last quorum stays on the status page until the lighthouse forms the next one, and
+    a lone group's forms only after their heartbeats have expired, so a group asking while the others finish
+    still sees how far they got (the page lags the quorums by a few steps: 196 when they finished 200, across
+    hosts)."""
     import threading
 
     seen, stop = [step], threading.Event()
@@ -526,10 +526,17 @@ class FtReplica:
         its first heartbeat the lighthouse counts the group as live, and a quorum that is not the previous
         one's (after a failure) waits up to its join timeout (ft.join_timeout_s) for every live group to ask.
         A restarted group heartbeating while it still built its model or read its checkpoint could hold the
-        survivors' quorum that long."""
+        survivors' quorum that long. With train.compile a group coming into a running job (restarted, or
+        started by hand: no start barrier) first compiles its step on a batch it throws away (Trainer.warm_up):
+        else its first step compiles inside the quorum, and the survivors wait in its all-reduce."""
         from torchft.manager import Manager
 
         ft, timeout = self.cfg.ft, timedelta(seconds=self.timeout_s)
+        if self.cfg.train.compile and not os.environ.get(BARRIER_ENV):  # into a running job: compile first
+            log.info(
+                f"torchft: replica group {self.k} compiled its step before joining "
+                f"({self.trainer.warm_up():.1f}s, a forward and backward thrown away)"
+            )
         self.job_step = job_reached(self.url, self.job, time.monotonic() - self.timeout_s)
         host, port, self._own_store = _store()
         local = urlsplit(self.url).hostname in LOOPBACK
@@ -622,7 +629,7 @@ class FtReplica:
             ) from None
         self.quorum_s, self.asked = time.perf_counter() - t0, time.monotonic()
         if watch is not None:
-            self.job_step = seen[0]
+            self.job_step = self._agreed(seen[0])
             self._not_after_the_end()
         if self.pg.quorum != self.quorum or self.transport.sent_to:
             self._quorum_changed(before, self.quorum_s)
@@ -631,8 +638,23 @@ class FtReplica:
         """Whether the others may have gone on without this group since its last quorum: its last step failed
         (a peer died, or this group was cut off in it), or it did not ask for longer than the lighthouse's
         heartbeat timeout (stopped, cut off between steps). Only then is its quorum checked against the job's
-        (one read of the lighthouse's page, and a watch while it asks); an ordinary step reads nothing."""
-        return not self.step_ok or time.monotonic() - self.asked > self.cfg.ft.heartbeat_s
+        (one read of the lighthouse's page, and a watch while it asks); an ordinary step reads nothing. A group
+        of several ranks must decide alike (they agree on what they saw in a collective): the commit is the
+        same on each, the time since the last quorum is not quite, so only a one-process group uses it."""
+        if not self.step_ok:
+            return True
+        return self.size == 1 and time.monotonic() - self.asked > self.cfg.ft.heartbeat_s
+
+    def _agreed(self, seen: int | None) -> int | None:
+        """The highest step the group's ranks saw of the job (each polled the page on its own): they stop, or
+        go on, together."""
+        if self.size == 1:
+            return seen
+        import torch.distributed as dist
+
+        t = torch.tensor([-1 if seen is None else seen], device=self.trainer.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the group's own world
+        return None if int(t.item()) < 0 else int(t.item())
 
     def _not_after_the_end(self) -> None:
         """This group's quorum holds only itself, while moments before (the lighthouse's last quorum of this

@@ -329,6 +329,8 @@ class Trainer:
         par, timer = self.parallel, StepTimer(self.device, timing)
         t0, phase, rank = time.perf_counter(), self.phases, self.dims.rank
         if self.ft is not None:  # the step's quorum (part of its time); a group behind the others heals here
+            if self.ft.manager is None:  # this process's first step: it joins (compiled first, coming back)
+                self.ft.join()
             with phase("wait", host=True):
                 self.ft.begin_step()
         lr = self._set_lr()  # after the quorum: of the step a group healed to
@@ -401,6 +403,25 @@ class Trainer:
                     self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         return loss_sum
+
+    def warm_up(self) -> float:
+        """One forward and backward of the next step's batch, thrown away (the loader rewound, the random state
+        kept, the gradients and a MoE layer's load counts dropped, the phase times discarded; weights and
+        optimizer untouched): torch.compile traces and compiles here, not inside a step the others wait on.
+        Returns its seconds."""
+        t0, state = time.perf_counter(), self.batches.state_dict()
+        x, y = self.batches.next_batch()
+        self.batches.load_state_dict(state)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            self._forward_backward(x, y, StepTimer(self.device, False))
+        self.optimizer.zero_grad(set_to_none=True)
+        for m in self.model.modules():
+            if hasattr(m, "forget_load"):
+                m.forget_load()
+        if self.offload.enabled:
+            self.offload.reset()
+        self.phases.take()
+        return time.perf_counter() - t0
 
     def _grad_accum(self, step: int) -> int:
         """Micro-batches of 0-based step `step`: train.batch_schedule's batch of that step over dp x

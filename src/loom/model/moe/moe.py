@@ -192,6 +192,10 @@ class MoE(nn.Module):
         rows = torch.tensor([float(self.aux_rows)], device=device)
         return torch.cat([load.to(device), aux, rows])
 
+    def forget_load(self) -> None:
+        """Drop the counts since the last balance step (after it; after a forward that was not a step's)."""
+        self.load, self.aux_sum, self.aux_rows = None, 0.0, 0
+
     @torch.no_grad()
     def balance_step(self, total_load: torch.Tensor, update: bool = True) -> dict[str, float]:
         """After an optimizer step, with the global batch's load (E,) (summed over the data-parallel ranks):
@@ -199,7 +203,7 @@ class MoE(nn.Module):
         mean = total_load.mean()
         if self.rate and update:
             self.expert_bias += self.rate * torch.sign(mean - total_load)
-        self.load, self.aux_sum, self.aux_rows = None, 0.0, 0
+        self.forget_load()
         return {
             "max_mean": float(total_load.max() / mean) if mean > 0 else math.nan,
             "bias_norm": float(self.expert_bias.norm()),
