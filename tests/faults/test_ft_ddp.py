@@ -189,11 +189,10 @@ def test_a_restarted_group_compiles_before_it_joins(char_data, tmp_path):
     assert_same(weights(run0, step), weights(run1, step))
 
 
-def test_a_group_that_fails_after_another_finished_is_not_started_again(char_data, tmp_path):
-    """Group 1 is cut off (SIGSTOP) and group 0 finishes the run alone; group 1 then dies. The job is done:
-    started again, group 1 would find no live group (the lighthouse cannot tell a finished group from a dead
-    one) and train the rest of the run alone, a second, diverging copy (chaos.md's runs across hosts). The
-    launcher does not start it again and names it (exit 1)."""
+def _group_1_stopped_until_group_0_finished(char_data, tmp_path) -> tuple[Proc, int, int]:
+    """A 2-group job of 40 steps whose group 1 is SIGSTOPped after 8 steps and left stopped until group 0 has
+    finished the run alone (its step in flight fails within ft.timeout_s, then it goes on without group 1):
+    (the job, group 1's pid, the last step group 1 had logged)."""
     extra = ("--ft.enabled=true", "--ft.timeout_s=12", "--ft.heartbeat_s=0.5")
     job = Proc(args(char_data, tmp_path, "job", 40, *extra), tmp_path / "job")
     run0, run1 = tmp_path / "job", tmp_path / "job-g1"
@@ -201,8 +200,22 @@ def test_a_group_that_fails_after_another_finished_is_not_started_again(char_dat
     pid = group_pid(job, 1)
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
-    wait_for(lambda: group_pid(job, 0) is None, job, timeout=240, what="group 0 finishing alone")
+    try:
+        cut = max(r["step"] for r in records(run1) if "loss" in r)
+        wait_for(lambda: group_pid(job, 0) is None, job, timeout=240, what="group 0 finishing alone")
+    except BaseException:
+        os.kill(pid, signal.SIGCONT)
+        raise
     assert max(r["step"] for r in records(run0) if "loss" in r) == 40
+    return job, pid, cut
+
+
+def test_a_group_that_fails_after_another_finished_is_not_started_again(char_data, tmp_path):
+    """Group 1 is cut off (SIGSTOP) and group 0 finishes the run alone; group 1 then dies. The job is done:
+    started again, group 1 would find no live group (the lighthouse cannot tell a finished group from a dead
+    one) and train the rest of the run alone, a second, diverging copy (chaos.md's runs across hosts). The
+    launcher does not start it again and names it (exit 1)."""
+    job, pid, _ = _group_1_stopped_until_group_0_finished(char_data, tmp_path)
     os.kill(pid, signal.SIGKILL)
     assert job.wait(120) == 1, job.stdout()[-3000:]
     assert "group 1 (exit -9)" in job.stderr()
@@ -215,23 +228,12 @@ def test_a_group_cut_off_until_the_job_finished_does_not_train_the_rest_alone(ch
     finished group from a dead one): it used to train the rest of the run alone, a second, diverging copy.
     Away since its last quorum, it reads the quorums formed since then, sees group 0's near the end, stops
     with one line and exits 0; no step after the cut is trained."""
-    extra = ("--ft.enabled=true", "--ft.timeout_s=12", "--ft.heartbeat_s=0.5")
-    job = Proc(args(char_data, tmp_path, "job", 40, *extra), tmp_path / "job")
-    run0, run1 = tmp_path / "job", tmp_path / "job-g1"
-    wait_for(lambda: len(records(run1)) > 8, job, timeout=240, what="group 1's steps")
-    pid = group_pid(job, 1)
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        cut = max(r["step"] for r in records(run1) if "loss" in r)
-        wait_for(lambda: group_pid(job, 0) is None, job, timeout=240, what="group 0 finishing alone")
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert max(r["step"] for r in records(run0) if "loss" in r) == 40
+    job, pid, cut = _group_1_stopped_until_group_0_finished(char_data, tmp_path)
+    os.kill(pid, signal.SIGCONT)
     assert job.wait(120) == 0, job.stderr()[-3000:]
     out = job.stdout() + job.stderr()
     assert "replica group 1 came back at step" in out and "after the job's other groups finished" in out, out
-    trained = [r["step"] for r in records(run1) if "loss" in r and not r.get("skipped")]
+    trained = [r["step"] for r in records(tmp_path / "job-g1") if "loss" in r and not r.get("skipped")]
     assert max(trained) <= cut + 1, trained  # the step in flight at the cut at most
 
 
