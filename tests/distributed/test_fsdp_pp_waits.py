@@ -2,8 +2,9 @@
 loom.parallel.parallelize when the straggler monitor is on) on 2 real gloo ranks: the timed all-gathers,
 reduce-scatters, HSDP's all-reduces across replicas and P2P waits leave every gradient what the untimed layout
 makes of it, bit for bit, and the rank that starts its step late is the one that waits least, the other
-waiting at least half as long as it was late, out of its forward/backward and into `wait`. Compared against the same layout with the monitor off, and
-against the delay the test puts in."""
+waiting at least half as long as it was late, out of its forward/backward and into `wait`; the same for the
+step's own collectives (the pipeline's tied pair, the gradient norm: Parallel.blocked). Compared against the
+same layout with the monitor off, and against the delay the test puts in."""
 
 from __future__ import annotations
 

@@ -101,9 +101,10 @@ class Parallelized:
 
     def blocked(self):
         """Around a blocking collective of the step outside the schedule and FSDP's comms (the pipeline's tied
-        pair, the gradient norm's all-reduce under FSDP or the pipeline): the time this rank waits in it for a peer is the straggler monitor's `wait`
-        (BlockedWaits), not its phase's own time; else nothing. A stage stopped there shows it as its own
-        (`stalled`), where before both stages showed it alike in `comm` or `other` and a slow stage hid."""
+        pair, the gradient norm's all-reduce under FSDP or the pipeline): the time this rank waits in it for a
+        peer is the straggler monitor's `wait` (BlockedWaits), not its phase's own time; else nothing. A stage
+        stopped there shows it as its own (`stalled`), where before both stages showed it alike in `comm` or
+        `other` and a slow stage hid."""
         return getattr(self.bucket_waits, "blocked", contextlib.nullcontext)()
 
     def after_update(self, step: int) -> dict:

@@ -352,9 +352,8 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         flags = grad_flags(self.model)  # which gradients are non-finite, before clipping smears NaN
         self.op = f"the gradient-norm and loss collectives of step {self.step + 1}"
-        with phase(
-            "optimizer"
-        ):  # the update's first part; its norm's all-reduce is a wait (Parallel.blocked)
+        # clipping: the update's first part; its norm's all-reduce is a wait (Parallel.blocked)
+        with phase("optimizer"):
             grad_norm = par.clip_grad_norm(self.cfg.optim.grad_clip or math.inf)
         # the step's one host read; then every rank agrees on stop and skip before the update: both wait
         with phase("wait"):  # for the slowest rank (the straggler monitor's `wait`)
