@@ -315,31 +315,55 @@ def job_reached(url: str, job: str, since: float) -> int | None:
     return max(steps, default=None)
 
 
-@contextlib.contextmanager
-def watching_job(url: str, job: str, step: int | None, since: float):
-    """While the block runs (a quorum request that may find this group alone), read the job's last quorum step
-    (formed at `since` or later) from the lighthouse every 0.1 s and keep the highest (`[step]` yielded, from
-    `step`): the other groups' last quorum stays on the status page until the lighthouse forms the next one, and
-    a lone group's forms only after their heartbeats have expired, so a group asking while the others finish
-    still sees how far they got (the page lags the quorums by a few steps: 196 when they finished 200, across
-    hosts)."""
-    import threading
+class JobWatch:
+    """Reads the job's last quorum step from the lighthouse's page while this group asks for a quorum, once the
+    request has lasted 0.1 s (an ordinary quorum returns sooner and reads nothing), then every 0.1 s: a daemon
+    thread of its own, waiting between requests. The other groups' last quorum stays on the page until the
+    lighthouse forms the next one, and a lone group's forms only after their heartbeats have expired, so a group
+    asking while the others finish sees how far they got (the page lags the quorums by a few steps: 196 when
+    they finished 200, across hosts). A process stopped inside its request reads the page as soon as it runs
+    again: its thread's wait is over by then."""
 
-    seen, stop = [step], threading.Event()
+    def __init__(self, url: str, job: str):
+        import threading
 
-    def poll() -> None:
-        while not stop.wait(0.1):
-            now = job_reached(url, job, since)
-            if now is not None and (seen[0] is None or now > seen[0]):
-                seen[0] = now
+        self.url, self.job = url, job
+        self.cond = threading.Condition()
+        self.request: tuple[float, float] | None = None  # (asked at, quorums formed since), monotonic
+        self.seen: int | None = None
+        threading.Thread(target=self._run, name="loom-ft-job", daemon=True).start()
 
-    watcher = threading.Thread(target=poll, name="loom-ft-job", daemon=True)
-    watcher.start()
-    try:
-        yield seen
-    finally:
-        stop.set()
-        watcher.join()
+    @contextlib.contextmanager
+    def asking(self, since: float, step: int | None):
+        """Around a quorum request: keeps in `seen` the highest job step of the quorums formed at `since`
+        (time.monotonic()) or later, from `step`."""
+        with self.cond:
+            self.request, self.seen = (time.monotonic(), since), step
+            self.cond.notify()
+        try:
+            yield self
+        finally:
+            with self.cond:
+                self.request = None
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while self.request is None:
+                    self.cond.wait()
+                request = self.request
+            time.sleep(max(0.0, request[0] + 0.1 - time.monotonic()))
+            while True:
+                with self.cond:
+                    if self.request is not request:
+                        break
+                step = job_reached(self.url, self.job, request[1])
+                with self.cond:
+                    if self.request is not request:
+                        break
+                    if step is not None and (self.seen is None or step > self.seen):
+                        self.seen = step
+                time.sleep(0.1)
 
 
 def live_replicas(url: str) -> set[str]:
@@ -564,6 +588,7 @@ class FtReplica:
         except Exception as e:  # the lighthouse went away between the check and here
             raise LoomError(f"torchft could not join the lighthouse at {self.url}: {e}") from None
         self.manager.register_state_dict_fn("loom", self._load, self._state)
+        self.watch = JobWatch(self.url, self.job)
         _start_barrier(self.n * self.size, ft.timeout_s)
 
     # ---------------------------------------------------------------- the state a healing group receives
@@ -603,14 +628,13 @@ class FtReplica:
             return
         t0, before = time.perf_counter(), self.trainer.step
         self.healed_s, self.transport.sent_to = None, []
-        first, watch = self.quorum is None, None
-        if first:  # what join read of the job: quorums at most ft.timeout_s old
-            watch = watching_job(self.url, self.job, self.job_step, time.monotonic() - self.timeout_s)
-        elif self._away():  # the quorums formed since this group's last: the job's own
-            self.job_step = job_reached(self.url, self.job, self.asked)
-            watch = watching_job(self.url, self.job, self.job_step, self.asked)
+        prev = self.quorum[0] if self.quorum else None
+        if prev is None:  # the first: what join read of the job, quorums at most ft.timeout_s old
+            since, step = time.monotonic() - self.timeout_s, self.job_step
+        else:  # the quorums formed since this group's last one: the job's own
+            since, step = self.asked, job_reached(self.url, self.job, self.asked) if self._away() else None
         try:
-            with watch or contextlib.nullcontext([None]) as seen:
+            with self.watch.asking(since, step) as watch:
                 self.manager.start_quorum()
         except Exception as e:  # the lighthouse (or this group's manager server) no longer answers
             if _reachable(self.url):
@@ -628,22 +652,21 @@ class FtReplica:
                 "from its newest checkpoint",
             ) from None
         self.quorum_s, self.asked = time.perf_counter() - t0, time.monotonic()
-        if watch is not None:
-            self.job_step = self._agreed(seen[0])
+        alone = self.pg.quorum is not None and self.pg.quorum[1] == [self.k]  # every rank of the group alike
+        if alone and self.pg.quorum != self.quorum:  # newly alone (not each step of a survivor's)
+            self.job_step = self._agreed(watch.seen)
             self._not_after_the_end()
+            self._not_left_behind(prev)
         if self.pg.quorum != self.quorum or self.transport.sent_to:
             self._quorum_changed(before, self.quorum_s)
 
     def _away(self) -> bool:
         """Whether the others may have gone on without this group since its last quorum: its last step failed
         (a peer died, or this group was cut off in it), or it did not ask for longer than the lighthouse's
-        heartbeat timeout (stopped, cut off between steps). Only then is its quorum checked against the job's
-        (one read of the lighthouse's page, and a watch while it asks); an ordinary step reads nothing. A group
-        of several ranks must decide alike (they agree on what they saw in a collective): the commit is the
-        same on each, the time since the last quorum is not quite, so only a one-process group uses it."""
-        if not self.step_ok:
-            return True
-        return self.size == 1 and time.monotonic() - self.asked > self.cfg.ft.heartbeat_s
+        heartbeat timeout (stopped, cut off between steps). Then it reads the lighthouse's page once before it
+        asks (the others may have finished long before: its lone quorum would then form at once); an ordinary
+        step reads nothing."""
+        return not self.step_ok or time.monotonic() - self.asked > self.cfg.ft.heartbeat_s
 
     def _agreed(self, seen: int | None) -> int | None:
         """The highest step the group's ranks saw of the job (each polled the page on its own): they stop, or
@@ -655,6 +678,23 @@ class FtReplica:
         t = torch.tensor([-1 if seen is None else seen], device=self.trainer.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the group's own world
         return None if int(t.item()) < 0 else int(t.item())
+
+    def _not_left_behind(self, prev: int | None) -> None:
+        """Alone, with quorums formed between this group's last one and this (the lighthouse's quorum id moves
+        on once per change of members or commit failures; a survivor whose peers died sees it move by one): the
+        others went on without it and are gone. Without their step seen (the process stopped inside its
+        request until after they had finished and their heartbeats had expired), it cannot tell finished from
+        dead; it stops either way rather than train on alone from behind."""
+        now = self.pg.quorum[0]
+        if prev is None or now - prev < 2:
+            return
+        raise LoomError(
+            f"torchft: replica group {self.k} came back at step {self.trainer.step} alone: the job's other groups "
+            f"went on without it (quorums {prev + 1} to {now - 1}) and are gone, finished or dead; not training "
+            "on alone from behind",
+            hint="if they finished, nothing is left to do; else continue every group from its newest checkpoint "
+            "(the same commands with --train.resume=auto)",
+        )
 
     def _not_after_the_end(self) -> None:
         """This group's quorum holds only itself, while moments before (the lighthouse's last quorum of this
