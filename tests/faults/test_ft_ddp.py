@@ -154,9 +154,9 @@ def test_restarted_group_heals_bitwise(char_data, tmp_path):
 def test_a_restarted_group_compiles_before_it_joins(char_data, tmp_path):
     """train.compile: group 1 is SIGKILLed and started again; it compiles its step on a batch it throws away
     before its manager joins the quorum, so group 0 does not wait in the all-reduce of its first step while it
-    compiles (the old code: group 0's step at the rejoin took as long as group 1's first step, 2.09 s against
-    2.1 s; now its longest step is the heartbeat timeout's wait, 0.47 s). Then it heals, and both groups'
-    checkpoints of a step hold the same weights bit for bit. Inductor's caches off: a full compile each time."""
+    compiles (the old code: group 0's step at the rejoin took as long as group 1's first step, 1.93 s against
+    1.9 s; now 0.05 s against 2.1 s). Then it heals, and both groups' checkpoints of a step hold the same
+    weights bit for bit. Inductor's caches off: a full compile each time."""
     every = 50
     extra = (
         "--ft.enabled=true",
@@ -183,8 +183,14 @@ def test_a_restarted_group_compiles_before_it_joins(char_data, tmp_path):
     done = lambda run: (run / "ckpt" / f"step_{step + every:06d}").exists()  # noqa: E731  (step's is complete)
     wait_for(lambda: done(run0) and done(run1), job, timeout=240, what=f"both groups' checkpoint {step}")
     job.kill_all()
-    after = [r["dt"] for r in records(run0) if "loss" in r and r["step"] > killed]
-    assert max(after) < 0.5 * first()[-1], (max(after), first())
+    # group 0's step at the rejoin (its quorum record names group 1 as joined, at the step before it): the
+    # one step that waited for group 1's compile on the old code (one step, not every step after the kill:
+    # a stall of this busy machine elsewhere is not what is measured)
+    rejoined = next(
+        r["step"] for r in records(run0) if 1 in r.get("ft", {}).get("joined", []) and r["step"] >= killed
+    )
+    dt = next(r["dt"] for r in records(run0) if "loss" in r and r["step"] == rejoined + 1)
+    assert dt < 0.5 * first()[-1], (dt, first())
     assert "replica group 1 compiled its step before joining" in job.stdout() + job.stderr()
     assert_same(weights(run0, step), weights(run1, step))
 
