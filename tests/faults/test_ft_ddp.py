@@ -534,59 +534,50 @@ def test_a_group_that_comes_back_after_the_job_finished_does_not_train_it_alone(
     assert not [r for r in records(tmp_path / "late") if "loss" in r]  # not a step trained alone
 
 
+def _lone(step: int, seen: int | None, live: list[int], prev: int | None = None, now: int = 8) -> None:
+    """FtReplica._not_alone_behind on quorum `now` of groups `live` (this is group 1), the job seen at step
+    `seen`, this group's last quorum `prev` (None: this is its first)."""
+    from types import SimpleNamespace
+
+    from loom.distributed.ft import FtReplica
+
+    replica = FtReplica.__new__(FtReplica)
+    replica.cfg, replica.k = SimpleNamespace(train=SimpleNamespace(steps=200)), 1
+    replica.trainer, replica.job_step = SimpleNamespace(step=step), seen
+    replica.pg = SimpleNamespace(quorum=(now, live))
+    replica._not_alone_behind(prev)
+
+
 def test_a_lone_first_quorum_behind_the_job_stops_finished_or_not():
     """The rule of a group's first quorum: alone while the job was ahead moments before, it stops: exit 0
     within max(10, 5 %) of the end (the run finished), else an error (the others all died); otherwise, with
     company or nothing seen ahead of it, it goes on."""
-    from types import SimpleNamespace
-
-    from loom.distributed.ft import FtReplica, JobFinished
+    from loom.distributed.ft import JobFinished
     from loom.errors import LoomError
-
-    def first(step: int, seen: int | None, live: list[int]) -> None:
-        replica = FtReplica.__new__(FtReplica)
-        replica.cfg, replica.k = SimpleNamespace(train=SimpleNamespace(steps=200)), 1
-        replica.trainer, replica.job_step = SimpleNamespace(step=step), seen
-        replica.pg = SimpleNamespace(quorum=(8, live))
-        replica._not_after_the_end()
 
     with pytest.raises(
         JobFinished, match="came back at step 0 after the job's other groups finished"
     ) as done:
-        first(0, 196, [1])
+        _lone(0, 196, [1])
     assert done.value.code == 0
     with pytest.raises(LoomError, match="at step 120 moments ago, are gone") as gone:
-        first(0, 120, [1])
+        _lone(0, 120, [1])
     assert gone.value.code != 0 and not isinstance(gone.value, JobFinished)
-    first(0, 196, [0, 1])  # with a live peer: it heals from it
-    first(150, 120, [1])  # ahead of what it saw (a group that resumed from its own checkpoint)
-    first(0, None, [1])  # nothing of the job seen: the job's first start
+    _lone(0, 196, [0, 1])  # with a live peer: it heals from it
+    _lone(150, 120, [1])  # ahead of what it saw (a group that resumed from its own checkpoint)
+    _lone(0, None, [1])  # nothing of the job seen: the job's first start
 
 
 def test_a_lone_quorum_after_quorums_without_the_group_stops():
     """The quorum id moves on once per change of members (or commit failures): alone, with quorums formed
     between its last one and this, a group was left behind by the others, now gone; it stops. A survivor whose
     peers died sees the id move by one and goes on; a first quorum has nothing to compare."""
-    from types import SimpleNamespace
-
-    from loom.distributed.ft import FtReplica
     from loom.errors import LoomError
 
-    def lone(prev: int | None, now: int) -> None:
-        replica = FtReplica.__new__(FtReplica)
-        replica.k, replica.trainer, replica.pg = (
-            1,
-            SimpleNamespace(step=15),
-            SimpleNamespace(quorum=(now, [1])),
-        )
-        replica._not_left_behind(prev)
-
     with pytest.raises(LoomError, match="went on without it \\(quorums 2 to 2\\) and are gone"):
-        lone(1, 3)
-    lone(1, 2)  # its peers died: it goes on
-    lone(
-        None, 7
-    )  # its first quorum (the rule of test_a_lone_first_quorum_behind_the_job_stops_finished_or_not)
+        _lone(15, None, [1], prev=1, now=3)
+    _lone(15, None, [1], prev=1, now=2)  # its peers died: it goes on
+    _lone(15, None, [1], prev=None, now=7)  # its first quorum (the rule of the test above)
 
 
 def test_lighthouse_lost_mid_run_is_one_error_per_group(char_data, tmp_path):

@@ -620,9 +620,8 @@ class FtReplica:
     # ---------------------------------------------------------------- each step
     def begin_step(self) -> None:
         """Join this step's quorum (waits for it); a group behind the others heals here from a live peer.
-        DiLoCo: only at a window's first step (after an outer step, where the replicas are equal)."""
-        if self.manager is None:
-            self.join()
+        DiLoCo: only at a window's first step (after an outer step, where the replicas are equal). The trainer
+        calls `join` before the first (outside the step's timed wait: a group may compile there)."""
         if self.h and self.trainer.step % self.h:
             self.quorum_s = 0.0
             return
@@ -652,11 +651,11 @@ class FtReplica:
                 "from its newest checkpoint",
             ) from None
         self.quorum_s, self.asked = time.perf_counter() - t0, time.monotonic()
-        alone = self.pg.quorum is not None and self.pg.quorum[1] == [self.k]  # every rank of the group alike
-        if alone and self.pg.quorum != self.quorum:  # newly alone (not each step of a survivor's)
+        if (
+            self.pg.quorum != self.quorum
+        ):  # a new quorum (every rank of the group alike): is it a lone one behind?
             self.job_step = self._agreed(watch.seen)
-            self._not_after_the_end()
-            self._not_left_behind(prev)
+            self._not_alone_behind(prev)
         if self.pg.quorum != self.quorum or self.transport.sent_to:
             self._quorum_changed(before, self.quorum_s)
 
@@ -679,47 +678,44 @@ class FtReplica:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the group's own world
         return None if int(t.item()) < 0 else int(t.item())
 
-    def _not_left_behind(self, prev: int | None) -> None:
-        """Alone, with quorums formed between this group's last one and this (the lighthouse's quorum id moves
-        on once per change of members or commit failures; a survivor whose peers died sees it move by one): the
-        others went on without it and are gone. Without their step seen (the process stopped inside its
-        request until after they had finished and their heartbeats had expired), it cannot tell finished from
-        dead; it stops either way rather than train on alone from behind."""
-        now = self.pg.quorum[0]
-        if prev is None or now - prev < 2:
-            return
-        raise LoomError(
-            f"torchft: replica group {self.k} came back at step {self.trainer.step} alone: the job's other groups "
-            f"went on without it (quorums {prev + 1} to {now - 1}) and are gone, finished or dead; not training "
-            "on alone from behind",
-            hint="if they finished, nothing is left to do; else continue every group from its newest checkpoint "
-            "(the same commands with --train.resume=auto)",
-        )
-
-    def _not_after_the_end(self) -> None:
-        """This group's quorum holds only itself, while moments before (the lighthouse's last quorum of this
-        job: for a first quorum at most ft.timeout_s old, later one formed since this group's last) the job's
-        other groups were ahead of it: they are gone, finished (a group restarted shortly before the end, or cut
-        off until after it, is back after it) or all dead. A group left alone by its peers' deaths is not behind
-        them (they were in its last quorum, at its step) and goes on. The lighthouse cannot tell finished groups
-        from dead ones and gave it a quorum of its own; it stops instead of training the run again alone
-        (chaos.md: a kill at step 180 of 200). Near the end (within max(10, 5 %) of the steps: the status page
-        lags the quorums by a few steps) that is the run finished: exit 0."""
+    def _not_alone_behind(self, prev: int | None) -> None:
+        """This group's quorum holds only itself while the job's other groups went on without it: they are gone,
+        finished (a group restarted shortly before the end, or cut off until after it, is back after it) or all
+        dead. The lighthouse cannot tell finished groups from dead ones and gave it a quorum of its own; it stops
+        instead of training the run again alone (chaos.md: a kill at step 180 of 200). Two signs:
+        - the job's step it saw (the lighthouse's last quorum of the job: for a first quorum at most
+          ft.timeout_s old, later one formed since this group's last) is ahead of its own. Near the end (within
+          max(10, 5 %) of the steps: the page lags the quorums by a few steps) that is the run finished: exit 0;
+        - with nothing seen (the process stopped inside its request until after they had finished and their
+          heartbeats had expired), quorums formed between its last one (`prev`) and this: the lighthouse's
+          quorum id moves on once per change of members or commit failures. It cannot tell finished from dead.
+        A group left alone by its peers' deaths is not behind them (they were in its last quorum, at its step;
+        the id moves by one) and goes on."""
         steps, step, seen = self.cfg.train.steps, self.trainer.step, self.job_step
-        alone = self.pg.quorum is not None and self.pg.quorum[1] == [self.k]
-        if not alone or seen is None or seen <= step or step >= steps:
+        if self.pg.quorum is None or self.pg.quorum[1] != [self.k] or step >= steps:
             return
-        if steps - seen <= max(10, steps // 20):
-            raise JobFinished(
-                f"torchft: replica group {self.k} came back at step {step} after the job's other groups finished "
-                f"the run (the last quorum it saw was at step {seen} of {steps}); not training it again alone",
-                hint="nothing to do: the run's weights are in the groups that finished (their last checkpoints)",
+        hint = "continue every group from its newest checkpoint (the same commands with --train.resume=auto)"
+        if seen is not None and seen > step:
+            if steps - seen <= max(10, steps // 20):
+                raise JobFinished(
+                    f"torchft: replica group {self.k} came back at step {step} after the job's other groups "
+                    f"finished the run (the last quorum it saw was at step {seen} of {steps}); not training it "
+                    "again alone",
+                    hint="nothing to do: the run's weights are in the groups that finished (their last checkpoints)",
+                )
+            raise LoomError(
+                f"torchft: replica group {self.k} came back at step {step} alone: the job's other groups, at step "
+                f"{seen} moments ago, are gone (all died?); not training on alone from behind",
+                hint=hint,
             )
-        raise LoomError(
-            f"torchft: replica group {self.k} came back at step {step} alone: the job's other groups, at step "
-            f"{seen} moments ago, are gone (all died?); not training on alone from behind",
-            hint="continue every group from its newest checkpoint (the same commands with --train.resume=auto)",
-        )
+        now = self.pg.quorum[0]
+        if prev is not None and now - prev >= 2:
+            raise LoomError(
+                f"torchft: replica group {self.k} came back at step {step} alone: the job's other groups went on "
+                f"without it (quorums {prev + 1} to {now - 1}) and are gone, finished or dead; not training on "
+                "alone from behind",
+                hint=f"if they finished, nothing is left to do; else {hint}",
+            )
 
     def _quorum_changed(self, before: int, quorum_s: float) -> None:
         old = set(self.quorum[1]) if self.quorum else set()

@@ -191,8 +191,8 @@ def measure_apart(jobs: list[tuple], workers: int | None = None) -> list[RankMem
         try:
             with _frozen_heap():
                 return _measure_in(mp.get_context("fork"), jobs, workers)
-        except _ForkRefused:  # a forked child could not run here: autograd's device threads (a CUDA build, a
-            pass  # fake-CUDA run), or a crash in state the fork copied from this process's threads
+        except _ForkRefused:  # a forked child could not run here (see _ForkRefused): measured again, spawned
+            pass
     return _measure_in(mp.get_context("spawn"), jobs, workers)
 
 
@@ -214,9 +214,8 @@ def _frozen_heap():
 
 class _ForkRefused(Exception):
     """A forked child could not run: its backward refused (autograd's device threads had started in the parent),
-    or it died of a signal (a fork copies this process's memory but not its threads: a library whose thread held a
-    lock or a pool at the fork crashes the child; seen once in the torch 2.11 tier, exit code -11). Spawned
-    children start clean."""
+    or it died of a signal (SIGSEGV in both CI tiers, once with the child's garbage collector on its stack: what a
+    fork copies of a long-lived process is not always safe to touch). Spawned children start clean."""
 
 
 def _measure_in(ctx, jobs: list[tuple], workers: int) -> list[RankMemory]:
